@@ -1,0 +1,185 @@
+"""Typed configuration: run (coordinator / simulation) and agent configs, loaded from YAML.
+
+Every field is a typed pydantic field; a bad file raises :class:`ConfigError` whose
+message names the file and the offending field. Method-specific options live under
+``method:`` and are validated by that method's own config class.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .protocol.topics import check_segment
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names file and field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class ModelSpec(_Strict):
+    """Which network to build. Weights are only ever read from a local file."""
+
+    arch: Literal["cnn", "mlp", "resnet18", "mobilenet_v3_small"] = "cnn"
+    feature_dim: int = Field(128, ge=2, description="encoder output size (cnn / mlp)")
+    norm: Literal["batch", "none"] = "batch"
+    weights: str | None = Field(None, description="local state_dict file for resnet18 / mobilenet_v3_small")
+
+
+class TrainConfig(_Strict):
+    """Local optimisation defaults; methods may override per phase."""
+
+    epochs: int = Field(1, ge=1)
+    batch_size: int = Field(50, ge=1)
+    lr: float = Field(0.01, gt=0)
+    momentum: float = Field(0.5, ge=0)
+    weight_decay: float = Field(5e-4, ge=0)
+    optimizer: Literal["sgd", "adam"] = "sgd"
+
+
+class PartitionSpec(_Strict):
+    """How a pooled dataset is split over clients (simulation and benchmarks)."""
+
+    kind: Literal["iid", "dirichlet", "pathological", "dominant", "domain"] = "dirichlet"
+    alpha: float = Field(0.5, gt=0, description="Dirichlet concentration")
+    classes_per_client: int = Field(2, ge=1, description="pathological: classes per client")
+    uniform_fraction: float = Field(0.2, ge=0, le=1, description="dominant: share drawn uniformly over classes")
+    domains: list[str] = Field(
+        default_factory=lambda: ["identity", "rot90", "invert", "noise"],
+        description="domain: transforms, client i gets domains[i % len]",
+    )
+
+
+class DataSpec(_Strict):
+    """Where a client's data comes from."""
+
+    dataset: Literal["fmnist", "digits", "torchvision", "imagefolder", "npz", "auto"] = "auto"
+    root: str | None = None
+    name: str | None = Field(None, description="torchvision dataset class name, e.g. CIFAR10")
+    num_clients: int = Field(8, ge=1)
+    samples_per_client: int | None = Field(None, ge=1)
+    partition: PartitionSpec = Field(default_factory=PartitionSpec)
+    test_fraction: float = Field(0.25, gt=0, lt=1)
+    seed: int = 0
+
+
+class BrokerConfig(_Strict):
+    url: str = Field("embedded", description="mqtt://host:port, mqtts://…, or 'embedded' (in-process amqtt)")
+    username: str | None = None
+    password: str | None = None
+    max_message_bytes: int = Field(1_000_000, ge=16_384, description="larger payloads travel in chunks")
+    keepalive_s: int = Field(30, ge=5)
+
+
+class MethodSpec(BaseModel):
+    """``name`` plus that method's options, validated against the method's config class."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = "fedavg"
+
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class RunConfig(_Strict):
+    """Everything the coordinator needs to run a federation."""
+
+    federation: str = "demo"
+    method: MethodSpec = Field(default_factory=MethodSpec)
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    data: DataSpec = Field(default_factory=DataSpec)
+    broker: BrokerConfig = Field(default_factory=BrokerConfig)
+    rounds: int = Field(10, ge=1)
+    fraction: float = Field(1.0, gt=0, le=1, description="share of online agents sampled per round")
+    min_agents: int = Field(2, ge=1, description="agents online before round 0 starts")
+    quorum: float = Field(0.5, gt=0, le=1, description="share of sampled agents enough to close a round at timeout")
+    round_timeout_s: float = Field(120.0, gt=0)
+    wait_for_agents_s: float = Field(300.0, gt=0)
+    eval_every: int = Field(1, ge=1, description="agents not sampled are asked to evaluate every k rounds")
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        check_segment(self.federation, "federation")
+        from .methods import get_method  # late: methods import config
+
+        try:
+            get_method(self.method.name).config_class.model_validate(self.method.options())
+        except KeyError as exc:
+            raise ValueError(str(exc.args[0])) from None
+        return self
+
+    def method_config(self):
+        from .methods import get_method
+
+        return get_method(self.method.name).config_class.model_validate(self.method.options())
+
+
+class AgentConfig(_Strict):
+    """One edge agent: identity, tier, broker, its own data and where it keeps state."""
+
+    agent_id: str
+    federation: str = "demo"
+    tier: Literal["trainer", "head"] = "trainer"
+    broker: BrokerConfig = Field(default_factory=BrokerConfig)
+    data: DataSpec = Field(default_factory=DataSpec)
+    client_index: int = Field(0, ge=0, description="which partition of a pooled dataset (simulation)")
+    state_dir: str = "agent-state"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads")
+    head: Literal["svm", "lr", "mlp", "onnx"] = Field("lr", description="head tier: which head to fit on device")
+
+    @model_validator(mode="after")
+    def _check(self) -> AgentConfig:
+        check_segment(self.agent_id, "agent_id")
+        check_segment(self.federation, "federation")
+        return self
+
+
+def _format(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err.get("loc", ())) or "<root>"
+        lines.append(f"  {loc}: {err.get('msg')}")
+    return "\n".join(lines)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"invalid YAML in {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    return data
+
+
+def parse_config(kind: type[BaseModel], data: dict[str, Any], source: str = "<dict>"):
+    try:
+        return kind.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format(exc, source)) from None
+
+
+def load_run_config(path: str | Path, **overrides: Any) -> RunConfig:
+    data = load_yaml(path)
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return parse_config(RunConfig, data, str(path))
+
+
+def load_agent_config(path: str | Path, **overrides: Any) -> AgentConfig:
+    data = load_yaml(path)
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return parse_config(AgentConfig, data, str(path))

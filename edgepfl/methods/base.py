@@ -1,0 +1,314 @@
+"""The method interface: everything a federated method is, declared in one class.
+
+A method states, once:
+
+* its **config** (``config_class``, a pydantic model of typed options);
+* its **model parts** (:meth:`Method.build_model`) and which ``state_dict`` entries
+  are **shared** (averaged on the server) or **personal** (never leave the device),
+  BatchNorm policy included (``shared_parts``, ``bn_policy``, ``upload_personal``);
+* the **local update** run on a trainer agent (:meth:`Method.local_update`);
+* the **server step** run on the coordinator (:meth:`Method.server_step`,
+  :meth:`Method.payload_for`) — pure numpy functions, no I/O;
+* the **inference rule** (:meth:`Method.logits`) and personalized evaluation;
+* the **export plan**: which module is the frozen encoder, which head runs on a
+  device (:meth:`Method.encoder_module`, :meth:`Method.device_head`, ``head_kinds``).
+
+Coordinator, agent, simulator and exporter look a method up by name
+(:func:`edgepfl.methods.get_method`) and call only this interface.
+
+Naming on the wire: a parameter travels under its ``state_dict`` key; method
+statistics travel as ``stat/<name>`` (agent -> coordinator) and server-computed
+extras as ``server/<name>`` (coordinator -> agent). ``/`` never occurs in a
+``state_dict`` key, so the namespaces cannot collide.
+
+Torch is imported lazily inside methods so that the coordinator's protocol code and
+the head tier can import this module without it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from .aggregate import weighted_mean
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from torch import nn
+
+    from ..config import ModelSpec, TrainConfig
+    from ..data import ClientTensors
+
+TensorDict = dict[str, np.ndarray]
+STAT = "stat/"
+SERVER = "server/"
+
+
+class MethodConfig(BaseModel):
+    """Base of every method's options. Unknown keys are an error, so typos are caught."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class UpdateRejected(ValueError):
+    """An update that does not fit the server state; ``reason`` tags the counter."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass
+class ClientUpdate:
+    """One agent's contribution to a round, as the server step sees it."""
+
+    agent_id: str
+    num_samples: int
+    tensors: TensorDict
+
+    def stats(self) -> TensorDict:
+        return {k[len(STAT) :]: v for k, v in self.tensors.items() if k.startswith(STAT)}
+
+    def params(self) -> TensorDict:
+        return {k: v for k, v in self.tensors.items() if "/" not in k}
+
+
+@dataclass
+class ServerState:
+    """What the coordinator keeps between rounds (and checkpoints).
+
+    ``global_tensors``: shared parameters (``state_dict`` keys) and ``server/`` extras
+    sent to every agent. ``client_tensors``: per-agent tensors a method computes on
+    the server (FedPAC's combined heads). ``extra``: JSON-able scalars.
+    """
+
+    global_tensors: TensorDict
+    client_tensors: dict[str, TensorDict] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def shared_params(self) -> TensorDict:
+        return {k: v for k, v in self.global_tensors.items() if "/" not in k}
+
+    def to_flat(self) -> TensorDict:
+        flat = {f"global::{k}": v for k, v in self.global_tensors.items()}
+        for agent, tensors in self.client_tensors.items():
+            flat.update({f"client::{agent}::{k}": v for k, v in tensors.items()})
+        return flat
+
+    @classmethod
+    def from_flat(cls, flat: TensorDict, extra: dict[str, Any] | None = None) -> ServerState:
+        state = cls(global_tensors={}, extra=dict(extra or {}))
+        for key, value in flat.items():
+            parts = key.split("::")
+            if parts[0] == "global":
+                state.global_tensors[parts[1]] = value
+            elif parts[0] == "client":
+                state.client_tensors.setdefault(parts[1], {})[parts[2]] = value
+        return state
+
+
+@dataclass
+class LocalContext:
+    """What a local update may use besides the model and the data."""
+
+    train: TrainConfig
+    device: Any
+    round: int
+    seed: int
+    num_classes: int
+    generator: Any = None  # torch.Generator seeded per (run, round, agent)
+    log: Any = None
+
+    def batches(self, n: int, batch_size: int | None = None, *, shuffle: bool = True):
+        """Index tensors for one epoch over ``n`` samples, reproducible for the seed."""
+        import torch
+
+        bs = batch_size or self.train.batch_size
+        order = torch.randperm(n, generator=self.generator) if shuffle else torch.arange(n)
+        for start in range(0, n, bs):
+            yield order[start : start + bs]
+
+
+@dataclass
+class LocalResult:
+    """What :meth:`Method.local_update` returns: tensors to upload and training metrics."""
+
+    upload: TensorDict
+    train_loss: float = math.nan
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class EvalResult:
+    correct: int
+    total: int
+    loss: float
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.total if self.total else math.nan
+
+
+class Method:
+    """Base class; subclasses override what makes them different.
+
+    Subclasses set ``name`` and are registered with :func:`edgepfl.methods.register`.
+    ``__init__`` stores the config and does no other work.
+    """
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    config_class: ClassVar[type[MethodConfig]] = MethodConfig
+    #: module-name prefixes whose parameters are shared; () shares nothing (Local)
+    shared_parts: ClassVar[tuple[str, ...]] = ("encoder", "head")
+    #: BatchNorm: "shared" (like any layer), "local" (all BN parameters and
+    #: statistics personal: FedBN, FedPick) or "local_stats" (affine shared,
+    #: running mean/var personal: DualFed)
+    bn_policy: ClassVar[Literal["shared", "local", "local_stats"]] = "shared"
+    #: personal prefixes that are nevertheless uploaded for a server computation
+    #: (FedPAC's heads); listed so the contract tests can tell them from leaks
+    upload_personal: ClassVar[tuple[str, ...]] = ()
+    #: heads a device can fit or run on this method's frozen encoder
+    head_kinds: ClassVar[tuple[str, ...]] = ("lr", "svm", "mlp")
+
+    def __init__(self, config: MethodConfig | None = None):
+        self.config = config if config is not None else self.config_class()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config!r})"
+
+    # ------------------------------------------------------------------ model parts
+    def build_model(self, spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+        """Build the full model (shared and personal parts). Default: encoder + linear head."""
+        from ..models import SplitModel
+
+        return SplitModel.build(spec, input_shape, num_classes)
+
+    def shared_keys(self, model: nn.Module) -> list[str]:
+        """``state_dict`` keys aggregated on the server, derived from the class attributes."""
+        from torch.nn.modules.batchnorm import _BatchNorm
+
+        bn_modules = {name for name, mod in model.named_modules() if isinstance(mod, _BatchNorm)}
+        keys = []
+        for key in model.state_dict():
+            module, _, leaf = key.rpartition(".")
+            if leaf == "num_batches_tracked":
+                continue
+            if not any(key == p or key.startswith(p + ".") for p in self.shared_parts):
+                continue
+            if module in bn_modules:
+                if self.bn_policy == "local":
+                    continue
+                if self.bn_policy == "local_stats" and leaf in ("running_mean", "running_var"):
+                    continue
+            keys.append(key)
+        return keys
+
+    def personal_state(self, model: nn.Module) -> TensorDict:
+        """Everything that stays on the device (saved by the agent between rounds)."""
+        shared = set(self.shared_keys(model))
+        return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items() if k not in shared}
+
+    def shared_params(self, model: nn.Module) -> TensorDict:
+        sd = model.state_dict()
+        return {k: sd[k].detach().cpu().numpy().copy() for k in self.shared_keys(model)}
+
+    # ------------------------------------------------------------------ agent side
+    def receive(self, model: nn.Module, payload: TensorDict, ctx: LocalContext) -> None:
+        """Load the coordinator's payload into the model; ``server/`` extras are the method's."""
+        load_tensors(model, {k: v for k, v in payload.items() if "/" not in k})
+
+    def local_update(self, model: nn.Module, data: ClientTensors, ctx: LocalContext) -> LocalResult:
+        """Train locally; return what to upload. Default: supervised epochs on everything."""
+        from .training import fit
+
+        loss = fit(model, data, ctx, lambda m, x, y: _ce(self.logits(m, x), y), model.parameters(), ctx.train.epochs)
+        return LocalResult(upload=self.shared_params(model), train_loss=loss)
+
+    def logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The inference rule: class scores for a batch."""
+        return model(x)
+
+    def evaluate(self, model: nn.Module, data: ClientTensors, ctx: LocalContext) -> EvalResult:
+        """Personalized evaluation on the client's own held-out split."""
+        from .training import evaluate_logits
+
+        return evaluate_logits(lambda x: self.logits(model, x), model, data.x_test, data.y_test, ctx)
+
+    # ------------------------------------------------------------------ server side
+    def init_server(self, model: nn.Module) -> ServerState:
+        """Initial server state from a freshly built model."""
+        return ServerState(global_tensors=self.shared_params(model))
+
+    def stat_shapes(self, state: ServerState) -> dict[str, tuple[int | None, ...]]:
+        """``stat/`` tensors an update must carry (None: any size on that axis)."""
+        return {}
+
+    def check_update(self, state: ServerState, update: ClientUpdate) -> None:
+        """Reject an update that does not fit; called before :meth:`server_step`."""
+        expected = state.shared_params()
+        got = update.params()
+        personal_ok = [k for k in got if any(k.startswith(p + ".") for p in self.upload_personal)]
+        missing = set(expected) - set(got)
+        unexpected = set(got) - set(expected) - set(personal_ok)
+        if missing or unexpected:
+            raise UpdateRejected(
+                "wrong_tensors", f"missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
+            )
+        for key, ref in expected.items():
+            arr = got[key]
+            if arr.shape != ref.shape or arr.dtype != ref.dtype:
+                raise UpdateRejected("wrong_shape", f"{key}: got {arr.dtype}{list(arr.shape)}, want {ref.dtype}{list(ref.shape)}")
+        stats = update.stats()
+        want = self.stat_shapes(state)
+        if set(stats) != set(want):
+            raise UpdateRejected("wrong_tensors", f"stats {sorted(stats)} != expected {sorted(want)}")
+        for key, shape in want.items():
+            s = stats[key].shape
+            if len(s) != len(shape) or any(a is not None and a != b for a, b in zip(shape, s)):
+                raise UpdateRejected("wrong_shape", f"stat/{key}: got {list(s)}, want {list(shape)}")
+
+    def server_step(self, state: ServerState, updates: list[ClientUpdate], round: int) -> ServerState:
+        """Aggregate one round's updates (sorted by agent id). Default: sample-weighted mean."""
+        params = weighted_mean([u.params() for u in updates], [u.num_samples for u in updates], keys=state.shared_params())
+        merged = dict(state.global_tensors)
+        merged.update(params)
+        return ServerState(global_tensors=merged, client_tensors=state.client_tensors, extra=state.extra)
+
+    def payload_for(self, state: ServerState, agent_id: str) -> TensorDict:
+        """What one agent receives with its task. Default: the global tensors."""
+        return dict(state.global_tensors)
+
+    # ------------------------------------------------------------------ export plan
+    def encoder_module(self, model: nn.Module) -> nn.Module:
+        """The frozen part exported to ONNX: input image -> feature vector."""
+        return model.encoder
+
+    def device_head(self, model: nn.Module) -> nn.Module | None:
+        """The personalized head as a torch module (features -> logits) for ONNX, if any."""
+        return getattr(model, "head", None)
+
+
+def load_tensors(model: nn.Module, tensors: TensorDict) -> None:
+    """Copy numpy tensors into matching ``state_dict`` entries (in place, no realloc)."""
+    import torch
+
+    if not tensors:
+        return
+    sd = model.state_dict()
+    unknown = [k for k in tensors if k not in sd]
+    if unknown:
+        raise KeyError(f"tensors not in model: {unknown[:5]}")
+    with torch.no_grad():
+        for key, value in tensors.items():
+            sd[key].copy_(torch.from_numpy(np.asarray(value)))
+
+
+def _ce(logits, y):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits, y)

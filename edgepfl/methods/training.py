@@ -1,0 +1,100 @@
+"""Agent-side building blocks shared by methods: optimizers, epoch loops, evaluation."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from torch import nn
+
+    from ..data import ClientTensors
+    from .base import EvalResult, LocalContext
+
+
+def make_optimizer(params: Iterable, ctx: LocalContext, *, optimizer: str | None = None, lr: float | None = None,
+                   momentum: float | None = None, weight_decay: float | None = None):
+    """An optimizer from the run's train config, with per-phase overrides."""
+    import torch
+
+    params = [p for p in params if p.requires_grad]
+    t = ctx.train
+    kind = optimizer or t.optimizer
+    lr = t.lr if lr is None else lr
+    wd = t.weight_decay if weight_decay is None else weight_decay
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=wd)
+    return torch.optim.SGD(params, lr=lr, momentum=t.momentum if momentum is None else momentum, weight_decay=wd)
+
+
+def fit(
+    model: nn.Module,
+    data: ClientTensors,
+    ctx: LocalContext,
+    loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+    params: Iterable,
+    epochs: int,
+    *,
+    optimizer=None,
+    batch_size: int | None = None,
+    **opt_overrides,
+) -> float:
+    """Minimise ``loss_fn(model, x, y)`` over ``params`` for ``epochs``; returns the mean loss.
+
+    Parameters not in ``params`` are not stepped (their gradients are still computed
+    unless the caller detaches them), so phase-wise schedules pass the part they train.
+    """
+    params = list(params)
+    opt = optimizer or make_optimizer(params, ctx, **opt_overrides)
+    model.train()
+    total, count = 0.0, 0
+    for _ in range(epochs):
+        for idx in ctx.batches(data.num_train, batch_size):
+            x, y = data.x_train[idx], data.y_train[idx]
+            if len(y) < 2 and _has_batchnorm(model):
+                continue  # BatchNorm cannot train on a batch of one
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model, x, y)
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) * len(y)
+            count += len(y)
+    return total / count if count else math.nan
+
+
+def evaluate_logits(logits_fn, model, x, y, ctx: LocalContext, batch_size: int = 512) -> EvalResult:
+    """Accuracy and mean cross-entropy of ``logits_fn`` on (x, y), in eval mode."""
+    import torch
+    import torch.nn.functional as F
+
+    from .base import EvalResult
+
+    was_training = model.training
+    model.eval()
+    correct, loss_sum = 0, 0.0
+    with torch.no_grad():
+        for start in range(0, len(y), batch_size):
+            xb, yb = x[start : start + batch_size], y[start : start + batch_size]
+            out = logits_fn(xb)
+            loss_sum += float(F.cross_entropy(out, yb, reduction="sum"))
+            correct += int((out.argmax(1) == yb).sum())
+    model.train(was_training)
+    n = len(y)
+    return EvalResult(correct=correct, total=n, loss=loss_sum / n if n else math.nan)
+
+
+def freeze(module: nn.Module, frozen: bool = True) -> None:
+    for p in module.parameters():
+        p.requires_grad_(not frozen)
+
+
+def _has_batchnorm(model: nn.Module) -> bool:
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    cached = getattr(model, "_edgepfl_has_bn", None)
+    if cached is None:
+        cached = any(isinstance(m, _BatchNorm) for m in model.modules())
+        model._edgepfl_has_bn = cached
+    return cached

@@ -1,0 +1,135 @@
+"""Encoders and heads behind one split-model shape: ``encoder`` (x -> features) + heads.
+
+Every method builds on :func:`build_encoder`; the default model is
+:class:`SplitModel` (encoder + linear head). Weights for the torchvision
+backbones are read only from a local file (``ModelSpec.weights``), never downloaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..config import ModelSpec
+
+
+class SmallCNN(nn.Module):
+    """Two conv blocks and a linear layer; the usual 28x28 / 32x32 FL network.
+
+    conv5-[BN]-ReLU-pool2 -> conv5-[BN]-ReLU-pool2 -> flatten -> Linear -> ReLU.
+    """
+
+    def __init__(self, in_channels: int, image_size: int, feature_dim: int = 128, norm: str = "batch"):
+        super().__init__()
+
+        def block(cin, cout):
+            layers = [nn.Conv2d(cin, cout, 5)]
+            if norm == "batch":
+                layers.append(nn.BatchNorm2d(cout))
+            layers += [nn.ReLU(inplace=True), nn.MaxPool2d(2)]
+            return layers
+
+        self.conv = nn.Sequential(*block(in_channels, 32), *block(32, 64), nn.Flatten())
+        side = ((image_size - 4) // 2 - 4) // 2
+        if side < 1:
+            raise ValueError(f"SmallCNN needs images of at least 16 px, got {image_size}")
+        self.fc = nn.Sequential(nn.Linear(64 * side * side, feature_dim), nn.ReLU(inplace=True))
+        self.out_features = feature_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.conv(x))
+
+
+class MLPEncoder(nn.Module):
+    """Flatten -> Linear-ReLU-Linear-ReLU; for tiny inputs such as 8x8 digits."""
+
+    def __init__(self, in_features: int, feature_dim: int = 128, hidden: int = 256, norm: str = "batch"):
+        super().__init__()
+        layers: list[nn.Module] = [nn.Flatten(), nn.Linear(in_features, hidden)]
+        if norm == "batch":
+            layers.append(nn.BatchNorm1d(hidden))
+        layers += [nn.ReLU(inplace=True), nn.Linear(hidden, feature_dim), nn.ReLU(inplace=True)]
+        self.net = nn.Sequential(*layers)
+        self.out_features = feature_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class TorchvisionEncoder(nn.Module):
+    """ResNet-18 or MobileNetV3-Small trunk with the classifier removed."""
+
+    def __init__(self, arch: str, in_channels: int, weights: str | None = None):
+        super().__init__()
+        import torchvision
+
+        if arch == "resnet18":
+            net = torchvision.models.resnet18(weights=None)
+            if weights:
+                _load_local_weights(net, weights)
+            if in_channels != 3:
+                net.conv1 = nn.Conv2d(in_channels, 64, 7, 2, 3, bias=False)
+            self.out_features = net.fc.in_features
+            net.fc = nn.Identity()
+        elif arch == "mobilenet_v3_small":
+            net = torchvision.models.mobilenet_v3_small(weights=None)
+            if weights:
+                _load_local_weights(net, weights)
+            if in_channels != 3:
+                first = net.features[0][0]
+                net.features[0][0] = nn.Conv2d(in_channels, first.out_channels, 3, 2, 1, bias=False)
+            self.out_features = net.classifier[0].in_features
+            net.classifier = nn.Identity()
+        else:
+            raise ValueError(f"unknown torchvision arch {arch!r}")
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _load_local_weights(net: nn.Module, path: str) -> None:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"model weights file not found: {p} (weights are never downloaded)")
+    state = torch.load(p, map_location="cpu", weights_only=True)
+    missing, unexpected = net.load_state_dict(state, strict=False)
+    if unexpected:
+        raise ValueError(f"{p}: unexpected keys {unexpected[:5]}")
+
+
+def build_encoder(spec: ModelSpec, input_shape: tuple[int, ...]) -> nn.Module:
+    """An encoder mapping (N, *input_shape) to (N, encoder.out_features)."""
+    c, h, w = input_shape
+    if spec.arch == "cnn":
+        return SmallCNN(c, min(h, w), spec.feature_dim, spec.norm)
+    if spec.arch == "mlp":
+        return MLPEncoder(c * h * w, spec.feature_dim, norm=spec.norm)
+    return TorchvisionEncoder(spec.arch, c, spec.weights)
+
+
+class SplitModel(nn.Module):
+    """``encoder`` (x -> features) followed by a linear ``head`` (features -> logits)."""
+
+    def __init__(self, encoder: nn.Module, head: nn.Module):
+        super().__init__()
+        self.encoder = encoder
+        self.head = head
+
+    @classmethod
+    def build(cls, spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> SplitModel:
+        encoder = build_encoder(spec, input_shape)
+        return cls(encoder, nn.Linear(encoder.out_features, num_classes))
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+
+__all__ = ["MLPEncoder", "SmallCNN", "SplitModel", "TorchvisionEncoder", "build_encoder"]

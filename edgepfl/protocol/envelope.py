@@ -1,0 +1,284 @@
+"""The binary envelope every edgepfl message travels in.
+
+Frame layout (all integers big-endian)::
+
+    b"EPF1" | uint32 header_length | header (UTF-8 JSON) | body
+
+The header is validated with pydantic (:class:`Header`); the body is a
+safetensors blob whose tensors must match the header's manifest exactly
+(names, dtypes, shapes) and whose sha256 must match ``body_sha256``. Nothing is
+ever unpickled: safetensors and JSON are the only decoders that see network
+bytes. Floating tensors must be finite.
+
+Frames larger than the broker's maximum message size are split into ``chunk``
+frames (:func:`split_frame`) and put back together by :class:`Reassembler`,
+which verifies the whole frame's sha256 before handing it on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .messages import META_TYPES, ChunkMeta, MessageType
+
+MAGIC = b"EPF1"
+SCHEMA_VERSION = 1
+MAX_HEADER_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
+_PREFIX = struct.Struct(">4sI")
+
+DType = Literal["float32", "float16", "float64", "int64", "int32", "uint8", "bool"]
+_ALLOWED_DTYPES = {np.dtype(d) for d in ("float32", "float16", "float64", "int64", "int32", "uint8", "bool")}
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid edgepfl message; ``reason`` is a short tag for counters."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class TensorInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=256)
+    dtype: DType
+    shape: list[int] = Field(max_length=8)
+
+
+class Header(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    schema_version: Literal[1] = SCHEMA_VERSION
+    type: MessageType
+    federation: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    sender: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    round: int = Field(ge=-1)
+    message_id: str = Field(pattern=r"^[0-9a-f]{32}$")
+    created: float
+    body_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    body_bytes: int = Field(ge=0)
+    tensors: list[TensorInfo] = Field(default_factory=list)
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+
+@dataclass
+class Message:
+    """A decoded message: validated header, typed meta and numpy tensors."""
+
+    header: Header
+    meta: BaseModel
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def type(self) -> MessageType:
+        return self.header.type
+
+
+def new_message_id() -> str:
+    return uuid.uuid4().hex
+
+
+def encode(
+    type: MessageType | str,
+    *,
+    federation: str,
+    sender: str,
+    round: int,
+    meta: BaseModel,
+    tensors: dict[str, np.ndarray] | None = None,
+    message_id: str | None = None,
+) -> bytes:
+    """Build one frame. ``meta`` must be the meta model registered for ``type``."""
+    mtype = MessageType(type)
+    if not isinstance(meta, META_TYPES[mtype]):
+        raise TypeError(f"{mtype.value} messages carry {META_TYPES[mtype].__name__}, got {type(meta).__name__}")
+    tensors = tensors or {}
+    body = _encode_tensors(tensors)
+    header = Header(
+        type=mtype,
+        federation=federation,
+        sender=sender,
+        round=round,
+        message_id=message_id or new_message_id(),
+        created=time.time(),
+        body_sha256=hashlib.sha256(body).hexdigest(),
+        body_bytes=len(body),
+        tensors=[TensorInfo(name=k, dtype=str(v.dtype), shape=list(v.shape)) for k, v in tensors.items()],
+        meta=meta.model_dump(mode="json"),
+    )
+    head = header.model_dump_json().encode()
+    return _PREFIX.pack(MAGIC, len(head)) + head + body
+
+
+def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, check_finite: bool = True) -> Message:
+    """Validate and decode one frame; raises :class:`ProtocolError` with a reason tag."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ProtocolError("malformed", "frame is not bytes")
+    frame = bytes(frame)
+    if len(frame) > max_bytes:
+        raise ProtocolError("oversized", f"{len(frame)} bytes > limit {max_bytes}")
+    if len(frame) < _PREFIX.size:
+        raise ProtocolError("malformed", "frame shorter than its prefix")
+    magic, head_len = _PREFIX.unpack_from(frame)
+    if magic != MAGIC:
+        raise ProtocolError("malformed", "bad magic (not an edgepfl frame)")
+    if head_len > MAX_HEADER_BYTES or _PREFIX.size + head_len > len(frame):
+        raise ProtocolError("malformed", "header length out of range (truncated frame?)")
+    raw_head = frame[_PREFIX.size : _PREFIX.size + head_len]
+    body = frame[_PREFIX.size + head_len :]
+    try:
+        header = Header.model_validate_json(raw_head)
+    except ValidationError as exc:
+        raise ProtocolError("malformed", f"invalid header: {_short(exc)}") from None
+    if header.body_bytes != len(body):
+        raise ProtocolError("malformed", f"body is {len(body)} bytes, header says {header.body_bytes} (truncated?)")
+    if hashlib.sha256(body).hexdigest() != header.body_sha256:
+        raise ProtocolError("corrupt", "body sha256 mismatch")
+    try:
+        meta = META_TYPES[header.type].model_validate(header.meta)
+    except ValidationError as exc:
+        raise ProtocolError("malformed", f"invalid {header.type.value} meta: {_short(exc)}") from None
+    tensors = _decode_tensors(body, header.tensors, check_finite and header.type != MessageType.CHUNK)
+    return Message(header=header, meta=meta, tensors=tensors)
+
+
+def _encode_tensors(tensors: dict[str, np.ndarray]) -> bytes:
+    if not tensors:
+        return b""
+    from safetensors.numpy import save
+
+    clean = {}
+    for name, value in tensors.items():
+        arr = np.ascontiguousarray(value)
+        if arr.dtype not in _ALLOWED_DTYPES:
+            raise TypeError(f"tensor {name!r} has unsupported dtype {arr.dtype}")
+        clean[name] = arr
+    return save(clean)
+
+
+def _decode_tensors(body: bytes, manifest: list[TensorInfo], check_finite: bool) -> dict[str, np.ndarray]:
+    if not manifest:
+        if body:
+            raise ProtocolError("malformed", "body present but tensor manifest empty")
+        return {}
+    from safetensors.numpy import load
+
+    try:
+        tensors = load(body)
+    except Exception as exc:  # safetensors raises its own error types
+        raise ProtocolError("malformed", f"body is not safetensors: {exc}") from None
+    expected = {t.name: t for t in manifest}
+    if set(tensors) != set(expected) or len(expected) != len(manifest):
+        raise ProtocolError("malformed", "tensor names differ from the header manifest")
+    for name, arr in tensors.items():
+        info = expected[name]
+        if str(arr.dtype) != info.dtype or list(arr.shape) != info.shape:
+            raise ProtocolError(
+                "malformed", f"tensor {name!r} is {arr.dtype}{list(arr.shape)}, manifest says {info.dtype}{info.shape}"
+            )
+        if check_finite and arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise ProtocolError("non_finite", f"tensor {name!r} contains NaN or Inf")
+    return tensors
+
+
+def _short(exc: ValidationError) -> str:
+    errs = exc.errors()
+    first = errs[0]
+    loc = ".".join(str(p) for p in first.get("loc", ())) or "<root>"
+    more = f" (+{len(errs) - 1} more)" if len(errs) > 1 else ""
+    return f"{loc}: {first.get('msg')}{more}"
+
+
+def peek_header(frame: bytes) -> dict | None:
+    """Best-effort header read for logging a frame that failed to decode."""
+    try:
+        _, head_len = _PREFIX.unpack_from(frame)
+        return json.loads(frame[_PREFIX.size : _PREFIX.size + head_len])
+    except Exception:
+        return None
+
+
+# --------------------------------------------------------------------------- chunking
+
+CHUNK_OVERHEAD = 2048
+
+
+def split_frame(frame: bytes, max_message_bytes: int, *, federation: str, sender: str, round: int) -> list[bytes]:
+    """Split ``frame`` into chunk frames of at most ``max_message_bytes`` each (or return it whole)."""
+    if len(frame) <= max_message_bytes:
+        return [frame]
+    step = max_message_bytes - CHUNK_OVERHEAD
+    if step <= 0:
+        raise ValueError(f"max_message_bytes {max_message_bytes} too small (need > {CHUNK_OVERHEAD})")
+    parent = new_message_id()
+    total_sha = hashlib.sha256(frame).hexdigest()
+    count = (len(frame) + step - 1) // step
+    out = []
+    for i in range(count):
+        piece = np.frombuffer(frame[i * step : (i + 1) * step], dtype=np.uint8)
+        meta = ChunkMeta(parent_id=parent, index=i, count=count, total_bytes=len(frame), total_sha256=total_sha)
+        out.append(
+            encode(MessageType.CHUNK, federation=federation, sender=sender, round=round, meta=meta, tensors={"data": piece})
+        )
+    return out
+
+
+class Reassembler:
+    """Collects chunk frames per (source, parent id) and returns the whole frame when complete.
+
+    Bounded: at most ``max_pending`` partial frames, each at most ``max_bytes``, and
+    partial frames older than ``expire_s`` are dropped, so a peer that sends half a
+    message cannot grow memory without limit.
+    """
+
+    def __init__(self, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, max_pending: int = 64, expire_s: float = 300.0):
+        self.max_bytes = max_bytes
+        self.max_pending = max_pending
+        self.expire_s = expire_s
+        self._pending: dict[tuple[str, str], dict] = {}
+
+    def add(self, source: str, chunk: Message) -> bytes | None:
+        meta: ChunkMeta = chunk.meta  # type: ignore[assignment]
+        if meta.total_bytes > self.max_bytes:
+            raise ProtocolError("oversized", f"chunked message of {meta.total_bytes} bytes > limit {self.max_bytes}")
+        if meta.index >= meta.count:
+            raise ProtocolError("malformed", "chunk index out of range")
+        self._expire()
+        key = (source, meta.parent_id)
+        entry = self._pending.get(key)
+        if entry is None:
+            if len(self._pending) >= self.max_pending:
+                oldest = min(self._pending, key=lambda k: self._pending[k]["t"])
+                del self._pending[oldest]
+            entry = {"t": time.monotonic(), "meta": meta, "parts": {}}
+            self._pending[key] = entry
+        elif (entry["meta"].count, entry["meta"].total_sha256) != (meta.count, meta.total_sha256):
+            del self._pending[key]
+            raise ProtocolError("malformed", "chunks of one message disagree on count or checksum")
+        entry["parts"][meta.index] = chunk.tensors["data"].tobytes()
+        if len(entry["parts"]) < meta.count:
+            return None
+        del self._pending[key]
+        frame = b"".join(entry["parts"][i] for i in range(meta.count))
+        if len(frame) != meta.total_bytes or hashlib.sha256(frame).hexdigest() != meta.total_sha256:
+            raise ProtocolError("corrupt", "reassembled message fails its checksum")
+        return frame
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, v in self._pending.items() if now - v["t"] > self.expire_s]:
+            del self._pending[key]
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)

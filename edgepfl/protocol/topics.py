@@ -1,0 +1,91 @@
+"""The topic grammar: the only place that builds or parses an MQTT topic.
+
+``edgepfl/v1/<federation>/agents/<agent>/<channel>`` for per-agent traffic and
+``edgepfl/v1/<federation>/<channel>`` for federation-wide traffic. Every
+segment matches ``[A-Za-z0-9_-]+`` so a topic never carries a wildcard or a
+separator smuggled in by a name, and a broker ACL keyed on the username
+(``pattern readwrite edgepfl/v1/+/agents/%u/#``) confines each agent to its own
+topics. Each topic has exactly one direction (see ``DIRECTION``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+ROOT = "edgepfl"
+VERSION_SEGMENT = "v1"
+_SEGMENT = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class AgentChannel(str, Enum):
+    STATUS = "status"  # agent -> all, retained, last will "offline"
+    TASK = "task"  # coordinator -> agent
+    UPDATE = "update"  # agent -> coordinator
+    METRICS = "metrics"  # agent -> coordinator (head tier reports, serving stats)
+
+
+class FederationChannel(str, Enum):
+    COORDINATOR = "coordinator"  # coordinator -> all, retained presence
+    RELEASE = "release"  # coordinator -> all, retained pointer to the current encoder
+
+
+DIRECTION = {
+    AgentChannel.STATUS: "agent->coordinator",
+    AgentChannel.TASK: "coordinator->agent",
+    AgentChannel.UPDATE: "agent->coordinator",
+    AgentChannel.METRICS: "agent->coordinator",
+    FederationChannel.COORDINATOR: "coordinator->agents",
+    FederationChannel.RELEASE: "coordinator->agents",
+}
+
+
+class TopicError(ValueError):
+    """A topic or a name that cannot be part of one."""
+
+
+def check_segment(value: str, what: str = "name") -> str:
+    if not isinstance(value, str) or not _SEGMENT.match(value):
+        raise TopicError(f"{what} {value!r} must match [A-Za-z0-9_-]{{1,64}}")
+    return value
+
+
+def agent_topic(federation: str, agent: str, channel: AgentChannel) -> str:
+    check_segment(federation, "federation")
+    check_segment(agent, "agent id")
+    return f"{ROOT}/{VERSION_SEGMENT}/{federation}/agents/{agent}/{AgentChannel(channel).value}"
+
+
+def agent_wildcard(federation: str, channel: AgentChannel) -> str:
+    """Subscription filter for one channel of every agent (coordinator side)."""
+    check_segment(federation, "federation")
+    return f"{ROOT}/{VERSION_SEGMENT}/{federation}/agents/+/{AgentChannel(channel).value}"
+
+
+def federation_topic(federation: str, channel: FederationChannel) -> str:
+    check_segment(federation, "federation")
+    return f"{ROOT}/{VERSION_SEGMENT}/{federation}/{FederationChannel(channel).value}"
+
+
+@dataclass(frozen=True)
+class ParsedTopic:
+    federation: str
+    channel: AgentChannel | FederationChannel
+    agent: str | None = None
+
+
+def parse_topic(topic: str) -> ParsedTopic:
+    """Inverse of :func:`agent_topic` / :func:`federation_topic`; raises TopicError."""
+    parts = topic.split("/")
+    if len(parts) < 4 or parts[0] != ROOT or parts[1] != VERSION_SEGMENT:
+        raise TopicError(f"not an edgepfl/{VERSION_SEGMENT} topic: {topic!r}")
+    federation = check_segment(parts[2], "federation")
+    try:
+        if len(parts) == 6 and parts[3] == "agents":
+            return ParsedTopic(federation, AgentChannel(parts[5]), check_segment(parts[4], "agent id"))
+        if len(parts) == 4:
+            return ParsedTopic(federation, FederationChannel(parts[3]))
+    except ValueError as exc:
+        raise TopicError(f"unknown channel in topic {topic!r}") from exc
+    raise TopicError(f"malformed topic {topic!r}")
