@@ -106,6 +106,10 @@ class RunConfig(_Strict):
     eval_every: int = Field(1, ge=1, description="agents not sampled are asked to evaluate every k rounds")
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    input_shape: list[int] | None = Field(None, min_length=3, max_length=3, description="C,H,W; default: from data")
+    num_classes: int | None = Field(None, ge=2, description="default: from data")
+    release_every: int | None = Field(None, ge=1, description="publish an encoder release every k rounds (and at the end)")
+    release_at_end: bool = Field(False, description="export and publish the encoder when training ends")
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

@@ -202,8 +202,11 @@ def _short(exc: ValidationError) -> str:
 def peek_header(frame: bytes) -> dict | None:
     """Best-effort header read for logging a frame that failed to decode."""
     try:
-        _, head_len = _PREFIX.unpack_from(frame)
-        return json.loads(frame[_PREFIX.size : _PREFIX.size + head_len])
+        magic, head_len = _PREFIX.unpack_from(frame)
+        if magic != MAGIC or head_len > MAX_HEADER_BYTES:
+            return None
+        header = json.loads(frame[_PREFIX.size : _PREFIX.size + head_len])
+        return header if isinstance(header, dict) else None
     except Exception:
         return None
 

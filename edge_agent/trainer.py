@@ -1,0 +1,154 @@
+"""Trainer tier: full local training for any registered method (torch, CPU or CUDA).
+
+:class:`TrainerRuntime` turns one task message into one update — the same object
+serves the MQTT agent process and the in-process simulator, so both run the
+identical method code. torch is imported here, never by ``edge_agent/__init__``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from edgepfl.atomic import read_tensors, write_tensors
+from edgepfl.config import ModelSpec, TrainConfig
+from edgepfl.data import ClientData
+from edgepfl.methods import LocalContext, create_method
+from edgepfl.methods.base import load_tensors
+from edgepfl.protocol import Message, MessageType, TaskMeta, UpdateMeta, encode
+
+log = logging.getLogger(__name__)
+
+PERSONAL_FILE = "personal.safetensors"
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("device 'cuda' requested but torch sees no CUDA device")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def seed_for(*parts: object) -> int:
+    """A 31-bit seed derived from the parts, identical in every process."""
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+def run_signature(run: dict) -> str:
+    """What personal state depends on: method, its options and the model."""
+    key = {k: run.get(k) for k in ("method", "model")}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class TrainerRuntime:
+    """Holds one agent's model, data and personal state; answers tasks.
+
+    Personal parameters are saved atomically after every training task to
+    ``state_dir/personal.safetensors`` and reloaded when the agent restarts, as long
+    as the method and model are the same (``run_signature``).
+    """
+
+    def __init__(self, agent_id: str, data: ClientData, state_dir: str | Path, device: str = "auto"):
+        self.agent_id = agent_id
+        self.data = data
+        self.state_dir = Path(state_dir)
+        self.device = pick_device(device)
+        self._tensors = data.to_torch(self.device)
+        self._signature: str | None = None
+        self.method = None
+        self.model = None
+        self.last_round = -1
+
+    # ---------------------------------------------------------------- model setup
+    def _ensure_model(self, run: dict) -> None:
+        signature = run_signature(run)
+        if signature == self._signature:
+            return
+        method = create_method(run["method"]["name"], {k: v for k, v in run["method"].items() if k != "name"})
+        torch.manual_seed(seed_for(run.get("seed", 0), "init", self.agent_id))
+        model = method.build_model(ModelSpec(**run["model"]), self.data.input_shape, self.data.num_classes)
+        model.to(self.device)
+        restored = self._load_personal(method, model, signature)
+        self.method, self.model, self._signature = method, model, signature
+        log.info("%s: built %s model (%s)", self.agent_id, method.name, "restored personal state" if restored else "fresh")
+
+    def _load_personal(self, method, model, signature: str) -> bool:
+        path = self.state_dir / PERSONAL_FILE
+        meta_path = self.state_dir / "personal.json"
+        if not path.exists() or not meta_path.exists():
+            return False
+        meta = json.loads(meta_path.read_text())
+        if meta.get("signature") != signature:
+            log.warning("%s: saved personal state is for another method/model; starting fresh", self.agent_id)
+            return False
+        tensors = read_tensors(path)
+        expected = set(method.personal_state(model))
+        if set(tensors) != expected:
+            log.warning("%s: saved personal state has other tensors than the model; starting fresh", self.agent_id)
+            return False
+        load_tensors(model, tensors)
+        self.last_round = int(meta.get("round", -1))
+        return True
+
+    def _save_personal(self, round: int) -> None:
+        from edgepfl.atomic import write_json
+
+        write_tensors(self.state_dir / PERSONAL_FILE, self.method.personal_state(self.model))
+        write_json(self.state_dir / "personal.json", {"signature": self._signature, "round": round, "agent": self.agent_id})
+
+    # ---------------------------------------------------------------- tasks
+    def handle(self, task: Message) -> tuple[UpdateMeta, dict[str, np.ndarray]]:
+        """Evaluate the model made from the task's payload, train if asked; return the update."""
+        meta: TaskMeta = task.meta  # type: ignore[assignment]
+        self._ensure_model(meta.run)
+        method, model = self.method, self.model
+        generator = torch.Generator().manual_seed(meta.seed)
+        torch.manual_seed(meta.seed)
+        ctx = LocalContext(
+            train=TrainConfig(**meta.run["train"]),
+            device=self.device,
+            round=task.header.round,
+            seed=meta.seed,
+            num_classes=self.data.num_classes,
+            generator=generator,
+            log=log,
+        )
+        method.receive(model, task.tensors, ctx)
+        started = time.perf_counter()
+        evaluation = method.evaluate(model, self._tensors, ctx)
+        upload: dict[str, np.ndarray] = {}
+        train_loss = None
+        extra: dict[str, float] = {}
+        if meta.kind == "train":
+            result = method.local_update(model, self._tensors, ctx)
+            upload = result.upload
+            train_loss = None if np.isnan(result.train_loss) else float(result.train_loss)
+            extra = {k: float(v) for k, v in result.metrics.items()}
+            self._save_personal(task.header.round)
+        self.last_round = max(self.last_round, task.header.round)
+        update = UpdateMeta(
+            task_id=meta.task_id,
+            kind=meta.kind,
+            num_train=self.data.num_train,
+            num_test=self.data.num_test,
+            eval_correct=evaluation.correct,
+            eval_loss=None if np.isnan(evaluation.loss) else float(evaluation.loss),
+            train_loss=train_loss,
+            train_seconds=time.perf_counter() - started,
+            extra=extra,
+        )
+        return update, upload
+
+    def answer(self, task: Message) -> bytes:
+        """:meth:`handle` and encode the update frame for the coordinator."""
+        meta, tensors = self.handle(task)
+        return encode(MessageType.UPDATE, federation=task.header.federation, sender=self.agent_id,
+                      round=task.header.round, meta=meta, tensors=tensors)

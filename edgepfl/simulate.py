@@ -1,0 +1,142 @@
+"""Simulation: a coordinator and N agents on one machine.
+
+* over MQTT (the production path): a broker (embedded amqtt unless a URL is given),
+  the coordinator in this process, and N real ``edgepfl agent`` processes;
+* ``in_process=True``: the same coordinator round loop and the same trainer runtime,
+  agents as objects in this process — the fast research loop and the reference the
+  MQTT path is compared against (same seed, same result).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from .config import AgentConfig, RunConfig
+
+log = logging.getLogger("edgepfl.simulate")
+
+
+def agent_ids(n: int, prefix: str = "agent") -> list[str]:
+    return [f"{prefix}-{i:02d}" for i in range(n)]
+
+
+def data_shape(config: RunConfig) -> dict:
+    """Input shape, class count and preprocessing, read from the data (client 0)."""
+    from .data import load_client_data
+
+    data = load_client_data(config.data, 0)
+    return {"input_shape": data.input_shape, "num_classes": data.num_classes, "class_names": data.class_names,
+            "normalization": data.normalization}
+
+
+def prepare(config: RunConfig, agents: int, head_agents: int = 0, rounds: int | None = None) -> RunConfig:
+    """The run config adjusted to the simulated fleet (one data partition per agent)."""
+    update: dict = {"data": config.data.model_copy(update={"num_clients": agents + head_agents})}
+    if rounds is not None:
+        update["rounds"] = rounds
+    if head_agents:
+        update["release_at_end"] = True
+    update["min_agents"] = agents
+    return config.model_copy(update=update)
+
+
+def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str = "embedded",
+             in_process: bool = False, rounds: int | None = None, head_agents: int = 0, head: str = "lr",
+             fresh: bool = True, progress: bool = True, threads: int | None = None) -> tuple[list[dict], dict]:
+    """Run a whole federation; returns (metrics rows, summary) and writes the report into ``out_dir``."""
+    from coordinator.report import write_report
+    from coordinator.rounds import Coordinator
+
+    out = Path(out_dir)
+    if fresh and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = prepare(config, agents, head_agents, rounds)
+    shape = data_shape(config)
+    (out / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    ids = agent_ids(agents)
+    if in_process:
+        if head_agents:
+            raise ValueError("head-tier agents run over MQTT only (they are separate, torch-free processes)")
+        from coordinator.fleet import LocalFleet
+        from edge_agent.trainer import TrainerRuntime
+
+        from .data import load_client_data
+
+        runtimes = {a: TrainerRuntime(a, load_client_data(config.data, i), out / "agents" / a, config.device)
+                    for i, a in enumerate(ids)}
+        coordinator = Coordinator(config, LocalFleet(runtimes), out, progress=progress, **shape)
+        rows = coordinator.run()
+        table, summary = write_report(out, config.method.name)
+        return rows, summary
+
+    from coordinator.fleet import MqttFleet
+
+    embedded = None
+    url = broker
+    if broker == "embedded":
+        from .broker import EmbeddedBroker
+
+        embedded = EmbeddedBroker()
+        url = embedded.start()
+    procs: list[subprocess.Popen] = []
+    fleet = None
+    try:
+        n_threads = threads or max(1, (os.cpu_count() or 1) // max(1, agents))
+        specs = [(a, i, "trainer") for i, a in enumerate(ids)]
+        specs += [(a, agents + i, "head") for i, a in enumerate(agent_ids(head_agents, "device"))]
+        for agent_id, index, tier in specs:
+            procs.append(_spawn_agent(config, out, url, agent_id, index, tier, head, n_threads))
+        fleet = MqttFleet(config.federation, config.broker, url=url)
+        coordinator = Coordinator(config, fleet, out, progress=progress, **shape)
+        rows = coordinator.run()
+        table, summary = write_report(out, config.method.name, coordinator.head_reports or None)
+        return rows, summary
+    finally:
+        if fleet is not None:
+            fleet.close()
+        _stop_all(procs)
+        if embedded is not None:
+            embedded.stop()
+
+
+def agent_config(config: RunConfig, out: Path, url: str, agent_id: str, index: int, tier: str, head: str,
+                 threads: int | None) -> AgentConfig:
+    return AgentConfig(
+        agent_id=agent_id, federation=config.federation, tier=tier,
+        broker=config.broker.model_copy(update={"url": url}), data=config.data, client_index=index,
+        state_dir=str(out / "agents" / agent_id), device=config.device, threads=threads,
+        head=head if tier == "head" else "lr",
+    )
+
+
+def _spawn_agent(config, out: Path, url, agent_id, index, tier, head, threads) -> subprocess.Popen:
+    cfg = agent_config(config, out, url, agent_id, index, tier, head, threads)
+    cfg_path = out / "agents" / f"{agent_id}.yaml"
+    cfg_path.parent.mkdir(parents=True, exist_ok=True)
+    cfg_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    logf = open(out / "agents" / f"{agent_id}.log", "ab")
+    return subprocess.Popen([sys.executable, "-m", "edgepfl.cli", "agent", "--config", str(cfg_path)],
+                            stdout=logf, stderr=subprocess.STDOUT, env=env)
+
+
+def _stop_all(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
