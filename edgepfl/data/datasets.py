@@ -1,0 +1,588 @@
+"""Datasets from local files, and each client's train / test split of them.
+
+Nothing here downloads anything. Importing this module needs numpy only (the head
+tier imports it without torch); scikit-learn, Pillow and torchvision are imported
+lazily by the dataset kinds that need them.
+
+:func:`load_pool` decodes a whole dataset into a :class:`Pool` (cached per process,
+since the simulator loads it for many clients); :func:`load_client_data` partitions
+the pool, takes one client's share, splits it into train / test and applies the
+client's domain transform; :func:`describe_partition` summarises every client's share
+from labels alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import threading
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..config import DataSpec
+from .client import ClientData
+from .domains import apply_domain, check_domains
+from .partition import PartitionError, partition, stratified_quota, stratified_take
+
+#: where Debian's ``dataset-fashion-mnist`` installs the gzipped IDX files
+FMNIST_ROOT = "/usr/share/datasets/fashion-mnist"
+FMNIST_PACKAGE = "dataset-fashion-mnist"
+FMNIST_CLASSES = (
+    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
+    "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
+)  # fmt: skip
+_FMNIST_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "t10k": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
+#: normalization of a device's own data (imagefolder, npz without stats): fixed, so
+#: devices holding different files still feed the shared encoder the same scale
+DEVICE_NORMALIZATION = 0.5
+
+
+class DataError(ValueError):
+    """A dataset that cannot be loaded; the message says what to install or fix."""
+
+
+@dataclass(eq=False)
+class Pool:
+    """A whole decoded dataset.
+
+    ``pixels`` is the compact raw form (N, C, H, W): uint8 in 0..255 or float32 in
+    [0, 1]; :meth:`take` returns normalized float32 rows, and :attr:`x` the whole
+    normalized array (built on first use). Arrays are read-only: the pool is shared
+    by every client loaded in this process.
+    """
+
+    pixels: np.ndarray
+    y: np.ndarray
+    class_names: list[str]
+    normalization: dict[str, list[float]]
+    source: str = ""
+    _x: np.ndarray | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.pixels.ndim != 4 or self.pixels.dtype not in (np.uint8, np.float32):
+            raise DataError(
+                f"{self.source}: pixels must be uint8/float32 (N, C, H, W), got {self.pixels.dtype}{self.pixels.shape}"
+            )
+        if len(self.pixels) != len(self.y):
+            raise DataError(f"{self.source}: {len(self.pixels)} images but {len(self.y)} labels")
+        if len(self.y) and (self.y.min() < 0 or self.y.max() >= len(self.class_names)):
+            raise DataError(f"{self.source}: labels must lie in 0..{len(self.class_names) - 1}")
+        channels = self.pixels.shape[1]
+        for key in ("mean", "std"):
+            if len(self.normalization.get(key, ())) != channels:
+                raise DataError(f"{self.source}: normalization {key} needs {channels} values")
+        if min(self.normalization["std"]) <= 0:
+            raise DataError(f"{self.source}: normalization std must be positive")
+        self.pixels.setflags(write=False)
+        self.y.setflags(write=False)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        return tuple(self.pixels.shape[1:])  # type: ignore[return-value]
+
+    def take(self, indices: np.ndarray) -> np.ndarray:
+        """Normalized float32 images (n, C, H, W) of the given pool indices (a copy)."""
+        raw = self.pixels[np.asarray(indices, dtype=np.int64)].astype(np.float32)
+        scale = np.float32(1 / 255) if self.pixels.dtype == np.uint8 else np.float32(1)
+        mean = np.asarray(self.normalization["mean"], np.float32).reshape(1, -1, 1, 1)
+        std = np.asarray(self.normalization["std"], np.float32).reshape(1, -1, 1, 1)
+        # (raw*scale - mean)/std folded into one multiply-add over the batch
+        raw *= scale / std
+        raw -= mean / std
+        return raw
+
+    @property
+    def x(self) -> np.ndarray:
+        """All images, normalized float32 (N, C, H, W), read-only."""
+        if self._x is None:
+            x = self.take(np.arange(len(self)))
+            x.setflags(write=False)
+            self._x = x
+        return self._x
+
+
+# ----------------------------------------------------------------------------- stats
+
+
+def _stats(pixels: np.ndarray) -> dict[str, list[float]]:
+    """Per-channel mean / std of the pool in [0, 1] units."""
+    mean, std = [], []
+    for c in range(pixels.shape[1]):
+        ch = pixels[:, c]
+        if ch.dtype == np.uint8:
+            # a histogram gives exact moments without a float copy of the whole pool
+            h = np.bincount(ch.ravel(), minlength=256).astype(np.float64)
+            v = np.arange(256, dtype=np.float64) / 255
+            m = float((h * v).sum() / h.sum())
+            s = float(np.sqrt((h * (v - m) ** 2).sum() / h.sum()))
+        else:
+            m = float(ch.mean(dtype=np.float64))
+            s = float(ch.std(dtype=np.float64))
+        mean.append(round(m, 6))
+        std.append(round(max(s, 1e-6), 6))
+    return {"mean": mean, "std": std}
+
+
+def _fixed_stats(channels: int) -> dict[str, list[float]]:
+    return {"mean": [DEVICE_NORMALIZATION] * channels, "std": [DEVICE_NORMALIZATION] * channels}
+
+
+def _to_nchw(x: np.ndarray, source: str) -> np.ndarray:
+    if x.ndim == 3:
+        return x[:, None]
+    if x.ndim == 4:
+        if x.shape[1] not in (1, 3) and x.shape[3] in (1, 3):  # channels-last (N, H, W, C)
+            return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+        return x
+    raise DataError(f"{source}: images must be (N, H, W) or (N, C, H, W), got shape {x.shape}")
+
+
+def _to_pixels(x: np.ndarray, source: str) -> np.ndarray:
+    """uint8 stays uint8; floats must already be in [0, 1]; other integers are 0..255."""
+    x = _to_nchw(np.asarray(x), source)
+    if x.dtype == np.uint8:
+        return np.ascontiguousarray(x)
+    if np.issubdtype(x.dtype, np.floating):
+        x = x.astype(np.float32)
+        if not np.isfinite(x).all():
+            raise DataError(f"{source}: images contain NaN or Inf")
+        if x.size and (x.min() < 0 or x.max() > 1):
+            raise DataError(f"{source}: float images must lie in [0, 1] (got {x.min():.3g}..{x.max():.3g})")
+        return np.ascontiguousarray(x)
+    if np.issubdtype(x.dtype, np.integer):
+        if x.size and (x.min() < 0 or x.max() > 255):
+            raise DataError(f"{source}: integer images must lie in 0..255")
+        return np.ascontiguousarray(x.astype(np.uint8))
+    raise DataError(f"{source}: unsupported image dtype {x.dtype}")
+
+
+def _to_labels(y: Any, source: str) -> np.ndarray:
+    y = np.asarray(y)
+    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+        raise DataError(f"{source}: labels must be a 1-D integer array, got {y.dtype}{y.shape}")
+    return y.astype(np.int64)
+
+
+# ----------------------------------------------------------------------------- fmnist
+
+
+def read_idx(path: str | Path, expect_ndim: int) -> np.ndarray:
+    """Parse one IDX file (gzipped or plain) of unsigned bytes, checking its header."""
+    path = Path(path)
+    data = path.read_bytes()
+    if path.suffix == ".gz":
+        try:
+            data = zlib.decompress(data, 31)  # 31: gzip container
+        except zlib.error as exc:
+            raise DataError(f"{path}: not a valid gzip file ({exc})") from None
+    if len(data) < 4 or data[0] != 0 or data[1] != 0:
+        raise DataError(f"{path}: bad IDX magic number")
+    if data[2] != 0x08:
+        raise DataError(f"{path}: IDX element type 0x{data[2]:02x}, expected unsigned byte (0x08)")
+    ndim = data[3]
+    if ndim != expect_ndim:
+        raise DataError(f"{path}: IDX file has {ndim} dimensions, expected {expect_ndim}")
+    header = 4 + 4 * ndim
+    if len(data) < header:
+        raise DataError(f"{path}: truncated IDX header")
+    shape = tuple(int(d) for d in np.frombuffer(data, dtype=">u4", count=ndim, offset=4))
+    if len(data) - header != int(np.prod(shape)):
+        raise DataError(f"{path}: IDX body has {len(data) - header} bytes, header says {shape}")
+    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(shape)
+
+
+def _find(root: Path, stem: str) -> Path | None:
+    for name in (stem + ".gz", stem):
+        if (root / name).is_file():
+            return root / name
+    return None
+
+
+def fmnist_available(root: str | None = None) -> bool:
+    """True when all four Fashion-MNIST files are under ``root`` (default: Debian's path)."""
+    r = Path(root or FMNIST_ROOT)
+    return all(_find(r, stem) for pair in _FMNIST_FILES.values() for stem in pair)
+
+
+def _load_fmnist(root: str | None) -> Pool:
+    r = Path(root or FMNIST_ROOT)
+    xs, ys = [], []
+    for images, labels in _FMNIST_FILES.values():
+        pi, pl = _find(r, images), _find(r, labels)
+        if pi is None or pl is None:
+            raise DataError(
+                f"Fashion-MNIST not found: {r}/{images if pi is None else labels}.gz is missing. "
+                f"Install the Debian package {FMNIST_PACKAGE} (`apt-get install {FMNIST_PACKAGE}`), "
+                f"or point data.root at a folder holding the four IDX files."
+            )
+        x, y = read_idx(pi, 3), read_idx(pl, 1)
+        if len(x) != len(y):
+            raise DataError(f"{pi}: {len(x)} images but {pl.name} has {len(y)} labels")
+        xs.append(x)
+        ys.append(y)
+    pixels = np.concatenate(xs)[:, None]
+    return Pool(pixels, np.concatenate(ys).astype(np.int64), list(FMNIST_CLASSES), _stats(pixels), f"fmnist:{r}")
+
+
+# ----------------------------------------------------------------------------- digits
+
+
+def _load_digits() -> Pool:
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise DataError("the digits dataset needs scikit-learn: pip install scikit-learn") from None
+    d = load_digits()
+    pixels = (np.asarray(d.images, dtype=np.float32) / 16.0)[:, None]  # values are 0..16
+    names = [str(int(t)) for t in d.target_names]
+    return Pool(np.ascontiguousarray(pixels), d.target.astype(np.int64), names, _stats(pixels), "digits")
+
+
+# ----------------------------------------------------------------------------- torchvision
+
+
+def _tv_arrays(ds: Any, source: str) -> tuple[np.ndarray, np.ndarray]:
+    data = getattr(ds, "data", None)
+    targets = getattr(ds, "targets", getattr(ds, "labels", None))
+    if data is not None and targets is not None and not isinstance(data, (list, tuple)):
+        return np.asarray(data), np.asarray(targets)
+    # generic datasets (file lists): decode item by item through PIL
+    xs, ys = [], []
+    for i in range(len(ds)):
+        img, target = ds[i]
+        xs.append(np.asarray(img))
+        ys.append(int(target))
+    if not xs:
+        raise DataError(f"{source}: dataset is empty")
+    shapes = {a.shape for a in xs}
+    if len(shapes) != 1:
+        raise DataError(f"{source}: images differ in size {sorted(shapes)[:3]}; use an imagefolder or npz instead")
+    return np.stack(xs), np.asarray(ys)
+
+
+def _load_torchvision(name: str | None, root: str | None) -> Pool:
+    if not name:
+        raise DataError("data.dataset 'torchvision' needs data.name, e.g. CIFAR10")
+    if not root:
+        raise DataError(f"torchvision dataset {name} needs data.root (a local folder; edgepfl never downloads)")
+    try:
+        import torchvision.datasets as tvd
+    except ImportError:
+        raise DataError("torchvision datasets need torchvision: pip install 'edgepfl[train]'") from None
+    cls = getattr(tvd, name, None)
+    if not inspect.isclass(cls):
+        raise DataError(f"torchvision.datasets has no dataset {name!r}")
+    params = inspect.signature(cls).parameters
+    if "train" in params:
+        splits: list[dict[str, Any]] = [{"train": True}, {"train": False}]
+    elif "split" in params:
+        splits = [{"split": "train"}, {"split": "test"}]
+    else:
+        splits = [{}]
+    source = f"torchvision:{name}:{root}"
+    xs, ys, classes = [], [], None
+    for kw in splits:
+        try:
+            ds = cls(root, download=False, **kw)
+        except (RuntimeError, FileNotFoundError, OSError) as exc:
+            raise DataError(
+                f"torchvision dataset {name} not found under {root} ({exc}). edgepfl never downloads: "
+                f"fetch it once with torchvision (download=True) on a connected machine and copy the folder here."
+            ) from None
+        except (TypeError, ValueError) as exc:
+            raise DataError(f"{source}: cannot open with {kw}: {exc}") from None
+        x, y = _tv_arrays(ds, source)
+        xs.append(_to_pixels(x, source))
+        ys.append(_to_labels(y, source))
+        classes = classes or list(getattr(ds, "classes", []) or [])
+    pixels = np.concatenate(xs)
+    y = np.concatenate(ys)
+    names = [str(c) for c in classes] if classes else [str(i) for i in range(int(y.max()) + 1)]
+    return Pool(pixels, y, names, _stats(pixels), source)
+
+
+# ----------------------------------------------------------------------------- npz
+
+
+def _load_npz(root: str | None) -> Pool:
+    if not root:
+        raise DataError("data.dataset 'npz' needs data.root: the path of a .npz file")
+    path = Path(root)
+    if not path.is_file():
+        raise DataError(f"npz dataset not found: {path}")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}
+    except ValueError as exc:
+        # numpy refuses object (pickled) arrays when allow_pickle=False
+        raise DataError(f"{path}: cannot load without pickle ({exc}); store plain numeric arrays") from None
+    except (OSError, zlib.error) as exc:
+        raise DataError(f"{path}: not a readable .npz file ({exc})") from None
+    if "x" not in arrays or "y" not in arrays:
+        raise DataError(f"{path}: needs arrays 'x' (images) and 'y' (labels), found {sorted(arrays)}")
+    source = f"npz:{path}"
+    pixels = _to_pixels(arrays["x"], source)
+    y = _to_labels(arrays["y"], source)
+    if "class_names" in arrays:
+        names = [str(s) for s in np.asarray(arrays["class_names"]).ravel()]
+    else:
+        names = [str(i) for i in range(int(y.max()) + 1 if len(y) else 0)]
+    if "mean" in arrays and "std" in arrays:
+        norm = {k: [float(v) for v in np.asarray(arrays[k], np.float64).ravel()] for k in ("mean", "std")}
+    else:
+        norm = _fixed_stats(pixels.shape[1])
+    return Pool(pixels, y, names, norm, source)
+
+
+# ----------------------------------------------------------------------------- imagefolder
+
+
+def load_imagefolder(
+    root: str | Path, class_names: list[str] | None = None, size: tuple[int, int] | None = None
+) -> Pool:
+    """One device's images: ``root/<class_name>/*.png|jpg|…``.
+
+    Class order is ``class_names`` if given, else the lines of ``root/classes.txt`` if
+    present (so devices that lack some class still agree on label indices), else the
+    sorted sub-folder names. Images load as grayscale when every file is grayscale,
+    otherwise RGB, resized to ``size`` (W, H) or to the most common size in the folder.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"imagefolder not found: {root}")
+    try:
+        from PIL import Image
+    except ImportError:
+        raise DataError("imagefolder datasets need Pillow: pip install pillow") from None
+    if class_names is None and (root / "classes.txt").is_file():
+        class_names = [ln.strip() for ln in (root / "classes.txt").read_text().splitlines() if ln.strip()]
+    subdirs = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if class_names is None:
+        class_names = subdirs
+    extra = sorted(set(subdirs) - set(class_names))
+    if extra:
+        raise DataError(f"{root}: folders {extra} are not among the class names {class_names}")
+    files: list[tuple[Path, int]] = []
+    for label, name in enumerate(class_names):
+        d = root / name
+        if d.is_dir():
+            files += [(p, label) for p in sorted(d.iterdir()) if p.suffix.lower() in IMAGE_SUFFIXES]
+    if not files:
+        raise DataError(f"{root}: no images found (expected {root}/<class>/*.png or *.jpg)")
+    images = []
+    for p, _ in files:
+        try:
+            with Image.open(p) as im:
+                im.load()
+                images.append(im.copy())
+        except OSError as exc:
+            raise DataError(f"{p}: unreadable image ({exc})") from None
+    gray = all(im.mode in ("1", "L", "I", "I;16", "F", "LA") for im in images)
+    mode = "L" if gray else "RGB"
+    target = tuple(size) if size else Counter(im.size for im in images).most_common(1)[0][0]
+    arrays = []
+    for im in images:
+        im = im.convert(mode)
+        if im.size != target:
+            im = im.resize(target, Image.BILINEAR)
+        arrays.append(np.asarray(im, dtype=np.uint8))
+    x = np.stack(arrays)
+    pixels = x[:, None] if gray else np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+    y = np.array([label for _, label in files], dtype=np.int64)
+    return Pool(
+        np.ascontiguousarray(pixels), y, list(class_names), _fixed_stats(pixels.shape[1]), f"imagefolder:{root}"
+    )
+
+
+# ----------------------------------------------------------------------------- load_pool
+
+_lock = threading.Lock()
+
+
+def resolve_kind(spec: DataSpec) -> str:
+    """The concrete dataset kind: ``auto`` is FMNIST when its files exist, else digits."""
+    if spec.dataset == "auto":
+        return "fmnist" if fmnist_available(spec.root) else "digits"
+    return spec.dataset
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_pool(kind: str, root: str | None, name: str | None) -> Pool:
+    if kind == "fmnist":
+        return _load_fmnist(root)
+    if kind == "digits":
+        return _load_digits()
+    if kind == "torchvision":
+        return _load_torchvision(name, root)
+    if kind == "npz":
+        return _load_npz(root)
+    if kind == "imagefolder":
+        if not root:
+            raise DataError("data.dataset 'imagefolder' needs data.root: a folder of <class>/<image> files")
+        return load_imagefolder(root)
+    raise DataError(f"unknown dataset kind {kind!r}")
+
+
+def load_pool(spec: DataSpec) -> Pool:
+    """Decode the dataset ``spec`` names into a :class:`Pool`, once per process."""
+    with _lock:  # the in-process simulator may load many clients from threads
+        return _cached_pool(*_pool_key(spec))
+
+
+def clear_cache() -> None:
+    """Forget decoded pools and partitions (tests; files changed on disk)."""
+    _cached_pool.cache_clear()
+    _cached_split.cache_clear()
+
+
+# ----------------------------------------------------------------------------- clients
+
+
+def _owns_whole_pool(spec: DataSpec, kind: str) -> bool:
+    # a device's own file or folder is not partitioned when it is the only client
+    return kind in ("imagefolder", "npz") and spec.num_clients == 1
+
+
+def _seeded(spec: DataSpec, *stream: int) -> np.random.Generator:
+    # independent streams per purpose and client: loading client 3 never depends on client 2
+    return np.random.default_rng([spec.seed, *stream])
+
+
+_PARTITION_STREAM, _CAP_STREAM, _SPLIT_STREAM, _DOMAIN_STREAM = 0, 1, 2, 3
+
+
+def _split_train_test(labels: np.ndarray, fraction: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Positions of a stratified train / test split; both sides non-empty."""
+    n = len(labels)
+    n_test = min(max(int(round(n * fraction)), 1), n - 1)
+    classes, inverse = np.unique(labels, return_inverse=True)
+    quota = stratified_quota(np.bincount(inverse, minlength=len(classes)), n_test, rng)
+    test = [rng.choice(np.flatnonzero(inverse == c), size=q, replace=False) for c, q in enumerate(quota) if q]
+    test_pos = np.concatenate(test)
+    mask = np.ones(n, dtype=bool)
+    mask[test_pos] = False
+    return rng.permutation(np.flatnonzero(mask)), rng.permutation(test_pos)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_split(pool_key: tuple, spec_json: str) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    spec = DataSpec.model_validate_json(spec_json)
+    labels = _cached_pool(*pool_key).y
+    kind = pool_key[0]
+    if _owns_whole_pool(spec, kind):
+        parts = [np.arange(len(labels), dtype=np.int64)]
+    else:
+        try:
+            parts = partition(labels, spec.num_clients, spec.partition, _seeded(spec, _PARTITION_STREAM))
+        except PartitionError as exc:
+            raise DataError(
+                f"cannot partition {kind} ({len(labels)} samples) over {spec.num_clients} clients: {exc}"
+            ) from None
+    out = []
+    for i, idx in enumerate(parts):
+        if spec.samples_per_client is not None and len(idx) > spec.samples_per_client:
+            idx = idx[stratified_take(labels[idx], spec.samples_per_client, _seeded(spec, _CAP_STREAM, i))]
+        if len(idx) < 2:
+            raise DataError(f"client {i} holds {len(idx)} samples; a train / test split needs at least 2")
+        tr, te = _split_train_test(labels[idx], spec.test_fraction, _seeded(spec, _SPLIT_STREAM, i))
+        train, test = idx[tr], idx[te]
+        train.setflags(write=False)
+        test.setflags(write=False)
+        out.append((train, test))
+    return tuple(out)
+
+
+def _pool_key(spec: DataSpec) -> tuple[str, str | None, str | None]:
+    """Cache key: only the fields that change what is decoded."""
+    kind = resolve_kind(spec)
+    root = os.path.abspath(os.path.expanduser(spec.root)) if spec.root and kind != "digits" else None
+    return (kind, root, spec.name if kind == "torchvision" else None)
+
+
+def client_indices(spec: DataSpec, client_index: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pool indices of client ``client_index``'s (train, test) samples; read-only arrays."""
+    if not 0 <= client_index < spec.num_clients:
+        raise DataError(f"client_index {client_index} out of range: data.num_clients is {spec.num_clients}")
+    if spec.partition.kind == "domain":
+        try:
+            check_domains(spec.partition.domains)
+        except ValueError as exc:
+            raise DataError(str(exc)) from None
+    load_pool(spec)  # decode (and cache) first, under the lock
+    with _lock:
+        return _cached_split(_pool_key(spec), spec.model_dump_json())[client_index]
+
+
+def client_domain(spec: DataSpec, client_index: int) -> str | None:
+    """The domain transform of this client, or None when the partition is not by domain."""
+    if spec.partition.kind != "domain":
+        return None
+    doms = spec.partition.domains
+    return doms[client_index % len(doms)]
+
+
+def load_client_data(spec: DataSpec, client_index: int) -> ClientData:
+    """Client ``client_index``'s train / test data: pool -> partition -> cap -> split.
+
+    Deterministic for ``spec.seed``. The test split is stratified over the client's
+    own samples, so it follows the client's training distribution. For a domain
+    partition the client's transform is applied to both splits.
+    """
+    pool = load_pool(spec)
+    train, test = client_indices(spec, client_index)
+    x_train, x_test = pool.take(train), pool.take(test)
+    dom = client_domain(spec, client_index)
+    if dom is not None:
+        rng = _seeded(spec, _DOMAIN_STREAM, client_index)
+        mean, std = pool.normalization["mean"], pool.normalization["std"]
+        try:
+            x_train = apply_domain(dom, x_train, rng, mean, std)
+            x_test = apply_domain(dom, x_test, rng, mean, std)
+        except ValueError as exc:
+            raise DataError(f"client {client_index}: {exc}") from None
+    return ClientData(
+        x_train=x_train,
+        y_train=pool.y[train].copy(),
+        x_test=x_test,
+        y_test=pool.y[test].copy(),
+        num_classes=pool.num_classes,
+        class_names=list(pool.class_names),
+        domain=dom,
+        normalization={k: list(v) for k, v in pool.normalization.items()},
+    )
+
+
+def describe_partition(spec: DataSpec) -> list[dict[str, Any]]:
+    """Per client: sample counts, train / test class counts and domain (labels only, fast)."""
+    pool = load_pool(spec)
+    out = []
+    for i in range(spec.num_clients):
+        train, test = client_indices(spec, i)
+        out.append(
+            {
+                "client": i,
+                "n_train": int(len(train)),
+                "n_test": int(len(test)),
+                "class_counts": np.bincount(pool.y[train], minlength=pool.num_classes).tolist(),
+                "test_class_counts": np.bincount(pool.y[test], minlength=pool.num_classes).tolist(),
+                "domain": client_domain(spec, i),
+            }
+        )
+    return out
