@@ -1,0 +1,359 @@
+"""Contract suite: every registered method, present and future, through the same checks.
+
+Each method runs one real round the way the runtime drives it (coordinator
+``init_server`` / ``payload_for``; agents ``receive`` / ``evaluate`` /
+``local_update``; coordinator ``check_update`` / ``server_step``) on two tiny
+synthetic clients with different data, and the checks below are made on that round:
+what is uploaded (finite, shared keys only, no personal leak), what the server keeps
+(shapes, dtypes, numpy-only, checkpointable), what travels on the wire (bit-exact
+envelope round trip), what the agent keeps (personal state survives a safetensors
+save/load), and what inference does (deterministic in eval mode, reproduced by the
+exported encoder + device head).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+from safetensors.numpy import load_file, save_file
+
+from edgepfl.config import ModelSpec, TrainConfig
+from edgepfl.data.client import ClientData
+from edgepfl.methods import ClientUpdate, LocalContext, Method, ServerState, UpdateRejected, available_methods, create_method
+from edgepfl.methods.aggregate import weighted_mean
+from edgepfl.methods.base import STAT, load_tensors
+from edgepfl.protocol.envelope import decode, encode
+from edgepfl.protocol.messages import MessageType, TaskMeta, UpdateMeta
+
+NUM_CLASSES = 4
+INPUT_SHAPE = (1, 28, 28)
+SPEC = ModelSpec(arch="cnn", feature_dim=16)
+TRAIN = TrainConfig(epochs=1, batch_size=16)
+AGENTS = ("agent-a", "agent-b")
+METHODS = available_methods()
+
+
+def make_client(seed: int, n_train: int, n_test: int, classes: list[int], shift: float) -> ClientData:
+    """Random images with every listed class present; ``shift`` makes clients' inputs differ."""
+    rng = np.random.default_rng(seed)
+
+    def split(n):
+        y = rng.permutation(np.resize(np.asarray(classes), n)).astype(np.int64)
+        x = (rng.standard_normal((n, *INPUT_SHAPE)) + shift + 0.5 * y[:, None, None, None]).astype(np.float32)
+        return x, y
+
+    x_train, y_train = split(n_train)
+    x_test, y_test = split(n_test)
+    return ClientData(x_train, y_train, x_test, y_test, num_classes=NUM_CLASSES)
+
+
+# Two clients that differ in size (so sample weighting matters), label set and inputs.
+CLIENTS = {
+    "agent-a": make_client(1, 40, 20, [0, 1, 2, 3], 0.0),
+    "agent-b": make_client(2, 24, 20, [1, 2], 0.7),
+}
+
+
+def make_ctx(round: int, seed: int) -> LocalContext:
+    return LocalContext(train=TRAIN, device=torch.device("cpu"), round=round, seed=seed, num_classes=NUM_CLASSES,
+                        generator=torch.Generator().manual_seed(seed))
+
+
+def build(method: Method, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return method.build_model(SPEC, INPUT_SHAPE, NUM_CLASSES)
+
+
+@dataclass
+class RoundRun:
+    """One round of one method: server state before/after, each agent's model and upload."""
+
+    method: Method
+    state0: ServerState
+    payloads: dict[str, dict[str, np.ndarray]]
+    models: dict[str, torch.nn.Module]
+    uploads: dict[str, dict[str, np.ndarray]]
+    eval_correct: dict[str, int]
+    updates: list[ClientUpdate]
+    state1: ServerState
+
+
+@functools.cache
+def run_round(name: str) -> RoundRun:
+    """Run (once per method, cached) the round every check below inspects. Don't mutate the result."""
+    method = create_method(name)
+    state0 = method.init_server(build(method, 0))
+    payloads, models, uploads, correct = {}, {}, {}, {}
+    for i, agent in enumerate(AGENTS):
+        model = build(method, 100 + i)  # each agent builds its own model, as on a device
+        ctx = make_ctx(0, 10 + i)
+        payloads[agent] = method.payload_for(state0, agent)
+        method.receive(model, payloads[agent], ctx)
+        data = CLIENTS[agent].to_torch()
+        correct[agent] = method.evaluate(model, data, ctx).correct
+        uploads[agent] = method.local_update(model, data, ctx).upload
+        models[agent] = model
+    # check_update has its own test, so a bad upload fails there with a clear message
+    updates = [ClientUpdate(a, CLIENTS[a].num_train, uploads[a]) for a in AGENTS]
+    state1 = method.server_step(state0, updates, 0)
+    return RoundRun(method, state0, payloads, models, uploads, correct, updates, state1)
+
+
+def personal_keys(method: Method, model: torch.nn.Module) -> set[str]:
+    return set(model.state_dict()) - set(method.shared_keys(model))
+
+
+def uploaded_personal_ok(method: Method, key: str) -> bool:
+    return any(key.startswith(p + ".") for p in method.upload_personal)
+
+
+def eval_logits(method: Method, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return method.logits(model, x)
+
+
+def x_eval(agent: str = "agent-a") -> torch.Tensor:
+    return torch.from_numpy(CLIENTS[agent].x_test)
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_registry_holds_the_baselines():
+    assert {"fedavg", "fedavg_ft", "fedbn", "fedper", "fedprox", "fedrep", "fedrod", "lgfedavg", "local"} <= set(METHODS)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_config_rejects_unknown_option(name):
+    cls = type(create_method(name))
+    assert cls.name == name
+    with pytest.raises(ValidationError):
+        cls.config_class.model_validate({"no_such_option_anywhere": 1})
+    with pytest.raises(ValidationError):
+        create_method(name, {"no_such_option_anywhere": 1})
+
+
+# --------------------------------------------------------------------------- agent side
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_local_update_uploads_finite_numpy_tensors_that_changed(name):
+    run = run_round(name)
+    for agent in AGENTS:
+        upload = run.uploads[agent]
+        assert all(isinstance(v, np.ndarray) for v in upload.values()), name
+        for key, value in upload.items():
+            if value.dtype.kind == "f":
+                assert np.isfinite(value).all(), f"{name}: {key} not finite"
+        shared = run.method.shared_keys(run.models[agent])
+        if shared:
+            changed = [k for k in shared if not np.array_equal(upload[k], run.payloads[agent][k])]
+            assert changed, f"{name}: local update left every shared tensor as received"
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_upload_is_shared_keys_plus_stats_and_no_personal_key(name):
+    run = run_round(name)
+    for agent in AGENTS:
+        model, method = run.models[agent], run.method
+        upload = run.uploads[agent]
+        params = {k for k in upload if "/" not in k}
+        others = set(upload) - params
+        assert all(k.startswith(STAT) for k in others), f"{name}: non-stat namespaced keys {others}"
+        assert params <= set(model.state_dict()), f"{name}: uploads keys that are not model tensors"
+        allowed_personal = {k for k in params if uploaded_personal_ok(method, k)}
+        assert params - allowed_personal == set(method.shared_keys(model))
+        leaked = (params & personal_keys(method, model)) - allowed_personal
+        assert not leaked, f"{name}: personal tensors leaked into the upload: {sorted(leaked)[:5]}"
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_upload_passes_check_update_and_tampering_is_rejected(name):
+    run = run_round(name)
+    method, update = run.method, run.updates[0]
+    method.check_update(run.state0, update)  # as the coordinator does; must not raise
+    shared = sorted(run.state0.shared_params())
+    if shared:
+        missing = {k: v for k, v in update.tensors.items() if k != shared[0]}
+        with pytest.raises(UpdateRejected):
+            method.check_update(run.state0, ClientUpdate(update.agent_id, update.num_samples, missing))
+        wrong = dict(update.tensors)
+        wrong[shared[0]] = np.zeros(update.tensors[shared[0]].shape + (2,), dtype=np.float32)
+        with pytest.raises(UpdateRejected):
+            method.check_update(run.state0, ClientUpdate(update.agent_id, update.num_samples, wrong))
+    model = run.models[update.agent_id]
+    leakable = sorted(k for k in personal_keys(method, model) if not uploaded_personal_ok(method, k))
+    if leakable:
+        leak = dict(update.tensors)
+        leak[leakable[0]] = method.personal_state(model)[leakable[0]]
+        with pytest.raises(UpdateRejected):
+            method.check_update(run.state0, ClientUpdate(update.agent_id, update.num_samples, leak))
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_personal_state_survives_safetensors_save_load(name, tmp_path):
+    run = run_round(name)
+    method, model = run.method, run.models["agent-a"]
+    personal = method.personal_state(model)
+    shared = method.shared_params(model)
+    assert set(personal).isdisjoint(shared)
+    assert set(personal) | set(shared) == set(model.state_dict()), f"{name}: state neither shared nor personal"
+    path = tmp_path / "personal.safetensors"
+    save_file(personal, str(path))
+
+    fresh = build(method, 999)
+    x = x_eval()
+    trained = model.state_dict()
+    assert any(not torch.equal(v, trained[k]) for k, v in fresh.state_dict().items())  # the test can fail
+    load_tensors(fresh, load_file(str(path)))
+    load_tensors(fresh, shared)
+    assert torch.equal(eval_logits(method, fresh, x), eval_logits(method, model, x)), \
+        f"{name}: a model rebuilt from saved personal state + shared params predicts differently"
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_inference_is_deterministic_in_eval_mode(name):
+    run = run_round(name)
+    model = copy.deepcopy(run.models["agent-a"])
+    x = x_eval()
+    first = eval_logits(run.method, model, x)
+    second = eval_logits(run.method, model, x)
+    assert first.shape == (len(x), NUM_CLASSES)
+    assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_evaluate_keeps_shared_params_and_repeats_exactly(name):
+    """Evaluation may refit personal parts on training data (RepPer's stage 2 does),
+    but must not touch what is uploaded, and evaluating twice gives the same answer."""
+    run = run_round(name)
+    method = run.method
+    model = copy.deepcopy(run.models["agent-b"])
+    shared_before = method.shared_params(model)
+    data = CLIENTS["agent-b"].to_torch()
+    first = method.evaluate(model, data, make_ctx(1, 5))
+    assert first.total == CLIENTS["agent-b"].num_test and 0 <= first.correct <= first.total
+    assert np.isfinite(first.loss)
+    shared_after = method.shared_params(model)
+    assert all(np.array_equal(shared_before[k], shared_after[k]) for k in shared_before), \
+        f"{name}: evaluate changed shared parameters"
+    second = method.evaluate(model, data, make_ctx(1, 5))
+    assert (second.correct, second.loss) == (first.correct, first.loss)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_exported_encoder_and_device_head_reproduce_logits(name):
+    run = run_round(name)
+    method, model = run.method, copy.deepcopy(run.models["agent-a"])
+    head = method.device_head(model)
+    if head is None:
+        pytest.skip(f"{name} has no torch device head")
+    x = x_eval()
+    model.eval()
+    with torch.no_grad():
+        exported = head(method.encoder_module(model)(x))
+    torch.testing.assert_close(exported, eval_logits(method, model, x), rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- server side
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_server_step_keeps_shapes_dtypes_and_is_checkpointable(name):
+    run = run_round(name)
+    before, after = run.state0, run.state1
+    assert set(after.shared_params()) == set(before.shared_params())
+    for key, ref in before.global_tensors.items():
+        if key in after.global_tensors:
+            got = after.global_tensors[key]
+            assert got.shape == ref.shape and got.dtype == ref.dtype, f"{name}: {key} changed shape or dtype"
+    tensors = [*after.global_tensors.values(), *(v for t in after.client_tensors.values() for v in t.values())]
+    assert all(isinstance(v, np.ndarray) for v in tensors), f"{name}: server state must be numpy only"
+    assert all(np.isfinite(v).all() for v in tensors if v.dtype.kind == "f")
+    json.dumps(after.extra)  # checkpointed as JSON
+    restored = ServerState.from_flat(after.to_flat(), after.extra)
+    assert set(restored.global_tensors) == set(after.global_tensors)
+    assert {a: set(t) for a, t in restored.client_tensors.items()} == {a: set(t) for a, t in after.client_tensors.items()}
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_default_server_step_is_the_sample_weighted_mean(name):
+    run = run_round(name)
+    if type(run.method).server_step is not Method.server_step:
+        pytest.skip(f"{name} has its own server step")
+    n = np.array([u.num_samples for u in run.updates], dtype=np.float64)
+    for key, got in run.state1.shared_params().items():
+        want = sum(ni * u.tensors[key].astype(np.float64) for ni, u in zip(n, run.updates)) / n.sum()
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=f"{name}: {key}")
+
+
+def test_fedavg_aggregates_every_parameter_by_sample_count():
+    run = run_round("fedavg")
+    na, nb = CLIENTS["agent-a"].num_train, CLIENTS["agent-b"].num_train
+    assert na != nb
+    ua, ub = run.uploads["agent-a"], run.uploads["agent-b"]
+    assert set(run.state1.shared_params()) == set(run.method.shared_keys(run.models["agent-a"]))
+    plain = weighted_mean([ua, ub])
+    differs_from_plain_mean = False
+    for key, got in run.state1.shared_params().items():
+        want = (na * ua[key].astype(np.float64) + nb * ub[key].astype(np.float64)) / (na + nb)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=key)
+        differs_from_plain_mean |= not np.allclose(got, plain[key], rtol=1e-6, atol=1e-7)
+    assert differs_from_plain_mean  # weights really are the sample counts, not uniform
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_payload_loads_with_receive_into_a_fresh_model(name):
+    run = run_round(name)
+    method = run.method
+    for agent in (*AGENTS, "agent-new"):  # a newly joined agent gets a payload too
+        payload = method.payload_for(run.state1, agent)
+        fresh = build(method, 7)
+        method.receive(fresh, payload, make_ctx(1, 3))
+        sd = fresh.state_dict()
+        for key, value in payload.items():
+            if "/" not in key:
+                assert np.array_equal(sd[key].cpu().numpy(), value), f"{name}: {key} not loaded as sent"
+        assert torch.isfinite(eval_logits(method, fresh, x_eval())).all()
+
+
+# --------------------------------------------------------------------------- wire
+
+
+def assert_bit_exact(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert set(got) == set(want)
+    for key, value in want.items():
+        arr = np.asarray(value)
+        assert got[key].dtype == arr.dtype and got[key].shape == arr.shape, key
+        assert got[key].tobytes() == np.ascontiguousarray(arr).tobytes(), key
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_task_and_update_messages_round_trip_bit_exactly(name):
+    run = run_round(name)
+    agent = "agent-a"
+    task_id = uuid.uuid4().hex
+    payload = run.method.payload_for(run.state1, agent)
+    task_meta = TaskMeta(task_id=task_id, kind="train", run={"method": {"name": name}}, seed=3, deadline_s=60.0)
+    task = decode(encode(MessageType.TASK, federation="contract", sender="coordinator", round=1,
+                         meta=task_meta, tensors=payload))
+    assert task.type == MessageType.TASK and task.meta == task_meta
+    assert_bit_exact(task.tensors, payload)
+
+    upload = run.uploads[agent]
+    meta = UpdateMeta(task_id=task_id, kind="train", num_train=CLIENTS[agent].num_train,
+                      num_test=CLIENTS[agent].num_test, eval_correct=run.eval_correct[agent])
+    update = decode(encode(MessageType.UPDATE, federation="contract", sender=agent, round=0, meta=meta, tensors=upload))
+    assert update.type == MessageType.UPDATE and update.meta == meta
+    assert_bit_exact(update.tensors, upload)
+    # what the coordinator decodes is still a valid update for the server state
+    run.method.check_update(run.state0, ClientUpdate(agent, meta.num_train, update.tensors))
