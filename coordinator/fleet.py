@@ -84,6 +84,7 @@ class MqttFleet(Fleet):
             will=(self._presence, self._frame(CoordinatorMeta(state="offline"))),
             birth=lambda: (self._presence, self._frame(self._meta), True),
             max_message_bytes=broker.max_message_bytes,
+            max_payload_bytes=broker.max_payload_bytes,
             keepalive_s=broker.keepalive_s,
             on_reject=lambda topic, reason, detail: self.on_reject(None, reason, detail),
         )

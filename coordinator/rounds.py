@@ -270,7 +270,7 @@ class Coordinator:
             return
         agent_id = incoming.agent_id
         try:
-            message = decode(incoming.frame)
+            message = decode(incoming.frame, max_bytes=self.config.broker.max_payload_bytes)
         except ProtocolError as exc:
             self._reject(agent_id, exc.reason, exc.detail)
             return

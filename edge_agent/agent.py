@@ -117,6 +117,7 @@ class Agent:
             will=(status_topic, self._status_frame("offline")),
             birth=lambda: (status_topic, self._status_frame("online"), True),
             max_message_bytes=c.broker.max_message_bytes,
+            max_payload_bytes=c.broker.max_payload_bytes,
             keepalive_s=c.broker.keepalive_s,
         )
         self.transport.start(timeout=120)

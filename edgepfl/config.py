@@ -75,6 +75,7 @@ class BrokerConfig(_Strict):
     username: str | None = None
     password: str | None = None
     max_message_bytes: int = Field(1_000_000, ge=16_384, description="larger payloads travel in chunks")
+    max_payload_bytes: int = Field(256 * 2**20, ge=16_384, description="largest whole message accepted")
     keepalive_s: int = Field(30, ge=5)
 
 

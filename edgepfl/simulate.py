@@ -94,7 +94,7 @@ def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str
         specs = [(a, i, "trainer") for i, a in enumerate(ids)]
         specs += [(a, agents + i, "head") for i, a in enumerate(agent_ids(head_agents, "device"))]
         for agent_id, index, tier in specs:
-            procs.append(_spawn_agent(config, out, url, agent_id, index, tier, head, n_threads))
+            procs.append(spawn_agent(config, out, url, agent_id, index, tier, head, n_threads))
         fleet = MqttFleet(config.federation, config.broker, url=url)
         coordinator = Coordinator(config, fleet, out, progress=progress, **shape)
         rows = coordinator.run()
@@ -103,7 +103,7 @@ def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str
     finally:
         if fleet is not None:
             fleet.close()
-        _stop_all(procs)
+        stop_agents(procs)
         if embedded is not None:
             embedded.stop()
 
@@ -118,7 +118,9 @@ def agent_config(config: RunConfig, out: Path, url: str, agent_id: str, index: i
     )
 
 
-def _spawn_agent(config, out: Path, url, agent_id, index, tier, head, threads) -> subprocess.Popen:
+def spawn_agent(config: RunConfig, out: Path, url: str, agent_id: str, index: int, tier: str = "trainer",
+                head: str = "lr", threads: int | None = 1) -> subprocess.Popen:
+    """Start one ``edgepfl agent`` process for partition ``index``; its log goes to ``out/agents/<id>.log``."""
     cfg = agent_config(config, out, url, agent_id, index, tier, head, threads)
     cfg_path = out / "agents" / f"{agent_id}.yaml"
     cfg_path.parent.mkdir(parents=True, exist_ok=True)
@@ -129,7 +131,8 @@ def _spawn_agent(config, out: Path, url, agent_id, index, tier, head, threads) -
                             stdout=logf, stderr=subprocess.STDOUT, env=env)
 
 
-def _stop_all(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
+def stop_agents(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
+    """SIGTERM (agents publish their offline status), then SIGKILL after ``grace`` seconds."""
     for p in procs:
         if p.poll() is None:
             p.terminate()

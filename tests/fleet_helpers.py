@@ -1,0 +1,92 @@
+"""Helpers for tests that run real agent processes against a real broker."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from edgepfl.config import RunConfig, parse_config
+from edgepfl.simulate import agent_ids, data_shape, prepare, spawn_agent, stop_agents
+
+
+def run_config(federation: str | None = None, **overrides) -> RunConfig:
+    """A small, fast FMNIST federation (falls back to digits only where FMNIST is absent)."""
+    base = {
+        "federation": federation or f"t{uuid.uuid4().hex[:10]}",
+        "method": {"name": "fedavg"},
+        "model": {"arch": "cnn", "feature_dim": 32},
+        "train": {"epochs": 1, "batch_size": 32, "lr": 0.05},
+        "data": {"dataset": "auto", "samples_per_client": 200, "partition": {"kind": "dirichlet", "alpha": 0.5}},
+        "rounds": 3,
+        "round_timeout_s": 60,
+        "wait_for_agents_s": 180,
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            base[key] = {**base[key], **value}
+        else:
+            base[key] = value
+    return parse_config(RunConfig, base, "test config")
+
+
+class RunningFleet:
+    """N real agent processes for one federation; stops them on exit."""
+
+    def __init__(self, config: RunConfig, out: Path, url: str, agents: int):
+        self.config = prepare(config, agents)
+        self.out = Path(out)
+        self.url = url
+        self.ids = agent_ids(agents)
+        self.procs = {}
+
+    def start_agent(self, index: int):
+        agent_id = self.ids[index]
+        self.procs[agent_id] = spawn_agent(self.config, self.out, self.url, agent_id, index)
+        return self.procs[agent_id]
+
+    def __enter__(self) -> RunningFleet:
+        for i in range(len(self.ids)):
+            self.start_agent(i)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stop_agents(list(self.procs.values()))
+
+    def log(self, agent_id: str) -> str:
+        path = self.out / "agents" / f"{agent_id}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def shape(self) -> dict:
+        return data_shape(self.config)
+
+
+def run_in_thread(target) -> tuple[threading.Thread, dict]:
+    box: dict = {}
+
+    def wrapper():
+        try:
+            box["result"] = target()
+        except BaseException as exc:  # surfaced by the test
+            box["error"] = exc
+
+    thread = threading.Thread(target=wrapper, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def read_rows(out: Path) -> list[dict]:
+    path = Path(out) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"{what} not reached within {timeout}s")
