@@ -1,0 +1,34 @@
+"""ONNX export of frozen encoders, personalized heads, offline head fitting and prediction.
+
+* :mod:`export.onnx_export` — :func:`export_run`: a run's encoder -> ``encoder.onnx`` +
+  ``manifest.json`` (+ ``global_heads.safetensors``); needs torch.
+* :mod:`export.heads` — heads as scikit-learn estimators (SVM, LR, MLP, DualFed, FedPick),
+  their ONNX export, :class:`~export.heads.OnnxHead` and :func:`~export.heads.fuse`.
+* :mod:`export.fit_head` / :mod:`export.predict` — ``edgepfl fit-head`` and ``edgepfl predict``.
+* :mod:`export.quantize` — int8 / fp16 encoder variants and their accuracy change.
+
+Importing this package imports nothing heavy; names are resolved on first use so the
+torch-free head tier can use the heads and the predictor without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "export_run": "onnx_export", "export_state": "onnx_export", "load_run": "onnx_export",
+    "read_release": "onnx_export", "ExportError": "onnx_export",
+    "make_head": "heads", "head_to_onnx": "heads", "fuse": "heads", "OnnxHead": "heads", "HEAD_KINDS": "heads",
+    "OnnxEncoder": "predict", "main_predict": "predict", "main_fit_head": "fit_head",
+    "quantize_encoder": "quantize", "accuracy_change": "quantize",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'export' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+__all__ = sorted(_LAZY)

@@ -1,0 +1,239 @@
+"""Head tier: a frozen ONNX encoder and a personal head, without torch.
+
+A head agent (a Raspberry Pi, say) never trains the encoder. For each encoder release
+it receives, :class:`HeadRuntime`:
+
+1. verifies the artifact against the release's sha256 and the manifest, opens it with
+   onnxruntime and checks its input shape against the local data — a mismatched or
+   corrupt release is refused with a logged error and the current one stays in use;
+2. computes features of the local train and held-out images;
+3. fits its head (sklearn: ``svm``, ``lr``, ``mlp``) — or loads a head fitted offline
+   for exactly this encoder (``head.offline.onnx`` in the state directory; head kind
+   ``onnx`` requires one);
+4. evaluates on the held-out split, keeps encoder + head on disk (atomic writes, files
+   named by content so a crash never mixes two releases) and serves predictions.
+
+Only numpy, onnxruntime and scikit-learn are imported here (and skl2onnx to save a
+fitted sklearn head); a test asserts torch never is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgepfl.atomic import write_bytes, write_json
+from edgepfl.data.client import ClientData
+from export.heads import META_ENCODER_SHA, OnnxHead, head_to_onnx, make_head
+from export.predict import OnnxEncoder
+
+log = logging.getLogger("edgepfl.agent.head")
+
+STATE_FILE = "release.json"
+OFFLINE_HEAD = "head.offline.onnx"
+
+
+class ReleaseRefused(ValueError):
+    """A release that cannot be installed; the previous one stays in use."""
+
+
+class HeadRuntime:
+    """Encoder release -> features -> personal head -> metrics and predictions, torch-free.
+
+    ``head_kind``: ``"svm"``, ``"lr"``, ``"mlp"`` (fitted on device, unless a matching
+    offline head is present) or ``"onnx"`` (only an offline head, e.g. DualFed / FedPick
+    heads fitted with ``edgepfl fit-head``). ``data``: the device's own images, normalized
+    as the federation's (the manifest's preprocessing).
+    """
+
+    def __init__(self, state_dir: str | Path, head_kind: str, data: ClientData, *, threads: int | None = None,
+                 head_params: dict[str, Any] | None = None):
+        self.state_dir = Path(state_dir)
+        self.head_kind = head_kind
+        self.data = data
+        self.threads = threads
+        self.head_params = dict(head_params or {})
+        self.encoder: OnnxEncoder | None = None
+        self.head: OnnxHead | None = None
+        self.record: dict[str, Any] | None = None
+
+    # ---------------------------------------------------------------- state
+    @property
+    def release_id(self) -> str | None:
+        return self.record["release_id"] if self.record else None
+
+    @property
+    def ready(self) -> bool:
+        return self.encoder is not None and self.head is not None
+
+    def load(self) -> dict[str, Any]:
+        """Restore the last installed release from disk; returns its metrics.
+
+        Raises ``FileNotFoundError`` when nothing was installed yet and ``ValueError``
+        when the files on disk do not match their record.
+        """
+        path = self.state_dir / STATE_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"no release installed in {self.state_dir}")
+        record = json.loads(path.read_text())
+        enc_bytes = (self.state_dir / record["encoder_file"]).read_bytes()
+        head_bytes = (self.state_dir / record["head_file"]).read_bytes()
+        if _sha(head_bytes) != record["head_sha256"]:
+            raise ValueError(f"{record['head_file']} does not match {STATE_FILE}")
+        encoder = OnnxEncoder(enc_bytes, record["manifest"], threads=self.threads,
+                              expected_sha256=record["encoder_sha256"])
+        head = OnnxHead(self.state_dir / record["head_file"], self.threads).fit()
+        self.encoder, self.head, self.record = encoder, head, record
+        log.info("restored release %s with a %s head (accuracy %.4f)", record["release_id"], record["metrics"]["head"],
+                 record["metrics"]["accuracy"])
+        return dict(record["metrics"])
+
+    # ---------------------------------------------------------------- releases
+    def install_release(self, manifest: dict[str, Any], artifact: bytes, expected_sha256: str) -> dict[str, Any]:
+        """Verify, install and fit on a new encoder release; returns the held-out metrics.
+
+        Metrics: ``accuracy``, ``eval_correct``, ``num_train``, ``num_test``,
+        ``train_accuracy``, ``head``, ``release_id``, ``fit_seconds``, ``feature_seconds``.
+        Raises :class:`ReleaseRefused` (after logging why) and keeps the current release
+        when the artifact does not match its sha256, is not a loadable ONNX encoder, or
+        does not fit this device's data.
+        """
+        release_id = str(manifest.get("release_id") or f"sha256-{expected_sha256[:12]}")
+        current = self.release_id
+
+        def refuse(reason: str) -> ReleaseRefused:
+            log.error("release %s refused: %s; keeping %s", release_id, reason,
+                      f"release {current}" if current else "no release (none installed yet)")
+            return ReleaseRefused(f"release {release_id} refused: {reason}")
+
+        digest = _sha(artifact)
+        if digest != expected_sha256:
+            raise refuse(f"sha256 mismatch: artifact is {digest[:16]}…, release says {expected_sha256[:16]}…")
+        declared = (manifest.get("encoder") or {}).get("sha256", digest)
+        if declared != digest:
+            raise refuse(f"sha256 mismatch: artifact is {digest[:16]}…, manifest says {str(declared)[:16]}…")
+        if self.record and self.record["encoder_sha256"] == digest and self.ready:
+            log.info("release %s already installed", release_id)
+            return dict(self.record["metrics"])
+        want = list(self.data.input_shape)
+        got = list(manifest.get("input", {}).get("shape") or [])
+        if got != want:
+            raise refuse(f"input shape mismatch: encoder takes {got}, local data is {want}")
+        try:
+            encoder = OnnxEncoder(artifact, manifest, threads=self.threads, expected_sha256=digest)
+        except Exception as exc:  # onnxruntime raises its own types for a corrupt graph
+            raise refuse(f"not a loadable ONNX encoder ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+        try:
+            start = time.perf_counter()
+            f_train = encoder.features(self.data.x_train)
+            f_test = encoder.features(self.data.x_test)
+            feature_seconds = time.perf_counter() - start
+        except Exception as exc:
+            raise refuse(f"encoder failed on local data ({type(exc).__name__}: {str(exc)[:200]})") from None
+        if not (np.isfinite(f_train).all() and np.isfinite(f_test).all()):
+            raise refuse("encoder produced NaN or Inf features on local data")
+
+        start = time.perf_counter()
+        head_bytes, head_name = self._head_for(digest, f_train, refuse)
+        head_path = self.state_dir / f"head-{digest[:16]}.onnx"
+        write_bytes(head_path, head_bytes)
+        head = OnnxHead(head_path, self.threads).fit()
+        fit_seconds = time.perf_counter() - start
+
+        pred_train = head.predict(f_train)
+        pred_test = head.predict(f_test)
+        correct = int((pred_test == self.data.y_test).sum())
+        metrics = {
+            "accuracy": correct / max(1, self.data.num_test),
+            "eval_correct": correct,
+            "train_accuracy": float((pred_train == self.data.y_train).mean()) if self.data.num_train else float("nan"),
+            "num_train": int(self.data.num_train),
+            "num_test": int(self.data.num_test),
+            "head": head_name,
+            "release_id": release_id,
+            "fit_seconds": fit_seconds,
+            "feature_seconds": feature_seconds,
+        }
+        enc_name = f"encoder-{digest[:16]}.onnx"
+        write_bytes(self.state_dir / enc_name, artifact)
+        old = self.record
+        record = {
+            "release_id": release_id, "manifest": manifest, "encoder_file": enc_name, "encoder_sha256": digest,
+            "head_file": head_path.name, "head_sha256": _sha(head_bytes), "metrics": metrics,
+            "installed": time.time(),
+        }
+        write_json(self.state_dir / STATE_FILE, record)  # the switch: written last
+        self.encoder, self.head, self.record = encoder, head, record
+        self._remove_old(old)
+        log.info("release %s installed: %s head, held-out accuracy %.4f (%d/%d), fit %.2f s", release_id, head_name,
+                 metrics["accuracy"], correct, self.data.num_test, fit_seconds)
+        return dict(metrics)
+
+    def _head_for(self, encoder_sha: str, f_train: np.ndarray, refuse) -> tuple[bytes, str]:
+        """(ONNX bytes, kind) of the head for this encoder: the offline one if it matches, else fitted."""
+        offline = self.state_dir / OFFLINE_HEAD
+        if offline.is_file():
+            try:
+                cand = OnnxHead(offline, self.threads).fit()
+            except Exception as exc:
+                log.warning("ignoring %s: %s", offline, exc)
+            else:
+                if cand.encoder_sha256_ == encoder_sha and cand.n_features_in_ == f_train.shape[1]:
+                    log.info("using the offline %s head %s", cand.head_kind_, offline)
+                    return offline.read_bytes(), cand.head_kind_
+                log.warning("%s was fitted for another encoder (%s); not used", offline,
+                            (cand.encoder_sha256_ or "unknown")[:12])
+        if self.head_kind == "onnx":
+            raise refuse(f"head kind 'onnx' needs {offline} fitted for encoder {encoder_sha[:12]} "
+                         "(edgepfl fit-head --encoder … --out head.onnx)")
+        try:
+            head = make_head(self.head_kind, **self.head_params).fit(f_train, self.data.y_train)
+            data = head_to_onnx(head, f_train.shape[1], metadata={META_ENCODER_SHA: encoder_sha})
+        except ValueError as exc:
+            raise refuse(f"cannot fit a {self.head_kind} head on local data: {exc}") from None
+        return data, self.head_kind
+
+    def _remove_old(self, old: dict[str, Any] | None) -> None:
+        if not old:
+            return
+        keep = {self.record["encoder_file"], self.record["head_file"]}
+        for name in (old.get("encoder_file"), old.get("head_file")):
+            if name and name not in keep:
+                (self.state_dir / name).unlink(missing_ok=True)
+
+    # ---------------------------------------------------------------- serving
+    def _require(self) -> None:
+        if not self.ready:
+            raise RuntimeError("no encoder release installed yet")
+
+    def features(self, x: np.ndarray) -> np.ndarray:
+        """Encoder features of normalized inputs (N, C, H, W)."""
+        self._require()
+        return self.encoder.features(x)
+
+    def predict_proba(self, x: np.ndarray) -> np.ndarray:
+        """Class probabilities (N, K) for normalized inputs (N, C, H, W); columns: :attr:`classes`."""
+        return self.head.predict_proba(self.features(x))
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        """Predicted labels for normalized inputs (N, C, H, W)."""
+        return self.head.predict(self.features(x))
+
+    @property
+    def classes(self) -> np.ndarray:
+        self._require()
+        return self.head.classes_
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+__all__ = ["HeadRuntime", "ReleaseRefused"]

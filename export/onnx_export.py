@@ -1,0 +1,333 @@
+"""Export a run's frozen encoder to ONNX, with a manifest a device can verify and follow.
+
+:func:`export_run` reads ``<run>/checkpoint`` (any method), rebuilds the model, loads
+the federation's shared parameters and writes to ``out_dir``:
+
+* ``encoder.onnx`` — the method's :meth:`~edgepfl.methods.Method.encoder_module` in
+  eval mode: input ``input`` float32 ``(N, C, H, W)`` (dynamic batch), output
+  ``features`` float32 ``(N, feature_dim)``;
+* ``global_heads.safetensors`` — the shared parameters outside the encoder (FedAvg's
+  classifier, DualFed's ``h_s``, FedPick's ``C_g``): what a new client takes from the
+  federation for a DualFed / FedPick head; absent when the method shares no head;
+* optional quantized variants (``encoder.int8.onnx``, ``encoder.fp16.onnx``);
+* ``manifest.json`` (written last) — method, round, input shape / dtype, preprocessing,
+  feature dimension, class names, opset, sha256 of every file, head kinds, the BatchNorm
+  statistics' origin, the torch/onnxruntime parity measured at export, version, time.
+
+BatchNorm statistics that a method keeps personal (DualFed's running mean / var,
+FedPick's and FedBN's whole BN layers) are not in the checkpoint. A frozen encoder
+needs *some* statistics, so they are re-estimated on calibration images (by default
+the training images of the run's own clients, read through the run's data config) and
+the manifest says so; without data they stay at their initial values, logged.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import io
+import json
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgepfl import __version__
+from edgepfl.atomic import write_bytes, write_json, write_tensors
+
+from .heads import OPSET, make_session
+
+log = logging.getLogger(__name__)
+
+FORMAT = "edgepfl.encoder/1"
+INPUT_NAME = "input"
+OUTPUT_NAME = "features"
+ENCODER_FILE = "encoder.onnx"
+GLOBAL_HEADS_FILE = "global_heads.safetensors"
+MANIFEST_FILE = "manifest.json"
+#: torch vs onnxruntime tolerance; an export above it is an error, not a warning
+PARITY_TOLERANCE = 1e-4
+CALIBRATION_SAMPLES = 1024
+
+
+class ExportError(RuntimeError):
+    """The run cannot be exported, or the exported graph disagrees with torch."""
+
+
+@dataclass
+class LoadedRun:
+    """A run's model rebuilt from its checkpoint, with the shared parameters loaded."""
+
+    method: Any
+    model: Any
+    state: Any
+    meta: dict[str, Any]
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | Path) -> str:
+    return sha256_bytes(Path(path).read_bytes())
+
+
+def build_from_meta(meta: dict[str, Any]):
+    """(method, model) for a checkpoint's meta: the model as the coordinator built it."""
+    from edgepfl.config import ModelSpec
+    from edgepfl.methods import create_method
+
+    method = create_method(meta["method"], meta.get("method_options") or {})
+    model = method.build_model(ModelSpec(**meta["model"]), tuple(meta["input_shape"]), int(meta["num_classes"]))
+    return method, model
+
+
+def load_run(run_dir: str | Path) -> LoadedRun:
+    """Rebuild the model of ``run_dir`` (its ``checkpoint/``) with the federation's shared params."""
+    from coordinator.checkpoint import load_checkpoint
+    from edgepfl.methods.base import load_tensors
+
+    run_dir = Path(run_dir)
+    ckpt = run_dir / "checkpoint" if (run_dir / "checkpoint").is_dir() else run_dir
+    loaded = load_checkpoint(ckpt)
+    if loaded is None:
+        raise ExportError(f"no checkpoint in {ckpt} (expected state.json + state.safetensors)")
+    state, meta = loaded
+    method, model = build_from_meta(meta)
+    load_tensors(model, state.shared_params())
+    model.eval()
+    return LoadedRun(method, model, state, meta)
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, *, quantize: list[str] | tuple[str, ...] = (),
+               calibration: np.ndarray | None = None) -> Path:
+    """Export ``run_dir``'s encoder (+ global heads) to ``out_dir``; returns the manifest path.
+
+    ``quantize``: variants to add, from ``"int8"`` (onnxruntime dynamic quantization) and
+    ``"fp16"``. ``calibration``: normalized images (N, C, H, W) for BatchNorm statistics
+    the checkpoint lacks; default: the run's clients' training images.
+    """
+    run = load_run(run_dir)
+    return export_loaded(run, out_dir, quantize=quantize, calibration=calibration)
+
+
+def export_state(state, meta: dict[str, Any], out_dir: str | Path, *, quantize: list[str] | tuple[str, ...] = (),
+                 calibration: np.ndarray | None = None) -> Path:
+    """Like :func:`export_run` from an in-memory server state and checkpoint meta (coordinator releases)."""
+    from edgepfl.methods.base import load_tensors
+
+    method, model = build_from_meta(meta)
+    load_tensors(model, state.shared_params())
+    model.eval()
+    return export_loaded(LoadedRun(method, model, state, meta), out_dir, quantize=quantize, calibration=calibration)
+
+
+def export_loaded(run: LoadedRun, out_dir: str | Path, *, quantize: list[str] | tuple[str, ...] = (),
+                  calibration: np.ndarray | None = None) -> Path:
+    """Write encoder, global heads, variants and manifest for a loaded run."""
+    import torch
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta, method, model = run.meta, run.method, run.model
+    encoder = method.encoder_module(model)
+    prefix = _module_prefix(model, encoder)
+    shared = run.state.shared_params()
+    input_shape = tuple(int(s) for s in meta["input_shape"])
+
+    bn_info = _prepare_batchnorm(encoder, prefix, shared, calibration, meta)
+    encoder.eval()
+    for p in encoder.parameters():
+        p.requires_grad_(False)
+
+    onnx_bytes = encoder_to_onnx(encoder, input_shape)
+    write_bytes(out_dir / ENCODER_FILE, onnx_bytes)
+    enc_sha = sha256_bytes(onnx_bytes)
+
+    probe = _probe_inputs(calibration, meta, input_shape)
+    with torch.no_grad():
+        ref = encoder(torch.from_numpy(probe)).numpy()
+    got = make_session(onnx_bytes).run([OUTPUT_NAME], {INPUT_NAME: probe})[0]
+    parity = float(np.abs(ref - got).max())
+    if parity > PARITY_TOLERANCE:
+        raise ExportError(f"onnxruntime disagrees with torch by {parity:.3g} (> {PARITY_TOLERANCE})")
+    feature_dim = int(ref.shape[1])
+
+    global_heads = {k: v for k, v in shared.items() if not _under(k, prefix)}
+    gh_entry = None
+    if global_heads:
+        write_tensors(out_dir / GLOBAL_HEADS_FILE, global_heads, metadata={"method": meta["method"]})
+        gh_entry = {
+            "file": GLOBAL_HEADS_FILE,
+            "sha256": sha256_file(out_dir / GLOBAL_HEADS_FILE),
+            "tensors": {k: list(v.shape) for k, v in sorted(global_heads.items())},
+        }
+    elif (out_dir / GLOBAL_HEADS_FILE).exists():
+        (out_dir / GLOBAL_HEADS_FILE).unlink()  # a stale file from an earlier export must not be picked up
+
+    variants = {}
+    if quantize:
+        from .quantize import quantize_encoder
+
+        for kind in quantize:
+            path = quantize_encoder(out_dir / ENCODER_FILE, kind)
+            variants[kind] = {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size}
+
+    norm = meta.get("normalization") or {}
+    manifest = {
+        "format": FORMAT,
+        "release_id": f"{meta['method']}-r{int(meta.get('round', -1))}-{enc_sha[:12]}",
+        "method": meta["method"],
+        "method_options": meta.get("method_options") or {},
+        "round": int(meta.get("round", -1)),
+        "model": meta["model"],
+        "input": {"name": INPUT_NAME, "shape": list(input_shape), "dtype": "float32", "layout": "NCHW",
+                  "dynamic_batch": True},
+        "output": {"name": OUTPUT_NAME, "dtype": "float32", "dim": feature_dim},
+        "feature_dim": feature_dim,
+        "preprocessing": {
+            "scale": 1 / 255,
+            "normalization": {"mean": list(norm.get("mean", [])), "std": list(norm.get("std", []))},
+            "description": "pixels (0..255) * scale, then (x - mean) / std per channel; "
+                           "grayscale when C = 1, RGB when C = 3; resized to H x W",
+        },
+        "num_classes": int(meta["num_classes"]),
+        "class_names": list(meta.get("class_names") or [str(i) for i in range(int(meta["num_classes"]))]),
+        "opset": OPSET,
+        "encoder": {"file": ENCODER_FILE, "sha256": enc_sha, "bytes": len(onnx_bytes)},
+        "sha256": enc_sha,
+        "global_heads": gh_entry,
+        "head_kinds": list(method.head_kinds),
+        "batchnorm": bn_info,
+        "parity_max_abs": parity,
+        "variants": variants,
+        "edgepfl_version": __version__,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    write_json(out_dir / MANIFEST_FILE, manifest)
+    log.info("exported %s round %d: %s (%d features, %d bytes, parity %.2g)", meta["method"], manifest["round"],
+             out_dir / ENCODER_FILE, feature_dim, len(onnx_bytes), parity)
+    return out_dir / MANIFEST_FILE
+
+
+def encoder_to_onnx(encoder, input_shape: tuple[int, ...]) -> bytes:
+    """Serialize an eval-mode encoder with a dynamic batch axis; checked with onnx.checker."""
+    import onnx
+    import torch
+
+    dummy = torch.zeros(2, *input_shape)
+    buf = io.BytesIO()
+    # The TorchScript exporter: deterministic, fast, and emits exactly the opset asked for,
+    # which the heads (skl2onnx) target too so encoder and head graphs can be fused.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            encoder, (dummy,), buf, dynamo=False, opset_version=OPSET,
+            input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+            dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
+        )
+    model = onnx.load_from_string(buf.getvalue())
+    onnx.checker.check_model(model, full_check=True)
+    return buf.getvalue()
+
+
+def read_release(out_dir: str | Path) -> tuple[dict[str, Any], bytes]:
+    """(manifest, encoder bytes) of an export directory, the bytes checked against the manifest."""
+    out_dir = Path(out_dir)
+    manifest = json.loads((out_dir / MANIFEST_FILE).read_text())
+    data = (out_dir / manifest["encoder"]["file"]).read_bytes()
+    if sha256_bytes(data) != manifest["encoder"]["sha256"]:
+        raise ExportError(f"{out_dir / manifest['encoder']['file']} does not match its manifest sha256")
+    return manifest, data
+
+
+# --------------------------------------------------------------------------- helpers
+def _module_prefix(model, module) -> str:
+    for name, mod in model.named_modules():
+        if mod is module:
+            return name
+    raise ExportError("the method's encoder_module is not a submodule of its model")
+
+
+def _under(key: str, prefix: str) -> bool:
+    return prefix == "" or key.startswith(prefix + ".")
+
+
+def _prepare_batchnorm(encoder, prefix: str, shared: dict[str, np.ndarray], calibration, meta) -> dict[str, Any]:
+    """Re-estimate BatchNorm running statistics the federation does not hold; describe what was done."""
+    import torch
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    def full(name: str) -> str:
+        return f"{prefix}.{name}" if prefix else name
+
+    missing = [(n, m) for n, m in encoder.named_modules()
+               if isinstance(m, _BatchNorm) and m.track_running_stats and full(n + ".running_mean") not in shared]
+    not_federated = sorted(k for k in (full(k) for k in encoder.state_dict())
+                           if k not in shared and not k.endswith("num_batches_tracked"))
+    info: dict[str, Any] = {"layers": sum(isinstance(m, _BatchNorm) for m in encoder.modules()),
+                            "encoder_keys_not_federated": not_federated}
+    if not missing:
+        info["statistics"] = "federated" if info["layers"] else "none"
+        return info
+    x = calibration if calibration is not None else _calibration_from_run(meta)
+    if x is None or len(x) < 2:
+        log.warning("%d BatchNorm layers keep personal statistics and no calibration data was found: "
+                    "the exported encoder uses their initial statistics", len(missing))
+        info["statistics"] = "initial"
+        return info
+    x = np.ascontiguousarray(x[:CALIBRATION_SAMPLES], dtype=np.float32)
+    encoder.eval()
+    saved = {}
+    for _, bn in missing:
+        saved[bn] = bn.momentum
+        bn.reset_running_stats()
+        bn.momentum = None  # cumulative average over all calibration batches
+        bn.train()
+    with torch.no_grad():
+        for start in range(0, len(x), 256):
+            batch = x[start : start + 256]
+            if len(batch) >= 2:
+                encoder(torch.from_numpy(batch))
+    for bn, momentum in saved.items():
+        bn.momentum = momentum
+    encoder.eval()
+    info.update(statistics="calibrated", calibration_samples=int(len(x)))
+    log.info("re-estimated %d personal BatchNorm layers on %d calibration images", len(missing), len(x))
+    return info
+
+
+def _calibration_from_run(meta: dict[str, Any]) -> np.ndarray | None:
+    """Training images of the run's clients (up to CALIBRATION_SAMPLES), via its data config."""
+    try:
+        from edgepfl.config import RunConfig
+        from edgepfl.data import load_client_data
+
+        spec = RunConfig.model_validate(meta["run"]).data
+        parts, n = [], 0
+        for i in range(spec.num_clients):
+            x = load_client_data(spec, i).x_train
+            parts.append(x)
+            n += len(x)
+            if n >= CALIBRATION_SAMPLES:
+                break
+        return np.concatenate(parts)[:CALIBRATION_SAMPLES] if parts else None
+    except Exception as exc:  # missing dataset, old meta: fall back to initial statistics (logged)
+        log.warning("no calibration data from the run's data config: %s", exc)
+        return None
+
+
+def _probe_inputs(calibration, meta, input_shape) -> np.ndarray:
+    if calibration is not None and len(calibration):
+        return np.ascontiguousarray(calibration[:64], dtype=np.float32)
+    return np.random.default_rng(0).normal(size=(16, *input_shape)).astype(np.float32)
+
+
+__all__ = [
+    "ENCODER_FILE", "GLOBAL_HEADS_FILE", "MANIFEST_FILE", "ExportError", "LoadedRun", "build_from_meta",
+    "encoder_to_onnx", "export_loaded", "export_run", "export_state", "load_run", "read_release", "sha256_bytes",
+    "sha256_file",
+]

@@ -1,0 +1,95 @@
+"""Smaller encoder variants and what they cost in accuracy.
+
+* ``int8`` — onnxruntime dynamic quantization (weights int8, activations quantized on
+  the fly); the usual choice for a Raspberry Pi CPU.
+* ``fp16`` — weights and activations in float16 with float32 inputs / outputs kept
+  (onnxruntime's own float16 converter); mostly useful on accelerators, as most CPU
+  kernels upcast.
+
+:func:`accuracy_change` measures, on one client's data, the head accuracy with the
+float32 encoder against each variant (head fitted on float32 features, as a device
+would after a float32 release), plus the largest feature difference.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("int8", "fp16")
+
+
+def quantize_encoder(src: str | Path, kind: str) -> Path:
+    """Write ``encoder.<kind>.onnx`` next to ``src``; returns its path."""
+    src = Path(src)
+    dst = src.with_name(f"{src.stem}.{kind}{src.suffix}")
+    if kind == "int8":
+        _int8(src, dst)
+    elif kind == "fp16":
+        _fp16(src, dst)
+    else:
+        raise ValueError(f"unknown quantization {kind!r}; choose from {', '.join(QUANTIZATIONS)}")
+    import onnx
+
+    onnx.checker.check_model(onnx.load(str(dst)))
+    return dst
+
+
+def _int8(src: Path, dst: Path) -> None:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # QUInt8 weights: the CPU kernels (ConvInteger, MatMulInteger) support it everywhere
+        quantize_dynamic(str(src), str(tmp), weight_type=QuantType.QUInt8)
+    tmp.replace(dst)
+
+
+def _fp16(src: Path, dst: Path) -> None:
+    import onnx
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    from edgepfl.atomic import write_bytes
+
+    model = convert_float_to_float16(onnx.load(str(src)), keep_io_types=True)
+    write_bytes(dst, model.SerializeToString())
+
+
+def accuracy_change(export_dir: str | Path, data, *, head: str = "lr",
+                    variants: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Head accuracy on ``data``'s held-out split: float32 encoder vs each variant in the manifest.
+
+    Returns ``{"fp32": {"accuracy": ...}, "int8": {"accuracy", "delta", "max_abs_feature_diff",
+    "bytes"}, ...}``. ``data`` is a :class:`~edgepfl.data.ClientData`.
+    """
+    import json
+
+    from .heads import make_head
+    from .predict import OnnxEncoder
+
+    export_dir = Path(export_dir)
+    manifest = json.loads((export_dir / "manifest.json").read_text())
+    base = OnnxEncoder.from_dir(export_dir)
+    f_train, f_test = base.features(data.x_train), base.features(data.x_test)
+    fitted = make_head(head).fit(f_train, data.y_train)
+    acc = float((fitted.predict(f_test) == data.y_test).mean())
+    report: dict[str, Any] = {"fp32": {"accuracy": acc, "bytes": manifest["encoder"]["bytes"]}}
+    for kind, entry in manifest.get("variants", {}).items():
+        if variants is not None and kind not in variants:
+            continue
+        enc = OnnxEncoder(export_dir / entry["file"], manifest)
+        g_test = enc.features(data.x_test)
+        acc_v = float((fitted.predict(g_test) == data.y_test).mean())
+        report[kind] = {"accuracy": acc_v, "delta": acc_v - acc, "bytes": entry["bytes"],
+                        "max_abs_feature_diff": float(np.abs(g_test - f_test).max())}
+    return report
+
+
+__all__ = ["QUANTIZATIONS", "accuracy_change", "quantize_encoder"]

@@ -1,0 +1,95 @@
+"""Small real federations for the export / heads / head-tier tests.
+
+:func:`make_run` trains a method for a couple of rounds in-process on scikit-learn's
+digits (always present) through the method interface exactly as the coordinator and
+agents call it, and writes a coordinator checkpoint; clients from ``NEW_CLIENT`` on
+never take part, so they play the new client of an offline head fit.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+
+from edgepfl.config import DataSpec, MethodSpec, ModelSpec, RunConfig, TrainConfig
+
+NUM_CLIENTS = 6
+TRAIN_CLIENTS = (0, 1, 2)
+NEW_CLIENT = 5
+
+
+def data_spec(dataset: str = "digits") -> DataSpec:
+    return DataSpec(dataset=dataset, num_clients=NUM_CLIENTS, seed=0)
+
+
+def client_data(index: int, dataset: str = "digits"):
+    from edgepfl.data import load_client_data
+
+    return load_client_data(data_spec(dataset), index)
+
+
+def client_pixels(index: int, dataset: str = "digits"):
+    """Raw pixels and labels of one client (train + test), as a device would store them."""
+    from edgepfl.data import client_indices, load_pool
+
+    spec = data_spec(dataset)
+    pool = load_pool(spec)
+    train, test = client_indices(spec, index)
+    idx = np.concatenate([train, test])
+    return np.asarray(pool.pixels[idx]), np.asarray(pool.y[idx]), list(pool.class_names)
+
+
+def make_run(run_dir: Path, method_name: str, *, options: dict | None = None, arch: str = "mlp",
+             dataset: str = "digits", rounds: int = 3, feature_dim: int = 32, epochs: int = 2) -> Path:
+    """Train ``method_name`` for ``rounds`` on TRAIN_CLIENTS and checkpoint it in ``run_dir``."""
+    import torch
+
+    from coordinator.checkpoint import save_checkpoint
+    from edgepfl.methods import ClientUpdate, LocalContext, create_method
+
+    torch.manual_seed(0)
+    options = dict(options or {})
+    method = create_method(method_name, options)
+    spec = ModelSpec(arch=arch, feature_dim=feature_dim)
+    train = TrainConfig(epochs=epochs, batch_size=32, lr=0.05, momentum=0.5)
+    datas = [client_data(i, dataset) for i in TRAIN_CLIENTS]
+    first = datas[0]
+    model = method.build_model(spec, first.input_shape, first.num_classes)
+    state = method.init_server(model)
+    models = [copy.deepcopy(model) for _ in datas]
+    for rnd in range(rounds):
+        updates = []
+        for i, (m, d) in enumerate(zip(models, datas)):
+            ctx = LocalContext(train=train, device="cpu", round=rnd, seed=0, num_classes=d.num_classes,
+                               generator=torch.Generator().manual_seed(1000 * rnd + i))
+            method.receive(m, method.payload_for(state, f"a{i}"), ctx)
+            res = method.local_update(m, d.to_torch(), ctx)
+            updates.append(ClientUpdate(f"a{i}", d.num_train, res.upload))
+        state = method.server_step(state, updates, rnd)
+    run = RunConfig(method=MethodSpec(name=method_name, **options), model=spec, train=train, data=data_spec(dataset),
+                    rounds=rounds)
+    meta = {
+        "round": rounds - 1,
+        "method": method_name,
+        "method_options": options,
+        "model": spec.model_dump(),
+        "input_shape": list(first.input_shape),
+        "num_classes": first.num_classes,
+        "class_names": list(first.class_names),
+        "normalization": first.normalization,
+        "run": run.model_dump(mode="json"),
+    }
+    save_checkpoint(Path(run_dir) / "checkpoint", state, meta)
+    return Path(run_dir)
+
+
+def export_dir(tmp: Path, method_name: str, **kwargs) -> Path:
+    """A trained run of ``method_name`` exported with :func:`export.onnx_export.export_run`."""
+    from export.onnx_export import export_run
+
+    run = make_run(tmp / f"run-{method_name}", method_name, **kwargs)
+    calibration = np.concatenate([client_data(i, kwargs.get("dataset", "digits")).x_train for i in TRAIN_CLIENTS])
+    export_run(run, tmp / f"export-{method_name}", calibration=calibration)
+    return tmp / f"export-{method_name}"
