@@ -1,0 +1,98 @@
+"""Shared fixtures: a real Mosquitto broker for the whole session, traffic capture.
+
+Tests start many agent processes on small machines; one BLAS thread per process
+keeps them from oversubscribing the cores. It must be set before torch (or
+numpy's BLAS) is first imported, hence at conftest import time.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Agent / coordinator subprocesses started by tests must import this checkout
+# even when the package is not pip-installed.
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+_pp = os.environ.get("PYTHONPATH", "")
+if str(REPO_ROOT) not in _pp.split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), _pp) if p)
+
+import pytest  # noqa: E402
+
+from edgepfl.broker import MosquittoBroker, TrafficCapture, find_mosquitto  # noqa: E402
+
+
+def _under_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--run-benchmarks",
+        action="store_true",
+        default=False,
+        help="also run tests marked 'benchmark' (long accuracy runs; off by default and in CI)",
+    )
+
+
+def pytest_configure(config):
+    # Registered here as well as in pyproject.toml so the markers exist however pytest is invoked.
+    config.addinivalue_line("markers", "slow: multi-process federation runs (run by default; deselect with -m 'not slow')")
+    config.addinivalue_line("markers", "benchmark: long accuracy benchmarks (run only with --run-benchmarks)")
+
+
+def pytest_collection_modifyitems(config, items):
+    # 'slow' tests are part of the default run: they are the end-to-end proofs.
+    if config.getoption("--run-benchmarks") or os.environ.get("EDGEPFL_BENCHMARKS") == "1":
+        return
+    skip = pytest.mark.skip(reason="benchmark: pass --run-benchmarks (or EDGEPFL_BENCHMARKS=1) to run")
+    for item in items:
+        if "benchmark" in item.keywords:
+            item.add_marker(skip)
+
+
+def require_mosquitto() -> str:
+    """Path of mosquitto; under CI its absence fails the test, elsewhere it skips."""
+    path = find_mosquitto()
+    if path:
+        return path
+    msg = "mosquitto is not installed: apt-get install mosquitto (or set EDGEPFL_MOSQUITTO)"
+    if _under_ci():
+        pytest.fail(msg + " — required under CI", pytrace=False)
+    pytest.skip(msg)
+
+
+@pytest.fixture(scope="session")
+def mosquitto():
+    """A running :class:`MosquittoBroker` on a free loopback port, shared by the session.
+
+    Tests that share it must use distinct federation names (or topics) so that
+    retained messages from one test don't leak into another.
+    """
+    require_mosquitto()
+    broker = MosquittoBroker()
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
+def broker_capture(mosquitto):
+    """A :class:`TrafficCapture` on the session broker, subscribed to ``#``, empty at test start.
+
+    It records only traffic published during the test (retained replays are skipped).
+    """
+    cap = TrafficCapture(mosquitto.url)
+    cap.start()
+    cap.clear()
+    try:
+        yield cap
+    finally:
+        cap.stop()
