@@ -220,11 +220,13 @@ class HeadRuntime:
 
     def predict_proba(self, x: np.ndarray) -> np.ndarray:
         """Class probabilities (N, K) for normalized inputs (N, C, H, W); columns: :attr:`classes`."""
-        return self.head.predict_proba(self.features(x))
+        features = self.features(x)
+        return self.head.predict_proba(features)
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         """Predicted labels for normalized inputs (N, C, H, W)."""
-        return self.head.predict(self.features(x))
+        features = self.features(x)
+        return self.head.predict(features)
 
     @property
     def classes(self) -> np.ndarray:

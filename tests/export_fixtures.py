@@ -93,3 +93,7 @@ def export_dir(tmp: Path, method_name: str, **kwargs) -> Path:
     calibration = np.concatenate([client_data(i, kwargs.get("dataset", "digits")).x_train for i in TRAIN_CLIENTS])
     export_run(run, tmp / f"export-{method_name}", calibration=calibration)
     return tmp / f"export-{method_name}"
+
+
+#: repository root, the working directory for subprocesses that import this checkout
+REPO_ROOT_HINT = str(Path(__file__).resolve().parent.parent)

@@ -1,0 +1,182 @@
+"""Head tier runtime: install, persist, restore, refuse bad releases, offline heads, no torch."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from edge_agent.head_tier import HeadRuntime, ReleaseRefused
+from export.onnx_export import read_release, sha256_bytes
+
+from export_fixtures import NEW_CLIENT, REPO_ROOT_HINT, client_data, export_dir
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rel")
+    first = export_dir(tmp, "fedavg", rounds=1)
+    second = export_dir(tmp, "dualfed", rounds=2)  # one round leaves h_s too weak for the logit sum
+    return [first, second]
+
+
+@pytest.fixture()
+def data():
+    return client_data(NEW_CLIENT)
+
+
+def _install(rt, release_dir):
+    manifest, artifact = read_release(release_dir)
+    return rt.install_release(manifest, artifact, manifest["sha256"])
+
+
+def test_install_fit_evaluate_persist_and_restore(releases, data, tmp_path):
+    rt = HeadRuntime(tmp_path / "state", "lr", data)
+    metrics = _install(rt, releases[0])
+    manifest, _ = read_release(releases[0])
+    assert metrics["release_id"] == manifest["release_id"] and metrics["head"] == "lr"
+    assert metrics["num_train"] == data.num_train and metrics["num_test"] == data.num_test
+    assert metrics["accuracy"] > 0.5 and metrics["eval_correct"] == round(metrics["accuracy"] * data.num_test)
+    assert metrics["fit_seconds"] >= 0
+    pred = rt.predict(data.x_test)
+    assert (pred == data.y_test).mean() == pytest.approx(metrics["accuracy"])
+    assert rt.predict_proba(data.x_test[:3]).shape == (3, len(rt.classes))
+
+    # a restarted agent restores encoder and head from disk, without refitting
+    again = HeadRuntime(tmp_path / "state", "lr", data)
+    assert again.load() == metrics
+    np.testing.assert_array_equal(again.predict(data.x_test), pred)
+    # the retained release delivered again is not refitted
+    assert _install(again, releases[0]) == metrics
+
+    # a new release replaces the old files
+    m2 = _install(rt, releases[1])
+    assert m2["release_id"] != metrics["release_id"]
+    onnx_files = sorted(p.name for p in (tmp_path / "state").glob("*.onnx"))
+    assert len(onnx_files) == 2 and all(sha256_bytes(read_release(releases[1])[1])[:16] in n for n in onnx_files)
+
+
+def test_nothing_installed_yet(tmp_path, data):
+    rt = HeadRuntime(tmp_path / "s", "svm", data)
+    with pytest.raises(FileNotFoundError):
+        rt.load()
+    with pytest.raises(RuntimeError, match="no encoder release"):
+        rt.predict(data.x_test)
+
+
+def _refused(rt, caplog, manifest, artifact, sha, match):
+    with caplog.at_level(logging.ERROR, logger="edgepfl.agent.head"):
+        with pytest.raises(ReleaseRefused, match=match):
+            rt.install_release(manifest, artifact, sha)
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("refused" in ln and match.split()[0] in ln for ln in lines), lines
+    caplog.clear()
+    return lines[-1]
+
+
+def test_tampered_or_corrupt_releases_are_refused_and_the_old_one_stays(releases, data, tmp_path, caplog):
+    state = tmp_path / "state"
+    rt = HeadRuntime(state, "svm", data)
+    good = _install(rt, releases[0])
+    before = rt.predict_proba(data.x_test)
+    record = (state / "release.json").read_bytes()
+    manifest, artifact = read_release(releases[1])
+
+    # tampered: one flipped byte, the release's checksum unchanged
+    bad = bytearray(artifact)
+    bad[len(bad) // 2] ^= 0xFF
+    line = _refused(rt, caplog, manifest, bytes(bad), manifest["sha256"], "sha256 mismatch")
+    assert manifest["release_id"] in line and good["release_id"] in line  # names the new and the kept release
+
+    # checksum consistent with the bytes, but the bytes are not an ONNX model
+    junk = b"not an onnx model" * 100
+    forged = dict(manifest, encoder=dict(manifest["encoder"], sha256=sha256_bytes(junk)))
+    _refused(rt, caplog, forged, junk, sha256_bytes(junk), "not a loadable ONNX")
+
+    # manifest and release header disagree
+    _refused(rt, caplog, manifest, artifact, "0" * 64, "sha256 mismatch")
+
+    # an encoder for other images (input shape) than this device holds
+    other = dict(manifest, input=dict(manifest["input"], shape=[3, 32, 32]))
+    _refused(rt, caplog, other, artifact, manifest["sha256"], "input shape mismatch")
+
+    # the old release is still served and still on disk
+    assert rt.release_id == good["release_id"]
+    np.testing.assert_array_equal(rt.predict_proba(data.x_test), before)
+    assert (state / "release.json").read_bytes() == record
+    restarted = HeadRuntime(state, "svm", data)
+    assert restarted.load() == good
+
+
+def test_offline_head_is_used_for_its_encoder_only(releases, data, tmp_path, caplog):
+    from export.fit_head import main_fit_head
+
+    state = tmp_path / "state"
+    state.mkdir()
+    npz = tmp_path / "d.npz"
+    from export_fixtures import client_pixels
+
+    px, y, _ = client_pixels(NEW_CLIENT)
+    np.savez(npz, x=px, y=y)
+    # a DualFed head fitted offline (needs torch) and shipped to a device that has none
+    assert main_fit_head(["--encoder", str(releases[1] / "encoder.onnx"), "--data", str(npz), "--head", "dualfed",
+                          "--out", str(state / "head.offline.onnx")]) == 0
+    rt = HeadRuntime(state, "onnx", data)
+    # for another encoder the offline head does not fit: an 'onnx' device refuses that release
+    _refused(rt, caplog, *_release_args(releases[0]), "head kind 'onnx' needs")
+    metrics = _install(rt, releases[1])
+    assert metrics["head"] == "dualfed" and metrics["accuracy"] > 0.5
+    # an 'lr' device with the same offline file prefers it for the matching encoder only
+    rt2 = HeadRuntime(tmp_path / "s2", "lr", data)
+    (tmp_path / "s2").mkdir()
+    (tmp_path / "s2" / "head.offline.onnx").write_bytes((state / "head.offline.onnx").read_bytes())
+    assert _install(rt2, releases[0])["head"] == "lr"
+    assert _install(rt2, releases[1])["head"] == "dualfed"
+
+
+def _release_args(release_dir):
+    manifest, artifact = read_release(release_dir)
+    return manifest, artifact, manifest["sha256"]
+
+
+def test_head_runtime_never_imports_torch(releases, data, tmp_path):
+    """The whole head path in a fresh interpreter: install, fit, save, restore, predict — no torch."""
+    manifest, artifact = read_release(releases[0])
+    (tmp_path / "encoder.onnx").write_bytes(artifact)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    np.savez(tmp_path / "data.npz", x_train=data.x_train, y_train=data.y_train, x_test=data.x_test,
+             y_test=data.y_test)
+    script = textwrap.dedent(f"""
+        import json, sys
+        from pathlib import Path
+        import numpy as np
+        from edge_agent.head_tier import HeadRuntime
+        from edgepfl.data.client import ClientData
+
+        tmp = Path({str(tmp_path)!r})
+        arrays = np.load(tmp / "data.npz")
+        data = ClientData(arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"], 10)
+        manifest = json.loads((tmp / "manifest.json").read_text())
+        out = {{}}
+        for kind in ("svm", "lr", "mlp"):
+            rt = HeadRuntime(tmp / kind, kind, data)
+            m = rt.install_release(manifest, (tmp / "encoder.onnx").read_bytes(), manifest["sha256"])
+            again = HeadRuntime(tmp / kind, kind, data)
+            again.load()
+            same = bool((again.predict(data.x_test) == rt.predict(data.x_test)).all())
+            out[kind] = {{"accuracy": m["accuracy"], "same_after_restart": same}}
+        out["torch_imported"] = sorted(k for k in sys.modules if k == "torch" or k.startswith("torch."))
+        print(json.dumps(out))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=REPO_ROOT_HINT)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result.pop("torch_imported") == []
+    for kind, r in result.items():
+        assert r["accuracy"] > 0.5 and r["same_after_restart"], (kind, r)

@@ -1,0 +1,213 @@
+"""Heads: sklearn estimator contract, ONNX parity for every kind, fusion, fit-head / predict CLI."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from sklearn.base import clone
+from sklearn.exceptions import NotFittedError
+
+from export.fit_head import main_fit_head
+from export.heads import HEAD_KINDS, SKLEARN_HEADS, OnnxHead, fuse, head_to_onnx, make_head, make_session
+from export.predict import OnnxEncoder, main_predict
+
+from export_fixtures import NEW_CLIENT, TRAIN_CLIENTS, client_data, client_pixels, export_dir
+
+# the method whose release a head kind belongs to
+RELEASE_OF = {"svm": "fedavg", "lr": "fedavg", "mlp": "fedavg", "dualfed": "dualfed", "fedpick": "fedpick"}
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("releases")
+    return {m: export_dir(tmp, m, rounds=2) for m in ("fedavg", "dualfed", "fedpick")}
+
+
+@pytest.fixture(scope="module")
+def new_client(tmp_path_factory):
+    """The never-seen client's raw pixels as a .npz (what a device owner would hand over)."""
+    tmp = tmp_path_factory.mktemp("client")
+    px, y, _ = client_pixels(NEW_CLIENT)
+    np.savez(tmp / "client.npz", x=px, y=y)
+    np.save(tmp / "images.npy", px[:12])
+    return {"npz": tmp / "client.npz", "npy": tmp / "images.npy", "pixels": px, "y": y}
+
+
+def _features(release, index):
+    enc = OnnxEncoder.from_dir(release)
+    d = client_data(index)
+    return enc, enc.features(d.x_train), d.y_train, enc.features(d.x_test), d.y_test
+
+
+def _head_params(release, kind):
+    from export.heads import head_class
+
+    manifest = json.loads((release / "manifest.json").read_text())
+    return head_class(kind).for_release(manifest, release).get_params()
+
+
+# --------------------------------------------------------------------------- estimator contract
+@pytest.mark.parametrize("kind", HEAD_KINDS)
+def test_sklearn_estimator_contract(kind, releases):
+    release = releases[RELEASE_OF[kind]]
+    params = _head_params(release, kind) if kind not in SKLEARN_HEADS else {}
+    head = make_head(kind, **params)
+    # clone() and get_params/set_params round-trip: nothing is done in __init__
+    twin = clone(head)
+    assert twin.get_params() == head.get_params()
+    assert type(head)(**head.get_params()).get_params() == head.get_params()
+    head.set_params(**head.get_params())
+    with pytest.raises(NotFittedError):
+        head.predict_proba(np.zeros((1, 32), np.float32))
+    before = set(vars(head))
+    _, f_tr, y_tr, f_te, _ = _features(release, TRAIN_CLIENTS[0])
+    head.fit(f_tr, y_tr)
+    learned = set(vars(head)) - before
+    assert learned and all(a.endswith("_") for a in learned), learned
+    assert head.n_features_in_ == 32
+    proba = head.predict_proba(f_te)
+    assert proba.shape == (len(f_te), len(head.classes_))
+    np.testing.assert_allclose(proba.sum(1), 1, atol=1e-5)
+    np.testing.assert_array_equal(head.predict(f_te), head.classes_[proba.argmax(1)])
+    # a clone of a fitted head is unfitted again
+    with pytest.raises(NotFittedError):
+        clone(head).predict(f_te)
+
+
+def test_unknown_head_kind():
+    with pytest.raises(ValueError, match="unknown head kind"):
+        make_head("knn")
+
+
+def test_single_class_data_is_refused_clearly():
+    with pytest.raises(ValueError, match="at least 2 classes"):
+        make_head("lr").fit(np.random.rand(5, 4).astype(np.float32), np.zeros(5, int))
+
+
+# --------------------------------------------------------------------------- ONNX parity
+@pytest.mark.parametrize("kind", HEAD_KINDS)
+def test_head_onnx_parity_on_real_features(kind, releases, tmp_path):
+    release = releases[RELEASE_OF[kind]]
+    params = _head_params(release, kind) if kind not in SKLEARN_HEADS else {}
+    _, f_tr, y_tr, f_te, _ = _features(release, NEW_CLIENT)
+    head = make_head(kind, **params).fit(f_tr, y_tr)
+    path = tmp_path / f"{kind}.onnx"
+    head_to_onnx(head, 32, path)
+    onnx_head = OnnxHead.load(path)
+    assert onnx_head.head_kind_ == kind
+    np.testing.assert_array_equal(onnx_head.classes_, head.classes_)
+    x = np.concatenate([f_tr, f_te])
+    assert np.abs(onnx_head.predict_proba(x) - head.predict_proba(x)).max() <= 1e-4
+    np.testing.assert_array_equal(onnx_head.predict(x), head.predict(x))
+    # the label output of the graph itself agrees too
+    labels = make_session(path).run(["label"], {"features": x})[0]
+    np.testing.assert_array_equal(labels, head.predict(x))
+
+
+@pytest.mark.parametrize("kind", SKLEARN_HEADS)
+def test_binary_heads_export_two_probability_columns(kind, tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(60, 8)).astype(np.float32)
+    y = np.where(x[:, 0] > 0, 7, 3)  # labels need not start at 0
+    head = make_head(kind).fit(x, y)
+    head_to_onnx(head, 8, tmp_path / "h.onnx")
+    oh = OnnxHead.load(tmp_path / "h.onnx")
+    assert oh.predict_proba(x).shape == (60, 2)
+    assert np.abs(oh.predict_proba(x) - head.predict_proba(x)).max() <= 1e-4
+    np.testing.assert_array_equal(oh.predict(x), head.predict(x))
+    assert set(oh.predict(x)) <= {3, 7}
+
+
+def test_torch_heads_keep_the_federations_global_classifier(releases):
+    from edgepfl.atomic import read_tensors
+
+    for kind in ("dualfed", "fedpick"):
+        release = releases[kind]
+        glob = read_tensors(release / "global_heads.safetensors")
+        _, f_tr, y_tr, _, _ = _features(release, NEW_CLIENT)
+        head = make_head(kind, **_head_params(release, kind)).fit(f_tr, y_tr)
+        for key, value in glob.items():
+            np.testing.assert_array_equal(head.state_[key], value)
+        # and it learned its personal parts: better than the global classifier alone
+        assert (head.predict(f_tr) == y_tr).mean() > 0.5
+
+
+def test_dualfed_head_needs_a_dualfed_release(releases):
+    from export.heads import DualFedHead
+
+    manifest = json.loads((releases["fedavg"] / "manifest.json").read_text())
+    with pytest.raises(ValueError, match="needs a dualfed encoder"):
+        DualFedHead.for_release(manifest, releases["fedavg"])
+
+
+def test_fused_encoder_and_head_match_the_two_steps(releases, tmp_path):
+    release = releases["fedavg"]
+    enc, f_tr, y_tr, _, _ = _features(release, NEW_CLIENT)
+    head = make_head("svm").fit(f_tr, y_tr)
+    head_to_onnx(head, 32, tmp_path / "svm.onnx")
+    fuse(release / "encoder.onnx", tmp_path / "svm.onnx", tmp_path / "fused.onnx")
+    x = client_data(NEW_CLIENT).x_test
+    labels, proba = make_session(tmp_path / "fused.onnx").run(["label", "probabilities"], {"input": x})
+    two_step = OnnxHead.load(tmp_path / "svm.onnx").predict_proba(enc.features(x))
+    assert np.abs(proba - two_step).max() <= 1e-5
+    np.testing.assert_array_equal(labels, head.predict(enc.features(x)))
+
+
+# --------------------------------------------------------------------------- CLI on a new client
+@pytest.mark.parametrize("kind", HEAD_KINDS)
+def test_fit_head_and_predict_on_a_never_seen_client(kind, releases, new_client, tmp_path, capsys):
+    release = releases[RELEASE_OF[kind]]
+    out = tmp_path / "head.onnx"
+    rc = main_fit_head(["--encoder", str(release / "encoder.onnx"), "--data", str(new_client["npz"]),
+                        "--head", kind, "--out", str(out), "--json"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    report = json.loads(captured.out)
+    assert report["head"] == kind and report["num_validation"] > 20
+    assert report["validation_accuracy"] > 0.5  # ten classes: chance is 0.1
+    head = OnnxHead.load(out)
+    assert head.encoder_sha256_ == json.loads((release / "manifest.json").read_text())["sha256"]
+
+    rc = main_predict(["--encoder", str(release / "encoder.onnx"), "--head", str(out), str(new_client["npy"]),
+                       "--json"])
+    lines = [json.loads(s) for s in capsys.readouterr().out.splitlines()]
+    assert rc == 0 and len(lines) == 12
+    predicted = np.array([ln["predictions"][0]["index"] for ln in lines])
+    enc = OnnxEncoder.from_dir(release)
+    np.testing.assert_array_equal(predicted, head.predict(enc.features(enc.preprocess(new_client["pixels"][:12]))))
+    assert (predicted == new_client["y"][:12]).mean() >= 0.5
+
+
+def test_new_task_classes_from_an_image_folder(releases, new_client, tmp_path, capsys):
+    """A new client with its own classes (not the federation's): sklearn heads learn them by name."""
+    from PIL import Image
+
+    px, y = new_client["pixels"], new_client["y"]
+    names = {0: "zero", 1: "one", 2: "two"}
+    root = tmp_path / "photos"
+    for i, (img, label) in enumerate(zip(px, y)):
+        if label in names:
+            (root / names[label]).mkdir(parents=True, exist_ok=True)
+            Image.fromarray(np.asarray(img[0], np.uint8)).save(root / names[label] / f"{i}.png")
+    out = tmp_path / "lr.onnx"
+    release = releases["fedavg"]
+    assert main_fit_head(["--encoder", str(release / "encoder.onnx"), "--data", str(root), "--head", "lr",
+                          "--out", str(out)]) == 0
+    assert "validation accuracy" in capsys.readouterr().out
+    # a DualFed head can only predict the federation's classes: refused with a reason
+    assert main_fit_head(["--encoder", str(releases["dualfed"] / "encoder.onnx"), "--data", str(root),
+                          "--head", "dualfed", "--out", str(tmp_path / "d.onnx")]) == 2
+    assert "federation's classes" in capsys.readouterr().err
+
+    rc = main_predict(["--encoder", str(release / "encoder.onnx"), "--head", str(out), str(root / "two")])
+    rows = capsys.readouterr().out.splitlines()
+    assert rc == 0 and len(rows) == len(list((root / "two").iterdir()))
+    assert sum(r.split("\t")[1].split()[0] == "two" for r in rows) >= 0.6 * len(rows)
+
+
+def test_head_kind_outside_the_release_is_refused(releases, new_client, tmp_path, capsys):
+    rc = main_fit_head(["--encoder", str(releases["fedavg"] / "encoder.onnx"), "--data", str(new_client["npz"]),
+                        "--head", "fedpick", "--out", str(tmp_path / "h.onnx")])
+    assert rc == 2 and "does not fit a fedavg encoder" in capsys.readouterr().err
