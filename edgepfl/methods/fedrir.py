@@ -1,0 +1,340 @@
+"""FedRIR [paper 004; code tsmotlp/FedRIR]: masked client-specific learning + information distillation.
+
+Parts (METHODS.md "FedRIR"): the global feature extractor GFE (module ``encoder``,
+shared) gives f_g (512); the client-specific extractor CSFE, a VAE encoder on a
+masked image, gives mean and log-variance (512 each), f_cs = the mean; a generator
+reconstructs the image from a sample of N(mean, var); the information distillation
+module q (two MLPs 512-128-512: mean, tanh log-variance) is a variational
+conditional; the head is Linear(1024, C) on concat[f_g, f_cs]. Everything but the
+GFE's parameters stays on the device (GFE BatchNorm statistics included).
+
+Each round: stage 1 trains CSFE + generator to reconstruct the full image from a
+masked one (4x4 patches, 60% zeroed): MSE + 0.1*KL. Stage 2 freezes the CSFE and
+trains GFE, q and head with CE plus an information term, chosen by ``mi``:
+
+* ``vclub`` (paper, default): q(f_g | f_cs) is fit by maximum likelihood on detached
+  inputs, and the GFE minimises the vCLUB upper bound of I(f_cs; f_g) [Cheng et al. 2020];
+* ``code`` (the authors' published code): q(f_cs | f_g) conditioned on f_g, and only
+  q's negative log-likelihood is added to CE (gradients reach the GFE through q's input).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import nn
+
+from . import register
+from .base import LocalResult, Method, MethodConfig
+from .training import fit, make_optimizer
+
+
+class FedRIRConfig(MethodConfig):
+    """FedRIR's options; defaults are the paper's (Adam 5e-4, batch 100, r = 0.6)."""
+
+    mi: Literal["vclub", "code"] = Field(
+        "vclub", description="vclub: paper's upper bound minimised; code: authors' code (q NLL only)"
+    )
+    mi_weight: float = Field(1.0, ge=0, description="weight of the information term in stage 2 (paper: 1)")
+    mask_ratio: float = Field(0.6, ge=0, lt=1, description="share of patches zeroed per sample")
+    patch_size: int = Field(4, ge=1)
+    kl_weight: float = Field(0.1, ge=0, description="weight of KL(N(mu, var) || N(0, I)) in stage 1")
+    embed_dim: int = Field(512, ge=1, description="f_g and f_cs size (the paper's 512)")
+    q_hidden: int = Field(128, ge=1, description="hidden width of q's two MLPs")
+    optimizer: Literal["sgd", "adam"] = "adam"
+    lr: float | None = Field(5e-4, gt=0, description="None: the run's train.lr")
+    batch_size: int | None = Field(100, ge=1, description="None: the run's train.batch_size")
+    weight_decay: float | None = Field(0.0, ge=0, description="None: the run's train.weight_decay")
+    recon_epochs: int | None = Field(None, ge=1, description="stage 1 epochs; None: train.epochs")
+    cls_epochs: int | None = Field(None, ge=1, description="stage 2 epochs; None: train.epochs")
+
+
+# ---------------------------------------------------------------------------- masking
+def mask_patches(x: torch.Tensor, ratio: float, patch: int = 4,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+    """Zero ``floor(ratio * P)`` random patch x patch squares (all channels) in each sample.
+
+    P counts the patches of a ceil-divided grid, so border patches of sizes that are not
+    a multiple of ``patch`` are patches too. The draw uses ``generator`` on the CPU.
+    """
+    n, _, h, w = x.shape
+    gh, gw = -(-h // patch), -(-w // patch)
+    num = gh * gw
+    k = int(ratio * num + 1e-9)
+    if k == 0:
+        return x
+    order = torch.rand(n, num, generator=generator).argsort(1)
+    keep = torch.ones(n, num)
+    keep.scatter_(1, order[:, :k], 0.0)
+    keep = keep.view(n, 1, gh, gw).repeat_interleave(patch, 2).repeat_interleave(patch, 3)[:, :, :h, :w]
+    return x * keep.to(device=x.device, dtype=x.dtype)
+
+
+# ---------------------------------------------------------------------------- modules
+def _trunk(in_channels: int, norm: str) -> nn.Sequential:
+    def block(cin, cout):
+        layers = [nn.Conv2d(cin, cout, 5)]
+        if norm == "batch":
+            layers.append(nn.BatchNorm2d(cout))
+        return layers + [nn.ReLU(inplace=True), nn.MaxPool2d(2)]
+
+    return nn.Sequential(*block(in_channels, 32), *block(32, 64), nn.Flatten())
+
+
+def _trunk_sizes(h: int) -> tuple[int, int]:
+    """Side after the first and the second conv-pool block."""
+    a = (h - 4) // 2
+    return a, (a - 4) // 2
+
+
+class GlobalExtractor(nn.Module):
+    """GFE: conv-BN-ReLU-pool x2 -> Linear(., embed_dim), no activation (f_g)."""
+
+    def __init__(self, input_shape: tuple[int, int, int], embed_dim: int, norm: str = "batch"):
+        super().__init__()
+        c, h, w = input_shape
+        self.conv = _trunk(c, norm)
+        self.fc = nn.Linear(64 * _trunk_sizes(h)[1] * _trunk_sizes(w)[1], embed_dim)
+        self.out_features = embed_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.conv(x))
+
+
+class ClientSpecificExtractor(nn.Module):
+    """CSFE: the same trunk -> Linear(., 2*embed_dim), split into (mean, log-variance)."""
+
+    def __init__(self, input_shape: tuple[int, int, int], embed_dim: int, norm: str = "batch"):
+        super().__init__()
+        c, h, w = input_shape
+        self.conv = _trunk(c, norm)
+        self.fc = nn.Linear(64 * _trunk_sizes(h)[1] * _trunk_sizes(w)[1], 2 * embed_dim)
+        self.embed_dim = embed_dim
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mean, logvar = self.fc(self.conv(x)).split(self.embed_dim, 1)
+        return mean, logvar
+
+
+class Generator(nn.Module):
+    """Linear(embed_dim, 64*s*s) -> ConvT(64,32,5,s2)-ReLU-ConvT(32,c,5,s2): back to image size.
+
+    Output paddings mirror the trunk's sizes (exact for 28 and 32 px, as in the authors'
+    code); sizes whose inverse needs more than one extra pixel are zero-padded at the end.
+    """
+
+    def __init__(self, input_shape: tuple[int, int, int], embed_dim: int):
+        super().__init__()
+        c, h, w = input_shape
+        (ah, sh), (aw, sw) = _trunk_sizes(h), _trunk_sizes(w)
+        self.grid = (sh, sw)
+        self.size = (h, w)
+
+        def pad(target, side):
+            return max(0, min(1, target - (2 * side + 3)))
+
+        op1 = (pad(ah, sh), pad(aw, sw))
+        mid = (2 * sh + 3 + op1[0], 2 * sw + 3 + op1[1])
+        op2 = (pad(h, mid[0]), pad(w, mid[1]))
+        self.fc = nn.Linear(embed_dim, 64 * sh * sw)
+        self.deconv = nn.Sequential(
+            nn.ConvTranspose2d(64, 32, 5, stride=2, output_padding=op1),
+            nn.ReLU(inplace=True),
+            nn.ConvTranspose2d(32, c, 5, stride=2, output_padding=op2),
+        )
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        out = self.deconv(self.fc(z).view(z.shape[0], 64, *self.grid))
+        dh, dw = self.size[0] - out.shape[2], self.size[1] - out.shape[3]
+        if dh or dw:
+            out = F.pad(out, (0, dw, 0, dh))[:, :, : self.size[0], : self.size[1]]
+        return out
+
+
+class InfoDistillation(nn.Module):
+    """q(target | cond) = N(mu(cond), exp(logvar(cond))): two MLPs dim-hidden-dim, tanh log-variance."""
+
+    def __init__(self, dim: int, hidden: int = 128):
+        super().__init__()
+        self.mu = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, dim))
+        self.logvar = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, dim), nn.Tanh())
+
+    def forward(self, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.mu(cond), self.logvar(cond)
+
+
+def q_nll(mu: torch.Tensor, logvar: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """q's training loss: mean_i sum_d ((mu - target)^2 / exp(logvar) + logvar).
+
+    Twice the Gaussian negative log-likelihood up to a constant, as in CLUB's and the
+    authors' code; its minimiser is the maximum-likelihood q.
+    """
+    return ((mu - target) ** 2 / logvar.exp() + logvar).sum(1).mean()
+
+
+def vclub(mu: torch.Tensor, logvar: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """vCLUB estimate mean_i log q(t_i|c_i) - mean_{i,j} log q(t_j|c_i) for Gaussian q.
+
+    The log-variance and normalising terms cancel between the two means (same c_i).
+    The all-pairs mean of (t_j - mu_i)^2 is (mu_i - mean t)^2 + var t, so this costs
+    O(B*d), not O(B^2*d).
+    """
+    inv = 0.5 / logvar.exp()
+    positive = -((mu - target) ** 2 * inv).sum(1)
+    t_mean = target.mean(0, keepdim=True)
+    t_var = target.var(0, unbiased=False, keepdim=True)
+    negative = -(((mu - t_mean) ** 2 + t_var) * inv).sum(1)
+    return (positive - negative).mean()
+
+
+def kl_standard_normal(mean: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
+    """mean_i KL(N(mean_i, exp(logvar_i)) || N(0, I))."""
+    return (-0.5 * (1 + logvar - mean**2 - logvar.exp()).sum(1)).mean()
+
+
+def information_term(q: InfoDistillation, f_g: torch.Tensor, f_cs: torch.Tensor,
+                     mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 2's information loss; returns (loss to add to CE, q's NLL, vCLUB estimate).
+
+    ``vclub`` (paper): q(f_g | f_cs) learns by maximum likelihood on a detached f_g,
+    and the GFE minimises the bound through f_g alone (q's outputs detached), so q is
+    never trained to loosen the bound and the GFE never to help q's fit.
+    ``code`` (authors' code): q(f_cs | f_g), its NLL added as is; the GFE receives
+    gradient through q's input. The vCLUB value is then only reported.
+    """
+    if mode == "vclub":
+        mu, logvar = q(f_cs)
+        nll = q_nll(mu, logvar, f_g.detach())
+        mi = vclub(mu.detach(), logvar.detach(), f_g)
+        return nll + mi, nll, mi
+    mu, logvar = q(f_g)
+    nll = q_nll(mu, logvar, f_cs)
+    with torch.no_grad():
+        mi = vclub(mu, logvar, f_cs)
+    return nll, nll, mi
+
+
+class FedRIRModel(nn.Module):
+    """``encoder`` = GFE (shared), ``csfe``, ``generator``, ``q``, ``head`` (personal).
+
+    ``forward`` is the inference rule: head([GFE(x), mean(CSFE(x))]) on the unmasked image.
+    """
+
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int, embed_dim: int = 512,
+                 q_hidden: int = 128, norm: str = "batch"):
+        super().__init__()
+        _, h, w = input_shape
+        if min(h, w) < 16:
+            raise ValueError(f"FedRIR's conv extractors need images of at least 16 px, got {h}x{w}")
+        self.encoder = GlobalExtractor(input_shape, embed_dim, norm)
+        self.csfe = ClientSpecificExtractor(input_shape, embed_dim, norm)
+        self.generator = Generator(input_shape, embed_dim)
+        self.q = InfoDistillation(embed_dim, q_hidden)
+        self.head = nn.Linear(2 * embed_dim, num_classes)
+
+    def features(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(f_g, f_cs) with f_cs the CSFE mean."""
+        return self.encoder(x), self.csfe(x)[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f_g, f_cs = self.features(x)
+        return self.head(torch.cat([f_g, f_cs], 1))
+
+
+def _derived_generator(ctx, salt: int) -> torch.Generator:
+    """A CPU generator for method noise, derived from the task's seed without consuming it."""
+    base = ctx.generator.initial_seed() if ctx.generator is not None else ctx.seed * 1_000_003 + ctx.round
+    g = torch.Generator()
+    g.manual_seed((base * 6_364_136_223_846_793_005 + salt) % (2**63))
+    return g
+
+
+@register
+class FedRIR(Method):
+    """FedRIR: GFE parameters shared (BN statistics local); CSFE, generator, q, head personal."""
+
+    name = "fedrir"
+    summary = "masked client-specific VAE features + information distillation (vCLUB); head on both"
+    config_class = FedRIRConfig
+    shared_parts = ("encoder",)
+    # The authors' code copies GFE .parameters() only: BN affine shared, running stats local.
+    bn_policy = "local_stats"
+    head_kinds = ("lr", "svm", "mlp")
+
+    def build_model(self, spec, input_shape, num_classes) -> FedRIRModel:
+        c = self.config
+        return FedRIRModel(tuple(input_shape), num_classes, c.embed_dim, c.q_hidden, spec.norm)
+
+    def _optimizer(self, params, ctx):
+        c = self.config
+        return make_optimizer(params, ctx, optimizer=c.optimizer, lr=c.lr, weight_decay=c.weight_decay)
+
+    def train_stage1(self, model: FedRIRModel, data, ctx, noise: torch.Generator | None = None) -> dict[str, float]:
+        """Masked client-specific learning: CSFE + generator reconstruct x from its masked copy."""
+        c = self.config
+        if noise is None:
+            noise = _derived_generator(ctx, salt=1)
+        kl_sum, mse_sum, n = 0.0, 0.0, 0
+
+        def loss_fn(m, x, y):
+            nonlocal kl_sum, mse_sum, n
+            mean, logvar = m.csfe(mask_patches(x, c.mask_ratio, c.patch_size, noise))
+            eps = torch.randn(mean.shape, generator=noise).to(mean)
+            recon = m.generator(mean + eps * (0.5 * logvar).exp())
+            mse, kl = F.mse_loss(recon, x), kl_standard_normal(mean, logvar)
+            mse_sum += float(mse.detach()) * len(y)
+            kl_sum += float(kl.detach()) * len(y)
+            n += len(y)
+            return mse + c.kl_weight * kl
+
+        params = [*model.csfe.parameters(), *model.generator.parameters()]
+        loss = fit(model, data, ctx, loss_fn, params, c.recon_epochs or ctx.train.epochs,
+                   optimizer=self._optimizer(params, ctx), batch_size=c.batch_size)
+        return {"recon_loss": loss, "recon_mse": mse_sum / n if n else math.nan,
+                "recon_kl": kl_sum / n if n else math.nan}
+
+    def train_stage2(self, model: FedRIRModel, data, ctx) -> dict[str, float]:
+        """Information distillation: CSFE frozen; GFE, q and head on CE + the information term."""
+        c = self.config
+        sums = {"cls_ce": 0.0, "q_nll": 0.0, "mi_vclub": 0.0}
+        n = 0
+
+        def loss_fn(m, x, y):
+            nonlocal n
+            m.csfe.eval()  # frozen: its BatchNorm statistics must not move either
+            with torch.no_grad():
+                f_cs = m.csfe(x)[0]
+            f_g = m.encoder(x)
+            ce = F.cross_entropy(m.head(torch.cat([f_g, f_cs], 1)), y)
+            info, nll, mi = information_term(m.q, f_g, f_cs, c.mi)
+            sums["cls_ce"] += float(ce.detach()) * len(y)
+            sums["q_nll"] += float(nll.detach()) * len(y)
+            sums["mi_vclub"] += float(mi.detach()) * len(y)
+            n += len(y)
+            return ce + c.mi_weight * info
+
+        params = [*model.encoder.parameters(), *model.q.parameters(), *model.head.parameters()]
+        loss = fit(model, data, ctx, loss_fn, params, c.cls_epochs or ctx.train.epochs,
+                   optimizer=self._optimizer(params, ctx), batch_size=c.batch_size)
+        out = {k: v / n if n else math.nan for k, v in sums.items()}
+        out["cls_loss"] = loss
+        return out
+
+    def local_update(self, model: FedRIRModel, data, ctx) -> LocalResult:
+        s1 = self.train_stage1(model, data, ctx)
+        s2 = self.train_stage2(model, data, ctx)
+        # UpdateMeta.extra carries floats only: 1.0 = the paper's vCLUB bound was minimised,
+        # 0.0 = the authors' code behaviour.
+        metrics = {**s1, **s2, "mi_mode_vclub": 1.0 if self.config.mi == "vclub" else 0.0}
+        return LocalResult(upload=self.shared_params(model), train_loss=s2["cls_loss"], metrics=metrics)
+
+    def device_head(self, model: FedRIRModel) -> None:
+        """None: the personal head needs the personal CSFE's features, not only the shared GFE's.
+
+        Head-tier devices fit ``head_kinds`` (lr / svm / mlp) on the exported GFE features.
+        """
+        return None
