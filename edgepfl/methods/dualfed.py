@@ -1,0 +1,212 @@
+"""DualFed [paper 000; code GuogangZhu/DualFed]: dual representations around a personal projector.
+
+Parts: encoder ``f`` (x -> z, pre-projection, shared); in ``model.head``
+(:class:`DualFedHead`) the personal projector ``g``:
+Linear(k,256)-ReLU-BN(256)-Linear(256,k)-BN(k) (z -> u, post-projection), the personal
+classifier ``h_p`` on u and the global classifier ``h_s`` on z (shared).
+
+Shared: encoder weights including BatchNorm affine parameters, and ``h_s``. Personal:
+``g``, ``h_p`` and the running mean / var of every BatchNorm layer
+(``bn_policy = "local_stats"``). The server takes the plain, unweighted mean over the
+round's participants [code].
+
+Local training, ``schedule = "stagewise"`` (default) [paper 4.2, code], each round:
+
+* stage A, E epochs: ``h_s`` frozen; ``f, g, h_p`` minimise
+  ``CE(h_p(u), y) + lambda * SupCon(u, y; tau)`` (single view: the batch itself);
+* stage B, E epochs, fresh optimizer: only ``h_s``, on ``CE(h_s(z), y)`` with ``z``
+  computed without gradient. As in the authors' code the model stays in training
+  mode, so BatchNorm normalizes with batch statistics and keeps updating its running
+  statistics during stage B (the projector's too: the code runs the full forward).
+
+``schedule = "simultaneous"`` (paper Table 4) trains every part for E epochs on the
+sum ``CE(h_p(u), y) + lambda * SupCon(u, y) + CE(h_s(z), y)``, gradients reaching the
+encoder from both classifiers.
+
+Inference: ``argmax(h_p(u) + h_s(z))`` on raw logits [code]; ``ensemble = "softmax"``
+sums the probabilities instead and returns ``log((p_p + p_s) / 2)`` so that the
+evaluation loss stays a proper negative log-likelihood.
+
+Defaults: SGD lr 0.01 momentum 0.5 (the run's ``train`` section, whose defaults are
+these), no weight decay [code], batch 256 and E = 1 in the paper (``train``),
+lambda 40, tau 0.2 (PACS, from the code).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import nn
+
+from . import register
+from .aggregate import weighted_mean
+from .base import ClientUpdate, LocalContext, LocalResult, Method, MethodConfig, ServerState
+from .losses import supcon_loss
+from .training import fit, make_optimizer
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..config import ModelSpec
+    from ..data.client import ClientTensors
+
+
+class DualFedConfig(MethodConfig):
+    """DualFed options; optimizer fields left ``None`` follow the run's ``train`` section."""
+
+    con_lambda: float = Field(40.0, ge=0, description="weight of the SupCon term (code, PACS)")
+    tau: float = Field(0.2, gt=0, description="SupCon temperature (code, PACS)")
+    supcon_form: Literal["out", "in"] = "out"
+    schedule: Literal["stagewise", "simultaneous"] = "stagewise"
+    ensemble: Literal["logits", "softmax"] = Field("logits", description="sum raw logits [code] or probabilities")
+    proj_hidden: int = Field(256, ge=1, description="projector hidden width")
+    optimizer: Literal["sgd", "adam"] | None = None
+    lr: float | None = Field(None, gt=0)
+    momentum: float | None = Field(None, ge=0)
+    weight_decay: float | None = Field(0.0, ge=0, description="the authors' SGD has none; None: train.weight_decay")
+    batch_size: int | None = Field(None, ge=2, description="None: the run's train.batch_size (paper: 256)")
+
+
+class DualFedHead(nn.Module):
+    """Everything after the encoder: projector ``g``, personal ``h_p`` on u, global ``h_s`` on z.
+
+    ``forward(z)`` is DualFed's inference rule, so this module is the device head:
+    frozen pre-projection features in, ensemble logits out.
+    """
+
+    def __init__(self, in_features: int, num_classes: int, hidden: int = 256, ensemble: str = "logits"):
+        super().__init__()
+        k = in_features
+        self.projector = nn.Sequential(
+            nn.Linear(k, hidden), nn.ReLU(), nn.BatchNorm1d(hidden), nn.Linear(hidden, k), nn.BatchNorm1d(k)
+        )
+        self.personal_classifier = nn.Linear(k, num_classes)
+        self.global_classifier = nn.Linear(k, num_classes)
+        self.ensemble = ensemble
+
+    def parts(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(u, personal logits h_p(u), global logits h_s(z))."""
+        u = self.projector(z)
+        return u, self.personal_classifier(u), self.global_classifier(z)
+
+    def combine(self, personal: torch.Tensor, global_: torch.Tensor) -> torch.Tensor:
+        if self.ensemble == "softmax":
+            return torch.log((F.softmax(personal, dim=1) + F.softmax(global_, dim=1)) / 2)
+        return personal + global_
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        _, personal, global_ = self.parts(z)
+        return self.combine(personal, global_)
+
+
+class DualFedModel(nn.Module):
+    """``encoder`` (x -> z) + :class:`DualFedHead`."""
+
+    def __init__(self, encoder: nn.Module, head: DualFedHead):
+        super().__init__()
+        self.encoder = encoder
+        self.head = head
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+
+def stage_a_loss(head: DualFedHead, z: torch.Tensor, y: torch.Tensor, *, con_lambda: float, tau: float,
+                 form: str = "out") -> torch.Tensor:
+    """``CE(h_p(g(z)), y) + lambda * SupCon(g(z), y; tau)`` — stage A from given features.
+
+    Also the loss a new client uses offline to fit ``g`` and ``h_p`` on frozen z.
+    """
+    u = head.projector(z)
+    return F.cross_entropy(head.personal_classifier(u), y) + con_lambda * supcon_loss(u, y, tau, form=form)
+
+
+@register
+class DualFed(Method):
+    name = "dualfed"
+    summary = "shared encoder + global classifier on z; personal projector + classifier on u; SupCon; logit-sum"
+    config_class = DualFedConfig
+    shared_parts = ("encoder", "head.global_classifier")
+    bn_policy = "local_stats"
+    head_kinds = ("dualfed", "lr", "svm", "mlp")
+
+    config: DualFedConfig
+
+    def build_model(self, spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+        from ..models import build_encoder
+
+        encoder = build_encoder(spec, input_shape)
+        head = DualFedHead(encoder.out_features, num_classes, self.config.proj_hidden, self.config.ensemble)
+        return DualFedModel(encoder, head)
+
+    # ------------------------------------------------------------------ agent side
+    def _optimizer(self, params, ctx: LocalContext):
+        cfg = self.config
+        return make_optimizer(params, ctx, optimizer=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
+                              weight_decay=cfg.weight_decay)
+
+    def _stage_a(self, m: DualFedModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        return stage_a_loss(m.head, m.encoder(x), y, con_lambda=cfg.con_lambda, tau=cfg.tau, form=cfg.supcon_form)
+
+    def train_stage_a(self, model: DualFedModel, data: ClientTensors, ctx: LocalContext) -> float:
+        """Stage A: encoder, projector and personal classifier; ``h_s`` frozen."""
+        params = [*model.encoder.parameters(), *model.head.projector.parameters(),
+                  *model.head.personal_classifier.parameters()]
+        return fit(model, data, ctx, self._stage_a, params, ctx.train.epochs,
+                   optimizer=self._optimizer(params, ctx), batch_size=self.config.batch_size)
+
+    def train_stage_b(self, model: DualFedModel, data: ClientTensors, ctx: LocalContext) -> float:
+        """Stage B: only ``h_s`` on detached pre-projection features, fresh optimizer."""
+
+        def loss(m: DualFedModel, x, y):
+            with torch.no_grad():
+                z = m.encoder(x)
+                # no loss uses u; run the projector only so its BatchNorm running
+                # statistics follow the final encoder, as the authors' full forward does
+                m.head.projector(z)
+            return F.cross_entropy(m.head.global_classifier(z), y)
+
+        params = list(model.head.global_classifier.parameters())
+        return fit(model, data, ctx, loss, params, ctx.train.epochs,
+                   optimizer=self._optimizer(params, ctx), batch_size=self.config.batch_size)
+
+    def train_simultaneous(self, model: DualFedModel, data: ClientTensors, ctx: LocalContext) -> float:
+        """Variant: every part on the sum of both stages' losses, z not detached."""
+        cfg = self.config
+
+        def loss(m: DualFedModel, x, y):
+            z = m.encoder(x)
+            a = stage_a_loss(m.head, z, y, con_lambda=cfg.con_lambda, tau=cfg.tau, form=cfg.supcon_form)
+            return a + F.cross_entropy(m.head.global_classifier(z), y)
+
+        params = list(model.parameters())
+        return fit(model, data, ctx, loss, params, ctx.train.epochs,
+                   optimizer=self._optimizer(params, ctx), batch_size=cfg.batch_size)
+
+    def local_update(self, model: DualFedModel, data: ClientTensors, ctx: LocalContext) -> LocalResult:
+        if self.config.schedule == "simultaneous":
+            loss = self.train_simultaneous(model, data, ctx)
+            metrics = {"loss": loss}
+        else:
+            loss = self.train_stage_a(model, data, ctx)
+            loss_b = self.train_stage_b(model, data, ctx)
+            metrics = {"loss_stage_a": loss, "loss_stage_b": loss_b}
+        return LocalResult(upload=self.shared_params(model), train_loss=loss, metrics=metrics)
+
+    # ------------------------------------------------------------------ server side
+    def server_step(self, state: ServerState, updates: list[ClientUpdate], round: int) -> ServerState:
+        """Plain mean of the participants' shared tensors, whatever their sample counts [code]."""
+        params = weighted_mean([u.params() for u in updates], None, keys=state.shared_params())
+        merged = dict(state.global_tensors)
+        merged.update(params)
+        return ServerState(global_tensors=merged, client_tensors=state.client_tensors, extra=state.extra)
+
+    # ------------------------------------------------------------------ export plan
+    def device_head(self, model: DualFedModel) -> nn.Module:
+        """Projector + personal classifier + global classifier: z -> ensemble logits."""
+        return model.head

@@ -1,0 +1,335 @@
+"""RepPer [paper 003]: contrastive common representation, then personal heads.
+
+Stage 1, common representation learning (federated): the encoder ``f`` maps an image
+to ``r``; the supervised contrastive loss (:func:`~edgepfl.methods.losses.supcon_loss`,
+temperature 0.1) is applied to the L2-normalized features of **two random
+augmentations** of every image in a batch (2B views, labels repeated). Labels serve
+only to say which views are positives: no classifier is trained during federated
+training, and only the encoder is uploaded. Optimizer Adam, lr 1e-3, weight decay
+1e-4 (paper), carried by this method's config because the run's ``train`` section
+defaults to SGD. The server is FedAvg of the encoder weighted by sample count.
+
+Stage 2, personalized classification: the encoder is frozen and each client fits its
+own scikit-learn head (logistic regression, linear SVM or a one-hidden-layer MLP) on
+features of its own training split, L2-normalized by default. :func:`make_head`
+builds those heads (a ``Pipeline`` of ``Normalizer`` + estimator) and is meant to be
+shared with the export / head tier.
+
+Where the personal head lives: the head is **re-fitted at every evaluation** (cheap:
+a few hundred samples, one convex fit) and its fitted weights are copied into the
+torch module ``model.head`` (:class:`RepPerHead`: normalize + linear or MLP), whose
+softmax equals the sklearn ``predict_proba`` for lr / mlp and whose logits equal
+``decision_function`` for svm. So the head is ordinary personal state: it survives
+the agent's save / load, ``logits`` uses it between evaluations, and
+:meth:`RepPer.device_head` exports it to ONNX like any torch head.
+
+Augmentations (torch, on normalized tensors, drawn from ``ctx.generator``): a
+random resized crop (area fraction in ``aug_crop_scale``, aspect ratio in [3/4, 4/3],
+resampled to the input size with bilinear interpolation), a horizontal flip with
+probability 0.5, and additive Gaussian noise (``aug_noise_std``). The paper does not
+list its augmentations; these are the SupCon recipe minus colour jitter, which
+grayscale inputs do not need [inferred].
+
+Paper details not reproduced: the learning-rate decay of 0.1 (schedule unstated) and
+the 10-epoch SGD fine-tuning of the heads; the heads here are fitted to convergence
+by their sklearn solvers instead.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import nn
+
+from . import register
+from .base import EvalResult, LocalContext, LocalResult, Method, MethodConfig
+from .losses import supcon_loss
+from .training import fit, make_optimizer
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..config import ModelSpec
+    from ..data.client import ClientTensors
+
+HeadKind = Literal["lr", "svm", "mlp"]
+#: logit bias of a class the client has never seen: probability exp(-1e4) == 0 in
+#: float32, yet finite, so saved state and exported graphs hold no inf
+ABSENT_CLASS_LOGIT = -1e4
+
+
+class RepPerConfig(MethodConfig):
+    """RepPer options; defaults from the paper unless marked [inferred]."""
+
+    tau: float = Field(0.1, gt=0, description="SupCon temperature")
+    supcon_form: Literal["out", "in"] = Field(
+        "out", description="'out': log inside the positive mean (METHODS.md); 'in': the paper's eq. 5 as printed"
+    )
+    optimizer: Literal["sgd", "adam"] = Field("adam", description="stage-1 optimizer (paper: Adam)")
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(1e-4, ge=0)
+    momentum: float | None = Field(None, ge=0, description="SGD only; None: the run's train.momentum")
+    batch_size: int | None = Field(None, ge=2, description="None: the run's train.batch_size (paper: 256)")
+    projection_dim: int | None = Field(
+        None, ge=2, description="optional projection MLP k-k-dim for the loss only [inferred; default off]"
+    )
+    aug_crop_scale: tuple[float, float] = Field((0.5, 1.0), description="area fraction range of the random crop")
+    aug_flip: bool = True
+    aug_noise_std: float = Field(0.05, ge=0, description="std of added Gaussian noise, in normalized units")
+    head: HeadKind = Field("lr", description="stage-2 personal head: logistic regression, linear SVM or MLP")
+    head_normalize: bool = Field(True, description="L2-normalize features before the head [inferred default]")
+    head_C: float = Field(1.0, gt=0, description="inverse regularization of lr / svm")
+    head_hidden: int = Field(100, ge=1, description="MLP head hidden units (sklearn's default)")
+    head_max_iter: int = Field(1000, ge=1)
+
+
+# ---------------------------------------------------------------------- augmentation
+def augment(
+    x: torch.Tensor,
+    generator: torch.Generator | None = None,
+    *,
+    crop_scale: tuple[float, float] = (0.5, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    flip: bool = True,
+    noise_std: float = 0.05,
+) -> torch.Tensor:
+    """One random view of each image in ``x`` (N, C, H, W): resized crop, flip, noise.
+
+    Random numbers are drawn on the CPU from ``generator`` (so a CPU generator seeds
+    CUDA data too); crop and flip are one affine resampling per image.
+    """
+    n = x.shape[0]
+    rand = torch.rand(n, 5, generator=generator)
+    lo, hi = crop_scale
+    area = lo + (hi - lo) * rand[:, 0]
+    log_r = math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * rand[:, 1]
+    aspect = torch.exp(log_r)
+    # half-extents in affine_grid's [-1, 1] coordinates equal the kept fraction
+    w = torch.sqrt(area * aspect).clamp(max=1.0)
+    h = torch.sqrt(area / aspect).clamp(max=1.0)
+    cx = (1 - w) * (2 * rand[:, 2] - 1)
+    cy = (1 - h) * (2 * rand[:, 3] - 1)
+    sx = torch.where(rand[:, 4] < 0.5, -w, w) if flip else w
+    theta = torch.zeros(n, 2, 3)
+    theta[:, 0, 0], theta[:, 0, 2] = sx, cx
+    theta[:, 1, 1], theta[:, 1, 2] = h, cy
+    theta = theta.to(device=x.device, dtype=x.dtype)
+    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+    out = F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
+    if noise_std > 0:
+        out = out + noise_std * torch.randn(x.shape, generator=generator).to(device=x.device, dtype=x.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------- heads
+def make_head(kind: str, *, normalize: bool = True, **params: Any):
+    """A scikit-learn head: ``Pipeline([("normalize", Normalizer()), ("clf", estimator)])``.
+
+    ``kind``: ``"lr"`` (LogisticRegression), ``"svm"`` (LinearSVC) or ``"mlp"``
+    (MLPClassifier, one hidden layer of 100 by default). ``params`` go to the
+    estimator and override the defaults here. ``normalize=False`` makes the first
+    step ``"passthrough"`` so the step names stay the same.
+    """
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.neural_network import MLPClassifier
+    from sklearn.pipeline import Pipeline
+    from sklearn.preprocessing import Normalizer
+    from sklearn.svm import LinearSVC
+
+    if kind == "lr":
+        est = LogisticRegression(**{"max_iter": 1000, **params})
+    elif kind == "svm":
+        est = LinearSVC(**{"max_iter": 10000, "random_state": 0, **params})
+    elif kind == "mlp":
+        est = MLPClassifier(**{"hidden_layer_sizes": (100,), "max_iter": 500, "random_state": 0, **params})
+    else:
+        raise ValueError(f"unknown head kind {kind!r}; expected lr, svm or mlp")
+    return Pipeline([("normalize", Normalizer() if normalize else "passthrough"), ("clf", est)])
+
+
+class RepPerHead(nn.Module):
+    """Torch twin of a :func:`make_head` pipeline: optional L2 normalization + ``net``.
+
+    ``net`` is ``Linear(k, C)`` for lr / svm and ``Linear(k, h)-ReLU-Linear(h, C)``
+    for mlp; :meth:`load_sklearn` copies a fitted pipeline into it.
+    """
+
+    def __init__(self, in_features: int, num_classes: int, kind: str = "lr", hidden: int = 100, normalize: bool = True):
+        super().__init__()
+        self.kind = kind
+        self.normalize = normalize
+        self.num_classes = num_classes
+        if kind == "mlp":
+            self.net = nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, num_classes))
+        else:
+            self.net = nn.Sequential(nn.Linear(in_features, num_classes))
+
+    def forward(self, r: torch.Tensor) -> torch.Tensor:
+        if self.normalize:
+            r = F.normalize(r, dim=1)
+        return self.net(r)
+
+    @torch.no_grad()
+    def load_sklearn(self, pipeline) -> None:
+        """Copy a fitted :func:`make_head` pipeline's weights (classes are label ids).
+
+        Binary estimators keep one output row; it becomes the logit of the second
+        class against 0 for the first, which gives the same softmax / argmax.
+        Classes the estimator never saw get :data:`ABSENT_CLASS_LOGIT`.
+        """
+        clf = pipeline[-1]
+        classes = np.asarray(clf.classes_, dtype=np.int64)
+        if self.kind == "mlp":
+            if len(clf.coefs_) != 2:
+                raise ValueError("only one-hidden-layer MLP heads map onto RepPerHead")
+            hidden, out = self.net[0], self.net[2]
+            hidden.weight.copy_(torch.as_tensor(clf.coefs_[0].T, dtype=hidden.weight.dtype))
+            hidden.bias.copy_(torch.as_tensor(clf.intercepts_[0], dtype=hidden.bias.dtype))
+            w, b = clf.coefs_[1].T, clf.intercepts_[1]
+        else:
+            out = self.net[0]
+            w, b = clf.coef_, clf.intercept_
+        self._fill_output(out, classes, np.asarray(w, dtype=np.float64), np.asarray(b, dtype=np.float64))
+
+    @torch.no_grad()
+    def set_constant(self, label: int) -> None:
+        """A head that always predicts ``label`` (a client whose train split has one class)."""
+        for p in self.net.parameters():
+            p.zero_()
+        out = self.net[-1]
+        out.bias.fill_(ABSENT_CLASS_LOGIT)
+        out.bias[label] = 0.0
+
+    def _fill_output(self, out: nn.Linear, classes: np.ndarray, w: np.ndarray, b: np.ndarray) -> None:
+        weight = np.zeros((self.num_classes, out.in_features))
+        bias = np.full(self.num_classes, ABSENT_CLASS_LOGIT)
+        if w.shape[0] == 1 and len(classes) == 2:
+            weight[classes[1]], bias[classes[1]] = w[0], b[0]
+            bias[classes[0]] = 0.0
+        else:
+            weight[classes], bias[classes] = w, b
+        out.weight.copy_(torch.as_tensor(weight, dtype=out.weight.dtype))
+        out.bias.copy_(torch.as_tensor(bias, dtype=out.bias.dtype))
+
+
+class RepPerModel(nn.Module):
+    """``encoder`` (x -> r), personal ``head`` (r -> logits), optional ``projector`` (loss only)."""
+
+    def __init__(self, encoder: nn.Module, head: RepPerHead, projector: nn.Module | None = None):
+        super().__init__()
+        self.encoder = encoder
+        self.head = head
+        self.projector = projector
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+
+@torch.no_grad()
+def encode(model: nn.Module, x: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
+    """Encoder features of ``x`` in eval mode (training mode restored afterwards)."""
+    was_training = model.training
+    model.eval()
+    try:
+        return torch.cat([model.encoder(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
+    finally:
+        model.train(was_training)
+
+
+@register
+class RepPer(Method):
+    name = "repper"
+    summary = "SupCon on two augmented views for a shared encoder; personal sklearn heads on frozen features"
+    config_class = RepPerConfig
+    # the projector, when enabled, is trained by the federated loss and averaged with
+    # the encoder; when it is off no key matches the prefix
+    shared_parts = ("encoder", "projector")
+    bn_policy = "shared"
+    head_kinds = ("lr", "svm", "mlp")
+
+    config: RepPerConfig
+
+    def build_model(self, spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+        from ..models import build_encoder
+
+        cfg = self.config
+        encoder = build_encoder(spec, input_shape)
+        k = encoder.out_features
+        projector = None
+        if cfg.projection_dim is not None:
+            projector = nn.Sequential(nn.Linear(k, k), nn.ReLU(inplace=True), nn.Linear(k, cfg.projection_dim))
+        head = RepPerHead(k, num_classes, cfg.head, cfg.head_hidden, cfg.head_normalize)
+        return RepPerModel(encoder, head, projector)
+
+    # ------------------------------------------------------------------ stage 1
+    def views(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """Two augmented views of the batch, stacked: (2B, C, H, W)."""
+        cfg = self.config
+        kw = dict(crop_scale=cfg.aug_crop_scale, flip=cfg.aug_flip, noise_std=cfg.aug_noise_std)
+        return torch.cat([augment(x, generator, **kw), augment(x, generator, **kw)])
+
+    def contrastive_loss(self, model: RepPerModel, x: torch.Tensor, y: torch.Tensor, generator=None) -> torch.Tensor:
+        """Stage-1 loss of one batch: SupCon over 2B views, the labels repeated."""
+        r = model.encoder(self.views(x, generator))
+        z = model.projector(r) if model.projector is not None else r
+        return supcon_loss(z, torch.cat([y, y]), self.config.tau, form=self.config.supcon_form)
+
+    def local_update(self, model: RepPerModel, data: ClientTensors, ctx: LocalContext) -> LocalResult:
+        """Stage 1 on this client: ``train.epochs`` epochs of SupCon; uploads the encoder."""
+        cfg = self.config
+        params = list(model.encoder.parameters())
+        if model.projector is not None:
+            params += list(model.projector.parameters())
+        opt = make_optimizer(params, ctx, optimizer=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
+                             weight_decay=cfg.weight_decay)
+        loss = fit(model, data, ctx, lambda m, x, y: self.contrastive_loss(m, x, y, ctx.generator), params,
+                   ctx.train.epochs, optimizer=opt, batch_size=cfg.batch_size)
+        return LocalResult(upload=self.shared_params(model), train_loss=loss, metrics={"supcon": loss})
+
+    # ------------------------------------------------------------------ stage 2
+    def fit_head(self, model: RepPerModel, x: torch.Tensor, y: torch.Tensor, seed: int = 0):
+        """Fit the personal head on frozen features of (x, y); returns the sklearn pipeline.
+
+        The fitted weights are also copied into ``model.head``. Returns ``None`` when
+        ``y`` holds a single class (no estimator fits that; the head predicts it).
+        """
+        from sklearn.exceptions import ConvergenceWarning
+
+        cfg = self.config
+        labels = y.detach().cpu().numpy()
+        present = np.unique(labels)
+        if len(present) < 2:
+            model.head.set_constant(int(present[0]) if len(present) else 0)
+            return None
+        feats = encode(model, x).cpu().numpy()
+        if cfg.head == "mlp":
+            params: dict[str, Any] = {"hidden_layer_sizes": (cfg.head_hidden,), "random_state": seed}
+        elif cfg.head == "svm":
+            params = {"C": cfg.head_C, "random_state": seed}
+        else:
+            params = {"C": cfg.head_C}
+        pipe = make_head(cfg.head, normalize=cfg.head_normalize, max_iter=cfg.head_max_iter, **params)
+        with warnings.catch_warnings():
+            # re-fitted every round; an unconverged fit is still a usable head and the
+            # warning would flood every agent's log
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            pipe.fit(feats, labels)
+        model.head.load_sklearn(pipe)
+        return pipe
+
+    def evaluate(self, model: RepPerModel, data: ClientTensors, ctx: LocalContext) -> EvalResult:
+        """Re-fit the personal head on the current encoder, then score the test split."""
+        self.fit_head(model, data.x_train, data.y_train, seed=ctx.seed)
+        return super().evaluate(model, data, ctx)
+
+    # ------------------------------------------------------------------ export plan
+    def device_head(self, model: RepPerModel) -> nn.Module:
+        """The fitted personal head (normalization included): encoder features -> logits."""
+        return model.head
