@@ -62,6 +62,7 @@ class HeadRuntime:
         self.encoder: OnnxEncoder | None = None
         self.head: OnnxHead | None = None
         self.record: dict[str, Any] | None = None
+        self._adapt: tuple[np.ndarray, np.ndarray] | None = None
 
     # ---------------------------------------------------------------- state
     @property
@@ -90,6 +91,7 @@ class HeadRuntime:
                               expected_sha256=record["encoder_sha256"])
         head = OnnxHead(self.state_dir / record["head_file"], self.threads).fit()
         self.encoder, self.head, self.record = encoder, head, record
+        self._adapt = _renormalization(self.data.normalization, record["manifest"])
         log.info("restored release %s with a %s head (accuracy %.4f)", record["release_id"], record["metrics"]["head"],
                  record["metrics"]["accuracy"])
         return dict(record["metrics"])
@@ -130,10 +132,14 @@ class HeadRuntime:
         except Exception as exc:  # onnxruntime raises its own types for a corrupt graph
             raise refuse(f"not a loadable ONNX encoder ({type(exc).__name__}: {str(exc)[:200]})") from None
 
+        adapt = _renormalization(self.data.normalization, manifest)
+        if adapt is not None:
+            log.info("local data normalized with %s, the encoder expects %s: converting", self.data.normalization,
+                     manifest.get("preprocessing", {}).get("normalization"))
         try:
             start = time.perf_counter()
-            f_train = encoder.features(self.data.x_train)
-            f_test = encoder.features(self.data.x_test)
+            f_train = encoder.features(_apply(adapt, self.data.x_train))
+            f_test = encoder.features(_apply(adapt, self.data.x_test))
             feature_seconds = time.perf_counter() - start
         except Exception as exc:
             raise refuse(f"encoder failed on local data ({type(exc).__name__}: {str(exc)[:200]})") from None
@@ -170,7 +176,7 @@ class HeadRuntime:
             "installed": time.time(),
         }
         write_json(self.state_dir / STATE_FILE, record)  # the switch: written last
-        self.encoder, self.head, self.record = encoder, head, record
+        self.encoder, self.head, self.record, self._adapt = encoder, head, record, adapt
         self._remove_old(old)
         log.info("release %s installed: %s head, held-out accuracy %.4f (%d/%d), fit %.2f s", release_id, head_name,
                  metrics["accuracy"], correct, self.data.num_test, fit_seconds)
@@ -214,9 +220,9 @@ class HeadRuntime:
             raise RuntimeError("no encoder release installed yet")
 
     def features(self, x: np.ndarray) -> np.ndarray:
-        """Encoder features of normalized inputs (N, C, H, W)."""
+        """Encoder features of inputs (N, C, H, W) normalized like the local data."""
         self._require()
-        return self.encoder.features(x)
+        return self.encoder.features(_apply(self._adapt, x))
 
     def predict_proba(self, x: np.ndarray) -> np.ndarray:
         """Class probabilities (N, K) for normalized inputs (N, C, H, W); columns: :attr:`classes`."""
@@ -232,6 +238,27 @@ class HeadRuntime:
     def classes(self) -> np.ndarray:
         self._require()
         return self.head.classes_
+
+
+def _renormalization(local: dict[str, Any], manifest: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
+    """(scale, shift) per channel turning the local normalization into the encoder's, or None if equal.
+
+    x_local = (p - m_l) / s_l and the encoder wants (p - m_e) / s_e, so
+    x_enc = x_local * (s_l / s_e) + (m_l - m_e) / s_e.
+    """
+    enc = (manifest.get("preprocessing") or {}).get("normalization") or {}
+    if not local or not enc.get("mean") or not local.get("mean"):
+        return None
+    m_l, s_l = np.asarray(local["mean"], np.float64), np.asarray(local["std"], np.float64)
+    m_e, s_e = np.asarray(enc["mean"], np.float64), np.asarray(enc["std"], np.float64)
+    if m_l.shape != m_e.shape or (np.allclose(m_l, m_e) and np.allclose(s_l, s_e)):
+        return None
+    return ((s_l / s_e).astype(np.float32).reshape(1, -1, 1, 1),
+            ((m_l - m_e) / s_e).astype(np.float32).reshape(1, -1, 1, 1))
+
+
+def _apply(adapt, x: np.ndarray) -> np.ndarray:
+    return x if adapt is None else (x * adapt[0] + adapt[1]).astype(np.float32)
 
 
 def _sha(data: bytes) -> str:

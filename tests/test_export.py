@@ -117,14 +117,16 @@ def test_default_calibration_reads_the_runs_own_clients(dualfed_run, tmp_path):
     assert manifest["batchnorm"]["calibration_samples"] > 100
 
 
-def test_int8_variant_listed_and_its_accuracy_change_measured(fedavg_run, tmp_path):
+def test_int8_and_fp16_variants_listed_and_their_accuracy_change_measured(fedavg_run, tmp_path):
     from export.quantize import accuracy_change
 
     out = tmp_path / "q"
-    manifest = json.loads(export_run(fedavg_run, out, quantize=["int8"]).read_text())
+    manifest = json.loads(export_run(fedavg_run, out, quantize=["int8", "fp16"]).read_text())
+    for entry in manifest["variants"].values():
+        assert entry["sha256"] == sha256_file(out / entry["file"])
+        onnx.checker.check_model(onnx.load(str(out / entry["file"])))
+        assert entry["bytes"] < manifest["encoder"]["bytes"]
     entry = manifest["variants"]["int8"]
-    assert entry["sha256"] == sha256_file(out / entry["file"])
-    onnx.checker.check_model(onnx.load(str(out / entry["file"])))
     # a variant named in the manifest opens with its own checksum
     enc8 = OnnxEncoder.from_path(out / entry["file"])
     assert enc8.features(client_data(5).x_test[:3]).shape == (3, 32)
@@ -133,6 +135,7 @@ def test_int8_variant_listed_and_its_accuracy_change_measured(fedavg_run, tmp_pa
     assert abs(report["int8"]["delta"]) <= 0.1  # dynamic int8 must not wreck the encoder
     assert 0 < report["int8"]["max_abs_feature_diff"] < 1.0
     assert report["int8"]["delta"] == pytest.approx(report["int8"]["accuracy"] - report["fp32"]["accuracy"])
+    assert abs(report["fp16"]["delta"]) <= 0.02 and report["fp16"]["max_abs_feature_diff"] < 0.1
 
 
 def test_unknown_quantization_is_an_error(fedavg_run, tmp_path):

@@ -180,3 +180,25 @@ def test_head_runtime_never_imports_torch(releases, data, tmp_path):
     assert result.pop("torch_imported") == []
     for kind, r in result.items():
         assert r["accuracy"] > 0.5 and r["same_after_restart"], (kind, r)
+
+
+def test_local_data_in_another_normalization_is_converted(releases, data, tmp_path):
+    """A device whose loader normalized differently (e.g. an image folder) still feeds the encoder right."""
+    from edgepfl.data.client import ClientData
+
+    ref = HeadRuntime(tmp_path / "a", "lr", data)
+    m_ref = _install(ref, releases[0])
+    mean, std = np.float32(data.normalization["mean"][0]), np.float32(data.normalization["std"][0])
+
+    def other(x):  # the same pixels, normalized with mean 0.5 / std 0.5
+        return ((x * std + mean) - 0.5) / 0.5
+
+    shifted = ClientData(other(data.x_train), data.y_train, other(data.x_test), data.y_test, data.num_classes,
+                         normalization={"mean": [0.5], "std": [0.5]})
+    rt = HeadRuntime(tmp_path / "b", "lr", shifted)
+    m = _install(rt, releases[0])
+    assert m["accuracy"] == pytest.approx(m_ref["accuracy"])
+    np.testing.assert_allclose(rt.features(shifted.x_test), ref.features(data.x_test), atol=1e-4)
+    restored = HeadRuntime(tmp_path / "b", "lr", shifted)
+    restored.load()
+    np.testing.assert_array_equal(restored.predict(shifted.x_test), rt.predict(shifted.x_test))

@@ -185,12 +185,13 @@ def test_new_task_classes_from_an_image_folder(releases, new_client, tmp_path, c
     from PIL import Image
 
     px, y = new_client["pixels"], new_client["y"]
+    assert px.dtype == np.float32 and px.max() <= 1  # the digits pool: floats in [0, 1]
     names = {0: "zero", 1: "one", 2: "two"}
     root = tmp_path / "photos"
     for i, (img, label) in enumerate(zip(px, y)):
         if label in names:
             (root / names[label]).mkdir(parents=True, exist_ok=True)
-            Image.fromarray(np.asarray(img[0], np.uint8)).save(root / names[label] / f"{i}.png")
+            Image.fromarray(np.round(img[0] * 255).astype(np.uint8)).save(root / names[label] / f"{i}.png")
     out = tmp_path / "lr.onnx"
     release = releases["fedavg"]
     assert main_fit_head(["--encoder", str(release / "encoder.onnx"), "--data", str(root), "--head", "lr",
