@@ -305,7 +305,8 @@ class MosquittoBroker:
     ``persistence false``, ``max_packet_size`` = ``max_packet_bytes`` (default:
     the MQTT maximum). With ``capture=True`` a :class:`TrafficCapture` subscribed
     to ``#`` records every message that crosses the broker (``self.capture``).
-    ``extra_config`` lines are appended verbatim (e.g. an ``acl_file``).
+    ``extra_config`` lines are appended verbatim (e.g. ``acl_file`` and
+    ``password_file``, with ``allow_anonymous=False``).
     """
 
     def __init__(
@@ -314,6 +315,7 @@ class MosquittoBroker:
         *,
         capture: bool = False,
         max_packet_bytes: int = MQTT_MAX_PACKET_BYTES,
+        allow_anonymous: bool = True,
         extra_config: str = "",
         executable: str | None = None,
         start_timeout: float = 10.0,
@@ -321,6 +323,7 @@ class MosquittoBroker:
         self.host = "127.0.0.1"
         self.port = port
         self.max_packet_bytes = max_packet_bytes
+        self.allow_anonymous = allow_anonymous
         self.extra_config = extra_config
         self.executable = executable or find_mosquitto()
         self.start_timeout = start_timeout
@@ -344,9 +347,11 @@ class MosquittoBroker:
         return Path(self._dir.name) / "mosquitto.log" if self._dir else None
 
     def log_text(self) -> str:
-        """Mosquitto's own log (connections, errors) — useful in failing tests."""
-        p = self.log_path
-        return p.read_text(errors="replace") if p and p.exists() else ""
+        """Mosquitto's own log (connections, errors) and its stderr (config errors) — for failing tests."""
+        if not self._dir:
+            return ""
+        d = Path(self._dir.name)
+        return "".join(p.read_text(errors="replace") for p in (d / "stderr.log", d / "mosquitto.log") if p.exists())
 
     def start(self) -> str:
         """Start mosquitto and wait until it accepts connections; returns the URL."""
@@ -378,7 +383,7 @@ class MosquittoBroker:
             "\n".join(
                 [
                     f"listener {port} {self.host}",
-                    "allow_anonymous true",
+                    f"allow_anonymous {'true' if self.allow_anonymous else 'false'}",
                     "persistence false",
                     f"max_packet_size {int(self.max_packet_bytes)}",
                     # Many agents may publish bursts of QoS 1 updates; don't drop them.
@@ -389,6 +394,9 @@ class MosquittoBroker:
                     "log_type notice",
                     "log_type information",
                     "connection_messages true",
+                    # Started as root, mosquitto switches to user 'mosquitto', which cannot
+                    # read our private temp dir (config, log, password and ACL files).
+                    "user root" if hasattr(os, "geteuid") and os.geteuid() == 0 else "",
                     self.extra_config,
                     "",
                 ]
@@ -454,8 +462,18 @@ class TrafficCapture:
     flag on live forwards, so the flag identifies exactly the replays).
     """
 
-    def __init__(self, url: str, topic: str = "#", *, include_retained: bool = False, timeout: float = 10.0):
+    def __init__(
+        self,
+        url: str,
+        topic: str = "#",
+        *,
+        include_retained: bool = False,
+        timeout: float = 10.0,
+        username: str | None = None,
+        password: str | None = None,
+    ):
         self.url = url
+        self.username, self.password = username, password
         self.topic = topic
         self.include_retained = include_retained
         self.timeout = timeout
@@ -472,6 +490,8 @@ class TrafficCapture:
         client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"edgepfl-capture-{uuid.uuid4().hex[:12]}")
         if tls:
             client.tls_set()
+        if self.username:
+            client.username_pw_set(self.username, self.password)
 
         def on_connect(c, userdata, flags, reason_code, properties):
             if not reason_code.is_failure:

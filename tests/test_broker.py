@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import uuid
+from pathlib import Path
 
 import numpy as np
 import paho.mqtt.client as mqtt
@@ -38,7 +40,7 @@ MB = 1024 * 1024
 class Peer:
     """A paho client with blocking helpers, as agents and coordinators use it (QoS 1, MQTT 3.1.1)."""
 
-    def __init__(self, url, client_id=None, *, clean_session=True, will=None):
+    def __init__(self, url, client_id=None, *, clean_session=True, will=None, username=None, password=None):
         host, port, _ = parse_broker_url(url)
         self.inbox: queue.Queue[mqtt.MQTTMessage] = queue.Queue()
         self._acks: queue.Queue[int] = queue.Queue()
@@ -50,14 +52,25 @@ class Peer:
         )
         if will:
             self.client.will_set(*will, qos=1, retain=True)
+        if username:
+            self.client.username_pw_set(username, password)
         self._connected, self._disconnected = threading.Event(), threading.Event()
-        self.client.on_connect = lambda c, u, f, rc, p: self._connected.set()
+        self.connack = None
+
+        def on_connect(c, u, f, rc, p):
+            self.connack = rc
+            self._connected.set()
+
+        self.client.on_connect = on_connect
         self.client.on_disconnect = lambda c, u, f, rc, p: self._disconnected.set()
         self.client.on_message = lambda c, u, m: self.inbox.put(m)
         self.client.on_subscribe = lambda c, u, mid, rc, p: self._acks.put(mid)
         self.client.connect(host, port, keepalive=10)
         self.client.loop_start()
         assert self._connected.wait(10), "no CONNACK"
+        if self.connack.is_failure:
+            self.client.loop_stop()
+            raise ConnectionRefusedError(str(self.connack))
 
     def subscribe(self, topic, qos=1):
         _, mid = self.client.subscribe(topic, qos)
@@ -363,3 +376,110 @@ def test_parse_broker_url(url, expected):
 def test_parse_broker_url_rejects(url, needle):
     with pytest.raises(BrokerError, match=needle):
         parse_broker_url(url)
+
+
+# --------------------------------------------------------------------------- docs/PROTOCOL.md conformance
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "PROTOCOL.md"
+
+
+def doc_block(name: str) -> str:
+    inner = DOC.read_text().split(f"<!-- {name}-begin -->", 1)[1].split(f"<!-- {name}-end -->", 1)[0]
+    lines = inner.strip().splitlines()
+    return "\n".join(lines[1:-1]) + "\n"
+
+
+@pytest.fixture
+def acl_broker(tmp_path):
+    """Mosquitto with the doc's ACL verbatim, password authentication, anonymous refused."""
+    require_mosquitto()
+    acl = tmp_path / "acl"
+    acl.write_text(doc_block("acl"))
+    passwd = tmp_path / "passwd"
+    tool = shutil.which("mosquitto_passwd") or "/usr/bin/mosquitto_passwd"
+    if not os.access(tool, os.X_OK):
+        pytest.skip("mosquitto_passwd not installed")
+    for i, user in enumerate(["coordinator", "pi-07", "pi-08"]):
+        subprocess.run([tool, "-b"] + (["-c"] if i == 0 else []) + [str(passwd), user, f"pw-{user}"],
+                       check=True, capture_output=True)
+    passwd.chmod(0o600)
+    acl.chmod(0o600)
+    with MosquittoBroker(allow_anonymous=False, extra_config=f"password_file {passwd}\nacl_file {acl}") as broker:
+        yield broker
+
+
+def test_acl_from_the_doc_confines_each_agent_to_its_own_topics(acl_broker, peers):
+    url = acl_broker.url
+    base = "edgepfl/v1/demo"
+
+    def login(user):
+        return peers(url, username=user, password=f"pw-{user}")
+
+    coord = login("coordinator").subscribe(f"{base}/agents/+/update")
+    pi7, pi8 = login("pi-07"), login("pi-08")
+    pi7.subscribe(f"{base}/agents/pi-07/task").subscribe(f"{base}/agents/pi-08/task").subscribe(f"{base}/release")
+    pi8.subscribe(f"{base}/agents/pi-08/task")
+    # tasks reach their own agent only
+    coord.publish(f"{base}/agents/pi-08/task", b"task-for-8")
+    assert pi8.get().payload == b"task-for-8"
+    assert pi7.nothing()
+    coord.publish(f"{base}/agents/pi-07/task", b"task-for-7")
+    assert pi7.get().payload == b"task-for-7"
+    # an agent can publish its own update, not another agent's, and no release
+    pi7.publish(f"{base}/agents/pi-07/update", b"from-7")
+    pi7.publish(f"{base}/agents/pi-08/update", b"forged-by-7")
+    pi7.publish(f"{base}/release", b"fake-release", retain=True)
+    got = coord.get()
+    assert (got.topic, got.payload) == (f"{base}/agents/pi-07/update", b"from-7")
+    assert coord.nothing(wait=0.5) and pi7.nothing()
+    # the coordinator's release reaches agents
+    coord.publish(f"{base}/release", b"real-release", retain=True)
+    assert pi7.get().payload == b"real-release"
+    # no anonymous clients, no wrong passwords
+    with pytest.raises(ConnectionRefusedError):
+        Peer(url)
+    with pytest.raises(ConnectionRefusedError):
+        Peer(url, username="pi-07", password="wrong")
+
+
+@pytest.mark.slow
+def test_two_agents_written_from_the_doc_alone_complete_rounds_with_the_real_coordinator(mosquitto, tmp_path):
+    """The doc's reference codec + agent, run as separate processes, against edgepfl's coordinator."""
+    from coordinator.fleet import MqttFleet
+    from coordinator.rounds import Coordinator
+    from edgepfl.config import RunConfig
+
+    script = tmp_path / "doc_agent.py"
+    script.write_text(doc_block("reference-codec") + doc_block("reference-agent") + textwrap.dedent(
+        """
+        import sys
+        def answer(header, task, tensors):
+            # A protocol-level agent: report 2 of 5 correct and send the global tensors back unchanged.
+            return {"num_train": 10, "num_test": 5, "eval_correct": 2}, dict(tensors)
+        run_agent(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], answer, 10, 5)
+        """))
+    fed = f"doc{uuid.uuid4().hex[:8]}"
+    host, port, _ = parse_broker_url(mosquitto.url)
+    agents = [subprocess.Popen([sys.executable, str(script), host, str(port), fed, f"doc-{i}"]) for i in (1, 2)]
+    try:
+        config = RunConfig(
+            federation=fed, method={"name": "fedavg"}, model={"arch": "mlp", "feature_dim": 8, "norm": "none"},
+            rounds=2, min_agents=2, round_timeout_s=30, wait_for_agents_s=60, input_shape=[1, 4, 4], num_classes=3,
+            broker={"url": mosquitto.url}, device="cpu",
+        )
+        fleet = MqttFleet(fed, config.broker)
+        try:
+            rows = Coordinator(config, fleet, tmp_path / "run", progress=False).run()
+        finally:
+            fleet.close()
+    finally:
+        for p in agents:
+            p.kill()
+            p.wait()
+    assert [r["round"] for r in rows] == [0, 1, 2] and rows[-1]["final"]
+    for row in rows[:-1]:
+        assert row["participants"] == ["doc-1", "doc-2"]
+        assert row["rejected"] == {} and not row["aborted"]
+        assert row["accuracy"] == pytest.approx(0.4)
+        assert row["bytes_up"] > 0 and row["bytes_down"] > 0
+    assert rows[-1]["evaluated"] == 2 and rows[-1]["accuracy"] == pytest.approx(0.4)

@@ -14,6 +14,7 @@ import pickle
 import random
 import struct
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -111,9 +112,8 @@ def test_round_trip_is_bit_exact(name):
     assert out.tobytes() == arr.tobytes()  # bit-exact, incl. -0.0 and denormals
 
 
-@pytest.mark.xfail(strict=True, reason="encode() sends 0-d arrays as shape [1] (np.ascontiguousarray adds a dim) "
-                   "while the manifest says [], so decode() rejects the sender's own frame")
 def test_round_trip_zero_dim_tensor():
+    # Regression: np.ascontiguousarray turned 0-d arrays into shape [1] while the manifest said [].
     arr = np.array(7.0, dtype=np.float32)
     out = decode(make_update({"scalar": arr})).tensors["scalar"]
     assert out.shape == () and out.tobytes() == arr.tobytes()
@@ -123,7 +123,7 @@ def test_round_trip_many_tensors_and_header_fields():
     rng = np.random.default_rng(0)
     tensors = {
         "encoder.conv1.weight": rng.standard_normal((8, 1, 3, 3)).astype(np.float32),
-        "encoder.bn1.num_batches_tracked": np.array([12], dtype=np.int64),
+        "encoder.bn1.num_batches_tracked": np.array(12, dtype=np.int64),
         "stat/class_counts": np.array([3, 0, 7], dtype=np.int64),
         # a non-contiguous view must be sent as its logical contents
         "head.weight": rng.standard_normal((4, 6)).astype(np.float64).T,
@@ -658,3 +658,90 @@ def test_every_channel_has_exactly_one_direction():
         assert DIRECTION[ch].startswith("agent")
     for ch in FederationChannel:
         assert DIRECTION[ch].startswith("coordinator")
+
+
+# --------------------------------------------------------------------------- docs/PROTOCOL.md stays true
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "PROTOCOL.md"
+
+
+def doc_block(name: str) -> str:
+    """The fenced block between ``<!-- name-begin -->`` and ``<!-- name-end -->`` in PROTOCOL.md."""
+    text = DOC.read_text()
+    inner = text.split(f"<!-- {name}-begin -->", 1)[1].split(f"<!-- {name}-end -->", 1)[0]
+    lines = inner.strip().splitlines()
+    assert lines[0].startswith("```") and lines[-1] == "```"
+    return "\n".join(lines[1:-1]) + "\n"
+
+
+def test_worked_example_in_the_doc_decodes_and_matches_the_encoder_today():
+    frame = b"".join(
+        bytes.fromhex("".join(line.split(":", 1)[1][:40].split())) for line in doc_block("example-frame").splitlines()
+    )
+    assert len(frame) == 593
+    msg = decode(frame)
+    h = msg.header
+    assert (h.type, h.federation, h.sender, h.round) == (MessageType.UPDATE, "demo", "pi-07", 3)
+    assert h.message_id == "0123456789abcdef0123456789abcdef"
+    assert msg.meta.eval_correct == 117 and msg.meta.num_test == 150
+    assert msg.tensors["head.bias"].tolist() == [0.5, -1.25]
+    # the encoder today produces the same frame, apart from the creation time
+    again = encode("update", federation="demo", sender="pi-07", round=3, meta=msg.meta,
+                   tensors={"head.bias": np.array([0.5, -1.25], np.float32)}, message_id=h.message_id)
+    (doc_head, doc_body), (new_head, new_body) = split(frame), split(again)
+    doc_head.pop("created"), new_head.pop("created")
+    assert (doc_head, doc_body) == (new_head, new_body)
+    assert list(doc_head) == list(new_head)  # same key order, as the dump shows
+
+
+@pytest.fixture(scope="module")
+def codec():
+    namespace: dict = {}
+    exec(compile(doc_block("reference-codec"), str(DOC), "exec"), namespace)
+    return namespace
+
+
+REFERENCE_TENSORS = {
+    "encoder.w": np.random.default_rng(3).standard_normal((4, 3)).astype(np.float32),
+    "encoder.h": np.arange(6, dtype=np.float16).reshape(2, 3),
+    "stat/d": np.array([1e300, -2.5]),
+    "stat/n": np.array([[-(2**40)]], dtype=np.int64),
+    "stat/i": np.arange(3, dtype=np.int32),
+    "stat/u": np.arange(7, dtype=np.uint8),
+    "stat/b": np.array([True, False, True]),
+    "stat/scalar": np.array(2.5, dtype=np.float32),
+    "stat/empty": np.zeros((0, 2), np.float32),
+}
+
+
+def test_reference_codec_frames_decode_with_edgepfl(codec):
+    meta = {"task_id": "ab" * 16, "kind": "train", "num_train": 4, "num_test": 2, "eval_correct": 1}
+    frame = codec["encode_frame"]("update", "demo", "pi-07", 5, meta, REFERENCE_TENSORS)
+    msg = decode(frame)
+    assert (msg.header.sender, msg.header.round, msg.meta.task_id) == ("pi-07", 5, "ab" * 16)
+    for k, v in REFERENCE_TENSORS.items():
+        assert msg.tensors[k].dtype == v.dtype and msg.tensors[k].shape == v.shape
+        assert msg.tensors[k].tobytes() == v.tobytes()
+    status = codec["encode_frame"]("status", "demo", "pi-07", -1, {"state": "online", "tier": "head"})
+    assert decode(status).meta.tier == "head"
+
+
+def test_edgepfl_frames_decode_with_the_reference_codec(codec):
+    tensors = REFERENCE_TENSORS
+    frame = make_update(tensors)
+    header, out = codec["decode_frame"](frame)
+    assert header["type"] == "update" and header["meta"]["num_train"] == 10
+    for k, v in tensors.items():
+        assert out[k].dtype == v.dtype and out[k].tobytes() == v.tobytes()
+    big = make_update({"w": np.ones(10_000, np.float32)})
+    chunks = split_frame(big, 16_384, federation=FED, sender="a", round=0)
+    assert len(chunks) > 1
+    head, data = codec["decode_frame"](chunks[0])
+    assert head["type"] == "chunk" and data["data"].tobytes() == big[: len(data["data"])]
+    bad = bytearray(frame)
+    bad[-1] ^= 1
+    with pytest.raises(ValueError, match="corrupt"):
+        codec["decode_frame"](bytes(bad))
+    inf = codec["encode_frame"]("update", FED, "a", 0, {}, {"x": np.array([np.inf])})
+    with pytest.raises(ValueError, match="non_finite"):
+        codec["decode_frame"](inf)
