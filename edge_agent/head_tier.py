@@ -175,6 +175,8 @@ class HeadRuntime:
             "head_file": head_path.name, "head_sha256": _sha(head_bytes), "metrics": metrics,
             "installed": time.time(),
         }
+        # for `edgepfl predict --encoder <state>/encoder-….onnx`, which reads the manifest beside it
+        write_json(self.state_dir / "manifest.json", manifest)
         write_json(self.state_dir / STATE_FILE, record)  # the switch: written last
         self.encoder, self.head, self.record, self._adapt = encoder, head, record, adapt
         self._remove_old(old)

@@ -202,3 +202,18 @@ def test_local_data_in_another_normalization_is_converted(releases, data, tmp_pa
     restored = HeadRuntime(tmp_path / "b", "lr", shifted)
     restored.load()
     np.testing.assert_array_equal(restored.predict(shifted.x_test), rt.predict(shifted.x_test))
+
+
+def test_installed_files_work_with_the_predict_cli(releases, data, tmp_path, capsys):
+    from export.predict import main_predict
+
+    rt = HeadRuntime(tmp_path / "state", "mlp", data)
+    _install(rt, releases[0])
+    record = json.loads((tmp_path / "state" / "release.json").read_text())
+    npy = tmp_path / "x.npy"
+    np.save(npy, data.x_test[:6])
+    rc = main_predict(["--encoder", str(tmp_path / "state" / record["encoder_file"]),
+                       "--head", str(tmp_path / "state" / record["head_file"]), str(npy), "--preprocessed", "--json"])
+    rows = [json.loads(s) for s in capsys.readouterr().out.splitlines()]
+    assert rc == 0
+    np.testing.assert_array_equal([r["predictions"][0]["index"] for r in rows], rt.predict(data.x_test[:6]))
