@@ -190,6 +190,8 @@ def combine_heads(heads: list[TensorDict], alpha: np.ndarray) -> TensorDict:
 # ---------------------------------------------------------------------- the method
 @register
 class FedPAC(Method):
+    """FedPAC: see the module docstring; options in :class:`FedPACConfig`."""
+
     name = "fedpac"
     summary = "shared body with centroid alignment; personal heads combined by server QP weights"
     config_class = FedPACConfig
