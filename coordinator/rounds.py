@@ -165,6 +165,9 @@ class Coordinator:
         self._wait_for_agents()
         rows = []
         for r in range(self.start_round, c.rounds):
+            if r > self.start_round:
+                # Agents that dropped out get up to one round timeout to come back before we go on without them.
+                self._wait_for_agents(required=False)
             self.fleet.announce(CoordinatorMeta(state="online", method=c.method.name, round=r))
             rows.append(self._run_round(r, final=False))
             if c.release_every and (r + 1) % c.release_every == 0 and r + 1 < c.rounds:
@@ -177,9 +180,13 @@ class Coordinator:
         self.progress.close()
         return rows
 
-    def _wait_for_agents(self) -> None:
+    def _wait_for_agents(self, required: bool = True) -> None:
+        """Block until ``min_agents`` trainers are online. Before round 0 that is required
+        (TimeoutError after ``wait_for_agents_s``); between rounds we wait at most one
+        round timeout and go on with whoever is there."""
         need = self.config.min_agents
-        deadline = time.monotonic() + self.config.wait_for_agents_s
+        wait = self.config.wait_for_agents_s if required else self.config.round_timeout_s
+        deadline = time.monotonic() + wait
         last = -1
         while True:
             online = self.fleet.registry.online("trainer")
@@ -189,6 +196,9 @@ class Coordinator:
                 self.progress.note(f"waiting for agents: {len(online)}/{need} online")
                 last = len(online)
             if time.monotonic() > deadline:
+                if not required and online:
+                    log.warning("only %d of min_agents=%d online; going on without the others", len(online), need)
+                    return
                 raise TimeoutError(f"only {len(online)} of min_agents={need} trainer agents came online within "
                                    f"{self.config.wait_for_agents_s:.0f}s")
             self._handle(self.fleet.poll(0.2))

@@ -46,7 +46,7 @@ def write_tensors(path: str | Path, tensors: dict[str, np.ndarray], metadata: di
     """Atomically write numpy tensors as safetensors."""
     from safetensors.numpy import save
 
-    payload = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    payload = {k: np.require(v, requirements="C") for k, v in tensors.items()}  # 0-d stays 0-d
     write_bytes(path, save(payload, metadata=metadata) if payload else save({"__empty__": np.zeros(0, np.uint8)}, metadata=metadata))
 
 

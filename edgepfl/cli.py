@@ -132,7 +132,9 @@ def cmd_methods(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edgepfl", description="Personalized federated learning for edge fleets over MQTT")
-    p.add_argument("--log-level", default="warning", help="debug, info, warning (default), error")
+    p.add_argument("--log-level", default=None,
+                   help="debug, info, warning, error (default: info for the agent and coordinator services, "
+                        "warning otherwise)")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="run a small federation on the embedded defaults")
@@ -189,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    _setup_logging(args.log_level)
+    service = args.command in ("agent", "coordinator")
+    _setup_logging(args.log_level or ("info" if service else "warning"))
     try:
         if getattr(args, "delegate", None):
             import importlib

@@ -159,7 +159,7 @@ def _encode_tensors(tensors: dict[str, np.ndarray]) -> bytes:
 
     clean = {}
     for name, value in tensors.items():
-        arr = np.ascontiguousarray(value)
+        arr = np.require(value, requirements="C")  # keeps 0-d arrays 0-d, unlike ascontiguousarray
         if arr.dtype not in _ALLOWED_DTYPES:
             raise TypeError(f"tensor {name!r} has unsupported dtype {arr.dtype}")
         clean[name] = arr
