@@ -1,0 +1,202 @@
+"""The fleet goes on: dead agents, a restarted coordinator, hostile payloads.
+
+Real Mosquitto, real agent processes; the coordinator runs in this process (or as
+its own process where it is the one being killed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import paho.mqtt.client as mqtt
+import pytest
+import yaml
+
+from coordinator.fleet import MqttFleet
+from coordinator.rounds import Coordinator
+from edgepfl.atomic import read_tensors
+from edgepfl.protocol import (
+    AgentChannel,
+    MessageType,
+    StatusMeta,
+    UpdateMeta,
+    agent_topic,
+    decode,
+    encode,
+)
+from fleet_helpers import RunningFleet, read_rows, run_config, run_in_thread, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def _coordinator(config, url, out, shape):
+    fleet = MqttFleet(config.federation, config.broker, url=url)
+    return Coordinator(config, fleet, out, progress=False, **shape), fleet
+
+
+def test_agent_killed_mid_round_round_closes_on_quorum_and_agent_resumes_its_state(mosquitto, broker_capture, tmp_path):
+    config = run_config(rounds=4, quorum=0.5, round_timeout_s=20, method={"name": "fedper"},
+                        data={"samples_per_client": 400})
+    out = tmp_path / "run"
+    with RunningFleet(config, out, mosquitto.url, 4) as fleet:
+        coord, mfleet = _coordinator(fleet.config, mosquitto.url, out, fleet.shape())
+        thread, box = run_in_thread(coord.run)
+        victim = "agent-03"
+        task_topic = agent_topic(fleet.config.federation, victim, AgentChannel.TASK)
+        # Kill the victim as soon as its round-1 task is on the wire: it is evaluating/training.
+        wait_until(lambda: any(t == task_topic and decode(p).header.round == 1 for t, p in broker_capture.snapshot()),
+                   timeout=240, what="round-1 task for the victim")
+        fleet.procs[victim].send_signal(signal.SIGKILL)
+        fleet.procs[victim].wait()
+        saved = json.loads((out / "agents" / victim / "personal.json").read_text())
+        assert saved["round"] == 0  # its personal state as of the last completed task
+
+        wait_until(lambda: len(read_rows(out)) >= 2, timeout=120, what="round 1 closed")
+        fleet.start_agent(3)  # same id, same state directory
+        thread.join(timeout=300)
+        mfleet.close()
+        assert "error" not in box, box.get("error")
+
+    rows = read_rows(out)
+    round1 = rows[1]
+    assert round1["round"] == 1 and victim in round1["dropped"] and victim not in round1["participants"]
+    assert len(round1["participants"]) == 3 and not round1["aborted"]
+    assert "restored personal state" in fleet.log(victim)
+    later = [r for r in rows[2:] if victim in r["participants"] or victim in r["per_client"]]
+    assert later, "the restarted agent never took part again"
+    assert json.loads((out / "agents" / victim / "personal.json").read_text())["round"] >= 2
+
+
+def test_coordinator_killed_after_round_k_resumes_at_k_plus_1_with_same_global_weights(mosquitto, broker_capture, tmp_path):
+    config = run_config(rounds=4, method={"name": "fedavg"})
+    out = tmp_path / "run"
+    with RunningFleet(config, out, mosquitto.url, 3) as fleet:
+        cfg_path = tmp_path / "coordinator.yaml"
+        data = fleet.config.model_dump(mode="json")
+        data["broker"]["url"] = mosquitto.url
+        cfg_path.write_text(yaml.safe_dump(data))
+        cmd = [sys.executable, "-m", "edgepfl.cli", "coordinator", "--config", str(cfg_path), "--out", str(out)]
+        log1 = open(tmp_path / "coordinator1.log", "wb")
+        first = subprocess.Popen(cmd, stdout=log1, stderr=subprocess.STDOUT, env=dict(os.environ))
+        state_json = out / "checkpoint" / "state.json"
+        wait_until(lambda: state_json.exists() and json.loads(state_json.read_text())["round"] >= 1, timeout=300,
+                   interval=0.02, what="checkpoint of round 1")
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        k = json.loads(state_json.read_text())["round"]
+        saved = read_tensors(out / "checkpoint" / "state.safetensors")
+        broker_capture.clear()
+
+        log2 = open(tmp_path / "coordinator2.log", "wb")
+        second = subprocess.run(cmd, stdout=log2, stderr=subprocess.STDOUT, timeout=400)
+        assert second.returncode == 0, (tmp_path / "coordinator2.log").read_text()[-3000:]
+
+    assert f"resuming from checkpoint after round {k}" in (tmp_path / "coordinator2.log").read_text()
+    tasks = [decode(p) for t, p in broker_capture.snapshot() if t.endswith("/task")]
+    first_round = min(m.header.round for m in tasks)
+    assert first_round == k + 1
+    for task in (m for m in tasks if m.header.round == k + 1):
+        for key, value in task.tensors.items():
+            np.testing.assert_array_equal(value, saved[f"global::{key}"])
+    rows = [r for r in read_rows(out) if not r["final"]]
+    assert [r["round"] for r in rows] == list(range(4))  # no round lost, none repeated
+
+
+class Mallory:
+    """A registered agent that answers its tasks with every kind of bad update, then a good one twice."""
+
+    def __init__(self, url: str, federation: str, agent_id: str = "mallory"):
+        self.federation, self.agent_id = federation, agent_id
+        host, port = url.removeprefix("mqtt://").split(":")
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"test-{agent_id}-{federation}")
+        self.client.on_message = self._on_message
+        self.client.connect(host, int(port))
+        self.client.subscribe(agent_topic(federation, agent_id, AgentChannel.TASK), qos=1)
+        self.client.loop_start()
+        status = StatusMeta(state="online", tier="trainer", num_train=100, num_test=20)
+        self.publish(agent_topic(federation, agent_id, AgentChannel.STATUS),
+                     encode(MessageType.STATUS, federation=federation, sender=agent_id, round=-1, meta=status),
+                     retain=True)
+        self.sent: list[str] = []
+
+    def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        self.client.publish(topic, payload, qos=1, retain=retain).wait_for_publish(10)
+
+    def _update(self, task, tensors, round=None, message_id=None, sender=None) -> bytes:
+        meta = UpdateMeta(task_id=task.meta.task_id, kind=task.meta.kind, num_train=100, num_test=20, eval_correct=2)
+        return encode(MessageType.UPDATE, federation=self.federation, sender=sender or self.agent_id,
+                      round=task.header.round if round is None else round, meta=meta, tensors=tensors,
+                      message_id=message_id)
+
+    def _on_message(self, client, userdata, msg) -> None:
+        # Publishing with wait_for_publish from paho's network thread would deadlock.
+        threading.Thread(target=self._answer, args=(decode(msg.payload),), daemon=True).start()
+
+    def _answer(self, task) -> None:
+        if task.header.round != 0 or task.meta.kind != "train":
+            return
+        topic = agent_topic(self.federation, self.agent_id, AgentChannel.UPDATE)
+        good = {k: v for k, v in task.tensors.items()}
+        key = next(k for k, v in good.items() if v.dtype == np.float32 and v.ndim == 2)
+        wrong_shape = dict(good, **{key: good[key][:, :-1]})
+        wrong_dtype = dict(good, **{key: good[key].astype(np.float64)})
+        nan = dict(good, **{key: np.full_like(good[key], np.nan)})
+        valid = self._update(task, good)
+        frames = [
+            ("malformed", b"\x00garbage\xff" * 10),
+            ("malformed", valid[: len(valid) // 2]),
+            ("wrong_shape", self._update(task, wrong_shape)),
+            ("wrong_shape", self._update(task, wrong_dtype)),
+            ("non_finite", self._update(task, nan)),
+            ("stale", self._update(task, good, round=task.header.round + 5)),
+            ("oversized", b"EPF1" + os.urandom(5 * 2**20)),
+            ("accepted", valid),
+            ("duplicate", valid),
+        ]
+        for _, frame in frames:
+            self.publish(topic, frame)
+        ghost = agent_topic(self.federation, "ghost", AgentChannel.UPDATE)
+        self.publish(ghost, self._update(task, good, sender="ghost"))
+        self.sent = [reason for reason, _ in frames]
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def test_malformed_payloads_are_rejected_with_a_reason_and_the_round_completes(mosquitto, tmp_path, caplog):
+    config = run_config(rounds=2, min_agents=3, broker={"max_payload_bytes": 4 * 2**20}, round_timeout_s=15)
+    out = tmp_path / "run"
+    with RunningFleet(config, out, mosquitto.url, 2) as fleet:
+        cfg = fleet.config.model_copy(update={"min_agents": 3})
+        mallory = Mallory(mosquitto.url, cfg.federation)
+        try:
+            coord, mfleet = _coordinator(cfg, mosquitto.url, out, fleet.shape())
+            with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+                rows = coord.run()
+            mfleet.close()
+        finally:
+            mallory.close()
+
+    round0 = rows[0]
+    assert sorted(round0["participants"]) == ["agent-00", "agent-01", "mallory"]
+    rejected = round0["rejected"]
+    assert rejected.get("malformed") == 2
+    assert rejected.get("wrong_shape") == 2
+    assert rejected.get("non_finite") == 1
+    assert rejected.get("stale") == 1
+    assert rejected.get("oversized") == 1
+    assert rejected.get("duplicate") == 1
+    assert rejected.get("unknown_agent") == 1
+    # the fleet went on: mallory stays silent in round 1, which closes on quorum without it
+    assert rows[1]["round"] == 1 and rows[1]["participants"] == ["agent-00", "agent-01"]
+    assert rows[1]["dropped"] == ["mallory"] and not rows[1]["aborted"]
+    text = caplog.text
+    for reason in ("malformed", "wrong_shape", "non_finite", "stale", "oversized", "duplicate", "unknown_agent"):
+        assert f"rejected message from" in text and reason in text
