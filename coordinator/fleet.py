@@ -101,8 +101,14 @@ class MqttFleet(Fleet):
         return self.transport.publish(agent_topic(self.federation, agent_id, AgentChannel.TASK), frame, round=round)
 
     def publish_release(self, frame: bytes, round: int) -> int:
-        return self.transport.publish(federation_topic(self.federation, FederationChannel.RELEASE), frame,
-                                      retain=True, round=round, wait=True)
+        """Retained when it fits one MQTT message, so late joiners get it from the broker;
+        a larger release travels in chunks and is re-sent to every head agent that comes online."""
+        self._release = (frame, round)
+        topic = federation_topic(self.federation, FederationChannel.RELEASE)
+        retain = len(frame) <= self.transport.max_message_bytes
+        if not retain:
+            log.info("release of %d bytes exceeds max_message_bytes: chunked, re-sent to late joiners", len(frame))
+        return self.transport.publish(topic, frame, retain=retain, round=round, wait=True)
 
     def poll(self, timeout: float) -> Incoming | None:
         inbound = self.transport.receive(timeout)
@@ -125,7 +131,12 @@ class MqttFleet(Fleet):
         if message.type != MessageType.STATUS or message.header.sender != agent_id:
             self.on_reject(agent_id, "wrong_sender", "status not from the agent whose topic it is on")
             return
+        was_online = agent_id in self.registry.online()
         self.registry.update(agent_id, message.meta)  # type: ignore[arg-type]
+        release = getattr(self, "_release", None)
+        if (release and message.meta.tier == "head" and message.meta.state == "online" and not was_online
+                and len(release[0]) > self.transport.max_message_bytes):
+            self.publish_release(*release)
 
     def close(self) -> None:
         self.transport.stop(final=(self._presence, self._frame(CoordinatorMeta(state="done", round=self._meta.round,

@@ -140,8 +140,9 @@ class Coordinator:
         self.state = self.method.init_server(model)
         self.start_round = 0
 
-    def _checkpoint(self, round: int) -> None:
-        meta = {
+    def run_meta(self, round: int) -> dict:
+        """What a checkpoint (and an export) records about this run as of ``round``."""
+        return {
             "round": round,
             "method": self.config.method.name,
             "method_options": self.config.method.options(),
@@ -153,7 +154,9 @@ class Coordinator:
             "run": self.config.model_dump(mode="json"),
             "rejected_total": dict(self.rejected_total),
         }
-        save_checkpoint(self.checkpoint_dir, self.state, meta)
+
+    def _checkpoint(self, round: int) -> None:
+        save_checkpoint(self.checkpoint_dir, self.state, self.run_meta(round))
 
     # ---------------------------------------------------------------- main loop
     def run(self) -> list[dict]:
@@ -348,12 +351,9 @@ class Coordinator:
         """Export the frozen encoder and publish it (retained) for head-tier agents."""
         from .release import build_release
 
-        built = build_release(self, round)
-        if built is None:
-            return None
-        release_id, frame = built
+        release_id, frame = build_release(self.state, self.run_meta(round), self.out_dir / "releases", self.config)
         self.fleet.publish_release(frame, round)
-        log.info("published release %s (%d bytes)", release_id, len(frame))
+        self.progress.note(f"released encoder {release_id} ({len(frame) / 1e6:.2f} MB) to head-tier agents")
         return release_id
 
     def _collect_head_reports(self, timeout: float) -> None:

@@ -92,7 +92,7 @@ class Agent:
         else:
             from .head_tier import HeadRuntime
 
-            self.runtime = HeadRuntime(c.state_dir, c.head, self.data)
+            self.runtime = HeadRuntime(c.state_dir, c.head, self.data, threads=c.threads)
             try:
                 self.runtime.load()
             except Exception as exc:  # nothing saved yet, or unusable: wait for a release

@@ -17,6 +17,7 @@ import logging
 import sys
 from pathlib import Path
 
+from .broker import BrokerError
 from .config import ConfigError, RunConfig, load_agent_config, load_run_config, parse_config
 
 DEMO = {
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"edgepfl: {exc}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, TimeoutError, ConnectionError) as exc:
+    except (FileNotFoundError, TimeoutError, ConnectionError, BrokerError) as exc:
         print(f"edgepfl: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

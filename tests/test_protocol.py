@@ -565,20 +565,17 @@ def _chunk(data, *, parent="e" * 32, index=0, count=3, total=10):
     return decode(encode("chunk", federation=FED, sender="s", round=0, meta=meta, tensors=data))
 
 
-@pytest.mark.xfail(strict=True, reason="Reassembler.add raises KeyError when a chunk has no 'data' tensor")
 def test_chunk_without_data_tensor_is_a_protocol_error():
     with pytest.raises(ProtocolError):
         Reassembler().add("s", _chunk({}))
 
 
-@pytest.mark.xfail(strict=True, reason="Reassembler accepts chunk data beyond the declared total_bytes")
 def test_chunks_larger_than_their_declared_total_are_refused():
     # 1 MB of data for a message that claims to be 10 bytes: memory must stay bounded by total_bytes
     with pytest.raises(ProtocolError):
         Reassembler(max_bytes=1000).add("s", _chunk({"data": np.zeros(1_000_000, np.uint8)}))
 
 
-@pytest.mark.xfail(strict=True, reason="Reassembler accepts chunk data that is not a 1-D uint8 tensor")
 def test_chunk_data_must_be_uint8():
     with pytest.raises(ProtocolError):
         Reassembler().add("s", _chunk({"data": np.zeros((1, 2), np.float32)}))

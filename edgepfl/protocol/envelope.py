@@ -256,6 +256,11 @@ class Reassembler:
             raise ProtocolError("oversized", f"chunked message of {meta.total_bytes} bytes > limit {self.max_bytes}")
         if meta.index >= meta.count:
             raise ProtocolError("malformed", "chunk index out of range")
+        data = chunk.tensors.get("data")
+        if data is None or set(chunk.tensors) != {"data"} or data.dtype != np.uint8 or data.ndim != 1:
+            raise ProtocolError("malformed", "a chunk carries exactly one 1-D uint8 tensor named 'data'")
+        if data.size > meta.total_bytes:
+            raise ProtocolError("malformed", f"chunk of {data.size} bytes for a message of {meta.total_bytes}")
         self._expire()
         key = (source, meta.parent_id)
         entry = self._pending.get(key)
@@ -268,7 +273,12 @@ class Reassembler:
         elif (entry["meta"].count, entry["meta"].total_sha256) != (meta.count, meta.total_sha256):
             del self._pending[key]
             raise ProtocolError("malformed", "chunks of one message disagree on count or checksum")
-        entry["parts"][meta.index] = chunk.tensors["data"].tobytes()
+        if meta.index not in entry["parts"]:
+            entry["size"] = entry.get("size", 0) + data.size
+            if entry["size"] > meta.total_bytes:  # memory stays bounded by the declared (and checked) total
+                del self._pending[key]
+                raise ProtocolError("malformed", "chunks add up to more than their declared total")
+        entry["parts"][meta.index] = data.tobytes()
         if len(entry["parts"]) < meta.count:
             return None
         del self._pending[key]

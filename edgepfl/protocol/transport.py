@@ -22,22 +22,13 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from urllib.parse import urlparse
 
+from ..broker import parse_broker_url
 from .envelope import DEFAULT_MAX_PAYLOAD_BYTES, ProtocolError, Reassembler, decode, peek_header, split_frame
 from .messages import MessageType
 from .topics import ParsedTopic, TopicError, parse_topic
 
 log = logging.getLogger(__name__)
-
-
-def parse_url(url: str) -> tuple[str, int, bool]:
-    """``mqtt://host:port`` or ``mqtts://host:port`` -> (host, port, tls)."""
-    parsed = urlparse(url)
-    if parsed.scheme not in ("mqtt", "mqtts", "tcp", "ssl") or not parsed.hostname:
-        raise ValueError(f"broker URL must look like mqtt://host:1883 or mqtts://host:8883, got {url!r}")
-    tls = parsed.scheme in ("mqtts", "ssl")
-    return parsed.hostname, parsed.port or (8883 if tls else 1883), tls
 
 
 @dataclass
@@ -76,7 +67,7 @@ class MqttTransport:
     ):
         import paho.mqtt.client as mqtt
 
-        self.host, self.port, tls = parse_url(url)
+        self.host, self.port, tls = parse_broker_url(url)
         self.federation = federation
         self.sender = sender
         self.subscriptions = list(subscriptions)
