@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .protocol.topics import check_segment
 
@@ -85,6 +85,26 @@ class MethodSpec(BaseModel):
     model_config = ConfigDict(extra="allow")
     name: str = "fedavg"
 
+    # Validated here rather than on RunConfig so that errors are located at
+    # ``method.name`` / ``method.<option>`` in the message a user reads.
+    @field_validator("name")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        from .methods import get_method  # late: methods import config
+
+        try:
+            get_method(name)
+        except KeyError as exc:
+            raise ValueError(str(exc.args[0])) from None
+        return name
+
+    @model_validator(mode="after")
+    def _options(self) -> MethodSpec:
+        from .methods import get_method
+
+        get_method(self.name).config_class.model_validate(self.options())
+        return self
+
     def options(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
 
@@ -115,12 +135,6 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
         check_segment(self.federation, "federation")
-        from .methods import get_method  # late: methods import config
-
-        try:
-            get_method(self.method.name).config_class.model_validate(self.method.options())
-        except KeyError as exc:
-            raise ValueError(str(exc.args[0])) from None
         return self
 
     def method_config(self):
