@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import paho.mqtt.client as mqtt
@@ -200,3 +201,37 @@ def test_malformed_payloads_are_rejected_with_a_reason_and_the_round_completes(m
     text = caplog.text
     for reason in ("malformed", "wrong_shape", "non_finite", "stale", "oversized", "duplicate", "unknown_agent"):
         assert f"rejected message from" in text and reason in text
+
+
+def test_broker_restart_mid_federation_agents_and_coordinator_reconnect(tmp_path):
+    from conftest import require_mosquitto
+
+    from edgepfl.broker import MosquittoBroker
+
+    require_mosquitto()
+    broker = MosquittoBroker()
+    url = broker.start()
+    port = broker.port
+    config = run_config(rounds=4, round_timeout_s=10, quorum=0.5)
+    out = tmp_path / "run"
+    try:
+        with RunningFleet(config, out, url, 2) as fleet:
+            coord, mfleet = _coordinator(fleet.config, url, out, fleet.shape())
+            thread, box = run_in_thread(coord.run)
+            wait_until(lambda: len(read_rows(out)) >= 1, timeout=240, what="round 0 done")
+            broker.stop()  # every connection drops, retained presence is gone (no persistence)
+            time.sleep(2)
+            broker = MosquittoBroker(port=port)
+            broker.start()
+            thread.join(timeout=300)
+            mfleet.close()
+            assert "error" not in box, box.get("error")
+            logs = [fleet.log(a) for a in fleet.ids]
+    finally:
+        broker.stop()
+
+    rows = read_rows(out)
+    assert [r["round"] for r in rows] == [0, 1, 2, 3, 4]
+    # after the reconnect the agents re-announced themselves and re-subscribed: later rounds have both
+    assert rows[-2]["participants"] == ["agent-00", "agent-01"] and not rows[-2]["aborted"]
+    assert all("reconnected" in text for text in logs)

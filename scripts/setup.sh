@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Set up edgepfl on a fresh machine: system packages (when root), a virtual
+# environment in .venv, and the package with all extras. Idempotent: re-running
+# only installs what is missing.
+#
+#   EDGEPFL_VENV=path   where the virtual environment goes (default: .venv)
+#   EDGEPFL_EXTRAS=...  which extras to install (default: all)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV="${EDGEPFL_VENV:-.venv}"
+EXTRAS="${EDGEPFL_EXTRAS:-all}"
+PY="${PYTHON:-python3}"
+
+need_apt=()
+command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need_apt+=(mosquitto)
+[ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || need_apt+=(dataset-fashion-mnist)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing ${need_apt[*]} (apt)" >&2
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+  else
+    echo "setup: not root (or no apt): please install ${need_apt[*]} yourself; continuing" >&2
+  fi
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating $VENV" >&2
+  "$PY" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+
+if [[ "$EXTRAS" == *all* || "$EXTRAS" == *train* ]] && ! "$VENV/bin/python" -c "import torch, torchvision" 2>/dev/null; then
+  # The one exact pin: on x86_64 with Python 3.11 these wheels are the ones known to
+  # install side by side (see README, "Installing"); elsewhere pyproject's ranges decide.
+  if [ "$(uname -m)" = "x86_64" ] && "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+    echo "setup: installing torch 2.14.1 + torchvision 0.29.1" >&2
+    "${PIP[@]}" "torch==2.14.1" "torchvision==0.29.1"
+  fi
+fi
+echo "setup: installing edgepfl[$EXTRAS]" >&2
+"${PIP[@]}" -e ".[$EXTRAS]"
+echo "setup: done ($VENV)" >&2
