@@ -25,7 +25,7 @@ from torch import nn
 
 from . import register
 from .base import LocalResult, Method, MethodConfig
-from .training import fit
+from .training import fit, noise_generator
 
 
 class FedPickConfig(MethodConfig):
@@ -159,18 +159,6 @@ def fedpick_loss(parts: dict[str, torch.Tensor], y: torch.Tensor, cfg: FedPickCo
     return {"total": total, "ce_g": ce_g, "ce_p": ce_p, "entropy": entropy, "kd": kd}
 
 
-def derived_generator(ctx, salt: int) -> torch.Generator:
-    """A CPU generator for method noise, derived from the task's seed without consuming it.
-
-    Reading ``initial_seed`` leaves ``ctx.generator``'s stream (the batch order) as it
-    would be without this method's noise.
-    """
-    base = ctx.generator.initial_seed() if ctx.generator is not None else ctx.seed * 1_000_003 + ctx.round
-    g = torch.Generator()
-    g.manual_seed((base * 6_364_136_223_846_793_005 + salt) % (2**63))
-    return g
-
-
 @register
 class FedPick(Method):
     """FedPick: shared encoder (BN personal) and global classifier; personal PFSM, C_p, C_ir."""
@@ -190,7 +178,7 @@ class FedPick(Method):
                             threshold=c.threshold, ensemble=c.ensemble)
 
     def local_update(self, model: FedPickModel, data, ctx) -> LocalResult:
-        noise = derived_generator(ctx, salt=0x9E3779B9)
+        noise = noise_generator(ctx, salt=0x9E3779B9)
         selected = []
 
         def loss_fn(m, x, y):

@@ -30,7 +30,7 @@ from torch import nn
 
 from . import register
 from .base import LocalResult, Method, MethodConfig
-from .training import fit, make_optimizer
+from .training import fit, make_optimizer, noise_generator
 
 
 class FedRIRConfig(MethodConfig):
@@ -245,14 +245,6 @@ class FedRIRModel(nn.Module):
         return self.head(torch.cat([f_g, f_cs], 1))
 
 
-def _derived_generator(ctx, salt: int) -> torch.Generator:
-    """A CPU generator for method noise, derived from the task's seed without consuming it."""
-    base = ctx.generator.initial_seed() if ctx.generator is not None else ctx.seed * 1_000_003 + ctx.round
-    g = torch.Generator()
-    g.manual_seed((base * 6_364_136_223_846_793_005 + salt) % (2**63))
-    return g
-
-
 @register
 class FedRIR(Method):
     """FedRIR: GFE parameters shared (BN statistics local); CSFE, generator, q, head personal."""
@@ -277,7 +269,7 @@ class FedRIR(Method):
         """Masked client-specific learning: CSFE + generator reconstruct x from its masked copy."""
         c = self.config
         if noise is None:
-            noise = _derived_generator(ctx, salt=1)
+            noise = noise_generator(ctx, salt=1)
         kl_sum, mse_sum, n = 0.0, 0.0, 0
 
         def loss_fn(m, x, y):

@@ -85,6 +85,18 @@ def evaluate_logits(logits_fn, model, x, y, ctx: LocalContext, batch_size: int =
     return EvalResult(correct=correct, total=n, loss=loss_sum / n if n else math.nan)
 
 
+def noise_generator(ctx: LocalContext, salt: int):
+    """A CPU generator for a method's own noise (Gumbel draws, masks), derived from the
+    task's seed without consuming ``ctx.generator``, so the batch order is the same with
+    or without the noise and runs stay reproducible on any device."""
+    import torch
+
+    base = ctx.generator.initial_seed() if ctx.generator is not None else ctx.seed * 1_000_003 + ctx.round
+    g = torch.Generator()
+    g.manual_seed((base * 6_364_136_223_846_793_005 + salt) % (2**63))
+    return g
+
+
 def freeze(module: nn.Module, frozen: bool = True) -> None:
     for p in module.parameters():
         p.requires_grad_(not frozen)
