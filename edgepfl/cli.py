@@ -41,7 +41,7 @@ def _setup_logging(level: str) -> None:
 def cmd_demo(args) -> int:
     from .simulate import simulate
 
-    config = parse_config(RunConfig, DEMO, "built-in demo config")
+    config = parse_config(RunConfig, dict(DEMO, rounds=args.rounds), "built-in demo config")
     out = Path(args.out)
     print(f"edgepfl demo: {args.agents} agents, {config.rounds} rounds of {config.method.name} over an embedded "
           f"MQTT broker; run directory {out}", file=sys.stderr)
@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="run a small federation on the embedded defaults")
     d.add_argument("--agents", type=int, default=4)
+    d.add_argument("--rounds", type=int, default=DEMO["rounds"])
     d.add_argument("--out", default="runs/demo")
     d.add_argument("--broker", default=None, help="mqtt://host:port (default: embedded broker)")
     d.set_defaults(func=cmd_demo)
