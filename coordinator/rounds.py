@@ -235,9 +235,12 @@ class Coordinator:
                 aborted = True
                 log.warning("round %d: %d of %d updates, below quorum %d; global state unchanged", r,
                             len(result.updates), len(sampled), quorum)
-            self._checkpoint(r)
         row = self._row(result, time.perf_counter() - started, final, aborted)
+        # Row first, checkpoint second: a crash in between leaves a row that the resumed
+        # run drops and writes again (see _truncate_metrics), never a round without a row.
         self._append_metrics(row)
+        if sampled:
+            self._checkpoint(r)
         self.progress.update(row)
         return row
 
