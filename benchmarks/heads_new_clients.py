@@ -216,6 +216,8 @@ def main() -> None:
              f"--new {args.new}", f"--samples-per-client {args.samples_per_client}", f"--alpha {args.alpha}",
              f"--seed {args.seed}", f"--jobs {args.jobs}"]
     command = "python benchmarks/heads_new_clients.py --methods " + ",".join(methods) + " " + " ".join(flags)
+    if Path(args.out).resolve() != (RESULTS / "edge_heads_new_clients").resolve():
+        command += f" --out {os.path.relpath(args.out, ROOT)}"
     loadavg_start = [round(v, 2) for v in os.getloadavg()]
     start = time.perf_counter()
     if not args.collect_only:
