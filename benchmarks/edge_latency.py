@@ -238,7 +238,9 @@ def main() -> None:
     archs = ns.arch or ["cnn", "mobilenet_v3_small"]
     result = {
         "command": "python benchmarks/edge_latency.py " + " ".join(
-            [f"--repeats {ns.repeats}", f"--budget-s {ns.budget_s}"] + [f"--arch {a}" for a in (ns.arch or [])]),
+            [f"--repeats {ns.repeats}", f"--budget-s {ns.budget_s}"] + [f"--arch {a}" for a in (ns.arch or [])]
+            + ([f"--out {os.path.relpath(ns.out, ROOT)}"] if Path(ns.out).resolve() != (RESULTS / "edge_latency").resolve()
+               else [])),
         "machine": f"{_cpu_model()}, {os.cpu_count()} CPUs (shared with other work)",
         "torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "repeats": ns.repeats, "loadavg_start": _loadavg(),
