@@ -1,0 +1,297 @@
+"""Method accuracy benchmark on Fashion-MNIST (issue 3): every method, identical settings.
+
+Runs each (setting, method) pair as one in-process federation — the same coordinator
+round loop and trainer runtime as an MQTT run (``tests/test_federation.py`` proves the
+two give the same numbers for the same seed) — and writes one JSON per run plus a
+markdown table::
+
+    python benchmarks/run_methods.py --tag cpu30 --rounds 30 --jobs 2
+    python benchmarks/run_methods.py --tag cpu30 --table          # table only, from the JSONs
+
+What is identical across the methods of a setting: the data (partition, clients,
+samples, seed), the model (SmallCNN, feature_dim 128; FedRIR builds its own CNN of
+the same trunk), the ``train`` section (SGD lr 0.01, momentum 0.5, wd 5e-4, batch 50,
+``--epochs`` local epochs), rounds, full participation and the seed. What differs is
+only each method's own options, read from ``configs/<method>.yaml`` (their values
+and sources are written there), except that FedPAC's ``body_epochs`` follows
+``--epochs`` like every other method's local epochs.
+
+Paper numbers beside the measured ones come from /work/shared/METHODS.md (FedPAC
+Table 1, FedRIR Tables 1 and 4); they were obtained with the papers' full protocols
+(200-1000 rounds, more data in FedRIR's case), which the table states.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+
+#: the four settings of issue 3; ``data`` is a DataSpec, ``clients`` the fleet size
+SETTINGS: dict[str, dict] = {
+    "fedpac_dominant": {
+        "title": "FedPAC's label shift: 20 clients x 600 train samples, dominant class, s = 20 %",
+        "clients": 20,
+        "data": {"dataset": "fmnist", "samples_per_client": 800, "test_fraction": 0.25,
+                 "partition": {"kind": "dominant", "uniform_fraction": 0.2}},
+        "paper_source": "FedPAC Table 1, 20 clients, 600 train samples/client, E = 5, 200 rounds",
+    },
+    "fedrir_pathological": {
+        "title": "FedRIR's pathological label shift: 20 clients, 2 classes per client",
+        "clients": 20,
+        "data": {"dataset": "fmnist", "samples_per_client": 800, "test_fraction": 0.25,
+                 "partition": {"kind": "pathological", "classes_per_client": 2}},
+        "paper_source": "FedRIR Table 1, 20 clients, all 70k FMNIST images (~2,600 train/client), 1000 rounds",
+    },
+    "fedrir_dir01": {
+        "title": "FedRIR's practical label shift: 20 clients, Dir(0.1)",
+        "clients": 20,
+        "data": {"dataset": "fmnist", "samples_per_client": 800, "test_fraction": 0.25,
+                 "partition": {"kind": "dirichlet", "alpha": 0.1}},
+        "paper_source": "FedRIR Table 4, 20 clients, all 70k FMNIST images, 1000 rounds",
+    },
+    "domain": {
+        "title": "cross-domain: 10 clients, one transform-defined domain each (identity, rot90, rot180, invert, "
+                 "noise; two clients per domain), labels IID",
+        "clients": 10,
+        "data": {"dataset": "fmnist", "samples_per_client": 800, "test_fraction": 0.25,
+                 "partition": {"kind": "domain", "domains": ["identity", "rot90", "rot180", "invert", "noise"]}},
+        "paper_source": "no paper reports FMNIST cross-domain numbers",
+    },
+}
+
+#: run order per setting: the founding methods in their target setting with FedAvg and
+#: FedRep first, then the remaining baselines
+ORDER: dict[str, list[str]] = {
+    "fedpac_dominant": ["fedavg", "fedrep", "fedpac", "repper", "fedrir", "fedrod", "fedper", "local", "fedavg_ft",
+                        "lgfedavg", "fedprox", "fedbn", "dualfed", "fedpick"],
+    "fedrir_pathological": ["fedavg", "fedrep", "fedrir", "fedpac", "repper", "fedrod", "fedper", "local",
+                            "fedavg_ft", "lgfedavg", "fedprox", "fedbn", "dualfed", "fedpick"],
+    "fedrir_dir01": ["fedavg", "fedrep", "fedrir", "fedpac", "repper", "fedrod", "fedper", "local", "fedavg_ft",
+                     "lgfedavg", "fedprox", "fedbn", "dualfed", "fedpick"],
+    "domain": ["fedavg", "fedrep", "fedbn", "dualfed", "fedpick", "fedrod", "fedper", "local", "fedavg_ft",
+               "lgfedavg", "fedprox", "fedpac", "repper", "fedrir"],
+}
+
+#: the paper's Fashion-MNIST accuracy (%) for the same method name and setting (METHODS.md)
+PAPER: dict[str, dict[str, float]] = {
+    "fedpac_dominant": {"local": 85.68, "fedavg": 85.28, "fedavg_ft": 90.47, "fedper": 87.43, "lgfedavg": 85.66,
+                        "fedrep": 88.25, "fedrod": 90.11, "fedpac": 91.83},
+    "fedrir_pathological": {"local": 86.36, "fedavg": 86.01, "fedrep": 85.86, "fedrod": 86.43, "fedrir": 90.58},
+    "fedrir_dir01": {"fedavg": 71.99, "fedrep": 95.47, "fedrod": 95.57, "fedrir": 97.51},
+    "domain": {},
+}
+
+#: the setting each founding method's paper targets
+TARGET = {"fedpac": "fedpac_dominant", "repper": "fedpac_dominant", "fedrir": "fedrir_pathological",
+          "dualfed": "domain", "fedpick": "domain"}
+
+
+def method_block(method: str, epochs: int) -> dict:
+    """The method's own options, from ``configs/<method>.yaml`` (sourced there)."""
+    import yaml
+
+    block = dict(yaml.safe_load((REPO / "configs" / f"{method}.yaml").read_text())["method"])
+    if method == "fedpac":
+        # FedPAC's body epochs are its local epochs: keep them equal to every other method's
+        block["body_epochs"] = epochs
+    return block
+
+
+def run_config_dict(setting: str, method: str, rounds: int, epochs: int, seed: int, device: str,
+                    data_root: str | None = None) -> dict:
+    s = SETTINGS[setting]
+    return {
+        "federation": f"bench-{setting}-{method}".replace("_", "-"),
+        "method": method_block(method, epochs),
+        "model": {"arch": "cnn", "feature_dim": 128, "norm": "batch"},
+        "train": {"optimizer": "sgd", "lr": 0.01, "momentum": 0.5, "weight_decay": 5e-4, "batch_size": 50,
+                  "epochs": epochs},
+        "data": {**s["data"], "num_clients": s["clients"], "seed": seed, "root": data_root},
+        "rounds": rounds,
+        "fraction": 1.0,
+        "seed": seed,
+        "device": device,
+        "round_timeout_s": 3600,
+    }
+
+
+def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, device: str, tag: str,
+            runs_root: Path, data_root: str | None = None) -> dict:
+    """One in-process federation; returns (and the caller stores) its result record."""
+    import torch
+
+    from edgepfl.config import RunConfig, parse_config
+    from edgepfl.simulate import simulate
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    cfg = run_config_dict(setting, method, rounds, epochs, seed, device, data_root)
+    config = parse_config(RunConfig, cfg, f"benchmark {setting}/{method}")
+    out = runs_root / tag / f"{setting}__{method}"
+    t0 = time.monotonic()
+    rows, summary = simulate(config, SETTINGS[setting]["clients"], out, in_process=True, progress=False)
+    wall = time.monotonic() - t0
+    scored = [r for r in rows if r.get("accuracy") is not None]
+    return {
+        "setting": setting,
+        "method": method,
+        "tag": tag,
+        "rounds": rounds,
+        "local_epochs": epochs,
+        "seed": seed,
+        "clients": SETTINGS[setting]["clients"],
+        "device": str(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")),
+        "torch_threads": torch.get_num_threads(),
+        "config": cfg,
+        "final_accuracy": summary["final_accuracy"],
+        "best_accuracy": summary["best_accuracy"],
+        "best_round": summary["best_round"],
+        "accuracy_curve": [r["accuracy"] for r in scored],
+        "train_loss_curve": [r.get("train_loss") for r in rows if not r.get("final")],
+        "participants_per_round": [len(r["participants"]) for r in rows if not r.get("final")],
+        "round_seconds": [r["seconds"] for r in rows],
+        "final_per_client": summary["final_per_client"],
+        "wall_seconds": round(wall, 1),
+        "paper_accuracy": PAPER.get(setting, {}).get(method),
+        "command": command_line(tag, rounds, epochs, seed, device, [setting], [method], data_root),
+    }
+
+
+def command_line(tag, rounds, epochs, seed, device, settings, methods, data_root=None) -> str:
+    root = f" --data-root {data_root}" if data_root else ""
+    return (f"OMP_NUM_THREADS=1 python benchmarks/run_methods.py --tag {tag} --rounds {rounds} --epochs {epochs} "
+            f"--seed {seed} --device {device} --settings {','.join(settings)} --methods {','.join(methods)}{root}")
+
+
+def result_path(tag: str, setting: str, method: str, seed: int) -> Path:
+    return RESULTS / tag / f"{setting}__{method}__s{seed}.json"
+
+
+# ---------------------------------------------------------------------- table
+def _pct(x) -> str:
+    return "—" if x is None else f"{100 * x:.2f}"
+
+
+def _tail_mean(record: dict, k: int = 10):
+    """Mean of the last ``k`` evaluations (rounds R-k+1 .. R): less noisy than one round."""
+    tail = [a for a in record["accuracy_curve"][-k:] if a is not None]
+    return sum(tail) / len(tail) if tail else None
+
+
+def load_results(tag: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((RESULTS / tag).glob("*.json"))]
+
+
+def markdown_table(tag: str) -> str:
+    """One table per setting: final and best-round accuracy beside the paper's number."""
+    results = load_results(tag)
+    lines = []
+    for setting, s in SETTINGS.items():
+        rows = [r for r in results if r["setting"] == setting]
+        if not rows:
+            continue
+        order = {m: i for i, m in enumerate(ORDER[setting])}
+        rows.sort(key=lambda r: (order.get(r["method"], 99), r["seed"]))
+        r0 = rows[0]
+        lines += [f"### {s['title']}", "",
+                  f"{'/'.join(sorted({str(r['rounds']) for r in rows}))} rounds, "
+                  f"{'/'.join(sorted({str(r['local_epochs']) for r in rows}))} local epoch(s), seed(s) "
+                  f"{sorted({r['seed'] for r in rows})}, {r0['clients']} clients, full participation. "
+                  f"Paper column: {s['paper_source']}.", "",
+                  "| method | final acc. % (after round " + str(r0["rounds"]) + ") | best acc. % (round) | paper % | "
+                  "mean acc. % last 10 evals | wall s | device |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
+        for r in rows:
+            paper = r.get("paper_accuracy")
+            target = " (target)" if TARGET.get(r["method"]) == setting else ""
+            lines.append(f"| {r['method']}{target} | {_pct(r['final_accuracy'])} | {_pct(r['best_accuracy'])} "
+                         f"({r['best_round']}) | {'—' if paper is None else f'{paper:.2f}'} | {_pct(_tail_mean(r))} | "
+                         f"{r['wall_seconds']:.0f} | "
+                         f"{r['device']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- driver
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tag", required=True, help="results go to benchmarks/results/<tag>/")
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--epochs", type=int, default=1, help="local epochs of every method")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    p.add_argument("--settings", default=",".join(SETTINGS))
+    p.add_argument("--methods", default="all", help="comma list, or 'all' (each setting's ORDER)")
+    p.add_argument("--pairs", default=None, help="explicit run queue 'setting:method,...' (overrides --settings/--methods)")
+    p.add_argument("--jobs", type=int, default=1, help="runs in parallel (separate processes)")
+    p.add_argument("--runs-root", default=str(REPO / "runs" / "bench"), help="run directories (not committed)")
+    p.add_argument("--data-root", default=None, help="folder with the four Fashion-MNIST IDX files "
+                   "(default: the Debian package's)")
+    p.add_argument("--skip-done", action="store_true", help="skip pairs whose result JSON exists")
+    p.add_argument("--table", action="store_true", help="only (re)write the markdown table for --tag")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # worker: setting:method
+    args = p.parse_args(argv)
+
+    if args.one:
+        setting, method = args.one.split(":")
+        record = run_one(setting, method, args.rounds, args.epochs, args.seed, args.device, args.tag,
+                         Path(args.runs_root), args.data_root)
+        path = result_path(args.tag, setting, method, args.seed)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1))
+        print(f"{setting:22s} {method:10s} final {_pct(record['final_accuracy'])} best "
+              f"{_pct(record['best_accuracy'])} ({record['best_round']}) {record['wall_seconds']:.0f}s", flush=True)
+        return 0
+
+    if not args.table:
+        settings = args.settings.split(",")
+        pairs = []
+        for setting in settings:
+            methods = ORDER[setting] if args.methods == "all" else args.methods.split(",")
+            pairs += [(setting, m) for m in methods]
+        if args.pairs:
+            pairs = [tuple(x.split(":")) for x in args.pairs.split(",")]
+        if args.skip_done:
+            pairs = [(s, m) for s, m in pairs if not result_path(args.tag, s, m, args.seed).exists()]
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        log_dir = Path(args.runs_root) / args.tag
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+        def work(pair):
+            setting, method = pair
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--one", f"{setting}:{method}", "--tag", args.tag,
+                   "--rounds", str(args.rounds), "--epochs", str(args.epochs), "--seed", str(args.seed),
+                   "--device", args.device, "--runs-root", args.runs_root]
+            if args.data_root:
+                cmd += ["--data-root", args.data_root]
+            with open(log_dir / f"{setting}__{method}.log", "w") as log:
+                rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            text = (log_dir / f"{setting}__{method}.log").read_text().strip().splitlines()
+            print(text[-1] if rc == 0 and text else f"{setting} {method} FAILED rc={rc}: see {log.name}", flush=True)
+            return rc
+
+        print(f"{len(pairs)} runs, {args.jobs} at a time: " + shlex.join(sys.argv), flush=True)
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            codes = list(pool.map(work, pairs))
+        if any(codes):
+            print(f"{sum(1 for c in codes if c)} run(s) failed", flush=True)
+
+    table = markdown_table(args.tag)
+    (RESULTS / args.tag).mkdir(parents=True, exist_ok=True)
+    (RESULTS / args.tag / "table.md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
