@@ -57,15 +57,22 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--broker", default="mosquitto", help="mosquitto (started here), embedded, or mqtt://host:port")
     ap.add_argument("--out", default="benchmarks/results/round_overhead.json")
+    ap.add_argument("--one-core", action="store_true",
+                    help="pin this process, the broker and every agent to CPU 0 with one torch thread: both paths "
+                         "get identical compute, so the ratio isolates the transport's cost")
     args = ap.parse_args()
+    threads = None
+    if args.one_core:
+        os.sched_setaffinity(0, {0})  # inherited by the agent and broker processes
+        threads = 1
     config: RunConfig = parse_config(RunConfig, dict(CONFIG, rounds=args.rounds), "benchmark config")
     work = Path(tempfile.mkdtemp(prefix="edgepfl-bench-"))
-    result = {"command": " ".join([Path(sys.executable).name] + sys.argv), "agents": args.agents,
+    result = {"command": " ".join(["python"] + sys.argv), "agents": args.agents, "one_core": args.one_core,
               "rounds": args.rounds, "config": CONFIG, "machine": {"cpus": os.cpu_count(),
               "platform": platform.platform(), "load_before": os.getloadavg()}}
 
     t = time.perf_counter()
-    rows, _ = simulate(config, args.agents, work / "in-process", in_process=True, progress=False)
+    rows, _ = simulate(config, args.agents, work / "in-process", in_process=True, progress=False, threads=threads)
     result["in_process"] = measure(rows) | {"total_seconds": time.perf_counter() - t}
 
     broker, url = None, args.broker
@@ -76,7 +83,7 @@ def main() -> int:
         url = broker.start()
     try:
         t = time.perf_counter()
-        rows, _ = simulate(config, args.agents, work / "mqtt", broker=url, progress=False)
+        rows, _ = simulate(config, args.agents, work / "mqtt", broker=url, progress=False, threads=threads)
         result["mqtt"] = measure(rows) | {"total_seconds": time.perf_counter() - t, "broker": args.broker}
     finally:
         if broker:

@@ -71,6 +71,10 @@ def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str
 
         from .data import load_client_data
 
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
         runtimes = {a: TrainerRuntime(a, load_client_data(config.data, i), out / "agents" / a, config.device)
                     for i, a in enumerate(ids)}
         coordinator = Coordinator(config, LocalFleet(runtimes), out, progress=progress, **shape)
