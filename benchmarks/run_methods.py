@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -91,19 +92,28 @@ PAPER: dict[str, dict[str, float]] = {
     "domain": {},
 }
 
-#: the setting each founding method's paper targets
-TARGET = {"fedpac": "fedpac_dominant", "repper": "fedpac_dominant", "fedrir": "fedrir_pathological",
-          "dualfed": "domain", "fedpick": "domain"}
+#: the settings each founding method's paper targets
+TARGET = {"fedpac": ("fedpac_dominant",), "repper": ("fedpac_dominant",),
+          "fedrir": ("fedrir_pathological", "fedrir_dir01"), "dualfed": ("domain",), "fedpick": ("domain",)}
 
 
 def method_block(method: str, epochs: int) -> dict:
-    """The method's own options, from ``configs/<method>.yaml`` (sourced there)."""
+    """The method's own options, from ``configs/<method>.yaml`` (sourced there).
+
+    ``method`` may name a variant, ``<name>+<option>=<value>[+...]``, e.g.
+    ``fedrir+mi=code``: the config's options with those overridden (values parsed as
+    YAML). Variants are reported under that label, beside the default.
+    """
     import yaml
 
-    block = dict(yaml.safe_load((REPO / "configs" / f"{method}.yaml").read_text())["method"])
-    if method == "fedpac":
+    name, *overrides = method.split("+")
+    block = dict(yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())["method"])
+    if name == "fedpac":
         # FedPAC's body epochs are its local epochs: keep them equal to every other method's
         block["body_epochs"] = epochs
+    for item in overrides:
+        key, _, value = item.partition("=")
+        block[key] = yaml.safe_load(value)
     return block
 
 
@@ -111,7 +121,7 @@ def run_config_dict(setting: str, method: str, rounds: int, epochs: int, seed: i
                     data_root: str | None = None) -> dict:
     s = SETTINGS[setting]
     return {
-        "federation": f"bench-{setting}-{method}".replace("_", "-"),
+        "federation": re.sub(r"[^A-Za-z0-9-]", "-", f"bench-{setting}-{method}"),
         "method": method_block(method, epochs),
         "model": {"arch": "cnn", "feature_dim": 128, "norm": "batch"},
         "train": {"optimizer": "sgd", "lr": 0.01, "momentum": 0.5, "weight_decay": 5e-4, "batch_size": 50,
@@ -212,7 +222,7 @@ def markdown_table(tag: str) -> str:
                   "|---|---:|---:|---:|---:|---:|---|"]
         for r in rows:
             paper = r.get("paper_accuracy")
-            target = " (target)" if TARGET.get(r["method"]) == setting else ""
+            target = " (target)" if setting in TARGET.get(r["method"], ()) else ""
             lines.append(f"| {r['method']}{target} | {_pct(r['final_accuracy'])} | {_pct(r['best_accuracy'])} "
                          f"({r['best_round']}) | {'—' if paper is None else f'{paper:.2f}'} | {_pct(_tail_mean(r))} | "
                          f"{r['wall_seconds']:.0f} | "
