@@ -16,7 +16,7 @@ only each method's own options, read from ``configs/<method>.yaml`` (their value
 and sources are written there), except that FedPAC's ``body_epochs`` follows
 ``--epochs`` like every other method's local epochs.
 
-Paper numbers beside the measured ones come from /work/shared/METHODS.md (FedPAC
+Paper numbers beside the measured ones come from docs/METHODS.md (FedPAC
 Table 1, FedRIR Tables 1 and 4); they were obtained with the papers' full protocols
 (200-1000 rounds, more data in FedRIR's case), which the table states.
 """
