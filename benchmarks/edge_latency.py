@@ -40,6 +40,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout: `python benchmarks/<script>.py`
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from results_io import write_results  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -251,11 +254,7 @@ def main() -> None:
             result["encoders"].append(bench(arch, Path(tmp), ns.repeats, ns.budget_s))
             print(json.dumps(result["encoders"][-1]["batches"], indent=1))
     result["loadavg_end"] = _loadavg()
-    out = Path(ns.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
+    write_results(result, ns.out, markdown)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout: `python benchmarks/<script>.py`
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from results_io import write_results  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 
 NUM_CLIENTS = 10
@@ -271,11 +274,7 @@ def main() -> None:
                 print(label, head, row["phases"]["predicted"], row["metrics"]["accuracy"], row["torch_imported"])
         result["breakdown"] = {head: breakdown(release, device, head) for head in ("lr", "mlp")}
     result["loadavg_end"] = [round(v, 2) for v in os.getloadavg()]
-    out = Path(ns.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
+    write_results(result, ns.out, markdown)
 
 
 if __name__ == "__main__":

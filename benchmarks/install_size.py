@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import shutil
 import subprocess
 import sys
@@ -34,6 +33,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from results_io import write_results  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 TORCH_PIN = ["torch==2.14.1", "torchvision==0.29.1"]
 CPU_WHEEL_GLOB = "/opt/wheels/torch-2.13.0+cpu-*.whl"
@@ -145,11 +148,7 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     for e in result["envs"].values():
         e.pop("entries_kib", None)
-    out = Path(ns.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
+    write_results(result, ns.out, markdown)
 
 
 if __name__ == "__main__":
