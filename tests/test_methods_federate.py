@@ -7,11 +7,9 @@ proven runnable, not only parseable), shrunk to 2 rounds of 3 agents on tiny dat
 coordinator and trainer runtime run as objects. Both must produce a finite accuracy
 in every round, and every agent must have trained in every round.
 
-Agent processes cost ~25 s of start-up per MQTT run on a loaded 2-core box (the
-whole file takes ~4 min there), so the MQTT runs cover the five founding methods
-plus FedRoD — the methods with their own two-head / two-stage / server-statistics
-traffic; FedAvg and FedPer cross Mosquitto in tests/test_federation.py — and every
-method runs in-process.
+Agent processes cost ~15-25 s of start-up per MQTT run on a 2-core box, so the whole
+file takes several minutes; that is the price of proving every method, present and
+future, over a real broker.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 AGENTS = 3
 ROUNDS = 2
-MQTT_METHODS = ["repper", "dualfed", "fedpick", "fedpac", "fedrir", "fedrod"]
+MQTT_METHODS = available_methods()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -68,10 +66,6 @@ def check_rows(rows: list[dict], summary: dict) -> None:
         assert r["participants"] == expected, r  # every agent trained in every round
         assert r["train_loss"] is not None and math.isfinite(r["train_loss"]), r
     assert math.isfinite(summary["final_accuracy"])
-
-
-def test_the_mqtt_selection_names_registered_methods():
-    assert set(MQTT_METHODS) <= set(available_methods())
 
 
 @pytest.mark.parametrize("method", available_methods())
