@@ -133,7 +133,7 @@ BREAKDOWN = textwrap.dedent(r"""
     encoder = OnnxEncoder(artifact, manifest, expected_sha256=manifest["sha256"])
     step("open ONNX encoder session")
     f_train, f_test = encoder.features(data.x_train), encoder.features(data.x_test)
-    step("features of train + test (batches of 256)")
+    step("features of train + test (OnnxEncoder default batch)")
     from export.heads import OnnxHead, head_to_onnx, make_head
     head = make_head(head_kind).fit(f_train, data.y_train)
     step(f"fit {head_kind} head (sklearn)")

