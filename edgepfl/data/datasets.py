@@ -304,7 +304,7 @@ def _load_torchvision(name: str | None, root: str | None) -> Pool:
         except (RuntimeError, FileNotFoundError, OSError) as exc:
             raise DataError(
                 f"torchvision dataset {name} not found under {root} ({exc}). edgepfl never downloads: "
-                f"fetch it once with torchvision (download=True) on a connected machine and copy the folder here."
+                f"fetch it once with torchvision on a connected machine and copy the folder here."
             ) from None
         except (TypeError, ValueError) as exc:
             raise DataError(f"{source}: cannot open with {kw}: {exc}") from None
