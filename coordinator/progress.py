@@ -39,6 +39,3 @@ class Progress:
         print(f"{label} [{bar}] trained {len(row['participants']):>3}/{len(row['sampled']):<3} "
               f"evaluated {row['evaluated']:>3}  acc {acc_s}{best_s}  {row['seconds']:6.2f}s"
               + (("  " + ", ".join(extra)) if extra else ""), file=self.stream, flush=True)
-
-    def close(self) -> None:
-        pass

@@ -100,7 +100,7 @@ class Coordinator:
         self._seen_messages: set[str] = set()
         self._current: dict[str, Pending] = {}
         self._round = -1
-        fleet.on_reject = self._count_transport_reject
+        fleet.on_reject = self._reject
         self.state: ServerState | None = None
         self.start_round = 0
 
@@ -180,7 +180,6 @@ class Coordinator:
             self.release(c.rounds - 1)
             self._collect_head_reports(timeout=c.round_timeout_s)
         self.fleet.announce(CoordinatorMeta(state="done", method=c.method.name, round=c.rounds))
-        self.progress.close()
         return rows
 
     def _wait_for_agents(self, required: bool = True) -> None:
@@ -274,9 +273,6 @@ class Coordinator:
         if getattr(self, "_result", None) is not None:
             self._result.rejected[reason] += 1
         log.warning("rejected message from %s: %s (%s)", agent_id or "?", reason, detail)
-
-    def _count_transport_reject(self, agent_id, reason, detail) -> None:
-        self._reject(agent_id, reason, detail)
 
     def _handle(self, incoming: Incoming | None) -> None:
         if incoming is None:

@@ -65,7 +65,6 @@ class TrainerRuntime:
         self._signature: str | None = None
         self.method = None
         self.model = None
-        self.last_round = -1
 
     # ---------------------------------------------------------------- model setup
     def _ensure_model(self, run: dict) -> None:
@@ -95,7 +94,6 @@ class TrainerRuntime:
             log.warning("%s: saved personal state has other tensors than the model; starting fresh", self.agent_id)
             return False
         load_tensors(model, tensors)
-        self.last_round = int(meta.get("round", -1))
         return True
 
     def _save_personal(self, round: int) -> None:
@@ -133,7 +131,6 @@ class TrainerRuntime:
             train_loss = None if np.isnan(result.train_loss) else float(result.train_loss)
             extra = {k: float(v) for k, v in result.metrics.items()}
             self._save_personal(task.header.round)
-        self.last_round = max(self.last_round, task.header.round)
         update = UpdateMeta(
             task_id=meta.task_id,
             kind=meta.kind,
