@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgepfl.atomic import read_tensors, write_tensors
+from edgepfl.atomic import read_tensors, write_json, write_tensors
 from edgepfl.config import ModelSpec, TrainConfig
 from edgepfl.data import ClientData
 from edgepfl.methods import LocalContext, create_method
@@ -97,8 +97,6 @@ class TrainerRuntime:
         return True
 
     def _save_personal(self, round: int) -> None:
-        from edgepfl.atomic import write_json
-
         write_tensors(self.state_dir / PERSONAL_FILE, self.method.personal_state(self.model))
         write_json(self.state_dir / "personal.json", {"signature": self._signature, "round": round, "agent": self.agent_id})
 
