@@ -235,3 +235,29 @@ def test_broker_restart_mid_federation_agents_and_coordinator_reconnect(tmp_path
     # after the reconnect the agents re-announced themselves and re-subscribed: later rounds have both
     assert rows[-2]["participants"] == ["agent-00", "agent-01"] and not rows[-2]["aborted"]
     assert all("reconnected" in text for text in logs)
+
+
+def test_transport_started_before_the_broker_connects_once_it_appears():
+    """An agent booted before its broker (a Pi after a power cut) keeps retrying with backoff."""
+    from conftest import require_mosquitto
+
+    from edgepfl.broker import MosquittoBroker, free_port
+    from edgepfl.protocol import AgentChannel, agent_topic
+    from edgepfl.protocol.transport import MqttTransport
+
+    require_mosquitto()
+    port = free_port()
+    transport = MqttTransport(f"mqtt://127.0.0.1:{port}", client_id="early-bird", federation="early",
+                              sender="bird", subscriptions=[agent_topic("early", "bird", AgentChannel.TASK)])
+    thread, box = run_in_thread(lambda: transport.start(timeout=60))
+    time.sleep(2)
+    assert not transport.connected.is_set()
+    broker = MosquittoBroker(port=port)
+    broker.start()
+    try:
+        thread.join(timeout=60)
+        assert "error" not in box, box.get("error")
+        assert transport.connected.is_set() and transport.connect_count == 1
+    finally:
+        transport.stop()
+        broker.stop()
