@@ -107,9 +107,15 @@ def cmd_agent(args) -> int:
 
 
 def cmd_report(args) -> int:
+    import json
+
     from coordinator.report import write_report
 
-    table, _ = write_report(args.run)
+    run = Path(args.run)
+    state = run / "checkpoint" / "state.json"
+    method = json.loads(state.read_text()).get("method", "") if state.exists() else ""
+    heads = run / "head_metrics.json"
+    table, _ = write_report(run, method, json.loads(heads.read_text()) if heads.exists() else None)
     print(table)
     return 0
 

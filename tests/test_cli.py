@@ -58,3 +58,16 @@ def test_agent_refuses_the_embedded_placeholder_broker(tmp_path):
     cfg.write_text("agent_id: pi-1\n")
     proc = run_cli("agent", "--config", str(cfg))
     assert proc.returncode == 2 and "broker URL" in proc.stderr
+
+
+def test_report_rebuilds_table_and_plot_from_a_run_directory(tmp_path):
+    from edgepfl.simulate import simulate
+    from fleet_helpers import run_config
+
+    out = tmp_path / "run"
+    simulate(run_config(rounds=1, data={"samples_per_client": 60}), 2, out, in_process=True, progress=False)
+    (out / "accuracy.png").unlink()
+    proc = run_cli("report", "--run", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("Results — fedavg") and "final accuracy (after round 1)" in proc.stdout
+    assert (out / "accuracy.png").exists()
