@@ -84,11 +84,7 @@ class Agent:
         if c.tier == "trainer":
             from .trainer import TrainerRuntime  # torch only on this path
 
-            if c.threads:
-                import torch
-
-                torch.set_num_threads(c.threads)
-            self.runtime = TrainerRuntime(c.agent_id, self.data, c.state_dir, c.device)
+            self.runtime = TrainerRuntime(c.agent_id, self.data, c.state_dir, c.device, threads=c.threads)
         else:
             from .head_tier import HeadRuntime
 

@@ -56,7 +56,10 @@ class TrainerRuntime:
     as the method and model are the same (``run_signature``).
     """
 
-    def __init__(self, agent_id: str, data: ClientData, state_dir: str | Path, device: str = "auto"):
+    def __init__(self, agent_id: str, data: ClientData, state_dir: str | Path, device: str = "auto",
+                 threads: int | None = None):
+        if threads:
+            torch.set_num_threads(threads)  # process-wide: one agent per process
         self.agent_id = agent_id
         self.data = data
         self.state_dir = Path(state_dir)
