@@ -4,9 +4,9 @@ For each encoder (the small CNN on 1x28x28 Fashion-MNIST inputs; MobileNetV3-Sma
 random init, on 3x64x64) this script
 
 1. builds the encoder with :func:`edgepfl.models.build_encoder`, in eval mode;
-2. exports it with :func:`export.onnx_export.encoder_to_onnx` (the exporter ``edgepfl
-   export`` uses), fits an ``lr`` head (:func:`export.heads.make_head`) on its features
-   of real images, exports the head (skl2onnx) and fuses both with :func:`export.heads.fuse`;
+2. exports it with :func:`edgepfl.export.onnx_export.encoder_to_onnx` (the exporter ``edgepfl
+   export`` uses), fits an ``lr`` head (:func:`edgepfl.export.heads.make_head`) on its features
+   of real images, exports the head (skl2onnx) and fuses both with :func:`edgepfl.export.heads.fuse`;
 3. builds the *same* computation in torch: encoder -> L2 normalize -> Linear with the
    head's ``coef_`` / ``intercept_`` -> softmax, and checks both agree (max abs diff of
    the probabilities is recorded);
@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout: `python benchmarks/<script
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from results_io import write_results  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -83,9 +84,9 @@ def build(arch: str, tmp: Path, fit_samples: int = 512):
 
     from edgepfl.config import DataSpec, ModelSpec
     from edgepfl.data import load_client_data
+    from edgepfl.export.heads import fuse, head_to_onnx, make_head
+    from edgepfl.export.onnx_export import encoder_to_onnx
     from edgepfl.models import build_encoder
-    from export.heads import fuse, head_to_onnx, make_head
-    from export.onnx_export import encoder_to_onnx
 
     torch.manual_seed(0)
     x, shape, desc = _inputs(arch, fit_samples)
@@ -135,7 +136,7 @@ def _time(fn, iters: int) -> float:
 def bench(arch: str, tmp: Path, repeats: int, budget_s: float) -> dict:
     import torch
 
-    from export.heads import make_session
+    from edgepfl.export.heads import make_session
 
     model, fused_path, x, desc, params, shape, feature_dim = build(arch, tmp)
     default_threads = torch.get_num_threads()
@@ -154,15 +155,15 @@ def bench(arch: str, tmp: Path, repeats: int, budget_s: float) -> dict:
         xb = np.ascontiguousarray(x[:batch])
         tb = torch.from_numpy(xb)
 
-        def torch_call():
+        def torch_call(tb=tb):
             with torch.no_grad():
                 model(tb)
 
         configs = {
             "torch_1thread": (1, torch_call),
             "torch_default": (default_threads, torch_call),
-            "ort_1thread": (None, lambda s=sessions["ort_1thread"]: s.run(["probabilities"], {"input": xb})),
-            "ort_default": (None, lambda s=sessions["ort_default"]: s.run(["probabilities"], {"input": xb})),
+            "ort_1thread": (None, lambda s=sessions["ort_1thread"], xb=xb: s.run(["probabilities"], {"input": xb})),
+            "ort_default": (None, lambda s=sessions["ort_default"], xb=xb: s.run(["probabilities"], {"input": xb})),
         }
         # calibrate iterations so one timing block takes about budget_s / (repeats * configs)
         iters = {}

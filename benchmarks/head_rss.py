@@ -3,14 +3,14 @@
 Two steps:
 
 1. *prepare* (a child process, with torch): a short FedAvg federation on Fashion-MNIST
-   (the in-process simulator, small CNN), exported with :func:`export.onnx_export.export_run`
+   (the in-process simulator, small CNN), exported with :func:`edgepfl.export.onnx_export.export_run`
    — a real encoder release — and one device's own data written as a ``.npz`` (raw uint8
    pixels, labels, class names, the federation's normalization). ``--export DIR`` skips
    the training and uses an existing release instead.
 2. *measure* (one fresh ``python`` child per head kind, ``svm``, ``lr``, ``mlp``): the
    agent's own code path — ``load_client_data`` on the device's ``.npz`` (``DataSpec(dataset="npz",
    num_clients=1)``, as an agent config for a device with its own data says), then
-   :class:`edge_agent.head_tier.HeadRuntime`: ``install_release`` (sha256 check, ONNX
+   :class:`edgepfl.edge_agent.head_tier.HeadRuntime`: ``install_release`` (sha256 check, ONNX
    session, features of the train and held-out images, fit the head, export it with
    skl2onnx, evaluate, write to disk), then ``predict`` over the held-out images and one
    single-image prediction. After each phase it records ``ru_maxrss``
@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout: `python benchmarks/<script
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from results_io import write_results  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 
 NUM_CLIENTS = 10
@@ -75,8 +76,8 @@ CHILD = textwrap.dedent(r"""
     import numpy as np
     from edgepfl.config import DataSpec
     from edgepfl.data import load_client_data
-    from edge_agent.head_tier import HeadRuntime
-    from export.onnx_export import read_release
+    from edgepfl.edge_agent.head_tier import HeadRuntime
+    from edgepfl.export.onnx_export import read_release
     phases["imports"] = mem()
     index = int(data_spec.pop("_client", 0))
     data = load_client_data(DataSpec.model_validate(data_spec), index)
@@ -123,18 +124,18 @@ BREAKDOWN = textwrap.dedent(r"""
     from edgepfl.config import DataSpec
     from edgepfl.data import load_client_data
     step("import edgepfl.config, edgepfl.data (pydantic)")
-    from edge_agent.head_tier import HeadRuntime  # noqa: F401 (what the agent imports)
-    step("import edge_agent.head_tier (sklearn.base, onnxruntime)")
+    from edgepfl.edge_agent.head_tier import HeadRuntime  # noqa: F401 (what the agent imports)
+    step("import edgepfl.edge_agent.head_tier (sklearn.base, onnxruntime)")
     data = load_client_data(DataSpec.model_validate(data_spec), 0)
     step("load device data (npz)")
-    from export.onnx_export import read_release
-    from export.predict import OnnxEncoder
+    from edgepfl.export.onnx_export import read_release
+    from edgepfl.export.predict import OnnxEncoder
     manifest, artifact = read_release(release_dir)
     encoder = OnnxEncoder(artifact, manifest, expected_sha256=manifest["sha256"])
     step("open ONNX encoder session")
     f_train, f_test = encoder.features(data.x_train), encoder.features(data.x_test)
     step("features of train + test (OnnxEncoder default batch)")
-    from export.heads import OnnxHead, head_to_onnx, make_head
+    from edgepfl.export.heads import OnnxHead, head_to_onnx, make_head
     head = make_head(head_kind).fit(f_train, data.y_train)
     step(f"fit {head_kind} head (sklearn)")
     onnx_bytes = head_to_onnx(head, f_train.shape[1])
@@ -153,8 +154,8 @@ BREAKDOWN = textwrap.dedent(r"""
 def prepare(work: Path, rounds: int) -> Path:
     """Train FedAvg briefly on Fashion-MNIST (in-process) and export it; returns the release dir."""
     from edgepfl.config import DataSpec, MethodSpec, ModelSpec, RunConfig, TrainConfig
-    from edgepfl.simulate import simulate
-    from export.onnx_export import export_run
+    from edgepfl.coordinator.simulate import simulate
+    from edgepfl.export.onnx_export import export_run
 
     config = RunConfig(method=MethodSpec(name="fedavg"), model=ModelSpec(arch="cnn"),
                        train=TrainConfig(epochs=1, batch_size=50, lr=0.05, momentum=0.5),

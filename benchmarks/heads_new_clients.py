@@ -5,8 +5,8 @@ with the in-process simulator (the same coordinator round loop and trainer runti
 ``edgepfl simulate --in-process``) on Fashion-MNIST partitioned over
 ``trainers + new`` clients (Dirichlet alpha 0.5, ``--samples-per-client`` each); only
 partitions ``0 .. trainers-1`` take part. The run's encoder is exported with
-:func:`export.onnx_export.export_run`; then for each of the ``--new`` partitions that never
-took part, :func:`export.fit_head.fit_head` fits an ``svm``, ``lr`` and ``mlp`` head on the
+:func:`edgepfl.export.onnx_export.export_run`; then for each of the ``--new`` partitions that never
+took part, :func:`edgepfl.export.fit_head.fit_head` fits an ``svm``, ``lr`` and ``mlp`` head on the
 ONNX encoder's features of the client's train split and scores it on the client's test
 split (plus the method's own device head, ``dualfed`` / ``fedpick``, where the release
 offers one). The ``init`` row is the same CNN at random initialization, exported the same
@@ -41,7 +41,7 @@ METHODS = ["fedavg", "repper", "dualfed", "fedpick", "fedpac", "fedrir", "fedper
 SKLEARN_HEADS = ("svm", "lr", "mlp")
 
 
-def run_config(method: str, args) -> "RunConfig":  # noqa: F821
+def run_config(method: str, args) -> RunConfig:  # noqa: F821
     from edgepfl.config import DataSpec, MethodSpec, ModelSpec, PartitionSpec, RunConfig, TrainConfig
 
     return RunConfig(
@@ -56,17 +56,17 @@ def run_config(method: str, args) -> "RunConfig":  # noqa: F821
 def train(config, trainers: int, out: Path) -> dict:
     """The in-process simulation over partitions 0..trainers-1 only; returns the run summary.
 
-    ``edgepfl.simulate.simulate`` sizes the partition to the fleet; here the data spec
+    ``edgepfl.coordinator.simulate.simulate`` sizes the partition to the fleet; here the data spec
     keeps ``trainers + new`` partitions so the new clients' data exists but never trains.
     """
     import shutil
 
-    from coordinator.fleet import LocalFleet
-    from coordinator.report import write_report
-    from coordinator.rounds import Coordinator
-    from edge_agent.trainer import TrainerRuntime
+    from edgepfl.coordinator.fleet import LocalFleet
+    from edgepfl.coordinator.report import write_report
+    from edgepfl.coordinator.rounds import Coordinator
+    from edgepfl.coordinator.simulate import agent_ids, data_shape
     from edgepfl.data import load_client_data
-    from edgepfl.simulate import agent_ids, data_shape
+    from edgepfl.edge_agent.trainer import TrainerRuntime
 
     if out.exists():
         shutil.rmtree(out)
@@ -82,8 +82,8 @@ def export_init(config, out: Path) -> Path:
     """The untrained encoder (FedAvg's model at initialization) exported like a run's."""
     import torch
 
-    from edgepfl.simulate import data_shape
-    from export.onnx_export import build_from_meta, export_state
+    from edgepfl.coordinator.simulate import data_shape
+    from edgepfl.export.onnx_export import build_from_meta, export_state
 
     shape = data_shape(config)
     torch.manual_seed(config.seed)
@@ -99,8 +99,8 @@ def export_init(config, out: Path) -> Path:
 def heads_on_new_clients(config, export: Path, trainers: int, new: int) -> list[dict]:
     """Fit every applicable head on each new client's train split; score on its test split."""
     from edgepfl.data import load_client_data
-    from export.fit_head import Dataset, fit_head
-    from export.predict import OnnxEncoder
+    from edgepfl.export.fit_head import Dataset, fit_head
+    from edgepfl.export.predict import OnnxEncoder
 
     encoder = OnnxEncoder.from_dir(export, threads=1)
     kinds = list(SKLEARN_HEADS) + [k for k in encoder.manifest.get("head_kinds", []) if k in ("dualfed", "fedpick")]
@@ -117,7 +117,7 @@ def heads_on_new_clients(config, export: Path, trainers: int, new: int) -> list[
 
 def one(method: str, args) -> None:
     """Train (or initialize), export and score heads for one method; writes <work>/<method>.json."""
-    from export.onnx_export import export_run
+    from edgepfl.export.onnx_export import export_run
 
     work = Path(args.work)
     config = run_config("fedavg" if method == "init" else method, args)

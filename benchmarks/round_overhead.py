@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from edgepfl.config import RunConfig, parse_config  # noqa: E402
-from edgepfl.simulate import simulate  # noqa: E402
+from edgepfl.coordinator.simulate import simulate  # noqa: E402
 
 CONFIG = {
     "federation": "bench",
@@ -77,7 +77,7 @@ def main() -> int:
 
     broker, url = None, args.broker
     if args.broker == "mosquitto":
-        from edgepfl.broker import MosquittoBroker
+        from edgepfl.testing import MosquittoBroker
 
         broker = MosquittoBroker()
         url = broker.start()

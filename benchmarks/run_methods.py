@@ -141,7 +141,7 @@ def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, devi
     import torch
 
     from edgepfl.config import RunConfig, parse_config
-    from edgepfl.simulate import simulate
+    from edgepfl.coordinator.simulate import simulate
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = run_config_dict(setting, method, rounds, epochs, seed, device, data_root)

@@ -1,7 +1,7 @@
 """How the coordinator reaches its agents: over MQTT, or in-process for simulation.
 
 Both fleets move the same encoded frames, so the round loop
-(:mod:`coordinator.rounds`) validates, counts bytes and aggregates identically.
+(:mod:`edgepfl.coordinator.rounds`) validates, counts bytes and aggregates identically.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ class MqttFleet(Fleet):
 class LocalFleet(Fleet):
     """Agents as objects in this process: the research loop and the MQTT path's reference.
 
-    ``runtimes`` maps agent id to a :class:`edge_agent.trainer.TrainerRuntime`. Tasks
+    ``runtimes`` maps agent id to a :class:`edgepfl.edge_agent.trainer.TrainerRuntime`. Tasks
     run synchronously inside :meth:`send`; their encoded updates wait in a queue.
     """
 

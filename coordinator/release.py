@@ -17,7 +17,7 @@ from .fleet import SENDER
 
 def build_release(state: ServerState, meta: dict, releases_dir: Path, config: RunConfig) -> tuple[str, bytes]:
     """Export to ``releases_dir/<round>/`` and return (release id, release frame)."""
-    from export.onnx_export import export_state, read_release
+    from edgepfl.export.onnx_export import export_state, read_release
 
     out = Path(releases_dir) / f"round-{int(meta['round']):04d}"
     export_state(state, meta, out)

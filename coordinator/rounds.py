@@ -32,8 +32,8 @@ from edgepfl.protocol import (
     encode,
     new_message_id,
 )
+from edgepfl.state import load_checkpoint, save_checkpoint
 
-from .checkpoint import load_checkpoint, save_checkpoint
 from .fleet import SENDER, Fleet, Incoming
 from .progress import Progress
 

@@ -5,8 +5,8 @@ retained status (tier, device, sample counts, version) and a last will, then
 serves messages from its own task topic and the federation's release topic on the
 main thread while paho's network thread only queues bytes:
 
-* trainer tier: task -> :class:`edge_agent.trainer.TrainerRuntime` -> update;
-* head tier: release -> :class:`edge_agent.head_tier.HeadRuntime` -> metrics.
+* trainer tier: task -> :class:`edgepfl.edge_agent.trainer.TrainerRuntime` -> update;
+* head tier: release -> :class:`edgepfl.edge_agent.head_tier.HeadRuntime` -> metrics.
 
 Handlers are idempotent on task id: a re-delivered task is answered with the
 cached update instead of training twice.

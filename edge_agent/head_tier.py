@@ -30,8 +30,8 @@ import numpy as np
 
 from edgepfl.atomic import write_bytes, write_json
 from edgepfl.data.client import ClientData
-from export.heads import META_ENCODER_SHA, OnnxHead, head_to_onnx, make_head
-from export.predict import OnnxEncoder
+from edgepfl.export.heads import META_ENCODER_SHA, OnnxHead, head_to_onnx, make_head
+from edgepfl.export.predict import OnnxEncoder
 
 log = logging.getLogger("edgepfl.agent.head")
 

@@ -39,7 +39,7 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_demo(args) -> int:
-    from .simulate import simulate
+    from .coordinator.simulate import simulate
 
     config = parse_config(RunConfig, dict(DEMO, rounds=args.rounds), "built-in demo config")
     out = Path(args.out)
@@ -52,7 +52,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_simulate(args) -> int:
-    from .simulate import simulate
+    from .coordinator.simulate import simulate
 
     config = load_run_config(args.config)
     out = Path(args.out or f"runs/{config.federation}-{config.method.name}")
@@ -64,9 +64,9 @@ def cmd_simulate(args) -> int:
 
 
 def cmd_coordinator(args) -> int:
-    from coordinator.fleet import MqttFleet
-    from coordinator.report import write_report
-    from coordinator.rounds import Coordinator
+    from edgepfl.coordinator.fleet import MqttFleet
+    from edgepfl.coordinator.report import write_report
+    from edgepfl.coordinator.rounds import Coordinator
 
     config = load_run_config(args.config)
     url = args.broker or config.broker.url
@@ -74,7 +74,7 @@ def cmd_coordinator(args) -> int:
         raise ConfigError("the coordinator service needs a broker URL (--broker mqtt://host:1883 or broker.url)")
     shape = {}
     if config.input_shape is None or config.num_classes is None:
-        from .simulate import data_shape
+        from .coordinator.simulate import data_shape
 
         shape = data_shape(config)
     out = Path(args.out or f"runs/{config.federation}")
@@ -90,7 +90,7 @@ def cmd_coordinator(args) -> int:
 
 
 def cmd_agent(args) -> int:
-    from edge_agent import run_agent
+    from edgepfl.edge_agent import run_agent
 
     overrides = {}
     if args.agent_id:
@@ -109,7 +109,7 @@ def cmd_agent(args) -> int:
 def cmd_report(args) -> int:
     import json
 
-    from coordinator.report import write_report
+    from edgepfl.coordinator.report import write_report
 
     run = Path(args.run)
     state = run / "checkpoint" / "state.json"
@@ -121,7 +121,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from export.onnx_export import export_run
+    from edgepfl.export.onnx_export import export_run
 
     path = export_run(args.run, args.out, quantize=args.quantize or [])
     print(f"exported to {path}")
@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("methods", help="list registered methods")
     m.set_defaults(func=cmd_methods)
 
-    for name, target in (("fit-head", "export.fit_head:main_fit_head"), ("predict", "export.predict:main_predict")):
+    for name, target in (("fit-head", "edgepfl.export.fit_head:main_fit_head"), ("predict", "edgepfl.export.predict:main_predict")):
         x = sub.add_parser(name, help=f"see 'edgepfl {name} --help'", add_help=False)
         x.set_defaults(func=None, delegate=target)
     return p

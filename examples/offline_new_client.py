@@ -71,7 +71,7 @@ def main() -> int:
     ns = parser.parse_args()
 
     from edgepfl.config import DataSpec, MethodSpec, ModelSpec, RunConfig, TrainConfig
-    from edgepfl.simulate import simulate
+    from edgepfl.coordinator.simulate import simulate
 
     out = Path(ns.out)
     agents = 4

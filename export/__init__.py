@@ -1,11 +1,11 @@
 """ONNX export of frozen encoders, personalized heads, offline head fitting and prediction.
 
-* :mod:`export.onnx_export` — :func:`export_run`: a run's encoder -> ``encoder.onnx`` +
+* :mod:`edgepfl.export.onnx_export` — :func:`export_run`: a run's encoder -> ``encoder.onnx`` +
   ``manifest.json`` (+ ``global_heads.safetensors``); needs torch.
-* :mod:`export.heads` — heads as scikit-learn estimators (SVM, LR, MLP, DualFed, FedPick),
-  their ONNX export, :class:`~export.heads.OnnxHead` and :func:`~export.heads.fuse`.
-* :mod:`export.fit_head` / :mod:`export.predict` — ``edgepfl fit-head`` and ``edgepfl predict``.
-* :mod:`export.quantize` — int8 / fp16 encoder variants and their accuracy change.
+* :mod:`edgepfl.export.heads` — heads as scikit-learn estimators (SVM, LR, MLP, DualFed, FedPick),
+  their ONNX export, :class:`~edgepfl.export.heads.OnnxHead` and :func:`~edgepfl.export.heads.fuse`.
+* :mod:`edgepfl.export.fit_head` / :mod:`edgepfl.export.predict` — ``edgepfl fit-head`` and ``edgepfl predict``.
+* :mod:`edgepfl.export.quantize` — int8 / fp16 encoder variants and their accuracy change.
 
 Importing this package imports nothing heavy; names are resolved on first use so the
 torch-free head tier can use the heads and the predictor without torch.

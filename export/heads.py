@@ -277,7 +277,7 @@ class _TorchHead(_Head):
     or exporting.
 
     ``global_heads``: the federation's ``global_heads.safetensors`` (path) or its tensors
-    (name -> array), as written by :func:`export.onnx_export.export_run`.
+    (name -> array), as written by :func:`edgepfl.export.onnx_export.export_run`.
     ``method_options``: the method's options (the manifest's ``method_options``).
     """
 

@@ -87,8 +87,8 @@ def build_from_meta(meta: dict[str, Any]):
 
 def load_run(run_dir: str | Path) -> LoadedRun:
     """Rebuild the model of ``run_dir`` (its ``checkpoint/``) with the federation's shared params."""
-    from coordinator.checkpoint import load_checkpoint
     from edgepfl.methods.base import load_tensors
+    from edgepfl.state import load_checkpoint
 
     run_dir = Path(run_dir)
     ckpt = run_dir / "checkpoint" if (run_dir / "checkpoint").is_dir() else run_dir

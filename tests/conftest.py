@@ -24,7 +24,7 @@ if str(REPO_ROOT) not in _pp.split(os.pathsep):
 
 import pytest  # noqa: E402
 
-from edgepfl.broker import MosquittoBroker, TrafficCapture, find_mosquitto  # noqa: E402
+from edgepfl.testing import MosquittoBroker, TrafficCapture, find_mosquitto  # noqa: E402
 
 
 def _under_ci() -> bool:

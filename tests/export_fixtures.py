@@ -46,8 +46,8 @@ def make_run(run_dir: Path, method_name: str, *, options: dict | None = None, ar
     """Train ``method_name`` for ``rounds`` on TRAIN_CLIENTS and checkpoint it in ``run_dir``."""
     import torch
 
-    from coordinator.checkpoint import save_checkpoint
     from edgepfl.methods import ClientUpdate, LocalContext, create_method
+    from edgepfl.state import save_checkpoint
 
     torch.manual_seed(0)
     options = dict(options or {})
@@ -86,8 +86,8 @@ def make_run(run_dir: Path, method_name: str, *, options: dict | None = None, ar
 
 
 def export_dir(tmp: Path, method_name: str, **kwargs) -> Path:
-    """A trained run of ``method_name`` exported with :func:`export.onnx_export.export_run`."""
-    from export.onnx_export import export_run
+    """A trained run of ``method_name`` exported with :func:`edgepfl.export.onnx_export.export_run`."""
+    from edgepfl.export.onnx_export import export_run
 
     run = make_run(tmp / f"run-{method_name}", method_name, **kwargs)
     calibration = np.concatenate([client_data(i, kwargs.get("dataset", "digits")).x_train for i in TRAIN_CLIENTS])

@@ -9,7 +9,7 @@ import uuid
 from pathlib import Path
 
 from edgepfl.config import RunConfig, parse_config
-from edgepfl.simulate import agent_ids, data_shape, prepare, spawn_agent, stop_agents
+from edgepfl.coordinator.simulate import agent_ids, data_shape, prepare, spawn_agent, stop_agents
 
 
 def run_config(federation: str | None = None, **overrides) -> RunConfig:

@@ -18,16 +18,9 @@ import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
 
-from edgepfl.broker import (
-    BrokerError,
-    EmbeddedBroker,
-    MosquittoBroker,
-    TrafficCapture,
-    find_mosquitto,
-    parse_broker_url,
-    wait_for_port,
-)
+from edgepfl.broker import BrokerError, EmbeddedBroker, parse_broker_url, wait_for_port
 from edgepfl.protocol import MessageType, UpdateMeta, decode, encode, new_message_id
+from edgepfl.testing import MosquittoBroker, TrafficCapture, find_mosquitto
 
 from conftest import require_mosquitto
 
@@ -445,9 +438,9 @@ def test_acl_from_the_doc_confines_each_agent_to_its_own_topics(acl_broker, peer
 @pytest.mark.slow
 def test_two_agents_written_from_the_doc_alone_complete_rounds_with_the_real_coordinator(mosquitto, tmp_path):
     """The doc's reference codec + agent, run as separate processes, against edgepfl's coordinator."""
-    from coordinator.fleet import MqttFleet
-    from coordinator.rounds import Coordinator
     from edgepfl.config import RunConfig
+    from edgepfl.coordinator.fleet import MqttFleet
+    from edgepfl.coordinator.rounds import Coordinator
 
     script = tmp_path / "doc_agent.py"
     script.write_text(doc_block("reference-codec") + doc_block("reference-agent") + textwrap.dedent(

@@ -61,7 +61,8 @@ def test_agent_refuses_the_embedded_placeholder_broker(tmp_path):
 
 
 def test_report_rebuilds_table_and_plot_from_a_run_directory(tmp_path):
-    from edgepfl.simulate import simulate
+    from edgepfl.coordinator.simulate import simulate
+
     from fleet_helpers import run_config
 
     out = tmp_path / "run"

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from edgepfl.data import fmnist_available
-from export.heads import make_session
-from export.onnx_export import ExportError, export_run, load_run, read_release, sha256_file
-from export.predict import OnnxEncoder
+from edgepfl.export.heads import make_session
+from edgepfl.export.onnx_export import ExportError, export_run, load_run, read_release, sha256_file
+from edgepfl.export.predict import OnnxEncoder
 
 from export_fixtures import TRAIN_CLIENTS, client_data, make_run
 
@@ -30,7 +30,7 @@ def dualfed_run(tmp_path_factory):
 
 def _torch_features(run_dir, x, calibration=None):
     """Features from the torch encoder the way export_run prepares it (fresh load)."""
-    from export.onnx_export import _module_prefix, _prepare_batchnorm
+    from edgepfl.export.onnx_export import _module_prefix, _prepare_batchnorm
 
     run = load_run(run_dir)
     enc = run.method.encoder_module(run.model)
@@ -102,10 +102,10 @@ def test_personal_batchnorm_statistics_are_calibrated(dualfed_run, tmp_path):
 
 
 def test_missing_calibration_data_is_logged(dualfed_run, tmp_path, caplog, monkeypatch):
-    import export.onnx_export as ox
+    import edgepfl.export.onnx_export as ox
 
     monkeypatch.setattr(ox, "_calibration_from_run", lambda meta: None)
-    with caplog.at_level(logging.WARNING, logger="export.onnx_export"):
+    with caplog.at_level(logging.WARNING, logger="edgepfl.export.onnx_export"):
         manifest = json.loads(export_run(dualfed_run, tmp_path / "b").read_text())
     assert manifest["batchnorm"]["statistics"] == "initial"
     assert any("initial statistics" in r.getMessage() for r in caplog.records)
@@ -118,7 +118,7 @@ def test_default_calibration_reads_the_runs_own_clients(dualfed_run, tmp_path):
 
 
 def test_int8_and_fp16_variants_listed_and_their_accuracy_change_measured(fedavg_run, tmp_path):
-    from export.quantize import accuracy_change
+    from edgepfl.export.quantize import accuracy_change
 
     out = tmp_path / "q"
     manifest = json.loads(export_run(fedavg_run, out, quantize=["int8", "fp16"]).read_text())

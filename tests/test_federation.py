@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from edgepfl.atomic import read_tensors
+from edgepfl.coordinator.simulate import simulate
 from edgepfl.protocol import decode
-from edgepfl.simulate import simulate
 
 from fleet_helpers import run_config
 

@@ -87,9 +87,9 @@ def test_qp_weights_match_brute_force_on_simplex(far):
         hs[2] += 5.0
     p = collaboration_matrix(hs, vs, 0)
     # the matrix is diag(v) + D with D_jl = sum_k (h_0[k] - h_j[k]) . (h_0[k] - h_l[k])
-    for j, l in itertools.product(range(3), repeat=2):
-        want = sum(float((hs[0, k] - hs[j, k]) @ (hs[0, k] - hs[l, k])) for k in range(K)) + (vs[j] if j == l else 0)
-        assert p[j, l] == pytest.approx(want, rel=1e-12, abs=1e-12)
+    for j, m in itertools.product(range(3), repeat=2):
+        want = sum(float((hs[0, k] - hs[j, k]) @ (hs[0, k] - hs[m, k])) for k in range(K)) + (vs[j] if j == m else 0)
+        assert p[j, m] == pytest.approx(want, rel=1e-12, abs=1e-12)
 
     alpha = qp_weights(hs, vs, 0)
     assert alpha is not None and (alpha >= 0).all() and alpha.sum() == pytest.approx(1.0, abs=1e-12)

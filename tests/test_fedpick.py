@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from pydantic import ValidationError
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from edgepfl.config import ModelSpec, TrainConfig
@@ -183,5 +184,5 @@ def test_local_update_uploads_shared_only_is_reproducible_and_learns():
 
 @pytest.mark.parametrize("bad", [{"temperature": 0}, {"lam_ent": -1}, {"ensemble": "vote"}, {"typo": 1}])
 def test_config_rejects_bad_options(bad):
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         create_method("fedpick", bad)

@@ -11,8 +11,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from edge_agent.head_tier import HeadRuntime, ReleaseRefused
-from export.onnx_export import read_release, sha256_bytes
+from edgepfl.edge_agent.head_tier import HeadRuntime, ReleaseRefused
+from edgepfl.export.onnx_export import read_release, sha256_bytes
 
 from export_fixtures import NEW_CLIENT, REPO_ROOT_HINT, client_data, export_dir
 
@@ -114,7 +114,7 @@ def test_tampered_or_corrupt_releases_are_refused_and_the_old_one_stays(releases
 
 
 def test_offline_head_is_used_for_its_encoder_only(releases, data, tmp_path, caplog):
-    from export.fit_head import main_fit_head
+    from edgepfl.export.fit_head import main_fit_head
 
     state = tmp_path / "state"
     state.mkdir()
@@ -155,7 +155,7 @@ def test_head_runtime_never_imports_torch(releases, data, tmp_path):
         import json, sys
         from pathlib import Path
         import numpy as np
-        from edge_agent.head_tier import HeadRuntime
+        from edgepfl.edge_agent.head_tier import HeadRuntime
         from edgepfl.data.client import ClientData
 
         tmp = Path({str(tmp_path)!r})
@@ -205,7 +205,7 @@ def test_local_data_in_another_normalization_is_converted(releases, data, tmp_pa
 
 
 def test_installed_files_work_with_the_predict_cli(releases, data, tmp_path, capsys):
-    from export.predict import main_predict
+    from edgepfl.export.predict import main_predict
 
     rt = HeadRuntime(tmp_path / "state", "mlp", data)
     _install(rt, releases[0])

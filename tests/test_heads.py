@@ -9,9 +9,9 @@ import pytest
 from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 
-from export.fit_head import main_fit_head
-from export.heads import HEAD_KINDS, SKLEARN_HEADS, OnnxHead, fuse, head_to_onnx, make_head, make_session
-from export.predict import OnnxEncoder, main_predict
+from edgepfl.export.fit_head import main_fit_head
+from edgepfl.export.heads import HEAD_KINDS, SKLEARN_HEADS, OnnxHead, fuse, head_to_onnx, make_head, make_session
+from edgepfl.export.predict import OnnxEncoder, main_predict
 
 from export_fixtures import NEW_CLIENT, TRAIN_CLIENTS, client_data, client_pixels, export_dir
 
@@ -42,7 +42,7 @@ def _features(release, index):
 
 
 def _head_params(release, kind):
-    from export.heads import head_class
+    from edgepfl.export.heads import head_class
 
     manifest = json.loads((release / "manifest.json").read_text())
     return head_class(kind).for_release(manifest, release).get_params()
@@ -135,7 +135,7 @@ def test_torch_heads_keep_the_federations_global_classifier(releases):
 
 
 def test_dualfed_head_needs_a_dualfed_release(releases):
-    from export.heads import DualFedHead
+    from edgepfl.export.heads import DualFedHead
 
     manifest = json.loads((releases["fedavg"] / "manifest.json").read_text())
     with pytest.raises(ValueError, match="needs a dualfed encoder"):

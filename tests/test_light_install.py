@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 import yaml
 
-from coordinator.fleet import MqttFleet
-from coordinator.rounds import Coordinator
+from edgepfl.coordinator.fleet import MqttFleet
+from edgepfl.coordinator.rounds import Coordinator
+from edgepfl.coordinator.simulate import agent_config
 from edgepfl.data import load_client_data
-from edgepfl.simulate import agent_config
+
 from fleet_helpers import RunningFleet, run_config
 
 pytestmark = pytest.mark.slow
@@ -47,9 +48,10 @@ def light_venv(tmp_path_factory) -> Path:
 def test_light_environment_has_no_torch(light_venv):
     probe = subprocess.run([str(light_venv), "-c", "import torch"], capture_output=True, text=True)
     assert probe.returncode != 0 and "No module named 'torch'" in probe.stderr
-    ok = subprocess.run([str(light_venv), "-c", "import edge_agent, edge_agent.head_tier, export.predict, "
+    ok = subprocess.run([str(light_venv), "-c", "import edgepfl.edge_agent, edgepfl.edge_agent.head_tier, edgepfl.export.predict, "
                          "edgepfl.protocol.transport, edgepfl.data, sys; assert 'torch' not in sys.modules"],
-                        capture_output=True, text=True, cwd="/")
+                        capture_output=True, text=True, cwd="/",
+                        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert ok.returncode == 0, ok.stderr
 
 

@@ -27,7 +27,15 @@ from safetensors.numpy import load_file, save_file
 
 from edgepfl.config import ModelSpec, TrainConfig
 from edgepfl.data.client import ClientData
-from edgepfl.methods import ClientUpdate, LocalContext, Method, ServerState, UpdateRejected, available_methods, create_method
+from edgepfl.methods import (
+    ClientUpdate,
+    LocalContext,
+    Method,
+    ServerState,
+    UpdateRejected,
+    available_methods,
+    create_method,
+)
 from edgepfl.methods.aggregate import weighted_mean
 from edgepfl.methods.base import STAT, load_tensors
 from edgepfl.protocol.envelope import decode, encode

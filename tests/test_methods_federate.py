@@ -23,9 +23,9 @@ import pytest
 import yaml
 
 from edgepfl.config import RunConfig, parse_config
+from edgepfl.coordinator.simulate import simulate
 from edgepfl.data import FMNIST_PACKAGE, fmnist_available
 from edgepfl.methods import available_methods
-from edgepfl.simulate import simulate
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
+from edgepfl.coordinator.simulate import simulate
 from edgepfl.protocol import decode
-from edgepfl.simulate import simulate
+
 from fleet_helpers import run_config
 
 pytestmark = pytest.mark.slow
@@ -33,5 +34,5 @@ def test_mixed_fleet_reports_both_tiers(mosquitto, broker_capture, tmp_path):
     # the head agents' torch-free path: nothing in their logs came from the trainer runtime
     for device in ("device-00", "device-01"):
         log = (out / "agents" / f"{device}.log").read_text()
-        assert "edge_agent.trainer" not in log and "Traceback" not in log
+        assert "edgepfl.edge_agent.trainer" not in log and "Traceback" not in log
     assert "head-tier agents:" in (out / "results.txt").read_text()

@@ -223,7 +223,7 @@ def test_body_length_differs_from_header():
 
 
 def test_invalid_header_json():
-    for head in (b"{not json", b"[]", b'"x"', "{\"type\": \"status\"}".encode(), b"\xff\xfe{}"):
+    for head in (b"{not json", b"[]", b'"x"', b"{\"type\": \"status\"}", b"\xff\xfe{}"):
         frame = MAGIC + struct.pack(">I", len(head)) + head
         err = reason_of(frame)
         assert err.reason == "malformed" and "invalid header" in err.detail

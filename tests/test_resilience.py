@@ -19,9 +19,9 @@ import paho.mqtt.client as mqtt
 import pytest
 import yaml
 
-from coordinator.fleet import MqttFleet
-from coordinator.rounds import Coordinator
 from edgepfl.atomic import read_tensors
+from edgepfl.coordinator.fleet import MqttFleet
+from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.protocol import (
     AgentChannel,
     MessageType,
@@ -31,6 +31,7 @@ from edgepfl.protocol import (
     decode,
     encode,
 )
+
 from fleet_helpers import RunningFleet, read_rows, run_config, run_in_thread, wait_until
 
 pytestmark = pytest.mark.slow
@@ -200,13 +201,13 @@ def test_malformed_payloads_are_rejected_with_a_reason_and_the_round_completes(m
     assert rows[1]["dropped"] == ["mallory"] and not rows[1]["aborted"]
     text = caplog.text
     for reason in ("malformed", "wrong_shape", "non_finite", "stale", "oversized", "duplicate", "unknown_agent"):
-        assert f"rejected message from" in text and reason in text
+        assert "rejected message from" in text and reason in text
 
 
 def test_broker_restart_mid_federation_agents_and_coordinator_reconnect(tmp_path):
-    from conftest import require_mosquitto
+    from edgepfl.testing import MosquittoBroker
 
-    from edgepfl.broker import MosquittoBroker
+    from conftest import require_mosquitto
 
     require_mosquitto()
     broker = MosquittoBroker()
@@ -239,11 +240,12 @@ def test_broker_restart_mid_federation_agents_and_coordinator_reconnect(tmp_path
 
 def test_transport_started_before_the_broker_connects_once_it_appears():
     """An agent booted before its broker (a Pi after a power cut) keeps retrying with backoff."""
-    from conftest import require_mosquitto
-
-    from edgepfl.broker import MosquittoBroker, free_port
+    from edgepfl.broker import free_port
     from edgepfl.protocol import AgentChannel, agent_topic
     from edgepfl.protocol.transport import MqttTransport
+    from edgepfl.testing import MosquittoBroker
+
+    from conftest import require_mosquitto
 
     require_mosquitto()
     port = free_port()

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import DataSpec
+from ..specs import DataSpec
 from .client import ClientData
 from .domains import apply_domain, check_domains
 from .partition import PartitionError, partition, stratified_quota, stratified_take

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..config import PartitionSpec
+from ..specs import PartitionSpec
 
 Partitioner = Callable[[np.ndarray, int, PartitionSpec, np.random.Generator], list[np.ndarray]]
 

@@ -23,41 +23,48 @@ from .base import (
 )
 
 _REGISTRY: dict[str, type[Method]] = {}
-_INFRA = {"base", "aggregate", "training", "losses"}
-_discovered = False
+#: modules of this package that hold building blocks, not methods
+_INFRA = frozenset({"base", "aggregate", "training", "losses"})
 
 
 def register(cls: type[Method]) -> type[Method]:
-    """Class decorator: make a method available by ``cls.name``."""
+    """Class decorator: make a method available by ``cls.name``.
+
+    The registry is lazy: a method named ``x`` lives in ``edgepfl/methods/x.py``, which
+    is imported the first time ``x`` is looked up, so listing and validating methods
+    costs one small import each and needs no torch.
+    """
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no name")
+    module = cls.__module__.rpartition(".")[2]
+    if cls.__module__.startswith(f"{__name__}.") and module != cls.name:
+        raise ValueError(f"method {cls.name!r} must live in {__name__}.{cls.name}, not {cls.__module__}")
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
         raise ValueError(f"method name {cls.name!r} registered twice")
     _REGISTRY[cls.name] = cls
     return cls
 
 
-def _discover() -> None:
-    global _discovered
-    if _discovered:
-        return
-    for info in pkgutil.iter_modules(__path__):
-        if info.name not in _INFRA and not info.name.startswith("_"):
-            importlib.import_module(f"{__name__}.{info.name}")
-    _discovered = True
-
-
 def available_methods() -> list[str]:
-    _discover()
-    return sorted(_REGISTRY)
+    """Names of every method, from the modules of this package (nothing is imported)."""
+    return sorted(
+        info.name for info in pkgutil.iter_modules(__path__)
+        if info.name not in _INFRA and not info.name.startswith("_")
+    )
 
 
 def get_method_class(name: str) -> type[Method]:
-    _discover()
+    """The method class registered as ``name``; imports its module on first use."""
+    cls = _REGISTRY.get(name)
+    if cls is not None:
+        return cls
+    if name not in available_methods():
+        raise KeyError(f"unknown method {name!r}; available: {', '.join(available_methods())}")
+    importlib.import_module(f"{__name__}.{name}")
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise KeyError(f"unknown method {name!r}; available: {', '.join(sorted(_REGISTRY))}") from None
+        raise KeyError(f"module {__name__}.{name} registers no method named {name!r}") from None
 
 
 get_method = get_method_class

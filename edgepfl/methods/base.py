@@ -34,14 +34,16 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from ..state import ServerState
 from .aggregate import weighted_mean
+from .training import EvalResult, evaluate_logits, fit
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from torch import nn
 
-    from ..config import ModelSpec, TrainConfig
     from ..data import ClientTensors
+    from ..specs import ModelSpec, TrainConfig
 
 TensorDict = dict[str, np.ndarray]
 STAT = "stat/"
@@ -78,40 +80,6 @@ class ClientUpdate:
 
 
 @dataclass
-class ServerState:
-    """What the coordinator keeps between rounds (and checkpoints).
-
-    ``global_tensors``: shared parameters (``state_dict`` keys) and ``server/`` extras
-    sent to every agent. ``client_tensors``: per-agent tensors a method computes on
-    the server (FedPAC's combined heads). ``extra``: JSON-able scalars.
-    """
-
-    global_tensors: TensorDict
-    client_tensors: dict[str, TensorDict] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def shared_params(self) -> TensorDict:
-        return {k: v for k, v in self.global_tensors.items() if "/" not in k}
-
-    def to_flat(self) -> TensorDict:
-        flat = {f"global::{k}": v for k, v in self.global_tensors.items()}
-        for agent, tensors in self.client_tensors.items():
-            flat.update({f"client::{agent}::{k}": v for k, v in tensors.items()})
-        return flat
-
-    @classmethod
-    def from_flat(cls, flat: TensorDict, extra: dict[str, Any] | None = None) -> ServerState:
-        state = cls(global_tensors={}, extra=dict(extra or {}))
-        for key, value in flat.items():
-            parts = key.split("::")
-            if parts[0] == "global":
-                state.global_tensors[parts[1]] = value
-            elif parts[0] == "client":
-                state.client_tensors.setdefault(parts[1], {})[parts[2]] = value
-        return state
-
-
-@dataclass
 class LocalContext:
     """What a local update may use besides the model and the data."""
 
@@ -140,17 +108,6 @@ class LocalResult:
     upload: TensorDict
     train_loss: float = math.nan
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class EvalResult:
-    correct: int
-    total: int
-    loss: float
-
-    @property
-    def accuracy(self) -> float:
-        return self.correct / self.total if self.total else math.nan
 
 
 class Method:
@@ -224,8 +181,6 @@ class Method:
 
     def local_update(self, model: nn.Module, data: ClientTensors, ctx: LocalContext) -> LocalResult:
         """Train locally; return what to upload. Default: supervised epochs on everything."""
-        from .training import fit
-
         loss = fit(model, data, ctx, lambda m, x, y: _ce(self.logits(m, x), y), model.parameters(), ctx.train.epochs)
         return LocalResult(upload=self.shared_params(model), train_loss=loss)
 
@@ -235,8 +190,6 @@ class Method:
 
     def evaluate(self, model: nn.Module, data: ClientTensors, ctx: LocalContext) -> EvalResult:
         """Personalized evaluation on the client's own held-out split."""
-        from .training import evaluate_logits
-
         return evaluate_logits(lambda x: self.logits(model, x), model, data.x_test, data.y_test, ctx)
 
     # ------------------------------------------------------------------ server side

@@ -36,11 +36,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-import torch
-import torch.nn.functional as F
 from pydantic import Field
-from torch import nn
 
+from .._torch import F, nn, torch
 from . import register
 from .aggregate import weighted_mean
 from .base import ClientUpdate, LocalContext, LocalResult, Method, MethodConfig, ServerState
@@ -48,8 +46,8 @@ from .losses import supcon_loss
 from .training import fit, make_optimizer
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..config import ModelSpec
     from ..data.client import ClientTensors
+    from ..specs import ModelSpec
 
 
 class DualFedConfig(MethodConfig):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .base import Method
 from . import register
+from .base import Method
 
 
 @register

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import copy
 
-import torch.nn.functional as F
 from pydantic import Field
 
+from .._torch import F
 from . import register
 from .base import EvalResult, LocalContext, Method, MethodConfig
 from .training import fit

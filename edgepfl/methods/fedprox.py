@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
-import torch.nn.functional as F
 from pydantic import Field
 
+from .._torch import F, torch
 from . import register
 from .base import LocalResult, Method, MethodConfig
 from .training import fit

@@ -6,9 +6,9 @@ then the encoder alone with the classifier fixed (``body_epochs``).
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from pydantic import Field
 
+from .._torch import F
 from . import register
 from .base import LocalResult, Method, MethodConfig
 from .training import fit

@@ -23,11 +23,9 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-import torch
-import torch.nn.functional as F
 from pydantic import Field
-from torch import nn
 
+from .._torch import F, nn, torch
 from . import register
 from .base import LocalResult, Method, MethodConfig
 from .training import fit, make_optimizer, noise_generator

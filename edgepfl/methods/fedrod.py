@@ -17,16 +17,13 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
+from .._torch import F, nn, torch
 from . import register
 from .base import LocalResult, Method
 from .training import fit
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..config import ModelSpec
+    from ..specs import ModelSpec
 
 
 class RoDModel(nn.Module):

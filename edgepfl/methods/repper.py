@@ -42,19 +42,17 @@ import warnings
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 from pydantic import Field
-from torch import nn
 
+from .._torch import F, nn, torch
 from . import register
 from .base import EvalResult, LocalContext, LocalResult, Method, MethodConfig
 from .losses import supcon_loss
 from .training import fit, make_optimizer
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..config import ModelSpec
     from ..data.client import ClientTensors
+    from ..specs import ModelSpec
 
 HeadKind = Literal["lr", "svm", "mlp"]
 #: logit bias of a class the client has never seen: probability exp(-1e4) == 0 in

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -11,7 +12,20 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
     from ..data import ClientTensors
-    from .base import EvalResult, LocalContext
+    from .base import LocalContext
+
+
+@dataclass
+class EvalResult:
+    """Correct predictions, sample count and mean loss of one evaluation."""
+
+    correct: int
+    total: int
+    loss: float
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.total if self.total else math.nan
 
 
 def make_optimizer(params: Iterable, ctx: LocalContext, *, optimizer: str | None = None, lr: float | None = None,
@@ -68,8 +82,6 @@ def evaluate_logits(logits_fn, model, x, y, ctx: LocalContext, batch_size: int =
     """Accuracy and mean cross-entropy of ``logits_fn`` on (x, y), in eval mode."""
     import torch
     import torch.nn.functional as F
-
-    from .base import EvalResult
 
     was_training = model.training
     model.eval()

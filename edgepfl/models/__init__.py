@@ -10,11 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+from .._torch import nn, torch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..config import ModelSpec
+    from ..specs import ModelSpec
 
 
 class SmallCNN(nn.Module):

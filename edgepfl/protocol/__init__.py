@@ -14,7 +14,15 @@ from .messages import (
     TaskMeta,
     UpdateMeta,
 )
-from .topics import AgentChannel, FederationChannel, TopicError, agent_topic, agent_wildcard, federation_topic, parse_topic
+from .topics import (
+    AgentChannel,
+    FederationChannel,
+    TopicError,
+    agent_topic,
+    agent_wildcard,
+    federation_topic,
+    parse_topic,
+)
 
 __all__ = [
     "AgentChannel", "ChunkMeta", "CoordinatorMeta", "FederationChannel", "Message", "MessageType", "MetricsMeta",

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import yaml
 
-from .config import AgentConfig, RunConfig
+from edgepfl.config import AgentConfig, RunConfig
 
-log = logging.getLogger("edgepfl.simulate")
+log = logging.getLogger("edgepfl.coordinator.simulate")
 
 
 def agent_ids(n: int, prefix: str = "agent") -> list[str]:
@@ -30,7 +30,7 @@ def agent_ids(n: int, prefix: str = "agent") -> list[str]:
 
 def data_shape(config: RunConfig) -> dict:
     """Input shape, class count and preprocessing, read from the data (client 0)."""
-    from .data import load_client_data
+    from edgepfl.data import load_client_data
 
     data = load_client_data(config.data, 0)
     return {"input_shape": data.input_shape, "num_classes": data.num_classes, "class_names": data.class_names,
@@ -52,8 +52,8 @@ def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str
              in_process: bool = False, rounds: int | None = None, head_agents: int = 0, head: str = "lr",
              fresh: bool = True, progress: bool = True, threads: int | None = None) -> tuple[list[dict], dict]:
     """Run a whole federation; returns (metrics rows, summary) and writes the report into ``out_dir``."""
-    from coordinator.report import write_report
-    from coordinator.rounds import Coordinator
+    from edgepfl.coordinator.report import write_report
+    from edgepfl.coordinator.rounds import Coordinator
 
     out = Path(out_dir)
     if fresh and out.exists():
@@ -66,10 +66,9 @@ def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str
     if in_process:
         if head_agents:
             raise ValueError("head-tier agents run over MQTT only (they are separate, torch-free processes)")
-        from coordinator.fleet import LocalFleet
-        from edge_agent.trainer import TrainerRuntime
-
-        from .data import load_client_data
+        from edgepfl.coordinator.fleet import LocalFleet
+        from edgepfl.data import load_client_data
+        from edgepfl.edge_agent.trainer import TrainerRuntime
 
         if threads:
             import torch
@@ -82,12 +81,12 @@ def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str
         table, summary = write_report(out, config.method.name)
         return rows, summary
 
-    from coordinator.fleet import MqttFleet
+    from edgepfl.coordinator.fleet import MqttFleet
 
     embedded = None
     url = broker
     if broker == "embedded":
-        from .broker import EmbeddedBroker
+        from edgepfl.broker import EmbeddedBroker
 
         embedded = EmbeddedBroker()
         url = embedded.start()

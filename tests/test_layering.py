@@ -1,0 +1,181 @@
+"""The architecture as tests: the core imports no app, nothing imports in a cycle, the
+wheel ships every package under one import name, and the registry needs no torch.
+
+The core is every module physically under ``edgepfl/`` except the command-line entry
+points (``cli``, ``__main__``), which start the apps. The apps are ``coordinator/``,
+``edge_agent/`` and ``export/``, installed as ``edgepfl.coordinator`` and so on.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+APPS = {"coordinator": "edgepfl.coordinator", "edge_agent": "edgepfl.edge_agent", "export": "edgepfl.export"}
+ENTRY_POINTS = {"edgepfl.cli", "edgepfl.__main__"}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[0] in APPS:
+        parts = APPS[parts[0]].split(".") + parts[1:]
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for top in ("edgepfl", *APPS):
+        for path in (ROOT / top).rglob("*.py"):
+            found[_module_name(path)] = path
+    return found
+
+
+def _imports(name: str, path: Path, *, module_level_only: bool) -> set[str]:
+    """Absolute names of the edgepfl modules ``name`` imports (relative imports resolved)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    nodes: list[ast.AST] = []
+
+    def collect(body: list[ast.stmt]) -> None:  # `if TYPE_CHECKING:` blocks never run
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                collect(node.orelse)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and module_level_only:
+                continue
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                nodes.append(node)
+            else:
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    collect(getattr(node, field, None) or [])
+
+    collect(tree.body)
+    out: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)  # `from pkg import submodule`
+    return {m for m in out if m == "edgepfl" or m.startswith("edgepfl.")}
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _is_app(name: str) -> bool:
+    return any(name == a or name.startswith(a + ".") for a in APPS.values())
+
+
+def test_the_core_imports_no_app_package():
+    modules = _modules()
+    offenders = []
+    for name, path in sorted(modules.items()):
+        if _is_app(name) or name in ENTRY_POINTS:
+            continue
+        for imported in _imports(name, path, module_level_only=False):
+            if _is_app(imported):
+                offenders.append(f"{path.relative_to(ROOT)} imports {imported}")
+    assert not offenders, "the core must not import the apps:\n" + "\n".join(offenders)
+
+
+def test_no_import_cycle():
+    """Counting imports inside functions too: a lazy import hides a cycle, it does not remove it."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = {_resolve(m, modules) for m in _imports(name, path, module_level_only=False)}
+        # importing a submodule runs its package's __init__ first; that edge is not a cycle of ours
+        graph[name] = {d for d in deps if d and d != name and not name.startswith(d + ".")}
+    cycles = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                cycles.append(stack[stack.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_wheel_lists_every_package_under_the_edgepfl_name():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    present = {_module_name(p) for top in ("edgepfl", *APPS) for p in (ROOT / top).rglob("__init__.py")}
+    assert listed == present, f"missing from pyproject: {sorted(present - listed)}; stale: {sorted(listed - present)}"
+    assert all(p == "edgepfl" or p.startswith("edgepfl.") for p in listed)
+    assert config["package-dir"] == {v: k for k, v in APPS.items()}
+
+
+BLOCK_TORCH = "import sys; sys.modules['torch'] = None\n"
+
+
+def _run_without_torch(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", BLOCK_TORCH + code], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+
+
+def test_methods_listing_works_without_torch():
+    proc = _run_without_torch("from edgepfl.cli import main; sys.exit(main(['methods']))")
+    assert proc.returncode == 0, proc.stderr
+    from edgepfl.methods import available_methods
+
+    names = available_methods()
+    assert len(names) >= 14
+    for name in names:
+        assert name in proc.stdout
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_config_validation_works_without_torch(config):
+    code = (f"from edgepfl.config import load_run_config\n"
+            f"c = load_run_config({str(ROOT / 'configs' / config)!r})\n"
+            f"print(c.method.name)\n"
+            f"assert 'torch' not in {{k for k, v in sys.modules.items() if v is not None}}\n")
+    proc = _run_without_torch(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == config.removesuffix(".yaml")
+
+
+def test_a_torch_method_used_without_torch_names_the_extra():
+    code = ("from edgepfl.config import ModelSpec\nfrom edgepfl.methods import create_method\n"
+            "create_method('repper').build_model(ModelSpec(), (1, 28, 28), 10)\n")
+    proc = _run_without_torch(code)
+    assert proc.returncode != 0
+    assert "pip install 'edgepfl[train]'" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_a_bad_method_option_is_located_without_torch():
+    code = ("from edgepfl.config import ConfigError, parse_config, RunConfig\n"
+            "try:\n    parse_config(RunConfig, {'method': {'name': 'repper', 'head': 'knn'}}, 'x.yaml')\n"
+            "except ConfigError as e:\n    print(e)\n")
+    proc = _run_without_torch(code)
+    assert proc.returncode == 0, proc.stderr
+    assert "method" in proc.stdout and "head" in proc.stdout
