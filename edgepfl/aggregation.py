@@ -1,0 +1,325 @@
+"""Aggregation rules for the shared parameters of a round, one class per rule.
+
+Every rule follows one small interface (:class:`Aggregator`): :meth:`~Aggregator.begin`
+with the round's reference (the global parameters the tasks carried), :meth:`~Aggregator.add`
+one accepted update at a time, :meth:`~Aggregator.result` once the round closes. A rule
+is written once and serves every method whose server step averages.
+
+* :class:`Mean` — the sample-weighted mean (FedAvg). **Streaming**: an update is folded
+  in when it arrives, so memory is O(model) whatever the number of agents.
+* :class:`NormClippedMean` — each update's change from the reference is clipped to a
+  norm before the weighted mean. Streaming.
+* :class:`CoordinateMedian`, :class:`TrimmedMean`, :class:`MultiKrum` — robust rules
+  that need every update of the round at once (``streaming = False``); unweighted, since
+  a self-reported sample count is exactly what an attacker would inflate.
+
+**Order independence.** Over MQTT updates arrive in any order; in-process they arrive
+sorted. Both must give the same bits, so the streaming rules do not add floats (whose
+rounding depends on order): each contribution ``w * (x - reference)`` is rounded once, on
+its own, to a fixed-point grid chosen at :meth:`~Aggregator.begin` from the reference
+alone, and the integers are summed exactly. The grid leaves room for
+:data:`MAX_TOTAL_WEIGHT` of weight and changes of up to :data:`CHANGE_RANGE` times the
+reference's largest magnitude; an update outside that range is refused by
+:meth:`~Aggregator.add` (:class:`AggregationRejected`), a decision that depends on the
+update alone, never on what arrived before it. The rounding error of the mean is at most
+2**-39 of that range: about 1e-10 for parameters of order one, under float32's own precision.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import ClassVar, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+TensorDict = dict[str, np.ndarray]
+
+#: the most total weight (sum of sample counts) a streaming round can hold
+MAX_TOTAL_WEIGHT = 2**24
+#: how far (in units of the reference's largest magnitude, at least 1) a coordinate may move
+CHANGE_RANGE = 2**6
+_INT64_HEADROOM = 62  # bits of the int64 accumulator used; one spare for the sign of the sum
+
+
+class AggregationRejected(ValueError):
+    """An update the rule cannot take; ``reason`` tags the rejection counter."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+class AggregationSpec(BaseModel):
+    """Which rule aggregates the shared parameters (a run config's ``aggregation:``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rule: Literal["mean", "clipped_mean", "median", "trimmed_mean", "multi_krum"] = Field(
+        "mean", description="mean (FedAvg), clipped_mean, or a robust rule: median, trimmed_mean, multi_krum")
+    clip_ratio: float = Field(1.0, gt=0, description="clipped_mean: largest change norm, relative to the reference's")
+    trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="trimmed_mean: share cut from each end per coordinate")
+    krum_byzantine: int = Field(1, ge=0, description="multi_krum: how many attackers to tolerate (f)")
+    krum_select: int | None = Field(None, ge=1, description="multi_krum: updates averaged (m); default n - f")
+
+    def build(self) -> Aggregator:
+        """A new aggregator for this spec."""
+        if self.rule == "mean":
+            return Mean()
+        if self.rule == "clipped_mean":
+            return NormClippedMean(self.clip_ratio)
+        if self.rule == "median":
+            return CoordinateMedian()
+        if self.rule == "trimmed_mean":
+            return TrimmedMean(self.trim_fraction)
+        return MultiKrum(self.krum_byzantine, self.krum_select)
+
+
+class Aggregator(ABC):
+    """One aggregation rule. ``begin`` -> ``add`` per accepted update -> ``result``."""
+
+    #: True when an update is folded in on arrival (memory O(model)); False when the
+    #: rule needs every update of the round at once
+    streaming: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self.reference_: TensorDict = {}
+        self.count_ = 0
+
+    def begin(self, reference: Mapping[str, np.ndarray]) -> None:
+        """Start a round whose tasks carried ``reference`` (the keys to aggregate)."""
+        self.reference_ = {k: np.asarray(v) for k, v in reference.items()}
+        self.count_ = 0
+
+    def add(self, params: Mapping[str, np.ndarray], weight: int = 1) -> None:
+        """Fold in one accepted update (same keys, shapes and dtypes as the reference)."""
+        if not self.reference_:
+            raise RuntimeError("begin() first")
+        if set(params) != set(self.reference_):
+            raise AggregationRejected("wrong_tensors", "update keys differ from the round's reference")
+        if not isinstance(weight, (int, np.integer)) or weight < 1:
+            raise AggregationRejected("malformed", f"weight must be a positive integer, got {weight!r}")
+        self._add(params, int(weight))
+        self.count_ += 1
+
+    @abstractmethod
+    def _add(self, params: Mapping[str, np.ndarray], weight: int) -> None: ...
+
+    @abstractmethod
+    def result(self) -> TensorDict:
+        """The aggregate of every update added since :meth:`begin` (at least one)."""
+
+    def _require_updates(self) -> None:
+        if self.count_ == 0:
+            raise RuntimeError("no update was added this round")
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.endswith("_") and not k.startswith("_"))
+        return f"{type(self).__name__}({params})"
+
+
+# --------------------------------------------------------------------------- exact streaming sums
+class _ExactSum:
+    """Sum of ``w * (x - reference)`` per coordinate, independent of the order of ``add``.
+
+    Each contribution is rounded to a grid of ``2**-bits`` times the reference's scale
+    and accumulated in int64; integer addition is associative, so any order gives the
+    same sum. Floating-point tensors only; integer tensors are averaged exactly as integers.
+    """
+
+    def __init__(self, reference: Mapping[str, np.ndarray]):
+        self.reference = reference
+        self.scale: dict[str, float] = {}
+        self.limit: dict[str, float] = {}
+        self.sums: dict[str, np.ndarray] = {}
+        for key, ref in reference.items():
+            if ref.dtype.kind == "f":
+                magnitude = float(np.max(np.abs(ref))) if ref.size else 0.0
+                span = CHANGE_RANGE * max(1.0, magnitude)  # the largest |x - reference| accepted
+                exponent = math.ceil(math.log2(span * MAX_TOTAL_WEIGHT))
+                self.scale[key] = 2.0 ** (_INT64_HEADROOM - exponent)
+                self.limit[key] = span
+            self.sums[key] = np.zeros(ref.shape, dtype=np.int64)
+        self.total_weight = 0
+
+    def check(self, params: Mapping[str, np.ndarray], weight: int) -> None:
+        """Raise :class:`AggregationRejected` if this update cannot be summed (it alone decides)."""
+        if self.total_weight + weight > MAX_TOTAL_WEIGHT:
+            raise AggregationRejected("malformed", f"round weight would exceed {MAX_TOTAL_WEIGHT}")
+        for key, ref in self.reference.items():
+            x = np.asarray(params[key])
+            if x.shape != ref.shape or x.dtype != ref.dtype:
+                raise AggregationRejected("wrong_shape", f"{key}: {x.dtype}{list(x.shape)}")
+            if ref.dtype.kind == "f":
+                if not np.isfinite(x).all():
+                    raise AggregationRejected("non_finite", f"{key} holds NaN or Inf")
+                change = float(np.max(np.abs(x.astype(np.float64) - ref))) if x.size else 0.0
+                if change > self.limit[key]:
+                    raise AggregationRejected(
+                        "out_of_range", f"{key} moves by {change:.3g}, more than {self.limit[key]:.3g}")
+
+    def add(self, params: Mapping[str, np.ndarray], weight: int, factor: float = 1.0) -> None:
+        """Fold ``weight * factor * (params - reference)`` in; call :meth:`check` first."""
+        for key, ref in self.reference.items():
+            x = np.asarray(params[key])
+            if ref.dtype.kind == "f":
+                change = (x.astype(np.float64) - ref.astype(np.float64)) * (weight * factor)
+                self.sums[key] += np.rint(change * self.scale[key]).astype(np.int64)
+            else:
+                self.sums[key] += weight * (x.astype(np.int64) - ref.astype(np.int64))
+        self.total_weight += weight
+
+    def mean(self) -> TensorDict:
+        out: TensorDict = {}
+        for key, ref in self.reference.items():
+            if ref.dtype.kind == "f":
+                change = self.sums[key].astype(np.float64) / (self.scale[key] * self.total_weight)
+                out[key] = (ref.astype(np.float64) + change).astype(ref.dtype)
+            else:
+                out[key] = (ref.astype(np.int64) + np.rint(self.sums[key] / self.total_weight)).astype(ref.dtype)
+        return out
+
+
+class Mean(Aggregator):
+    """Sample-weighted mean of the updates (FedAvg), folded in as they arrive."""
+
+    def begin(self, reference: Mapping[str, np.ndarray]) -> None:
+        super().begin(reference)
+        self.sum_ = _ExactSum(self.reference_)
+
+    def _add(self, params: Mapping[str, np.ndarray], weight: int) -> None:
+        self.sum_.check(params, weight)
+        self.sum_.add(params, weight)
+
+    def result(self) -> TensorDict:
+        self._require_updates()
+        return self.sum_.mean()
+
+
+class NormClippedMean(Aggregator):
+    """Weighted mean of the updates' changes, each clipped to ``clip_ratio`` times the
+    reference's norm (over all floating-point tensors together), added to the reference.
+
+    One update can then move the model by at most ``clip_ratio * ||reference||`` times its
+    share of the round's weight — a bound an attacker cannot talk its way past.
+    """
+
+    def __init__(self, clip_ratio: float = 1.0):
+        super().__init__()
+        self.clip_ratio = clip_ratio
+
+    def begin(self, reference: Mapping[str, np.ndarray]) -> None:
+        super().begin(reference)
+        self.sum_ = _ExactSum(self.reference_)
+        self.clipped_ = 0
+        self.bound_ = self.clip_ratio * _norm(self.reference_.values())
+
+    def _add(self, params: Mapping[str, np.ndarray], weight: int) -> None:
+        self.sum_.check(params, weight)
+        floats = [k for k, v in self.reference_.items() if v.dtype.kind == "f"]
+        change = _norm(np.asarray(params[k], np.float64) - self.reference_[k] for k in floats)
+        factor = 1.0 if change <= self.bound_ else self.bound_ / change
+        self.clipped_ += factor < 1.0
+        self.sum_.add(params, weight, factor)
+
+    def result(self) -> TensorDict:
+        self._require_updates()
+        return self.sum_.mean()
+
+
+def _norm(arrays) -> float:
+    return math.sqrt(sum(float(np.sum(np.square(np.asarray(a, np.float64)))) for a in arrays))
+
+
+# --------------------------------------------------------------------------- robust, buffered
+class _Buffered(Aggregator):
+    """A rule that needs every update at once: keeps them until :meth:`result`.
+
+    Updates are ordered by their content (a hash of the bytes) before the rule runs,
+    so the result does not depend on arrival order either.
+    """
+
+    streaming = False
+
+    def begin(self, reference: Mapping[str, np.ndarray]) -> None:
+        super().begin(reference)
+        self.updates_: list[tuple[bytes, TensorDict]] = []
+
+    def _add(self, params: Mapping[str, np.ndarray], weight: int) -> None:
+        import hashlib
+
+        checked = {}
+        for key, ref in self.reference_.items():
+            x = np.asarray(params[key])
+            if x.shape != ref.shape or x.dtype != ref.dtype:
+                raise AggregationRejected("wrong_shape", f"{key}: {x.dtype}{list(x.shape)}")
+            if x.dtype.kind == "f" and not np.isfinite(x).all():
+                raise AggregationRejected("non_finite", f"{key} holds NaN or Inf")
+            checked[key] = x
+        digest = hashlib.sha256(b"".join(np.ascontiguousarray(checked[k]).tobytes() for k in sorted(checked)))
+        self.updates_.append((digest.digest(), checked))
+
+    def _stacked(self, key: str) -> np.ndarray:
+        ordered = sorted(self.updates_, key=lambda item: item[0])
+        return np.stack([u[key].astype(np.float64) for _, u in ordered])
+
+    def _cast(self, key: str, value: np.ndarray) -> np.ndarray:
+        ref = self.reference_[key]
+        return (np.rint(value) if ref.dtype.kind in "iu" else value).astype(ref.dtype)
+
+
+class CoordinateMedian(_Buffered):
+    """The median of each coordinate over the round's updates (unweighted)."""
+
+    def result(self) -> TensorDict:
+        self._require_updates()
+        return {k: self._cast(k, np.median(self._stacked(k), axis=0)) for k in self.reference_}
+
+
+class TrimmedMean(_Buffered):
+    """Per coordinate, drop the ``trim_fraction`` largest and smallest values, average the rest."""
+
+    def __init__(self, trim_fraction: float = 0.2):
+        super().__init__()
+        self.trim_fraction = trim_fraction
+
+    def result(self) -> TensorDict:
+        self._require_updates()
+        n = self.count_
+        cut = min(int(math.floor(self.trim_fraction * n)), (n - 1) // 2)
+        out = {}
+        for key in self.reference_:
+            values = np.sort(self._stacked(key), axis=0)
+            out[key] = self._cast(key, values[cut:n - cut].mean(axis=0))
+        return out
+
+
+class MultiKrum(_Buffered):
+    """Multi-Krum (Blanchard et al., 2017): average the ``select`` updates whose summed
+    squared distance to their ``n - f - 2`` nearest neighbours is smallest."""
+
+    def __init__(self, byzantine: int = 1, select: int | None = None):
+        super().__init__()
+        self.byzantine = byzantine
+        self.select = select
+
+    def result(self) -> TensorDict:
+        self._require_updates()
+        keys = list(self.reference_)
+        flat = np.concatenate([self._stacked(k).reshape(self.count_, -1) for k in keys], axis=1)
+        n = self.count_
+        neighbours = max(1, n - self.byzantine - 2)
+        sq = np.einsum("ij,ij->i", flat, flat)
+        d2 = np.maximum(sq[:, None] + sq[None, :] - 2.0 * (flat @ flat.T), 0.0)  # n x n, never n x n x P
+        scores = np.array([np.sort(np.delete(d2[i], i))[:neighbours].sum() if n > 1 else 0.0 for i in range(n)])
+        m = self.select or max(1, n - self.byzantine)
+        chosen = np.argsort(scores, kind="stable")[: min(m, n)]
+        return {k: self._cast(k, self._stacked(k)[chosen].mean(axis=0)) for k in keys}
+
+
+__all__ = [
+    "CHANGE_RANGE", "MAX_TOTAL_WEIGHT", "AggregationRejected", "AggregationSpec", "Aggregator", "CoordinateMedian",
+    "Mean", "MultiKrum", "NormClippedMean", "TrimmedMean",
+]

@@ -1,0 +1,187 @@
+"""Aggregation rules: exact order independence for streaming rules, robustness for the
+robust ones, and refusal of updates no rule should average (the hostile-fleet attacks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgepfl.aggregation import (
+    AggregationRejected,
+    AggregationSpec,
+    CoordinateMedian,
+    Mean,
+    MultiKrum,
+    NormClippedMean,
+    TrimmedMean,
+)
+
+RULES = ["mean", "clipped_mean", "median", "trimmed_mean", "multi_krum"]
+
+
+def reference(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {
+        "encoder.conv.weight": rng.normal(0, 0.1, (8, 1, 3, 3)).astype(np.float32),
+        "encoder.bn.running_var": rng.uniform(0.5, 2.0, 8).astype(np.float32),
+        "head.bias": np.zeros(10, np.float32),
+        # float64 keeps the last bits that a float32 cast would round away: an
+        # order-dependent float sum shows up here
+        "head.scale": rng.normal(0, 1.0, 64),
+    }
+
+
+def honest(ref, rng, n: int, spread: float = 0.01) -> list[dict[str, np.ndarray]]:
+    return [{k: (v + rng.normal(0, spread, v.shape)).astype(v.dtype) for k, v in ref.items()} for _ in range(n)]
+
+
+def aggregate(rule, ref, updates, weights):
+    rule.begin(ref)
+    for u, w in zip(updates, weights):
+        rule.add(u, w)
+    return rule.result()
+
+
+@pytest.mark.parametrize("name", RULES)
+def test_twenty_five_arrival_orders_give_identical_bits(name):
+    rng = np.random.default_rng(1)
+    ref = reference(rng)
+    updates = honest(ref, rng, 12, spread=0.05)
+    weights = rng.integers(1, 5000, len(updates)).tolist()
+    want = aggregate(AggregationSpec(rule=name).build(), ref, updates, weights)
+    for seed in range(25):
+        order = np.random.default_rng(seed).permutation(len(updates))
+        got = aggregate(AggregationSpec(rule=name).build(), ref, [updates[i] for i in order],
+                        [weights[i] for i in order])
+        for key in ref:
+            assert got[key].tobytes() == want[key].tobytes(), (name, seed, key)
+            assert got[key].dtype == ref[key].dtype
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 9), scale=st.floats(1e-4, 10.0))
+def test_the_mean_is_exact_to_float32_and_order_free(seed, n, scale):
+    rng = np.random.default_rng(seed)
+    ref = {k: (v * scale).astype(np.float32) for k, v in reference(rng).items()}
+    updates = honest(ref, rng, n, spread=0.3 * scale)
+    weights = rng.integers(1, 60_000, n).tolist()
+    got = aggregate(Mean(), ref, updates, weights)
+    back = aggregate(Mean(), ref, updates[::-1], weights[::-1])
+    w = np.asarray(weights, np.float64) / sum(weights)
+    for key in ref:
+        want = sum(wi * u[key].astype(np.float64) for wi, u in zip(w, updates))
+        # float32 tensors to their own precision; float64 ones to the fixed-point grid (~1e-10)
+        np.testing.assert_allclose(got[key], want, rtol=2e-7, atol=1e-9 * max(1.0, 5 * scale))
+        assert got[key].tobytes() == back[key].tobytes()
+
+
+def test_mean_of_identical_updates_is_that_update():
+    rng = np.random.default_rng(2)
+    ref = reference(rng)
+    update = honest(ref, rng, 1)[0]
+    got = aggregate(Mean(), ref, [update] * 5, [3, 1, 4, 1, 5])
+    for key in ref:
+        if ref[key].dtype == np.float32:
+            np.testing.assert_array_equal(got[key], update[key])
+        else:
+            np.testing.assert_allclose(got[key], update[key], rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("attack", ["scaled_1e6", "nan", "inf"])
+def test_an_update_no_rule_should_average_is_refused_with_a_reason(attack):
+    rng = np.random.default_rng(3)
+    ref = reference(rng)
+    bad = honest(ref, rng, 1)[0]
+    if attack == "scaled_1e6":
+        bad = {k: v * 1e6 for k, v in bad.items()}
+        reason = "out_of_range"
+    else:
+        bad["head.bias"][0] = np.nan if attack == "nan" else np.inf
+        reason = "non_finite"
+    for name in RULES:
+        rule = AggregationSpec(rule=name).build()
+        rule.begin(ref)
+        if name in ("median", "trimmed_mean", "multi_krum") and attack == "scaled_1e6":
+            rule.add(bad, 1)  # robust rules take it in and out-vote it (see the robustness test)
+            continue
+        with pytest.raises(AggregationRejected) as err:
+            rule.add(bad, 1)
+        assert err.value.reason == reason
+        rule.add(honest(ref, rng, 1)[0], 1)  # and the round goes on
+        assert all(np.isfinite(v).all() for v in rule.result().values())
+
+
+def test_weights_must_be_positive_integers_and_bounded():
+    rng = np.random.default_rng(4)
+    ref = reference(rng)
+    rule = Mean()
+    rule.begin(ref)
+    for weight in (0, -3, 2.5, 10**300):
+        with pytest.raises(AggregationRejected):
+            rule.add(honest(ref, rng, 1)[0], weight)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["clipped_mean", "median", "trimmed_mean", "multi_krum"])
+@pytest.mark.parametrize("attack", ["sign_flip_x10", "random"])
+def test_two_attackers_of_eight_barely_move_a_robust_rule(name, attack):
+    rng = np.random.default_rng(5)
+    ref = reference(rng)
+    good = honest(ref, rng, 6, spread=0.01)
+    target = aggregate(Mean(), ref, good, [1] * 6)
+    if attack == "sign_flip_x10":
+        bad = [{k: (ref[k] - 10 * (target[k] - ref[k]) - 0.5).astype(ref[k].dtype) for k in ref} for _ in range(2)]
+    else:
+        bad = [{k: rng.normal(0, 3, v.shape).astype(v.dtype) for k, v in ref.items()} for _ in range(2)]
+    spec = AggregationSpec(rule=name, clip_ratio=0.05, trim_fraction=0.25, krum_byzantine=2)  # sized for f = 2
+    robust = aggregate(spec.build(), ref, good + bad, [1] * 8)
+    plain = aggregate(Mean(), ref, good + bad, [1] * 8)
+    err_robust = sum(float(np.abs(robust[k] - target[k]).max()) for k in ref)
+    err_plain = sum(float(np.abs(plain[k] - target[k]).max()) for k in ref)
+    assert err_robust < 0.25 * err_plain, (err_robust, err_plain)
+
+
+def test_clipped_mean_equals_mean_when_nothing_is_clipped_and_bounds_one_update():
+    rng = np.random.default_rng(6)
+    ref = reference(rng)
+    updates = honest(ref, rng, 4, spread=1e-3)
+    loose = NormClippedMean(clip_ratio=100.0)
+    got = aggregate(loose, ref, updates, [5, 6, 7, 8])
+    want = aggregate(Mean(), ref, updates, [5, 6, 7, 8])
+    assert loose.clipped_ == 0
+    for key in ref:
+        assert got[key].tobytes() == want[key].tobytes()
+    huge = {k: (v + 50.0).astype(v.dtype) for k, v in ref.items()}
+    tight = NormClippedMean(clip_ratio=0.1)
+    out = aggregate(tight, ref, [huge], [1])
+    moved = np.sqrt(sum(float(np.sum((out[k].astype(np.float64) - ref[k]) ** 2)) for k in ref))
+    bound = 0.1 * np.sqrt(sum(float(np.sum(ref[k].astype(np.float64) ** 2)) for k in ref))
+    assert tight.clipped_ == 1 and moved == pytest.approx(bound, rel=1e-5)
+
+
+def test_trimmed_mean_without_trimming_is_the_plain_mean_and_median_of_three_is_the_middle():
+    rng = np.random.default_rng(7)
+    ref = reference(rng)
+    updates = honest(ref, rng, 5)
+    got = aggregate(TrimmedMean(0.0), ref, updates, [1] * 5)
+    for key in ref:
+        np.testing.assert_allclose(got[key], np.mean([u[key].astype(np.float64) for u in updates], axis=0), rtol=1e-6)
+    a, b, c = ({k: np.full_like(v, x) for k, v in ref.items()} for x in (1.0, 2.0, 7.0))
+    med = aggregate(CoordinateMedian(), ref, [c, a, b], [1, 1, 1])
+    assert all((v == 2.0).all() for v in med.values())
+
+
+def test_multi_krum_drops_the_outlier():
+    rng = np.random.default_rng(8)
+    ref = reference(rng)
+    good = honest(ref, rng, 5, spread=0.01)
+    outlier = {k: (v + 5.0).astype(v.dtype) for k, v in ref.items()}
+    got = aggregate(MultiKrum(byzantine=1, select=4), ref, good + [outlier], [1] * 6)
+    assert all(float(np.abs(got[k] - ref[k]).max()) < 0.1 for k in ref)
+
+
+def test_result_without_updates_is_an_error_not_a_silent_reference():
+    rule = Mean()
+    rule.begin(reference(np.random.default_rng(9)))
+    with pytest.raises(RuntimeError):
+        rule.result()
