@@ -27,7 +27,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,6 +37,9 @@ from edgepfl.export.heads import META_ENCODER_SHA, OnnxHead, head_to_onnx
 from edgepfl.export.predict import OnnxEncoder
 from edgepfl.heads import OFFLINE_HEAD_KIND, HeadRelease
 from edgepfl.methods import create_method
+
+if TYPE_CHECKING:  # pragma: no cover
+    from edgepfl.heads.estimators import HeadEstimator
 
 log = logging.getLogger("edgepfl.agent.head")
 
@@ -190,7 +193,7 @@ class HeadRuntime:
                  metrics["accuracy"], correct, self.data.num_test, fit_seconds)
         return dict(metrics)
 
-    def new_head(self, release: HeadRelease):
+    def new_head(self, release: HeadRelease) -> HeadEstimator:
         """The unfitted head this device fits on an encoder ``release``, from the release's method.
 
         Raises ``ValueError`` (or ``KeyError`` for an unknown method) when the method
@@ -227,7 +230,7 @@ class HeadRuntime:
         try:
             head.fit(f_train, self.data.y_train)
             data = head_to_onnx(head, f_train.shape[1], metadata={META_ENCODER_SHA: encoder_sha})
-        except ValueError as exc:
+        except (ValueError, ImportError) as exc:  # ImportError: a method's own head needs torch
             raise refuse(f"cannot fit a {self.head_kind} head on local data: {exc}") from None
         return data, self.head_kind
 

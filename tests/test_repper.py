@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from edgepfl.config import ModelSpec, TrainConfig
 from edgepfl.data.client import ClientTensors
+from edgepfl.heads import LRHead, MLPHead, SVMHead
 from edgepfl.methods import create_method
 from edgepfl.methods.base import LocalContext, load_tensors
-from edgepfl.heads import LRHead, MLPHead, SVMHead
 from edgepfl.methods.repper import RepPerHead, augment
 
 C = 4

@@ -83,5 +83,6 @@ def create_method(name: str, options: dict | None = None) -> Method:
 
 __all__ = [
     "ClientUpdate", "EvalResult", "LocalContext", "LocalResult", "Method", "MethodConfig", "ServerState",
-    "TensorDict", "UpdateRejected", "available_head_kinds", "available_methods", "create_method", "get_method", "register",
+    "TensorDict", "UpdateRejected", "available_head_kinds", "available_methods", "create_method", "get_method",
+    "register",
 ]
