@@ -5,7 +5,7 @@ random init, on 3x64x64) this script
 
 1. builds the encoder with :func:`edgepfl.models.build_encoder`, in eval mode;
 2. exports it with :func:`edgepfl.export.onnx_export.encoder_to_onnx` (the exporter ``edgepfl
-   export`` uses), fits an ``lr`` head (:func:`edgepfl.export.heads.make_head`) on its features
+   export`` uses), fits an ``lr`` head (:class:`edgepfl.heads.LRHead`) on its features
    of real images, exports the head (skl2onnx) and fuses both with :func:`edgepfl.export.heads.fuse`;
 3. builds the *same* computation in torch: encoder -> L2 normalize -> Linear with the
    head's ``coef_`` / ``intercept_`` -> softmax, and checks both agree (max abs diff of
@@ -84,8 +84,9 @@ def build(arch: str, tmp: Path, fit_samples: int = 512):
 
     from edgepfl.config import DataSpec, ModelSpec
     from edgepfl.data import load_client_data
-    from edgepfl.export.heads import fuse, head_to_onnx, make_head
+    from edgepfl.export.heads import fuse, head_to_onnx
     from edgepfl.export.onnx_export import encoder_to_onnx
+    from edgepfl.heads import LRHead
     from edgepfl.models import build_encoder
 
     torch.manual_seed(0)
@@ -98,7 +99,7 @@ def build(arch: str, tmp: Path, fit_samples: int = 512):
     enc_path.write_bytes(encoder_to_onnx(encoder, shape))
     with torch.no_grad():
         feats = encoder(torch.from_numpy(x)).numpy()
-    head = make_head("lr").fit(feats, y)
+    head = LRHead().fit(feats, y)
     head_path = tmp / f"{arch}-head.onnx"
     head_to_onnx(head, feats.shape[1], head_path)
     fused_path = tmp / f"{arch}-fused.onnx"

@@ -135,8 +135,12 @@ BREAKDOWN = textwrap.dedent(r"""
     step("open ONNX encoder session")
     f_train, f_test = encoder.features(data.x_train), encoder.features(data.x_test)
     step("features of train + test (OnnxEncoder default batch)")
-    from edgepfl.export.heads import OnnxHead, head_to_onnx, make_head
-    head = make_head(head_kind).fit(f_train, data.y_train)
+    from edgepfl.export.heads import OnnxHead, head_to_onnx
+    from edgepfl.heads import HeadRelease
+    from edgepfl.methods import create_method
+    release = HeadRelease.from_manifest(manifest)
+    head = create_method(release.method, release.method_options).make_head(head_kind, release)
+    head.fit(f_train, data.y_train)
     step(f"fit {head_kind} head (sklearn)")
     onnx_bytes = head_to_onnx(head, f_train.shape[1])
     step("export head with skl2onnx")
@@ -230,6 +234,8 @@ def breakdown(release: Path, data_spec: dict, head: str) -> list[dict]:
 
 
 def main() -> None:
+    from edgepfl.heads import GENERIC_HEAD_KINDS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--export", default=None, help="an existing release dir (default: train FedAvg briefly)")
     parser.add_argument("--rounds", type=int, default=3, help="FedAvg rounds for the release when --export is absent")
@@ -268,7 +274,7 @@ def main() -> None:
             paths["pooled FMNIST (simulation)"] = {"dataset": "fmnist", "num_clients": NUM_CLIENTS, "seed": 0,
                                                    "_client": DEVICE_CLIENT}
         for label, spec in paths.items():
-            for head in ("svm", "lr", "mlp"):
+            for head in GENERIC_HEAD_KINDS:
                 row = measure(release, spec, work / f"state-{head}-{len(result['runs'])}", head)
                 row.update(data_path=label, head=head)
                 result["runs"].append(row)

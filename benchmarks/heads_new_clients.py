@@ -38,7 +38,6 @@ sys.path.insert(0, str(ROOT))  # run from a checkout: `python benchmarks/<script
 RESULTS = ROOT / "benchmarks" / "results"
 
 METHODS = ["fedavg", "repper", "dualfed", "fedpick", "fedpac", "fedrir", "fedper", "fedrep"]
-SKLEARN_HEADS = ("svm", "lr", "mlp")
 
 
 def run_config(method: str, args) -> RunConfig:  # noqa: F821
@@ -101,9 +100,10 @@ def heads_on_new_clients(config, export: Path, trainers: int, new: int) -> list[
     from edgepfl.data import load_client_data
     from edgepfl.export.fit_head import Dataset, fit_head
     from edgepfl.export.predict import OnnxEncoder
+    from edgepfl.methods import get_method
 
     encoder = OnnxEncoder.from_dir(export, threads=1)
-    kinds = list(SKLEARN_HEADS) + [k for k in encoder.manifest.get("head_kinds", []) if k in ("dualfed", "fedpick")]
+    kinds = get_method(encoder.manifest["method"]).head_kinds  # the generic heads and the method's own
     rows = []
     for index in range(trainers, trainers + new):
         d = load_client_data(config.data, index)

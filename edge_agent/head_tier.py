@@ -7,14 +7,17 @@ it receives, :class:`HeadRuntime`:
    onnxruntime and checks its input shape against the local data — a mismatched or
    corrupt release is refused with a logged error and the current one stays in use;
 2. computes features of the local train and held-out images;
-3. fits its head (sklearn: ``svm``, ``lr``, ``mlp``) — or loads a head fitted offline
-   for exactly this encoder (``head.offline.onnx`` in the state directory; head kind
-   ``onnx`` requires one);
+3. fits its head — built by the release's method (:meth:`edgepfl.methods.Method.make_head`),
+   so a device gets exactly the estimator the method itself uses, and refused when the
+   method offers no head of that kind — or loads a head fitted offline for exactly this
+   encoder (``head.offline.onnx`` in the state directory; head kind ``onnx`` requires one);
 4. evaluates on the held-out split, keeps encoder + head on disk (atomic writes, files
    named by content so a crash never mixes two releases) and serves predictions.
 
 Only numpy, onnxruntime and scikit-learn are imported here (and skl2onnx to save a
-fitted sklearn head); a test asserts torch never is.
+fitted head); a test asserts torch never is. A method's own head (``dualfed``,
+``fedpick``) is trained with torch and around the federation's global heads, which a
+release over MQTT does not carry: a device fits those offline (``edgepfl fit-head``).
 """
 
 from __future__ import annotations
@@ -24,14 +27,19 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edgepfl.atomic import write_bytes, write_json
 from edgepfl.data.client import ClientData
-from edgepfl.export.heads import META_ENCODER_SHA, OnnxHead, head_to_onnx, make_head
+from edgepfl.export.heads import META_ENCODER_SHA, OnnxHead, head_to_onnx
 from edgepfl.export.predict import OnnxEncoder
+from edgepfl.heads import OFFLINE_HEAD_KIND, HeadRelease
+from edgepfl.methods import create_method
+
+if TYPE_CHECKING:  # pragma: no cover
+    from edgepfl.heads.estimators import HeadEstimator
 
 log = logging.getLogger("edgepfl.agent.head")
 
@@ -46,10 +54,11 @@ class ReleaseRefused(ValueError):
 class HeadRuntime:
     """Encoder release -> features -> personal head -> metrics and predictions, torch-free.
 
-    ``head_kind``: ``"svm"``, ``"lr"``, ``"mlp"`` (fitted on device, unless a matching
-    offline head is present) or ``"onnx"`` (only an offline head, e.g. DualFed / FedPick
-    heads fitted with ``edgepfl fit-head``). ``data``: the device's own images, normalized
-    as the federation's (the manifest's preprocessing).
+    ``head_kind``: a kind of the release's method's ``head_kinds`` (fitted on device with
+    ``head_params`` overriding the method's parameters, unless a matching offline head is
+    present) or ``"onnx"`` (only an offline head, e.g. DualFed / FedPick heads fitted with
+    ``edgepfl fit-head``). ``data``: the device's own images, normalized as the
+    federation's (the manifest's preprocessing).
     """
 
     def __init__(self, state_dir: str | Path, head_kind: str, data: ClientData, *, threads: int | None = None,
@@ -147,7 +156,7 @@ class HeadRuntime:
             raise refuse("encoder produced NaN or Inf features on local data")
 
         start = time.perf_counter()
-        head_bytes, head_name = self._head_for(digest, f_train, refuse)
+        head_bytes, head_name = self._head_for(manifest, digest, f_train, refuse)
         head_path = self.state_dir / f"head-{digest[:16]}.onnx"
         write_bytes(head_path, head_bytes)
         head = OnnxHead(head_path, self.threads).fit()
@@ -184,7 +193,17 @@ class HeadRuntime:
                  metrics["accuracy"], correct, self.data.num_test, fit_seconds)
         return dict(metrics)
 
-    def _head_for(self, encoder_sha: str, f_train: np.ndarray, refuse) -> tuple[bytes, str]:
+    def new_head(self, release: HeadRelease) -> HeadEstimator:
+        """The unfitted head this device fits on an encoder ``release``, from the release's method.
+
+        Raises ``ValueError`` (or ``KeyError`` for an unknown method) when the method
+        offers no head of this device's kind or cannot build it here.
+        """
+        method = create_method(release.method, release.method_options)
+        return method.make_head(self.head_kind, release, **self.head_params)
+
+    def _head_for(self, manifest: dict[str, Any], encoder_sha: str, f_train: np.ndarray,
+                  refuse) -> tuple[bytes, str]:
         """(ONNX bytes, kind) of the head for this encoder: the offline one if it matches, else fitted."""
         offline = self.state_dir / OFFLINE_HEAD
         if offline.is_file():
@@ -198,13 +217,20 @@ class HeadRuntime:
                     return offline.read_bytes(), cand.head_kind_
                 log.warning("%s was fitted for another encoder (%s); not used", offline,
                             (cand.encoder_sha256_ or "unknown")[:12])
-        if self.head_kind == "onnx":
-            raise refuse(f"head kind 'onnx' needs {offline} fitted for encoder {encoder_sha[:12]} "
+        if self.head_kind == OFFLINE_HEAD_KIND:
+            raise refuse(f"head kind {OFFLINE_HEAD_KIND!r} needs {offline} fitted for encoder {encoder_sha[:12]} "
                          "(edgepfl fit-head --encoder … --out head.onnx)")
+        release = HeadRelease.from_manifest(manifest)
         try:
-            head = make_head(self.head_kind, **self.head_params).fit(f_train, self.data.y_train)
+            head = self.new_head(release)
+        except KeyError as exc:  # a method this installation does not know
+            raise refuse(f"no {self.head_kind} head for this release: {exc.args[0]}") from None
+        except (ValueError, ImportError) as exc:  # not offered, bad options, or it needs torch
+            raise refuse(f"no {self.head_kind} head for this {release.method} release: {exc}") from None
+        try:
+            head.fit(f_train, self.data.y_train)
             data = head_to_onnx(head, f_train.shape[1], metadata={META_ENCODER_SHA: encoder_sha})
-        except ValueError as exc:
+        except (ValueError, ImportError) as exc:  # ImportError: a method's own head needs torch
             raise refuse(f"cannot fit a {self.head_kind} head on local data: {exc}") from None
         return data, self.head_kind
 

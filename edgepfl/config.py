@@ -13,7 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .methods import get_method
+from .heads import OFFLINE_HEAD_KIND
+from .methods import Method, available_head_kinds, get_method
 from .protocol.topics import check_segment
 from .specs import BrokerConfig, DataSpec, ModelSpec, PartitionSpec, TrainConfig, _Strict
 
@@ -97,7 +98,21 @@ class AgentConfig(_Strict):
     state_dir: str = "agent-state"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: int | None = Field(None, ge=1, description="torch intra-op threads")
-    head: Literal["svm", "lr", "mlp", "onnx"] = Field("lr", description="head tier: which head to fit on device")
+    head: str = Field("lr", description="head tier: a head kind the releases' method offers (its head_kinds), "
+                                        f"fitted on device, or {OFFLINE_HEAD_KIND!r}: only a head fitted offline")
+
+    @field_validator("head")
+    @classmethod
+    def _known_head(cls, head: str) -> str:
+        # the base kinds are offered by every method that keeps Method's default (FedAvg
+        # does), so they need no look-up; the registry imports every method module, which
+        # imports torch where it is installed — a head-tier device should not pay that
+        if head == OFFLINE_HEAD_KIND or head in Method.head_kinds:
+            return head
+        kinds = available_head_kinds()
+        if head not in kinds:
+            raise ValueError(f"unknown head kind {head!r}; choose from {', '.join([*kinds, OFFLINE_HEAD_KIND])}")
+        return head
 
     @model_validator(mode="after")
     def _check(self) -> AgentConfig:

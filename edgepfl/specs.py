@@ -19,7 +19,10 @@ class _Strict(BaseModel):
 class ModelSpec(_Strict):
     """Which network to build. Weights are only ever read from a local file."""
 
-    arch: Literal["cnn", "mlp", "resnet18", "mobilenet_v3_small"] = "cnn"
+    arch: Literal["cnn", "mlp", "resnet18", "mobilenet_v3_small", "identity"] = Field(
+        "cnn", description="'identity': inputs already are feature vectors, the encoder only flattens them "
+                           "(how a method's head is fitted on an exported encoder's features)"
+    )
     feature_dim: int = Field(128, ge=2, description="encoder output size (cnn / mlp)")
     norm: Literal["batch", "none"] = "batch"
     weights: str | None = Field(None, description="local state_dict file for resnet18 / mobilenet_v3_small")

@@ -63,9 +63,11 @@ def write_image_folder(root: Path, pixels, labels, class_names) -> None:
 
 
 def main() -> int:
+    from edgepfl.heads import GENERIC_HEAD_KINDS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--method", default="dualfed")
-    parser.add_argument("--head", default="svm", choices=["svm", "lr", "mlp"])
+    parser.add_argument("--head", default="svm", choices=GENERIC_HEAD_KINDS, help="the generic head to fit")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default="runs/offline-new-client")
     ns = parser.parse_args()
@@ -100,7 +102,7 @@ def main() -> int:
     print(f"\n3. new client: {len(labels)} images never seen in training, written to {photos}/<class>/*.png")
 
     encoder = str(release / "encoder.onnx")
-    heads = [ns.head] + [k for k in manifest["head_kinds"] if k not in ("svm", "lr", "mlp")]
+    heads = [ns.head] + [k for k in manifest["head_kinds"] if k not in GENERIC_HEAD_KINDS]  # and the method's own
     for kind in heads:
         cli("fit-head", "--encoder", encoder, "--data", str(photos), "--head", kind,
             "--out", str(out / f"head-{kind}.onnx"), "--fused", str(out / f"device-{kind}.onnx"))

@@ -2,8 +2,9 @@
 
 * :mod:`edgepfl.export.onnx_export` — :func:`export_run`: a run's encoder -> ``encoder.onnx`` +
   ``manifest.json`` (+ ``global_heads.safetensors``); needs torch.
-* :mod:`edgepfl.export.heads` — heads as scikit-learn estimators (SVM, LR, MLP, DualFed, FedPick),
-  their ONNX export, :class:`~edgepfl.export.heads.OnnxHead` and :func:`~edgepfl.export.heads.fuse`.
+* :mod:`edgepfl.export.heads` — fitted heads to ONNX (:func:`~edgepfl.export.heads.head_to_onnx`),
+  :class:`~edgepfl.export.heads.OnnxHead` and :func:`~edgepfl.export.heads.fuse`. The heads
+  themselves are :mod:`edgepfl.heads` (generic) and their methods' (``Method.make_head``).
 * :mod:`edgepfl.export.fit_head` / :mod:`edgepfl.export.predict` — ``edgepfl fit-head`` and ``edgepfl predict``.
 * :mod:`edgepfl.export.quantize` — int8 / fp16 encoder variants and their accuracy change.
 
@@ -18,7 +19,7 @@ import importlib
 _LAZY = {
     "export_run": "onnx_export", "export_state": "onnx_export", "load_run": "onnx_export",
     "read_release": "onnx_export", "ExportError": "onnx_export",
-    "make_head": "heads", "head_to_onnx": "heads", "fuse": "heads", "OnnxHead": "heads", "HEAD_KINDS": "heads",
+    "head_to_onnx": "heads", "fuse": "heads", "OnnxHead": "heads", "make_session": "heads",
     "OnnxEncoder": "predict", "main_predict": "predict", "main_fit_head": "fit_head",
     "quantize_encoder": "quantize", "accuracy_change": "quantize",
 }

@@ -7,9 +7,11 @@
 ``--data`` is an image folder (``DIR/<class>/*.png``; or ``DIR/train/<class>/…`` and
 ``DIR/test/<class>/…`` for an explicit split) or a ``.npz`` with arrays ``x`` (raw pixels)
 and ``y`` (labels), optionally ``class_names``. The encoder's manifest says how to
-preprocess. Class folders named like the federation's classes keep the federation's
-label indices; other names make a new task, which only the sklearn heads (svm, lr,
-mlp) can learn. ``dualfed`` / ``fedpick`` heads need the release's
+preprocess. ``--head`` is a kind the release's method offers (its ``head_kinds``): the
+method builds the head, with its own parameters where it has them (RepPer's ``head_*``
+options). Class folders named like the federation's classes keep the federation's
+label indices; other names make a new task, which only the generic heads (lr, svm,
+mlp) can learn. A method's own head (``dualfed``, ``fedpick``) needs the release's
 ``global_heads.safetensors`` next to the encoder and torch installed.
 
 Prints train and validation accuracy; writes ``head.onnx`` (and ``--fused`` an
@@ -29,7 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from .heads import HEAD_KINDS, META_ENCODER_SHA, fuse, head_class, head_to_onnx
+from edgepfl.heads import HeadRelease
+from edgepfl.methods import available_head_kinds, create_method
+
+from .heads import META_ENCODER_SHA, fuse, head_to_onnx
 from .predict import META_CLASS_NAMES, OnnxEncoder
 
 
@@ -99,17 +104,16 @@ def _split(y: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.nd
 
 def fit_head(encoder: OnnxEncoder, data: Dataset, kind: str, *, export_dir: str | Path | None = None,
              params: dict[str, Any] | None = None):
-    """Fit a head of ``kind`` on the encoder's features of ``data``; returns (head, report)."""
-    params = dict(params or {})
-    manifest = encoder.manifest
-    allowed = manifest.get("head_kinds")
-    if allowed and kind not in allowed:
-        raise ValueError(f"head {kind!r} does not fit a {manifest.get('method')} encoder; choose from {allowed}")
-    cls = head_class(kind)
-    if cls.federation_classes_only and not data.federation_classes:
+    """Fit a head of ``kind`` on the encoder's features of ``data``; returns (head, report).
+
+    The head is the release's method's (:meth:`edgepfl.methods.Method.make_head`);
+    ``export_dir`` holds the release's files, ``params`` override the head's parameters.
+    """
+    release = HeadRelease.from_manifest(encoder.manifest, export_dir or ".")
+    head = create_method(release.method, release.method_options).make_head(kind, release, **(params or {}))
+    if head.federation_classes_only and not data.federation_classes:
         raise ValueError(f"a {kind} head predicts the federation's classes {encoder.class_names}; "
                          f"the data's classes {data.class_names} are not among them")
-    head = cls.for_release(manifest, export_dir or ".", **params)
     f_train = encoder.features(data.x_train)
     f_val = encoder.features(data.x_val)
     start = time.perf_counter()
@@ -131,7 +135,8 @@ def main_fit_head(args: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="edgepfl fit-head", description=__doc__.split("\n\n")[0])
     parser.add_argument("--encoder", required=True, help="encoder.onnx from edgepfl export (manifest.json beside it)")
     parser.add_argument("--data", required=True, help="image folder or .npz of the new client")
-    parser.add_argument("--head", required=True, choices=HEAD_KINDS)
+    parser.add_argument("--head", required=True, choices=available_head_kinds(),
+                        help="a head kind of the encoder's method (edgepfl methods; the manifest's head_kinds)")
     parser.add_argument("--out", required=True, help="where to write the head .onnx")
     parser.add_argument("--fused", default=None, help="also write encoder+head as one .onnx here")
     parser.add_argument("--val-fraction", type=float, default=0.25, help="held-out share when DIR has no train/test")

@@ -104,14 +104,18 @@ def accuracy_change(export_dir: str | Path, data, *, head: str = "lr",
     """
     import json
 
-    from .heads import make_head
+    from edgepfl.heads import HeadRelease
+    from edgepfl.methods import create_method
+
     from .predict import OnnxEncoder
 
     export_dir = Path(export_dir)
     manifest = json.loads((export_dir / "manifest.json").read_text())
     base = OnnxEncoder.from_dir(export_dir)
     f_train, f_test = base.features(data.x_train), base.features(data.x_test)
-    fitted = make_head(head).fit(f_train, data.y_train)
+    release = HeadRelease.from_manifest(manifest, export_dir)
+    method = create_method(release.method, release.method_options)
+    fitted = method.make_head(head, release).fit(f_train, data.y_train)
     acc = float((fitted.predict(f_test) == data.y_test).mean())
     report: dict[str, Any] = {"fp32": {"accuracy": acc, "bytes": manifest["encoder"]["bytes"]}}
     for kind, entry in manifest.get("variants", {}).items():

@@ -139,6 +139,16 @@ def test_offline_head_is_used_for_its_encoder_only(releases, data, tmp_path, cap
     assert _install(rt2, releases[1])["head"] == "dualfed"
 
 
+def test_a_head_kind_the_releases_method_does_not_offer_is_refused(releases, data, tmp_path, caplog):
+    """A 'dualfed' device: a FedAvg release has no such head; a DualFed one over MQTT lacks its global heads."""
+    rt = HeadRuntime(tmp_path / "state", "dualfed", data)
+    line = _refused(rt, caplog, *_release_args(releases[0]), "no dualfed head")
+    assert "does not fit a fedavg encoder" in line
+    line = _refused(rt, caplog, *_release_args(releases[1]), "no dualfed head")
+    assert "needs the federation's global heads" in line
+    assert rt.release_id is None and not (tmp_path / "state" / "release.json").exists()
+
+
 def _release_args(release_dir):
     manifest, artifact = read_release(release_dir)
     return manifest, artifact, manifest["sha256"]

@@ -1,4 +1,7 @@
-"""Heads: sklearn estimator contract, ONNX parity for every kind, fusion, fit-head / predict CLI."""
+"""Heads on real releases: sklearn estimator contract, ONNX parity for every kind, fusion, fit-head / predict CLI.
+
+Heads are obtained as a device obtains them: from the release's method (``Method.make_head``).
+"""
 
 from __future__ import annotations
 
@@ -10,13 +13,16 @@ from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 
 from edgepfl.export.fit_head import main_fit_head
-from edgepfl.export.heads import HEAD_KINDS, SKLEARN_HEADS, OnnxHead, fuse, head_to_onnx, make_head, make_session
+from edgepfl.export.heads import OnnxHead, fuse, head_to_onnx, make_session
 from edgepfl.export.predict import OnnxEncoder, main_predict
+from edgepfl.heads import GENERIC_HEAD_KINDS, HeadRelease
+from edgepfl.methods import create_method
 
 from export_fixtures import NEW_CLIENT, TRAIN_CLIENTS, client_data, client_pixels, export_dir
 
 # the method whose release a head kind belongs to
 RELEASE_OF = {"svm": "fedavg", "lr": "fedavg", "mlp": "fedavg", "dualfed": "dualfed", "fedpick": "fedpick"}
+HEAD_KINDS = tuple(RELEASE_OF)
 
 
 @pytest.fixture(scope="module")
@@ -41,19 +47,17 @@ def _features(release, index):
     return enc, enc.features(d.x_train), d.y_train, enc.features(d.x_test), d.y_test
 
 
-def _head_params(release, kind):
-    from edgepfl.export.heads import head_class
-
-    manifest = json.loads((release / "manifest.json").read_text())
-    return head_class(kind).for_release(manifest, release).get_params()
+def make_head(release, kind, **params):
+    """A new head of ``kind`` for an exported ``release``, from the release's method."""
+    hr = HeadRelease.from_manifest(json.loads((release / "manifest.json").read_text()), release)
+    return create_method(hr.method, hr.method_options).make_head(kind, hr, **params)
 
 
 # --------------------------------------------------------------------------- estimator contract
 @pytest.mark.parametrize("kind", HEAD_KINDS)
 def test_sklearn_estimator_contract(kind, releases):
     release = releases[RELEASE_OF[kind]]
-    params = _head_params(release, kind) if kind not in SKLEARN_HEADS else {}
-    head = make_head(kind, **params)
+    head = make_head(release, kind)
     # clone() and get_params/set_params round-trip: nothing is done in __init__
     twin = clone(head)
     assert twin.get_params() == head.get_params()
@@ -76,23 +80,22 @@ def test_sklearn_estimator_contract(kind, releases):
         clone(head).predict(f_te)
 
 
-def test_unknown_head_kind():
-    with pytest.raises(ValueError, match="unknown head kind"):
-        make_head("knn")
+def test_unknown_head_kind(releases):
+    with pytest.raises(ValueError, match="does not fit a fedavg encoder"):
+        make_head(releases["fedavg"], "knn")
 
 
-def test_single_class_data_is_refused_clearly():
+def test_single_class_data_is_refused_clearly(releases):
     with pytest.raises(ValueError, match="at least 2 classes"):
-        make_head("lr").fit(np.random.rand(5, 4).astype(np.float32), np.zeros(5, int))
+        make_head(releases["fedavg"], "lr").fit(np.random.rand(5, 4).astype(np.float32), np.zeros(5, int))
 
 
 # --------------------------------------------------------------------------- ONNX parity
 @pytest.mark.parametrize("kind", HEAD_KINDS)
 def test_head_onnx_parity_on_real_features(kind, releases, tmp_path):
     release = releases[RELEASE_OF[kind]]
-    params = _head_params(release, kind) if kind not in SKLEARN_HEADS else {}
     _, f_tr, y_tr, f_te, _ = _features(release, NEW_CLIENT)
-    head = make_head(kind, **params).fit(f_tr, y_tr)
+    head = make_head(release, kind).fit(f_tr, y_tr)
     path = tmp_path / f"{kind}.onnx"
     head_to_onnx(head, 32, path)
     onnx_head = OnnxHead.load(path)
@@ -106,12 +109,12 @@ def test_head_onnx_parity_on_real_features(kind, releases, tmp_path):
     np.testing.assert_array_equal(labels, head.predict(x))
 
 
-@pytest.mark.parametrize("kind", SKLEARN_HEADS)
+@pytest.mark.parametrize("kind", GENERIC_HEAD_KINDS)
 def test_binary_heads_export_two_probability_columns(kind, tmp_path):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(60, 8)).astype(np.float32)
     y = np.where(x[:, 0] > 0, 7, 3)  # labels need not start at 0
-    head = make_head(kind).fit(x, y)
+    head = create_method("fedavg").make_head(kind).fit(x, y)
     head_to_onnx(head, 8, tmp_path / "h.onnx")
     oh = OnnxHead.load(tmp_path / "h.onnx")
     assert oh.predict_proba(x).shape == (60, 2)
@@ -127,25 +130,28 @@ def test_torch_heads_keep_the_federations_global_classifier(releases):
         release = releases[kind]
         glob = read_tensors(release / "global_heads.safetensors")
         _, f_tr, y_tr, _, _ = _features(release, NEW_CLIENT)
-        head = make_head(kind, **_head_params(release, kind)).fit(f_tr, y_tr)
+        head = make_head(release, kind).fit(f_tr, y_tr)
         for key, value in glob.items():
             np.testing.assert_array_equal(head.state_[key], value)
         # and it learned its personal parts: better than the global classifier alone
         assert (head.predict(f_tr) == y_tr).mean() > 0.5
 
 
-def test_dualfed_head_needs_a_dualfed_release(releases):
-    from edgepfl.export.heads import DualFedHead
-
-    manifest = json.loads((releases["fedavg"] / "manifest.json").read_text())
+def test_dualfed_head_needs_a_dualfed_release_and_its_global_heads(releases, tmp_path):
+    fedavg = HeadRelease.from_manifest(json.loads((releases["fedavg"] / "manifest.json").read_text()), releases["fedavg"])
     with pytest.raises(ValueError, match="needs a dualfed encoder"):
-        DualFedHead.for_release(manifest, releases["fedavg"])
+        create_method("dualfed").make_head("dualfed", fedavg)
+    # a DualFed release whose files are not at hand (a device that received only the encoder)
+    manifest = json.loads((releases["dualfed"] / "manifest.json").read_text())
+    for hr in (HeadRelease.from_manifest(manifest), HeadRelease.from_manifest(manifest, tmp_path)):
+        with pytest.raises(ValueError, match="needs the federation's global heads"):
+            create_method("dualfed").make_head("dualfed", hr)
 
 
 def test_fused_encoder_and_head_match_the_two_steps(releases, tmp_path):
     release = releases["fedavg"]
     enc, f_tr, y_tr, _, _ = _features(release, NEW_CLIENT)
-    head = make_head("svm").fit(f_tr, y_tr)
+    head = make_head(release, "svm").fit(f_tr, y_tr)
     head_to_onnx(head, 32, tmp_path / "svm.onnx")
     fuse(release / "encoder.onnx", tmp_path / "svm.onnx", tmp_path / "fused.onnx")
     x = client_data(NEW_CLIENT).x_test

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 
 from edgepfl.config import ModelSpec, TrainConfig
 from edgepfl.data.client import ClientTensors
+from edgepfl.heads import LRHead, MLPHead, SVMHead
 from edgepfl.methods import create_method
 from edgepfl.methods.base import LocalContext, load_tensors
-from edgepfl.methods.repper import RepPerHead, augment, make_head
+from edgepfl.methods.repper import RepPerHead, augment
 
 C = 4
 SPEC = ModelSpec(arch="mlp", feature_dim=8)
@@ -140,7 +141,7 @@ def test_torch_head_reproduces_the_sklearn_head(kind):
         np.testing.assert_allclose(probs, pipe.predict_proba(feats.numpy()), atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["lr", "mlp"])
+@pytest.mark.parametrize("kind", ["lr", "svm", "mlp"])
 def test_binary_client_maps_onto_full_class_range(kind):
     # sklearn keeps one output row for two classes; classes 1 and 3 of 4 here
     method, model = build({"head": kind})
@@ -176,11 +177,21 @@ def test_fitted_head_is_personal_state_and_survives_save_load():
     assert torch.equal(method.device_head(model)(model.encoder(data.x_test)), model(data.x_test))
 
 
-def test_make_head_pipeline_shape():
-    for kind in ("lr", "svm", "mlp"):
-        pipe = make_head(kind)
-        assert [name for name, _ in pipe.steps] == ["normalize", "clf"]
-        assert make_head(kind, normalize=False).steps[0][1] == "passthrough"
-    with pytest.raises(ValueError):
-        make_head("forest")
+def test_heads_carry_the_methods_head_options():
+    """Stage-2 heads are the generic family with RepPer's options as their parameters."""
+    method = create_method("repper", {"head_C": 0.5, "head_hidden": 16, "head_max_iter": 50, "head_normalize": False})
+    lr, svm, mlp = (method.make_head(k) for k in ("lr", "svm", "mlp"))
+    assert isinstance(lr, LRHead) and isinstance(svm, SVMHead) and isinstance(mlp, MLPHead)
+    assert (lr.C, lr.max_iter, lr.normalize) == (0.5, 50, False)
+    assert (svm.C, svm.max_iter, svm.normalize) == (0.5, 50, False)
+    assert (mlp.hidden_layer_sizes, mlp.max_iter, mlp.normalize) == ((16,), 50, False)
+    # the defaults are the generic heads' own: one set of values for federation and device
+    default = create_method("repper")
+    for kind, cls in (("lr", LRHead), ("svm", SVMHead), ("mlp", MLPHead)):
+        assert default.make_head(kind).get_params() == cls().get_params()
+    data = make_data(n_train=40, n_test=8)
+    fitted = method.make_head("lr").fit(data.x_train.flatten(1).numpy(), data.y_train.numpy())
+    assert [name for name, _ in fitted.pipeline_.steps] == ["clf"]  # normalize=False: no L2 step
+    with pytest.raises(ValueError, match="does not fit a repper encoder"):
+        method.make_head("forest")
     assert isinstance(RepPerHead(4, 3, "lr").net[0], torch.nn.Linear)

@@ -24,7 +24,7 @@ from .base import (
 
 _REGISTRY: dict[str, type[Method]] = {}
 #: modules of this package that hold building blocks, not methods
-_INFRA = frozenset({"base", "aggregate", "training", "losses"})
+_INFRA = frozenset({"base", "aggregate", "training", "losses", "device_head"})
 
 
 def register(cls: type[Method]) -> type[Method]:
@@ -70,6 +70,11 @@ def get_method_class(name: str) -> type[Method]:
 get_method = get_method_class
 
 
+def available_head_kinds() -> list[str]:
+    """Every head kind some method offers (``Method.head_kinds``); imports every method module."""
+    return sorted({kind for name in available_methods() for kind in get_method_class(name).head_kinds})
+
+
 def create_method(name: str, options: dict | None = None) -> Method:
     """Instantiate a method with validated options."""
     cls = get_method_class(name)
@@ -78,5 +83,6 @@ def create_method(name: str, options: dict | None = None) -> Method:
 
 __all__ = [
     "ClientUpdate", "EvalResult", "LocalContext", "LocalResult", "Method", "MethodConfig", "ServerState",
-    "TensorDict", "UpdateRejected", "available_methods", "create_method", "get_method", "register",
+    "TensorDict", "UpdateRejected", "available_head_kinds", "available_methods", "create_method", "get_method",
+    "register",
 ]

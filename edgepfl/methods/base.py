@@ -11,7 +11,9 @@ A method states, once:
   :meth:`Method.payload_for`) — pure numpy functions, no I/O;
 * the **inference rule** (:meth:`Method.logits`) and personalized evaluation;
 * the **export plan**: which module is the frozen encoder, which head runs on a
-  device (:meth:`Method.encoder_module`, :meth:`Method.device_head`, ``head_kinds``).
+  device (:meth:`Method.encoder_module`, :meth:`Method.device_head`);
+* the **heads a device fits** on that frozen encoder (``head_kinds``,
+  :meth:`Method.make_head`, :meth:`Method.train_device_head`).
 
 Coordinator, agent, simulator and exporter look a method up by name
 (:func:`edgepfl.methods.get_method`) and call only this interface.
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from ..heads import GENERIC_HEAD_KINDS
 from ..state import ServerState
 from .aggregate import weighted_mean
 from .training import EvalResult, evaluate_logits, fit
@@ -43,6 +46,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
     from ..data import ClientTensors
+    from ..heads import HeadRelease
+    from ..heads.estimators import HeadEstimator
     from ..specs import ModelSpec, TrainConfig
 
 TensorDict = dict[str, np.ndarray]
@@ -129,8 +134,10 @@ class Method:
     #: personal prefixes that are nevertheless uploaded for a server computation
     #: (FedPAC's heads); listed so the contract tests can tell them from leaks
     upload_personal: ClassVar[tuple[str, ...]] = ()
-    #: heads a device can fit or run on this method's frozen encoder
-    head_kinds: ClassVar[tuple[str, ...]] = ("lr", "svm", "mlp")
+    #: heads a device can fit on this method's frozen encoder, built by :meth:`make_head`:
+    #: the generic kinds of :mod:`edgepfl.heads` and, for a method with a head of its own
+    #: (DualFed, FedPick), the method's name. The one vocabulary of head kinds.
+    head_kinds: ClassVar[tuple[str, ...]] = GENERIC_HEAD_KINDS
 
     def __init__(self, config: MethodConfig | None = None):
         self.config = config if config is not None else self.config_class()
@@ -244,6 +251,35 @@ class Method:
     def device_head(self, model: nn.Module) -> nn.Module | None:
         """The personalized head as a torch module (features -> logits) for ONNX, if any."""
         return getattr(model, "head", None)
+
+    # ------------------------------------------------------------------ heads on the frozen encoder
+    def make_head(self, kind: str, release: HeadRelease | None = None, **params: Any) -> HeadEstimator:
+        """A new, unfitted head of ``kind`` for this method's encoder: a scikit-learn estimator.
+
+        What a device fitting a head on an encoder this method trained gets (the head
+        tier, ``edgepfl fit-head``). Base: the generic kinds of :mod:`edgepfl.heads`
+        with their defaults; a method whose options set head parameters maps them here
+        (RepPer), and a method with a head of its own builds it for ``kind == name``
+        (DualFed, FedPick). ``release``: the encoder release, where a head needs more
+        of it than its features (the federation's global heads). ``params`` override.
+        Raises ``ValueError`` for a kind not in :attr:`head_kinds`.
+        """
+        if kind not in self.head_kinds:
+            raise ValueError(f"head {kind!r} does not fit a {self.name} encoder; choose from {', '.join(self.head_kinds)}")
+        if kind not in GENERIC_HEAD_KINDS:
+            raise NotImplementedError(f"{type(self).__name__} lists head kind {kind!r} but its make_head does not build it")
+        from ..heads.estimators import generic_head
+
+        return generic_head(kind, **params)
+
+    def train_device_head(self, model: nn.Module, data: ClientTensors, ctx: LocalContext) -> float:
+        """Train the personal parts of this method's own head on frozen features; returns the loss.
+
+        ``model`` is this method's model on an identity encoder, the federation's parts
+        loaded and frozen (:class:`~edgepfl.methods.device_head.TorchDeviceHead`).
+        Default: the method's own local update.
+        """
+        return self.local_update(model, data, ctx).train_loss
 
 
 def load_tensors(model: nn.Module, tensors: TensorDict) -> None:

@@ -34,11 +34,12 @@ lambda 40, tau 0.2 (PACS, from the code).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
 from .._torch import F, nn, torch
+from ..heads import GENERIC_HEAD_KINDS
 from . import register
 from .aggregate import weighted_mean
 from .base import ClientUpdate, LocalContext, LocalResult, Method, MethodConfig, ServerState
@@ -47,6 +48,8 @@ from .training import fit, make_optimizer
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..data.client import ClientTensors
+    from ..heads import HeadRelease
+    from ..heads.estimators import HeadEstimator
     from ..specs import ModelSpec
 
 
@@ -130,7 +133,8 @@ class DualFed(Method):
     config_class = DualFedConfig
     shared_parts = ("encoder", "head.global_classifier")
     bn_policy = "local_stats"
-    head_kinds = ("dualfed", "lr", "svm", "mlp")
+    # "dualfed": this method's own head (projector + h_p + the federation's h_s) fitted on a device
+    head_kinds = (name, *GENERIC_HEAD_KINDS)
 
     config: DualFedConfig
 
@@ -208,3 +212,16 @@ class DualFed(Method):
     def device_head(self, model: DualFedModel) -> nn.Module:
         """Projector + personal classifier + global classifier: z -> ensemble logits."""
         return model.head
+
+    # ------------------------------------------------------------------ heads on the frozen encoder
+    def make_head(self, kind: str, release: HeadRelease | None = None, **params: Any) -> HeadEstimator:
+        """``"dualfed"``: ``g`` and ``h_p`` fitted on a device's frozen z around the release's ``h_s``."""
+        if kind == self.name:
+            from .device_head import TorchDeviceHead
+
+            return TorchDeviceHead.for_method(self, release, **params)
+        return super().make_head(kind, release, **params)
+
+    def train_device_head(self, model: DualFedModel, data: ClientTensors, ctx: LocalContext) -> float:
+        """Stage A on frozen features: ``g`` and ``h_p`` on CE + lambda * SupCon (``h_s`` is fixed)."""
+        return self.train_stage_a(model, data, ctx)

@@ -16,14 +16,19 @@ with the noise-free mask (softmax average as an option). See METHODS.md "FedPick
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
 from .._torch import F, nn, torch
+from ..heads import GENERIC_HEAD_KINDS
 from . import register
 from .base import LocalResult, Method, MethodConfig
 from .training import fit, noise_generator
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..heads import HeadRelease
+    from ..heads.estimators import HeadEstimator
 
 
 class FedPickConfig(MethodConfig):
@@ -166,7 +171,8 @@ class FedPick(Method):
     config_class = FedPickConfig
     shared_parts = ("encoder", "head")
     bn_policy = "local"
-    head_kinds = ("fedpick", "lr", "svm", "mlp")
+    # "fedpick": this method's own head (PFSM + C_p + the federation's C_g) fitted on a device
+    head_kinds = (name, *GENERIC_HEAD_KINDS)
 
     def build_model(self, spec, input_shape, num_classes) -> FedPickModel:
         from ..models import build_encoder
@@ -190,3 +196,15 @@ class FedPick(Method):
 
     def device_head(self, model: FedPickModel) -> nn.Module:
         return FedPickHead(model)
+
+    def make_head(self, kind: str, release: HeadRelease | None = None, **params: Any) -> HeadEstimator:
+        """``"fedpick"``: PFSM, ``C_p`` and ``C_ir`` fitted on a device's frozen v around the release's ``C_g``.
+
+        Trained by the method's own local update (:meth:`train_device_head`'s default):
+        Gumbel noise and the straight-through mask as in the federation.
+        """
+        if kind == self.name:
+            from .device_head import TorchDeviceHead
+
+            return TorchDeviceHead.for_method(self, release, **params)
+        return super().make_head(kind, release, **params)

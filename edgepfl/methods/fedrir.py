@@ -253,7 +253,6 @@ class FedRIR(Method):
     shared_parts = ("encoder",)
     # The authors' code copies GFE .parameters() only: BN affine shared, running stats local.
     bn_policy = "local_stats"
-    head_kinds = ("lr", "svm", "mlp")
 
     def build_model(self, spec, input_shape, num_classes) -> FedRIRModel:
         c = self.config

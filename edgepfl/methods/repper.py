@@ -11,9 +11,10 @@ defaults to SGD. The server is FedAvg of the encoder weighted by sample count.
 
 Stage 2, personalized classification: the encoder is frozen and each client fits its
 own scikit-learn head (logistic regression, linear SVM or a one-hidden-layer MLP) on
-features of its own training split, L2-normalized by default. :func:`make_head`
-builds those heads (a ``Pipeline`` of ``Normalizer`` + estimator) and is meant to be
-shared with the export / head tier.
+features of its own training split, L2-normalized by default. The heads are the
+generic family of :mod:`edgepfl.heads`, built by :meth:`RepPer.make_head` from this
+method's ``head_*`` options: a head-tier device or ``edgepfl fit-head`` fitting a head
+on a RepPer encoder gets exactly the estimator of stage 2.
 
 Where the personal head lives: the head is **re-fitted at every evaluation** (cheap:
 a few hundred samples, one convex fit) and its fitted weights are copied into the
@@ -38,13 +39,13 @@ by their sklearn solvers instead.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from pydantic import Field
 
 from .._torch import F, nn, torch
+from ..heads import DEFAULT_C, DEFAULT_HIDDEN, DEFAULT_MAX_ITER, DEFAULT_NORMALIZE, GENERIC_HEAD_KINDS
 from . import register
 from .base import EvalResult, LocalContext, LocalResult, Method, MethodConfig
 from .losses import supcon_loss
@@ -52,9 +53,10 @@ from .training import fit, make_optimizer
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..data.client import ClientTensors
+    from ..heads import HeadRelease
+    from ..heads.estimators import SklearnHead
     from ..specs import ModelSpec
 
-HeadKind = Literal["lr", "svm", "mlp"]
 #: logit bias of a class the client has never seen: probability exp(-1e4) == 0 in
 #: float32, yet finite, so saved state and exported graphs hold no inf
 ABSENT_CLASS_LOGIT = -1e4
@@ -78,11 +80,15 @@ class RepPerConfig(MethodConfig):
     aug_crop_scale: tuple[float, float] = Field((0.5, 1.0), description="area fraction range of the random crop")
     aug_flip: bool = True
     aug_noise_std: float = Field(0.05, ge=0, description="std of added Gaussian noise, in normalized units")
-    head: HeadKind = Field("lr", description="stage-2 personal head: logistic regression, linear SVM or MLP")
-    head_normalize: bool = Field(True, description="L2-normalize features before the head [inferred default]")
-    head_C: float = Field(1.0, gt=0, description="inverse regularization of lr / svm")
-    head_hidden: int = Field(100, ge=1, description="MLP head hidden units (sklearn's default)")
-    head_max_iter: int = Field(1000, ge=1)
+    # the head options are the parameters of the generic heads (edgepfl.heads), whose
+    # defaults they share; RepPer.make_head maps them onto the estimators
+    head: Literal[GENERIC_HEAD_KINDS] = Field(  # type: ignore[valid-type]
+        "lr", description="stage-2 personal head: logistic regression, linear SVM or MLP"
+    )
+    head_normalize: bool = Field(DEFAULT_NORMALIZE, description="L2-normalize features before the head [inferred default]")
+    head_C: float = Field(DEFAULT_C, gt=0, description="inverse regularization of lr / svm")
+    head_hidden: int = Field(DEFAULT_HIDDEN, ge=1, description="MLP head hidden units (sklearn's default)")
+    head_max_iter: int = Field(DEFAULT_MAX_ITER, ge=1, description="solver iterations of every head kind")
 
 
 # ---------------------------------------------------------------------- augmentation
@@ -124,39 +130,15 @@ def augment(
 
 
 # ---------------------------------------------------------------------- heads
-def make_head(kind: str, *, normalize: bool = True, **params: Any):
-    """A scikit-learn head: ``Pipeline([("normalize", Normalizer()), ("clf", estimator)])``.
-
-    ``kind``: ``"lr"`` (LogisticRegression), ``"svm"`` (LinearSVC) or ``"mlp"``
-    (MLPClassifier, one hidden layer of 100 by default). ``params`` go to the
-    estimator and override the defaults here. ``normalize=False`` makes the first
-    step ``"passthrough"`` so the step names stay the same.
-    """
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.neural_network import MLPClassifier
-    from sklearn.pipeline import Pipeline
-    from sklearn.preprocessing import Normalizer
-    from sklearn.svm import LinearSVC
-
-    if kind == "lr":
-        est = LogisticRegression(**{"max_iter": 1000, **params})
-    elif kind == "svm":
-        est = LinearSVC(**{"max_iter": 10000, "random_state": 0, **params})
-    elif kind == "mlp":
-        est = MLPClassifier(**{"hidden_layer_sizes": (100,), "max_iter": 500, "random_state": 0, **params})
-    else:
-        raise ValueError(f"unknown head kind {kind!r}; expected lr, svm or mlp")
-    return Pipeline([("normalize", Normalizer() if normalize else "passthrough"), ("clf", est)])
-
-
 class RepPerHead(nn.Module):
-    """Torch twin of a :func:`make_head` pipeline: optional L2 normalization + ``net``.
+    """Torch twin of a fitted stage-2 head: optional L2 normalization + ``net``.
 
     ``net`` is ``Linear(k, C)`` for lr / svm and ``Linear(k, h)-ReLU-Linear(h, C)``
-    for mlp; :meth:`load_sklearn` copies a fitted pipeline into it.
+    for mlp; :meth:`load_head` copies a fitted :mod:`edgepfl.heads` estimator into it.
     """
 
-    def __init__(self, in_features: int, num_classes: int, kind: str = "lr", hidden: int = 100, normalize: bool = True):
+    def __init__(self, in_features: int, num_classes: int, kind: str = "lr", hidden: int = DEFAULT_HIDDEN,
+                 normalize: bool = DEFAULT_NORMALIZE):
         super().__init__()
         self.kind = kind
         self.normalize = normalize
@@ -172,14 +154,18 @@ class RepPerHead(nn.Module):
         return self.net(r)
 
     @torch.no_grad()
-    def load_sklearn(self, pipeline) -> None:
-        """Copy a fitted :func:`make_head` pipeline's weights (classes are label ids).
+    def load_head(self, head: SklearnHead) -> None:
+        """Copy a fitted head's weights (its classes are label ids).
 
-        Binary estimators keep one output row; it becomes the logit of the second
-        class against 0 for the first, which gives the same softmax / argmax.
-        Classes the estimator never saw get :data:`ABSENT_CLASS_LOGIT`.
+        Softmax of the logits is then the head's ``predict_proba`` (for svm: the
+        logits are its ``decision_function``). Binary estimators keep one output row
+        ``s``: for lr / mlp it becomes the logit of the second class against 0 for the
+        first (softmax of ``[0, s]`` is their sigmoid), for svm ``[-s, s]`` as the SVM
+        head's own scores. Classes the estimator never saw get :data:`ABSENT_CLASS_LOGIT`.
         """
-        clf = pipeline[-1]
+        if head.normalize != self.normalize:
+            raise ValueError(f"head normalize={head.normalize} does not match this module's {self.normalize}")
+        clf = head.pipeline_[-1]
         classes = np.asarray(clf.classes_, dtype=np.int64)
         if self.kind == "mlp":
             if len(clf.coefs_) != 2:
@@ -207,7 +193,10 @@ class RepPerHead(nn.Module):
         bias = np.full(self.num_classes, ABSENT_CLASS_LOGIT)
         if w.shape[0] == 1 and len(classes) == 2:
             weight[classes[1]], bias[classes[1]] = w[0], b[0]
-            bias[classes[0]] = 0.0
+            if self.kind == "svm":
+                weight[classes[0]], bias[classes[0]] = -w[0], -b[0]
+            else:
+                bias[classes[0]] = 0.0
         else:
             weight[classes], bias[classes] = w, b
         out.weight.copy_(torch.as_tensor(weight, dtype=out.weight.dtype))
@@ -250,7 +239,6 @@ class RepPer(Method):
     # the encoder; when it is off no key matches the prefix
     shared_parts = ("encoder", "projector")
     bn_policy = "shared"
-    head_kinds = ("lr", "svm", "mlp")
 
     config: RepPerConfig
 
@@ -292,35 +280,35 @@ class RepPer(Method):
         return LocalResult(upload=self.shared_params(model), train_loss=loss, metrics={"supcon": loss})
 
     # ------------------------------------------------------------------ stage 2
-    def fit_head(self, model: RepPerModel, x: torch.Tensor, y: torch.Tensor, seed: int = 0):
-        """Fit the personal head on frozen features of (x, y); returns the sklearn pipeline.
+    def make_head(self, kind: str, release: HeadRelease | None = None, **params: Any) -> SklearnHead:
+        """A generic head with this method's ``head_*`` options as its parameters.
+
+        Stage 2 fits ``make_head(config.head)``; a device fitting a head on a RepPer
+        encoder gets the same estimator for the same kind. ``params`` override.
+        """
+        cfg = self.config
+        options: dict[str, Any] = {"normalize": cfg.head_normalize, "max_iter": cfg.head_max_iter}
+        if kind == "mlp":
+            options["hidden_layer_sizes"] = (cfg.head_hidden,)
+        else:
+            options["C"] = cfg.head_C
+        return super().make_head(kind, release, **{**options, **params})
+
+    def fit_head(self, model: RepPerModel, x: torch.Tensor, y: torch.Tensor, seed: int = 0) -> SklearnHead | None:
+        """Fit the personal head on frozen features of (x, y); returns the fitted estimator.
 
         The fitted weights are also copied into ``model.head``. Returns ``None`` when
         ``y`` holds a single class (no estimator fits that; the head predicts it).
         """
-        from sklearn.exceptions import ConvergenceWarning
-
-        cfg = self.config
         labels = y.detach().cpu().numpy()
         present = np.unique(labels)
         if len(present) < 2:
             model.head.set_constant(int(present[0]) if len(present) else 0)
             return None
         feats = encode(model, x).cpu().numpy()
-        if cfg.head == "mlp":
-            params: dict[str, Any] = {"hidden_layer_sizes": (cfg.head_hidden,), "random_state": seed}
-        elif cfg.head == "svm":
-            params = {"C": cfg.head_C, "random_state": seed}
-        else:
-            params = {"C": cfg.head_C}
-        pipe = make_head(cfg.head, normalize=cfg.head_normalize, max_iter=cfg.head_max_iter, **params)
-        with warnings.catch_warnings():
-            # re-fitted every round; an unconverged fit is still a usable head and the
-            # warning would flood every agent's log
-            warnings.simplefilter("ignore", ConvergenceWarning)
-            pipe.fit(feats, labels)
-        model.head.load_sklearn(pipe)
-        return pipe
+        head = self.make_head(self.config.head, random_state=seed).fit(feats, labels)
+        model.head.load_head(head)
+        return head
 
     def evaluate(self, model: RepPerModel, data: ClientTensors, ctx: LocalContext) -> EvalResult:
         """Re-fit the personal head on the current encoder, then score the test split."""

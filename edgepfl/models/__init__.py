@@ -7,6 +7,7 @@ backbones are read only from a local file (``ModelSpec.weights``), never downloa
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -59,6 +60,21 @@ class MLPEncoder(nn.Module):
         return self.net(x)
 
 
+class IdentityEncoder(nn.Module):
+    """No encoder (``arch: identity``): inputs already are features, flattened to (N, out_features).
+
+    A method's model built on it is the method's head parts alone, which is how a method's
+    own head is fitted on the features of an exported, frozen encoder.
+    """
+
+    def __init__(self, in_features: int):
+        super().__init__()
+        self.out_features = in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(1)
+
+
 class TorchvisionEncoder(nn.Module):
     """ResNet-18 or MobileNetV3-Small trunk with the classifier removed."""
 
@@ -103,6 +119,8 @@ def _load_local_weights(net: nn.Module, path: str) -> None:
 
 def build_encoder(spec: ModelSpec, input_shape: tuple[int, ...]) -> nn.Module:
     """An encoder mapping (N, *input_shape) to (N, encoder.out_features)."""
+    if spec.arch == "identity":
+        return IdentityEncoder(math.prod(input_shape))
     c, h, w = input_shape
     if spec.arch == "cnn":
         return SmallCNN(c, min(h, w), spec.feature_dim, spec.norm)
@@ -131,4 +149,4 @@ class SplitModel(nn.Module):
         return self.head(self.encoder(x))
 
 
-__all__ = ["MLPEncoder", "SmallCNN", "SplitModel", "TorchvisionEncoder", "build_encoder"]
+__all__ = ["IdentityEncoder", "MLPEncoder", "SmallCNN", "SplitModel", "TorchvisionEncoder", "build_encoder"]

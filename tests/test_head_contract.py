@@ -1,0 +1,169 @@
+"""Heads belong to their methods: one vocabulary, one estimator family, every head exportable.
+
+* Every registered method, every kind in its ``head_kinds``: the head comes from the
+  method (``make_head``), fits on synthetic features, exports to ONNX, and onnxruntime's
+  probabilities are the estimator's.
+* The vocabulary is ``Method.head_kinds`` only: ``fit-head``'s choices and the agent
+  config are derived from it, a method's own head is built by its method module only.
+* No drift: RepPer's stage 2, the head tier and ``fit-head`` build the same estimator,
+  with the same parameters, for each kind on a RepPer release.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from edgepfl.config import AgentConfig, ModelSpec
+from edgepfl.export.heads import OnnxHead, head_to_onnx, make_session
+from edgepfl.heads import GENERIC_HEAD_KINDS, OFFLINE_HEAD_KIND, HeadRelease
+from edgepfl.methods import available_head_kinds, available_methods, create_method, get_method
+
+from export_fixtures import NEW_CLIENT, client_data, client_pixels, export_dir
+
+FEATURE_DIM = 12
+NUM_CLASSES = 3
+CASES = [(name, kind) for name in available_methods() for kind in get_method(name).head_kinds]
+
+
+def synthetic_features(seed: int = 0, n: int = 90):
+    """Three Gaussian clusters in feature space; labels are class indices 0..2."""
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(size=(NUM_CLASSES, FEATURE_DIM)) * 2
+    y = np.arange(n) % NUM_CLASSES
+    x = centers[y] + rng.normal(size=(n, FEATURE_DIM))
+    return x.astype(np.float32), y.astype(np.int64)
+
+
+def synthetic_release(name: str, tmp_path) -> HeadRelease:
+    """A release of method ``name`` as a device sees it, global heads included.
+
+    Global heads are what the exporter writes: the shared parameters outside the
+    encoder, here of a freshly built model on features (their values do not matter).
+    """
+    from edgepfl.atomic import write_tensors
+
+    method = create_method(name)
+    model = method.build_model(ModelSpec(arch="identity"), (FEATURE_DIM,), NUM_CLASSES)
+    encoder = method.encoder_module(model)
+    prefix = next(n for n, m in model.named_modules() if m is encoder)
+    shared = method.shared_params(model)
+    glob = {k: v for k, v in shared.items() if not (k == prefix or k.startswith(prefix + "."))}
+    path = tmp_path / "global_heads.safetensors"
+    write_tensors(path, glob)
+    return HeadRelease(name, {}, path)
+
+
+@pytest.mark.parametrize(("name", "kind"), CASES, ids=[f"{n}-{k}" for n, k in CASES])
+def test_every_head_of_every_method_fits_and_exports(name, kind, tmp_path):
+    method = create_method(name)
+    # generic heads need nothing of the release; a method's own head needs its global heads
+    release = synthetic_release(name, tmp_path) if kind == name else HeadRelease(name)
+    head = method.make_head(kind, release)
+    assert head.kind == kind
+    x, y = synthetic_features()
+    head.fit(x, y)
+    path = tmp_path / "head.onnx"
+    head_to_onnx(head, FEATURE_DIM, path)
+    served = OnnxHead.load(path)
+    assert served.head_kind_ == kind and served.n_features_in_ == FEATURE_DIM
+    np.testing.assert_array_equal(served.classes_, head.classes_)
+    x_new, _ = synthetic_features(seed=1, n=40)
+    probe = np.concatenate([x, x_new])
+    assert np.abs(served.predict_proba(probe) - head.predict_proba(probe)).max() <= 1e-4
+    labels = make_session(path).run(["label"], {"features": probe})[0]
+    np.testing.assert_array_equal(labels, head.predict(probe))
+
+
+def test_the_head_vocabulary_is_the_methods():
+    own = {name for name in available_methods() if name in get_method(name).head_kinds}
+    assert own >= {"dualfed", "fedpick"}
+    for name in available_methods():
+        kinds = get_method(name).head_kinds
+        # a method offers generic heads and at most its own, never another method's
+        assert set(kinds) - set(GENERIC_HEAD_KINDS) <= {name}, (name, kinds)
+    assert set(available_head_kinds()) == set(GENERIC_HEAD_KINDS) | own
+    # the generic family is exactly the generic kinds
+    from edgepfl.heads import estimators
+
+    generic = {c.kind for _, c in inspect.getmembers(estimators, inspect.isclass)
+               if issubclass(c, estimators.HeadEstimator) and c.kind}
+    assert generic == set(GENERIC_HEAD_KINDS)
+
+
+def test_a_methods_own_head_is_reachable_only_through_its_method():
+    from edgepfl.export import heads as export_heads
+    from edgepfl.heads import estimators
+    from edgepfl.heads.estimators import HeadEstimator
+
+    # export/ converts and runs heads; the only estimator it defines is the ONNX runtime head
+    defined = {c for _, c in inspect.getmembers(export_heads, inspect.isclass)
+               if issubclass(c, HeadEstimator) and c.__module__ == export_heads.__name__}
+    assert defined == {OnnxHead}
+    assert not any(hasattr(mod, n) for mod in (export_heads, estimators)
+                   for n in ("DualFedHead", "FedPickHead", "HEAD_KINDS", "TORCH_HEADS", "SKLEARN_HEADS", "make_head"))
+    # a method without a head of its own does not build another method's
+    with pytest.raises(ValueError, match="does not fit a fedavg encoder"):
+        create_method("fedavg").make_head("dualfed")
+    # a method's head carries that method's options
+    head = create_method("fedpick", {"threshold": 0.3}).make_head("fedpick", global_heads={})
+    assert head.method == "fedpick" and head.method_options["threshold"] == 0.3
+
+
+def test_fit_head_choices_and_agent_config_follow_the_registry(capsys):
+    from edgepfl.export.fit_head import main_fit_head
+
+    with pytest.raises(SystemExit):
+        main_fit_head(["--help"])
+    help_text = capsys.readouterr().out
+    assert "{" + ",".join(available_head_kinds()) + "}" in help_text
+    for kind in [*available_head_kinds(), OFFLINE_HEAD_KIND]:
+        assert AgentConfig(agent_id="pi", head=kind).head == kind
+    with pytest.raises(ValidationError, match="unknown head kind 'knn'; choose from .*fedpick.*onnx"):
+        AgentConfig(agent_id="pi", head="knn")
+
+
+# --------------------------------------------------------------------------- no drift on a release
+REPPER_OPTIONS = {"head_C": 0.5, "head_hidden": 24, "head_max_iter": 300}
+
+
+@pytest.fixture(scope="module")
+def repper_release(tmp_path_factory):
+    return export_dir(tmp_path_factory.mktemp("repper"), "repper", rounds=1, epochs=1, options=REPPER_OPTIONS)
+
+
+@pytest.mark.parametrize("kind", GENERIC_HEAD_KINDS)
+def test_stage_two_head_tier_and_fit_head_build_the_same_estimator(kind, repper_release, tmp_path):
+    import torch
+
+    from edgepfl.edge_agent.head_tier import HeadRuntime
+    from edgepfl.export.fit_head import fit_head, load_dataset
+    from edgepfl.export.predict import OnnxEncoder
+
+    manifest = json.loads((repper_release / "manifest.json").read_text())
+    assert manifest["method_options"]["head_C"] == 0.5  # the release carries the federation's head options
+
+    # stage 2 of a RepPer federation with these options and this head kind
+    method = create_method("repper", {**manifest["method_options"], "head": kind})
+    data = client_data(NEW_CLIENT)
+    model = method.build_model(ModelSpec(**manifest["model"]), data.input_shape, data.num_classes)
+    stage2 = method.fit_head(model, torch.from_numpy(data.x_train), torch.from_numpy(data.y_train), seed=0)
+
+    # a head-tier device that received the release over MQTT (no directory)
+    device = HeadRuntime(tmp_path / "state", kind, data).new_head(HeadRelease.from_manifest(manifest))
+
+    # edgepfl fit-head on the exported encoder
+    encoder = OnnxEncoder.from_dir(repper_release)
+    pixels, labels, _ = client_pixels(NEW_CLIENT)
+    np.savez(tmp_path / "d.npz", x=pixels, y=labels)
+    offline, _ = fit_head(encoder, load_dataset(tmp_path / "d.npz", encoder), kind, export_dir=repper_release)
+
+    assert type(stage2) is type(device) is type(offline)
+    assert stage2.get_params() == device.get_params() == offline.get_params()
+    params = stage2.get_params()
+    assert params["max_iter"] == 300 and params.get("C", 0.5) == 0.5
+    assert params.get("hidden_layer_sizes", (24,)) == (24,)
