@@ -163,7 +163,7 @@ def test_every_message_type_round_trips(mtype, meta):
 
 
 def test_encode_refuses_wrong_meta_and_unsupported_dtypes():
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="task messages carry TaskMeta, got UpdateMeta"):
         encode("task", federation=FED, sender="s", round=0, meta=update_meta())
     for bad in (np.zeros(2, dtype=np.complex64), np.zeros(2, dtype=">f4"), np.array(["x"], dtype=object)):
         with pytest.raises(TypeError):

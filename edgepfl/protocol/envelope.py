@@ -23,7 +23,7 @@ import struct
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .messages import META_TYPES, ChunkMeta, MessageType
 
 MAGIC = b"EPF1"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Final = 1
 MAX_HEADER_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
 _PREFIX = struct.Struct(">4sI")
@@ -101,7 +101,8 @@ def encode(
     """Build one frame. ``meta`` must be the meta model registered for ``type``."""
     mtype = MessageType(type)
     if not isinstance(meta, META_TYPES[mtype]):
-        raise TypeError(f"{mtype.value} messages carry {META_TYPES[mtype].__name__}, got {type(meta).__name__}")
+        # (the parameter ``type`` shadows the builtin here)
+        raise TypeError(f"{mtype.value} messages carry {META_TYPES[mtype].__name__}, got {meta.__class__.__name__}")
     tensors = tensors or {}
     body = _encode_tensors(tensors)
     header = Header(
