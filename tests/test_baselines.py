@@ -127,6 +127,9 @@ def test_fedrod_shares_body_and_generic_head_and_infers_with_both_heads():
         head = method.device_head(model)
         assert isinstance(head, RoDHead) and head.personal_head is model.personal_head
         torch.testing.assert_close(head(f), want)
+    # a model FedRoD did not build has no personal head: refused by name, not an AttributeError
+    with pytest.raises(TypeError, match="RoDModel"):
+        method.device_head(KIT.model(create_method("fedavg")))
 
 
 # --------------------------------------------------------------------------- FedBN
