@@ -160,6 +160,19 @@ def test_round_trip_many_tensors_and_header_fields():
 def test_every_message_type_round_trips(mtype, meta):
     msg = decode(encode(mtype, federation=FED, sender="s", round=0, meta=meta))
     assert msg.type.value == mtype and msg.meta == meta and msg.tensors == {}
+    assert msg.meta_as(type(meta)) is msg.meta
+
+
+def test_meta_of_another_type_is_wrong_type():
+    update = decode(make_update())
+    assert update.meta_as(UpdateMeta).num_train == 10
+    with pytest.raises(ProtocolError) as info:
+        update.meta_as(TaskMeta)
+    assert info.value.reason == "wrong_type"
+    # the reassembler is handed an update instead of a chunk: a counted rejection, not a crash
+    with pytest.raises(ProtocolError) as info:
+        Reassembler().add("t", update)
+    assert info.value.reason == "wrong_type"
 
 
 def test_encode_refuses_wrong_meta_and_unsupported_dtypes():
