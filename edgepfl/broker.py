@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
@@ -92,10 +93,10 @@ def wait_for_port(host: str, port: int, timeout: float = 10.0, alive=lambda: Tru
 try:  # amqtt is optional (the head tier does not install it); the plugin is only needed with it.
     from amqtt.plugins.base import BaseAuthPlugin as _BaseAuthPlugin
 except ImportError:  # pragma: no cover - exercised only where amqtt is absent
-    _BaseAuthPlugin = object  # type: ignore[assignment,misc]
+    _BaseAuthPlugin = object
 
 
-class OpenAuthPlugin(_BaseAuthPlugin):  # type: ignore[misc,valid-type]
+class OpenAuthPlugin(_BaseAuthPlugin):
     """amqtt auth plugin: accept every client (with or without a username).
 
     amqtt's own ``AnonymousAuthPlugin`` marks every session anonymous, and amqtt
@@ -156,7 +157,7 @@ class EmbeddedBroker:
         self.start_timeout = start_timeout
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._broker = None
+        self._broker: Any = None  # amqtt's Broker (amqtt has no type information) while serving
         self._ready = threading.Event()
         self._error: BaseException | None = None
 
@@ -178,10 +179,10 @@ class EmbeddedBroker:
             import amqtt  # noqa: F401
         except ImportError:
             raise BrokerError("the embedded broker needs amqtt: pip install 'edgepfl[train]' (or amqtt)") from None
-        fixed = self.port is not None
+        requested = self.port  # _start_on sets self.port to each port it tries
         last: BaseException | None = None
-        for _ in range(1 if fixed else 5):
-            port = self.port if fixed else free_port(self.host)
+        for _ in range(1 if requested is not None else 5):
+            port = requested if requested is not None else free_port(self.host)
             try:
                 self._start_on(port)
                 return self.url

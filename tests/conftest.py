@@ -42,7 +42,8 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     # Registered here as well as in pyproject.toml so the markers exist however pytest is invoked.
-    config.addinivalue_line("markers", "slow: multi-process federation runs (run by default; deselect with -m 'not slow')")
+    config.addinivalue_line("markers", "slow: agent processes, federations over a broker, venvs, or over ~10 s alone "
+                            "(run by default; -m 'not slow' is the fast day-to-day lane)")
     config.addinivalue_line("markers", "benchmark: long accuracy benchmarks (run only with --run-benchmarks)")
 
 

@@ -12,61 +12,17 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.modules.batchnorm import _BatchNorm
 
-from edgepfl.config import ModelSpec, TrainConfig
-from edgepfl.data.client import ClientData
-from edgepfl.methods import ClientUpdate, LocalContext, create_method
+from edgepfl.config import TrainConfig
+from edgepfl.methods import ClientUpdate, create_method
 from edgepfl.methods import fedrep as fedrep_module
 from edgepfl.methods.fedrod import RoDHead, balanced_softmax_loss, log_prior, rod_losses
 from edgepfl.methods.training import make_optimizer
 
-NUM_CLASSES = 4
-INPUT_SHAPE = (1, 28, 28)
-SPEC = ModelSpec(arch="cnn", feature_dim=16)
-TRAIN = TrainConfig(epochs=1, batch_size=16)
+from method_kit import MethodKit, bn_keys, params_of, same, snapshot
 
-
-def make_client(seed: int, n_train: int, classes: list[int], shift: float = 0.0, n_test: int = 20) -> ClientData:
-    """Random images whose mean depends on the label, so there is something to learn."""
-    rng = np.random.default_rng(seed)
-
-    def split(n):
-        y = rng.permutation(np.resize(np.asarray(classes), n)).astype(np.int64)
-        x = (rng.standard_normal((n, *INPUT_SHAPE)) + shift + 0.5 * y[:, None, None, None]).astype(np.float32)
-        return x, y
-
-    return ClientData(*split(n_train), *split(n_test), num_classes=NUM_CLASSES)
-
-
-def make_ctx(seed: int = 0, train: TrainConfig = TRAIN) -> LocalContext:
-    return LocalContext(train=train, device=torch.device("cpu"), round=0, seed=seed, num_classes=NUM_CLASSES,
-                        generator=torch.Generator().manual_seed(seed))
-
-
-def build(method, seed: int = 0):
-    torch.manual_seed(seed)
-    return method.build_model(SPEC, INPUT_SHAPE, NUM_CLASSES)
-
-
-def snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-
-def params_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in module.named_parameters()}
-
-
-def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def bn_keys(model: torch.nn.Module) -> set[str]:
-    bn = {name for name, m in model.named_modules() if isinstance(m, _BatchNorm)}
-    return {k for k in model.state_dict() if k.rpartition(".")[0] in bn}
-
-
-CLIENT = make_client(1, 40, [0, 1, 2, 3])
+KIT = MethodKit()  # 4 classes of 1x28x28 images, SmallCNN with 16 features, 1 epoch of batches of 16
+CLIENT = KIT.gaussian_client(1, 40, [0, 1, 2, 3])
 
 
 # --------------------------------------------------------------------------- FedRoD
@@ -74,8 +30,8 @@ CLIENT = make_client(1, 40, [0, 1, 2, 3])
 
 def test_fedrod_personal_loss_reaches_only_the_personal_head():
     method = create_method("fedrod")
-    model = build(method)
-    data = make_client(3, 32, [0, 2]).to_torch()
+    model = KIT.model(method)
+    data = KIT.gaussian_client(3, 32, [0, 2]).to_torch()
     generic, personal = rod_losses(model, data.x_train, data.y_train, log_prior(data.class_counts()))
     personal.backward(retain_graph=True)
     for name, p in [*model.encoder.named_parameters(), *model.head.named_parameters()]:
@@ -87,7 +43,7 @@ def test_fedrod_personal_loss_reaches_only_the_personal_head():
     # parameters only: the forward pass in train mode still updates BN running stats
     body_and_generic = params_of(model.encoder) | {f"head.{k}": v for k, v in params_of(model.head).items()}
     personal_before = params_of(model.personal_head)
-    opt = make_optimizer(model.parameters(), make_ctx())
+    opt = make_optimizer(model.parameters(), KIT.ctx())
     _, personal = rod_losses(model, data.x_train, data.y_train, log_prior(data.class_counts()))
     personal.backward()
     opt.step()
@@ -126,12 +82,12 @@ def test_balanced_softmax_gives_absent_classes_probability_zero():
 def test_fedrod_local_update_equals_two_steps_per_batch():
     """local_update does, batch for batch, PFLlib's (f, h_G) step then h_P step."""
     method = create_method("fedrod")
-    data = make_client(4, 40, [0, 2, 3]).to_torch()  # class 1 absent: -inf in the prior
-    model = build(method, 5)
+    data = KIT.gaussian_client(4, 40, [0, 2, 3]).to_torch()  # class 1 absent: -inf in the prior
+    model = KIT.model(method, 5)
     reference = copy.deepcopy(model)
-    method.local_update(model, data, make_ctx(7))
+    method.local_update(model, data, KIT.ctx(7))
 
-    ctx = make_ctx(7)
+    ctx = KIT.ctx(7)
     prior = torch.log(data.class_counts().float())
     opt_g = make_optimizer([*reference.encoder.parameters(), *reference.head.parameters()], ctx)
     opt_p = make_optimizer(reference.personal_head.parameters(), ctx)
@@ -150,18 +106,18 @@ def test_fedrod_local_update_equals_two_steps_per_batch():
     got, want = model.state_dict(), reference.state_dict()
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
-    assert not same(snapshot(model.personal_head), snapshot(build(method, 5).personal_head))
+    assert not same(snapshot(model.personal_head), snapshot(KIT.model(method, 5).personal_head))
 
 
 def test_fedrod_shares_body_and_generic_head_and_infers_with_both_heads():
     method = create_method("fedrod")
-    model = build(method)
+    model = KIT.model(method)
     shared = set(method.shared_keys(model))
     assert not any(k.startswith("personal_head.") for k in shared)
     assert {"head.weight", "head.bias"} <= shared and any(k.startswith("encoder.") for k in shared)
     assert {"personal_head.weight", "personal_head.bias"} <= set(method.personal_state(model))
 
-    method.local_update(model, CLIENT.to_torch(), make_ctx())  # heads now differ
+    method.local_update(model, CLIENT.to_torch(), KIT.ctx())  # heads now differ
     model.eval()
     x = torch.from_numpy(CLIENT.x_test)
     with torch.no_grad():
@@ -171,6 +127,9 @@ def test_fedrod_shares_body_and_generic_head_and_infers_with_both_heads():
         head = method.device_head(model)
         assert isinstance(head, RoDHead) and head.personal_head is model.personal_head
         torch.testing.assert_close(head(f), want)
+    # a model FedRoD did not build has no personal head: refused by name, not an AttributeError
+    with pytest.raises(TypeError, match="RoDModel"):
+        method.device_head(KIT.model(create_method("fedavg")))
 
 
 # --------------------------------------------------------------------------- FedBN
@@ -178,7 +137,7 @@ def test_fedrod_shares_body_and_generic_head_and_infers_with_both_heads():
 
 def test_fedbn_keeps_every_batchnorm_tensor_local_and_stats_diverge():
     method = create_method("fedbn")
-    server_model = build(method)
+    server_model = KIT.model(method)
     bn = bn_keys(server_model)
     assert bn, "the test model must have BatchNorm layers"
     shared = set(method.shared_keys(server_model))
@@ -186,19 +145,19 @@ def test_fedbn_keeps_every_batchnorm_tensor_local_and_stats_diverge():
     assert shared == {k for k in server_model.state_dict() if k not in bn}  # everything else is shared
 
     state = method.init_server(server_model)
-    clients = {"a": make_client(1, 40, [0, 1, 2, 3]), "b": make_client(2, 40, [1, 2], shift=1.5)}
+    clients = {"a": KIT.gaussian_client(1, 40, [0, 1, 2, 3]), "b": KIT.gaussian_client(2, 40, [1, 2], shift=1.5)}
     models, updates = {}, []
     for i, (agent, data) in enumerate(clients.items()):
-        model = build(method, 10 + i)
-        method.receive(model, method.payload_for(state, agent), make_ctx(i))
-        upload = method.local_update(model, data.to_torch(), make_ctx(i)).upload
+        model = KIT.model(method, 10 + i)
+        method.receive(model, method.payload_for(state, agent), KIT.ctx(i))
+        upload = method.local_update(model, data.to_torch(), KIT.ctx(i)).upload
         assert not set(upload) & bn
         models[agent] = model
         updates.append(ClientUpdate(agent, data.num_train, upload))
     kept_bn = {a: {k: v for k, v in snapshot(m).items() if k in bn} for a, m in models.items()}
     state = method.server_step(state, updates, 0)
     for agent, model in models.items():
-        method.receive(model, method.payload_for(state, agent), make_ctx(5))
+        method.receive(model, method.payload_for(state, agent), KIT.ctx(5))
     sa, sb = snapshot(models["a"]), snapshot(models["b"])
     assert all(torch.equal(sa[k], sb[k]) for k in shared)  # shared part: one global value
     for a, m in models.items():
@@ -212,17 +171,17 @@ def test_fedbn_keeps_every_batchnorm_tensor_local_and_stats_diverge():
 
 def test_lgfedavg_shares_only_the_classifier():
     method = create_method("lgfedavg")
-    model = build(method)
+    model = KIT.model(method)
     assert set(method.shared_keys(model)) == {"head.weight", "head.bias"}
     encoder_before = snapshot(model.encoder)
-    upload = method.local_update(model, CLIENT.to_torch(), make_ctx()).upload
+    upload = method.local_update(model, CLIENT.to_torch(), KIT.ctx()).upload
     assert set(upload) == {"head.weight", "head.bias"}
     assert not same(snapshot(model.encoder), encoder_before)  # the personal encoder trains
 
     trained_encoder = snapshot(model.encoder)
-    other = build(method, 3)
+    other = KIT.model(method, 3)
     payload = method.payload_for(method.init_server(other), "x")
-    method.receive(model, payload, make_ctx())
+    method.receive(model, payload, KIT.ctx())
     assert same(snapshot(model.encoder), trained_encoder)
     assert torch.equal(model.head.weight, other.head.weight)
 
@@ -242,17 +201,17 @@ def test_fedprox_proximal_term_keeps_local_weights_near_the_global_model():
     for mu in (0.0, 1.0, 10.0):
         method = create_method("fedprox", {"mu": mu})
         attrs = dict(vars(method))
-        model = build(method, 1)
+        model = KIT.model(method, 1)
         anchor = params_of(model)
-        uploads[mu] = method.local_update(model, data, make_ctx(2, train)).upload
+        uploads[mu] = method.local_update(model, data, KIT.ctx(2, train=train)).upload
         dist[mu] = _distance(model, anchor)
         assert vars(method) == attrs  # the round's w_global is not kept on the shared instance
     assert dist[0.0] > dist[1.0] > dist[10.0] and dist[10.0] < 0.6 * dist[0.0], dist
 
     # with mu = 0 it is exactly FedAvg
     fedavg = create_method("fedavg")
-    model = build(fedavg, 1)
-    plain = fedavg.local_update(model, data, make_ctx(2, train)).upload
+    model = KIT.model(fedavg, 1)
+    plain = fedavg.local_update(model, data, KIT.ctx(2, train=train)).upload
     assert all(np.array_equal(plain[k], uploads[0.0][k]) for k in plain)
     assert create_method("fedprox").config.mu == 0.01
 
@@ -261,12 +220,12 @@ def test_fedprox_anchor_is_the_model_as_received_this_round():
     """Round 2's proximal pull is toward round 2's global model, not round 1's."""
     train = TrainConfig(epochs=2, batch_size=16, lr=0.05)
     method = create_method("fedprox", {"mu": 5.0})
-    model = build(method, 1)
-    method.local_update(model, CLIENT.to_torch(), make_ctx(2, train))  # round 1
-    fresh = build(method, 8)
-    method.receive(model, method.shared_params(fresh), make_ctx(3, train))  # round 2's global model
-    method.local_update(model, CLIENT.to_torch(), make_ctx(4, train))
-    method.local_update(fresh, CLIENT.to_torch(), make_ctx(4, train))
+    model = KIT.model(method, 1)
+    method.local_update(model, CLIENT.to_torch(), KIT.ctx(2, train=train))  # round 1
+    fresh = KIT.model(method, 8)
+    method.receive(model, method.shared_params(fresh), KIT.ctx(3, train=train))  # round 2's global model
+    method.local_update(model, CLIENT.to_torch(), KIT.ctx(4, train=train))
+    method.local_update(fresh, CLIENT.to_torch(), KIT.ctx(4, train=train))
     # same starting weights and batches: any memory of round 1 would make them differ
     fresh_params = dict(fresh.named_parameters())
     assert all(torch.equal(p, fresh_params[k]) for k, p in model.named_parameters())
@@ -277,7 +236,7 @@ def test_fedprox_anchor_is_the_model_as_received_this_round():
 
 def test_fedrep_head_phase_keeps_encoder_and_body_phase_keeps_head(monkeypatch):
     method = create_method("fedrep", {"head_epochs": 2})
-    model = build(method)
+    model = KIT.model(method)
     phases = []
     real_fit = fedrep_module.fit
 
@@ -288,7 +247,7 @@ def test_fedrep_head_phase_keeps_encoder_and_body_phase_keeps_head(monkeypatch):
         return out
 
     monkeypatch.setattr(fedrep_module, "fit", recording_fit)
-    method.local_update(model, CLIENT.to_torch(), make_ctx())
+    method.local_update(model, CLIENT.to_torch(), KIT.ctx())
     assert len(phases) == 2
     (enc0, head0), (enc1, head1) = phases[0]
     assert same(enc0, enc1) and not same(head0, head1), "head phase must train only the head"
@@ -301,12 +260,12 @@ def test_fedrep_head_phase_keeps_encoder_and_body_phase_keeps_head(monkeypatch):
 
 def test_fedper_shares_exactly_the_encoder_and_trains_the_head_jointly():
     method = create_method("fedper")
-    model = build(method)
+    model = KIT.model(method)
     want = {f"encoder.{k}" for k in model.encoder.state_dict() if not k.endswith("num_batches_tracked")}
     assert set(method.shared_keys(model)) == want
     head_before = params_of(model.head)
     encoder_before = params_of(model.encoder)
-    upload = method.local_update(model, CLIENT.to_torch(), make_ctx()).upload
+    upload = method.local_update(model, CLIENT.to_torch(), KIT.ctx()).upload
     assert set(upload) == want
     assert not same(params_of(model.head), head_before) and not same(params_of(model.encoder), encoder_before)
 
@@ -316,12 +275,12 @@ def test_fedper_shares_exactly_the_encoder_and_trains_the_head_jointly():
 
 def test_fedavg_ft_fine_tunes_for_evaluation_without_touching_the_model():
     method = create_method("fedavg_ft", {"ft_epochs": 5})
-    model = build(method)
-    create_method("fedavg").local_update(model, CLIENT.to_torch(), make_ctx())
+    model = KIT.model(method)
+    create_method("fedavg").local_update(model, CLIENT.to_torch(), KIT.ctx())
     before = snapshot(model)
-    tuned = method.evaluate(model, CLIENT.to_torch(), make_ctx(1))
+    tuned = method.evaluate(model, CLIENT.to_torch(), KIT.ctx(1))
     assert same(snapshot(model), before)
-    plain = create_method("fedavg").evaluate(model, CLIENT.to_torch(), make_ctx(1))
+    plain = create_method("fedavg").evaluate(model, CLIENT.to_torch(), KIT.ctx(1))
     assert tuned.loss < plain.loss  # the evaluation really used a fine-tuned classifier
 
 
@@ -330,21 +289,21 @@ def test_fedavg_ft_fine_tunes_for_evaluation_without_touching_the_model():
 
 def test_local_shares_nothing_and_its_server_step_is_a_no_op():
     method = create_method("local")
-    model = build(method)
+    model = KIT.model(method)
     assert method.shared_keys(model) == []
     assert set(method.personal_state(model)) == set(model.state_dict())
     before = snapshot(model)
-    upload = method.local_update(model, CLIENT.to_torch(), make_ctx()).upload
+    upload = method.local_update(model, CLIENT.to_torch(), KIT.ctx()).upload
     assert upload == {}
     assert not same(snapshot(model), before)  # it still trains locally
 
-    state = method.init_server(build(method, 2))
+    state = method.init_server(KIT.model(method, 2))
     assert state.global_tensors == {}
     updates = [ClientUpdate("a", 40, {}), ClientUpdate("b", 24, {})]
     after = method.server_step(state, updates, 0)
     assert after.global_tensors == {} and after.client_tensors == state.client_tensors and after.extra == state.extra
     trained = snapshot(model)
-    method.receive(model, method.payload_for(after, "a"), make_ctx())
+    method.receive(model, method.payload_for(after, "a"), KIT.ctx())
     assert same(snapshot(model), trained)
 
 
@@ -352,7 +311,7 @@ def test_local_shares_nothing_and_its_server_step_is_a_no_op():
 def test_shared_parameters_are_a_strict_subset_where_the_method_says_so(name):
     """Sanity across the family: only FedAvg and FedProx share every tensor."""
     method = create_method(name)
-    model = build(method)
+    model = KIT.model(method)
     everything = {k for k in model.state_dict() if not k.endswith("num_batches_tracked")}
     full = set(method.shared_keys(model)) == everything
     assert full == (name in ("fedavg", "fedprox"))

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from edgepfl.config import ModelSpec, TrainConfig
 from edgepfl.data.client import ClientData
-from edgepfl.methods import ClientUpdate, LocalContext, ServerState, UpdateRejected, create_method
+from edgepfl.methods import ClientUpdate, ServerState, UpdateRejected, create_method
 from edgepfl.methods.fedpac import (
     CENTROID_COUNTS,
     CENTROIDS,
@@ -25,25 +25,21 @@ from edgepfl.methods.fedpac import (
     solve_simplex_qp,
 )
 
+from method_kit import MethodKit, params_of
+
 K, D, SHAPE = 3, 4, (1, 4, 4)
+KIT = MethodKit(num_classes=K, input_shape=SHAPE, spec=ModelSpec(arch="mlp", feature_dim=D),
+                train=TrainConfig(epochs=1, batch_size=8))
 
 
 def make_data(seed: int, dominant: int = 0, n: int = 40) -> ClientData:
+    """Half the samples in class ``dominant``: skewed class counts, as FedPAC's count-weighted
+    centroids need; inputs are N(label, 1)."""
     rng = np.random.default_rng(seed)
     y = rng.integers(0, K, n)
     y[: n // 2] = dominant
     x = (rng.normal(size=(n,) + SHAPE) + y[:, None, None, None]).astype(np.float32)
     return ClientData(x[:32], y[:32], x[32:], y[32:], K)
-
-
-def make_ctx(seed: int = 0, epochs: int = 1, rnd: int = 0) -> LocalContext:
-    return LocalContext(train=TrainConfig(epochs=epochs, batch_size=8), device="cpu", round=rnd, seed=seed,
-                        num_classes=K, generator=torch.Generator().manual_seed(seed))
-
-
-def make_model(method, seed: int = 0):
-    torch.manual_seed(seed)
-    return method.build_model(ModelSpec(arch="mlp", feature_dim=D), SHAPE, K)
 
 
 def eval_features(model, x) -> np.ndarray:
@@ -132,7 +128,7 @@ def test_non_psd_matrix_is_repaired_by_dropping_small_eigenvalues():
 
 def test_server_repairs_non_psd_and_falls_back_to_local_head():
     method = create_method("fedpac", {})
-    state = method.init_server(make_model(method))
+    state = method.init_server(KIT.model(method))
     rng = np.random.default_rng(1)
     h = rng.normal(size=(K, D))
     # a negative variance statistic makes P indefinite for every client
@@ -160,7 +156,7 @@ def test_server_repairs_non_psd_and_falls_back_to_local_head():
 # ---------------------------------------------------------------------- server: centroids, body
 def test_centroids_are_count_weighted_and_body_sample_weighted():
     method = create_method("fedpac", {})
-    state = method.init_server(make_model(method))
+    state = method.init_server(KIT.model(method))
     rng = np.random.default_rng(2)
     counts = [np.array([3, 0, 1]), np.array([1, 0, 4]), np.array([0, 0, 2])]
     ups = [fake_update(a, rng, n=n, counts=c) for a, n, c in zip("abc", (10, 30, 60), counts)]
@@ -183,7 +179,7 @@ def test_centroids_are_count_weighted_and_body_sample_weighted():
 # ---------------------------------------------------------------------- server: prototype variant
 def test_prototype_weighting_favours_head_that_classifies_client_centroids():
     method = create_method("fedpac", {"weighting": "prototype"})
-    state = method.init_server(make_model(method))
+    state = method.init_server(KIT.model(method))
     rng = np.random.default_rng(4)
     cent = np.zeros((K, D), np.float32)
     cent[np.arange(K), np.arange(K)] = 1.0  # client a's centroid of class k is e_k
@@ -211,13 +207,13 @@ def test_prototype_weighting_favours_head_that_classifies_client_centroids():
 # ---------------------------------------------------------------------- agent side
 def test_statistics_match_direct_numpy_computation():
     method = create_method("fedpac", {})
-    model = make_model(method)
+    model = KIT.model(method)
     data = make_data(0).to_torch()
     state = method.init_server(model)
-    method.receive(model, method.payload_for(state, "a"), make_ctx())
+    method.receive(model, method.payload_for(state, "a"), KIT.ctx())
     f = eval_features(copy.deepcopy(model), data.x_train)  # the model the statistics must use
     y = data.y_train.numpy()
-    res = method.local_update(model, data, make_ctx())
+    res = method.local_update(model, data, KIT.ctx())
 
     n = len(y)
     h = np.zeros((K, D))
@@ -243,20 +239,17 @@ def test_statistics_match_direct_numpy_computation():
 
 def test_head_phase_changes_only_head_and_body_phase_only_body():
     method = create_method("fedpac", {})
-    model = make_model(method)
+    model = KIT.model(method)
     data = make_data(1).to_torch()
 
-    def snap():
-        return {k: p.detach().clone() for k, p in model.named_parameters()}
-
-    before = snap()
-    method.head_phase(model, data, make_ctx())
-    mid = snap()
+    before = params_of(model)
+    method.head_phase(model, data, KIT.ctx())
+    mid = params_of(model)
     for k in before:
         assert torch.equal(before[k], mid[k]) != k.startswith("head."), k
     targets = np.random.default_rng(0).normal(size=(K, D))
-    method.body_phase(model, data, make_ctx(), targets)
-    after = snap()
+    method.body_phase(model, data, KIT.ctx(), targets)
+    after = params_of(model)
     for k in before:
         assert torch.equal(mid[k], after[k]) == k.startswith("head."), k
     assert all(p.requires_grad for p in model.parameters())  # the freeze is undone
@@ -264,13 +257,13 @@ def test_head_phase_changes_only_head_and_body_phase_only_body():
 
 def _train_with(lam, payload_centroids, seed=0):
     method = create_method("fedpac", {"lam": lam})
-    model = make_model(method, seed)
+    model = KIT.model(method, seed)
     data = make_data(5).to_torch()
     payload = method.payload_for(method.init_server(model), "a")
     if payload_centroids is not None:
         payload[CENTROIDS], payload[CENTROID_COUNTS] = payload_centroids
-    method.receive(model, payload, make_ctx())
-    res = method.local_update(model, data, make_ctx(seed=7, epochs=3))
+    method.receive(model, payload, KIT.ctx())
+    res = method.local_update(model, data, KIT.ctx(7, epochs=3))
     return model, data, res
 
 
@@ -307,14 +300,14 @@ def test_class_missing_globally_is_aligned_to_local_centroid():
 # ---------------------------------------------------------------------- one federation round trip
 def test_two_rounds_deliver_combined_heads_and_centroids():
     method = create_method("fedpac", {})
-    models = {a: make_model(method, i) for i, a in enumerate("ab")}
+    models = {a: KIT.model(method, i) for i, a in enumerate("ab")}
     datas = {a: make_data(10 + i, dominant=i).to_torch() for i, a in enumerate("ab")}
     state = method.init_server(models["a"])
     assert CENTROIDS not in method.payload_for(state, "a")
     for rnd in range(2):
         ups = []
         for a in "ab":
-            ctx = make_ctx(seed=rnd, rnd=rnd)
+            ctx = KIT.ctx(rnd, round=rnd)
             method.receive(models[a], method.payload_for(state, a), ctx)
             res = method.local_update(models[a], datas[a], ctx)
             assert res.metrics["aligned"] == float(rnd > 0)
@@ -329,7 +322,7 @@ def test_two_rounds_deliver_combined_heads_and_centroids():
     alpha = state.extra["alphas"]["b"]
     want = sum(alpha[u.agent_id] * u.tensors["head.weight"].astype(np.float64) for u in ups)
     np.testing.assert_allclose(payload["head.weight"], want, rtol=1e-5, atol=1e-6)
-    method.receive(models["b"], payload, make_ctx())
+    method.receive(models["b"], payload, KIT.ctx())
     np.testing.assert_array_equal(models["b"].head.weight.detach().numpy(), payload["head.weight"])
     # the personal head is uploaded for the server but never part of the averaged body
     assert not any(k.startswith("head.") for k in state.shared_params())

@@ -10,35 +10,18 @@ import pytest
 import torch
 
 from edgepfl.config import ModelSpec, TrainConfig
-from edgepfl.data.client import ClientTensors
-from edgepfl.methods import LocalContext, create_method
+from edgepfl.methods import create_method
 from edgepfl.methods.fedrir import InfoDistillation, information_term, mask_patches, q_nll, vclub
+
+from method_kit import MethodKit, changed, generator, snapshot
 
 SHAPE = (1, 28, 28)
 CLASSES = 4
 SMALL = {"embed_dim": 32, "q_hidden": 16, "batch_size": 16}
-
-
-def make_data(n=48, seed=0) -> ClientTensors:
-    """Each class brightens its own quadrant, plus noise."""
-    g = torch.Generator().manual_seed(seed)
-    y = torch.arange(n) % CLASSES
-    x = 0.3 * torch.randn(n, *SHAPE, generator=g)
-    for k in range(CLASSES):
-        r, c = divmod(k, 2)
-        x[y == k, :, 14 * r : 14 * r + 14, 14 * c : 14 * c + 14] += 1.5
-    return ClientTensors(x_train=x, y_train=y, x_test=x.clone(), y_test=y.clone(), num_classes=CLASSES)
-
-
-def make_ctx(seed=0, epochs=1) -> LocalContext:
-    return LocalContext(train=TrainConfig(epochs=epochs), device="cpu", round=0, seed=seed,
-                        num_classes=CLASSES, generator=torch.Generator().manual_seed(seed))
-
-
-def build(options=None, seed=0):
-    torch.manual_seed(seed)
-    method = create_method("fedrir", {**SMALL, **(options or {})})
-    return method, method.build_model(ModelSpec(), SHAPE, CLASSES)
+# every KIT.build("fedrir", ...) gets the SMALL options; the data, KIT.quadrant_data(), has
+# 48 images in which each class brightens its own quadrant, plus noise
+KIT = MethodKit(num_classes=CLASSES, input_shape=SHAPE, spec=ModelSpec(), train=TrainConfig(epochs=1),
+                method_options=SMALL)
 
 
 def patch_zero_fraction(x: torch.Tensor, masked: torch.Tensor, patch=4) -> torch.Tensor:
@@ -56,22 +39,22 @@ def patch_zero_fraction(x: torch.Tensor, masked: torch.Tensor, patch=4) -> torch
 
 def test_masking_zeroes_sixty_percent_of_4x4_patches_over_all_channels():
     x = torch.rand(64, 3, 28, 28) + 0.5  # no pixel is zero before masking
-    masked = mask_patches(x, 0.6, 4, torch.Generator().manual_seed(0))
+    masked = mask_patches(x, 0.6, 4, generator(0))
     frac = patch_zero_fraction(x, masked)
     assert torch.allclose(frac, torch.full_like(frac, math.floor(0.6 * 49) / 49))
     assert abs(float(frac.mean()) - 0.6) < 0.01
     # a fresh draw per sample, not one mask for the batch
     assert len({tuple((masked[i] == 0).flatten().tolist()) for i in range(8)}) == 8
-    quarter = patch_zero_fraction(x, mask_patches(x, 0.25, 4, torch.Generator().manual_seed(0)))
+    quarter = patch_zero_fraction(x, mask_patches(x, 0.25, 4, generator(0)))
     assert torch.allclose(quarter, torch.full_like(quarter, 12 / 49))
 
 
 def test_stage_one_feeds_the_csfe_masked_images():
-    method, model = build()
+    method, model = KIT.build("fedrir")
     seen = []
     model.csfe.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach().clone()))
-    data = make_data()
-    method.train_stage1(model, data, make_ctx())
+    data = KIT.quadrant_data()
+    method.train_stage1(model, data, KIT.ctx())
     fractions = [float((x.reshape(len(x), 1, 7, 4, 7, 4) == 0).all(5).all(3).float().mean()) for x in seen]
     assert fractions and all(abs(f - 29 / 49) < 1e-6 for f in fractions)
 
@@ -81,7 +64,7 @@ def _fit_q(x, y, steps=400):
     q = InfoDistillation(x.shape[1], 64)
     opt = torch.optim.Adam(q.parameters(), lr=1e-2)
     for step in range(steps):
-        idx = torch.randint(0, len(x), (256,), generator=torch.Generator().manual_seed(step))
+        idx = torch.randint(0, len(x), (256,), generator=generator(step))
         opt.zero_grad()
         q_nll(*q(x[idx]), y[idx]).backward()
         opt.step()
@@ -91,7 +74,7 @@ def _fit_q(x, y, steps=400):
 @pytest.mark.parametrize("rho", [0.0, 0.5, 0.7])
 def test_vclub_upper_bounds_the_mutual_information_of_correlated_gaussians(rho):
     d = 3
-    g = torch.Generator().manual_seed(1)
+    g = generator(1)
     x = torch.randn(8192, d, generator=g)
     y = rho * x + math.sqrt(1 - rho**2) * torch.randn(8192, d, generator=g)
     q = _fit_q(x[:4096], y[:4096])
@@ -105,7 +88,7 @@ def test_vclub_upper_bounds_the_mutual_information_of_correlated_gaussians(rho):
 
 
 def test_vclub_matches_the_all_pairs_definition():
-    g = torch.Generator().manual_seed(2)
+    g = generator(2)
     mu, t = torch.randn(5, 3, generator=g), torch.randn(5, 3, generator=g)
     logvar = torch.randn(5, 3, generator=g).tanh()
 
@@ -133,37 +116,27 @@ def test_information_term_routes_gradients_as_the_paper_says():
     assert float(torch.autograd.grad(info, f_g)[0].abs().sum()) > 0
 
 
-def _snapshot(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _changed(before, model, prefix):
-    keys = [k for k in before if k.startswith(prefix) and not k.endswith("num_batches_tracked")]
-    assert keys
-    return {k for k in keys if not torch.equal(before[k], model.state_dict()[k])}
-
-
 @pytest.mark.parametrize("mi", ["vclub", "code"])
 def test_stages_train_disjoint_parts(mi):
-    method, model = build({"mi": mi})
-    data = make_data()
-    before = _snapshot(model)
-    method.train_stage1(model, data, make_ctx())
+    method, model = KIT.build("fedrir", {"mi": mi})
+    data = KIT.quadrant_data()
+    before = snapshot(model)
+    method.train_stage1(model, data, KIT.ctx())
     for part in ("encoder.", "head.", "q."):
-        assert not _changed(before, model, part), part  # BN running stats included
+        assert not changed(before, snapshot(model), part), part  # BN running stats included
     for part in ("csfe.", "generator."):
-        assert _changed(before, model, part), part
+        assert changed(before, snapshot(model), part), part
 
-    before = _snapshot(model)
-    method.train_stage2(model, data, make_ctx())
+    before = snapshot(model)
+    method.train_stage2(model, data, KIT.ctx())
     for part in ("csfe.", "generator."):
-        assert not _changed(before, model, part), part
+        assert not changed(before, snapshot(model), part), part
     for part in ("encoder.", "head.", "q."):
-        assert _changed(before, model, part), part
+        assert changed(before, snapshot(model), part), part
 
 
 def test_only_gfe_parameters_are_shared():
-    method, model = build()
+    method, model = KIT.build("fedrir")
     shared = set(method.shared_keys(model))
     assert shared and all(k.startswith("encoder.") for k in shared)
     assert {n for n, _ in model.encoder.named_parameters()} == {k[len("encoder."):] for k in shared}
@@ -171,31 +144,31 @@ def test_only_gfe_parameters_are_shared():
     personal = method.personal_state(model)
     for prefix in ("csfe.", "generator.", "q.", "head."):
         assert any(k.startswith(prefix) for k in personal)
-    res = method.local_update(model, make_data(), make_ctx())
+    res = method.local_update(model, KIT.quadrant_data(), KIT.ctx())
     assert set(res.upload) == shared
     assert method.encoder_module(model) is model.encoder and method.device_head(model) is None
 
 
 @pytest.mark.parametrize("mi, flag", [("vclub", 1.0), ("code", 0.0)])
 def test_local_update_records_mi_mode_reproduces_and_learns(mi, flag):
-    data = make_data()
-    method, model = build({"mi": mi})
-    _, twin = build({"mi": mi})
-    before = method.evaluate(model, data, make_ctx()).accuracy
-    res = method.local_update(model, data, make_ctx(seed=3, epochs=3))
-    res_twin = method.local_update(twin, data, make_ctx(seed=3, epochs=3))
+    data = KIT.quadrant_data()
+    method, model = KIT.build("fedrir", {"mi": mi})
+    _, twin = KIT.build("fedrir", {"mi": mi})
+    before = method.evaluate(model, data, KIT.ctx()).accuracy
+    res = method.local_update(model, data, KIT.ctx(3, epochs=3))
+    res_twin = method.local_update(twin, data, KIT.ctx(3, epochs=3))
     assert res.metrics["mi_mode_vclub"] == flag
     assert all(math.isfinite(res.metrics[k]) for k in ("recon_mse", "recon_kl", "cls_ce", "q_nll", "mi_vclub"))
     for k in res.upload:
         np.testing.assert_array_equal(res.upload[k], res_twin.upload[k])
-    after = method.evaluate(model, data, make_ctx()).accuracy
+    after = method.evaluate(model, data, KIT.ctx()).accuracy
     assert after > max(before, 0.6)
 
 
 def test_inference_uses_gfe_and_csfe_mean_on_the_unmasked_image():
-    method, model = build()
+    method, model = KIT.build("fedrir")
     model.eval()
-    x = make_data().x_test[:8]
+    x = KIT.quadrant_data().x_test[:8]
     with torch.no_grad():
         expected = model.head(torch.cat([model.encoder(x), model.csfe(x)[0]], 1))
         assert torch.equal(method.logits(model, x), expected)

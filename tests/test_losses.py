@@ -9,6 +9,8 @@ import torch
 
 from edgepfl.methods.losses import supcon_loss
 
+from method_kit import generator
+
 
 def reference_supcon(features: torch.Tensor, labels: list[int], tau: float, form: str) -> float:
     """The formula of METHODS.md / RepPer eq. 5, anchor by anchor, in plain Python floats."""
@@ -36,7 +38,7 @@ def reference_supcon(features: torch.Tensor, labels: list[int], tau: float, form
 @pytest.mark.parametrize("form", ["out", "in"])
 def test_two_view_form_matches_formula(form):
     # RepPer: 2B views, the labels repeated; every anchor has its other view as a positive
-    g = torch.Generator().manual_seed(0)
+    g = generator(0)
     y = [0, 1, 0, 2]
     views = torch.randn(8, 5, generator=g)
     labels = torch.tensor(y + y)
@@ -47,7 +49,7 @@ def test_two_view_form_matches_formula(form):
 @pytest.mark.parametrize("form", ["out", "in"])
 def test_single_view_form_matches_formula_with_lonely_anchors(form):
     # DualFed: one view; labels 1 and 3 occur once, so those anchors have no positive
-    g = torch.Generator().manual_seed(1)
+    g = generator(1)
     y = [0, 0, 1, 2, 2, 3, 2]
     feats = torch.randn(len(y), 6, generator=g)
     got = supcon_loss(feats, torch.tensor(y), tau=0.2, form=form)
@@ -57,14 +59,14 @@ def test_single_view_form_matches_formula_with_lonely_anchors(form):
 def test_forms_differ_when_anchors_have_several_positives():
     # guards against "in" silently computing "out": Jensen makes in <= out, equal only
     # with one positive per anchor
-    g = torch.Generator().manual_seed(2)
+    g = generator(2)
     feats = torch.randn(6, 4, generator=g)
     y = torch.tensor([0, 0, 0, 1, 1, 1])
     assert supcon_loss(feats, y, 0.5, form="in") < supcon_loss(feats, y, 0.5, form="out") - 1e-4
 
 
 def test_anchors_without_positives_add_zero_and_count_in_the_mean():
-    g = torch.Generator().manual_seed(3)
+    g = generator(3)
     feats = torch.randn(5, 3, generator=g, requires_grad=True)
     all_distinct = supcon_loss(feats, torch.arange(5), tau=0.1)
     assert all_distinct.item() == 0.0
@@ -83,13 +85,13 @@ def test_anchors_without_positives_add_zero_and_count_in_the_mean():
 
 @pytest.mark.parametrize("form", ["out", "in"])
 def test_gradients_are_finite_with_mixed_anchors(form):
-    feats = torch.randn(6, 4, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    feats = torch.randn(6, 4, generator=generator(4), requires_grad=True)
     supcon_loss(feats, torch.tensor([0, 0, 1, 2, 3, 3]), 0.1, form=form).backward()
     assert torch.isfinite(feats.grad).all() and feats.grad.abs().sum() > 0
 
 
 def test_scale_invariant_because_features_are_normalized():
-    feats = torch.randn(6, 4, generator=torch.Generator().manual_seed(5))
+    feats = torch.randn(6, 4, generator=generator(5))
     y = torch.tensor([0, 1, 0, 1, 2, 2])
     assert supcon_loss(3.7 * feats, y, 0.1).item() == pytest.approx(supcon_loss(feats, y, 0.1).item(), rel=1e-5)
 

@@ -25,11 +25,8 @@ import torch
 from pydantic import ValidationError
 from safetensors.numpy import load_file, save_file
 
-from edgepfl.config import ModelSpec, TrainConfig
-from edgepfl.data.client import ClientData
 from edgepfl.methods import (
     ClientUpdate,
-    LocalContext,
     Method,
     ServerState,
     UpdateRejected,
@@ -41,43 +38,17 @@ from edgepfl.methods.base import STAT, load_tensors
 from edgepfl.protocol.envelope import decode, encode
 from edgepfl.protocol.messages import MessageType, TaskMeta, UpdateMeta
 
-NUM_CLASSES = 4
-INPUT_SHAPE = (1, 28, 28)
-SPEC = ModelSpec(arch="cnn", feature_dim=16)
-TRAIN = TrainConfig(epochs=1, batch_size=16)
+from method_kit import MethodKit, eval_logits
+
+KIT = MethodKit()  # 4 classes of 1x28x28 images, SmallCNN with 16 features, 1 epoch of batches of 16
 AGENTS = ("agent-a", "agent-b")
 METHODS = available_methods()
 
-
-def make_client(seed: int, n_train: int, n_test: int, classes: list[int], shift: float) -> ClientData:
-    """Random images with every listed class present; ``shift`` makes clients' inputs differ."""
-    rng = np.random.default_rng(seed)
-
-    def split(n):
-        y = rng.permutation(np.resize(np.asarray(classes), n)).astype(np.int64)
-        x = (rng.standard_normal((n, *INPUT_SHAPE)) + shift + 0.5 * y[:, None, None, None]).astype(np.float32)
-        return x, y
-
-    x_train, y_train = split(n_train)
-    x_test, y_test = split(n_test)
-    return ClientData(x_train, y_train, x_test, y_test, num_classes=NUM_CLASSES)
-
-
 # Two clients that differ in size (so sample weighting matters), label set and inputs.
 CLIENTS = {
-    "agent-a": make_client(1, 40, 20, [0, 1, 2, 3], 0.0),
-    "agent-b": make_client(2, 24, 20, [1, 2], 0.7),
+    "agent-a": KIT.gaussian_client(1, 40, [0, 1, 2, 3], shift=0.0, n_test=20),
+    "agent-b": KIT.gaussian_client(2, 24, [1, 2], shift=0.7, n_test=20),
 }
-
-
-def make_ctx(round: int, seed: int) -> LocalContext:
-    return LocalContext(train=TRAIN, device=torch.device("cpu"), round=round, seed=seed, num_classes=NUM_CLASSES,
-                        generator=torch.Generator().manual_seed(seed))
-
-
-def build(method: Method, seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return method.build_model(SPEC, INPUT_SHAPE, NUM_CLASSES)
 
 
 @dataclass
@@ -98,11 +69,11 @@ class RoundRun:
 def run_round(name: str) -> RoundRun:
     """Run (once per method, cached) the round every check below inspects. Don't mutate the result."""
     method = create_method(name)
-    state0 = method.init_server(build(method, 0))
+    state0 = method.init_server(KIT.model(method, 0))
     payloads, models, uploads, correct = {}, {}, {}, {}
     for i, agent in enumerate(AGENTS):
-        model = build(method, 100 + i)  # each agent builds its own model, as on a device
-        ctx = make_ctx(0, 10 + i)
+        model = KIT.model(method, 100 + i)  # each agent builds its own model, as on a device
+        ctx = KIT.ctx(10 + i)
         payloads[agent] = method.payload_for(state0, agent)
         method.receive(model, payloads[agent], ctx)
         data = CLIENTS[agent].to_torch()
@@ -121,12 +92,6 @@ def personal_keys(method: Method, model: torch.nn.Module) -> set[str]:
 
 def uploaded_personal_ok(method: Method, key: str) -> bool:
     return any(key.startswith(p + ".") for p in method.upload_personal)
-
-
-def eval_logits(method: Method, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    model.eval()
-    with torch.no_grad():
-        return method.logits(model, x)
 
 
 def x_eval(agent: str = "agent-a") -> torch.Tensor:
@@ -218,7 +183,7 @@ def test_personal_state_survives_safetensors_save_load(name, tmp_path):
     path = tmp_path / "personal.safetensors"
     save_file(personal, str(path))
 
-    fresh = build(method, 999)
+    fresh = KIT.model(method, 999)
     x = x_eval()
     trained = model.state_dict()
     assert any(not torch.equal(v, trained[k]) for k, v in fresh.state_dict().items())  # the test can fail
@@ -235,7 +200,7 @@ def test_inference_is_deterministic_in_eval_mode(name):
     x = x_eval()
     first = eval_logits(run.method, model, x)
     second = eval_logits(run.method, model, x)
-    assert first.shape == (len(x), NUM_CLASSES)
+    assert first.shape == (len(x), KIT.num_classes)
     assert torch.equal(first, second)
 
 
@@ -248,13 +213,13 @@ def test_evaluate_keeps_shared_params_and_repeats_exactly(name):
     model = copy.deepcopy(run.models["agent-b"])
     shared_before = method.shared_params(model)
     data = CLIENTS["agent-b"].to_torch()
-    first = method.evaluate(model, data, make_ctx(1, 5))
+    first = method.evaluate(model, data, KIT.ctx(5, round=1))
     assert first.total == CLIENTS["agent-b"].num_test and 0 <= first.correct <= first.total
     assert np.isfinite(first.loss)
     shared_after = method.shared_params(model)
     assert all(np.array_equal(shared_before[k], shared_after[k]) for k in shared_before), \
         f"{name}: evaluate changed shared parameters"
-    second = method.evaluate(model, data, make_ctx(1, 5))
+    second = method.evaluate(model, data, KIT.ctx(5, round=1))
     assert (second.correct, second.loss) == (first.correct, first.loss)
 
 
@@ -325,8 +290,8 @@ def test_payload_loads_with_receive_into_a_fresh_model(name):
     method = run.method
     for agent in (*AGENTS, "agent-new"):  # a newly joined agent gets a payload too
         payload = method.payload_for(run.state1, agent)
-        fresh = build(method, 7)
-        method.receive(fresh, payload, make_ctx(1, 3))
+        fresh = KIT.model(method, 7)
+        method.receive(fresh, payload, KIT.ctx(3, round=1))
         sd = fresh.state_dict()
         for key, value in payload.items():
             if "/" not in key:

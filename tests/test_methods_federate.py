@@ -7,9 +7,10 @@ proven runnable, not only parseable), shrunk to 2 rounds of 3 agents on tiny dat
 coordinator and trainer runtime run as objects. Both must produce a finite accuracy
 in every round, and every agent must have trained in every round.
 
-Agent processes cost ~15-25 s of start-up per MQTT run on a 2-core box, so the whole
-file takes several minutes; that is the price of proving every method, present and
-future, over a real broker.
+Agent processes cost ~15-25 s of start-up per MQTT run on a 2-core box, so the MQTT
+runs take several minutes and are marked slow; that is the price of proving every
+method, present and future, over a real broker. The in-process runs (about a second
+each) stay in the fast lane.
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ from edgepfl.config import RunConfig, parse_config
 from edgepfl.coordinator.simulate import simulate
 from edgepfl.data import FMNIST_PACKAGE, fmnist_available
 from edgepfl.methods import available_methods
-
-pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 AGENTS = 3
@@ -74,6 +73,7 @@ def test_method_federates_in_process(method, tmp_path):
     check_rows(rows, summary)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", MQTT_METHODS)
 def test_method_federates_over_mosquitto(method, mosquitto, tmp_path):
     rows, summary = simulate(tiny_config(method), AGENTS, tmp_path / "run", broker=mosquitto.url, progress=False)

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
+from edgepfl.coordinator.fleet import SENDER as COORDINATOR
 from edgepfl.coordinator.simulate import simulate
-from edgepfl.protocol import decode
+from edgepfl.protocol import AgentChannel, FederationChannel, MessageType, decode, parse_topic
 
 from fleet_helpers import run_config
 
@@ -31,8 +32,27 @@ def test_mixed_fleet_reports_both_tiers(mosquitto, broker_capture, tmp_path):
     assert summary["head_tier"] == heads
     releases = [decode(p) for t, p in broker_capture.snapshot() if t.endswith("/release")]
     assert len(releases) == 1 and releases[0].meta.release_id == next(iter(heads.values()))["release_id"]
+    assert_every_channel_has_one_direction(broker_capture.snapshot(), config.federation)
     # the head agents' torch-free path: nothing in their logs came from the trainer runtime
     for device in ("device-00", "device-01"):
         log = (out / "agents" / f"{device}.log").read_text()
         assert "edgepfl.edge_agent.trainer" not in log and "Traceback" not in log
     assert "head-tier agents:" in (out / "results.txt").read_text()
+
+
+def assert_every_channel_has_one_direction(frames: list[tuple[str, bytes]], federation: str) -> None:
+    """docs/PROTOCOL.md, Channels: nobody but agent A publishes on its status, update and
+    metrics topics; nobody but the coordinator on task, coordinator and release. Each
+    frame's type is its channel's (or a chunk of a frame too big for one message)."""
+    seen = set()
+    for topic, payload in frames:
+        if not topic.startswith(f"edgepfl/v1/{federation}/") or not payload:  # other traffic; a cleared retained topic
+            continue
+        parsed = parse_topic(topic)
+        header = decode(payload).header
+        seen.add(parsed.channel)
+        from_agent = parsed.channel in (AgentChannel.STATUS, AgentChannel.UPDATE, AgentChannel.METRICS)
+        assert header.sender == (parsed.agent if from_agent else COORDINATOR), (topic, header.sender)
+        assert header.type in (MessageType(parsed.channel.value), MessageType.CHUNK), (topic, header.type)
+    # this run exercised every channel, so the check above covered both directions of each
+    assert seen == {*AgentChannel, *FederationChannel}

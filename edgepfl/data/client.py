@@ -33,7 +33,8 @@ class ClientData:
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
-        return tuple(self.x_train.shape[1:])  # type: ignore[return-value]
+        c, h, w = self.x_train.shape[1:]
+        return int(c), int(h), int(w)
 
     @property
     def num_train(self) -> int:

@@ -19,6 +19,7 @@ import os
 import threading
 import zlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,8 @@ class Pool:
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
-        return tuple(self.pixels.shape[1:])  # type: ignore[return-value]
+        c, h, w = self.pixels.shape[1:]
+        return int(c), int(h), int(w)
 
     def take(self, indices: np.ndarray) -> np.ndarray:
         """Normalized float32 images (n, C, H, W) of the given pool indices (a copy)."""
@@ -286,9 +288,10 @@ def _load_torchvision(name: str | None, root: str | None) -> Pool:
         import torchvision.datasets as tvd
     except ImportError:
         raise DataError("torchvision datasets need torchvision: pip install 'edgepfl[train]'") from None
-    cls = getattr(tvd, name, None)
-    if not inspect.isclass(cls):
+    found = getattr(tvd, name, None)
+    if not inspect.isclass(found):
         raise DataError(f"torchvision.datasets has no dataset {name!r}")
+    cls: Callable[..., Any] = found  # a dataset class picked by name: their constructors differ
     params = inspect.signature(cls).parameters
     if "train" in params:
         splits: list[dict[str, Any]] = [{"train": True}, {"train": False}]
@@ -401,7 +404,7 @@ def load_imagefolder(
     for im in images:
         im = im.convert(mode)
         if im.size != target:
-            im = im.resize(target, Image.BILINEAR)
+            im = im.resize(target, Image.Resampling.BILINEAR)
         arrays.append(np.asarray(im, dtype=np.uint8))
     x = np.stack(arrays)
     pixels = x[:, None] if gray else np.ascontiguousarray(x.transpose(0, 3, 1, 2))

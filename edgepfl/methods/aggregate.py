@@ -9,7 +9,7 @@ import numpy as np
 
 def weighted_mean(
     tensor_dicts: Sequence[Mapping[str, np.ndarray]],
-    weights: Sequence[float] | None = None,
+    weights: Sequence[float] | np.ndarray | None = None,
     keys: Iterable[str] | None = None,
 ) -> dict[str, np.ndarray]:
     """Weighted mean of aligned tensor dicts; ``weights=None`` is the plain mean.

@@ -25,6 +25,7 @@ class FedAvgFT(Method):
     name = "fedavg_ft"
     summary = "FedAvg + local fine-tuning of the classifier before evaluation"
     config_class = FedAvgFTConfig
+    config: FedAvgFTConfig
 
     def evaluate(self, model, data, ctx: LocalContext) -> EvalResult:
         tuned = copy.deepcopy(model)

@@ -195,6 +195,7 @@ class FedPAC(Method):
     name = "fedpac"
     summary = "shared body with centroid alignment; personal heads combined by server QP weights"
     config_class = FedPACConfig
+    config: FedPACConfig
     shared_parts = ("encoder",)
     upload_personal = ("head",)
 

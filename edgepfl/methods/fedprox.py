@@ -32,6 +32,7 @@ class FedProx(Method):
     name = "fedprox"
     summary = "FedAvg + proximal term (mu/2)||w - w_global||^2 in the local loss"
     config_class = FedProxConfig
+    config: FedProxConfig
 
     def local_update(self, model, data, ctx) -> LocalResult:
         # The anchor is local to this call: the method instance is shared by every

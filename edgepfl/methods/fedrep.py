@@ -25,6 +25,7 @@ class FedRep(Method):
     summary = "encoder shared, classifier personal; head epochs then body epochs"
     shared_parts = ("encoder",)
     config_class = FedRepConfig
+    config: FedRepConfig
 
     def local_update(self, model, data, ctx) -> LocalResult:
         fit(model, data, ctx, lambda m, x, y: F.cross_entropy(m.head(m.encoder(x).detach()), y),

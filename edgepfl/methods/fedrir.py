@@ -26,6 +26,7 @@ from typing import Literal
 from pydantic import Field
 
 from .._torch import F, nn, torch
+from ..models import model_as
 from . import register
 from .base import LocalResult, Method, MethodConfig
 from .training import fit, make_optimizer, noise_generator
@@ -74,8 +75,8 @@ def mask_patches(x: torch.Tensor, ratio: float, patch: int = 4,
 
 # ---------------------------------------------------------------------------- modules
 def _trunk(in_channels: int, norm: str) -> nn.Sequential:
-    def block(cin, cout):
-        layers = [nn.Conv2d(cin, cout, 5)]
+    def block(cin: int, cout: int) -> list[nn.Module]:
+        layers: list[nn.Module] = [nn.Conv2d(cin, cout, 5)]
         if norm == "batch":
             layers.append(nn.BatchNorm2d(cout))
         return layers + [nn.ReLU(inplace=True), nn.MaxPool2d(2)]
@@ -250,6 +251,7 @@ class FedRIR(Method):
     name = "fedrir"
     summary = "masked client-specific VAE features + information distillation (vCLUB); head on both"
     config_class = FedRIRConfig
+    config: FedRIRConfig
     shared_parts = ("encoder",)
     # The authors' code copies GFE .parameters() only: BN affine shared, running stats local.
     bn_policy = "local_stats"
@@ -313,15 +315,16 @@ class FedRIR(Method):
         out["cls_loss"] = loss
         return out
 
-    def local_update(self, model: FedRIRModel, data, ctx) -> LocalResult:
-        s1 = self.train_stage1(model, data, ctx)
-        s2 = self.train_stage2(model, data, ctx)
+    def local_update(self, model: nn.Module, data, ctx) -> LocalResult:
+        rir = model_as(model, FedRIRModel)
+        s1 = self.train_stage1(rir, data, ctx)
+        s2 = self.train_stage2(rir, data, ctx)
         # UpdateMeta.extra carries floats only: 1.0 = the paper's vCLUB bound was minimised,
         # 0.0 = the authors' code behaviour.
         metrics = {**s1, **s2, "mi_mode_vclub": 1.0 if self.config.mi == "vclub" else 0.0}
         return LocalResult(upload=self.shared_params(model), train_loss=s2["cls_loss"], metrics=metrics)
 
-    def device_head(self, model: FedRIRModel) -> None:
+    def device_head(self, model: nn.Module) -> None:
         """None: the personal head needs the personal CSFE's features, not only the shared GFE's.
 
         Head-tier devices fit ``head_kinds`` (lr / svm / mlp) on the exported GFE features.

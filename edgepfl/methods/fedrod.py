@@ -18,6 +18,7 @@ import copy
 from typing import TYPE_CHECKING
 
 from .._torch import F, nn, torch
+from ..models import model_as
 from . import register
 from .base import LocalResult, Method
 from .training import fit
@@ -106,22 +107,24 @@ class FedRoD(Method):
     def build_model(self, spec, input_shape, num_classes) -> RoDModel:
         return RoDModel.build(spec, input_shape, num_classes)
 
-    def local_update(self, model: RoDModel, data, ctx) -> LocalResult:
+    def local_update(self, model: nn.Module, data, ctx) -> LocalResult:
+        rod = model_as(model, RoDModel)
         log_counts = log_prior(data.class_counts())
 
         # One backward of the sum is the same as PFLlib's two steps per batch: the
         # personal loss reaches only personal_head (detached inputs), the generic loss
         # never reaches personal_head, and SGD/Adam state is per parameter — so the
         # (f, h_G) step and the h_P step see exactly the gradients they would alone.
-        def loss_fn(m, x, y):
+        def loss_fn(m: RoDModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             generic, personal = rod_losses(m, x, y, log_counts)
             return generic + personal
 
-        loss = fit(model, data, ctx, loss_fn, model.parameters(), ctx.train.epochs)
+        loss = fit(rod, data, ctx, loss_fn, rod.parameters(), ctx.train.epochs)
         return LocalResult(upload=self.shared_params(model), train_loss=loss)
 
-    def logits(self, model: RoDModel, x: torch.Tensor) -> torch.Tensor:
+    def logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return model(x)
 
-    def device_head(self, model: RoDModel) -> nn.Module:
-        return RoDHead(model.head, model.personal_head)
+    def device_head(self, model: nn.Module) -> nn.Module:
+        rod = model_as(model, RoDModel)
+        return RoDHead(rod.head, rod.personal_head)

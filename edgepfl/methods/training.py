@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -13,6 +13,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from ..data import ClientTensors
     from .base import LocalContext
+
+#: the model type a training loop is given, and what its loss function receives
+ModelT = TypeVar("ModelT", bound="nn.Module")
 
 
 @dataclass
@@ -44,10 +47,10 @@ def make_optimizer(params: Iterable, ctx: LocalContext, *, optimizer: str | None
 
 
 def fit(
-    model: nn.Module,
+    model: ModelT,
     data: ClientTensors,
     ctx: LocalContext,
-    loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_fn: Callable[[ModelT, torch.Tensor, torch.Tensor], torch.Tensor],
     params: Iterable,
     epochs: int,
     *,
@@ -115,10 +118,7 @@ def freeze(module: nn.Module, frozen: bool = True) -> None:
 
 
 def _has_batchnorm(model: nn.Module) -> bool:
+    """Whether ``model`` has BatchNorm; asked only for a batch of one, so not cached."""
     from torch.nn.modules.batchnorm import _BatchNorm
 
-    cached = getattr(model, "_edgepfl_has_bn", None)
-    if cached is None:
-        cached = any(isinstance(m, _BatchNorm) for m in model.modules())
-        model._edgepfl_has_bn = cached
-    return cached
+    return any(isinstance(m, _BatchNorm) for m in model.modules())

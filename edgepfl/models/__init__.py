@@ -9,15 +9,24 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from .._torch import nn, torch
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..specs import ModelSpec
 
+ModelT = TypeVar("ModelT", bound="nn.Module")
 
-class SmallCNN(nn.Module):
+
+class Encoder(nn.Module):
+    """An image encoder: (N, *input_shape) -> (N, ``out_features``)."""
+
+    #: size of the feature vector; the heads built on an encoder are sized from it
+    out_features: int
+
+
+class SmallCNN(Encoder):
     """Two conv blocks and a linear layer; the usual 28x28 / 32x32 FL network.
 
     conv5-[BN]-ReLU-pool2 -> conv5-[BN]-ReLU-pool2 -> flatten -> Linear -> ReLU.
@@ -26,8 +35,8 @@ class SmallCNN(nn.Module):
     def __init__(self, in_channels: int, image_size: int, feature_dim: int = 128, norm: str = "batch"):
         super().__init__()
 
-        def block(cin, cout):
-            layers = [nn.Conv2d(cin, cout, 5)]
+        def block(cin: int, cout: int) -> list[nn.Module]:
+            layers: list[nn.Module] = [nn.Conv2d(cin, cout, 5)]
             if norm == "batch":
                 layers.append(nn.BatchNorm2d(cout))
             layers += [nn.ReLU(inplace=True), nn.MaxPool2d(2)]
@@ -44,7 +53,7 @@ class SmallCNN(nn.Module):
         return self.fc(self.conv(x))
 
 
-class MLPEncoder(nn.Module):
+class MLPEncoder(Encoder):
     """Flatten -> Linear-ReLU-Linear-ReLU; for tiny inputs such as 8x8 digits."""
 
     def __init__(self, in_features: int, feature_dim: int = 128, hidden: int = 256, norm: str = "batch"):
@@ -60,7 +69,7 @@ class MLPEncoder(nn.Module):
         return self.net(x)
 
 
-class IdentityEncoder(nn.Module):
+class IdentityEncoder(Encoder):
     """No encoder (``arch: identity``): inputs already are features, flattened to (N, out_features).
 
     A method's model built on it is the method's head parts alone, which is how a method's
@@ -75,7 +84,7 @@ class IdentityEncoder(nn.Module):
         return x.flatten(1)
 
 
-class TorchvisionEncoder(nn.Module):
+class TorchvisionEncoder(Encoder):
     """ResNet-18 or MobileNetV3-Small trunk with the classifier removed."""
 
     def __init__(self, arch: str, in_channels: int, weights: str | None = None):
@@ -117,7 +126,7 @@ def _load_local_weights(net: nn.Module, path: str) -> None:
         raise ValueError(f"{p}: unexpected keys {unexpected[:5]}")
 
 
-def build_encoder(spec: ModelSpec, input_shape: tuple[int, ...]) -> nn.Module:
+def build_encoder(spec: ModelSpec, input_shape: tuple[int, ...]) -> Encoder:
     """An encoder mapping (N, *input_shape) to (N, encoder.out_features)."""
     if spec.arch == "identity":
         return IdentityEncoder(math.prod(input_shape))
@@ -149,4 +158,20 @@ class SplitModel(nn.Module):
         return self.head(self.encoder(x))
 
 
-__all__ = ["IdentityEncoder", "MLPEncoder", "SmallCNN", "SplitModel", "TorchvisionEncoder", "build_encoder"]
+def model_as(model: nn.Module, cls: type[ModelT]) -> ModelT:
+    """``model``, typed as the ``cls`` that a method's ``build_model`` makes.
+
+    The method interface passes models as ``nn.Module``; a method that uses its own
+    parts (a personal head, an extractor) narrows with this. A model some other
+    ``build_model`` made is a TypeError naming both classes, not an AttributeError
+    deep inside training.
+    """
+    if not isinstance(model, cls):
+        raise TypeError(f"expected the {cls.__name__} this method builds, got a {type(model).__name__}")
+    return model
+
+
+__all__ = [
+    "Encoder", "IdentityEncoder", "MLPEncoder", "SmallCNN", "SplitModel", "TorchvisionEncoder", "build_encoder",
+    "model_as",
+]

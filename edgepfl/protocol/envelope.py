@@ -17,13 +17,14 @@ which verifies the whole frame's sha256 before handing it on.
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import json
 import struct
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Final, Literal, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -31,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .messages import META_TYPES, ChunkMeta, MessageType
 
 MAGIC = b"EPF1"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Final = 1
 MAX_HEADER_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
 _PREFIX = struct.Struct(">4sI")
@@ -71,9 +72,16 @@ class Header(BaseModel):
     meta: dict[str, Any] = Field(default_factory=dict)
 
 
+MetaT = TypeVar("MetaT", bound=BaseModel)
+
+
 @dataclass
 class Message:
-    """A decoded message: validated header, typed meta and numpy tensors."""
+    """A decoded message: validated header, typed meta and numpy tensors.
+
+    ``meta`` is an instance of ``META_TYPES[type]``; its static type is the common base
+    because the class depends on the bytes. A receiver narrows with :meth:`meta_as`.
+    """
 
     header: Header
     meta: BaseModel
@@ -82,6 +90,13 @@ class Message:
     @property
     def type(self) -> MessageType:
         return self.header.type
+
+    def meta_as(self, cls: builtins.type[MetaT]) -> MetaT:  # (``type`` is the property above)
+        """``meta`` as ``cls`` (``UpdateMeta``, ``ChunkMeta``, ...); a message of another
+        type is a :class:`ProtocolError` with reason ``wrong_type``."""
+        if not isinstance(self.meta, cls):
+            raise ProtocolError("wrong_type", f"{self.type.value} message, not one carrying {cls.__name__}")
+        return self.meta
 
 
 def new_message_id() -> str:
@@ -101,7 +116,8 @@ def encode(
     """Build one frame. ``meta`` must be the meta model registered for ``type``."""
     mtype = MessageType(type)
     if not isinstance(meta, META_TYPES[mtype]):
-        raise TypeError(f"{mtype.value} messages carry {META_TYPES[mtype].__name__}, got {type(meta).__name__}")
+        # (the parameter ``type`` shadows the builtin here)
+        raise TypeError(f"{mtype.value} messages carry {META_TYPES[mtype].__name__}, got {meta.__class__.__name__}")
     tensors = tensors or {}
     body = _encode_tensors(tensors)
     header = Header(
@@ -251,7 +267,7 @@ class Reassembler:
         self._pending: dict[tuple[str, str], dict] = {}
 
     def add(self, source: str, chunk: Message) -> bytes | None:
-        meta: ChunkMeta = chunk.meta  # type: ignore[assignment]
+        meta = chunk.meta_as(ChunkMeta)
         if meta.total_bytes > self.max_bytes:
             raise ProtocolError("oversized", f"chunked message of {meta.total_bytes} bytes > limit {self.max_bytes}")
         if meta.index >= meta.count:

@@ -5,7 +5,9 @@
 segment matches ``[A-Za-z0-9_-]+`` so a topic never carries a wildcard or a
 separator smuggled in by a name, and a broker ACL keyed on the username
 (``pattern readwrite edgepfl/v1/+/agents/%u/#``) confines each agent to its own
-topics. Each topic has exactly one direction (see ``DIRECTION``).
+topics. Each channel has exactly one direction, noted on its enum member below and
+tabled in docs/PROTOCOL.md ("Channels"); tests/test_mixed_fleet.py checks every frame
+of a real run against it.
 """
 
 from __future__ import annotations
@@ -29,16 +31,6 @@ class AgentChannel(str, Enum):
 class FederationChannel(str, Enum):
     COORDINATOR = "coordinator"  # coordinator -> all, retained presence
     RELEASE = "release"  # coordinator -> all, retained pointer to the current encoder
-
-
-DIRECTION = {
-    AgentChannel.STATUS: "agent->coordinator",
-    AgentChannel.TASK: "coordinator->agent",
-    AgentChannel.UPDATE: "agent->coordinator",
-    AgentChannel.METRICS: "agent->coordinator",
-    FederationChannel.COORDINATOR: "coordinator->agents",
-    FederationChannel.RELEASE: "coordinator->agents",
-}
 
 
 class TopicError(ValueError):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ..broker import parse_broker_url
 from .envelope import DEFAULT_MAX_PAYLOAD_BYTES, ProtocolError, Reassembler, decode, peek_header, split_frame
-from .messages import MessageType
+from .messages import ChunkMeta, MessageType
 from .topics import ParsedTopic, TopicError, parse_topic
 
 log = logging.getLogger(__name__)
@@ -75,11 +75,11 @@ class MqttTransport:
         self.max_message_bytes = max_message_bytes
         self.keepalive_s = keepalive_s
         self.on_reject = on_reject
-        self.inbox: queue.Queue[Inbound] = queue.Queue()
+        self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()  # raw (topic, payload), from paho's thread
         self.reassembler = Reassembler(max_bytes=max_payload_bytes)
         self.max_payload_bytes = max_payload_bytes
-        self.bytes_sent = Counter()
-        self.bytes_received = Counter()
+        self.bytes_sent: Counter[str] = Counter()  # per channel
+        self.bytes_received: Counter[str] = Counter()
         self.connected = threading.Event()
         self.connect_count = 0
         self._lock = threading.Lock()
@@ -193,7 +193,7 @@ class MqttTransport:
                 return None
             if whole is None:
                 return None
-            return Inbound(parsed, whole, chunk.meta.total_bytes)
+            return Inbound(parsed, whole, chunk.meta_as(ChunkMeta).total_bytes)
         return Inbound(parsed, payload, len(payload))
 
     def _reject(self, topic: str, reason: str, detail: str) -> None:

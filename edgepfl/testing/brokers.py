@@ -19,8 +19,12 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edgepfl.broker import MQTT_MAX_PACKET_BYTES, BrokerError, free_port, parse_broker_url, wait_for_port
+
+if TYPE_CHECKING:  # pragma: no cover
+    import paho.mqtt.client as mqtt
 
 log = logging.getLogger(__name__)
 
@@ -106,14 +110,15 @@ class MosquittoBroker:
         """Start mosquitto and wait until it accepts connections; returns the URL."""
         if self.running:
             return self.url
-        if not self.executable:
+        executable = self.executable
+        if not executable:
             raise BrokerError("mosquitto not found: install it (apt-get install mosquitto) or set EDGEPFL_MOSQUITTO")
         self._dir = tempfile.TemporaryDirectory(prefix="edgepfl-mosquitto-")
-        fixed = self.port is not None
+        requested = self.port  # _start_on sets self.port to each port it tries
         last = ""
-        for _ in range(1 if fixed else 5):
-            port = self.port if fixed else free_port(self.host)
-            if self._start_on(port):
+        for _ in range(1 if requested is not None else 5):
+            port = requested if requested is not None else free_port(self.host)
+            if self._start_on(executable, port):
                 break
             last = self.log_text()[-2000:]
         else:
@@ -124,7 +129,7 @@ class MosquittoBroker:
             self.capture.start()
         return self.url
 
-    def _start_on(self, port: int) -> bool:
+    def _start_on(self, executable: str, port: int) -> bool:
         assert self._dir is not None
         d = Path(self._dir.name)
         conf = d / "mosquitto.conf"
@@ -152,7 +157,7 @@ class MosquittoBroker:
             )
         )
         self._proc = subprocess.Popen(
-            [self.executable, "-c", str(conf)],
+            [executable, "-c", str(conf)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=open(d / "stderr.log", "ab"),
@@ -228,7 +233,7 @@ class TrafficCapture:
         self.timeout = timeout
         self.messages: list[tuple[str, bytes]] = []
         self._cond = threading.Condition()
-        self._client = None
+        self._client: mqtt.Client | None = None
 
     def start(self) -> TrafficCapture:
         """Connect and subscribe; returns once the broker acknowledged the subscription."""
