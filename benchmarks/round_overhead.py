@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from edgepfl.config import RunConfig, parse_config  # noqa: E402
 from edgepfl.coordinator.simulate import simulate  # noqa: E402
+from edgepfl.metrics import RoundMetrics  # noqa: E402
 
 CONFIG = {
     "federation": "bench",
@@ -35,19 +36,19 @@ CONFIG = {
 }
 
 
-def measure(rows: list[dict]) -> dict:
-    train = [r for r in rows if not r["final"]]
-    steady = [r["seconds"] for r in train[1:]]
-    per_agent_up = [r["bytes_up"] / len(r["participants"]) for r in train if r["participants"]]
-    per_agent_down = [r["bytes_down"] / max(1, len(r["participants"])) for r in train if r["participants"]]
+def measure(rows: list[RoundMetrics]) -> dict:
+    train = [r for r in rows if not r.final]
+    steady = [r.seconds for r in train[1:]]
+    per_agent_up = [r.bytes_up / len(r.participants) for r in train if r.participants]
+    per_agent_down = [r.bytes_down / max(1, len(r.participants)) for r in train if r.participants]
     return {
-        "round0_seconds": train[0]["seconds"],
+        "round0_seconds": train[0].seconds,
         "median_round_seconds": statistics.median(steady),
         "round_seconds": steady,
         "bytes_up_per_agent_round": statistics.median(per_agent_up),
         "bytes_down_per_agent_round": statistics.median(per_agent_down),
-        "shared_param_bytes": train[0]["shared_bytes"],
-        "final_accuracy": rows[-1]["accuracy"],
+        "shared_param_bytes": train[0].shared_bytes,
+        "final_accuracy": rows[-1].accuracy,
     }
 
 

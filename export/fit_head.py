@@ -102,9 +102,9 @@ def fit_head(encoder: OnnxEncoder, data: Dataset, kind: str, *, export_dir: str 
     """Fit a head of ``kind`` on the encoder's features of ``data``; returns (head, report)."""
     params = dict(params or {})
     manifest = encoder.manifest
-    allowed = manifest.get("head_kinds")
-    if allowed and kind not in allowed:
-        raise ValueError(f"head {kind!r} does not fit a {manifest.get('method')} encoder; choose from {allowed}")
+    if manifest is not None and kind not in manifest.head_kinds:
+        raise ValueError(f"head {kind!r} does not fit a {manifest.run.method.name} encoder; "
+                         f"choose from {manifest.head_kinds}")
     cls = head_class(kind)
     if cls.federation_classes_only and not data.federation_classes:
         raise ValueError(f"a {kind} head predicts the federation's classes {encoder.class_names}; "

@@ -38,6 +38,8 @@ import numpy as np
 from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.utils.validation import check_array, check_is_fitted, check_X_y
 
+from edgepfl.protocol.manifest import ReleaseManifest
+
 HEAD_INPUT = "features"
 OUT_LABEL = "label"
 OUT_PROBA = "probabilities"
@@ -68,7 +70,7 @@ class _Head(ClassifierMixin, BaseEstimator):
     federation_classes_only: ClassVar[bool] = False
 
     @classmethod
-    def for_release(cls, manifest: dict, export_dir: str | Path, **params) -> _Head:
+    def for_release(cls, manifest: ReleaseManifest | None, export_dir: str | Path, **params) -> _Head:
         """A new head for an exported encoder (``manifest``, files in ``export_dir``)."""
         return cls(**params)
 
@@ -278,7 +280,7 @@ class _TorchHead(_Head):
 
     ``global_heads``: the federation's ``global_heads.safetensors`` (path) or its tensors
     (name -> array), as written by :func:`edgepfl.export.onnx_export.export_run`.
-    ``method_options``: the method's options (the manifest's ``method_options``).
+    ``method_options``: the method's options (the manifest's ``run.method.options``).
     """
 
     method_name: ClassVar[str] = ""
@@ -297,16 +299,18 @@ class _TorchHead(_Head):
         self.random_state = random_state
 
     @classmethod
-    def for_release(cls, manifest: dict, export_dir: str | Path, **params) -> _TorchHead:
+    def for_release(cls, manifest: ReleaseManifest | None, export_dir: str | Path, **params) -> _TorchHead:
         """A head for an exported encoder: global heads and method options from the release."""
-        if manifest.get("method") != cls.method_name:
-            raise ValueError(f"a {cls.kind} head needs a {cls.method_name} encoder, this one is {manifest.get('method')}")
-        gh = manifest.get("global_heads") or {}
-        path = Path(export_dir) / gh.get("file", "global_heads.safetensors")
+        method = manifest.run.method if manifest else None
+        if method is None or method.name != cls.method_name:
+            raise ValueError(f"a {cls.kind} head needs a {cls.method_name} encoder, this one is "
+                             f"{method.name if method else 'unknown (no manifest)'}")
+        gh = manifest.global_heads
+        path = Path(export_dir) / (gh.file if gh else "global_heads.safetensors")
         if not path.is_file():
             raise ValueError(f"a {cls.kind} head needs the federation's global heads: {path} not found")
         params.setdefault("global_heads", str(path))
-        params.setdefault("method_options", manifest.get("method_options") or {})
+        params.setdefault("method_options", dict(method.options))
         return cls(**params)
 
     # ------------------------------------------------------------ model around an identity encoder

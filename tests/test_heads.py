@@ -12,6 +12,7 @@ from sklearn.exceptions import NotFittedError
 from edgepfl.export.fit_head import main_fit_head
 from edgepfl.export.heads import HEAD_KINDS, SKLEARN_HEADS, OnnxHead, fuse, head_to_onnx, make_head, make_session
 from edgepfl.export.predict import OnnxEncoder, main_predict
+from edgepfl.protocol import read_manifest
 
 from export_fixtures import NEW_CLIENT, TRAIN_CLIENTS, client_data, client_pixels, export_dir
 
@@ -44,8 +45,7 @@ def _features(release, index):
 def _head_params(release, kind):
     from edgepfl.export.heads import head_class
 
-    manifest = json.loads((release / "manifest.json").read_text())
-    return head_class(kind).for_release(manifest, release).get_params()
+    return head_class(kind).for_release(read_manifest(release / "manifest.json"), release).get_params()
 
 
 # --------------------------------------------------------------------------- estimator contract
@@ -137,7 +137,7 @@ def test_torch_heads_keep_the_federations_global_classifier(releases):
 def test_dualfed_head_needs_a_dualfed_release(releases):
     from edgepfl.export.heads import DualFedHead
 
-    manifest = json.loads((releases["fedavg"] / "manifest.json").read_text())
+    manifest = read_manifest(releases["fedavg"] / "manifest.json")
     with pytest.raises(ValueError, match="needs a dualfed encoder"):
         DualFedHead.for_release(manifest, releases["fedavg"])
 
@@ -168,7 +168,7 @@ def test_fit_head_and_predict_on_a_never_seen_client(kind, releases, new_client,
     assert report["head"] == kind and report["num_validation"] > 20
     assert report["validation_accuracy"] > 0.5  # ten classes: chance is 0.1
     head = OnnxHead.load(out)
-    assert head.encoder_sha256_ == json.loads((release / "manifest.json").read_text())["sha256"]
+    assert head.encoder_sha256_ == read_manifest(release / "manifest.json").encoder.sha256
 
     rc = main_predict(["--encoder", str(release / "encoder.onnx"), "--head", str(out), str(new_client["npy"]),
                        "--json"])
