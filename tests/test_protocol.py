@@ -759,3 +759,30 @@ def test_edgepfl_frames_decode_with_the_reference_codec(codec):
     inf = codec["encode_frame"]("update", FED, "a", 0, {}, {"x": np.array([np.inf])})
     with pytest.raises(ValueError, match="non_finite"):
         codec["decode_frame"](inf)
+
+
+def _field_paths(model: type, prefix: str = "") -> list[str]:
+    """Dotted names of a pydantic model's fields, nested run-spec models included."""
+    from pydantic import BaseModel
+
+    paths = []
+    for name, info in model.model_fields.items():
+        kind = info.annotation
+        nested = [t for t in (getattr(kind, "__args__", None) or (kind,)) if isinstance(t, type)
+                  and issubclass(t, BaseModel)]
+        if nested and prefix == "":  # the run spec's sections are documented field by field
+            paths += _field_paths(nested[0], f"{name}.")
+        else:
+            paths.append(prefix + name)
+    return paths
+
+
+def test_the_doc_documents_every_field_of_the_run_spec_and_the_manifest():
+    from edgepfl.protocol import ReleaseManifest, RunSpec
+
+    text = DOC.read_text()
+    run_fields = _field_paths(RunSpec)
+    assert "data.normalization" in run_fields and "method.options" in run_fields
+    missing = [f for f in run_fields if f"`{f}`" not in text]
+    missing += [f"manifest {f}" for f in ReleaseManifest.model_fields if f"| `{f}` |" not in text]
+    assert not missing, f"docs/PROTOCOL.md does not document: {missing}"
