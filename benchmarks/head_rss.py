@@ -84,7 +84,7 @@ CHILD = textwrap.dedent(r"""
     phases["data_loaded"] = mem()
     manifest, artifact = read_release(release_dir)
     rt = HeadRuntime(state_dir, head_kind, data)
-    metrics = rt.install_release(manifest, artifact, manifest["sha256"])
+    metrics = rt.install_release(manifest, artifact, manifest.encoder.sha256)
     phases["release_installed_head_fitted"] = mem()
     pred = rt.predict(data.x_test)
     one = rt.predict_proba(data.x_test[:1])
@@ -131,7 +131,7 @@ BREAKDOWN = textwrap.dedent(r"""
     from edgepfl.export.onnx_export import read_release
     from edgepfl.export.predict import OnnxEncoder
     manifest, artifact = read_release(release_dir)
-    encoder = OnnxEncoder(artifact, manifest, expected_sha256=manifest["sha256"])
+    encoder = OnnxEncoder(artifact, manifest, expected_sha256=manifest.encoder.sha256)
     step("open ONNX encoder session")
     f_train, f_test = encoder.features(data.x_train), encoder.features(data.x_test)
     step("features of train + test (OnnxEncoder default batch)")
@@ -263,8 +263,9 @@ def main() -> None:
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
         prepared = json.loads((work / "prepared.json").read_text())
         release, npz = Path(prepared["release"]), work / "device.npz"
+        # plain JSON, not edgepfl.protocol.ReleaseManifest: this parent imports only the standard library
         manifest = json.loads((release / "manifest.json").read_text())
-        result["release"] = {"method": manifest["method"], "round": manifest["round"],
+        result["release"] = {"method": manifest["run"]["method"]["name"], "round": manifest["round"],
                              "encoder_bytes": manifest["encoder"]["bytes"], "feature_dim": manifest["feature_dim"]}
         result["device_data"] = (f"FMNIST partition {DEVICE_CLIENT} of {NUM_CLIENTS} (seed 0), {prepared['samples']} "
                                  f"images in its own .npz ({prepared['bytes']} bytes), 25% held out")

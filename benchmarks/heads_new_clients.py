@@ -81,15 +81,14 @@ def export_init(config, out: Path) -> Path:
     """The untrained encoder (FedAvg's model at initialization) exported like a run's."""
     import torch
 
+    from edgepfl.config import MethodSpec
     from edgepfl.coordinator.simulate import data_shape
     from edgepfl.export.onnx_export import build_from_meta, export_state
+    from edgepfl.state import CheckpointMeta
 
-    shape = data_shape(config)
+    fedavg = config.model_copy(update={"method": MethodSpec(name="fedavg")})
     torch.manual_seed(config.seed)
-    meta = {"round": -1, "method": "fedavg", "method_options": {}, "model": config.model.model_dump(),
-            "input_shape": list(shape["input_shape"]), "num_classes": shape["num_classes"],
-            "class_names": list(shape["class_names"]), "normalization": shape["normalization"],
-            "run": config.model_dump(mode="json")}
+    meta = CheckpointMeta(round=-1, run=fedavg.run_spec(**data_shape(config)), data_spec=config.data)
     method, model = build_from_meta(meta)
     export_state(method.init_server(model), meta, out)
     return out
@@ -103,7 +102,7 @@ def heads_on_new_clients(config, export: Path, trainers: int, new: int) -> list[
     from edgepfl.methods import get_method
 
     encoder = OnnxEncoder.from_dir(export, threads=1)
-    kinds = get_method(encoder.manifest["method"]).head_kinds  # the generic heads and the method's own
+    kinds = get_method(encoder.manifest.run.method.name).head_kinds  # the generic heads and the method's own
     rows = []
     for index in range(trainers, trainers + new):
         d = load_client_data(config.data, index)
@@ -118,6 +117,7 @@ def heads_on_new_clients(config, export: Path, trainers: int, new: int) -> list[
 def one(method: str, args) -> None:
     """Train (or initialize), export and score heads for one method; writes <work>/<method>.json."""
     from edgepfl.export.onnx_export import export_run
+    from edgepfl.protocol import read_manifest
 
     work = Path(args.work)
     config = run_config("fedavg" if method == "init" else method, args)
@@ -133,9 +133,9 @@ def one(method: str, args) -> None:
         result["mean_round_seconds"] = summary.get("mean_round_seconds")
         export = work / f"export-{method}"
         export_run(work / f"run-{method}", export)
-    manifest = json.loads((export / "manifest.json").read_text())
-    result["feature_dim"] = manifest["feature_dim"]
-    result["batchnorm"] = manifest["batchnorm"].get("statistics")
+    manifest = read_manifest(export / "manifest.json")
+    result["feature_dim"] = manifest.feature_dim
+    result["batchnorm"] = manifest.batchnorm.statistics
     t = time.perf_counter()
     result["heads"] = heads_on_new_clients(config, export, args.trainers, args.new)
     result["heads_seconds"] = round(time.perf_counter() - t, 1)

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from edgepfl.config import RunConfig, parse_config  # noqa: E402
 from edgepfl.coordinator.simulate import simulate  # noqa: E402
+from edgepfl.metrics import RoundMetrics  # noqa: E402
 
 from results_io import write_results  # noqa: E402
 
@@ -122,24 +123,24 @@ class CpuMeter:
                 rows = n
 
 
-def measure(rows: list[dict], cpu: list[float], wall: float) -> dict:
+def measure(rows: list[RoundMetrics], cpu: list[float], wall: float) -> dict:
     """Rounds 1..R-1 (not round 0, not the final evaluation)."""
-    train = [r for r in rows if not r["final"]]
-    steady = [r["seconds"] for r in train[1:]]
+    train = [r for r in rows if not r.final]
+    steady = [r.seconds for r in train[1:]]
     # snapshots[0] is before round 0; snapshots[k + 1] is when round k's row appeared
     per_round_cpu = [b - a for a, b in zip(cpu[1:len(train)], cpu[2:len(train) + 1])]
-    per_agent_up = [r["bytes_up"] / len(r["participants"]) for r in train if r["participants"]]
-    per_agent_down = [r["bytes_down"] / max(1, len(r["participants"])) for r in train if r["participants"]]
+    per_agent_up = [r.bytes_up / len(r.participants) for r in train if r.participants]
+    per_agent_down = [r.bytes_down / max(1, len(r.participants)) for r in train if r.participants]
     return {
-        "round0_seconds": train[0]["seconds"],
+        "round0_seconds": train[0].seconds,
         "median_round_seconds": statistics.median(steady),
         "round_seconds": steady,
         "cpu_seconds_per_round": (cpu[len(train)] - cpu[1]) / len(steady) if len(cpu) > len(train) else None,
         "round_cpu_seconds": per_round_cpu,
         "bytes_up_per_agent_round": statistics.median(per_agent_up),
         "bytes_down_per_agent_round": statistics.median(per_agent_down),
-        "shared_param_bytes": train[0]["shared_bytes"],
-        "final_accuracy": rows[-1]["accuracy"],
+        "shared_param_bytes": train[0].shared_bytes,
+        "final_accuracy": rows[-1].accuracy,
         "total_wall_seconds": wall,
     }
 

@@ -150,7 +150,7 @@ def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, devi
     t0 = time.monotonic()
     rows, summary = simulate(config, SETTINGS[setting]["clients"], out, in_process=True, progress=False)
     wall = time.monotonic() - t0
-    scored = [r for r in rows if r.get("accuracy") is not None]
+    scored = [r for r in rows if r.accuracy is not None]
     return {
         "setting": setting,
         "method": method,
@@ -165,10 +165,10 @@ def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, devi
         "final_accuracy": summary["final_accuracy"],
         "best_accuracy": summary["best_accuracy"],
         "best_round": summary["best_round"],
-        "accuracy_curve": [r["accuracy"] for r in scored],
-        "train_loss_curve": [r.get("train_loss") for r in rows if not r.get("final")],
-        "participants_per_round": [len(r["participants"]) for r in rows if not r.get("final")],
-        "round_seconds": [r["seconds"] for r in rows],
+        "accuracy_curve": [r.accuracy for r in scored],
+        "train_loss_curve": [r.train_loss for r in rows if not r.final],
+        "participants_per_round": [len(r.participants) for r in rows if not r.final],
+        "round_seconds": [r.seconds for r in rows],
         "final_per_client": summary["final_per_client"],
         "wall_seconds": round(wall, 1),
         "paper_accuracy": PAPER.get(setting, {}).get(method),

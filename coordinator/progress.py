@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from edgepfl.metrics import RoundMetrics
+
 
 class Progress:
     def __init__(self, rounds: int, enabled: bool = True, stream=None, width: int = 20):
@@ -17,25 +19,25 @@ class Progress:
         if self.enabled:
             print(f"  {text}", file=self.stream, flush=True)
 
-    def update(self, row: dict) -> None:
-        acc = row.get("accuracy")
+    def update(self, row: RoundMetrics) -> None:
+        acc = row.accuracy
         if acc is not None:
             self.best = acc if self.best is None else max(self.best, acc)
         if not self.enabled:
             return
-        done = min(self.rounds, row["round"] + (0 if row.get("final") else 1))
+        done = min(self.rounds, row.round + (0 if row.final else 1))
         filled = int(self.width * done / max(1, self.rounds))
         bar = "#" * filled + "." * (self.width - filled)
-        label = "final eval" if row.get("final") else f"round {row['round'] + 1:>3}/{self.rounds}"
+        label = "final eval" if row.final else f"round {row.round + 1:>3}/{self.rounds}"
         acc_s = "  n/a " if acc is None else f"{acc:6.2%}"
         best_s = "" if self.best is None else f" (best {self.best:6.2%})"
         extra = []
-        if row.get("dropped"):
-            extra.append(f"dropped {len(row['dropped'])}")
-        if row.get("rejected"):
-            extra.append(f"rejected {sum(row['rejected'].values())}")
-        if row.get("aborted"):
+        if row.dropped:
+            extra.append(f"dropped {len(row.dropped)}")
+        if row.rejected:
+            extra.append(f"rejected {sum(row.rejected.values())}")
+        if row.aborted:
             extra.append("ABORTED (below quorum)")
-        print(f"{label} [{bar}] trained {len(row['participants']):>3}/{len(row['sampled']):<3} "
-              f"evaluated {row['evaluated']:>3}  acc {acc_s}{best_s}  {row['seconds']:6.2f}s"
+        print(f"{label} [{bar}] trained {len(row.participants):>3}/{len(row.sampled):<3} "
+              f"evaluated {row.evaluated:>3}  acc {acc_s}{best_s}  {row.seconds:6.2f}s"
               + (("  " + ", ".join(extra)) if extra else ""), file=self.stream, flush=True)

@@ -2,50 +2,45 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from edgepfl.atomic import write_json
+from edgepfl.metrics import RoundMetrics, read_metrics
+
+__all__ = ["format_table", "plot_accuracy", "read_metrics", "summarize", "write_report"]
 
 
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def summarize(rows: list[dict], target: float | None = None) -> dict[str, Any]:
+def summarize(rows: list[RoundMetrics], target: float | None = None) -> dict[str, Any]:
     """Final and best personalized accuracy (always labelled), bytes, time; optionally
     the cumulative bytes sent until ``target`` accuracy was first reached."""
-    scored = [r for r in rows if r.get("accuracy") is not None]
-    final = next((r for r in reversed(rows) if r.get("final")), scored[-1] if scored else None)
-    best = max(scored, key=lambda r: r["accuracy"]) if scored else None
-    train_rows = [r for r in rows if not r.get("final")]
+    scored = [r for r in rows if r.accuracy is not None]
+    final = next((r for r in reversed(rows) if r.final), scored[-1] if scored else None)
+    best = max(scored, key=lambda r: r.accuracy) if scored else None
+    train_rows = [r for r in rows if not r.final]
     out: dict[str, Any] = {
         "rounds": len(train_rows),
-        "final_accuracy": final["accuracy"] if final else None,
-        "final_round": final["round"] if final else None,
-        "best_accuracy": best["accuracy"] if best else None,
-        "best_round": best["round"] if best else None,
-        "final_per_client": final["per_client"] if final else {},
-        "bytes_up": sum(r["bytes_up"] for r in rows),
-        "bytes_down": sum(r["bytes_down"] for r in rows),
-        "seconds": round(sum(r["seconds"] for r in rows), 2),
-        "mean_round_seconds": round(sum(r["seconds"] for r in train_rows) / len(train_rows), 3) if train_rows else None,
-        "rejected": _sum_counts(r.get("rejected", {}) for r in rows),
-        "dropped": sum(len(r.get("dropped", [])) for r in rows),
+        "final_accuracy": final.accuracy if final else None,
+        "final_round": final.round if final else None,
+        "best_accuracy": best.accuracy if best else None,
+        "best_round": best.round if best else None,
+        "final_per_client": dict(final.per_client) if final else {},
+        "bytes_up": sum(r.bytes_up for r in rows),
+        "bytes_down": sum(r.bytes_down for r in rows),
+        "seconds": round(sum(r.seconds for r in rows), 2),
+        "mean_round_seconds": round(sum(r.seconds for r in train_rows) / len(train_rows), 3) if train_rows else None,
+        "rejected": _sum_counts(r.rejected for r in rows),
+        "dropped": sum(len(r.dropped) for r in rows),
     }
     if target is not None:
         sent = 0
         out["target_accuracy"] = target
         out["bytes_to_target"] = None
         for r in rows:
-            if r.get("accuracy") is not None and r["accuracy"] >= target:
+            if r.accuracy is not None and r.accuracy >= target:
                 out["bytes_to_target"] = sent
                 break
-            sent += r["bytes_up"] + r["bytes_down"]
+            sent += r.bytes_up + r.bytes_down
     return out
 
 
@@ -57,7 +52,7 @@ def _sum_counts(dicts) -> dict[str, int]:
     return total
 
 
-def format_table(rows: list[dict], summary: dict, method: str = "", head_reports: dict | None = None) -> str:
+def format_table(rows: list[RoundMetrics], summary: dict, method: str = "", head_reports: dict | None = None) -> str:
     """A plain-text results table a person can read in a terminal."""
     lines = []
     title = f"Results{' — ' + method if method else ''}"
@@ -65,10 +60,10 @@ def format_table(rows: list[dict], summary: dict, method: str = "", head_reports
     lines.append("=" * len(title))
     lines.append(f"{'round':>6} {'accuracy':>9} {'trained':>8} {'evaluated':>9} {'MB up':>8} {'MB down':>8} {'seconds':>8}")
     for r in rows:
-        acc = "-" if r.get("accuracy") is None else f"{r['accuracy']:.2%}"
-        label = "final" if r.get("final") else str(r["round"])
-        lines.append(f"{label:>6} {acc:>9} {len(r['participants']):>8} {r['evaluated']:>9} "
-                     f"{r['bytes_up'] / 1e6:>8.2f} {r['bytes_down'] / 1e6:>8.2f} {r['seconds']:>8.2f}")
+        acc = "-" if r.accuracy is None else f"{r.accuracy:.2%}"
+        label = "final" if r.final else str(r.round)
+        lines.append(f"{label:>6} {acc:>9} {len(r.participants):>8} {r.evaluated:>9} "
+                     f"{r.bytes_up / 1e6:>8.2f} {r.bytes_down / 1e6:>8.2f} {r.seconds:>8.2f}")
     lines.append("")
     fa, ba = summary.get("final_accuracy"), summary.get("best_accuracy")
     lines.append(f"final accuracy (after round {summary.get('rounds')}): {'-' if fa is None else f'{fa:.2%}'}")
@@ -88,7 +83,7 @@ def format_table(rows: list[dict], summary: dict, method: str = "", head_reports
     return "\n".join(lines)
 
 
-def plot_accuracy(rows: list[dict], path: str | Path, title: str = "") -> Path:
+def plot_accuracy(rows: list[RoundMetrics], path: str | Path, title: str = "") -> Path:
     """Accuracy per round (federation mean and each client) and final per-client bars."""
     import matplotlib
 
@@ -96,14 +91,14 @@ def plot_accuracy(rows: list[dict], path: str | Path, title: str = "") -> Path:
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    scored = [r for r in rows if r.get("accuracy") is not None]
+    scored = [r for r in rows if r.accuracy is not None]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
-    clients = sorted({a for r in scored for a in r["per_client"]})
+    clients = sorted({a for r in scored for a in r.per_client})
     for a in clients:
-        pts = [(r["round"], r["per_client"][a]) for r in scored if r["per_client"].get(a) is not None]
+        pts = [(r.round, r.per_client[a]) for r in scored if r.per_client.get(a) is not None]
         if pts:
             ax.plot(*zip(*pts), color="0.75", linewidth=0.8, zorder=1)
-    ax.plot([r["round"] for r in scored], [r["accuracy"] for r in scored], "o-", color="C0", linewidth=2,
+    ax.plot([r.round for r in scored], [r.accuracy for r in scored], "o-", color="C0", linewidth=2,
             label="sample-weighted personalized accuracy", zorder=2)
     ax.plot([], [], color="0.75", label="individual clients")
     ax.set_xlabel("round (evaluated at the start of the round; last = after training)")
@@ -112,10 +107,10 @@ def plot_accuracy(rows: list[dict], path: str | Path, title: str = "") -> Path:
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     ax.set_title(title or "personalized accuracy per round")
-    final = next((r for r in reversed(rows) if r.get("final")), scored[-1] if scored else None)
+    final = next((r for r in reversed(rows) if r.final), scored[-1] if scored else None)
     if final:
-        names = [a for a, v in final["per_client"].items() if v is not None]
-        bx.barh(names, [final["per_client"][a] for a in names], color="C0")
+        names = [a for a, v in final.per_client.items() if v is not None]
+        bx.barh(names, [final.per_client[a] for a in names], color="C0")
         bx.set_xlim(0, 1)
         bx.set_title("final accuracy per client")
         bx.invert_yaxis()
@@ -134,7 +129,7 @@ def write_report(run_dir: str | Path, method: str = "", head_reports: dict | Non
     if head_reports:
         summary["head_tier"] = head_reports
     write_json(run_dir / "summary.json", summary)
-    if any(r.get("accuracy") is not None for r in rows):
+    if any(r.accuracy is not None for r in rows):
         plot_accuracy(rows, run_dir / "accuracy.png", title=f"{method} — personalized accuracy" if method else "")
     table = format_table(rows, summary, method, head_reports)
     (run_dir / "results.txt").write_text(table + "\n")

@@ -10,7 +10,6 @@ after the last checkpointed round with the same global state.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -22,17 +21,19 @@ import numpy as np
 
 from edgepfl.config import RunConfig
 from edgepfl.methods import ClientUpdate, Method, ServerState, UpdateRejected, create_method
+from edgepfl.metrics import RoundMetrics, read_metrics
 from edgepfl.protocol import (
     AgentChannel,
     CoordinatorMeta,
     MessageType,
     ProtocolError,
+    RunSpec,
     TaskMeta,
     decode,
     encode,
     new_message_id,
 )
-from edgepfl.state import load_checkpoint, save_checkpoint
+from edgepfl.state import CheckpointMeta, load_checkpoint, save_checkpoint
 
 from .fleet import SENDER, Fleet, Incoming
 from .progress import Progress
@@ -109,26 +110,21 @@ class Coordinator:
     def checkpoint_dir(self) -> Path:
         return self.out_dir / "checkpoint"
 
-    def _run_dict(self) -> dict:
-        c = self.config
-        return {
-            "method": {"name": c.method.name, **c.method.options()},
-            "model": c.model.model_dump(),
-            "train": c.train.model_dump(),
-            "seed": c.seed,
-        }
+    def _run_dict(self) -> RunSpec:
+        """The run spec every task carries (and checkpoints and releases record)."""
+        return self.config.run_spec(self.input_shape, self.num_classes, self.class_names, self.normalization)
 
     def init_or_resume(self) -> None:
         """Fresh server state from a seeded model, or the last checkpoint if one exists."""
         found = load_checkpoint(self.checkpoint_dir)
         if found is not None:
             state, meta = found
-            if meta.get("method") != self.config.method.name:
-                raise RuntimeError(f"{self.checkpoint_dir} holds a {meta.get('method')} run, config says "
+            if meta.run.method.name != self.config.method.name:
+                raise RuntimeError(f"{self.checkpoint_dir} holds a {meta.run.method.name} run, config says "
                                    f"{self.config.method.name}; use another --out")
-            self.state, self.start_round = state, int(meta["round"]) + 1
-            self.rejected_total.update(meta.get("rejected_total", {}))
-            log.info("resuming from checkpoint after round %d", meta["round"])
+            self.state, self.start_round = state, meta.round + 1
+            self.rejected_total.update(meta.rejected_total)
+            log.info("resuming from checkpoint after round %d", meta.round)
             self._truncate_metrics(self.start_round)
             return
         import torch
@@ -140,20 +136,10 @@ class Coordinator:
         self.state = self.method.init_server(model)
         self.start_round = 0
 
-    def run_meta(self, round: int) -> dict:
+    def run_meta(self, round: int) -> CheckpointMeta:
         """What a checkpoint (and an export) records about this run as of ``round``."""
-        return {
-            "round": round,
-            "method": self.config.method.name,
-            "method_options": self.config.method.options(),
-            "model": self.config.model.model_dump(),
-            "input_shape": list(self.input_shape),
-            "num_classes": self.num_classes,
-            "class_names": self.class_names,
-            "normalization": self.normalization,
-            "run": self.config.model_dump(mode="json"),
-            "rejected_total": dict(self.rejected_total),
-        }
+        return CheckpointMeta(round=round, run=self._run_dict(), data_spec=self.config.data,
+                              rejected_total=dict(self.rejected_total))
 
     def _checkpoint(self, round: int) -> None:
         save_checkpoint(self.checkpoint_dir, self.state, self.run_meta(round))
@@ -371,44 +357,43 @@ class Coordinator:
         write_json(self.out_dir / "head_metrics.json", self.head_reports)
 
     # ---------------------------------------------------------------- metrics
-    def _row(self, result: RoundResult, seconds: float, final: bool, aborted: bool) -> dict:
+    def _row(self, result: RoundResult, seconds: float, final: bool, aborted: bool) -> RoundMetrics:
         evals = result.evaluations
         correct = sum(e["correct"] for e in evals.values())
         total = sum(e["total"] for e in evals.values())
         losses = [e["train_loss"] for e in evals.values() if e["train_loss"] is not None]
-        return {
-            "round": result.round,
-            "final": final,
-            "accuracy": correct / total if total else None,
-            "per_client": {a: (e["correct"] / e["total"] if e["total"] else None) for a, e in sorted(evals.items())},
-            "participants": sorted(u.agent_id for u in result.updates),
-            "sampled": result.sampled,
-            "evaluated": len(evals),
-            "dropped": sorted(result.dropped),
-            "rejected": dict(result.rejected),
-            "aborted": aborted,
-            "train_loss": float(np.mean(losses)) if losses else None,
-            "bytes_up": result.bytes_up,
-            "bytes_down": result.bytes_down,
-            "shared_bytes": int(sum(v.nbytes for v in self.state.shared_params().values())),
-            "seconds": round(seconds, 4),
-        }
+        return RoundMetrics(
+            round=result.round,
+            final=final,
+            accuracy=correct / total if total else None,
+            per_client={a: (e["correct"] / e["total"] if e["total"] else None) for a, e in sorted(evals.items())},
+            participants=sorted(u.agent_id for u in result.updates),
+            sampled=result.sampled,
+            evaluated=len(evals),
+            dropped=sorted(result.dropped),
+            rejected=dict(result.rejected),
+            aborted=aborted,
+            train_loss=float(np.mean(losses)) if losses else None,
+            bytes_up=result.bytes_up,
+            bytes_down=result.bytes_down,
+            shared_bytes=int(sum(v.nbytes for v in self.state.shared_params().values())),
+            seconds=round(seconds, 4),
+        )
 
     @property
     def metrics_path(self) -> Path:
         return self.out_dir / "metrics.jsonl"
 
-    def _append_metrics(self, row: dict) -> None:
+    def _append_metrics(self, row: RoundMetrics) -> None:
         with self.metrics_path.open("a") as fh:
-            fh.write(json.dumps(row) + "\n")
+            fh.write(row.to_line())
             fh.flush()
 
     def _truncate_metrics(self, start_round: int) -> None:
         """Drop rows the resumed run will write again (written after the last checkpoint)."""
         if not self.metrics_path.exists():
             return
-        keep = [line for line in self.metrics_path.read_text().splitlines()
-                if line.strip() and json.loads(line)["round"] < start_round and not json.loads(line).get("final")]
+        keep = [row for row in read_metrics(self.metrics_path) if row.round < start_round and not row.final]
         from edgepfl.atomic import write_bytes
 
-        write_bytes(self.metrics_path, ("\n".join(keep) + "\n").encode() if keep else b"")
+        write_bytes(self.metrics_path, "".join(row.to_line() for row in keep).encode())

@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from edgepfl.config import AgentConfig, RunConfig
+from edgepfl.metrics import RoundMetrics
 
 log = logging.getLogger("edgepfl.coordinator.simulate")
 
@@ -50,7 +51,7 @@ def prepare(config: RunConfig, agents: int, head_agents: int = 0, rounds: int | 
 
 def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str = "embedded",
              in_process: bool = False, rounds: int | None = None, head_agents: int = 0, head: str = "lr",
-             fresh: bool = True, progress: bool = True, threads: int | None = None) -> tuple[list[dict], dict]:
+             fresh: bool = True, progress: bool = True, threads: int | None = None) -> tuple[list[RoundMetrics], dict]:
     """Run a whole federation; returns (metrics rows, summary) and writes the report into ``out_dir``."""
     from edgepfl.coordinator.report import write_report
     from edgepfl.coordinator.rounds import Coordinator

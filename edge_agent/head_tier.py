@@ -37,6 +37,7 @@ from edgepfl.export.heads import META_ENCODER_SHA, OnnxHead, head_to_onnx
 from edgepfl.export.predict import OnnxEncoder
 from edgepfl.heads import OFFLINE_HEAD_KIND, HeadRelease
 from edgepfl.methods import create_method
+from edgepfl.protocol.manifest import ReleaseManifest, parse_manifest
 
 if TYPE_CHECKING:  # pragma: no cover
     from edgepfl.heads.estimators import HeadEstimator
@@ -92,21 +93,22 @@ class HeadRuntime:
         if not path.is_file():
             raise FileNotFoundError(f"no release installed in {self.state_dir}")
         record = json.loads(path.read_text())
+        manifest = parse_manifest(record["manifest"], f"{path} manifest")
         enc_bytes = (self.state_dir / record["encoder_file"]).read_bytes()
         head_bytes = (self.state_dir / record["head_file"]).read_bytes()
         if _sha(head_bytes) != record["head_sha256"]:
             raise ValueError(f"{record['head_file']} does not match {STATE_FILE}")
-        encoder = OnnxEncoder(enc_bytes, record["manifest"], threads=self.threads,
+        encoder = OnnxEncoder(enc_bytes, manifest, threads=self.threads,
                               expected_sha256=record["encoder_sha256"])
         head = OnnxHead(self.state_dir / record["head_file"], self.threads).fit()
         self.encoder, self.head, self.record = encoder, head, record
-        self._adapt = _renormalization(self.data.normalization, record["manifest"])
+        self._adapt = _renormalization(self.data.normalization, manifest)
         log.info("restored release %s with a %s head (accuracy %.4f)", record["release_id"], record["metrics"]["head"],
                  record["metrics"]["accuracy"])
         return dict(record["metrics"])
 
     # ---------------------------------------------------------------- releases
-    def install_release(self, manifest: dict[str, Any], artifact: bytes, expected_sha256: str) -> dict[str, Any]:
+    def install_release(self, manifest: ReleaseManifest, artifact: bytes, expected_sha256: str) -> dict[str, Any]:
         """Verify, install and fit on a new encoder release; returns the held-out metrics.
 
         Metrics: ``accuracy``, ``eval_correct``, ``num_train``, ``num_test``,
@@ -115,7 +117,7 @@ class HeadRuntime:
         when the artifact does not match its sha256, is not a loadable ONNX encoder, or
         does not fit this device's data.
         """
-        release_id = str(manifest.get("release_id") or f"sha256-{expected_sha256[:12]}")
+        release_id = manifest.release_id
         current = self.release_id
 
         def refuse(reason: str) -> ReleaseRefused:
@@ -126,14 +128,14 @@ class HeadRuntime:
         digest = _sha(artifact)
         if digest != expected_sha256:
             raise refuse(f"sha256 mismatch: artifact is {digest[:16]}…, release says {expected_sha256[:16]}…")
-        declared = (manifest.get("encoder") or {}).get("sha256", digest)
+        declared = manifest.encoder.sha256
         if declared != digest:
-            raise refuse(f"sha256 mismatch: artifact is {digest[:16]}…, manifest says {str(declared)[:16]}…")
+            raise refuse(f"sha256 mismatch: artifact is {digest[:16]}…, manifest says {declared[:16]}…")
         if self.record and self.record["encoder_sha256"] == digest and self.ready:
             log.info("release %s already installed", release_id)
             return dict(self.record["metrics"])
         want = list(self.data.input_shape)
-        got = list(manifest.get("input", {}).get("shape") or [])
+        got = list(manifest.run.data.input_shape)
         if got != want:
             raise refuse(f"input shape mismatch: encoder takes {got}, local data is {want}")
         try:
@@ -144,7 +146,7 @@ class HeadRuntime:
         adapt = _renormalization(self.data.normalization, manifest)
         if adapt is not None:
             log.info("local data normalized with %s, the encoder expects %s: converting", self.data.normalization,
-                     manifest.get("preprocessing", {}).get("normalization"))
+                     manifest.run.data.normalization)
         try:
             start = time.perf_counter()
             f_train = encoder.features(_apply(adapt, self.data.x_train))
@@ -180,12 +182,13 @@ class HeadRuntime:
         write_bytes(self.state_dir / enc_name, artifact)
         old = self.record
         record = {
-            "release_id": release_id, "manifest": manifest, "encoder_file": enc_name, "encoder_sha256": digest,
+            "release_id": release_id, "manifest": manifest.model_dump(mode="json"), "encoder_file": enc_name,
+            "encoder_sha256": digest,
             "head_file": head_path.name, "head_sha256": _sha(head_bytes), "metrics": metrics,
             "installed": time.time(),
         }
         # for `edgepfl predict --encoder <state>/encoder-….onnx`, which reads the manifest beside it
-        write_json(self.state_dir / "manifest.json", manifest)
+        write_json(self.state_dir / "manifest.json", record["manifest"])
         write_json(self.state_dir / STATE_FILE, record)  # the switch: written last
         self.encoder, self.head, self.record, self._adapt = encoder, head, record, adapt
         self._remove_old(old)
@@ -268,17 +271,17 @@ class HeadRuntime:
         return self.head.classes_
 
 
-def _renormalization(local: dict[str, Any], manifest: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
+def _renormalization(local: dict[str, Any], manifest: ReleaseManifest) -> tuple[np.ndarray, np.ndarray] | None:
     """(scale, shift) per channel turning the local normalization into the encoder's, or None if equal.
 
     x_local = (p - m_l) / s_l and the encoder wants (p - m_e) / s_e, so
     x_enc = x_local * (s_l / s_e) + (m_l - m_e) / s_e.
     """
-    enc = (manifest.get("preprocessing") or {}).get("normalization") or {}
-    if not local or not enc.get("mean") or not local.get("mean"):
+    enc = manifest.run.data.normalization
+    if not local or enc is None or not local.get("mean"):
         return None
     m_l, s_l = np.asarray(local["mean"], np.float64), np.asarray(local["std"], np.float64)
-    m_e, s_e = np.asarray(enc["mean"], np.float64), np.asarray(enc["std"], np.float64)
+    m_e, s_e = np.asarray(enc.mean, np.float64), np.asarray(enc.std, np.float64)
     if m_l.shape != m_e.shape or (np.allclose(m_l, m_e) and np.allclose(s_l, s_e)):
         return None
     return ((s_l / s_e).astype(np.float32).reshape(1, -1, 1, 1),

@@ -17,11 +17,10 @@ import numpy as np
 import torch
 
 from edgepfl.atomic import read_tensors, write_json, write_tensors
-from edgepfl.config import ModelSpec, TrainConfig
 from edgepfl.data import ClientData
 from edgepfl.methods import LocalContext, create_method
 from edgepfl.methods.base import load_tensors
-from edgepfl.protocol import Message, MessageType, TaskMeta, UpdateMeta, encode
+from edgepfl.protocol import Message, MessageType, RunSpec, TaskMeta, UpdateMeta, encode
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +41,15 @@ def seed_for(*parts: object) -> int:
     return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
-def run_signature(run: dict) -> str:
+class TaskRefused(ValueError):
+    """A task this agent cannot run on its data (logged; no update is sent)."""
+
+
+def run_signature(run: RunSpec) -> str:
     """What personal state depends on: method, its options and the model."""
-    key = {k: run.get(k) for k in ("method", "model")}
+    # Hashed in the layout tasks used before the run spec was typed (options beside the
+    # name), so personal state saved by an older agent is still recognised.
+    key = {"method": {"name": run.method.name, **run.method.options}, "model": run.model.model_dump()}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -70,13 +75,26 @@ class TrainerRuntime:
         self.model = None
 
     # ---------------------------------------------------------------- model setup
-    def _ensure_model(self, run: dict) -> None:
+    def _check_data(self, run: RunSpec, task: Message) -> None:
+        """Refuse a run whose data shape is not this agent's: its model could not take the data."""
+        problems = []
+        if tuple(run.data.input_shape) != tuple(self.data.input_shape):
+            problems.append(f"input shape {list(run.data.input_shape)}, local data {list(self.data.input_shape)}")
+        if run.data.num_classes != self.data.num_classes:
+            problems.append(f"{run.data.num_classes} classes, local data {self.data.num_classes}")
+        if problems:
+            reason = (f"{self.agent_id}: task {task.meta.task_id} (round {task.header.round}) refused: the run has "
+                      + "; ".join(problems))
+            log.error(reason)
+            raise TaskRefused(reason)
+
+    def _ensure_model(self, run: RunSpec) -> None:
         signature = run_signature(run)
         if signature == self._signature:
             return
-        method = create_method(run["method"]["name"], {k: v for k, v in run["method"].items() if k != "name"})
-        torch.manual_seed(seed_for(run.get("seed", 0), "init", self.agent_id))
-        model = method.build_model(ModelSpec(**run["model"]), self.data.input_shape, self.data.num_classes)
+        method = create_method(run.method.name, run.method.options)
+        torch.manual_seed(seed_for(run.seed, "init", self.agent_id))
+        model = method.build_model(run.model, run.data.input_shape, run.data.num_classes)
         model.to(self.device)
         restored = self._load_personal(method, model, signature)
         self.method, self.model, self._signature = method, model, signature
@@ -105,14 +123,19 @@ class TrainerRuntime:
 
     # ---------------------------------------------------------------- tasks
     def handle(self, task: Message) -> tuple[UpdateMeta, dict[str, np.ndarray]]:
-        """Evaluate the model made from the task's payload, train if asked; return the update."""
+        """Evaluate the model made from the task's payload, train if asked; return the update.
+
+        Raises :class:`TaskRefused` (after logging why) when the task's run has another
+        input shape or class count than this agent's data.
+        """
         meta: TaskMeta = task.meta  # type: ignore[assignment]
+        self._check_data(meta.run, task)
         self._ensure_model(meta.run)
         method, model = self.method, self.model
         generator = torch.Generator().manual_seed(meta.seed)
         torch.manual_seed(meta.seed)
         ctx = LocalContext(
-            train=TrainConfig(**meta.run["train"]),
+            train=meta.run.train,
             device=self.device,
             round=task.header.round,
             seed=meta.seed,

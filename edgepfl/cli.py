@@ -110,10 +110,14 @@ def cmd_report(args) -> int:
     import json
 
     from edgepfl.coordinator.report import write_report
+    from edgepfl.state import CheckpointError, read_checkpoint_meta
 
     run = Path(args.run)
-    state = run / "checkpoint" / "state.json"
-    method = json.loads(state.read_text()).get("method", "") if state.exists() else ""
+    try:
+        meta = read_checkpoint_meta(run / "checkpoint")
+    except CheckpointError:  # a run of an older edgepfl: the report does not need its checkpoint
+        meta = None
+    method = meta.run.method.name if meta else ""
     heads = run / "head_metrics.json"
     table, _ = write_report(run, method, json.loads(heads.read_text()) if heads.exists() else None)
     print(table)

@@ -7,6 +7,7 @@ message names the file and the offending field. Method-specific options live und
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,12 +16,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .heads import OFFLINE_HEAD_KIND
 from .methods import Method, available_head_kinds, get_method
+from .protocol.run import DataShape, MethodChoice, Normalization, RunSpec
 from .protocol.topics import check_segment
 from .specs import BrokerConfig, DataSpec, ModelSpec, PartitionSpec, TrainConfig, _Strict
 
 __all__ = [
     "AgentConfig", "BrokerConfig", "ConfigError", "DataSpec", "MethodSpec", "ModelSpec", "PartitionSpec",
-    "RunConfig", "TrainConfig", "load_agent_config", "load_run_config", "load_yaml", "parse_config",
+    "RunConfig", "RunSpec", "TrainConfig", "load_agent_config", "load_run_config", "load_yaml", "parse_config",
 ]
 
 
@@ -84,6 +86,28 @@ class RunConfig(_Strict):
 
     def method_config(self):
         return get_method(self.method.name).config_class.model_validate(self.method.options())
+
+    def run_spec(self, input_shape: Sequence[int] | None = None, num_classes: int | None = None,
+                 class_names: Sequence[str] | None = None,
+                 normalization: Mapping[str, Sequence[float]] | None = None) -> RunSpec:
+        """This run as tasks, checkpoints and releases describe it, once its data's shape is known.
+
+        The shape comes from the data (arguments, as :class:`edgepfl.data.ClientData`
+        reports them) or, where an argument is absent, from this config's
+        ``input_shape`` / ``num_classes``. Without class names, class ``i`` is named ``"i"``.
+        """
+        input_shape = input_shape or self.input_shape
+        num_classes = num_classes or self.num_classes
+        if input_shape is None or num_classes is None:
+            raise ConfigError("input_shape and num_classes are unknown: read them from the data or set them")
+        data = DataShape(
+            input_shape=tuple(input_shape),
+            num_classes=num_classes,
+            class_names=list(class_names or [str(i) for i in range(num_classes)]),
+            normalization=Normalization.model_validate(dict(normalization)) if normalization else None,
+        )
+        return RunSpec(method=MethodChoice(name=self.method.name, options=self.method.options()),
+                       model=self.model.model_copy(), train=self.train.model_copy(), seed=self.seed, data=data)
 
 
 class AgentConfig(_Strict):

@@ -2,8 +2,9 @@
 
 :class:`ServerState` is what a method's server step maps to the next round's state.
 A checkpoint of it, in ``<run>/checkpoint/``, is ``state.safetensors`` (the flattened
-state) and ``state.json`` (round completed, the run it belongs to, counters). The JSON
-is written last and names the tensor file's sha256, so a crash between the two writes
+state) and ``state.json``: the :class:`CheckpointMeta` (round completed, the run's
+:class:`~edgepfl.protocol.run.RunSpec`, counters) plus the state's JSON extras and the
+tensor file's sha256. The JSON is written last, so a crash between the two writes
 leaves a checkpoint that is detected as inconsistent rather than silently mixed.
 
 The coordinator writes checkpoints; export reads them. Both import this core module.
@@ -12,14 +13,16 @@ The coordinator writes checkpoints; export reads them. Both import this core mod
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .atomic import read_tensors, write_json, write_tensors
+from .protocol.run import RunSpec
+from .specs import DataSpec
 
 TensorDict = dict[str, np.ndarray]
 
@@ -59,32 +62,70 @@ class ServerState:
 
 
 class CheckpointError(RuntimeError):
-    pass
+    """A checkpoint that cannot be used: inconsistent files, or a ``state.json`` of another shape."""
 
 
-def save_checkpoint(directory: str | Path, state: ServerState, meta: dict[str, Any]) -> None:
-    """Persist ``state`` and ``meta`` (must include ``round``, the last completed round)."""
+class CheckpointMeta(BaseModel):
+    """What a checkpoint records about its run besides the tensors."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    round: int = Field(ge=-1, description="last completed round; -1: an untrained model")
+    run: RunSpec
+    data_spec: DataSpec | None = Field(
+        None, description="the run's client data config; export calibrates BatchNorm statistics from it")
+    rejected_total: dict[str, int] = Field(default_factory=dict, description="rejected messages per reason, all rounds")
+
+
+class _StateJson(CheckpointMeta):
+    """``state.json``: the meta plus what :class:`ServerState` and the tensor file need."""
+
+    server_extra: dict[str, Any] = Field(default_factory=dict)
+    tensors_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+    def meta(self) -> CheckpointMeta:
+        return CheckpointMeta(**{k: getattr(self, k) for k in CheckpointMeta.model_fields})
+
+
+def save_checkpoint(directory: str | Path, state: ServerState, meta: CheckpointMeta) -> None:
+    """Persist ``state`` and ``meta`` (``meta.round``: the last completed round)."""
     directory = Path(directory)
     tensors_path = directory / "state.safetensors"
     write_tensors(tensors_path, state.to_flat())
-    record = dict(meta)
-    record["server_extra"] = state.extra
-    record["tensors_sha256"] = hashlib.sha256(tensors_path.read_bytes()).hexdigest()
-    write_json(directory / "state.json", record)
+    record = _StateJson(**dict(meta), server_extra=state.extra,
+                        tensors_sha256=hashlib.sha256(tensors_path.read_bytes()).hexdigest())
+    write_json(directory / "state.json", record.model_dump(mode="json"))
 
 
-def load_checkpoint(directory: str | Path) -> tuple[ServerState, dict[str, Any]] | None:
+def _read_state_json(meta_path: Path) -> _StateJson:
+    try:
+        return _StateJson.model_validate_json(meta_path.read_bytes())
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err.get("loc", ())) or "<root>"
+        raise CheckpointError(f"{meta_path}: {loc}: {err.get('msg')} (not a checkpoint of this edgepfl version?)") from None
+
+
+def read_checkpoint_meta(directory: str | Path) -> CheckpointMeta | None:
+    """The meta of the checkpoint in ``directory`` without reading its tensors; None when there is none."""
+    meta_path = Path(directory) / "state.json"
+    if not meta_path.exists():
+        return None
+    return _read_state_json(meta_path).meta()
+
+
+def load_checkpoint(directory: str | Path) -> tuple[ServerState, CheckpointMeta] | None:
     """Return (state, meta) or None when there is no checkpoint yet."""
     directory = Path(directory)
     meta_path = directory / "state.json"
     if not meta_path.exists():
         return None
-    meta = json.loads(meta_path.read_text())
+    record = _read_state_json(meta_path)
     tensors_path = directory / "state.safetensors"
     if not tensors_path.exists():
         raise CheckpointError(f"{tensors_path} missing")
     digest = hashlib.sha256(tensors_path.read_bytes()).hexdigest()
-    if digest != meta.get("tensors_sha256"):
+    if digest != record.tensors_sha256:
         raise CheckpointError(f"{tensors_path} does not match {meta_path} (interrupted write?)")
-    state = ServerState.from_flat(read_tensors(tensors_path), meta.get("server_extra"))
-    return state, meta
+    state = ServerState.from_flat(read_tensors(tensors_path), record.server_extra)
+    return state, record.meta()

@@ -19,7 +19,6 @@ Every step calls the same ``edgepfl`` CLI a user would type; the commands are pr
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -74,6 +73,7 @@ def main() -> int:
 
     from edgepfl.config import DataSpec, MethodSpec, ModelSpec, RunConfig, TrainConfig
     from edgepfl.coordinator.simulate import simulate
+    from edgepfl.protocol import read_manifest
 
     out = Path(ns.out)
     agents = 4
@@ -92,9 +92,10 @@ def main() -> int:
 
     release = out / "release"
     cli("export", "--run", str(out / "run"), "--out", str(release), "--quantize", "int8")
-    manifest = json.loads((release / "manifest.json").read_text())
-    print(f"   release {manifest['release_id']}: {manifest['feature_dim']} features, heads {manifest['head_kinds']}, "
-          f"global heads {list((manifest['global_heads'] or {}).get('tensors', {}))}")
+    manifest = read_manifest(release / "manifest.json")
+    global_heads = list(manifest.global_heads.tensors) if manifest.global_heads else []
+    print(f"   release {manifest.release_id}: {manifest.feature_dim} features, heads {manifest.head_kinds}, "
+          f"global heads {global_heads}")
 
     photos = out / "new-client-photos"
     pixels, labels, names = unseen_images(config.data, agents)
@@ -102,7 +103,7 @@ def main() -> int:
     print(f"\n3. new client: {len(labels)} images never seen in training, written to {photos}/<class>/*.png")
 
     encoder = str(release / "encoder.onnx")
-    heads = [ns.head] + [k for k in manifest["head_kinds"] if k not in GENERIC_HEAD_KINDS]  # and the method's own
+    heads = [ns.head] + [k for k in manifest.head_kinds if k not in GENERIC_HEAD_KINDS]  # and the method's own
     for kind in heads:
         cli("fit-head", "--encoder", encoder, "--data", str(photos), "--head", kind,
             "--out", str(out / f"head-{kind}.onnx"), "--fused", str(out / f"device-{kind}.onnx"))

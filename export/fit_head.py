@@ -109,6 +109,8 @@ def fit_head(encoder: OnnxEncoder, data: Dataset, kind: str, *, export_dir: str 
     The head is the release's method's (:meth:`edgepfl.methods.Method.make_head`);
     ``export_dir`` holds the release's files, ``params`` override the head's parameters.
     """
+    if encoder.manifest is None:
+        raise ValueError("fitting a head needs the encoder's manifest.json (the method it was trained with)")
     release = HeadRelease.from_manifest(encoder.manifest, export_dir or ".")
     head = create_method(release.method, release.method_options).make_head(kind, release, **(params or {}))
     if head.federation_classes_only and not data.federation_classes:

@@ -10,9 +10,11 @@ the federation's shared parameters and writes to ``out_dir``:
   classifier, DualFed's ``h_s``, FedPick's ``C_g``): what a new client takes from the
   federation for a DualFed / FedPick head; absent when the method shares no head;
 * optional quantized variants (``encoder.int8.onnx``, ``encoder.fp16.onnx``);
-* ``manifest.json`` (written last) — method, round, input shape / dtype, preprocessing,
-  feature dimension, class names, opset, sha256 of every file, head kinds, the BatchNorm
-  statistics' origin, the torch/onnxruntime parity measured at export, version, time.
+* ``manifest.json`` (written last) — a :class:`~edgepfl.protocol.manifest.ReleaseManifest`:
+  the run spec (method, model, input shape, classes, preprocessing), round, tensor
+  names and dtype, feature dimension, opset, sha256 of every file, head kinds, the
+  BatchNorm statistics' origin, the torch/onnxruntime parity measured at export,
+  version, time.
 
 BatchNorm statistics that a method keeps personal (DualFed's running mean / var,
 FedPick's and FedBN's whole BN layers) are not in the checkpoint. A frozen encoder
@@ -26,7 +28,6 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import io
-import json
 import logging
 import warnings
 from dataclasses import dataclass
@@ -37,12 +38,19 @@ import numpy as np
 
 from edgepfl import __version__
 from edgepfl.atomic import write_bytes, write_json, write_tensors
+from edgepfl.protocol.manifest import (
+    BatchNormOrigin,
+    FileEntry,
+    GlobalHeadsEntry,
+    ReleaseManifest,
+    read_manifest,
+)
+from edgepfl.state import CheckpointMeta
 
 from .heads import OPSET, make_session
 
 log = logging.getLogger(__name__)
 
-FORMAT = "edgepfl.encoder/1"
 INPUT_NAME = "input"
 OUTPUT_NAME = "features"
 ENCODER_FILE = "encoder.onnx"
@@ -64,7 +72,7 @@ class LoadedRun:
     method: Any
     model: Any
     state: Any
-    meta: dict[str, Any]
+    meta: CheckpointMeta
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -75,13 +83,13 @@ def sha256_file(path: str | Path) -> str:
     return sha256_bytes(Path(path).read_bytes())
 
 
-def build_from_meta(meta: dict[str, Any]):
+def build_from_meta(meta: CheckpointMeta):
     """(method, model) for a checkpoint's meta: the model as the coordinator built it."""
-    from edgepfl.config import ModelSpec
     from edgepfl.methods import create_method
 
-    method = create_method(meta["method"], meta.get("method_options") or {})
-    model = method.build_model(ModelSpec(**meta["model"]), tuple(meta["input_shape"]), int(meta["num_classes"]))
+    run = meta.run
+    method = create_method(run.method.name, run.method.options)
+    model = method.build_model(run.model, run.data.input_shape, run.data.num_classes)
     return method, model
 
 
@@ -114,7 +122,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, quantize: list[str] 
     return export_loaded(run, out_dir, quantize=quantize, calibration=calibration)
 
 
-def export_state(state, meta: dict[str, Any], out_dir: str | Path, *, quantize: list[str] | tuple[str, ...] = (),
+def export_state(state, meta: CheckpointMeta, out_dir: str | Path, *, quantize: list[str] | tuple[str, ...] = (),
                  calibration: np.ndarray | None = None) -> Path:
     """Like :func:`export_run` from an in-memory server state and checkpoint meta (coordinator releases)."""
     from edgepfl.methods.base import load_tensors
@@ -136,7 +144,7 @@ def export_loaded(run: LoadedRun, out_dir: str | Path, *, quantize: list[str] | 
     encoder = method.encoder_module(model)
     prefix = _module_prefix(model, encoder)
     shared = run.state.shared_params()
-    input_shape = tuple(int(s) for s in meta["input_shape"])
+    input_shape = meta.run.data.input_shape
 
     bn_info = _prepare_batchnorm(encoder, prefix, shared, calibration, meta)
     encoder.eval()
@@ -159,12 +167,12 @@ def export_loaded(run: LoadedRun, out_dir: str | Path, *, quantize: list[str] | 
     global_heads = {k: v for k, v in shared.items() if not _under(k, prefix)}
     gh_entry = None
     if global_heads:
-        write_tensors(out_dir / GLOBAL_HEADS_FILE, global_heads, metadata={"method": meta["method"]})
-        gh_entry = {
-            "file": GLOBAL_HEADS_FILE,
-            "sha256": sha256_file(out_dir / GLOBAL_HEADS_FILE),
-            "tensors": {k: list(v.shape) for k, v in sorted(global_heads.items())},
-        }
+        write_tensors(out_dir / GLOBAL_HEADS_FILE, global_heads, metadata={"method": meta.run.method.name})
+        gh_entry = GlobalHeadsEntry(
+            file=GLOBAL_HEADS_FILE,
+            sha256=sha256_file(out_dir / GLOBAL_HEADS_FILE),
+            tensors={k: list(v.shape) for k, v in sorted(global_heads.items())},
+        )
     elif (out_dir / GLOBAL_HEADS_FILE).exists():
         (out_dir / GLOBAL_HEADS_FILE).unlink()  # a stale file from an earlier export must not be picked up
 
@@ -174,41 +182,28 @@ def export_loaded(run: LoadedRun, out_dir: str | Path, *, quantize: list[str] | 
 
         for kind in quantize:
             path = quantize_encoder(out_dir / ENCODER_FILE, kind)
-            variants[kind] = {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size}
+            variants[kind] = FileEntry(file=path.name, sha256=sha256_file(path), bytes=path.stat().st_size)
 
-    norm = meta.get("normalization") or {}
-    manifest = {
-        "format": FORMAT,
-        "release_id": f"{meta['method']}-r{int(meta.get('round', -1))}-{enc_sha[:12]}",
-        "method": meta["method"],
-        "method_options": meta.get("method_options") or {},
-        "round": int(meta.get("round", -1)),
-        "model": meta["model"],
-        "input": {"name": INPUT_NAME, "shape": list(input_shape), "dtype": "float32", "layout": "NCHW",
-                  "dynamic_batch": True},
-        "output": {"name": OUTPUT_NAME, "dtype": "float32", "dim": feature_dim},
-        "feature_dim": feature_dim,
-        "preprocessing": {
-            "scale": 1 / 255,
-            "normalization": {"mean": list(norm.get("mean", [])), "std": list(norm.get("std", []))},
-            "description": "pixels (0..255) * scale, then (x - mean) / std per channel; "
-                           "grayscale when C = 1, RGB when C = 3; resized to H x W",
-        },
-        "num_classes": int(meta["num_classes"]),
-        "class_names": list(meta.get("class_names") or [str(i) for i in range(int(meta["num_classes"]))]),
-        "opset": OPSET,
-        "encoder": {"file": ENCODER_FILE, "sha256": enc_sha, "bytes": len(onnx_bytes)},
-        "sha256": enc_sha,
-        "global_heads": gh_entry,
-        "head_kinds": list(method.head_kinds),
-        "batchnorm": bn_info,
-        "parity_max_abs": parity,
-        "variants": variants,
-        "edgepfl_version": __version__,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    }
-    write_json(out_dir / MANIFEST_FILE, manifest)
-    log.info("exported %s round %d: %s (%d features, %d bytes, parity %.2g)", meta["method"], manifest["round"],
+    manifest = ReleaseManifest(
+        release_id=f"{meta.run.method.name}-r{meta.round}-{enc_sha[:12]}",
+        round=meta.round,
+        run=meta.run,
+        input_name=INPUT_NAME,
+        output_name=OUTPUT_NAME,
+        dtype="float32",
+        feature_dim=feature_dim,
+        opset=OPSET,
+        encoder=FileEntry(file=ENCODER_FILE, sha256=enc_sha, bytes=len(onnx_bytes)),
+        global_heads=gh_entry,
+        variants=variants,
+        head_kinds=list(method.head_kinds),
+        batchnorm=bn_info,
+        parity_max_abs=parity,
+        edgepfl_version=__version__,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    )
+    write_json(out_dir / MANIFEST_FILE, manifest.model_dump(mode="json"))
+    log.info("exported %s round %d: %s (%d features, %d bytes, parity %.2g)", meta.run.method.name, meta.round,
              out_dir / ENCODER_FILE, feature_dim, len(onnx_bytes), parity)
     return out_dir / MANIFEST_FILE
 
@@ -234,13 +229,13 @@ def encoder_to_onnx(encoder, input_shape: tuple[int, ...]) -> bytes:
     return buf.getvalue()
 
 
-def read_release(out_dir: str | Path) -> tuple[dict[str, Any], bytes]:
+def read_release(out_dir: str | Path) -> tuple[ReleaseManifest, bytes]:
     """(manifest, encoder bytes) of an export directory, the bytes checked against the manifest."""
     out_dir = Path(out_dir)
-    manifest = json.loads((out_dir / MANIFEST_FILE).read_text())
-    data = (out_dir / manifest["encoder"]["file"]).read_bytes()
-    if sha256_bytes(data) != manifest["encoder"]["sha256"]:
-        raise ExportError(f"{out_dir / manifest['encoder']['file']} does not match its manifest sha256")
+    manifest = read_manifest(out_dir / MANIFEST_FILE)
+    data = (out_dir / manifest.encoder.file).read_bytes()
+    if sha256_bytes(data) != manifest.encoder.sha256:
+        raise ExportError(f"{out_dir / manifest.encoder.file} does not match its manifest sha256")
     return manifest, data
 
 
@@ -256,7 +251,8 @@ def _under(key: str, prefix: str) -> bool:
     return prefix == "" or key.startswith(prefix + ".")
 
 
-def _prepare_batchnorm(encoder, prefix: str, shared: dict[str, np.ndarray], calibration, meta) -> dict[str, Any]:
+def _prepare_batchnorm(encoder, prefix: str, shared: dict[str, np.ndarray], calibration,
+                       meta: CheckpointMeta) -> BatchNormOrigin:
     """Re-estimate BatchNorm running statistics the federation does not hold; describe what was done."""
     import torch
     from torch.nn.modules.batchnorm import _BatchNorm
@@ -268,17 +264,15 @@ def _prepare_batchnorm(encoder, prefix: str, shared: dict[str, np.ndarray], cali
                if isinstance(m, _BatchNorm) and m.track_running_stats and full(n + ".running_mean") not in shared]
     not_federated = sorted(k for k in (full(k) for k in encoder.state_dict())
                            if k not in shared and not k.endswith("num_batches_tracked"))
-    info: dict[str, Any] = {"layers": sum(isinstance(m, _BatchNorm) for m in encoder.modules()),
-                            "encoder_keys_not_federated": not_federated}
+    layers = sum(isinstance(m, _BatchNorm) for m in encoder.modules())
     if not missing:
-        info["statistics"] = "federated" if info["layers"] else "none"
-        return info
+        return BatchNormOrigin(layers=layers, statistics="federated" if layers else "none",
+                               encoder_keys_not_federated=not_federated)
     x = calibration if calibration is not None else _calibration_from_run(meta)
     if x is None or len(x) < 2:
         log.warning("%d BatchNorm layers keep personal statistics and no calibration data was found: "
                     "the exported encoder uses their initial statistics", len(missing))
-        info["statistics"] = "initial"
-        return info
+        return BatchNormOrigin(layers=layers, statistics="initial", encoder_keys_not_federated=not_federated)
     x = np.ascontiguousarray(x[:CALIBRATION_SAMPLES], dtype=np.float32)
     encoder.eval()
     saved = {}
@@ -295,18 +289,20 @@ def _prepare_batchnorm(encoder, prefix: str, shared: dict[str, np.ndarray], cali
     for bn, momentum in saved.items():
         bn.momentum = momentum
     encoder.eval()
-    info.update(statistics="calibrated", calibration_samples=int(len(x)))
     log.info("re-estimated %d personal BatchNorm layers on %d calibration images", len(missing), len(x))
-    return info
+    return BatchNormOrigin(layers=layers, statistics="calibrated", calibration_samples=int(len(x)),
+                           encoder_keys_not_federated=not_federated)
 
 
-def _calibration_from_run(meta: dict[str, Any]) -> np.ndarray | None:
+def _calibration_from_run(meta: CheckpointMeta) -> np.ndarray | None:
     """Training images of the run's clients (up to CALIBRATION_SAMPLES), via its data config."""
+    spec = meta.data_spec
+    if spec is None:
+        log.warning("the checkpoint names no data config to calibrate from")
+        return None
     try:
-        from edgepfl.config import RunConfig
         from edgepfl.data import load_client_data
 
-        spec = RunConfig.model_validate(meta["run"]).data
         parts, n = [], 0
         for i in range(spec.num_clients):
             x = load_client_data(spec, i).x_train
@@ -315,7 +311,7 @@ def _calibration_from_run(meta: dict[str, Any]) -> np.ndarray | None:
             if n >= CALIBRATION_SAMPLES:
                 break
         return np.concatenate(parts)[:CALIBRATION_SAMPLES] if parts else None
-    except Exception as exc:  # missing dataset, old meta: fall back to initial statistics (logged)
+    except Exception as exc:  # missing dataset: fall back to initial statistics (logged)
         log.warning("no calibration data from the run's data config: %s", exc)
         return None
 

@@ -20,9 +20,11 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
+
+from edgepfl.protocol.manifest import ReleaseManifest, read_manifest
+from edgepfl.protocol.run import PIXEL_SCALE
 
 from .heads import OnnxHead, make_session
 
@@ -37,7 +39,7 @@ class OnnxEncoder:
     against the file's bytes before a session is opened.
     """
 
-    def __init__(self, model: str | Path | bytes, manifest: dict[str, Any] | None = None, *,
+    def __init__(self, model: str | Path | bytes, manifest: ReleaseManifest | None = None, *,
                  threads: int | None = None, expected_sha256: str | None = None):
         import hashlib
 
@@ -47,18 +49,18 @@ class OnnxEncoder:
                              f"{expected_sha256[:12]}…")
         self.sha256 = hashlib.sha256(data).hexdigest()
         self.session = make_session(data, threads)
-        self.manifest = manifest or {}
+        self.manifest = manifest
         inp = self.session.get_inputs()[0]
         self.input_name = inp.name
         self.output_name = self.session.get_outputs()[0].name
-        shape = self.manifest.get("input", {}).get("shape") or list(inp.shape[1:])
+        shape = list(manifest.run.data.input_shape) if manifest else list(inp.shape[1:])
         if any(not isinstance(s, int) for s in shape):
             raise ValueError(f"encoder input shape {inp.shape} is not fixed and there is no manifest")
         self.input_shape: tuple[int, int, int] = tuple(int(s) for s in shape)  # type: ignore[assignment]
         if tuple(int(s) if isinstance(s, int) else -1 for s in inp.shape[1:]) != self.input_shape:
             raise ValueError(f"encoder graph input {inp.shape} does not match the manifest's {list(self.input_shape)}")
         self.feature_dim = int(self.session.get_outputs()[0].shape[1]) if isinstance(
-            self.session.get_outputs()[0].shape[1], int) else int(self.manifest.get("feature_dim", 0))
+            self.session.get_outputs()[0].shape[1], int) else (manifest.feature_dim if manifest else 0)
 
     @classmethod
     def from_path(cls, encoder: str | Path, threads: int | None = None) -> OnnxEncoder:
@@ -67,24 +69,23 @@ class OnnxEncoder:
         if encoder.is_dir():
             return cls.from_dir(encoder, threads)
         manifest_path = encoder.with_name("manifest.json")
-        manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
+        manifest = read_manifest(manifest_path) if manifest_path.is_file() else None
         expected = None
-        if manifest and manifest.get("encoder", {}).get("file") == encoder.name:
-            expected = manifest["encoder"]["sha256"]
-        elif manifest:  # a variant (int8 / fp16) listed in the same manifest
-            expected = next((v["sha256"] for v in manifest.get("variants", {}).values() if v["file"] == encoder.name), None)
+        if manifest:  # the main encoder or a variant (int8 / fp16) listed in the same manifest
+            files = [manifest.encoder, *manifest.variants.values()]
+            expected = next((f.sha256 for f in files if f.file == encoder.name), None)
         return cls(encoder, manifest, threads=threads, expected_sha256=expected)
 
     @classmethod
     def from_dir(cls, export_dir: str | Path, threads: int | None = None) -> OnnxEncoder:
         export_dir = Path(export_dir)
-        manifest = json.loads((export_dir / "manifest.json").read_text())
-        return cls(export_dir / manifest["encoder"]["file"], manifest, threads=threads,
-                   expected_sha256=manifest["encoder"]["sha256"])
+        manifest = read_manifest(export_dir / "manifest.json")
+        return cls(export_dir / manifest.encoder.file, manifest, threads=threads,
+                   expected_sha256=manifest.encoder.sha256)
 
     @property
     def class_names(self) -> list[str]:
-        return list(self.manifest.get("class_names") or [])
+        return list(self.manifest.run.data.class_names) if self.manifest else []
 
     def features(self, x: np.ndarray, batch_size: int = 64) -> np.ndarray:
         """Features (N, feature_dim) of normalized float32 inputs (N, C, H, W).
@@ -106,8 +107,13 @@ class OnnxEncoder:
         return preprocess_pixels(pixels, self.input_shape, self.manifest)
 
 
-def preprocess_pixels(pixels: np.ndarray, input_shape: tuple[int, int, int], manifest: dict[str, Any]) -> np.ndarray:
-    """Scale, fix channels and normalize pixels as the manifest says; sizes must already match."""
+def preprocess_pixels(pixels: np.ndarray, input_shape: tuple[int, int, int],
+                      manifest: ReleaseManifest | None) -> np.ndarray:
+    """Scale, fix channels and normalize pixels as the manifest says; sizes must already match.
+
+    Integer pixels are taken as 0..255 and multiplied by the run's ``pixel_scale``; without
+    a manifest (or a normalization in it) inputs are left as scaled.
+    """
     x = np.asarray(pixels)
     c, h, w = input_shape
     if x.ndim == 3:
@@ -118,8 +124,10 @@ def preprocess_pixels(pixels: np.ndarray, input_shape: tuple[int, int, int], man
         raise ValueError(f"pixels must be (N, H, W), (N, C, H, W) or (N, H, W, C), got {x.shape}")
     if tuple(x.shape[2:]) != (h, w):
         raise ValueError(f"images are {x.shape[2]}x{x.shape[3]}, the encoder wants {h}x{w}")
+    data = manifest.run.data if manifest else None
     if x.dtype == np.uint8 or np.issubdtype(x.dtype, np.integer):
-        x = x.astype(np.float32) / 255.0
+        # divided by 1 / scale (exactly 255.0 for the default): the same bits as before the scale was read
+        x = x.astype(np.float32) / np.float32(1 / (data.pixel_scale if data else PIXEL_SCALE))
     else:
         x = x.astype(np.float32)
         if x.size and (x.min() < 0 or x.max() > 1):
@@ -131,9 +139,9 @@ def preprocess_pixels(pixels: np.ndarray, input_shape: tuple[int, int, int], man
             x = np.repeat(x, 3, axis=1)
         else:
             raise ValueError(f"images have {x.shape[1]} channels, the encoder wants {c}")
-    norm = manifest.get("preprocessing", {}).get("normalization", {})
-    mean = np.asarray(norm.get("mean") or [0.0] * c, np.float32).reshape(1, -1, 1, 1)
-    std = np.asarray(norm.get("std") or [1.0] * c, np.float32).reshape(1, -1, 1, 1)
+    norm = data.normalization if data else None
+    mean = np.asarray(norm.mean if norm else [0.0] * c, np.float32).reshape(1, -1, 1, 1)
+    std = np.asarray(norm.std if norm else [1.0] * c, np.float32).reshape(1, -1, 1, 1)
     return np.ascontiguousarray((x - mean) / std, dtype=np.float32)
 
 

@@ -102,29 +102,27 @@ def accuracy_change(export_dir: str | Path, data, *, head: str = "lr",
     Returns ``{"fp32": {"accuracy": ...}, "int8": {"accuracy", "delta", "max_abs_feature_diff",
     "bytes"}, ...}``. ``data`` is a :class:`~edgepfl.data.ClientData`.
     """
-    import json
-
     from edgepfl.heads import HeadRelease
     from edgepfl.methods import create_method
 
     from .predict import OnnxEncoder
 
     export_dir = Path(export_dir)
-    manifest = json.loads((export_dir / "manifest.json").read_text())
     base = OnnxEncoder.from_dir(export_dir)
+    manifest = base.manifest
     f_train, f_test = base.features(data.x_train), base.features(data.x_test)
     release = HeadRelease.from_manifest(manifest, export_dir)
     method = create_method(release.method, release.method_options)
     fitted = method.make_head(head, release).fit(f_train, data.y_train)
     acc = float((fitted.predict(f_test) == data.y_test).mean())
-    report: dict[str, Any] = {"fp32": {"accuracy": acc, "bytes": manifest["encoder"]["bytes"]}}
-    for kind, entry in manifest.get("variants", {}).items():
+    report: dict[str, Any] = {"fp32": {"accuracy": acc, "bytes": manifest.encoder.bytes}}
+    for kind, entry in manifest.variants.items():
         if variants is not None and kind not in variants:
             continue
-        enc = OnnxEncoder(export_dir / entry["file"], manifest)
+        enc = OnnxEncoder(export_dir / entry.file, manifest, expected_sha256=entry.sha256)
         g_test = enc.features(data.x_test)
         acc_v = float((fitted.predict(g_test) == data.y_test).mean())
-        report[kind] = {"accuracy": acc_v, "delta": acc_v - acc, "bytes": entry["bytes"],
+        report[kind] = {"accuracy": acc_v, "delta": acc_v - acc, "bytes": entry.bytes,
                         "max_abs_feature_diff": float(np.abs(g_test - f_test).max())}
     return report
 

@@ -47,7 +47,7 @@ def make_run(run_dir: Path, method_name: str, *, options: dict | None = None, ar
     import torch
 
     from edgepfl.methods import ClientUpdate, LocalContext, create_method
-    from edgepfl.state import save_checkpoint
+    from edgepfl.state import CheckpointMeta, save_checkpoint
 
     torch.manual_seed(0)
     options = dict(options or {})
@@ -70,17 +70,11 @@ def make_run(run_dir: Path, method_name: str, *, options: dict | None = None, ar
         state = method.server_step(state, updates, rnd)
     run = RunConfig(method=MethodSpec(name=method_name, **options), model=spec, train=train, data=data_spec(dataset),
                     rounds=rounds)
-    meta = {
-        "round": rounds - 1,
-        "method": method_name,
-        "method_options": options,
-        "model": spec.model_dump(),
-        "input_shape": list(first.input_shape),
-        "num_classes": first.num_classes,
-        "class_names": list(first.class_names),
-        "normalization": first.normalization,
-        "run": run.model_dump(mode="json"),
-    }
+    meta = CheckpointMeta(
+        round=rounds - 1,
+        run=run.run_spec(first.input_shape, first.num_classes, first.class_names, first.normalization),
+        data_spec=run.data,
+    )
     save_checkpoint(Path(run_dir) / "checkpoint", state, meta)
     return Path(run_dir)
 

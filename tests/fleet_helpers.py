@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import uuid
@@ -10,6 +9,7 @@ from pathlib import Path
 
 from edgepfl.config import RunConfig, parse_config
 from edgepfl.coordinator.simulate import agent_ids, data_shape, prepare, spawn_agent, stop_agents
+from edgepfl.metrics import RoundMetrics, read_metrics
 
 
 def run_config(federation: str | None = None, **overrides) -> RunConfig:
@@ -77,9 +77,9 @@ def run_in_thread(target) -> tuple[threading.Thread, dict]:
     return thread, box
 
 
-def read_rows(out: Path) -> list[dict]:
+def read_rows(out: Path) -> list[RoundMetrics]:
     path = Path(out) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return read_metrics(path) if path.exists() else []
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):

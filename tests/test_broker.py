@@ -469,10 +469,10 @@ def test_two_agents_written_from_the_doc_alone_complete_rounds_with_the_real_coo
         for p in agents:
             p.kill()
             p.wait()
-    assert [r["round"] for r in rows] == [0, 1, 2] and rows[-1]["final"]
+    assert [r.round for r in rows] == [0, 1, 2] and rows[-1].final
     for row in rows[:-1]:
-        assert row["participants"] == ["doc-1", "doc-2"]
-        assert row["rejected"] == {} and not row["aborted"]
-        assert row["accuracy"] == pytest.approx(0.4)
-        assert row["bytes_up"] > 0 and row["bytes_down"] > 0
-    assert rows[-1]["evaluated"] == 2 and rows[-1]["accuracy"] == pytest.approx(0.4)
+        assert row.participants == ["doc-1", "doc-2"]
+        assert row.rejected == {} and not row.aborted
+        assert row.accuracy == pytest.approx(0.4)
+        assert row.bytes_up > 0 and row.bytes_down > 0
+    assert rows[-1].evaluated == 2 and rows[-1].accuracy == pytest.approx(0.4)

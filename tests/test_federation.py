@@ -22,9 +22,9 @@ def test_fedper_over_mosquitto_learns_and_personal_heads_never_cross_the_broker(
     config = run_config(method={"name": "fedper"}, rounds=3)
     rows, summary = simulate(config, 4, tmp_path / "run", broker=mosquitto.url, progress=False)
 
-    accuracies = [r["accuracy"] for r in rows]
-    assert [r["round"] for r in rows] == [0, 1, 2, 3] and rows[-1]["final"]
-    assert all(len(r["participants"]) == 4 for r in rows[:-1])
+    accuracies = [r.accuracy for r in rows]
+    assert [r.round for r in rows] == [0, 1, 2, 3] and rows[-1].final
+    assert all(len(r.participants) == 4 for r in rows[:-1])
     assert max(accuracies[1:]) > accuracies[0] + 0.2, accuracies  # round 0 is the untrained model
     assert (tmp_path / "run" / "accuracy.png").stat().st_size > 10_000
     assert summary["final_accuracy"] == accuracies[-1]
@@ -49,13 +49,13 @@ def test_mqtt_run_equals_in_process_run_for_the_same_seed(mosquitto, tmp_path):
     mqtt_rows, _ = simulate(config, 4, tmp_path / "mqtt", broker=mosquitto.url, progress=False)
     local_rows, _ = simulate(config, 4, tmp_path / "local", in_process=True, progress=False)
 
-    assert [r["round"] for r in mqtt_rows] == [r["round"] for r in local_rows]
+    assert [r.round for r in mqtt_rows] == [r.round for r in local_rows]
     for a, b in zip(mqtt_rows, local_rows):
-        assert a["accuracy"] == pytest.approx(b["accuracy"], abs=1e-9)
-        assert a["per_client"] == pytest.approx(b["per_client"], abs=1e-9)
+        assert a.accuracy == pytest.approx(b.accuracy, abs=1e-9)
+        assert a.per_client == pytest.approx(b.per_client, abs=1e-9)
         # same frames; only the JSON header's timestamp digits may differ by a few bytes
-        assert a["bytes_up"] == pytest.approx(b["bytes_up"], abs=64 * 8)
-        assert a["bytes_down"] == pytest.approx(b["bytes_down"], abs=64 * 8)
+        assert a.bytes_up == pytest.approx(b.bytes_up, abs=64 * 8)
+        assert a.bytes_down == pytest.approx(b.bytes_down, abs=64 * 8)
     g_mqtt = read_tensors(tmp_path / "mqtt" / "checkpoint" / "state.safetensors")
     g_local = read_tensors(tmp_path / "local" / "checkpoint" / "state.safetensors")
     assert g_mqtt.keys() == g_local.keys()

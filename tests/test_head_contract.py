@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import inspect
-import json
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ from edgepfl.config import AgentConfig, ModelSpec
 from edgepfl.export.heads import OnnxHead, head_to_onnx, make_session
 from edgepfl.heads import GENERIC_HEAD_KINDS, OFFLINE_HEAD_KIND, HeadRelease
 from edgepfl.methods import available_head_kinds, available_methods, create_method, get_method
+from edgepfl.protocol import read_manifest
 
 from export_fixtures import NEW_CLIENT, client_data, client_pixels, export_dir
 
@@ -144,13 +144,14 @@ def test_stage_two_head_tier_and_fit_head_build_the_same_estimator(kind, repper_
     from edgepfl.export.fit_head import fit_head, load_dataset
     from edgepfl.export.predict import OnnxEncoder
 
-    manifest = json.loads((repper_release / "manifest.json").read_text())
-    assert manifest["method_options"]["head_C"] == 0.5  # the release carries the federation's head options
+    manifest = read_manifest(repper_release / "manifest.json")
+    options = manifest.run.method.options
+    assert options["head_C"] == 0.5  # the release carries the federation's head options
 
     # stage 2 of a RepPer federation with these options and this head kind
-    method = create_method("repper", {**manifest["method_options"], "head": kind})
+    method = create_method("repper", {**options, "head": kind})
     data = client_data(NEW_CLIENT)
-    model = method.build_model(ModelSpec(**manifest["model"]), data.input_shape, data.num_classes)
+    model = method.build_model(manifest.run.model, data.input_shape, data.num_classes)
     stage2 = method.fit_head(model, torch.from_numpy(data.x_train), torch.from_numpy(data.y_train), seed=0)
 
     # a head-tier device that received the release over MQTT (no directory)

@@ -32,14 +32,14 @@ def data():
 
 def _install(rt, release_dir):
     manifest, artifact = read_release(release_dir)
-    return rt.install_release(manifest, artifact, manifest["sha256"])
+    return rt.install_release(manifest, artifact, manifest.encoder.sha256)
 
 
 def test_install_fit_evaluate_persist_and_restore(releases, data, tmp_path):
     rt = HeadRuntime(tmp_path / "state", "lr", data)
     metrics = _install(rt, releases[0])
     manifest, _ = read_release(releases[0])
-    assert metrics["release_id"] == manifest["release_id"] and metrics["head"] == "lr"
+    assert metrics["release_id"] == manifest.release_id and metrics["head"] == "lr"
     assert metrics["num_train"] == data.num_train and metrics["num_test"] == data.num_test
     assert metrics["accuracy"] > 0.5 and metrics["eval_correct"] == round(metrics["accuracy"] * data.num_test)
     assert metrics["fit_seconds"] >= 0
@@ -90,20 +90,22 @@ def test_tampered_or_corrupt_releases_are_refused_and_the_old_one_stays(releases
     # tampered: one flipped byte, the release's checksum unchanged
     bad = bytearray(artifact)
     bad[len(bad) // 2] ^= 0xFF
-    line = _refused(rt, caplog, manifest, bytes(bad), manifest["sha256"], "sha256 mismatch")
-    assert manifest["release_id"] in line and good["release_id"] in line  # names the new and the kept release
+    line = _refused(rt, caplog, manifest, bytes(bad), manifest.encoder.sha256, "sha256 mismatch")
+    assert manifest.release_id in line and good["release_id"] in line  # names the new and the kept release
 
     # checksum consistent with the bytes, but the bytes are not an ONNX model
     junk = b"not an onnx model" * 100
-    forged = dict(manifest, encoder=dict(manifest["encoder"], sha256=sha256_bytes(junk)))
+    forged = manifest.model_copy(update={"encoder": manifest.encoder.model_copy(update={"sha256": sha256_bytes(junk)})})
     _refused(rt, caplog, forged, junk, sha256_bytes(junk), "not a loadable ONNX")
 
     # manifest and release header disagree
     _refused(rt, caplog, manifest, artifact, "0" * 64, "sha256 mismatch")
 
     # an encoder for other images (input shape) than this device holds
-    other = dict(manifest, input=dict(manifest["input"], shape=[3, 32, 32]))
-    _refused(rt, caplog, other, artifact, manifest["sha256"], "input shape mismatch")
+    run = manifest.run
+    other_data = run.data.model_copy(update={"input_shape": (3, 32, 32)})
+    other = manifest.model_copy(update={"run": run.model_copy(update={"data": other_data})})
+    _refused(rt, caplog, other, artifact, manifest.encoder.sha256, "input shape mismatch")
 
     # the old release is still served and still on disk
     assert rt.release_id == good["release_id"]
@@ -151,14 +153,14 @@ def test_a_head_kind_the_releases_method_does_not_offer_is_refused(releases, dat
 
 def _release_args(release_dir):
     manifest, artifact = read_release(release_dir)
-    return manifest, artifact, manifest["sha256"]
+    return manifest, artifact, manifest.encoder.sha256
 
 
 def test_head_runtime_never_imports_torch(releases, data, tmp_path):
     """The whole head path in a fresh interpreter: install, fit, save, restore, predict — no torch."""
     manifest, artifact = read_release(releases[0])
     (tmp_path / "encoder.onnx").write_bytes(artifact)
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "manifest.json").write_text(manifest.model_dump_json())
     np.savez(tmp_path / "data.npz", x_train=data.x_train, y_train=data.y_train, x_test=data.x_test,
              y_test=data.y_test)
     script = textwrap.dedent(f"""
@@ -167,15 +169,16 @@ def test_head_runtime_never_imports_torch(releases, data, tmp_path):
         import numpy as np
         from edgepfl.edge_agent.head_tier import HeadRuntime
         from edgepfl.data.client import ClientData
+        from edgepfl.protocol import read_manifest
 
         tmp = Path({str(tmp_path)!r})
         arrays = np.load(tmp / "data.npz")
         data = ClientData(arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"], 10)
-        manifest = json.loads((tmp / "manifest.json").read_text())
+        manifest = read_manifest(tmp / "manifest.json")
         out = {{}}
         for kind in ("svm", "lr", "mlp"):
             rt = HeadRuntime(tmp / kind, kind, data)
-            m = rt.install_release(manifest, (tmp / "encoder.onnx").read_bytes(), manifest["sha256"])
+            m = rt.install_release(manifest, (tmp / "encoder.onnx").read_bytes(), manifest.encoder.sha256)
             again = HeadRuntime(tmp / kind, kind, data)
             again.load()
             same = bool((again.predict(data.x_test) == rt.predict(data.x_test)).all())

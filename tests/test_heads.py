@@ -17,6 +17,7 @@ from edgepfl.export.heads import OnnxHead, fuse, head_to_onnx, make_session
 from edgepfl.export.predict import OnnxEncoder, main_predict
 from edgepfl.heads import GENERIC_HEAD_KINDS, HeadRelease
 from edgepfl.methods import create_method
+from edgepfl.protocol import read_manifest
 
 from export_fixtures import NEW_CLIENT, TRAIN_CLIENTS, client_data, client_pixels, export_dir
 
@@ -49,7 +50,7 @@ def _features(release, index):
 
 def make_head(release, kind, **params):
     """A new head of ``kind`` for an exported ``release``, from the release's method."""
-    hr = HeadRelease.from_manifest(json.loads((release / "manifest.json").read_text()), release)
+    hr = HeadRelease.from_manifest(read_manifest(release / "manifest.json"), release)
     return create_method(hr.method, hr.method_options).make_head(kind, hr, **params)
 
 
@@ -138,11 +139,11 @@ def test_torch_heads_keep_the_federations_global_classifier(releases):
 
 
 def test_dualfed_head_needs_a_dualfed_release_and_its_global_heads(releases, tmp_path):
-    fedavg = HeadRelease.from_manifest(json.loads((releases["fedavg"] / "manifest.json").read_text()), releases["fedavg"])
+    fedavg = HeadRelease.from_manifest(read_manifest(releases["fedavg"] / "manifest.json"), releases["fedavg"])
     with pytest.raises(ValueError, match="needs a dualfed encoder"):
         create_method("dualfed").make_head("dualfed", fedavg)
     # a DualFed release whose files are not at hand (a device that received only the encoder)
-    manifest = json.loads((releases["dualfed"] / "manifest.json").read_text())
+    manifest = read_manifest(releases["dualfed"] / "manifest.json")
     for hr in (HeadRelease.from_manifest(manifest), HeadRelease.from_manifest(manifest, tmp_path)):
         with pytest.raises(ValueError, match="needs the federation's global heads"):
             create_method("dualfed").make_head("dualfed", hr)
@@ -174,7 +175,7 @@ def test_fit_head_and_predict_on_a_never_seen_client(kind, releases, new_client,
     assert report["head"] == kind and report["num_validation"] > 20
     assert report["validation_accuracy"] > 0.5  # ten classes: chance is 0.1
     head = OnnxHead.load(out)
-    assert head.encoder_sha256_ == json.loads((release / "manifest.json").read_text())["sha256"]
+    assert head.encoder_sha256_ == read_manifest(release / "manifest.json").encoder.sha256
 
     rc = main_predict(["--encoder", str(release / "encoder.onnx"), "--head", str(out), str(new_client["npy"]),
                        "--json"])

@@ -96,6 +96,17 @@ def test_the_core_imports_no_app_package():
     assert not offenders, "the core must not import the apps:\n" + "\n".join(offenders)
 
 
+def test_the_protocol_imports_neither_the_config_nor_the_method_registry():
+    """Tasks and releases carry the run spec; validating it against methods is the receivers' job."""
+    modules = _modules()
+    forbidden = ("edgepfl.config", "edgepfl.methods")
+    offenders = [f"{path.relative_to(ROOT)} imports {imported}"
+                 for name, path in sorted(modules.items()) if name.startswith("edgepfl.protocol")
+                 for imported in _imports(name, path, module_level_only=False)
+                 if any(imported == f or imported.startswith(f + ".") for f in forbidden)]
+    assert not offenders, "\n".join(offenders)
+
+
 def test_no_import_cycle():
     """Counting imports inside functions too: a lazy import hides a cycle, it does not remove it."""
     modules = _modules()

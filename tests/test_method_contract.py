@@ -39,6 +39,7 @@ from edgepfl.protocol.envelope import decode, encode
 from edgepfl.protocol.messages import MessageType, TaskMeta, UpdateMeta
 
 from method_kit import MethodKit, eval_logits
+from wire_samples import sample_run_spec
 
 KIT = MethodKit()  # 4 classes of 1x28x28 images, SmallCNN with 16 features, 1 epoch of batches of 16
 AGENTS = ("agent-a", "agent-b")
@@ -316,7 +317,7 @@ def test_task_and_update_messages_round_trip_bit_exactly(name):
     agent = "agent-a"
     task_id = uuid.uuid4().hex
     payload = run.method.payload_for(run.state1, agent)
-    task_meta = TaskMeta(task_id=task_id, kind="train", run={"method": {"name": name}}, seed=3, deadline_s=60.0)
+    task_meta = TaskMeta(task_id=task_id, kind="train", run=sample_run_spec(name), seed=3, deadline_s=60.0)
     task = decode(encode(MessageType.TASK, federation="contract", sender="coordinator", round=1,
                          meta=task_meta, tensors=payload))
     assert task.type == MessageType.TASK and task.meta == task_meta

@@ -27,6 +27,7 @@ from edgepfl.config import RunConfig, parse_config
 from edgepfl.coordinator.simulate import simulate
 from edgepfl.data import FMNIST_PACKAGE, fmnist_available
 from edgepfl.methods import available_methods
+from edgepfl.metrics import RoundMetrics
 
 REPO = Path(__file__).resolve().parent.parent
 AGENTS = 3
@@ -55,15 +56,15 @@ def tiny_config(method: str) -> RunConfig:
     return parse_config(RunConfig, data, f"configs/{method}.yaml (tiny)")
 
 
-def check_rows(rows: list[dict], summary: dict) -> None:
-    assert [r["round"] for r in rows] == list(range(ROUNDS + 1)) and rows[-1]["final"]
+def check_rows(rows: list[RoundMetrics], summary: dict) -> None:
+    assert [r.round for r in rows] == list(range(ROUNDS + 1)) and rows[-1].final
     for r in rows:
-        assert r["accuracy"] is not None and math.isfinite(r["accuracy"]) and 0.0 <= r["accuracy"] <= 1.0, r
-        assert r["evaluated"] == AGENTS and not r["dropped"] and not r["rejected"], r
+        assert r.accuracy is not None and math.isfinite(r.accuracy) and 0.0 <= r.accuracy <= 1.0, r
+        assert r.evaluated == AGENTS and not r.dropped and not r.rejected, r
     expected = [f"agent-{i:02d}" for i in range(AGENTS)]
     for r in rows[:-1]:
-        assert r["participants"] == expected, r  # every agent trained in every round
-        assert r["train_loss"] is not None and math.isfinite(r["train_loss"]), r
+        assert r.participants == expected, r  # every agent trained in every round
+        assert r.train_loss is not None and math.isfinite(r.train_loss), r
     assert math.isfinite(summary["final_accuracy"])
 
 
@@ -78,6 +79,6 @@ def test_method_federates_in_process(method, tmp_path):
 def test_method_federates_over_mosquitto(method, mosquitto, tmp_path):
     rows, summary = simulate(tiny_config(method), AGENTS, tmp_path / "run", broker=mosquitto.url, progress=False)
     check_rows(rows, summary)
-    assert rows[-2]["bytes_up"] > 0 and rows[-2]["bytes_down"] > 0  # the round really crossed the broker
+    assert rows[-2].bytes_up > 0 and rows[-2].bytes_down > 0  # the round really crossed the broker
     for i in range(AGENTS):  # each agent saved its personal state on its own side
         assert (tmp_path / "run" / "agents" / f"agent-{i:02d}" / "personal.safetensors").exists()

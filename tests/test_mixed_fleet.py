@@ -22,7 +22,7 @@ def test_mixed_fleet_reports_both_tiers(mosquitto, broker_capture, tmp_path):
     rows, summary = simulate(config, 3, out, broker=mosquitto.url, head_agents=2, head="lr", progress=False)
 
     # trainer tier: the usual per-round personalized accuracy
-    assert rows[-1]["final"] and set(rows[-1]["per_client"]) == {"agent-00", "agent-01", "agent-02"}
+    assert rows[-1].final and set(rows[-1].per_client) == {"agent-00", "agent-01", "agent-02"}
     # head tier: both devices installed the release, fitted a head on their own data and reported
     heads = json.loads((out / "head_metrics.json").read_text())
     assert set(heads) == {"device-00", "device-01"}

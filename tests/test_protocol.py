@@ -45,6 +45,8 @@ from edgepfl.protocol import (
 )
 from edgepfl.protocol.envelope import MAGIC, MAX_HEADER_BYTES
 
+from wire_samples import sample_manifest, sample_run_spec
+
 FED = "fed1"
 
 
@@ -149,11 +151,12 @@ def test_round_trip_many_tensors_and_header_fields():
     "mtype,meta",
     [
         ("status", StatusMeta(state="online", tier="head", device="cuda:0", num_train=5, num_test=2)),
-        ("task", TaskMeta(task_id="a" * 32, kind="train", run={"method": {"name": "fedavg"}}, seed=1, deadline_s=30)),
+        ("task", TaskMeta(task_id="a" * 32, kind="train", run=sample_run_spec("fedrep", head_epochs=2), seed=1,
+                          deadline_s=30)),
         ("update", update_meta()),
         ("metrics", MetricsMeta(tier="head", release_id="r1", head="svm", values={"acc": 0.9})),
         ("coordinator", CoordinatorMeta(state="online", method="fedavg", round=2)),
-        ("release", ReleaseMeta(release_id="r-1.0", manifest={"a": 1}, sha256="b" * 64, size_bytes=3)),
+        ("release", ReleaseMeta(release_id="r-1.0", manifest=sample_manifest(), sha256="b" * 64, size_bytes=3)),
         ("chunk", ChunkMeta(parent_id="c" * 32, index=0, count=1, total_bytes=0, total_sha256="d" * 64)),
     ],
 )
@@ -260,17 +263,30 @@ def test_invalid_header_fields(field, value):
     assert err.reason == "malformed" and "invalid header" in err.detail
 
 
+RUN = sample_run_spec().model_dump(mode="json")
+MANIFEST = sample_manifest().model_dump(mode="json")
+
+
 @pytest.mark.parametrize(
     "mtype,meta",
     [
         ("update", {"task_id": "x", "kind": "train", "num_train": 1, "num_test": 1, "eval_correct": 0}),
         ("update", {"task_id": "a" * 32, "kind": "train", "num_train": -1, "num_test": 1, "eval_correct": 0}),
         ("update", {"task_id": "a" * 32, "kind": "train", "num_train": 1, "num_test": 1, "eval_correct": 0, "zz": 1}),
-        ("task", {"task_id": "a" * 32, "kind": "dance", "run": {}, "seed": 0, "deadline_s": 1}),
-        ("task", {"task_id": "a" * 32, "kind": "train", "run": {}, "seed": 0, "deadline_s": 0}),
+        ("task", {"task_id": "a" * 32, "kind": "dance", "run": RUN, "seed": 0, "deadline_s": 1}),
+        ("task", {"task_id": "a" * 32, "kind": "train", "run": RUN, "seed": 0, "deadline_s": 0}),
+        # the run as tasks carried it before it was typed: options beside the name, no data shape
+        ("task", {"task_id": "a" * 32, "kind": "train", "seed": 0, "deadline_s": 1,
+                  "run": {"method": {"name": "fedrep", "head_epochs": 2}, "model": RUN["model"], "train": RUN["train"],
+                          "seed": 0}}),
+        ("task", {"task_id": "a" * 32, "kind": "train", "seed": 0, "deadline_s": 1,
+                  "run": dict(RUN, data=dict(RUN["data"], class_names=["just one"]))}),
         ("status", {"state": "asleep"}),
         ("status", {}),  # state is required
-        ("release", {"release_id": "../x", "manifest": {}, "sha256": "a" * 64, "size_bytes": 0}),
+        ("release", {"release_id": "../x", "manifest": MANIFEST, "sha256": "a" * 64, "size_bytes": 0}),
+        ("release", {"release_id": "r1", "manifest": {}, "sha256": "a" * 64, "size_bytes": 0}),
+        ("release", {"release_id": "r1", "manifest": dict(MANIFEST, encoder=dict(MANIFEST["encoder"], file="../x")),
+                     "sha256": "a" * 64, "size_bytes": 0}),
         ("chunk", {"parent_id": "a" * 32, "index": 0, "count": 0, "total_bytes": 1, "total_sha256": "a" * 64}),
     ],
 )
@@ -363,11 +379,12 @@ def test_pickle_payload_is_refused_never_unpickled(tmp_path):
     err = reason_of(forge(header, evil))
     assert err.reason == "malformed" and "not safetensors" in err.detail
     assert reason_of(evil).reason == "malformed"
-    # smuggled in the meta as a string: it stays a string
-    task = dict(header, type="task", meta={"task_id": "a" * 32, "kind": "train", "run": {"blob": evil.hex()},
-                                           "seed": 0, "deadline_s": 1})
+    # smuggled in the meta as a string (a method option): it stays a string
+    run = sample_run_spec(blob=evil.hex()).model_dump(mode="json")
+    task = dict(header, type="task", meta={"task_id": "a" * 32, "kind": "train", "run": run, "seed": 0,
+                                           "deadline_s": 1})
     msg = decode(forge(task, safetensors_body({"w": np.ones(2, np.float32)})))
-    assert msg.meta.run == {"blob": evil.hex()}
+    assert msg.meta.run.method.options == {"blob": evil.hex()}
     # a uint8 tensor holding pickle bytes comes back as bytes
     msg = decode(make_update({"blob": np.frombuffer(evil, dtype=np.uint8)}))
     assert msg.tensors["blob"].tobytes() == evil
@@ -740,3 +757,30 @@ def test_edgepfl_frames_decode_with_the_reference_codec(codec):
     inf = codec["encode_frame"]("update", FED, "a", 0, {}, {"x": np.array([np.inf])})
     with pytest.raises(ValueError, match="non_finite"):
         codec["decode_frame"](inf)
+
+
+def _field_paths(model: type, prefix: str = "") -> list[str]:
+    """Dotted names of a pydantic model's fields, nested run-spec models included."""
+    from pydantic import BaseModel
+
+    paths = []
+    for name, info in model.model_fields.items():
+        kind = info.annotation
+        nested = [t for t in (getattr(kind, "__args__", None) or (kind,)) if isinstance(t, type)
+                  and issubclass(t, BaseModel)]
+        if nested and prefix == "":  # the run spec's sections are documented field by field
+            paths += _field_paths(nested[0], f"{name}.")
+        else:
+            paths.append(prefix + name)
+    return paths
+
+
+def test_the_doc_documents_every_field_of_the_run_spec_and_the_manifest():
+    from edgepfl.protocol import ReleaseManifest, RunSpec
+
+    text = DOC.read_text()
+    run_fields = _field_paths(RunSpec)
+    assert "data.normalization" in run_fields and "method.options" in run_fields
+    missing = [f for f in run_fields if f"`{f}`" not in text]
+    missing += [f"manifest {f}" for f in ReleaseManifest.model_fields if f"| `{f}` |" not in text]
+    assert not missing, f"docs/PROTOCOL.md does not document: {missing}"

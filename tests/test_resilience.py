@@ -67,10 +67,10 @@ def test_agent_killed_mid_round_round_closes_on_quorum_and_agent_resumes_its_sta
 
     rows = read_rows(out)
     round1 = rows[1]
-    assert round1["round"] == 1 and victim in round1["dropped"] and victim not in round1["participants"]
-    assert len(round1["participants"]) == 3 and not round1["aborted"]
+    assert round1.round == 1 and victim in round1.dropped and victim not in round1.participants
+    assert len(round1.participants) == 3 and not round1.aborted
     assert "restored personal state" in fleet.log(victim)
-    later = [r for r in rows[2:] if victim in r["participants"] or victim in r["per_client"]]
+    later = [r for r in rows[2:] if victim in r.participants or victim in r.per_client]
     assert later, "the restarted agent never took part again"
     assert json.loads((out / "agents" / victim / "personal.json").read_text())["round"] >= 2
 
@@ -106,8 +106,8 @@ def test_coordinator_killed_after_round_k_resumes_at_k_plus_1_with_same_global_w
     for task in (m for m in tasks if m.header.round == k + 1):
         for key, value in task.tensors.items():
             np.testing.assert_array_equal(value, saved[f"global::{key}"])
-    rows = [r for r in read_rows(out) if not r["final"]]
-    assert [r["round"] for r in rows] == list(range(4))  # no round lost, none repeated
+    rows = [r for r in read_rows(out) if not r.final]
+    assert [r.round for r in rows] == list(range(4))  # no round lost, none repeated
 
 
 class Mallory:
@@ -187,8 +187,8 @@ def test_malformed_payloads_are_rejected_with_a_reason_and_the_round_completes(m
             mallory.close()
 
     round0 = rows[0]
-    assert sorted(round0["participants"]) == ["agent-00", "agent-01", "mallory"]
-    rejected = round0["rejected"]
+    assert sorted(round0.participants) == ["agent-00", "agent-01", "mallory"]
+    rejected = round0.rejected
     assert rejected.get("malformed") == 2
     assert rejected.get("wrong_shape") == 2
     assert rejected.get("non_finite") == 1
@@ -197,8 +197,8 @@ def test_malformed_payloads_are_rejected_with_a_reason_and_the_round_completes(m
     assert rejected.get("duplicate") == 1
     assert rejected.get("unknown_agent") == 1
     # the fleet went on: mallory stays silent in round 1, which closes on quorum without it
-    assert rows[1]["round"] == 1 and rows[1]["participants"] == ["agent-00", "agent-01"]
-    assert rows[1]["dropped"] == ["mallory"] and not rows[1]["aborted"]
+    assert rows[1].round == 1 and rows[1].participants == ["agent-00", "agent-01"]
+    assert rows[1].dropped == ["mallory"] and not rows[1].aborted
     text = caplog.text
     for reason in ("malformed", "wrong_shape", "non_finite", "stale", "oversized", "duplicate", "unknown_agent"):
         assert "rejected message from" in text and reason in text
@@ -232,9 +232,9 @@ def test_broker_restart_mid_federation_agents_and_coordinator_reconnect(tmp_path
         broker.stop()
 
     rows = read_rows(out)
-    assert [r["round"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [r.round for r in rows] == [0, 1, 2, 3, 4]
     # after the reconnect the agents re-announced themselves and re-subscribed: later rounds have both
-    assert rows[-2]["participants"] == ["agent-00", "agent-01"] and not rows[-2]["aborted"]
+    assert rows[-2].participants == ["agent-00", "agent-01"] and not rows[-2].aborted
     assert all("reconnected" in text for text in logs)
 
 

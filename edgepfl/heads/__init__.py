@@ -30,7 +30,10 @@ import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..protocol.manifest import ReleaseManifest
 
 #: the generic head kinds, fitted by scikit-learn (:mod:`edgepfl.heads.estimators`)
 GENERIC_HEAD_KINDS: tuple[str, ...] = ("lr", "svm", "mlp")
@@ -66,14 +69,14 @@ class HeadRelease:
     global_heads: Path | None = None
 
     @classmethod
-    def from_manifest(cls, manifest: Mapping[str, Any], directory: str | Path | None = None) -> HeadRelease:
+    def from_manifest(cls, manifest: ReleaseManifest, directory: str | Path | None = None) -> HeadRelease:
         """The head's view of a release manifest; ``directory`` holds the release's files, if any.
 
         The only place that reads a manifest for fitting heads.
         """
-        entry = manifest.get("global_heads") or {}
-        path = Path(directory) / entry["file"] if directory is not None and entry.get("file") else None
-        return cls(str(manifest.get("method") or ""), dict(manifest.get("method_options") or {}), path)
+        entry = manifest.global_heads
+        path = Path(directory) / entry.file if directory is not None and entry is not None else None
+        return cls(manifest.run.method.name, dict(manifest.run.method.options), path)
 
 
 # estimator classes, imported with scikit-learn on first use

@@ -1,8 +1,19 @@
-"""Wire protocol: topics (:mod:`.topics`), typed messages (:mod:`.messages`),
-the binary envelope (:mod:`.envelope`) and the MQTT transport (:mod:`.transport`).
+"""Wire protocol: topics (:mod:`.topics`), typed messages (:mod:`.messages`), the run
+spec every task carries (:mod:`.run`), the release manifest (:mod:`.manifest`), the
+binary envelope (:mod:`.envelope`) and the MQTT transport (:mod:`.transport`).
 See ``docs/PROTOCOL.md``."""
 
 from .envelope import Message, ProtocolError, Reassembler, decode, encode, new_message_id, split_frame
+from .manifest import (
+    MANIFEST_FORMAT,
+    BatchNormOrigin,
+    FileEntry,
+    GlobalHeadsEntry,
+    ManifestError,
+    ReleaseManifest,
+    parse_manifest,
+    read_manifest,
+)
 from .messages import (
     PROTOCOL_VERSION,
     ChunkMeta,
@@ -14,6 +25,7 @@ from .messages import (
     TaskMeta,
     UpdateMeta,
 )
+from .run import PIXEL_SCALE, DataShape, MethodChoice, Normalization, RunSpec
 from .topics import (
     AgentChannel,
     FederationChannel,
@@ -25,8 +37,10 @@ from .topics import (
 )
 
 __all__ = [
-    "AgentChannel", "ChunkMeta", "CoordinatorMeta", "FederationChannel", "Message", "MessageType", "MetricsMeta",
-    "PROTOCOL_VERSION", "ProtocolError", "Reassembler", "ReleaseMeta", "StatusMeta", "TaskMeta", "TopicError",
-    "UpdateMeta", "agent_topic", "agent_wildcard", "decode", "encode", "federation_topic", "new_message_id",
-    "parse_topic", "split_frame",
+    "MANIFEST_FORMAT", "PIXEL_SCALE", "PROTOCOL_VERSION", "AgentChannel", "BatchNormOrigin", "ChunkMeta",
+    "CoordinatorMeta", "DataShape", "FederationChannel", "FileEntry", "GlobalHeadsEntry", "ManifestError", "Message",
+    "MessageType", "MethodChoice", "MetricsMeta", "Normalization", "ProtocolError", "Reassembler", "ReleaseManifest",
+    "ReleaseMeta", "RunSpec", "StatusMeta", "TaskMeta", "TopicError", "UpdateMeta", "agent_topic", "agent_wildcard",
+    "decode", "encode", "federation_topic", "new_message_id", "parse_manifest", "parse_topic", "read_manifest",
+    "split_frame",
 ]

@@ -7,9 +7,12 @@ tensors in its body. ``docs/PROTOCOL.md`` documents every field.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from .manifest import ReleaseManifest
+from .run import RunSpec
 
 PROTOCOL_VERSION = "1.0"
 
@@ -45,13 +48,14 @@ class TaskMeta(_Meta):
     """Coordinator -> agent: what to do this round.
 
     ``kind`` is ``train`` (evaluate the model made from this payload, then train and
-    upload) or ``evaluate`` (evaluate only, upload metrics only). ``run`` holds the
-    method name and options, model spec and train config (the agent validates it).
+    upload) or ``evaluate`` (evaluate only, upload metrics only). ``run`` is the
+    run spec (method and options, model, train config, seed, data shape); the agent
+    validates the method options and refuses a data shape its data does not have.
     """
 
     task_id: str = Field(pattern=r"^[0-9a-f]{32}$")
     kind: Literal["train", "evaluate"]
-    run: dict[str, Any]
+    run: RunSpec
     seed: int
     deadline_s: float = Field(gt=0)
 
@@ -97,7 +101,7 @@ class ReleaseMeta(_Meta):
     ``sha256`` must match the artifact bytes and the manifest's own hash."""
 
     release_id: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    manifest: dict[str, Any]
+    manifest: ReleaseManifest
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     size_bytes: int = Field(ge=0)
     uri: str | None = None
