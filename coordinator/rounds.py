@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from edgepfl.config import RunConfig
-from edgepfl.methods import ClientUpdate, Method, ServerState, UpdateRejected, create_method
+from edgepfl.methods import ClientUpdate, Method, ServerState, create_method
 from edgepfl.protocol import (
     AgentChannel,
     CoordinatorMeta,
@@ -35,6 +35,7 @@ from edgepfl.protocol import (
 from edgepfl.state import load_checkpoint, save_checkpoint
 
 from .fleet import SENDER, Fleet, Incoming
+from .gate import Rejection, RoundTasks, Task, UpdateGate
 from .progress import Progress
 
 log = logging.getLogger("edgepfl.coordinator")
@@ -57,16 +58,6 @@ def sample_agents(online: list[str], fraction: float, seed: int, round: int) -> 
 
 def round_half_up(x: float) -> int:
     return int(math.floor(x + 0.5))
-
-
-@dataclass
-class Pending:
-    """A task sent this round and what came back for it."""
-
-    agent_id: str
-    task_id: str
-    kind: str
-    answer: object = None  # the decoded update Message
 
 
 @dataclass
@@ -97,9 +88,8 @@ class Coordinator:
         self.progress = Progress(config.rounds, enabled=progress)
         self.rejected_total: Counter = Counter()
         self.head_reports: dict[str, dict] = {}
-        self._seen_messages: set[str] = set()
-        self._current: dict[str, Pending] = {}
-        self._round = -1
+        self.gate = UpdateGate(config.federation, self.method, fleet.registry, max_bytes=config.broker.max_payload_bytes)
+        self._tasks = RoundTasks(-1)
         fleet.on_reject = self._reject
         self.state: ServerState | None = None
         self.start_round = 0
@@ -212,8 +202,7 @@ class Coordinator:
         sampled = [] if final else sample_agents(online, c.fraction, c.seed, r)
         evaluators = [a for a in online if a not in sampled] if (final or r % c.eval_every == 0) else []
         result = RoundResult(round=r, sampled=sampled)
-        self._round, self._result = r, result
-        self._current = {}
+        self._tasks, self._result = RoundTasks(r), result
         run = self._run_dict()
         for agent_id, kind in [(a, "train") for a in sampled] + [(a, "evaluate") for a in evaluators]:
             task_id = new_message_id()
@@ -221,7 +210,7 @@ class Coordinator:
                             deadline_s=c.round_timeout_s)
             frame = encode(MessageType.TASK, federation=c.federation, sender=SENDER, round=r, meta=meta,
                            tensors=self.method.payload_for(self.state, agent_id))
-            self._current[agent_id] = Pending(agent_id, task_id, kind)
+            self._tasks.add(Task(agent_id, task_id, kind))
             result.bytes_down += self.fleet.send(agent_id, frame, r)
         self._collect(result, sampled, started)
         result.updates.sort(key=lambda u: u.agent_id)
@@ -249,7 +238,7 @@ class Coordinator:
         quorum = math.ceil(c.quorum * len(sampled)) if sampled else 0
         hard_deadline = started + 2 * timeout
         while True:
-            waiting = [a for a, p in self._current.items() if p.answer is None]
+            waiting = sorted(self._tasks.waiting)
             if not waiting:
                 return
             elapsed = time.perf_counter() - started
@@ -280,55 +269,17 @@ class Coordinator:
         if incoming.channel == AgentChannel.METRICS:
             self._handle_metrics(incoming)
             return
-        agent_id = incoming.agent_id
-        try:
-            message = decode(incoming.frame, max_bytes=self.config.broker.max_payload_bytes)
-        except ProtocolError as exc:
-            self._reject(agent_id, exc.reason, exc.detail)
-            return
-        h = message.header
-        if message.type != MessageType.UPDATE:
-            return self._reject(agent_id, "wrong_type", f"{h.type.value} on an update topic")
-        if h.sender != agent_id:
-            return self._reject(agent_id, "wrong_sender", f"sender {h.sender} on {agent_id}'s topic")
-        if h.federation != self.config.federation:
-            return self._reject(agent_id, "wrong_federation", h.federation)
-        if h.message_id in self._seen_messages:
-            return self._reject(agent_id, "duplicate", f"message {h.message_id} already processed")
-        if not self.fleet.registry.known(agent_id):
-            return self._reject(agent_id, "unknown_agent", "no status ever received from this agent")
-        pending = self._current.get(agent_id)
-        if h.round != self._round:
-            return self._reject(agent_id, "stale", f"update for round {h.round}, current round is {self._round}")
-        if pending is None or message.meta.task_id != pending.task_id:
-            return self._reject(agent_id, "unexpected", "no such task was sent to this agent this round")
-        if pending.answer is not None:
-            return self._reject(agent_id, "duplicate", f"task {pending.task_id} already answered")
-        if message.meta.kind != pending.kind:
-            return self._reject(agent_id, "malformed", f"answered a {pending.kind} task with {message.meta.kind}")
-        meta = message.meta
-        if meta.eval_correct > meta.num_test:
-            return self._reject(agent_id, "malformed", "eval_correct exceeds num_test")
-        update = None
-        if pending.kind == "train":
-            update = ClientUpdate(agent_id, meta.num_train, message.tensors)
-            if meta.num_train <= 0:
-                return self._reject(agent_id, "malformed", "train update with num_train = 0")
-            try:
-                self.method.check_update(self.state, update)
-            except UpdateRejected as exc:
-                return self._reject(agent_id, exc.reason, str(exc))
-        elif message.tensors:
-            return self._reject(agent_id, "malformed", "evaluate answer carries tensors")
-        self._seen_messages.add(h.message_id)
-        pending.answer = message
+        verdict = self.gate.admit(incoming.agent_id, incoming.frame, self._tasks, self.state)
+        if isinstance(verdict, Rejection):
+            return self._reject(verdict.agent_id, verdict.reason, verdict.detail)
+        meta = verdict.meta
         self._result.bytes_up += incoming.wire_bytes
-        self._result.evaluations[agent_id] = {
+        self._result.evaluations[verdict.agent_id] = {
             "correct": meta.eval_correct, "total": meta.num_test, "loss": meta.eval_loss,
             "train_loss": meta.train_loss, "kind": meta.kind, "train_seconds": meta.train_seconds,
         }
-        if update is not None:
-            self._result.updates.append(update)
+        if verdict.update is not None:
+            self._result.updates.append(verdict.update)
 
     def _handle_metrics(self, incoming: Incoming) -> None:
         try:
