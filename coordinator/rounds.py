@@ -1,11 +1,19 @@
 """The round loop, written once for every method and both fleets.
 
-Per round: sample a fraction of the online trainer agents, send each a task
-(shared parameters + method payload), collect updates until every sampled agent
-answered — or the quorum is met when the round timeout passes — reject and count
-stale, duplicate, unknown-agent and malformed updates, run the method's server
-step, checkpoint atomically, append a metrics row. A restarted coordinator resumes
-after the last checkpointed round with the same global state.
+:meth:`Coordinator.run` is the protocol's coordinator side (``docs/PROTOCOL.md`` §10):
+wait for ``min_agents`` trainers; then per round sample a fraction of the online
+trainers, send each a task (shared parameters + method payload; the others an
+evaluate task on evaluation rounds), collect answers until every sampled agent
+answered — or, with a quorum, until the round timeout passes or everyone still owing
+an answer went offline — run the method's server step, append a metrics row and
+checkpoint atomically; a final evaluation round; a release of the frozen encoder to
+head-tier agents and their reports; ``done``. A restarted coordinator resumes after
+the last checkpointed round with the same global state.
+
+Everything inbound goes through :meth:`Coordinator.pump_until`: statuses to the
+:class:`~.registry.Registry`, updates to the :class:`~.gate.UpdateGate`, head-tier
+metrics to the head reports, and every rejection, by reason, to the counters that
+``metrics.jsonl`` and the log show.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import logging
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,19 +35,21 @@ from edgepfl.protocol import (
     AgentChannel,
     CoordinatorMeta,
     MessageType,
-    ProtocolError,
     TaskMeta,
-    decode,
     encode,
     new_message_id,
 )
 from edgepfl.state import load_checkpoint, save_checkpoint
 
 from .fleet import SENDER, Fleet, Incoming
-from .gate import Rejection, RoundTasks, Task, UpdateGate
+from .gate import Accepted, Rejection, RoundTasks, Task, UpdateGate, admit_metrics, admit_status
 from .progress import Progress
+from .registry import Registry
 
 log = logging.getLogger("edgepfl.coordinator")
+
+# How long one poll of the fleet may block: the granularity of deadlines.
+POLL_S = 0.2
 
 
 def seed_for(*parts: object) -> int:
@@ -62,6 +73,8 @@ def round_half_up(x: float) -> int:
 
 @dataclass
 class RoundResult:
+    """What one round collected: accepted updates and evaluations, rejections, traffic."""
+
     round: int
     updates: list[ClientUpdate] = field(default_factory=list)
     evaluations: dict[str, dict] = field(default_factory=dict)
@@ -70,6 +83,17 @@ class RoundResult:
     bytes_down: int = 0
     dropped: list[str] = field(default_factory=list)
     sampled: list[str] = field(default_factory=list)
+
+    def record(self, accepted: Accepted, wire_bytes: int) -> None:
+        """Count an update the gate accepted."""
+        meta = accepted.meta
+        self.bytes_up += wire_bytes
+        self.evaluations[accepted.agent_id] = {
+            "correct": meta.eval_correct, "total": meta.num_test, "loss": meta.eval_loss,
+            "train_loss": meta.train_loss, "kind": meta.kind, "train_seconds": meta.train_seconds,
+        }
+        if accepted.update is not None:
+            self.updates.append(accepted.update)
 
 
 class Coordinator:
@@ -88,11 +112,16 @@ class Coordinator:
         self.progress = Progress(config.rounds, enabled=progress)
         self.rejected_total: Counter = Counter()
         self.head_reports: dict[str, dict] = {}
-        self.gate = UpdateGate(config.federation, self.method, fleet.registry, max_bytes=config.broker.max_payload_bytes)
-        self._tasks = RoundTasks(-1)
-        fleet.on_reject = self._reject
+        self.registry = Registry()
+        self.gate = UpdateGate(config.federation, self.method, self.registry, max_bytes=config.broker.max_payload_bytes)
         self.state: ServerState | None = None
         self.start_round = 0
+        # The round whose answers the gate admits and where rejections are counted: a
+        # placeholder (round -1, no tasks) before round 0; between rounds, the last
+        # one, whose row is already written.
+        self._tasks = RoundTasks(-1)
+        self._result = RoundResult(round=-1)
+        self._awaited_reports: set[str] = set()  # head agents whose report the end of the run waits for
 
     # ---------------------------------------------------------------- state
     @property
@@ -178,52 +207,33 @@ class Coordinator:
         round timeout and go on with whoever is there."""
         need = self.config.min_agents
         wait = self.config.wait_for_agents_s if required else self.config.round_timeout_s
-        deadline = time.monotonic() + wait
-        last = -1
-        while True:
-            online = self.fleet.registry.online("trainer")
-            if len(online) >= need:
-                return
-            if len(online) != last:
-                self.progress.note(f"waiting for agents: {len(online)}/{need} online")
-                last = len(online)
-            if time.monotonic() > deadline:
-                if not required and online:
-                    log.warning("only %d of min_agents=%d online; going on without the others", len(online), need)
-                    return
-                raise TimeoutError(f"only {len(online)} of min_agents={need} trainer agents came online within "
-                                   f"{self.config.wait_for_agents_s:.0f}s")
-            self._handle(self.fleet.poll(0.2))
+        shown = -1
+
+        def enough() -> bool:
+            nonlocal shown
+            online = self.registry.count_online("trainer")
+            if online < need and online != shown:
+                self.progress.note(f"waiting for agents: {online}/{need} online")
+                shown = online
+            return online >= need
+
+        if self.pump_until(enough, time.monotonic() + wait):
+            return
+        online = self.registry.count_online("trainer")
+        if not required and online:
+            log.warning("only %d of min_agents=%d online; going on without the others", online, need)
+            return
+        raise TimeoutError(f"only {online} of min_agents={need} trainer agents came online within "
+                           f"{self.config.wait_for_agents_s:.0f}s")
 
     def _run_round(self, r: int, final: bool) -> dict:
-        c = self.config
-        started = time.perf_counter()
-        online = self.fleet.registry.online("trainer")
-        sampled = [] if final else sample_agents(online, c.fraction, c.seed, r)
-        evaluators = [a for a in online if a not in sampled] if (final or r % c.eval_every == 0) else []
-        result = RoundResult(round=r, sampled=sampled)
-        self._tasks, self._result = RoundTasks(r), result
-        run = self._run_dict()
-        for agent_id, kind in [(a, "train") for a in sampled] + [(a, "evaluate") for a in evaluators]:
-            task_id = new_message_id()
-            meta = TaskMeta(task_id=task_id, kind=kind, run=run, seed=seed_for(c.seed, r, agent_id),
-                            deadline_s=c.round_timeout_s)
-            frame = encode(MessageType.TASK, federation=c.federation, sender=SENDER, round=r, meta=meta,
-                           tensors=self.method.payload_for(self.state, agent_id))
-            self._tasks.add(Task(agent_id, task_id, kind))
-            result.bytes_down += self.fleet.send(agent_id, frame, r)
-        self._collect(result, sampled, started)
-        result.updates.sort(key=lambda u: u.agent_id)
-        aborted = False
-        if sampled:
-            quorum = math.ceil(c.quorum * len(sampled))
-            if len(result.updates) >= quorum and result.updates:
-                self.state = self.method.server_step(self.state, result.updates, r)
-            else:
-                aborted = True
-                log.warning("round %d: %d of %d updates, below quorum %d; global state unchanged", r,
-                            len(result.updates), len(sampled), quorum)
-        row = self._row(result, time.perf_counter() - started, final, aborted)
+        """One round: sample, send tasks, collect, server step, metrics row, checkpoint."""
+        started = time.monotonic()
+        sampled, evaluators = self._sample(r, final)
+        result = self._send_tasks(r, sampled, evaluators)
+        self._collect(result, started)
+        aborted = self._server_step(result)
+        row = self._row(result, time.monotonic() - started, final, aborted)
         # Row first, checkpoint second: a crash in between leaves a row that the resumed
         # run drops and writes again (see _truncate_metrics), never a round without a row.
         self._append_metrics(row)
@@ -232,69 +242,126 @@ class Coordinator:
         self.progress.update(row)
         return row
 
-    def _collect(self, result: RoundResult, sampled: list[str], started: float) -> None:
+    def _sample(self, r: int, final: bool) -> tuple[list[str], list[str]]:
+        """Who trains this round (a seeded sample of the online trainers; nobody in the
+        final round) and who only evaluates (the other online trainers, on evaluation rounds)."""
         c = self.config
-        timeout = c.round_timeout_s
-        quorum = math.ceil(c.quorum * len(sampled)) if sampled else 0
-        hard_deadline = started + 2 * timeout
-        while True:
-            waiting = sorted(self._tasks.waiting)
+        online = self.registry.online("trainer")
+        sampled = [] if final else sample_agents(online, c.fraction, c.seed, r)
+        if not (final or r % c.eval_every == 0):
+            return sampled, []
+        training = set(sampled)
+        return sampled, [a for a in online if a not in training]
+
+    def _send_tasks(self, r: int, sampled: list[str], evaluators: list[str]) -> RoundResult:
+        """Open round ``r`` and send each agent its task; returns the round's (still empty) result."""
+        c = self.config
+        self._tasks, self._result = RoundTasks(r), RoundResult(round=r, sampled=sampled)
+        run = self._run_dict()
+        for agent_id, kind in [(a, "train") for a in sampled] + [(a, "evaluate") for a in evaluators]:
+            task_id = new_message_id()
+            meta = TaskMeta(task_id=task_id, kind=kind, run=run, seed=seed_for(c.seed, r, agent_id),
+                            deadline_s=c.round_timeout_s)
+            frame = encode(MessageType.TASK, federation=c.federation, sender=SENDER, round=r, meta=meta,
+                           tensors=self.method.payload_for(self.state, agent_id))
+            self._tasks.add(Task(agent_id, task_id, kind))
+            self._result.bytes_down += self.fleet.send(agent_id, frame, r)
+        return self._result
+
+    def _collect(self, result: RoundResult, started: float) -> None:
+        """Admit answers until every task is answered or, once a quorum of updates is in,
+        the round timeout passes or every agent still owing an answer is offline; never
+        past twice the timeout. Whoever has not answered then is dropped from the round."""
+        timeout = self.config.round_timeout_s
+        quorum = self._quorum(len(result.sampled))
+        waiting = self._tasks.waiting  # live: the gate removes agents as they answer
+
+        def closable() -> bool:
             if not waiting:
-                return
-            elapsed = time.perf_counter() - started
-            offline = [a for a in waiting if a not in self.fleet.registry.online()]
-            if offline and len(offline) == len(waiting) and len(result.updates) >= quorum:
-                result.dropped.extend(offline)
-                return
-            if elapsed > timeout and len(result.updates) >= quorum:
-                result.dropped.extend(waiting)
-                log.info("round %d: closed on quorum (%d/%d) after %.0fs; no answer from %s", result.round,
-                         len(result.updates), len(sampled), elapsed, ", ".join(waiting))
-                return
-            if time.perf_counter() > hard_deadline:
-                result.dropped.extend(waiting)
-                return
-            self._handle(self.fleet.poll(0.2))
+                return True
+            if len(result.updates) < quorum:
+                return False
+            # is_online is a dict lookup, and any() stops at the first agent still online:
+            # no per-message work that grows with the fleet.
+            return time.monotonic() - started > timeout or not any(self.registry.is_online(a) for a in waiting)
+
+        self.pump_until(closable, started + 2 * timeout)
+        if waiting:
+            log.info("round %d: closed with %d/%d updates after %.0fs; no answer from %s", result.round,
+                     len(result.updates), len(result.sampled), time.monotonic() - started, ", ".join(sorted(waiting)))
+            result.dropped.extend(sorted(waiting))
+
+    def _server_step(self, result: RoundResult) -> bool:
+        """Aggregate the round's updates when a quorum answered; returns whether the round was aborted."""
+        result.updates.sort(key=lambda u: u.agent_id)  # aggregation order independent of arrival order
+        if not result.sampled:
+            return False
+        quorum = self._quorum(len(result.sampled))
+        if result.updates and len(result.updates) >= quorum:
+            self.state = self.method.server_step(self.state, result.updates, result.round)
+            return False
+        log.warning("round %d: %d of %d updates, below quorum %d; global state unchanged", result.round,
+                    len(result.updates), len(result.sampled), quorum)
+        return True
+
+    def _quorum(self, sampled: int) -> int:
+        return math.ceil(self.config.quorum * sampled)
 
     # ---------------------------------------------------------------- inbound
-    def _reject(self, agent_id: str | None, reason: str, detail: str) -> None:
-        self.rejected_total[reason] += 1
-        if getattr(self, "_result", None) is not None:
-            self._result.rejected[reason] += 1
-        log.warning("rejected message from %s: %s (%s)", agent_id or "?", reason, detail)
+    def pump_until(self, done: Callable[[], bool], deadline: float) -> bool:
+        """Route inbound traffic until ``done()`` holds (True) or the ``time.monotonic()``
+        ``deadline`` passes (False). ``done`` is asked after every message, so it must not
+        do work that grows with the fleet."""
+        while not done():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._route(self.fleet.poll(min(POLL_S, remaining)))
+        return True
 
-    def _handle(self, incoming: Incoming | None) -> None:
-        if incoming is None:
+    def _route(self, event: Incoming | Rejection | None) -> None:
+        if event is None:
             return
-        if incoming.channel == AgentChannel.METRICS:
-            self._handle_metrics(incoming)
-            return
+        if isinstance(event, Rejection):
+            self._reject(event)
+        elif event.channel == AgentChannel.STATUS:
+            self._on_status(event)
+        elif event.channel == AgentChannel.UPDATE:
+            self._on_update(event)
+        elif event.channel == AgentChannel.METRICS:
+            self._on_metrics(event)
+
+    def _on_status(self, incoming: Incoming) -> None:
+        status = admit_status(incoming.agent_id, incoming.frame)
+        if isinstance(status, Rejection):
+            return self._reject(status)
+        was_online = self.registry.update(incoming.agent_id, status)
+        if status.state == "online" and not was_online:
+            self.fleet.agent_online(incoming.agent_id, status.tier)
+
+    def _on_update(self, incoming: Incoming) -> None:
         verdict = self.gate.admit(incoming.agent_id, incoming.frame, self._tasks, self.state)
         if isinstance(verdict, Rejection):
-            return self._reject(verdict.agent_id, verdict.reason, verdict.detail)
-        meta = verdict.meta
-        self._result.bytes_up += incoming.wire_bytes
-        self._result.evaluations[verdict.agent_id] = {
-            "correct": meta.eval_correct, "total": meta.num_test, "loss": meta.eval_loss,
-            "train_loss": meta.train_loss, "kind": meta.kind, "train_seconds": meta.train_seconds,
-        }
-        if verdict.update is not None:
-            self._result.updates.append(verdict.update)
+            return self._reject(verdict)
+        self._result.record(verdict, incoming.wire_bytes)
 
-    def _handle_metrics(self, incoming: Incoming) -> None:
-        try:
-            message = decode(incoming.frame)
-        except ProtocolError as exc:
-            return self._reject(incoming.agent_id, exc.reason, exc.detail)
-        if message.type != MessageType.METRICS or message.header.sender != incoming.agent_id:
-            return self._reject(incoming.agent_id, "malformed", "not a metrics message from this agent")
-        m = message.meta
+    def _on_metrics(self, incoming: Incoming) -> None:
+        m = admit_metrics(incoming.agent_id, incoming.frame)
+        if isinstance(m, Rejection):
+            return self._reject(m)
         self.head_reports[incoming.agent_id] = {
             "tier": m.tier, "release_id": m.release_id, "head": m.head, "correct": m.eval_correct,
             "total": m.num_test, "accuracy": m.eval_correct / m.num_test if m.num_test else None, **m.values,
         }
+        self._awaited_reports.discard(incoming.agent_id)
         log.info("agent %s (%s tier) reported accuracy %.4f with head %s", incoming.agent_id, m.tier,
                  self.head_reports[incoming.agent_id]["accuracy"] or float("nan"), m.head)
+
+    def _reject(self, rejection: Rejection) -> None:
+        self.rejected_total[rejection.reason] += 1
+        self._result.rejected[rejection.reason] += 1
+        log.warning("rejected message from %s: %s (%s)", rejection.agent_id or "?", rejection.reason,
+                    rejection.detail)
 
     # ---------------------------------------------------------------- releases
     def release(self, round: int) -> str | None:
@@ -307,14 +374,13 @@ class Coordinator:
         return release_id
 
     def _collect_head_reports(self, timeout: float) -> None:
-        heads = self.fleet.registry.online("head")
-        deadline = time.monotonic() + timeout
-        while heads and time.monotonic() < deadline:
-            if all(a in self.head_reports for a in heads):
-                break
-            self._handle(self.fleet.poll(0.2))
-        if heads:
-            self._write_head_reports()
+        """Wait up to ``timeout`` for a report from every online head agent; write what came."""
+        heads = self.registry.online("head")
+        if not heads:
+            return
+        self._awaited_reports = set(heads) - self.head_reports.keys()
+        self.pump_until(lambda: not self._awaited_reports, time.monotonic() + timeout)
+        self._write_head_reports()
 
     def _write_head_reports(self) -> None:
         from edgepfl.atomic import write_json
