@@ -10,10 +10,10 @@ checkpoint atomically; a final evaluation round; a release of the frozen encoder
 head-tier agents and their reports; ``done``. A restarted coordinator resumes after
 the last checkpointed round with the same global state.
 
-Everything inbound goes through :meth:`Coordinator.pump_until`: statuses to the
-:class:`~.registry.Registry`, updates to the :class:`~.gate.UpdateGate`, head-tier
-metrics to the head reports, and every rejection, by reason, to the counters that
-``metrics.jsonl`` and the log show.
+Every wait is :meth:`.inbox.Inbox.pump_until` with a condition: statuses go to the
+:class:`~.registry.Registry`, updates through the :class:`~.gate.UpdateGate` into the
+open round, head-tier metrics to the head reports, and every rejection, by reason, to
+the counters that ``metrics.jsonl``, the checkpoint and the log show.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,26 +30,16 @@ import numpy as np
 
 from edgepfl.config import RunConfig
 from edgepfl.methods import ClientUpdate, Method, ServerState, create_method
-from edgepfl.protocol import (
-    AgentChannel,
-    CoordinatorMeta,
-    MessageType,
-    TaskMeta,
-    encode,
-    new_message_id,
-)
+from edgepfl.protocol import CoordinatorMeta, MessageType, TaskMeta, encode, new_message_id
 from edgepfl.state import load_checkpoint, save_checkpoint
 
-from .fleet import SENDER, Fleet, Incoming
-from .gate import Accepted, Rejection, RoundTasks, Task, UpdateGate, admit_metrics, admit_status
+from .fleet import SENDER, Fleet
+from .gate import Accepted, RoundTasks, Task, UpdateGate
+from .inbox import Inbox
 from .progress import Progress
 from .registry import Registry
 
 log = logging.getLogger("edgepfl.coordinator")
-
-# How long one poll of the fleet may block: the granularity of deadlines.
-POLL_S = 0.2
-
 
 def seed_for(*parts: object) -> int:
     from hashlib import sha256
@@ -111,17 +100,16 @@ class Coordinator:
         self.normalization = dict(normalization or {})
         self.progress = Progress(config.rounds, enabled=progress)
         self.rejected_total: Counter = Counter()
-        self.head_reports: dict[str, dict] = {}
         self.registry = Registry()
-        self.gate = UpdateGate(config.federation, self.method, self.registry, max_bytes=config.broker.max_payload_bytes)
+        gate = UpdateGate(config.federation, self.method, self.registry, max_bytes=config.broker.max_payload_bytes)
+        self.inbox = Inbox(fleet, self.registry, gate, self.rejected_total)
         self.state: ServerState | None = None
         self.start_round = 0
-        # The round whose answers the gate admits and where rejections are counted: a
-        # placeholder (round -1, no tasks) before round 0; between rounds, the last
-        # one, whose row is already written.
-        self._tasks = RoundTasks(-1)
-        self._result = RoundResult(round=-1)
-        self._awaited_reports: set[str] = set()  # head agents whose report the end of the run waits for
+
+    @property
+    def head_reports(self) -> dict[str, dict]:
+        """Head-tier reports by agent id, as ``head_metrics.json`` holds them."""
+        return self.inbox.head_reports
 
     # ---------------------------------------------------------------- state
     @property
@@ -217,7 +205,7 @@ class Coordinator:
                 shown = online
             return online >= need
 
-        if self.pump_until(enough, time.monotonic() + wait):
+        if self.inbox.pump_until(enough, time.monotonic() + wait):
             return
         online = self.registry.count_online("trainer")
         if not required and online:
@@ -230,8 +218,8 @@ class Coordinator:
         """One round: sample, send tasks, collect, server step, metrics row, checkpoint."""
         started = time.monotonic()
         sampled, evaluators = self._sample(r, final)
-        result = self._send_tasks(r, sampled, evaluators)
-        self._collect(result, started)
+        tasks, result = self._send_tasks(r, sampled, evaluators)
+        self._collect(tasks, result, started)
         aborted = self._server_step(result)
         row = self._row(result, time.monotonic() - started, final, aborted)
         # Row first, checkpoint second: a crash in between leaves a row that the resumed
@@ -253,10 +241,11 @@ class Coordinator:
         training = set(sampled)
         return sampled, [a for a in online if a not in training]
 
-    def _send_tasks(self, r: int, sampled: list[str], evaluators: list[str]) -> RoundResult:
-        """Open round ``r`` and send each agent its task; returns the round's (still empty) result."""
+    def _send_tasks(self, r: int, sampled: list[str], evaluators: list[str]) -> tuple[RoundTasks, RoundResult]:
+        """Open round ``r`` and send each agent its task; returns the tasks and the round's (empty) result."""
         c = self.config
-        self._tasks, self._result = RoundTasks(r), RoundResult(round=r, sampled=sampled)
+        tasks, result = RoundTasks(r), RoundResult(round=r, sampled=sampled)
+        self.inbox.open_round(tasks, result, self.state)
         run = self._run_dict()
         for agent_id, kind in [(a, "train") for a in sampled] + [(a, "evaluate") for a in evaluators]:
             task_id = new_message_id()
@@ -264,17 +253,17 @@ class Coordinator:
                             deadline_s=c.round_timeout_s)
             frame = encode(MessageType.TASK, federation=c.federation, sender=SENDER, round=r, meta=meta,
                            tensors=self.method.payload_for(self.state, agent_id))
-            self._tasks.add(Task(agent_id, task_id, kind))
-            self._result.bytes_down += self.fleet.send(agent_id, frame, r)
-        return self._result
+            tasks.add(Task(agent_id, task_id, kind))
+            result.bytes_down += self.fleet.send(agent_id, frame, r)
+        return tasks, result
 
-    def _collect(self, result: RoundResult, started: float) -> None:
+    def _collect(self, tasks: RoundTasks, result: RoundResult, started: float) -> None:
         """Admit answers until every task is answered or, once a quorum of updates is in,
         the round timeout passes or every agent still owing an answer is offline; never
         past twice the timeout. Whoever has not answered then is dropped from the round."""
         timeout = self.config.round_timeout_s
         quorum = self._quorum(len(result.sampled))
-        waiting = self._tasks.waiting  # live: the gate removes agents as they answer
+        waiting = tasks.waiting  # live: the gate removes agents as they answer
 
         def closable() -> bool:
             if not waiting:
@@ -285,7 +274,7 @@ class Coordinator:
             # no per-message work that grows with the fleet.
             return time.monotonic() - started > timeout or not any(self.registry.is_online(a) for a in waiting)
 
-        self.pump_until(closable, started + 2 * timeout)
+        self.inbox.pump_until(closable, started + 2 * timeout)
         if waiting:
             log.info("round %d: closed with %d/%d updates after %.0fs; no answer from %s", result.round,
                      len(result.updates), len(result.sampled), time.monotonic() - started, ", ".join(sorted(waiting)))
@@ -307,62 +296,6 @@ class Coordinator:
     def _quorum(self, sampled: int) -> int:
         return math.ceil(self.config.quorum * sampled)
 
-    # ---------------------------------------------------------------- inbound
-    def pump_until(self, done: Callable[[], bool], deadline: float) -> bool:
-        """Route inbound traffic until ``done()`` holds (True) or the ``time.monotonic()``
-        ``deadline`` passes (False). ``done`` is asked after every message, so it must not
-        do work that grows with the fleet."""
-        while not done():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            self._route(self.fleet.poll(min(POLL_S, remaining)))
-        return True
-
-    def _route(self, event: Incoming | Rejection | None) -> None:
-        if event is None:
-            return
-        if isinstance(event, Rejection):
-            self._reject(event)
-        elif event.channel == AgentChannel.STATUS:
-            self._on_status(event)
-        elif event.channel == AgentChannel.UPDATE:
-            self._on_update(event)
-        elif event.channel == AgentChannel.METRICS:
-            self._on_metrics(event)
-
-    def _on_status(self, incoming: Incoming) -> None:
-        status = admit_status(incoming.agent_id, incoming.frame)
-        if isinstance(status, Rejection):
-            return self._reject(status)
-        was_online = self.registry.update(incoming.agent_id, status)
-        if status.state == "online" and not was_online:
-            self.fleet.agent_online(incoming.agent_id, status.tier)
-
-    def _on_update(self, incoming: Incoming) -> None:
-        verdict = self.gate.admit(incoming.agent_id, incoming.frame, self._tasks, self.state)
-        if isinstance(verdict, Rejection):
-            return self._reject(verdict)
-        self._result.record(verdict, incoming.wire_bytes)
-
-    def _on_metrics(self, incoming: Incoming) -> None:
-        m = admit_metrics(incoming.agent_id, incoming.frame)
-        if isinstance(m, Rejection):
-            return self._reject(m)
-        self.head_reports[incoming.agent_id] = {
-            "tier": m.tier, "release_id": m.release_id, "head": m.head, "correct": m.eval_correct,
-            "total": m.num_test, "accuracy": m.eval_correct / m.num_test if m.num_test else None, **m.values,
-        }
-        self._awaited_reports.discard(incoming.agent_id)
-        log.info("agent %s (%s tier) reported accuracy %.4f with head %s", incoming.agent_id, m.tier,
-                 self.head_reports[incoming.agent_id]["accuracy"] or float("nan"), m.head)
-
-    def _reject(self, rejection: Rejection) -> None:
-        self.rejected_total[rejection.reason] += 1
-        self._result.rejected[rejection.reason] += 1
-        log.warning("rejected message from %s: %s (%s)", rejection.agent_id or "?", rejection.reason,
-                    rejection.detail)
-
     # ---------------------------------------------------------------- releases
     def release(self, round: int) -> str | None:
         """Export the frozen encoder and publish it (retained) for head-tier agents."""
@@ -378,8 +311,8 @@ class Coordinator:
         heads = self.registry.online("head")
         if not heads:
             return
-        self._awaited_reports = set(heads) - self.head_reports.keys()
-        self.pump_until(lambda: not self._awaited_reports, time.monotonic() + timeout)
+        self.inbox.expect_reports(heads)
+        self.inbox.pump_until(self.inbox.reports_complete, time.monotonic() + timeout)
         self._write_head_reports()
 
     def _write_head_reports(self) -> None:

@@ -9,6 +9,7 @@ of 1,000 agents costs time proportional to its messages.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 from collections.abc import Callable
@@ -237,3 +238,19 @@ def test_a_round_of_1000_agents_costs_time_proportional_to_its_messages(tmp_path
     assert len(rows[0]["participants"]) == n and rows[-1]["evaluated"] == n
     assert calls["online"] <= 4  # once per round (sampling), not per message
     assert seconds < 60, seconds  # 4,000 frames encoded and decoded; the old loop took minutes
+
+
+def test_rejection_totals_survive_a_restart(tmp_path):
+    def mallory(task: Message) -> list[bytes]:
+        junk = [b"junk"] if task.meta.kind == "train" else []
+        return [*junk, *honest("m")(task)]
+
+    def checkpointed() -> dict:
+        return json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())
+
+    coordinator(ScriptedFleet({"a": honest("a"), "m": mallory}), tmp_path, rounds=1).run()
+    assert checkpointed()["round"] == 0 and checkpointed()["rejected_total"] == {"malformed": 1}
+    resumed = coordinator(ScriptedFleet({"a": honest("a"), "m": mallory}), tmp_path, rounds=2)
+    rows = resumed.run()
+    assert [r["round"] for r in rows] == [1, 2] and rows[0]["rejected"] == {"malformed": 1}
+    assert checkpointed()["round"] == 1 and checkpointed()["rejected_total"] == {"malformed": 2}
