@@ -154,14 +154,14 @@ class MqttFleet(Fleet):
 class LocalFleet(Fleet):
     """Agents as objects in this process: the research loop and the MQTT path's reference.
 
-    ``runtimes`` maps agent id to a :class:`edgepfl.edge_agent.trainer.TrainerRuntime`. Each
-    agent's status frame is the first thing :meth:`poll` returns, as a broker would
-    replay it; tasks run synchronously inside :meth:`send` and their encoded updates
-    wait in a queue. The frames are the ones an MQTT fleet carries, so a run here
-    matches one over MQTT bit for bit for the same seed.
+    ``runtimes`` maps agent id to a :class:`edgepfl.edge_agent.trainer.TrainerRuntime` of
+    federation ``federation``. Each agent's status frame is the first thing :meth:`poll`
+    returns, as a broker would replay it; tasks run synchronously inside :meth:`send` and
+    their encoded updates wait in a queue. The frames are the ones an MQTT fleet
+    carries, so a run here matches one over MQTT bit for bit for the same seed.
     """
 
-    def __init__(self, runtimes: dict, federation: str = "local"):
+    def __init__(self, runtimes: dict, federation: str):
         self.runtimes = runtimes
         self._queue: queue.Queue[Incoming] = queue.Queue()
         for agent_id, runtime in runtimes.items():
