@@ -72,7 +72,7 @@ def train(config, trainers: int, out: Path) -> dict:
     out.mkdir(parents=True)
     runtimes = {a: TrainerRuntime(a, load_client_data(config.data, i), out / "agents" / a, config.device)
                 for i, a in enumerate(agent_ids(trainers))}
-    Coordinator(config, LocalFleet(runtimes), out, progress=False, **data_shape(config)).run()
+    Coordinator(config, LocalFleet(runtimes, config.federation), out, progress=False, **data_shape(config)).run()
     _, summary = write_report(out, config.method.name)
     return summary
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import queue
+from abc import ABC, abstractmethod
+from collections import deque
 from dataclasses import dataclass
 
 from edgepfl.config import BrokerConfig
@@ -16,7 +18,6 @@ from edgepfl.protocol import (
     CoordinatorMeta,
     FederationChannel,
     MessageType,
-    ProtocolError,
     StatusMeta,
     agent_topic,
     agent_wildcard,
@@ -24,17 +25,17 @@ from edgepfl.protocol import (
     encode,
     federation_topic,
 )
-from edgepfl.protocol.transport import MqttTransport
+from edgepfl.protocol.transport import Inbound, MqttTransport
 
-from .registry import Registry
+from .gate import Rejection
 
 log = logging.getLogger("edgepfl.coordinator")
 SENDER = "coordinator"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Incoming:
-    """A whole frame from one agent's update or metrics topic."""
+    """A whole frame from one agent's status, update or metrics topic."""
 
     agent_id: str
     channel: AgentChannel
@@ -42,37 +43,50 @@ class Incoming:
     wire_bytes: int
 
 
-class Fleet:
-    """Interface the round loop uses: presence, sending tasks, receiving answers."""
+class Fleet(ABC):
+    """How the round loop reaches its agents: send tasks and releases, receive what they publish.
 
-    registry: Registry
+    Pull only: a fleet never calls into the coordinator. Everything that arrives comes
+    out of :meth:`poll`, in order: agents' frames as :class:`Incoming`, and traffic the
+    fleet itself had to drop (a bad topic, chunks that do not reassemble) as a
+    :class:`~edgepfl.coordinator.gate.Rejection`, so the round loop counts every
+    rejection in one place.
+    """
 
+    @abstractmethod
     def send(self, agent_id: str, frame: bytes, round: int) -> int:
         """Deliver a task frame; returns bytes put on the wire."""
-        raise NotImplementedError
 
-    def poll(self, timeout: float) -> Incoming | None:
-        raise NotImplementedError
+    @abstractmethod
+    def poll(self, timeout: float) -> Incoming | Rejection | None:
+        """The next inbound event, or None when nothing came within ``timeout`` seconds."""
 
+    @abstractmethod
     def publish_release(self, frame: bytes, round: int) -> int:
-        raise NotImplementedError
+        """Make an encoder release available to head-tier agents; returns bytes put on the wire."""
 
+    @abstractmethod
+    def agent_online(self, agent_id: str, tier: str) -> None:
+        """Told by the round loop when an agent announces itself online after being offline or unknown."""
+
+    @abstractmethod
     def announce(self, meta: CoordinatorMeta) -> None:
-        """Coordinator presence (retained)."""
+        """Publish the coordinator's presence and round."""
 
+    @abstractmethod
     def close(self) -> None:
-        pass
-
-    def on_reject(self, agent_id: str | None, reason: str, detail: str) -> None:
-        """Set by the round loop to count transport-level rejections."""
+        """Say goodbye (``done`` presence) and release the connection."""
 
 
 class MqttFleet(Fleet):
+    """Agents behind an MQTT broker (``docs/PROTOCOL.md``)."""
+
     def __init__(self, federation: str, broker: BrokerConfig, url: str | None = None):
         self.federation = federation
-        self.registry = Registry()
         self._presence = federation_topic(federation, FederationChannel.COORDINATOR)
         self._meta = CoordinatorMeta(state="online")
+        self._release: tuple[bytes, int] | None = None  # the last release, for late head agents
+        self._dropped: deque[Rejection] = deque()
         self.transport = MqttTransport(
             url or broker.url,
             client_id=f"edgepfl-{federation}-coordinator",
@@ -86,12 +100,16 @@ class MqttFleet(Fleet):
             max_message_bytes=broker.max_message_bytes,
             max_payload_bytes=broker.max_payload_bytes,
             keepalive_s=broker.keepalive_s,
-            on_reject=lambda topic, reason, detail: self.on_reject(None, reason, detail),
+            on_reject=self._transport_dropped,
         )
         self.transport.start(timeout=60)
 
     def _frame(self, meta: CoordinatorMeta) -> bytes:
         return encode(MessageType.COORDINATOR, federation=self.federation, sender=SENDER, round=meta.round, meta=meta)
+
+    def _transport_dropped(self, topic: str, reason: str, detail: str) -> None:
+        # Called inside transport.receive(), on the polling thread: handed out by poll().
+        self._dropped.append(Rejection(None, reason, detail))
 
     def announce(self, meta: CoordinatorMeta) -> None:
         self._meta = meta
@@ -110,33 +128,23 @@ class MqttFleet(Fleet):
             log.info("release of %d bytes exceeds max_message_bytes: chunked, re-sent to late joiners", len(frame))
         return self.transport.publish(topic, frame, retain=retain, round=round, wait=True)
 
-    def poll(self, timeout: float) -> Incoming | None:
-        inbound = self.transport.receive(timeout)
-        if inbound is None:
-            return None
+    def agent_online(self, agent_id: str, tier: str) -> None:
+        if tier == "head" and self._release is not None and len(self._release[0]) > self.transport.max_message_bytes:
+            self.publish_release(*self._release)
+
+    def poll(self, timeout: float) -> Incoming | Rejection | None:
+        if not self._dropped:
+            inbound = self.transport.receive(timeout)
+            if inbound is not None:
+                return self._incoming(inbound)
+        return self._dropped.popleft() if self._dropped else None
+
+    @staticmethod
+    def _incoming(inbound: Inbound) -> Incoming | None:
         channel, agent_id = inbound.topic.channel, inbound.topic.agent
-        if channel == AgentChannel.STATUS:
-            self._on_status(agent_id, inbound.frame)
-            return None
-        if channel not in (AgentChannel.UPDATE, AgentChannel.METRICS) or agent_id is None:
+        if channel not in (AgentChannel.STATUS, AgentChannel.UPDATE, AgentChannel.METRICS) or agent_id is None:
             return None
         return Incoming(agent_id, channel, inbound.frame, inbound.wire_bytes)
-
-    def _on_status(self, agent_id: str | None, frame: bytes) -> None:
-        try:
-            message = decode(frame)
-        except ProtocolError as exc:
-            self.on_reject(agent_id, exc.reason, f"status: {exc.detail}")
-            return
-        if message.type != MessageType.STATUS or message.header.sender != agent_id:
-            self.on_reject(agent_id, "wrong_sender", "status not from the agent whose topic it is on")
-            return
-        was_online = agent_id in self.registry.online()
-        self.registry.update(agent_id, message.meta)  # type: ignore[arg-type]
-        release = getattr(self, "_release", None)
-        if (release and message.meta.tier == "head" and message.meta.state == "online" and not was_online
-                and len(release[0]) > self.transport.max_message_bytes):
-            self.publish_release(*release)
 
     def close(self) -> None:
         self.transport.stop(final=(self._presence, self._frame(CoordinatorMeta(state="done", round=self._meta.round,
@@ -146,17 +154,21 @@ class MqttFleet(Fleet):
 class LocalFleet(Fleet):
     """Agents as objects in this process: the research loop and the MQTT path's reference.
 
-    ``runtimes`` maps agent id to a :class:`edgepfl.edge_agent.trainer.TrainerRuntime`. Tasks
-    run synchronously inside :meth:`send`; their encoded updates wait in a queue.
+    ``runtimes`` maps agent id to a :class:`edgepfl.edge_agent.trainer.TrainerRuntime` of
+    federation ``federation``. Each agent's status frame is the first thing :meth:`poll`
+    returns, as a broker would replay it; tasks run synchronously inside :meth:`send` and
+    their encoded updates wait in a queue. The frames are the ones an MQTT fleet
+    carries, so a run here matches one over MQTT bit for bit for the same seed.
     """
 
-    def __init__(self, runtimes: dict):
+    def __init__(self, runtimes: dict, federation: str):
         self.runtimes = runtimes
-        self.registry = Registry()
-        for agent_id, runtime in runtimes.items():
-            self.registry.update(agent_id, StatusMeta(state="online", tier="trainer", device=str(runtime.device),
-                                                      num_train=runtime.data.num_train, num_test=runtime.data.num_test))
         self._queue: queue.Queue[Incoming] = queue.Queue()
+        for agent_id, runtime in runtimes.items():
+            status = StatusMeta(state="online", tier="trainer", device=str(runtime.device),
+                                num_train=runtime.data.num_train, num_test=runtime.data.num_test)
+            frame = encode(MessageType.STATUS, federation=federation, sender=agent_id, round=-1, meta=status)
+            self._queue.put(Incoming(agent_id, AgentChannel.STATUS, frame, len(frame)))
 
     def send(self, agent_id: str, frame: bytes, round: int) -> int:
         task = decode(frame)
@@ -171,4 +183,13 @@ class LocalFleet(Fleet):
             return None
 
     def publish_release(self, frame: bytes, round: int) -> int:
-        return len(frame)
+        return len(frame)  # in-process agents are all trainers: nobody installs releases
+
+    def agent_online(self, agent_id: str, tier: str) -> None:
+        """Nothing to do: the agents here are online from the start and never leave."""
+
+    def announce(self, meta: CoordinatorMeta) -> None:
+        """Nothing to do: in-process agents get their tasks directly and never ask for presence."""
+
+    def close(self) -> None:
+        """Nothing to release."""

@@ -1,11 +1,19 @@
 """The round loop, written once for every method and both fleets.
 
-Per round: sample a fraction of the online trainer agents, send each a task
-(shared parameters + method payload), collect updates until every sampled agent
-answered — or the quorum is met when the round timeout passes — reject and count
-stale, duplicate, unknown-agent and malformed updates, run the method's server
-step, checkpoint atomically, append a metrics row. A restarted coordinator resumes
-after the last checkpointed round with the same global state.
+:meth:`Coordinator.run` is the protocol's coordinator side (``docs/PROTOCOL.md`` §10):
+wait for ``min_agents`` trainers; then per round sample a fraction of the online
+trainers, send each a task (shared parameters + method payload; the others an
+evaluate task on evaluation rounds), collect answers until every sampled agent
+answered — or, with a quorum, until the round timeout passes or everyone still owing
+an answer went offline — run the method's server step, append a metrics row and
+checkpoint atomically; a final evaluation round; a release of the frozen encoder to
+head-tier agents and their reports; ``done``. A restarted coordinator resumes after
+the last checkpointed round with the same global state.
+
+Every wait is :meth:`.inbox.Inbox.pump_until` with a condition: statuses go to the
+:class:`~.registry.Registry`, updates through the :class:`~.gate.UpdateGate` into the
+open round, head-tier metrics to the head reports, and every rejection, by reason, to
+the counters that ``metrics.jsonl``, the checkpoint and the log show.
 """
 
 from __future__ import annotations
@@ -20,26 +28,18 @@ from pathlib import Path
 import numpy as np
 
 from edgepfl.config import RunConfig
-from edgepfl.methods import ClientUpdate, Method, ServerState, UpdateRejected, create_method
+from edgepfl.methods import ClientUpdate, Method, ServerState, create_method
 from edgepfl.metrics import RoundMetrics, read_metrics
-from edgepfl.protocol import (
-    AgentChannel,
-    CoordinatorMeta,
-    MessageType,
-    ProtocolError,
-    RunSpec,
-    TaskMeta,
-    decode,
-    encode,
-    new_message_id,
-)
+from edgepfl.protocol import CoordinatorMeta, MessageType, RunSpec, TaskMeta, encode, new_message_id
 from edgepfl.state import CheckpointMeta, load_checkpoint, save_checkpoint
 
-from .fleet import SENDER, Fleet, Incoming
+from .fleet import SENDER, Fleet
+from .gate import Accepted, RoundTasks, Task, UpdateGate
+from .inbox import Inbox
 from .progress import Progress
+from .registry import Registry
 
 log = logging.getLogger("edgepfl.coordinator")
-
 
 def seed_for(*parts: object) -> int:
     from hashlib import sha256
@@ -61,17 +61,9 @@ def round_half_up(x: float) -> int:
 
 
 @dataclass
-class Pending:
-    """A task sent this round and what came back for it."""
-
-    agent_id: str
-    task_id: str
-    kind: str
-    answer: object = None  # the decoded update Message
-
-
-@dataclass
 class RoundResult:
+    """What one round collected: accepted updates and evaluations, rejections, traffic."""
+
     round: int
     updates: list[ClientUpdate] = field(default_factory=list)
     evaluations: dict[str, dict] = field(default_factory=dict)
@@ -80,6 +72,17 @@ class RoundResult:
     bytes_down: int = 0
     dropped: list[str] = field(default_factory=list)
     sampled: list[str] = field(default_factory=list)
+
+    def record(self, accepted: Accepted, wire_bytes: int) -> None:
+        """Count an update the gate accepted."""
+        meta = accepted.meta
+        self.bytes_up += wire_bytes
+        self.evaluations[accepted.agent_id] = {
+            "correct": meta.eval_correct, "total": meta.num_test, "loss": meta.eval_loss,
+            "train_loss": meta.train_loss, "kind": meta.kind, "train_seconds": meta.train_seconds,
+        }
+        if accepted.update is not None:
+            self.updates.append(accepted.update)
 
 
 class Coordinator:
@@ -97,13 +100,16 @@ class Coordinator:
         self.normalization = dict(normalization or {})
         self.progress = Progress(config.rounds, enabled=progress)
         self.rejected_total: Counter = Counter()
-        self.head_reports: dict[str, dict] = {}
-        self._seen_messages: set[str] = set()
-        self._current: dict[str, Pending] = {}
-        self._round = -1
-        fleet.on_reject = self._reject
+        self.registry = Registry()
+        gate = UpdateGate(config.federation, self.method, self.registry, max_bytes=config.broker.max_payload_bytes)
+        self.inbox = Inbox(fleet, self.registry, gate, self.rejected_total)
         self.state: ServerState | None = None
         self.start_round = 0
+
+    @property
+    def head_reports(self) -> dict[str, dict]:
+        """Head-tier reports by agent id, as ``head_metrics.json`` holds them."""
+        return self.inbox.head_reports
 
     # ---------------------------------------------------------------- state
     @property
@@ -145,7 +151,7 @@ class Coordinator:
         save_checkpoint(self.checkpoint_dir, self.state, self.run_meta(round))
 
     # ---------------------------------------------------------------- main loop
-    def run(self) -> list[dict]:
+    def run(self) -> list[RoundMetrics]:
         """Wait for agents, run the remaining rounds and a final evaluation; return metrics rows."""
         if self.state is None:
             self.init_or_resume()
@@ -174,53 +180,33 @@ class Coordinator:
         round timeout and go on with whoever is there."""
         need = self.config.min_agents
         wait = self.config.wait_for_agents_s if required else self.config.round_timeout_s
-        deadline = time.monotonic() + wait
-        last = -1
-        while True:
-            online = self.fleet.registry.online("trainer")
-            if len(online) >= need:
-                return
-            if len(online) != last:
-                self.progress.note(f"waiting for agents: {len(online)}/{need} online")
-                last = len(online)
-            if time.monotonic() > deadline:
-                if not required and online:
-                    log.warning("only %d of min_agents=%d online; going on without the others", len(online), need)
-                    return
-                raise TimeoutError(f"only {len(online)} of min_agents={need} trainer agents came online within "
-                                   f"{self.config.wait_for_agents_s:.0f}s")
-            self._handle(self.fleet.poll(0.2))
+        shown = -1
 
-    def _run_round(self, r: int, final: bool) -> dict:
-        c = self.config
-        started = time.perf_counter()
-        online = self.fleet.registry.online("trainer")
-        sampled = [] if final else sample_agents(online, c.fraction, c.seed, r)
-        evaluators = [a for a in online if a not in sampled] if (final or r % c.eval_every == 0) else []
-        result = RoundResult(round=r, sampled=sampled)
-        self._round, self._result = r, result
-        self._current = {}
-        run = self._run_dict()
-        for agent_id, kind in [(a, "train") for a in sampled] + [(a, "evaluate") for a in evaluators]:
-            task_id = new_message_id()
-            meta = TaskMeta(task_id=task_id, kind=kind, run=run, seed=seed_for(c.seed, r, agent_id),
-                            deadline_s=c.round_timeout_s)
-            frame = encode(MessageType.TASK, federation=c.federation, sender=SENDER, round=r, meta=meta,
-                           tensors=self.method.payload_for(self.state, agent_id))
-            self._current[agent_id] = Pending(agent_id, task_id, kind)
-            result.bytes_down += self.fleet.send(agent_id, frame, r)
-        self._collect(result, sampled, started)
-        result.updates.sort(key=lambda u: u.agent_id)
-        aborted = False
-        if sampled:
-            quorum = math.ceil(c.quorum * len(sampled))
-            if len(result.updates) >= quorum and result.updates:
-                self.state = self.method.server_step(self.state, result.updates, r)
-            else:
-                aborted = True
-                log.warning("round %d: %d of %d updates, below quorum %d; global state unchanged", r,
-                            len(result.updates), len(sampled), quorum)
-        row = self._row(result, time.perf_counter() - started, final, aborted)
+        def enough() -> bool:
+            nonlocal shown
+            online = self.registry.count_online("trainer")
+            if online < need and online != shown:
+                self.progress.note(f"waiting for agents: {online}/{need} online")
+                shown = online
+            return online >= need
+
+        if self.inbox.pump_until(enough, time.monotonic() + wait):
+            return
+        online = self.registry.count_online("trainer")
+        if not required and online:
+            log.warning("only %d of min_agents=%d online; going on without the others", online, need)
+            return
+        raise TimeoutError(f"only {online} of min_agents={need} trainer agents came online within "
+                           f"{self.config.wait_for_agents_s:.0f}s")
+
+    def _run_round(self, r: int, final: bool) -> RoundMetrics:
+        """One round: sample, send tasks, collect, server step, metrics row, checkpoint."""
+        started = time.monotonic()
+        sampled, evaluators = self._sample(r, final)
+        tasks, result = self._send_tasks(r, sampled, evaluators)
+        self._collect(tasks, result, started)
+        aborted = self._server_step(result)
+        row = self._row(result, time.monotonic() - started, final, aborted)
         # Row first, checkpoint second: a crash in between leaves a row that the resumed
         # run drops and writes again (see _truncate_metrics), never a round without a row.
         self._append_metrics(row)
@@ -229,107 +215,71 @@ class Coordinator:
         self.progress.update(row)
         return row
 
-    def _collect(self, result: RoundResult, sampled: list[str], started: float) -> None:
+    def _sample(self, r: int, final: bool) -> tuple[list[str], list[str]]:
+        """Who trains this round (a seeded sample of the online trainers; nobody in the
+        final round) and who only evaluates (the other online trainers, on evaluation rounds)."""
         c = self.config
-        timeout = c.round_timeout_s
-        quorum = math.ceil(c.quorum * len(sampled)) if sampled else 0
-        hard_deadline = started + 2 * timeout
-        while True:
-            waiting = [a for a, p in self._current.items() if p.answer is None]
+        online = self.registry.online("trainer")
+        sampled = [] if final else sample_agents(online, c.fraction, c.seed, r)
+        if not (final or r % c.eval_every == 0):
+            return sampled, []
+        training = set(sampled)
+        return sampled, [a for a in online if a not in training]
+
+    def _send_tasks(self, r: int, sampled: list[str], evaluators: list[str]) -> tuple[RoundTasks, RoundResult]:
+        """Open round ``r`` and send each agent its task; returns the tasks and the round's (empty) result."""
+        c = self.config
+        tasks, result = RoundTasks(r), RoundResult(round=r, sampled=sampled)
+        self.inbox.open_round(tasks, result, self.state)
+        run = self._run_dict()
+        for agent_id, kind in [(a, "train") for a in sampled] + [(a, "evaluate") for a in evaluators]:
+            task_id = new_message_id()
+            meta = TaskMeta(task_id=task_id, kind=kind, run=run, seed=seed_for(c.seed, r, agent_id),
+                            deadline_s=c.round_timeout_s)
+            frame = encode(MessageType.TASK, federation=c.federation, sender=SENDER, round=r, meta=meta,
+                           tensors=self.method.payload_for(self.state, agent_id))
+            tasks.add(Task(agent_id, task_id, kind))
+            result.bytes_down += self.fleet.send(agent_id, frame, r)
+        return tasks, result
+
+    def _collect(self, tasks: RoundTasks, result: RoundResult, started: float) -> None:
+        """Admit answers until every task is answered or, once a quorum of updates is in,
+        the round timeout passes or every agent still owing an answer is offline; never
+        past twice the timeout. Whoever has not answered then is dropped from the round."""
+        timeout = self.config.round_timeout_s
+        quorum = self._quorum(len(result.sampled))
+        waiting = tasks.waiting  # live: the gate removes agents as they answer
+
+        def closable() -> bool:
             if not waiting:
-                return
-            elapsed = time.perf_counter() - started
-            offline = [a for a in waiting if a not in self.fleet.registry.online()]
-            if offline and len(offline) == len(waiting) and len(result.updates) >= quorum:
-                result.dropped.extend(offline)
-                return
-            if elapsed > timeout and len(result.updates) >= quorum:
-                result.dropped.extend(waiting)
-                log.info("round %d: closed on quorum (%d/%d) after %.0fs; no answer from %s", result.round,
-                         len(result.updates), len(sampled), elapsed, ", ".join(waiting))
-                return
-            if time.perf_counter() > hard_deadline:
-                result.dropped.extend(waiting)
-                return
-            self._handle(self.fleet.poll(0.2))
+                return True
+            if len(result.updates) < quorum:
+                return False
+            # is_online is a dict lookup, and any() stops at the first agent still online:
+            # no per-message work that grows with the fleet.
+            return time.monotonic() - started > timeout or not any(self.registry.is_online(a) for a in waiting)
 
-    # ---------------------------------------------------------------- inbound
-    def _reject(self, agent_id: str | None, reason: str, detail: str) -> None:
-        self.rejected_total[reason] += 1
-        if getattr(self, "_result", None) is not None:
-            self._result.rejected[reason] += 1
-        log.warning("rejected message from %s: %s (%s)", agent_id or "?", reason, detail)
+        self.inbox.pump_until(closable, started + 2 * timeout)
+        if waiting:
+            log.info("round %d: closed with %d/%d updates after %.0fs; no answer from %s", result.round,
+                     len(result.updates), len(result.sampled), time.monotonic() - started, ", ".join(sorted(waiting)))
+            result.dropped.extend(sorted(waiting))
 
-    def _handle(self, incoming: Incoming | None) -> None:
-        if incoming is None:
-            return
-        if incoming.channel == AgentChannel.METRICS:
-            self._handle_metrics(incoming)
-            return
-        agent_id = incoming.agent_id
-        try:
-            message = decode(incoming.frame, max_bytes=self.config.broker.max_payload_bytes)
-        except ProtocolError as exc:
-            self._reject(agent_id, exc.reason, exc.detail)
-            return
-        h = message.header
-        if message.type != MessageType.UPDATE:
-            return self._reject(agent_id, "wrong_type", f"{h.type.value} on an update topic")
-        if h.sender != agent_id:
-            return self._reject(agent_id, "wrong_sender", f"sender {h.sender} on {agent_id}'s topic")
-        if h.federation != self.config.federation:
-            return self._reject(agent_id, "wrong_federation", h.federation)
-        if h.message_id in self._seen_messages:
-            return self._reject(agent_id, "duplicate", f"message {h.message_id} already processed")
-        if not self.fleet.registry.known(agent_id):
-            return self._reject(agent_id, "unknown_agent", "no status ever received from this agent")
-        pending = self._current.get(agent_id)
-        if h.round != self._round:
-            return self._reject(agent_id, "stale", f"update for round {h.round}, current round is {self._round}")
-        if pending is None or message.meta.task_id != pending.task_id:
-            return self._reject(agent_id, "unexpected", "no such task was sent to this agent this round")
-        if pending.answer is not None:
-            return self._reject(agent_id, "duplicate", f"task {pending.task_id} already answered")
-        if message.meta.kind != pending.kind:
-            return self._reject(agent_id, "malformed", f"answered a {pending.kind} task with {message.meta.kind}")
-        meta = message.meta
-        if meta.eval_correct > meta.num_test:
-            return self._reject(agent_id, "malformed", "eval_correct exceeds num_test")
-        update = None
-        if pending.kind == "train":
-            update = ClientUpdate(agent_id, meta.num_train, message.tensors)
-            if meta.num_train <= 0:
-                return self._reject(agent_id, "malformed", "train update with num_train = 0")
-            try:
-                self.method.check_update(self.state, update)
-            except UpdateRejected as exc:
-                return self._reject(agent_id, exc.reason, str(exc))
-        elif message.tensors:
-            return self._reject(agent_id, "malformed", "evaluate answer carries tensors")
-        self._seen_messages.add(h.message_id)
-        pending.answer = message
-        self._result.bytes_up += incoming.wire_bytes
-        self._result.evaluations[agent_id] = {
-            "correct": meta.eval_correct, "total": meta.num_test, "loss": meta.eval_loss,
-            "train_loss": meta.train_loss, "kind": meta.kind, "train_seconds": meta.train_seconds,
-        }
-        if update is not None:
-            self._result.updates.append(update)
+    def _server_step(self, result: RoundResult) -> bool:
+        """Aggregate the round's updates when a quorum answered; returns whether the round was aborted."""
+        result.updates.sort(key=lambda u: u.agent_id)  # aggregation order independent of arrival order
+        if not result.sampled:
+            return False
+        quorum = self._quorum(len(result.sampled))
+        if result.updates and len(result.updates) >= quorum:
+            self.state = self.method.server_step(self.state, result.updates, result.round)
+            return False
+        log.warning("round %d: %d of %d updates, below quorum %d; global state unchanged", result.round,
+                    len(result.updates), len(result.sampled), quorum)
+        return True
 
-    def _handle_metrics(self, incoming: Incoming) -> None:
-        try:
-            message = decode(incoming.frame)
-        except ProtocolError as exc:
-            return self._reject(incoming.agent_id, exc.reason, exc.detail)
-        if message.type != MessageType.METRICS or message.header.sender != incoming.agent_id:
-            return self._reject(incoming.agent_id, "malformed", "not a metrics message from this agent")
-        m = message.meta
-        self.head_reports[incoming.agent_id] = {
-            "tier": m.tier, "release_id": m.release_id, "head": m.head, "correct": m.eval_correct,
-            "total": m.num_test, "accuracy": m.eval_correct / m.num_test if m.num_test else None, **m.values,
-        }
-        log.info("agent %s (%s tier) reported accuracy %.4f with head %s", incoming.agent_id, m.tier,
-                 self.head_reports[incoming.agent_id]["accuracy"] or float("nan"), m.head)
+    def _quorum(self, sampled: int) -> int:
+        return math.ceil(self.config.quorum * sampled)
 
     # ---------------------------------------------------------------- releases
     def release(self, round: int) -> str | None:
@@ -342,14 +292,13 @@ class Coordinator:
         return release_id
 
     def _collect_head_reports(self, timeout: float) -> None:
-        heads = self.fleet.registry.online("head")
-        deadline = time.monotonic() + timeout
-        while heads and time.monotonic() < deadline:
-            if all(a in self.head_reports for a in heads):
-                break
-            self._handle(self.fleet.poll(0.2))
-        if heads:
-            self._write_head_reports()
+        """Wait up to ``timeout`` for a report from every online head agent; write what came."""
+        heads = self.registry.online("head")
+        if not heads:
+            return
+        self.inbox.expect_reports(heads)
+        self.inbox.pump_until(self.inbox.reports_complete, time.monotonic() + timeout)
+        self._write_head_reports()
 
     def _write_head_reports(self) -> None:
         from edgepfl.atomic import write_json

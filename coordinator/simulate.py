@@ -77,7 +77,7 @@ def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str
             torch.set_num_threads(threads)
         runtimes = {a: TrainerRuntime(a, load_client_data(config.data, i), out / "agents" / a, config.device)
                     for i, a in enumerate(ids)}
-        coordinator = Coordinator(config, LocalFleet(runtimes), out, progress=progress, **shape)
+        coordinator = Coordinator(config, LocalFleet(runtimes, config.federation), out, progress=progress, **shape)
         rows = coordinator.run()
         table, summary = write_report(out, config.method.name)
         return rows, summary

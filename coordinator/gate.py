@@ -1,0 +1,181 @@
+"""What the coordinator lets in from the network, and the reason it gives for the rest.
+
+Pure checks: no broker, no clock, no logging. :class:`UpdateGate` takes one frame from an
+agent's update topic and the tasks of the round being collected, and returns an
+:class:`Accepted` update or a :class:`Rejection` whose ``reason`` is the tag of
+``docs/PROTOCOL.md`` §7, in the order of that table. :func:`admit_status` and
+:func:`admit_metrics` do the same for presence and head-tier reports. The caller
+counts and logs rejections; nothing here raises on hostile bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Set
+from dataclasses import dataclass
+
+from edgepfl.methods import ClientUpdate, Method, ServerState, UpdateRejected
+from edgepfl.protocol import Message, MessageType, MetricsMeta, ProtocolError, StatusMeta, UpdateMeta, decode
+
+from .registry import Registry
+
+# Sample counts weight the server's weighted means, computed in float64. Above 2**53 a
+# count is no longer exact there, and a count past float64's range (10**400, say)
+# raises OverflowError inside the server step; no device holds anywhere near this many.
+MAX_SAMPLES = 2**53
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A message the coordinator drops: ``reason`` tags the counters, ``detail`` goes to the log."""
+
+    agent_id: str | None
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """An update that passed every check.
+
+    ``update`` is what the server step aggregates (train tasks); ``None`` for an
+    evaluate task, whose answer is only its ``meta``.
+    """
+
+    agent_id: str
+    meta: UpdateMeta
+    update: ClientUpdate | None
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task sent this round."""
+
+    agent_id: str
+    task_id: str
+    kind: str
+
+
+class RoundTasks:
+    """The tasks sent in one round (one per agent) and the agents that have not answered yet."""
+
+    def __init__(self, round: int) -> None:
+        self.round = round
+        self._tasks: dict[str, Task] = {}
+        self._waiting: set[str] = set()
+
+    def add(self, task: Task) -> None:
+        self._tasks[task.agent_id] = task
+        self._waiting.add(task.agent_id)
+
+    def get(self, agent_id: str) -> Task | None:
+        return self._tasks.get(agent_id)
+
+    def answered(self, agent_id: str) -> bool:
+        return agent_id in self._tasks and agent_id not in self._waiting
+
+    def mark_answered(self, agent_id: str) -> None:
+        self._waiting.discard(agent_id)
+
+    @property
+    def waiting(self) -> Set[str]:
+        """Agents with a task and no accepted answer yet (a live view, kept up to date in O(1))."""
+        return self._waiting
+
+
+class UpdateGate:
+    """Admits or rejects the updates of a federation's rounds.
+
+    ``registry`` says which agents are known and how many training samples each
+    announced. The gate remembers the id of every message it accepted, so a second
+    copy of one is a ``duplicate`` whatever round it claims.
+    """
+
+    def __init__(self, federation: str, method: Method, registry: Registry, *, max_bytes: int):
+        self.federation = federation
+        self.method = method
+        self.registry = registry
+        self.max_bytes = max_bytes
+        self._seen: set[str] = set()
+
+    def admit(self, agent_id: str, frame: bytes, tasks: RoundTasks, state: ServerState) -> Accepted | Rejection:
+        """Check one frame from ``agent_id``'s update topic; accepting marks its task answered."""
+        try:
+            message = decode(frame, max_bytes=self.max_bytes)
+        except ProtocolError as exc:
+            return Rejection(agent_id, exc.reason, exc.detail)
+        verdict = self._check(agent_id, message, tasks, state)
+        if isinstance(verdict, Accepted):
+            self._seen.add(message.header.message_id)
+            tasks.mark_answered(agent_id)
+        return verdict
+
+    def _check(self, agent_id: str, message: Message, tasks: RoundTasks, state: ServerState) -> Accepted | Rejection:
+        h = message.header
+
+        def reject(reason: str, detail: str) -> Rejection:
+            return Rejection(agent_id, reason, detail)
+
+        if message.type != MessageType.UPDATE:
+            return reject("wrong_type", f"{h.type.value} on an update topic")
+        if h.sender != agent_id:
+            return reject("wrong_sender", f"sender {h.sender} on {agent_id}'s topic")
+        if h.federation != self.federation:
+            return reject("wrong_federation", h.federation)
+        if h.message_id in self._seen:
+            return reject("duplicate", f"message {h.message_id} already processed")
+        if not self.registry.known(agent_id):
+            return reject("unknown_agent", "no status ever received from this agent")
+        if h.round != tasks.round:
+            return reject("stale", f"update for round {h.round}, current round is {tasks.round}")
+        meta: UpdateMeta = message.meta  # type: ignore[assignment]
+        task = tasks.get(agent_id)
+        if task is None or meta.task_id != task.task_id:
+            return reject("unexpected", "no such task was sent to this agent this round")
+        if tasks.answered(agent_id):
+            return reject("duplicate", f"task {task.task_id} already answered")
+        if meta.kind != task.kind:
+            return reject("malformed", f"answered a {task.kind} task with {meta.kind}")
+        if meta.eval_correct > meta.num_test:
+            return reject("malformed", "eval_correct exceeds num_test")
+        if task.kind == "evaluate":
+            if message.tensors:
+                return reject("malformed", "evaluate answer carries tensors")
+            return Accepted(agent_id, meta, None)
+        if meta.num_train <= 0:
+            return reject("malformed", "train update with num_train = 0")
+        announced = self.registry.announced_num_train(agent_id)
+        if meta.num_train > announced:
+            # The count is the aggregation weight: one the agent did not announce could
+            # outweigh the whole fleet. (Not formatted: it may have thousands of digits.)
+            return reject("malformed", f"num_train exceeds the {announced} samples its status announced")
+        update = ClientUpdate(agent_id, meta.num_train, message.tensors)
+        try:
+            self.method.check_update(state, update)
+        except UpdateRejected as exc:
+            return reject(exc.reason, str(exc))
+        return Accepted(agent_id, meta, update)
+
+
+def admit_status(agent_id: str, frame: bytes) -> StatusMeta | Rejection:
+    """Check a frame from ``agent_id``'s status topic; returns its meta when it may update the registry."""
+    try:
+        message = decode(frame)
+    except ProtocolError as exc:
+        return Rejection(agent_id, exc.reason, f"status: {exc.detail}")
+    if message.type != MessageType.STATUS or message.header.sender != agent_id:
+        return Rejection(agent_id, "wrong_sender", "status not from the agent whose topic it is on")
+    meta: StatusMeta = message.meta  # type: ignore[assignment]
+    if meta.num_train > MAX_SAMPLES or meta.num_test > MAX_SAMPLES:
+        return Rejection(agent_id, "malformed", f"status announces more than {MAX_SAMPLES} samples")
+    return meta
+
+
+def admit_metrics(agent_id: str, frame: bytes) -> MetricsMeta | Rejection:
+    """Check a frame from ``agent_id``'s metrics topic; returns its meta when it is a report from that agent."""
+    try:
+        message = decode(frame)
+    except ProtocolError as exc:
+        return Rejection(agent_id, exc.reason, exc.detail)
+    if message.type != MessageType.METRICS or message.header.sender != agent_id:
+        return Rejection(agent_id, "malformed", "not a metrics message from this agent")
+    return message.meta  # type: ignore[return-value]

@@ -1,0 +1,187 @@
+"""Tier runtimes: what an agent of each tier subscribes to, announces and answers.
+
+The agent loop (:mod:`.agent`) is the same for every tier; it talks to its tier only
+through :class:`TierRuntime`:
+
+* :class:`TrainerTier` — tasks in, updates out, through
+  :class:`edgepfl.edge_agent.trainer.TrainerRuntime` (torch);
+* :class:`HeadTier` — encoder releases in, metrics out, through
+  :class:`edgepfl.edge_agent.head_tier.HeadRuntime` (onnxruntime + scikit-learn).
+
+This module imports neither runtime at import time: a head agent must never import
+torch, and a trainer agent need not have onnxruntime.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+from edgepfl.config import AgentConfig
+from edgepfl.protocol import (
+    AgentChannel,
+    FederationChannel,
+    Message,
+    MessageType,
+    MetricsMeta,
+    agent_topic,
+    encode,
+    federation_topic,
+)
+
+if TYPE_CHECKING:
+    from edgepfl.data import ClientData
+
+log = logging.getLogger("edgepfl.agent")
+
+# Answered tasks a trainer remembers, to re-send instead of retraining (docs/PROTOCOL.md §9).
+ANSWERED_TASKS = 4
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A frame for the agent to publish on one of its own channels."""
+
+    channel: AgentChannel
+    frame: bytes
+    round: int
+
+
+class TierRuntime(Protocol):
+    """The agent loop's view of a tier.
+
+    ``accepts`` is the one message type the tier handles (others are logged and
+    ignored); ``device`` goes into the agent's status.
+    """
+
+    tier: ClassVar[str]
+    accepts: ClassVar[MessageType]
+
+    @property
+    def device(self) -> str: ...
+
+    def subscriptions(self, federation: str, agent_id: str) -> list[str]:
+        """Topics to (re)subscribe on every connect."""
+        ...
+
+    def restore(self) -> None:
+        """Reload what a previous run of this agent left on disk, if anything (before connecting)."""
+        ...
+
+    def handle(self, message: Message) -> Reply | None:
+        """Act on one message of type ``accepts``; what to publish back, if anything. Never raises."""
+        ...
+
+
+class TrainerTier:
+    """Trainer tier: evaluates and trains the model of each task, answers with an update.
+
+    Idempotent on task id: a task delivered again (QoS 1 is at-least-once) is answered
+    with the cached update frame, same message id, instead of training twice.
+    """
+
+    tier: ClassVar[str] = "trainer"
+    accepts: ClassVar[MessageType] = MessageType.TASK
+
+    def __init__(self, agent_id: str, data: ClientData, state_dir: str, device: str = "auto",
+                 threads: int | None = None):
+        from .trainer import TrainerRuntime  # torch only on this path
+
+        self.runtime = TrainerRuntime(agent_id, data, state_dir, device, threads=threads)
+        self._answered: OrderedDict[str, Reply] = OrderedDict()
+
+    @classmethod
+    def from_config(cls, config: AgentConfig, data: ClientData) -> TrainerTier:
+        return cls(config.agent_id, data, config.state_dir, config.device, threads=config.threads)
+
+    @property
+    def device(self) -> str:
+        return str(self.runtime.device)
+
+    def subscriptions(self, federation: str, agent_id: str) -> list[str]:
+        return [agent_topic(federation, agent_id, AgentChannel.TASK)]
+
+    def restore(self) -> None:
+        """Nothing yet: personal state belongs to a method and model, which the first task names."""
+
+    def handle(self, message: Message) -> Reply | None:
+        task_id = message.meta.task_id
+        cached = self._answered.get(task_id)
+        if cached is not None:
+            return cached
+        try:
+            frame = self.runtime.answer(message)
+        except Exception:
+            log.exception("task %s (round %d) failed", task_id, message.header.round)
+            return None
+        reply = Reply(AgentChannel.UPDATE, frame, message.header.round)
+        self._answered[task_id] = reply
+        while len(self._answered) > ANSWERED_TASKS:
+            self._answered.popitem(last=False)
+        log.info("round %d: %s task answered", message.header.round, message.meta.kind)
+        return reply
+
+
+class HeadTier:
+    """Head tier: installs each encoder release, fits its head, answers with a metrics report."""
+
+    tier: ClassVar[str] = "head"
+    accepts: ClassVar[MessageType] = MessageType.RELEASE
+    device = "cpu-onnxruntime"
+
+    def __init__(self, agent_id: str, data: ClientData, state_dir: str, head: str, threads: int | None = None):
+        from .head_tier import HeadRuntime  # onnxruntime and scikit-learn only on this path
+
+        self.agent_id = agent_id
+        self.head = head
+        self.runtime = HeadRuntime(state_dir, head, data, threads=threads)
+
+    @classmethod
+    def from_config(cls, config: AgentConfig, data: ClientData) -> HeadTier:
+        return cls(config.agent_id, data, config.state_dir, config.head, threads=config.threads)
+
+    def subscriptions(self, federation: str, agent_id: str) -> list[str]:
+        # The task topic too, as the protocol has every agent do; a head agent ignores tasks.
+        return [agent_topic(federation, agent_id, AgentChannel.TASK),
+                federation_topic(federation, FederationChannel.RELEASE)]
+
+    def restore(self) -> None:
+        try:
+            self.runtime.load()
+        except Exception as exc:  # nothing saved yet, or unusable: wait for a release
+            log.info("no usable saved head yet (%s)", exc)
+
+    def handle(self, message: Message) -> Reply | None:
+        meta = message.meta
+        artifact = message.tensors.get("artifact")
+        if artifact is None:
+            log.error("release %s carries no artifact; refused", meta.release_id)
+            return None
+        try:
+            result = self.runtime.install_release(meta.manifest, artifact.tobytes(), meta.sha256)
+        except Exception as exc:
+            log.error("release %s refused: %s", meta.release_id, exc)
+            return None
+        metrics = MetricsMeta(
+            tier="head",
+            release_id=meta.release_id,
+            head=str(result.get("head", self.head)),
+            num_train=int(result.get("num_train", 0)),
+            num_test=int(result.get("num_test", 0)),
+            eval_correct=int(result.get("eval_correct", round(result.get("accuracy", 0.0) * result.get("num_test", 0)))),
+            values={k: float(v) for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
+        )
+        frame = encode(MessageType.METRICS, federation=message.header.federation, sender=self.agent_id,
+                       round=message.header.round, meta=metrics)
+        return Reply(AgentChannel.METRICS, frame, message.header.round)
+
+
+#: tier name (``AgentConfig.tier``) -> how to build it
+TIERS: dict[str, type[TrainerTier] | type[HeadTier]] = {TrainerTier.tier: TrainerTier, HeadTier.tier: HeadTier}
+
+
+def create_tier(config: AgentConfig, data: ClientData) -> TierRuntime:
+    """The runtime of ``config.tier`` for this agent and its local data."""
+    return TIERS[config.tier].from_config(config, data)

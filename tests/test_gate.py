@@ -1,0 +1,274 @@
+"""The update gate, without a broker: every rejection reason, from real encoded frames.
+
+Each test builds the frame a device would publish (``edgepfl.protocol.encode``) and
+checks the verdict the coordinator would reach on it, reason tag included.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from edgepfl.config import ModelSpec
+from edgepfl.coordinator.gate import (
+    MAX_SAMPLES,
+    Accepted,
+    Rejection,
+    RoundTasks,
+    Task,
+    UpdateGate,
+    admit_metrics,
+    admit_status,
+)
+from edgepfl.coordinator.registry import Registry
+from edgepfl.methods import ClientUpdate, UpdateRejected, create_method
+from edgepfl.protocol import MessageType, MetricsMeta, StatusMeta, TaskMeta, UpdateMeta, encode, new_message_id
+
+FED = "gatefed"
+ROUND = 3
+ANNOUNCED = 100
+
+
+@pytest.fixture(scope="module")
+def method_and_state():
+    method = create_method("fedavg")
+    torch.manual_seed(0)
+    model = method.build_model(ModelSpec(arch="mlp", feature_dim=8, norm="none"), (1, 4, 4), 3)
+    return method, method.init_server(model)
+
+
+class Round:
+    """A gate, a registry with two known agents and one round's tasks: what a coordinator holds."""
+
+    def __init__(self, method, state, max_bytes: int = 1 << 20):
+        self.method, self.state = method, state
+        self.registry = Registry()
+        for agent in ("alice", "bob"):
+            self.registry.update(agent, StatusMeta(state="online", num_train=ANNOUNCED, num_test=20))
+        self.gate = UpdateGate(FED, method, self.registry, max_bytes=max_bytes)
+        self.tasks = RoundTasks(ROUND)
+        self.tasks.add(Task("alice", new_message_id(), "train"))
+        self.tasks.add(Task("bob", new_message_id(), "evaluate"))
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        return self.method.payload_for(self.state, "alice")
+
+    def frame(self, agent="alice", *, type=MessageType.UPDATE, sender=None, federation=FED, round=ROUND,
+              task_id=None, kind=None, tensors=None, message_id=None, **meta) -> bytes:
+        task = self.tasks.get(agent)
+        kind = kind or (task.kind if task else "train")
+        fields = dict(task_id=task_id or (task.task_id if task else new_message_id()), kind=kind,
+                      num_train=ANNOUNCED, num_test=20, eval_correct=5)
+        fields.update(meta)
+        if tensors is None:
+            tensors = self.tensors() if kind == "train" else {}
+        return encode(type, federation=federation, sender=sender or agent, round=round, meta=UpdateMeta(**fields),
+                      tensors=tensors, message_id=message_id)
+
+    def admit(self, frame: bytes, agent="alice"):
+        return self.gate.admit(agent, frame, self.tasks, self.state)
+
+
+@pytest.fixture
+def rnd(method_and_state):
+    return Round(*method_and_state)
+
+
+def reason(verdict) -> str:
+    assert isinstance(verdict, Rejection), verdict
+    return verdict.reason
+
+
+def test_a_valid_train_update_is_accepted_with_its_weight_and_tensors(rnd):
+    verdict = rnd.admit(rnd.frame())
+    assert isinstance(verdict, Accepted) and verdict.agent_id == "alice"
+    assert verdict.meta.eval_correct == 5 and verdict.update.num_samples == ANNOUNCED
+    assert set(verdict.update.tensors) == set(rnd.tensors())
+    assert rnd.tasks.waiting == {"bob"}
+
+
+def test_a_valid_evaluate_answer_is_accepted_without_an_update(rnd):
+    verdict = rnd.admit(rnd.frame("bob"), "bob")
+    assert isinstance(verdict, Accepted) and verdict.update is None and verdict.meta.kind == "evaluate"
+    assert rnd.tasks.waiting == {"alice"}
+
+
+@pytest.mark.parametrize("frame, want", [
+    (b"\x00garbage\xff" * 10, "malformed"),
+    (b"EPF1" + b"\x00" * 64, "malformed"),
+])
+def test_bytes_that_are_no_frame_are_rejected_with_the_decoder_reason(rnd, frame, want):
+    assert reason(rnd.admit(frame)) == want
+
+
+def test_a_truncated_frame_is_malformed(rnd):
+    frame = rnd.frame()
+    assert reason(rnd.admit(frame[: len(frame) // 2])) == "malformed"
+
+
+def test_a_flipped_body_byte_is_corrupt(rnd):
+    frame = bytearray(rnd.frame())
+    frame[-1] ^= 0xFF
+    assert reason(rnd.admit(bytes(frame))) == "corrupt"
+
+
+def test_a_frame_over_the_payload_limit_is_oversized(method_and_state):
+    small = Round(*method_and_state, max_bytes=256)
+    assert reason(small.admit(small.frame())) == "oversized"
+
+
+def test_non_finite_tensors_are_rejected(rnd):
+    tensors = rnd.tensors()
+    key = next(iter(tensors))
+    tensors[key] = np.full_like(tensors[key], np.nan)
+    assert reason(rnd.admit(rnd.frame(tensors=tensors))) == "non_finite"
+
+
+def test_a_status_on_the_update_topic_is_the_wrong_type(rnd):
+    frame = encode(MessageType.STATUS, federation=FED, sender="alice", round=-1, meta=StatusMeta(state="online"))
+    assert reason(rnd.admit(frame)) == "wrong_type"
+
+
+def test_an_update_signed_by_another_agent_is_rejected(rnd):
+    assert reason(rnd.admit(rnd.frame(sender="bob"))) == "wrong_sender"
+
+
+def test_an_update_for_another_federation_is_rejected(rnd):
+    assert reason(rnd.admit(rnd.frame(federation="other"))) == "wrong_federation"
+
+
+def test_the_same_message_twice_is_a_duplicate_and_counted_once(rnd):
+    frame = rnd.frame()
+    assert isinstance(rnd.admit(frame), Accepted)
+    verdict = rnd.admit(frame)
+    assert reason(verdict) == "duplicate" and "message" in verdict.detail
+
+
+def test_a_second_answer_to_an_answered_task_is_a_duplicate(rnd):
+    assert isinstance(rnd.admit(rnd.frame()), Accepted)
+    verdict = rnd.admit(rnd.frame())  # new message id, same task
+    assert reason(verdict) == "duplicate" and "already answered" in verdict.detail
+
+
+def test_a_rejected_message_leaves_no_trace(rnd):
+    # neither its id nor its task is used up: a corrected resend under the same id is accepted
+    message_id = new_message_id()
+    assert reason(rnd.admit(rnd.frame(eval_correct=99, message_id=message_id))) == "malformed"
+    assert rnd.tasks.waiting == {"alice", "bob"}
+    assert isinstance(rnd.admit(rnd.frame(message_id=message_id)), Accepted)
+
+
+def test_an_agent_that_never_sent_a_status_is_unknown(rnd):
+    assert reason(rnd.admit(rnd.frame("ghost"), "ghost")) == "unknown_agent"
+
+
+def test_an_update_for_another_round_is_stale(rnd):
+    assert reason(rnd.admit(rnd.frame(round=ROUND - 1))) == "stale"
+    assert reason(rnd.admit(rnd.frame(round=ROUND + 5))) == "stale"
+
+
+def test_an_answer_to_a_task_never_sent_is_unexpected(rnd):
+    assert reason(rnd.admit(rnd.frame(task_id=new_message_id()))) == "unexpected"
+    rnd.registry.update("carol", StatusMeta(state="online", num_train=10))
+    assert reason(rnd.admit(rnd.frame("carol"), "carol")) == "unexpected"  # known, but got no task
+
+
+@pytest.mark.parametrize("agent, change, detail", [
+    ("alice", {"kind": "evaluate", "tensors": {}}, "answered a train task with evaluate"),
+    ("alice", {"eval_correct": 21}, "eval_correct exceeds num_test"),
+    ("alice", {"num_train": 0}, "num_train = 0"),
+    ("bob", {"tensors": {"x": np.zeros(2, np.float32)}}, "evaluate answer carries tensors"),
+])
+def test_answers_that_contradict_their_task_are_malformed(rnd, agent, change, detail):
+    verdict = rnd.admit(rnd.frame(agent, **change), agent)
+    assert reason(verdict) == "malformed" and detail in verdict.detail
+
+
+@pytest.mark.parametrize("num_train", [ANNOUNCED + 1, 10**300, 10**400])
+def test_a_train_update_may_not_claim_more_samples_than_its_status_announced(rnd, num_train):
+    # 10**400 used to crash the coordinator (OverflowError in the weighted mean) and
+    # 10**300 made one agent the whole model: the weight is capped by the status.
+    verdict = rnd.admit(rnd.frame(num_train=num_train))
+    assert reason(verdict) == "malformed" and f"the {ANNOUNCED} samples its status announced" in verdict.detail
+    assert len(verdict.detail) < 200
+    assert isinstance(rnd.admit(rnd.frame(num_train=ANNOUNCED // 2)), Accepted)  # fewer is fine
+
+
+def test_the_announced_count_is_the_latest_status(rnd):
+    rnd.registry.update("alice", StatusMeta(state="online", num_train=10))
+    assert reason(rnd.admit(rnd.frame(num_train=11))) == "malformed"
+    assert isinstance(rnd.admit(rnd.frame(num_train=10)), Accepted)
+
+
+def test_tensors_that_do_not_fit_the_server_state_carry_the_method_reason(rnd):
+    tensors = rnd.tensors()
+    key = next(k for k, v in tensors.items() if v.ndim == 2)
+    missing = {k: v for k, v in tensors.items() if k != key}
+    assert reason(rnd.admit(rnd.frame(tensors=missing))) == "wrong_tensors"
+    extra = dict(tensors, **{"intruder.weight": np.zeros(3, np.float32)})
+    assert reason(rnd.admit(rnd.frame(tensors=extra))) == "wrong_tensors"
+    assert reason(rnd.admit(rnd.frame(tensors=dict(tensors, **{key: tensors[key][:, :-1]})))) == "wrong_shape"
+    assert reason(rnd.admit(rnd.frame(tensors=dict(tensors, **{key: tensors[key].astype(np.float64)})))) == "wrong_shape"
+    assert rnd.tasks.waiting == {"alice", "bob"}  # nothing was accepted
+
+
+def test_a_method_may_reject_with_its_own_reason(method_and_state):
+    method, state = method_and_state
+
+    class Picky(type(method)):
+        def check_update(self, state, update: ClientUpdate) -> None:
+            raise UpdateRejected("too_picky", "never good enough")
+
+    rnd = Round(Picky(), state)
+    verdict = rnd.admit(rnd.frame())
+    assert reason(verdict) == "too_picky" and "never good enough" in verdict.detail
+
+
+def test_the_checks_run_in_the_documented_order(rnd):
+    # wrong sender AND wrong federation AND stale: the first in PROTOCOL.md §7's table wins
+    assert reason(rnd.admit(rnd.frame(sender="bob", federation="other", round=0))) == "wrong_sender"
+    # unknown agent AND stale
+    assert reason(rnd.admit(rnd.frame("ghost", round=0), "ghost")) == "unknown_agent"
+
+
+# ---------------------------------------------------------------- status and metrics
+
+
+def status(agent: str, **meta) -> bytes:
+    return encode(MessageType.STATUS, federation=FED, sender=agent, round=-1,
+                  meta=StatusMeta(**{"state": "online", **meta}))
+
+
+def test_a_status_is_admitted_with_its_meta():
+    meta = admit_status("alice", status("alice", tier="head", num_train=7))
+    assert isinstance(meta, StatusMeta) and meta.tier == "head" and meta.num_train == 7
+
+
+def test_a_status_from_another_agent_or_of_another_type_is_the_wrong_sender():
+    assert reason(admit_status("alice", status("bob"))) == "wrong_sender"
+    task = encode(MessageType.TASK, federation=FED, sender="alice", round=0,
+                  meta=TaskMeta(task_id=new_message_id(), kind="train", run={}, seed=0, deadline_s=1))
+    assert reason(admit_status("alice", task)) == "wrong_sender"
+
+
+def test_a_status_that_is_no_frame_is_rejected_with_the_decoder_reason():
+    verdict = admit_status("alice", b"junk")
+    assert reason(verdict) == "malformed" and verdict.detail.startswith("status:")
+
+
+@pytest.mark.parametrize("field", ["num_train", "num_test"])
+def test_a_status_announcing_absurd_sample_counts_is_malformed(field):
+    assert reason(admit_status("alice", status("alice", **{field: MAX_SAMPLES + 1}))) == "malformed"
+    assert reason(admit_status("alice", status("alice", **{field: 10**400}))) == "malformed"
+    assert isinstance(admit_status("alice", status("alice", **{field: MAX_SAMPLES})), StatusMeta)
+
+
+def test_metrics_from_the_agent_of_the_topic_are_admitted():
+    frame = encode(MessageType.METRICS, federation=FED, sender="pi", round=2,
+                   meta=MetricsMeta(tier="head", head="lr", num_test=10, eval_correct=7))
+    meta = admit_metrics("pi", frame)
+    assert isinstance(meta, MetricsMeta) and meta.eval_correct == 7
+    assert reason(admit_metrics("other", frame)) == "malformed"
+    assert reason(admit_metrics("pi", status("pi"))) == "malformed"
+    assert reason(admit_metrics("pi", b"EPF1")) == "malformed"

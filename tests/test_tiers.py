@@ -1,0 +1,205 @@
+"""Tier runtimes and the agent's dispatch, without a broker.
+
+The trainer tier answers tasks and answers a re-delivered task from its cache; the
+head tier turns releases into metrics and never imports torch; the agent hands each
+message to its tier through the interface and publishes what comes back.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from edgepfl.config import AgentConfig
+from edgepfl.edge_agent.agent import Agent
+from edgepfl.edge_agent.tiers import ANSWERED_TASKS, TIERS, HeadTier, Reply, TrainerTier, create_tier
+from edgepfl.protocol import (
+    AgentChannel,
+    MessageType,
+    ReleaseMeta,
+    TaskMeta,
+    UpdateMeta,
+    decode,
+    encode,
+    new_message_id,
+)
+
+from export_fixtures import NEW_CLIENT, REPO_ROOT_HINT, client_data, export_dir
+
+FED = "tiers"
+RUN = {"method": {"name": "fedavg"}, "model": {"arch": "mlp", "feature_dim": 8, "norm": "none"},
+       "train": {"epochs": 1, "batch_size": 32, "lr": 0.05}, "seed": 0}
+
+
+def task(kind: str = "train", round: int = 0, tensors=None):
+    meta = TaskMeta(task_id=new_message_id(), kind=kind, run=RUN, seed=round, deadline_s=60)
+    return decode(encode(MessageType.TASK, federation=FED, sender="coordinator", round=round, meta=meta,
+                         tensors=tensors or {}))
+
+
+@pytest.fixture
+def trainer(tmp_path):
+    tier = TrainerTier("t-1", client_data(0), str(tmp_path / "state"), device="cpu")
+    calls = []
+    answer = tier.runtime.answer
+    tier.runtime.answer = lambda message: calls.append(message.meta.task_id) or answer(message)
+    return tier, calls
+
+
+def test_the_trainer_tier_answers_a_task_with_an_update(trainer):
+    tier, calls = trainer
+    assert tier.accepts == MessageType.TASK and tier.device == "cpu"
+    assert tier.subscriptions(FED, "t-1") == [f"edgepfl/v1/{FED}/agents/t-1/task"]
+    t = task()
+    reply = tier.handle(t)
+    assert reply.channel == AgentChannel.UPDATE and reply.round == 0
+    update = decode(reply.frame)
+    assert isinstance(update.meta, UpdateMeta) and update.meta.task_id == t.meta.task_id
+    assert update.header.sender == "t-1" and update.tensors and update.meta.num_train == client_data(0).num_train
+
+
+def test_a_redelivered_task_is_answered_from_the_cache_without_training_again(trainer):
+    tier, calls = trainer
+    t = task()
+    first = tier.handle(t)
+    assert tier.handle(t) is first and calls == [t.meta.task_id]  # same frame, same message id
+    later = [task(round=r) for r in range(1, ANSWERED_TASKS + 1)]
+    for other in later:
+        tier.handle(other)
+    assert tier.handle(later[-1]) is not None and len(calls) == 1 + ANSWERED_TASKS  # still cached
+    again = tier.handle(t)  # evicted: the oldest of more than ANSWERED_TASKS
+    assert len(calls) == 2 + ANSWERED_TASKS and decode(again.frame).header.message_id != decode(first.frame).header.message_id
+
+
+def test_a_task_that_fails_is_logged_and_not_answered(trainer, caplog):
+    tier, calls = trainer
+    broken = dict(RUN, model={"arch": "no-such-arch"})
+    meta = TaskMeta(task_id=new_message_id(), kind="train", run=broken, seed=0, deadline_s=60)
+    bad = decode(encode(MessageType.TASK, federation=FED, sender="coordinator", round=0, meta=meta))
+    with caplog.at_level("ERROR", logger="edgepfl.agent"):
+        assert tier.handle(bad) is None
+    assert "failed" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    from edgepfl.export.onnx_export import read_release
+
+    manifest, artifact = read_release(export_dir(tmp_path_factory.mktemp("rel"), "fedavg", rounds=1))
+    meta = ReleaseMeta(release_id=manifest["release_id"], manifest=manifest, sha256=manifest["sha256"],
+                       size_bytes=len(artifact))
+    return encode(MessageType.RELEASE, federation=FED, sender="coordinator", round=0, meta=meta,
+                  tensors={"artifact": np.frombuffer(artifact, dtype=np.uint8)})
+
+
+def test_the_head_tier_answers_a_release_with_metrics(release, tmp_path):
+    tier = HeadTier("pi", client_data(NEW_CLIENT), str(tmp_path / "pi"), "lr")
+    tier.restore()  # nothing saved yet: logged, not raised
+    assert tier.accepts == MessageType.RELEASE and tier.device == "cpu-onnxruntime"
+    assert tier.subscriptions(FED, "pi") == [f"edgepfl/v1/{FED}/agents/pi/task", f"edgepfl/v1/{FED}/release"]
+    reply = tier.handle(decode(release))
+    assert reply.channel == AgentChannel.METRICS and reply.round == 0
+    report = decode(reply.frame)
+    assert report.header.sender == "pi" and report.meta.head == "lr" and report.meta.num_test > 0
+    assert report.meta.release_id == decode(release).meta.release_id
+
+    restarted = HeadTier("pi", client_data(NEW_CLIENT), str(tmp_path / "pi"), "lr")
+    restarted.restore()
+    assert restarted.runtime.ready
+
+
+def test_the_head_tier_refuses_a_release_without_or_with_a_wrong_artifact(release, tmp_path):
+    tier = HeadTier("pi", client_data(NEW_CLIENT), str(tmp_path / "pi"), "lr")
+    good = decode(release)
+    empty = encode(MessageType.RELEASE, federation=FED, sender="coordinator", round=0, meta=good.meta)
+    assert tier.handle(decode(empty)) is None
+    corrupt = encode(MessageType.RELEASE, federation=FED, sender="coordinator", round=0, meta=good.meta,
+                     tensors={"artifact": good.tensors["artifact"][:-1]})
+    assert tier.handle(decode(corrupt)) is None and not tier.runtime.ready
+
+
+def test_the_head_tier_never_imports_torch(release, tmp_path):
+    (tmp_path / "release.bin").write_bytes(release)
+    script = textwrap.dedent(f"""
+        import json, sys
+        from pathlib import Path
+        from edgepfl.config import AgentConfig
+        from edgepfl.data import load_client_data
+        from edgepfl.edge_agent.agent import Agent
+        from edgepfl.edge_agent.tiers import create_tier
+        from edgepfl.protocol import decode
+        sys.path.insert(0, "tests")
+        from export_fixtures import data_spec
+
+        config = AgentConfig(agent_id="pi", federation={FED!r}, tier="head", data=data_spec(),
+                             client_index={NEW_CLIENT}, state_dir={str(tmp_path / "state")!r})
+        tier = create_tier(config, load_client_data(config.data, config.client_index))
+        tier.restore()
+        reply = tier.handle(decode(Path({str(tmp_path / "release.bin")!r}).read_bytes()))
+        print(json.dumps({{"reply": reply.channel.value,
+                          "torch": sorted(k for k in sys.modules if k == "torch" or k.startswith("torch."))}}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=REPO_ROOT_HINT)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"reply": "metrics", "torch": []}
+
+
+def test_every_configurable_tier_has_a_runtime():
+    assert set(TIERS) == set(AgentConfig.model_fields["tier"].annotation.__args__)
+
+
+# ---------------------------------------------------------------- the agent's dispatch
+
+
+class FakeTier:
+    tier = "trainer"
+    accepts = MessageType.TASK
+    device = "fake"
+
+    def __init__(self):
+        self.handled = []
+
+    def subscriptions(self, federation, agent_id):
+        return []
+
+    def restore(self):
+        pass
+
+    def handle(self, message):
+        self.handled.append(message)
+        return Reply(AgentChannel.UPDATE, b"answer", message.header.round)
+
+
+class FakeTransport:
+    def __init__(self):
+        self.published = []
+
+    def publish(self, topic, frame, *, retain=False, round=-1, wait=False):
+        self.published.append((topic, frame, round))
+        return len(frame)
+
+
+def test_the_agent_hands_its_tier_only_the_messages_it_accepts_and_publishes_the_reply(caplog):
+    agent = Agent(AgentConfig(agent_id="t-1", federation=FED))
+    agent.tier, agent.transport = FakeTier(), FakeTransport()
+    mine = task(round=2)
+    foreign = decode(encode(MessageType.TASK, federation="other", sender="coordinator", round=2, meta=mine.meta))
+    with caplog.at_level("WARNING", logger="edgepfl.agent"):
+        agent._dispatch(foreign)
+        agent._dispatch(decode(encode(MessageType.RELEASE, federation=FED, sender="coordinator", round=0,
+                                      meta=ReleaseMeta(release_id="r", manifest={}, sha256="0" * 64, size_bytes=0))))
+        agent._dispatch(mine)
+    assert agent.tier.handled == [mine]
+    assert agent.transport.published == [(f"edgepfl/v1/{FED}/agents/t-1/update", b"answer", 2)]
+    assert "ignored task for federation other" in caplog.text and "ignored unexpected release" in caplog.text
+
+
+def test_create_tier_builds_the_configured_tier(tmp_path):
+    config = AgentConfig(agent_id="t-1", federation=FED, state_dir=str(tmp_path), device="cpu")
+    assert isinstance(create_tier(config, client_data(0)), TrainerTier)
