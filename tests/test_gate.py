@@ -25,6 +25,8 @@ from edgepfl.coordinator.registry import Registry
 from edgepfl.methods import ClientUpdate, UpdateRejected, create_method
 from edgepfl.protocol import MessageType, MetricsMeta, StatusMeta, TaskMeta, UpdateMeta, encode, new_message_id
 
+from wire_samples import sample_run_spec
+
 FED = "gatefed"
 ROUND = 3
 ANNOUNCED = 100
@@ -248,7 +250,7 @@ def test_a_status_is_admitted_with_its_meta():
 def test_a_status_from_another_agent_or_of_another_type_is_the_wrong_sender():
     assert reason(admit_status("alice", status("bob"))) == "wrong_sender"
     task = encode(MessageType.TASK, federation=FED, sender="alice", round=0,
-                  meta=TaskMeta(task_id=new_message_id(), kind="train", run={}, seed=0, deadline_s=1))
+                  meta=TaskMeta(task_id=new_message_id(), kind="train", run=sample_run_spec(), seed=0, deadline_s=1))
     assert reason(admit_status("alice", task)) == "wrong_sender"
 
 

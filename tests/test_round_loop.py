@@ -113,8 +113,8 @@ def test_a_round_closes_when_everyone_answered(tmp_path):
     started = time.monotonic()
     rows = coordinator(fleet, tmp_path).run()
     assert time.monotonic() - started < 10  # not the 30 s timeout
-    assert rows[0]["participants"] == ["a", "b", "c"] and rows[0]["dropped"] == [] and not rows[0]["aborted"]
-    assert rows[0]["accuracy"] == pytest.approx(0.4) and rows[-1]["final"] and rows[-1]["evaluated"] == 3
+    assert rows[0].participants == ["a", "b", "c"] and rows[0].dropped == [] and not rows[0].aborted
+    assert rows[0].accuracy == pytest.approx(0.4) and rows[-1].final and rows[-1].evaluated == 3
     assert fleet.online_calls == [("a", "trainer"), ("b", "trainer"), ("c", "trainer")]
 
 
@@ -129,7 +129,7 @@ def test_a_round_with_a_quorum_closes_as_soon_as_the_missing_agents_are_offline(
     started = time.monotonic()
     rows = coordinator(fleet, tmp_path, quorum=0.5).run()
     assert time.monotonic() - started < 10
-    assert rows[0]["participants"] == ["a", "b"] and rows[0]["dropped"] == ["c"] and not rows[0]["aborted"]
+    assert rows[0].participants == ["a", "b"] and rows[0].dropped == ["c"] and not rows[0].aborted
 
 
 def test_a_round_with_a_quorum_closes_at_the_timeout(tmp_path):
@@ -137,7 +137,7 @@ def test_a_round_with_a_quorum_closes_at_the_timeout(tmp_path):
     started = time.monotonic()
     rows = coordinator(fleet, tmp_path, quorum=0.5, round_timeout_s=1.0).run()
     assert time.monotonic() - started >= 1.0
-    assert rows[0]["participants"] == ["a", "b"] and rows[0]["dropped"] == ["c"] and not rows[0]["aborted"]
+    assert rows[0].participants == ["a", "b"] and rows[0].dropped == ["c"] and not rows[0].aborted
 
 
 def test_a_round_without_a_quorum_waits_twice_the_timeout_and_is_aborted(tmp_path):
@@ -148,7 +148,7 @@ def test_a_round_without_a_quorum_waits_twice_the_timeout_and_is_aborted(tmp_pat
     started = time.monotonic()
     rows = coord.run()
     assert time.monotonic() - started >= 1.0
-    assert rows[0]["aborted"] and rows[0]["participants"] == ["a"] and rows[0]["dropped"] == ["b", "c"]
+    assert rows[0].aborted and rows[0].participants == ["a"] and rows[0].dropped == ["b", "c"]
     assert all((coord.state.global_tensors[k] == v).all() for k, v in before.items())
 
 
@@ -164,8 +164,8 @@ def test_rejections_from_the_fleet_and_the_gate_are_counted_by_reason(tmp_path, 
     with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
         coord = coordinator(fleet, tmp_path)
         rows = coord.run()
-    assert rows[0]["participants"] == ["a", "m"]
-    assert rows[0]["rejected"] == {"bad_topic": 1, "malformed": 2} and rows[1]["rejected"] == {}
+    assert rows[0].participants == ["a", "m"]
+    assert rows[0].rejected == {"bad_topic": 1, "malformed": 2} and rows[1].rejected == {}
     assert coord.rejected_total == {"bad_topic": 1, "malformed": 2}
     assert "rejected message from ?: bad_topic" in caplog.text
     assert "rejected message from m: malformed (num_train exceeds the 10 samples its status announced)" in caplog.text
@@ -174,8 +174,8 @@ def test_rejections_from_the_fleet_and_the_gate_are_counted_by_reason(tmp_path, 
 def test_a_hostile_sample_count_is_rejected_and_cannot_take_over_or_crash_the_server_step(tmp_path):
     fleet = ScriptedFleet({"a": honest("a"), "b": honest("b"), "m": honest("m", num_train=10**400)})
     rows = coordinator(fleet, tmp_path, quorum=0.5, round_timeout_s=1.0).run()
-    assert rows[0]["participants"] == ["a", "b"] and rows[0]["rejected"] == {"malformed": 1}
-    assert rows[0]["dropped"] == ["m"] and not rows[0]["aborted"]
+    assert rows[0].participants == ["a", "b"] and rows[0].rejected == {"malformed": 1}
+    assert rows[0].dropped == ["m"] and not rows[0].aborted
 
 
 def test_statuses_keep_the_registry_and_tell_the_fleet_who_came_online(tmp_path):
@@ -235,7 +235,7 @@ def test_a_round_of_1000_agents_costs_time_proportional_to_its_messages(tmp_path
     started = time.monotonic()
     rows = coordinator(fleet, tmp_path).run()
     seconds = time.monotonic() - started
-    assert len(rows[0]["participants"]) == n and rows[-1]["evaluated"] == n
+    assert len(rows[0].participants) == n and rows[-1].evaluated == n
     assert calls["online"] <= 4  # once per round (sampling), not per message
     assert seconds < 60, seconds  # 4,000 frames encoded and decoded; the old loop took minutes
 
@@ -252,5 +252,5 @@ def test_rejection_totals_survive_a_restart(tmp_path):
     assert checkpointed()["round"] == 0 and checkpointed()["rejected_total"] == {"malformed": 1}
     resumed = coordinator(ScriptedFleet({"a": honest("a"), "m": mallory}), tmp_path, rounds=2)
     rows = resumed.run()
-    assert [r["round"] for r in rows] == [1, 2] and rows[0]["rejected"] == {"malformed": 1}
+    assert [r.round for r in rows] == [1, 2] and rows[0].rejected == {"malformed": 1}
     assert checkpointed()["round"] == 1 and checkpointed()["rejected_total"] == {"malformed": 2}

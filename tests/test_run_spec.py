@@ -29,8 +29,8 @@ AGENTS = 2
 class RecordingFleet(LocalFleet):
     """The in-process fleet, keeping every task frame the coordinator sent."""
 
-    def __init__(self, runtimes):
-        super().__init__(runtimes)
+    def __init__(self, runtimes, federation):
+        super().__init__(runtimes, federation)
         self.frames: list[bytes] = []
 
     def send(self, agent_id, frame, round):
@@ -48,7 +48,7 @@ def federation(tmp_path_factory):
     config = prepare(config, AGENTS)
     runtimes = {a: TrainerRuntime(a, load_client_data(config.data, i), out / "agents" / a, "cpu")
                 for i, a in enumerate(agent_ids(AGENTS))}
-    fleet = RecordingFleet(runtimes)
+    fleet = RecordingFleet(runtimes, config.federation)
     coordinator = Coordinator(config, fleet, out, progress=False, **data_shape(config))
     rows = coordinator.run()
     return {"config": config, "out": out, "fleet": fleet, "rows": rows}

@@ -7,6 +7,7 @@ message to its tier through the interface and publishes what comes back.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -20,20 +21,28 @@ from edgepfl.edge_agent.agent import Agent
 from edgepfl.edge_agent.tiers import ANSWERED_TASKS, TIERS, HeadTier, Reply, TrainerTier, create_tier
 from edgepfl.protocol import (
     AgentChannel,
+    DataShape,
     MessageType,
+    MethodChoice,
     ReleaseMeta,
+    RunSpec,
     TaskMeta,
     UpdateMeta,
     decode,
     encode,
     new_message_id,
 )
+from edgepfl.specs import ModelSpec, TrainConfig
 
 from export_fixtures import NEW_CLIENT, REPO_ROOT_HINT, client_data, export_dir
+from wire_samples import sample_manifest
 
 FED = "tiers"
-RUN = {"method": {"name": "fedavg"}, "model": {"arch": "mlp", "feature_dim": 8, "norm": "none"},
-       "train": {"epochs": 1, "batch_size": 32, "lr": 0.05}, "seed": 0}
+_DATA = client_data(0)
+RUN = RunSpec(method=MethodChoice(name="fedavg"), model=ModelSpec(arch="mlp", feature_dim=8, norm="none"),
+              train=TrainConfig(epochs=1, batch_size=32, lr=0.05), seed=0,
+              data=DataShape(input_shape=_DATA.input_shape, num_classes=_DATA.num_classes,
+                             class_names=list(_DATA.class_names)))
 
 
 def task(kind: str = "train", round: int = 0, tensors=None):
@@ -78,7 +87,7 @@ def test_a_redelivered_task_is_answered_from_the_cache_without_training_again(tr
 
 def test_a_task_that_fails_is_logged_and_not_answered(trainer, caplog):
     tier, calls = trainer
-    broken = dict(RUN, model={"arch": "no-such-arch"})
+    broken = RUN.model_copy(update={"method": MethodChoice(name="fedavg", options={"no_such_option": 1})})
     meta = TaskMeta(task_id=new_message_id(), kind="train", run=broken, seed=0, deadline_s=60)
     bad = decode(encode(MessageType.TASK, federation=FED, sender="coordinator", round=0, meta=meta))
     with caplog.at_level("ERROR", logger="edgepfl.agent"):
@@ -91,8 +100,8 @@ def release(tmp_path_factory):
     from edgepfl.export.onnx_export import read_release
 
     manifest, artifact = read_release(export_dir(tmp_path_factory.mktemp("rel"), "fedavg", rounds=1))
-    meta = ReleaseMeta(release_id=manifest["release_id"], manifest=manifest, sha256=manifest["sha256"],
-                       size_bytes=len(artifact))
+    meta = ReleaseMeta(release_id=manifest.release_id, manifest=manifest,
+                       sha256=hashlib.sha256(artifact).hexdigest(), size_bytes=len(artifact))
     return encode(MessageType.RELEASE, federation=FED, sender="coordinator", round=0, meta=meta,
                   tensors={"artifact": np.frombuffer(artifact, dtype=np.uint8)})
 
@@ -193,7 +202,8 @@ def test_the_agent_hands_its_tier_only_the_messages_it_accepts_and_publishes_the
     with caplog.at_level("WARNING", logger="edgepfl.agent"):
         agent._dispatch(foreign)
         agent._dispatch(decode(encode(MessageType.RELEASE, federation=FED, sender="coordinator", round=0,
-                                      meta=ReleaseMeta(release_id="r", manifest={}, sha256="0" * 64, size_bytes=0))))
+                                      meta=ReleaseMeta(release_id="r", manifest=sample_manifest(), sha256="0" * 64,
+                                                      size_bytes=0))))
         agent._dispatch(mine)
     assert agent.tier.handled == [mine]
     assert agent.transport.published == [(f"edgepfl/v1/{FED}/agents/t-1/update", b"answer", 2)]
