@@ -27,6 +27,7 @@ import io
 import json
 import warnings
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 from sklearn.utils.validation import check_array, check_is_fitted
@@ -148,10 +149,15 @@ def _torch_graph(module, feature_dim: int):
 
     wrapped = WithProbabilities(module).eval()
     buf = io.BytesIO()
+    # torch.onnx.export's hints say f is a path (str | PathLike), but the TorchScript exporter
+    # (dynamo=False) writes through torch.serialization._open_file_like, which takes a buffer too
+    # (onnx_proto_utils._export_file: f: io.BytesIO | str). The head graph stays in memory, no
+    # temporary file; tests/test_heads.py's ONNX parity tests exercise this call.
+    target = cast(Any, buf)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(
-            wrapped, (torch.zeros(2, feature_dim),), buf, dynamo=False, opset_version=OPSET,
+            wrapped, (torch.zeros(2, feature_dim),), target, dynamo=False, opset_version=OPSET,
             input_names=[HEAD_INPUT], output_names=[OUT_LABEL, OUT_PROBA],
             dynamic_axes={HEAD_INPUT: {0: "batch"}, OUT_LABEL: {0: "batch"}, OUT_PROBA: {0: "batch"}},
         )

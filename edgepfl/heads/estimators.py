@@ -12,7 +12,7 @@ Imports scikit-learn, never torch or skl2onnx.
 from __future__ import annotations
 
 import warnings
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 from sklearn.base import BaseEstimator, ClassifierMixin
@@ -31,8 +31,17 @@ def softmax(z: np.ndarray) -> np.ndarray:
 class HeadEstimator(ClassifierMixin, BaseEstimator):
     """What every head shares: a kind, and prediction as the argmax of ``predict_proba``."""
 
-    #: the head kind, as in ``Method.head_kinds`` and the ONNX metadata
-    kind: ClassVar[str] = ""
+    if TYPE_CHECKING:
+        # Read-only to the type checker, so a head may derive its kind from its parameters
+        # (TorchDeviceHead: the method's name). At run time, the class attribute below.
+        @property
+        def kind(self) -> str:
+            """The head kind, as in ``Method.head_kinds`` and the ONNX metadata."""
+    else:
+        #: the head kind, as in ``Method.head_kinds`` and the ONNX metadata; a generic head's
+        #: is a class attribute, a method's own head's the method's name (TorchDeviceHead)
+        kind = ""
+
     #: True when the head can only predict the federation's classes (it holds a global classifier)
     federation_classes_only: ClassVar[bool] = False
 

@@ -246,7 +246,7 @@ class Method:
     # ------------------------------------------------------------------ export plan
     def encoder_module(self, model: nn.Module) -> nn.Module:
         """The frozen part exported to ONNX: input image -> feature vector."""
-        return model.encoder
+        return model.get_submodule("encoder")
 
     def device_head(self, model: nn.Module) -> nn.Module | None:
         """The personalized head as a torch module (features -> logits) for ONNX, if any."""

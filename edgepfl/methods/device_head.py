@@ -30,6 +30,8 @@ from sklearn.utils.validation import check_array, check_is_fitted, check_X_y
 from ..heads.estimators import HeadEstimator, softmax
 
 if TYPE_CHECKING:  # pragma: no cover
+    from torch import nn
+
     from ..heads import HeadRelease
     from .base import Method
 
@@ -89,7 +91,7 @@ class TorchDeviceHead(HeadEstimator):
 
         return create_method(self.method, dict(self.method_options or {}))
 
-    def _model(self, method: Method, feature_dim: int, num_classes: int):
+    def _model(self, method: Method, feature_dim: int, num_classes: int) -> nn.Module:
         from ..specs import ModelSpec
 
         return method.build_model(ModelSpec(arch="identity"), (feature_dim,), num_classes)
@@ -139,7 +141,7 @@ class TorchDeviceHead(HeadEstimator):
         self.n_features_in_ = X.shape[1]
         return self
 
-    def device_module(self):
+    def device_module(self) -> nn.Module:
         """The fitted head as the method's torch device head (features -> logits), in eval mode."""
         import torch
 
@@ -148,7 +150,10 @@ class TorchDeviceHead(HeadEstimator):
         model = self._model(method, self.n_features_in_, len(self.classes_))
         model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in self.state_.items()})
         model.eval()
-        return method.device_head(model).eval()
+        head = method.device_head(model)
+        if head is None:
+            raise ValueError(f"method {self.method!r} has no torch device head to fit on features")
+        return head.eval()
 
     def decision_function(self, X) -> np.ndarray:
         """The method's inference rule on features: its ensemble logits (N, K)."""

@@ -40,10 +40,11 @@ from pydantic import Field
 
 from .._torch import F, nn, torch
 from ..heads import GENERIC_HEAD_KINDS
+from ..models import model_as
 from . import register
 from .aggregate import weighted_mean
 from .base import ClientUpdate, LocalContext, LocalResult, Method, MethodConfig, ServerState
-from .losses import supcon_loss
+from .losses import SupConForm, supcon_loss
 from .training import fit, make_optimizer
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -117,7 +118,7 @@ class DualFedModel(nn.Module):
 
 
 def stage_a_loss(head: DualFedHead, z: torch.Tensor, y: torch.Tensor, *, con_lambda: float, tau: float,
-                 form: str = "out") -> torch.Tensor:
+                 form: SupConForm = "out") -> torch.Tensor:
     """``CE(h_p(g(z)), y) + lambda * SupCon(g(z), y; tau)`` — stage A from given features.
 
     Also the loss a new client uses offline to fit ``g`` and ``h_p`` on frozen z.
@@ -190,13 +191,14 @@ class DualFed(Method):
         return fit(model, data, ctx, loss, params, ctx.train.epochs,
                    optimizer=self._optimizer(params, ctx), batch_size=cfg.batch_size)
 
-    def local_update(self, model: DualFedModel, data: ClientTensors, ctx: LocalContext) -> LocalResult:
+    def local_update(self, model: nn.Module, data: ClientTensors, ctx: LocalContext) -> LocalResult:
+        dual = model_as(model, DualFedModel)
         if self.config.schedule == "simultaneous":
-            loss = self.train_simultaneous(model, data, ctx)
+            loss = self.train_simultaneous(dual, data, ctx)
             metrics = {"loss": loss}
         else:
-            loss = self.train_stage_a(model, data, ctx)
-            loss_b = self.train_stage_b(model, data, ctx)
+            loss = self.train_stage_a(dual, data, ctx)
+            loss_b = self.train_stage_b(dual, data, ctx)
             metrics = {"loss_stage_a": loss, "loss_stage_b": loss_b}
         return LocalResult(upload=self.shared_params(model), train_loss=loss, metrics=metrics)
 
@@ -209,9 +211,9 @@ class DualFed(Method):
         return ServerState(global_tensors=merged, client_tensors=state.client_tensors, extra=state.extra)
 
     # ------------------------------------------------------------------ export plan
-    def device_head(self, model: DualFedModel) -> nn.Module:
+    def device_head(self, model: nn.Module) -> nn.Module:
         """Projector + personal classifier + global classifier: z -> ensemble logits."""
-        return model.head
+        return model_as(model, DualFedModel).head
 
     # ------------------------------------------------------------------ heads on the frozen encoder
     def make_head(self, kind: str, release: HeadRelease | None = None, **params: Any) -> HeadEstimator:
@@ -222,6 +224,6 @@ class DualFed(Method):
             return TorchDeviceHead.for_method(self, release, **params)
         return super().make_head(kind, release, **params)
 
-    def train_device_head(self, model: DualFedModel, data: ClientTensors, ctx: LocalContext) -> float:
+    def train_device_head(self, model: nn.Module, data: ClientTensors, ctx: LocalContext) -> float:
         """Stage A on frozen features: ``g`` and ``h_p`` on CE + lambda * SupCon (``h_s`` is fixed)."""
-        return self.train_stage_a(model, data, ctx)
+        return self.train_stage_a(model_as(model, DualFedModel), data, ctx)

@@ -22,6 +22,7 @@ from pydantic import Field
 
 from .._torch import F, nn, torch
 from ..heads import GENERIC_HEAD_KINDS
+from ..models import Encoder, model_as
 from . import register
 from .base import LocalResult, Method, MethodConfig
 from .training import fit, noise_generator
@@ -77,7 +78,7 @@ class FedPickModel(nn.Module):
     in eval mode the mask is deterministic, so repeated evaluations agree.
     """
 
-    def __init__(self, encoder: nn.Module, num_classes: int, *, temperature: float = 1.0,
+    def __init__(self, encoder: Encoder, num_classes: int, *, temperature: float = 1.0,
                  threshold: float = 0.5, ensemble: str = "logits"):
         super().__init__()
         d = encoder.out_features
@@ -169,6 +170,7 @@ class FedPick(Method):
     name = "fedpick"
     summary = "personalized Gumbel-Sigmoid feature selection; global + personal + irrelevant classifiers"
     config_class = FedPickConfig
+    config: FedPickConfig
     shared_parts = ("encoder", "head")
     bn_policy = "local"
     # "fedpick": this method's own head (PFSM + C_p + the federation's C_g) fitted on a device
@@ -181,21 +183,22 @@ class FedPick(Method):
         return FedPickModel(build_encoder(spec, input_shape), num_classes, temperature=c.temperature,
                             threshold=c.threshold, ensemble=c.ensemble)
 
-    def local_update(self, model: FedPickModel, data, ctx) -> LocalResult:
+    def local_update(self, model: nn.Module, data, ctx) -> LocalResult:
+        pick = model_as(model, FedPickModel)
         noise = noise_generator(ctx, salt=0x9E3779B9)
-        selected = []
+        selected: list[float] = []
 
-        def loss_fn(m, x, y):
+        def loss_fn(m: FedPickModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             parts = m.parts(x, noise)
             selected.append(float(parts["mask"].detach().mean()))
             return fedpick_loss(parts, y, self.config)["total"]
 
-        loss = fit(model, data, ctx, loss_fn, model.parameters(), ctx.train.epochs)
+        loss = fit(pick, data, ctx, loss_fn, pick.parameters(), ctx.train.epochs)
         metrics = {"mask_ratio": sum(selected) / len(selected)} if selected else {}
         return LocalResult(upload=self.shared_params(model), train_loss=loss, metrics=metrics)
 
-    def device_head(self, model: FedPickModel) -> nn.Module:
-        return FedPickHead(model)
+    def device_head(self, model: nn.Module) -> nn.Module:
+        return FedPickHead(model_as(model, FedPickModel))
 
     def make_head(self, kind: str, release: HeadRelease | None = None, **params: Any) -> HeadEstimator:
         """``"fedpick"``: PFSM, ``C_p`` and ``C_ir`` fitted on a device's frozen v around the release's ``C_g``.

@@ -46,6 +46,7 @@ from pydantic import Field
 
 from .._torch import F, nn, torch
 from ..heads import DEFAULT_C, DEFAULT_HIDDEN, DEFAULT_MAX_ITER, DEFAULT_NORMALIZE, GENERIC_HEAD_KINDS
+from ..models import model_as
 from . import register
 from .base import EvalResult, LocalContext, LocalResult, Method, MethodConfig
 from .losses import supcon_loss
@@ -170,12 +171,12 @@ class RepPerHead(nn.Module):
         if self.kind == "mlp":
             if len(clf.coefs_) != 2:
                 raise ValueError("only one-hidden-layer MLP heads map onto RepPerHead")
-            hidden, out = self.net[0], self.net[2]
+            hidden, out = self._linear(0), self._linear(2)
             hidden.weight.copy_(torch.as_tensor(clf.coefs_[0].T, dtype=hidden.weight.dtype))
             hidden.bias.copy_(torch.as_tensor(clf.intercepts_[0], dtype=hidden.bias.dtype))
             w, b = clf.coefs_[1].T, clf.intercepts_[1]
         else:
-            out = self.net[0]
+            out = self._linear(0)
             w, b = clf.coef_, clf.intercept_
         self._fill_output(out, classes, np.asarray(w, dtype=np.float64), np.asarray(b, dtype=np.float64))
 
@@ -184,9 +185,13 @@ class RepPerHead(nn.Module):
         """A head that always predicts ``label`` (a client whose train split has one class)."""
         for p in self.net.parameters():
             p.zero_()
-        out = self.net[-1]
+        out = self._linear(-1)
         out.bias.fill_(ABSENT_CLASS_LOGIT)
         out.bias[label] = 0.0
+
+    def _linear(self, index: int) -> nn.Linear:
+        """Layer ``index`` of ``net``, one of its Linear layers (``net[i]`` is typed as any Module)."""
+        return model_as(self.net[index], nn.Linear)
 
     def _fill_output(self, out: nn.Linear, classes: np.ndarray, w: np.ndarray, b: np.ndarray) -> None:
         weight = np.zeros((self.num_classes, out.in_features))
@@ -220,7 +225,7 @@ class RepPerModel(nn.Module):
 
 
 @torch.no_grad()
-def encode(model: nn.Module, x: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
+def encode(model: RepPerModel, x: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
     """Encoder features of ``x`` in eval mode (training mode restored afterwards)."""
     was_training = model.training
     model.eval()
@@ -258,8 +263,12 @@ class RepPer(Method):
     def views(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """Two augmented views of the batch, stacked: (2B, C, H, W)."""
         cfg = self.config
-        kw = dict(crop_scale=cfg.aug_crop_scale, flip=cfg.aug_flip, noise_std=cfg.aug_noise_std)
-        return torch.cat([augment(x, generator, **kw), augment(x, generator, **kw)])
+
+        def view() -> torch.Tensor:
+            return augment(x, generator, crop_scale=cfg.aug_crop_scale, flip=cfg.aug_flip,
+                           noise_std=cfg.aug_noise_std)
+
+        return torch.cat([view(), view()])
 
     def contrastive_loss(self, model: RepPerModel, x: torch.Tensor, y: torch.Tensor, generator=None) -> torch.Tensor:
         """Stage-1 loss of one batch: SupCon over 2B views, the labels repeated."""
@@ -267,15 +276,16 @@ class RepPer(Method):
         z = model.projector(r) if model.projector is not None else r
         return supcon_loss(z, torch.cat([y, y]), self.config.tau, form=self.config.supcon_form)
 
-    def local_update(self, model: RepPerModel, data: ClientTensors, ctx: LocalContext) -> LocalResult:
+    def local_update(self, model: nn.Module, data: ClientTensors, ctx: LocalContext) -> LocalResult:
         """Stage 1 on this client: ``train.epochs`` epochs of SupCon; uploads the encoder."""
         cfg = self.config
-        params = list(model.encoder.parameters())
-        if model.projector is not None:
-            params += list(model.projector.parameters())
+        rep = model_as(model, RepPerModel)
+        params = list(rep.encoder.parameters())
+        if rep.projector is not None:
+            params += list(rep.projector.parameters())
         opt = make_optimizer(params, ctx, optimizer=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
                              weight_decay=cfg.weight_decay)
-        loss = fit(model, data, ctx, lambda m, x, y: self.contrastive_loss(m, x, y, ctx.generator), params,
+        loss = fit(rep, data, ctx, lambda m, x, y: self.contrastive_loss(m, x, y, ctx.generator), params,
                    ctx.train.epochs, optimizer=opt, batch_size=cfg.batch_size)
         return LocalResult(upload=self.shared_params(model), train_loss=loss, metrics={"supcon": loss})
 
@@ -310,12 +320,12 @@ class RepPer(Method):
         model.head.load_head(head)
         return head
 
-    def evaluate(self, model: RepPerModel, data: ClientTensors, ctx: LocalContext) -> EvalResult:
+    def evaluate(self, model: nn.Module, data: ClientTensors, ctx: LocalContext) -> EvalResult:
         """Re-fit the personal head on the current encoder, then score the test split."""
-        self.fit_head(model, data.x_train, data.y_train, seed=ctx.seed)
+        self.fit_head(model_as(model, RepPerModel), data.x_train, data.y_train, seed=ctx.seed)
         return super().evaluate(model, data, ctx)
 
     # ------------------------------------------------------------------ export plan
-    def device_head(self, model: RepPerModel) -> nn.Module:
+    def device_head(self, model: nn.Module) -> nn.Module:
         """The fitted personal head (normalization included): encoder features -> logits."""
-        return model.head
+        return model_as(model, RepPerModel).head
