@@ -142,7 +142,9 @@ class MqttFleet(Fleet):
     @staticmethod
     def _incoming(inbound: Inbound) -> Incoming | None:
         channel, agent_id = inbound.topic.channel, inbound.topic.agent
-        if channel not in (AgentChannel.STATUS, AgentChannel.UPDATE, AgentChannel.METRICS) or agent_id is None:
+        # isinstance first: both channel enums are str enums, so `in` alone does not narrow out FederationChannel.
+        if (not isinstance(channel, AgentChannel)
+                or channel not in (AgentChannel.STATUS, AgentChannel.UPDATE, AgentChannel.METRICS) or agent_id is None):
             return None
         return Incoming(agent_id, channel, inbound.frame, inbound.wire_bytes)
 

@@ -97,8 +97,10 @@ class UpdateGate:
         self.max_bytes = max_bytes
         self._seen: set[str] = set()
 
-    def admit(self, agent_id: str, frame: bytes, tasks: RoundTasks, state: ServerState) -> Accepted | Rejection:
-        """Check one frame from ``agent_id``'s update topic; accepting marks its task answered."""
+    def admit(self, agent_id: str, frame: bytes, tasks: RoundTasks, state: ServerState | None) -> Accepted | Rejection:
+        """Check one frame from ``agent_id``'s update topic; accepting marks its task answered.
+
+        ``state`` is None before the first round opens (no tasks yet, so nothing is accepted)."""
         try:
             message = decode(frame, max_bytes=self.max_bytes)
         except ProtocolError as exc:
@@ -109,7 +111,8 @@ class UpdateGate:
             tasks.mark_answered(agent_id)
         return verdict
 
-    def _check(self, agent_id: str, message: Message, tasks: RoundTasks, state: ServerState) -> Accepted | Rejection:
+    def _check(self, agent_id: str, message: Message, tasks: RoundTasks,
+               state: ServerState | None) -> Accepted | Rejection:
         h = message.header
 
         def reject(reason: str, detail: str) -> Rejection:
@@ -149,6 +152,8 @@ class UpdateGate:
             # outweigh the whole fleet. (Not formatted: it may have thousands of digits.)
             return reject("malformed", f"num_train exceeds the {announced} samples its status announced")
         update = ClientUpdate(agent_id, meta.num_train, message.tensors)
+        if state is None:  # not reached: without a state no round is open, so there was no task
+            return reject("unexpected", "no round is open")
         try:
             self.method.check_update(state, update)
         except UpdateRejected as exc:

@@ -14,9 +14,10 @@ __all__ = ["format_table", "plot_accuracy", "read_metrics", "summarize", "write_
 def summarize(rows: list[RoundMetrics], target: float | None = None) -> dict[str, Any]:
     """Final and best personalized accuracy (always labelled), bytes, time; optionally
     the cumulative bytes sent until ``target`` accuracy was first reached."""
-    scored = [r for r in rows if r.accuracy is not None]
-    final = next((r for r in reversed(rows) if r.final), scored[-1] if scored else None)
-    best = max(scored, key=lambda r: r.accuracy) if scored else None
+    # (accuracy, row) pairs: the filter narrows the accuracy to float for max's key.
+    scored = [(r.accuracy, r) for r in rows if r.accuracy is not None]
+    final = next((r for r in reversed(rows) if r.final), scored[-1][1] if scored else None)
+    best = max(scored, key=lambda pair: pair[0])[1] if scored else None
     train_rows = [r for r in rows if not r.final]
     out: dict[str, Any] = {
         "rounds": len(train_rows),

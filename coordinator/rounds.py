@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgepfl.config import RunConfig
+from edgepfl.config import ConfigError, RunConfig
 from edgepfl.methods import ClientUpdate, Method, ServerState, create_method
 from edgepfl.metrics import RoundMetrics, read_metrics
 from edgepfl.protocol import CoordinatorMeta, MessageType, RunSpec, TaskMeta, encode, new_message_id
@@ -94,8 +94,11 @@ class Coordinator:
         self.fleet = fleet
         self.out_dir = Path(out_dir)
         self.method: Method = create_method(config.method.name, config.method.options())
-        self.input_shape = tuple(input_shape or config.input_shape)
-        self.num_classes = int(num_classes or config.num_classes)
+        input_shape, num_classes = input_shape or config.input_shape, num_classes or config.num_classes
+        if input_shape is None or num_classes is None:  # the message RunConfig.run_spec gives
+            raise ConfigError("input_shape and num_classes are unknown: read them from the data or set them")
+        self.input_shape = tuple(input_shape)
+        self.num_classes = int(num_classes)
         self.class_names = list(class_names or [])
         self.normalization = dict(normalization or {})
         self.progress = Progress(config.rounds, enabled=progress)
@@ -142,13 +145,19 @@ class Coordinator:
         self.state = self.method.init_server(model)
         self.start_round = 0
 
+    def _server_state(self) -> ServerState:
+        """The global state, which :meth:`init_or_resume` sets (:meth:`run` calls it first)."""
+        if self.state is None:
+            raise RuntimeError("no server state yet: call init_or_resume() first")
+        return self.state
+
     def run_meta(self, round: int) -> CheckpointMeta:
         """What a checkpoint (and an export) records about this run as of ``round``."""
         return CheckpointMeta(round=round, run=self._run_dict(), data_spec=self.config.data,
                               rejected_total=dict(self.rejected_total))
 
     def _checkpoint(self, round: int) -> None:
-        save_checkpoint(self.checkpoint_dir, self.state, self.run_meta(round))
+        save_checkpoint(self.checkpoint_dir, self._server_state(), self.run_meta(round))
 
     # ---------------------------------------------------------------- main loop
     def run(self) -> list[RoundMetrics]:
@@ -230,14 +239,15 @@ class Coordinator:
         """Open round ``r`` and send each agent its task; returns the tasks and the round's (empty) result."""
         c = self.config
         tasks, result = RoundTasks(r), RoundResult(round=r, sampled=sampled)
-        self.inbox.open_round(tasks, result, self.state)
+        state = self._server_state()
+        self.inbox.open_round(tasks, result, state)
         run = self._run_dict()
         for agent_id, kind in [(a, "train") for a in sampled] + [(a, "evaluate") for a in evaluators]:
             task_id = new_message_id()
             meta = TaskMeta(task_id=task_id, kind=kind, run=run, seed=seed_for(c.seed, r, agent_id),
                             deadline_s=c.round_timeout_s)
             frame = encode(MessageType.TASK, federation=c.federation, sender=SENDER, round=r, meta=meta,
-                           tensors=self.method.payload_for(self.state, agent_id))
+                           tensors=self.method.payload_for(state, agent_id))
             tasks.add(Task(agent_id, task_id, kind))
             result.bytes_down += self.fleet.send(agent_id, frame, r)
         return tasks, result
@@ -272,7 +282,7 @@ class Coordinator:
             return False
         quorum = self._quorum(len(result.sampled))
         if result.updates and len(result.updates) >= quorum:
-            self.state = self.method.server_step(self.state, result.updates, result.round)
+            self.state = self.method.server_step(self._server_state(), result.updates, result.round)
             return False
         log.warning("round %d: %d of %d updates, below quorum %d; global state unchanged", result.round,
                     len(result.updates), len(result.sampled), quorum)
@@ -286,7 +296,8 @@ class Coordinator:
         """Export the frozen encoder and publish it (retained) for head-tier agents."""
         from .release import build_release
 
-        release_id, frame = build_release(self.state, self.run_meta(round), self.out_dir / "releases", self.config)
+        release_id, frame = build_release(self._server_state(), self.run_meta(round), self.out_dir / "releases",
+                                          self.config)
         self.fleet.publish_release(frame, round)
         self.progress.note(f"released encoder {release_id} ({len(frame) / 1e6:.2f} MB) to head-tier agents")
         return release_id
@@ -325,7 +336,7 @@ class Coordinator:
             train_loss=float(np.mean(losses)) if losses else None,
             bytes_up=result.bytes_up,
             bytes_down=result.bytes_down,
-            shared_bytes=int(sum(v.nbytes for v in self.state.shared_params().values())),
+            shared_bytes=int(sum(v.nbytes for v in self._server_state().shared_params().values())),
             seconds=round(seconds, 4),
         )
 

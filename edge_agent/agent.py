@@ -60,18 +60,25 @@ class Agent:
         self.tier = create_tier(c, self.data)
         self.tier.restore()
 
+    def _ready(self) -> tuple[TierRuntime, ClientData]:
+        """The tier and the local data that :meth:`setup` loaded."""
+        if self.tier is None or self.data is None:
+            raise RuntimeError("agent not set up: call setup() first")
+        return self.tier, self.data
+
     def run(self) -> None:
         """Connect, announce, serve messages until :meth:`stop`, then say goodbye."""
         if self.tier is None:
             self.setup()
+        tier, data = self._ready()
         c = self.config
         status_topic = self._topic(AgentChannel.STATUS)
-        self.transport = MqttTransport(
+        self.transport = transport = MqttTransport(
             c.broker.url,
             client_id=f"edgepfl-{c.federation}-{c.agent_id}",
             federation=c.federation,
             sender=c.agent_id,
-            subscriptions=self.tier.subscriptions(c.federation, c.agent_id),
+            subscriptions=tier.subscriptions(c.federation, c.agent_id),
             username=c.broker.username,
             password=c.broker.password,
             will=(status_topic, self._status_frame("offline")),
@@ -80,22 +87,22 @@ class Agent:
             max_payload_bytes=c.broker.max_payload_bytes,
             keepalive_s=c.broker.keepalive_s,
         )
-        self.transport.start(timeout=120)
+        transport.start(timeout=120)
         log.info("agent %s (%s tier) online: %d train / %d test samples", c.agent_id, c.tier,
-                 self.data.num_train, self.data.num_test)
+                 data.num_train, data.num_test)
         try:
             while not self._stop.is_set():
-                inbound = self.transport.receive(timeout=0.5)
+                inbound = transport.receive(timeout=0.5)
                 if inbound is None:
                     continue
                 try:
-                    message = decode(inbound.frame, max_bytes=self.transport.max_payload_bytes)
+                    message = decode(inbound.frame, max_bytes=transport.max_payload_bytes)
                 except ProtocolError as exc:
                     log.warning("dropped message on %s: %s", inbound.topic, exc)
                     continue
                 self._dispatch(message)
         finally:
-            self.transport.stop(final=(status_topic, self._status_frame("offline")))
+            transport.stop(final=(status_topic, self._status_frame("offline")))
 
     def stop(self, *_args) -> None:
         """Ask :meth:`run` to return (safe from a signal handler)."""
@@ -103,23 +110,27 @@ class Agent:
 
     # ---------------------------------------------------------------- messages
     def _dispatch(self, message: Message) -> None:
+        tier, transport = self.tier, self.transport
+        if tier is None or transport is None:
+            raise RuntimeError("messages are dispatched only while the agent runs")
         if message.header.federation != self.config.federation:
             log.warning("ignored %s for federation %s", message.type.value, message.header.federation)
-        elif message.type != self.tier.accepts:
+        elif message.type != tier.accepts:
             log.warning("ignored unexpected %s message from %s", message.type.value, message.header.sender)
         else:
-            reply = self.tier.handle(message)
+            reply = tier.handle(message)
             if reply is not None:
-                self.transport.publish(self._topic(reply.channel), reply.frame, round=reply.round)
+                transport.publish(self._topic(reply.channel), reply.frame, round=reply.round)
 
     def _status_frame(self, state: str) -> bytes:
         c = self.config
+        tier, data = self._ready()
         meta = StatusMeta(
             state=state,
             tier=c.tier,
-            device=self.tier.device,
-            num_train=self.data.num_train,
-            num_test=self.data.num_test,
+            device=tier.device,
+            num_train=data.num_train,
+            num_test=data.num_test,
             software=f"edgepfl {__version__}",
             platform=f"{platform.system()} {platform.machine()} py{platform.python_version()}",
         )

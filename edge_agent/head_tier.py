@@ -26,6 +26,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -191,7 +192,7 @@ class HeadRuntime:
         write_json(self.state_dir / "manifest.json", record["manifest"])
         write_json(self.state_dir / STATE_FILE, record)  # the switch: written last
         self.encoder, self.head, self.record, self._adapt = encoder, head, record, adapt
-        self._remove_old(old)
+        self._remove_old(old, record)
         log.info("release %s installed: %s head, held-out accuracy %.4f (%d/%d), fit %.2f s", release_id, head_name,
                  metrics["accuracy"], correct, self.data.num_test, fit_seconds)
         return dict(metrics)
@@ -205,8 +206,8 @@ class HeadRuntime:
         method = create_method(release.method, release.method_options)
         return method.make_head(self.head_kind, release, **self.head_params)
 
-    def _head_for(self, manifest: dict[str, Any], encoder_sha: str, f_train: np.ndarray,
-                  refuse) -> tuple[bytes, str]:
+    def _head_for(self, manifest: ReleaseManifest, encoder_sha: str, f_train: np.ndarray,
+                  refuse: Callable[[str], ReleaseRefused]) -> tuple[bytes, str]:
         """(ONNX bytes, kind) of the head for this encoder: the offline one if it matches, else fitted."""
         offline = self.state_dir / OFFLINE_HEAD
         if offline.is_file():
@@ -237,38 +238,41 @@ class HeadRuntime:
             raise refuse(f"cannot fit a {self.head_kind} head on local data: {exc}") from None
         return data, self.head_kind
 
-    def _remove_old(self, old: dict[str, Any] | None) -> None:
+    def _remove_old(self, old: dict[str, Any] | None, current: dict[str, Any]) -> None:
+        """Delete the files of the ``old`` record that the ``current`` one does not use."""
         if not old:
             return
-        keep = {self.record["encoder_file"], self.record["head_file"]}
+        keep = {current["encoder_file"], current["head_file"]}
         for name in (old.get("encoder_file"), old.get("head_file")):
             if name and name not in keep:
                 (self.state_dir / name).unlink(missing_ok=True)
 
     # ---------------------------------------------------------------- serving
-    def _require(self) -> None:
-        if not self.ready:
+    def _installed(self) -> tuple[OnnxEncoder, OnnxHead]:
+        """The installed encoder and head; RuntimeError before the first release."""
+        if self.encoder is None or self.head is None:
             raise RuntimeError("no encoder release installed yet")
+        return self.encoder, self.head
 
     def features(self, x: np.ndarray) -> np.ndarray:
         """Encoder features of inputs (N, C, H, W) normalized like the local data."""
-        self._require()
-        return self.encoder.features(_apply(self._adapt, x))
+        encoder, _ = self._installed()
+        return encoder.features(_apply(self._adapt, x))
 
     def predict_proba(self, x: np.ndarray) -> np.ndarray:
         """Class probabilities (N, K) for normalized inputs (N, C, H, W); columns: :attr:`classes`."""
-        features = self.features(x)
-        return self.head.predict_proba(features)
+        _, head = self._installed()
+        return head.predict_proba(self.features(x))
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         """Predicted labels for normalized inputs (N, C, H, W)."""
-        features = self.features(x)
-        return self.head.predict(features)
+        _, head = self._installed()
+        return head.predict(self.features(x))
 
     @property
     def classes(self) -> np.ndarray:
-        self._require()
-        return self.head.classes_
+        _, head = self._installed()
+        return head.classes_
 
 
 def _renormalization(local: dict[str, Any], manifest: ReleaseManifest) -> tuple[np.ndarray, np.ndarray] | None:
@@ -288,7 +292,7 @@ def _renormalization(local: dict[str, Any], manifest: ReleaseManifest) -> tuple[
             ((m_l - m_e) / s_e).astype(np.float32).reshape(1, -1, 1, 1))
 
 
-def _apply(adapt, x: np.ndarray) -> np.ndarray:
+def _apply(adapt: tuple[np.ndarray, np.ndarray] | None, x: np.ndarray) -> np.ndarray:
     return x if adapt is None else (x * adapt[0] + adapt[1]).astype(np.float32)
 
 

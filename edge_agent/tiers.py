@@ -26,6 +26,8 @@ from edgepfl.protocol import (
     Message,
     MessageType,
     MetricsMeta,
+    ReleaseMeta,
+    TaskMeta,
     agent_topic,
     encode,
     federation_topic,
@@ -107,7 +109,8 @@ class TrainerTier:
         """Nothing yet: personal state belongs to a method and model, which the first task names."""
 
     def handle(self, message: Message) -> Reply | None:
-        task_id = message.meta.task_id
+        meta = message.meta_as(TaskMeta)  # the agent hands a tier only messages of its ``accepts`` type
+        task_id = meta.task_id
         cached = self._answered.get(task_id)
         if cached is not None:
             return cached
@@ -120,7 +123,7 @@ class TrainerTier:
         self._answered[task_id] = reply
         while len(self._answered) > ANSWERED_TASKS:
             self._answered.popitem(last=False)
-        log.info("round %d: %s task answered", message.header.round, message.meta.kind)
+        log.info("round %d: %s task answered", message.header.round, meta.kind)
         return reply
 
 
@@ -154,7 +157,7 @@ class HeadTier:
             log.info("no usable saved head yet (%s)", exc)
 
     def handle(self, message: Message) -> Reply | None:
-        meta = message.meta
+        meta = message.meta_as(ReleaseMeta)  # the agent hands a tier only messages of its ``accepts`` type
         artifact = message.tensors.get("artifact")
         if artifact is None:
             log.error("release %s carries no artifact; refused", meta.release_id)

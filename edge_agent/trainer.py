@@ -15,10 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from edgepfl.atomic import read_tensors, write_json, write_tensors
 from edgepfl.data import ClientData
-from edgepfl.methods import LocalContext, create_method
+from edgepfl.methods import LocalContext, Method, create_method
 from edgepfl.methods.base import load_tensors
 from edgepfl.protocol import Message, MessageType, RunSpec, TaskMeta, UpdateMeta, encode
 
@@ -71,27 +72,30 @@ class TrainerRuntime:
         self.device = pick_device(device)
         self._tensors = data.to_torch(self.device)
         self._signature: str | None = None
-        self.method = None
-        self.model = None
+        # Built by the first task (_ensure_model), rebuilt when a task's run has another signature.
+        self.method: Method | None = None
+        self.model: nn.Module | None = None
 
     # ---------------------------------------------------------------- model setup
-    def _check_data(self, run: RunSpec, task: Message) -> None:
+    def _check_data(self, meta: TaskMeta, round: int) -> None:
         """Refuse a run whose data shape is not this agent's: its model could not take the data."""
+        run = meta.run
         problems = []
         if tuple(run.data.input_shape) != tuple(self.data.input_shape):
             problems.append(f"input shape {list(run.data.input_shape)}, local data {list(self.data.input_shape)}")
         if run.data.num_classes != self.data.num_classes:
             problems.append(f"{run.data.num_classes} classes, local data {self.data.num_classes}")
         if problems:
-            reason = (f"{self.agent_id}: task {task.meta.task_id} (round {task.header.round}) refused: the run has "
+            reason = (f"{self.agent_id}: task {meta.task_id} (round {round}) refused: the run has "
                       + "; ".join(problems))
             log.error(reason)
             raise TaskRefused(reason)
 
-    def _ensure_model(self, run: RunSpec) -> None:
+    def _ensure_model(self, run: RunSpec) -> tuple[Method, nn.Module]:
+        """The method and model for ``run``: the current ones if its signature is unchanged, else built."""
         signature = run_signature(run)
-        if signature == self._signature:
-            return
+        if signature == self._signature and self.method is not None and self.model is not None:
+            return self.method, self.model
         method = create_method(run.method.name, run.method.options)
         torch.manual_seed(seed_for(run.seed, "init", self.agent_id))
         model = method.build_model(run.model, run.data.input_shape, run.data.num_classes)
@@ -99,8 +103,9 @@ class TrainerRuntime:
         restored = self._load_personal(method, model, signature)
         self.method, self.model, self._signature = method, model, signature
         log.info("%s: built %s model (%s)", self.agent_id, method.name, "restored personal state" if restored else "fresh")
+        return method, model
 
-    def _load_personal(self, method, model, signature: str) -> bool:
+    def _load_personal(self, method: Method, model: nn.Module, signature: str) -> bool:
         path = self.state_dir / PERSONAL_FILE
         meta_path = self.state_dir / "personal.json"
         if not path.exists() or not meta_path.exists():
@@ -117,8 +122,8 @@ class TrainerRuntime:
         load_tensors(model, tensors)
         return True
 
-    def _save_personal(self, round: int) -> None:
-        write_tensors(self.state_dir / PERSONAL_FILE, self.method.personal_state(self.model))
+    def _save_personal(self, method: Method, model: nn.Module, round: int) -> None:
+        write_tensors(self.state_dir / PERSONAL_FILE, method.personal_state(model))
         write_json(self.state_dir / "personal.json", {"signature": self._signature, "round": round, "agent": self.agent_id})
 
     # ---------------------------------------------------------------- tasks
@@ -128,10 +133,9 @@ class TrainerRuntime:
         Raises :class:`TaskRefused` (after logging why) when the task's run has another
         input shape or class count than this agent's data.
         """
-        meta: TaskMeta = task.meta  # type: ignore[assignment]
-        self._check_data(meta.run, task)
-        self._ensure_model(meta.run)
-        method, model = self.method, self.model
+        meta = task.meta_as(TaskMeta)
+        self._check_data(meta, task.header.round)
+        method, model = self._ensure_model(meta.run)
         generator = torch.Generator().manual_seed(meta.seed)
         torch.manual_seed(meta.seed)
         ctx = LocalContext(
@@ -154,7 +158,7 @@ class TrainerRuntime:
             upload = result.upload
             train_loss = None if np.isnan(result.train_loss) else float(result.train_loss)
             extra = {k: float(v) for k, v in result.metrics.items()}
-            self._save_personal(task.header.round)
+            self._save_personal(method, model, task.header.round)
         update = UpdateMeta(
             task_id=meta.task_id,
             kind=meta.kind,

@@ -32,7 +32,7 @@ import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -215,12 +215,16 @@ def encoder_to_onnx(encoder, input_shape: tuple[int, ...]) -> bytes:
 
     dummy = torch.zeros(2, *input_shape)
     buf = io.BytesIO()
+    # torch.onnx.export's hints say f is a path (str | PathLike), but the TorchScript exporter
+    # (dynamo=False) writes to a buffer too, as export/heads.py's _torch_graph relies on
+    # (the reason is spelled out there); tests/test_export.py exercises this call.
+    target = cast(Any, buf)
     # The TorchScript exporter: deterministic, fast, and emits exactly the opset asked for,
     # which the heads (skl2onnx) target too so encoder and head graphs can be fused.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(
-            encoder, (dummy,), buf, dynamo=False, opset_version=OPSET,
+            encoder, (dummy,), target, dynamo=False, opset_version=OPSET,
             input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
             dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
         )

@@ -54,9 +54,10 @@ class OnnxEncoder:
         self.input_name = inp.name
         self.output_name = self.session.get_outputs()[0].name
         shape = list(manifest.run.data.input_shape) if manifest else list(inp.shape[1:])
-        if any(not isinstance(s, int) for s in shape):
-            raise ValueError(f"encoder input shape {inp.shape} is not fixed and there is no manifest")
-        self.input_shape: tuple[int, int, int] = tuple(int(s) for s in shape)  # type: ignore[assignment]
+        if len(shape) != 3 or any(not isinstance(s, int) for s in shape):
+            raise ValueError(f"encoder input shape {inp.shape} is not a fixed (N, C, H, W) and there is no manifest")
+        c, h, w = shape
+        self.input_shape: tuple[int, int, int] = (int(c), int(h), int(w))
         if tuple(int(s) if isinstance(s, int) else -1 for s in inp.shape[1:]) != self.input_shape:
             raise ValueError(f"encoder graph input {inp.shape} does not match the manifest's {list(self.input_shape)}")
         self.feature_dim = int(self.session.get_outputs()[0].shape[1]) if isinstance(
@@ -158,7 +159,7 @@ def load_images(paths: list[Path], input_shape: tuple[int, int, int]) -> np.ndar
         with Image.open(p) as im:
             im = im.convert(mode)
             if im.size != (w, h):
-                im = im.resize((w, h), Image.BILINEAR)
+                im = im.resize((w, h), Image.Resampling.BILINEAR)
             a = np.asarray(im, dtype=np.uint8)
         out.append(a[None] if c == 1 else a.transpose(2, 0, 1))
     return np.stack(out) if out else np.zeros((0, c, h, w), np.uint8)

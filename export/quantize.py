@@ -110,6 +110,7 @@ def accuracy_change(export_dir: str | Path, data, *, head: str = "lr",
     export_dir = Path(export_dir)
     base = OnnxEncoder.from_dir(export_dir)
     manifest = base.manifest
+    assert manifest is not None  # from_dir opens an encoder through its directory's manifest.json
     f_train, f_test = base.features(data.x_train), base.features(data.x_test)
     release = HeadRelease.from_manifest(manifest, export_dir)
     method = create_method(release.method, release.method_options)

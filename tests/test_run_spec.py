@@ -10,6 +10,7 @@ import logging
 import numpy as np
 import pytest
 
+from edgepfl.config import ConfigError
 from edgepfl.coordinator.fleet import LocalFleet
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import agent_ids, data_shape, prepare
@@ -148,3 +149,13 @@ def test_trainer_refuses_a_run_for_other_data_with_a_clear_logged_error(tmp_path
     ok = TaskMeta(task_id="c" * 32, kind="evaluate", run=spec, seed=1, deadline_s=10)
     update, upload = runtime.handle(decode(encode(MessageType.TASK, federation="f", sender="c", round=4, meta=ok)))
     assert update.num_test == runtime.data.num_test and upload == {} and np.isfinite(update.eval_correct)
+
+
+@pytest.mark.parametrize("known", [{}, {"input_shape": (1, 28, 28)}, {"num_classes": 10}])
+def test_a_coordinator_without_the_data_shape_is_a_config_error(tmp_path, known):
+    # Neither the config nor the caller says the input shape or the class count: the
+    # error RunConfig.run_spec gives, not a TypeError from tuple(None) / int(None).
+    config = run_config()
+    assert config.input_shape is None and config.num_classes is None
+    with pytest.raises(ConfigError, match="input_shape and num_classes are unknown"):
+        Coordinator(config, LocalFleet({}, config.federation), tmp_path / "run", progress=False, **known)

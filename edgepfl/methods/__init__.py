@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Mapping
+from typing import Any
 
 from .base import (
     ClientUpdate,
@@ -75,10 +77,10 @@ def available_head_kinds() -> list[str]:
     return sorted({kind for name in available_methods() for kind in get_method_class(name).head_kinds})
 
 
-def create_method(name: str, options: dict | None = None) -> Method:
-    """Instantiate a method with validated options."""
+def create_method(name: str, options: Mapping[str, Any] | None = None) -> Method:
+    """Instantiate a method with validated options (a run spec's, a release's: any mapping)."""
     cls = get_method_class(name)
-    return cls(cls.config_class.model_validate(options or {}))
+    return cls(cls.config_class.model_validate(dict(options or {})))
 
 
 __all__ = [

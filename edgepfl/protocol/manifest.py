@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -26,8 +26,7 @@ __all__ = [
 ]
 
 #: the manifest's ``format``; version 2 embeds the run spec (version 1 was a flat dict)
-ManifestFormat = Literal["edgepfl.encoder/2"]
-MANIFEST_FORMAT: str = get_args(ManifestFormat)[0]
+MANIFEST_FORMAT: Final = "edgepfl.encoder/2"
 
 # A bare file name: the manifest names files beside it, never a path out of its directory.
 _FILE_NAME = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$"
@@ -79,7 +78,7 @@ class ReleaseManifest(_Spec):
     and returns ``output_name`` (``dtype``, ``(N, feature_dim)``).
     """
 
-    format: ManifestFormat = MANIFEST_FORMAT
+    format: Literal["edgepfl.encoder/2"] = MANIFEST_FORMAT  # mypy flags this default if the two ever differ
     release_id: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     round: int = Field(ge=-1, description="last completed round; -1: an untrained model")
     run: RunSpec
