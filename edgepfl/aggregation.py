@@ -74,7 +74,7 @@ class AggregationSpec(BaseModel):
     krum_byzantine: int = Field(1, ge=0, description="multi_krum: how many attackers to tolerate (f)")
     krum_select: int | None = Field(None, ge=1, description="multi_krum: updates averaged (m); default n - f")
     max_change_ratio: float | None = Field(
-        1.0, gt=0, description="abort a round (reason 'diverged', state kept) whose aggregate moves the shared "
+        10.0, gt=0, description="abort a round (reason 'diverged', state kept) whose aggregate moves the shared "
                                "parameters by more than this times their norm (at least 1); null: no bound")
     rollback_after: int | None = Field(
         3, ge=1, description="after this many aborted rounds in a row, go back to the last good state (the "
