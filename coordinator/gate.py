@@ -22,9 +22,10 @@ from edgepfl.protocol import Message, MessageType, MetricsMeta, ProtocolError, S
 
 from .registry import Registry
 
-# Sample counts weight the server's weighted means, computed in float64. Above 2**53 a
-# count is no longer exact there, and a count past float64's range (10**400, say)
-# raises OverflowError inside the server step; no device holds anywhere near this many.
+# Sample counts become aggregation weights (the streaming rules refuse more than 2**24
+# for one update: edgepfl.aggregation). Above 2**53 a count is no longer exact as a
+# float64, and one past float64's range (10**400, say) would raise OverflowError; no
+# device holds anywhere near this many.
 MAX_SAMPLES = 2**53
 
 

@@ -77,8 +77,8 @@ class AggregationSpec(BaseModel):
         10.0, gt=0, description="abort a round (reason 'diverged', state kept) whose aggregate moves the shared "
                                "parameters by more than this times their norm (at least 1); null: no bound")
     rollback_after: int | None = Field(
-        3, ge=1, description="after this many aborted rounds in a row, go back to the last good state (the "
-                             "last one a round was adopted from); null: never")
+        3, ge=1, description="after this many aborted rounds in a row (any reason, below quorum included), go "
+                             "back to the last good state: the last one a round was adopted from; null: never")
 
     def build(self) -> Aggregator:
         """A new aggregator for this spec."""
