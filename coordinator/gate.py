@@ -65,8 +65,14 @@ class RoundTasks:
 
     def __init__(self, round: int) -> None:
         self.round = round
+        #: set once the round stopped collecting: a later answer is ``stale``
+        self.closed = False
         self._tasks: dict[str, Task] = {}
         self._waiting: set[str] = set()
+
+    def close(self) -> None:
+        """The round stops collecting (its aggregate is being closed)."""
+        self.closed = True
 
     def add(self, task: Task) -> None:
         self._tasks[task.agent_id] = task
@@ -132,6 +138,8 @@ class UpdateGate:
             return reject("unknown_agent", "no status ever received from this agent")
         if h.round != tasks.round:
             return reject("stale", f"update for round {h.round}, current round is {tasks.round}")
+        if tasks.closed:
+            return reject("stale", f"update for round {h.round}, which is closed")
         meta: UpdateMeta = message.meta  # type: ignore[assignment]
         task = tasks.get(agent_id)
         if task is None or meta.task_id != task.task_id:

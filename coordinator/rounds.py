@@ -237,6 +237,7 @@ class Coordinator:
         sampled, evaluators = self._sample(r, final)
         tasks, result = self._send_tasks(r, sampled, evaluators)
         self._collect(tasks, result, started)
+        tasks.close()  # an answer after this is stale: the aggregate is closed next
         previous = self.state
         abort = self._server_step(result)
         rolled_back = self._after_abort(r, abort) if abort else None

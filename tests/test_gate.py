@@ -171,6 +171,12 @@ def test_an_update_for_another_round_is_stale(rnd):
     assert reason(rnd.admit(rnd.frame(round=ROUND + 5))) == "stale"
 
 
+def test_an_update_for_a_round_that_stopped_collecting_is_stale(rnd):
+    rnd.tasks.close()  # its aggregate is closed: nothing may be added to it any more
+    assert reason(rnd.admit(rnd.frame())) == "stale"
+    assert rnd.tasks.waiting == {"alice", "bob"}
+
+
 def test_an_answer_to_a_task_never_sent_is_unexpected(rnd):
     assert reason(rnd.admit(rnd.frame(task_id=new_message_id()))) == "unexpected"
     rnd.registry.update("carol", StatusMeta(state="online", num_train=10))

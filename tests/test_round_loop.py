@@ -449,3 +449,33 @@ def test_a_streaming_rule_keeps_no_update_in_the_open_round(tmp_path, rule):
         assert peak["bytes"] <= 6 * model, (peak, model)
     else:
         assert peak["bytes"] >= (n - 1) * model, (peak, model)
+
+
+def test_an_answer_that_comes_after_its_round_closed_is_stale(tmp_path):
+    """c goes offline with its round-0 task (the round closes on quorum without it), and
+    its round-0 answer arrives while the coordinator waits for it before round 1: too late
+    for a round whose aggregate is already closed."""
+    late: list[bytes] = []
+
+    def c(task: Message) -> list[bytes]:
+        if task.header.round == 0 and task.meta.kind == "train":
+            late.extend(honest("c")(task))
+            fleet.events.append(status("c", state="offline"))
+            return []
+        return honest("c")(task)
+
+    fleet = ScriptedFleet({"a": honest("a"), "b": honest("b"), "c": c})
+    coord = coordinator(fleet, tmp_path, rounds=2, quorum=0.5)
+    original = coord._collect
+
+    def collect_then_c_answers_late(tasks, result, started):
+        original(tasks, result, started)
+        if result.round == 0:
+            fleet.events.extend(Incoming("c", AgentChannel.UPDATE, f, len(f)) for f in late)
+            fleet.events.append(status("c"))
+
+    coord._collect = collect_then_c_answers_late  # type: ignore[method-assign]
+    rows = coord.run()
+    assert rows[0].participants == ["a", "b"] and rows[0].dropped == ["c"] and not rows[0].aborted
+    assert coord.rejected_total == {"stale": 1}
+    assert rows[1].participants == ["a", "b", "c"]
