@@ -39,8 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from edgepfl.config import RunConfig
-from edgepfl.methods import Method, ServerState, create_method
-from edgepfl.methods.base import RoundAggregate
+from edgepfl.methods import Method, RoundAggregate, ServerState, create_method
 from edgepfl.metrics import RoundMetrics, read_metrics
 from edgepfl.protocol import CoordinatorMeta, MessageType, RunSpec, TaskMeta, encode, new_message_id
 from edgepfl.state import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint

@@ -17,6 +17,7 @@ from .base import (
     LocalResult,
     Method,
     MethodConfig,
+    RoundAggregate,
     ServerState,
     TensorDict,
     UpdateRejected,
@@ -82,7 +83,7 @@ def create_method(name: str, options: dict | None = None) -> Method:
 
 
 __all__ = [
-    "ClientUpdate", "EvalResult", "LocalContext", "LocalResult", "Method", "MethodConfig", "ServerState",
-    "TensorDict", "UpdateRejected", "available_head_kinds", "available_methods", "create_method", "get_method",
+    "ClientUpdate", "EvalResult", "LocalContext", "LocalResult", "Method", "MethodConfig", "RoundAggregate",
+    "ServerState", "TensorDict", "UpdateRejected", "available_head_kinds", "available_methods", "create_method", "get_method",
     "register",
 ]
