@@ -4,23 +4,28 @@ Pure checks: no broker, no clock, no logging. :class:`UpdateGate` takes one fram
 agent's update topic and the tasks of the round being collected, and returns an
 :class:`Accepted` update or a :class:`Rejection` whose ``reason`` is the tag of
 ``docs/PROTOCOL.md`` §7, in the order of that table. :func:`admit_status` and
-:func:`admit_metrics` do the same for presence and head-tier reports. The caller
-counts and logs rejections; nothing here raises on hostile bytes.
+:func:`admit_metrics` do the same for presence and head-tier reports, and
+:func:`admit_state` for a round's closed aggregate before it becomes the global state.
+The caller counts and logs rejections; nothing here raises on hostile bytes.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Set
 from dataclasses import dataclass
+
+import numpy as np
 
 from edgepfl.methods import ClientUpdate, Method, ServerState, UpdateRejected
 from edgepfl.protocol import Message, MessageType, MetricsMeta, ProtocolError, StatusMeta, UpdateMeta, decode
 
 from .registry import Registry
 
-# Sample counts weight the server's weighted means, computed in float64. Above 2**53 a
-# count is no longer exact there, and a count past float64's range (10**400, say)
-# raises OverflowError inside the server step; no device holds anywhere near this many.
+# Sample counts become aggregation weights (the streaming rules refuse more than 2**24
+# for one update: edgepfl.aggregation). Above 2**53 a count is no longer exact as a
+# float64, and one past float64's range (10**400, say) would raise OverflowError; no
+# device holds anywhere near this many.
 MAX_SAMPLES = 2**53
 
 
@@ -60,8 +65,14 @@ class RoundTasks:
 
     def __init__(self, round: int) -> None:
         self.round = round
+        #: set once the round stopped collecting: a later answer is ``stale``
+        self.closed = False
         self._tasks: dict[str, Task] = {}
         self._waiting: set[str] = set()
+
+    def close(self) -> None:
+        """The round stops collecting (its aggregate is being closed)."""
+        self.closed = True
 
     def add(self, task: Task) -> None:
         self._tasks[task.agent_id] = task
@@ -130,6 +141,8 @@ class UpdateGate:
             return reject("unknown_agent", "no status ever received from this agent")
         if h.round != tasks.round:
             return reject("stale", f"update for round {h.round}, current round is {tasks.round}")
+        if tasks.closed:
+            return reject("stale", f"update for round {h.round}, which is closed")
         meta: UpdateMeta = message.meta  # type: ignore[assignment]
         task = tasks.get(agent_id)
         if task is None or meta.task_id != task.task_id:
@@ -184,3 +197,26 @@ def admit_metrics(agent_id: str, frame: bytes) -> MetricsMeta | Rejection:
     if message.type != MessageType.METRICS or message.header.sender != agent_id:
         return Rejection(agent_id, "malformed", "not a metrics message from this agent")
     return message.meta  # type: ignore[return-value]
+
+
+def admit_state(before: ServerState, after: ServerState, max_change_ratio: float | None) -> Rejection | None:
+    """Check a round's closed aggregate before it becomes the global state: None to adopt it,
+    else a :class:`Rejection` (``non_finite``: a float tensor of the new state holds NaN or
+    Inf; ``diverged``: the shared parameters move by more than ``max_change_ratio`` times
+    their norm, taken as at least 1 so that a state near zero may still move)."""
+    tensors = [*after.global_tensors.items(), *((f"{a}:{k}", v) for a, t in after.client_tensors.items()
+                                                for k, v in t.items())]
+    for key, value in tensors:
+        arr = np.asarray(value)
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            return Rejection(None, "non_finite", f"the aggregate's {key} holds NaN or Inf")
+    if max_change_ratio is None:
+        return None
+    old, new = before.shared_params(), after.shared_params()
+    floats = [k for k, v in old.items() if v.dtype.kind == "f" and k in new]
+    change = math.sqrt(sum(float(np.sum(np.square(new[k].astype(np.float64) - old[k]))) for k in floats))
+    norm = math.sqrt(sum(float(np.sum(np.square(old[k].astype(np.float64)))) for k in floats))
+    if change > max_change_ratio * max(norm, 1.0):
+        return Rejection(None, "diverged", f"the aggregate moves the shared parameters by {change:.4g}, more than "
+                                           f"{max_change_ratio:g} x their norm {norm:.4g}")
+    return None

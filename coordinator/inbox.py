@@ -2,8 +2,9 @@
 
 :class:`Inbox` routes every inbound event — statuses to the :class:`~.registry.Registry`
 (telling the fleet who came online), updates through the :class:`~.gate.UpdateGate`
-into the open round, head-tier metrics to the head reports, and every rejection, by
-reason, to the round's and the run's counters and the log.
+into the open round (whose aggregate folds each one in at once, or refuses it with an
+:class:`~edgepfl.aggregation.AggregationRejected`), head-tier metrics to the head
+reports, and every rejection, by reason, to the round's and the run's counters and the log.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+from edgepfl.aggregation import AggregationRejected
 from edgepfl.methods import ServerState
 from edgepfl.protocol import AgentChannel
 
@@ -32,7 +34,9 @@ class RoundSink(Protocol):
 
     rejected: Counter
 
-    def record(self, accepted: Accepted, wire_bytes: int) -> None: ...
+    def record(self, accepted: Accepted, wire_bytes: int) -> None:
+        """Take an accepted answer; raises :class:`AggregationRejected` for an update the
+        round's rule refuses, having kept nothing of it."""
 
 
 class Inbox:
@@ -104,7 +108,10 @@ class Inbox:
             return self._reject(verdict)
         # Accepting needs a task, and tasks come only with an open round and its sink.
         assert self._sink is not None
-        self._sink.record(verdict, incoming.wire_bytes)
+        try:
+            self._sink.record(verdict, incoming.wire_bytes)
+        except AggregationRejected as exc:
+            self._reject(Rejection(incoming.agent_id, exc.reason, str(exc)))
 
     def _on_metrics(self, incoming: Incoming) -> None:
         m = admit_metrics(incoming.agent_id, incoming.frame)

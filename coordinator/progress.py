@@ -37,7 +37,9 @@ class Progress:
         if row.rejected:
             extra.append(f"rejected {sum(row.rejected.values())}")
         if row.aborted:
-            extra.append("ABORTED (below quorum)")
+            extra.append(f"ABORTED ({(row.abort_reason or 'below_quorum').replace('_', ' ')})")
+        if row.rolled_back_to is not None:
+            extra.append(f"ROLLED BACK to the state after round {row.rolled_back_to}")
         print(f"{label} [{bar}] trained {len(row.participants):>3}/{len(row.sampled):<3} "
               f"evaluated {row.evaluated:>3}  acc {acc_s}{best_s}  {row.seconds:6.2f}s"
               + (("  " + ", ".join(extra)) if extra else ""), file=self.stream, flush=True)

@@ -5,10 +5,20 @@ wait for ``min_agents`` trainers; then per round sample a fraction of the online
 trainers, send each a task (shared parameters + method payload; the others an
 evaluate task on evaluation rounds), collect answers until every sampled agent
 answered — or, with a quorum, until the round timeout passes or everyone still owing
-an answer went offline — run the method's server step, append a metrics row and
+an answer went offline — close the round's aggregate, append a metrics row and
 checkpoint atomically; a final evaluation round; a release of the frozen encoder to
 head-tier agents and their reports; ``done``. A restarted coordinator resumes after
 the last checkpointed round with the same global state.
+
+The server step is spread over the round: when the tasks go out the method opens the
+round's aggregate (:meth:`~edgepfl.methods.Method.open_round`, with the run's
+aggregation rule), every accepted update is added to it on arrival (a streaming rule
+keeps running sums, not the updates), and at quorum it is closed into a candidate
+state. The candidate is adopted only if it is finite and moves the shared parameters
+no more than ``aggregation.max_change_ratio`` allows; otherwise the round is aborted
+with that reason and the state kept. After ``aggregation.rollback_after`` aborted rounds
+in a row the state goes back to the last good one: the last state a round was adopted
+from, kept on disk beside the checkpoint (``checkpoint/good-<round>/``).
 
 Every wait is :meth:`.inbox.Inbox.pump_until` with a condition: statuses go to the
 :class:`~.registry.Registry`, updates through the :class:`~.gate.UpdateGate` into the
@@ -20,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -28,13 +39,13 @@ from pathlib import Path
 import numpy as np
 
 from edgepfl.config import ConfigError, RunConfig
-from edgepfl.methods import ClientUpdate, Method, ServerState, create_method
+from edgepfl.methods import Method, RoundAggregate, ServerState, create_method
 from edgepfl.metrics import RoundMetrics, read_metrics
 from edgepfl.protocol import CoordinatorMeta, MessageType, RunSpec, TaskMeta, encode, new_message_id
-from edgepfl.state import CheckpointMeta, load_checkpoint, save_checkpoint
+from edgepfl.state import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint
 
 from .fleet import SENDER, Fleet
-from .gate import Accepted, RoundTasks, Task, UpdateGate
+from .gate import Accepted, RoundTasks, Task, UpdateGate, admit_state
 from .inbox import Inbox
 from .progress import Progress
 from .registry import Registry
@@ -62,10 +73,15 @@ def round_half_up(x: float) -> int:
 
 @dataclass
 class RoundResult:
-    """What one round collected: accepted updates and evaluations, rejections, traffic."""
+    """What one round collected: its open aggregate, evaluations, rejections, traffic.
+
+    Accepted training updates go straight into ``aggregate`` (None in a round where
+    nobody trains); the result itself keeps no update's tensors.
+    """
 
     round: int
-    updates: list[ClientUpdate] = field(default_factory=list)
+    aggregate: RoundAggregate | None = None
+    participants: list[str] = field(default_factory=list)
     evaluations: dict[str, dict] = field(default_factory=dict)
     rejected: Counter = field(default_factory=Counter)
     bytes_up: int = 0
@@ -74,15 +90,19 @@ class RoundResult:
     sampled: list[str] = field(default_factory=list)
 
     def record(self, accepted: Accepted, wire_bytes: int) -> None:
-        """Count an update the gate accepted."""
+        """Count an answer the gate accepted; a training update is added to the round's
+        aggregate first, and one the rule refuses (``AggregationRejected``) counts for nothing."""
+        if accepted.update is not None:
+            # a train task, hence a training round with its aggregate
+            assert self.aggregate is not None
+            self.aggregate.add(accepted.update)
+            self.participants.append(accepted.agent_id)
         meta = accepted.meta
         self.bytes_up += wire_bytes
         self.evaluations[accepted.agent_id] = {
             "correct": meta.eval_correct, "total": meta.num_test, "loss": meta.eval_loss,
             "train_loss": meta.train_loss, "kind": meta.kind, "train_seconds": meta.train_seconds,
         }
-        if accepted.update is not None:
-            self.updates.append(accepted.update)
 
 
 class Coordinator:
@@ -108,6 +128,8 @@ class Coordinator:
         self.inbox = Inbox(fleet, self.registry, gate, self.rejected_total)
         self.state: ServerState | None = None
         self.start_round = 0
+        self.aborted_streak = 0  # training rounds aborted in a row
+        self.good_round: int | None = None  # the last good state is the one after this round (good-<round>/)
 
     @property
     def head_reports(self) -> dict[str, dict]:
@@ -133,6 +155,7 @@ class Coordinator:
                                    f"{self.config.method.name}; use another --out")
             self.state, self.start_round = state, meta.round + 1
             self.rejected_total.update(meta.rejected_total)
+            self.aborted_streak, self.good_round = meta.aborted_streak, meta.good_round
             log.info("resuming from checkpoint after round %d", meta.round)
             self._truncate_metrics(self.start_round)
             return
@@ -154,10 +177,18 @@ class Coordinator:
     def run_meta(self, round: int) -> CheckpointMeta:
         """What a checkpoint (and an export) records about this run as of ``round``."""
         return CheckpointMeta(round=round, run=self._run_dict(), data_spec=self.config.data,
-                              rejected_total=dict(self.rejected_total))
+                              rejected_total=dict(self.rejected_total), aborted_streak=self.aborted_streak,
+                              good_round=self.good_round)
 
     def _checkpoint(self, round: int) -> None:
         save_checkpoint(self.checkpoint_dir, self._server_state(), self.run_meta(round))
+        # Only now, with the checkpoint naming the current good state, may older ones go.
+        for stale in self.checkpoint_dir.glob("good-*"):
+            if stale.name != self._good_dir(self.good_round).name:
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def _good_dir(self, round: int | None) -> Path:
+        return self.checkpoint_dir / f"good-{round}"
 
     # ---------------------------------------------------------------- main loop
     def run(self) -> list[RoundMetrics]:
@@ -209,17 +240,26 @@ class Coordinator:
                            f"{self.config.wait_for_agents_s:.0f}s")
 
     def _run_round(self, r: int, final: bool) -> RoundMetrics:
-        """One round: sample, send tasks, collect, server step, metrics row, checkpoint."""
+        """One round: sample, send tasks, collect, close the aggregate, metrics row, checkpoint."""
         started = time.monotonic()
         sampled, evaluators = self._sample(r, final)
         tasks, result = self._send_tasks(r, sampled, evaluators)
         self._collect(tasks, result, started)
-        aborted = self._server_step(result)
-        row = self._row(result, time.monotonic() - started, final, aborted)
+        tasks.close()  # an answer after this is stale: the aggregate is closed next
+        previous = self.state
+        abort = self._server_step(result)
+        rolled_back = self._after_abort(r, abort) if abort else None
+        row = self._row(result, time.monotonic() - started, final, abort, rolled_back)
         # Row first, checkpoint second: a crash in between leaves a row that the resumed
         # run drops and writes again (see _truncate_metrics), never a round without a row.
         self._append_metrics(row)
         if sampled:
+            if abort is None and previous is not None and self.config.aggregation.rollback_after:
+                # A round trained from `previous` was adopted: it is the last good state.
+                # Written before the checkpoint that names it, so a crash between the two
+                # leaves the checkpoint naming the older good state, still on disk.
+                save_checkpoint(self._good_dir(r - 1), previous, self.run_meta(r - 1))
+                self.good_round = r - 1
             self._checkpoint(r)
         self.progress.update(row)
         return row
@@ -240,6 +280,8 @@ class Coordinator:
         c = self.config
         tasks, result = RoundTasks(r), RoundResult(round=r, sampled=sampled)
         state = self._server_state()
+        if sampled:
+            result.aggregate = self.method.open_round(state, c.aggregation.build())
         self.inbox.open_round(tasks, result, state)
         run = self._run_dict()
         for agent_id, kind in [(a, "train") for a in sampled] + [(a, "evaluate") for a in evaluators]:
@@ -263,7 +305,7 @@ class Coordinator:
         def closable() -> bool:
             if not waiting:
                 return True
-            if len(result.updates) < quorum:
+            if len(result.participants) < quorum:
                 return False
             # is_online is a dict lookup, and any() stops at the first agent still online:
             # no per-message work that grows with the fleet.
@@ -272,21 +314,55 @@ class Coordinator:
         self.inbox.pump_until(closable, started + 2 * timeout)
         if waiting:
             log.info("round %d: closed with %d/%d updates after %.0fs; no answer from %s", result.round,
-                     len(result.updates), len(result.sampled), time.monotonic() - started, ", ".join(sorted(waiting)))
+                     len(result.participants), len(result.sampled), time.monotonic() - started, ", ".join(sorted(waiting)))
             result.dropped.extend(sorted(waiting))
 
-    def _server_step(self, result: RoundResult) -> bool:
-        """Aggregate the round's updates when a quorum answered; returns whether the round was aborted."""
-        result.updates.sort(key=lambda u: u.agent_id)  # aggregation order independent of arrival order
-        if not result.sampled:
-            return False
+    def _server_step(self, result: RoundResult) -> str | None:
+        """Close the round's aggregate when a quorum was added and adopt it if it passes
+        :func:`~.gate.admit_state`; returns why the round was aborted (None: adopted)."""
+        aggregate, result.aggregate = result.aggregate, None  # the round's sums go with this call
+        if not result.sampled or aggregate is None:
+            return None
         quorum = self._quorum(len(result.sampled))
-        if result.updates and len(result.updates) >= quorum:
-            self.state = self.method.server_step(self._server_state(), result.updates, result.round)
-            return False
-        log.warning("round %d: %d of %d updates, below quorum %d; global state unchanged", result.round,
-                    len(result.updates), len(result.sampled), quorum)
-        return True
+        if aggregate.count == 0 or aggregate.count < quorum:
+            log.warning("round %d: %d of %d updates, below quorum %d; global state unchanged", result.round,
+                        aggregate.count, len(result.sampled), quorum)
+            return "below_quorum"
+        candidate = aggregate.close(result.round)
+        refused = admit_state(aggregate.state, candidate, self.config.aggregation.max_change_ratio)
+        if refused is not None:
+            log.warning("round %d: aggregate not adopted: %s (%s); global state unchanged", result.round,
+                        refused.reason, refused.detail)
+            return refused.reason
+        self.state = candidate
+        self.aborted_streak = 0
+        return None
+
+    def _after_abort(self, r: int, reason: str) -> int | None:
+        """Count an aborted round; after ``rollback_after`` in a row, go back to the last
+        good state and return the round it is the state after (None: no rollback)."""
+        self.aborted_streak += 1
+        limit = self.config.aggregation.rollback_after
+        if limit is None or self.aborted_streak < limit:
+            return None
+        streak, self.aborted_streak = self.aborted_streak, 0
+        good = self.good_round
+        found = None
+        if good is not None:
+            try:
+                found = load_checkpoint(self._good_dir(good))
+            except CheckpointError as exc:
+                log.error("round %d: the last good state (good-%d) cannot be read: %s", r, good, exc)
+        if found is None:
+            log.error("round %d: %d rounds in a row aborted (last: %s) and no earlier good state to go back to; "
+                      "going on with the current state", r, streak, reason)
+            return None
+        self.state = found[0]
+        # Now at the good state: nothing older is kept, so a further run of aborts only says so.
+        self.good_round = None
+        log.error("round %d: %d rounds in a row aborted (last: %s); rolled back to the last good state, "
+                  "the global state after round %d", r, streak, reason, good)
+        return good
 
     def _quorum(self, sampled: int) -> int:
         return math.ceil(self.config.quorum * sampled)
@@ -317,7 +393,8 @@ class Coordinator:
         write_json(self.out_dir / "head_metrics.json", self.head_reports)
 
     # ---------------------------------------------------------------- metrics
-    def _row(self, result: RoundResult, seconds: float, final: bool, aborted: bool) -> RoundMetrics:
+    def _row(self, result: RoundResult, seconds: float, final: bool, abort: str | None,
+             rolled_back: int | None) -> RoundMetrics:
         evals = result.evaluations
         correct = sum(e["correct"] for e in evals.values())
         total = sum(e["total"] for e in evals.values())
@@ -327,12 +404,14 @@ class Coordinator:
             final=final,
             accuracy=correct / total if total else None,
             per_client={a: (e["correct"] / e["total"] if e["total"] else None) for a, e in sorted(evals.items())},
-            participants=sorted(u.agent_id for u in result.updates),
+            participants=sorted(result.participants),
             sampled=result.sampled,
             evaluated=len(evals),
             dropped=sorted(result.dropped),
             rejected=dict(result.rejected),
-            aborted=aborted,
+            aborted=abort is not None,
+            abort_reason=abort,
+            rolled_back_to=rolled_back,
             train_loss=float(np.mean(losses)) if losses else None,
             bytes_up=result.bytes_up,
             bytes_down=result.bytes_down,

@@ -17,8 +17,9 @@ is written once and serves every method whose server step averages.
 sorted. Both must give the same bits, so the streaming rules do not add floats (whose
 rounding depends on order): each contribution ``w * (x - reference)`` is rounded once, on
 its own, to a fixed-point grid chosen at :meth:`~Aggregator.begin` from the reference
-alone, and the integers are summed exactly. The grid leaves room for
-:data:`MAX_TOTAL_WEIGHT` of weight and changes of up to :data:`CHANGE_RANGE` times the
+alone, and the integers are summed exactly (in int64 with a carry word, so a round's
+total weight is not bounded by the accumulator). The grid leaves room for one update of
+up to :data:`MAX_UPDATE_WEIGHT` and changes of up to :data:`CHANGE_RANGE` times the
 reference's largest magnitude; an update outside that range is refused by
 :meth:`~Aggregator.add` (:class:`AggregationRejected`), a decision that depends on the
 update alone, never on what arrived before it. The rounding error of the mean is at most
@@ -37,11 +38,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 TensorDict = dict[str, np.ndarray]
 
-#: the most total weight (sum of sample counts) a streaming round can hold
-MAX_TOTAL_WEIGHT = 2**24
+#: the most weight (sample count) one update may carry in a streaming rule
+MAX_UPDATE_WEIGHT = 2**24
 #: how far (in units of the reference's largest magnitude, at least 1) a coordinate may move
 CHANGE_RANGE = 2**6
-_INT64_HEADROOM = 62  # bits of the int64 accumulator used; one spare for the sign of the sum
+_INT64_HEADROOM = 62  # bits one contribution may use in int64; one spare for the sign of the sum
+_CARRY_BITS = 40  # the low word keeps this many bits; the rest is carried to the high word
 
 
 class AggregationRejected(ValueError):
@@ -53,16 +55,30 @@ class AggregationRejected(ValueError):
 
 
 class AggregationSpec(BaseModel):
-    """Which rule aggregates the shared parameters (a run config's ``aggregation:``)."""
+    """How a round's updates become the next state (a run config's ``aggregation:``).
+
+    ``rule`` and its options choose the rule that aggregates the shared parameters
+    (:meth:`build`); ``max_change_ratio`` and ``rollback_after`` are the coordinator's
+    guard on the result: a round whose aggregate is not finite or moves the shared
+    parameters too far is aborted, and a run whose rounds keep aborting goes back to its
+    last good state.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     rule: Literal["mean", "clipped_mean", "median", "trimmed_mean", "multi_krum"] = Field(
-        "mean", description="mean (FedAvg), clipped_mean, or a robust rule: median, trimmed_mean, multi_krum")
+        "mean", description="mean (FedAvg; DualFed: unweighted), clipped_mean, or a robust rule: "
+                            "median, trimmed_mean, multi_krum (these three unweighted, and they buffer the round)")
     clip_ratio: float = Field(1.0, gt=0, description="clipped_mean: largest change norm, relative to the reference's")
     trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="trimmed_mean: share cut from each end per coordinate")
     krum_byzantine: int = Field(1, ge=0, description="multi_krum: how many attackers to tolerate (f)")
     krum_select: int | None = Field(None, ge=1, description="multi_krum: updates averaged (m); default n - f")
+    max_change_ratio: float | None = Field(
+        10.0, gt=0, description="abort a round (reason 'diverged', state kept) whose aggregate moves the shared "
+                               "parameters by more than this times their norm (at least 1); null: no bound")
+    rollback_after: int | None = Field(
+        3, ge=1, description="after this many aborted rounds in a row (any reason, below quorum included), go "
+                             "back to the last good state: the last one a round was adopted from; null: never")
 
     def build(self) -> Aggregator:
         """A new aggregator for this spec."""
@@ -125,29 +141,34 @@ class _ExactSum:
     """Sum of ``w * (x - reference)`` per coordinate, independent of the order of ``add``.
 
     Each contribution is rounded to a grid of ``2**-bits`` times the reference's scale
-    and accumulated in int64; integer addition is associative, so any order gives the
-    same sum. Floating-point tensors only; integer tensors are averaged exactly as integers.
+    and accumulated exactly as an integer ``high * 2**40 + low`` held in two int64
+    arrays: a contribution fits in 62 bits, ``low`` is kept in ``[0, 2**40)`` by carrying
+    into ``high``, so neither word overflows however many updates arrive. Integer
+    addition is associative, so any order gives the same sum. Floating-point tensors
+    only; integer tensors are averaged exactly as integers.
     """
 
     def __init__(self, reference: Mapping[str, np.ndarray]):
         self.reference = reference
         self.scale: dict[str, float] = {}
         self.limit: dict[str, float] = {}
-        self.sums: dict[str, np.ndarray] = {}
+        self.low: dict[str, np.ndarray] = {}
+        self.high: dict[str, np.ndarray] = {}
         for key, ref in reference.items():
             if ref.dtype.kind == "f":
                 magnitude = float(np.max(np.abs(ref))) if ref.size else 0.0
                 span = CHANGE_RANGE * max(1.0, magnitude)  # the largest |x - reference| accepted
-                exponent = math.ceil(math.log2(span * MAX_TOTAL_WEIGHT))
+                exponent = math.ceil(math.log2(span * MAX_UPDATE_WEIGHT))
                 self.scale[key] = 2.0 ** (_INT64_HEADROOM - exponent)
                 self.limit[key] = span
-            self.sums[key] = np.zeros(ref.shape, dtype=np.int64)
+            self.low[key] = np.zeros(ref.shape, dtype=np.int64)
+            self.high[key] = np.zeros(ref.shape, dtype=np.int64)
         self.total_weight = 0
 
     def check(self, params: Mapping[str, np.ndarray], weight: int) -> None:
         """Raise :class:`AggregationRejected` if this update cannot be summed (it alone decides)."""
-        if self.total_weight + weight > MAX_TOTAL_WEIGHT:
-            raise AggregationRejected("malformed", f"round weight would exceed {MAX_TOTAL_WEIGHT}")
+        if weight > MAX_UPDATE_WEIGHT:
+            raise AggregationRejected("malformed", f"one update's weight may be at most {MAX_UPDATE_WEIGHT}")
         for key, ref in self.reference.items():
             x = np.asarray(params[key])
             if x.shape != ref.shape or x.dtype != ref.dtype:
@@ -166,19 +187,28 @@ class _ExactSum:
             x = np.asarray(params[key])
             if ref.dtype.kind == "f":
                 change = (x.astype(np.float64) - ref.astype(np.float64)) * (weight * factor)
-                self.sums[key] += np.rint(change * self.scale[key]).astype(np.int64)
+                contribution = np.rint(change * self.scale[key]).astype(np.int64)
             else:
-                self.sums[key] += weight * (x.astype(np.int64) - ref.astype(np.int64))
+                contribution = weight * (x.astype(np.int64) - ref.astype(np.int64))
+            low = self.low[key]
+            low += contribution
+            carry = low >> _CARRY_BITS  # floor division by 2**40, also for a negative low
+            self.high[key] += carry
+            low -= carry << _CARRY_BITS
         self.total_weight += weight
+
+    def _total(self, key: str) -> np.ndarray:
+        """The exact integer sum of ``key``, rounded once to float64 (both words are exact floats)."""
+        return self.high[key].astype(np.float64) * float(2**_CARRY_BITS) + self.low[key].astype(np.float64)
 
     def mean(self) -> TensorDict:
         out: TensorDict = {}
         for key, ref in self.reference.items():
             if ref.dtype.kind == "f":
-                change = self.sums[key].astype(np.float64) / (self.scale[key] * self.total_weight)
+                change = self._total(key) / (self.scale[key] * self.total_weight)
                 out[key] = (ref.astype(np.float64) + change).astype(ref.dtype)
             else:
-                out[key] = (ref.astype(np.int64) + np.rint(self.sums[key] / self.total_weight)).astype(ref.dtype)
+                out[key] = (ref.astype(np.int64) + np.rint(self._total(key) / self.total_weight)).astype(ref.dtype)
         return out
 
 
@@ -320,6 +350,6 @@ class MultiKrum(_Buffered):
 
 
 __all__ = [
-    "CHANGE_RANGE", "MAX_TOTAL_WEIGHT", "AggregationRejected", "AggregationSpec", "Aggregator", "CoordinateMedian",
+    "CHANGE_RANGE", "MAX_UPDATE_WEIGHT", "AggregationRejected", "AggregationSpec", "Aggregator", "CoordinateMedian",
     "Mean", "MultiKrum", "NormClippedMean", "TrimmedMean",
 ]

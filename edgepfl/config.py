@@ -14,6 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .aggregation import AggregationSpec
 from .heads import OFFLINE_HEAD_KIND
 from .methods import Method, available_head_kinds, get_method
 from .protocol.run import DataShape, MethodChoice, Normalization, RunSpec
@@ -21,8 +22,9 @@ from .protocol.topics import check_segment
 from .specs import BrokerConfig, DataSpec, ModelSpec, PartitionSpec, TrainConfig, _Strict
 
 __all__ = [
-    "AgentConfig", "BrokerConfig", "ConfigError", "DataSpec", "MethodSpec", "ModelSpec", "PartitionSpec",
-    "RunConfig", "RunSpec", "TrainConfig", "load_agent_config", "load_run_config", "load_yaml", "parse_config",
+    "AgentConfig", "AggregationSpec", "BrokerConfig", "ConfigError", "DataSpec", "MethodSpec", "ModelSpec",
+    "PartitionSpec", "RunConfig", "RunSpec", "TrainConfig", "load_agent_config", "load_run_config", "load_yaml",
+    "parse_config",
 ]
 
 
@@ -69,6 +71,10 @@ class RunConfig(_Strict):
     fraction: float = Field(1.0, gt=0, le=1, description="share of online agents sampled per round")
     min_agents: int = Field(2, ge=1, description="agents online before round 0 starts")
     quorum: float = Field(0.5, gt=0, le=1, description="share of sampled agents enough to close a round at timeout")
+    aggregation: AggregationSpec = Field(
+        default_factory=AggregationSpec,
+        description="the rule that aggregates every method's shared parameters (default: the weighted mean), "
+                    "and the guard on its result (max_change_ratio, rollback_after)")
     round_timeout_s: float = Field(120.0, gt=0)
     wait_for_agents_s: float = Field(300.0, gt=0)
     eval_every: int = Field(1, ge=1, description="agents not sampled are asked to evaluate every k rounds")

@@ -39,7 +39,13 @@ class RoundMetrics(BaseModel):
     evaluated: int = Field(ge=0, description="agents that answered (train or evaluate)")
     dropped: list[str] = Field(description="agents that did not answer before the round closed, sorted")
     rejected: dict[str, int] = Field(description="messages rejected this round, per reason")
-    aborted: bool = Field(description="below quorum: the global state was left unchanged")
+    aborted: bool = Field(description="the global state was left unchanged (abort_reason says why)")
+    abort_reason: str | None = Field(
+        None, description="below_quorum (too few updates), or the closed aggregate was refused: non_finite, "
+                          "diverged (moved the shared parameters more than aggregation.max_change_ratio allows)")
+    rolled_back_to: int | None = Field(
+        None, description="after aggregation.rollback_after aborted rounds in a row, the global state went back "
+                          "to the last good one: the state after this round (-1: the initial state)")
     train_loss: float | None = Field(description="mean local training loss of the participants")
     bytes_up: int = Field(ge=0, description="agent -> coordinator bytes of the answers counted")
     bytes_down: int = Field(ge=0, description="coordinator -> agent bytes of the tasks sent")

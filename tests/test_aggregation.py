@@ -185,3 +185,28 @@ def test_result_without_updates_is_an_error_not_a_silent_reference():
     rule.begin(reference(np.random.default_rng(9)))
     with pytest.raises(RuntimeError):
         rule.result()
+
+
+def test_a_round_may_carry_more_total_weight_than_one_update_and_stays_exact_and_order_free():
+    """The refusal of a heavy update depends on that update alone (its own weight), never on
+    how much weight arrived before it: a thousand devices of 60,000 samples each fit one round."""
+    from edgepfl.aggregation import MAX_UPDATE_WEIGHT
+
+    rng = np.random.default_rng(10)
+    ref = reference(rng)
+    updates = honest(ref, rng, 8, spread=0.5)
+    weights = [MAX_UPDATE_WEIGHT - i for i in range(8)]  # ~2**27 in all, far past one word's headroom
+    want = aggregate(Mean(), ref, updates, weights)
+    w = np.asarray(weights, np.float64) / sum(weights)
+    for key in ref:
+        exact = sum(wi * u[key].astype(np.float64) for wi, u in zip(w, updates))
+        np.testing.assert_allclose(want[key], exact, rtol=2e-7, atol=1e-9)
+    for seed in range(5):
+        order = np.random.default_rng(seed).permutation(8)
+        got = aggregate(Mean(), ref, [updates[i] for i in order], [weights[i] for i in order])
+        assert all(got[k].tobytes() == want[k].tobytes() for k in ref)
+    rule = Mean()
+    rule.begin(ref)
+    with pytest.raises(AggregationRejected) as err:
+        rule.add(updates[0], MAX_UPDATE_WEIGHT + 1)
+    assert err.value.reason == "malformed"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from edgepfl.config import ConfigError, RunConfig, load_run_config
+from edgepfl.config import AggregationSpec, ConfigError, RunConfig, load_run_config
 from edgepfl.methods import available_methods, get_method
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,6 +47,26 @@ def test_method_config_is_named_after_its_method_and_uses_fmnist(path):
     assert config.federation == f"fmnist-{path.stem}"  # distinct federations: runs never share topics
 
 
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_aggregate_with_the_default_mean_and_guard(path):
+    """The aggregation section came later: a config without one keeps FedAvg's weighted
+    mean (DualFed: unweighted, by its update weight) and gets the default guard."""
+    config = load_run_config(path)
+    assert config.aggregation == AggregationSpec()
+    assert config.aggregation.rule == "mean" and config.aggregation.build().streaming
+
+
+def test_an_aggregation_section_parses(tmp_path):
+    data = yaml.safe_load((REPO / "configs" / "fedavg.yaml").read_text())
+    data["aggregation"] = {"rule": "trimmed_mean", "trim_fraction": 0.1, "max_change_ratio": None,
+                           "rollback_after": 5}
+    path = tmp_path / "robust.yaml"
+    path.write_text(yaml.safe_dump(data))
+    spec = load_run_config(path).aggregation
+    assert (spec.rule, spec.trim_fraction, spec.max_change_ratio, spec.rollback_after) == ("trimmed_mean", 0.1, None, 5)
+    assert not spec.build().streaming
+
+
 def _broken(tmp_path: Path, mutate) -> Path:
     data = yaml.safe_load((REPO / "configs" / "fedpac.yaml").read_text())
     data = copy.deepcopy(data)
@@ -65,6 +85,9 @@ BROKEN = {
     "unknown method": (lambda d: d["method"].update(name="fedmagic"), "method.name"),
     "unknown method option": (lambda d: d["method"].update(lamda=1.0), "method.lamda"),
     "wrong method option type": (lambda d: d["method"].update(body_epochs="five"), "method.body_epochs"),
+    "unknown aggregation rule": (lambda d: d.update(aggregation={"rule": "average"}), "aggregation.rule"),
+    "aggregation option out of range": (lambda d: d.update(aggregation={"trim_fraction": 0.5}),
+                                        "aggregation.trim_fraction"),
 }
 
 

@@ -19,10 +19,11 @@ from edgepfl.coordinator.gate import (
     Task,
     UpdateGate,
     admit_metrics,
+    admit_state,
     admit_status,
 )
 from edgepfl.coordinator.registry import Registry
-from edgepfl.methods import ClientUpdate, UpdateRejected, create_method
+from edgepfl.methods import ClientUpdate, ServerState, UpdateRejected, create_method
 from edgepfl.protocol import MessageType, MetricsMeta, StatusMeta, TaskMeta, UpdateMeta, encode, new_message_id
 
 from wire_samples import sample_run_spec
@@ -170,6 +171,12 @@ def test_an_update_for_another_round_is_stale(rnd):
     assert reason(rnd.admit(rnd.frame(round=ROUND + 5))) == "stale"
 
 
+def test_an_update_for_a_round_that_stopped_collecting_is_stale(rnd):
+    rnd.tasks.close()  # its aggregate is closed: nothing may be added to it any more
+    assert reason(rnd.admit(rnd.frame())) == "stale"
+    assert rnd.tasks.waiting == {"alice", "bob"}
+
+
 def test_an_answer_to_a_task_never_sent_is_unexpected(rnd):
     assert reason(rnd.admit(rnd.frame(task_id=new_message_id()))) == "unexpected"
     rnd.registry.update("carol", StatusMeta(state="online", num_train=10))
@@ -274,3 +281,43 @@ def test_metrics_from_the_agent_of_the_topic_are_admitted():
     assert reason(admit_metrics("other", frame)) == "malformed"
     assert reason(admit_metrics("pi", status("pi"))) == "malformed"
     assert reason(admit_metrics("pi", b"EPF1")) == "malformed"
+
+
+# --------------------------------------------------------------------------- a round's closed aggregate
+
+
+def moved(state: ServerState, by: float, **client_tensors) -> ServerState:
+    return ServerState({k: (v + by).astype(v.dtype) for k, v in state.global_tensors.items()},
+                       client_tensors=client_tensors)
+
+
+def test_an_aggregate_is_adopted_when_finite_and_within_the_change_bound(method_and_state):
+    _, state = method_and_state
+    assert admit_state(state, moved(state, 0.001), 10.0) is None
+    assert admit_state(state, moved(state, 1e6), None) is None  # no bound: only finiteness
+
+
+def test_a_non_finite_aggregate_is_refused_wherever_the_nan_is(method_and_state):
+    _, state = method_and_state
+    bad = moved(state, 0.0)
+    key = next(iter(bad.global_tensors))
+    bad.global_tensors[key] = bad.global_tensors[key].copy()
+    bad.global_tensors[key].flat[0] = np.nan
+    verdict = admit_state(state, bad, None)
+    assert isinstance(verdict, Rejection) and verdict.reason == "non_finite" and key in verdict.detail
+    head = {"head.weight": np.array([[np.inf]], np.float32)}
+    verdict = admit_state(state, moved(state, 0.0, a=head), None)  # a per-client tensor (FedPAC's heads)
+    assert isinstance(verdict, Rejection) and verdict.reason == "non_finite"
+
+
+def test_an_aggregate_that_moves_more_than_the_ratio_of_the_norm_is_diverged(method_and_state):
+    _, state = method_and_state
+    shared = state.shared_params()
+    norm = float(np.sqrt(sum(np.sum(v.astype(np.float64) ** 2) for v in shared.values())))
+    size = sum(v.size for v in shared.values())
+    by = 2.0 * max(norm, 1.0) / np.sqrt(size)  # a change of norm 2 x max(norm, 1)
+    assert admit_state(state, moved(state, by), 2.5) is None
+    verdict = admit_state(state, moved(state, by), 1.5)
+    assert isinstance(verdict, Rejection) and verdict.reason == "diverged" and verdict.agent_id is None
+    zero = ServerState({k: np.zeros_like(v) for k, v in shared.items()})
+    assert admit_state(zero, moved(zero, 0.5 / np.sqrt(size)), 1.0) is None  # a zero state may still move

@@ -2,9 +2,11 @@
 
 What is checked here is the coordinator's own logic: when a round closes (all answered,
 quorum + everyone missing offline, quorum + timeout, hard deadline), what it counts
-(rejections from the fleet and from the gate, by reason), what it tells the fleet
-(agents coming online), that a hostile sample count cannot crash it, and that a round
-of 1,000 agents costs time proportional to its messages.
+(rejections from the fleet, the gate and the aggregation rule, by reason), what it tells
+the fleet (agents coming online), that a hostile sample count cannot crash it, that a
+round of 1,000 agents costs time proportional to its messages, and what becomes of the
+round's aggregate: refused when not finite or moved too far, rolled back after repeated
+failures, and (with a streaming rule) holding no update's tensors.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 
 from edgepfl.config import RunConfig
 from edgepfl.coordinator.fleet import Fleet, Incoming
 from edgepfl.coordinator.gate import Rejection
 from edgepfl.coordinator.registry import Registry
-from edgepfl.coordinator.rounds import Coordinator
+from edgepfl.coordinator.rounds import Coordinator, RoundResult
 from edgepfl.protocol import (
     AgentChannel,
     CoordinatorMeta,
@@ -254,3 +257,225 @@ def test_rejection_totals_survive_a_restart(tmp_path):
     rows = resumed.run()
     assert [r.round for r in rows] == [1, 2] and rows[0].rejected == {"malformed": 1}
     assert checkpointed()["round"] == 1 and checkpointed()["rejected_total"] == {"malformed": 2}
+
+
+# --------------------------------------------------------------------------- aggregation in the round
+
+
+def shifted(agent_id: str, by: float | Callable[[int], float], num_train: int = 10) -> Responder:
+    """A trainer whose update moves every float tensor it got by ``by`` (or ``by(round)``)."""
+    def answer(task: Message) -> list[bytes]:
+        if task.meta.kind != "train":
+            return honest(agent_id, num_train)(task)
+        delta = by(task.header.round) if callable(by) else by
+        tensors = {k: (v + delta).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in task.tensors.items()}
+        meta = UpdateMeta(task_id=task.meta.task_id, kind="train", num_train=num_train, num_test=5, eval_correct=2)
+        return [encode(MessageType.UPDATE, federation=FED, sender=agent_id, round=task.header.round, meta=meta,
+                       tensors=tensors)]
+    return answer
+
+
+def scaled(agent_id: str, factor: float) -> Responder:
+    """A trainer that answers with the tensors it got times ``factor``."""
+    def answer(task: Message) -> list[bytes]:
+        if task.meta.kind != "train":
+            return honest(agent_id)(task)
+        tensors = {k: (v * factor).astype(v.dtype) for k, v in task.tensors.items()}
+        meta = UpdateMeta(task_id=task.meta.task_id, kind="train", num_train=10, num_test=5, eval_correct=2)
+        return [encode(MessageType.UPDATE, federation=FED, sender=agent_id, round=task.header.round, meta=meta,
+                       tensors=tensors)]
+    return answer
+
+
+def global_tensors(coord: Coordinator) -> dict:
+    assert coord.state is not None
+    return {k: v.copy() for k, v in coord.state.global_tensors.items()}
+
+
+def same_tensors(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
+
+
+def test_an_update_scaled_a_millionfold_is_rejected_out_of_range_and_the_round_completes(tmp_path, caplog):
+    fleet = ScriptedFleet({"a": honest("a"), "b": honest("b"), "m": scaled("m", 1e6)})
+    coord = coordinator(fleet, tmp_path)
+    coord.init_or_resume()
+    before = global_tensors(coord)
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        rows = coord.run()
+    assert time.monotonic() - started < 10  # m's answer counts as an answer: no wait for the timeout
+    assert rows[0].rejected == {"out_of_range": 1} and coord.rejected_total == {"out_of_range": 1}
+    assert rows[0].participants == ["a", "b"] and rows[0].dropped == [] and not rows[0].aborted
+    assert rows[0].evaluated == 2  # nothing of a refused update counts, its evaluation neither
+    assert same_tensors(global_tensors(coord), before)  # the mean of a's and b's echo
+    assert "rejected message from m: out_of_range" in caplog.text
+
+
+def test_an_aggregate_that_moves_too_far_is_not_adopted_and_a_robust_rule_outvotes_the_attacker(tmp_path, caplog):
+    # +50 on every coordinate is within the rule's range (64 x max(1, |w|)): only the
+    # closed mean shows it, moving the model by ~17 per coordinate
+    agents = {"a": shifted("a", 0.001), "b": shifted("b", 0.001), "m": shifted("m", 50.0)}
+    coord = coordinator(ScriptedFleet(agents), tmp_path / "mean")
+    coord.init_or_resume()
+    before = global_tensors(coord)
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        rows = coord.run()
+    assert rows[0].aborted and rows[0].abort_reason == "diverged" and rows[0].rolled_back_to is None
+    assert rows[0].participants == ["a", "b", "m"]  # all three went into the refused aggregate
+    assert same_tensors(global_tensors(coord), before)
+    assert "round 0: aggregate not adopted: diverged" in caplog.text
+
+    robust = coordinator(ScriptedFleet(agents), tmp_path / "median", aggregation={"rule": "median"})
+    rows = robust.run()
+    assert not rows[0].aborted and rows[0].abort_reason is None
+    after = global_tensors(robust)
+    for key, value in before.items():  # the median of (+0.001, +0.001, +50) is +0.001
+        np.testing.assert_allclose(after[key], value + 0.001, rtol=0, atol=1e-6)
+
+
+def test_a_non_finite_aggregate_is_not_adopted(tmp_path, caplog):
+    coord = coordinator(ScriptedFleet({"a": honest("a"), "b": honest("b")}), tmp_path)
+    coord.init_or_resume()
+    before = global_tensors(coord)
+    finish = coord.method.finish_round
+
+    def overflowing(state, shared, updates, round):  # a server step with a numerical bug
+        new = finish(state, shared, updates, round)
+        key = next(iter(new.global_tensors))
+        new.global_tensors[key] = np.full_like(new.global_tensors[key], np.inf)
+        return new
+
+    coord.method.finish_round = overflowing  # type: ignore[method-assign]
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        rows = coord.run()
+    assert rows[0].aborted and rows[0].abort_reason == "non_finite"
+    assert same_tensors(global_tensors(coord), before)
+    assert "aggregate not adopted: non_finite" in caplog.text
+
+
+def test_rounds_that_keep_failing_roll_back_to_the_last_good_state_and_resume_keeps_it(tmp_path, caplog):
+    """Round 0 is adopted (from the initial state S0); rounds 1 and 2 fail from its result
+    S1; with rollback_after=2 the state goes back to S0, the last state a round was adopted
+    from, and round 3 trains from S0. A coordinator restarted after round 1 does the same."""
+    def poison(r: int) -> float:
+        return 50.0 if r in (1, 2) else 0.01
+
+    def fleet() -> ScriptedFleet:
+        return ScriptedFleet({"a": shifted("a", 0.01), "b": shifted("b", 0.01), "m": shifted("m", poison)})
+
+    def run(out, rounds: int) -> tuple[Coordinator, list]:
+        coord = coordinator(fleet(), out, rounds=rounds, aggregation={"rollback_after": 2})
+        return coord, coord.run()
+
+    sent: dict[int, dict] = {}
+    coord = coordinator(fleet(), tmp_path / "once", rounds=4, aggregation={"rollback_after": 2})
+    coord.fleet.on_send = lambda agent, task: sent.setdefault(task.header.round, dict(task.tensors))  # type: ignore[attr-defined]
+    coord.init_or_resume()
+    s0 = global_tensors(coord)
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        rows = coord.run()
+    assert [r.abort_reason for r in rows[:4]] == [None, "diverged", "diverged", None]
+    assert [r.rolled_back_to for r in rows[:4]] == [None, None, -1, None]
+    s1 = sent[1]
+    assert not same_tensors(s1, s0) and same_tensors(sent[2], s1)  # round 2 still trains from S1
+    assert same_tensors(sent[3], s0)  # round 3 from the rolled-back S0
+    for key, value in s0.items():
+        np.testing.assert_allclose(coord.state.global_tensors[key], value + 0.01, rtol=0, atol=1e-6)
+    assert "2 rounds in a row aborted (last: diverged); rolled back to the last good state, the global state " \
+           "after round -1" in caplog.text
+    checkpoint = tmp_path / "once" / "run" / "checkpoint"
+    assert sorted(p.name for p in checkpoint.glob("good-*")) == ["good-2"]  # S0 again proved good in round 3
+
+    # a coordinator killed after round 1 resumes with the failure count and the good state
+    run(tmp_path / "twice", rounds=2)
+    meta = json.loads((tmp_path / "twice" / "run" / "checkpoint" / "state.json").read_text())
+    assert meta["aborted_streak"] == 1 and meta["good_round"] == -1
+    resumed, rows2 = run(tmp_path / "twice", rounds=4)
+    assert [r.rolled_back_to for r in rows2[:2]] == [-1, None]
+    assert same_tensors(global_tensors(resumed), global_tensors(coord))
+
+
+def reachable_arrays(root: object) -> dict[int, int]:
+    """Every numpy buffer reachable from ``root`` through attributes and containers: base id -> bytes."""
+    seen: set[int] = set()
+    found: dict[int, int] = {}
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool, type)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, np.ndarray):
+            base = obj
+            while isinstance(base.base, np.ndarray):
+                base = base.base
+            found[id(base)] = base.nbytes
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset, deque)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+    return found
+
+
+@pytest.mark.parametrize("rule", ["mean", "clipped_mean", "median"])
+def test_a_streaming_rule_keeps_no_update_in_the_open_round(tmp_path, rule):
+    """Structural: what the open round holds while 20 updates come in. With a streaming rule
+    it is the round's reference and its sums, whatever the number of updates; a buffered
+    rule (median) holds every update, which is what this check would see."""
+    n = 20
+    peak = {"bytes": 0, "added": 0}
+
+    class Probe(ScriptedFleet):
+        coord: Coordinator | None = None
+
+        def poll(self, timeout: float):
+            sink = self.coord.inbox._sink if self.coord else None
+            if isinstance(sink, RoundResult) and sink.aggregate is not None:
+                peak["bytes"] = max(peak["bytes"], sum(reachable_arrays(sink).values()))
+                peak["added"] = max(peak["added"], sink.aggregate.count)
+            return super().poll(timeout)
+
+    fleet = Probe({f"agent-{i:02d}": shifted(f"agent-{i:02d}", 0.001 * i) for i in range(n)})
+    coord = fleet.coord = coordinator(fleet, tmp_path, aggregation={"rule": rule})
+    coord.init_or_resume()
+    model = sum(v.nbytes for v in coord.state.shared_params().values())
+    coord.run()
+    assert peak["added"] == n - 1  # measured with all but the last update in
+    if RunConfig(aggregation={"rule": rule}).aggregation.build().streaming:
+        # the state (1x) and two int64 words per float32 coordinate (4x); per update 1x more
+        assert peak["bytes"] <= 6 * model, (peak, model)
+    else:
+        assert peak["bytes"] >= (n - 1) * model, (peak, model)
+
+
+def test_an_answer_that_comes_after_its_round_closed_is_stale(tmp_path):
+    """c goes offline with its round-0 task (the round closes on quorum without it), and
+    its round-0 answer arrives while the coordinator waits for it before round 1: too late
+    for a round whose aggregate is already closed."""
+    late: list[bytes] = []
+
+    def c(task: Message) -> list[bytes]:
+        if task.header.round == 0 and task.meta.kind == "train":
+            late.extend(honest("c")(task))
+            fleet.events.append(status("c", state="offline"))
+            return []
+        return honest("c")(task)
+
+    fleet = ScriptedFleet({"a": honest("a"), "b": honest("b"), "c": c})
+    coord = coordinator(fleet, tmp_path, rounds=2, quorum=0.5)
+    original = coord._collect
+
+    def collect_then_c_answers_late(tasks, result, started):
+        original(tasks, result, started)
+        if result.round == 0:
+            fleet.events.extend(Incoming("c", AgentChannel.UPDATE, f, len(f)) for f in late)
+            fleet.events.append(status("c"))
+
+    coord._collect = collect_then_c_answers_late  # type: ignore[method-assign]
+    rows = coord.run()
+    assert rows[0].participants == ["a", "b"] and rows[0].dropped == ["c"] and not rows[0].aborted
+    assert coord.rejected_total == {"stale": 1}
+    assert rows[1].participants == ["a", "b", "c"]

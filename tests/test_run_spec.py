@@ -112,7 +112,11 @@ def test_a_metrics_line_written_before_the_typed_row_reads_and_writes_back_ident
     (tmp_path / "metrics.jsonl").write_text(line + "\n")
     (row,) = read_metrics(tmp_path)
     assert row.dropped == ["agent-01"] and row.per_client["agent-01"] is None
-    assert row.to_line() == line
+    assert row.abort_reason is None and row.rolled_back_to is None  # fields added later read as null
+    # written back: the old keys with their values in their order, then the later fields
+    later = {"abort_reason": None, "rolled_back_to": None}
+    assert json.loads(row.to_line()) == {**old, **later}
+    assert row.to_line().startswith(line[:line.index(', "train_loss"')])
 
     (tmp_path / "metrics.jsonl").write_text(line + json.dumps({**old, "bytes_up": -1}) + "\n")
     with pytest.raises(MetricsError, match=r"metrics.jsonl:2: bytes_up"):

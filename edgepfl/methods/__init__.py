@@ -19,6 +19,7 @@ from .base import (
     LocalResult,
     Method,
     MethodConfig,
+    RoundAggregate,
     ServerState,
     TensorDict,
     UpdateRejected,
@@ -84,7 +85,7 @@ def create_method(name: str, options: Mapping[str, Any] | None = None) -> Method
 
 
 __all__ = [
-    "ClientUpdate", "EvalResult", "LocalContext", "LocalResult", "Method", "MethodConfig", "ServerState",
-    "TensorDict", "UpdateRejected", "available_head_kinds", "available_methods", "create_method", "get_method",
+    "ClientUpdate", "EvalResult", "LocalContext", "LocalResult", "Method", "MethodConfig", "RoundAggregate",
+    "ServerState", "TensorDict", "UpdateRejected", "available_head_kinds", "available_methods", "create_method", "get_method",
     "register",
 ]

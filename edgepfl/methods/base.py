@@ -7,8 +7,10 @@ A method states, once:
   are **shared** (averaged on the server) or **personal** (never leave the device),
   BatchNorm policy included (``shared_parts``, ``bn_policy``, ``upload_personal``);
 * the **local update** run on a trainer agent (:meth:`Method.local_update`);
-* the **server step** run on the coordinator (:meth:`Method.server_step`,
-  :meth:`Method.payload_for`) — pure numpy functions, no I/O;
+* the **server step** run on the coordinator — a round's aggregation opened with
+  :meth:`Method.open_round`, fed one accepted update at a time, closed into the next
+  state (:class:`RoundAggregate`; :meth:`Method.server_step` does all three at once)
+  and :meth:`Method.payload_for` — pure numpy functions, no I/O;
 * the **inference rule** (:meth:`Method.logits`) and personalized evaluation;
 * the **export plan**: which module is the frozen encoder, which head runs on a
   device (:meth:`Method.encoder_module`, :meth:`Method.device_head`);
@@ -36,9 +38,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from ..aggregation import Aggregator, Mean
 from ..heads import GENERIC_HEAD_KINDS
 from ..state import ServerState
-from .aggregate import weighted_mean
 from .training import EvalResult, evaluate_logits, fit
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -82,6 +84,60 @@ class ClientUpdate:
 
     def params(self) -> TensorDict:
         return {k: v for k, v in self.tensors.items() if "/" not in k}
+
+
+class RoundAggregate:
+    """One round's aggregation for one method: :meth:`Method.open_round` opens it,
+    :meth:`add` folds in each accepted update as it arrives, :meth:`close` makes the next
+    :class:`ServerState`.
+
+    The shared parameters go through the round's rule (:mod:`edgepfl.aggregation`),
+    weighted by :meth:`Method.update_weight`, whatever the method: a robust rule applies
+    to every method whose server step averages. For a streaming method
+    (``Method.streaming``) nothing of an update is kept after :meth:`add` beyond what the
+    rule keeps (a streaming rule: running sums, O(model)); a method whose server step
+    needs every update (FedPAC) gets them all, sorted by agent id, in
+    :meth:`Method.finish_round`.
+    """
+
+    def __init__(self, method: Method, state: ServerState, rule: Aggregator):
+        self.method = method
+        self.state = state
+        self.rule = rule
+        self.reference = state.shared_params()
+        #: agents whose update was added, in arrival order
+        self.participants: list[str] = []
+        #: every added update, only when the method is not streaming
+        self.updates: list[ClientUpdate] = []
+        if self.reference:
+            rule.begin(self.reference)
+
+    @property
+    def count(self) -> int:
+        """Updates added so far."""
+        return len(self.participants)
+
+    def add(self, update: ClientUpdate) -> None:
+        """Fold in one update that passed :meth:`Method.check_update`.
+
+        Raises :class:`~edgepfl.aggregation.AggregationRejected` (with a reason for the
+        rejection counters) for an update the rule cannot take; the round then goes on
+        as if it had not arrived.
+        """
+        if self.reference:
+            shared = {k: v for k, v in update.tensors.items() if k in self.reference}
+            self.rule.add(shared, self.method.update_weight(update))
+        self.participants.append(update.agent_id)
+        if not self.method.streaming:
+            self.updates.append(update)
+
+    def close(self, round: int) -> ServerState:
+        """The next server state from every update added (at least one)."""
+        if not self.participants:
+            raise RuntimeError("no update was added this round")
+        shared = self.rule.result() if self.reference else {}
+        updates = sorted(self.updates, key=lambda u: u.agent_id)
+        return self.method.finish_round(self.state, shared, updates, round)
 
 
 @dataclass
@@ -134,6 +190,10 @@ class Method:
     #: personal prefixes that are nevertheless uploaded for a server computation
     #: (FedPAC's heads); listed so the contract tests can tell them from leaks
     upload_personal: ClassVar[tuple[str, ...]] = ()
+    #: False when the server step needs every update of the round at once (FedPAC's
+    #: weights over clients' statistics): :meth:`finish_round` then gets them all. True:
+    #: an update is folded in when it arrives and then dropped (memory O(model)).
+    streaming: ClassVar[bool] = True
     #: heads a device can fit on this method's frozen encoder, built by :meth:`make_head`:
     #: the generic kinds of :mod:`edgepfl.heads` and, for a method with a head of its own
     #: (DualFed, FedPick), the method's name. The one vocabulary of head kinds.
@@ -209,7 +269,7 @@ class Method:
         return {}
 
     def check_update(self, state: ServerState, update: ClientUpdate) -> None:
-        """Reject an update that does not fit; called before :meth:`server_step`."""
+        """Reject an update that does not fit; called before :meth:`RoundAggregate.add`."""
         expected = state.shared_params()
         got = update.params()
         personal_ok = [k for k in got if any(k.startswith(p + ".") for p in self.upload_personal)]
@@ -232,12 +292,34 @@ class Method:
             if len(s) != len(shape) or any(a is not None and a != b for a, b in zip(shape, s)):
                 raise UpdateRejected("wrong_shape", f"stat/{key}: got {list(s)}, want {list(shape)}")
 
-    def server_step(self, state: ServerState, updates: list[ClientUpdate], round: int) -> ServerState:
-        """Aggregate one round's updates (sorted by agent id). Default: sample-weighted mean."""
-        params = weighted_mean([u.params() for u in updates], [u.num_samples for u in updates], keys=state.shared_params())
+    def update_weight(self, update: ClientUpdate) -> int:
+        """An update's weight in the rule's mean. Default: its sample count (which the
+        coordinator bounds by the count the agent announced)."""
+        return update.num_samples
+
+    def open_round(self, state: ServerState, rule: Aggregator) -> RoundAggregate:
+        """Start aggregating a round whose tasks carried ``state``, its shared parameters with ``rule``."""
+        return RoundAggregate(self, state, rule)
+
+    def finish_round(self, state: ServerState, shared: TensorDict, updates: list[ClientUpdate],
+                     round: int) -> ServerState:
+        """The next state from ``shared``, the rule's aggregate of the shared parameters.
+
+        ``updates``: every update of the round sorted by agent id when the method is not
+        :attr:`streaming`, else empty. Default: ``shared`` replaces the global parameters.
+        """
         merged = dict(state.global_tensors)
-        merged.update(params)
+        merged.update(shared)
         return ServerState(global_tensors=merged, client_tensors=state.client_tensors, extra=state.extra)
+
+    def server_step(self, state: ServerState, updates: list[ClientUpdate], round: int,
+                    rule: Aggregator | None = None) -> ServerState:
+        """Aggregate one round's updates at once (``rule`` default: the weighted mean):
+        :meth:`open_round`, :meth:`RoundAggregate.add` in agent-id order, :meth:`RoundAggregate.close`."""
+        aggregate = self.open_round(state, rule if rule is not None else Mean())
+        for update in sorted(updates, key=lambda u: u.agent_id):
+            aggregate.add(update)
+        return aggregate.close(round)
 
     def payload_for(self, state: ServerState, agent_id: str) -> TensorDict:
         """What one agent receives with its task. Default: the global tensors."""

@@ -8,7 +8,7 @@ classifier ``h_p`` on u and the global classifier ``h_s`` on z (shared).
 Shared: encoder weights including BatchNorm affine parameters, and ``h_s``. Personal:
 ``g``, ``h_p`` and the running mean / var of every BatchNorm layer
 (``bn_policy = "local_stats"``). The server takes the plain, unweighted mean over the
-round's participants [code].
+round's participants [code] (every update has weight 1 in the run's aggregation rule).
 
 Local training, ``schedule = "stagewise"`` (default) [paper 4.2, code], each round:
 
@@ -42,8 +42,7 @@ from .._torch import F, nn, torch
 from ..heads import GENERIC_HEAD_KINDS
 from ..models import model_as
 from . import register
-from .aggregate import weighted_mean
-from .base import ClientUpdate, LocalContext, LocalResult, Method, MethodConfig, ServerState
+from .base import ClientUpdate, LocalContext, LocalResult, Method, MethodConfig
 from .losses import SupConForm, supcon_loss
 from .training import fit, make_optimizer
 
@@ -203,12 +202,9 @@ class DualFed(Method):
         return LocalResult(upload=self.shared_params(model), train_loss=loss, metrics=metrics)
 
     # ------------------------------------------------------------------ server side
-    def server_step(self, state: ServerState, updates: list[ClientUpdate], round: int) -> ServerState:
-        """Plain mean of the participants' shared tensors, whatever their sample counts [code]."""
-        params = weighted_mean([u.params() for u in updates], None, keys=state.shared_params())
-        merged = dict(state.global_tensors)
-        merged.update(params)
-        return ServerState(global_tensors=merged, client_tensors=state.client_tensors, extra=state.extra)
+    def update_weight(self, update: ClientUpdate) -> int:
+        """Every participant counts once, whatever its sample count: the plain mean [code]."""
+        return 1
 
     # ------------------------------------------------------------------ export plan
     def device_head(self, model: nn.Module) -> nn.Module:

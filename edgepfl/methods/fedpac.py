@@ -14,7 +14,7 @@ clients' heads. Per round, per selected client (order as in the authors' code):
    a class without a global centroid is pulled to its local one);
 4. upload body, head, local class centroids after training, class counts, h and v.
 
-Server: body = sample-weighted mean; global centroids count-weighted; for every
+Server: body = sample-weighted mean (the run's aggregation rule); global centroids count-weighted; for every
 participant i, combination weights alpha_i = argmin a^T P a on the simplex with
 P = diag(v) + D, D_jl = sum_k (h_i[k] - h_j[k]) . (h_i[k] - h_l[k]), and its new
 head = sum_j alpha_ij W_j / sum_j alpha_ij. The "prototype" weighting variant sets
@@ -198,6 +198,7 @@ class FedPAC(Method):
     config: FedPACConfig
     shared_parts = ("encoder",)
     upload_personal = ("head",)
+    streaming = False  # the QP / prototype weights and the centroids need every update of the round
 
     # -------------------------------------------------------------- agent side
     def receive(self, model, payload: TensorDict, ctx) -> None:
@@ -275,15 +276,17 @@ class FedPAC(Method):
             if got[key].shape != shape:
                 raise UpdateRejected("wrong_shape", f"{key}: got {list(got[key].shape)}, want {list(shape)}")
 
-    def server_step(self, state: ServerState, updates: list[ClientUpdate], round: int) -> ServerState:
+    def finish_round(self, state: ServerState, shared: TensorDict, updates: list[ClientUpdate],
+                     round: int) -> ServerState:
+        """Body from the round's rule (sample-weighted with ``mean``); centroids and the
+        clients' combined heads from every update's statistics (hence ``streaming = False``)."""
         cfg = self.config
         ids = [u.agent_id for u in updates]
         stats = [u.stats() for u in updates]
         heads = [{key: val for key, val in u.params().items() if key.startswith("head.")} for u in updates]
 
         merged = dict(state.global_tensors)
-        merged.update(weighted_mean([u.params() for u in updates], [u.num_samples for u in updates],
-                                    keys=state.shared_params()))
+        merged.update(shared)
         centroids, totals = count_weighted_centroids([s["centroids"] for s in stats], [s["counts"] for s in stats])
         merged[CENTROIDS] = centroids
         merged[CENTROID_COUNTS] = totals.astype(np.int64)
