@@ -91,10 +91,8 @@ class SklearnHead(HeadEstimator):
         return self.pipeline_.predict_proba(check_array(X, dtype=np.float32))
 
 
-class LRHead(SklearnHead):
-    """Multinomial logistic regression (lbfgs) on (L2-normalized) features."""
-
-    kind = "lr"
+class _LinearHead(SklearnHead):
+    """A linear classifier with inverse regularization ``C`` (LR and SVM share these parameters)."""
 
     def __init__(self, C: float = DEFAULT_C, max_iter: int = DEFAULT_MAX_ITER, normalize: bool = DEFAULT_NORMALIZE,
                  random_state: int | None = 0):
@@ -103,13 +101,19 @@ class LRHead(SklearnHead):
         self.normalize = normalize
         self.random_state = random_state
 
+
+class LRHead(_LinearHead):
+    """Multinomial logistic regression (lbfgs) on (L2-normalized) features."""
+
+    kind = "lr"
+
     def _classifier(self):
         from sklearn.linear_model import LogisticRegression
 
         return LogisticRegression(C=self.C, max_iter=self.max_iter, random_state=self.random_state)
 
 
-class SVMHead(SklearnHead):
+class SVMHead(_LinearHead):
     """Linear SVM (one-vs-rest ``LinearSVC``) on (L2-normalized) features.
 
     ``LinearSVC`` has no probabilities; ``predict_proba`` is the softmax of the decision
@@ -119,13 +123,6 @@ class SVMHead(SklearnHead):
     """
 
     kind = "svm"
-
-    def __init__(self, C: float = DEFAULT_C, max_iter: int = DEFAULT_MAX_ITER, normalize: bool = DEFAULT_NORMALIZE,
-                 random_state: int | None = 0):
-        self.C = C
-        self.max_iter = max_iter
-        self.normalize = normalize
-        self.random_state = random_state
 
     def _classifier(self):
         from sklearn.svm import LinearSVC
