@@ -41,7 +41,7 @@ import numpy as np
 from edgepfl.config import ConfigError, RunConfig
 from edgepfl.methods import Method, RoundAggregate, ServerState, create_method
 from edgepfl.metrics import RoundMetrics, read_metrics
-from edgepfl.protocol import CoordinatorMeta, MessageType, RunSpec, TaskMeta, encode, new_message_id
+from edgepfl.protocol import Body, CoordinatorMeta, MessageType, RunSpec, TaskMeta, encode, encode_body, new_message_id
 from edgepfl.state import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint
 
 from .fleet import SENDER, Fleet
@@ -284,12 +284,20 @@ class Coordinator:
             result.aggregate = self.method.open_round(state, c.aggregation.build())
         self.inbox.open_round(tasks, result, state)
         run = self._run_dict()
+        # Most methods send every agent the same tensors: encode and hash them once per round.
+        # The payload is held with its body so that its arrays' ids cannot be reused by
+        # another agent's payload while the loop runs.
+        bodies: dict[tuple[tuple[str, int], ...], tuple[dict, Body]] = {}
         for agent_id, kind in [(a, "train") for a in sampled] + [(a, "evaluate") for a in evaluators]:
             task_id = new_message_id()
             meta = TaskMeta(task_id=task_id, kind=kind, run=run, seed=seed_for(c.seed, r, agent_id),
                             deadline_s=c.round_timeout_s)
+            payload = self.method.payload_for(state, agent_id)
+            key = tuple((name, id(array)) for name, array in payload.items())
+            if key not in bodies:
+                bodies[key] = (payload, encode_body(payload))
             frame = encode(MessageType.TASK, federation=c.federation, sender=SENDER, round=r, meta=meta,
-                           tensors=self.method.payload_for(state, agent_id))
+                           body=bodies[key][1])
             tasks.add(Task(agent_id, task_id, kind))
             result.bytes_down += self.fleet.send(agent_id, frame, r)
         return tasks, result

@@ -479,3 +479,42 @@ def test_an_answer_that_comes_after_its_round_closed_is_stale(tmp_path):
     assert rows[0].participants == ["a", "b"] and rows[0].dropped == ["c"] and not rows[0].aborted
     assert coord.rejected_total == {"stale": 1}
     assert rows[1].participants == ["a", "b", "c"]
+
+
+
+def _count_encodings(monkeypatch) -> list[int]:
+    """How many bodies the round loop encodes (a spy on the real encode_body)."""
+    from edgepfl.coordinator import rounds
+
+    calls: list[int] = []
+    real = rounds.encode_body
+    monkeypatch.setattr(rounds, "encode_body", lambda tensors: calls.append(len(tensors)) or real(tensors))
+    return calls
+
+
+def test_a_payload_every_agent_shares_is_encoded_once_per_round(tmp_path, monkeypatch):
+    fleet = ScriptedFleet({a: honest(a) for a in ("a", "b", "c")})
+    calls = _count_encodings(monkeypatch)
+    coordinator(fleet, tmp_path, rounds=2).run()
+    assert len(calls) == 3  # rounds 0 and 1 and the final evaluation: one body each, not one per agent
+
+
+def test_a_personal_payload_gets_its_own_body(tmp_path, monkeypatch):
+    fleet = ScriptedFleet({a: honest(a) for a in ("a", "b", "c")})
+    calls = _count_encodings(monkeypatch)
+    sent: dict[str, Message] = {}
+    fleet.on_send = lambda agent_id, task: sent.setdefault(agent_id, task)  # round 0's task
+    coord = coordinator(fleet, tmp_path)
+    shared = coord.method.payload_for
+
+    def personal(state, agent_id):  # like FedPAC's per-agent combined heads
+        payload = shared(state, agent_id)
+        first = sorted(payload)[0]
+        return {**payload, first: payload[first] + np.float32(1e-3 * "abc".index(agent_id))}
+
+    coord.method.payload_for = personal  # type: ignore[method-assign]
+    coord.run()
+    assert len(calls) == 6  # round 0 and the final evaluation, three agents each
+    first = sorted(sent["a"].tensors)[0]
+    assert not np.array_equal(sent["a"].tensors[first], sent["c"].tensors[first])
+    np.testing.assert_allclose(sent["c"].tensors[first] - sent["a"].tensors[first], 2e-3, atol=1e-6)

@@ -3,7 +3,17 @@ spec every task carries (:mod:`.run`), the release manifest (:mod:`.manifest`), 
 binary envelope (:mod:`.envelope`) and the MQTT transport (:mod:`.transport`).
 See ``docs/PROTOCOL.md``."""
 
-from .envelope import Message, ProtocolError, Reassembler, decode, encode, new_message_id, split_frame
+from .envelope import (
+    Body,
+    Message,
+    ProtocolError,
+    Reassembler,
+    decode,
+    encode,
+    encode_body,
+    new_message_id,
+    split_frame,
+)
 from .manifest import (
     MANIFEST_FORMAT,
     BatchNormOrigin,
@@ -37,6 +47,7 @@ from .topics import (
 )
 
 __all__ = [
+    "Body", "encode_body",
     "MANIFEST_FORMAT", "PIXEL_SCALE", "PROTOCOL_VERSION", "AgentChannel", "BatchNormOrigin", "ChunkMeta",
     "CoordinatorMeta", "DataShape", "FederationChannel", "FileEntry", "GlobalHeadsEntry", "ManifestError", "Message",
     "MessageType", "MethodChoice", "MetricsMeta", "Normalization", "ProtocolError", "Reassembler", "ReleaseManifest",

@@ -112,14 +112,22 @@ def encode(
     meta: BaseModel,
     tensors: dict[str, np.ndarray] | None = None,
     message_id: str | None = None,
+    body: Body | None = None,
 ) -> bytes:
-    """Build one frame. ``meta`` must be the meta model registered for ``type``."""
+    """Build one frame. ``meta`` must be the meta model registered for ``type``.
+
+    The tensors come as ``tensors``, or already encoded as ``body`` (:func:`encode_body`)
+    when many frames carry the same ones: a round's tasks share the global parameters,
+    which are then serialized and hashed once per round instead of once per agent.
+    """
     mtype = MessageType(type)
     if not isinstance(meta, META_TYPES[mtype]):
         # (the parameter ``type`` shadows the builtin here)
         raise TypeError(f"{mtype.value} messages carry {META_TYPES[mtype].__name__}, got {meta.__class__.__name__}")
-    tensors = tensors or {}
-    body = _encode_tensors(tensors)
+    if body is None:
+        body = encode_body(tensors or {})
+    elif tensors:
+        raise ValueError("pass tensors or an encoded body, not both")
     header = Header(
         type=mtype,
         federation=federation,
@@ -127,13 +135,29 @@ def encode(
         round=round,
         message_id=message_id or new_message_id(),
         created=time.time(),
-        body_sha256=hashlib.sha256(body).hexdigest(),
-        body_bytes=len(body),
-        tensors=[TensorInfo(name=k, dtype=str(v.dtype), shape=list(v.shape)) for k, v in tensors.items()],
+        body_sha256=body.sha256,
+        body_bytes=len(body.data),
+        tensors=list(body.tensors),
         meta=meta.model_dump(mode="json"),
     )
     head = header.model_dump_json().encode()
-    return _PREFIX.pack(MAGIC, len(head)) + head + body
+    return _PREFIX.pack(MAGIC, len(head)) + head + body.data
+
+
+@dataclass(frozen=True)
+class Body:
+    """A frame's tensors, encoded: the safetensors bytes, their sha256 and their manifest."""
+
+    data: bytes
+    sha256: str
+    tensors: tuple[TensorInfo, ...]
+
+
+def encode_body(tensors: dict[str, np.ndarray]) -> Body:
+    """Encode tensors once for any number of frames (see :func:`encode`'s ``body``)."""
+    data = _encode_tensors(tensors)
+    infos = tuple(TensorInfo(name=k, dtype=str(v.dtype), shape=list(v.shape)) for k, v in tensors.items())
+    return Body(data, hashlib.sha256(data).hexdigest(), infos)
 
 
 def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, check_finite: bool = True) -> Message:
