@@ -55,6 +55,18 @@ def test_light_environment_has_no_torch(light_venv):
     assert ok.returncode == 0, ok.stderr
 
 
+def test_methods_listing_and_config_validation_work_on_the_agent_extra(light_venv):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    listing = subprocess.run([str(light_venv.parent / "edgepfl"), "methods"], capture_output=True, text=True,
+                             cwd="/", env=env)
+    assert listing.returncode == 0, listing.stderr
+    assert {line.split()[0] for line in listing.stdout.splitlines()} >= {"fedavg", "repper", "dualfed", "fedpick"}
+    check = subprocess.run([str(light_venv), "-c", "from edgepfl.config import load_run_config; "
+                            f"print(load_run_config({str(REPO / 'configs' / 'repper.yaml')!r}).method.name)"],
+                           capture_output=True, text=True, cwd="/", env=env)
+    assert check.returncode == 0 and check.stdout.strip() == "repper", check.stderr
+
+
 def test_head_agent_without_torch_end_to_end(light_venv, mosquitto, tmp_path):
     config = run_config(method={"name": "fedavg"}, rounds=2, release_at_end=True, data={"samples_per_client": 300})
     out = tmp_path / "run"
