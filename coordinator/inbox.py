@@ -87,7 +87,10 @@ class Inbox:
             return
         if isinstance(event, Rejection):
             self._reject(event)
-        elif event.channel == AgentChannel.STATUS:
+            return
+        if event.channel != AgentChannel.STATUS:  # a status updates the registry itself
+            self.registry.show_life(event.agent_id)
+        if event.channel == AgentChannel.STATUS:
             self._on_status(event)
         elif event.channel == AgentChannel.UPDATE:
             self._on_update(event)

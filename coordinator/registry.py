@@ -36,9 +36,12 @@ class Registry:
     def __init__(self) -> None:
         self.agents: dict[str, AgentInfo] = {}
         self._online_by_tier: Counter[str] = Counter()
+        self._unresponsive: set[str] = set()
+        self._last_life: dict[str, float] = {}
 
     def update(self, agent_id: str, status: StatusMeta) -> bool:
         """Record a status; returns whether the agent was online before it."""
+        self.show_life(agent_id)
         was = self.agents.get(agent_id)
         online = status.state != "offline"
         self.agents[agent_id] = AgentInfo(
@@ -57,6 +60,26 @@ class Registry:
     def online(self, tier: str | None = None) -> list[str]:
         """Ids of the agents whose last status is not offline, sorted (O(N log N): not per message)."""
         return sorted(a for a, info in self.agents.items() if info.online and (tier is None or info.tier == tier))
+
+    def responsive(self, tier: str) -> list[str]:
+        """Online agents of ``tier`` that answered their last task or have shown life since, sorted."""
+        return [a for a in self.online(tier) if a not in self._unresponsive]
+
+    def mark_unresponsive(self, agent_id: str, silent_since: float) -> None:
+        """An agent that let a task time out and sent nothing since ``silent_since``
+        (``time.monotonic()``): no tasks until it shows life. One that reconnected during
+        the round (its task lost with the old connection) has shown life and is not marked."""
+        if self._last_life.get(agent_id, float("-inf")) >= silent_since or agent_id in self._unresponsive:
+            return
+        self._unresponsive.add(agent_id)
+        log.info("agent %s did not answer its task; no tasks until it shows life", agent_id)
+
+    def show_life(self, agent_id: str) -> None:
+        """Any frame from the agent (a status, an answer even if late) proves it is there."""
+        self._last_life[agent_id] = time.monotonic()
+        if agent_id in self._unresponsive:
+            self._unresponsive.discard(agent_id)
+            log.info("agent %s shows life again", agent_id)
 
     def count_online(self, tier: str) -> int:
         return self._online_by_tier[tier]

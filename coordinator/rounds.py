@@ -246,6 +246,8 @@ class Coordinator:
         tasks, result = self._send_tasks(r, sampled, evaluators)
         self._collect(tasks, result, started)
         tasks.close()  # an answer after this is stale: the aggregate is closed next
+        for agent_id in result.dropped:
+            self.registry.mark_unresponsive(agent_id, silent_since=started)
         previous = self.state
         abort = self._server_step(result)
         rolled_back = self._after_abort(r, abort) if abort else None
@@ -268,7 +270,10 @@ class Coordinator:
         """Who trains this round (a seeded sample of the online trainers; nobody in the
         final round) and who only evaluates (the other online trainers, on evaluation rounds)."""
         c = self.config
-        online = self.registry.online("trainer")
+        # Agents that let their last task time out are skipped until they show life (any
+        # frame), so a dead agent does not cost every later round its timeout; if nobody
+        # is left, everyone online gets another chance.
+        online = self.registry.responsive("trainer") or self.registry.online("trainer")
         sampled = [] if final else sample_agents(online, c.fraction, c.seed, r)
         if not (final or r % c.eval_every == 0):
             return sampled, []

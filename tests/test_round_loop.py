@@ -518,3 +518,46 @@ def test_a_personal_payload_gets_its_own_body(tmp_path, monkeypatch):
     first = sorted(sent["a"].tensors)[0]
     assert not np.array_equal(sent["a"].tensors[first], sent["c"].tensors[first])
     np.testing.assert_allclose(sent["c"].tensors[first] - sent["a"].tensors[first], 2e-3, atol=1e-6)
+
+
+def test_an_agent_that_let_its_task_time_out_gets_no_task_until_it_shows_life(tmp_path):
+    answering: set[str] = set()
+
+    def wakes_up(task: Message) -> list[bytes]:  # silent until it has shown life
+        return honest("c")(task) if "c" in answering else []
+
+    fleet = ScriptedFleet({"a": honest("a"), "b": honest("b"), "c": wakes_up})
+    sent_to: dict[int, list[str]] = {}
+
+    def on_send(agent_id: str, task: Message) -> None:
+        sent_to.setdefault(task.header.round, []).append(agent_id)
+        if task.header.round == 2 and agent_id == "a":  # c comes back during round 2
+            answering.add("c")
+            fleet.events.append(status("c"))
+
+    fleet.on_send = on_send
+    rows = coordinator(fleet, tmp_path, rounds=4, round_timeout_s=1.5).run()
+    assert rows[0].dropped == ["c"] and rows[0].participants == ["a", "b"]
+    assert sorted(sent_to[1]) == ["a", "b"] and rows[1].dropped == []  # not waited for again
+    assert rows[1].seconds < 1.0  # the round closed when a and b answered, not at the timeout
+    assert sorted(sent_to[3]) == ["a", "b", "c"] and rows[3].participants == ["a", "b", "c"]
+
+
+def test_an_agent_that_reconnected_during_the_round_keeps_getting_tasks(tmp_path):
+    lost: set[int] = {0}  # c's round-0 task is lost with its old connection; it reconnects mid-round
+
+    def reconnecting(task: Message) -> list[bytes]:
+        return [] if task.header.round in lost else honest("c")(task)
+
+    fleet = ScriptedFleet({"a": honest("a"), "b": honest("b"), "c": reconnecting})
+    sent_to: dict[int, list[str]] = {}
+
+    def on_send(agent_id: str, task: Message) -> None:
+        sent_to.setdefault(task.header.round, []).append(agent_id)
+        if task.header.round == 0 and agent_id == "c":
+            fleet.events.append(status("c"))  # its birth status after reconnecting
+
+    fleet.on_send = on_send
+    rows = coordinator(fleet, tmp_path, rounds=2, round_timeout_s=1.5).run()
+    assert rows[0].dropped == ["c"]
+    assert sorted(sent_to[1]) == ["a", "b", "c"] and rows[1].participants == ["a", "b", "c"]
