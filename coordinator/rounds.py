@@ -41,7 +41,17 @@ import numpy as np
 from edgepfl.config import ConfigError, RunConfig
 from edgepfl.methods import Method, RoundAggregate, ServerState, create_method
 from edgepfl.metrics import RoundMetrics, read_metrics
-from edgepfl.protocol import Body, CoordinatorMeta, MessageType, RunSpec, TaskMeta, encode, encode_body, new_message_id
+from edgepfl.protocol import (
+    Body,
+    CoordinatorMeta,
+    MessageType,
+    RunSpec,
+    TaskMeta,
+    encode,
+    encode_body,
+    new_message_id,
+    seed_for,
+)
 from edgepfl.state import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint
 
 from .fleet import SENDER, Fleet
@@ -51,12 +61,6 @@ from .progress import Progress
 from .registry import Registry
 
 log = logging.getLogger("edgepfl.coordinator")
-
-def seed_for(*parts: object) -> int:
-    from hashlib import sha256
-
-    return int.from_bytes(sha256("/".join(map(str, parts)).encode()).digest()[:4], "big") & 0x7FFFFFFF
-
 
 def sample_agents(online: list[str], fraction: float, seed: int, round: int) -> list[str]:
     """Deterministic per (seed, round): the same sample whether or not the coordinator restarted."""

@@ -14,14 +14,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
-from torch import nn
 
+from edgepfl._torch import nn, torch
 from edgepfl.atomic import read_tensors, write_json, write_tensors
 from edgepfl.data import ClientData
 from edgepfl.methods import LocalContext, Method, create_method
 from edgepfl.methods.base import load_tensors
-from edgepfl.protocol import Message, MessageType, RunSpec, TaskMeta, UpdateMeta, encode
+from edgepfl.protocol import Message, MessageType, RunSpec, TaskMeta, UpdateMeta, encode, seed_for
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +33,6 @@ def pick_device(requested: str = "auto") -> torch.device:
             raise RuntimeError("device 'cuda' requested but torch sees no CUDA device")
         return torch.device("cuda")
     return torch.device("cpu")
-
-
-def seed_for(*parts: object) -> int:
-    """A 31-bit seed derived from the parts, identical in every process."""
-    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
 class TaskRefused(ValueError):

@@ -35,7 +35,7 @@ from .messages import (
     TaskMeta,
     UpdateMeta,
 )
-from .run import PIXEL_SCALE, DataShape, MethodChoice, Normalization, RunSpec
+from .run import PIXEL_SCALE, DataShape, MethodChoice, Normalization, RunSpec, seed_for
 from .topics import (
     AgentChannel,
     FederationChannel,
@@ -47,6 +47,7 @@ from .topics import (
 )
 
 __all__ = [
+    "seed_for",
     "Body", "encode_body",
     "MANIFEST_FORMAT", "PIXEL_SCALE", "PROTOCOL_VERSION", "AgentChannel", "BatchNormOrigin", "ChunkMeta",
     "CoordinatorMeta", "DataShape", "FederationChannel", "FileEntry", "GlobalHeadsEntry", "ManifestError", "Message",

@@ -30,6 +30,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .messages import META_TYPES, ChunkMeta, MessageType
+from .validation import first_validation_error
 
 MAGIC = b"EPF1"
 SCHEMA_VERSION: Final = 1
@@ -179,7 +180,7 @@ def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, check_fi
     try:
         header = Header.model_validate_json(raw_head)
     except ValidationError as exc:
-        raise ProtocolError("malformed", f"invalid header: {_short(exc)}") from None
+        raise ProtocolError("malformed", f"invalid header: {first_validation_error(exc)}") from None
     if header.body_bytes != len(body):
         raise ProtocolError("malformed", f"body is {len(body)} bytes, header says {header.body_bytes} (truncated?)")
     if hashlib.sha256(body).hexdigest() != header.body_sha256:
@@ -187,7 +188,7 @@ def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, check_fi
     try:
         meta = META_TYPES[header.type].model_validate(header.meta)
     except ValidationError as exc:
-        raise ProtocolError("malformed", f"invalid {header.type.value} meta: {_short(exc)}") from None
+        raise ProtocolError("malformed", f"invalid {header.type.value} meta: {first_validation_error(exc)}") from None
     tensors = _decode_tensors(body, header.tensors, check_finite and header.type != MessageType.CHUNK)
     return Message(header=header, meta=meta, tensors=tensors)
 
@@ -229,14 +230,6 @@ def _decode_tensors(body: bytes, manifest: list[TensorInfo], check_finite: bool)
         if check_finite and arr.dtype.kind == "f" and not np.isfinite(arr).all():
             raise ProtocolError("non_finite", f"tensor {name!r} contains NaN or Inf")
     return tensors
-
-
-def _short(exc: ValidationError) -> str:
-    errs = exc.errors()
-    first = errs[0]
-    loc = ".".join(str(p) for p in first.get("loc", ())) or "<root>"
-    more = f" (+{len(errs) - 1} more)" if len(errs) > 1 else ""
-    return f"{loc}: {first.get('msg')}{more}"
 
 
 def peek_header(frame: bytes) -> dict | None:

@@ -19,6 +19,7 @@ from typing import Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .run import RunSpec
+from .validation import first_validation_error
 
 __all__ = [
     "MANIFEST_FORMAT", "BatchNormOrigin", "FileEntry", "GlobalHeadsEntry", "ManifestError", "ReleaseManifest",
@@ -97,14 +98,6 @@ class ReleaseManifest(_Spec):
     created: str = Field(description="ISO 8601 UTC time of the export")
 
 
-def _first_error(exc: ValidationError) -> str:
-    errors = exc.errors()
-    first = errors[0]
-    loc = ".".join(str(p) for p in first.get("loc", ())) or "<root>"
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{loc}: {first.get('msg')}{more}"
-
-
 def parse_manifest(data: Any, source: str = "<manifest>") -> ReleaseManifest:
     """Validate a decoded manifest; :class:`ManifestError` names ``source`` and the first bad field."""
     if isinstance(data, dict) and "format" in data and data["format"] != MANIFEST_FORMAT:
@@ -113,7 +106,7 @@ def parse_manifest(data: Any, source: str = "<manifest>") -> ReleaseManifest:
     try:
         return ReleaseManifest.model_validate(data)
     except ValidationError as exc:
-        raise ManifestError(f"{source}: invalid release manifest: {_first_error(exc)}") from None
+        raise ManifestError(f"{source}: invalid release manifest: {first_validation_error(exc)}") from None
 
 
 def read_manifest(path: str | Path) -> ReleaseManifest:

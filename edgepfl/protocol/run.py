@@ -13,6 +13,8 @@ that method's own config class. ``docs/PROTOCOL.md`` documents every field.
 
 from __future__ import annotations
 
+import hashlib
+
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, PositiveFloat, PositiveInt, model_validator
 
 from edgepfl.specs import ModelSpec, TrainConfig
@@ -78,3 +80,11 @@ class RunSpec(_Spec):
     train: TrainConfig
     seed: int
     data: DataShape
+
+
+def seed_for(*parts: object) -> int:
+    """A 31-bit seed derived from ``parts`` (joined with ``/``, sha256, first 4 bytes): the
+    coordinator's per-(run, round, agent) task seeds and an agent's initial-model seed, the
+    same in every process and every implementation."""
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
