@@ -19,11 +19,11 @@ from .heads import OFFLINE_HEAD_KIND
 from .methods import Method, available_head_kinds, get_method
 from .protocol.run import DataShape, MethodChoice, Normalization, RunSpec
 from .protocol.topics import check_segment
-from .specs import BrokerConfig, DataSpec, ModelSpec, PartitionSpec, TrainConfig, _Strict
+from .specs import BrokerConfig, DataSpec, ModelSpec, PartitionSpec, SecuritySpec, TrainConfig, _Strict
 
 __all__ = [
     "AgentConfig", "AggregationSpec", "BrokerConfig", "ConfigError", "DataSpec", "MethodSpec", "ModelSpec",
-    "PartitionSpec", "RunConfig", "RunSpec", "TrainConfig", "load_agent_config", "load_run_config", "load_yaml",
+    "PartitionSpec", "RunConfig", "RunSpec", "SecuritySpec", "TrainConfig", "load_agent_config", "load_run_config", "load_yaml",
     "parse_config",
 ]
 
@@ -67,6 +67,7 @@ class RunConfig(_Strict):
     train: TrainConfig = Field(default_factory=TrainConfig)
     data: DataSpec = Field(default_factory=DataSpec)
     broker: BrokerConfig = Field(default_factory=BrokerConfig)
+    security: SecuritySpec = Field(default_factory=SecuritySpec)
     rounds: int = Field(10, ge=1)
     fraction: float = Field(1.0, gt=0, le=1, description="share of online agents sampled per round")
     min_agents: int = Field(2, ge=1, description="agents online before round 0 starts")
@@ -123,6 +124,7 @@ class AgentConfig(_Strict):
     federation: str = "demo"
     tier: Literal["trainer", "head"] = "trainer"
     broker: BrokerConfig = Field(default_factory=BrokerConfig)
+    security: SecuritySpec = Field(default_factory=SecuritySpec)
     data: DataSpec = Field(default_factory=DataSpec)
     client_index: int = Field(0, ge=0, description="which partition of a pooled dataset (simulation)")
     state_dir: str = "agent-state"

@@ -72,3 +72,18 @@ class BrokerConfig(_Strict):
     max_message_bytes: int = Field(1_000_000, ge=16_384, description="larger payloads travel in chunks")
     max_payload_bytes: int = Field(256 * 2**20, ge=16_384, description="largest whole message accepted")
     keepalive_s: int = Field(30, ge=5)
+
+
+class SecuritySpec(_Strict):
+    """End-to-end message signatures (Ed25519), independent of the broker.
+
+    Keys are files: a private key is PEM PKCS#8 (unencrypted, mode 0600), a public key
+    PEM SubjectPublicKeyInfo; ``edgepfl provision`` writes both. The coordinator sets
+    ``signing_key`` and ``enrolled_dir``; an agent sets ``signing_key`` and
+    ``coordinator_key``. With none set, messages travel unsigned (demo, simulate).
+    """
+
+    signing_key: str | None = Field(None, description="this process's Ed25519 private key (PEM PKCS#8)")
+    coordinator_key: str | None = Field(None, description="agents: the coordinator's public key (PEM) they pin")
+    enrolled_dir: str | None = Field(
+        None, description="coordinator: directory of <agent_id>.pub public keys; only these agents are accepted")
