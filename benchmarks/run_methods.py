@@ -6,7 +6,12 @@ two give the same numbers for the same seed) — and writes one JSON per run plu
 markdown table::
 
     python benchmarks/run_methods.py --tag cpu30 --rounds 30 --jobs 2
+    python benchmarks/run_methods.py --tag cpu30 --rounds 30 --seeds 0,1,2 --jobs 2
     python benchmarks/run_methods.py --tag cpu30 --table          # table only, from the JSONs
+
+With several seeds the table leads with mean ± std over seeds, the paired per-client
+difference to FedRep and FedAvg and in how many seeds each method is ahead of them
+(``benchmarks/seed_stats.py``).
 
 What is identical across the methods of a setting: the data (partition, clients,
 samples, seed), the model (SmallCNN, feature_dim 128; FedRIR builds its own CNN of
@@ -202,7 +207,11 @@ def load_results(tag: str) -> list[dict]:
 
 
 def markdown_table(tag: str) -> str:
-    """One table per setting: final and best-round accuracy beside the paper's number."""
+    """One table per setting: with several seeds first their spread and paired
+    comparisons (``seed_stats``), then every run's final and best-round accuracy
+    beside the paper's number."""
+    from seed_stats import seed_table
+
     results = load_results(tag)
     lines = []
     for setting, s in SETTINGS.items():
@@ -216,7 +225,11 @@ def markdown_table(tag: str) -> str:
                   f"{'/'.join(sorted({str(r['rounds']) for r in rows}))} rounds, "
                   f"{'/'.join(sorted({str(r['local_epochs']) for r in rows}))} local epoch(s), seed(s) "
                   f"{sorted({r['seed'] for r in rows})}, {r0['clients']} clients, full participation. "
-                  f"Paper column: {s['paper_source']}.", "",
+                  f"Paper column: {s['paper_source']}.", ""]
+        if len({r["seed"] for r in rows}) > 1:
+            lines += [*seed_table(rows, ORDER[setting], targets=[m for m, ts in TARGET.items() if setting in ts]),
+                      "", "Every run:", ""]
+        lines += [
                   "| method | final acc. % (after round " + str(r0["rounds"]) + ") | best acc. % (round) | paper % | "
                   "mean acc. % last 10 evals | wall s | device |",
                   "|---|---:|---:|---:|---:|---:|---|"]
@@ -238,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--epochs", type=int, default=1, help="local epochs of every method")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default=None, help="comma list of seeds, each pair runs once per seed (overrides --seed)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("--settings", default=",".join(SETTINGS))
     p.add_argument("--methods", default="all", help="comma list, or 'all' (each setting's ORDER)")
@@ -270,29 +284,32 @@ def main(argv: list[str] | None = None) -> int:
             pairs += [(setting, m) for m in methods]
         if args.pairs:
             pairs = [tuple(x.split(":")) for x in args.pairs.split(",")]
+        seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
+        runs = [(s, m, seed) for seed in seeds for s, m in pairs]
         if args.skip_done:
-            pairs = [(s, m) for s, m in pairs if not result_path(args.tag, s, m, args.seed).exists()]
+            runs = [(s, m, seed) for s, m, seed in runs if not result_path(args.tag, s, m, seed).exists()]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         log_dir = Path(args.runs_root) / args.tag
         log_dir.mkdir(parents=True, exist_ok=True)
 
-        def work(pair):
-            setting, method = pair
+        def work(run):
+            setting, method, seed = run
             cmd = [sys.executable, str(Path(__file__).resolve()), "--one", f"{setting}:{method}", "--tag", args.tag,
-                   "--rounds", str(args.rounds), "--epochs", str(args.epochs), "--seed", str(args.seed),
+                   "--rounds", str(args.rounds), "--epochs", str(args.epochs), "--seed", str(seed),
                    "--device", args.device, "--runs-root", args.runs_root]
             if args.data_root:
                 cmd += ["--data-root", args.data_root]
-            with open(log_dir / f"{setting}__{method}.log", "w") as log:
+            log_path = log_dir / f"{setting}__{method}__s{seed}.log"
+            with open(log_path, "w") as log:
                 rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-            text = (log_dir / f"{setting}__{method}.log").read_text().strip().splitlines()
+            text = log_path.read_text().strip().splitlines()
             print(text[-1] if rc == 0 and text else f"{setting} {method} FAILED rc={rc}: see {log.name}", flush=True)
             return rc
 
-        print(f"{len(pairs)} runs, {args.jobs} at a time: " + shlex.join(sys.argv), flush=True)
+        print(f"{len(runs)} runs, {args.jobs} at a time: " + shlex.join(sys.argv), flush=True)
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            codes = list(pool.map(work, pairs))
+            codes = list(pool.map(work, runs))
         if any(codes):
             print(f"{sum(1 for c in codes if c)} run(s) failed", flush=True)
 
