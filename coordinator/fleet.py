@@ -87,6 +87,8 @@ class MqttFleet(Fleet):
         self._meta = CoordinatorMeta(state="online")
         self._release: tuple[bytes, int] | None = None  # the last release, for late head agents
         self._dropped: deque[Rejection] = deque()
+        #: (max_message_bytes, max_payload_bytes) announced in every presence frame
+        self.transport_limits = (broker.max_message_bytes, broker.max_payload_bytes)
         self.transport = MqttTransport(
             url or broker.url,
             client_id=f"edgepfl-{federation}-coordinator",
@@ -105,6 +107,9 @@ class MqttFleet(Fleet):
         self.transport.start(timeout=60)
 
     def _frame(self, meta: CoordinatorMeta) -> bytes:
+        # Every presence frame announces the limits, so agents chunk to this coordinator's M.
+        meta = meta.model_copy(update={"max_message_bytes": self.transport_limits[0],
+                                       "max_payload_bytes": self.transport_limits[1]})
         return encode(MessageType.COORDINATOR, federation=self.federation, sender=SENDER, round=meta.round, meta=meta)
 
     def _transport_dropped(self, topic: str, reason: str, detail: str) -> None:

@@ -124,7 +124,11 @@ class Coordinator:
         self.input_shape = tuple(input_shape)
         self.num_classes = int(num_classes)
         self.class_names = list(class_names or [])
-        self.normalization = dict(normalization or {})
+        # Every task says how inputs are normalized, so that no trainer guesses (PROTOCOL §5, task).
+        self.normalization = normalization or config.normalization
+        if not self.normalization:
+            raise ConfigError("the input normalization is unknown: read it from the data or set "
+                              "normalization: {mean: [...], std: [...]} in the run config")
         self.progress = Progress(config.rounds, enabled=progress)
         self.rejected_total: Counter = Counter()
         self.registry = Registry()

@@ -38,6 +38,25 @@ def data_shape(config: RunConfig) -> dict:
             "normalization": data.normalization}
 
 
+def service_data_shape(config: RunConfig) -> dict:
+    """What the ``edgepfl coordinator`` service reads from its data: whatever of input shape,
+    class count and normalization the config does not set (nothing when it sets all three).
+
+    Trainer tasks always carry the normalization (PROTOCOL §5): a coordinator that sets
+    only the shape still reads it from the data rather than sending none.
+    """
+    if config.input_shape is not None and config.num_classes is not None and config.normalization is not None:
+        return {}
+    shape = data_shape(config)
+    if config.input_shape is not None:
+        del shape["input_shape"]
+    if config.num_classes is not None:
+        del shape["num_classes"], shape["class_names"]
+    if config.normalization is not None:
+        del shape["normalization"]
+    return shape
+
+
 def prepare(config: RunConfig, agents: int, head_agents: int = 0, rounds: int | None = None) -> RunConfig:
     """The run config adjusted to the simulated fleet (one data partition per agent)."""
     update: dict = {"data": config.data.model_copy(update={"num_clients": agents + head_agents})}
@@ -61,7 +80,7 @@ def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     config = prepare(config, agents, head_agents, rounds)
-    shape = data_shape(config)
+    shape = service_data_shape(config)
     (out / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
     ids = agent_ids(agents)
     if in_process:

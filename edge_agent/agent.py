@@ -22,6 +22,8 @@ from edgepfl import __version__
 from edgepfl.config import AgentConfig
 from edgepfl.protocol import (
     AgentChannel,
+    CoordinatorMeta,
+    FederationChannel,
     Message,
     MessageType,
     ProtocolError,
@@ -29,6 +31,7 @@ from edgepfl.protocol import (
     agent_topic,
     decode,
     encode,
+    federation_topic,
 )
 from edgepfl.protocol.transport import MqttTransport
 
@@ -49,6 +52,7 @@ class Agent:
         self.tier: TierRuntime | None = None
         self.transport: MqttTransport | None = None
         self._stop = threading.Event()
+        self._warned_payload: int | None = None
 
     # ---------------------------------------------------------------- lifecycle
     def setup(self) -> None:
@@ -78,7 +82,9 @@ class Agent:
             client_id=f"edgepfl-{c.federation}-{c.agent_id}",
             federation=c.federation,
             sender=c.agent_id,
-            subscriptions=tier.subscriptions(c.federation, c.agent_id),
+            # the coordinator's presence too: it announces the message size M to chunk to
+            subscriptions=[*tier.subscriptions(c.federation, c.agent_id),
+                           federation_topic(c.federation, FederationChannel.COORDINATOR)],
             username=c.broker.username,
             password=c.broker.password,
             will=(status_topic, self._status_frame("offline")),
@@ -100,6 +106,10 @@ class Agent:
                 except ProtocolError as exc:
                     log.warning("dropped message on %s: %s", inbound.topic, exc)
                     continue
+                if inbound.topic.channel == FederationChannel.COORDINATOR:
+                    if message.type == MessageType.COORDINATOR:
+                        self.adopt_limits(message.meta_as(CoordinatorMeta))
+                    continue
                 self._dispatch(message)
         finally:
             transport.stop(final=(status_topic, self._status_frame("offline")))
@@ -109,6 +119,31 @@ class Agent:
         self._stop.set()
 
     # ---------------------------------------------------------------- messages
+    def adopt_limits(self, presence: CoordinatorMeta) -> int:
+        """Publish in MQTT messages of at most min(own M, the coordinator's announced M);
+        returns that size. An own ``broker.max_message_bytes`` above the announced one is
+        a misconfiguration (the broker in front of the coordinator may refuse such
+        messages and drop the connection), so it is logged as a warning, once per value.
+        """
+        transport = self.transport
+        if transport is None:
+            raise RuntimeError("limits are adopted only while the agent runs")
+        own = self.config.broker.max_message_bytes
+        announced = presence.max_message_bytes
+        effective = own if announced is None else min(own, announced)
+        transport.accept_message_bytes = max(own, announced or 0)
+        if announced is not None and announced < own and transport.max_message_bytes != effective:
+            log.warning("the coordinator announces max_message_bytes=%d, below this agent's %d: publishing in "
+                        "messages of at most %d bytes (set broker.max_message_bytes: %d in the agent config)",
+                        announced, own, effective, announced)
+        transport.max_message_bytes = effective
+        payload = presence.max_payload_bytes
+        if payload is not None and payload < transport.max_payload_bytes and payload != self._warned_payload:
+            self._warned_payload = payload
+            log.warning("the coordinator accepts frames of at most %d bytes (max_payload_bytes), this agent up to "
+                        "%d: a larger update would be refused as oversized", payload, transport.max_payload_bytes)
+        return effective
+
     def _dispatch(self, message: Message) -> None:
         tier, transport = self.tier, self.transport
         if tier is None or transport is None:

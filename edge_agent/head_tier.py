@@ -34,6 +34,7 @@ import numpy as np
 
 from edgepfl.atomic import write_bytes, write_json
 from edgepfl.data.client import ClientData
+from edgepfl.data.preprocess import ChannelAffine, conversion
 from edgepfl.export.heads import META_ENCODER_SHA, OnnxHead, head_to_onnx
 from edgepfl.export.predict import OnnxEncoder
 from edgepfl.heads import OFFLINE_HEAD_KIND, HeadRelease
@@ -73,7 +74,7 @@ class HeadRuntime:
         self.encoder: OnnxEncoder | None = None
         self.head: OnnxHead | None = None
         self.record: dict[str, Any] | None = None
-        self._adapt: tuple[np.ndarray, np.ndarray] | None = None
+        self._adapt: ChannelAffine | None = None
 
     # ---------------------------------------------------------------- state
     @property
@@ -275,25 +276,19 @@ class HeadRuntime:
         return head.classes_
 
 
-def _renormalization(local: dict[str, Any], manifest: ReleaseManifest) -> tuple[np.ndarray, np.ndarray] | None:
-    """(scale, shift) per channel turning the local normalization into the encoder's, or None if equal.
-
-    x_local = (p - m_l) / s_l and the encoder wants (p - m_e) / s_e, so
-    x_enc = x_local * (s_l / s_e) + (m_l - m_e) / s_e.
-    """
-    enc = manifest.run.data.normalization
-    if not local or enc is None or not local.get("mean"):
+def _renormalization(local: dict[str, Any], manifest: ReleaseManifest) -> ChannelAffine | None:
+    """The per-channel map turning the local normalization into the encoder's
+    (:func:`edgepfl.data.preprocess.conversion`), or None if they agree or either is unknown."""
+    if not local or not local.get("mean") or manifest.run.data.normalization is None:
         return None
-    m_l, s_l = np.asarray(local["mean"], np.float64), np.asarray(local["std"], np.float64)
-    m_e, s_e = np.asarray(enc.mean, np.float64), np.asarray(enc.std, np.float64)
-    if m_l.shape != m_e.shape or (np.allclose(m_l, m_e) and np.allclose(s_l, s_e)):
+    try:
+        return conversion(local, manifest.run.data)
+    except ValueError:  # another channel count: the input shape check refuses the release
         return None
-    return ((s_l / s_e).astype(np.float32).reshape(1, -1, 1, 1),
-            ((m_l - m_e) / s_e).astype(np.float32).reshape(1, -1, 1, 1))
 
 
-def _apply(adapt: tuple[np.ndarray, np.ndarray] | None, x: np.ndarray) -> np.ndarray:
-    return x if adapt is None else (x * adapt[0] + adapt[1]).astype(np.float32)
+def _apply(adapt: ChannelAffine | None, x: np.ndarray) -> np.ndarray:
+    return x if adapt is None else adapt.apply(x)
 
 
 def _sha(data: bytes) -> str:

@@ -11,13 +11,15 @@ import hashlib
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from edgepfl._torch import nn, torch
 from edgepfl.atomic import read_tensors, write_json, write_tensors
-from edgepfl.data import ClientData
+from edgepfl.data import ClientData, ClientTensors
+from edgepfl.data.preprocess import conversion
 from edgepfl.methods import LocalContext, Method, create_method
 from edgepfl.methods.base import load_tensors
 from edgepfl.protocol import Message, MessageType, RunSpec, TaskMeta, UpdateMeta, encode, seed_for
@@ -63,7 +65,8 @@ class TrainerRuntime:
         self.data = data
         self.state_dir = Path(state_dir)
         self.device = pick_device(device)
-        self._tensors = data.to_torch(self.device)
+        # The local data as each run's preprocessing wants it, keyed by that preprocessing.
+        self._inputs: dict[str, ClientTensors] = {}
         self._signature: str | None = None
         # Built by the first task (_ensure_model), rebuilt when a task's run has another signature.
         self.method: Method | None = None
@@ -83,6 +86,40 @@ class TrainerRuntime:
                       + "; ".join(problems))
             log.error(reason)
             raise TaskRefused(reason)
+
+    def _inputs_for(self, meta: TaskMeta, round: int) -> ClientTensors:
+        """The local data preprocessed as the run says (``run.data``: pixel scale, mean, std).
+
+        Local data normalized otherwise is converted (one exact per-channel multiply-add,
+        logged as a warning once per preprocessing); a run that does not say how it
+        normalizes gets the local data as it is, with a warning; local data that does not
+        say how it was normalized cannot be converted, so the task is refused.
+        """
+        wanted = meta.run.data
+        key = wanted.model_dump_json(include={"pixel_scale", "normalization"})
+        cached = self._inputs.get(key)
+        if cached is not None:
+            return cached
+        data = self.data
+        if wanted.normalization is None:
+            log.warning("%s: the run does not say how inputs are normalized; training on the local normalization "
+                        "%s, which may differ from the rest of the fleet", self.agent_id, data.normalization or "(unknown)")
+        elif not data.normalization:
+            reason = (f"{self.agent_id}: task {meta.task_id} (round {round}) refused: the run normalizes with "
+                      f"{wanted.normalization.model_dump()}, and the local data does not say how it was normalized")
+            log.error(reason)
+            raise TaskRefused(reason)
+        else:
+            affine = conversion(data.normalization, wanted)
+            if affine is not None:
+                log.warning("%s: local data is normalized with %s, the run with %s (pixel scale %g): converting the "
+                            "local data to the run's", self.agent_id, data.normalization,
+                            wanted.normalization.model_dump(), wanted.pixel_scale)
+                data = replace(data, x_train=affine.apply(data.x_train), x_test=affine.apply(data.x_test),
+                               normalization=wanted.normalization.model_dump())
+        tensors = data.to_torch(self.device)
+        self._inputs = {key: tensors}  # one run at a time: keep only the current preprocessing
+        return tensors
 
     def _ensure_model(self, run: RunSpec) -> tuple[Method, nn.Module]:
         """The method and model for ``run``: the current ones if its signature is unchanged, else built."""
@@ -123,11 +160,14 @@ class TrainerRuntime:
     def handle(self, task: Message) -> tuple[UpdateMeta, dict[str, np.ndarray]]:
         """Evaluate the model made from the task's payload, train if asked; return the update.
 
+        The local data is first preprocessed as the task's run says (:meth:`_inputs_for`).
         Raises :class:`TaskRefused` (after logging why) when the task's run has another
-        input shape or class count than this agent's data.
+        input shape or class count than this agent's data, or a normalization the local
+        data cannot be converted to.
         """
         meta = task.meta_as(TaskMeta)
         self._check_data(meta, task.header.round)
+        inputs = self._inputs_for(meta, task.header.round)
         method, model = self._ensure_model(meta.run)
         generator = torch.Generator().manual_seed(meta.seed)
         torch.manual_seed(meta.seed)
@@ -142,12 +182,12 @@ class TrainerRuntime:
         )
         method.receive(model, task.tensors, ctx)
         started = time.perf_counter()
-        evaluation = method.evaluate(model, self._tensors, ctx)
+        evaluation = method.evaluate(model, inputs, ctx)
         upload: dict[str, np.ndarray] = {}
         train_loss = None
         extra: dict[str, float] = {}
         if meta.kind == "train":
-            result = method.local_update(model, self._tensors, ctx)
+            result = method.local_update(model, inputs, ctx)
             upload = result.upload
             train_loss = None if np.isnan(result.train_loss) else float(result.train_loss)
             extra = {k: float(v) for k, v in result.metrics.items()}

@@ -72,11 +72,9 @@ def cmd_coordinator(args) -> int:
     url = args.broker or config.broker.url
     if url == "embedded":
         raise ConfigError("the coordinator service needs a broker URL (--broker mqtt://host:1883 or broker.url)")
-    shape = {}
-    if config.input_shape is None or config.num_classes is None:
-        from .coordinator.simulate import data_shape
+    from .coordinator.simulate import service_data_shape
 
-        shape = data_shape(config)
+    shape = service_data_shape(config)
     out = Path(args.out or f"runs/{config.federation}")
     fleet = MqttFleet(config.federation, config.broker, url=url)
     try:

@@ -83,6 +83,8 @@ class RunConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     input_shape: list[int] | None = Field(None, min_length=3, max_length=3, description="C,H,W; default: from data")
     num_classes: int | None = Field(None, ge=2, description="default: from data")
+    normalization: Normalization | None = Field(
+        None, description="per-channel mean and std of the agents' inputs, sent in every task; default: from data")
     release_every: int | None = Field(None, ge=1, description="publish an encoder release every k rounds (and at the end)")
     release_at_end: bool = Field(False, description="export and publish the encoder when training ends")
 
@@ -96,22 +98,25 @@ class RunConfig(_Strict):
 
     def run_spec(self, input_shape: Sequence[int] | None = None, num_classes: int | None = None,
                  class_names: Sequence[str] | None = None,
-                 normalization: Mapping[str, Sequence[float]] | None = None) -> RunSpec:
+                 normalization: Normalization | Mapping[str, Sequence[float]] | None = None) -> RunSpec:
         """This run as tasks, checkpoints and releases describe it, once its data's shape is known.
 
         The shape comes from the data (arguments, as :class:`edgepfl.data.ClientData`
         reports them) or, where an argument is absent, from this config's
-        ``input_shape`` / ``num_classes``. Without class names, class ``i`` is named ``"i"``.
+        ``input_shape`` / ``num_classes`` / ``normalization``. Without class names, class
+        ``i`` is named ``"i"``.
         """
         input_shape = input_shape or self.input_shape
         num_classes = num_classes or self.num_classes
         if input_shape is None or num_classes is None:
             raise ConfigError("input_shape and num_classes are unknown: read them from the data or set them")
+        if normalization and not isinstance(normalization, Normalization):
+            normalization = Normalization.model_validate(dict(normalization))
         data = DataShape(
             input_shape=tuple(input_shape),
             num_classes=num_classes,
             class_names=list(class_names or [str(i) for i in range(num_classes)]),
-            normalization=Normalization.model_validate(dict(normalization)) if normalization else None,
+            normalization=normalization or self.normalization,
         )
         return RunSpec(method=MethodChoice(name=self.method.name, options=self.method.options()),
                        model=self.model.model_copy(), train=self.train.model_copy(), seed=self.seed, data=data)

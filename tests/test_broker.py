@@ -458,6 +458,7 @@ def test_two_agents_written_from_the_doc_alone_complete_rounds_with_the_real_coo
         config = RunConfig(
             federation=fed, method={"name": "fedavg"}, model={"arch": "mlp", "feature_dim": 8, "norm": "none"},
             rounds=2, min_agents=2, round_timeout_s=30, wait_for_agents_s=60, input_shape=[1, 4, 4], num_classes=3,
+            normalization={"mean": [0.5], "std": [0.5]},
             broker={"url": mosquitto.url}, device="cpu",
         )
         fleet = MqttFleet(fed, config.broker)

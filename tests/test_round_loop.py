@@ -100,7 +100,7 @@ class ScriptedFleet(Fleet):
 def config(**overrides) -> RunConfig:
     base = dict(federation=FED, method={"name": "fedavg"}, model={"arch": "mlp", "feature_dim": 8, "norm": "none"},
                 rounds=1, round_timeout_s=30, wait_for_agents_s=5, input_shape=[1, 4, 4],
-                num_classes=3, device="cpu")
+                num_classes=3, normalization={"mean": [0.5], "std": [0.5]}, device="cpu")
     base.update(overrides)
     return RunConfig(**base)
 

@@ -87,12 +87,20 @@ class MetricsMeta(_Meta):
 
 
 class CoordinatorMeta(_Meta):
-    """Coordinator presence (retained), with the round it is in."""
+    """Coordinator presence (retained), with the round it is in and its message limits.
+
+    ``max_message_bytes`` is the coordinator's M: the largest MQTT message it sends, and
+    the size an agent's frames must be chunked to (the broker in front of the coordinator
+    is configured for it). ``max_payload_bytes`` is the largest whole frame it accepts.
+    ``None``: not announced (a coordinator of an earlier revision).
+    """
 
     state: Literal["online", "offline", "done"]
     method: str = ""
     round: int = -1
     version: str = PROTOCOL_VERSION
+    max_message_bytes: int | None = Field(None, ge=16_384)
+    max_payload_bytes: int | None = Field(None, ge=16_384)
 
 
 class ReleaseMeta(_Meta):

@@ -72,7 +72,9 @@ class MqttTransport:
         self.sender = sender
         self.subscriptions = list(subscriptions)
         self.birth = birth
-        self.max_message_bytes = max_message_bytes
+        self.max_message_bytes = max_message_bytes  # what this side publishes: chunks of at most this
+        #: the largest MQTT message accepted from peers (an agent raises it to the coordinator's announced M)
+        self.accept_message_bytes = max_message_bytes
         self.keepalive_s = keepalive_s
         self.on_reject = on_reject
         self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()  # raw (topic, payload), from paho's thread
@@ -186,7 +188,7 @@ class MqttTransport:
         header = peek_header(payload)
         if header is not None and header.get("type") == MessageType.CHUNK.value:
             try:
-                chunk = decode(payload, max_bytes=self.max_message_bytes + 65536)
+                chunk = decode(payload, max_bytes=self.accept_message_bytes + 65536)
                 whole = self.reassembler.add(topic, chunk)
             except ProtocolError as exc:
                 self._reject(topic, exc.reason, exc.detail)
