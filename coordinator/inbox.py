@@ -46,8 +46,10 @@ class Inbox:
     restored from its checkpoint); the inbox adds to it.
     """
 
-    def __init__(self, fleet: Fleet, registry: Registry, gate: UpdateGate, rejected_total: Counter):
+    def __init__(self, fleet: Fleet, registry: Registry, gate: UpdateGate, rejected_total: Counter,
+                 tick: Callable[[], None] | None = None):
         self.fleet = fleet
+        self.tick = tick  # called after every poll; O(1) unless it decides to publish (the fleet view)
         self.registry = registry
         self.gate = gate
         self.rejected_total = rejected_total
@@ -79,6 +81,8 @@ class Inbox:
             if remaining <= 0:
                 return False
             self._route(self.fleet.poll(min(POLL_S, remaining)))
+            if self.tick is not None:
+                self.tick()
         return True
 
     # ---------------------------------------------------------------- routing

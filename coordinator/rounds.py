@@ -57,6 +57,7 @@ from edgepfl.state import CheckpointError, CheckpointMeta, load_checkpoint, save
 from .fleet import SENDER, Fleet
 from .gate import Accepted, RoundTasks, Task, UpdateGate, admit_state
 from .inbox import Inbox
+from .observe import Observer
 from .progress import Progress
 from .registry import Registry
 
@@ -129,7 +130,8 @@ class Coordinator:
         self.rejected_total: Counter = Counter()
         self.registry = Registry()
         gate = UpdateGate(config.federation, self.method, self.registry, max_bytes=config.broker.max_payload_bytes)
-        self.inbox = Inbox(fleet, self.registry, gate, self.rejected_total)
+        self.observer = Observer(config, fleet, self.registry, self.rejected_total)
+        self.inbox = Inbox(fleet, self.registry, gate, self.rejected_total, tick=self.observer.tick)
         self.state: ServerState | None = None
         self.start_round = 0
         self.aborted_streak = 0  # training rounds aborted in a row
@@ -199,8 +201,16 @@ class Coordinator:
         """Wait for agents, run the remaining rounds and a final evaluation; return metrics rows."""
         if self.state is None:
             self.init_or_resume()
-        c = self.config
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.observer.start(resumed_from=self.start_round - 1 if self.start_round else None)
+        self.observer.enter("waiting", self.start_round)
+        try:
+            return self._run_all()
+        finally:
+            self.observer.close()
+
+    def _run_all(self) -> list[RoundMetrics]:
+        c = self.config
         self._wait_for_agents()
         rows = []
         for r in range(self.start_round, c.rounds):
@@ -216,6 +226,7 @@ class Coordinator:
             self.release(c.rounds - 1)
             self._collect_head_reports(timeout=c.round_timeout_s)
         self.fleet.announce(CoordinatorMeta(state="done", method=c.method.name, round=c.rounds))
+        self.observer.enter("done", c.rounds)
         return rows
 
     def _wait_for_agents(self, required: bool = True) -> None:
@@ -248,8 +259,10 @@ class Coordinator:
         started = time.monotonic()
         sampled, evaluators = self._sample(r, final)
         tasks, result = self._send_tasks(r, sampled, evaluators)
+        self.observer.enter("evaluating" if final else "training", r)
         self._collect(tasks, result, started)
         tasks.close()  # an answer after this is stale: the aggregate is closed next
+        self.observer.enter("aggregating", r)
         for agent_id in result.dropped:
             self.registry.mark_unresponsive(agent_id, silent_since=started)
         previous = self.state
@@ -268,6 +281,7 @@ class Coordinator:
                 self.good_round = r - 1
             self._checkpoint(r)
         self.progress.update(row)
+        self.observer.round_done(row)
         return row
 
     def _sample(self, r: int, final: bool) -> tuple[list[str], list[str]]:
@@ -389,9 +403,11 @@ class Coordinator:
         """Export the frozen encoder and publish it (retained) for head-tier agents."""
         from .release import build_release
 
+        self.observer.enter("releasing", round)
         release_id, frame = build_release(self._server_state(), self.run_meta(round), self.out_dir / "releases",
                                           self.config)
         self.fleet.publish_release(frame, round)
+        self.observer.released(release_id)
         self.progress.note(f"released encoder {release_id} ({len(frame) / 1e6:.2f} MB) to head-tier agents")
         return release_id
 

@@ -7,6 +7,7 @@
     edgepfl export --run DIR --out DIR            frozen encoder -> ONNX + manifest
     edgepfl fit-head ... / edgepfl predict ...    offline heads for new clients
     edgepfl report --run DIR                      table + plots from a run directory
+    edgepfl status --broker URL --federation F    live view of a running federation (--json)
     edgepfl methods                               list registered methods
 """
 
@@ -193,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("methods", help="list registered methods")
     m.set_defaults(func=cmd_methods)
 
-    for name, target in (("fit-head", "edgepfl.export.fit_head:main_fit_head"), ("predict", "edgepfl.export.predict:main_predict")):
+    for name, target in (("fit-head", "edgepfl.export.fit_head:main_fit_head"), ("predict", "edgepfl.export.predict:main_predict"),
+                         ("status", "edgepfl.coordinator.status:main_status")):
         x = sub.add_parser(name, help=f"see 'edgepfl {name} --help'", add_help=False)
         x.set_defaults(func=None, delegate=target)
     return p
