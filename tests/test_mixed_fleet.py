@@ -49,8 +49,11 @@ def assert_every_channel_has_one_direction(frames: list[tuple[str, bytes]], fede
         if not topic.startswith(f"edgepfl/v1/{federation}/") or not payload:  # other traffic; a cleared retained topic
             continue
         parsed = parse_topic(topic)
-        header = decode(payload).header
         seen.add(parsed.channel)
+        if parsed.channel == FederationChannel.VIEW:  # the operators' JSON mirror, not a frame (PROTOCOL §18)
+            assert json.loads(payload)["federation"] == federation
+            continue
+        header = decode(payload).header
         from_agent = parsed.channel in (AgentChannel.STATUS, AgentChannel.UPDATE, AgentChannel.METRICS)
         assert header.sender == (parsed.agent if from_agent else COORDINATOR), (topic, header.sender)
         assert header.type in (MessageType(parsed.channel.value), MessageType.CHUNK), (topic, header.type)
