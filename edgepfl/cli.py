@@ -85,7 +85,7 @@ def cmd_coordinator(args) -> int:
         coordinator.run()
     finally:
         fleet.close()
-    table, _ = write_report(out, config.method.name, coordinator.head_reports or None)
+    table, _ = write_report(out, config.method.name)
     print(table)
     return 0
 
@@ -108,8 +108,6 @@ def cmd_agent(args) -> int:
 
 
 def cmd_report(args) -> int:
-    import json
-
     from edgepfl.coordinator.report import write_report
     from edgepfl.state import CheckpointError, read_checkpoint_meta
 
@@ -119,8 +117,7 @@ def cmd_report(args) -> int:
     except CheckpointError:  # a run of an older edgepfl: the report does not need its checkpoint
         meta = None
     method = meta.run.method.name if meta else ""
-    heads = run / "head_metrics.json"
-    table, _ = write_report(run, method, json.loads(heads.read_text()) if heads.exists() else None)
+    table, _ = write_report(run, method)
     print(table)
     return 0
 
