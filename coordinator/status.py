@@ -44,7 +44,7 @@ def fetch_view(url: str, federation: str, *, timeout: float = 5.0, username: str
             c.subscribe(topic, qos=1)
 
     client.on_connect = on_connect
-    client.on_message = lambda c, u, msg: got.put(msg.payload) if msg.payload else None
+    client.on_message = lambda c, u, msg: got.put(bytes(msg.payload)) if msg.payload else None
     try:
         client.connect(host, port, keepalive=30)
     except OSError as exc:
