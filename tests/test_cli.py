@@ -70,5 +70,5 @@ def test_report_rebuilds_table_and_plot_from_a_run_directory(tmp_path):
     (out / "accuracy.png").unlink()
     proc = run_cli("report", "--run", str(out))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("Results — fedavg") and "final accuracy (after round 1)" in proc.stdout
+    assert proc.stdout.startswith("Results — fedavg") and "final accuracy (after round 0, the last)" in proc.stdout
     assert (out / "accuracy.png").exists()
