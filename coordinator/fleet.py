@@ -77,6 +77,10 @@ class Fleet(ABC):
     def close(self) -> None:
         """Say goodbye (``done`` presence) and release the connection."""
 
+    def publish_view(self, payload: bytes) -> None:
+        """Publish the fleet view (JSON, retained) for operators; a fleet without a broker has nobody to tell."""
+        return None  # not abstract: only a fleet with operators watching overrides it
+
 
 class MqttFleet(Fleet):
     """Agents behind an MQTT broker (``docs/PROTOCOL.md``)."""
@@ -132,6 +136,9 @@ class MqttFleet(Fleet):
         if not retain:
             log.info("release of %d bytes exceeds max_message_bytes: chunked, re-sent to late joiners", len(frame))
         return self.transport.publish(topic, frame, retain=retain, round=round, wait=True)
+
+    def publish_view(self, payload: bytes) -> None:
+        self.transport.publish(federation_topic(self.federation, FederationChannel.VIEW), payload, retain=True)
 
     def agent_online(self, agent_id: str, tier: str) -> None:
         if tier == "head" and self._release is not None and len(self._release[0]) > self.transport.max_message_bytes:

@@ -46,13 +46,17 @@ class Inbox:
     restored from its checkpoint); the inbox adds to it.
     """
 
-    def __init__(self, fleet: Fleet, registry: Registry, gate: UpdateGate, rejected_total: Counter):
+    def __init__(self, fleet: Fleet, registry: Registry, gate: UpdateGate, rejected_total: Counter,
+                 tick: Callable[[], None] | None = None):
         self.fleet = fleet
+        self.tick = tick  # called after every poll; O(1) unless it decides to publish (the fleet view)
         self.registry = registry
         self.gate = gate
         self.rejected_total = rejected_total
-        self.head_reports: dict[str, dict] = {}
+        #: release id -> agent id -> the agent's report measured with that release
+        self.reports_by_release: dict[str, dict[str, dict]] = {}
         self._awaited_reports: set[str] = set()
+        self._awaited_release: str | None = None
         # The open round: before round 0 none (no tasks; rejections count in the run's
         # total only); between rounds the last one, until the next opens.
         self._tasks = RoundTasks(-1)
@@ -63,9 +67,10 @@ class Inbox:
         """Admit answers to ``tasks``, checked against ``state`` (what the tasks were built from), into ``sink``."""
         self._tasks, self._sink, self._state = tasks, sink, state
 
-    def expect_reports(self, agents: Iterable[str]) -> None:
-        """Wait for a head-tier report from each of ``agents`` (those that have not reported already)."""
-        self._awaited_reports = set(agents) - self.head_reports.keys()
+    def expect_reports(self, agents: Iterable[str], release_id: str) -> None:
+        """Wait for a report on ``release_id`` from each of ``agents`` (those that have not sent one already)."""
+        self._awaited_release = release_id
+        self._awaited_reports = set(agents) - self.reports_by_release.get(release_id, {}).keys()
 
     def reports_complete(self) -> bool:
         return not self._awaited_reports
@@ -79,6 +84,8 @@ class Inbox:
             if remaining <= 0:
                 return False
             self._route(self.fleet.poll(min(POLL_S, remaining)))
+            if self.tick is not None:
+                self.tick()
         return True
 
     # ---------------------------------------------------------------- routing
@@ -124,8 +131,9 @@ class Inbox:
             "tier": m.tier, "release_id": m.release_id, "head": m.head, "correct": m.eval_correct,
             "total": m.num_test, "accuracy": m.eval_correct / m.num_test if m.num_test else None, **m.values,
         }
-        self.head_reports[incoming.agent_id] = report
-        self._awaited_reports.discard(incoming.agent_id)
+        self.reports_by_release.setdefault(m.release_id or "", {})[incoming.agent_id] = report
+        if m.release_id == self._awaited_release:
+            self._awaited_reports.discard(incoming.agent_id)
         log.info("agent %s (%s tier) reported accuracy %.4f with head %s", incoming.agent_id, m.tier,
                  report["accuracy"] or float("nan"), m.head)
 

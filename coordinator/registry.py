@@ -38,6 +38,8 @@ class Registry:
         self._online_by_tier: Counter[str] = Counter()
         self._unresponsive: set[str] = set()
         self._last_life: dict[str, float] = {}
+        #: bumped whenever an agent appears, goes on- or offline or changes tier: the fleet view's cue
+        self.revision = 0
 
     def update(self, agent_id: str, status: StatusMeta) -> bool:
         """Record a status; returns whether the agent was online before it."""
@@ -52,6 +54,8 @@ class Registry:
             self._online_by_tier[was.tier] -= 1
         if online:
             self._online_by_tier[status.tier] += 1
+        if was is None or was.online != online or was.tier != status.tier:
+            self.revision += 1
         if was is None or was.online != online:
             log.info("agent %s %s (%s tier, %s, %d samples)", agent_id, "online" if online else "offline",
                      status.tier, status.device, status.num_train)
@@ -80,6 +84,10 @@ class Registry:
         if agent_id in self._unresponsive:
             self._unresponsive.discard(agent_id)
             log.info("agent %s shows life again", agent_id)
+
+    def last_life(self, agent_id: str) -> float | None:
+        """``time.monotonic()`` of the agent's last frame of any kind (None: never)."""
+        return self._last_life.get(agent_id)
 
     def count_online(self, tier: str) -> int:
         return self._online_by_tier[tier]

@@ -1,4 +1,11 @@
-"""Turn a run's ``metrics.jsonl`` into a summary, a table and plots."""
+"""Turn a run's ``metrics.jsonl`` into a summary, a table and plots.
+
+Rounds are numbered from 0 everywhere (``metrics.jsonl``, progress, the fleet view, this
+report); the final evaluation's row has ``round`` = the number of rounds. Wall time is
+the real elapsed time of the coordinator sessions (``run_times.json``), not the sum of
+round times. Head-tier accuracy is the latest release's, labelled with its id;
+``head_metrics.json`` keeps every release's reports.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +13,30 @@ from pathlib import Path
 from typing import Any
 
 from edgepfl.atomic import write_json
-from edgepfl.metrics import RoundMetrics, read_metrics
+from edgepfl.metrics import (
+    ReleaseReports,
+    RoundMetrics,
+    RunTimes,
+    latest_release,
+    read_head_metrics,
+    read_metrics,
+    read_run_times,
+)
 
-__all__ = ["format_table", "plot_accuracy", "read_metrics", "summarize", "write_report"]
+__all__ = ["accuracy_figure", "format_table", "plot_accuracy", "read_metrics", "summarize", "write_report"]
+
+#: above this many clients the figure shows the spread of their accuracies (percentile
+#: bands, a histogram) instead of a line and a bar per client
+PER_CLIENT_LIMIT = 30
 
 
-def summarize(rows: list[RoundMetrics], target: float | None = None) -> dict[str, Any]:
+def summarize(rows: list[RoundMetrics], target: float | None = None, times: RunTimes | None = None,
+              head: dict[str, ReleaseReports] | None = None) -> dict[str, Any]:
     """Final and best personalized accuracy (always labelled), bytes, time; optionally
-    the cumulative bytes sent until ``target`` accuracy was first reached."""
+    the cumulative bytes sent until ``target`` accuracy was first reached.
+
+    ``times``: the run's sessions (wall time; None: unknown); ``head``: head-tier reports
+    by release (the latest release's go into ``head_tier``)."""
     # (accuracy, row) pairs: the filter narrows the accuracy to float for max's key.
     scored = [(r.accuracy, r) for r in rows if r.accuracy is not None]
     final = next((r for r in reversed(rows) if r.final), scored[-1][1] if scored else None)
@@ -28,11 +51,19 @@ def summarize(rows: list[RoundMetrics], target: float | None = None) -> dict[str
         "final_per_client": dict(final.per_client) if final else {},
         "bytes_up": sum(r.bytes_up for r in rows),
         "bytes_down": sum(r.bytes_down for r in rows),
-        "seconds": round(sum(r.seconds for r in rows), 2),
+        "round_seconds": round(sum(r.seconds for r in rows), 2),
+        "wall_seconds": None if times is None or times.wall_seconds() is None else round(times.wall_seconds() or 0, 2),
+        "sessions": len(times.sessions) if times else 0,
+        "resumed": bool(times and any(s.resumed_from is not None for s in times.sessions)),
         "mean_round_seconds": round(sum(r.seconds for r in train_rows) / len(train_rows), 3) if train_rows else None,
         "rejected": _sum_counts(r.rejected for r in rows),
         "dropped": sum(len(r.dropped) for r in rows),
     }
+    latest = latest_release(head or {})
+    if latest is not None:
+        release_id, entry = latest
+        out["head_tier"] = {"release": release_id, "round": entry.round, "accuracy": entry.accuracy(),
+                            "agents": entry.reports}
     if target is not None:
         sent = 0
         out["target_accuracy"] = target
@@ -53,7 +84,7 @@ def _sum_counts(dicts) -> dict[str, int]:
     return total
 
 
-def format_table(rows: list[RoundMetrics], summary: dict, method: str = "", head_reports: dict | None = None) -> str:
+def format_table(rows: list[RoundMetrics], summary: dict, method: str = "") -> str:
     """A plain-text results table a person can read in a terminal."""
     lines = []
     title = f"Results{' — ' + method if method else ''}"
@@ -67,71 +98,127 @@ def format_table(rows: list[RoundMetrics], summary: dict, method: str = "", head
                      f"{r.bytes_up / 1e6:>8.2f} {r.bytes_down / 1e6:>8.2f} {r.seconds:>8.2f}")
     lines.append("")
     fa, ba = summary.get("final_accuracy"), summary.get("best_accuracy")
-    lines.append(f"final accuracy (after round {summary.get('rounds')}): {'-' if fa is None else f'{fa:.2%}'}")
+    last = (summary.get("rounds") or 0) - 1
+    lines.append(f"final accuracy (after round {last}, the last): {'-' if fa is None else f'{fa:.2%}'}")
     lines.append(f"best accuracy (round {summary.get('best_round')}):  {'-' if ba is None else f'{ba:.2%}'}")
     per_client = summary.get("final_per_client") or {}
     if per_client:
         lines.append("per-client final accuracy: " + ", ".join(
             f"{a} {v:.1%}" for a, v in per_client.items() if v is not None))
-    if head_reports:
-        lines.append("head-tier agents: " + ", ".join(
-            f"{a} ({r.get('head')}) {r['accuracy']:.1%}" for a, r in sorted(head_reports.items())
-            if r.get("accuracy") is not None))
+    head = summary.get("head_tier")
+    if head:
+        acc = head.get("accuracy")
+        lines.append(f"head-tier agents, release {head['release']}"
+                     + (f" (encoder after round {head['round']})" if head.get("round") is not None else "")
+                     + (f": {acc:.2%} overall; " if acc is not None else ": ") + ", ".join(
+                         f"{a} ({r.get('head')}) {r['accuracy']:.1%}" for a, r in sorted(head["agents"].items())
+                         if r.get("accuracy") is not None))
     if summary.get("rejected"):
         lines.append(f"rejected messages: {summary['rejected']}")
+    wall = summary.get("wall_seconds")
+    sessions = summary.get("sessions") or 0
     lines.append(f"traffic: {summary['bytes_up'] / 1e6:.1f} MB up, {summary['bytes_down'] / 1e6:.1f} MB down; "
-                 f"wall time {summary['seconds']:.1f}s")
+                 + ("wall time unknown (no run_times.json)" if wall is None else f"wall time {wall:.1f}s")
+                 + (f" over {sessions} sessions (resumed)" if summary.get("resumed") else "")
+                 + f"; {summary['round_seconds']:.1f}s inside rounds")
     return "\n".join(lines)
 
 
-def plot_accuracy(rows: list[RoundMetrics], path: str | Path, title: str = "") -> Path:
-    """Accuracy per round (federation mean and each client) and final per-client bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+def plot_accuracy(rows: list[RoundMetrics], path: str | Path, title: str = "",
+                  head: dict[str, ReleaseReports] | None = None) -> Path:
+    """Write :func:`accuracy_figure` to ``path`` (PNG)."""
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    scored = [r for r in rows if r.accuracy is not None]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
-    clients = sorted({a for r in scored for a in r.per_client})
-    for a in clients:
-        pts = [(r.round, r.per_client[a]) for r in scored if r.per_client.get(a) is not None]
-        if pts:
-            ax.plot(*zip(*pts), color="0.75", linewidth=0.8, zorder=1)
-    ax.plot([r.round for r in scored], [r.accuracy for r in scored], "o-", color="C0", linewidth=2,
-            label="sample-weighted personalized accuracy", zorder=2)
-    ax.plot([], [], color="0.75", label="individual clients")
-    ax.set_xlabel("round (evaluated at the start of the round; last = after training)")
-    ax.set_ylabel("accuracy")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    ax.set_title(title or "personalized accuracy per round")
-    final = next((r for r in reversed(rows) if r.final), scored[-1] if scored else None)
-    if final:
-        names = [a for a, v in final.per_client.items() if v is not None]
-        bx.barh(names, [final.per_client[a] for a in names], color="C0")
-        bx.set_xlim(0, 1)
-        bx.set_title("final accuracy per client")
-        bx.invert_yaxis()
-    fig.tight_layout()
+    fig = accuracy_figure(rows, title, head)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-def write_report(run_dir: str | Path, method: str = "", head_reports: dict | None = None) -> tuple[str, dict]:
-    """summary.json + accuracy.png + results.txt in the run directory; returns (table, summary)."""
+def accuracy_figure(rows: list[RoundMetrics], title: str = "", head: dict[str, ReleaseReports] | None = None):
+    """Accuracy per round and the clients' final accuracies, readable at any fleet size.
+
+    Up to :data:`PER_CLIENT_LIMIT` clients: a line per client and a bar per client. Beyond
+    it: the 10-90 and 25-75 percentile bands of the clients' accuracies per round and a
+    histogram of their final accuracies. Releases (``head``) are marked at their round,
+    with the head tier's accuracy on each.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    scored = [r for r in rows if r.accuracy is not None]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
+    clients = sorted({a for r in scored for a in r.per_client})
+    many = len(clients) > PER_CLIENT_LIMIT
+    if many:
+        pts = [(r.round, [v for v in r.per_client.values() if v is not None]) for r in scored]
+        pts = [(x, vs) for x, vs in pts if vs]
+        xs = [x for x, _ in pts]
+        for (lo, hi), shade in (((10, 90), 0.85), ((25, 75), 0.7)):
+            ax.fill_between(xs, [np.percentile(vs, lo) for _, vs in pts], [np.percentile(vs, hi) for _, vs in pts],
+                            color=str(shade), label=f"clients, {lo}th-{hi}th percentile", zorder=1)
+    else:
+        for a in clients:
+            client_pts = [(r.round, r.per_client[a]) for r in scored if r.per_client.get(a) is not None]
+            if client_pts:
+                ax.plot(*zip(*client_pts), color="0.75", linewidth=0.8, zorder=1)
+        ax.plot([], [], color="0.75", label="individual clients")
+    ax.plot([r.round for r in scored], [r.accuracy for r in scored], "o-", color="C0", linewidth=2,
+            label="sample-weighted personalized accuracy", zorder=2)
+    for i, (release_id, entry) in enumerate(sorted((head or {}).items(), key=lambda kv: kv[1].round or -1)):
+        if entry.round is None:
+            continue
+        # the release holds the encoder after round r: it is marked where round r + 1 starts
+        ax.axvline(entry.round + 1, color="C2", linestyle="--", linewidth=1, zorder=0,
+                   label="encoder release" if i == 0 else None)
+        acc = entry.accuracy()
+        if acc is not None:
+            ax.plot([entry.round + 1], [acc], "D", color="C2", markersize=7, zorder=3,
+                    label="head-tier accuracy on the release" if i == 0 else None)
+            ax.annotate(release_id, (entry.round + 1, acc), textcoords="offset points", xytext=(4, -12),
+                        fontsize=7, color="C2")
+    ax.set_xlabel("round, from 0 (evaluated at the start of the round; last = after training)")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title(title or "personalized accuracy per round")
+    final = next((r for r in reversed(rows) if r.final), scored[-1] if scored else None)
+    if final:
+        values = [v for v in final.per_client.values() if v is not None]
+        if many:
+            bx.hist(values, bins=np.linspace(0, 1, 21), color="C0")
+            bx.set_xlabel("final accuracy")
+            bx.set_ylabel("clients")
+            bx.set_title(f"final accuracy of {len(values)} clients")
+        else:
+            names = [a for a, v in final.per_client.items() if v is not None]
+            bx.barh(names, [final.per_client[a] for a in names], color="C0")
+            bx.set_xlim(0, 1)
+            bx.set_title("final accuracy per client")
+            bx.invert_yaxis()
+    fig.tight_layout()
+    return fig
+
+
+def write_report(run_dir: str | Path, method: str = "") -> tuple[str, dict]:
+    """summary.json + accuracy.png + results.txt in the run directory; returns (table, summary).
+
+    Reads the run directory only: ``metrics.jsonl``, ``head_metrics.json`` and ``run_times.json``.
+    """
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
-    summary = summarize(rows)
-    if head_reports:
-        summary["head_tier"] = head_reports
+    head = read_head_metrics(run_dir)
+    summary = summarize(rows, times=read_run_times(run_dir), head=head)
     write_json(run_dir / "summary.json", summary)
     if any(r.accuracy is not None for r in rows):
-        plot_accuracy(rows, run_dir / "accuracy.png", title=f"{method} — personalized accuracy" if method else "")
-    table = format_table(rows, summary, method, head_reports)
+        plot_accuracy(rows, run_dir / "accuracy.png", title=f"{method} — personalized accuracy" if method else "",
+                      head=head)
+    table = format_table(rows, summary, method)
     (run_dir / "results.txt").write_text(table + "\n")
     return table, summary

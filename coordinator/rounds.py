@@ -40,7 +40,7 @@ import numpy as np
 
 from edgepfl.config import ConfigError, RunConfig
 from edgepfl.methods import Method, RoundAggregate, ServerState, create_method
-from edgepfl.metrics import RoundMetrics, read_metrics
+from edgepfl.metrics import RoundMetrics, read_metrics, record_run_end, record_run_start
 from edgepfl.protocol import (
     Body,
     CoordinatorMeta,
@@ -57,6 +57,7 @@ from edgepfl.state import CheckpointError, CheckpointMeta, load_checkpoint, save
 from .fleet import SENDER, Fleet
 from .gate import Accepted, RoundTasks, Task, UpdateGate, admit_state
 from .inbox import Inbox
+from .observe import Observer
 from .progress import Progress
 from .registry import Registry
 
@@ -133,16 +134,19 @@ class Coordinator:
         self.rejected_total: Counter = Counter()
         self.registry = Registry()
         gate = UpdateGate(config.federation, self.method, self.registry, max_bytes=config.broker.max_payload_bytes)
-        self.inbox = Inbox(fleet, self.registry, gate, self.rejected_total)
+        self.observer = Observer(config, fleet, self.registry, self.rejected_total)
+        self.inbox = Inbox(fleet, self.registry, gate, self.rejected_total, tick=self.observer.tick)
         self.state: ServerState | None = None
         self.start_round = 0
         self.aborted_streak = 0  # training rounds aborted in a row
         self.good_round: int | None = None  # the last good state is the one after this round (good-<round>/)
+        self.releases: dict[str, int] = {}  # release id -> the round it was exported after, in publishing order
 
     @property
     def head_reports(self) -> dict[str, dict]:
-        """Head-tier reports by agent id, as ``head_metrics.json`` holds them."""
-        return self.inbox.head_reports
+        """Head-tier reports on the latest release, by agent id (``head_metrics.json`` keeps every release's)."""
+        latest = next(reversed(self.releases), None)
+        return self.inbox.reports_by_release.get(latest, {}) if latest else {}
 
     # ---------------------------------------------------------------- state
     @property
@@ -203,8 +207,20 @@ class Coordinator:
         """Wait for agents, run the remaining rounds and a final evaluation; return metrics rows."""
         if self.state is None:
             self.init_or_resume()
-        c = self.config
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        resumed_from = self.start_round - 1 if self.start_round else None
+        record_run_start(self.out_dir, resumed_from)
+        self.observer.start(resumed_from)
+        self.observer.enter("waiting", self.start_round)
+        try:
+            rows = self._run_all()
+        finally:
+            self.observer.close()
+        record_run_end(self.out_dir)
+        return rows
+
+    def _run_all(self) -> list[RoundMetrics]:
+        c = self.config
         self._wait_for_agents()
         rows = []
         for r in range(self.start_round, c.rounds):
@@ -220,6 +236,7 @@ class Coordinator:
             self.release(c.rounds - 1)
             self._collect_head_reports(timeout=c.round_timeout_s)
         self.fleet.announce(CoordinatorMeta(state="done", method=c.method.name, round=c.rounds))
+        self.observer.enter("done", c.rounds)
         return rows
 
     def _wait_for_agents(self, required: bool = True) -> None:
@@ -252,8 +269,10 @@ class Coordinator:
         started = time.monotonic()
         sampled, evaluators = self._sample(r, final)
         tasks, result = self._send_tasks(r, sampled, evaluators)
+        self.observer.enter("evaluating" if final else "training", r)
         self._collect(tasks, result, started)
         tasks.close()  # an answer after this is stale: the aggregate is closed next
+        self.observer.enter("aggregating", r)
         for agent_id in result.dropped:
             self.registry.mark_unresponsive(agent_id, silent_since=started)
         previous = self.state
@@ -272,6 +291,7 @@ class Coordinator:
                 self.good_round = r - 1
             self._checkpoint(r)
         self.progress.update(row)
+        self.observer.round_done(row)
         return row
 
     def _sample(self, r: int, final: bool) -> tuple[list[str], list[str]]:
@@ -393,25 +413,38 @@ class Coordinator:
         """Export the frozen encoder and publish it (retained) for head-tier agents."""
         from .release import build_release
 
+        self.observer.enter("releasing", round)
         release_id, frame = build_release(self._server_state(), self.run_meta(round), self.out_dir / "releases",
                                           self.config)
         self.fleet.publish_release(frame, round)
+        self.releases[release_id] = round
+        self.observer.released(release_id)
         self.progress.note(f"released encoder {release_id} ({len(frame) / 1e6:.2f} MB) to head-tier agents")
         return release_id
 
     def _collect_head_reports(self, timeout: float) -> None:
         """Wait up to ``timeout`` for a report from every online head agent; write what came."""
         heads = self.registry.online("head")
-        if not heads:
+        if not heads or not self.releases:
             return
-        self.inbox.expect_reports(heads)
+        self.inbox.expect_reports(heads, next(reversed(self.releases)))
         self.inbox.pump_until(self.inbox.reports_complete, time.monotonic() + timeout)
         self._write_head_reports()
 
     def _write_head_reports(self) -> None:
+        """Every release's reports, by release id; a resumed run keeps those of its earlier sessions."""
         from edgepfl.atomic import write_json
+        from edgepfl.metrics import HEAD_METRICS_FILE, ReleaseReports, read_head_metrics
 
-        write_json(self.out_dir / "head_metrics.json", self.head_reports)
+        try:
+            head = read_head_metrics(self.out_dir)
+        except ValueError as exc:  # an older run's file: replaced
+            log.warning("%s", exc)
+            head = {}
+        for release_id, reports in self.inbox.reports_by_release.items():
+            earlier = head[release_id].round if release_id in head else None
+            head[release_id] = ReleaseReports(round=self.releases.get(release_id, earlier), reports=reports)
+        write_json(self.out_dir / HEAD_METRICS_FILE, {k: v.model_dump(mode="json") for k, v in head.items()})
 
     # ---------------------------------------------------------------- metrics
     def _row(self, result: RoundResult, seconds: float, final: bool, abort: str | None,

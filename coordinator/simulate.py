@@ -121,7 +121,7 @@ def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str
         fleet = MqttFleet(config.federation, config.broker, url=url)
         coordinator = Coordinator(config, fleet, out, progress=progress, **shape)
         rows = coordinator.run()
-        table, summary = write_report(out, config.method.name, coordinator.head_reports or None)
+        table, summary = write_report(out, config.method.name)
         return rows, summary
     finally:
         if fleet is not None:

@@ -14,6 +14,11 @@ it receives, :class:`HeadRuntime`:
 4. evaluates on the held-out split, keeps encoder + head on disk (atomic writes, files
    named by content so a crash never mixes two releases) and serves predictions.
 
+Labels: a device whose class names are all among the federation's (an image folder
+whose sub-folders sort in another order, say) is fitted in the federation's numbering;
+other data is a new task in its own. Either way the head file records the name of each
+class (:mod:`edgepfl.heads.labels`), so ``edgepfl predict`` prints the right names.
+
 Only numpy, onnxruntime and scikit-learn are imported here (and skl2onnx to save a
 fitted head); a test asserts torch never is. A method's own head (``dualfed``,
 ``fedpick``) is trained with torch and around the federation's global heads, which a
@@ -38,6 +43,7 @@ from edgepfl.data.preprocess import ChannelAffine, conversion
 from edgepfl.export.heads import META_ENCODER_SHA, OnnxHead, head_to_onnx
 from edgepfl.export.predict import OnnxEncoder
 from edgepfl.heads import OFFLINE_HEAD_KIND, HeadRelease
+from edgepfl.heads.labels import FEDERATION, LabelSpace, label_space_for
 from edgepfl.methods import create_method
 from edgepfl.protocol.manifest import ReleaseManifest, parse_manifest
 
@@ -159,8 +165,10 @@ class HeadRuntime:
         if not (np.isfinite(f_train).all() and np.isfinite(f_test).all()):
             raise refuse("encoder produced NaN or Inf features on local data")
 
+        labels, to_labels = label_space_for(self.data.class_names, manifest.run.data.class_names)
+        y_train, y_test = to_labels[self.data.y_train], to_labels[self.data.y_test]
         start = time.perf_counter()
-        head_bytes, head_name = self._head_for(manifest, digest, f_train, refuse)
+        head_bytes, head_name = self._head_for(manifest, digest, f_train, y_train, labels, refuse)
         head_path = self.state_dir / f"head-{digest[:16]}.onnx"
         write_bytes(head_path, head_bytes)
         head = OnnxHead(head_path, self.threads).fit()
@@ -168,11 +176,11 @@ class HeadRuntime:
 
         pred_train = head.predict(f_train)
         pred_test = head.predict(f_test)
-        correct = int((pred_test == self.data.y_test).sum())
+        correct = int((pred_test == y_test).sum())
         metrics = {
             "accuracy": correct / max(1, self.data.num_test),
             "eval_correct": correct,
-            "train_accuracy": float((pred_train == self.data.y_train).mean()) if self.data.num_train else float("nan"),
+            "train_accuracy": float((pred_train == y_train).mean()) if self.data.num_train else float("nan"),
             "num_train": int(self.data.num_train),
             "num_test": int(self.data.num_test),
             "head": head_name,
@@ -207,9 +215,10 @@ class HeadRuntime:
         method = create_method(release.method, release.method_options)
         return method.make_head(self.head_kind, release, **self.head_params)
 
-    def _head_for(self, manifest: ReleaseManifest, encoder_sha: str, f_train: np.ndarray,
-                  refuse: Callable[[str], ReleaseRefused]) -> tuple[bytes, str]:
-        """(ONNX bytes, kind) of the head for this encoder: the offline one if it matches, else fitted."""
+    def _head_for(self, manifest: ReleaseManifest, encoder_sha: str, f_train: np.ndarray, y_train: np.ndarray,
+                  labels: LabelSpace, refuse: Callable[[str], ReleaseRefused]) -> tuple[bytes, str]:
+        """(ONNX bytes, kind) of the head for this encoder: the offline one if it matches, else
+        fitted on ``y_train`` (labels in ``labels``, which the head records)."""
         offline = self.state_dir / OFFLINE_HEAD
         if offline.is_file():
             try:
@@ -217,11 +226,15 @@ class HeadRuntime:
             except Exception as exc:
                 log.warning("ignoring %s: %s", offline, exc)
             else:
-                if cand.encoder_sha256_ == encoder_sha and cand.n_features_in_ == f_train.shape[1]:
+                if cand.encoder_sha256_ != encoder_sha or cand.n_features_in_ != f_train.shape[1]:
+                    log.warning("%s was fitted for another encoder (%s); not used", offline,
+                                (cand.encoder_sha256_ or "unknown")[:12])
+                elif not _names_agree(cand, labels):
+                    log.warning("%s names its classes %s, this device's labels are %s; not used", offline,
+                                cand.class_names_, list(labels.names))
+                else:
                     log.info("using the offline %s head %s", cand.head_kind_, offline)
                     return offline.read_bytes(), cand.head_kind_
-                log.warning("%s was fitted for another encoder (%s); not used", offline,
-                            (cand.encoder_sha256_ or "unknown")[:12])
         if self.head_kind == OFFLINE_HEAD_KIND:
             raise refuse(f"head kind {OFFLINE_HEAD_KIND!r} needs {offline} fitted for encoder {encoder_sha[:12]} "
                          "(edgepfl fit-head --encoder … --out head.onnx)")
@@ -233,8 +246,8 @@ class HeadRuntime:
         except (ValueError, ImportError) as exc:  # not offered, bad options, or it needs torch
             raise refuse(f"no {self.head_kind} head for this {release.method} release: {exc}") from None
         try:
-            head.fit(f_train, self.data.y_train)
-            data = head_to_onnx(head, f_train.shape[1], metadata={META_ENCODER_SHA: encoder_sha})
+            head.fit(f_train, y_train)
+            data = head_to_onnx(head, f_train.shape[1], labels=labels, metadata={META_ENCODER_SHA: encoder_sha})
         except (ValueError, ImportError) as exc:  # ImportError: a method's own head needs torch
             raise refuse(f"cannot fit a {self.head_kind} head on local data: {exc}") from None
         return data, self.head_kind
@@ -274,6 +287,25 @@ class HeadRuntime:
     def classes(self) -> np.ndarray:
         _, head = self._installed()
         return head.classes_
+
+    @property
+    def class_names(self) -> list[str]:
+        """The name of each of :attr:`classes` (column of :meth:`predict_proba`), as the head records it."""
+        _, head = self._installed()
+        return list(head.class_names_ or [str(c) for c in head.classes_])
+
+
+def _names_agree(head: OnnxHead, labels: LabelSpace) -> bool:
+    """Whether an offline head's labels mean what this device's labels mean.
+
+    A head that records no names predates them; it was fitted in the federation's numbering.
+    """
+    if head.class_names_ is None:
+        return labels.kind == FEDERATION
+    try:
+        return head.class_names_ == labels.column_names(head.classes_)
+    except ValueError:
+        return False
 
 
 def _renormalization(local: dict[str, Any], manifest: ReleaseManifest) -> ChannelAffine | None:

@@ -7,6 +7,7 @@
     edgepfl export --run DIR --out DIR            frozen encoder -> ONNX + manifest
     edgepfl fit-head ... / edgepfl predict ...    offline heads for new clients
     edgepfl report --run DIR                      table + plots from a run directory
+    edgepfl status --broker URL --federation F    live view of a running federation (--json)
     edgepfl methods                               list registered methods
 """
 
@@ -82,7 +83,7 @@ def cmd_coordinator(args) -> int:
         coordinator.run()
     finally:
         fleet.close()
-    table, _ = write_report(out, config.method.name, coordinator.head_reports or None)
+    table, _ = write_report(out, config.method.name)
     print(table)
     return 0
 
@@ -105,8 +106,6 @@ def cmd_agent(args) -> int:
 
 
 def cmd_report(args) -> int:
-    import json
-
     from edgepfl.coordinator.report import write_report
     from edgepfl.state import CheckpointError, read_checkpoint_meta
 
@@ -116,8 +115,7 @@ def cmd_report(args) -> int:
     except CheckpointError:  # a run of an older edgepfl: the report does not need its checkpoint
         meta = None
     method = meta.run.method.name if meta else ""
-    heads = run / "head_metrics.json"
-    table, _ = write_report(run, method, json.loads(heads.read_text()) if heads.exists() else None)
+    table, _ = write_report(run, method)
     print(table)
     return 0
 
@@ -191,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("methods", help="list registered methods")
     m.set_defaults(func=cmd_methods)
 
-    for name, target in (("fit-head", "edgepfl.export.fit_head:main_fit_head"), ("predict", "edgepfl.export.predict:main_predict")):
+    for name, target in (("fit-head", "edgepfl.export.fit_head:main_fit_head"), ("predict", "edgepfl.export.predict:main_predict"),
+                         ("status", "edgepfl.coordinator.status:main_status")):
         x = sub.add_parser(name, help=f"see 'edgepfl {name} --help'", add_help=False)
         x.set_defaults(func=None, delegate=target)
     return p

@@ -22,7 +22,7 @@ from .protocol.topics import check_segment
 from .specs import BrokerConfig, DataSpec, ModelSpec, PartitionSpec, SecuritySpec, TrainConfig, _Strict
 
 __all__ = [
-    "AgentConfig", "AggregationSpec", "BrokerConfig", "ConfigError", "DataSpec", "MethodSpec", "ModelSpec",
+    "AgentConfig", "AggregationSpec", "BrokerConfig", "ConfigError", "DataSpec", "MethodSpec", "ModelSpec", "ObserveSpec",
     "PartitionSpec", "RunConfig", "RunSpec", "SecuritySpec", "TrainConfig", "load_agent_config", "load_run_config", "load_yaml",
     "parse_config",
 ]
@@ -58,6 +58,18 @@ class MethodSpec(BaseModel):
         return dict(self.model_extra or {})
 
 
+class ObserveSpec(_Strict):
+    """How operators watch a running federation: the JSON fleet view and Prometheus metrics."""
+
+    view: bool = Field(True, description="publish the retained JSON fleet view on edgepfl/v1/<federation>/view")
+    view_interval_s: float = Field(1.0, gt=0, description="at most one view per interval (presence changes in "
+                                                          "between are batched); phase changes publish at once")
+    view_heartbeat_s: float = Field(30.0, gt=0, description="republish an unchanged view this often (fresh 'updated')")
+    metrics_port: int | None = Field(None, ge=0, le=65535,
+                                     description="serve Prometheus /metrics on this port (0: any free port); off if unset")
+    metrics_host: str = Field("127.0.0.1", description="address the metrics endpoint binds (0.0.0.0: every interface)")
+
+
 class RunConfig(_Strict):
     """Everything the coordinator needs to run a federation."""
 
@@ -87,6 +99,7 @@ class RunConfig(_Strict):
         None, description="per-channel mean and std of the agents' inputs, sent in every task; default: from data")
     release_every: int | None = Field(None, ge=1, description="publish an encoder release every k rounds (and at the end)")
     release_at_end: bool = Field(False, description="export and publish the encoder when training ends")
+    observe: ObserveSpec = Field(default_factory=ObserveSpec, description="fleet view and Prometheus metrics")
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-__all__ = ["METRICS_FILE", "MetricsError", "RoundMetrics", "read_metrics"]
+__all__ = ["HEAD_METRICS_FILE", "METRICS_FILE", "RUN_TIMES_FILE", "MetricsError", "ReleaseReports", "RoundMetrics",
+           "RunSession", "RunTimes", "latest_release", "read_head_metrics", "read_metrics", "read_run_times", "record_run_end",
+           "record_run_start"]
 
 METRICS_FILE = "metrics.jsonl"
+#: head-tier reports by release: ``{release_id: ReleaseReports}``, releases in the order published
+HEAD_METRICS_FILE = "head_metrics.json"
+#: when each coordinator session of the run started and finished (:class:`RunTimes`)
+RUN_TIMES_FILE = "run_times.json"
 
 
 class MetricsError(ValueError):
@@ -81,3 +88,92 @@ def read_metrics(path: str | Path) -> list[RoundMetrics]:
             loc = ".".join(str(p) for p in err.get("loc", ())) or "<root>"
             raise MetricsError(f"{path}:{number}: {loc}: {err.get('msg')}") from None
     return rows
+
+
+class ReleaseReports(BaseModel):
+    """The head-tier reports measured with one encoder release (``head_metrics.json``, one entry)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    round: int | None = Field(None, description="the last training round the released encoder includes")
+    reports: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="agent -> report: tier, release_id, head, correct, total, accuracy, values")
+
+    def accuracy(self) -> float | None:
+        """Sample-weighted held-out accuracy over the agents that reported."""
+        total = sum(int(r.get("total") or 0) for r in self.reports.values())
+        return sum(int(r.get("correct") or 0) for r in self.reports.values()) / total if total else None
+
+
+def read_head_metrics(path: str | Path) -> dict[str, ReleaseReports]:
+    """``head_metrics.json`` (or ``<run dir>/head_metrics.json``) by release id; empty when absent."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / HEAD_METRICS_FILE
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        return {rid: ReleaseReports.model_validate(entry) for rid, entry in data.items()}
+    except (ValueError, AttributeError) as exc:
+        raise MetricsError(f"{path}: not a head-metrics file by release ({str(exc).splitlines()[0]})") from None
+
+
+def latest_release(head: dict[str, ReleaseReports]) -> tuple[str, ReleaseReports] | None:
+    """The release of the latest round among ``head`` (file order is not kept: JSON is written sorted)."""
+    if not head:
+        return None
+    return max(head.items(), key=lambda item: -1 if item[1].round is None else item[1].round)
+
+
+class RunSession(BaseModel):
+    """One coordinator process's part of a run (a resumed run has several)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    started: float = Field(description="Unix time the session began")
+    finished: float | None = Field(None, description="Unix time it ended; None: it crashed or still runs")
+    resumed_from: int | None = Field(None, description="it resumed after this round's checkpoint")
+
+
+class RunTimes(BaseModel):
+    """``run_times.json``: the real elapsed time of a run, session by session."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sessions: list[RunSession] = Field(default_factory=list)
+
+    def wall_seconds(self) -> float | None:
+        """Elapsed time of the finished sessions (None when none finished)."""
+        done = [s.finished - s.started for s in self.sessions if s.finished is not None]
+        return sum(done) if done else None
+
+
+def read_run_times(run_dir: str | Path) -> RunTimes:
+    path = Path(run_dir) / RUN_TIMES_FILE
+    return RunTimes.model_validate_json(path.read_text()) if path.exists() else RunTimes()
+
+
+def record_run_start(run_dir: str | Path, resumed_from: int | None) -> None:
+    """Append a session to ``run_times.json`` (atomically): a coordinator begins or resumes the run."""
+    import time
+
+    from .atomic import write_json
+
+    times = read_run_times(run_dir)
+    if resumed_from is None:
+        times = RunTimes()  # a fresh run: earlier sessions in this directory were another run's
+    times.sessions.append(RunSession(started=time.time(), resumed_from=resumed_from))
+    write_json(Path(run_dir) / RUN_TIMES_FILE, times.model_dump(mode="json"))
+
+
+def record_run_end(run_dir: str | Path) -> None:
+    """Mark the current session of ``run_times.json`` finished."""
+    import time
+
+    from .atomic import write_json
+
+    times = read_run_times(run_dir)
+    if times.sessions:
+        times.sessions[-1].finished = time.time()
+        write_json(Path(run_dir) / RUN_TIMES_FILE, times.model_dump(mode="json"))

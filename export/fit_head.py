@@ -32,10 +32,11 @@ from typing import Any
 import numpy as np
 
 from edgepfl.heads import HeadRelease
+from edgepfl.heads.labels import FEDERATION, LOCAL, LabelSpace
 from edgepfl.methods import available_head_kinds, create_method
 
 from .heads import META_ENCODER_SHA, fuse, head_to_onnx
-from .predict import META_CLASS_NAMES, OnnxEncoder
+from .predict import OnnxEncoder
 
 
 @dataclass
@@ -46,8 +47,13 @@ class Dataset:
     y_train: np.ndarray
     x_val: np.ndarray
     y_val: np.ndarray
-    class_names: list[str]
+    class_names: list[str]  # label i is class_names[i]
     federation_classes: bool  # labels are the federation's class indices
+
+    @property
+    def labels(self) -> LabelSpace:
+        """What the labels mean, as the fitted head records it."""
+        return LabelSpace(tuple(self.class_names), FEDERATION if self.federation_classes else LOCAL)
 
 
 def load_dataset(path: str | Path, encoder: OnnxEncoder, *, val_fraction: float = 0.25, seed: int = 0) -> Dataset:
@@ -152,10 +158,7 @@ def main_fit_head(args: list[str]) -> int:
         encoder = OnnxEncoder.from_path(ns.encoder)
         data = load_dataset(ns.data, encoder, val_fraction=ns.val_fraction, seed=ns.seed)
         head, report = fit_head(encoder, data, ns.head, export_dir=Path(ns.encoder).parent, params=params)
-        metadata = {META_ENCODER_SHA: encoder.sha256}
-        if not data.federation_classes:
-            metadata[META_CLASS_NAMES] = json.dumps(data.class_names)
-        head_to_onnx(head, encoder.feature_dim, ns.out, metadata=metadata)
+        head_to_onnx(head, encoder.feature_dim, ns.out, labels=data.labels, metadata={META_ENCODER_SHA: encoder.sha256})
         if ns.fused:
             fuse(ns.encoder, ns.out, ns.fused)
     except ImportError as exc:

@@ -8,8 +8,11 @@ one ONNX contract, so a device runs them all the same way:
 * input ``features``: float32 ``(N, feature_dim)``;
 * outputs ``label`` (int64 ``(N,)``) and ``probabilities`` (float32 ``(N, K)``, a plain
   tensor, columns in the order of ``classes_``);
-* metadata ``edgepfl.head`` (kind), ``edgepfl.classes`` (JSON list), ``edgepfl.feature_dim``
-  and, when known, ``edgepfl.encoder_sha256`` (the encoder the head was fitted on).
+* metadata ``edgepfl.head`` (kind), ``edgepfl.classes`` (JSON list), ``edgepfl.feature_dim``,
+  ``edgepfl.class_names`` (JSON list: the name of each probability column) with
+  ``edgepfl.label_space`` (``federation`` or ``local``, :mod:`edgepfl.heads.labels`) and,
+  when known, ``edgepfl.encoder_sha256`` (the encoder the head was fitted on). The class
+  names live here and nowhere else: whoever runs the head reads them from its file.
 
 * :func:`head_to_onnx` — generic heads through skl2onnx (the SVM with a softmax over its
   decision scores appended), a method's own head as the method's
@@ -34,6 +37,7 @@ from sklearn.utils.validation import check_array, check_is_fitted
 
 from edgepfl.heads import OFFLINE_HEAD_KIND
 from edgepfl.heads.estimators import HeadEstimator, SklearnHead, SVMHead
+from edgepfl.heads.labels import LabelSpace
 from edgepfl.methods.device_head import TorchDeviceHead
 
 HEAD_INPUT = "features"
@@ -46,18 +50,29 @@ META_KIND = "edgepfl.head"
 META_CLASSES = "edgepfl.classes"
 META_FEATURE_DIM = "edgepfl.feature_dim"
 META_ENCODER_SHA = "edgepfl.encoder_sha256"
+META_CLASS_NAMES = "edgepfl.class_names"
+META_LABEL_SPACE = "edgepfl.label_space"
 
 
 # --------------------------------------------------------------------------- export
-def head_model(head: HeadEstimator, feature_dim: int, *, metadata: dict[str, str] | None = None):
-    """A fitted head as an ``onnx.ModelProto`` following the module's contract."""
+def head_model(head: HeadEstimator, feature_dim: int, *, labels: LabelSpace | None = None,
+               metadata: dict[str, str] | None = None):
+    """A fitted head as an ``onnx.ModelProto`` following the module's contract.
+
+    ``labels``: what the head's labels mean; every head a device or ``fit-head`` writes
+    passes it, so ``edgepfl predict`` can name its classes (None only for a head whose
+    names nobody will read, as in a benchmark).
+    """
     import onnx
 
     check_is_fitted(head)
+    props = dict(metadata or {})
+    if labels is not None:
+        props.update(label_metadata(labels, head.classes_))
     if isinstance(head, OnnxHead):
         model = onnx.load(str(head.path))
-        if metadata:
-            _set_metadata(model, metadata)
+        if props:
+            _set_metadata(model, props)
         return model
     if feature_dim != head.n_features_in_:
         raise ValueError(f"head was fitted on {head.n_features_in_} features, not {feature_dim}")
@@ -70,22 +85,21 @@ def head_model(head: HeadEstimator, feature_dim: int, *, metadata: dict[str, str
         model = _torch_graph(head.device_module(), feature_dim)
     else:
         raise TypeError(f"cannot export a {type(head).__name__} head to ONNX")
-    props = {
+    _set_metadata(model, {
         META_KIND: head.kind,
         META_CLASSES: json.dumps([_py(c) for c in head.classes_]),
         META_FEATURE_DIM: str(feature_dim),
-    }
-    props.update(metadata or {})
-    _set_metadata(model, props)
+        **props,
+    })
     _dedupe_opsets(model)
     onnx.checker.check_model(model)
     return model
 
 
 def head_to_onnx(head: HeadEstimator, feature_dim: int, path: str | Path | None = None, *,
-                 metadata: dict[str, str] | None = None) -> bytes:
+                 labels: LabelSpace | None = None, metadata: dict[str, str] | None = None) -> bytes:
     """Export a fitted head to ONNX (written atomically to ``path`` when given); returns the bytes."""
-    data = head_model(head, feature_dim, metadata=metadata).SerializeToString()
+    data = head_model(head, feature_dim, labels=labels, metadata=metadata).SerializeToString()
     if path is not None:
         from edgepfl.atomic import write_bytes
 
@@ -164,6 +178,11 @@ def _torch_graph(module, feature_dim: int):
     return onnx.load_from_string(buf.getvalue())
 
 
+def label_metadata(labels: LabelSpace, classes) -> dict[str, str]:
+    """The metadata entries naming a head's probability columns (``classes``: its ``classes_``)."""
+    return {META_CLASS_NAMES: json.dumps(labels.column_names(classes)), META_LABEL_SPACE: labels.kind}
+
+
 def _py(value):
     return value.item() if isinstance(value, np.generic) else value
 
@@ -199,6 +218,13 @@ class OnnxHead(HeadEstimator):
             raise ValueError(f"{self.path} is not an edgepfl head (missing metadata {exc})") from None
         self.head_kind_ = meta.get(META_KIND, "unknown")
         self.encoder_sha256_ = meta.get(META_ENCODER_SHA)
+        self.class_names_: list[str] | None = None
+        self.label_space_: str | None = meta.get(META_LABEL_SPACE)
+        if META_CLASS_NAMES in meta:
+            names = json.loads(meta[META_CLASS_NAMES])
+            if not isinstance(names, list) or len(names) != len(self.classes_):
+                raise ValueError(f"{self.path}: {META_CLASS_NAMES} must name each of its {len(self.classes_)} classes")
+            self.class_names_ = [str(n) for n in names]
         names = [o.name for o in self.session_.get_outputs()]
         if OUT_PROBA not in names or [i.name for i in self.session_.get_inputs()] != [HEAD_INPUT]:
             raise ValueError(f"{self.path}: expected input {HEAD_INPUT!r} and output {OUT_PROBA!r}, got {names}")
@@ -292,6 +318,6 @@ def _align_opsets(a, b) -> None:
 
 
 __all__ = [
-    "META_CLASSES", "META_ENCODER_SHA", "META_FEATURE_DIM", "META_KIND", "OPSET", "OnnxHead", "fuse", "head_model",
-    "head_to_onnx", "make_session",
+    "META_CLASS_NAMES", "META_CLASSES", "META_ENCODER_SHA", "META_FEATURE_DIM", "META_KIND", "META_LABEL_SPACE", "OPSET",
+    "OnnxHead", "fuse", "head_model", "head_to_onnx", "label_metadata", "make_session",
 ]

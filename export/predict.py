@@ -9,7 +9,12 @@ Inputs are image files, directories (their images, recursively, in sorted order)
 (uint8 0..255 or float in [0, 1]; shapes (N, H, W), (N, C, H, W) or (N, H, W, C)); the
 encoder's ``manifest.json`` (next to it) says how to scale, normalize and resize them.
 ``--preprocessed`` takes ``.npy`` arrays that are already normalized float32
-(N, C, H, W) model inputs.
+(N, C, H, W) model inputs. Without a manifest raw inputs cannot be normalized as in
+training, so they are refused unless ``--without-manifest`` accepts that (with a warning).
+
+Class names come from the head itself (``edgepfl.class_names`` in its metadata, written
+by every head writer); a head without them (an older edgepfl's) is refused unless
+``--federation-labels`` says its labels are the federation's class indices.
 
 Torch-free: this module needs numpy, onnxruntime and (for image files) Pillow.
 """
@@ -29,7 +34,6 @@ from edgepfl.protocol.run import PIXEL_SCALE
 from .heads import OnnxHead, make_session
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".pgm", ".ppm")
-META_CLASS_NAMES = "edgepfl.class_names"
 
 
 class OnnxEncoder:
@@ -194,11 +198,18 @@ def collect_inputs(items: list[str], encoder: OnnxEncoder, preprocessed: bool = 
     return names, np.concatenate(batches)
 
 
-def head_class_names(head: OnnxHead, encoder: OnnxEncoder) -> list[str]:
-    """Names of the head's classes: its own (a new client's) or the federation's."""
-    meta = head.session_.get_modelmeta().custom_metadata_map
-    if META_CLASS_NAMES in meta:
-        return list(json.loads(meta[META_CLASS_NAMES]))
+def head_class_names(head: OnnxHead, encoder: OnnxEncoder, *, federation_labels: bool = False) -> list[str]:
+    """Names of the head's probability columns, as the head records them.
+
+    A head without recorded names is refused (ValueError): guessing the federation's
+    names for a head fitted on a device's own folder order gives confidently wrong
+    answers. ``federation_labels`` asserts that its labels are the federation's indices.
+    """
+    if head.class_names_ is not None:
+        return list(head.class_names_)
+    if not federation_labels:
+        raise ValueError(f"{head.path} records no class names (fitted by an older edgepfl): refit it, or pass "
+                         "--federation-labels if its labels are the federation's class indices")
     fed = encoder.class_names
     return [fed[int(c)] if 0 <= int(c) < len(fed) else str(c) for c in head.classes_]
 
@@ -213,21 +224,31 @@ def main_predict(args: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object per input instead of a table")
     parser.add_argument("--top", type=int, default=1, help="classes to show per input")
     parser.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
+    parser.add_argument("--without-manifest", action="store_true",
+                        help="run an encoder that has no manifest.json: inputs are only scaled, not normalized")
+    parser.add_argument("--federation-labels", action="store_true",
+                        help="a head that records no class names predicts the federation's class indices")
     ns = parser.parse_args(args)
     try:
         encoder = OnnxEncoder.from_path(ns.encoder, ns.threads)
+        if encoder.manifest is None and not ns.preprocessed:
+            if not ns.without_manifest:
+                raise ValueError(f"no manifest.json beside {ns.encoder}: inputs cannot be normalized as in training "
+                                 "(pass --without-manifest to accept unnormalized inputs)")
+            print(f"warning: no manifest.json beside {ns.encoder}: inputs are scaled but NOT normalized, and the "
+                  "encoder's sha256 is not checked", file=sys.stderr)
         head = OnnxHead.load(ns.head, ns.threads)
         if head.n_features_in_ != encoder.feature_dim:
             raise ValueError(f"head expects {head.n_features_in_} features, encoder gives {encoder.feature_dim}")
         if head.encoder_sha256_ and head.encoder_sha256_ != encoder.sha256:
             print(f"warning: {ns.head} was fitted on another encoder (sha256 {head.encoder_sha256_[:12]}…)",
                   file=sys.stderr)
+        labels = head_class_names(head, encoder, federation_labels=ns.federation_labels)
         names, x = collect_inputs(ns.inputs, encoder, ns.preprocessed)
         proba = head.predict_proba(encoder.features(x))
     except (ValueError, OSError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    labels = head_class_names(head, encoder)
     for name, row in zip(names, proba):
         order = np.argsort(-row)[: max(1, ns.top)]
         if ns.json:

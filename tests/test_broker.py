@@ -392,7 +392,7 @@ def acl_broker(tmp_path):
     tool = shutil.which("mosquitto_passwd") or "/usr/bin/mosquitto_passwd"
     if not os.access(tool, os.X_OK):
         pytest.skip("mosquitto_passwd not installed")
-    for i, user in enumerate(["coordinator", "pi-07", "pi-08"]):
+    for i, user in enumerate(["coordinator", "pi-07", "pi-08", "operator"]):
         subprocess.run([tool, "-b"] + (["-c"] if i == 0 else []) + [str(passwd), user, f"pw-{user}"],
                        check=True, capture_output=True)
     passwd.chmod(0o600)
@@ -428,6 +428,15 @@ def test_acl_from_the_doc_confines_each_agent_to_its_own_topics(acl_broker, peer
     # the coordinator's release reaches agents
     coord.publish(f"{base}/release", b"real-release", retain=True)
     assert pi7.get().payload == b"real-release"
+    # the fleet view: the coordinator writes it, an operator reads it, an agent can neither forge nor read it
+    operator = login("operator").subscribe(f"{base}/view")
+    pi8.subscribe(f"{base}/view")
+    pi7.publish(f"{base}/view", b'{"forged": true}', retain=True)
+    assert operator.nothing(wait=0.5)
+    coord.publish(f"{base}/view", b'{"phase": "training"}', retain=True)
+    assert operator.get().payload == b'{"phase": "training"}'
+    operator.publish(f"{base}/release", b"operator-release", retain=True)
+    assert pi7.nothing(wait=0.5) and pi8.nothing()
     # no anonymous clients, no wrong passwords
     with pytest.raises(ConnectionRefusedError):
         Peer(url)

@@ -25,10 +25,10 @@ def test_demo_runs_on_the_embedded_broker_and_writes_table_and_plot(tmp_path):
     out = tmp_path / "demo"
     proc = run_cli("demo", "--agents", "4", "--rounds", "2", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "final accuracy (after round 2)" in proc.stdout and "best accuracy" in proc.stdout
+    assert "final accuracy (after round 1, the last)" in proc.stdout and "best accuracy" in proc.stdout
     assert (out / "accuracy.png").stat().st_size > 10_000
     assert sum(1 for _ in (out / "metrics.jsonl").open()) == 3
-    assert "round   2/2" in proc.stderr  # progress per round
+    assert "round   1 [####################] 2/2" in proc.stderr  # progress per round, numbered from 0
 
 
 def test_methods_lists_every_registered_method():
@@ -70,5 +70,5 @@ def test_report_rebuilds_table_and_plot_from_a_run_directory(tmp_path):
     (out / "accuracy.png").unlink()
     proc = run_cli("report", "--run", str(out))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("Results — fedavg") and "final accuracy (after round 1)" in proc.stdout
+    assert proc.stdout.startswith("Results — fedavg") and "final accuracy (after round 0, the last)" in proc.stdout
     assert (out / "accuracy.png").exists()

@@ -90,7 +90,8 @@ def test_head_agent_without_torch_end_to_end(light_venv, mosquitto, tmp_path):
 
     log = log_path.read_text()
     assert "Traceback" not in log, log[-3000:]
-    report = json.loads((out / "head_metrics.json").read_text())["pi-00"]
+    (entry,) = json.loads((out / "head_metrics.json").read_text()).values()  # one release
+    report = entry["reports"]["pi-00"]
     assert report["tier"] == "head" and report["head"] == "svm" and report["accuracy"] > 0.3
     assert report["release_id"] == json.loads((Path(head_cfg.state_dir) / "release.json").read_text())["release_id"]
 

@@ -24,12 +24,15 @@ def test_mixed_fleet_reports_both_tiers(mosquitto, broker_capture, tmp_path):
     # trainer tier: the usual per-round personalized accuracy
     assert rows[-1].final and set(rows[-1].per_client) == {"agent-00", "agent-01", "agent-02"}
     # head tier: both devices installed the release, fitted a head on their own data and reported
-    heads = json.loads((out / "head_metrics.json").read_text())
-    assert set(heads) == {"device-00", "device-01"}
+    by_release = json.loads((out / "head_metrics.json").read_text())
+    assert len(by_release) == 1  # one release, its reports keyed by its id
+    (release_id, entry), = by_release.items()
+    heads = entry["reports"]
+    assert set(heads) == {"device-00", "device-01"} and entry["round"] == config.rounds - 1
     for report in heads.values():
         assert report["tier"] == "head" and report["head"] == "lr" and report["total"] > 0
         assert report["accuracy"] > 0.3  # 10 classes: far above chance on data no trainer saw
-    assert summary["head_tier"] == heads
+    assert summary["head_tier"]["agents"] == heads and summary["head_tier"]["release"] == release_id
     releases = [decode(p) for t, p in broker_capture.snapshot() if t.endswith("/release")]
     assert len(releases) == 1 and releases[0].meta.release_id == next(iter(heads.values()))["release_id"]
     assert_every_channel_has_one_direction(broker_capture.snapshot(), config.federation)
@@ -37,7 +40,7 @@ def test_mixed_fleet_reports_both_tiers(mosquitto, broker_capture, tmp_path):
     for device in ("device-00", "device-01"):
         log = (out / "agents" / f"{device}.log").read_text()
         assert "edgepfl.edge_agent.trainer" not in log and "Traceback" not in log
-    assert "head-tier agents:" in (out / "results.txt").read_text()
+    assert f"head-tier agents, release {release_id}" in (out / "results.txt").read_text()
 
 
 def assert_every_channel_has_one_direction(frames: list[tuple[str, bytes]], federation: str) -> None:
@@ -49,8 +52,11 @@ def assert_every_channel_has_one_direction(frames: list[tuple[str, bytes]], fede
         if not topic.startswith(f"edgepfl/v1/{federation}/") or not payload:  # other traffic; a cleared retained topic
             continue
         parsed = parse_topic(topic)
-        header = decode(payload).header
         seen.add(parsed.channel)
+        if parsed.channel == FederationChannel.VIEW:  # the operators' JSON mirror, not a frame (PROTOCOL §18)
+            assert json.loads(payload)["federation"] == federation
+            continue
+        header = decode(payload).header
         from_agent = parsed.channel in (AgentChannel.STATUS, AgentChannel.UPDATE, AgentChannel.METRICS)
         assert header.sender == (parsed.agent if from_agent else COORDINATOR), (topic, header.sender)
         assert header.type in (MessageType(parsed.channel.value), MessageType.CHUNK), (topic, header.type)

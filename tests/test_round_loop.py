@@ -24,6 +24,7 @@ from edgepfl.coordinator.fleet import Fleet, Incoming
 from edgepfl.coordinator.gate import Rejection
 from edgepfl.coordinator.registry import Registry
 from edgepfl.coordinator.rounds import Coordinator, RoundResult
+from edgepfl.metrics import read_head_metrics
 from edgepfl.protocol import (
     AgentChannel,
     CoordinatorMeta,
@@ -204,9 +205,11 @@ class HeadFleet(ScriptedFleet):
 
     def publish_release(self, frame: bytes, round: int) -> int:
         self.releases.append(round)
+        release_id = decode(frame).meta.release_id
         for agent_id, correct in (("pi-1", 7), ("pi-2", 9)):
             report = encode(MessageType.METRICS, federation=FED, sender=agent_id, round=round,
-                            meta=MetricsMeta(tier="head", head="lr", num_test=10, eval_correct=correct))
+                            meta=MetricsMeta(tier="head", release_id=release_id, head="lr", num_test=10,
+                                             eval_correct=correct))
             self.events.append(Incoming(agent_id, AgentChannel.METRICS, report, len(report)))
         return len(frame)
 
@@ -219,7 +222,8 @@ def test_head_reports_are_collected_until_every_online_head_reported(tmp_path):
     assert time.monotonic() - started < 20  # the reports end the wait, not the timeout
     assert fleet.releases == [0]
     assert {a: r["accuracy"] for a, r in coord.head_reports.items()} == {"pi-1": 0.7, "pi-2": 0.9}
-    assert (tmp_path / "run" / "head_metrics.json").exists()
+    (release_id, entry), = read_head_metrics(tmp_path / "run").items()  # keyed by release
+    assert release_id in coord.releases and entry.round == 0 and entry.accuracy() == pytest.approx(0.8)
 
 
 def test_a_round_of_1000_agents_costs_time_proportional_to_its_messages(tmp_path, monkeypatch):

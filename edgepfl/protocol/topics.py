@@ -31,6 +31,7 @@ class AgentChannel(str, Enum):
 class FederationChannel(str, Enum):
     COORDINATOR = "coordinator"  # coordinator -> all, retained presence
     RELEASE = "release"  # coordinator -> all, retained pointer to the current encoder
+    VIEW = "view"  # coordinator -> operators, retained plain JSON (edgepfl.protocol.view), not a frame
 
 
 class TopicError(ValueError):

@@ -1,0 +1,185 @@
+"""What an operator sees of a running federation: the JSON fleet view and Prometheus metrics.
+
+The round loop tells an :class:`Observer` the clear points of a run (a phase begins, a
+round's row is written, an encoder is released); the inbox calls :meth:`Observer.tick`
+after every poll, where presence and rejection changes are noticed in O(1). The view
+(:class:`edgepfl.protocol.view.FleetView`, retained JSON on ``edgepfl/v1/<F>/view``) is
+published at once on a phase change and at most once per ``observe.view_interval_s``
+otherwise, so a fleet of 1,000 agents coming online costs one view per interval, not
+1,000. With ``observe.metrics_port`` set, the same numbers are served on ``/metrics``
+for Prometheus (``prometheus-client``, imported only then).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+from edgepfl.config import ObserveSpec, RunConfig
+from edgepfl.metrics import RoundMetrics
+from edgepfl.protocol.view import AgentView, FleetView, Phase, encode_view
+
+from .fleet import Fleet
+from .registry import Registry
+
+log = logging.getLogger("edgepfl.coordinator")
+
+TIERS = ("trainer", "head")
+#: round durations a histogram bucket boundary each, in seconds (a round is a timeout of 1 s ... hours)
+ROUND_SECONDS_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600)
+
+
+class Observer:
+    """Keeps the fleet view and the metrics current; never raises into the round loop."""
+
+    def __init__(self, config: RunConfig, fleet: Fleet, registry: Registry, rejected_total: Counter):
+        self.spec: ObserveSpec = config.observe
+        self.fleet = fleet
+        self.registry = registry
+        self.rejected_total = rejected_total
+        self.federation, self.method, self.rounds = config.federation, config.method.name, config.rounds
+        self.max_bytes = config.broker.max_message_bytes
+        self.started = time.time()
+        self.resumed_from: int | None = None
+        self.phase: Phase = "waiting"
+        self.round = -1
+        self.rounds_completed = 0
+        self.last_accuracy: float | None = None
+        self.last_accuracy_round: int | None = None
+        self.release: str | None = None
+        self._seen_revision = -1
+        self._seen_rejections = -1
+        self._dirty = True
+        self._published_at = float("-inf")
+        self.metrics: PrometheusMetrics | None = None
+
+    def start(self, resumed_from: int | None) -> None:
+        """The run begins (``resumed_from``: the checkpointed round it continues after); serve /metrics if asked."""
+        self.resumed_from = resumed_from
+        if self.spec.metrics_port is not None and self.metrics is None:
+            self.metrics = PrometheusMetrics(self.spec.metrics_host, self.spec.metrics_port, self.federation,
+                                             already_rejected=dict(self.rejected_total))
+            log.info("Prometheus metrics on http://%s:%d/metrics", self.spec.metrics_host, self.metrics.port)
+        self.publish()
+
+    def enter(self, phase: Phase, round: int) -> None:
+        """A phase of the run begins: the view says so at once."""
+        self.phase, self.round = phase, round
+        self.publish()
+
+    def round_done(self, row: RoundMetrics) -> None:
+        """A round's (or the final evaluation's) metrics row was written."""
+        if not row.final:
+            self.rounds_completed = row.round + 1
+        if row.accuracy is not None:
+            self.last_accuracy, self.last_accuracy_round = row.accuracy, row.round
+        if self.metrics is not None:
+            self.metrics.round_done(row)
+        self._dirty = True
+
+    def released(self, release_id: str) -> None:
+        self.release = release_id
+        self._dirty = True
+
+    def tick(self) -> None:
+        """After every poll: notice presence and rejection changes; publish when due. O(1) unless publishing."""
+        rejections = sum(self.rejected_total.values())  # a handful of reasons
+        if self.registry.revision != self._seen_revision or rejections != self._seen_rejections:
+            self._seen_revision, self._seen_rejections = self.registry.revision, rejections
+            self._dirty = True
+        since = time.monotonic() - self._published_at
+        if (self._dirty and since >= self.spec.view_interval_s) or since >= self.spec.view_heartbeat_s:
+            self.publish()
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+
+    # ---------------------------------------------------------------- the view
+    def view(self) -> FleetView:
+        """The federation now (O(agents))."""
+        now_wall, now_mono = time.time(), time.monotonic()
+        agents = []
+        for info in self.registry.agents.values():
+            life = self.registry.last_life(info.agent_id)
+            seen = now_wall - (now_mono - life) if life is not None else info.last_seen
+            agents.append(AgentView(id=info.agent_id, tier=info.tier if info.tier in TIERS else "trainer",
+                                    online=info.online, last_seen=round(seen, 3), device=info.device,
+                                    num_train=info.num_train))
+        agents.sort(key=lambda a: (not a.online, a.id))
+        return FleetView(
+            federation=self.federation, method=self.method, updated=round(now_wall, 3), started=round(self.started, 3),
+            resumed_from=self.resumed_from, phase=self.phase, round=self.round, rounds=self.rounds,
+            rounds_completed=self.rounds_completed, last_accuracy=self.last_accuracy,
+            last_accuracy_round=self.last_accuracy_round, release=self.release,
+            online={tier: self.registry.count_online(tier) for tier in TIERS},
+            rejected=dict(sorted(self.rejected_total.items())), agents=agents,
+        )
+
+    def publish(self) -> None:
+        self._published_at, self._dirty = time.monotonic(), False
+        try:
+            view = self.view()
+            if self.metrics is not None:
+                self.metrics.observe_view(view)
+            if self.spec.view:
+                self.fleet.publish_view(encode_view(view, self.max_bytes))
+        except Exception as exc:  # watching the run must never stop it
+            log.warning("fleet view not published: %s", exc)
+
+
+class PrometheusMetrics:
+    """The run's numbers as Prometheus metrics on ``http://host:port/metrics`` (a daemon thread)."""
+
+    def __init__(self, host: str, port: int, federation: str, already_rejected: dict[str, int] | None = None):
+        from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, start_http_server
+
+        self.registry = CollectorRegistry()
+        labels: dict[str, Any] = {"registry": self.registry}
+        self.rounds_completed = Counter("edgepfl_rounds_completed", "Training rounds completed by this process",
+                                        **labels)
+        self.round = Gauge("edgepfl_round", "The round in progress (0-based, as metrics.jsonl)", **labels)
+        self.accuracy = Gauge("edgepfl_accuracy", "Sample-weighted personalized accuracy of the last evaluated round",
+                              **labels)
+        self.online = Gauge("edgepfl_agents_online", "Agents online", ["tier"], **labels)
+        self.rejected = Counter("edgepfl_rejected_messages", "Messages rejected, by reason (docs/PROTOCOL.md §7)",
+                                ["reason"], **labels)
+        self.bytes_up = Counter("edgepfl_bytes_up", "Agent -> coordinator bytes of the answers counted", **labels)
+        self.bytes_down = Counter("edgepfl_bytes_down", "Coordinator -> agent bytes of the tasks sent", **labels)
+        self.round_seconds = Histogram("edgepfl_round_seconds", "Wall time of a round", buckets=ROUND_SECONDS_BUCKETS,
+                                       **labels)
+        self.phase = Enum("edgepfl_phase", "What the coordinator is doing",
+                          states=["waiting", "training", "aggregating", "evaluating", "releasing", "done"], **labels)
+        Gauge("edgepfl_federation_info", "The federation this coordinator runs", ["federation"],
+              **labels).labels(federation).set(1)
+        # rejections a resumed run counted before this process started are not this process's
+        self._rejected_seen: dict[str, int] = dict(already_rejected or {})
+        self.server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.port = int(self.server.server_port)
+
+    def round_done(self, row: RoundMetrics) -> None:
+        if not row.final:
+            self.rounds_completed.inc()
+        if row.accuracy is not None:
+            self.accuracy.set(row.accuracy)
+        self.bytes_up.inc(row.bytes_up)
+        self.bytes_down.inc(row.bytes_down)
+        self.round_seconds.observe(row.seconds)
+
+    def observe_view(self, view: FleetView) -> None:
+        self.round.set(view.round)
+        self.phase.state(view.phase)
+        for tier in TIERS:
+            self.online.labels(tier).set(view.online.get(tier, 0))
+        for reason, count in view.rejected.items():
+            before = self._rejected_seen.get(reason, 0)
+            if count > before:
+                self.rejected.labels(reason).inc(count - before)
+                self._rejected_seen[reason] = count
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

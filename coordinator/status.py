@@ -1,0 +1,122 @@
+"""``edgepfl status``: the fleet view of a running federation, as a table or JSON.
+
+::
+
+    edgepfl status --broker mqtt://broker:1883 --federation demo [--json] [--agents N]
+
+Reads the coordinator's retained JSON view (``edgepfl/v1/<federation>/view``,
+``docs/PROTOCOL.md`` §18) with a plain MQTT subscription: it needs read access to that
+one topic and nothing else, and publishes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import sys
+import time
+
+from edgepfl.broker import BrokerError, parse_broker_url
+from edgepfl.protocol import FederationChannel, federation_topic
+from edgepfl.protocol.topics import TopicError
+from edgepfl.protocol.view import FleetView, parse_view
+
+
+def fetch_view(url: str, federation: str, *, timeout: float = 5.0, username: str | None = None,
+               password: str | None = None) -> FleetView:
+    """The retained view of ``federation``; TimeoutError when none arrives, ConnectionError when refused."""
+    import paho.mqtt.client as mqtt
+
+    host, port, tls = parse_broker_url(url)
+    topic = federation_topic(federation, FederationChannel.VIEW)
+    got: queue.Queue[bytes | Exception] = queue.Queue()
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv311, clean_session=True)
+    if username:
+        client.username_pw_set(username, password)
+    if tls:
+        client.tls_set()
+
+    def on_connect(c, userdata, flags, reason_code, properties=None):
+        if reason_code.is_failure:
+            got.put(ConnectionError(f"broker {url} refused the connection: {reason_code}"))
+        else:
+            c.subscribe(topic, qos=1)
+
+    client.on_connect = on_connect
+    client.on_message = lambda c, u, msg: got.put(bytes(msg.payload)) if msg.payload else None
+    try:
+        client.connect(host, port, keepalive=30)
+    except OSError as exc:
+        raise ConnectionError(f"cannot reach MQTT broker {url}: {exc}") from None
+    client.loop_start()
+    try:
+        item = got.get(timeout=timeout)
+    except queue.Empty:
+        raise TimeoutError(f"no fleet view for federation {federation!r} on {url} within {timeout:.0f}s "
+                           "(is its coordinator running, with observe.view on?)") from None
+    finally:
+        client.disconnect()
+        client.loop_stop()
+    if isinstance(item, Exception):
+        raise item
+    return parse_view(item)
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}min ago"
+    return f"{seconds / 3600:.1f}h ago"
+
+
+def format_view(view: FleetView, *, now: float | None = None, max_agents: int = 50) -> str:
+    """The view as a terminal table: the run, then one line per agent (online first)."""
+    now = time.time() if now is None else now
+    acc = "-" if view.last_accuracy is None else f"{view.last_accuracy:.2%} (round {view.last_accuracy_round})"
+    lines = [
+        f"federation {view.federation} — {view.method}; view updated {_ago(now - view.updated)}",
+        f"phase      {view.phase}, round {view.round} of 0..{view.rounds - 1} ({view.rounds_completed} completed)"
+        + (f"; resumed after round {view.resumed_from}" if view.resumed_from is not None else ""),
+        f"accuracy   {acc}",
+        f"release    {view.release or '-'}",
+        "online     " + ", ".join(f"{n} {tier}" for tier, n in view.online.items()),
+        "rejected   " + (", ".join(f"{reason} {n}" for reason, n in view.rejected.items()) or "none"),
+        "",
+        f"{'agent':<24} {'tier':<8} {'state':<8} {'last seen':>12} {'samples':>8}  device",
+    ]
+    for a in view.agents[:max_agents]:
+        lines.append(f"{a.id:<24} {a.tier:<8} {'online' if a.online else 'offline':<8} "
+                     f"{_ago(now - a.last_seen):>12} {a.num_train:>8}  {a.device}")
+    hidden = len(view.agents) - min(len(view.agents), max_agents) + view.agents_left_out
+    if hidden:
+        lines.append(f"… and {hidden} more agents (--agents N or --json)")
+    return "\n".join(lines)
+
+
+def main_status(argv: list[str]) -> int:
+    """``edgepfl status``: print the fleet view; 1 when there is none, 2 on bad arguments."""
+    parser = argparse.ArgumentParser(prog="edgepfl status", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--broker", required=True, help="mqtt://host[:port] or mqtts://host[:port]")
+    parser.add_argument("--federation", required=True)
+    parser.add_argument("--json", action="store_true", help="the view as JSON (as published)")
+    parser.add_argument("--agents", type=int, default=50, help="agents listed in the table")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the view")
+    parser.add_argument("--username", default=None)
+    parser.add_argument("--password", default=None)
+    ns = parser.parse_args(argv)
+    try:
+        view = fetch_view(ns.broker, ns.federation, timeout=ns.timeout, username=ns.username, password=ns.password)
+    except (BrokerError, TopicError) as exc:  # a bad URL or federation name
+        print(f"edgepfl status: {exc}", file=sys.stderr)
+        return 2
+    except (TimeoutError, ConnectionError, ValueError) as exc:  # no view, no broker, not a view
+        print(f"edgepfl status: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(view.model_dump(mode="json"), indent=2) if ns.json else format_view(view, max_agents=ns.agents))
+    return 0
+
+
+__all__ = ["fetch_view", "format_view", "main_status"]

@@ -1,0 +1,91 @@
+"""The fleet view: a read-only JSON mirror of the federation for operators and their tools.
+
+The coordinator publishes a :class:`FleetView` as plain UTF-8 JSON, retained, on
+``edgepfl/v1/<federation>/view`` (``docs/PROTOCOL.md`` §18), so ``mosquitto_sub``,
+Node-RED, Home Assistant or ``edgepfl status`` can read who is online, the round and
+its phase, the last accuracy, rejections and the current release without edgepfl's
+binary codec. It is not a frame: it carries no tensors and no signature, nobody acts on
+it, and the binary frames stay the protocol's only source of truth.
+
+Size is bounded: a view that would not fit one MQTT message lists fewer agents
+(offline ones dropped first) and says how many it left out.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["VIEW_FORMAT", "AgentView", "FleetView", "Phase", "encode_view", "parse_view"]
+
+VIEW_FORMAT: Literal["edgepfl.view/1"] = "edgepfl.view/1"
+
+#: what the coordinator is doing: waiting for agents, training (tasks out, collecting
+#: answers), aggregating, evaluating (the final evaluation), releasing an encoder (and
+#: collecting head-tier reports), done
+Phase = Literal["waiting", "training", "aggregating", "evaluating", "releasing", "done"]
+
+
+class _View(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class AgentView(_View):
+    """One agent as the coordinator last saw it."""
+
+    id: str
+    tier: Literal["trainer", "head"]
+    online: bool
+    last_seen: float = Field(description="Unix time of the agent's last frame of any kind")
+    device: str = ""
+    num_train: int = Field(0, ge=0)
+
+
+class FleetView(_View):
+    """The federation at ``updated`` (Unix time), as its coordinator sees it."""
+
+    format: Literal["edgepfl.view/1"] = VIEW_FORMAT
+    federation: str
+    method: str
+    updated: float
+    started: float = Field(description="Unix time the coordinator started this run (this process)")
+    resumed_from: int | None = Field(None, description="the run resumed after this round's checkpoint")
+    phase: Phase
+    round: int = Field(ge=-1, description="the round in progress (0-based, as metrics.jsonl); -1 before round 0")
+    rounds: int = Field(ge=1, description="training rounds of the run")
+    rounds_completed: int = Field(ge=0)
+    last_accuracy: float | None = Field(None, description="sample-weighted accuracy of the last evaluated round")
+    last_accuracy_round: int | None = None
+    release: str | None = Field(None, description="the current encoder release id")
+    online: dict[str, int] = Field(default_factory=dict, description="tier -> agents online")
+    rejected: dict[str, int] = Field(default_factory=dict, description="run total of rejected messages by reason")
+    agents: list[AgentView] = Field(default_factory=list, description="online agents first, then offline; by id")
+    agents_left_out: int = Field(0, ge=0, description="agents not listed to keep the view in one MQTT message")
+
+
+def encode_view(view: FleetView, max_bytes: int) -> bytes:
+    """The view as compact JSON of at most ``max_bytes``, leaving agents out (offline first) if needed."""
+    data = view.model_dump_json().encode()
+    if len(data) <= max_bytes:
+        return data
+    # Halve the listed agents until it fits: O(log N) encodings, each O(N).
+    keep = len(view.agents)
+    while keep > 0:
+        keep //= 2
+        trimmed = view.model_copy(update={"agents": view.agents[:keep],
+                                          "agents_left_out": view.agents_left_out + len(view.agents) - keep})
+        data = trimmed.model_dump_json().encode()
+        if len(data) <= max_bytes:
+            return data
+    raise ValueError(f"the fleet view does not fit {max_bytes} bytes even without agents")
+
+
+def parse_view(payload: bytes | str) -> FleetView:
+    """A view read back (``edgepfl status``); ValueError with one line when it is not one."""
+    try:
+        return FleetView.model_validate(json.loads(payload))
+    except ValueError as exc:  # JSON and pydantic errors alike
+        first = str(exc).splitlines()
+        raise ValueError(f"not an edgepfl fleet view: {' '.join(first[:3])}") from None
