@@ -22,13 +22,17 @@ from edgepfl import __version__
 from edgepfl.config import AgentConfig
 from edgepfl.protocol import (
     AgentChannel,
+    CoordinatorMeta,
+    FederationChannel,
     Message,
     MessageType,
     ProtocolError,
+    RollCall,
     StatusMeta,
     agent_topic,
     decode,
     encode,
+    federation_topic,
 )
 from edgepfl.protocol.transport import MqttTransport
 
@@ -49,6 +53,7 @@ class Agent:
         self.tier: TierRuntime | None = None
         self.transport: MqttTransport | None = None
         self._stop = threading.Event()
+        self._roll_call = RollCall()
 
     # ---------------------------------------------------------------- lifecycle
     def setup(self) -> None:
@@ -78,7 +83,9 @@ class Agent:
             client_id=f"edgepfl-{c.federation}-{c.agent_id}",
             federation=c.federation,
             sender=c.agent_id,
-            subscriptions=tier.subscriptions(c.federation, c.agent_id),
+            # The coordinator's presence too: a new coordinator session is a roll call (PROTOCOL.md §11).
+            subscriptions=[*tier.subscriptions(c.federation, c.agent_id),
+                           federation_topic(c.federation, FederationChannel.COORDINATOR)],
             username=c.broker.username,
             password=c.broker.password,
             will=(status_topic, self._status_frame("offline")),
@@ -115,6 +122,9 @@ class Agent:
             raise RuntimeError("messages are dispatched only while the agent runs")
         if message.header.federation != self.config.federation:
             log.warning("ignored %s for federation %s", message.type.value, message.header.federation)
+        elif message.type == MessageType.COORDINATOR:
+            if self._roll_call.due(message.meta_as(CoordinatorMeta)):
+                transport.publish(self._topic(AgentChannel.STATUS), self._status_frame("online"), retain=True)
         elif message.type != tier.accepts:
             log.warning("ignored unexpected %s message from %s", message.type.value, message.header.sender)
         else:

@@ -87,12 +87,19 @@ class MetricsMeta(_Meta):
 
 
 class CoordinatorMeta(_Meta):
-    """Coordinator presence (retained), with the round it is in."""
+    """Coordinator presence (retained), with the round it is in.
+
+    ``session`` is a fresh random id on each connection of the coordinator: an agent
+    that sees an ``online`` presence with a session it has not answered re-publishes its
+    status (the roll call, ``docs/PROTOCOL.md`` §11), for brokers whose retained messages
+    do not reach the coordinator (RabbitMQ: node-local, never on wildcard subscriptions).
+    """
 
     state: Literal["online", "offline", "done"]
     method: str = ""
     round: int = -1
     version: str = PROTOCOL_VERSION
+    session: str = Field("", pattern=r"^([0-9a-f]{32})?$")
 
 
 class ReleaseMeta(_Meta):
