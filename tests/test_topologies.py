@@ -8,6 +8,7 @@ the fast tests at the top cover the logic those runs depend on.
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 
@@ -110,7 +111,8 @@ def test_a_federation_runs_on_a_rabbitmq_cluster_with_agents_on_every_node(tmp_p
     require_rabbitmq()
     from edgepfl.coordinator.simulate import data_shape, prepare
 
-    config = prepare(run_config(rounds=3, release_every=1, data={"samples_per_client": 200}), 4, head_agents=1)
+    config = prepare(run_config(rounds=3, release_every=1, round_timeout_s=180, data={"samples_per_client": 200},
+                                broker={"keepalive_s": 300}), 4, head_agents=1)
     fed, out = config.federation, tmp_path / "run"
     trainers = [f"agent-{i:02d}" for i in range(4)]
     procs, fleet = [], None
@@ -127,9 +129,16 @@ def test_a_federation_runs_on_a_rabbitmq_cluster_with_agents_on_every_node(tmp_p
                 fleet = MqttFleet(fed, config.broker, url=first)
                 coordinator = Coordinator(config, fleet, out, progress=False, **data_shape(config))
                 thread, box = run_in_thread(coordinator.run)
-                # a head agent on the other node joins after the first release
+                # a head agent on the other node joins after the first release, while one
+                # stopped trainer holds the coordinator in round 1 (its keepalive outlasts the pause)
                 wait_until(lambda: any(t.endswith("/release") for t, _ in cap.snapshot()), 300, what="a release")
-                procs.append(_spawn(config, out, second, "device-00", 4, "head"))
+                procs[0].send_signal(signal.SIGSTOP)
+                try:
+                    procs.append(_spawn(config, out, second, "device-00", 4, "head"))
+                    wait_until(lambda: any(t.endswith("device-00/metrics") for t, _ in cap.snapshot()), 150,
+                               what="the late head agent's report")
+                finally:
+                    procs[0].send_signal(signal.SIGCONT)
                 thread.join(300)
                 assert not thread.is_alive(), "the federation did not finish"
                 if "error" in box:

@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -157,8 +158,7 @@ class RabbitMQCluster:
                     stdin=subprocess.DEVNULL, stdout=open(node.base / "stdout.log", "ab"), stderr=subprocess.STDOUT,
                 )
             for node in self.nodes:
-                self.ctl(node, "await_startup", "--timeout", str(int(self.start_timeout)),
-                         timeout=self.start_timeout + 10)
+                self._await_startup(node)
             first = self.nodes[0]
             for node in self.nodes[1:]:
                 self.ctl(node, "stop_app")
@@ -172,6 +172,21 @@ class RabbitMQCluster:
             self.stop()
             raise
         return self
+
+    def _await_startup(self, node: RabbitMQNode) -> None:
+        # ``await_startup`` fails at once while the node has not yet registered with epmd.
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            if node.proc is None or node.proc.poll() is not None:
+                raise BrokerError(f"RabbitMQ node {node.name} exited while starting:\n{node.log_text()[-2000:]}")
+            try:
+                self.ctl(node, "await_startup", "--timeout", str(int(max(1, deadline - time.monotonic()))),
+                         timeout=self.start_timeout + 10)
+                return
+            except BrokerError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
 
     def stop_node(self, node: RabbitMQNode) -> None:
         """Stop one node: ``rabbitmqctl stop``, then terminate / kill its process."""
