@@ -192,3 +192,28 @@ def test_a_128_kb_message_limit_chunks_everything_and_learns_the_same_model(mosq
     assert g_mqtt.keys() == g_local.keys()
     for key in g_mqtt:
         assert g_mqtt[key].tobytes() == g_local[key].tobytes(), key
+
+
+@pytest.mark.slow
+def test_a_message_above_the_brokers_limit_is_a_loud_error_and_one_that_fits_is_not(mosquitto_128k, caplog):
+    import logging
+
+    from edgepfl.protocol.transport import MqttTransport
+
+    topic = "edgepfl/v1/oversize/agents/a1/update"
+    with TrafficCapture(mosquitto_128k.url, topic) as cap, caplog.at_level(logging.ERROR, "edgepfl.protocol.transport"):
+        for name, max_message_bytes in (("fits", max_message_bytes_for(AWS_IOT_LIMIT)), ("too-big", 1_000_000)):
+            t = MqttTransport(mosquitto_128k.url, client_id=f"edgepfl-oversize-{name}", federation="oversize",
+                              sender="a1", subscriptions=[], max_message_bytes=max_message_bytes)
+            t.start()
+            try:
+                t.publish(topic, b"z" * 300_000)
+                if name == "fits":  # three chunks-worth of raw bytes arrive; nothing is logged
+                    cap.wait_for(lambda m: sum(len(p) for _, p in m) >= 300_000, 30)
+                    assert not caplog.records
+                else:
+                    wait_until(lambda: any("max_message_bytes" in r.getMessage() for r in caplog.records), 30,
+                               what="the oversize error")
+            finally:
+                t.stop()
+    assert "300000-byte message" in caplog.records[0].getMessage()
