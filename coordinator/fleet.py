@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import uuid
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
@@ -102,7 +103,7 @@ class MqttFleet(Fleet):
             username=broker.username,
             password=broker.password,
             will=(self._presence, self._frame(CoordinatorMeta(state="offline"))),
-            birth=lambda: (self._presence, self._frame(self._meta), True),
+            birth=self._birth,
             max_message_bytes=broker.max_message_bytes,
             max_payload_bytes=broker.max_payload_bytes,
             keepalive_s=broker.keepalive_s,
@@ -120,29 +121,41 @@ class MqttFleet(Fleet):
         # Called inside transport.receive(), on the polling thread: handed out by poll().
         self._dropped.append(Rejection(None, reason, detail))
 
+    def _birth(self) -> tuple[str, bytes, bool]:
+        # A new session on every connection is a roll call: agents re-publish their status
+        # live, which reaches a coordinator that the broker's retained statuses do not
+        # (RabbitMQ; PROTOCOL.md §11).
+        self._meta = self._meta.model_copy(update={"session": uuid.uuid4().hex})
+        return self._presence, self._frame(self._meta), True
+
     def announce(self, meta: CoordinatorMeta) -> None:
-        self._meta = meta
-        self.transport.publish(self._presence, self._frame(meta), retain=True)
+        self._meta = meta.model_copy(update={"session": self._meta.session})
+        self.transport.publish(self._presence, self._frame(self._meta), retain=True)
 
     def send(self, agent_id: str, frame: bytes, round: int) -> int:
         return self.transport.publish(agent_topic(self.federation, agent_id, AgentChannel.TASK), frame, round=round)
 
     def publish_release(self, frame: bytes, round: int) -> int:
-        """Retained when it fits one MQTT message, so late joiners get it from the broker;
-        a larger release travels in chunks and is re-sent to every head agent that comes online."""
+        """To every head agent online now, retained when it fits one MQTT message (chunked
+        otherwise); each head agent that comes online later gets it on its own task topic."""
         self._release = (frame, round)
         topic = federation_topic(self.federation, FederationChannel.RELEASE)
         retain = len(frame) <= self.transport.max_message_bytes
         if not retain:
-            log.info("release of %d bytes exceeds max_message_bytes: chunked, re-sent to late joiners", len(frame))
+            log.info("release of %d bytes exceeds max_message_bytes: chunked, not retained", len(frame))
         return self.transport.publish(topic, frame, retain=retain, round=round, wait=True)
 
     def publish_view(self, payload: bytes) -> None:
         self.transport.publish(federation_topic(self.federation, FederationChannel.VIEW), payload, retain=True)
 
     def agent_online(self, agent_id: str, tier: str) -> None:
-        if tier == "head" and self._release is not None and len(self._release[0]) > self.transport.max_message_bytes:
-            self.publish_release(*self._release)
+        # The retained release cannot be relied on to reach a late joiner: a chunked one is
+        # not retained, and RabbitMQ keeps retained messages on one cluster node only. So the
+        # current release goes to each head agent that comes online, addressed to it alone
+        # (PROTOCOL.md §12); one that already has it just reports again.
+        if tier == "head" and self._release is not None:
+            frame, round = self._release
+            self.transport.publish(agent_topic(self.federation, agent_id, AgentChannel.TASK), frame, round=round)
 
     def poll(self, timeout: float) -> Incoming | Rejection | None:
         if not self._dropped:

@@ -70,8 +70,13 @@ def prepare(config: RunConfig, agents: int, head_agents: int = 0, rounds: int | 
 
 def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str = "embedded",
              in_process: bool = False, rounds: int | None = None, head_agents: int = 0, head: str = "lr",
-             fresh: bool = True, progress: bool = True, threads: int | None = None) -> tuple[list[RoundMetrics], dict]:
-    """Run a whole federation; returns (metrics rows, summary) and writes the report into ``out_dir``."""
+             fresh: bool = True, progress: bool = True, threads: int | None = None,
+             agent_brokers: list[str] | None = None) -> tuple[list[RoundMetrics], dict]:
+    """Run a whole federation; returns (metrics rows, summary) and writes the report into ``out_dir``.
+
+    ``agent_brokers`` spreads the agents over other broker URLs (bridged sites, cluster
+    nodes): agent i connects to ``agent_brokers[i % len]``, the coordinator to ``broker``.
+    """
     from edgepfl.coordinator.report import write_report
     from edgepfl.coordinator.rounds import Coordinator
 
@@ -116,8 +121,9 @@ def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str
         n_threads = threads or max(1, (os.cpu_count() or 1) // max(1, agents))
         specs = [(a, i, "trainer") for i, a in enumerate(ids)]
         specs += [(a, agents + i, "head") for i, a in enumerate(agent_ids(head_agents, "device"))]
+        urls = agent_brokers or [url]
         for agent_id, index, tier in specs:
-            procs.append(spawn_agent(config, out, url, agent_id, index, tier, head, n_threads))
+            procs.append(spawn_agent(config, out, urls[index % len(urls)], agent_id, index, tier, head, n_threads))
         fleet = MqttFleet(config.federation, config.broker, url=url)
         coordinator = Coordinator(config, fleet, out, progress=progress, **shape)
         rows = coordinator.run()

@@ -27,6 +27,7 @@ from edgepfl.protocol import (
     Message,
     MessageType,
     ProtocolError,
+    RollCall,
     StatusMeta,
     agent_topic,
     decode,
@@ -53,6 +54,7 @@ class Agent:
         self.transport: MqttTransport | None = None
         self._stop = threading.Event()
         self._warned_payload: int | None = None
+        self._roll_call = RollCall()
 
     # ---------------------------------------------------------------- lifecycle
     def setup(self) -> None:
@@ -82,7 +84,8 @@ class Agent:
             client_id=f"edgepfl-{c.federation}-{c.agent_id}",
             federation=c.federation,
             sender=c.agent_id,
-            # the coordinator's presence too: it announces the message size M to chunk to
+            # The coordinator's presence too: it announces the message size M to chunk to, and a
+            # new coordinator session is a roll call (PROTOCOL.md §11).
             subscriptions=[*tier.subscriptions(c.federation, c.agent_id),
                            federation_topic(c.federation, FederationChannel.COORDINATOR)],
             username=c.broker.username,
@@ -105,10 +108,6 @@ class Agent:
                     message = decode(inbound.frame, max_bytes=transport.max_payload_bytes)
                 except ProtocolError as exc:
                     log.warning("dropped message on %s: %s", inbound.topic, exc)
-                    continue
-                if inbound.topic.channel == FederationChannel.COORDINATOR:
-                    if message.type == MessageType.COORDINATOR:
-                        self.adopt_limits(message.meta_as(CoordinatorMeta))
                     continue
                 self._dispatch(message)
         finally:
@@ -150,6 +149,11 @@ class Agent:
             raise RuntimeError("messages are dispatched only while the agent runs")
         if message.header.federation != self.config.federation:
             log.warning("ignored %s for federation %s", message.type.value, message.header.federation)
+        elif message.type == MessageType.COORDINATOR:
+            presence = message.meta_as(CoordinatorMeta)
+            self.adopt_limits(presence)
+            if self._roll_call.due(presence):
+                transport.publish(self._topic(AgentChannel.STATUS), self._status_frame("online"), retain=True)
         elif message.type != tier.accepts:
             log.warning("ignored unexpected %s message from %s", message.type.value, message.header.sender)
         else:

@@ -25,6 +25,16 @@ log = logging.getLogger(__name__)
 #: Largest MQTT packet the protocol can express (remaining length is at most 268,435,455).
 MQTT_MAX_PACKET_BYTES = 268_435_455
 DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
+#: Bytes of a PUBLISH packet besides its payload, with room to spare: fixed header (≤ 5),
+#: topic length (2) and the longest edgepfl topic (155), packet id (2), MQTT 5 properties.
+PUBLISH_OVERHEAD_BYTES = 512
+
+
+def max_message_bytes_for(packet_limit: int) -> int:
+    """The ``broker.max_message_bytes`` that keeps every edgepfl PUBLISH within a broker's
+    packet limit (Mosquitto ``max_packet_size``, EMQX ``mqtt.max_packet_size``), which
+    counts the whole packet; a limit on the payload alone (AWS IoT) can be used as is."""
+    return packet_limit - PUBLISH_OVERHEAD_BYTES
 
 
 class BrokerError(RuntimeError):

@@ -24,7 +24,7 @@ if str(REPO_ROOT) not in _pp.split(os.pathsep):
 
 import pytest  # noqa: E402
 
-from edgepfl.testing import MosquittoBroker, TrafficCapture, find_mosquitto  # noqa: E402
+from edgepfl.testing import MosquittoBroker, TrafficCapture, find_mosquitto, find_rabbitmq  # noqa: E402
 
 
 def _under_ci() -> bool:
@@ -63,6 +63,17 @@ def require_mosquitto() -> str:
     if path:
         return path
     msg = "mosquitto is not installed: apt-get install mosquitto (or set EDGEPFL_MOSQUITTO)"
+    if _under_ci():
+        pytest.fail(msg + " — required under CI", pytrace=False)
+    pytest.skip(msg)
+
+
+def require_rabbitmq() -> str:
+    """Directory of rabbitmq-server; under CI its absence fails the test, elsewhere it skips."""
+    path = find_rabbitmq()
+    if path:
+        return path
+    msg = "RabbitMQ is not installed: apt-get install rabbitmq-server (or set EDGEPFL_RABBITMQ_BIN)"
     if _under_ci():
         pytest.fail(msg + " — required under CI", pytrace=False)
     pytest.skip(msg)

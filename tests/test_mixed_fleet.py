@@ -59,6 +59,10 @@ def assert_every_channel_has_one_direction(frames: list[tuple[str, bytes]], fede
         header = decode(payload).header
         from_agent = parsed.channel in (AgentChannel.STATUS, AgentChannel.UPDATE, AgentChannel.METRICS)
         assert header.sender == (parsed.agent if from_agent else COORDINATOR), (topic, header.sender)
-        assert header.type in (MessageType(parsed.channel.value), MessageType.CHUNK), (topic, header.type)
+        # a late head agent gets the current release on its task topic (PROTOCOL.md §12)
+        allowed = {MessageType(parsed.channel.value), MessageType.CHUNK}
+        if parsed.channel == AgentChannel.TASK:
+            allowed.add(MessageType.RELEASE)
+        assert header.type in allowed, (topic, header.type)
     # this run exercised every channel, so the check above covered both directions of each
     assert seen == {*AgentChannel, *FederationChannel}

@@ -35,6 +35,7 @@ from .messages import (
     TaskMeta,
     UpdateMeta,
 )
+from .presence import RollCall
 from .run import PIXEL_SCALE, DataShape, MethodChoice, Normalization, RunSpec, seed_for
 from .topics import (
     AgentChannel,
@@ -52,7 +53,7 @@ __all__ = [
     "MANIFEST_FORMAT", "PIXEL_SCALE", "PROTOCOL_VERSION", "AgentChannel", "BatchNormOrigin", "ChunkMeta",
     "CoordinatorMeta", "DataShape", "FederationChannel", "FileEntry", "GlobalHeadsEntry", "ManifestError", "Message",
     "MessageType", "MethodChoice", "MetricsMeta", "Normalization", "ProtocolError", "Reassembler", "ReleaseManifest",
-    "ReleaseMeta", "RunSpec", "StatusMeta", "TaskMeta", "TopicError", "UpdateMeta", "agent_topic", "agent_wildcard",
+    "ReleaseMeta", "RollCall", "RunSpec", "StatusMeta", "TaskMeta", "TopicError", "UpdateMeta", "agent_topic", "agent_wildcard",
     "decode", "encode", "federation_topic", "new_message_id", "parse_manifest", "parse_topic", "read_manifest",
     "split_frame",
 ]

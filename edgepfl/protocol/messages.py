@@ -93,6 +93,11 @@ class CoordinatorMeta(_Meta):
     the size an agent's frames must be chunked to (the broker in front of the coordinator
     is configured for it). ``max_payload_bytes`` is the largest whole frame it accepts.
     ``None``: not announced (a coordinator of an earlier revision).
+
+    ``session`` is a fresh random id on each connection of the coordinator: an agent
+    that sees an ``online`` presence with a session it has not answered re-publishes its
+    status (the roll call, ``docs/PROTOCOL.md`` §11), for brokers whose retained messages
+    do not reach the coordinator (RabbitMQ: node-local, never on wildcard subscriptions).
     """
 
     state: Literal["online", "offline", "done"]
@@ -101,6 +106,7 @@ class CoordinatorMeta(_Meta):
     version: str = PROTOCOL_VERSION
     max_message_bytes: int | None = Field(None, ge=16_384)
     max_payload_bytes: int | None = Field(None, ge=16_384)
+    session: str = Field("", pattern=r"^([0-9a-f]{32})?$")
 
 
 class ReleaseMeta(_Meta):

@@ -85,6 +85,12 @@ class MqttTransport:
         self.connected = threading.Event()
         self.connect_count = 0
         self._lock = threading.Lock()
+        # QoS 1 publishes not yet acknowledged (mid -> bytes) and the largest acknowledged:
+        # a drop with a larger one in flight is most likely the broker's size limit.
+        self._in_flight: dict[int, int] = {}
+        self._acked_early: set[int] = set()
+        self._largest_acked = 0
+        self._flight_lock = threading.Lock()
         self._client = mqtt.Client(
             mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv311, clean_session=True
         )
@@ -99,6 +105,7 @@ class MqttTransport:
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message
+        self._client.on_publish = self._on_publish
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, timeout: float = 30.0) -> MqttTransport:
@@ -138,6 +145,34 @@ class MqttTransport:
         self.connected.clear()
         if reason_code != 0:
             log.warning("lost connection to broker (%s); reconnecting with backoff", reason_code)
+            suspect = self._oversized_in_flight()
+            if suspect:
+                log.error("the broker closed the connection with a %d-byte message unacknowledged, larger than any it "
+                          "acknowledged (%d); paho re-sends it on every reconnect. If the broker limits message size "
+                          "(Mosquitto max_packet_size, AWS IoT 128 KB), set broker.max_message_bytes (now %d) below "
+                          "its limit: docs/BROKERS.md", suspect, self._largest_acked, self.max_message_bytes)
+
+    def _on_publish(self, client, userdata, mid, reason_code=None, properties=None) -> None:
+        with self._flight_lock:
+            size = self._in_flight.pop(mid, None)
+            if size is None:
+                self._acked_early.add(mid)  # acknowledged before publish() recorded it
+            else:
+                self._largest_acked = max(self._largest_acked, size)
+
+    def _sent(self, mid: int, size: int) -> None:
+        with self._flight_lock:
+            if mid in self._acked_early:
+                self._acked_early.discard(mid)
+                self._largest_acked = max(self._largest_acked, size)
+            else:
+                self._in_flight[mid] = size
+
+    def _oversized_in_flight(self) -> int:
+        """The largest unacknowledged message if it is larger than any acknowledged one, else 0."""
+        with self._flight_lock:
+            largest = max(self._in_flight.values(), default=0)
+        return largest if largest > self._largest_acked else 0
 
     def _on_message(self, client, userdata, msg) -> None:
         # Runs on paho's network thread: only enqueue, never decode or train here.
@@ -152,7 +187,9 @@ class MqttTransport:
         infos = []
         with self._lock:
             for part in parts:
-                infos.append(self._client.publish(topic, part, qos=1, retain=retain))
+                info = self._client.publish(topic, part, qos=1, retain=retain)
+                self._sent(info.mid, len(part))
+                infos.append(info)
         if wait:
             for info in infos:
                 info.wait_for_publish(timeout=60)

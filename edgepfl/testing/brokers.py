@@ -204,6 +204,103 @@ class MosquittoBroker:
         return f"MosquittoBroker({self.host}:{self.port}, running={self.running})"
 
 
+# --------------------------------------------------------------------------- bridges
+
+#: What a site broker forwards to the central one (agents' channels) and back (the
+#: coordinator's), for every federation of protocol v1. Disjoint directions: nothing a
+#: site sends out can come back in, so the topology cannot loop (docs/BROKERS.md).
+BRIDGE_OUT_TOPICS = ("agents/+/status", "agents/+/update", "agents/+/metrics")
+BRIDGE_IN_TOPICS = ("agents/+/task", "coordinator", "release")
+
+
+def bridge_config(name: str, central_port: int, *, federation: str = "+", host: str = "127.0.0.1") -> str:
+    """The ``mosquitto.conf`` lines that bridge a site broker to a central one.
+
+    QoS 1 both ways; ``try_private`` marks the link as a bridge, so the central broker
+    keeps the retain flag of what it forwards (``retain as published``) and does not
+    echo back; ``cleansession false`` makes the central broker queue QoS 1 messages
+    for the site while the link is down, and the site broker queue its outbound ones.
+    """
+    root = f"edgepfl/v1/{federation}"
+    return "\n".join([
+        f"connection {name}",
+        f"address {host}:{central_port}",
+        f"remote_clientid edgepfl-bridge-{name}",
+        "bridge_protocol_version mqttv311",
+        "try_private true",
+        "cleansession false",
+        "notifications false",
+        "keepalive_interval 5",
+        "restart_timeout 1 5",
+        *(f"topic {root}/{t} out 1" for t in BRIDGE_OUT_TOPICS),
+        *(f"topic {root}/{t} in 1" for t in BRIDGE_IN_TOPICS),
+    ])
+
+
+class MosquittoBridge:
+    """A central Mosquitto and ``sites`` site Mosquittos bridged to it, on loopback.
+
+    The common IoT topology: devices connect to their site's broker, the coordinator to
+    the central one. ``central`` and ``sites[i]`` are :class:`MosquittoBroker` s;
+    :meth:`start` returns once every bridge link is up (a probe message crossed it
+    both ways). ``capture=True`` records the central broker's traffic.
+    """
+
+    def __init__(self, sites: int = 2, *, capture: bool = False, start_timeout: float = 20.0):
+        self.central = MosquittoBroker(capture=capture)
+        self.sites = [MosquittoBroker() for _ in range(sites)]
+        self.start_timeout = start_timeout
+
+    @property
+    def site_urls(self) -> list[str]:
+        return [site.url for site in self.sites]
+
+    def start(self) -> MosquittoBridge:
+        self.central.start()
+        assert self.central.port is not None
+        try:
+            for i, site in enumerate(self.sites):
+                site.extra_config = "\n".join(x for x in (site.extra_config, bridge_config(f"site{i}", self.central.port)) if x)
+                site.start()
+            for site in self.sites:
+                self._wait_for_link(site)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_for_link(self, site: MosquittoBroker) -> None:
+        """Publish probes on a bridged topic from the site until the central broker sees one."""
+        topic = f"edgepfl/v1/bridge-probe-{uuid.uuid4().hex[:8]}/agents/probe/metrics"
+        with TrafficCapture(self.central.url, topic, include_retained=True) as cap:
+            import paho.mqtt.client as mqtt
+
+            client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"edgepfl-probe-{uuid.uuid4().hex[:8]}")
+            client.connect(site.host, site.port or 0, keepalive=30)
+            client.loop_start()
+            try:
+                deadline = time.monotonic() + self.start_timeout
+                while not cap.snapshot():
+                    if time.monotonic() > deadline:
+                        raise BrokerError(f"bridge {site} -> central did not come up:\n{site.log_text()[-2000:]}")
+                    client.publish(topic, b"probe", qos=1)
+                    time.sleep(0.2)
+            finally:
+                client.disconnect()
+                client.loop_stop()
+
+    def stop(self) -> None:
+        """Stop every broker (idempotent)."""
+        for broker in (*self.sites, self.central):
+            broker.stop()
+
+    def __enter__(self) -> MosquittoBridge:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 # --------------------------------------------------------------------------- capture
 
 
