@@ -17,7 +17,7 @@ from edgepfl.broker import max_message_bytes_for
 from edgepfl.coordinator.fleet import MqttFleet
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import simulate, spawn_agent, stop_agents
-from edgepfl.protocol import CoordinatorMeta, MessageType, RollCall, decode, parse_topic
+from edgepfl.protocol import CoordinatorMeta, FederationChannel, MessageType, RollCall, decode, parse_topic
 from edgepfl.testing import MosquittoBridge, MosquittoBroker, RabbitMQCluster, TrafficCapture, bridge_config
 
 from conftest import require_mosquitto, require_rabbitmq
@@ -71,9 +71,10 @@ def test_max_message_bytes_for_a_packet_limit_leaves_room_for_the_longest_topic(
 
 
 def _frames(capture: TrafficCapture, federation: str) -> list[tuple[str, object]]:
-    """(channel, decoded frame) of the federation's traffic, in arrival order."""
+    """(channel, decoded frame) of the federation's traffic, in arrival order (the
+    operators' JSON view is not a frame: PROTOCOL §18)."""
     return [(parse_topic(t).channel.value, decode(p)) for t, p in capture.snapshot()
-            if t.startswith(f"edgepfl/v1/{federation}/") and p]
+            if t.startswith(f"edgepfl/v1/{federation}/") and p and parse_topic(t).channel != FederationChannel.VIEW]
 
 
 @pytest.mark.slow
