@@ -21,8 +21,8 @@ log = logging.getLogger("edgepfl.service")
 class ServiceNotifier:
     """Sends ``READY=1``, ``WATCHDOG=1``, ``STATUS=…`` and ``STOPPING=1`` to systemd, if it listens."""
 
-    def __init__(self, environ: dict[str, str] | None = None):
-        env = os.environ if environ is None else environ
+    def __init__(self) -> None:
+        env = os.environ  # sdnotify reads NOTIFY_SOCKET from the environment itself
         self._sender: Any = None
         self._lock = threading.Lock()
         self._last_ping = 0.0
