@@ -21,6 +21,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -339,12 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _signals(command: str) -> None:
-    # the agent installs its own handlers (it says goodbye on the broker); everything else
-    # turns SIGTERM into an exception so that `finally` blocks close the fleet and stop
-    # the agent processes simulate started
-    if command != "agent":
-        signal.signal(signal.SIGTERM, _raise_terminated)
+def _signals(command: str) -> Any:
+    """The SIGTERM handler to restore: the agent installs its own (it says goodbye on the
+    broker); every other command turns SIGTERM into an exception, so that ``finally``
+    blocks close the fleet and stop the agent processes ``simulate`` started."""
+    if command == "agent" or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_terminated)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -358,8 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     debug = bool(args.debug or os.environ.get("EDGEPFL_DEBUG", "").lower() in ("1", "true", "yes"))
     service = args.command in ("agent", "coordinator")
     setup_logging(args.log_level or ("info" if service else "warning"), args.log_format)
+    previous = _signals(args.command)
     try:
-        _signals(args.command)
         if getattr(args, "delegate", None):
             import importlib
 
@@ -378,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(ExitCode.TERMINATED)
     except Exception as exc:
         return report(exc, args.command, debug)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
