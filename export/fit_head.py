@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from edgepfl.errors import InputError, MissingExtra, OneLineParser
+from edgepfl.errors import report as report_error
 from edgepfl.heads import HeadRelease
 from edgepfl.methods import available_head_kinds, create_method
 
@@ -158,9 +159,9 @@ def main_fit_head(args: list[str]) -> int:
         if ns.fused:
             fuse(ns.encoder, ns.out, ns.fused)
     except ImportError as exc:  # the method's own heads (dualfed, fedpick) are torch modules
-        return report(MissingExtra(f"a {ns.head} head", exc.name or "torch", "train"), "fit-head")
+        return report_error(MissingExtra(f"a {ns.head} head", exc.name or "torch", "train"), "fit-head")
     except (ValueError, OSError, KeyError) as exc:
-        return report(InputError(str(exc)), "fit-head")
+        return report_error(InputError(str(exc)), "fit-head")
     if ns.json:
         print(json.dumps(report))
     else:
