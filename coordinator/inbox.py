@@ -18,6 +18,7 @@ from typing import Protocol
 from edgepfl.aggregation import AggregationRejected
 from edgepfl.methods import ServerState
 from edgepfl.protocol import AgentChannel
+from edgepfl.service import notifier
 
 from .fleet import Fleet, Incoming
 from .gate import Accepted, Rejection, RoundTasks, UpdateGate, admit_metrics, admit_status
@@ -80,6 +81,7 @@ class Inbox:
         ``deadline`` passes (False). ``done`` is asked after every message, so it must not
         do work that grows with the fleet."""
         while not done():
+            notifier().watchdog()  # the coordinator's service loop: systemd's WatchdogSec= is fed here
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False

@@ -142,7 +142,8 @@ def agent_config(config: RunConfig, out: Path, url: str, agent_id: str, index: i
     return AgentConfig(
         agent_id=agent_id, federation=config.federation, tier=tier,
         broker=config.broker.model_copy(update={"url": url}), data=config.data, client_index=index,
-        state_dir=str(out / "agents" / agent_id), device=config.device, threads=threads,
+        # absolute: a relative path in the agent's YAML would resolve against that file's folder
+        state_dir=str((out / "agents" / agent_id).absolute()), device=config.device, threads=threads,
         head=head if tier == "head" else "lr",
     )
 

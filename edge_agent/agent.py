@@ -35,6 +35,7 @@ from edgepfl.protocol import (
     federation_topic,
 )
 from edgepfl.protocol.transport import MqttTransport
+from edgepfl.service import notifier
 
 from .tiers import TierRuntime, create_tier
 
@@ -99,8 +100,11 @@ class Agent:
         transport.start(timeout=120)
         log.info("agent %s (%s tier) online: %d train / %d test samples", c.agent_id, c.tier,
                  data.num_train, data.num_test)
+        service = notifier()
+        service.ready(f"agent {c.agent_id} ({c.tier} tier) connected to {c.broker.url}")
         try:
             while not self._stop.is_set():
+                service.watchdog()
                 inbound = transport.receive(timeout=0.5)
                 if inbound is None:
                     continue
@@ -111,6 +115,7 @@ class Agent:
                     continue
                 self._dispatch(message)
         finally:
+            service.stopping()
             transport.stop(final=(status_topic, self._status_frame("offline")))
 
     def stop(self, *_args) -> None:

@@ -1,7 +1,7 @@
-"""The ``edgepfl`` command line.
+"""The ``edgepfl`` command line (also ``python -m edgepfl``).
 
     edgepfl demo                                  a small federation on the embedded defaults
-    edgepfl simulate --config F --agents N        coordinator + N agents (MQTT or --in-process)
+    edgepfl simulate --config F [--agents N]      coordinator + N agents (MQTT or --in-process)
     edgepfl coordinator --config F [--broker URL] the coordinator service
     edgepfl agent --config F [--broker URL]       an edge agent (trainer or head tier)
     edgepfl export --run DIR --out DIR            frozen encoder -> ONNX + manifest
@@ -9,17 +9,27 @@
     edgepfl report --run DIR                      table + plots from a run directory
     edgepfl status --broker URL --federation F    live view of a running federation (--json)
     edgepfl methods                               list registered methods
+    edgepfl config --template|--schema [run|agent] a commented config, or its JSON Schema
+
+Every command takes ``--log-level``, ``--log-format`` and ``--debug`` before or after its
+name; commands that read a config take ``--set key.path=value``. Errors are one line
+and an exit code (:mod:`edgepfl.errors`).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
-from .broker import BrokerError
+from . import __version__
 from .config import ConfigError, RunConfig, load_agent_config, load_run_config, parse_config
+from .errors import ExitCode, OneLineParser, UsageError, report, require
+from .logs import FORMATS, LEVELS, setup_logging
 
 DEMO = {
     "federation": "demo",
@@ -33,55 +43,129 @@ DEMO = {
     "round_timeout_s": 120,
 }
 
+#: the demo where Fashion-MNIST is absent: scikit-learn's 8x8 digits (always present with
+#: the package's extras) with a model that fits them — the CNN needs 28x28 inputs
+DEMO_DIGITS_CHANGES = {
+    "model": {"arch": "mlp", "feature_dim": 64},
+    "data": {"dataset": "digits", "samples_per_client": None, "partition": {"kind": "dirichlet", "alpha": 0.3}},
+}
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()), format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+#: subcommands that live in other modules: (name, "module:function(argv) -> int", help)
+DELEGATES = (
+    ("fit-head", "edgepfl.export.fit_head:main_fit_head", "fit a personal head on an exported encoder"),
+    ("predict", "edgepfl.export.predict:main_predict", "predict with an exported encoder and a head"),
+    ("status", "edgepfl.coordinator.status:main_status", "live view of a running federation"),
+)
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that ``finally`` blocks stop child processes."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+def _whole(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{value} must be at least {least}")
+    return value
+
+
+def _positive(text: str) -> int:
+    return _whole(text, 1)
+
+
+def _count(text: str) -> int:
+    return _whole(text, 0)
+
+
+def demo_config(rounds: int) -> RunConfig:
+    """The demo's run config: Fashion-MNIST with the CNN where it is installed, else digits with an MLP."""
+    from .data import fmnist_available
+
+    data: dict[str, Any] = dict(DEMO, rounds=rounds)
+    if not fmnist_available():
+        data.update(DEMO_DIGITS_CHANGES)
+    return parse_config(RunConfig, data, "built-in demo config")
 
 
 def cmd_demo(args) -> int:
+    require("torch", "edgepfl demo")
     from .coordinator.simulate import simulate
 
-    config = parse_config(RunConfig, dict(DEMO, rounds=args.rounds), "built-in demo config")
+    config = demo_config(args.rounds)
     out = Path(args.out)
-    print(f"edgepfl demo: {args.agents} agents, {config.rounds} rounds of {config.method.name} over an embedded "
-          f"MQTT broker; run directory {out}", file=sys.stderr)
-    rows, summary = simulate(config, args.agents, out, broker=args.broker or "embedded")
+    print(f"edgepfl demo: {args.agents} agents, {config.rounds} rounds of {config.method.name} on "
+          f"{config.data.dataset} over {'an embedded' if not args.broker else 'the'} MQTT broker; run directory {out}",
+          file=sys.stderr)
+    simulate(config, args.agents, out, broker=args.broker or "embedded")
     print((out / "results.txt").read_text())
     print(f"plot: {out / 'accuracy.png'}")
     return 0
 
 
+def _require_release_tools(config: RunConfig, head_agents: int = 0) -> None:
+    if config.release_every or config.release_at_end or head_agents:
+        for module in ("onnx", "onnxruntime"):
+            require(module, "publishing encoder releases (release_every / release_at_end / --head-agents)")
+
+
 def cmd_simulate(args) -> int:
+    require("torch", "edgepfl simulate")
+    from .config import AgentConfig
     from .coordinator.simulate import simulate
 
-    config = load_run_config(args.config)
+    config = load_run_config(args.config, args.set)
+    agents = args.agents
+    if agents is None:
+        if "num_clients" not in config.data.model_fields_set:
+            raise UsageError(f"how many agents? give --agents N, or set data.num_clients in {args.config}")
+        agents = config.data.num_clients - args.head_agents
+        if agents < 1:
+            raise UsageError(f"data.num_clients ({config.data.num_clients}) leaves no trainer agents beside "
+                             f"--head-agents {args.head_agents}; raise data.num_clients or give --agents")
+    if args.in_process and args.head_agents:
+        raise UsageError("--in-process cannot run --head-agents: head agents are separate, torch-free processes "
+                         "that need a broker")
+    if args.head_agents:
+        parse_config(AgentConfig, {"agent_id": "check", "tier": "head", "head": args.head}, "--head")
+    _require_release_tools(config, args.head_agents)
     out = Path(args.out or f"runs/{config.federation}-{config.method.name}")
-    rows, summary = simulate(config, args.agents, out, broker=args.broker or config.broker.url,
-                             in_process=args.in_process, rounds=args.rounds, head_agents=args.head_agents,
-                             head=args.head, fresh=not args.resume)
+    simulate(config, agents, out, broker=args.broker or config.broker.url, in_process=args.in_process,
+             rounds=args.rounds, head_agents=args.head_agents, head=args.head, fresh=not args.resume)
     print((out / "results.txt").read_text())
     return 0
 
 
 def cmd_coordinator(args) -> int:
+    require("torch", "edgepfl coordinator")
     from edgepfl.coordinator.fleet import MqttFleet
     from edgepfl.coordinator.report import write_report
     from edgepfl.coordinator.rounds import Coordinator
 
-    config = load_run_config(args.config)
+    from .service import notifier
+
+    config = load_run_config(args.config, args.set)
     url = args.broker or config.broker.url
     if url == "embedded":
         raise ConfigError("the coordinator service needs a broker URL (--broker mqtt://host:1883 or broker.url)")
+    _require_release_tools(config)
     from .coordinator.simulate import service_data_shape
 
     shape = service_data_shape(config)
     out = Path(args.out or f"runs/{config.federation}")
     fleet = MqttFleet(config.federation, config.broker, url=url)
+    notifier().ready(f"coordinator of {config.federation} connected to {url}")
     try:
         coordinator = Coordinator(config, fleet, out, **shape)
         coordinator.run()
     finally:
+        notifier().stopping()
         fleet.close()
     table, _ = write_report(out, config.method.name)
     print(table)
@@ -91,16 +175,20 @@ def cmd_coordinator(args) -> int:
 def cmd_agent(args) -> int:
     from edgepfl.edge_agent import run_agent
 
-    overrides = {}
+    overrides: dict[str, Any] = {}
     if args.agent_id:
         overrides["agent_id"] = args.agent_id
     if args.client_index is not None:
         overrides["client_index"] = args.client_index
-    config = load_agent_config(args.config, **overrides)
+    config = load_agent_config(args.config, args.set, **overrides)
     if args.broker:
         config = config.model_copy(update={"broker": config.broker.model_copy(update={"url": args.broker})})
     if config.broker.url == "embedded":
         raise ConfigError("an agent needs a broker URL (--broker mqtt://host:1883 or broker.url)")
+    if config.tier == "trainer":
+        require("torch", "a trainer-tier agent")
+    else:
+        require("onnxruntime", "a head-tier agent")
     run_agent(config)
     return 0
 
@@ -110,6 +198,9 @@ def cmd_report(args) -> int:
     from edgepfl.state import CheckpointError, read_checkpoint_meta
 
     run = Path(args.run)
+    if not (run / "metrics.jsonl").is_file():
+        raise UsageError(f"{run} is not a run directory (no metrics.jsonl): give the --out of a "
+                         f"simulate / coordinator run")
     try:
         meta = read_checkpoint_meta(run / "checkpoint")
     except CheckpointError:  # a run of an older edgepfl: the report does not need its checkpoint
@@ -121,6 +212,8 @@ def cmd_report(args) -> int:
 
 
 def cmd_export(args) -> int:
+    for module in ("torch", "onnx", "onnxruntime"):
+        require(module, "edgepfl export")
     from edgepfl.export.onnx_export import export_run
 
     path = export_run(args.run, args.out, quantize=args.quantize or [])
@@ -137,71 +230,134 @@ def cmd_methods(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="edgepfl", description="Personalized federated learning for edge fleets over MQTT")
-    p.add_argument("--log-level", default=None,
-                   help="debug, info, warning, error (default: info for the agent and coordinator services, "
-                        "warning otherwise)")
-    sub = p.add_subparsers(dest="command", required=True)
+def cmd_config(args) -> int:
+    import json
 
-    d = sub.add_parser("demo", help="run a small federation on the embedded defaults")
-    d.add_argument("--agents", type=int, default=4)
-    d.add_argument("--rounds", type=int, default=DEMO["rounds"])
+    from . import config_docs
+
+    if args.template:
+        print(config_docs.template_yaml(args.template, method=args.method), end="")
+    elif args.schema:
+        print(json.dumps(config_docs.json_schema(args.schema), indent=2))
+    else:
+        print(config_docs.reference_markdown(), end="")
+    return 0
+
+
+def _common(parser: argparse.ArgumentParser, suppress: bool) -> None:
+    """Options every command takes; on subcommands they default to 'not given' so the top level's value stands."""
+    default = (lambda value: argparse.SUPPRESS) if suppress else (lambda value: value)
+    parser.add_argument("--log-level", type=str.lower, choices=LEVELS, default=default(None), metavar="LEVEL",
+                        help=f"{', '.join(LEVELS)} (default: info for the agent and coordinator services, warning "
+                             "otherwise); acts on edgepfl's own loggers only")
+    parser.add_argument("--log-format", choices=FORMATS, default=default("text"),
+                        help="text, or json: one JSON object per line (time, level, logger, message, extras)")
+    parser.add_argument("--debug", action="store_true", default=default(False),
+                        help="show the traceback of an error (also EDGEPFL_DEBUG=1)")
+
+
+def _with_set(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
+                        help="override a config field, YAML-typed (repeatable), e.g. --set train.lr=0.05 "
+                             "--set data.partition.alpha=0.1")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``edgepfl`` argument parser (errors are one line; see :class:`edgepfl.errors.OneLineParser`)."""
+    p = OneLineParser(prog="edgepfl", description="Personalized federated learning for edge fleets over MQTT",
+                      allow_abbrev=False)
+    p.add_argument("--version", action="version", version=f"edgepfl {__version__}")
+    _common(p, suppress=False)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str, **kw) -> argparse.ArgumentParser:
+        parser = sub.add_parser(name, help=help, allow_abbrev=False, **kw)
+        _common(parser, suppress=True)
+        return parser
+
+    d = command("demo", "run a small federation on the embedded defaults")
+    d.add_argument("--agents", type=_positive, default=4)
+    d.add_argument("--rounds", type=_positive, default=DEMO["rounds"])
     d.add_argument("--out", default="runs/demo")
     d.add_argument("--broker", default=None, help="mqtt://host:port (default: embedded broker)")
     d.set_defaults(func=cmd_demo)
 
-    s = sub.add_parser("simulate", help="coordinator + N agents on this machine")
+    s = command("simulate", "coordinator + N agents on this machine")
     s.add_argument("--config", required=True)
-    s.add_argument("--agents", type=int, required=True)
-    s.add_argument("--rounds", type=int, default=None)
+    s.add_argument("--agents", type=_positive, default=None,
+                   help="trainer agents (default: data.num_clients of the config, less --head-agents)")
+    s.add_argument("--rounds", type=_positive, default=None)
     s.add_argument("--broker", default=None, help="mqtt://host:port or 'embedded'")
     s.add_argument("--in-process", action="store_true", help="no broker: agents as objects in this process")
-    s.add_argument("--head-agents", type=int, default=0, help="extra head-tier (torch-free) agents")
+    s.add_argument("--head-agents", type=_count, default=0, help="extra head-tier (torch-free) agents")
     s.add_argument("--head", default="lr", help="head kind for head-tier agents")
     s.add_argument("--out", default=None)
     s.add_argument("--resume", action="store_true", help="continue the run in --out instead of starting fresh")
+    _with_set(s)
     s.set_defaults(func=cmd_simulate)
 
-    c = sub.add_parser("coordinator", help="run the coordinator service")
+    c = command("coordinator", "run the coordinator service")
     c.add_argument("--config", required=True)
     c.add_argument("--broker", default=None)
     c.add_argument("--out", default=None)
+    _with_set(c)
     c.set_defaults(func=cmd_coordinator)
 
-    a = sub.add_parser("agent", help="run an edge agent")
+    a = command("agent", "run an edge agent")
     a.add_argument("--config", required=True)
     a.add_argument("--broker", default=None)
     a.add_argument("--agent-id", default=None)
-    a.add_argument("--client-index", type=int, default=None)
+    a.add_argument("--client-index", type=_count, default=None)
+    _with_set(a)
     a.set_defaults(func=cmd_agent)
 
-    r = sub.add_parser("report", help="table and plots for a run directory")
+    r = command("report", "table and plots for a run directory")
     r.add_argument("--run", required=True)
     r.set_defaults(func=cmd_report)
 
-    e = sub.add_parser("export", help="export the frozen encoder of a run to ONNX")
+    e = command("export", "export the frozen encoder of a run to ONNX")
     e.add_argument("--run", required=True)
     e.add_argument("--out", required=True)
     e.add_argument("--quantize", nargs="*", choices=["int8", "fp16"])
     e.set_defaults(func=cmd_export)
 
-    m = sub.add_parser("methods", help="list registered methods")
+    m = command("methods", "list registered methods")
     m.set_defaults(func=cmd_methods)
 
-    for name, target in (("fit-head", "edgepfl.export.fit_head:main_fit_head"), ("predict", "edgepfl.export.predict:main_predict"),
-                         ("status", "edgepfl.coordinator.status:main_status")):
-        x = sub.add_parser(name, help=f"see 'edgepfl {name} --help'", add_help=False)
+    g = command("config", "config reference (docs/CONFIG.md), a commented template, or the JSON Schema")
+    what = g.add_mutually_exclusive_group()
+    what.add_argument("--template", choices=["run", "agent"], help="a commented YAML config with every default")
+    what.add_argument("--schema", choices=["run", "agent"], help="the config's JSON Schema")
+    g.add_argument("--method", default="fedavg", help="--template run: whose method options to list")
+    g.set_defaults(func=cmd_config)
+
+    for name, target, help_text in DELEGATES:
+        x = command(name, f"{help_text} (see 'edgepfl {name} --help')", add_help=False)
         x.set_defaults(func=None, delegate=target)
     return p
 
 
+def _signals(command: str) -> Any:
+    """The SIGTERM handler to restore: the agent installs its own (it says goodbye on the
+    broker); every other command turns SIGTERM into an exception, so that ``finally``
+    blocks close the fleet and stop the agent processes ``simulate`` started."""
+    if command == "agent" or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_terminated)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``edgepfl`` command; returns its exit code (:class:`edgepfl.errors.ExitCode`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
+    try:
+        args, rest = parser.parse_known_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error already printed as one line
+        return int(exc.code or 0) if isinstance(exc.code, int) else int(ExitCode.USAGE)
+    debug = bool(args.debug or os.environ.get("EDGEPFL_DEBUG", "").lower() in ("1", "true", "yes"))
     service = args.command in ("agent", "coordinator")
-    _setup_logging(args.log_level or ("info" if service else "warning"))
+    setup_logging(args.log_level or ("info" if service else "warning"), args.log_format)
+    previous = _signals(args.command)
     try:
         if getattr(args, "delegate", None):
             import importlib
@@ -211,14 +367,19 @@ def main(argv: list[str] | None = None) -> int:
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return int(args.func(args) or 0)
-    except ConfigError as exc:
-        print(f"edgepfl: {exc}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, TimeoutError, ConnectionError, BrokerError) as exc:
-        print(f"edgepfl: {exc}", file=sys.stderr)
-        return 1
+    except SystemExit as exc:  # argparse inside a delegate; its line is printed
+        return exc.code if isinstance(exc.code, int) else int(ExitCode.USAGE)
     except KeyboardInterrupt:
-        return 130
+        print("edgepfl: interrupted", file=sys.stderr)
+        return int(ExitCode.INTERRUPTED)
+    except Terminated:
+        print("edgepfl: terminated (SIGTERM)", file=sys.stderr)
+        return int(ExitCode.TERMINATED)
+    except Exception as exc:
+        return report(exc, args.command, debug)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

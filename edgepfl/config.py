@@ -7,7 +7,9 @@ message names the file and the offending field. Method-specific options live und
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import types
+import typing
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,12 +21,22 @@ from .heads import OFFLINE_HEAD_KIND
 from .methods import Method, available_head_kinds, get_method
 from .protocol.run import DataShape, MethodChoice, Normalization, RunSpec
 from .protocol.topics import check_segment
-from .specs import BrokerConfig, DataSpec, ModelSpec, PartitionSpec, SecuritySpec, TrainConfig, _Strict
+from .specs import (
+    BrokerConfig,
+    ConfigPath,
+    DataSpec,
+    ModelSpec,
+    PartitionSpec,
+    PathField,
+    SecuritySpec,
+    TrainConfig,
+    _Strict,
+)
 
 __all__ = [
-    "AgentConfig", "AggregationSpec", "BrokerConfig", "ConfigError", "DataSpec", "MethodSpec", "ModelSpec", "ObserveSpec",
-    "PartitionSpec", "RunConfig", "RunSpec", "SecuritySpec", "TrainConfig", "load_agent_config", "load_run_config", "load_yaml",
-    "parse_config",
+    "AgentConfig", "AggregationSpec", "BrokerConfig", "ConfigError", "DataSpec", "MethodSpec", "ModelSpec",
+    "ObserveSpec", "PartitionSpec", "RunConfig", "RunSpec", "SecuritySpec", "TrainConfig", "apply_overrides",
+    "load_agent_config", "load_run_config", "load_yaml", "parse_config", "resolve_paths",
 ]
 
 
@@ -36,7 +48,7 @@ class MethodSpec(BaseModel):
     """``name`` plus that method's options, validated against the method's config class."""
 
     model_config = ConfigDict(extra="allow")
-    name: str = "fedavg"
+    name: str = Field("fedavg", description="a registered method (edgepfl methods)")
 
     # Validated here rather than on RunConfig so that errors are located at
     # ``method.name`` / ``method.<option>`` in the message a user reads.
@@ -73,14 +85,15 @@ class ObserveSpec(_Strict):
 class RunConfig(_Strict):
     """Everything the coordinator needs to run a federation."""
 
-    federation: str = "demo"
+    federation: str = Field("demo", description="the federation's name: the first MQTT topic segment; agents "
+                                                 "must use the same")
     method: MethodSpec = Field(default_factory=MethodSpec)
     model: ModelSpec = Field(default_factory=ModelSpec)
     train: TrainConfig = Field(default_factory=TrainConfig)
     data: DataSpec = Field(default_factory=DataSpec)
     broker: BrokerConfig = Field(default_factory=BrokerConfig)
     security: SecuritySpec = Field(default_factory=SecuritySpec)
-    rounds: int = Field(10, ge=1)
+    rounds: int = Field(10, ge=1, description="training rounds")
     fraction: float = Field(1.0, gt=0, le=1, description="share of online agents sampled per round")
     min_agents: int = Field(2, ge=1, description="agents online before round 0 starts")
     quorum: float = Field(0.5, gt=0, le=1, description="share of sampled agents enough to close a round at timeout")
@@ -88,11 +101,13 @@ class RunConfig(_Strict):
         default_factory=AggregationSpec,
         description="the rule that aggregates every method's shared parameters (default: the weighted mean), "
                     "and the guard on its result (max_change_ratio, rollback_after)")
-    round_timeout_s: float = Field(120.0, gt=0)
-    wait_for_agents_s: float = Field(300.0, gt=0)
+    round_timeout_s: float = Field(120.0, gt=0, description="a round closes at this deadline with whoever answered "
+                                                            "(if quorum is met)")
+    wait_for_agents_s: float = Field(300.0, gt=0, description="how long to wait for min_agents before round 0")
     eval_every: int = Field(1, ge=1, description="agents not sampled are asked to evaluate every k rounds")
-    seed: int = 0
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = Field(0, description="seeds sampling, model initialisation and every agent's local training")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="the coordinator's torch device (auto: cuda "
+                                                                         "when available)")
     input_shape: list[int] | None = Field(None, min_length=3, max_length=3, description="C,H,W; default: from data")
     num_classes: int | None = Field(None, ge=2, description="default: from data")
     normalization: Normalization | None = Field(
@@ -138,15 +153,18 @@ class RunConfig(_Strict):
 class AgentConfig(_Strict):
     """One edge agent: identity, tier, broker, its own data and where it keeps state."""
 
-    agent_id: str
-    federation: str = "demo"
-    tier: Literal["trainer", "head"] = "trainer"
+    agent_id: str = Field(description="this device's name, unique in the federation ([A-Za-z0-9_-]); the broker "
+                                      "ACL can confine it to its own topics")
+    federation: str = Field("demo", description="the federation to join (the coordinator's federation)")
+    tier: Literal["trainer", "head"] = Field("trainer", description="trainer: torch, full local training; head: "
+                                                                     "ONNX encoder releases + a personal head, no torch")
     broker: BrokerConfig = Field(default_factory=BrokerConfig)
     security: SecuritySpec = Field(default_factory=SecuritySpec)
     data: DataSpec = Field(default_factory=DataSpec)
     client_index: int = Field(0, ge=0, description="which partition of a pooled dataset (simulation)")
-    state_dir: str = "agent-state"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    state_dir: ConfigPath = Field("agent-state", description="where the agent keeps its state (releases, heads, "
+                                                             "personal parameters); relative: to the working directory")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="trainer tier: torch device")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads")
     head: str = Field("lr", description="head tier: a head kind the releases' method offers (its head_kinds), "
                                         f"fitted on device, or {OFFLINE_HEAD_KIND!r}: only a head fitted offline")
@@ -172,40 +190,113 @@ class AgentConfig(_Strict):
 
 
 def _format(exc: ValidationError, source: str) -> str:
-    lines = [f"invalid config {source}:"]
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err.get("loc", ())) or "<root>"
-        lines.append(f"  {loc}: {err.get('msg')}")
-    return "\n".join(lines)
+    problems = [f"{'.'.join(str(p) for p in err.get('loc', ())) or '<root>'}: {err.get('msg')}" for err in exc.errors()]
+    return f"invalid config {source}: " + "; ".join(problems)
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
+    """The mapping at the top of a YAML file; :class:`ConfigError` when it is missing or not a mapping."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"invalid YAML in {path}: {exc}") from None
+        raise ConfigError(f"invalid YAML in {path}: {' '.join(str(exc).split())}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
     return data
 
 
 def parse_config(kind: type[BaseModel], data: dict[str, Any], source: str = "<dict>"):
+    """Validate ``data`` as ``kind``; :class:`ConfigError` naming ``source`` and every bad field."""
     try:
         return kind.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format(exc, source)) from None
 
 
-def load_run_config(path: str | Path, **overrides: Any) -> RunConfig:
-    data = load_yaml(path)
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    return parse_config(RunConfig, data, str(path))
+def apply_overrides(data: dict[str, Any], assignments: Iterable[str]) -> dict[str, Any]:
+    """``data`` with ``key.path=value`` assignments applied (``--set``); values are YAML (``3``, ``[1, 2]``, ``null``).
+
+    Intermediate mappings are created; :class:`ConfigError` for a malformed assignment or
+    a key path through a value that is not a mapping.
+    """
+    out = dict(data)
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            raise ConfigError(f"--set {assignment!r}: expected key.path=value, e.g. --set train.lr=0.05")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {assignment!r}: the value is not valid YAML ({' '.join(str(exc).split())})") from None
+        node = out
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"--set {assignment!r}: {'.'.join(parts[:depth + 1])} is not a section")
+            node[part] = child = dict(child)
+            node = child
+        node[parts[-1]] = value
+    return out
 
 
-def load_agent_config(path: str | Path, **overrides: Any) -> AgentConfig:
-    data = load_yaml(path)
+def _unwrap(annotation: Any) -> list[Any]:
+    """The alternatives of ``X | None`` / ``Optional[X]`` (or ``[annotation]``)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [a for a in typing.get_args(annotation) if a is not type(None)]
+    return [annotation]
+
+
+def _is_path(annotation: Any) -> bool:
+    return any(typing.get_origin(a) is typing.Annotated and any(isinstance(m, PathField) for m in a.__metadata__)
+               for a in _unwrap(annotation))
+
+
+def resolve_paths(kind: type[BaseModel], data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """``data`` (raw YAML for ``kind``) with every relative :data:`~edgepfl.specs.ConfigPath` joined to ``base``.
+
+    ``~`` is expanded; absolute paths and values of the wrong type are left to validation.
+    """
+    out = dict(data)
+    hints = typing.get_type_hints(kind, include_extras=True)
+    for name, field in kind.model_fields.items():
+        key = field.alias or name
+        if key not in out:
+            continue
+        annotation = hints.get(name, field.annotation)
+        value = out[key]
+        if _is_path(annotation) and isinstance(value, str) and value:
+            path = Path(value).expanduser()
+            out[key] = str(path if path.is_absolute() else base / path)
+            continue
+        models = [a for a in _unwrap(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if models and isinstance(value, dict):
+            out[key] = resolve_paths(models[0], value, base)
+    return out
+
+
+def _load(kind: type[BaseModel], path: str | Path, sets: Iterable[str], overrides: dict[str, Any]):
+    path = Path(path)
+    data = resolve_paths(kind, load_yaml(path), path.expanduser().absolute().parent)
+    sets = list(sets)
+    data = apply_overrides(data, sets)
     data.update({k: v for k, v in overrides.items() if v is not None})
-    return parse_config(AgentConfig, data, str(path))
+    source = str(path) + (f" (with --set {', '.join(sets)})" if sets else "")
+    return parse_config(kind, data, source)
+
+
+def load_run_config(path: str | Path, sets: Iterable[str] = (), **overrides: Any) -> RunConfig:
+    """A :class:`RunConfig` from a YAML file: its paths resolved against the file's folder, then ``--set`` applied."""
+    return _load(RunConfig, path, sets, overrides)
+
+
+def load_agent_config(path: str | Path, sets: Iterable[str] = (), **overrides: Any) -> AgentConfig:
+    """An :class:`AgentConfig` from a YAML file, like :func:`load_run_config`."""
+    return _load(AgentConfig, path, sets, overrides)

@@ -7,9 +7,23 @@ that validates whole run configurations (:mod:`edgepfl.config`).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+
+class PathField:
+    """Marks a ``str`` field as a file or folder path (see :data:`ConfigPath`)."""
+
+    def __repr__(self) -> str:
+        return "PathField()"
+
+
+#: A path in a configuration. The config loaders (:func:`edgepfl.config.load_run_config`,
+#: :func:`~edgepfl.config.load_agent_config`) resolve a relative one against the folder of
+#: the YAML file that sets it and expand ``~``; given in Python or by ``--set``, it is
+#: taken as it is (relative to the working directory).
+ConfigPath = Annotated[str, PathField()]
 
 
 class _Strict(BaseModel):
@@ -24,19 +38,19 @@ class ModelSpec(_Strict):
                            "(how a method's head is fitted on an exported encoder's features)"
     )
     feature_dim: int = Field(128, ge=2, description="encoder output size (cnn / mlp)")
-    norm: Literal["batch", "none"] = "batch"
-    weights: str | None = Field(None, description="local state_dict file for resnet18 / mobilenet_v3_small")
+    norm: Literal["batch", "none"] = Field("batch", description="BatchNorm in the encoder, or none")
+    weights: ConfigPath | None = Field(None, description="local state_dict file for resnet18 / mobilenet_v3_small")
 
 
 class TrainConfig(_Strict):
     """Local optimisation defaults; methods may override per phase."""
 
-    epochs: int = Field(1, ge=1)
-    batch_size: int = Field(50, ge=1)
-    lr: float = Field(0.01, gt=0)
-    momentum: float = Field(0.5, ge=0)
-    weight_decay: float = Field(5e-4, ge=0)
-    optimizer: Literal["sgd", "adam"] = "sgd"
+    epochs: int = Field(1, ge=1, description="local epochs per round")
+    batch_size: int = Field(50, ge=1, description="local mini-batch size")
+    lr: float = Field(0.01, gt=0, description="local learning rate")
+    momentum: float = Field(0.5, ge=0, description="SGD momentum")
+    weight_decay: float = Field(5e-4, ge=0, description="L2 weight decay")
+    optimizer: Literal["sgd", "adam"] = Field("sgd", description="local optimizer")
 
 
 class PartitionSpec(_Strict):
@@ -55,23 +69,32 @@ class PartitionSpec(_Strict):
 class DataSpec(_Strict):
     """Where a client's data comes from."""
 
-    dataset: Literal["fmnist", "digits", "torchvision", "imagefolder", "npz", "auto"] = "auto"
-    root: str | None = None
+    dataset: Literal["fmnist", "digits", "torchvision", "imagefolder", "npz", "auto"] = Field(
+        "auto", description="auto: Fashion-MNIST where it is installed (or $EDGEPFL_FMNIST_ROOT), else scikit-learn's "
+                            "digits")
+    root: ConfigPath | None = Field(
+        None, description="fmnist: folder of the four IDX files (default: Debian's); imagefolder: folder of "
+                          "<class>/<image>; npz: the .npz file; torchvision: the dataset's local root")
     name: str | None = Field(None, description="torchvision dataset class name, e.g. CIFAR10")
-    num_clients: int = Field(8, ge=1)
-    samples_per_client: int | None = Field(None, ge=1)
+    num_clients: int = Field(8, ge=1, description="partitions of a pooled dataset (one per agent); a device with "
+                                                   "its own data: 1")
+    samples_per_client: int | None = Field(None, ge=1, description="cap on each client's samples; null: its whole "
+                                                                   "partition")
     partition: PartitionSpec = Field(default_factory=PartitionSpec)
-    test_fraction: float = Field(0.25, gt=0, lt=1)
-    seed: int = 0
+    test_fraction: float = Field(0.25, gt=0, lt=1, description="held-out share of each client's data "
+                                                                "(personalized evaluation)")
+    seed: int = Field(0, description="seeds the partition and the train / test split")
 
 
 class BrokerConfig(_Strict):
+    """The MQTT broker and how to talk to it."""
+
     url: str = Field("embedded", description="mqtt://host:port, mqtts://…, or 'embedded' (in-process amqtt)")
-    username: str | None = None
-    password: str | None = None
+    username: str | None = Field(None, description="MQTT username")
+    password: str | None = Field(None, description="MQTT password")
     max_message_bytes: int = Field(1_000_000, ge=16_384, description="larger payloads travel in chunks")
     max_payload_bytes: int = Field(256 * 2**20, ge=16_384, description="largest whole message accepted")
-    keepalive_s: int = Field(30, ge=5)
+    keepalive_s: int = Field(30, ge=5, description="MQTT keepalive; a silent client is declared gone after 1.5x")
 
 
 class SecuritySpec(_Strict):
@@ -83,7 +106,7 @@ class SecuritySpec(_Strict):
     ``coordinator_key``. With none set, messages travel unsigned (demo, simulate).
     """
 
-    signing_key: str | None = Field(None, description="this process's Ed25519 private key (PEM PKCS#8)")
-    coordinator_key: str | None = Field(None, description="agents: the coordinator's public key (PEM) they pin")
-    enrolled_dir: str | None = Field(
+    signing_key: ConfigPath | None = Field(None, description="this process's Ed25519 private key (PEM PKCS#8)")
+    coordinator_key: ConfigPath | None = Field(None, description="agents: the coordinator's public key (PEM) they pin")
+    enrolled_dir: ConfigPath | None = Field(
         None, description="coordinator: directory of <agent_id>.pub public keys; only these agents are accepted")

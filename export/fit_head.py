@@ -20,10 +20,8 @@ encoder+head graph) with the encoder's sha256 in its metadata.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from edgepfl.errors import InputError, MissingExtra, OneLineParser
+from edgepfl.errors import report as report_error
 from edgepfl.heads import HeadRelease
 from edgepfl.heads.labels import FEDERATION, LOCAL, LabelSpace
 from edgepfl.methods import available_head_kinds, create_method
@@ -140,7 +140,7 @@ def fit_head(encoder: OnnxEncoder, data: Dataset, kind: str, *, export_dir: str 
 
 def main_fit_head(args: list[str]) -> int:
     """``edgepfl fit-head``: fit, report accuracy, write the head as ONNX."""
-    parser = argparse.ArgumentParser(prog="edgepfl fit-head", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="edgepfl fit-head", description=__doc__.split("\n\n")[0])
     parser.add_argument("--encoder", required=True, help="encoder.onnx from edgepfl export (manifest.json beside it)")
     parser.add_argument("--data", required=True, help="image folder or .npz of the new client")
     parser.add_argument("--head", required=True, choices=available_head_kinds(),
@@ -161,13 +161,10 @@ def main_fit_head(args: list[str]) -> int:
         head_to_onnx(head, encoder.feature_dim, ns.out, labels=data.labels, metadata={META_ENCODER_SHA: encoder.sha256})
         if ns.fused:
             fuse(ns.encoder, ns.out, ns.fused)
-    except ImportError as exc:
-        print(f"error: {exc} (dualfed / fedpick heads need the 'train' extra: pip install 'edgepfl[train]')",
-              file=sys.stderr)
-        return 2
+    except ImportError as exc:  # the method's own heads (dualfed, fedpick) are torch modules
+        return report_error(MissingExtra(f"a {ns.head} head", exc.name or "torch", "train"), "fit-head")
     except (ValueError, OSError, KeyError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report_error(InputError(str(exc)), "fit-head")
     if ns.json:
         print(json.dumps(report))
     else:

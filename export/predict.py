@@ -21,13 +21,13 @@ Torch-free: this module needs numpy, onnxruntime and (for image files) Pillow.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from edgepfl.errors import InputError, OneLineParser, report
 from edgepfl.protocol.manifest import ReleaseManifest, read_manifest
 from edgepfl.protocol.run import PIXEL_SCALE
 
@@ -216,7 +216,7 @@ def head_class_names(head: OnnxHead, encoder: OnnxEncoder, *, federation_labels:
 
 def main_predict(args: list[str]) -> int:
     """``edgepfl predict``: print the predicted class (and its probability) per input."""
-    parser = argparse.ArgumentParser(prog="edgepfl predict", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="edgepfl predict", description=__doc__.split("\n\n")[0])
     parser.add_argument("--encoder", required=True, help="encoder.onnx (manifest.json beside it) or an export directory")
     parser.add_argument("--head", required=True, help="a head .onnx (from edgepfl fit-head or a head agent)")
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, directories or .npy arrays")
@@ -247,8 +247,7 @@ def main_predict(args: list[str]) -> int:
         names, x = collect_inputs(ns.inputs, encoder, ns.preprocessed)
         proba = head.predict_proba(encoder.features(x))
     except (ValueError, OSError, KeyError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report(InputError(str(exc)), "predict")
     for name, row in zip(names, proba):
         order = np.argsort(-row)[: max(1, ns.top)]
         if ns.json:

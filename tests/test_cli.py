@@ -72,3 +72,16 @@ def test_report_rebuilds_table_and_plot_from_a_run_directory(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("Results — fedavg") and "final accuracy (after round 0, the last)" in proc.stdout
     assert (out / "accuracy.png").exists()
+
+
+@pytest.mark.slow
+def test_demo_runs_where_fashion_mnist_is_absent(tmp_path):
+    import os
+
+    out = tmp_path / "demo"
+    env = dict(os.environ, EDGEPFL_FMNIST_ROOT=str(tmp_path / "no-fmnist"), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "edgepfl", "demo", "--agents", "2", "--rounds", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "on digits" in proc.stderr and "final accuracy (after round 1)" in proc.stdout
+    assert "Traceback" not in proc.stderr

@@ -12,6 +12,7 @@ import pytest
 from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 
+from edgepfl.errors import ExitCode
 from edgepfl.export.fit_head import main_fit_head
 from edgepfl.export.heads import OnnxHead, fuse, head_to_onnx, make_session
 from edgepfl.export.predict import OnnxEncoder, main_predict
@@ -206,7 +207,7 @@ def test_new_task_classes_from_an_image_folder(releases, new_client, tmp_path, c
     assert "validation accuracy" in capsys.readouterr().out
     # a DualFed head can only predict the federation's classes: refused with a reason
     assert main_fit_head(["--encoder", str(releases["dualfed"] / "encoder.onnx"), "--data", str(root),
-                          "--head", "dualfed", "--out", str(tmp_path / "d.onnx")]) == 2
+                          "--head", "dualfed", "--out", str(tmp_path / "d.onnx")]) == ExitCode.DATA
     assert "federation's classes" in capsys.readouterr().err
 
     rc = main_predict(["--encoder", str(release / "encoder.onnx"), "--head", str(out), str(root / "two")])
@@ -218,4 +219,4 @@ def test_new_task_classes_from_an_image_folder(releases, new_client, tmp_path, c
 def test_head_kind_outside_the_release_is_refused(releases, new_client, tmp_path, capsys):
     rc = main_fit_head(["--encoder", str(releases["fedavg"] / "encoder.onnx"), "--data", str(new_client["npz"]),
                         "--head", "fedpick", "--out", str(tmp_path / "h.onnx")])
-    assert rc == 2 and "does not fit a fedavg encoder" in capsys.readouterr().err
+    assert rc == ExitCode.DATA and "does not fit a fedavg encoder" in capsys.readouterr().err

@@ -161,14 +161,14 @@ def test_predict_refuses_a_missing_manifest_and_a_head_without_names(release, tm
     shutil.copy(release / "encoder.onnx", bare / "encoder.onnx")
 
     done = _predict("--encoder", str(bare / "encoder.onnx"), "--head", str(named), str(folder))
-    assert done.returncode == 2 and "no manifest.json" in done.stderr and not done.stdout
+    assert done.returncode == 3 and "no manifest.json" in done.stderr and not done.stdout
     done = _predict("--encoder", str(bare / "encoder.onnx"), "--head", str(named), "--without-manifest", str(folder))
     assert done.returncode == 0 and "NOT normalized" in done.stderr
 
     unnamed = tmp_path / "unnamed.onnx"
     head_to_onnx(fitted, encoder.feature_dim, unnamed)
     done = _predict("--encoder", str(release / "encoder.onnx"), "--head", str(unnamed), str(folder))
-    assert done.returncode == 2 and "records no class names" in done.stderr
+    assert done.returncode == 3 and "records no class names" in done.stderr
     done = _predict("--encoder", str(release / "encoder.onnx"), "--head", str(unnamed), "--federation-labels",
                     "--json", str(folder))
     assert done.returncode == 0

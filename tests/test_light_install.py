@@ -67,6 +67,15 @@ def test_methods_listing_and_config_validation_work_on_the_agent_extra(light_ven
     assert check.returncode == 0 and check.stdout.strip() == "repper", check.stderr
 
 
+@pytest.mark.parametrize("args", [["demo", "--rounds", "1"], ["simulate", "--config", str(REPO / "configs" / "fedavg.yaml")],
+                                  ["export", "--run", "r", "--out", "o"]])
+def test_torch_commands_on_the_agent_extra_name_the_extra_in_one_line(light_venv, args, tmp_path):
+    proc = subprocess.run([str(light_venv.parent / "edgepfl"), *args], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert proc.returncode == 5 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip() == proc.stderr.strip().splitlines()[0] and "pip install 'edgepfl[train]'" in proc.stderr
+
+
 def test_head_agent_without_torch_end_to_end(light_venv, mosquitto, tmp_path):
     config = run_config(method={"name": "fedavg"}, rounds=2, release_at_end=True, data={"samples_per_client": 300})
     out = tmp_path / "run"

@@ -217,14 +217,19 @@ def _find(root: Path, stem: str) -> Path | None:
     return None
 
 
+def fmnist_root(root: str | None = None) -> Path:
+    """Where Fashion-MNIST is looked for: ``root``, else ``$EDGEPFL_FMNIST_ROOT``, else Debian's path."""
+    return Path(root or os.environ.get("EDGEPFL_FMNIST_ROOT") or FMNIST_ROOT)
+
+
 def fmnist_available(root: str | None = None) -> bool:
-    """True when all four Fashion-MNIST files are under ``root`` (default: Debian's path)."""
-    r = Path(root or FMNIST_ROOT)
+    """True when all four Fashion-MNIST files are under :func:`fmnist_root` of ``root``."""
+    r = fmnist_root(root)
     return all(_find(r, stem) for pair in _FMNIST_FILES.values() for stem in pair)
 
 
 def _load_fmnist(root: str | None) -> Pool:
-    r = Path(root or FMNIST_ROOT)
+    r = fmnist_root(root)
     xs, ys = [], []
     for images, labels in _FMNIST_FILES.values():
         pi, pl = _find(r, images), _find(r, labels)

@@ -1,0 +1,7 @@
+"""``python -m edgepfl``: the ``edgepfl`` command."""
+
+import sys
+
+from edgepfl.cli import main
+
+sys.exit(main())

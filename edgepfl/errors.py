@@ -1,0 +1,144 @@
+"""What the command line does with an error: one line on stderr and a documented exit code.
+
+Every user error — a bad argument or config, unusable data or input file, an unreachable
+broker, a missing optional extra — ends as one line
+
+    edgepfl: <what happened, where>; <what to do>
+
+and one of the exit codes of :class:`ExitCode` (README, "Exit codes"). Anything else is a
+bug: it gets exit code 1 and the same one line; ``--debug`` or ``EDGEPFL_DEBUG=1`` adds the
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import sys
+from typing import NoReturn
+
+from pydantic import ValidationError
+
+
+class ExitCode(enum.IntEnum):
+    """The ``edgepfl`` command's exit codes; systemd units refuse to restart on USAGE and EXTRA."""
+
+    OK = 0
+    OTHER = 1  #: a bug or an unexpected failure
+    USAGE = 2  #: bad arguments or configuration: retrying cannot help
+    DATA = 3  #: a data set, model, release, run directory or other input file cannot be used
+    BROKER = 4  #: the MQTT broker cannot be reached, or refused us
+    EXTRA = 5  #: an optional extra (torch, onnxruntime, ...) is not installed
+    TERMINATED = 143  #: stopped by SIGTERM (128 + 15)
+    INTERRUPTED = 130  #: stopped by SIGINT / Ctrl-C (128 + 2)
+
+
+class UsageError(ValueError):
+    """Command-line arguments that cannot be used together or at all."""
+
+
+class InputError(ValueError):
+    """A file or value named on the command line cannot be used (corrupt, wrong shape, ...)."""
+
+
+class MissingExtra(ImportError):
+    """A command needs an optional dependency that this installation lacks."""
+
+    def __init__(self, what: str, module: str, extra: str):
+        super().__init__(f"{what} needs {module}, which is not installed; pip install 'edgepfl[{extra}]'")
+        self.module = module
+        self.extra = extra
+
+
+#: third-party import name -> the extra that installs it
+EXTRA_OF_MODULE = {
+    "torch": "train", "torchvision": "train", "onnxscript": "train", "scipy": "train", "matplotlib": "train",
+    "amqtt": "train", "onnxruntime": "agent", "sklearn": "agent", "skl2onnx": "agent", "onnx": "agent",
+    "PIL": "agent", "sdnotify": "agent",
+}
+
+_HINTS = {
+    ExitCode.USAGE: "see 'edgepfl {command} --help' and docs/CONFIG.md",
+    ExitCode.DATA: "check the file or folder it names (docs/CONFIG.md: data.*)",
+    ExitCode.BROKER: "check the broker URL, that the broker is running and reachable, and the credentials",
+    ExitCode.OTHER: "rerun with --debug for the traceback, and please report it",
+}
+
+
+def require(module: str, what: str) -> None:
+    """Import ``module`` or raise :class:`MissingExtra` naming the extra that installs it."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        top = module.split(".")[0]
+        raise MissingExtra(what, top, EXTRA_OF_MODULE.get(top, "all")) from None
+
+
+def _one_line(text: str) -> str:
+    parts = [p.strip() for p in str(text).splitlines() if p.strip()]
+    return "; ".join(parts).replace(":;", ":").rstrip(".")
+
+
+def _validation(exc: ValidationError) -> str:
+    problems = [f"{'.'.join(str(p) for p in e.get('loc', ())) or '<root>'}: {e.get('msg')}" for e in exc.errors()]
+    return f"invalid {exc.title}: " + "; ".join(problems)
+
+
+def classify(exc: BaseException) -> tuple[ExitCode, str]:
+    """The exit code of ``exc`` and its message (not yet one line, without the hint)."""
+    # imported here: the core's error types live in modules that import much more
+    from .broker import BrokerError
+    from .config import ConfigError
+    from .data import DataError, PartitionError
+    from .protocol import ManifestError
+    from .state import CheckpointError
+
+    if isinstance(exc, MissingExtra):
+        return ExitCode.EXTRA, str(exc)
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        top = exc.name.split(".")[0]
+        if top in EXTRA_OF_MODULE:
+            return ExitCode.EXTRA, f"this command needs {top}, which is not installed; " \
+                                   f"pip install 'edgepfl[{EXTRA_OF_MODULE[top]}]'"
+    if isinstance(exc, (ConfigError, UsageError)):
+        return ExitCode.USAGE, str(exc)
+    if isinstance(exc, ValidationError):
+        return ExitCode.USAGE, _validation(exc)
+    if isinstance(exc, (ConnectionError, BrokerError)):
+        return ExitCode.BROKER, str(exc) or type(exc).__name__
+    if isinstance(exc, (DataError, PartitionError, CheckpointError, ManifestError, InputError)):
+        return ExitCode.DATA, str(exc)
+    if type(exc).__name__ == "ExportError":  # the export app's error; the core does not import apps
+        return ExitCode.DATA, str(exc)
+    if type(exc).__module__.startswith(("onnxruntime", "onnx", "google.protobuf", "safetensors")):
+        return ExitCode.DATA, f"cannot read a model file: {exc}"
+    if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)):
+        name = f": {exc.filename}" if exc.filename else ""
+        return ExitCode.DATA, f"{exc.strerror or exc}{name}"
+    if isinstance(exc, TimeoutError):
+        return ExitCode.BROKER, str(exc) or "timed out"
+    return ExitCode.OTHER, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def report(exc: BaseException, command: str | None, debug: bool = False) -> int:
+    """Print ``exc`` as the one ``edgepfl: …`` line (after its traceback when ``debug``); its exit code."""
+    code, message = classify(exc)
+    if debug:
+        import traceback
+
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    line = _one_line(message)
+    if code in _HINTS:
+        line = f"{line}; {_HINTS[code].format(command=command or '')}".replace("'edgepfl  --help'", "'edgepfl --help'")
+    print(f"edgepfl: {line}", file=sys.stderr)
+    return int(code)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one ``edgepfl: …`` line and exit code 2 (no usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"edgepfl: {message}, in '{self.prog}'; see '{self.prog} --help'", file=sys.stderr)
+        raise SystemExit(int(ExitCode.USAGE))

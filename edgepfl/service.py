@@ -1,0 +1,82 @@
+"""systemd service notifications (sd_notify): readiness, watchdog, stopping.
+
+A service started by systemd with ``Type=notify`` gets ``NOTIFY_SOCKET``; with
+``WatchdogSec=`` also ``WATCHDOG_USEC``. :func:`notifier` returns one process-wide
+:class:`ServiceNotifier` that sends through the ``sdnotify`` package, and does nothing
+when the process was not started that way (no ``NOTIFY_SOCKET``) — so the agent and the
+coordinator call it unconditionally.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger("edgepfl.service")
+
+
+class ServiceNotifier:
+    """Sends ``READY=1``, ``WATCHDOG=1``, ``STATUS=…`` and ``STOPPING=1`` to systemd, if it listens."""
+
+    def __init__(self) -> None:
+        env = os.environ  # sdnotify reads NOTIFY_SOCKET from the environment itself
+        self._sender: Any = None
+        self._lock = threading.Lock()
+        self._last_ping = 0.0
+        usec = env.get("WATCHDOG_USEC", "")
+        # ping at twice the rate systemd requires, as sd_watchdog_enabled(3) advises
+        self.watchdog_interval_s = int(usec) / 2e6 if usec.isdigit() and int(usec) > 0 else None
+        if not env.get("NOTIFY_SOCKET"):
+            return
+        try:
+            import sdnotify
+        except ImportError:
+            log.warning("NOTIFY_SOCKET is set but the sdnotify package is missing: systemd will not hear that "
+                        "this service is ready (pip install sdnotify)")
+            return
+        self._sender = sdnotify.SystemdNotifier()
+
+    @property
+    def active(self) -> bool:
+        """True when a service manager listens."""
+        return self._sender is not None
+
+    def _send(self, state: str) -> None:
+        if self._sender is not None:
+            with self._lock:
+                self._sender.notify(state)
+
+    def ready(self, status: str | None = None) -> None:
+        """The service is up (e.g. its broker connection is)."""
+        self._send("READY=1" + (f"\nSTATUS={status}" if status else ""))
+
+    def status(self, text: str) -> None:
+        """A one-line status ``systemctl status`` shows."""
+        self._send(f"STATUS={text}")
+
+    def watchdog(self) -> None:
+        """Call from the service loop; pings systemd's watchdog when it is due (cheap otherwise)."""
+        if self.watchdog_interval_s is None or self._sender is None:
+            return
+        now = time.monotonic()
+        if now - self._last_ping >= self.watchdog_interval_s:
+            self._last_ping = now
+            self._send("WATCHDOG=1")
+
+    def stopping(self) -> None:
+        """The service is shutting down."""
+        self._send("STOPPING=1")
+
+
+_notifier: ServiceNotifier | None = None
+
+
+def notifier() -> ServiceNotifier:
+    """This process's notifier (made on first use from the environment)."""
+    global _notifier
+    if _notifier is None:
+        _notifier = ServiceNotifier()
+    return _notifier
