@@ -18,15 +18,19 @@ from typing import Protocol
 from edgepfl.aggregation import AggregationRejected
 from edgepfl.methods import ServerState
 from edgepfl.protocol import AgentChannel
+from edgepfl.protocol.signing import SIGNATURE_REASONS, Keyring
 
 from .fleet import Fleet, Incoming
-from .gate import Accepted, Rejection, RoundTasks, UpdateGate, admit_metrics, admit_status
+from .gate import Accepted, Presence, Rejection, RoundTasks, UpdateGate, admit_metrics, admit_presence
 from .registry import Registry
 
 log = logging.getLogger("edgepfl.coordinator")
 
 # How long one poll of the fleet may block: the granularity of deadlines.
 POLL_S = 0.2
+# A sender that keeps failing the same way (a Sybil flood, forged statuses) is logged
+# once per this many seconds per (sender, reason); every rejection is still counted.
+LOG_EVERY_S = 60.0
 
 
 class RoundSink(Protocol):
@@ -46,11 +50,15 @@ class Inbox:
     restored from its checkpoint); the inbox adds to it.
     """
 
-    def __init__(self, fleet: Fleet, registry: Registry, gate: UpdateGate, rejected_total: Counter):
+    def __init__(self, fleet: Fleet, registry: Registry, gate: UpdateGate, rejected_total: Counter,
+                 keyring: Keyring | None = None):
         self.fleet = fleet
         self.registry = registry
         self.gate = gate
         self.rejected_total = rejected_total
+        #: with a keyring, statuses and metrics must be signed by the sender's enrolled key
+        self.keyring = keyring
+        self._logged: dict[tuple[str | None, str], tuple[float, int]] = {}
         self.head_reports: dict[str, dict] = {}
         self._awaited_reports: set[str] = set()
         # The open round: before round 0 none (no tasks; rejections count in the run's
@@ -88,8 +96,6 @@ class Inbox:
         if isinstance(event, Rejection):
             self._reject(event)
             return
-        if event.channel != AgentChannel.STATUS:  # a status updates the registry itself
-            self.registry.show_life(event.agent_id)
         if event.channel == AgentChannel.STATUS:
             self._on_status(event)
         elif event.channel == AgentChannel.UPDATE:
@@ -98,15 +104,17 @@ class Inbox:
             self._on_metrics(event)
 
     def _on_status(self, incoming: Incoming) -> None:
-        status = admit_status(incoming.agent_id, incoming.frame)
+        status = admit_presence(incoming.agent_id, incoming.frame, self.keyring, self.registry)
         if isinstance(status, Rejection):
             return self._reject(status)
-        was_online = self.registry.update(incoming.agent_id, status)
-        if status.state == "online" and not was_online:
-            self.fleet.agent_online(incoming.agent_id, status.tier)
+        assert isinstance(status, Presence)
+        was_online = self.registry.update(incoming.agent_id, status.meta, status.created)
+        if status.meta.state == "online" and not was_online:
+            self.fleet.agent_online(incoming.agent_id, status.meta.tier)
 
     def _on_update(self, incoming: Incoming) -> None:
         verdict = self.gate.admit(incoming.agent_id, incoming.frame, self._tasks, self._state)
+        self._shows_life(incoming.agent_id, verdict)
         if isinstance(verdict, Rejection):
             return self._reject(verdict)
         # Accepting needs a task, and tasks come only with an open round and its sink.
@@ -117,21 +125,39 @@ class Inbox:
             self._reject(Rejection(incoming.agent_id, exc.reason, str(exc)))
 
     def _on_metrics(self, incoming: Incoming) -> None:
-        m = admit_metrics(incoming.agent_id, incoming.frame)
+        m = admit_metrics(incoming.agent_id, incoming.frame, self.keyring, self.registry)
+        self._shows_life(incoming.agent_id, m)
         if isinstance(m, Rejection):
             return self._reject(m)
+        # The agent's free-form values first: what the coordinator computes from the
+        # counts (accuracy, correct, total) and the identity fields must win.
         report = {
-            "tier": m.tier, "release_id": m.release_id, "head": m.head, "correct": m.eval_correct,
-            "total": m.num_test, "accuracy": m.eval_correct / m.num_test if m.num_test else None, **m.values,
+            **m.values, "tier": m.tier, "release_id": m.release_id, "head": m.head, "correct": m.eval_correct,
+            "total": m.num_test, "accuracy": m.eval_correct / m.num_test if m.num_test else None,
         }
         self.head_reports[incoming.agent_id] = report
         self._awaited_reports.discard(incoming.agent_id)
         log.info("agent %s (%s tier) reported accuracy %.4f with head %s", incoming.agent_id, m.tier,
                  report["accuracy"] or float("nan"), m.head)
 
+    def _shows_life(self, agent_id: str, verdict: object) -> None:
+        """Any frame from the agent (an answer even if late) proves it is there; a forged one does not."""
+        if not (isinstance(verdict, Rejection) and verdict.reason in SIGNATURE_REASONS):
+            self.registry.show_life(agent_id)
+
     def _reject(self, rejection: Rejection) -> None:
         self.rejected_total[rejection.reason] += 1
         if self._sink is not None:
             self._sink.rejected[rejection.reason] += 1
-        log.warning("rejected message from %s: %s (%s)", rejection.agent_id or "?", rejection.reason,
-                    rejection.detail)
+        key = (rejection.agent_id, rejection.reason)
+        now = time.monotonic()
+        since, suppressed = self._logged.get(key, (float("-inf"), 0))
+        if now - since < LOG_EVERY_S:
+            self._logged[key] = (since, suppressed + 1)
+            return
+        if len(self._logged) > 10_000:  # bounded whatever the number of forged sender ids
+            self._logged.clear()
+        self._logged[key] = (now, 0)
+        more = f"; {suppressed} more like it not logged" if suppressed else ""
+        log.warning("rejected message from %s: %s (%s)%s", rejection.agent_id or "?", rejection.reason,
+                    rejection.detail, more)

@@ -99,7 +99,7 @@ def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str
         specs += [(a, agents + i, "head") for i, a in enumerate(agent_ids(head_agents, "device"))]
         for agent_id, index, tier in specs:
             procs.append(spawn_agent(config, out, url, agent_id, index, tier, head, n_threads))
-        fleet = MqttFleet(config.federation, config.broker, url=url)
+        fleet = MqttFleet(config.federation, config.broker, url=url, security=config.security)
         coordinator = Coordinator(config, fleet, out, progress=progress, **shape)
         rows = coordinator.run()
         table, summary = write_report(out, config.method.name, coordinator.head_reports or None)

@@ -78,7 +78,7 @@ def cmd_coordinator(args) -> int:
 
         shape = data_shape(config)
     out = Path(args.out or f"runs/{config.federation}")
-    fleet = MqttFleet(config.federation, config.broker, url=url)
+    fleet = MqttFleet(config.federation, config.broker, url=url, security=config.security)
     try:
         coordinator = Coordinator(config, fleet, out, **shape)
         coordinator.run()
