@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .broker import BrokerError
 from .config import ConfigError, RunConfig, load_agent_config, load_run_config, parse_config
+from .protocol.signing import KeyFileError
 
 DEMO = {
     "federation": "demo",
@@ -102,6 +103,10 @@ def cmd_agent(args) -> int:
         config = config.model_copy(update={"broker": config.broker.model_copy(update={"url": args.broker})})
     if config.broker.url == "embedded":
         raise ConfigError("an agent needs a broker URL (--broker mqtt://host:1883 or broker.url)")
+    if args.reset_state:
+        from edgepfl.edge_agent.agent import reset_state
+
+        reset_state(config.state_dir)
     run_agent(config)
     return 0
 
@@ -178,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--broker", default=None)
     a.add_argument("--agent-id", default=None)
     a.add_argument("--client-index", type=int, default=None)
+    a.add_argument("--reset-state", action="store_true",
+                   help="delete the agent's saved state (personal models, task order, installed release) first")
     a.set_defaults(func=cmd_agent)
 
     r = sub.add_parser("report", help="table and plots for a run directory")
@@ -217,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"edgepfl: {exc}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, TimeoutError, ConnectionError, BrokerError) as exc:
+    except (FileNotFoundError, TimeoutError, ConnectionError, BrokerError, KeyFileError) as exc:
         print(f"edgepfl: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -136,14 +136,20 @@ def load_public_key(path: str | Path) -> Ed25519PublicKey:
 
 def verify(message: Message, public: Ed25519PublicKey) -> str | None:
     """Check ``message``'s signature against ``public``: None when valid, else the rejection reason."""
+    return verify_signed_part(message.signed_part, message.signature, message.header.signer, public)
+
+
+def verify_signed_part(signed_part: bytes, signature: bytes | None, signer: str | None,
+                       public: Ed25519PublicKey) -> str | None:
+    """Check a signature over a frame's prefix and header (``signer``: the key id it names)."""
     from cryptography.exceptions import InvalidSignature
 
-    if message.signature is None or message.header.signer is None:
+    if signature is None or signer is None:
         return UNSIGNED
-    if message.header.signer != key_id(public):
+    if signer != key_id(public):
         return BAD_SIGNATURE  # signed, but by another key than the one this sender must use
     try:
-        public.verify(message.signature, SIGNATURE_CONTEXT + message.signed_part)
+        public.verify(signature, SIGNATURE_CONTEXT + signed_part)
     except InvalidSignature:
         return BAD_SIGNATURE
     return None
