@@ -52,6 +52,8 @@ log = logging.getLogger("edgepfl.agent")
 COORDINATOR = "coordinator"
 # A flood of forged frames is logged once per this many seconds per reason (all are counted).
 LOG_EVERY_S = 60.0
+# An agent re-asserts its presence at most this often when its retained status is overwritten.
+REASSERT_EVERY_S = 2.0
 
 
 class Agent:
@@ -71,6 +73,8 @@ class Agent:
         #: frames dropped before reaching the tier, by reason
         self.rejected: Counter[str] = Counter()
         self._logged: dict[str, float] = {}
+        self._birth: bytes | None = None  # the last birth status published
+        self._reasserted = float("-inf")
 
     # ---------------------------------------------------------------- lifecycle
     def setup(self) -> None:
@@ -103,11 +107,12 @@ class Agent:
             client_id=f"edgepfl-{c.federation}-{c.agent_id}",
             federation=c.federation,
             sender=c.agent_id,
-            subscriptions=tier.subscriptions(c.federation, c.agent_id),
+            # its own status too: a retained status someone else put there is replaced (_reassert)
+            subscriptions=[*tier.subscriptions(c.federation, c.agent_id), status_topic],
             username=c.broker.username,
             password=c.broker.password,
             will=(status_topic, self._status_frame("offline")),
-            birth=lambda: (status_topic, self._status_frame("online"), True),
+            birth=lambda: (status_topic, self._new_birth(), True),
             max_message_bytes=c.broker.max_message_bytes,
             max_payload_bytes=c.broker.max_payload_bytes,
             keepalive_s=c.broker.keepalive_s,
@@ -119,6 +124,9 @@ class Agent:
             while not self._stop.is_set():
                 inbound = transport.receive(timeout=0.5)
                 if inbound is None:
+                    continue
+                if inbound.topic.channel == AgentChannel.STATUS:
+                    self._reassert(inbound.frame)
                     continue
                 try:
                     message = decode(inbound.frame, max_bytes=transport.max_payload_bytes)
@@ -149,6 +157,23 @@ class Agent:
             reply = tier.handle(message)
             if reply is not None:
                 transport.publish(self._topic(reply.channel), reply.frame, round=reply.round)
+
+    def _new_birth(self) -> bytes:
+        self._birth = self._status_frame("online")
+        return self._birth
+
+    def _reassert(self, frame: bytes) -> None:
+        """Another status than this process's last birth is retained on its status topic (a
+        forged or replayed ``offline``, an old will): publish a fresh birth over it, so a
+        coordinator that (re)starts learns the agent's real presence. Rate-limited."""
+        if frame == self._birth or self.transport is None or self._stop.is_set():
+            return
+        now = time.monotonic()
+        if now - self._reasserted < REASSERT_EVERY_S:
+            return
+        self._reasserted = now
+        log.info("a status this process did not publish is retained on its topic; announcing itself again")
+        self.transport.publish(self._topic(AgentChannel.STATUS), self._new_birth(), retain=True)
 
     def _forged(self, message: Message) -> tuple[str, str] | None:
         """With a pinned coordinator key: (reason, detail) unless the coordinator signed ``message``."""
