@@ -34,8 +34,8 @@ from edgepfl.protocol import (
 )
 from edgepfl.protocol.signing import (
     SIGNATURE_CONTEXT,
-    Keyring,
     KeyFileError,
+    Keyring,
     Signer,
     generate_keypair,
     key_id,
