@@ -28,9 +28,11 @@ log = logging.getLogger("edgepfl.coordinator")
 
 # How long one poll of the fleet may block: the granularity of deadlines.
 POLL_S = 0.2
-# A sender that keeps failing the same way (a Sybil flood, forged statuses) is logged
-# once per this many seconds per (sender, reason); every rejection is still counted.
-LOG_EVERY_S = 60.0
+# A flood of rejections (Sybils, forged statuses) must not flood the log: at most
+# LOG_PER_WINDOW lines per reason per LOG_WINDOW_S seconds, then one line saying how many
+# were not logged; every rejection is still counted.
+LOG_WINDOW_S = 60.0
+LOG_PER_WINDOW = 10
 
 
 class RoundSink(Protocol):
@@ -58,7 +60,7 @@ class Inbox:
         self.rejected_total = rejected_total
         #: with a keyring, statuses and metrics must be signed by the sender's enrolled key
         self.keyring = keyring
-        self._logged: dict[tuple[str | None, str], tuple[float, int]] = {}
+        self._log_window: dict[str, tuple[float, int]] = {}  # reason -> (window start, rejections in it)
         self.head_reports: dict[str, dict] = {}
         self._awaited_reports: set[str] = set()
         # The open round: before round 0 none (no tasks; rejections count in the run's
@@ -149,15 +151,15 @@ class Inbox:
         self.rejected_total[rejection.reason] += 1
         if self._sink is not None:
             self._sink.rejected[rejection.reason] += 1
-        key = (rejection.agent_id, rejection.reason)
         now = time.monotonic()
-        since, suppressed = self._logged.get(key, (float("-inf"), 0))
-        if now - since < LOG_EVERY_S:
-            self._logged[key] = (since, suppressed + 1)
-            return
-        if len(self._logged) > 10_000:  # bounded whatever the number of forged sender ids
-            self._logged.clear()
-        self._logged[key] = (now, 0)
-        more = f"; {suppressed} more like it not logged" if suppressed else ""
-        log.warning("rejected message from %s: %s (%s)%s", rejection.agent_id or "?", rejection.reason,
-                    rejection.detail, more)
+        start, seen = self._log_window.get(rejection.reason, (float("-inf"), 0))
+        if now - start >= LOG_WINDOW_S:
+            if seen > LOG_PER_WINDOW:
+                log.warning("%d more rejections for %s were not logged", seen - LOG_PER_WINDOW, rejection.reason)
+            start, seen = now, 0
+        self._log_window[rejection.reason] = (start, seen + 1)
+        if seen < LOG_PER_WINDOW:
+            log.warning("rejected message from %s: %s (%s)", rejection.agent_id or "?", rejection.reason,
+                        rejection.detail)
+        elif seen == LOG_PER_WINDOW:
+            log.warning("more %s rejections this minute are counted, not logged", rejection.reason)
