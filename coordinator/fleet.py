@@ -13,7 +13,8 @@ from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
 
-from edgepfl.config import BrokerConfig
+from edgepfl.broker import exposure_warning
+from edgepfl.config import BrokerConfig, SecuritySpec
 from edgepfl.protocol import (
     AgentChannel,
     CoordinatorMeta,
@@ -26,6 +27,7 @@ from edgepfl.protocol import (
     encode,
     federation_topic,
 )
+from edgepfl.protocol.signing import Signer, load_signer
 from edgepfl.protocol.transport import Inbound, MqttTransport
 
 from .gate import Rejection
@@ -84,9 +86,20 @@ class Fleet(ABC):
 
 
 class MqttFleet(Fleet):
-    """Agents behind an MQTT broker (``docs/PROTOCOL.md``)."""
+    """Agents behind an MQTT broker (``docs/PROTOCOL.md``).
 
-    def __init__(self, federation: str, broker: BrokerConfig, url: str | None = None):
+    With ``security.signing_key`` the coordinator's presence, its last will included, is
+    signed (tasks and releases are signed by the round loop, which builds them).
+    """
+
+    def __init__(self, federation: str, broker: BrokerConfig, url: str | None = None,
+                 security: SecuritySpec | None = None):
+        security = security or SecuritySpec()
+        self.signer: Signer | None = load_signer(security.signing_key) if security.signing_key else None
+        warning = exposure_warning(url or broker.url, "coordinator",
+                                   signed=bool(security.signing_key and security.enrolled_dir))
+        if warning:
+            log.warning(warning)
         self.federation = federation
         self._presence = federation_topic(federation, FederationChannel.COORDINATOR)
         self._meta = CoordinatorMeta(state="online")
@@ -115,7 +128,8 @@ class MqttFleet(Fleet):
         # Every presence frame announces the limits, so agents chunk to this coordinator's M.
         meta = meta.model_copy(update={"max_message_bytes": self.transport_limits[0],
                                        "max_payload_bytes": self.transport_limits[1]})
-        return encode(MessageType.COORDINATOR, federation=self.federation, sender=SENDER, round=meta.round, meta=meta)
+        return encode(MessageType.COORDINATOR, federation=self.federation, sender=SENDER, round=meta.round, meta=meta,
+                      signer=self.signer)
 
     def _transport_dropped(self, topic: str, reason: str, detail: str) -> None:
         # Called inside transport.receive(), on the polling thread: handed out by poll().

@@ -19,6 +19,7 @@ import numpy as np
 
 from edgepfl.methods import ClientUpdate, Method, ServerState, UpdateRejected
 from edgepfl.protocol import Message, MessageType, MetricsMeta, ProtocolError, StatusMeta, UpdateMeta, decode
+from edgepfl.protocol.signing import Keyring
 
 from .registry import Registry
 
@@ -36,6 +37,24 @@ class Rejection:
     agent_id: str | None
     reason: str
     detail: str
+
+
+@dataclass(frozen=True)
+class Presence:
+    """An admitted status and when its sender made it (its signed ``created``, for ordering)."""
+
+    meta: StatusMeta
+    created: float
+
+
+def _unsigned_by(agent_id: str, message: Message, keyring: Keyring | None) -> Rejection | None:
+    """With a keyring, a frame from ``agent_id`` must be signed by the key enrolled for it."""
+    if keyring is None:
+        return None
+    reason = keyring.check(agent_id, message)
+    if reason is None:
+        return None
+    return Rejection(agent_id, reason, f"{message.type.value} not signed by {agent_id}'s enrolled key")
 
 
 @dataclass(frozen=True)
@@ -101,11 +120,14 @@ class UpdateGate:
     copy of one is a ``duplicate`` whatever round it claims.
     """
 
-    def __init__(self, federation: str, method: Method, registry: Registry, *, max_bytes: int):
+    def __init__(self, federation: str, method: Method, registry: Registry, *, max_bytes: int,
+                 keyring: Keyring | None = None):
         self.federation = federation
         self.method = method
         self.registry = registry
         self.max_bytes = max_bytes
+        #: with a keyring, only updates signed by the agent's enrolled key get past the sender check
+        self.keyring = keyring
         self._seen: set[str] = set()
 
     def admit(self, agent_id: str, frame: bytes, tasks: RoundTasks, state: ServerState | None) -> Accepted | Rejection:
@@ -133,6 +155,9 @@ class UpdateGate:
             return reject("wrong_type", f"{h.type.value} on an update topic")
         if h.sender != agent_id:
             return reject("wrong_sender", f"sender {h.sender} on {agent_id}'s topic")
+        forged = _unsigned_by(agent_id, message, self.keyring)
+        if forged is not None:
+            return forged
         if h.federation != self.federation:
             return reject("wrong_federation", h.federation)
         if h.message_id in self._seen:
@@ -174,29 +199,56 @@ class UpdateGate:
         return Accepted(agent_id, meta, update)
 
 
-def admit_status(agent_id: str, frame: bytes) -> StatusMeta | Rejection:
-    """Check a frame from ``agent_id``'s status topic; returns its meta when it may update the registry."""
+def admit_presence(agent_id: str, frame: bytes, keyring: Keyring | None = None,
+                   registry: Registry | None = None) -> Presence | Rejection:
+    """Check a frame from ``agent_id``'s status topic: it may update the registry when it is a
+    status from that agent (signed by its enrolled key, with a keyring) and, given the
+    ``registry``, not older than the agent's current presence (:meth:`Registry.stale_presence`)."""
     try:
         message = decode(frame)
     except ProtocolError as exc:
         return Rejection(agent_id, exc.reason, f"status: {exc.detail}")
     if message.type != MessageType.STATUS or message.header.sender != agent_id:
         return Rejection(agent_id, "wrong_sender", "status not from the agent whose topic it is on")
-    meta: StatusMeta = message.meta  # type: ignore[assignment]
+    forged = _unsigned_by(agent_id, message, keyring)
+    if forged is not None:
+        return forged
+    meta = message.meta_as(StatusMeta)
     if meta.num_train > MAX_SAMPLES or meta.num_test > MAX_SAMPLES:
         return Rejection(agent_id, "malformed", f"status announces more than {MAX_SAMPLES} samples")
-    return meta
+    if registry is not None:
+        stale = registry.stale_presence(agent_id, meta, message.header.created)
+        if stale is not None:
+            return Rejection(agent_id, "stale_status", stale)
+    return Presence(meta, message.header.created)
 
 
-def admit_metrics(agent_id: str, frame: bytes) -> MetricsMeta | Rejection:
-    """Check a frame from ``agent_id``'s metrics topic; returns its meta when it is a report from that agent."""
+def admit_status(agent_id: str, frame: bytes) -> StatusMeta | Rejection:
+    """:func:`admit_presence` without signatures or ordering: the status's meta, or the rejection."""
+    verdict = admit_presence(agent_id, frame)
+    return verdict.meta if isinstance(verdict, Presence) else verdict
+
+
+def admit_metrics(agent_id: str, frame: bytes, keyring: Keyring | None = None,
+                  registry: Registry | None = None) -> MetricsMeta | Rejection:
+    """Check a frame from ``agent_id``'s metrics topic; returns its meta when it is a consistent
+    report from that agent (signed by its enrolled key, with a keyring; from an agent the
+    ``registry`` knows, when given)."""
     try:
         message = decode(frame)
     except ProtocolError as exc:
         return Rejection(agent_id, exc.reason, exc.detail)
     if message.type != MessageType.METRICS or message.header.sender != agent_id:
         return Rejection(agent_id, "malformed", "not a metrics message from this agent")
-    return message.meta  # type: ignore[return-value]
+    forged = _unsigned_by(agent_id, message, keyring)
+    if forged is not None:
+        return forged
+    if registry is not None and not registry.known(agent_id):
+        return Rejection(agent_id, "unknown_agent", "metrics from an agent that never announced itself")
+    meta = message.meta_as(MetricsMeta)
+    if meta.eval_correct > meta.num_test:
+        return Rejection(agent_id, "malformed", "eval_correct exceeds num_test")
+    return meta
 
 
 def admit_state(before: ServerState, after: ServerState, max_change_ratio: float | None) -> Rejection | None:

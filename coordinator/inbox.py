@@ -18,16 +18,22 @@ from typing import Protocol
 from edgepfl.aggregation import AggregationRejected
 from edgepfl.methods import ServerState
 from edgepfl.protocol import AgentChannel
+from edgepfl.protocol.signing import SIGNATURE_REASONS, Keyring
 from edgepfl.service import notifier
 
 from .fleet import Fleet, Incoming
-from .gate import Accepted, Rejection, RoundTasks, UpdateGate, admit_metrics, admit_status
+from .gate import Accepted, Presence, Rejection, RoundTasks, UpdateGate, admit_metrics, admit_presence
 from .registry import Registry
 
 log = logging.getLogger("edgepfl.coordinator")
 
 # How long one poll of the fleet may block: the granularity of deadlines.
 POLL_S = 0.2
+# A flood of rejections (Sybils, forged statuses) must not flood the log: at most
+# LOG_PER_WINDOW lines per reason per LOG_WINDOW_S seconds, then one line saying how many
+# were not logged; every rejection is still counted.
+LOG_WINDOW_S = 60.0
+LOG_PER_WINDOW = 10
 
 
 class RoundSink(Protocol):
@@ -48,7 +54,7 @@ class Inbox:
     """
 
     def __init__(self, fleet: Fleet, registry: Registry, gate: UpdateGate, rejected_total: Counter,
-                 tick: Callable[[], None] | None = None):
+                 tick: Callable[[], None] | None = None, keyring: Keyring | None = None):
         self.fleet = fleet
         self.tick = tick  # called after every poll; O(1) unless it decides to publish (the fleet view)
         self.registry = registry
@@ -56,6 +62,9 @@ class Inbox:
         self.rejected_total = rejected_total
         #: release id -> agent id -> the agent's report measured with that release
         self.reports_by_release: dict[str, dict[str, dict]] = {}
+        #: with a keyring, statuses and metrics must be signed by the sender's enrolled key
+        self.keyring = keyring
+        self._log_window: dict[str, tuple[float, int]] = {}  # reason -> (window start, rejections in it)
         self._awaited_reports: set[str] = set()
         self._awaited_release: str | None = None
         # The open round: before round 0 none (no tasks; rejections count in the run's
@@ -97,8 +106,6 @@ class Inbox:
         if isinstance(event, Rejection):
             self._reject(event)
             return
-        if event.channel != AgentChannel.STATUS:  # a status updates the registry itself
-            self.registry.show_life(event.agent_id)
         if event.channel == AgentChannel.STATUS:
             self._on_status(event)
         elif event.channel == AgentChannel.UPDATE:
@@ -107,15 +114,17 @@ class Inbox:
             self._on_metrics(event)
 
     def _on_status(self, incoming: Incoming) -> None:
-        status = admit_status(incoming.agent_id, incoming.frame)
+        status = admit_presence(incoming.agent_id, incoming.frame, self.keyring, self.registry)
         if isinstance(status, Rejection):
             return self._reject(status)
-        was_online = self.registry.update(incoming.agent_id, status)
-        if status.state == "online" and not was_online:
-            self.fleet.agent_online(incoming.agent_id, status.tier)
+        assert isinstance(status, Presence)
+        was_online = self.registry.update(incoming.agent_id, status.meta, status.created)
+        if status.meta.state == "online" and not was_online:
+            self.fleet.agent_online(incoming.agent_id, status.meta.tier)
 
     def _on_update(self, incoming: Incoming) -> None:
         verdict = self.gate.admit(incoming.agent_id, incoming.frame, self._tasks, self._state)
+        self._shows_life(incoming.agent_id, verdict)
         if isinstance(verdict, Rejection):
             return self._reject(verdict)
         # Accepting needs a task, and tasks come only with an open round and its sink.
@@ -126,12 +135,15 @@ class Inbox:
             self._reject(Rejection(incoming.agent_id, exc.reason, str(exc)))
 
     def _on_metrics(self, incoming: Incoming) -> None:
-        m = admit_metrics(incoming.agent_id, incoming.frame)
+        m = admit_metrics(incoming.agent_id, incoming.frame, self.keyring, self.registry)
+        self._shows_life(incoming.agent_id, m)
         if isinstance(m, Rejection):
             return self._reject(m)
+        # The agent's free-form values first: what the coordinator computes from the
+        # counts (accuracy, correct, total) and the identity fields must win.
         report = {
-            "tier": m.tier, "release_id": m.release_id, "head": m.head, "correct": m.eval_correct,
-            "total": m.num_test, "accuracy": m.eval_correct / m.num_test if m.num_test else None, **m.values,
+            **m.values, "tier": m.tier, "release_id": m.release_id, "head": m.head, "correct": m.eval_correct,
+            "total": m.num_test, "accuracy": m.eval_correct / m.num_test if m.num_test else None,
         }
         self.reports_by_release.setdefault(m.release_id or "", {})[incoming.agent_id] = report
         if m.release_id == self._awaited_release:
@@ -139,9 +151,24 @@ class Inbox:
         log.info("agent %s (%s tier) reported accuracy %.4f with head %s", incoming.agent_id, m.tier,
                  report["accuracy"] or float("nan"), m.head)
 
+    def _shows_life(self, agent_id: str, verdict: object) -> None:
+        """Any frame from the agent (an answer even if late) proves it is there; a forged one does not."""
+        if not (isinstance(verdict, Rejection) and verdict.reason in SIGNATURE_REASONS):
+            self.registry.show_life(agent_id)
+
     def _reject(self, rejection: Rejection) -> None:
         self.rejected_total[rejection.reason] += 1
         if self._sink is not None:
             self._sink.rejected[rejection.reason] += 1
-        log.warning("rejected message from %s: %s (%s)", rejection.agent_id or "?", rejection.reason,
-                    rejection.detail)
+        now = time.monotonic()
+        start, seen = self._log_window.get(rejection.reason, (float("-inf"), 0))
+        if now - start >= LOG_WINDOW_S:
+            if seen > LOG_PER_WINDOW:
+                log.warning("%d more rejections for %s were not logged", seen - LOG_PER_WINDOW, rejection.reason)
+            start, seen = now, 0
+        self._log_window[rejection.reason] = (start, seen + 1)
+        if seen < LOG_PER_WINDOW:
+            log.warning("rejected message from %s: %s (%s)", rejection.agent_id or "?", rejection.reason,
+                        rejection.detail)
+        elif seen == LOG_PER_WINDOW:
+            log.warning("more %s rejections this minute are counted, not logged", rejection.reason)

@@ -40,9 +40,35 @@ class Registry:
         self._last_life: dict[str, float] = {}
         #: bumped whenever an agent appears, goes on- or offline or changes tier: the fleet view's cue
         self.revision = 0
+        # agent id -> (session, created) of the last status accepted with a session
+        self._presence: dict[str, tuple[str, float]] = {}
 
-    def update(self, agent_id: str, status: StatusMeta) -> bool:
-        """Record a status; returns whether the agent was online before it."""
+    def stale_presence(self, agent_id: str, status: StatusMeta, created: float) -> str | None:
+        """Why a status with a ``session`` must not change the agent's presence, or None.
+
+        ``created`` is the status's (signed) creation time on the agent's clock. An
+        ``online`` must be newer than the last status accepted; an ``offline`` must be of
+        the agent's current session (its will is made before its births, so it is older)
+        or newer than the last status accepted (the will of a process whose birth was
+        lost). A replayed old ``offline`` fails both. A status without a session (a
+        protocol 1.0 agent) is not ordered."""
+        last = self._presence.get(agent_id)
+        if status.session is None or last is None:
+            return None
+        session, last_created = last
+        if created > last_created:
+            return None
+        if status.state == "offline" and status.session == session:
+            return None
+        return (f"{status.state} status of session {status.session[:8]}… made at {created:.3f}, not newer than "
+                f"the current session {session[:8]}…'s at {last_created:.3f} (replayed?)")
+
+    def update(self, agent_id: str, status: StatusMeta, created: float | None = None) -> bool:
+        """Record a status (made at ``created`` on the agent's clock); returns whether the
+        agent was online before it."""
+        if status.session is not None and created is not None:
+            last = self._presence.get(agent_id)
+            self._presence[agent_id] = (status.session, max(created, last[1]) if last else created)
         self.show_life(agent_id)
         was = self.agents.get(agent_id)
         online = status.state != "offline"

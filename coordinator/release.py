@@ -1,30 +1,55 @@
 """Encoder releases: export the frozen encoder of the current server state and wrap
-it in a ``release`` message (manifest + sha256 + the ONNX bytes) for head-tier agents."""
+it in a ``release`` message (manifest + sha256 + the ONNX bytes, a sequence number and
+an expiry, signed with the coordinator's key when it has one) for head-tier agents."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import time
 from pathlib import Path
 
 import numpy as np
 
+from edgepfl.atomic import write_json
 from edgepfl.config import RunConfig
 from edgepfl.methods import ServerState
 from edgepfl.protocol import MessageType, ReleaseMeta, encode
+from edgepfl.protocol.signing import Signer
 from edgepfl.state import CheckpointMeta
 
 from .fleet import SENDER
 
+SEQUENCE_FILE = "sequence.json"
 
-def build_release(state: ServerState, meta: CheckpointMeta, releases_dir: Path, config: RunConfig) -> tuple[str, bytes]:
+
+def next_sequence(releases_dir: Path, now: float | None = None) -> int:
+    """The next release's sequence number, recorded in ``releases_dir`` before it is used.
+
+    The wall clock in ms, and at least one more than the last number this run directory
+    used: monotonic across restarts of a run (the record) and across fresh run
+    directories of the federation (the clock), as long as the clock is not set back
+    past the last release; agents refuse a release that is not above the one they have.
+    """
+    path = Path(releases_dir) / SEQUENCE_FILE
+    last = json.loads(path.read_text())["last"] if path.is_file() else -1
+    sequence = max(int((time.time() if now is None else now) * 1000), int(last) + 1)
+    write_json(path, {"last": sequence})
+    return sequence
+
+
+def build_release(state: ServerState, meta: CheckpointMeta, releases_dir: Path, config: RunConfig,
+                  signer: Signer | None = None) -> tuple[str, bytes]:
     """Export to ``releases_dir/<round>/`` and return (release id, release frame)."""
     from edgepfl.export.onnx_export import export_state, read_release
 
     out = Path(releases_dir) / f"round-{meta.round:04d}"
     export_state(state, meta, out)
     manifest, artifact = read_release(out)
+    now = time.time()
     meta_msg = ReleaseMeta(release_id=manifest.release_id, manifest=manifest,
-                           sha256=hashlib.sha256(artifact).hexdigest(), size_bytes=len(artifact))
+                           sha256=hashlib.sha256(artifact).hexdigest(), size_bytes=len(artifact),
+                           sequence=next_sequence(Path(releases_dir), now), expires=now + config.release_ttl_s)
     frame = encode(MessageType.RELEASE, federation=config.federation, sender=SENDER, round=meta.round,
-                   meta=meta_msg, tensors={"artifact": np.frombuffer(artifact, dtype=np.uint8)})
+                   meta=meta_msg, tensors={"artifact": np.frombuffer(artifact, dtype=np.uint8)}, signer=signer)
     return manifest.release_id, frame

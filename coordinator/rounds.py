@@ -52,6 +52,7 @@ from edgepfl.protocol import (
     new_message_id,
     seed_for,
 )
+from edgepfl.protocol.signing import Keyring, load_signer
 from edgepfl.state import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint
 
 from .fleet import SENDER, Fleet
@@ -133,9 +134,16 @@ class Coordinator:
         self.progress = Progress(config.rounds, enabled=progress)
         self.rejected_total: Counter = Counter()
         self.registry = Registry()
-        gate = UpdateGate(config.federation, self.method, self.registry, max_bytes=config.broker.max_payload_bytes)
+        security = config.security
+        # With a signing key every task and release is signed; with enrolled_dir only
+        # enrolled agents' signed statuses, updates and metrics get in (PROTOCOL.md §3a).
+        self.signer = load_signer(security.signing_key) if security.signing_key else None
+        keyring = Keyring(Path(security.enrolled_dir)) if security.enrolled_dir else None
+        gate = UpdateGate(config.federation, self.method, self.registry, max_bytes=config.broker.max_payload_bytes,
+                          keyring=keyring)
         self.observer = Observer(config, fleet, self.registry, self.rejected_total)
-        self.inbox = Inbox(fleet, self.registry, gate, self.rejected_total, tick=self.observer.tick)
+        self.inbox = Inbox(fleet, self.registry, gate, self.rejected_total, tick=self.observer.tick, keyring=keyring)
+        self.epoch = int(time.time() * 1000)  # a resumed run keeps its checkpoint's (init_or_resume)
         self.state: ServerState | None = None
         self.start_round = 0
         self.aborted_streak = 0  # training rounds aborted in a row
@@ -168,6 +176,7 @@ class Coordinator:
             self.state, self.start_round = state, meta.round + 1
             self.rejected_total.update(meta.rejected_total)
             self.aborted_streak, self.good_round = meta.aborted_streak, meta.good_round
+            self.epoch = meta.epoch if meta.epoch is not None else self.epoch
             log.info("resuming from checkpoint after round %d", meta.round)
             self._truncate_metrics(self.start_round)
             return
@@ -190,7 +199,7 @@ class Coordinator:
         """What a checkpoint (and an export) records about this run as of ``round``."""
         return CheckpointMeta(round=round, run=self._run_dict(), data_spec=self.config.data,
                               rejected_total=dict(self.rejected_total), aborted_streak=self.aborted_streak,
-                              good_round=self.good_round)
+                              good_round=self.good_round, epoch=self.epoch)
 
     def _checkpoint(self, round: int) -> None:
         save_checkpoint(self.checkpoint_dir, self._server_state(), self.run_meta(round))
@@ -324,13 +333,15 @@ class Coordinator:
         for agent_id, kind in [(a, "train") for a in sampled] + [(a, "evaluate") for a in evaluators]:
             task_id = new_message_id()
             meta = TaskMeta(task_id=task_id, kind=kind, run=run, seed=seed_for(c.seed, r, agent_id),
-                            deadline_s=c.round_timeout_s)
+                            deadline_s=c.round_timeout_s, epoch=self.epoch)
             payload = self.method.payload_for(state, agent_id)
             key = tuple((name, id(array)) for name, array in payload.items())
             if key not in bodies:
                 bodies[key] = (payload, encode_body(payload))
+            # signed per agent over its own header only: the shared body is hashed once per round
             frame = encode(MessageType.TASK, federation=c.federation, sender=SENDER, round=r, meta=meta,
-                           body=bodies[key][1])
+                           body=bodies[key][1], signer=self.signer,
+                           recipient=agent_id if self.signer is not None else None)
             tasks.add(Task(agent_id, task_id, kind))
             result.bytes_down += self.fleet.send(agent_id, frame, r)
         return tasks, result
@@ -415,7 +426,7 @@ class Coordinator:
 
         self.observer.enter("releasing", round)
         release_id, frame = build_release(self._server_state(), self.run_meta(round), self.out_dir / "releases",
-                                          self.config)
+                                          self.config, signer=self.signer)
         self.fleet.publish_release(frame, round)
         self.releases[release_id] = round
         self.observer.released(release_id)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from edgepfl.config import AgentConfig, RunConfig
+from edgepfl.config import AgentConfig, RunConfig, SecuritySpec
 from edgepfl.metrics import RoundMetrics
 
 log = logging.getLogger("edgepfl.coordinator.simulate")
@@ -124,7 +124,7 @@ def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str
         urls = agent_brokers or [url]
         for agent_id, index, tier in specs:
             procs.append(spawn_agent(config, out, urls[index % len(urls)], agent_id, index, tier, head, n_threads))
-        fleet = MqttFleet(config.federation, config.broker, url=url)
+        fleet = MqttFleet(config.federation, config.broker, url=url, security=config.security)
         coordinator = Coordinator(config, fleet, out, progress=progress, **shape)
         rows = coordinator.run()
         table, summary = write_report(out, config.method.name)
@@ -138,20 +138,21 @@ def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str
 
 
 def agent_config(config: RunConfig, out: Path, url: str, agent_id: str, index: int, tier: str, head: str,
-                 threads: int | None) -> AgentConfig:
+                 threads: int | None, security: SecuritySpec | None = None) -> AgentConfig:
     return AgentConfig(
         agent_id=agent_id, federation=config.federation, tier=tier,
         broker=config.broker.model_copy(update={"url": url}), data=config.data, client_index=index,
         # absolute: a relative path in the agent's YAML would resolve against that file's folder
         state_dir=str((out / "agents" / agent_id).absolute()), device=config.device, threads=threads,
-        head=head if tier == "head" else "lr",
+        head=head if tier == "head" else "lr", security=security or SecuritySpec(),
     )
 
 
 def spawn_agent(config: RunConfig, out: Path, url: str, agent_id: str, index: int, tier: str = "trainer",
-                head: str = "lr", threads: int | None = 1) -> subprocess.Popen:
-    """Start one ``edgepfl agent`` process for partition ``index``; its log goes to ``out/agents/<id>.log``."""
-    cfg = agent_config(config, out, url, agent_id, index, tier, head, threads)
+                head: str = "lr", threads: int | None = 1, security: SecuritySpec | None = None) -> subprocess.Popen:
+    """Start one ``edgepfl agent`` process for partition ``index``; its log goes to ``out/agents/<id>.log``.
+    ``security``: its keys (none: unsigned)."""
+    cfg = agent_config(config, out, url, agent_id, index, tier, head, threads, security)
     cfg_path = out / "agents" / f"{agent_id}.yaml"
     cfg_path.parent.mkdir(parents=True, exist_ok=True)
     cfg_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

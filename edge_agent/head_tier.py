@@ -45,15 +45,23 @@ from edgepfl.export.predict import OnnxEncoder
 from edgepfl.heads import OFFLINE_HEAD_KIND, HeadRelease
 from edgepfl.heads.labels import FEDERATION, LabelSpace, label_space_for
 from edgepfl.methods import create_method
+from edgepfl.protocol.envelope import Header, encode_body
 from edgepfl.protocol.manifest import ReleaseManifest, parse_manifest
+from edgepfl.protocol.messages import ReleaseMeta
+from edgepfl.protocol.signing import SIGNATURE_BYTES, verify_signed_part
 
 if TYPE_CHECKING:  # pragma: no cover
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
     from edgepfl.heads.estimators import HeadEstimator
 
 log = logging.getLogger("edgepfl.agent.head")
 
 STATE_FILE = "release.json"
 OFFLINE_HEAD = "head.offline.onnx"
+#: how far the device clock may lag before a release is wrongly taken as unexpired, or lead before
+#: a fresh one is wrongly taken as expired
+MAX_CLOCK_SKEW_S = 300.0
 
 
 class ReleaseRefused(ValueError):
@@ -71,8 +79,11 @@ class HeadRuntime:
     """
 
     def __init__(self, state_dir: str | Path, head_kind: str, data: ClientData, *, threads: int | None = None,
-                 head_params: dict[str, Any] | None = None):
+                 head_params: dict[str, Any] | None = None, coordinator_key: Ed25519PublicKey | None = None):
         self.state_dir = Path(state_dir)
+        #: pinned: releases must be signed by it, sequenced and unexpired, and the installed one
+        #: is re-verified against it on restart
+        self.coordinator_key = coordinator_key
         self.head_kind = head_kind
         self.data = data
         self.threads = threads
@@ -106,6 +117,8 @@ class HeadRuntime:
         head_bytes = (self.state_dir / record["head_file"]).read_bytes()
         if _sha(head_bytes) != record["head_sha256"]:
             raise ValueError(f"{record['head_file']} does not match {STATE_FILE}")
+        if self.coordinator_key is not None:
+            self._check_proof(record, enc_bytes, self.coordinator_key)
         encoder = OnnxEncoder(enc_bytes, manifest, threads=self.threads,
                               expected_sha256=record["encoder_sha256"])
         head = OnnxHead(self.state_dir / record["head_file"], self.threads).fit()
@@ -116,14 +129,55 @@ class HeadRuntime:
         return dict(record["metrics"])
 
     # ---------------------------------------------------------------- releases
-    def install_release(self, manifest: ReleaseManifest, artifact: bytes, expected_sha256: str) -> dict[str, Any]:
+    def _check_proof(self, record: dict[str, Any], encoder: bytes, key: Ed25519PublicKey) -> None:
+        """Re-verify the installed release as received: the coordinator's signature over its
+        header, which binds the encoder bytes (through the body's sha256) and the sequence."""
+        name = record.get("proof_file")
+        path = self.state_dir / name if name else None
+        if path is None or not path.is_file():
+            raise ValueError("no proof file: the installed release cannot be verified against the coordinator key")
+        proof = path.read_bytes()
+        signed, signature = proof[:-SIGNATURE_BYTES], proof[-SIGNATURE_BYTES:]
+        try:
+            header = Header.model_validate_json(signed[8:])
+            meta = ReleaseMeta.model_validate(header.meta)
+        except ValueError as exc:
+            raise ValueError(f"{path.name} is not a release header ({exc})") from None
+        reason = verify_signed_part(signed, signature, header.signer, key)
+        if reason is not None:
+            raise ValueError(f"installed release fails its signature check: {reason}")
+        body = encode_body({"artifact": np.frombuffer(encoder, dtype=np.uint8)})
+        if body.sha256 != header.body_sha256 or meta.sha256 != record["encoder_sha256"] \
+                or meta.sequence != record.get("sequence"):
+            raise ValueError("installed encoder or sequence differs from the signed release")
+
+    def _release_refusal(self, sequence: int | None, expires: float | None, digest: str) -> str | None:
+        """Why a release with this ``sequence`` and ``expires`` must not replace the installed one
+        (a rollback, expired, unsequenced where a coordinator key is pinned), or None."""
+        if self.coordinator_key is not None and (sequence is None or expires is None):
+            return "unsequenced: a signed release must carry a sequence and an expiry"
+        if expires is not None and time.time() > expires + MAX_CLOCK_SKEW_S:
+            return f"expired at {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(expires))} UTC"
+        installed = self.record.get("sequence") if self.record else None
+        if sequence is not None and installed is not None and sequence <= installed:
+            if sequence == installed and self.record and self.record["encoder_sha256"] == digest:
+                return None  # the installed release again (a late re-send): nothing to refuse
+            return f"rollback: sequence {sequence} is not above the installed {installed}"
+        return None
+
+    def install_release(self, manifest: ReleaseManifest, artifact: bytes, expected_sha256: str, *,
+                        sequence: int | None = None, expires: float | None = None,
+                        proof: bytes | None = None) -> dict[str, Any]:
         """Verify, install and fit on a new encoder release; returns the held-out metrics.
 
         Metrics: ``accuracy``, ``eval_correct``, ``num_train``, ``num_test``,
         ``train_accuracy``, ``head``, ``release_id``, ``fit_seconds``, ``feature_seconds``.
         Raises :class:`ReleaseRefused` (after logging why) and keeps the current release
         when the artifact does not match its sha256, is not a loadable ONNX encoder, or
-        does not fit this device's data.
+        does not fit this device's data; or when its ``sequence`` is not above the installed
+        release's (a rollback), it is past ``expires``, or, with a pinned coordinator key, it
+        lacks either. ``proof`` (the signed frame's prefix, header and signature) is kept to
+        re-verify the release on restart.
         """
         release_id = manifest.release_id
         current = self.release_id
@@ -139,6 +193,11 @@ class HeadRuntime:
         declared = manifest.encoder.sha256
         if declared != digest:
             raise refuse(f"sha256 mismatch: artifact is {digest[:16]}…, manifest says {declared[:16]}…")
+        refusal = self._release_refusal(sequence, expires, digest)
+        if refusal is not None:
+            raise refuse(refusal)
+        if self.coordinator_key is not None and proof is None:
+            raise refuse("unsigned")
         if self.record and self.record["encoder_sha256"] == digest and self.ready:
             log.info("release %s already installed", release_id)
             return dict(self.record["metrics"])
@@ -191,12 +250,17 @@ class HeadRuntime:
         enc_name = f"encoder-{digest[:16]}.onnx"
         write_bytes(self.state_dir / enc_name, artifact)
         old = self.record
+        proof_file = f"release-{digest[:16]}.proof" if proof is not None else None
         record = {
             "release_id": release_id, "manifest": manifest.model_dump(mode="json"), "encoder_file": enc_name,
             "encoder_sha256": digest,
             "head_file": head_path.name, "head_sha256": _sha(head_bytes), "metrics": metrics,
-            "installed": time.time(),
+            "installed": time.time(), "sequence": sequence,
+            # the signed prefix + header + signature as received, re-verified on restart
+            "proof_file": proof_file,
         }
+        if proof is not None and proof_file is not None:
+            write_bytes(self.state_dir / proof_file, proof)
         # for `edgepfl predict --encoder <state>/encoder-….onnx`, which reads the manifest beside it
         write_json(self.state_dir / "manifest.json", record["manifest"])
         write_json(self.state_dir / STATE_FILE, record)  # the switch: written last
@@ -256,8 +320,8 @@ class HeadRuntime:
         """Delete the files of the ``old`` record that the ``current`` one does not use."""
         if not old:
             return
-        keep = {current["encoder_file"], current["head_file"]}
-        for name in (old.get("encoder_file"), old.get("head_file")):
+        keep = {current["encoder_file"], current["head_file"], current.get("proof_file")}
+        for name in (old.get("encoder_file"), old.get("head_file"), old.get("proof_file")):
             if name and name not in keep:
                 (self.state_dir / name).unlink(missing_ok=True)
 

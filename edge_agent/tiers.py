@@ -34,7 +34,10 @@ from edgepfl.protocol import (
 )
 
 if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
     from edgepfl.data import ClientData
+    from edgepfl.protocol.signing import Signer
 
 log = logging.getLogger("edgepfl.agent")
 
@@ -88,15 +91,20 @@ class TrainerTier:
     accepts: ClassVar[MessageType] = MessageType.TASK
 
     def __init__(self, agent_id: str, data: ClientData, state_dir: str, device: str = "auto",
-                 threads: int | None = None):
+                 threads: int | None = None, *, signer: Signer | None = None, pinned: bool = False):
+        from .task_guard import TaskGuard
         from .trainer import TrainerRuntime  # torch only on this path
 
-        self.runtime = TrainerRuntime(agent_id, data, state_dir, device, threads=threads)
+        self.runtime = TrainerRuntime(agent_id, data, state_dir, device, threads=threads, signer=signer)
+        #: with a pinned coordinator key: only tasks for this agent, newest first, before their deadline
+        self.guard = TaskGuard(agent_id, state_dir, strict=pinned)
         self._answered: OrderedDict[str, Reply] = OrderedDict()
 
     @classmethod
-    def from_config(cls, config: AgentConfig, data: ClientData) -> TrainerTier:
-        return cls(config.agent_id, data, config.state_dir, config.device, threads=config.threads)
+    def from_config(cls, config: AgentConfig, data: ClientData, signer: Signer | None = None,
+                    pinned: bool = False) -> TrainerTier:
+        return cls(config.agent_id, data, config.state_dir, config.device, threads=config.threads, signer=signer,
+                   pinned=pinned)
 
     @property
     def device(self) -> str:
@@ -111,9 +119,15 @@ class TrainerTier:
     def handle(self, message: Message) -> Reply | None:
         meta = message.meta_as(TaskMeta)  # the agent hands a tier only messages of its ``accepts`` type
         task_id = meta.task_id
+        refused = self.guard.refusal(message)
+        if refused is not None:
+            log.warning("ignored task %s (round %d): %s (%s)", task_id, message.header.round, *refused)
+            return None
         cached = self._answered.get(task_id)
         if cached is not None:
             return cached
+        if self.guard.strict:
+            self.guard.accept(message)
         try:
             frame = self.runtime.answer(message)
         except Exception:
@@ -134,16 +148,20 @@ class HeadTier:
     accepts: ClassVar[MessageType] = MessageType.RELEASE
     device = "cpu-onnxruntime"
 
-    def __init__(self, agent_id: str, data: ClientData, state_dir: str, head: str, threads: int | None = None):
+    def __init__(self, agent_id: str, data: ClientData, state_dir: str, head: str, threads: int | None = None, *,
+                 signer: Signer | None = None, coordinator_key: Ed25519PublicKey | None = None):
         from .head_tier import HeadRuntime  # onnxruntime and scikit-learn only on this path
 
         self.agent_id = agent_id
         self.head = head
-        self.runtime = HeadRuntime(state_dir, head, data, threads=threads)
+        self.signer = signer
+        self.runtime = HeadRuntime(state_dir, head, data, threads=threads, coordinator_key=coordinator_key)
 
     @classmethod
-    def from_config(cls, config: AgentConfig, data: ClientData) -> HeadTier:
-        return cls(config.agent_id, data, config.state_dir, config.head, threads=config.threads)
+    def from_config(cls, config: AgentConfig, data: ClientData, signer: Signer | None = None,
+                    coordinator_key: Ed25519PublicKey | None = None) -> HeadTier:
+        return cls(config.agent_id, data, config.state_dir, config.head, threads=config.threads, signer=signer,
+                   coordinator_key=coordinator_key)
 
     def subscriptions(self, federation: str, agent_id: str) -> list[str]:
         # The task topic too, as the protocol has every agent do; a head agent ignores tasks.
@@ -163,7 +181,9 @@ class HeadTier:
             log.error("release %s carries no artifact; refused", meta.release_id)
             return None
         try:
-            result = self.runtime.install_release(meta.manifest, artifact.tobytes(), meta.sha256)
+            result = self.runtime.install_release(
+                meta.manifest, artifact.tobytes(), meta.sha256, sequence=meta.sequence, expires=meta.expires,
+                proof=message.signed_part + message.signature if message.signature is not None else None)
         except Exception as exc:
             log.error("release %s refused: %s", meta.release_id, exc)
             return None
@@ -177,7 +197,7 @@ class HeadTier:
             values={k: float(v) for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
         )
         frame = encode(MessageType.METRICS, federation=message.header.federation, sender=self.agent_id,
-                       round=message.header.round, meta=metrics)
+                       round=message.header.round, meta=metrics, signer=self.signer)
         return Reply(AgentChannel.METRICS, frame, message.header.round)
 
 
@@ -185,6 +205,10 @@ class HeadTier:
 TIERS: dict[str, type[TrainerTier] | type[HeadTier]] = {TrainerTier.tier: TrainerTier, HeadTier.tier: HeadTier}
 
 
-def create_tier(config: AgentConfig, data: ClientData) -> TierRuntime:
-    """The runtime of ``config.tier`` for this agent and its local data."""
-    return TIERS[config.tier].from_config(config, data)
+def create_tier(config: AgentConfig, data: ClientData, signer: Signer | None = None,
+                coordinator_key: Ed25519PublicKey | None = None) -> TierRuntime:
+    """The runtime of ``config.tier`` for this agent and its local data; it signs what it
+    sends with ``signer`` and holds the coordinator to ``coordinator_key`` when given."""
+    if config.tier == HeadTier.tier:
+        return HeadTier.from_config(config, data, signer, coordinator_key)
+    return TrainerTier.from_config(config, data, signer, pinned=coordinator_key is not None)

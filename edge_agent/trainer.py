@@ -23,10 +23,17 @@ from edgepfl.data.preprocess import conversion
 from edgepfl.methods import LocalContext, Method, create_method
 from edgepfl.methods.base import load_tensors
 from edgepfl.protocol import Message, MessageType, RunSpec, TaskMeta, UpdateMeta, encode, seed_for
+from edgepfl.protocol.signing import Signer
 
 log = logging.getLogger(__name__)
 
-PERSONAL_FILE = "personal.safetensors"
+PERSONAL_FILE = "personal.safetensors"  # protocol 1.0 agents' one file; read, never written
+
+
+def personal_files(signature: str) -> tuple[str, str]:
+    """(tensors, record) file names of the personal state of runs with ``signature``: one
+    pair per signature, so a task naming another method or model never overwrites it."""
+    return f"personal-{signature}.safetensors", f"personal-{signature}.json"
 
 
 def pick_device(requested: str = "auto") -> torch.device:
@@ -53,17 +60,19 @@ class TrainerRuntime:
     """Holds one agent's model, data and personal state; answers tasks.
 
     Personal parameters are saved atomically after every training task to
-    ``state_dir/personal.safetensors`` and reloaded when the agent restarts, as long
-    as the method and model are the same (``run_signature``).
+    ``state_dir/personal-<run signature>.safetensors`` and reloaded when the agent
+    restarts or a task of that method and model comes again (``run_signature``); the
+    state of another run is kept, never overwritten. ``signer`` signs the updates.
     """
 
     def __init__(self, agent_id: str, data: ClientData, state_dir: str | Path, device: str = "auto",
-                 threads: int | None = None):
+                 threads: int | None = None, signer: Signer | None = None):
         if threads:
             torch.set_num_threads(threads)  # process-wide: one agent per process
         self.agent_id = agent_id
         self.data = data
         self.state_dir = Path(state_dir)
+        self.signer = signer
         self.device = pick_device(device)
         # The local data as each run's preprocessing wants it, keyed by that preprocessing.
         self._inputs: dict[str, ClientTensors] = {}
@@ -136,13 +145,16 @@ class TrainerRuntime:
         return method, model
 
     def _load_personal(self, method: Method, model: nn.Module, signature: str) -> bool:
-        path = self.state_dir / PERSONAL_FILE
-        meta_path = self.state_dir / "personal.json"
+        tensors_name, record_name = personal_files(signature)
+        path, meta_path = self.state_dir / tensors_name, self.state_dir / record_name
         if not path.exists() or not meta_path.exists():
-            return False
+            # an older agent's single file, if it holds this run's state
+            path, meta_path = self.state_dir / PERSONAL_FILE, self.state_dir / "personal.json"
+            if not path.exists() or not meta_path.exists():
+                return False
         meta = json.loads(meta_path.read_text())
         if meta.get("signature") != signature:
-            log.warning("%s: saved personal state is for another method/model; starting fresh", self.agent_id)
+            log.info("%s: no saved personal state for this method/model yet (others are kept)", self.agent_id)
             return False
         tensors = read_tensors(path)
         expected = set(method.personal_state(model))
@@ -153,8 +165,10 @@ class TrainerRuntime:
         return True
 
     def _save_personal(self, method: Method, model: nn.Module, round: int) -> None:
-        write_tensors(self.state_dir / PERSONAL_FILE, method.personal_state(model))
-        write_json(self.state_dir / "personal.json", {"signature": self._signature, "round": round, "agent": self.agent_id})
+        assert self._signature is not None  # set by _ensure_model, which every task goes through first
+        tensors_name, record_name = personal_files(self._signature)
+        write_tensors(self.state_dir / tensors_name, method.personal_state(model))
+        write_json(self.state_dir / record_name, {"signature": self._signature, "round": round, "agent": self.agent_id})
 
     # ---------------------------------------------------------------- tasks
     def handle(self, task: Message) -> tuple[UpdateMeta, dict[str, np.ndarray]]:
@@ -209,4 +223,4 @@ class TrainerRuntime:
         """:meth:`handle` and encode the update frame for the coordinator."""
         meta, tensors = self.handle(task)
         return encode(MessageType.UPDATE, federation=task.header.federation, sender=self.agent_id,
-                      round=task.header.round, meta=meta, tensors=tensors)
+                      round=task.header.round, meta=meta, tensors=tensors, signer=self.signer)

@@ -274,3 +274,24 @@ class EmbeddedBroker:
 
     def __repr__(self) -> str:
         return f"EmbeddedBroker({self.host}:{self.port}, running={self.running})"
+
+
+def exposure_warning(url: str, role: str, signed: bool) -> str | None:
+    """The one warning a service (``role``: coordinator or agent) gives at start when it talks
+    to a broker off this machine without TLS or without signatures; None when it does not."""
+    import ipaddress
+
+    try:
+        host, _, tls = parse_broker_url(url)
+    except BrokerError:
+        return None  # the transport reports a bad URL itself
+    try:
+        local = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        local = False
+    missing = [what for what, ok in (("TLS (mqtts://)", tls), ("message signatures (security: in the config)", signed))
+               if not ok]
+    if local or not missing:
+        return None
+    return (f"the {role} talks to the non-local broker {host} without {' and without '.join(missing)}: anyone who "
+            "can reach the broker can read or forge this federation's messages (docs/SECURITY.md)")

@@ -159,7 +159,7 @@ def cmd_coordinator(args) -> int:
 
     shape = service_data_shape(config)
     out = Path(args.out or f"runs/{config.federation}")
-    fleet = MqttFleet(config.federation, config.broker, url=url)
+    fleet = MqttFleet(config.federation, config.broker, url=url, security=config.security)
     notifier().ready(f"coordinator of {config.federation} connected to {url}")
     try:
         coordinator = Coordinator(config, fleet, out, **shape)
@@ -189,6 +189,10 @@ def cmd_agent(args) -> int:
         require("torch", "a trainer-tier agent")
     else:
         require("onnxruntime", "a head-tier agent")
+    if args.reset_state:
+        from edgepfl.edge_agent.agent import reset_state
+
+        reset_state(config.state_dir)
     run_agent(config)
     return 0
 
@@ -309,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--agent-id", default=None)
     a.add_argument("--client-index", type=_count, default=None)
     _with_set(a)
+    a.add_argument("--reset-state", action="store_true",
+                   help="delete the agent's saved state (personal models, task order, installed release) first")
     a.set_defaults(func=cmd_agent)
 
     r = command("report", "table and plots for a run directory")

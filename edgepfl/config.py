@@ -115,6 +115,9 @@ class RunConfig(_Strict):
     release_every: int | None = Field(None, ge=1, description="publish an encoder release every k rounds (and at the end)")
     release_at_end: bool = Field(False, description="export and publish the encoder when training ends")
     observe: ObserveSpec = Field(default_factory=ObserveSpec, description="fleet view and Prometheus metrics")
+    release_ttl_s: float = Field(
+        30 * 86400.0, gt=0, description="a release expires this long after it is published: head agents refuse to "
+                                        "install it later (one that installed it keeps it)")
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

@@ -93,6 +93,7 @@ def classify(exc: BaseException) -> tuple[ExitCode, str]:
     from .config import ConfigError
     from .data import DataError, PartitionError
     from .protocol import ManifestError
+    from .protocol.signing import KeyFileError
     from .state import CheckpointError
 
     if isinstance(exc, MissingExtra):
@@ -102,7 +103,7 @@ def classify(exc: BaseException) -> tuple[ExitCode, str]:
         if top in EXTRA_OF_MODULE:
             return ExitCode.EXTRA, f"this command needs {top}, which is not installed; " \
                                    f"pip install 'edgepfl[{EXTRA_OF_MODULE[top]}]'"
-    if isinstance(exc, (ConfigError, UsageError)):
+    if isinstance(exc, (ConfigError, UsageError, KeyFileError)):  # a key file is part of the configuration
         return ExitCode.USAGE, str(exc)
     if isinstance(exc, ValidationError):
         return ExitCode.USAGE, _validation(exc)

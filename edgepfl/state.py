@@ -79,6 +79,9 @@ class CheckpointMeta(BaseModel):
     good_round: int | None = Field(
         None, ge=-1, description="the last good state: the global state after this round (-1: the initial one), "
                                  "from which a later round was adopted; kept in good-<round>/ beside this checkpoint")
+    epoch: int | None = Field(
+        None, ge=0, description="when the run began (Unix ms), kept across resumes: tasks carry it so that agents "
+                                "order a fresh run's tasks after an old run's")
 
 
 class _StateJson(CheckpointMeta):

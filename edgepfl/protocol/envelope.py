@@ -2,7 +2,13 @@
 
 Frame layout (all integers big-endian)::
 
-    b"EPF1" | uint32 header_length | header (UTF-8 JSON) | body
+    b"EPF1" | uint32 header_length | header (UTF-8 JSON) | body [| signature]
+
+A frame whose header names a ``signer`` (a key id, :mod:`.signing`) ends with a
+64-byte Ed25519 signature over a fixed context string, the prefix and the header bytes
+as transmitted; an unsigned frame has no trailer and no ``signer`` / ``recipient`` keys,
+byte for byte as in protocol 1.0. Decoding checks the signature's length; checking it
+against a key is the receiver's (:func:`.signing.verify`).
 
 The header is validated with pydantic (:class:`Header`); the body is a
 safetensors blob whose tensors must match the header's manifest exactly
@@ -24,13 +30,17 @@ import struct
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .messages import META_TYPES, ChunkMeta, MessageType
+from .signing import SIGNATURE_BYTES
 from .validation import first_validation_error
+
+if TYPE_CHECKING:
+    from .signing import Signer
 
 MAGIC = b"EPF1"
 SCHEMA_VERSION: Final = 1
@@ -71,7 +81,14 @@ class Header(BaseModel):
     body_bytes: int = Field(ge=0)
     tensors: list[TensorInfo] = Field(default_factory=list)
     meta: dict[str, Any] = Field(default_factory=dict)
+    #: key id of the signer; when present a 64-byte signature follows the body
+    signer: str | None = Field(None, pattern=r"^[0-9a-f]{16}$")
+    #: the one agent a signed task is for (so it cannot be replayed to another)
+    recipient: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
 
+
+# Absent, not null, when unset: an unsigned frame stays byte for byte a protocol 1.0 frame.
+_OPTIONAL_HEADER_KEYS = ("signer", "recipient")
 
 MetaT = TypeVar("MetaT", bound=BaseModel)
 
@@ -87,6 +104,10 @@ class Message:
     header: Header
     meta: BaseModel
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    #: the trailing Ed25519 signature of a signed frame (None: unsigned)
+    signature: bytes | None = None
+    #: the bytes the signature covers, after the context string: prefix + header as transmitted
+    signed_part: bytes = b""
 
     @property
     def type(self) -> MessageType:
@@ -114,12 +135,17 @@ def encode(
     tensors: dict[str, np.ndarray] | None = None,
     message_id: str | None = None,
     body: Body | None = None,
+    signer: Signer | None = None,
+    recipient: str | None = None,
 ) -> bytes:
     """Build one frame. ``meta`` must be the meta model registered for ``type``.
 
     The tensors come as ``tensors``, or already encoded as ``body`` (:func:`encode_body`)
     when many frames carry the same ones: a round's tasks share the global parameters,
     which are then serialized and hashed once per round instead of once per agent.
+    With ``signer`` the frame is signed (the signature covers prefix and header, and
+    through ``body_sha256`` the body, which is not hashed again); ``recipient`` names
+    the one agent the message is for.
     """
     mtype = MessageType(type)
     if not isinstance(meta, META_TYPES[mtype]):
@@ -140,9 +166,17 @@ def encode(
         body_bytes=len(body.data),
         tensors=list(body.tensors),
         meta=meta.model_dump(mode="json"),
+        signer=signer.key_id if signer is not None else None,
+        recipient=recipient,
     )
-    head = header.model_dump_json().encode()
-    return _PREFIX.pack(MAGIC, len(head)) + head + body.data
+    if signer is not None and mtype == MessageType.CHUNK:
+        raise ValueError("chunk frames are not signed: the reassembled whole frame is")
+    unset = {k for k in _OPTIONAL_HEADER_KEYS if getattr(header, k) is None}
+    head = header.model_dump_json(exclude=unset).encode()
+    prefix_and_head = _PREFIX.pack(MAGIC, len(head)) + head
+    if signer is None:
+        return prefix_and_head + body.data
+    return prefix_and_head + body.data + signer.sign(prefix_and_head)
 
 
 @dataclass(frozen=True)
@@ -175,12 +209,22 @@ def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, check_fi
         raise ProtocolError("malformed", "bad magic (not an edgepfl frame)")
     if head_len > MAX_HEADER_BYTES or _PREFIX.size + head_len > len(frame):
         raise ProtocolError("malformed", "header length out of range (truncated frame?)")
-    raw_head = frame[_PREFIX.size : _PREFIX.size + head_len]
-    body = frame[_PREFIX.size + head_len :]
+    head_end = _PREFIX.size + head_len
+    raw_head = frame[_PREFIX.size : head_end]
     try:
         header = Header.model_validate_json(raw_head)
     except ValidationError as exc:
         raise ProtocolError("malformed", f"invalid header: {first_validation_error(exc)}") from None
+    signature = None
+    if header.signer is not None:
+        trailer = len(frame) - head_end - header.body_bytes
+        if trailer != SIGNATURE_BYTES:
+            raise ProtocolError("malformed", f"signed frame ends with {trailer} signature bytes, not "
+                                             f"{SIGNATURE_BYTES} (truncated or extra bytes)")
+        signature = frame[len(frame) - SIGNATURE_BYTES :]
+        body = frame[head_end : len(frame) - SIGNATURE_BYTES]
+    else:
+        body = frame[head_end:]
     if header.body_bytes != len(body):
         raise ProtocolError("malformed", f"body is {len(body)} bytes, header says {header.body_bytes} (truncated?)")
     if hashlib.sha256(body).hexdigest() != header.body_sha256:
@@ -190,7 +234,8 @@ def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, check_fi
     except ValidationError as exc:
         raise ProtocolError("malformed", f"invalid {header.type.value} meta: {first_validation_error(exc)}") from None
     tensors = _decode_tensors(body, header.tensors, check_finite and header.type != MessageType.CHUNK)
-    return Message(header=header, meta=meta, tensors=tensors)
+    return Message(header=header, meta=meta, tensors=tensors, signature=signature,
+                   signed_part=frame[:head_end] if signature is not None else b"")
 
 
 def _encode_tensors(tensors: dict[str, np.ndarray]) -> bytes:

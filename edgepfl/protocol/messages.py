@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .manifest import ReleaseManifest
 from .run import RunSpec
 
-PROTOCOL_VERSION = "1.0"
+PROTOCOL_VERSION = "1.1"
 
 
 class MessageType(str, Enum):
@@ -42,6 +42,9 @@ class StatusMeta(_Meta):
     version: str = PROTOCOL_VERSION
     software: str = ""
     platform: str = ""
+    #: random per agent process (the will and every birth of one process share it): the
+    #: coordinator takes an ``offline`` only for the agent's current session or a newer one
+    session: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
 
 
 class TaskMeta(_Meta):
@@ -58,6 +61,9 @@ class TaskMeta(_Meta):
     run: RunSpec
     seed: int
     deadline_s: float = Field(gt=0)
+    #: when the coordinator's run began (Unix ms; kept across a resume): agents order
+    #: tasks by (epoch, round) and refuse older ones, so a fresh run is newer than any old one
+    epoch: int = Field(0, ge=0)
 
 
 class UpdateMeta(_Meta):
@@ -119,6 +125,11 @@ class ReleaseMeta(_Meta):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     size_bytes: int = Field(ge=0)
     uri: str | None = None
+    #: strictly increasing across releases of a federation (coordinator wall clock in ms,
+    #: at least the last + 1): a head agent refuses one not above what it installed
+    sequence: int | None = Field(None, ge=0)
+    #: Unix time after which a head agent refuses to install this release
+    expires: float | None = None
 
 
 class ChunkMeta(_Meta):

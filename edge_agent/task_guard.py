@@ -1,0 +1,71 @@
+"""Which tasks a trainer agent may act on, beyond a valid signature.
+
+A signed task is still refused when it is not for this agent (``recipient``), when a
+newer task was already seen (tasks are ordered by the run's ``epoch``, then the
+``round``), or when it is past its deadline. The newest (epoch, round) per federation
+is written atomically to the state directory, so a restarted agent cannot be fed old
+tasks either. ``docs/PROTOCOL.md`` §10 states the rules.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from edgepfl.atomic import write_json
+from edgepfl.protocol import Message, TaskMeta
+
+log = logging.getLogger("edgepfl.agent")
+
+ORDER_FILE = "task_order.json"
+#: How far the agent's clock may be from the coordinator's before a task's deadline is
+#: misjudged: tasks are accepted up to ``created + 2 * deadline_s + MAX_CLOCK_SKEW_S``
+#: (the coordinator collects answers for at most twice its round timeout).
+MAX_CLOCK_SKEW_S = 300.0
+
+
+class TaskGuard:
+    """Refuses tasks for another agent and, when ``strict`` (a pinned coordinator key),
+    unaddressed, older or expired ones. :meth:`refusal` is asked first, :meth:`accept` records
+    the task as the newest seen."""
+
+    def __init__(self, agent_id: str, state_dir: str | Path, *, strict: bool):
+        self.agent_id = agent_id
+        self.strict = strict
+        self.path = Path(state_dir) / ORDER_FILE
+        self._newest: dict[str, tuple[int, int]] = {}
+        if self.path.is_file():
+            try:
+                self._newest = {f: (int(e), int(r)) for f, (e, r) in json.loads(self.path.read_text()).items()}
+            except (ValueError, TypeError, AttributeError) as exc:
+                # Unreadable: refuse nothing we cannot order rather than crash; say so.
+                log.error("%s is unreadable (%s); task order starts afresh", self.path, exc)
+
+    def refusal(self, message: Message, now: float | None = None) -> tuple[str, str] | None:
+        """(reason, detail) when the task must be ignored, else None."""
+        h, meta = message.header, message.meta_as(TaskMeta)
+        if h.recipient is not None and h.recipient != self.agent_id:
+            return "wrong_recipient", f"task for {h.recipient}"
+        if not self.strict:
+            return None
+        if h.recipient is None:
+            return "wrong_recipient", "signed task names no recipient"
+        order = (meta.epoch, h.round)
+        newest = self._newest.get(h.federation)
+        if newest is not None and order < newest:
+            return "stale", f"task of run {meta.epoch} round {h.round}, already at run {newest[0]} round {newest[1]}"
+        now = time.time() if now is None else now
+        late = now - (h.created + 2 * meta.deadline_s + MAX_CLOCK_SKEW_S)
+        if late > 0:
+            return "expired", f"task of round {h.round} is {late:.0f}s past its deadline"
+        return None
+
+    def accept(self, message: Message) -> None:
+        """Record the task's (epoch, round) as the newest of its federation, durably."""
+        order = (message.meta_as(TaskMeta).epoch, message.header.round)
+        federation = message.header.federation
+        if order > self._newest.get(federation, (-1, -1)):
+            self._newest[federation] = order
+            write_json(self.path, {f: list(o) for f, o in self._newest.items()})

@@ -1,0 +1,262 @@
+"""A signed federation under attack, end to end.
+
+A live coordinator and real agent processes (two trainers, one head agent), every one
+with its own Ed25519 key generated in a tmp dir, on the test Mosquitto. The attacker is
+a plain paho client on the anonymous broker that knows only docs/PROTOCOL.md: it builds
+its frames with the reference codec printed there (exec'd from the doc) and replays
+what it records off the wire. Every attack of issue #9 is made while the federation runs,
+and the run must complete with each attack refused for its counted reason.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+import uuid
+
+import numpy as np
+import paho.mqtt.client as mqtt
+import pytest
+from test_protocol import DOC, doc_block
+
+from edgepfl.broker import parse_broker_url
+from edgepfl.config import SecuritySpec
+from edgepfl.coordinator.fleet import MqttFleet
+from edgepfl.coordinator.rounds import Coordinator
+from edgepfl.coordinator.simulate import data_shape, prepare, spawn_agent, stop_agents
+from edgepfl.protocol import MessageType, ReleaseMeta, decode, encode
+from edgepfl.protocol.signing import generate_keypair, load_signer
+
+from fleet_helpers import read_rows, run_config, run_in_thread, wait_until
+
+pytestmark = pytest.mark.slow
+
+TRAINERS = ("agent-00", "agent-01")
+HEAD = "device-00"
+SYBILS = [f"sybil-{i:02d}" for i in range(20)]
+
+
+@pytest.fixture(scope="module")
+def ref():
+    """The reference codec of PROTOCOL.md §14: all the attacker knows of edgepfl."""
+    namespace: dict = {}
+    exec(compile(doc_block("reference-codec"), str(DOC), "exec"), namespace)
+    return namespace
+
+
+class Attacker:
+    """A bare paho client: records what it sees, publishes what it likes."""
+
+    def __init__(self, url: str, federation: str):
+        host, port, _ = parse_broker_url(url)
+        self.base = f"edgepfl/v1/{federation}"
+        self.seen: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self.log: list[tuple[str, bytes]] = []
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"mallory-{uuid.uuid4().hex[:8]}",
+                                  protocol=mqtt.MQTTv311, clean_session=True)
+        self.client.on_message = lambda c, u, msg: self.seen.put((msg.topic, bytes(msg.payload)))
+        self.client.connect(host, port, keepalive=30)
+        self.client.loop_start()
+        self.client.subscribe(f"{self.base}/#", qos=1)
+
+    def publish(self, suffix: str, frame: bytes, retain: bool = False) -> None:
+        self.client.publish(f"{self.base}/{suffix}", frame, qos=1, retain=retain).wait_for_publish(10)
+
+    def drain(self) -> list[tuple[str, bytes]]:
+        while True:
+            try:
+                self.log.append(self.seen.get_nowait())
+            except queue.Empty:
+                return self.log
+
+    def frames(self, suffix: str) -> list[bytes]:
+        return [p for t, p in self.drain() if t == f"{self.base}/{suffix}" and p]
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def keys(tmp_path):
+    """The coordinator's key pair, one per agent, and the enrolled dir of the agents' public keys."""
+    root = tmp_path / "keys"
+    (root / "enrolled").mkdir(parents=True)
+    generate_keypair(root / "coordinator.key", root / "coordinator.pub")
+    agents = {}
+    for agent in (*TRAINERS, HEAD):
+        generate_keypair(root / f"{agent}.key", root / "enrolled" / f"{agent}.pub")
+        agents[agent] = SecuritySpec(signing_key=str(root / f"{agent}.key"),
+                                     coordinator_key=str(root / "coordinator.pub"))
+    coordinator = SecuritySpec(signing_key=str(root / "coordinator.key"), enrolled_dir=str(root / "enrolled"))
+    return coordinator, agents
+
+
+def agent_log(out, agent: str) -> str:
+    path = out / "agents" / f"{agent}.log"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def test_a_signed_federation_completes_under_attack_and_refuses_every_forgery(mosquitto, tmp_path, ref):
+    coordinator_security, agent_security = keys(tmp_path)
+    config = run_config(rounds=3, round_timeout_s=40, method={"name": "fedper"}, security=coordinator_security)
+    config = prepare(config, len(TRAINERS), head_agents=1)  # min_agents = 2, release at the end
+    fed, out, url = config.federation, tmp_path / "run", mosquitto.url
+    attacker = Attacker(url, fed)
+    procs = [spawn_agent(config, out, url, agent, i, security=agent_security[agent])
+             for i, agent in enumerate(TRAINERS)]
+    procs.append(spawn_agent(config, out, url, HEAD, len(TRAINERS), tier="head", security=agent_security[HEAD]))
+    coordinator = fleet = None
+    try:
+        wait_until(lambda: all(attacker.frames(f"agents/{a}/status") for a in TRAINERS), 180, what="agents' births")
+
+        # --- before the coordinator starts: forged retained offlines and 20 Sybils
+        for agent in TRAINERS:
+            forged = ref["encode_frame"]("status", fed, agent, -1, {"state": "offline", "session": uuid.uuid4().hex})
+            attacker.publish(f"agents/{agent}/status", forged, retain=True)
+        mallory_key = tmp_path / "mallory.key"
+        generate_keypair(mallory_key, tmp_path / "mallory.pub")
+        mallory = load_signer(mallory_key)
+        for i, sybil in enumerate(SYBILS):
+            meta = {"state": "online", "tier": "trainer", "num_train": 10**6, "num_test": 100}
+            if i % 2:  # half of them signed, by a key nobody enrolled
+                from edgepfl.protocol import StatusMeta
+
+                frame = encode(MessageType.STATUS, federation=fed, sender=sybil, round=-1,
+                               meta=StatusMeta(**meta), signer=mallory)
+            else:
+                frame = ref["encode_frame"]("status", fed, sybil, -1, meta)
+            attacker.publish(f"agents/{sybil}/status", frame, retain=True)
+        time.sleep(1.0)
+
+        fleet = MqttFleet(fed, config.broker, url=url, security=coordinator_security)
+        coordinator = Coordinator(config, fleet, out, progress=False, **data_shape(config))
+        thread, box = run_in_thread(coordinator.run)
+
+        # --- round 0: the attacker races agent-00's answer, replays its task elsewhere, forges tasks
+        task_frame = wait_until(lambda: next(iter(attacker.frames("agents/agent-00/task")), None), 240,
+                                what="agent-00's first task")
+        header = decode(task_frame).header
+        task_id = header.meta["task_id"]
+        forged_answer = ref["encode_frame"](
+            "update", fed, "agent-00", header.round,
+            {"task_id": task_id, "kind": header.meta["kind"], "num_train": 10**6, "num_test": 10, "eval_correct": 10})
+        attacker.publish("agents/agent-00/update", forged_answer)
+        attacker.publish("agents/agent-01/task", task_frame)  # signed, but for agent-00
+        garbage_run = dict(header.meta["run"], train=dict(header.meta["run"]["train"], epochs=100000),
+                           method={"name": "fedrep", "options": {}})
+        attacker.publish("agents/agent-00/task", ref["encode_frame"](
+            "task", fed, "coordinator", header.round,
+            {"task_id": uuid.uuid4().hex, "kind": "train", "run": garbage_run, "seed": 1, "deadline_s": 60}))
+        ghost = {"tier": "head", "release_id": "x", "head": "lr", "num_test": 1000, "eval_correct": 37}
+        attacker.publish("agents/ghost/metrics", ref["encode_frame"]("metrics", fed, "ghost", 0, ghost))
+        for agent in TRAINERS:  # and, mid-run, forged retained offlines again
+            forged = ref["encode_frame"]("status", fed, agent, -1, {"state": "offline", "session": uuid.uuid4().hex})
+            attacker.publish(f"agents/{agent}/status", forged, retain=True)
+
+        # the real answer arrives; the attacker replays it
+        real = wait_until(lambda: [f for f in attacker.frames("agents/agent-00/update") if f != forged_answer],
+                          240, what="agent-00's real update")[0]
+        wait_until(lambda: len(read_rows(out)) >= 1, 240, what="round 0 closed")
+        attacker.publish("agents/agent-00/update", real)
+
+        thread.join(timeout=600)
+        assert not thread.is_alive(), "the coordinator did not finish"
+        assert "error" not in box, box.get("error")
+        release_frame = wait_until(lambda: next(iter(attacker.frames("release")), None), 60, what="the release")
+        wait_until(lambda: "release" in agent_log(out, HEAD) and (out / "agents" / HEAD / "release.json").exists(),
+                   120, what="the head agent installing the release")
+
+        # --- the run completed, with only the enrolled agents, and every forgery counted
+        rows = read_rows(out)
+        assert len(rows) == config.rounds + 1 and rows[-1].final
+        for row in rows[:-1]:
+            assert set(row.sampled) == set(TRAINERS) and set(row.participants) == set(TRAINERS)
+        assert set(coordinator.registry.agents) == {*TRAINERS, HEAD}  # no Sybil ever entered
+        rejected = coordinator.rejected_total
+        assert rejected["not_enrolled"] >= len(SYBILS) // 2
+        # unsigned Sybils (10) + the forged answer + ghost metrics + the mid-run forged offlines (2)
+        assert rejected["unsigned"] >= len(SYBILS) // 2 + 1 + 1 + 2
+        assert rows[0].rejected.get("unsigned", 0) >= 1  # the forged answer, in its round's counters
+        assert rejected["duplicate"] + rejected["stale"] >= 1  # the replayed update
+        assert "ghost" not in coordinator.head_reports
+        assert coordinator.head_reports[HEAD]["accuracy"] == pytest.approx(
+            coordinator.head_reports[HEAD]["correct"] / coordinator.head_reports[HEAD]["total"])
+        assert rows[0].per_client["agent-00"] is not None and rows[0].per_client["agent-00"] <= 1.0
+
+        # --- the agents refused what was not for them, and kept their personal state
+        wait_until(lambda: "wrong_recipient" in agent_log(out, "agent-01"), 30, what="agent-01 refusing")
+        log0 = agent_log(out, "agent-00")
+        assert "dropped task" in log0 and "unsigned" in log0
+        assert "fedrep" not in log0  # the forged run was never built
+        personal = sorted(p.name for p in (out / "agents" / "agent-00").glob("personal-*.json"))
+        assert len(personal) == 1  # fedper's only: nothing of the forged fedrep run
+        saved = json.loads((out / "agents" / "agent-00" / personal[0]).read_text())
+        assert saved["round"] == config.rounds - 1
+
+        # --- releases: forged, rolled back, expired: all refused, the installed one kept
+        installed = json.loads((out / "agents" / HEAD / "release.json").read_text())
+        genuine = decode(release_frame)
+        gmeta = genuine.meta_as(ReleaseMeta)
+        assert installed["sequence"] == gmeta.sequence
+        artifact = {"artifact": genuine.tensors["artifact"]}
+        fake = ref["encode_frame"]("release", fed, "coordinator", genuine.header.round,
+                                   {**genuine.header.meta, "sequence": gmeta.sequence + 10**6}, artifact)
+        attacker.publish("release", fake, retain=True)
+        coordinator_signer = load_signer(coordinator_security.signing_key)
+
+        def signed_release(**changes) -> bytes:  # as the coordinator signed it once (a recorded old release)
+            return encode(MessageType.RELEASE, federation=fed, sender="coordinator", round=genuine.header.round,
+                          meta=gmeta.model_copy(update=changes), tensors=artifact, signer=coordinator_signer)
+
+        attacker.publish("release", signed_release(sequence=gmeta.sequence - 1))
+        attacker.publish("release", signed_release(sequence=gmeta.sequence + 1, expires=time.time() - 3600))
+        head_log = lambda: agent_log(out, HEAD)  # noqa: E731
+        wait_until(lambda: "rollback" in head_log() and "expired" in head_log(), 60, what="head refusals")
+        assert "dropped release" in head_log() and "unsigned" in head_log()
+        assert procs[-1].poll() is None, "the head agent died"
+        after = json.loads((out / "agents" / HEAD / "release.json").read_text())
+        assert (after["sequence"], after["encoder_sha256"]) == (installed["sequence"], installed["encoder_sha256"])
+
+        # a restart with the forged release still retained: refused again, installed release re-verified
+        procs[-1].terminate()
+        procs[-1].wait(timeout=30)
+        before = head_log().count("dropped release")
+        procs[-1] = spawn_agent(config, out, url, HEAD, len(TRAINERS), tier="head", security=agent_security[HEAD])
+        wait_until(lambda: head_log().count("dropped release") > before and "restored release" in head_log(), 120,
+                   what="the restarted head agent")
+        assert procs[-1].poll() is None
+    finally:
+        attacker.client.publish(f"edgepfl/v1/{fed}/release", b"", qos=1, retain=True)
+        for sybil in SYBILS:
+            attacker.client.publish(f"edgepfl/v1/{fed}/agents/{sybil}/status", b"", qos=1, retain=True)
+        attacker.close()
+        if fleet is not None:
+            fleet.close()
+        stop_agents(procs)
+
+
+def test_an_unsigned_retained_release_does_not_crash_loop_a_head_agent_without_one_installed(mosquitto, tmp_path, ref):
+    """A fresh head agent pinned to a coordinator key, with only a forged release retained."""
+    _, agent_security = keys(tmp_path)
+    config = prepare(run_config(), 1, head_agents=1)
+    fed, out = config.federation, tmp_path / "run"
+    attacker = Attacker(mosquitto.url, fed)
+    from wire_samples import sample_manifest
+
+    manifest = sample_manifest().model_dump(mode="json")
+    fake = ref["encode_frame"]("release", fed, "coordinator", 0, {"release_id": "evil", "manifest": manifest,
+                                                                   "sha256": "0" * 64, "size_bytes": 3},
+                               {"artifact": np.zeros(3, np.uint8)})
+    attacker.publish("release", fake, retain=True)
+    proc = spawn_agent(config, out, mosquitto.url, HEAD, 1, tier="head", security=agent_security[HEAD])
+    try:
+        wait_until(lambda: "dropped release" in agent_log(out, HEAD), 120, what="the forged release refused")
+        assert "unsigned" in agent_log(out, HEAD)
+        time.sleep(2)
+        assert proc.poll() is None, agent_log(out, HEAD)
+        assert not (out / "agents" / HEAD / "release.json").exists()
+    finally:
+        attacker.client.publish(f"edgepfl/v1/{fed}/release", b"", qos=1, retain=True)
+        attacker.close()
+        stop_agents([proc])

@@ -1,0 +1,342 @@
+"""Signed frames, keys, enrollment and the replay rules, unit by unit (no broker).
+
+The live attacks against running processes are in ``test_hostile_fleet.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from edgepfl.broker import exposure_warning
+from edgepfl.coordinator.gate import Presence, Rejection, admit_metrics, admit_presence
+from edgepfl.coordinator.registry import Registry
+from edgepfl.edge_agent.head_tier import HeadRuntime
+from edgepfl.edge_agent.task_guard import MAX_CLOCK_SKEW_S, TaskGuard
+from edgepfl.protocol import (
+    MessageType,
+    MetricsMeta,
+    ProtocolError,
+    StatusMeta,
+    TaskMeta,
+    UpdateMeta,
+    decode,
+    encode,
+)
+from edgepfl.protocol.signing import (
+    SIGNATURE_CONTEXT,
+    KeyFileError,
+    Keyring,
+    Signer,
+    generate_keypair,
+    key_id,
+    load_public_key,
+    load_signer,
+    verify,
+)
+from tests.wire_samples import sample_run_spec as sample_run
+
+REPO = Path(__file__).resolve().parent.parent
+FED = "demo"
+
+
+def signer_from_seed(seed: bytes) -> Signer:
+    return Signer.from_private(Ed25519PrivateKey.from_private_bytes(seed))
+
+
+ALICE = signer_from_seed(bytes(range(32)))
+MALLORY = signer_from_seed(bytes(range(1, 33)))
+
+
+def status(agent: str, state: str = "online", *, signer: Signer | None = None, session: str = "a" * 32) -> bytes:
+    return encode(MessageType.STATUS, federation=FED, sender=agent, round=-1, signer=signer,
+                  meta=StatusMeta(state=state, num_train=10, num_test=5, session=session))
+
+
+def task(recipient: str | None, round: int = 3, epoch: int = 1, signer: Signer | None = ALICE,
+         deadline_s: float = 60.0) -> bytes:
+    meta = TaskMeta(task_id="f" * 32, kind="train", run=sample_run(), seed=1, deadline_s=deadline_s, epoch=epoch)
+    return encode(MessageType.TASK, federation=FED, sender="coordinator", round=round, meta=meta, signer=signer,
+                  recipient=recipient, tensors={"w": np.ones(3, np.float32)})
+
+
+# ------------------------------------------------------------------ keys
+
+def test_generated_keys_have_the_contract_modes_formats_and_id(tmp_path):
+    kid = generate_keypair(tmp_path / "k" / "agent.key", tmp_path / "k" / "agent.pub")
+    assert stat.S_IMODE(os.stat(tmp_path / "k" / "agent.key").st_mode) == 0o600
+    pem = (tmp_path / "k" / "agent.key").read_bytes()
+    assert pem.startswith(b"-----BEGIN PRIVATE KEY-----")  # PKCS#8, unencrypted
+    assert (tmp_path / "k" / "agent.pub").read_bytes().startswith(b"-----BEGIN PUBLIC KEY-----")  # SPKI
+    signer, public = load_signer(tmp_path / "k" / "agent.key"), load_public_key(tmp_path / "k" / "agent.pub")
+    raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    assert kid == signer.key_id == key_id(public) == hashlib.sha256(raw).hexdigest()[:16]
+
+
+def test_a_private_key_readable_by_others_or_of_another_kind_is_refused(tmp_path):
+    generate_keypair(tmp_path / "a.key", tmp_path / "a.pub")
+    os.chmod(tmp_path / "a.key", 0o644)
+    with pytest.raises(KeyFileError, match="chmod 600"):
+        load_signer(tmp_path / "a.key")
+    os.chmod(tmp_path / "a.pub", 0o600)
+    with pytest.raises(KeyFileError, match="not an unencrypted PEM"):
+        load_signer(tmp_path / "a.pub")
+    with pytest.raises(KeyFileError):
+        load_signer(tmp_path / "missing.key")
+
+
+# ------------------------------------------------------------------ frames
+
+def test_a_signed_frame_is_the_unsigned_layout_plus_signer_recipient_and_64_bytes():
+    frame = task("pi-07")
+    message = decode(frame)
+    head_len = int.from_bytes(frame[4:8], "big")
+    assert len(frame) == 8 + head_len + message.header.body_bytes + 64
+    assert message.header.signer == ALICE.key_id and message.header.recipient == "pi-07"
+    assert message.signed_part == frame[: 8 + head_len] and message.signature == frame[-64:]
+    assert verify(message, ALICE.public) is None
+    # the signature is over the context string + prefix + header, nothing else
+    ALICE.public.verify(frame[-64:], SIGNATURE_CONTEXT + frame[: 8 + head_len])
+
+
+def test_unsigned_frames_carry_no_new_keys_and_no_trailer():
+    frame = task(None, signer=None)
+    head_len = int.from_bytes(frame[4:8], "big")
+    header = json.loads(frame[8 : 8 + head_len])
+    assert "signer" not in header and "recipient" not in header
+    assert len(frame) == 8 + head_len + header["body_bytes"]
+    assert verify(decode(frame), ALICE.public) == "unsigned"
+
+
+@pytest.mark.parametrize("cut", [1, 63, 64])
+def test_truncated_signature_is_malformed(cut):
+    with pytest.raises(ProtocolError, match="signature bytes") as exc:
+        decode(task("pi-07")[:-cut])
+    assert exc.value.reason == "malformed"
+
+
+def test_extra_bytes_after_the_signature_are_malformed():
+    with pytest.raises(ProtocolError, match="signature bytes") as exc:
+        decode(task("pi-07") + b"\0")
+    assert exc.value.reason == "malformed"
+
+
+def test_any_changed_header_byte_or_another_key_fails_verification():
+    frame = task("pi-07", round=3)
+    forged = frame.replace(b'"round":3', b'"round":4')  # same length, still a valid header
+    assert verify(decode(forged), ALICE.public) == "bad_signature"
+    readdressed = frame.replace(b'"recipient":"pi-07"', b'"recipient":"pi-08"')
+    assert verify(decode(readdressed), ALICE.public) == "bad_signature"
+    assert verify(decode(task("pi-07", signer=MALLORY)), ALICE.public) == "bad_signature"
+    # a flipped signature bit
+    assert verify(decode(frame[:-1] + bytes([frame[-1] ^ 1])), ALICE.public) == "bad_signature"
+
+
+def test_the_body_is_bound_through_its_sha256():
+    frame = bytearray(task("pi-07"))
+    frame[-65] ^= 0xFF  # last body byte: the header's body_sha256 no longer matches
+    with pytest.raises(ProtocolError) as exc:
+        decode(bytes(frame))
+    assert exc.value.reason == "corrupt"
+
+
+def test_chunks_are_not_signed():
+    from edgepfl.protocol import ChunkMeta
+
+    with pytest.raises(ValueError, match="chunk"):
+        encode(MessageType.CHUNK, federation=FED, sender="x", round=0, signer=ALICE,
+               meta=ChunkMeta(parent_id="a" * 32, index=0, count=1, total_bytes=1, total_sha256="b" * 64),
+               tensors={"data": np.zeros(1, np.uint8)})
+
+
+def test_signed_worked_example_in_the_doc_verifies_and_matches_the_encoder(monkeypatch):
+    from tests.test_protocol import doc_block
+
+    frame = b"".join(bytes.fromhex("".join(line.split(":", 1)[1][:40].split()))
+                     for line in doc_block("signed-example-frame").splitlines())
+    key = signer_from_seed(bytes(range(32)))  # the doc's test key: seed 00 01 02 … 1f
+    message = decode(frame)
+    assert message.header.signer == key.key_id and verify(message, key.public) is None
+    assert message.header.sender == "pi-07" and message.type == MessageType.STATUS
+    import edgepfl.protocol.envelope as envelope
+
+    monkeypatch.setattr(envelope.time, "time", lambda: message.header.created)
+    again = encode(MessageType.STATUS, federation="demo", sender="pi-07", round=-1, meta=message.meta,
+                   message_id=message.header.message_id, signer=key)
+    assert again == frame  # Ed25519 signatures are deterministic: the doc cannot drift from the code
+
+
+# ------------------------------------------------------------------ the coordinator's admission
+
+@pytest.fixture
+def keyring(tmp_path):
+    enrolled = tmp_path / "enrolled"
+    enrolled.mkdir()
+    from edgepfl.protocol.signing import write_public_key
+
+    write_public_key(ALICE.public, enrolled / "alice.pub")
+    return Keyring(enrolled)
+
+
+def reason(verdict) -> str | None:
+    return verdict.reason if isinstance(verdict, Rejection) else None
+
+
+def test_statuses_must_be_signed_by_the_enrolled_key(keyring):
+    assert isinstance(admit_presence("alice", status("alice", signer=ALICE), keyring), Presence)
+    assert reason(admit_presence("alice", status("alice"), keyring)) == "unsigned"
+    assert reason(admit_presence("alice", status("alice", signer=MALLORY), keyring)) == "bad_signature"
+    assert reason(admit_presence("sybil-1", status("sybil-1", signer=MALLORY), keyring)) == "not_enrolled"
+    # a Sybil id is looked up once per negative_ttl_s, not per frame
+    assert keyring.get("sybil-1") is None and "sybil-1" in keyring._absent
+
+
+def test_an_agent_enrolled_while_the_coordinator_runs_is_accepted(keyring):
+    keyring.negative_ttl_s = 0
+    assert keyring.get("bob") is None
+    from edgepfl.protocol.signing import write_public_key
+
+    write_public_key(MALLORY.public, keyring.directory / "bob.pub")
+    assert isinstance(admit_presence("bob", status("bob", signer=MALLORY), keyring), Presence)
+
+
+def test_a_replayed_offline_of_an_old_session_cannot_take_an_agent_offline():
+    registry = Registry()
+    old_will = status("alice", "offline", session="1" * 32)  # recorded from the agent's previous process
+    time.sleep(0.01)
+    birth = status("alice", "online", session="2" * 32)
+    accepted = admit_presence("alice", birth, registry=registry)
+    registry.update("alice", accepted.meta, accepted.created)
+    assert reason(admit_presence("alice", old_will, registry=registry)) == "stale_status"
+    assert reason(admit_presence("alice", birth, registry=registry)) == "stale_status"  # replayed online
+    assert registry.is_online("alice")
+    # its own session's will (made before its births) is taken
+    own_will = decode(birth).meta.model_copy(update={"state": "offline"})
+    will = encode(MessageType.STATUS, federation=FED, sender="alice", round=-1, meta=own_will)
+    will = will.replace(f'"created":{decode(will).header.created!r}'.encode(),
+                        f'"created":{decode(birth).header.created - 1!r}'.encode())
+    admitted = admit_presence("alice", will, registry=registry)
+    assert isinstance(admitted, Presence)
+    registry.update("alice", admitted.meta, admitted.created)
+    assert not registry.is_online("alice")
+
+
+def test_metrics_only_from_known_agents_with_consistent_counts(keyring):
+    registry = Registry()
+    good = MetricsMeta(tier="head", num_test=10, eval_correct=7, values={"accuracy": 0.99})
+    frame = encode(MessageType.METRICS, federation=FED, sender="alice", round=0, meta=good, signer=ALICE)
+    assert reason(admit_metrics("alice", frame, keyring, registry)) == "unknown_agent"
+    registry.update("alice", StatusMeta(state="online", tier="head"))
+    assert isinstance(admit_metrics("alice", frame, keyring, registry), MetricsMeta)
+    ghost = encode(MessageType.METRICS, federation=FED, sender="ghost", round=0, meta=good)
+    assert reason(admit_metrics("ghost", ghost, keyring, registry)) == "unsigned"
+    inflated = encode(MessageType.METRICS, federation=FED, sender="alice", round=0, signer=ALICE,
+                      meta=good.model_copy(update={"eval_correct": 11}))
+    assert reason(admit_metrics("alice", inflated, keyring, registry)) == "malformed"
+
+
+def test_an_update_forged_on_an_agents_topic_is_rejected_before_it_can_answer_the_task(keyring):
+    from edgepfl.coordinator.gate import RoundTasks, Task, UpdateGate
+    from edgepfl.methods import create_method
+
+    registry = Registry()
+    registry.update("alice", StatusMeta(state="online", num_train=10))
+    gate = UpdateGate(FED, create_method("fedavg", {}), registry, max_bytes=2**20, keyring=keyring)
+    tasks = RoundTasks(0)
+    tasks.add(Task("alice", "c" * 32, "evaluate"))
+    meta = UpdateMeta(task_id="c" * 32, kind="evaluate", num_train=10, num_test=5, eval_correct=5)
+    forged = encode(MessageType.UPDATE, federation=FED, sender="alice", round=0, meta=meta)
+    assert reason(gate.admit("alice", forged, tasks, None)) == "unsigned"
+    assert "alice" in tasks.waiting  # the task still waits for the real answer
+    real = encode(MessageType.UPDATE, federation=FED, sender="alice", round=0, meta=meta, signer=ALICE)
+    assert not isinstance(gate.admit("alice", real, tasks, None), Rejection)
+    assert reason(gate.admit("alice", real, tasks, None)) == "duplicate"  # replayed
+
+
+# ------------------------------------------------------------------ the agent's task rules
+
+def test_task_guard_recipient_order_and_deadline(tmp_path):
+    guard = TaskGuard("pi-07", tmp_path, strict=True)
+    assert guard.refusal(decode(task("pi-08")))[0] == "wrong_recipient"
+    assert guard.refusal(decode(task(None)))[0] == "wrong_recipient"
+    current = decode(task("pi-07", round=5, epoch=2))
+    assert guard.refusal(current) is None
+    guard.accept(current)
+    # a restarted agent still knows the newest task: older rounds and older runs are refused
+    again = TaskGuard("pi-07", tmp_path, strict=True)
+    assert again.refusal(decode(task("pi-07", round=4, epoch=2)))[0] == "stale"
+    assert again.refusal(decode(task("pi-07", round=9, epoch=1)))[0] == "stale"
+    assert again.refusal(decode(task("pi-07", round=5, epoch=2))) is None  # same round: a re-send
+    assert again.refusal(decode(task("pi-07", round=0, epoch=3))) is None  # a fresh run
+    late = decode(task("pi-07", round=6, epoch=2, deadline_s=10))
+    assert again.refusal(late, now=late.header.created + 20 + MAX_CLOCK_SKEW_S - 1) is None
+    assert again.refusal(late, now=late.header.created + 20 + MAX_CLOCK_SKEW_S + 1)[0] == "expired"
+
+
+def test_unsigned_mode_only_refuses_a_task_addressed_to_someone_else(tmp_path):
+    guard = TaskGuard("pi-07", tmp_path, strict=False)
+    assert guard.refusal(decode(task(None, signer=None, round=0))) is None
+    assert guard.refusal(decode(task("pi-08", signer=None)))[0] == "wrong_recipient"
+
+
+# ------------------------------------------------------------------ releases on a head agent
+
+def test_release_rollback_expiry_and_unsequenced_refusals(tmp_path):
+    runtime = HeadRuntime(tmp_path, "lr", data=None, coordinator_key=ALICE.public)  # type: ignore[arg-type]
+    now = time.time()
+    assert "unsequenced" in runtime._release_refusal(None, now + 60, "d" * 64)
+    assert "expired" in runtime._release_refusal(5, now - 3600, "d" * 64)
+    assert runtime._release_refusal(5, now + 60, "d" * 64) is None
+    runtime.record = {"sequence": 5, "encoder_sha256": "d" * 64}
+    assert "rollback" in runtime._release_refusal(4, now + 60, "e" * 64)
+    assert "rollback" in runtime._release_refusal(5, now + 60, "e" * 64)
+    assert runtime._release_refusal(5, now + 60, "d" * 64) is None  # the installed one, re-sent
+    assert runtime._release_refusal(6, now + 60, "e" * 64) is None
+
+
+def test_release_sequence_is_monotonic_across_restarts_and_a_clock_set_back(tmp_path):
+    from edgepfl.coordinator.release import next_sequence
+
+    first = next_sequence(tmp_path, now=1000.0)
+    assert first == 1_000_000
+    assert next_sequence(tmp_path, now=999.0) == first + 1  # the clock went back: still above
+    assert next_sequence(tmp_path, now=2000.0) == 2_000_000
+    assert next_sequence(tmp_path / "fresh-run", now=2001.0) > 2_000_000  # a fresh run dir: the clock
+
+
+# ------------------------------------------------------------------ the start-up warning
+
+def test_exposure_warning_only_off_this_machine_without_tls_or_signatures():
+    assert exposure_warning("mqtt://127.0.0.1:1883", "agent", signed=False) is None
+    assert exposure_warning("mqtt://localhost", "agent", signed=False) is None
+    assert exposure_warning("mqtts://broker.example:8883", "agent", signed=True) is None
+    unsigned = exposure_warning("mqtts://broker.example:8883", "coordinator", signed=False)
+    assert unsigned and "signatures" in unsigned and "TLS" not in unsigned
+    plain = exposure_warning("mqtt://10.0.0.5", "agent", signed=True)
+    assert plain and "TLS" in plain and "signatures" not in plain
+
+
+def test_a_flood_of_rejections_is_counted_in_full_but_logged_a_few_times(caplog):
+    from collections import Counter
+
+    from edgepfl.coordinator.inbox import LOG_PER_WINDOW, Inbox
+
+    total: Counter = Counter()
+    inbox = Inbox(None, Registry(), None, total)  # type: ignore[arg-type]  # only the rejection path is used
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        for i in range(1000):
+            inbox._reject(Rejection(f"sybil-{i}", "not_enrolled", "status not signed by its enrolled key"))
+        inbox._reject(Rejection("alice", "malformed", "bad"))
+    assert total == {"not_enrolled": 1000, "malformed": 1}
+    lines = caplog.text.splitlines()
+    assert sum("not_enrolled" in line for line in lines) == LOG_PER_WINDOW + 1  # + "counted, not logged"
+    assert "rejected message from alice: malformed (bad)" in caplog.text
