@@ -7,7 +7,6 @@ the fast tests at the top cover the logic those runs depend on.
 
 from __future__ import annotations
 
-import json
 import signal
 
 import pytest
@@ -17,6 +16,7 @@ from edgepfl.broker import max_message_bytes_for
 from edgepfl.coordinator.fleet import MqttFleet
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import simulate, spawn_agent, stop_agents
+from edgepfl.metrics import latest_release, read_head_metrics
 from edgepfl.protocol import CoordinatorMeta, FederationChannel, MessageType, RollCall, decode, parse_topic
 from edgepfl.testing import MosquittoBridge, MosquittoBroker, RabbitMQCluster, TrafficCapture, bridge_config
 
@@ -94,8 +94,8 @@ def test_a_federation_runs_through_site_brokers_bridged_to_a_central_one(tmp_pat
     senders = {f.header.sender for ch, f in frames if ch == "update"}
     assert senders == {"agent-00", "agent-01", "agent-02", "agent-03"}
     # the head agent on site 0 got the release over the bridge and reported
-    heads = json.loads((tmp_path / "run" / "head_metrics.json").read_text())
-    assert set(heads) == {"device-00"} and heads["device-00"]["total"] > 0
+    _, latest = latest_release(read_head_metrics(tmp_path / "run"))
+    assert set(latest.reports) == {"device-00"} and latest.reports["device-00"]["total"] > 0
     # QoS 1 across two hops: whatever was delivered twice was dropped, never aggregated twice
     assert summary["rejected"].get("duplicate", 0) == sum(1 for ch, f in frames if ch == "update") - 4 * 3
 
@@ -181,12 +181,13 @@ def test_a_128_kb_message_limit_chunks_everything_and_learns_the_same_model(mosq
     local_rows, _ = simulate(unchunked, 3, tmp_path / "local", broker=mosquitto.url, head_agents=1, progress=False,
                              threads=1)
 
-    frames = [(t, p) for t, p in mosquitto_128k.capture.snapshot() if t.startswith(f"edgepfl/v1/{config.federation}/")]
+    frames = [(t, p) for t, p in mosquitto_128k.capture.snapshot() if t.startswith(f"edgepfl/v1/{config.federation}/")
+              and parse_topic(t).channel != FederationChannel.VIEW]  # the JSON view is not a frame
     assert max(len(p) for _, p in frames) <= limit
     chunked = {parse_topic(t).channel.value for t, p in frames if p and decode(p).type == MessageType.CHUNK}
     assert chunked >= {"task", "update", "release"}
-    heads = json.loads((tmp_path / "mqtt" / "head_metrics.json").read_text())
-    assert heads["device-00"]["total"] > 0  # the chunked release was reassembled, verified and used
+    _, latest = latest_release(read_head_metrics(tmp_path / "mqtt"))
+    assert latest.reports["device-00"]["total"] > 0  # the chunked release was reassembled, verified and used
     assert [r.accuracy for r in rows] == pytest.approx([r.accuracy for r in local_rows], abs=1e-9)
     g_mqtt = read_tensors(tmp_path / "mqtt" / "checkpoint" / "state.safetensors")
     g_local = read_tensors(tmp_path / "local" / "checkpoint" / "state.safetensors")
