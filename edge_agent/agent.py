@@ -30,6 +30,7 @@ from edgepfl.protocol import (
     decode,
     encode,
 )
+from edgepfl.protocol.connection import BrokerLogin
 from edgepfl.protocol.transport import MqttTransport
 
 from .tiers import TierRuntime, create_tier
@@ -79,8 +80,7 @@ class Agent:
             federation=c.federation,
             sender=c.agent_id,
             subscriptions=tier.subscriptions(c.federation, c.agent_id),
-            username=c.broker.username,
-            password=c.broker.password,
+            login=BrokerLogin.from_config(c.broker),
             will=(status_topic, self._status_frame("offline")),
             birth=lambda: (status_topic, self._status_frame("online"), True),
             max_message_bytes=c.broker.max_message_bytes,

@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("methods", help="list registered methods")
     m.set_defaults(func=cmd_methods)
 
-    for name, target in (("fit-head", "edgepfl.export.fit_head:main_fit_head"), ("predict", "edgepfl.export.predict:main_predict")):
+    for name, target in (("fit-head", "edgepfl.export.fit_head:main_fit_head"), ("predict", "edgepfl.export.predict:main_predict"),
+                         ("provision", "edgepfl.provision:main_provision")):
         x = sub.add_parser(name, help=f"see 'edgepfl {name} --help'", add_help=False)
         x.set_defaults(func=None, delegate=target)
     return p
