@@ -95,13 +95,15 @@ def classify_socket_error(exc: BaseException, host: str, port: int) -> Failure:
     """Classify an exception raised while opening the TCP/TLS connection to ``host:port``."""
     where = f"MQTT broker {host}:{port}"
     if isinstance(exc, ssl.SSLCertVerificationError):
+        why = getattr(exc, "verify_message", None) or getattr(exc, "reason", None) or exc
         return Failure(FailureCause.TLS, (
-            f"TLS verification of {where} failed ({exc.verify_message}): set broker.ca_file to the CA that signed "
+            f"TLS verification of {where} failed ({why}): set broker.ca_file to the CA that signed "
             f"the broker's certificate (edgepfl provision writes ca.crt), and connect by a name the certificate lists"
         ), transient=False)
     if isinstance(exc, ssl.SSLError):
+        why = getattr(exc, "reason", None) or exc
         return Failure(FailureCause.TLS_CLIENT, (
-            f"TLS handshake with {where} failed ({exc.reason or exc}): check that the broker listens with TLS on this "
+            f"TLS handshake with {where} failed ({why}): check that the broker listens with TLS on this "
             f"port and accepts this client's certificate (broker.cert_file / key_file, signed by its CA)"
         ), transient=False)
     if isinstance(exc, socket.gaierror):
