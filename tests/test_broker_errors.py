@@ -156,8 +156,10 @@ def test_missing_client_certificate_fails_naming_it(tmp_path):
     out = _provisioned(tmp_path, "p", "cert")
     with MosquittoBroker(conf=out / "broker" / "mosquitto.conf") as broker:
         login = BrokerLogin("pi-01", ca_file=str(out / "ca" / "ca.crt"))
-        err, took = _fails(_transport(broker.url, login), timeout=60)
-        assert err.cause is FailureCause.TLS_CLIENT and "certificate" in str(err)
+        err, took = _fails(_transport(broker.url, login), timeout=4)
+        # TLS 1.3: the broker's alert may arrive after the handshake, or only as a closed socket
+        assert err.cause in (FailureCause.TLS_CLIENT, FailureCause.CLOSED)
+        assert "no TLS certificate" in str(err) or "rejected this client's TLS certificate" in str(err)
         assert took < 10
 
 

@@ -145,12 +145,23 @@ def classify_connack(reason: object, value: int, host: str, port: int, username:
     return Failure(FailureCause.BROKER, f"{where} refused the connection ({reason})", transient=False)
 
 
-def closed_before_connack(host: str, port: int, detail: str | None) -> Failure:
-    """The broker dropped the connection before its CONNACK: a rejected client certificate, or a limit."""
+def closed_before_connack(host: str, port: int, detail: str | None, *, presented_certificate: bool = True) -> Failure:
+    """The broker dropped the connection before its CONNACK: a rejected client certificate, or a limit.
+
+    With TLS 1.3 the broker's verdict on the client certificate arrives after the
+    handshake, so paho may see only a closed socket; ``presented_certificate=False``
+    (TLS without ``cert_file``) adds the likely cause to the message. Still transient:
+    a full broker (``max_connections``) closes connections the same way.
+    """
     said = f" ({detail})" if detail else ""
-    certificate = detail is not None and "certificate" in detail.lower()
-    return Failure(FailureCause.TLS_CLIENT if certificate else FailureCause.CLOSED, (
-        f"MQTT broker {host}:{port} closed the connection before accepting it{said}: "
-        + ("it rejected this client's TLS certificate (broker.cert_file / key_file must be signed by its CA)"
-           if certificate else "check its log (connection limit, client certificate required, listener settings)")
-    ), transient=not certificate)
+    if detail is not None and "certificate" in detail.lower():
+        return Failure(FailureCause.TLS_CLIENT, (
+            f"MQTT broker {host}:{port} rejected this client's TLS certificate{said}: set broker.cert_file / "
+            f"key_file to a certificate signed by the broker's CA (edgepfl provision writes client.crt / client.key)"
+        ), transient=False)
+    hint = ("this client presents no TLS certificate (broker.cert_file / key_file), which a broker with "
+            "require_certificate closes on; otherwise " if not presented_certificate else "")
+    return Failure(FailureCause.CLOSED, (
+        f"MQTT broker {host}:{port} closed the connection before accepting it{said}: {hint}"
+        f"check the broker's log (connection limit, listener settings)"
+    ), transient=True)

@@ -82,6 +82,7 @@ class MqttTransport:
         import paho.mqtt.client as mqtt
 
         self.host, self.port, tls = parse_broker_url(url)
+        self._tls = tls
         self.federation = federation
         self.sender = sender
         self.subscriptions = list(subscriptions)
@@ -160,7 +161,9 @@ class MqttTransport:
         if not answered:
             return Failure(FailureCause.TIMEOUT, f"MQTT broker {self.host}:{self.port} accepted the connection but "
                                                  f"sent no CONNACK within {wait_s:.0f}s", transient=True)
-        return self._refusal or closed_before_connack(self.host, self.port, self._socket_error)
+        return self._refusal or closed_before_connack(
+            self.host, self.port, self._socket_error,
+            presented_certificate=not self._tls or self.login.cert_file is not None)
 
     def _on_log(self, client, userdata, level, message) -> None:
         import paho.mqtt.client as mqtt
