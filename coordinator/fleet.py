@@ -27,6 +27,7 @@ from edgepfl.protocol import (
     encode,
     federation_topic,
 )
+from edgepfl.protocol.connection import BrokerLogin
 from edgepfl.protocol.signing import Signer, load_signer
 from edgepfl.protocol.transport import Inbound, MqttTransport
 
@@ -113,8 +114,7 @@ class MqttFleet(Fleet):
             federation=federation,
             sender=SENDER,
             subscriptions=[agent_wildcard(federation, ch) for ch in (AgentChannel.STATUS, AgentChannel.UPDATE, AgentChannel.METRICS)],
-            username=broker.username,
-            password=broker.password,
+            login=BrokerLogin.from_config(broker),
             will=(self._presence, self._frame(CoordinatorMeta(state="offline"))),
             birth=self._birth,
             max_message_bytes=broker.max_message_bytes,

@@ -43,6 +43,7 @@ from edgepfl.protocol import (
     encode,
     federation_topic,
 )
+from edgepfl.protocol.connection import BrokerLogin
 from edgepfl.protocol.signing import load_public_key, load_signer, verify
 from edgepfl.protocol.transport import MqttTransport
 from edgepfl.service import notifier
@@ -119,8 +120,7 @@ class Agent:
             # retained status someone else put there is replaced (_reassert).
             subscriptions=[*tier.subscriptions(c.federation, c.agent_id),
                            federation_topic(c.federation, FederationChannel.COORDINATOR), status_topic],
-            username=c.broker.username,
-            password=c.broker.password,
+            login=BrokerLogin.from_config(c.broker),
             will=(status_topic, self._status_frame("offline")),
             birth=lambda: (status_topic, self._new_birth(), True),
             max_message_bytes=c.broker.max_message_bytes,

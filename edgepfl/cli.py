@@ -55,6 +55,7 @@ DELEGATES = (
     ("fit-head", "edgepfl.export.fit_head:main_fit_head", "fit a personal head on an exported encoder"),
     ("predict", "edgepfl.export.predict:main_predict", "predict with an exported encoder and a head"),
     ("status", "edgepfl.coordinator.status:main_status", "live view of a running federation"),
+    ("provision", "edgepfl.provision:main_provision", "CA, broker config and ACL, per-agent bundles and keys"),
 )
 
 

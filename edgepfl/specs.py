@@ -7,9 +7,11 @@ that validates whole run configurations (:mod:`edgepfl.config`).
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class PathField:
@@ -87,14 +89,55 @@ class DataSpec(_Strict):
 
 
 class BrokerConfig(_Strict):
-    """The MQTT broker and how to talk to it."""
+    """How to reach and log in to the MQTT broker.
+
+    The password comes from at most one source: ``password`` (plain, demo only),
+    ``password_file`` (first line of a file, mode 0600) or ``password_env`` (an
+    environment variable's name). With ``mqtts://``, ``ca_file`` is the CA that signed
+    the broker's certificate (default: the system trust store); ``cert_file`` and
+    ``key_file`` are this client's certificate and key, for brokers that require them.
+    """
 
     url: str = Field("embedded", description="mqtt://host:port, mqtts://…, or 'embedded' (in-process amqtt)")
     username: str | None = Field(None, description="MQTT username")
-    password: str | None = Field(None, description="MQTT password")
+    password: str | None = Field(None, description="plain password; prefer password_file or password_env")
+    password_file: ConfigPath | None = Field(None, description="file whose first line is the password (mode 0600)")
+    password_env: str | None = Field(None, description="name of the environment variable holding the password")
+    ca_file: ConfigPath | None = Field(None, description="mqtts: PEM CA certificate(s) the broker's certificate must chain to")
+    cert_file: ConfigPath | None = Field(None, description="mqtts: this client's PEM certificate (client certificate auth)")
+    key_file: ConfigPath | None = Field(None, description="mqtts: the private key of cert_file (PEM, mode 0600)")
     max_message_bytes: int = Field(1_000_000, ge=16_384, description="larger payloads travel in chunks")
     max_payload_bytes: int = Field(256 * 2**20, ge=16_384, description="largest whole message accepted")
     keepalive_s: int = Field(30, ge=5, description="MQTT keepalive; a silent client is declared gone after 1.5x")
+
+    @model_validator(mode="after")
+    def _one_password_source(self) -> BrokerConfig:
+        sources = [name for name in ("password", "password_file", "password_env") if getattr(self, name) is not None]
+        if len(sources) > 1:
+            raise ValueError(f"give the broker password one way, not {' and '.join(sources)}")
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together (a client certificate needs its key)")
+        return self
+
+    def read_password(self) -> str | None:
+        """The password from whichever source is set (None without one).
+
+        Raises ``ValueError`` naming the field when the file or variable is missing or empty.
+        """
+        if self.password_file is not None:
+            try:
+                lines = Path(self.password_file).read_text().splitlines()
+            except OSError as exc:
+                raise ValueError(f"broker.password_file {self.password_file}: {exc.strerror or exc}") from None
+            if not lines or not lines[0].strip():
+                raise ValueError(f"broker.password_file {self.password_file} is empty")
+            return lines[0].strip()
+        if self.password_env is not None:
+            value = os.environ.get(self.password_env)
+            if not value:
+                raise ValueError(f"broker.password_env: environment variable {self.password_env} is not set")
+            return value
+        return self.password
 
 
 class SecuritySpec(_Strict):

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import stat
+import struct
 import time
 from pathlib import Path
 
@@ -209,6 +210,15 @@ def test_an_agent_enrolled_while_the_coordinator_runs_is_accepted(keyring):
     assert isinstance(admit_presence("bob", status("bob", signer=MALLORY), keyring), Presence)
 
 
+def _with_created(frame: bytes, created: float) -> bytes:
+    """An unsigned frame with its header's ``created`` changed (header length prefix kept right)."""
+    (head_len,) = struct.unpack(">I", frame[4:8])
+    header = json.loads(frame[8:8 + head_len])
+    header["created"] = created
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return frame[:4] + struct.pack(">I", len(head)) + head + frame[8 + head_len:]
+
+
 def test_a_replayed_offline_of_an_old_session_cannot_take_an_agent_offline():
     registry = Registry()
     old_will = status("alice", "offline", session="1" * 32)  # recorded from the agent's previous process
@@ -221,9 +231,8 @@ def test_a_replayed_offline_of_an_old_session_cannot_take_an_agent_offline():
     assert registry.is_online("alice")
     # its own session's will (made before its births) is taken
     own_will = decode(birth).meta.model_copy(update={"state": "offline"})
-    will = encode(MessageType.STATUS, federation=FED, sender="alice", round=-1, meta=own_will)
-    will = will.replace(f'"created":{decode(will).header.created!r}'.encode(),
-                        f'"created":{decode(birth).header.created - 1!r}'.encode())
+    will = _with_created(encode(MessageType.STATUS, federation=FED, sender="alice", round=-1, meta=own_will),
+                         decode(birth).header.created - 1)
     admitted = admit_presence("alice", will, registry=registry)
     assert isinstance(admitted, Presence)
     registry.update("alice", admitted.meta, admitted.created)

@@ -2,7 +2,12 @@
 
 What it adds over a bare paho client:
 
-* connect with exponential backoff, and **subscribe in on_connect**, so a reconnect
+* a first connection that fails names its cause within seconds
+  (:class:`~edgepfl.protocol.connection.BrokerUnreachable`): a CA or password that is
+  wrong fails at once, a broker that is down or a name that does not resolve is
+  retried with backoff, the cause logged on each retry;
+* TLS with a private CA and client certificates (:class:`~edgepfl.protocol.connection.BrokerLogin`);
+* reconnect with exponential backoff, and **subscribe in on_connect**, so a reconnect
   restores every subscription;
 * a last will and a birth message (re-published on every connect) for presence;
 * payloads larger than ``max_message_bytes`` are split into chunk frames and put
@@ -24,6 +29,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..broker import parse_broker_url
+from .connection import (
+    BrokerLogin,
+    BrokerUnreachable,
+    Failure,
+    FailureCause,
+    classify_connack,
+    classify_socket_error,
+    closed_before_connack,
+)
 from .envelope import DEFAULT_MAX_PAYLOAD_BYTES, ProtocolError, Reassembler, decode, peek_header, split_frame
 from .messages import ChunkMeta, MessageType
 from .topics import ParsedTopic, TopicError, parse_topic
@@ -45,7 +59,8 @@ class MqttTransport:
 
     ``subscriptions`` are (re)subscribed on every connect; ``birth`` is a callable
     returning ``(topic, frame, retain)`` published after every connect; ``will`` is
-    ``(topic, frame)`` registered as the last will (retained).
+    ``(topic, frame)`` registered as the last will (retained). ``login`` carries the
+    username, password and TLS files (default: anonymous, system trust store).
     """
 
     def __init__(
@@ -56,8 +71,7 @@ class MqttTransport:
         federation: str,
         sender: str,
         subscriptions: list[str],
-        username: str | None = None,
-        password: str | None = None,
+        login: BrokerLogin | None = None,
         will: tuple[str, bytes] | None = None,
         birth: Callable[[], tuple[str, bytes, bool]] | None = None,
         max_message_bytes: int = 1_000_000,
@@ -68,6 +82,7 @@ class MqttTransport:
         import paho.mqtt.client as mqtt
 
         self.host, self.port, tls = parse_broker_url(url)
+        self._tls = tls
         self.federation = federation
         self.sender = sender
         self.subscriptions = list(subscriptions)
@@ -84,6 +99,10 @@ class MqttTransport:
         self.bytes_received: Counter[str] = Counter()
         self.connected = threading.Event()
         self.connect_count = 0
+        self.login = login or BrokerLogin()
+        self._connack = threading.Event()  # the first connection attempt got an answer (or lost its socket)
+        self._refusal: Failure | None = None
+        self._socket_error: str | None = None  # paho's last error while waiting for the first CONNACK
         self._lock = threading.Lock()
         # QoS 1 publishes not yet acknowledged (mid -> bytes) and the largest acknowledged:
         # a drop with a larger one in flight is most likely the broker's size limit.
@@ -94,10 +113,10 @@ class MqttTransport:
         self._client = mqtt.Client(
             mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv311, clean_session=True
         )
-        if username:
-            self._client.username_pw_set(username, password)
+        if self.login.username:
+            self._client.username_pw_set(self.login.username, self.login.password)
         if tls:
-            self._client.tls_set()
+            self._client.tls_set_context(self.login.tls_context())
         if will:
             self._client.will_set(will[0], will[1], qos=1, retain=True)
         self._client.reconnect_delay_set(min_delay=1, max_delay=30)
@@ -109,13 +128,57 @@ class MqttTransport:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, timeout: float = 30.0) -> MqttTransport:
-        """Connect (retrying with backoff) and wait until the first connection is up."""
-        self._client.connect_async(self.host, self.port, keepalive=self.keepalive_s)
+        """Connect and wait until the first connection is up; afterwards paho reconnects by itself.
+
+        A cause that retrying cannot fix (TLS verification, refused credentials) raises
+        :class:`BrokerUnreachable` at once; a transient one (refused, unreachable, DNS) is
+        logged and retried with backoff (1 s doubling to 30 s) until ``timeout``, then
+        raised with the last cause.
+        """
+        deadline = time.monotonic() + timeout
+        delay = 1.0
+        while True:
+            failure = self._connect_once(max(1.0, deadline - time.monotonic()))
+            if failure is None:
+                return self
+            if not failure.transient:
+                raise BrokerUnreachable(failure.cause, failure.message)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BrokerUnreachable(failure.cause, f"could not reach MQTT broker at {self.host}:{self.port} "
+                                                       f"within {timeout:.0f}s: {failure.message}")
+            wait = min(delay, left)
+            log.warning("%s; retrying in %.0fs", failure.message, wait)
+            time.sleep(wait)
+            delay = min(delay * 2, 30.0)
+
+    def _connect_once(self, wait_s: float) -> Failure | None:
+        """One connection attempt: None once connected, else why not (paho's loop stopped again)."""
+        self._connack.clear()
+        self._refusal = self._socket_error = None
+        try:
+            self._client.connect(self.host, self.port, keepalive=self.keepalive_s)
+        except Exception as exc:  # socket, DNS and TLS errors all surface here, before any MQTT traffic
+            return classify_socket_error(exc, self.host, self.port)
+        self._client.on_log = self._on_log  # only until the CONNACK: it formats every packet's log line
         self._client.loop_start()
-        if not self.connected.wait(timeout):
-            self._client.loop_stop()
-            raise ConnectionError(f"could not reach MQTT broker at {self.host}:{self.port} within {timeout:.0f}s")
-        return self
+        answered = self._connack.wait(wait_s)
+        self._client.on_log = None
+        if self.connected.is_set():
+            return None
+        self._client.loop_stop()
+        if not answered:
+            return Failure(FailureCause.TIMEOUT, f"MQTT broker {self.host}:{self.port} accepted the connection but "
+                                                 f"sent no CONNACK within {wait_s:.0f}s", transient=True)
+        return self._refusal or closed_before_connack(
+            self.host, self.port, self._socket_error,
+            presented_certificate=not self._tls or self.login.cert_file is not None)
+
+    def _on_log(self, client, userdata, level, message) -> None:
+        import paho.mqtt.client as mqtt
+
+        if level == mqtt.MQTT_LOG_ERR and self._socket_error is None:  # the first error is the cause; later ones echo it
+            self._socket_error = message
 
     def stop(self, final: tuple[str, bytes] | None = None) -> None:
         """Publish ``final`` (retained, e.g. an offline status), then disconnect cleanly."""
@@ -129,7 +192,12 @@ class MqttTransport:
 
     def _on_connect(self, client, userdata, flags, reason_code, properties=None) -> None:
         if reason_code.is_failure:
-            log.warning("broker refused connection: %s", reason_code)
+            if self.connect_count == 0:  # the first attempt: start() reports it
+                self._refusal = classify_connack(reason_code, reason_code.value, self.host, self.port,
+                                                 self.login.username)
+                self._connack.set()
+            else:
+                log.warning("broker refused connection: %s", reason_code)
             return
         self.connect_count += 1
         for topic in self.subscriptions:
@@ -140,9 +208,13 @@ class MqttTransport:
         if self.connect_count > 1:
             log.info("reconnected to %s:%d, subscriptions restored", self.host, self.port)
         self.connected.set()
+        self._connack.set()
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties=None) -> None:
         self.connected.clear()
+        if self.connect_count == 0:
+            self._connack.set()  # lost before the first CONNACK: start() reports why
+            return
         if reason_code != 0:
             log.warning("lost connection to broker (%s); reconnecting with backoff", reason_code)
             suspect = self._oversized_in_flight()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -60,6 +61,11 @@ class MosquittoBroker:
     to ``#`` records every message that crosses the broker (``self.capture``).
     ``extra_config`` lines are appended verbatim (e.g. ``acl_file`` and
     ``password_file``, with ``allow_anonymous=False``).
+
+    ``conf``: run this ``mosquitto.conf`` instead (e.g. the one ``edgepfl provision``
+    writes): its ``listener`` line is moved to this broker's port on 127.0.0.1 and
+    logging is added; everything else is used as written. :attr:`url` is
+    ``mqtts://`` when the conf has a ``certfile``.
     """
 
     def __init__(
@@ -72,6 +78,7 @@ class MosquittoBroker:
         extra_config: str = "",
         executable: str | None = None,
         start_timeout: float = 10.0,
+        conf: str | Path | None = None,
     ):
         self.host = "127.0.0.1"
         self.port = port
@@ -80,6 +87,8 @@ class MosquittoBroker:
         self.extra_config = extra_config
         self.executable = executable or find_mosquitto()
         self.start_timeout = start_timeout
+        self.conf = Path(conf).read_text() if conf is not None else None
+        self.tls = self.conf is not None and re.search(r"^certfile\s", self.conf, re.M) is not None
         self._want_capture = capture
         self.capture: TrafficCapture | None = None
         self._proc: subprocess.Popen | None = None
@@ -89,7 +98,7 @@ class MosquittoBroker:
     def url(self) -> str:
         if self.port is None or self._proc is None:
             raise BrokerError("mosquitto not started")
-        return f"mqtt://{self.host}:{self.port}"
+        return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
 
     @property
     def running(self) -> bool:
@@ -133,15 +142,21 @@ class MosquittoBroker:
         assert self._dir is not None
         d = Path(self._dir.name)
         conf = d / "mosquitto.conf"
+        if self.conf is not None:
+            settings = [re.sub(r"^listener\s+\d+.*$", f"listener {port} {self.host}", self.conf, count=1, flags=re.M)]
+        else:
+            settings = [
+                f"listener {port} {self.host}",
+                f"allow_anonymous {'true' if self.allow_anonymous else 'false'}",
+                "persistence false",
+                f"max_packet_size {int(self.max_packet_bytes)}",
+                # Many agents may publish bursts of QoS 1 updates; don't drop them.
+                "max_queued_messages 10000",
+            ]
         conf.write_text(
             "\n".join(
                 [
-                    f"listener {port} {self.host}",
-                    f"allow_anonymous {'true' if self.allow_anonymous else 'false'}",
-                    "persistence false",
-                    f"max_packet_size {int(self.max_packet_bytes)}",
-                    # Many agents may publish bursts of QoS 1 updates; don't drop them.
-                    "max_queued_messages 10000",
+                    *settings,
                     f"log_dest file {d / 'mosquitto.log'}",
                     "log_type error",
                     "log_type warning",

@@ -1,0 +1,201 @@
+"""Mosquitto files for one federation: password file, ACL, and a sized ``mosquitto.conf``.
+
+Written by ``edgepfl provision`` and read by Mosquitto 2.x, so the formats are Mosquitto's:
+
+* :func:`password_line` — ``user:$7$ITERATIONS$SALT$HASH``, PBKDF2-HMAC-SHA512 with a
+  12-byte salt and a 64-byte hash, base64 — what ``mosquitto_passwd`` writes, produced
+  with hashlib so provisioning needs no Mosquitto installed;
+* :func:`acl_text` — the pattern ACL of docs/PROTOCOL.md §17, tightened: each agent
+  writes its own status/update/metrics and reads its own task, the coordinator presence
+  and the release; the coordinator reads the agents' side and writes tasks, its presence
+  and the release; nothing reads ``#``;
+* :func:`broker_sizing` and :func:`mosquitto_conf` — the listener and its limits, sized
+  to the fleet and the message size, every number with a comment saying why.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import math
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from .protocol.topics import check_segment
+
+AuthMode = Literal["cert", "password", "both"]
+
+#: The user name (and client certificate CN) of the coordinator; no agent may take it.
+COORDINATOR_USER = "coordinator"
+#: mosquitto_passwd's iteration count. The passwords provision makes are 192-bit random
+#: tokens, so the hash's work factor adds nothing against guessing; keep Mosquitto's default.
+PBKDF2_ITERATIONS = 101
+#: Bytes a chunk frame carries besides its slice (docs/PROTOCOL.md §8, ``step = M − 2048``).
+CHUNK_OVERHEAD = 2048
+#: Room above ``max_message_bytes`` for the MQTT fixed header and topic (receivers accept +64 KiB, §15).
+PACKET_HEADROOM = 65_536
+#: The client's in-flight QoS 1 window (MqttTransport: ``max_inflight_messages_set(100)``).
+CLIENT_INFLIGHT = 100
+
+
+def password_line(username: str, password: str, *, salt: bytes | None = None,
+                  iterations: int = PBKDF2_ITERATIONS) -> str:
+    """One line of a Mosquitto 2.x password file (``$7$``: PBKDF2-HMAC-SHA512)."""
+    salt = secrets.token_bytes(12) if salt is None else salt
+    digest = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, iterations, dklen=64)
+    return f"{username}:$7${iterations}${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"
+
+
+def acl_text(federation: str) -> str:
+    """The ``acl_file`` confining every client of ``federation`` to its own side of each topic."""
+    check_segment(federation, "federation")
+    base = f"edgepfl/v1/{federation}"
+    return "\n".join([
+        f"# edgepfl federation {federation}: who may read and write which topic (docs/PROTOCOL.md §2, §17).",
+        "# The MQTT user name is the agent id (password file) or the client certificate's CN",
+        "# (use_identity_as_username), so one pattern (%u) covers every agent, present and future.",
+        "",
+        "# The coordinator: reads every agent's status/update/metrics; writes tasks, its presence, the release.",
+        f"user {COORDINATOR_USER}",
+        f"topic read {base}/agents/+/status",
+        f"topic read {base}/agents/+/update",
+        f"topic read {base}/agents/+/metrics",
+        f"topic write {base}/agents/+/task",
+        f"topic write {base}/coordinator",
+        f"topic write {base}/release",
+        "",
+        "# Every agent: writes only its own status/update/metrics, reads only its own task,",
+        "# the coordinator's presence and the release. Nothing else, and no '#'.",
+        f"pattern write {base}/agents/%u/status",
+        f"pattern write {base}/agents/%u/update",
+        f"pattern write {base}/agents/%u/metrics",
+        f"pattern read {base}/agents/%u/task",
+        f"pattern read {base}/coordinator",
+        f"pattern read {base}/release",
+        "",
+    ])
+
+
+@dataclass(frozen=True)
+class BrokerSizing:
+    """Mosquitto's limits for a fleet (see :func:`broker_sizing`)."""
+
+    clients: int
+    max_connections: int
+    max_packet_size: int
+    max_inflight_messages: int
+    max_queued_messages: int
+    chunks_per_update: int
+    open_files: int  # LimitNOFILE the broker's host must allow
+
+
+def broker_sizing(agents: int, max_message_bytes: int, update_bytes: int) -> BrokerSizing:
+    """Limits for ``agents`` devices plus the coordinator, messages of ``max_message_bytes``
+    and model updates of about ``update_bytes``.
+
+    * connections: every client, plus a quarter (a device that reconnects before the
+      broker noticed its old connection dead holds two for up to 1.5 keepalives) and 16
+      for operators' tools;
+    * packet size: one MQTT message of ``max_message_bytes`` plus topic and header room;
+    * in-flight: the clients' own QoS 1 window, so chunked frames stream without stalls;
+    * queue: the coordinator's session receives every sampled agent's update at once,
+      each ``chunks_per_update`` messages; twice that, and never under Mosquitto's 1000.
+    """
+    clients = agents + 1
+    max_connections = clients + math.ceil(clients / 4) + 16
+    chunks = max(1, math.ceil(update_bytes / (max_message_bytes - CHUNK_OVERHEAD)))
+    return BrokerSizing(
+        clients=clients,
+        max_connections=max_connections,
+        max_packet_size=max_message_bytes + PACKET_HEADROOM,
+        max_inflight_messages=CLIENT_INFLIGHT,
+        max_queued_messages=max(1000, 2 * agents * chunks),
+        chunks_per_update=chunks,
+        open_files=max_connections + 64,
+    )
+
+
+def mosquitto_conf(*, federation: str, port: int, broker_dir: str, auth: AuthMode, sizing: BrokerSizing,
+                   max_message_bytes: int) -> str:
+    """``mosquitto.conf`` for the federation: one TLS listener, authentication, the ACL and the limits.
+
+    ``broker_dir`` is where ``ca.crt``, ``server.crt``, ``server.key``, ``passwd`` and
+    ``acl`` lie on the broker host (Mosquitto resolves relative paths against its
+    working directory, not the config's, so the paths are absolute).
+    """
+    d = broker_dir.rstrip("/")
+    s = sizing
+    lines = [
+        f"# Mosquitto 2.x configuration for edgepfl federation {federation!r}, written by edgepfl provision.",
+        f"# Sized for {s.clients - 1} agents + the coordinator and MQTT messages of {max_message_bytes} bytes.",
+        f"# The broker needs {s.open_files} open files: with systemd, `systemctl edit mosquitto` and set",
+        f"#   [Service]\n#   LimitNOFILE={s.open_files}",
+        "",
+        f"listener {port}",
+        "# TLS with the federation's private CA; clients verify server.crt against ca.crt and the host name.",
+        f"cafile {d}/ca.crt",
+        f"certfile {d}/server.crt",
+        f"keyfile {d}/server.key",
+        "tls_version tlsv1.2",
+    ]
+    if auth in ("cert", "both"):
+        lines += ["# Every client presents a certificate signed by the CA.", "require_certificate true"]
+    if auth == "cert":
+        lines += ["# ... and its CN (the agent id, or 'coordinator') is its user name, which the ACL's %u matches.",
+                  "use_identity_as_username true"]
+    lines += [
+        "# The client id is the user name: a device's credentials can never take over another client's id",
+        "# (without this, a device connecting with the coordinator's client id kicks the coordinator off).",
+        "use_username_as_clientid true",
+        f"# {s.clients} clients + reconnect overlap + operators' tools.",
+        f"max_connections {s.max_connections}",
+        "",
+        "allow_anonymous false",
+    ]
+    if auth in ("password", "both"):
+        lines += ["# Hashed (PBKDF2-SHA512) passwords; add a device with edgepfl provision --add, then SIGHUP mosquitto.",
+                  f"password_file {d}/passwd"]
+    lines += [
+        "# Each agent reads and writes only its own topics; the coordinator only its side.",
+        f"acl_file {d}/acl",
+        "",
+        f"# One MQTT message of broker.max_message_bytes ({max_message_bytes}) + topic and header room;",
+        "# larger frames travel in chunks. Keep broker.max_message_bytes in every config at or below it.",
+        f"max_packet_size {s.max_packet_size}",
+        "# edgepfl clients keep 100 QoS 1 messages in flight; let the broker do the same towards them.",
+        f"max_inflight_messages {s.max_inflight_messages}",
+        f"# All sampled agents' updates ({s.chunks_per_update} message(s) each) reach the coordinator at once: queue",
+        "# them rather than drop them. Worst-case memory is max_queued_messages x max_packet_size per client.",
+        f"max_queued_messages {s.max_queued_messages}",
+        "max_queued_bytes 0",
+        "",
+        "# Retained status, presence and the release survive a broker restart only with persistence:",
+        "#   persistence true",
+        "#   persistence_location /var/lib/mosquitto/",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def check_agent_ids(agent_ids: list[str]) -> None:
+    """Agent ids must be topic segments, unique, and never the coordinator's user name."""
+    seen: set[str] = set()
+    for agent_id in agent_ids:
+        check_segment(agent_id, "agent id")
+        if agent_id == COORDINATOR_USER:
+            raise ValueError(f"agent id {COORDINATOR_USER!r} is the coordinator's user name; choose another")
+        if agent_id in seen:
+            raise ValueError(f"agent id {agent_id!r} given twice")
+        seen.add(agent_id)
+
+
+def read_password_users(path: Path) -> dict[str, str]:
+    """The lines of an existing password file, by user (to keep them when agents are added)."""
+    users: dict[str, str] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if ":" in line:
+                users[line.split(":", 1)[0]] = line
+    return users

@@ -1,0 +1,291 @@
+"""``edgepfl provision``: everything a secure federation needs, in one folder of bundles.
+
+    edgepfl provision --federation F --agents pi-01,pi-02 --broker-host mqtt.example.org --out DIR
+    edgepfl provision --out DIR --add pi-03            (more agents, same CA)
+
+Writes (private keys and secrets 0600, everything else 0644, folders 0755)::
+
+    DIR/provision.json          what was provisioned (read by --add)
+    DIR/ca/ca.crt, ca.key       the federation's private CA (keep ca.key offline)
+    DIR/broker/                 mosquitto.conf, ca.crt, server.crt/.key, acl[, passwd]
+    DIR/coordinator/            coordinator.yaml, ca.crt, client cert/key or password,
+                                signing.key/.pub, enrolled/<agent>.pub
+    DIR/agents/<id>/            agent.yaml, ca.crt, client cert/key or password,
+                                signing.key/.pub, coordinator.pub — copy onto the device
+
+Paths inside the YAML files are relative to the file's own folder (a bundle can be
+copied anywhere), unless ``--absolute-paths``. The YAML files hold the identity,
+``broker:`` and ``security:`` sections; add ``data:`` (agents) and the method and
+rounds (coordinator) before running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from . import pki
+from .mosquitto import (
+    COORDINATOR_USER,
+    AuthMode,
+    acl_text,
+    broker_sizing,
+    check_agent_ids,
+    mosquitto_conf,
+    password_line,
+    read_password_users,
+)
+from .protocol.topics import check_segment
+
+
+class ProvisionRecord(BaseModel):
+    """What a provision run produced; ``--add`` reads it to extend the federation with the same CA."""
+
+    model_config = ConfigDict(extra="forbid")
+    federation: str
+    broker_hosts: list[str] = Field(min_length=1)
+    port: int = Field(ge=1, lt=65536)
+    auth: AuthMode
+    agents: list[str]
+    max_message_bytes: int
+    update_bytes: int
+    broker_dir: str
+    absolute_paths: bool = False
+
+    @property
+    def url(self) -> str:
+        return f"mqtts://{self.broker_hosts[0]}:{self.port}"
+
+
+class ProvisionError(ValueError):
+    """Provisioning cannot go on; the message says why and what to do."""
+
+
+# --------------------------------------------------------------------------- bundles
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o755)
+    return path
+
+
+def _ref(record: ProvisionRecord, folder: Path, name: str) -> str:
+    return str((folder / name).resolve()) if record.absolute_paths else name
+
+
+def _client_credentials(record: ProvisionRecord, folder: Path, user: str, ca: pki.CA) -> tuple[dict, str | None]:
+    """Write a client's certificate and/or password into ``folder``; returns its ``broker:`` section and password."""
+    ca_key, ca_cert = ca
+    pki.write_certificate(folder / "ca.crt", ca_cert)
+    broker: dict = {"url": record.url, "username": user, "ca_file": _ref(record, folder, "ca.crt")}
+    password = None
+    if record.auth in ("cert", "both"):
+        key, cert = pki.issue(ca_key, ca_cert, user)
+        pki.write_private_key(folder / "client.key", key)
+        pki.write_certificate(folder / "client.crt", cert)
+        broker |= {"cert_file": _ref(record, folder, "client.crt"), "key_file": _ref(record, folder, "client.key")}
+    if record.auth in ("password", "both"):
+        password = secrets.token_urlsafe(24)
+        pki.write_secret(folder / "password", (password + "\n").encode())
+        broker["password_file"] = _ref(record, folder, "password")
+    broker["max_message_bytes"] = record.max_message_bytes
+    return broker, password
+
+
+def _write_yaml(path: Path, header: str, body: dict) -> None:
+    pki.write_public(path, (header + yaml.safe_dump(body, sort_keys=False)).encode())
+
+
+def _agent_bundle(record: ProvisionRecord, out: Path, agent_id: str, ca: pki.CA) -> str | None:
+    folder = _mkdir(out / "agents" / agent_id)
+    broker, password = _client_credentials(record, folder, agent_id, ca)
+    key = pki.new_signing_key()
+    pki.write_private_key(folder / "signing.key", key)
+    pki.write_public_key(folder / "signing.pub", key.public_key())
+    pki.write_public_key(out / "coordinator" / "enrolled" / f"{agent_id}.pub", key.public_key())
+    shutil.copyfile(out / "coordinator" / "signing.pub", folder / "coordinator.pub")
+    (folder / "coordinator.pub").chmod(pki.PUBLIC_MODE)
+    body = {
+        "agent_id": agent_id, "federation": record.federation, "broker": broker,
+        "security": {"signing_key": _ref(record, folder, "signing.key"),
+                     "coordinator_key": _ref(record, folder, "coordinator.pub")},
+        "state_dir": _ref(record, folder, "state"),
+    }
+    _write_yaml(folder / "agent.yaml", (
+        f"# edgepfl agent {agent_id} of federation {record.federation}, written by edgepfl provision.\n"
+        "# Paths are relative to this file's folder. Add this device's data: (and tier:, device:) and run\n"
+        "#   edgepfl agent --config agent.yaml\n"), body)
+    return password
+
+
+def _coordinator_bundle(record: ProvisionRecord, out: Path, ca: pki.CA) -> str | None:
+    folder = _mkdir(out / "coordinator")
+    _mkdir(folder / "enrolled")
+    broker, password = _client_credentials(record, folder, COORDINATOR_USER, ca)
+    key = pki.new_signing_key()
+    pki.write_private_key(folder / "signing.key", key)
+    pki.write_public_key(folder / "signing.pub", key.public_key())
+    body = {
+        "federation": record.federation, "broker": broker,
+        "security": {"signing_key": _ref(record, folder, "signing.key"),
+                     "enrolled_dir": _ref(record, folder, "enrolled")},
+        "min_agents": min(2, max(1, len(record.agents))),
+    }
+    _write_yaml(folder / "coordinator.yaml", (
+        f"# edgepfl coordinator of federation {record.federation}, written by edgepfl provision.\n"
+        "# Paths are relative to this file's folder. Add method:, model:, data:, rounds: and run\n"
+        "#   edgepfl coordinator --config coordinator.yaml\n"), body)
+    return password
+
+
+def _broker_files(record: ProvisionRecord, out: Path, ca: pki.CA, passwords: dict[str, str], new_server_cert: bool) -> None:
+    folder = _mkdir(out / "broker")
+    ca_key, ca_cert = ca
+    pki.write_certificate(folder / "ca.crt", ca_cert)
+    if new_server_cert:
+        names = [*record.broker_hosts, "localhost", "127.0.0.1", "::1"]
+        key, cert = pki.issue(ca_key, ca_cert, record.broker_hosts[0], server_names=names)
+        pki.write_private_key(folder / "server.key", key)
+        pki.write_certificate(folder / "server.crt", cert)
+    pki.write_public(folder / "acl", acl_text(record.federation).encode())
+    if record.auth in ("password", "both"):
+        users = read_password_users(folder / "passwd")
+        users.update({user: password_line(user, pw) for user, pw in passwords.items()})
+        pki.write_secret(folder / "passwd", ("\n".join(users.values()) + "\n").encode())
+    sizing = broker_sizing(len(record.agents), record.max_message_bytes, record.update_bytes)
+    conf = mosquitto_conf(federation=record.federation, port=record.port, broker_dir=record.broker_dir,
+                          auth=record.auth, sizing=sizing, max_message_bytes=record.max_message_bytes)
+    pki.write_public(folder / "mosquitto.conf", conf.encode())
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def provision(record: ProvisionRecord, out: Path) -> None:
+    """A new federation in ``out``: CA, broker files, the coordinator's bundle and one per agent."""
+    check_segment(record.federation, "federation")
+    check_agent_ids(record.agents)
+    _mkdir(out)
+    ca_dir = out / "ca"
+    ca_dir.mkdir(parents=True, exist_ok=True)
+    ca_dir.chmod(0o700)  # the CA key signs anything: only its owner may even list it
+    ca = pki.new_ca(f"edgepfl {record.federation}")
+    pki.write_private_key(ca_dir / "ca.key", ca[0])
+    pki.write_certificate(ca_dir / "ca.crt", ca[1])
+    passwords: dict[str, str] = {}
+    for user, password in [(COORDINATOR_USER, _coordinator_bundle(record, out, ca))] + [
+            (agent_id, _agent_bundle(record, out, agent_id, ca)) for agent_id in record.agents]:
+        if password is not None:
+            passwords[user] = password
+    _broker_files(record, out, ca, passwords, new_server_cert=True)
+    pki.write_public(out / "provision.json", record.model_dump_json(indent=2).encode())
+
+
+def add_agents(out: Path, new_agents: list[str]) -> ProvisionRecord:
+    """Bundles for ``new_agents`` signed by the existing CA; the broker's files are updated for the larger fleet."""
+    try:
+        record = ProvisionRecord.model_validate_json((out / "provision.json").read_text())
+    except FileNotFoundError:
+        raise ProvisionError(f"{out} holds no provision.json: provision it first (without --add)") from None
+    taken = set(record.agents) & set(new_agents)
+    if taken:
+        raise ProvisionError(f"already provisioned: {', '.join(sorted(taken))}")
+    record = record.model_copy(update={"agents": [*record.agents, *new_agents]})
+    check_agent_ids(record.agents)
+    ca = pki.load_ca(out / "ca" / "ca.key", out / "ca" / "ca.crt")
+    passwords = {a: pw for a in new_agents if (pw := _agent_bundle(record, out, a, ca)) is not None}
+    _broker_files(record, out, ca, passwords, new_server_cert=False)
+    pki.write_public(out / "provision.json", record.model_dump_json(indent=2).encode())
+    return record
+
+
+def _summary(record: ProvisionRecord, out: Path, added: list[str] | None = None) -> str:
+    agents = added or record.agents
+    first = agents[0] if agents else "AGENT"
+    sizing = broker_sizing(len(record.agents), record.max_message_bytes, record.update_bytes)
+    return "\n".join([
+        f"edgepfl provision: federation {record.federation}, {len(record.agents)} agents"
+        + (f" ({len(added)} added)" if added else "") + f", auth {record.auth}, broker {record.url}",
+        f"  {out}/ca/            the CA; keep ca.key offline (needed only for --add)",
+        f"  {out}/broker/        mosquitto.conf, acl, certificates{', passwd' if record.auth != 'cert' else ''}"
+        f" -> the broker host, at {record.broker_dir} (LimitNOFILE={sizing.open_files})",
+        f"  {out}/coordinator/   coordinator.yaml, credentials, signing key, enrolled/ ({len(record.agents)} agents)",
+        f"  {out}/agents/<id>/   one bundle per device: " + ", ".join(agents[:5]) + (" ..." if len(agents) > 5 else ""),
+        "next:",
+        f"  mosquitto -c {record.broker_dir}/mosquitto.conf"
+        + ("   (already running: kill -HUP it to reload passwd)" if added else ""),
+        f"  cd {out}/coordinator && edgepfl coordinator --config coordinator.yaml   (after adding method, data, rounds)",
+        f"  copy {out}/agents/{first}/ to the device, then there: edgepfl agent --config agent.yaml   (after adding data)",
+    ])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="edgepfl provision", description=(
+        "Create a federation's CA, broker configuration (TLS, passwords, ACL, limits), coordinator bundle and "
+        "one bundle per agent."))
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--federation", help="federation name")
+    who = p.add_mutually_exclusive_group()
+    who.add_argument("--agents", help="comma-separated agent ids")
+    who.add_argument("--count", type=int, help="N agents named agent-00 ... agent-<N-1>")
+    who.add_argument("--add", help="comma-separated agent ids to add to an existing --out (same CA)")
+    p.add_argument("--broker-host", action="append", default=[],
+                   help="host name or IP the agents connect to (repeat or comma-separate for more names; "
+                        "localhost and 127.0.0.1 are always in the certificate)")
+    p.add_argument("--port", type=int, default=8883)
+    p.add_argument("--auth", choices=["cert", "password", "both"], default="cert",
+                   help="client certificates (default), passwords, or both")
+    p.add_argument("--max-message-bytes", type=int, default=1_000_000, help="broker.max_message_bytes (MQTT message)")
+    p.add_argument("--update-mb", type=float, default=5.0,
+                   help="approximate size of one model update, to size the broker's queues (default 5)")
+    p.add_argument("--broker-dir", default=None,
+                   help="where the broker's files will be on the broker host (default: OUT/broker, absolute)")
+    p.add_argument("--absolute-paths", action="store_true",
+                   help="write absolute paths into the YAML files (default: relative to each file's folder)")
+    p.add_argument("--force", action="store_true", help="replace an existing provisioned --out")
+    return p
+
+
+def _names(values: str | list[str] | None) -> list[str]:
+    items = values if isinstance(values, list) else [values or ""]
+    return [n.strip() for v in items for n in v.split(",") if n.strip()]
+
+
+def main_provision(argv: list[str]) -> int:
+    """``edgepfl provision ...``; returns the exit code (2 and one line on bad input)."""
+    args = build_parser().parse_args(argv)
+    out = Path(args.out).resolve()
+    try:
+        if args.add:
+            record = add_agents(out, _names(args.add))
+            print(_summary(record, out, added=_names(args.add)))
+            return 0
+        if not args.federation or not args.broker_host:
+            raise ProvisionError("--federation and --broker-host are required (or --add to extend an existing --out)")
+        agents = [f"agent-{i:02d}" for i in range(args.count)] if args.count else _names(args.agents)
+        if not agents:
+            raise ProvisionError("name the agents: --agents a1,a2 or --count N")
+        if out.exists() and any(out.iterdir()):
+            if not args.force:
+                raise ProvisionError(f"{out} exists and is not empty: pass --force to replace it, or --add to extend it")
+            if (out / "provision.json").exists():
+                shutil.rmtree(out)
+        if args.max_message_bytes < 16_384:
+            raise ProvisionError("--max-message-bytes must be at least 16384")
+        record = ProvisionRecord(
+            federation=args.federation, broker_hosts=_names(args.broker_host), port=args.port, auth=args.auth,
+            agents=agents, max_message_bytes=args.max_message_bytes, update_bytes=int(args.update_mb * 2**20),
+            broker_dir=args.broker_dir or str(out / "broker"), absolute_paths=args.absolute_paths)
+        provision(record, out)
+        print(_summary(record, out))
+        return 0
+    except (ValueError, OSError) as exc:  # ProvisionError, bad names (TopicError), unreadable files
+        print(f"edgepfl provision: {exc}", file=sys.stderr)
+        return 2

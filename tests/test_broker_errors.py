@@ -1,0 +1,185 @@
+"""A first connection that fails says why, within seconds.
+
+Real failures, one per cause: a port nobody listens on, a host name that cannot resolve
+(``.invalid`` is reserved, RFC 2606), a Mosquitto TLS listener whose CA the client does
+not trust, and a wrong password. Before, all four were "could not reach MQTT broker"
+after 60-120 s of silence.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from edgepfl.broker import free_port
+from edgepfl.config import BrokerConfig
+from edgepfl.protocol.connection import (
+    BrokerLogin,
+    BrokerUnreachable,
+    FailureCause,
+    classify_connack,
+    classify_socket_error,
+)
+from edgepfl.protocol.transport import MqttTransport
+from edgepfl.provision import main_provision
+from edgepfl.testing import MosquittoBroker
+
+from conftest import require_mosquitto
+
+# --------------------------------------------------------------------------- unit
+
+
+def test_password_comes_from_exactly_one_source(tmp_path, monkeypatch):
+    secret = tmp_path / "pw"
+    secret.write_text("from-file\n")
+    assert BrokerConfig(password_file=str(secret)).read_password() == "from-file"
+    monkeypatch.setenv("EDGEPFL_TEST_PW", "from-env")
+    assert BrokerConfig(password_env="EDGEPFL_TEST_PW").read_password() == "from-env"
+    assert BrokerConfig(password="plain").read_password() == "plain"
+    assert BrokerConfig().read_password() is None
+    with pytest.raises(ValueError, match="one way, not password and password_env"):
+        BrokerConfig(password="a", password_env="EDGEPFL_TEST_PW")
+    with pytest.raises(ValueError, match="cert_file and key_file go together"):
+        BrokerConfig(cert_file="c.crt")
+    monkeypatch.delenv("EDGEPFL_TEST_PW")
+    with pytest.raises(BrokerUnreachable, match="EDGEPFL_TEST_PW is not set") as err:
+        BrokerLogin.from_config(BrokerConfig(password_env="EDGEPFL_TEST_PW"))
+    assert err.value.cause is FailureCause.CREDENTIALS
+    with pytest.raises(BrokerUnreachable, match="password_file .*missing"):
+        BrokerLogin.from_config(BrokerConfig(password_file=str(tmp_path / "missing")))
+    with pytest.raises(BrokerUnreachable, match="ca_file .* no such file"):
+        BrokerLogin(ca_file=str(tmp_path / "ca.crt")).tls_context()
+
+
+def test_each_socket_error_has_its_own_cause_and_retry_policy():
+    cases = [
+        (ssl.SSLCertVerificationError(1, "certificate verify failed"), FailureCause.TLS, False),
+        (ssl.SSLError(1, "alert bad certificate"), FailureCause.TLS_CLIENT, False),
+        (socket.gaierror(-2, "Name or service not known"), FailureCause.DNS, True),
+        (ConnectionRefusedError(111, "Connection refused"), FailureCause.REFUSED, True),
+        (TimeoutError("timed out"), FailureCause.UNREACHABLE, True),
+        (OSError(113, "No route to host"), FailureCause.UNREACHABLE, True),
+    ]
+    for exc, cause, transient in cases:
+        failure = classify_socket_error(exc, "mqtt.example.org", 8883)
+        assert (failure.cause, failure.transient) == (cause, transient), exc
+        assert "mqtt.example.org" in failure.message and "\n" not in failure.message
+    refused = classify_connack("Not authorized", 135, "h", 1, "pi-07")
+    assert refused.cause is FailureCause.AUTH and not refused.transient and "'pi-07'" in refused.message
+    assert classify_connack("Server unavailable", 136, "h", 1, None).transient
+    assert issubclass(BrokerUnreachable, ConnectionError)  # the CLI prints ConnectionError as one line
+
+
+# --------------------------------------------------------------------------- real failures
+
+
+def _transport(url: str, login: BrokerLogin | None = None) -> MqttTransport:
+    return MqttTransport(url, client_id=f"probe-{os.getpid()}", federation="probe", sender="probe",
+                         subscriptions=[], login=login)
+
+
+def _fails(transport: MqttTransport, timeout: float) -> tuple[BrokerUnreachable, float]:
+    started = time.monotonic()
+    with pytest.raises(BrokerUnreachable) as err:
+        transport.start(timeout=timeout)
+    return err.value, time.monotonic() - started
+
+
+@pytest.mark.slow
+def test_nothing_listening_is_retried_with_its_cause_logged_then_named(caplog):
+    port = free_port()
+    with caplog.at_level(logging.WARNING, logger="edgepfl.protocol.transport"):
+        err, took = _fails(_transport(f"mqtt://127.0.0.1:{port}"), timeout=4)
+    assert err.cause is FailureCause.REFUSED
+    assert f"127.0.0.1:{port} within 4s" in str(err) and "refused: nothing listens there" in str(err)
+    assert 3.5 < took < 8
+    retries = [r.getMessage() for r in caplog.records if "retrying in" in r.getMessage()]
+    assert len(retries) >= 2 and all("refused" in m for m in retries)
+
+
+@pytest.mark.slow
+def test_unresolvable_host_names_dns():
+    err, took = _fails(_transport("mqtt://nonexistent.invalid:1883"), timeout=3)
+    assert err.cause is FailureCause.DNS
+    assert "cannot resolve the broker's host name 'nonexistent.invalid'" in str(err)
+    assert took < 15
+
+
+def _provisioned(tmp_path: Path, name: str, auth: str) -> Path:
+    out = tmp_path / name
+    assert main_provision(["--federation", "probe", "--agents", "pi-01", "--broker-host", "localhost",
+                           "--out", str(out), "--auth", auth]) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_untrusted_broker_certificate_fails_at_once_naming_tls(tmp_path):
+    require_mosquitto()
+    ours, theirs = _provisioned(tmp_path, "ours", "password"), _provisioned(tmp_path, "theirs", "password")
+    with MosquittoBroker(conf=theirs / "broker" / "mosquitto.conf") as broker:
+        # our CA, their broker: the broker's certificate does not chain to what we trust
+        login = BrokerLogin(username="pi-01", password="x", ca_file=str(ours / "ca" / "ca.crt"))
+        err, took = _fails(_transport(broker.url, login), timeout=60)
+        assert err.cause is FailureCause.TLS and "TLS verification" in str(err) and "broker.ca_file" in str(err)
+        assert took < 5
+        # and without a CA file: the system store does not know a private CA either
+        err, took = _fails(_transport(broker.url, BrokerLogin(username="pi-01", password="x")), timeout=60)
+        assert err.cause is FailureCause.TLS and took < 5
+
+
+@pytest.mark.slow
+def test_wrong_password_fails_at_once_naming_the_user(tmp_path):
+    require_mosquitto()
+    out = _provisioned(tmp_path, "p", "password")
+    ca = str(out / "ca" / "ca.crt")
+    with MosquittoBroker(conf=out / "broker" / "mosquitto.conf") as broker:
+        err, took = _fails(_transport(broker.url, BrokerLogin("pi-01", "wrong", ca_file=ca)), timeout=60)
+        assert err.cause is FailureCause.AUTH and "refused user 'pi-01'" in str(err)
+        assert took < 5
+        right = (out / "agents" / "pi-01" / "password").read_text().strip()
+        transport = _transport(broker.url, BrokerLogin("pi-01", right, ca_file=ca)).start(timeout=10)
+        transport.stop()
+
+
+@pytest.mark.slow
+def test_missing_client_certificate_fails_naming_it(tmp_path):
+    require_mosquitto()
+    out = _provisioned(tmp_path, "p", "cert")
+    with MosquittoBroker(conf=out / "broker" / "mosquitto.conf") as broker:
+        login = BrokerLogin("pi-01", ca_file=str(out / "ca" / "ca.crt"))
+        err, took = _fails(_transport(broker.url, login), timeout=4)
+        # TLS 1.3: the broker's alert may arrive after the handshake, or only as a closed socket
+        assert err.cause in (FailureCause.TLS_CLIENT, FailureCause.CLOSED)
+        assert "no TLS certificate" in str(err) or "rejected this client's TLS certificate" in str(err)
+        assert took < 10
+
+
+@pytest.mark.slow
+def test_agent_process_prints_one_line_naming_the_cause(tmp_path):
+    """What an operator sees: ``edgepfl agent`` against a broker whose CA it does not trust."""
+    require_mosquitto()
+    ours, theirs = _provisioned(tmp_path, "ours", "cert"), _provisioned(tmp_path, "theirs", "cert")
+    with MosquittoBroker(conf=theirs / "broker" / "mosquitto.conf") as broker:
+        bundle = ours / "agents" / "pi-01"
+        agent = yaml.safe_load((bundle / "agent.yaml").read_text())
+        agent["broker"]["url"] = broker.url
+        agent["data"] = {"dataset": "auto", "samples_per_client": 50, "num_clients": 2}
+        (bundle / "agent.yaml").write_text(yaml.safe_dump(agent))
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "edgepfl.cli", "--log-level", "error", "agent", "--config",
+                               "agent.yaml"], cwd=bundle, capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+        took = time.monotonic() - started
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("edgepfl: TLS verification of MQTT broker"), proc.stderr[-2000:]
+    assert took < 40  # data loading and imports included; the connection itself fails at once
