@@ -19,11 +19,13 @@ from edgepfl.protocol import (
     FederationChannel,
     MessageType,
     StatusMeta,
+    TopicError,
     agent_topic,
     agent_wildcard,
     decode,
     encode,
     federation_topic,
+    parse_topic,
 )
 from edgepfl.protocol.transport import Inbound, MqttTransport
 
@@ -99,6 +101,7 @@ class MqttFleet(Fleet):
             birth=lambda: (self._presence, self._frame(self._meta), True),
             max_message_bytes=broker.max_message_bytes,
             max_payload_bytes=broker.max_payload_bytes,
+            max_buffered_bytes=broker.max_buffered_bytes,
             keepalive_s=broker.keepalive_s,
             on_reject=self._transport_dropped,
         )
@@ -109,7 +112,11 @@ class MqttFleet(Fleet):
 
     def _transport_dropped(self, topic: str, reason: str, detail: str) -> None:
         # Called inside transport.receive(), on the polling thread: handed out by poll().
-        self._dropped.append(Rejection(None, reason, detail))
+        try:
+            agent_id = parse_topic(topic).agent
+        except TopicError:
+            agent_id = None
+        self._dropped.append(Rejection(agent_id, reason, f"{topic}: {detail}"))
 
     def announce(self, meta: CoordinatorMeta) -> None:
         self._meta = meta

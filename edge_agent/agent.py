@@ -85,6 +85,7 @@ class Agent:
             birth=lambda: (status_topic, self._status_frame("online"), True),
             max_message_bytes=c.broker.max_message_bytes,
             max_payload_bytes=c.broker.max_payload_bytes,
+            max_buffered_bytes=c.broker.max_buffered_bytes,
             keepalive_s=c.broker.keepalive_s,
         )
         transport.start(timeout=120)

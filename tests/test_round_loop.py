@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 
 from edgepfl.config import RunConfig
-from edgepfl.metrics import read_metrics
 from edgepfl.coordinator.fleet import Fleet, Incoming
 from edgepfl.coordinator.gate import Rejection
 from edgepfl.coordinator.registry import Registry
 from edgepfl.coordinator.rounds import Coordinator, RoundResult
+from edgepfl.metrics import read_metrics
 from edgepfl.protocol import (
     AgentChannel,
     CoordinatorMeta,
