@@ -89,12 +89,15 @@ def poisoned_trainer(kind: str):
 
 
 # ---------------------------------------------------------------------- one run
-def run_config(method: str, rule: str, rounds: int, ratio: float, seed: int) -> dict:
+def run_config(method: str, rule: str, rounds: int, ratios: dict, seed: int) -> dict:
+    """``ratios``: the norm thresholds, from the clean run (``all``: clip_ratio; ``parameters``
+    and ``statistics``: the update bound's two groups)."""
     name, _, bound = rule.partition("+")
     aggregation: dict = {"rule": name, "max_update_ratio": None, "trim_fraction": 0.25, "krum_byzantine": 2,
-                         "clip_ratio": ratio, "max_change_ratio": None}
+                         "clip_ratio": ratios.get("all", 1.0), "max_change_ratio": None}
     if bound:
-        aggregation.update(max_update_ratio=ratio, on_large_update=bound.removeprefix("bound_"))
+        aggregation.update(max_update_ratio=ratios["parameters"], max_statistics_ratio=ratios.get("statistics"),
+                           on_large_update=bound.removeprefix("bound_"))
     method_block = {"name": method, **({"head_epochs": 4} if method == "fedrep" else {})}
     return {
         "federation": f"robust-{method}",
@@ -108,7 +111,7 @@ def run_config(method: str, rule: str, rounds: int, ratio: float, seed: int) -> 
     }
 
 
-def run_one(method: str, rule: str, attack: str, rounds: int, ratio: float, seed: int, runs_root: Path) -> dict:
+def run_one(method: str, rule: str, attack: str, rounds: int, ratio: dict, seed: int, runs_root: Path) -> dict:
     """One in-process federation with ``attack`` (``kind:count``; attackers are the first agents)."""
     import torch
 
@@ -137,7 +140,7 @@ def run_one(method: str, rule: str, attack: str, rounds: int, ratio: float, seed
     coord = Coordinator(config, LocalFleet(runtimes, config.federation), out, progress=False, **data_shape(config))
     timing = {"cpu_s": 0.0, "rounds": 0}
     _time_server_step(coord, timing)
-    changes: list[float] = []
+    changes: dict[str, list[float]] = {}
     if attack == "none":
         _record_change_ratios(coord, changes)
     t0 = time.monotonic()
@@ -161,7 +164,7 @@ def run_one(method: str, rule: str, attack: str, rounds: int, ratio: float, seed
         "clipped": sum(len(r.clipped) for r in rows),
         "aborted_rounds": sum(r.aborted for r in rows),
         "server_step_cpu_s_per_round": timing["cpu_s"] / max(1, timing["rounds"]),
-        "honest_change_ratio_max": max(changes) if changes else None,
+        "honest_change_ratio_max": {group: max(values) for group, values in changes.items()},
         "wall_seconds": round(time.monotonic() - t0, 1),
         "torch_threads": torch.get_num_threads(),
     }
@@ -197,9 +200,10 @@ def _time_server_step(coord, timing: dict) -> None:
     method.open_round = timed_open_round
 
 
-def _record_change_ratios(coord, changes: list[float]) -> None:
-    """On the clean run: each honest update's change norm over the reference's norm (the
-    learned parameters), to set the norm thresholds of the attacked runs from."""
+def _record_change_ratios(coord, changes: dict[str, list[float]]) -> None:
+    """On the clean run: each honest update's change norm over the reference's norm, for the
+    learned parameters, the BatchNorm statistics and all floats together, to set the norm
+    thresholds of the attacked runs from."""
     method = coord.method
     open_round = method.open_round
 
@@ -207,12 +211,18 @@ def _record_change_ratios(coord, changes: list[float]) -> None:
         aggregate = open_round(state, rule)
         add = aggregate.add
         ref = state.shared_params()
-        keys = [k for k, v in ref.items() if v.dtype.kind == "f" and not k.endswith(("running_mean", "running_var"))]
-        norm = max(1.0, math.sqrt(sum(float(np.sum(ref[k].astype(np.float64) ** 2)) for k in keys)))
+        floats = [k for k, v in ref.items() if v.dtype.kind == "f"]
+        stats = [k for k in floats if k.endswith(("running_mean", "running_var"))]
+        groups = {"all": floats, "statistics": stats, "parameters": [k for k in floats if k not in stats]}
 
         def probing_add(update):
-            change = math.sqrt(sum(float(np.sum((update.tensors[k].astype(np.float64) - ref[k]) ** 2)) for k in keys))
-            changes.append(change / norm)
+            for group, keys in groups.items():
+                if not keys:
+                    continue
+                norm = max(1.0, math.sqrt(sum(float(np.sum(ref[k].astype(np.float64) ** 2)) for k in keys)))
+                change = math.sqrt(sum(float(np.sum((update.tensors[k].astype(np.float64) - ref[k]) ** 2))
+                                       for k in keys))
+                changes.setdefault(group, []).append(change / norm)
             return add(update)
 
         aggregate.add = probing_add
@@ -228,7 +238,7 @@ def result_path(method: str, rule: str, attack: str) -> Path:
 
 def worker(args) -> int:
     method, rule, attack = args.one.split("/")
-    record = run_one(method, rule, attack, args.rounds, args.ratio, args.seed, Path(args.runs_root))
+    record = run_one(method, rule, attack, args.rounds, json.loads(args.ratio), args.seed, Path(args.runs_root))
     record["command"] = (f"OMP_NUM_THREADS=1 python benchmarks/robust_aggregation.py --methods {method} "
                          f"--rounds {args.rounds} --seed {args.seed} --bound {args.bound}")
     path = result_path(method, rule, attack)
@@ -239,9 +249,12 @@ def worker(args) -> int:
     return 0
 
 
-def spawn(one: str, args, ratio: float) -> None:
+def spawn(one: str, args, ratio: dict) -> None:
+    method, rule, attack = one.split("/")
+    if args.skip_done and result_path(method, rule, attack).exists():
+        return
     cmd = [sys.executable, __file__, "--one", one, "--rounds", str(args.rounds), "--seed", str(args.seed),
-           "--ratio", repr(ratio), "--bound", str(args.bound), "--runs-root", args.runs_root]
+           "--ratio", json.dumps(ratio), "--bound", str(args.bound), "--runs-root", args.runs_root]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run(cmd, check=True, env=env)
 
@@ -257,20 +270,22 @@ def main(argv: list[str] | None = None) -> int:
                                                            "honest change ratio")
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--runs-root", default=str(REPO / "runs" / "robust"))
+    p.add_argument("--skip-done", action="store_true", help="keep runs whose result JSON exists")
     p.add_argument("--table", action="store_true", help="only write the table and plot from the JSONs")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--ratio", type=float, default=1.0, help=argparse.SUPPRESS)
+    p.add_argument("--ratio", default="{}", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
         return worker(args)
     if not args.table:
         for method in args.methods.split(","):
             # the clean FedAvg-style run first: its honest updates set the norm thresholds
-            spawn(f"{method}/mean/none", args, 1.0)
+            spawn(f"{method}/mean/none", args, {})
             clean = json.loads(result_path(method, "mean", "none").read_text())
-            ratio = float(f"{args.bound * clean['honest_change_ratio_max']:.3g}")
-            print(f"{method}: largest honest change ratio {clean['honest_change_ratio_max']:.4g}; "
-                  f"clip_ratio = max_update_ratio = {ratio}", flush=True)
+            ratio = {group: float(f"{args.bound * value:.3g}")
+                     for group, value in clean["honest_change_ratio_max"].items()}
+            print(f"{method}: largest honest change ratios {clean['honest_change_ratio_max']}; "
+                  f"thresholds {ratio}", flush=True)
             queue = [f"{method}/{rule}/{attack}" for attack in args.attacks.split(",")
                      for rule in args.rules.split(",") if (rule, attack) != ("mean", "none")]
             with ThreadPoolExecutor(args.jobs) as pool:
@@ -302,11 +317,13 @@ def markdown(result: dict) -> str:
     for method in sorted({r["method"] for r in records}):
         mine = {(r["rule"], r["attack"], r["attackers"]): r for r in records if r["method"] == method}
         attacks = [("none", 0)] + [(a.split(":")[0], int(a.split(":")[1])) for a in ATTACKS[1:]]
-        ratio = next(iter(mine.values()))["ratio"]
+        ratio = next((r["ratio"] for r in mine.values() if isinstance(r["ratio"], dict) and r["ratio"]), {})
         rounds = next(iter(mine.values()))["rounds"]
         lines += [f"### {method}: honest agents' personalized accuracy (%) after {rounds} rounds, "
                   f"{AGENTS} agents, k attackers", "",
-                  f"clip_ratio = max_update_ratio = {ratio} (2 x the clean run's largest honest change ratio)", "",
+                  f"thresholds (2 x the clean run's largest honest change ratio): clip_ratio = {ratio.get('all')}, "
+                  f"max_update_ratio = {ratio.get('parameters')}, max_statistics_ratio = {ratio.get('statistics')}",
+                  "",
                   "| rule | clean | " + " | ".join(f"{a} ×{k}" for a, k in attacks[1:])
                   + " | server step (CPU ms/round) | rejected / clipped (all runs) |",
                   "|---|" + "---|" * (len(attacks) + 2)]

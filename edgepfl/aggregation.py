@@ -88,6 +88,9 @@ class AggregationSpec(BaseModel):
         10.0, gt=0, description="any rule: one update's change may be at most this times the reference's norm (at "
                                "least 1), learned parameters and BatchNorm running statistics each on their own; "
                                "null: no bound")
+    max_statistics_ratio: float | None = Field(
+        None, gt=0, description="the bound for BatchNorm's running statistics, whose changes follow the data "
+                               "rather than the learning rate; null: max_update_ratio")
     on_large_update: Literal["reject", "clip"] = Field(
         "reject", description="an update over max_update_ratio: reject it (reason 'out_of_range') or clip its "
                               "change onto the bound")
@@ -99,7 +102,7 @@ class AggregationSpec(BaseModel):
         """A new aggregator for this spec, with its update bound."""
         rule = self._build_rule()
         if self.max_update_ratio is not None:
-            rule.bound = UpdateNormBound(self.max_update_ratio, self.on_large_update)
+            rule.bound = UpdateNormBound(self.max_update_ratio, self.on_large_update, self.max_statistics_ratio)
         return rule
 
     def _build_rule(self) -> Aggregator:
@@ -127,14 +130,15 @@ class UpdateNormBound:
     values follow the data and may legitimately move more than the weights. In each
     group the change's L2 norm may be at most ``ratio * max(1, ||reference||)`` (the
     reference's norm over the same group; at least 1, so that a model near zero may
-    still learn). Over it, ``action`` ``"reject"`` refuses the update (``out_of_range``);
+    still learn; ``statistics_ratio``, when given, for the statistics). Over it, ``action`` ``"reject"`` refuses the update (``out_of_range``);
     ``"clip"`` scales the group's change onto the bound. Integer tensors are neither
     measured nor scaled (a rule averages them as integers).
     """
 
-    def __init__(self, ratio: float, action: Literal["reject", "clip"] = "reject"):
+    def __init__(self, ratio: float, action: Literal["reject", "clip"] = "reject", statistics_ratio: float | None = None):
         self.ratio = ratio
         self.action = action
+        self.statistics_ratio = statistics_ratio
         self.groups_: dict[str, list[str]] = {}
         self.limits_: dict[str, float] = {}
 
@@ -146,7 +150,8 @@ class UpdateNormBound:
             if ref.dtype.kind == "f":
                 group = "running statistics" if key.rpartition(".")[2] in STATISTIC_LEAVES else "parameters"
                 self.groups_[group].append(key)
-        self.limits_ = {group: self.ratio * max(1.0, _norm(reference[k] for k in keys))
+        self.ratios_ = {"parameters": self.ratio, "running statistics": self.statistics_ratio or self.ratio}
+        self.limits_ = {group: self.ratios_[group] * max(1.0, _norm(reference[k] for k in keys))
                         for group, keys in self.groups_.items()}
 
     def apply(self, params: Mapping[str, np.ndarray]) -> tuple[Mapping[str, np.ndarray], bool]:
@@ -161,7 +166,7 @@ class UpdateNormBound:
                 if self.action == "reject":
                     raise AggregationRejected(
                         "out_of_range", f"the update changes the {group} by a norm of {change:.4g}, more than "
-                                        f"{self.ratio:g} x max(1, their norm) = {limit:.4g}")
+                                        f"{self.ratios_[group]:g} x max(1, their norm) = {limit:.4g}")
                 factors[group] = limit / change
         if not factors:
             return params, False

@@ -293,6 +293,8 @@ def test_running_statistics_are_bounded_on_their_own_scale_not_the_weights():
     update["encoder.bn.running_var"] = (ref["encoder.bn.running_var"] * 3.0).astype(np.float32)
     same, clipped = bound.apply(update)
     assert same is update and not clipped
+    separate = UpdateNormBound(2.5, "clip", statistics_ratio=60.0)  # the statistics on a ratio of their own
+    assert separate.begin(ref) is None and separate.apply(update) == (update, False)
     rejecting = UpdateNormBound(2.5, "reject")
     rejecting.begin(ref)
     update["encoder.bn.running_var"] = (ref["encoder.bn.running_var"] * 50.0).astype(np.float32)
