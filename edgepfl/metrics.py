@@ -35,9 +35,6 @@ class RoundMetrics(BaseModel):
     accuracy: float | None = Field(description="sample-weighted held-out accuracy over evaluated agents")
     per_client: dict[str, float | None] = Field(description="agent -> held-out accuracy (None: no test samples)")
     participants: list[str] = Field(description="agents whose training update was aggregated, sorted")
-    clipped: list[str] = Field(
-        default_factory=list, description="participants whose update moved past aggregation.max_update_ratio and "
-                                          "was clipped onto it (on_large_update: clip), sorted")
     sampled: list[str] = Field(description="agents sent a training task")
     evaluated: int = Field(ge=0, description="agents that answered (train or evaluate)")
     dropped: list[str] = Field(description="agents that did not answer before the round closed, sorted")
@@ -54,6 +51,9 @@ class RoundMetrics(BaseModel):
     bytes_down: int = Field(ge=0, description="coordinator -> agent bytes of the tasks sent")
     shared_bytes: int = Field(ge=0, description="size of the shared parameters after the round")
     seconds: float = Field(ge=0, description="wall time of the round")
+    clipped: list[str] = Field(
+        default_factory=list, description="participants whose update moved past aggregation.max_update_ratio and "
+                                          "was clipped onto it (on_large_update: clip), sorted")
 
     def to_line(self) -> str:
         """The row as one ``metrics.jsonl`` line (with its newline)."""
