@@ -131,7 +131,8 @@ class UpdateNormBound:
     group the change's L2 norm may be at most ``ratio * max(1, ||reference||)`` (the
     reference's norm over the same group; at least 1, so that a model near zero may
     still learn; ``statistics_ratio``, when given, for the statistics). Over it,
-    ``action`` ``"reject"`` refuses the update (``out_of_range``); ``"clip"`` scales the group's change onto the bound. Integer tensors are neither
+    ``action`` ``"reject"`` refuses the update (``out_of_range``); ``"clip"`` scales the
+    group's change onto the bound. Integer tensors are neither
     measured nor scaled (a rule averages them as integers).
     """
 
