@@ -21,11 +21,13 @@ from edgepfl.protocol import (
     FederationChannel,
     MessageType,
     StatusMeta,
+    TopicError,
     agent_topic,
     agent_wildcard,
     decode,
     encode,
     federation_topic,
+    parse_topic,
 )
 from edgepfl.protocol.connection import BrokerLogin
 from edgepfl.protocol.signing import Signer, load_signer
@@ -119,6 +121,7 @@ class MqttFleet(Fleet):
             birth=self._birth,
             max_message_bytes=broker.max_message_bytes,
             max_payload_bytes=broker.max_payload_bytes,
+            max_buffered_bytes=broker.max_buffered_bytes,
             keepalive_s=broker.keepalive_s,
             on_reject=self._transport_dropped,
         )
@@ -133,7 +136,11 @@ class MqttFleet(Fleet):
 
     def _transport_dropped(self, topic: str, reason: str, detail: str) -> None:
         # Called inside transport.receive(), on the polling thread: handed out by poll().
-        self._dropped.append(Rejection(None, reason, detail))
+        try:
+            agent_id = parse_topic(topic).agent
+        except TopicError:
+            agent_id = None
+        self._dropped.append(Rejection(agent_id, reason, f"{topic}: {detail}"))
 
     def _birth(self) -> tuple[str, bytes, bool]:
         # A new session on every connection is a roll call: agents re-publish their status

@@ -88,6 +88,8 @@ class RoundResult:
     round: int
     aggregate: RoundAggregate | None = None
     participants: list[str] = field(default_factory=list)
+    #: participants whose update the rule's bound clipped (aggregation.on_large_update: clip)
+    clipped: list[str] = field(default_factory=list)
     evaluations: dict[str, dict] = field(default_factory=dict)
     rejected: Counter = field(default_factory=Counter)
     bytes_up: int = 0
@@ -101,7 +103,10 @@ class RoundResult:
         if accepted.update is not None:
             # a train task, hence a training round with its aggregate
             assert self.aggregate is not None
-            self.aggregate.add(accepted.update)
+            if self.aggregate.add(accepted.update):
+                log.warning("round %d: the update from %s moved the shared parameters past the update bound "
+                            "(aggregation.max_update_ratio); clipped onto it", self.round, accepted.agent_id)
+                self.clipped.append(accepted.agent_id)
             self.participants.append(accepted.agent_id)
         meta = accepted.meta
         self.bytes_up += wire_bytes
@@ -470,6 +475,7 @@ class Coordinator:
             accuracy=correct / total if total else None,
             per_client={a: (e["correct"] / e["total"] if e["total"] else None) for a, e in sorted(evals.items())},
             participants=sorted(result.participants),
+            clipped=sorted(result.clipped),
             sampled=result.sampled,
             evaluated=len(evals),
             dropped=sorted(result.dropped),

@@ -125,6 +125,7 @@ class Agent:
             birth=lambda: (status_topic, self._new_birth(), True),
             max_message_bytes=c.broker.max_message_bytes,
             max_payload_bytes=c.broker.max_payload_bytes,
+            max_buffered_bytes=c.broker.max_buffered_bytes,
             keepalive_s=c.broker.keepalive_s,
         )
         transport.start(timeout=120)

@@ -13,6 +13,14 @@ is written once and serves every method whose server step averages.
   that need every update of the round at once (``streaming = False``); unweighted, since
   a self-reported sample count is exactly what an attacker would inflate.
 
+**Bounded trust in every update.** Whatever the rule, :class:`UpdateNormBound` (the
+spec's ``max_update_ratio``) bounds how far one update may move the shared parameters
+from the reference: the norm of its change, taken separately over the learned parameters
+and over BatchNorm's running statistics, may be at most ``max_update_ratio`` times the
+reference's norm of the same group (at least 1). An update over the bound is refused
+(``out_of_range``) or scaled back onto it (``on_large_update: clip``); either way the
+decision and the clipped tensors depend on that update and the reference alone.
+
 **Order independence.** Over MQTT updates arrive in any order; in-process they arrive
 sorted. Both must give the same bits, so the streaming rules do not add floats (whose
 rounding depends on order): each contribution ``w * (x - reference)`` is rounded once, on
@@ -76,12 +84,28 @@ class AggregationSpec(BaseModel):
     max_change_ratio: float | None = Field(
         10.0, gt=0, description="abort a round (reason 'diverged', state kept) whose aggregate moves the shared "
                                "parameters by more than this times their norm (at least 1); null: no bound")
+    max_update_ratio: float | None = Field(
+        10.0, gt=0, description="any rule: one update's change may be at most this times the reference's norm (at "
+                               "least 1), learned parameters and BatchNorm running statistics each on their own; "
+                               "null: no bound")
+    max_statistics_ratio: float | None = Field(
+        None, gt=0, description="the bound for BatchNorm's running statistics, whose changes follow the data "
+                               "rather than the learning rate; null: max_update_ratio")
+    on_large_update: Literal["reject", "clip"] = Field(
+        "reject", description="an update over max_update_ratio: reject it (reason 'out_of_range') or clip its "
+                              "change onto the bound")
     rollback_after: int | None = Field(
         3, ge=1, description="after this many aborted rounds in a row (any reason, below quorum included), go "
                              "back to the last good state: the last one a round was adopted from; null: never")
 
     def build(self) -> Aggregator:
-        """A new aggregator for this spec."""
+        """A new aggregator for this spec, with its update bound."""
+        rule = self._build_rule()
+        if self.max_update_ratio is not None:
+            rule.bound = UpdateNormBound(self.max_update_ratio, self.on_large_update, self.max_statistics_ratio)
+        return rule
+
+    def _build_rule(self) -> Aggregator:
         if self.rule == "mean":
             return Mean()
         if self.rule == "clipped_mean":
@@ -91,6 +115,69 @@ class AggregationSpec(BaseModel):
         if self.rule == "trimmed_mean":
             return TrimmedMean(self.trim_fraction)
         return MultiKrum(self.krum_byzantine, self.krum_select)
+
+
+#: ``state_dict`` leaves that are BatchNorm running statistics: bounded as a group of their
+#: own, since their scale (the data's) has nothing to do with the weights'
+STATISTIC_LEAVES = ("running_mean", "running_var")
+
+
+class UpdateNormBound:
+    """Bounds one update's change from the round's reference, whatever the rule.
+
+    The change of the floating-point tensors is measured in two groups: the learned
+    parameters, and BatchNorm's running statistics (:data:`STATISTIC_LEAVES`), whose
+    values follow the data and may legitimately move more than the weights. In each
+    group the change's L2 norm may be at most ``ratio * max(1, ||reference||)`` (the
+    reference's norm over the same group; at least 1, so that a model near zero may
+    still learn; ``statistics_ratio``, when given, for the statistics). Over it,
+    ``action`` ``"reject"`` refuses the update (``out_of_range``); ``"clip"`` scales the
+    group's change onto the bound. Integer tensors are neither
+    measured nor scaled (a rule averages them as integers).
+    """
+
+    def __init__(self, ratio: float, action: Literal["reject", "clip"] = "reject", statistics_ratio: float | None = None):
+        self.ratio = ratio
+        self.action = action
+        self.statistics_ratio = statistics_ratio
+        self.groups_: dict[str, list[str]] = {}
+        self.limits_: dict[str, float] = {}
+
+    def begin(self, reference: Mapping[str, np.ndarray]) -> None:
+        """Measure the reference once per round."""
+        self.reference_ = reference
+        self.groups_ = {"parameters": [], "running statistics": []}
+        for key, ref in reference.items():
+            if ref.dtype.kind == "f":
+                group = "running statistics" if key.rpartition(".")[2] in STATISTIC_LEAVES else "parameters"
+                self.groups_[group].append(key)
+        self.ratios_ = {"parameters": self.ratio, "running statistics": self.statistics_ratio or self.ratio}
+        self.limits_ = {group: self.ratios_[group] * max(1.0, _norm(reference[k] for k in keys))
+                        for group, keys in self.groups_.items()}
+
+    def apply(self, params: Mapping[str, np.ndarray]) -> tuple[Mapping[str, np.ndarray], bool]:
+        """``params`` within the bound (the same mapping when nothing is over it) and whether
+        it was clipped; raises :class:`AggregationRejected` to refuse it. ``params`` must
+        already have the reference's shapes and finite values."""
+        factors: dict[str, float] = {}
+        for group, keys in self.groups_.items():
+            change = _norm(np.asarray(params[k], np.float64) - self.reference_[k] for k in keys)
+            limit = self.limits_[group]
+            if change > limit:
+                if self.action == "reject":
+                    raise AggregationRejected(
+                        "out_of_range", f"the update changes the {group} by a norm of {change:.4g}, more than "
+                                        f"{self.ratios_[group]:g} x max(1, their norm) = {limit:.4g}")
+                factors[group] = limit / change
+        if not factors:
+            return params, False
+        clipped = dict(params)
+        for group, factor in factors.items():
+            for key in self.groups_[group]:
+                ref = self.reference_[key]
+                ref64 = ref.astype(np.float64)
+                clipped[key] = (ref64 + factor * (np.asarray(params[key], np.float64) - ref64)).astype(ref.dtype)
+        return clipped, True
 
 
 class Aggregator(ABC):
@@ -103,22 +190,43 @@ class Aggregator(ABC):
     def __init__(self) -> None:
         self.reference_: TensorDict = {}
         self.count_ = 0
+        #: the bound on one update's change, applied before the rule sees it (None: none)
+        self.bound: UpdateNormBound | None = None
+        #: updates of this round that the bound clipped
+        self.bound_clipped_ = 0
 
     def begin(self, reference: Mapping[str, np.ndarray]) -> None:
         """Start a round whose tasks carried ``reference`` (the keys to aggregate)."""
         self.reference_ = {k: np.asarray(v) for k, v in reference.items()}
         self.count_ = 0
+        self.bound_clipped_ = 0
+        if self.bound is not None:
+            self.bound.begin(self.reference_)
 
-    def add(self, params: Mapping[str, np.ndarray], weight: int = 1) -> None:
-        """Fold in one accepted update (same keys, shapes and dtypes as the reference)."""
+    def add(self, params: Mapping[str, np.ndarray], weight: int = 1) -> bool:
+        """Fold in one accepted update (same keys, shapes and dtypes as the reference);
+        True when :attr:`bound` clipped it first.
+
+        Raises :class:`AggregationRejected` for an update the rule refuses; nothing of it is kept."""
         if not self.reference_:
             raise RuntimeError("begin() first")
         if set(params) != set(self.reference_):
             raise AggregationRejected("wrong_tensors", "update keys differ from the round's reference")
         if not isinstance(weight, (int, np.integer)) or weight < 1:
             raise AggregationRejected("malformed", f"weight must be a positive integer, got {weight!r}")
+        for key, ref in self.reference_.items():
+            x = np.asarray(params[key])
+            if x.shape != ref.shape or x.dtype != ref.dtype:
+                raise AggregationRejected("wrong_shape", f"{key}: {x.dtype}{list(x.shape)}")
+            if x.dtype.kind == "f" and not np.isfinite(x).all():
+                raise AggregationRejected("non_finite", f"{key} holds NaN or Inf")
+        clipped = False
+        if self.bound is not None:
+            params, clipped = self.bound.apply(params)
+            self.bound_clipped_ += clipped
         self._add(params, int(weight))
         self.count_ += 1
+        return clipped
 
     @abstractmethod
     def _add(self, params: Mapping[str, np.ndarray], weight: int) -> None: ...
@@ -170,12 +278,8 @@ class _ExactSum:
         if weight > MAX_UPDATE_WEIGHT:
             raise AggregationRejected("malformed", f"one update's weight may be at most {MAX_UPDATE_WEIGHT}")
         for key, ref in self.reference.items():
-            x = np.asarray(params[key])
-            if x.shape != ref.shape or x.dtype != ref.dtype:
-                raise AggregationRejected("wrong_shape", f"{key}: {x.dtype}{list(x.shape)}")
+            x = np.asarray(params[key])  # shapes, dtypes and finiteness: checked by Aggregator.add
             if ref.dtype.kind == "f":
-                if not np.isfinite(x).all():
-                    raise AggregationRejected("non_finite", f"{key} holds NaN or Inf")
                 change = float(np.max(np.abs(x.astype(np.float64) - ref))) if x.size else 0.0
                 if change > self.limit[key]:
                     raise AggregationRejected(
@@ -280,14 +384,7 @@ class _Buffered(Aggregator):
     def _add(self, params: Mapping[str, np.ndarray], weight: int) -> None:
         import hashlib
 
-        checked = {}
-        for key, ref in self.reference_.items():
-            x = np.asarray(params[key])
-            if x.shape != ref.shape or x.dtype != ref.dtype:
-                raise AggregationRejected("wrong_shape", f"{key}: {x.dtype}{list(x.shape)}")
-            if x.dtype.kind == "f" and not np.isfinite(x).all():
-                raise AggregationRejected("non_finite", f"{key} holds NaN or Inf")
-            checked[key] = x
+        checked = {key: np.asarray(params[key]) for key in self.reference_}  # checked by Aggregator.add
         digest = hashlib.sha256(b"".join(np.ascontiguousarray(checked[k]).tobytes() for k in sorted(checked)))
         self.updates_.append((digest.digest(), checked))
 
@@ -351,5 +448,5 @@ class MultiKrum(_Buffered):
 
 __all__ = [
     "CHANGE_RANGE", "MAX_UPDATE_WEIGHT", "AggregationRejected", "AggregationSpec", "Aggregator", "CoordinateMedian",
-    "Mean", "MultiKrum", "NormClippedMean", "TrimmedMean",
+    "Mean", "MultiKrum", "NormClippedMean", "STATISTIC_LEAVES", "TrimmedMean", "UpdateNormBound",
 ]

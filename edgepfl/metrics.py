@@ -58,6 +58,9 @@ class RoundMetrics(BaseModel):
     bytes_down: int = Field(ge=0, description="coordinator -> agent bytes of the tasks sent")
     shared_bytes: int = Field(ge=0, description="size of the shared parameters after the round")
     seconds: float = Field(ge=0, description="wall time of the round")
+    clipped: list[str] = Field(
+        default_factory=list, description="participants whose update moved past aggregation.max_update_ratio and "
+                                          "was clipped onto it (on_large_update: clip), sorted")
 
     def to_line(self) -> str:
         """The row as one ``metrics.jsonl`` line (with its newline)."""

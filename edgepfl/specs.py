@@ -108,6 +108,9 @@ class BrokerConfig(_Strict):
     key_file: ConfigPath | None = Field(None, description="mqtts: the private key of cert_file (PEM, mode 0600)")
     max_message_bytes: int = Field(1_000_000, ge=16_384, description="larger payloads travel in chunks")
     max_payload_bytes: int = Field(256 * 2**20, ge=16_384, description="largest whole message accepted")
+    max_buffered_bytes: int = Field(
+        2 * 2**30, ge=16_384, description="all partially received chunked messages together (each topic: at most "
+                                          "max_payload_bytes and 4 messages); a chunk past it is refused, over_budget")
     keepalive_s: int = Field(30, ge=5, description="MQTT keepalive; a silent client is declared gone after 1.5x")
 
     @model_validator(mode="after")

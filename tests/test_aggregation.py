@@ -16,6 +16,7 @@ from edgepfl.aggregation import (
     MultiKrum,
     NormClippedMean,
     TrimmedMean,
+    UpdateNormBound,
 )
 
 RULES = ["mean", "clipped_mean", "median", "trimmed_mean", "multi_krum"]
@@ -100,11 +101,8 @@ def test_an_update_no_rule_should_average_is_refused_with_a_reason(attack):
         bad["head.bias"][0] = np.nan if attack == "nan" else np.inf
         reason = "non_finite"
     for name in RULES:
-        rule = AggregationSpec(rule=name).build()
+        rule = AggregationSpec(rule=name).build()  # the default update bound refuses x1e6 whatever the rule
         rule.begin(ref)
-        if name in ("median", "trimmed_mean", "multi_krum") and attack == "scaled_1e6":
-            rule.add(bad, 1)  # robust rules take it in and out-vote it (see the robustness test)
-            continue
         with pytest.raises(AggregationRejected) as err:
             rule.add(bad, 1)
         assert err.value.reason == reason
@@ -210,3 +208,117 @@ def test_a_round_may_carry_more_total_weight_than_one_update_and_stays_exact_and
     with pytest.raises(AggregationRejected) as err:
         rule.add(updates[0], MAX_UPDATE_WEIGHT + 1)
     assert err.value.reason == "malformed"
+
+
+# --------------------------------------------------------------------------- the bound on one update
+
+
+def _change_norm(params, ref, keys) -> float:
+    return float(np.sqrt(sum(np.sum((params[k].astype(np.float64) - ref[k]) ** 2) for k in keys)))
+
+
+def _norm_of(ref, keys) -> float:
+    return float(np.sqrt(sum(np.sum(ref[k].astype(np.float64) ** 2) for k in keys)))
+
+
+PARAMETERS = ["encoder.conv.weight", "head.bias", "head.scale"]
+
+
+@pytest.mark.parametrize("name", RULES)
+@pytest.mark.parametrize("action", ["clip", "reject"])
+def test_the_update_bound_keeps_arrival_order_free_with_attackers_clipped_or_refused(name, action):
+    rng = np.random.default_rng(11)
+    ref = reference(rng)
+    updates = honest(ref, rng, 9, spread=0.05)
+    updates += [{k: (v + 3.0 * (v - ref[k]) * 40).astype(v.dtype) for k, v in u.items()} for u in updates[:3]]
+    weights = rng.integers(1, 5000, len(updates)).tolist()
+    spec = AggregationSpec(rule=name, max_update_ratio=0.3, on_large_update=action)
+
+    def run(order):
+        rule = spec.build()
+        rule.begin(ref)
+        refused = 0
+        for i in order:
+            try:
+                rule.add(updates[i], weights[i])
+            except AggregationRejected as exc:
+                assert exc.reason == "out_of_range"
+                refused += 1
+        return rule, refused, rule.result()
+
+    first, refused, want = run(range(len(updates)))
+    assert (first.bound_clipped_, refused) == ((3, 0) if action == "clip" else (0, 3))
+    for seed in range(25):
+        _, _, got = run(np.random.default_rng(seed).permutation(len(updates)))
+        for key in ref:
+            assert got[key].tobytes() == want[key].tobytes(), (name, action, seed, key)
+
+
+def test_a_clipped_update_moves_each_group_exactly_onto_its_bound_and_honest_ones_pass_untouched():
+    rng = np.random.default_rng(12)
+    ref = reference(rng)
+    bound = UpdateNormBound(0.5, "clip")
+    bound.begin(ref)
+    calm = honest(ref, rng, 1, spread=1e-3)[0]
+    same, clipped = bound.apply(calm)
+    assert same is calm and not clipped
+    huge = {k: (v * 1e6).astype(v.dtype) for k, v in calm.items()}
+    out, clipped = bound.apply(huge)
+    assert clipped
+    stats = ["encoder.bn.running_var"]
+    for keys in (PARAMETERS, stats):
+        limit = 0.5 * max(1.0, _norm_of(ref, keys))
+        assert _change_norm(out, ref, keys) == pytest.approx(limit, rel=1e-5)
+        # the direction of the change is kept: the clipped change is parallel to the sent one
+        sent = np.concatenate([(huge[k].astype(np.float64) - ref[k]).ravel() for k in keys])
+        kept = np.concatenate([(out[k].astype(np.float64) - ref[k]).ravel() for k in keys])
+        assert float(sent @ kept) / (np.linalg.norm(sent) * np.linalg.norm(kept)) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_running_statistics_are_bounded_on_their_own_scale_not_the_weights():
+    """BatchNorm's running variance follows the data: when it moves far, clipping scales the
+    statistics back and leaves the update's learned parameters exactly as sent."""
+    rng = np.random.default_rng(13)
+    ref = reference(rng)
+    update = honest(ref, rng, 1, spread=1e-3)[0]
+    update["encoder.bn.running_var"] = (ref["encoder.bn.running_var"] * 50.0).astype(np.float32)
+    bound = UpdateNormBound(2.5, "clip")
+    bound.begin(ref)
+    out, clipped = bound.apply(update)
+    assert clipped
+    assert all(out[k].tobytes() == update[k].tobytes() for k in PARAMETERS)
+    stats = ["encoder.bn.running_var"]
+    assert _change_norm(out, ref, stats) == pytest.approx(2.5 * max(1.0, _norm_of(ref, stats)), rel=1e-5)
+    # tripling the variance is within 2.5 x the statistics' norm: accepted as sent
+    update["encoder.bn.running_var"] = (ref["encoder.bn.running_var"] * 3.0).astype(np.float32)
+    same, clipped = bound.apply(update)
+    assert same is update and not clipped
+    separate = UpdateNormBound(2.5, "clip", statistics_ratio=60.0)  # the statistics on a ratio of their own
+    assert separate.begin(ref) is None and separate.apply(update) == (update, False)
+    rejecting = UpdateNormBound(2.5, "reject")
+    rejecting.begin(ref)
+    update["encoder.bn.running_var"] = (ref["encoder.bn.running_var"] * 50.0).astype(np.float32)
+    with pytest.raises(AggregationRejected, match="running statistics") as err:
+        rejecting.apply(update)
+    assert err.value.reason == "out_of_range"
+
+
+def test_integer_tensors_are_neither_measured_nor_scaled():
+    rng = np.random.default_rng(14)
+    ref = {**reference(rng), "encoder.bn.num_batches_tracked": np.array(7, np.int64)}
+    bound = UpdateNormBound(0.1, "clip")
+    bound.begin(ref)
+    update = {k: (v * 1e3).astype(v.dtype) if v.dtype.kind == "f" else np.array(10**9, np.int64) for k, v in ref.items()}
+    out, clipped = bound.apply(update)
+    assert clipped and int(out["encoder.bn.num_batches_tracked"]) == 10**9
+
+
+def test_without_a_bound_the_robust_rules_take_a_huge_update_in_and_out_vote_it():
+    rng = np.random.default_rng(15)
+    ref = reference(rng)
+    good = honest(ref, rng, 6, spread=0.01)
+    huge = {k: (v * 1e6).astype(v.dtype) for k, v in good[0].items()}
+    for name in ("median", "trimmed_mean", "multi_krum"):
+        rule = AggregationSpec(rule=name, max_update_ratio=None).build()
+        out = aggregate(rule, ref, good + [huge], [1] * 7)
+        assert all(float(np.abs(out[k] - ref[k]).max()) < 0.1 for k in ref), name

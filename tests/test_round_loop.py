@@ -24,7 +24,7 @@ from edgepfl.coordinator.fleet import Fleet, Incoming
 from edgepfl.coordinator.gate import Rejection
 from edgepfl.coordinator.registry import Registry
 from edgepfl.coordinator.rounds import Coordinator, RoundResult
-from edgepfl.metrics import read_head_metrics
+from edgepfl.metrics import read_head_metrics, read_metrics
 from edgepfl.protocol import (
     AgentChannel,
     CoordinatorMeta,
@@ -317,10 +317,10 @@ def test_an_update_scaled_a_millionfold_is_rejected_out_of_range_and_the_round_c
 
 
 def test_an_aggregate_that_moves_too_far_is_not_adopted_and_a_robust_rule_outvotes_the_attacker(tmp_path, caplog):
-    # +50 on every coordinate is within the rule's range (64 x max(1, |w|)): only the
-    # closed mean shows it, moving the model by ~17 per coordinate
+    # +50 on every coordinate is within the rule's range (64 x max(1, |w|)): without the
+    # update bound only the closed mean shows it, moving the model by ~17 per coordinate
     agents = {"a": shifted("a", 0.001), "b": shifted("b", 0.001), "m": shifted("m", 50.0)}
-    coord = coordinator(ScriptedFleet(agents), tmp_path / "mean")
+    coord = coordinator(ScriptedFleet(agents), tmp_path / "mean", aggregation={"max_update_ratio": None})
     coord.init_or_resume()
     before = global_tensors(coord)
     with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
@@ -330,12 +330,50 @@ def test_an_aggregate_that_moves_too_far_is_not_adopted_and_a_robust_rule_outvot
     assert same_tensors(global_tensors(coord), before)
     assert "round 0: aggregate not adopted: diverged" in caplog.text
 
-    robust = coordinator(ScriptedFleet(agents), tmp_path / "median", aggregation={"rule": "median"})
+    robust = coordinator(ScriptedFleet(agents), tmp_path / "median",
+                         aggregation={"rule": "median", "max_update_ratio": None})
     rows = robust.run()
     assert not rows[0].aborted and rows[0].abort_reason is None
     after = global_tensors(robust)
     for key, value in before.items():  # the median of (+0.001, +0.001, +50) is +0.001
         np.testing.assert_allclose(after[key], value + 0.001, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("rule", ["mean", "median"])
+def test_the_update_bound_refuses_or_clips_one_update_whatever_the_rule(tmp_path, caplog, rule):
+    """The +50 attacker of the test above, under the default bound (10 x the model's norm):
+    refused as out_of_range and the round adopted from a's and b's updates; with
+    on_large_update: clip its change is scaled onto the bound, it is counted as clipped
+    in the metrics row, and the round is adopted with the model moved at most by the
+    bound times m's share."""
+    agents = {"a": shifted("a", 0.001), "b": shifted("b", 0.001), "m": shifted("m", 50.0)}
+    coord = coordinator(ScriptedFleet(agents), tmp_path / "reject", aggregation={"rule": rule})
+    coord.init_or_resume()
+    before = global_tensors(coord)
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        rows = coord.run()
+    assert rows[0].rejected == {"out_of_range": 1} and rows[0].participants == ["a", "b"] and not rows[0].aborted
+    assert "rejected message from m: out_of_range (out_of_range: the update changes the parameters by a norm" \
+        in caplog.text
+    for key, value in before.items():
+        np.testing.assert_allclose(coord.state.global_tensors[key], value + 0.001, rtol=0, atol=1e-6)
+
+    clip = coordinator(ScriptedFleet(agents), tmp_path / "clip", aggregation={"rule": rule, "on_large_update": "clip"})
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        rows = clip.run()
+    assert rows[0].rejected == {} and rows[0].participants == ["a", "b", "m"] and rows[0].clipped == ["m"]
+    assert not rows[0].aborted and "the update from m moved the shared parameters past the update bound" in caplog.text
+    assert read_metrics(tmp_path / "clip" / "run")[0].clipped == ["m"]
+    for group, keys in (("parameters", [k for k, v in before.items() if v.dtype.kind == "f" and "running_" not in k]),
+                        ("statistics", [k for k in before if "running_" in k])):
+        if not keys:
+            continue
+        norm = np.sqrt(sum(float(np.sum(before[k].astype(np.float64) ** 2)) for k in keys))
+        moved = np.sqrt(sum(float(np.sum((clip.state.global_tensors[k].astype(np.float64) - before[k]) ** 2))
+                            for k in keys))
+        honest_share = 0.001 * np.sqrt(sum(before[k].size for k in keys))
+        # each group on its own bound, m's third of the mean (median: the middle value)
+        assert 0 < moved <= 10 * max(1.0, norm) / 3 + honest_share, group
 
 
 def test_a_non_finite_aggregate_is_not_adopted(tmp_path, caplog):
@@ -369,11 +407,12 @@ def test_rounds_that_keep_failing_roll_back_to_the_last_good_state_and_resume_ke
         return ScriptedFleet({"a": shifted("a", 0.01), "b": shifted("b", 0.01), "m": shifted("m", poison)})
 
     def run(out, rounds: int) -> tuple[Coordinator, list]:
-        coord = coordinator(fleet(), out, rounds=rounds, aggregation={"rollback_after": 2})
+        coord = coordinator(fleet(), out, rounds=rounds, aggregation={"rollback_after": 2, "max_update_ratio": None})
         return coord, coord.run()
 
     sent: dict[int, dict] = {}
-    coord = coordinator(fleet(), tmp_path / "once", rounds=4, aggregation={"rollback_after": 2})
+    coord = coordinator(fleet(), tmp_path / "once", rounds=4,
+                        aggregation={"rollback_after": 2, "max_update_ratio": None})
     coord.fleet.on_send = lambda agent, task: sent.setdefault(task.header.round, dict(task.tensors))  # type: ignore[attr-defined]
     coord.init_or_resume()
     s0 = global_tensors(coord)

@@ -117,19 +117,22 @@ class RoundAggregate:
         """Updates added so far."""
         return len(self.participants)
 
-    def add(self, update: ClientUpdate) -> None:
-        """Fold in one update that passed :meth:`Method.check_update`.
+    def add(self, update: ClientUpdate) -> bool:
+        """Fold in one update that passed :meth:`Method.check_update`; True when the rule's
+        update bound clipped its shared parameters first.
 
         Raises :class:`~edgepfl.aggregation.AggregationRejected` (with a reason for the
         rejection counters) for an update the rule cannot take; the round then goes on
         as if it had not arrived.
         """
+        clipped = False
         if self.reference:
             shared = {k: v for k, v in update.tensors.items() if k in self.reference}
-            self.rule.add(shared, self.method.update_weight(update))
+            clipped = self.rule.add(shared, self.method.update_weight(update))
         self.participants.append(update.agent_id)
         if not self.method.streaming:
             self.updates.append(update)
+        return clipped
 
     def close(self, round: int) -> ServerState:
         """The next server state from every update added (at least one)."""

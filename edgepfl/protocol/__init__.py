@@ -1,13 +1,13 @@
 """Wire protocol: topics (:mod:`.topics`), typed messages (:mod:`.messages`), the run
 spec every task carries (:mod:`.run`), the release manifest (:mod:`.manifest`), the
-binary envelope (:mod:`.envelope`) and the MQTT transport (:mod:`.transport`).
+binary envelope (:mod:`.envelope`), chunk reassembly (:mod:`.reassembly`) and the MQTT
+transport (:mod:`.transport`).
 See ``docs/PROTOCOL.md``."""
 
 from .envelope import (
     Body,
     Message,
     ProtocolError,
-    Reassembler,
     decode,
     encode,
     encode_body,
@@ -36,6 +36,7 @@ from .messages import (
     UpdateMeta,
 )
 from .presence import RollCall
+from .reassembly import Reassembler
 from .run import PIXEL_SCALE, DataShape, MethodChoice, Normalization, RunSpec, seed_for
 from .topics import (
     AgentChannel,

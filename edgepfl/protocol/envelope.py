@@ -17,8 +17,9 @@ ever unpickled: safetensors and JSON are the only decoders that see network
 bytes. Floating tensors must be finite.
 
 Frames larger than the broker's maximum message size are split into ``chunk``
-frames (:func:`split_frame`) and put back together by :class:`Reassembler`,
-which verifies the whole frame's sha256 before handing it on.
+frames (:func:`split_frame`) and put back together by
+:class:`~edgepfl.protocol.reassembly.Reassembler`, which verifies the whole frame's
+sha256 before handing it on and bounds what partial frames may hold.
 """
 
 from __future__ import annotations
@@ -312,64 +313,3 @@ def split_frame(frame: bytes, max_message_bytes: int, *, federation: str, sender
             encode(MessageType.CHUNK, federation=federation, sender=sender, round=round, meta=meta, tensors={"data": piece})
         )
     return out
-
-
-class Reassembler:
-    """Collects chunk frames per (source, parent id) and returns the whole frame when complete.
-
-    Bounded: at most ``max_pending`` partial frames, each at most ``max_bytes``, and
-    partial frames older than ``expire_s`` are dropped, so a peer that sends half a
-    message cannot grow memory without limit.
-    """
-
-    def __init__(self, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, max_pending: int = 64, expire_s: float = 300.0):
-        self.max_bytes = max_bytes
-        self.max_pending = max_pending
-        self.expire_s = expire_s
-        self._pending: dict[tuple[str, str], dict] = {}
-
-    def add(self, source: str, chunk: Message) -> bytes | None:
-        meta = chunk.meta_as(ChunkMeta)
-        if meta.total_bytes > self.max_bytes:
-            raise ProtocolError("oversized", f"chunked message of {meta.total_bytes} bytes > limit {self.max_bytes}")
-        if meta.index >= meta.count:
-            raise ProtocolError("malformed", "chunk index out of range")
-        data = chunk.tensors.get("data")
-        if data is None or set(chunk.tensors) != {"data"} or data.dtype != np.uint8 or data.ndim != 1:
-            raise ProtocolError("malformed", "a chunk carries exactly one 1-D uint8 tensor named 'data'")
-        if data.size > meta.total_bytes:
-            raise ProtocolError("malformed", f"chunk of {data.size} bytes for a message of {meta.total_bytes}")
-        self._expire()
-        key = (source, meta.parent_id)
-        entry = self._pending.get(key)
-        if entry is None:
-            if len(self._pending) >= self.max_pending:
-                oldest = min(self._pending, key=lambda k: self._pending[k]["t"])
-                del self._pending[oldest]
-            entry = {"t": time.monotonic(), "meta": meta, "parts": {}}
-            self._pending[key] = entry
-        elif (entry["meta"].count, entry["meta"].total_sha256) != (meta.count, meta.total_sha256):
-            del self._pending[key]
-            raise ProtocolError("malformed", "chunks of one message disagree on count or checksum")
-        if meta.index not in entry["parts"]:
-            entry["size"] = entry.get("size", 0) + data.size
-            if entry["size"] > meta.total_bytes:  # memory stays bounded by the declared (and checked) total
-                del self._pending[key]
-                raise ProtocolError("malformed", "chunks add up to more than their declared total")
-        entry["parts"][meta.index] = data.tobytes()
-        if len(entry["parts"]) < meta.count:
-            return None
-        del self._pending[key]
-        frame = b"".join(entry["parts"][i] for i in range(meta.count))
-        if len(frame) != meta.total_bytes or hashlib.sha256(frame).hexdigest() != meta.total_sha256:
-            raise ProtocolError("corrupt", "reassembled message fails its checksum")
-        return frame
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for key in [k for k, v in self._pending.items() if now - v["t"] > self.expire_s]:
-            del self._pending[key]
-
-    @property
-    def pending(self) -> int:
-        return len(self._pending)

@@ -11,7 +11,9 @@ What it adds over a bare paho client:
   restores every subscription;
 * a last will and a birth message (re-published on every connect) for presence;
 * payloads larger than ``max_message_bytes`` are split into chunk frames and put
-  back together (and sha256-verified) on receipt;
+  back together (and sha256-verified) on receipt, with the partial frames bounded per
+  topic and in all (:mod:`.reassembly`); an evicted or refused partial is reported
+  like any other dropped message;
 * incoming frames are queued and handed to the caller's thread by
   :meth:`MqttTransport.receive`, so decoding and training never run on paho's
   network thread;
@@ -38,8 +40,9 @@ from .connection import (
     classify_socket_error,
     closed_before_connack,
 )
-from .envelope import DEFAULT_MAX_PAYLOAD_BYTES, ProtocolError, Reassembler, decode, peek_header, split_frame
+from .envelope import DEFAULT_MAX_PAYLOAD_BYTES, ProtocolError, decode, peek_header, split_frame
 from .messages import ChunkMeta, MessageType
+from .reassembly import DEFAULT_MAX_BUFFERED_BYTES, Reassembler
 from .topics import ParsedTopic, TopicError, parse_topic
 
 log = logging.getLogger(__name__)
@@ -76,6 +79,7 @@ class MqttTransport:
         birth: Callable[[], tuple[str, bytes, bool]] | None = None,
         max_message_bytes: int = 1_000_000,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
         keepalive_s: int = 30,
         on_reject: Callable[[str, str, str], None] | None = None,
     ):
@@ -93,7 +97,9 @@ class MqttTransport:
         self.keepalive_s = keepalive_s
         self.on_reject = on_reject
         self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()  # raw (topic, payload), from paho's thread
-        self.reassembler = Reassembler(max_bytes=max_payload_bytes)
+        # Per topic: a flood of chunk frames on one agent's topic only evicts that topic's partials.
+        self.reassembler = Reassembler(max_bytes=max_payload_bytes, max_buffered_bytes=max_buffered_bytes,
+                                       on_drop=self._reject)
         self.max_payload_bytes = max_payload_bytes
         self.bytes_sent: Counter[str] = Counter()  # per channel
         self.bytes_received: Counter[str] = Counter()
