@@ -62,12 +62,19 @@ from .registry import Registry
 
 log = logging.getLogger("edgepfl.coordinator")
 
-def sample_agents(online: list[str], fraction: float, seed: int, round: int) -> list[str]:
-    """Deterministic per (seed, round): the same sample whether or not the coordinator restarted."""
+# Keeps the evaluators' sample independent of the trainers' drawn from the same seed and round.
+EVALUATION_STREAM = 1
+
+
+def sample_agents(online: list[str], fraction: float, seed: int, round: int, stream: int = 0) -> list[str]:
+    """Deterministic per (seed, round, stream): the same sample whether or not the coordinator
+    restarted. ``stream`` 0 draws the trainers, :data:`EVALUATION_STREAM` the evaluators."""
     if not online:
         return []
+    if fraction >= 1:
+        return sorted(online)
     k = max(1, int(round_half_up(fraction * len(online))))
-    rng = np.random.default_rng([seed, round])
+    rng = np.random.default_rng([seed, round] if stream == 0 else [seed, round, stream])
     return sorted(rng.choice(sorted(online), size=min(k, len(online)), replace=False).tolist())
 
 
@@ -272,7 +279,8 @@ class Coordinator:
 
     def _sample(self, r: int, final: bool) -> tuple[list[str], list[str]]:
         """Who trains this round (a seeded sample of the online trainers; nobody in the
-        final round) and who only evaluates (the other online trainers, on evaluation rounds)."""
+        final round) and who only evaluates (on evaluation rounds, a seeded sample of the
+        other online trainers: ``eval_fraction`` of them, ``final_eval_fraction`` in the final round)."""
         c = self.config
         # Agents that let their last task time out are skipped until they show life (any
         # frame), so a dead agent does not cost every later round its timeout; if nobody
@@ -282,7 +290,9 @@ class Coordinator:
         if not (final or r % c.eval_every == 0):
             return sampled, []
         training = set(sampled)
-        return sampled, [a for a in online if a not in training]
+        idle = [a for a in online if a not in training]
+        share = c.eval_fraction if not final or c.final_eval_fraction is None else c.final_eval_fraction
+        return sampled, sample_agents(idle, share, c.seed, r, stream=EVALUATION_STREAM)
 
     def _send_tasks(self, r: int, sampled: list[str], evaluators: list[str]) -> tuple[RoundTasks, RoundResult]:
         """Open round ``r`` and send each agent its task; returns the tasks and the round's (empty) result."""

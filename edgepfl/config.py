@@ -79,6 +79,18 @@ class RunConfig(_Strict):
     round_timeout_s: float = Field(120.0, gt=0)
     wait_for_agents_s: float = Field(300.0, gt=0)
     eval_every: int = Field(1, ge=1, description="agents not sampled are asked to evaluate every k rounds")
+    eval_fraction: float = Field(
+        1.0, gt=0, le=1,
+        description="share of the online agents not training this round that get an evaluate task on an "
+                    "evaluation round, round 0 included (a seeded sample per round; 1.0: all of them)")
+    final_eval_fraction: float | None = Field(
+        None, gt=0, le=1,
+        description="the same share for the final evaluation, whose accuracy is the run's result "
+                    "(default: eval_fraction)")
+    expected_agents: int | None = Field(
+        None, ge=1,
+        description="trainer agents the fleet should have: fewer online (after the retained statuses came in, "
+                    "or when a round starts) is logged as a warning that presence may be truncated")
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     input_shape: list[int] | None = Field(None, min_length=3, max_length=3, description="C,H,W; default: from data")
