@@ -100,6 +100,8 @@ class MqttFleet(Fleet):
             max_message_bytes=broker.max_message_bytes,
             max_payload_bytes=broker.max_payload_bytes,
             keepalive_s=broker.keepalive_s,
+            inbox_max_bytes=broker.inbox_max_bytes,
+            inbox_max_messages=broker.inbox_max_messages,
             on_reject=self._transport_dropped,
         )
         self.transport.start(timeout=60)

@@ -72,6 +72,11 @@ class BrokerConfig(_Strict):
     max_message_bytes: int = Field(1_000_000, ge=16_384, description="larger payloads travel in chunks")
     max_payload_bytes: int = Field(256 * 2**20, ge=16_384, description="largest whole message accepted")
     keepalive_s: int = Field(30, ge=5)
+    inbox_max_bytes: int | None = Field(
+        None, ge=16_384,
+        description="inbound frames queued before paho's thread stops acknowledging and the broker holds the "
+                    "rest (default: max_payload_bytes / 4, at least two max_message_bytes)")
+    inbox_max_messages: int = Field(10_000, ge=1, description="the same bound in messages")
 
 
 class SecuritySpec(_Strict):

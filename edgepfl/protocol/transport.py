@@ -9,14 +9,14 @@ What it adds over a bare paho client:
   back together (and sha256-verified) on receipt;
 * incoming frames are queued and handed to the caller's thread by
   :meth:`MqttTransport.receive`, so decoding and training never run on paho's
-  network thread;
+  network thread; the queue is bounded (:class:`.backpressure.BoundedInbox`): while it
+  is full, paho's thread holds back the PUBACKs and the broker keeps the backlog;
 * counters of bytes and messages in each direction.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import Counter
@@ -24,11 +24,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..broker import parse_broker_url
+from .backpressure import BoundedInbox
 from .envelope import DEFAULT_MAX_PAYLOAD_BYTES, ProtocolError, Reassembler, decode, peek_header, split_frame
 from .messages import ChunkMeta, MessageType
 from .topics import ParsedTopic, TopicError, parse_topic
 
 log = logging.getLogger(__name__)
+
+
+def default_inbox_bytes(max_payload_bytes: int, max_message_bytes: int) -> int:
+    """The inbound queue's default bound: a quarter of the largest whole payload, and room
+    for at least two MQTT messages (chunks are reassembled one message at a time)."""
+    return max(max_payload_bytes // 4, 2 * max_message_bytes)
 
 
 @dataclass
@@ -64,6 +71,8 @@ class MqttTransport:
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         keepalive_s: int = 30,
         on_reject: Callable[[str, str, str], None] | None = None,
+        inbox_max_bytes: int | None = None,
+        inbox_max_messages: int = 10_000,
     ):
         import paho.mqtt.client as mqtt
 
@@ -75,7 +84,11 @@ class MqttTransport:
         self.max_message_bytes = max_message_bytes
         self.keepalive_s = keepalive_s
         self.on_reject = on_reject
-        self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()  # raw (topic, payload), from paho's thread
+        # Raw (topic, payload) from paho's thread. Waiting for room must stay well inside the
+        # keepalive: paho's thread sends the PINGREQs too.
+        self.inbox: BoundedInbox[tuple[str, bytes]] = BoundedInbox(
+            inbox_max_bytes or default_inbox_bytes(max_payload_bytes, max_message_bytes), inbox_max_messages,
+            max_wait_s=keepalive_s / 3)
         self.reassembler = Reassembler(max_bytes=max_payload_bytes)
         self.max_payload_bytes = max_payload_bytes
         self.bytes_sent: Counter[str] = Counter()  # per channel
@@ -139,7 +152,8 @@ class MqttTransport:
 
     def _on_message(self, client, userdata, msg) -> None:
         # Runs on paho's network thread: only enqueue, never decode or train here.
-        self.inbox.put((msg.topic, msg.payload))
+        # Blocks while the inbox is full: the PUBACK goes out when this returns (backpressure).
+        self.inbox.put((msg.topic, msg.payload), len(msg.payload))
 
     # ------------------------------------------------------------------ traffic
     def publish(self, topic: str, frame: bytes, *, retain: bool = False, round: int = -1, wait: bool = False) -> int:
@@ -163,10 +177,10 @@ class MqttTransport:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                topic, payload = self.inbox.get(timeout=remaining)
-            except queue.Empty:
+            item = self.inbox.get(timeout=remaining)
+            if item is None:
                 return None
+            topic, payload = item
             inbound = self._assemble(topic, payload)
             if inbound is not None:
                 return inbound
