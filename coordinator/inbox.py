@@ -21,6 +21,7 @@ from edgepfl.protocol import AgentChannel
 
 from .fleet import Fleet, Incoming
 from .gate import Accepted, Rejection, RoundTasks, UpdateGate, admit_metrics, admit_status
+from .presence import PresenceWatch
 from .registry import Registry
 
 log = logging.getLogger("edgepfl.coordinator")
@@ -46,8 +47,10 @@ class Inbox:
     restored from its checkpoint); the inbox adds to it.
     """
 
-    def __init__(self, fleet: Fleet, registry: Registry, gate: UpdateGate, rejected_total: Counter):
+    def __init__(self, fleet: Fleet, registry: Registry, gate: UpdateGate, rejected_total: Counter,
+                 presence: PresenceWatch | None = None):
         self.fleet = fleet
+        self.presence = presence or PresenceWatch(registry, expected=None)
         self.registry = registry
         self.gate = gate
         self.rejected_total = rejected_total
@@ -79,6 +82,7 @@ class Inbox:
             if remaining <= 0:
                 return False
             self._route(self.fleet.poll(min(POLL_S, remaining)))
+            self.presence.tick(time.monotonic())
         return True
 
     # ---------------------------------------------------------------- routing
@@ -98,6 +102,7 @@ class Inbox:
             self._on_metrics(event)
 
     def _on_status(self, incoming: Incoming) -> None:
+        self.presence.status_arrived(time.monotonic())
         status = admit_status(incoming.agent_id, incoming.frame)
         if isinstance(status, Rejection):
             return self._reject(status)

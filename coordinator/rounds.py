@@ -57,6 +57,7 @@ from edgepfl.state import CheckpointError, CheckpointMeta, load_checkpoint, save
 from .fleet import SENDER, Fleet
 from .gate import Accepted, RoundTasks, Task, UpdateGate, admit_state
 from .inbox import Inbox
+from .presence import PresenceWatch
 from .progress import Progress
 from .registry import Registry
 
@@ -136,7 +137,8 @@ class Coordinator:
         self.rejected_total: Counter = Counter()
         self.registry = Registry()
         gate = UpdateGate(config.federation, self.method, self.registry, max_bytes=config.broker.max_payload_bytes)
-        self.inbox = Inbox(fleet, self.registry, gate, self.rejected_total)
+        self.inbox = Inbox(fleet, self.registry, gate, self.rejected_total,
+                           PresenceWatch(self.registry, config.expected_agents))
         self.state: ServerState | None = None
         self.start_round = 0
         self.aborted_streak = 0  # training rounds aborted in a row
@@ -253,6 +255,7 @@ class Coordinator:
     def _run_round(self, r: int, final: bool) -> RoundMetrics:
         """One round: sample, send tasks, collect, close the aggregate, metrics row, checkpoint."""
         started = time.monotonic()
+        self.inbox.presence.round_starts(r)
         sampled, evaluators = self._sample(r, final)
         tasks, result = self._send_tasks(r, sampled, evaluators)
         self._collect(tasks, result, started)
