@@ -67,16 +67,21 @@ log = logging.getLogger("edgepfl.coordinator")
 EVALUATION_STREAM = 1
 
 
-def sample_agents(online: list[str], fraction: float, seed: int, round: int, stream: int = 0) -> list[str]:
-    """Deterministic per (seed, round, stream): the same sample whether or not the coordinator
-    restarted. ``stream`` 0 draws the trainers, :data:`EVALUATION_STREAM` the evaluators."""
+def sample_agents(online: list[str], fraction: float, seed: int, round: int) -> list[str]:
+    """Deterministic per (seed, round): the same sample whether or not the coordinator restarted."""
     if not online:
         return []
-    if fraction >= 1:
-        return sorted(online)
-    k = max(1, int(round_half_up(fraction * len(online))))
-    rng = np.random.default_rng([seed, round] if stream == 0 else [seed, round, stream])
-    return sorted(rng.choice(sorted(online), size=min(k, len(online)), replace=False).tolist())
+    return draw(online, max(1, round_half_up(fraction * len(online))), [seed, round])
+
+
+def draw(agents: list[str], k: int, entropy: list[int]) -> list[str]:
+    """``k`` of ``agents`` (all of them when ``k`` reaches their number), sorted; the same for the same ``entropy``."""
+    if k >= len(agents):
+        return sorted(agents)
+    if k <= 0:
+        return []
+    rng = np.random.default_rng(entropy)
+    return sorted(rng.choice(sorted(agents), size=k, replace=False).tolist())
 
 
 def round_half_up(x: float) -> int:
@@ -282,8 +287,10 @@ class Coordinator:
 
     def _sample(self, r: int, final: bool) -> tuple[list[str], list[str]]:
         """Who trains this round (a seeded sample of the online trainers; nobody in the
-        final round) and who only evaluates (on evaluation rounds, a seeded sample of the
-        other online trainers: ``eval_fraction`` of them, ``final_eval_fraction`` in the final round)."""
+        final round) and who only evaluates, on evaluation rounds: enough of the other
+        online trainers, drawn with the seed and round, that ``eval_fraction`` of the
+        online trainers (``final_eval_fraction`` in the final round) are evaluated. The
+        trainers count: each evaluates the global model before it trains."""
         c = self.config
         # Agents that let their last task time out are skipped until they show life (any
         # frame), so a dead agent does not cost every later round its timeout; if nobody
@@ -295,7 +302,8 @@ class Coordinator:
         training = set(sampled)
         idle = [a for a in online if a not in training]
         share = c.eval_fraction if not final or c.final_eval_fraction is None else c.final_eval_fraction
-        return sampled, sample_agents(idle, share, c.seed, r, stream=EVALUATION_STREAM)
+        wanted = max(1, round_half_up(share * len(online))) - len(sampled)
+        return sampled, draw(idle, wanted, [c.seed, r, EVALUATION_STREAM])
 
     def _send_tasks(self, r: int, sampled: list[str], evaluators: list[str]) -> tuple[RoundTasks, RoundResult]:
         """Open round ``r`` and send each agent its task; returns the tasks and the round's (empty) result."""

@@ -81,8 +81,9 @@ class RunConfig(_Strict):
     eval_every: int = Field(1, ge=1, description="agents not sampled are asked to evaluate every k rounds")
     eval_fraction: float = Field(
         1.0, gt=0, le=1,
-        description="share of the online agents not training this round that get an evaluate task on an "
-                    "evaluation round, round 0 included (a seeded sample per round; 1.0: all of them)")
+        description="share of the online agents whose accuracy an evaluation round measures, round 0 included: "
+                    "the trainers (each evaluates before training) plus a seeded sample of the others, who get "
+                    "an evaluate task (1.0: all of them)")
     final_eval_fraction: float | None = Field(
         None, gt=0, le=1,
         description="the same share for the final evaluation, whose accuracy is the run's result "

@@ -578,22 +578,22 @@ def _run_sampled(tmp_path, name: str, n: int = 20, **overrides) -> tuple[list[tu
 
 def test_evaluation_sampling_sends_evaluate_tasks_to_a_seeded_sample_only_round_0_and_final_included(tmp_path):
     n, rounds = 20, 3
-    sent, rows = _run_sampled(tmp_path, "a", n, rounds=rounds, fraction=0.25, eval_fraction=0.25)
+    sent, rows = _run_sampled(tmp_path, "a", n, rounds=rounds, fraction=0.25, eval_fraction=0.5)
     for r in range(rounds + 1):  # round `rounds` is the final evaluation
         kinds = [kind for rnd, _, kind in sent if rnd == r]
         trainers = 0 if r == rounds else 5
-        evaluators = round(0.25 * (n - trainers))
+        evaluators = 10 - trainers  # half the fleet is evaluated; the trainers count
         assert kinds.count("train") == trainers and kinds.count("evaluate") == evaluators, (r, kinds)
         evaluated = {a for rnd, a, kind in sent if rnd == r and kind == "evaluate"}
         trained = {a for rnd, a, kind in sent if rnd == r and kind == "train"}
         assert not evaluated & trained
-        assert rows[r].evaluated == trainers + evaluators  # trainers report their pre-training evaluation too
+        assert rows[r].evaluated == 10  # trainers report their pre-training evaluation too
     # the evaluators differ between rounds: not the same few agents every time
     assert len({frozenset(a for rnd, a, k in sent if rnd == r and k == "evaluate") for r in range(rounds)}) > 1
 
-    again, _ = _run_sampled(tmp_path, "b", n, rounds=rounds, fraction=0.25, eval_fraction=0.25)
+    again, _ = _run_sampled(tmp_path, "b", n, rounds=rounds, fraction=0.25, eval_fraction=0.5)
     assert sorted(again) == sorted(sent)  # samples depend only on seed and round: a resumed run draws the same
-    other, _ = _run_sampled(tmp_path, "c", n, rounds=rounds, fraction=0.25, eval_fraction=0.25, seed=7)
+    other, _ = _run_sampled(tmp_path, "c", n, rounds=rounds, fraction=0.25, eval_fraction=0.5, seed=7)
     assert sorted(other) != sorted(sent)
 
 
@@ -603,10 +603,13 @@ def test_evaluation_sampling_cuts_the_bytes_sent_and_the_final_fraction_can_diff
     sent, sampled = _run_sampled(tmp_path, "sampled", n, rounds=2, fraction=0.1, eval_fraction=0.1,
                                  final_eval_fraction=1.0)
     for r in range(2):
-        # 2 trainers + 2 evaluators vs 2 trainers + 18 evaluators, every task the same size but for its meta
-        assert sampled[r].bytes_down / full[r].bytes_down == pytest.approx(4 / 20, rel=0.01)
+        # the 2 trainers are the tenth evaluated, no evaluate task; in full, 2 trainers + 18 evaluators
+        assert [k for rnd, _, k in sent if rnd == r] == ["train", "train"]
+        assert sampled[r].bytes_down / full[r].bytes_down == pytest.approx(2 / 20, rel=0.01)
     assert sampled[-1].final and sampled[-1].evaluated == n  # final_eval_fraction: everyone
     assert sum(1 for rnd, _, k in sent if rnd == 2 and k == "evaluate") == n
+    _, final_sampled = _run_sampled(tmp_path, "final", n, rounds=1, fraction=0.1, eval_fraction=0.1)
+    assert final_sampled[-1].evaluated == 2  # without final_eval_fraction, the final round samples too
 
 
 def test_eval_fraction_one_is_every_idle_agent_as_before(tmp_path):
