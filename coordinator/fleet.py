@@ -57,6 +57,11 @@ class Fleet(ABC):
     def send(self, agent_id: str, frame: bytes, round: int) -> int:
         """Deliver a task frame; returns bytes put on the wire."""
 
+    def send_ready(self) -> bool:
+        """Whether more may be sent now; while not, the round loop routes inbound traffic
+        (which lets the transport take the acknowledgements) instead of queueing more."""
+        return True
+
     @abstractmethod
     def poll(self, timeout: float) -> Incoming | Rejection | None:
         """The next inbound event, or None when nothing came within ``timeout`` seconds."""
@@ -119,6 +124,9 @@ class MqttFleet(Fleet):
 
     def send(self, agent_id: str, frame: bytes, round: int) -> int:
         return self.transport.publish(agent_topic(self.federation, agent_id, AgentChannel.TASK), frame, round=round)
+
+    def send_ready(self) -> bool:
+        return self.transport.send_ready()
 
     def publish_release(self, frame: bytes, round: int) -> int:
         """Retained when it fits one MQTT message, so late joiners get it from the broker;

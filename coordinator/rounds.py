@@ -330,6 +330,10 @@ class Coordinator:
                            body=bodies[key][1])
             tasks.add(Task(agent_id, task_id, kind))
             result.bytes_down += self.fleet.send(agent_id, frame, r)
+            if not self.fleet.send_ready():
+                # Unacknowledged tasks wait in the transport: at 1,000 agents a round's worth
+                # is 1,000 x the model. Answers are admitted meanwhile (their tasks are added).
+                self.inbox.pump_until(self.fleet.send_ready, time.monotonic() + c.round_timeout_s)
         return tasks, result
 
     def _collect(self, tasks: RoundTasks, result: RoundResult, started: float) -> None:

@@ -75,7 +75,8 @@ class BrokerConfig(_Strict):
     inbox_max_bytes: int | None = Field(
         None, ge=16_384,
         description="inbound frames queued before paho's thread stops acknowledging and the broker holds the "
-                    "rest (default: max_payload_bytes / 4, at least two max_message_bytes)")
+                    "rest (default: max_payload_bytes / 16, at least four max_message_bytes); also the bytes the coordinator "
+                    "sends before it waits for the broker's acknowledgements")
     inbox_max_messages: int = Field(10_000, ge=1, description="the same bound in messages")
 
 

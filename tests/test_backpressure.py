@@ -60,8 +60,8 @@ def test_the_message_count_is_bounded_too_and_one_oversized_message_passes_an_em
 
 
 def test_the_default_bound_follows_the_payload_limit():
-    assert default_inbox_bytes(256 * 2**20, 1_000_000) == 64 * 2**20
-    assert default_inbox_bytes(1_000_000, 1_000_000) == 2_000_000  # never below two MQTT messages
+    assert default_inbox_bytes(256 * 2**20, 1_000_000) == 16 * 2**20
+    assert default_inbox_bytes(16 * 2**20, 1_000_000) == 4_000_000  # never below four MQTT messages
 
 
 # ------------------------------------------------------------------ a real broker

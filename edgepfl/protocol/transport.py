@@ -11,6 +11,10 @@ What it adds over a bare paho client:
   :meth:`MqttTransport.receive`, so decoding and training never run on paho's
   network thread; the queue is bounded (:class:`.backpressure.BoundedInbox`): while it
   is full, paho's thread holds back the PUBACKs and the broker keeps the backlog;
+* a count of the bytes published and not yet acknowledged (:attr:`MqttTransport.unacked_bytes`,
+  :meth:`MqttTransport.send_ready`): paho keeps every QoS 1 message until its PUBACK, so a
+  sender that waits for room sends at the broker's pace instead of queueing a round's
+  worth of tasks in this process;
 * counters of bytes and messages in each direction.
 """
 
@@ -33,9 +37,10 @@ log = logging.getLogger(__name__)
 
 
 def default_inbox_bytes(max_payload_bytes: int, max_message_bytes: int) -> int:
-    """The inbound queue's default bound: a quarter of the largest whole payload, and room
-    for at least two MQTT messages (chunks are reassembled one message at a time)."""
-    return max(max_payload_bytes // 4, 2 * max_message_bytes)
+    """The inbound queue's default bound (and the send window's): a sixteenth of the largest
+    whole payload, and room for at least four MQTT messages (chunks are reassembled one
+    message at a time, so a payload need not fit)."""
+    return max(max_payload_bytes // 16, 4 * max_message_bytes)
 
 
 @dataclass
@@ -89,6 +94,14 @@ class MqttTransport:
         self.inbox: BoundedInbox[tuple[str, bytes]] = BoundedInbox(
             inbox_max_bytes or default_inbox_bytes(max_payload_bytes, max_message_bytes), inbox_max_messages,
             max_wait_s=keepalive_s / 3)
+        #: bytes a sender may have published and not yet seen acknowledged (:meth:`send_ready`)
+        self.send_window_bytes = self.inbox.max_bytes
+        self.unacked_bytes = 0
+        # Only for the unacknowledged count; never held while calling into paho, whose thread
+        # holds its own locks when it calls on_publish.
+        self._acks = threading.Lock()
+        self._unacked: dict[int, int] = {}  # mid -> bytes
+        self._acked_early: set[int] = set()  # PUBACKs that beat the recording of their mid
         self.reassembler = Reassembler(max_bytes=max_payload_bytes)
         self.max_payload_bytes = max_payload_bytes
         self.bytes_sent: Counter[str] = Counter()  # per channel
@@ -110,6 +123,7 @@ class MqttTransport:
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message
+        self._client.on_publish = self._on_publish
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, timeout: float = 30.0) -> MqttTransport:
@@ -164,13 +178,33 @@ class MqttTransport:
         infos = []
         with self._lock:
             for part in parts:
-                infos.append(self._client.publish(topic, part, qos=1, retain=retain))
+                info = self._client.publish(topic, part, qos=1, retain=retain)
+                infos.append(info)
+                with self._acks:
+                    if info.mid in self._acked_early:
+                        self._acked_early.discard(info.mid)
+                    else:
+                        self._unacked[info.mid] = len(part)
+                        self.unacked_bytes += len(part)
         if wait:
             for info in infos:
                 info.wait_for_publish(timeout=60)
         sent = sum(len(p) for p in parts)
         self.bytes_sent[topic.rsplit("/", 1)[-1]] += sent
         return sent
+
+    def send_ready(self) -> bool:
+        """Whether the bytes published and not yet acknowledged are below the send window."""
+        return self.unacked_bytes < self.send_window_bytes
+
+    def _on_publish(self, client, userdata, mid, reason_code=None, properties=None) -> None:
+        with self._acks:
+            size = self._unacked.pop(mid, None)
+            if size is None:
+                # not recorded yet (or published by the birth message, which is not counted)
+                self._acked_early.add(mid)
+            else:
+                self.unacked_bytes -= size
 
     def receive(self, timeout: float | None = None) -> Inbound | None:
         """Next whole frame, or None after ``timeout``. Invalid traffic is logged and dropped."""
