@@ -41,10 +41,11 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from loadgen import LoadGenerator, raise_fd_limit  # noqa: E402
+
 from edgepfl.metrics import read_metrics  # noqa: E402
 from edgepfl.testing import MosquittoBroker  # noqa: E402
 
-from loadgen import LoadGenerator, raise_fd_limit  # noqa: E402
 from results_io import write_results  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
