@@ -15,8 +15,9 @@ real ``edgepfl coordinator`` process on a FedAvg run (the model from ``--arch`` 
   process from ``/proc/<pid>/stat``, snapshotted when each row appears, divided by the
   tasks of the round (CPU time does not depend on the other jobs sharing the cores,
   wall time does: both are reported);
-* peak RSS of the coordinator and of the broker (``VmHWM`` from ``/proc/<pid>/status``,
-  read until the process ends);
+* peak RSS of the coordinator and of the broker (``VmHWM`` from ``/proc/<pid>/status``)
+  up to the final evaluation's row (the coordinator's report after it, which imports
+  matplotlib, is left out);
 * bytes per round (down: tasks; up: answers, as the coordinator counts them).
 
 Round 0 (the coordinator's first round, with its warm-up) and the final
@@ -73,10 +74,13 @@ def peak_rss_bytes(pid: int) -> int | None:
 
 
 class Meter:
-    """Samples the coordinator's CPU at every new metrics row, and both processes' peak RSS."""
+    """Samples the coordinator's CPU at every new metrics row, and both processes' peak RSS
+    until the last row (the final evaluation's) is written: what the coordinator does after
+    the rounds (its report, with matplotlib) is not the fleet's cost."""
 
-    def __init__(self, coordinator: int, broker: int, metrics: Path, interval_s: float = 0.05):
+    def __init__(self, coordinator: int, broker: int, metrics: Path, rows: int, interval_s: float = 0.05):
         self.coordinator, self.broker, self.metrics = coordinator, broker, metrics
+        self.rows = rows
         self.interval_s = interval_s
         self.cpu_at_row: list[float] = []  # CPU-seconds when row i appeared
         self.cpu_start = cpu_seconds(coordinator) or 0.0
@@ -105,6 +109,8 @@ class Meter:
             rows = self._rows()
             while len(self.cpu_at_row) < rows:
                 self.cpu_at_row.append(last_cpu)
+            if rows >= self.rows:
+                return
             time.sleep(self.interval_s)
 
     def _rows(self) -> int:
@@ -128,7 +134,8 @@ def run_config(n: int, args: argparse.Namespace, federation: str) -> dict:
         "eval_fraction": args.eval_fraction,
         "min_agents": n,
         "expected_agents": n,
-        "quorum": 1.0,
+        # the default quorum: a round closes at its timeout even if an agent lost its task
+        "quorum": 0.5,
         "round_timeout_s": args.round_timeout_s,
         "wait_for_agents_s": 600,
     }
@@ -152,7 +159,7 @@ def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
                 [sys.executable, "-m", "edgepfl.cli", "--log-level", "warning", "coordinator", "--config",
                  str(config_path), "--broker", broker.url, "--out", str(run_dir / "out")],
                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
-            meter = Meter(proc.pid, broker._proc.pid, run_dir / "out" / "metrics.jsonl").start()
+            meter = Meter(proc.pid, broker._proc.pid, run_dir / "out" / "metrics.jsonl", args.rounds + 1).start()
             try:
                 code = proc.wait(timeout=args.timeout_s)
             except subprocess.TimeoutExpired:
@@ -221,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--feature-dim", type=int, default=32)
     ap.add_argument("--local-work-s", type=float, default=0.1)
     ap.add_argument("--processes", type=int, default=2)
-    ap.add_argument("--round-timeout-s", type=float, default=300)
+    ap.add_argument("--round-timeout-s", type=float, default=180)
     ap.add_argument("--timeout-s", type=float, default=1800, help="per fleet size")
     ap.add_argument("--out", default=None, help="results path without suffix (.json and .md are written)")
     ap.add_argument("--work", default=None, help="where runs and logs go (default: a temporary directory)")

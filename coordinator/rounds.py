@@ -238,14 +238,15 @@ class Coordinator:
         round timeout and go on with whoever is there."""
         need = self.config.min_agents
         wait = self.config.wait_for_agents_s if required else self.config.round_timeout_s
-        shown = -1
+        shown, shown_at = -1, float("-inf")
 
         def enough() -> bool:
-            nonlocal shown
+            nonlocal shown, shown_at
             online = self.registry.count_online("trainer")
-            if online < need and online != shown:
+            # at most a line a second: a thousand agents coming online are not a thousand lines
+            if online < need and online != shown and time.monotonic() - shown_at >= 1.0:
                 self.progress.note(f"waiting for agents: {online}/{need} online")
-                shown = online
+                shown, shown_at = online, time.monotonic()
             return online >= need
 
         if self.inbox.pump_until(enough, time.monotonic() + wait):
