@@ -136,3 +136,22 @@ def test_a_stall_longer_than_the_keepalive_keeps_the_connection_and_every_messag
         flood.disconnect()
         flood.loop_stop()
         sink.stop()
+
+
+@pytest.mark.slow
+def test_the_send_window_counts_bytes_until_the_broker_acknowledges_them(mosquitto):
+    federation = f"bp{uuid.uuid4().hex[:8]}"
+    sender = _receiver(mosquitto.url, federation, keepalive_s=30, inbox_max_bytes=5 * MESSAGE_BYTES)
+    try:
+        assert sender.send_ready() and sender.unacked_bytes == 0
+        topic = agent_topic(federation, "a1", AgentChannel.TASK)
+        for _ in range(20):
+            sender.publish(topic, bytes(MESSAGE_BYTES))
+        # 20 messages against a window of 5: the window is full until the PUBACKs come back
+        assert not sender.send_ready()
+        deadline = time.monotonic() + 30
+        while sender.unacked_bytes and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sender.unacked_bytes == 0 and sender.send_ready()  # every PUBACK matched its message
+    finally:
+        sender.stop()

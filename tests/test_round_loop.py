@@ -616,3 +616,30 @@ def test_eval_fraction_one_is_every_idle_agent_as_before(tmp_path):
     sent, rows = _run_sampled(tmp_path, "one", 10, rounds=1, fraction=0.3)
     assert sum(1 for rnd, _, k in sent if rnd == 0 and k == "evaluate") == 7
     assert rows[-1].evaluated == 10
+
+
+def test_while_the_send_window_is_full_the_round_loop_admits_answers_instead_of_sending(tmp_path):
+    """The transport says when too many sent bytes wait for acknowledgement; until it has
+    room again the round loop routes inbound traffic (here: the answers already in)."""
+    n = 6
+
+    class SlowLink(ScriptedFleet):
+        def __init__(self, agents):
+            super().__init__(agents)
+            self.sent = 0
+            self.log: list[tuple[str, int]] = []
+
+        def send(self, agent_id, frame, round):
+            self.sent += 1
+            self.log.append(("send", len(self.events)))
+            return super().send(agent_id, frame, round)
+
+        def send_ready(self) -> bool:
+            # room again once every answer of the tasks sent so far has been routed
+            return not self.events
+
+    fleet = SlowLink({f"agent-{i}": honest(f"agent-{i}") for i in range(n)})
+    rows = coordinator(fleet, tmp_path).run()
+    assert len(rows[0].participants) == n
+    # each task went out only after the answer to the one before had been admitted
+    assert [pending for what, pending in fleet.log] == [0] * len(fleet.log)
