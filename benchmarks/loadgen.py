@@ -115,7 +115,8 @@ class Worker:
         self.selector = selectors.DefaultSelector()
         self.clients: dict[str, mqtt.Client] = {}
         self.reassembler = Reassembler(max_bytes=256 * 2**20, max_pending=max(64, 2 * count))
-        self.due: list[tuple[float, int, str, bytes]] = []  # (when, seq, agent, update frame) answers at work's end
+        # answers due at the end of their local work: (when, seq, agent, round, update frame)
+        self.due: list[tuple[float, int, str, int, bytes]] = []
         self._seq = 0
         self._bodies: dict[str, Body] = {}  # task body sha256 -> this process's perturbed update body
         self._stop = False
@@ -152,8 +153,8 @@ class Worker:
                        qos=1, retain=True)
 
     def _on_disconnect(self, client, name, flags, reason_code, properties=None) -> None:
-        self.stats.connected -= 1
-        if not self._stop:
+        if not self._stop:  # leaving at the end is not a lost connection
+            self.stats.connected -= 1
             self.stats.disconnects += 1
             print(f"loadgen: {name} lost its connection ({reason_code}); reconnecting", file=sys.stderr)
 
@@ -184,7 +185,7 @@ class Worker:
         frame = encode(MessageType.UPDATE, federation=self.federation, sender=name, round=message.header.round,
                        meta=meta, body=body)
         self._seq += 1
-        heapq.heappush(self.due, (time.monotonic() + self.local_work_s, self._seq, name, frame))
+        heapq.heappush(self.due, (time.monotonic() + self.local_work_s, self._seq, name, message.header.round, frame))
 
     def _update_body(self, key: str, tensors: dict[str, np.ndarray]) -> Body:
         body = self._bodies.get(key)
@@ -202,10 +203,10 @@ class Worker:
 
     def _answer_due(self, now: float) -> None:
         while self.due and self.due[0][0] <= now:
-            _, _, name, frame = heapq.heappop(self.due)
+            _, _, name, round, frame = heapq.heappop(self.due)
             client = self.clients[name]
             topic = agent_topic(self.federation, name, AgentChannel.UPDATE)
-            for part in split_frame(frame, self.max_message_bytes, federation=self.federation, sender=name, round=-1):
+            for part in split_frame(frame, self.max_message_bytes, federation=self.federation, sender=name, round=round):
                 client.publish(topic, part, qos=1)
                 self.stats.bytes_out += len(part)
             self.stats.answers += 1

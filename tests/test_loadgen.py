@@ -31,7 +31,7 @@ def test_fifty_virtual_agents_run_a_sampled_federation_against_the_real_coordina
     # the final round evaluates 40 % of the fleet: 20 evaluate tasks
     assert run["loadgen"]["tasks"] == {"train": 20, "evaluate": 40}
     assert run["loadgen"]["answers"] == 60 and run["loadgen"]["rejected"] == 0
-    assert run["loadgen"]["disconnects"] == 0
+    assert run["loadgen"]["disconnects"] == 0 and run["loadgen"]["connected"] == 50
     (row,) = run["rounds"]  # round 1: rounds 1..R-1 are measured
     assert row["participants"] == 10 and row["evaluated"] == 20 and row["dropped"] == 0
     # every update made it through the gate and into the aggregate: 10 model-sized uploads
