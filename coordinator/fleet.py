@@ -63,6 +63,11 @@ class Fleet(ABC):
     def send(self, agent_id: str, frame: bytes, round: int) -> int:
         """Deliver a task frame; returns bytes put on the wire."""
 
+    def send_ready(self) -> bool:
+        """Whether more may be sent now; while not, the round loop routes inbound traffic
+        (which lets the transport take the acknowledgements) instead of queueing more."""
+        return True
+
     @abstractmethod
     def poll(self, timeout: float) -> Incoming | Rejection | None:
         """The next inbound event, or None when nothing came within ``timeout`` seconds."""
@@ -123,6 +128,8 @@ class MqttFleet(Fleet):
             max_payload_bytes=broker.max_payload_bytes,
             max_buffered_bytes=broker.max_buffered_bytes,
             keepalive_s=broker.keepalive_s,
+            inbox_max_bytes=broker.inbox_max_bytes,
+            inbox_max_messages=broker.inbox_max_messages,
             on_reject=self._transport_dropped,
         )
         self.transport.start(timeout=60)
@@ -155,6 +162,9 @@ class MqttFleet(Fleet):
 
     def send(self, agent_id: str, frame: bytes, round: int) -> int:
         return self.transport.publish(agent_topic(self.federation, agent_id, AgentChannel.TASK), frame, round=round)
+
+    def send_ready(self) -> bool:
+        return self.transport.send_ready()
 
     def publish_release(self, frame: bytes, round: int) -> int:
         """To every head agent online now, retained when it fits one MQTT message (chunked

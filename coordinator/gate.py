@@ -116,8 +116,10 @@ class UpdateGate:
     """Admits or rejects the updates of a federation's rounds.
 
     ``registry`` says which agents are known and how many training samples each
-    announced. The gate remembers the id of every message it accepted, so a second
-    copy of one is a ``duplicate`` whatever round it claims.
+    announced. The gate remembers the id of every message it accepted in the round being
+    collected, so a second copy of one is a ``duplicate``; a copy of an earlier round's
+    message is ``stale`` (or ``unexpected``, its task id being an old round's), so only the
+    current round's ids are kept: memory per round, not per run.
     """
 
     def __init__(self, federation: str, method: Method, registry: Registry, *, max_bytes: int,
@@ -129,6 +131,7 @@ class UpdateGate:
         #: with a keyring, only updates signed by the agent's enrolled key get past the sender check
         self.keyring = keyring
         self._seen: set[str] = set()
+        self._seen_round: int | None = None
 
     def admit(self, agent_id: str, frame: bytes, tasks: RoundTasks, state: ServerState | None) -> Accepted | Rejection:
         """Check one frame from ``agent_id``'s update topic; accepting marks its task answered.
@@ -138,6 +141,8 @@ class UpdateGate:
             message = decode(frame, max_bytes=self.max_bytes)
         except ProtocolError as exc:
             return Rejection(agent_id, exc.reason, exc.detail)
+        if tasks.round != self._seen_round:
+            self._seen, self._seen_round = set(), tasks.round
         verdict = self._check(agent_id, message, tasks, state)
         if isinstance(verdict, Accepted):
             self._seen.add(message.header.message_id)

@@ -23,6 +23,7 @@ from edgepfl.service import notifier
 
 from .fleet import Fleet, Incoming
 from .gate import Accepted, Presence, Rejection, RoundTasks, UpdateGate, admit_metrics, admit_presence
+from .presence import PresenceWatch
 from .registry import Registry
 
 log = logging.getLogger("edgepfl.coordinator")
@@ -54,9 +55,11 @@ class Inbox:
     """
 
     def __init__(self, fleet: Fleet, registry: Registry, gate: UpdateGate, rejected_total: Counter,
-                 tick: Callable[[], None] | None = None, keyring: Keyring | None = None):
+                 tick: Callable[[], None] | None = None, keyring: Keyring | None = None,
+                 presence: PresenceWatch | None = None):
         self.fleet = fleet
         self.tick = tick  # called after every poll; O(1) unless it decides to publish (the fleet view)
+        self.presence = presence or PresenceWatch(registry, expected=None)
         self.registry = registry
         self.gate = gate
         self.rejected_total = rejected_total
@@ -95,6 +98,7 @@ class Inbox:
             if remaining <= 0:
                 return False
             self._route(self.fleet.poll(min(POLL_S, remaining)))
+            self.presence.tick(time.monotonic())
             if self.tick is not None:
                 self.tick()
         return True
@@ -114,6 +118,7 @@ class Inbox:
             self._on_metrics(event)
 
     def _on_status(self, incoming: Incoming) -> None:
+        self.presence.status_arrived(time.monotonic())
         status = admit_presence(incoming.agent_id, incoming.frame, self.keyring, self.registry)
         if isinstance(status, Rejection):
             return self._reject(status)

@@ -59,18 +59,31 @@ from .fleet import SENDER, Fleet
 from .gate import Accepted, RoundTasks, Task, UpdateGate, admit_state
 from .inbox import Inbox
 from .observe import Observer
+from .presence import PresenceWatch
 from .progress import Progress
 from .registry import Registry
 
 log = logging.getLogger("edgepfl.coordinator")
 
+# Keeps the evaluators' sample independent of the trainers' drawn from the same seed and round.
+EVALUATION_STREAM = 1
+
+
 def sample_agents(online: list[str], fraction: float, seed: int, round: int) -> list[str]:
     """Deterministic per (seed, round): the same sample whether or not the coordinator restarted."""
     if not online:
         return []
-    k = max(1, int(round_half_up(fraction * len(online))))
-    rng = np.random.default_rng([seed, round])
-    return sorted(rng.choice(sorted(online), size=min(k, len(online)), replace=False).tolist())
+    return draw(online, max(1, round_half_up(fraction * len(online))), [seed, round])
+
+
+def draw(agents: list[str], k: int, entropy: list[int]) -> list[str]:
+    """``k`` of ``agents`` (all of them when ``k`` reaches their number), sorted; the same for the same ``entropy``."""
+    if k >= len(agents):
+        return sorted(agents)
+    if k <= 0:
+        return []
+    rng = np.random.default_rng(entropy)
+    return sorted(rng.choice(sorted(agents), size=k, replace=False).tolist())
 
 
 def round_half_up(x: float) -> int:
@@ -147,7 +160,8 @@ class Coordinator:
         gate = UpdateGate(config.federation, self.method, self.registry, max_bytes=config.broker.max_payload_bytes,
                           keyring=keyring)
         self.observer = Observer(config, fleet, self.registry, self.rejected_total)
-        self.inbox = Inbox(fleet, self.registry, gate, self.rejected_total, tick=self.observer.tick, keyring=keyring)
+        self.inbox = Inbox(fleet, self.registry, gate, self.rejected_total, tick=self.observer.tick, keyring=keyring,
+                           presence=PresenceWatch(self.registry, config.expected_agents))
         self.epoch = int(time.time() * 1000)  # a resumed run keeps its checkpoint's (init_or_resume)
         self.state: ServerState | None = None
         self.start_round = 0
@@ -259,14 +273,15 @@ class Coordinator:
         round timeout and go on with whoever is there."""
         need = self.config.min_agents
         wait = self.config.wait_for_agents_s if required else self.config.round_timeout_s
-        shown = -1
+        shown, shown_at = -1, float("-inf")
 
         def enough() -> bool:
-            nonlocal shown
+            nonlocal shown, shown_at
             online = self.registry.count_online("trainer")
-            if online < need and online != shown:
+            # at most a line a second: a thousand agents coming online are not a thousand lines
+            if online < need and online != shown and time.monotonic() - shown_at >= 1.0:
                 self.progress.note(f"waiting for agents: {online}/{need} online")
-                shown = online
+                shown, shown_at = online, time.monotonic()
             return online >= need
 
         if self.inbox.pump_until(enough, time.monotonic() + wait):
@@ -281,6 +296,7 @@ class Coordinator:
     def _run_round(self, r: int, final: bool) -> RoundMetrics:
         """One round: sample, send tasks, collect, close the aggregate, metrics row, checkpoint."""
         started = time.monotonic()
+        self.inbox.presence.round_starts(r)
         sampled, evaluators = self._sample(r, final)
         tasks, result = self._send_tasks(r, sampled, evaluators)
         self.observer.enter("evaluating" if final else "training", r)
@@ -310,7 +326,10 @@ class Coordinator:
 
     def _sample(self, r: int, final: bool) -> tuple[list[str], list[str]]:
         """Who trains this round (a seeded sample of the online trainers; nobody in the
-        final round) and who only evaluates (the other online trainers, on evaluation rounds)."""
+        final round) and who only evaluates, on evaluation rounds: enough of the other
+        online trainers, drawn with the seed and round, that ``eval_fraction`` of the
+        online trainers (``final_eval_fraction`` in the final round) are evaluated. The
+        trainers count: each evaluates the global model before it trains."""
         c = self.config
         # Agents that let their last task time out are skipped until they show life (any
         # frame), so a dead agent does not cost every later round its timeout; if nobody
@@ -320,7 +339,10 @@ class Coordinator:
         if not (final or r % c.eval_every == 0):
             return sampled, []
         training = set(sampled)
-        return sampled, [a for a in online if a not in training]
+        idle = [a for a in online if a not in training]
+        share = c.eval_fraction if not final or c.final_eval_fraction is None else c.final_eval_fraction
+        wanted = max(1, round_half_up(share * len(online))) - len(sampled)
+        return sampled, draw(idle, wanted, [c.seed, r, EVALUATION_STREAM])
 
     def _send_tasks(self, r: int, sampled: list[str], evaluators: list[str]) -> tuple[RoundTasks, RoundResult]:
         """Open round ``r`` and send each agent its task; returns the tasks and the round's (empty) result."""
@@ -349,6 +371,10 @@ class Coordinator:
                            recipient=agent_id if self.signer is not None else None)
             tasks.add(Task(agent_id, task_id, kind))
             result.bytes_down += self.fleet.send(agent_id, frame, r)
+            if not self.fleet.send_ready():
+                # Unacknowledged tasks wait in the transport: at 1,000 agents a round's worth
+                # is 1,000 x the model. Answers are admitted meanwhile (their tasks are added).
+                self.inbox.pump_until(self.fleet.send_ready, time.monotonic() + c.round_timeout_s)
         return tasks, result
 
     def _collect(self, tasks: RoundTasks, result: RoundResult, started: float) -> None:

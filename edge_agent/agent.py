@@ -127,6 +127,8 @@ class Agent:
             max_payload_bytes=c.broker.max_payload_bytes,
             max_buffered_bytes=c.broker.max_buffered_bytes,
             keepalive_s=c.broker.keepalive_s,
+            inbox_max_bytes=c.broker.inbox_max_bytes,
+            inbox_max_messages=c.broker.inbox_max_messages,
         )
         transport.start(timeout=120)
         log.info("agent %s (%s tier) online: %d train / %d test samples", c.agent_id, c.tier,

@@ -105,6 +105,19 @@ class RunConfig(_Strict):
                                                             "(if quorum is met)")
     wait_for_agents_s: float = Field(300.0, gt=0, description="how long to wait for min_agents before round 0")
     eval_every: int = Field(1, ge=1, description="agents not sampled are asked to evaluate every k rounds")
+    eval_fraction: float = Field(
+        1.0, gt=0, le=1,
+        description="share of the online agents whose accuracy an evaluation round measures, round 0 included: "
+                    "the trainers (each evaluates before training) plus a seeded sample of the others, who get "
+                    "an evaluate task (1.0: all of them)")
+    final_eval_fraction: float | None = Field(
+        None, gt=0, le=1,
+        description="the same share for the final evaluation, whose accuracy is the run's result "
+                    "(default: eval_fraction)")
+    expected_agents: int | None = Field(
+        None, ge=1,
+        description="trainer agents the fleet should have: fewer online (after the retained statuses came in, "
+                    "or when a round starts) is logged as a warning that presence may be truncated")
     seed: int = Field(0, description="seeds sampling, model initialisation and every agent's local training")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="the coordinator's torch device (auto: cuda "
                                                                          "when available)")

@@ -112,6 +112,12 @@ class BrokerConfig(_Strict):
         2 * 2**30, ge=16_384, description="all partially received chunked messages together (each topic: at most "
                                           "max_payload_bytes and 4 messages); a chunk past it is refused, over_budget")
     keepalive_s: int = Field(30, ge=5, description="MQTT keepalive; a silent client is declared gone after 1.5x")
+    inbox_max_bytes: int | None = Field(
+        None, ge=16_384,
+        description="inbound frames queued before paho's thread stops acknowledging and the broker holds the "
+                    "rest (default: max_payload_bytes / 16, at least four max_message_bytes); also the bytes the coordinator "
+                    "sends before it waits for the broker's acknowledgements")
+    inbox_max_messages: int = Field(10_000, ge=1, description="the same bound in messages")
 
     @model_validator(mode="after")
     def _one_password_source(self) -> BrokerConfig:

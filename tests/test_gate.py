@@ -321,3 +321,16 @@ def test_an_aggregate_that_moves_more_than_the_ratio_of_the_norm_is_diverged(met
     assert isinstance(verdict, Rejection) and verdict.reason == "diverged" and verdict.agent_id is None
     zero = ServerState({k: np.zeros_like(v) for k, v in shared.items()})
     assert admit_state(zero, moved(zero, 0.5 / np.sqrt(size)), 1.0) is None  # a zero state may still move
+
+
+def test_the_gate_keeps_message_ids_of_the_current_round_only_and_a_replay_stays_rejected(rnd):
+    frame = rnd.frame()
+    assert isinstance(rnd.admit(frame), Accepted)
+    assert len(rnd.gate._seen) == 1
+    # the next round: a replay of the last round's accepted message is still refused
+    rnd.tasks = RoundTasks(ROUND + 1)
+    rnd.tasks.add(Task("alice", new_message_id(), "train"))
+    assert reason(rnd.admit(frame)) == "stale"
+    assert len(rnd.gate._seen) == 0  # a long run does not grow the set round after round
+    assert isinstance(rnd.admit(rnd.frame(round=ROUND + 1)), Accepted)
+    assert len(rnd.gate._seen) == 1

@@ -604,3 +604,85 @@ def test_an_agent_that_reconnected_during_the_round_keeps_getting_tasks(tmp_path
     rows = coordinator(fleet, tmp_path, rounds=2, round_timeout_s=1.5).run()
     assert rows[0].dropped == ["c"]
     assert sorted(sent_to[1]) == ["a", "b", "c"] and rows[1].participants == ["a", "b", "c"]
+
+
+def _task_log(fleet: ScriptedFleet) -> list[tuple[int, str, str]]:
+    sent: list[tuple[int, str, str]] = []
+    fleet.on_send = lambda agent_id, task: sent.append((task.header.round, agent_id, task.meta.kind))
+    return sent
+
+
+def _run_sampled(tmp_path, name: str, n: int = 20, **overrides) -> tuple[list[tuple[int, str, str]], list]:
+    fleet = ScriptedFleet({f"agent-{i:02d}": honest(f"agent-{i:02d}") for i in range(n)})
+    sent = _task_log(fleet)
+    rows = Coordinator(config(min_agents=n, **overrides), fleet, tmp_path / name, progress=False).run()
+    return sent, rows
+
+
+def test_evaluation_sampling_sends_evaluate_tasks_to_a_seeded_sample_only_round_0_and_final_included(tmp_path):
+    n, rounds = 20, 3
+    sent, rows = _run_sampled(tmp_path, "a", n, rounds=rounds, fraction=0.25, eval_fraction=0.5)
+    for r in range(rounds + 1):  # round `rounds` is the final evaluation
+        kinds = [kind for rnd, _, kind in sent if rnd == r]
+        trainers = 0 if r == rounds else 5
+        evaluators = 10 - trainers  # half the fleet is evaluated; the trainers count
+        assert kinds.count("train") == trainers and kinds.count("evaluate") == evaluators, (r, kinds)
+        evaluated = {a for rnd, a, kind in sent if rnd == r and kind == "evaluate"}
+        trained = {a for rnd, a, kind in sent if rnd == r and kind == "train"}
+        assert not evaluated & trained
+        assert rows[r].evaluated == 10  # trainers report their pre-training evaluation too
+    # the evaluators differ between rounds: not the same few agents every time
+    assert len({frozenset(a for rnd, a, k in sent if rnd == r and k == "evaluate") for r in range(rounds)}) > 1
+
+    again, _ = _run_sampled(tmp_path, "b", n, rounds=rounds, fraction=0.25, eval_fraction=0.5)
+    assert sorted(again) == sorted(sent)  # samples depend only on seed and round: a resumed run draws the same
+    other, _ = _run_sampled(tmp_path, "c", n, rounds=rounds, fraction=0.25, eval_fraction=0.5, seed=7)
+    assert sorted(other) != sorted(sent)
+
+
+def test_evaluation_sampling_cuts_the_bytes_sent_and_the_final_fraction_can_differ(tmp_path):
+    n = 20
+    _, full = _run_sampled(tmp_path, "full", n, rounds=2, fraction=0.1)
+    sent, sampled = _run_sampled(tmp_path, "sampled", n, rounds=2, fraction=0.1, eval_fraction=0.1,
+                                 final_eval_fraction=1.0)
+    for r in range(2):
+        # the 2 trainers are the tenth evaluated, no evaluate task; in full, 2 trainers + 18 evaluators
+        assert [k for rnd, _, k in sent if rnd == r] == ["train", "train"]
+        assert sampled[r].bytes_down / full[r].bytes_down == pytest.approx(2 / 20, rel=0.01)
+    assert sampled[-1].final and sampled[-1].evaluated == n  # final_eval_fraction: everyone
+    assert sum(1 for rnd, _, k in sent if rnd == 2 and k == "evaluate") == n
+    _, final_sampled = _run_sampled(tmp_path, "final", n, rounds=1, fraction=0.1, eval_fraction=0.1)
+    assert final_sampled[-1].evaluated == 2  # without final_eval_fraction, the final round samples too
+
+
+def test_eval_fraction_one_is_every_idle_agent_as_before(tmp_path):
+    sent, rows = _run_sampled(tmp_path, "one", 10, rounds=1, fraction=0.3)
+    assert sum(1 for rnd, _, k in sent if rnd == 0 and k == "evaluate") == 7
+    assert rows[-1].evaluated == 10
+
+
+def test_while_the_send_window_is_full_the_round_loop_admits_answers_instead_of_sending(tmp_path):
+    """The transport says when too many sent bytes wait for acknowledgement; until it has
+    room again the round loop routes inbound traffic (here: the answers already in)."""
+    n = 6
+
+    class SlowLink(ScriptedFleet):
+        def __init__(self, agents):
+            super().__init__(agents)
+            self.sent = 0
+            self.log: list[tuple[str, int]] = []
+
+        def send(self, agent_id, frame, round):
+            self.sent += 1
+            self.log.append(("send", len(self.events)))
+            return super().send(agent_id, frame, round)
+
+        def send_ready(self) -> bool:
+            # room again once every answer of the tasks sent so far has been routed
+            return not self.events
+
+    fleet = SlowLink({f"agent-{i}": honest(f"agent-{i}") for i in range(n)})
+    rows = coordinator(fleet, tmp_path).run()
+    assert len(rows[0].participants) == n
+    # each task went out only after the answer to the one before had been admitted
+    assert [pending for what, pending in fleet.log] == [0] * len(fleet.log)

@@ -16,14 +16,18 @@ What it adds over a bare paho client:
   like any other dropped message;
 * incoming frames are queued and handed to the caller's thread by
   :meth:`MqttTransport.receive`, so decoding and training never run on paho's
-  network thread;
+  network thread; the queue is bounded (:class:`.backpressure.BoundedInbox`): while it
+  is full, paho's thread holds back the PUBACKs and the broker keeps the backlog;
+* a count of the bytes published and not yet acknowledged (:attr:`MqttTransport.unacked_bytes`,
+  :meth:`MqttTransport.send_ready`): paho keeps every QoS 1 message until its PUBACK, so a
+  sender that waits for room sends at the broker's pace instead of queueing a round's
+  worth of tasks in this process;
 * counters of bytes and messages in each direction.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import Counter
@@ -31,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..broker import parse_broker_url
+from .backpressure import BoundedInbox
 from .connection import (
     BrokerLogin,
     BrokerUnreachable,
@@ -46,6 +51,13 @@ from .reassembly import DEFAULT_MAX_BUFFERED_BYTES, Reassembler
 from .topics import ParsedTopic, TopicError, parse_topic
 
 log = logging.getLogger(__name__)
+
+
+def default_inbox_bytes(max_payload_bytes: int, max_message_bytes: int) -> int:
+    """The inbound queue's default bound (and the send window's): a sixteenth of the largest
+    whole payload, and room for at least four MQTT messages (chunks are reassembled one
+    message at a time, so a payload need not fit)."""
+    return max(max_payload_bytes // 16, 4 * max_message_bytes)
 
 
 @dataclass
@@ -82,6 +94,8 @@ class MqttTransport:
         max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
         keepalive_s: int = 30,
         on_reject: Callable[[str, str, str], None] | None = None,
+        inbox_max_bytes: int | None = None,
+        inbox_max_messages: int = 10_000,
     ):
         import paho.mqtt.client as mqtt
 
@@ -96,7 +110,15 @@ class MqttTransport:
         self.accept_message_bytes = max_message_bytes
         self.keepalive_s = keepalive_s
         self.on_reject = on_reject
-        self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()  # raw (topic, payload), from paho's thread
+        # Raw (topic, payload) from paho's thread. Waiting for room must stay well inside the
+        # keepalive: paho's thread sends the PINGREQs too.
+        self.inbox: BoundedInbox[tuple[str, bytes]] = BoundedInbox(
+            inbox_max_bytes or default_inbox_bytes(max_payload_bytes, max_message_bytes), inbox_max_messages,
+            max_wait_s=keepalive_s / 3)
+        #: bytes a sender may have published and not yet seen acknowledged (:meth:`send_ready`)
+        self.send_window_bytes = self.inbox.max_bytes
+        #: bytes published with QoS 1 and not yet acknowledged (the sum of ``_in_flight``)
+        self.unacked_bytes = 0
         # Per topic: a flood of chunk frames on one agent's topic only evicts that topic's partials.
         self.reassembler = Reassembler(max_bytes=max_payload_bytes, max_buffered_bytes=max_buffered_bytes,
                                        on_drop=self._reject)
@@ -111,7 +133,9 @@ class MqttTransport:
         self._socket_error: str | None = None  # paho's last error while waiting for the first CONNACK
         self._lock = threading.Lock()
         # QoS 1 publishes not yet acknowledged (mid -> bytes) and the largest acknowledged:
-        # a drop with a larger one in flight is most likely the broker's size limit.
+        # the send window counts them, and a drop with a larger one in flight is most likely
+        # the broker's size limit. Never held while calling into paho, whose thread holds its
+        # own locks when it calls on_publish.
         self._in_flight: dict[int, int] = {}
         self._acked_early: set[int] = set()
         self._largest_acked = 0
@@ -234,8 +258,10 @@ class MqttTransport:
         with self._flight_lock:
             size = self._in_flight.pop(mid, None)
             if size is None:
-                self._acked_early.add(mid)  # acknowledged before publish() recorded it
+                # acknowledged before publish() recorded it (or a birth message, not counted)
+                self._acked_early.add(mid)
             else:
+                self.unacked_bytes -= size
                 self._largest_acked = max(self._largest_acked, size)
 
     def _sent(self, mid: int, size: int) -> None:
@@ -245,6 +271,7 @@ class MqttTransport:
                 self._largest_acked = max(self._largest_acked, size)
             else:
                 self._in_flight[mid] = size
+                self.unacked_bytes += size
 
     def _oversized_in_flight(self) -> int:
         """The largest unacknowledged message if it is larger than any acknowledged one, else 0."""
@@ -254,7 +281,8 @@ class MqttTransport:
 
     def _on_message(self, client, userdata, msg) -> None:
         # Runs on paho's network thread: only enqueue, never decode or train here.
-        self.inbox.put((msg.topic, msg.payload))
+        # Blocks while the inbox is full: the PUBACK goes out when this returns (backpressure).
+        self.inbox.put((msg.topic, msg.payload), len(msg.payload))
 
     # ------------------------------------------------------------------ traffic
     def publish(self, topic: str, frame: bytes, *, retain: bool = False, round: int = -1, wait: bool = False) -> int:
@@ -275,15 +303,19 @@ class MqttTransport:
         self.bytes_sent[topic.rsplit("/", 1)[-1]] += sent
         return sent
 
+    def send_ready(self) -> bool:
+        """Whether the bytes published and not yet acknowledged are below the send window."""
+        return self.unacked_bytes < self.send_window_bytes
+
     def receive(self, timeout: float | None = None) -> Inbound | None:
         """Next whole frame, or None after ``timeout``. Invalid traffic is logged and dropped."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                topic, payload = self.inbox.get(timeout=remaining)
-            except queue.Empty:
+            item = self.inbox.get(timeout=remaining)
+            if item is None:
                 return None
+            topic, payload = item
             inbound = self._assemble(topic, payload)
             if inbound is not None:
                 return inbound

@@ -57,7 +57,8 @@ class MosquittoBroker:
 
     Config: ``listener PORT 127.0.0.1``, ``allow_anonymous true``,
     ``persistence false``, ``max_packet_size`` = ``max_packet_bytes`` (default:
-    the MQTT maximum). With ``capture=True`` a :class:`TrafficCapture` subscribed
+    the MQTT maximum), ``max_queued_messages`` (per client; default 10,000, 0 for no
+    limit: Mosquitto drops what a client's queue cannot hold). With ``capture=True`` a :class:`TrafficCapture` subscribed
     to ``#`` records every message that crosses the broker (``self.capture``).
     ``extra_config`` lines are appended verbatim (e.g. ``acl_file`` and
     ``password_file``, with ``allow_anonymous=False``).
@@ -76,6 +77,7 @@ class MosquittoBroker:
         max_packet_bytes: int = MQTT_MAX_PACKET_BYTES,
         allow_anonymous: bool = True,
         extra_config: str = "",
+        max_queued_messages: int = 10_000,
         executable: str | None = None,
         start_timeout: float = 10.0,
         conf: str | Path | None = None,
@@ -85,6 +87,7 @@ class MosquittoBroker:
         self.max_packet_bytes = max_packet_bytes
         self.allow_anonymous = allow_anonymous
         self.extra_config = extra_config
+        self.max_queued_messages = max_queued_messages
         self.executable = executable or find_mosquitto()
         self.start_timeout = start_timeout
         self.conf = Path(conf).read_text() if conf is not None else None
@@ -151,7 +154,7 @@ class MosquittoBroker:
                 "persistence false",
                 f"max_packet_size {int(self.max_packet_bytes)}",
                 # Many agents may publish bursts of QoS 1 updates; don't drop them.
-                "max_queued_messages 10000",
+                f"max_queued_messages {int(self.max_queued_messages)}",
             ]
         conf.write_text(
             "\n".join(
