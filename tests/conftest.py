@@ -57,26 +57,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def require_mosquitto() -> str:
-    """Path of mosquitto; under CI its absence fails the test, elsewhere it skips."""
-    path = find_mosquitto()
+def _require(path: str | None, msg: str) -> str:
+    """``path`` when the tool was found; else under CI the test fails, elsewhere it skips."""
     if path:
         return path
-    msg = "mosquitto is not installed: apt-get install mosquitto (or set EDGEPFL_MOSQUITTO)"
     if _under_ci():
         pytest.fail(msg + " — required under CI", pytrace=False)
     pytest.skip(msg)
+
+
+def require_mosquitto() -> str:
+    """Path of mosquitto; under CI its absence fails the test, elsewhere it skips."""
+    return _require(find_mosquitto(), "mosquitto is not installed: apt-get install mosquitto (or set EDGEPFL_MOSQUITTO)")
 
 
 def require_rabbitmq() -> str:
     """Directory of rabbitmq-server; under CI its absence fails the test, elsewhere it skips."""
-    path = find_rabbitmq()
-    if path:
-        return path
-    msg = "RabbitMQ is not installed: apt-get install rabbitmq-server (or set EDGEPFL_RABBITMQ_BIN)"
-    if _under_ci():
-        pytest.fail(msg + " — required under CI", pytrace=False)
-    pytest.skip(msg)
+    return _require(find_rabbitmq(), "RabbitMQ is not installed: apt-get install rabbitmq-server "
+                                     "(or set EDGEPFL_RABBITMQ_BIN)")
 
 
 @pytest.fixture(scope="session")
