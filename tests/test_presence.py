@@ -104,6 +104,7 @@ def test_a_coordinator_behind_a_small_broker_queue_warns_that_presence_is_trunca
             config = RunConfig(federation=federation, method={"name": "fedavg"},
                                model={"arch": "mlp", "feature_dim": 8, "norm": "none"}, rounds=1, min_agents=120,
                                round_timeout_s=1.5, wait_for_agents_s=10, input_shape=[1, 4, 4], num_classes=3,
+                               normalization={"mean": [0.5], "std": [0.5]},
                                device="cpu", fraction=0.01, eval_fraction=0.01, expected_agents=expected)
             fleet = MqttFleet(federation, config.broker, url=broker.url)
             caplog.clear()
