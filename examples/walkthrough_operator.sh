@@ -25,9 +25,8 @@ echo "== working in $WORK, broker port $PORT"
 
 # Every process started in the background is stopped when the script ends, however it ends.
 PIDS=()
-cleanup() {
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+cleanup() {  # newest first: the agents and the coordinator, then the broker they talk through
+  for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do kill "${PIDS[i]}" 2>/dev/null || true; wait "${PIDS[i]}" 2>/dev/null || true; done
 }
 trap cleanup EXIT
 
