@@ -342,7 +342,11 @@ def test_federation_runs_over_mqtts_from_the_bundles_and_a_client_id_hijack_chan
     out = provision(tmp_path / "p", agents="pi-01,pi-02,pi-03", auth=auth, federation=federation)
     with MosquittoBroker(conf=out / "broker" / "mosquitto.conf") as broker:
         coord_broker = dict(bundle_broker(out / "coordinator", "coordinator.yaml"), url=broker.url)
-        config = prepare(run_config(federation, rounds=2, broker=coord_broker, device="cpu"), 2)
+        # the bundle's signing key and enrolled agents too: its agents pin the coordinator's key
+        # and drop whatever it does not sign
+        security = {"signing_key": str(out / "coordinator" / "signing.key"),
+                    "enrolled_dir": str(out / "coordinator" / "enrolled")}
+        config = prepare(run_config(federation, rounds=2, broker=coord_broker, security=security, device="cpu"), 2)
         for bundle in ("pi-01", "pi-02"):
             path = out / "agents" / bundle / "agent.yaml"
             agent = yaml.safe_load(path.read_text())
