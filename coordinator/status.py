@@ -3,10 +3,13 @@
 ::
 
     edgepfl status --broker mqtt://broker:1883 --federation demo [--json] [--agents N]
+    edgepfl status --config operator/operator.yaml [--json]      (a provisioned federation)
 
 Reads the coordinator's retained JSON view (``edgepfl/v1/<federation>/view``,
 ``docs/PROTOCOL.md`` §18) with a plain MQTT subscription: it needs read access to that
-one topic and nothing else, and publishes nothing.
+one topic and nothing else, and publishes nothing. ``--config`` takes the ``federation``
+and ``broker:`` section (URL, TLS files, credentials) of a YAML file — the operator
+bundle ``edgepfl provision`` writes, whose credentials may read the view only.
 """
 
 from __future__ import annotations
@@ -16,26 +19,33 @@ import json
 import queue
 import sys
 import time
+from pathlib import Path
 
 from edgepfl.broker import BrokerError, parse_broker_url
+from edgepfl.config import ConfigError, load_yaml, parse_config, resolve_paths
 from edgepfl.protocol import FederationChannel, federation_topic
+from edgepfl.protocol.connection import BrokerLogin, classify_socket_error
 from edgepfl.protocol.topics import TopicError
 from edgepfl.protocol.view import FleetView, parse_view
+from edgepfl.specs import BrokerConfig
 
 
-def fetch_view(url: str, federation: str, *, timeout: float = 5.0, username: str | None = None,
-               password: str | None = None) -> FleetView:
-    """The retained view of ``federation``; TimeoutError when none arrives, ConnectionError when refused."""
+def fetch_view(url: str, federation: str, *, timeout: float = 5.0, login: BrokerLogin | None = None) -> FleetView:
+    """The retained view of ``federation``; TimeoutError when none arrives, ConnectionError when refused.
+
+    ``login``: user name, password and TLS files (CA, client certificate) to present.
+    """
     import paho.mqtt.client as mqtt
 
+    login = login or BrokerLogin()
     host, port, tls = parse_broker_url(url)
     topic = federation_topic(federation, FederationChannel.VIEW)
     got: queue.Queue[bytes | Exception] = queue.Queue()
     client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv311, clean_session=True)
-    if username:
-        client.username_pw_set(username, password)
+    if login.username:
+        client.username_pw_set(login.username, login.password)
     if tls:
-        client.tls_set()
+        client.tls_set_context(login.tls_context())
 
     def on_connect(c, userdata, flags, reason_code, properties=None):
         if reason_code.is_failure:
@@ -47,8 +57,8 @@ def fetch_view(url: str, federation: str, *, timeout: float = 5.0, username: str
     client.on_message = lambda c, u, msg: got.put(bytes(msg.payload)) if msg.payload else None
     try:
         client.connect(host, port, keepalive=30)
-    except OSError as exc:
-        raise ConnectionError(f"cannot reach MQTT broker {url}: {exc}") from None
+    except OSError as exc:  # refused, unresolvable, or TLS: the message says which and what to do
+        raise ConnectionError(classify_socket_error(exc, host, port).message) from None
     client.loop_start()
     try:
         item = got.get(timeout=timeout)
@@ -96,11 +106,31 @@ def format_view(view: FleetView, *, now: float | None = None, max_agents: int = 
     return "\n".join(lines)
 
 
+def read_access(path: str | Path) -> tuple[str | None, BrokerConfig]:
+    """``federation`` and the ``broker:`` section of a YAML file, its paths relative to the file's folder.
+
+    Any edgepfl config with a ``broker:`` section will do (operator.yaml, coordinator.yaml,
+    agent.yaml); :class:`ConfigError` when it has none or it is invalid.
+    """
+    path = Path(path)
+    data = load_yaml(path)
+    section = data.get("broker")
+    if not isinstance(section, dict):
+        raise ConfigError(f"{path}: no broker: section (give --broker, or an operator.yaml from edgepfl provision)")
+    base = path.expanduser().absolute().parent
+    broker = parse_config(BrokerConfig, resolve_paths(BrokerConfig, section, base), f"{path} (broker:)")
+    federation = data.get("federation")
+    return (str(federation) if federation is not None else None), broker
+
+
 def main_status(argv: list[str]) -> int:
     """``edgepfl status``: print the fleet view; 1 when there is none, 2 on bad arguments."""
     parser = argparse.ArgumentParser(prog="edgepfl status", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--broker", required=True, help="mqtt://host[:port] or mqtts://host[:port]")
-    parser.add_argument("--federation", required=True)
+    parser.add_argument("--config", default=None,
+                        help="a YAML file with federation: and broker: (e.g. operator/operator.yaml from "
+                             "edgepfl provision): URL, TLS files and credentials")
+    parser.add_argument("--broker", default=None, help="mqtt://host[:port] or mqtts://host[:port] (overrides --config)")
+    parser.add_argument("--federation", default=None, help="federation name (overrides --config)")
     parser.add_argument("--json", action="store_true", help="the view as JSON (as published)")
     parser.add_argument("--agents", type=int, default=50, help="agents listed in the table")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the view")
@@ -108,7 +138,21 @@ def main_status(argv: list[str]) -> int:
     parser.add_argument("--password", default=None)
     ns = parser.parse_args(argv)
     try:
-        view = fetch_view(ns.broker, ns.federation, timeout=ns.timeout, username=ns.username, password=ns.password)
+        federation, broker = read_access(ns.config) if ns.config else (None, BrokerConfig())
+        federation = ns.federation or federation
+        url = ns.broker or (broker.url if ns.config else None)
+        if not url or not federation:
+            raise ConfigError("give --broker and --federation, or --config with federation: and broker:")
+        if ns.username is not None:
+            broker = broker.model_copy(update={"username": ns.username})
+        if ns.password is not None:
+            broker = broker.model_copy(update={"password": ns.password, "password_file": None, "password_env": None})
+        login = BrokerLogin.from_config(broker)
+    except (ConfigError, BrokerError, TopicError, ConnectionError) as exc:  # a bad file, URL, name or password file
+        print(f"edgepfl status: {exc}", file=sys.stderr)
+        return 2
+    try:
+        view = fetch_view(url, federation, timeout=ns.timeout, login=login)
     except (BrokerError, TopicError) as exc:  # a bad URL or federation name
         print(f"edgepfl status: {exc}", file=sys.stderr)
         return 2
@@ -119,4 +163,4 @@ def main_status(argv: list[str]) -> int:
     return 0
 
 
-__all__ = ["fetch_view", "format_view", "main_status"]
+__all__ = ["fetch_view", "format_view", "main_status", "read_access"]

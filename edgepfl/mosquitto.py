@@ -29,6 +29,8 @@ AuthMode = Literal["cert", "password", "both"]
 
 #: The user name (and client certificate CN) of the coordinator; no agent may take it.
 COORDINATOR_USER = "coordinator"
+#: The user name of operators' tools (``edgepfl status``, dashboards): they may read the fleet view only.
+OPERATOR_USER = "operator"
 #: mosquitto_passwd's iteration count. The passwords provision makes are 192-bit random
 #: tokens, so the hash's work factor adds nothing against guessing; keep Mosquitto's default.
 PBKDF2_ITERATIONS = 101
@@ -57,7 +59,8 @@ def acl_text(federation: str) -> str:
         "# The MQTT user name is the agent id (password file) or the client certificate's CN",
         "# (use_identity_as_username), so one pattern (%u) covers every agent, present and future.",
         "",
-        "# The coordinator: reads every agent's status/update/metrics; writes tasks, its presence, the release.",
+        "# The coordinator: reads every agent's status/update/metrics; writes tasks, its presence, the release",
+        "# and the operators' fleet view.",
         f"user {COORDINATOR_USER}",
         f"topic read {base}/agents/+/status",
         f"topic read {base}/agents/+/update",
@@ -65,6 +68,11 @@ def acl_text(federation: str) -> str:
         f"topic write {base}/agents/+/task",
         f"topic write {base}/coordinator",
         f"topic write {base}/release",
+        f"topic write {base}/view",
+        "",
+        "# Operators' tools (edgepfl status, dashboards): the fleet view only.",
+        f"user {OPERATOR_USER}",
+        f"topic read {base}/view",
         "",
         "# Every agent: writes only its own status/update/metrics, reads only its own task,",
         "# the coordinator's presence and the release. Nothing else, and no '#'.",
@@ -132,6 +140,8 @@ def mosquitto_conf(*, federation: str, port: int, broker_dir: str, auth: AuthMod
         f"# Sized for {s.clients - 1} agents + the coordinator and MQTT messages of {max_message_bytes} bytes.",
         f"# The broker needs {s.open_files} open files: with systemd, `systemctl edit mosquitto` and set",
         f"#   [Service]\n#   LimitNOFILE={s.open_files}",
+        "# Started as root, Mosquitto switches to the user 'mosquitto', which must be able to read",
+        f"# {d}/ (server.key, acl, passwd): chown them to it, or start it as their owner.",
         "",
         f"listener {port}",
         "# TLS with the federation's private CA; clients verify server.crt against ca.crt and the host name.",
@@ -180,12 +190,12 @@ def mosquitto_conf(*, federation: str, port: int, broker_dir: str, auth: AuthMod
 
 
 def check_agent_ids(agent_ids: list[str]) -> None:
-    """Agent ids must be topic segments, unique, and never the coordinator's user name."""
+    """Agent ids must be topic segments, unique, and never the coordinator's or the operators' user name."""
     seen: set[str] = set()
     for agent_id in agent_ids:
         check_segment(agent_id, "agent id")
-        if agent_id == COORDINATOR_USER:
-            raise ValueError(f"agent id {COORDINATOR_USER!r} is the coordinator's user name; choose another")
+        if agent_id in (COORDINATOR_USER, OPERATOR_USER):
+            raise ValueError(f"agent id {agent_id!r} is the {agent_id}'s user name; choose another")
         if agent_id in seen:
             raise ValueError(f"agent id {agent_id!r} given twice")
         seen.add(agent_id)

@@ -12,6 +12,8 @@ Writes (private keys and secrets 0600, everything else 0644, folders 0755)::
                                 signing.key/.pub, enrolled/<agent>.pub
     DIR/agents/<id>/            agent.yaml, ca.crt, client cert/key or password,
                                 signing.key/.pub, coordinator.pub — copy onto the device
+    DIR/operator/               operator.yaml, ca.crt, client cert/key or password: read-only
+                                access to the fleet view (edgepfl status --config)
 
 Paths inside the YAML files are relative to the file's own folder (a bundle can be
 copied anywhere), unless ``--absolute-paths``. The YAML files hold the identity,
@@ -33,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from . import pki
 from .mosquitto import (
     COORDINATOR_USER,
+    OPERATOR_USER,
     AuthMode,
     acl_text,
     broker_sizing,
@@ -145,6 +148,18 @@ def _coordinator_bundle(record: ProvisionRecord, out: Path, ca: pki.CA) -> str |
     return password
 
 
+def _operator_bundle(record: ProvisionRecord, out: Path, ca: pki.CA) -> str | None:
+    """Credentials that the ACL lets read the fleet view and nothing else: for ``edgepfl status`` and dashboards."""
+    folder = _mkdir(out / "operator")
+    broker, password = _client_credentials(record, folder, OPERATOR_USER, ca)
+    _write_yaml(folder / "operator.yaml", (
+        f"# edgepfl operator's access to federation {record.federation}, written by edgepfl provision.\n"
+        "# Read-only: the broker's ACL lets this user read the fleet view (docs/PROTOCOL.md §18) only.\n"
+        "# Paths are relative to this file's folder.\n"
+        "#   edgepfl status --config operator.yaml [--json]\n"), {"federation": record.federation, "broker": broker})
+    return password
+
+
 def _broker_files(record: ProvisionRecord, out: Path, ca: pki.CA, passwords: dict[str, str], new_server_cert: bool) -> None:
     folder = _mkdir(out / "broker")
     ca_key, ca_cert = ca
@@ -180,7 +195,8 @@ def provision(record: ProvisionRecord, out: Path) -> None:
     pki.write_private_key(ca_dir / "ca.key", ca[0])
     pki.write_certificate(ca_dir / "ca.crt", ca[1])
     passwords: dict[str, str] = {}
-    for user, password in [(COORDINATOR_USER, _coordinator_bundle(record, out, ca))] + [
+    for user, password in [(COORDINATOR_USER, _coordinator_bundle(record, out, ca)),
+                           (OPERATOR_USER, _operator_bundle(record, out, ca))] + [
             (agent_id, _agent_bundle(record, out, agent_id, ca)) for agent_id in record.agents]:
         if password is not None:
             passwords[user] = password
@@ -218,11 +234,13 @@ def _summary(record: ProvisionRecord, out: Path, added: list[str] | None = None)
         f" -> the broker host, at {record.broker_dir} (LimitNOFILE={sizing.open_files})",
         f"  {out}/coordinator/   coordinator.yaml, credentials, signing key, enrolled/ ({len(record.agents)} agents)",
         f"  {out}/agents/<id>/   one bundle per device: " + ", ".join(agents[:5]) + (" ..." if len(agents) > 5 else ""),
+        f"  {out}/operator/      read-only access to the fleet view, for edgepfl status and dashboards",
         "next:",
         f"  mosquitto -c {record.broker_dir}/mosquitto.conf"
         + ("   (already running: kill -HUP it to reload passwd)" if added else ""),
         f"  cd {out}/coordinator && edgepfl coordinator --config coordinator.yaml   (after adding method, data, rounds)",
         f"  copy {out}/agents/{first}/ to the device, then there: edgepfl agent --config agent.yaml   (after adding data)",
+        f"  edgepfl status --config {out}/operator/operator.yaml   (while it runs)",
     ])
 
 

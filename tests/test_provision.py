@@ -64,7 +64,7 @@ def test_provision_writes_keys_private_and_everything_else_readable(tmp_path):
     private = {"ca/ca.key", "broker/server.key", "broker/passwd", "coordinator/client.key", "coordinator/password",
                "coordinator/signing.key", "agents/pi-01/client.key", "agents/pi-01/password",
                "agents/pi-01/signing.key", "agents/pi-02/client.key", "agents/pi-02/password",
-               "agents/pi-02/signing.key"}
+               "agents/pi-02/signing.key", "operator/client.key", "operator/password"}
     files = {str(p.relative_to(out)): p.stat().st_mode & 0o777 for p in out.rglob("*") if p.is_file()}
     assert private <= set(files)
     for name, mode in files.items():
@@ -101,7 +101,8 @@ def test_acl_confines_agents_to_their_own_topics_and_has_no_wildcard_reads(tmp_p
         "user coordinator",
         f"topic read {base}/agents/+/status", f"topic read {base}/agents/+/update",
         f"topic read {base}/agents/+/metrics", f"topic write {base}/agents/+/task",
-        f"topic write {base}/coordinator", f"topic write {base}/release",
+        f"topic write {base}/coordinator", f"topic write {base}/release", f"topic write {base}/view",
+        "user operator", f"topic read {base}/view",
         f"pattern write {base}/agents/%u/status", f"pattern write {base}/agents/%u/update",
         f"pattern write {base}/agents/%u/metrics", f"pattern read {base}/agents/%u/task",
         f"pattern read {base}/coordinator", f"pattern read {base}/release",
@@ -147,7 +148,7 @@ def test_bundles_are_valid_configs_with_relative_paths_to_their_own_files(tmp_pa
     assert coord.broker.username == "coordinator" and (coord_dir / str(coord.security.enrolled_dir)).is_dir()
     # the password file holds each client's password, hashed as Mosquitto does
     lines = dict(line.split(":", 1) for line in (out / "broker" / "passwd").read_text().splitlines())
-    assert set(lines) == {"coordinator", "pi-01", "pi-02"}
+    assert set(lines) == {"coordinator", "operator", "pi-01", "pi-02"}
     salt_b64 = lines["pi-01"].split("$")[3]
     import base64
 
@@ -180,7 +181,7 @@ def test_refuses_to_overwrite_and_rejects_bad_names_in_one_line(tmp_path, capsys
     assert (out / "ca" / "ca.crt").read_bytes() != first_ca
     assert not (out / "agents" / "pi-02").exists()
     capsys.readouterr()
-    for bad in ("pi/01", "coordinator", "a,a"):
+    for bad in ("pi/01", "coordinator", "operator", "a,a"):
         assert main_provision(["--federation", "demo", "--agents", bad, "--broker-host", "h",
                                "--out", str(tmp_path / "q")]) == 2
         err = capsys.readouterr().err.strip()
@@ -197,7 +198,7 @@ def test_add_extends_the_federation_with_the_same_ca(tmp_path):
     assert (out / "ca" / "ca.crt").read_bytes() == ca and (out / "broker" / "server.crt").read_bytes() == server
     assert (out / "agents" / "pi-01" / "signing.key").read_bytes() == old_key
     passwd = (out / "broker" / "passwd").read_text().splitlines()
-    assert passwd[:3] == old_passwd and passwd[3].startswith("pi-03:$7$")
+    assert passwd[:-1] == old_passwd and passwd[-1].startswith("pi-03:$7$")
     assert (out / "coordinator" / "enrolled" / "pi-03.pub").is_file()
     assert (out / "agents" / "pi-03" / "ca.crt").read_bytes() == ca
     assert main_provision(["--out", str(out), "--add", "pi-03"]) == 2
@@ -282,6 +283,43 @@ def test_one_agents_credentials_reach_nothing_but_its_own_topics(tmp_path, auth)
                 client.close()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("auth", ["cert", "password"])
+def test_the_operator_bundle_reads_the_fleet_view_and_nothing_else(tmp_path, auth, capsys):
+    from edgepfl.coordinator.status import main_status
+
+    require_mosquitto()
+    out = provision(tmp_path / "p", agents="pi-01", auth=auth)
+    base = "edgepfl/v1/demo"
+    operator_creds = bundle_broker(out / "operator", "operator.yaml")
+    with MosquittoBroker(conf=out / "broker" / "mosquitto.conf") as broker:
+        coord = Attacker(broker.url, bundle_broker(out / "coordinator", "coordinator.yaml"), "c")
+        agent = Attacker(broker.url, bundle_broker(out / "agents" / "pi-01", "agent.yaml"), "a")
+        operator = Attacker(broker.url, operator_creds, "o").subscribe("#")
+        try:
+            view = b'{"not": "checked by the broker"}'
+            coord.publish(f"{base}/view", view, retain=True)
+            agent.publish(f"{base}/agents/pi-01/update", b"update")
+            coord.publish(f"{base}/agents/pi-01/task", b"task")
+            operator.publish(f"{base}/view", b"forged-view", retain=True)
+            operator.publish(f"{base}/agents/pi-01/task", b"forged-task")
+            assert operator.received() == [(f"{base}/view", view)]
+            fresh = Attacker(broker.url, operator_creds, "o2").subscribe(f"{base}/view")
+            assert fresh.received() == [(f"{base}/view", view)]  # the retained view is still the coordinator's
+            fresh.close()
+        finally:
+            for client in (coord, agent, operator):
+                client.close()
+        # edgepfl status takes URL, TLS files and credentials from the bundle; the URL only moves to the test's port
+        yaml_path = out / "operator" / "operator.yaml"
+        bundle = yaml.safe_load(yaml_path.read_text())
+        bundle["broker"]["url"] = broker.url
+        yaml_path.write_text(yaml.safe_dump(bundle))
+        capsys.readouterr()
+        assert main_status(["--config", str(yaml_path), "--timeout", "3"]) == 1
+        assert "not an edgepfl fleet view" in capsys.readouterr().err  # it connected and read the retained payload
+
+
 def spawn_bundle_agent(bundle: Path, config: RunConfig, index: int) -> subprocess.Popen:
     """An ``edgepfl agent`` started in its bundle folder, as on a device, with this run's data added."""
     agent = yaml.safe_load((bundle / "agent.yaml").read_text())
@@ -304,7 +342,11 @@ def test_federation_runs_over_mqtts_from_the_bundles_and_a_client_id_hijack_chan
     out = provision(tmp_path / "p", agents="pi-01,pi-02,pi-03", auth=auth, federation=federation)
     with MosquittoBroker(conf=out / "broker" / "mosquitto.conf") as broker:
         coord_broker = dict(bundle_broker(out / "coordinator", "coordinator.yaml"), url=broker.url)
-        config = prepare(run_config(federation, rounds=2, broker=coord_broker, device="cpu"), 2)
+        # the bundle's signing key and enrolled agents too: its agents pin the coordinator's key
+        # and drop whatever it does not sign
+        security = {"signing_key": str(out / "coordinator" / "signing.key"),
+                    "enrolled_dir": str(out / "coordinator" / "enrolled")}
+        config = prepare(run_config(federation, rounds=2, broker=coord_broker, security=security, device="cpu"), 2)
         for bundle in ("pi-01", "pi-02"):
             path = out / "agents" / bundle / "agent.yaml"
             agent = yaml.safe_load(path.read_text())
