@@ -100,7 +100,10 @@ def format_table(rows: list[RoundMetrics], summary: dict, method: str = "") -> s
     fa, ba = summary.get("final_accuracy"), summary.get("best_accuracy")
     last = (summary.get("rounds") or 0) - 1
     lines.append(f"final accuracy (after round {last}, the last): {'-' if fa is None else f'{fa:.2%}'}")
-    lines.append(f"best accuracy (round {summary.get('best_round')}):  {'-' if ba is None else f'{ba:.2%}'}")
+    # the same row label as the table: the final evaluation's row is "final", not round R
+    best_round = summary.get("best_round")
+    best_row = "final" if best_round is not None and best_round > last else best_round
+    lines.append(f"best accuracy (table row {best_row}):  {'-' if ba is None else f'{ba:.2%}'}")
     per_client = summary.get("final_per_client") or {}
     if per_client:
         lines.append("per-client final accuracy: " + ", ".join(

@@ -65,6 +65,10 @@ def test_one_round_numbering_from_0_in_progress_table_and_metrics():
     table = format_table(rows, summarize(rows))
     assert [line.split()[0] for line in table.splitlines()[3:7]] == ["0", "1", "2", "final"]
     assert "final accuracy (after round 2, the last)" in table
+    # accuracy rises with the round in _rows, so the best is the final evaluation's row
+    assert "best accuracy (table row final)" in table
+    early_best = [r.model_copy(update={"accuracy": 0.99}) if r.round == 1 else r for r in rows]
+    assert "best accuracy (table row 1)" in format_table(early_best, summarize(early_best))
 
 
 def test_150_clients_are_drawn_as_a_distribution_with_release_markers_and_head_accuracy():
