@@ -20,7 +20,7 @@ from typing import TypeAlias
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from .atomic import write_bytes
@@ -111,25 +111,14 @@ def issue(ca_key: TlsKey, ca_cert: x509.Certificate, common_name: str, *, server
     return key, builder.sign(ca_key, hashes.SHA256())
 
 
-def new_signing_key() -> ed25519.Ed25519PrivateKey:
-    """A fresh Ed25519 message-signing key."""
-    return ed25519.Ed25519PrivateKey.generate()
-
-
 # --------------------------------------------------------------------------- files
 
 
-def write_private_key(path: Path, key: TlsKey | ed25519.Ed25519PrivateKey) -> None:
+def write_private_key(path: Path, key: TlsKey) -> None:
     """PEM PKCS#8, unencrypted, mode 0600 (never readable by others, not even for a moment)."""
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                             serialization.NoEncryption())
-    write_bytes(path, pem)
-    os.chmod(path, PRIVATE_MODE)
-
-
-def write_public_key(path: Path, key: ed25519.Ed25519PublicKey) -> None:
-    """PEM SubjectPublicKeyInfo, mode 0644."""
-    write_public(path, key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    write_bytes(path, pem, private=True)
 
 
 def write_certificate(path: Path, cert: x509.Certificate) -> None:
@@ -145,8 +134,7 @@ def write_public(path: Path, data: bytes) -> None:
 
 def write_secret(path: Path, data: bytes) -> None:
     """Any secret file (passwords, the broker's password file), mode 0600."""
-    write_bytes(path, data)
-    os.chmod(path, PRIVATE_MODE)
+    write_bytes(path, data, private=True)
 
 
 def load_ca(key_path: Path, cert_path: Path) -> CA:

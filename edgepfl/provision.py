@@ -44,6 +44,7 @@ from .mosquitto import (
     password_line,
     read_password_users,
 )
+from .protocol.signing import generate_keypair
 from .protocol.topics import check_segment
 
 
@@ -106,15 +107,17 @@ def _write_yaml(path: Path, header: str, body: dict) -> None:
     pki.write_public(path, (header + yaml.safe_dump(body, sort_keys=False)).encode())
 
 
+def _signing_keys(folder: Path) -> None:
+    """``signing.key`` / ``signing.pub`` in the one format agents and coordinator read (edgepfl.protocol.signing)."""
+    generate_keypair(folder / "signing.key", folder / "signing.pub")
+
+
 def _agent_bundle(record: ProvisionRecord, out: Path, agent_id: str, ca: pki.CA) -> str | None:
     folder = _mkdir(out / "agents" / agent_id)
     broker, password = _client_credentials(record, folder, agent_id, ca)
-    key = pki.new_signing_key()
-    pki.write_private_key(folder / "signing.key", key)
-    pki.write_public_key(folder / "signing.pub", key.public_key())
-    pki.write_public_key(out / "coordinator" / "enrolled" / f"{agent_id}.pub", key.public_key())
-    shutil.copyfile(out / "coordinator" / "signing.pub", folder / "coordinator.pub")
-    (folder / "coordinator.pub").chmod(pki.PUBLIC_MODE)
+    _signing_keys(folder)
+    pki.write_public(out / "coordinator" / "enrolled" / f"{agent_id}.pub", (folder / "signing.pub").read_bytes())
+    pki.write_public(folder / "coordinator.pub", (out / "coordinator" / "signing.pub").read_bytes())
     body = {
         "agent_id": agent_id, "federation": record.federation, "broker": broker,
         "security": {"signing_key": _ref(record, folder, "signing.key"),
@@ -132,9 +135,7 @@ def _coordinator_bundle(record: ProvisionRecord, out: Path, ca: pki.CA) -> str |
     folder = _mkdir(out / "coordinator")
     _mkdir(folder / "enrolled")
     broker, password = _client_credentials(record, folder, COORDINATOR_USER, ca)
-    key = pki.new_signing_key()
-    pki.write_private_key(folder / "signing.key", key)
-    pki.write_public_key(folder / "signing.pub", key.public_key())
+    _signing_keys(folder)
     body = {
         "federation": record.federation, "broker": broker,
         "security": {"signing_key": _ref(record, folder, "signing.key"),

@@ -80,9 +80,7 @@ def generate_keypair(private_path: str | Path, public_path: str | Path) -> str:
     private = Ed25519PrivateKey.generate()
     pem = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                 serialization.NoEncryption())
-    # write_bytes' temporary file is created 0600 (mkstemp), so the key is never readable by others
-    write_bytes(private_path, pem)
-    os.chmod(private_path, 0o600)
+    write_bytes(private_path, pem, private=True)  # 0600 before it gets its name: never readable by others
     write_public_key(private.public_key(), public_path)
     return key_id(private.public_key())
 
