@@ -21,14 +21,18 @@ import pytest
 from paho.mqtt.client import topic_matches_sub
 
 from edgepfl.protocol import (
+    REFUSAL_REASONS,
     AgentChannel,
+    Capabilities,
     ChunkMeta,
     CoordinatorMeta,
     FederationChannel,
     MessageType,
     MetricsMeta,
+    NackMeta,
     ProtocolError,
     Reassembler,
+    RefusalMeta,
     ReleaseMeta,
     StatusMeta,
     TaskMeta,
@@ -42,6 +46,7 @@ from edgepfl.protocol import (
     new_message_id,
     parse_topic,
     split_frame,
+    supports,
 )
 from edgepfl.protocol.envelope import MAGIC, MAX_HEADER_BYTES
 
@@ -247,14 +252,13 @@ def test_invalid_header_json():
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("type", "pickle"),  # unknown message type
         ("schema_version", 2),
         ("federation", "a/b"),
         ("sender", "+"),
         ("sender", ""),
         ("round", -2),
         ("message_id", "not-hex"),
-        ("unexpected", 1),  # extra header fields are forbidden
+        ("type", 7),
     ],
 )
 def test_invalid_header_fields(field, value):
@@ -272,7 +276,11 @@ MANIFEST = sample_manifest().model_dump(mode="json")
     [
         ("update", {"task_id": "x", "kind": "train", "num_train": 1, "num_test": 1, "eval_correct": 0}),
         ("update", {"task_id": "a" * 32, "kind": "train", "num_train": -1, "num_test": 1, "eval_correct": 0}),
-        ("update", {"task_id": "a" * 32, "kind": "train", "num_train": 1, "num_test": 1, "eval_correct": 0, "zz": 1}),
+        # a known field stays strict when an unknown one beside it is ignored
+        ("update", {"task_id": "a" * 32, "kind": "train", "num_train": "many", "num_test": 1, "eval_correct": 0,
+                    "zz": 1}),
+        ("status", {"state": "online", "version": "9"}),
+        ("status", {"state": "online", "capabilities": {"methods": "fedavg"}}),
         ("task", {"task_id": "a" * 32, "kind": "dance", "run": RUN, "seed": 0, "deadline_s": 1}),
         ("task", {"task_id": "a" * 32, "kind": "train", "run": RUN, "seed": 0, "deadline_s": 0}),
         # the run as tasks carried it before it was typed: options beside the name, no data shape
@@ -294,6 +302,62 @@ def test_meta_invalid_for_its_type(mtype, meta):
     header, body = split(make_update())
     err = reason_of(forge(dict(header, type=mtype, meta=meta), body))
     assert err.reason == "malformed" and f"invalid {mtype} meta" in err.detail
+
+
+def test_unknown_message_type_has_its_own_reason():
+    header, body = split(make_update({"w": np.ones(2, np.float32)}))
+    err = reason_of(forge(dict(header, type="pickle"), body))
+    assert err.reason == "unknown_type" and "'pickle'" in err.detail
+
+
+def test_unknown_fields_of_a_newer_minor_version_are_ignored_and_reported():
+    """§16: a 1.3 sender may add optional keys to the header, a meta, the run spec or the
+    manifest; this receiver decodes the frame and names each key it ignored."""
+    run = dict(RUN, data=dict(RUN["data"], colour_space="srgb"), future_block={"x": 1})
+    task = encode(MessageType.TASK, federation=FED, sender="coordinator", round=2,
+                  meta=TaskMeta(task_id="a" * 32, kind="train", run=sample_run_spec(), seed=1, deadline_s=5),
+                  tensors={"w": np.ones(2, np.float32)})
+    header, body = split(task)
+    meta = dict(header["meta"], run=run, priority=3)
+    msg = decode(forge(dict(header, meta=meta, trace_id="abc"), body))
+    assert msg.meta_as(TaskMeta).run == sample_run_spec()
+    assert set(msg.unknown_fields) == {"trace_id", "meta.priority", "meta.run.data.colour_space",
+                                       "meta.run.future_block"}
+    # free-form mappings keep their keys: method options and update extras are not pruned
+    upd = decode(make_update())
+    assert upd.unknown_fields == ()
+
+
+def test_new_optional_fields_are_left_out_at_their_default():
+    """A 1.2 frame that uses no 1.2 feature is byte-compatible with a strict 1.1 receiver."""
+    frame = encode(MessageType.STATUS, federation=FED, sender="pi-1", round=-1, meta=StatusMeta(state="online"))
+    header, _ = split(frame)
+    assert "capabilities" not in header["meta"]
+    caps = Capabilities(methods=["fedavg"], max_message_bytes=65_536)
+    frame = encode(MessageType.STATUS, federation=FED, sender="pi-1", round=-1,
+                   meta=StatusMeta(state="online", capabilities=caps))
+    header, _ = split(frame)
+    assert header["meta"]["capabilities"]["methods"] == ["fedavg"]
+    assert decode(frame).meta_as(StatusMeta).capabilities == caps
+
+
+@pytest.mark.parametrize("version,feature,expected", [
+    ("1.2", (1, 2), True), ("1.3", (1, 2), True), ("1.1", (1, 2), False), (None, (1, 0), True),
+    ("2.5", (1, 2), False), ("1.x", (1, 0), False),
+])
+def test_supports_reads_the_announced_version(version, feature, expected):
+    assert supports(version, feature) is expected
+
+
+def test_nack_and_refusal_round_trip():
+    nack = NackMeta(message_id="b" * 32, rejected_type="update", reason="wrong_shape", detail="w: [3] not [2]",
+                    task_id="a" * 32)
+    frame = encode(MessageType.NACK, federation=FED, sender="coordinator", round=4, meta=nack)
+    assert decode(frame).meta_as(NackMeta) == nack
+    refusal = RefusalMeta(task_id="a" * 32, reason="unsupported_method", detail="fedpick is not installed")
+    frame = encode(MessageType.REFUSAL, federation=FED, sender="pi-1", round=4, meta=refusal)
+    assert decode(frame).meta_as(RefusalMeta) == refusal
+    assert set(REFUSAL_REASONS) >= {"unsupported_method", "busy", "error", "data_mismatch"}
 
 
 def test_update_meta_in_a_status_message_is_refused():
@@ -445,7 +509,7 @@ def test_fuzz_decode_raises_only_protocol_error():
             decode(frame)
             accepted += 1
         except ProtocolError as exc:
-            assert exc.reason in {"malformed", "corrupt", "oversized", "non_finite"}
+            assert exc.reason in {"malformed", "corrupt", "oversized", "non_finite", "unknown_type"}
             rejected += 1
         # anything else propagates and fails the test, with the frame in the traceback
     assert rejected > 2500  # the mutations really do break frames

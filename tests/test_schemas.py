@@ -12,11 +12,14 @@ import numpy as np
 import pytest
 
 from edgepfl.protocol import (
+    Capabilities,
     ChunkMeta,
     CoordinatorMeta,
     MessageType,
     MetricsMeta,
+    NackMeta,
     ProtocolError,
+    RefusalMeta,
     ReleaseMeta,
     StatusMeta,
     TaskMeta,
@@ -70,6 +73,12 @@ def _frames() -> list[bytes]:
         encode(MessageType.RELEASE, sender="coordinator", tensors={"artifact": np.arange(8, dtype=np.uint8)},
                meta=ReleaseMeta(release_id="fedavg-r1-0123456789ab", manifest=sample_manifest(run),
                                 sha256="e" * 64, size_bytes=8), **kw),
+        encode(MessageType.NACK, sender="coordinator",
+               meta=NackMeta(message_id="b" * 32, rejected_type="update", reason="wrong_shape", task_id="a" * 32), **kw),
+        encode(MessageType.REFUSAL, sender="pi-1", meta=RefusalMeta(task_id="a" * 32, reason="busy"), **kw),
+        encode(MessageType.STATUS, sender="pi-2", meta=StatusMeta(
+            state="online", capabilities=Capabilities(methods=["fedavg"], archs=["cnn"], max_message_bytes=65_536)),
+            **kw),
     ]
     frames += split_frame(frames[1], 16_384 + 2048, federation="demo", sender="coordinator", round=3)[:1]
     return frames
@@ -95,8 +104,9 @@ def test_every_frame_the_encoder_writes_validates_against_the_schemas():
 
 @pytest.mark.parametrize("type_, meta, why", [
     (MessageType.TASK, {"task_id": "A" * 32, "kind": "train", "run": None, "seed": 1, "deadline_s": 1}, "pattern"),
-    (MessageType.UPDATE, {"task_id": "a" * 32, "kind": "train", "num_train": 1, "num_test": 1, "eval_correct": 0,
-                          "surprise": 1}, "unknown field"),
+    (MessageType.UPDATE, {"task_id": "a" * 32, "kind": "train", "num_train": -1, "num_test": 1, "eval_correct": 0,
+                          "surprise": 1}, "negative count beside an unknown field"),
+    (MessageType.STATUS, {"state": "online", "version": "one"}, "version not major.minor"),
     (MessageType.COORDINATOR, {"state": "online", "max_message_bytes": 100}, "below 16 KiB"),
     (MessageType.CHUNK, {"parent_id": "b" * 32, "index": 0, "count": 0, "total_bytes": 1,
                          "total_sha256": "c" * 64}, "count 0"),
@@ -116,3 +126,21 @@ def test_what_the_decoder_refuses_the_schemas_refuse(type_, meta, why):
     with pytest.raises(ProtocolError, match="malformed"):
         decode(frame[:4] + len(head).to_bytes(4, "big") + head)
     assert ChunkMeta.model_fields["count"].metadata  # (the bound the schema carries comes from the model)
+
+
+def test_schemas_accept_what_a_newer_minor_version_adds_as_the_decoder_does():
+    """§16: receivers ignore unknown keys, so the published schemas do too (an implementer
+    validating incoming frames with them must not refuse a 1.3 coordinator's task)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    docs = schema_documents()
+    run = json.loads(sample_run_spec().model_dump_json())
+    run["data"]["colour_space"] = "srgb"
+    meta = {"task_id": "a" * 32, "kind": "train", "run": run, "seed": 1, "deadline_s": 5, "priority": 2}
+    jsonschema.Draft202012Validator(docs["meta-task.json"]).validate(meta)
+    frame = encode(MessageType.STATUS, federation="demo", sender="pi-1", round=-1, meta=StatusMeta(state="online"))
+    head_len = int.from_bytes(frame[4:8], "big")
+    header = dict(json.loads(frame[8:8 + head_len]), type="task", meta=meta)
+    head = json.dumps(header).encode()
+    message = decode(frame[:4] + len(head).to_bytes(4, "big") + head)
+    assert set(message.unknown_fields) == {"meta.priority", "meta.run.data.colour_space"}
+    assert '"additionalProperties": false' not in render(docs["meta-task.json"])

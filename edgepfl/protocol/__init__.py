@@ -24,12 +24,17 @@ from .manifest import (
     parse_manifest,
     read_manifest,
 )
+from .evolution import parse_version, supports
 from .messages import (
     PROTOCOL_VERSION,
+    REFUSAL_REASONS,
+    Capabilities,
     ChunkMeta,
     CoordinatorMeta,
     MessageType,
     MetricsMeta,
+    NackMeta,
+    RefusalMeta,
     ReleaseMeta,
     StatusMeta,
     TaskMeta,
@@ -56,5 +61,5 @@ __all__ = [
     "MessageType", "MethodChoice", "MetricsMeta", "Normalization", "ProtocolError", "Reassembler", "ReleaseManifest",
     "ReleaseMeta", "RollCall", "RunSpec", "StatusMeta", "TaskMeta", "TopicError", "UpdateMeta", "agent_topic", "agent_wildcard",
     "decode", "encode", "federation_topic", "new_message_id", "parse_manifest", "parse_topic", "read_manifest",
-    "split_frame",
+    "split_frame", "Capabilities", "NackMeta", "REFUSAL_REASONS", "RefusalMeta", "parse_version", "supports",
 ]

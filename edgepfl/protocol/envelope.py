@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .evolution import PROTOCOL_VERSION, omitted_defaults, strip_unknown
 from .messages import META_TYPES, ChunkMeta, MessageType
 from .signing import SIGNATURE_BYTES
 from .validation import first_validation_error
@@ -88,6 +89,8 @@ class Header(BaseModel):
     recipient: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
 
 
+_TYPE_NAMES = frozenset(t.value for t in MessageType)
+
 # Absent, not null, when unset: an unsigned frame stays byte for byte a protocol 1.0 frame.
 _OPTIONAL_HEADER_KEYS = ("signer", "recipient")
 
@@ -109,6 +112,9 @@ class Message:
     signature: bytes | None = None
     #: the bytes the signature covers, after the context string: prefix + header as transmitted
     signed_part: bytes = b""
+    #: dotted paths of header and meta keys this version does not define, ignored
+    #: (a newer minor version's optional fields, docs/PROTOCOL.md §16)
+    unknown_fields: tuple[str, ...] = ()
 
     @property
     def type(self) -> MessageType:
@@ -166,7 +172,7 @@ def encode(
         body_sha256=body.sha256,
         body_bytes=len(body.data),
         tensors=list(body.tensors),
-        meta=meta.model_dump(mode="json"),
+        meta=meta.model_dump(mode="json", exclude=omitted_defaults(meta)),
         signer=signer.key_id if signer is not None else None,
         recipient=recipient,
     )
@@ -213,7 +219,15 @@ def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, check_fi
     head_end = _PREFIX.size + head_len
     raw_head = frame[_PREFIX.size : head_end]
     try:
-        header = Header.model_validate_json(raw_head)
+        raw = json.loads(raw_head)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError("malformed", f"invalid header: not JSON ({exc})") from None
+    if isinstance(raw, dict) and isinstance(raw.get("type"), str) and raw["type"] not in _TYPE_NAMES:
+        # a message type of a newer minor version, sent to us by mistake: not ours to read
+        raise ProtocolError("unknown_type", f"message type {raw['type']!r} is not one of protocol {PROTOCOL_VERSION}")
+    raw, unknown = strip_unknown(raw, Header)
+    try:
+        header = Header.model_validate(raw)
     except ValidationError as exc:
         raise ProtocolError("malformed", f"invalid header: {first_validation_error(exc)}") from None
     signature = None
@@ -230,13 +244,16 @@ def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, check_fi
         raise ProtocolError("malformed", f"body is {len(body)} bytes, header says {header.body_bytes} (truncated?)")
     if hashlib.sha256(body).hexdigest() != header.body_sha256:
         raise ProtocolError("corrupt", "body sha256 mismatch")
+    meta_type = META_TYPES[header.type]
+    raw_meta, unknown_meta = strip_unknown(header.meta, meta_type)
     try:
-        meta = META_TYPES[header.type].model_validate(header.meta)
+        meta = meta_type.model_validate(raw_meta)
     except ValidationError as exc:
         raise ProtocolError("malformed", f"invalid {header.type.value} meta: {first_validation_error(exc)}") from None
     tensors = _decode_tensors(body, header.tensors, check_finite and header.type != MessageType.CHUNK)
     return Message(header=header, meta=meta, tensors=tensors, signature=signature,
-                   signed_part=frame[:head_end] if signature is not None else b"")
+                   signed_part=frame[:head_end] if signature is not None else b"",
+                   unknown_fields=(*unknown, *(f"meta.{p}" for p in unknown_meta)))
 
 
 def _encode_tensors(tensors: dict[str, np.ndarray]) -> bytes:

@@ -11,10 +11,26 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .evolution import PROTOCOL_VERSION, VERSION_PATTERN, since
 from .manifest import ReleaseManifest
 from .run import RunSpec
 
-PROTOCOL_VERSION = "1.1"
+_ID = r"^[0-9a-f]{32}$"
+#: a reason tag: the §7 rejection reasons, the refusal reasons; new ones may come with a minor version
+_REASON = r"^[a-z][a-z0-9_]{0,31}$"
+
+#: why an agent refuses a task (docs/PROTOCOL.md §5, ``refusal``); a receiver treats a
+#: reason it does not know like ``error``
+REFUSAL_REASONS: dict[str, str] = {
+    "unsupported_method": "the agent cannot train run.method (not in its capabilities)",
+    "unsupported_arch": "the agent cannot build run.model",
+    "unsupported_version": "the coordinator speaks another major protocol version",
+    "bad_options": "run.method.options do not validate against the method's options",
+    "data_mismatch": "run.data's input shape or number of classes is not that of the agent's data",
+    "normalization": "the agent cannot preprocess its data as run.data says",
+    "busy": "the agent cannot take a task now (it stays eligible for later rounds)",
+    "error": "the local update failed on the device (out of memory, a crash in training, ...)",
+}
 
 
 class MessageType(str, Enum):
@@ -25,10 +41,27 @@ class MessageType(str, Enum):
     COORDINATOR = "coordinator"
     RELEASE = "release"
     CHUNK = "chunk"
+    NACK = "nack"  # since 1.2
+    REFUSAL = "refusal"  # since 1.2
 
 
 class _Meta(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class Capabilities(_Meta):
+    """What an agent can run (since 1.2). ``None`` in a list's place: not declared, which
+    the coordinator reads as "anything" (what it must assume of a 1.1 agent)."""
+
+    #: method names it can train (trainer) or build heads for (head tier)
+    methods: list[str] | None = None
+    #: ``run.model.arch`` values it can build
+    archs: list[str] | None = None
+    #: head kinds it can fit (head tier)
+    head_kinds: list[str] | None = None
+    #: the largest MQTT message it accepts: the coordinator chunks what it sends this
+    #: agent to at most min(this, its own M)
+    max_message_bytes: int | None = Field(None, ge=16_384)
 
 
 class StatusMeta(_Meta):
@@ -39,12 +72,14 @@ class StatusMeta(_Meta):
     device: str = "cpu"
     num_train: int = Field(0, ge=0)
     num_test: int = Field(0, ge=0)
-    version: str = PROTOCOL_VERSION
+    version: str = Field(PROTOCOL_VERSION, pattern=VERSION_PATTERN)
     software: str = ""
     platform: str = ""
     #: random per agent process (the will and every birth of one process share it): the
     #: coordinator takes an ``offline`` only for the agent's current session or a newer one
-    session: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
+    session: str | None = Field(None, pattern=_ID)
+    #: what the agent can run; the coordinator sends it no task outside them
+    capabilities: Capabilities | None = Field(None, json_schema_extra=since("1.2"))
 
 
 class TaskMeta(_Meta):
@@ -56,7 +91,7 @@ class TaskMeta(_Meta):
     validates the method options and refuses a data shape its data does not have.
     """
 
-    task_id: str = Field(pattern=r"^[0-9a-f]{32}$")
+    task_id: str = Field(pattern=_ID)
     kind: Literal["train", "evaluate"]
     run: RunSpec
     seed: int
@@ -69,7 +104,7 @@ class TaskMeta(_Meta):
 class UpdateMeta(_Meta):
     """Agent -> coordinator: the answer to one task (shared tensors + statistics in the body)."""
 
-    task_id: str = Field(pattern=r"^[0-9a-f]{32}$")
+    task_id: str = Field(pattern=_ID)
     kind: Literal["train", "evaluate"]
     num_train: int = Field(ge=0)
     num_test: int = Field(ge=0)
@@ -109,7 +144,7 @@ class CoordinatorMeta(_Meta):
     state: Literal["online", "offline", "done"]
     method: str = ""
     round: int = -1
-    version: str = PROTOCOL_VERSION
+    version: str = Field(PROTOCOL_VERSION, pattern=VERSION_PATTERN)
     max_message_bytes: int | None = Field(None, ge=16_384)
     max_payload_bytes: int | None = Field(None, ge=16_384)
     session: str = Field("", pattern=r"^([0-9a-f]{32})?$")
@@ -135,11 +170,41 @@ class ReleaseMeta(_Meta):
 class ChunkMeta(_Meta):
     """One slice of a frame larger than the broker's maximum message size."""
 
-    parent_id: str = Field(pattern=r"^[0-9a-f]{32}$")
+    parent_id: str = Field(pattern=_ID)
     index: int = Field(ge=0)
     count: int = Field(ge=1, le=1_000_000)
     total_bytes: int = Field(ge=0)
     total_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class NackMeta(_Meta):
+    """Coordinator -> agent, on the agent's task topic (since 1.2): a frame this agent
+    published was rejected. Sent only to agents whose status announced 1.2 or later.
+
+    When ``task_id`` names the agent's open task, that task is closed for the agent: the
+    round does not wait for another answer from it, and a later one is a ``duplicate``."""
+
+    #: ``header.message_id`` of the rejected frame
+    message_id: str = Field(pattern=_ID)
+    #: the type of the rejected frame (``update``, ``status``, ``refusal``, ``metrics``)
+    rejected_type: str = Field(pattern=_REASON)
+    #: the rejection reason (docs/PROTOCOL.md §7)
+    reason: str = Field(pattern=_REASON)
+    #: one line for a human, never needed to act on the reason
+    detail: str = Field("", max_length=300)
+    #: the task the rejected frame answered, when it named one the coordinator sent
+    task_id: str | None = Field(None, pattern=_ID)
+
+
+class RefusalMeta(_Meta):
+    """Agent -> coordinator, on the agent's update topic (since 1.2): the agent will not
+    run this task. It answers the task (the round does not wait for the agent) and
+    contributes nothing. Sent only to a coordinator whose presence announced 1.2 or later."""
+
+    task_id: str = Field(pattern=_ID)
+    #: one of :data:`REFUSAL_REASONS`
+    reason: str = Field(pattern=_REASON)
+    detail: str = Field("", max_length=300)
 
 
 META_TYPES: dict[MessageType, type[_Meta]] = {
@@ -150,4 +215,6 @@ META_TYPES: dict[MessageType, type[_Meta]] = {
     MessageType.COORDINATOR: CoordinatorMeta,
     MessageType.RELEASE: ReleaseMeta,
     MessageType.CHUNK: ChunkMeta,
+    MessageType.NACK: NackMeta,
+    MessageType.REFUSAL: RefusalMeta,
 }

@@ -28,8 +28,21 @@ _DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 
 def _document(model: type[BaseModel], title: str, description: str) -> dict[str, Any]:
-    schema = model.model_json_schema(mode="validation")
-    return {"$schema": _DIALECT, **schema, "title": title, "description": description}
+    schema = _open_objects(model.model_json_schema(mode="validation"))
+    return {"$schema": _DIALECT, **schema, "title": title,
+            "description": description + " Keys this version does not define are ignored by receivers "
+                                         "(docs/PROTOCOL.md §16); `x-since` marks a key a minor version added."}
+
+
+def _open_objects(node: Any) -> Any:
+    """The schema without ``additionalProperties: false``: a receiver ignores the keys a
+    newer minor version adds (:mod:`.evolution`), so a schema for receivers must too."""
+    if isinstance(node, dict):
+        return {k: _open_objects(v) for k, v in node.items()
+                if not (k == "additionalProperties" and v is False)}
+    if isinstance(node, list):
+        return [_open_objects(v) for v in node]
+    return node
 
 
 def schema_documents() -> dict[str, dict[str, Any]]:
