@@ -170,7 +170,8 @@ TWIN = "agent-01"  # the project agent of the same client
     # model, preprocessing and evaluation must agree with the project's to the last sample
     ("fedavg", {"model": {"arch": "cnn", "feature_dim": 32}}),
     # a personal head, trained by each on its own: the local update itself is compared
-    ("fedrep", {"model": {"arch": "mlp", "feature_dim": 32}, "data": {"samples_per_client": 2000}, "rounds": 5}),
+    ("fedrep", {"model": {"arch": "mlp", "feature_dim": 32}, "data": {"samples_per_client": 2000}, "rounds": 5,
+                "train": {"lr": 0.02, "batch_size": 64}}),
 ])
 @pytest.mark.timeout(300)
 def test_a_foreign_agent_trains_within_a_point_of_the_project_agent_on_the_same_client(
