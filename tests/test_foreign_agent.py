@@ -151,6 +151,16 @@ def test_the_foreign_local_update_is_the_project_s_step_for_step(method, arch, n
         torch.testing.assert_close(ours.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
+def test_the_documented_seed_for_example_is_edgepfl_s():
+    import re
+
+    from edgepfl.protocol import seed_for
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "PROTOCOL.md").read_text()
+    example = re.search(r'`seed_for\(0, 3, "pi-07"\)` hashes `0/3/pi-07` and is\s+(\d+)', text)
+    assert example is not None and int(example.group(1)) == seed_for(0, 3, "pi-07")
+
+
 def write_client_npz(config, client: int, path: Path) -> None:
     """Client ``client``'s split as raw 8-bit images: what a device holds, before preprocessing."""
     pool = load_pool(config.data)
