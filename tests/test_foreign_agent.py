@@ -119,8 +119,8 @@ def test_the_foreign_local_update_is_the_project_s_step_for_step(method, arch, n
     is then only their seeds and their personal initialisation."""
     import torch
 
-    from edgepfl.methods import LocalContext, create_method
     from edgepfl.data import ClientTensors
+    from edgepfl.methods import LocalContext, create_method
     from edgepfl.specs import ModelSpec, TrainConfig
 
     agent = foreign_module()
