@@ -1,0 +1,237 @@
+"""An agent written from docs/PROTOCOL.md, docs/MODELS.md and docs/schemas alone
+(tests/foreign_agent/agent.py) trains in a real federation beside edgepfl's agents.
+
+Client k of the federation is run twice: by a project agent and by the foreign agent,
+same data, same split. The foreign agent runs in a process that cannot import edgepfl
+(``-I`` and an import hook that refuses the name), so what it gets right it got from
+the documents.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgepfl.coordinator.fleet import MqttFleet
+from edgepfl.coordinator.rounds import Coordinator
+from edgepfl.data import client_indices, fmnist_available, load_pool
+from edgepfl.protocol import MessageType, UpdateMeta, decode, encode
+from edgepfl.protocol.reassembly import Reassembler
+
+from fleet_helpers import RunningFleet, run_config
+
+AGENT = Path(__file__).parent / "foreign_agent" / "agent.py"
+SCHEMAS = Path(__file__).resolve().parent.parent / "docs" / "schemas"
+
+# Runs a script in an interpreter that refuses every edgepfl module: -I drops PYTHONPATH and
+# the current folder from sys.path, the hook catches the editable install in site-packages.
+ISOLATED = """
+import runpy, sys
+class NoEdgepfl:
+    def find_spec(self, name, path=None, target=None):
+        if name == "edgepfl" or name.startswith("edgepfl."):
+            raise ImportError("the foreign agent must not import " + name)
+        return None
+sys.meta_path.insert(0, NoEdgepfl())
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def run_isolated(script: Path, *args: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-I", "-c", ISOLATED, str(script), *args], **popen)
+
+
+def foreign_module():
+    """The foreign agent as a module of this (edgepfl-importing) test process, for codec checks."""
+    spec = importlib.util.spec_from_file_location("foreign_agent_under_test", AGENT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_foreign_agent_imports_no_edgepfl_module():
+    imported = set()
+    for node in ast.walk(ast.parse(AGENT.read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "relative import"
+            imported.add(node.module or "")
+    assert imported and not {name for name in imported if name.split(".")[0] == "edgepfl"}
+    assert "importlib" not in imported and "__import__" not in AGENT.read_text()
+
+
+def test_the_isolated_interpreter_refuses_edgepfl(tmp_path):
+    script = tmp_path / "sneaky.py"
+    script.write_text("import json\nfrom edgepfl.protocol import encode\n")
+    proc = run_isolated(script, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and b"must not import edgepfl" in err
+
+
+def test_foreign_frames_and_chunks_decode_with_edgepfl_and_back():
+    agent = foreign_module()
+    codec = agent.Codec(SCHEMAS)
+    tensors = {"encoder.net.1.weight": np.arange(40_000, dtype=np.float32).reshape(200, 200) / 7,
+               "head.bias": np.array([0.5, -1.25], np.float32)}
+    meta = {"task_id": "ab" * 16, "kind": "train", "num_train": 600, "num_test": 150, "eval_correct": 117,
+            "eval_loss": 0.61, "train_loss": 0.42, "train_seconds": 1.5, "extra": {}}
+    frame = codec.encode("update", "demo", "pi-07", 3, meta, tensors)
+    message = decode(frame)
+    assert message.type == MessageType.UPDATE and message.meta.eval_correct == 117
+    assert message.tensors["encoder.net.1.weight"].tobytes() == tensors["encoder.net.1.weight"].tobytes()
+
+    chunks = agent.split_frame(codec, frame, 16_384, "demo", "pi-07", 3)
+    assert len(chunks) > 5 and all(len(c) <= 16_384 for c in chunks)
+    joined = Reassembler(max_bytes=2**20)
+    whole = [joined.add("t", decode(c)) for c in reversed(chunks)]  # any order (§8)
+    assert whole[:-1] == [None] * (len(chunks) - 1) and whole[-1] == frame
+
+    theirs = encode(MessageType.UPDATE, federation="demo", sender="pi-07", round=3, meta=UpdateMeta(**meta),
+                    tensors=tensors)
+    header, back = codec.decode(theirs, 2**20)
+    assert header["meta"]["task_id"] == "ab" * 16 and back["head.bias"].tolist() == [0.5, -1.25]
+    with pytest.raises(agent.Rejected, match="corrupt"):
+        codec.decode(theirs[:-1] + bytes([theirs[-1] ^ 1]), 2**20)
+    bad_meta = dict(meta, eval_correct=-1)
+    with pytest.raises(agent.Rejected, match="malformed"):
+        codec.decode(frame.replace(b'"eval_correct": 117', b'"eval_correct": -1'), 2**20)
+    with pytest.raises(agent.Rejected, match="malformed"):
+        codec.encode("update", "demo", "pi-07", 3, bad_meta)
+
+
+@pytest.mark.parametrize("method, arch, norm, options", [
+    ("fedavg", "cnn", "batch", {}), ("fedavg", "mlp", "none", {}), ("fedper", "cnn", "none", {}),
+    ("fedrep", "mlp", "batch", {}), ("fedrep", "cnn", "batch", {"head_epochs": 2, "body_epochs": 1}),
+])
+def test_the_foreign_local_update_is_the_project_s_step_for_step(method, arch, norm, options):
+    """Same weights, data and task seed in: the same trained weights out (to float rounding),
+    the same evaluation and train_loss. What differs between the two agents in a federation
+    is then only their seeds and their personal initialisation."""
+    import torch
+
+    from edgepfl.data import ClientTensors
+    from edgepfl.methods import LocalContext, create_method
+    from edgepfl.specs import ModelSpec, TrainConfig
+
+    agent = foreign_module()
+    run = {"method": {"name": method, "options": options}, "model": {"arch": arch, "feature_dim": 16, "norm": norm},
+           "train": {"epochs": 2, "batch_size": 13, "lr": 0.05, "momentum": 0.5, "weight_decay": 5e-4,
+                     "optimizer": "sgd"},
+           "data": {"input_shape": [1, 16, 16], "num_classes": 3}}
+    project = create_method(method, options)
+    theirs = project.build_model(ModelSpec(**run["model"]), (1, 16, 16), 3)
+    ours = agent.Classifier(run)
+    assert list(ours.state_dict()) == list(theirs.state_dict())  # MODELS.md's names, in order
+    ours.load_state_dict(theirs.state_dict())
+    assert agent.shared_keys(method, ours) == project.shared_keys(theirs)
+
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(rng.normal(size=(61, 1, 16, 16)).astype(np.float32))
+    y = torch.from_numpy(rng.integers(0, 3, 61))
+    data = ClientTensors(x_train=x[:45], y_train=y[:45], x_test=x[45:], y_test=y[45:], num_classes=3)
+    ctx = LocalContext(train=TrainConfig(**run["train"]), device="cpu", round=0, seed=11, num_classes=3,
+                       generator=torch.Generator().manual_seed(11))
+    evaluation = project.evaluate(theirs, data, ctx)
+    assert agent.evaluate(ours, x[45:], y[45:]) == (evaluation.correct, pytest.approx(evaluation.loss, abs=1e-6))
+    their_loss = project.local_update(theirs, data, ctx).train_loss
+    our_loss = agent.local_update(method, {**agent.OPTIONS[method], **options}, ours, x[:45], y[:45], run["train"],
+                                  torch.Generator().manual_seed(11))
+    assert our_loss == pytest.approx(their_loss, rel=1e-5)
+    for key, value in theirs.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_the_documented_seed_for_example_is_edgepfl_s():
+    import re
+
+    from edgepfl.protocol import seed_for
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "PROTOCOL.md").read_text()
+    example = re.search(r'`seed_for\(0, 3, "pi-07"\)` hashes `0/3/pi-07` and is\s+(\d+)', text)
+    assert example is not None and int(example.group(1)) == seed_for(0, 3, "pi-07")
+
+
+def write_client_npz(config, client: int, path: Path) -> None:
+    """Client ``client``'s split as raw 8-bit images: what a device holds, before preprocessing."""
+    pool = load_pool(config.data)
+    assert pool.pixels.dtype == np.uint8
+    train, test = client_indices(config.data, client)
+    np.savez(path, x_train=pool.pixels[train], y_train=pool.y[train], x_test=pool.pixels[test],
+             y_test=pool.y[test], num_classes=pool.num_classes)
+
+
+FOREIGN = "foreign-01"
+TWIN = "agent-01"  # the project agent of the same client
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, overrides", [
+    # the shared model: both evaluate the same global model on the same split, so the foreign
+    # model, preprocessing and evaluation must agree with the project's to the last sample
+    ("fedavg", {"model": {"arch": "cnn", "feature_dim": 32}}),
+    # a personal head, trained by each on its own: the local update itself is compared
+    ("fedrep", {"model": {"arch": "mlp", "feature_dim": 32}, "data": {"samples_per_client": 2000}, "rounds": 5,
+                "train": {"lr": 0.02, "batch_size": 64}}),
+])
+@pytest.mark.timeout(300)
+def test_a_foreign_agent_trains_within_a_point_of_the_project_agent_on_the_same_client(
+        mosquitto, broker_capture, tmp_path, method, overrides):
+    if not fmnist_available():
+        pytest.skip("Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)")
+    settings = {"rounds": 3, **overrides, "data": {"dataset": "fmnist", **overrides.get("data", {})}}
+    config = run_config(f"foreign{uuid.uuid4().hex[:8]}", method={"name": method}, **settings)
+    out = tmp_path / "run"
+    with RunningFleet(config, out, mosquitto.url, 4) as fleet:
+        cfg = fleet.config.model_copy(update={"min_agents": 5})
+        write_client_npz(cfg, fleet.ids.index(TWIN), tmp_path / "client.npz")
+        log = open(tmp_path / "foreign.log", "wb")
+        foreign = run_isolated(AGENT, "--broker", mosquitto.url, "--federation", cfg.federation,
+                               "--agent-id", FOREIGN, "--data", str(tmp_path / "client.npz"),
+                               "--schemas", str(SCHEMAS), "--state-dir", str(tmp_path / "foreign-state"),
+                               stdout=log, stderr=subprocess.STDOUT)
+        mfleet = MqttFleet(cfg.federation, cfg.broker, url=mosquitto.url)
+        try:
+            rows = Coordinator(cfg, mfleet, out, progress=False, **fleet.shape()).run()
+        finally:
+            mfleet.close()
+            foreign.terminate()
+            foreign.wait(timeout=30)
+            log.close()
+    foreign_log = (tmp_path / "foreign.log").read_text(errors="replace")
+    assert foreign.returncode == 0, foreign_log[-3000:]
+
+    assert len(rows) == cfg.rounds + 1 and rows[-1].final
+    for row in rows:
+        assert row.rejected == {} and row.dropped == [] and not row.aborted, (row, foreign_log[-3000:])
+    for row in rows[:-1]:
+        assert FOREIGN in row.participants and TWIN in row.participants, row
+    final = rows[-1].per_client
+    assert abs(final[FOREIGN] - final[TWIN]) <= 0.01 + 1e-9, (final, foreign_log[-3000:])
+    assert final[FOREIGN] > 0.5  # it learned: ten classes, chance is 0.1
+
+    updates = {}
+    for topic, payload in broker_capture.snapshot():
+        if topic.endswith("/update") and cfg.federation in topic:
+            message = decode(payload)
+            if message.type == MessageType.UPDATE:
+                updates[(message.header.sender, message.header.round, message.meta.kind)] = message.meta.model_dump()
+    for (sender, round_, kind), meta in updates.items():
+        if sender != FOREIGN:
+            continue
+        twin = updates[(TWIN, round_, kind)]
+        assert (meta["num_train"], meta["num_test"]) == (twin["num_train"], twin["num_test"])
+        if kind == "train":
+            assert meta["train_loss"] is not None and abs(meta["train_loss"] - twin["train_loss"]) < 0.25
+        if method == "fedavg":  # one global model, one split: the same evaluation
+            assert meta["eval_correct"] == twin["eval_correct"], (round_, meta, twin)
+            assert meta["eval_loss"] == pytest.approx(twin["eval_loss"], abs=1e-4)
