@@ -260,7 +260,6 @@ class _Kit:
         s.check_update(update, meta, 0, train=True)
         first = update.message
         assert first is not None
-        per_task_s = first.meta_as(UpdateMeta).train_seconds
 
         # redelivery: the same task frame again
         again = s.ask(task, meta)
@@ -345,12 +344,14 @@ class _Kit:
         r = self.report
         s.presence(session=uuid.uuid4().hex, m=LARGE_M, round=0)
         s.start()
-        for warm_round in (0, 0):  # the second answer times a warm agent: the first builds the model
-            task, meta = s.task(warm_round)
+        seconds = 0.0
+        for _ in range(2):  # the second answer times a warm agent: the first builds the model
+            task, meta = s.task(0)
             first = s.ask(task, meta)
             if first is None or first.message is None:
                 raise ScenarioAborted("the agent answered no train task")
-        per_epoch = max(first.message.meta_as(UpdateMeta).train_seconds, 0.002)
+            seconds = first.message.meta_as(UpdateMeta).train_seconds
+        per_epoch = max(seconds, 0.002)
         epochs = int(min(5000, max(2, math.ceil(HOLD_TRAIN_S / per_epoch))))
 
         # a long task of round 1; the broker goes away while the agent trains
@@ -504,7 +505,7 @@ class _Scenario:
         except (OSError, ValueError) as exc:
             r.record("presence.birth", False, f"the agent command did not start: {exc}")
             raise ScenarioAborted(str(exc)) from None
-        birth = self.wire.wait(lambda f: self.is_status(f, "online") or (f.agent == self.agent_id and f.error),
+        birth = self.wire.wait(lambda f: self.is_status(f, "online") or (f.agent == self.agent_id and bool(f.error)),
                                self.kit.options.start_timeout_s, mark)
         if birth is None or birth.message is None:
             why = f"a broken status: {birth.error}" if birth else f"no status within {self.kit.options.start_timeout_s:.0f} s"
