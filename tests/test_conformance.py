@@ -26,7 +26,6 @@ PENDING = {
     "presence.capabilities": "agent capabilities in the status (edge_agent, issue 12 item 3)",
     "refusal.data_mismatch": "agent refusals (edge_agent, issue 12 item 2)",
     "refusal.unsupported_method": "agent refusals (edge_agent, issue 12 item 2)",
-    "reconnect.held_answer": "held answers over a broker outage (edge_agent, issue 12 item 6)",
 }
 
 
@@ -65,7 +64,7 @@ def test_project_agent_passes_check(project_report, check_id):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="expected to fail until agent refusals and held answers land (issue 12)")
+@pytest.mark.xfail(strict=False, reason="expected to fail until agent refusals land (issue 12)")
 def test_project_agent_is_conformant(project_report):
     code, report = project_report
     assert report["conformant"] and code == 0, [c["id"] for c in report["checks"] if c["verdict"] == "fail"]
@@ -83,6 +82,7 @@ def test_exit_code_says_whether_every_must_passed(project_report):
 BROKEN_AGENT = '''
 """edgepfl's agent with two MUSTs broken: it ignores the coordinator's announced M and
 trains again on a redelivered task instead of re-sending its answer."""
+import sys
 
 from edgepfl.config import load_agent_config
 from edgepfl.edge_agent import agent as agent_module, tiers

@@ -505,8 +505,11 @@ class _Scenario:
         except (OSError, ValueError) as exc:
             r.record("presence.birth", False, f"the agent command did not start: {exc}")
             raise ScenarioAborted(str(exc)) from None
-        birth = self.wire.wait(lambda f: self.is_status(f, "online") or (f.agent == self.agent_id and bool(f.error)),
-                               self.kit.options.start_timeout_s, mark)
+        deadline = time.monotonic() + self.kit.options.start_timeout_s
+        birth = None
+        while birth is None and self.agent.running and time.monotonic() < deadline:  # an agent that exits fails at once
+            birth = self.wire.wait(lambda f: self.is_status(f, "online") or (f.agent == self.agent_id and bool(f.error)),
+                                   1.0, mark)
         if birth is None or birth.message is None:
             why = f"a broken status: {birth.error}" if birth else f"no status within {self.kit.options.start_timeout_s:.0f} s"
             exited = "" if self.agent.running else f" (the agent exited with {self.agent.proc.returncode if self.agent.proc else '?'})"
