@@ -8,6 +8,7 @@
     edgepfl fit-head ... / edgepfl predict ...    offline heads for new clients
     edgepfl report --run DIR                      table + plots from a run directory
     edgepfl status --broker URL --federation F    live view of a running federation (--json)
+    edgepfl conformance --agent-cmd "CMD"         check an agent implementation against the protocol
     edgepfl methods                               list registered methods
     edgepfl config --template|--schema [run|agent] a commented config, or its JSON Schema
 
@@ -56,6 +57,8 @@ DELEGATES = (
     ("predict", "edgepfl.export.predict:main_predict", "predict with an exported encoder and a head"),
     ("status", "edgepfl.coordinator.status:main_status", "live view of a running federation"),
     ("provision", "edgepfl.provision:main_provision", "CA, broker config and ACL, per-agent bundles and keys"),
+    ("conformance", "edgepfl.conformance.cli:main_conformance",
+     "check an agent implementation against docs/PROTOCOL.md over a real broker"),
 )
 
 

@@ -1,0 +1,44 @@
+"""``edgepfl conformance``: run the kit against an agent command, print the report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from edgepfl.errors import ExitCode, OneLineParser
+
+from .checks import SCENARIOS
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog="edgepfl conformance", description=(
+        "Play the coordinator against an agent implementation over a real Mosquitto and check the MUSTs of "
+        "docs/PROTOCOL.md; exit code 0 only when every MUST check passed (1: one failed). docs/CONFORMANCE.md "
+        "lists the placeholders of --agent-cmd and every check."))
+    p.add_argument("--agent-cmd", required=True, metavar="TEMPLATE",
+                   help="the agent's command line, with placeholders such as {broker}, {federation}, {agent_id}, "
+                        "{data}, {config}, e.g. \"edgepfl agent --config {config}\"")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    p.add_argument("--skip", action="append", default=[], choices=list(SCENARIOS),
+                   help="leave a scenario out (repeatable): session, reconnect, signatures")
+    p.add_argument("--workdir", metavar="DIR", help="keep agents' inputs, state and logs here (default: a "
+                                                    "temporary directory, removed afterwards)")
+    p.add_argument("--answer-timeout", type=float, default=60.0, metavar="S", help="seconds per task answer")
+    p.add_argument("--start-timeout", type=float, default=120.0, metavar="S",
+                   help="seconds from the agent's start to its first status")
+    return p
+
+
+def main_conformance(argv: list[str]) -> int:
+    """``edgepfl conformance ...``; returns the exit code."""
+    from .kit import KitOptions, run_kit
+
+    args = build_parser().parse_args(argv)
+    options = KitOptions(agent_cmd=args.agent_cmd,
+                         scenarios=tuple(s for s in SCENARIOS if s not in args.skip),
+                         workdir=Path(args.workdir).resolve() if args.workdir else None,
+                         answer_timeout_s=args.answer_timeout, start_timeout_s=args.start_timeout)
+    report = run_kit(options)
+    print(report.table())
+    if args.json:
+        Path(args.json).write_text(report.to_json() + "\n")
+    return int(ExitCode.OK) if report.conformant else int(ExitCode.OTHER)

@@ -1,0 +1,669 @@
+"""The kit: plays the coordinator against one agent implementation and records verdicts.
+
+Three scenarios, each with its own federation and agent process, on one real Mosquitto
+the kit starts on a free loopback port (:class:`edgepfl.testing.MosquittoBroker`):
+
+* ``session`` — presence, roll call, train / evaluate tasks and their updates, redelivery,
+  chunking both ways, the announced M, unknown fields and types, a NACK, tasks the agent
+  must not run (wrong data shape, a method it cannot run), a clean stop;
+* ``reconnect`` — a broker restart (birth again, an answer held over the outage, a task
+  after it) and the last will on ``kill -9``;
+* ``signatures`` — a pinned coordinator key and an agent key: signed status and update,
+  unsigned / foreign-key / wrongly addressed / stale tasks ignored.
+
+The kit builds tasks with :mod:`edgepfl.protocol` exactly as the coordinator does; the
+payload is FedAvg's initial shared parameters of the MLP of docs/MODELS.md, built by
+:mod:`edgepfl.methods` (so the kit needs torch: ``edgepfl[train]``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import signal
+import struct
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from edgepfl.protocol import (
+    PROTOCOL_VERSION,
+    AgentChannel,
+    CoordinatorMeta,
+    DataShape,
+    FederationChannel,
+    Message,
+    MessageType,
+    MethodChoice,
+    NackMeta,
+    Normalization,
+    RefusalMeta,
+    RunSpec,
+    StatusMeta,
+    TaskMeta,
+    UpdateMeta,
+    agent_topic,
+    encode,
+    federation_topic,
+    new_message_id,
+    parse_version,
+    seed_for,
+)
+from edgepfl.protocol.envelope import MAGIC
+from edgepfl.protocol.evolution import MAJOR
+from edgepfl.protocol.signing import Signer, generate_keypair, load_public_key, load_signer, verify
+from edgepfl.specs import ModelSpec, TrainConfig
+from edgepfl.testing import MosquittoBroker
+
+from .checks import SCENARIOS, Report
+from .wire import CLASS_NAMES, INPUT_SHAPE, AgentProcess, Frame, Wire, agent_config, read_retained, write_dataset
+
+log = logging.getLogger("edgepfl.conformance")
+
+#: the M the kit announces first, and the small one that forces the agent to chunk
+LARGE_M, SMALL_M = 1_000_000, 16_384
+#: how long the agent should train on the task whose answer is held over a broker outage
+HOLD_TRAIN_S = 4.0
+
+
+@dataclass
+class KitOptions:
+    """What ``edgepfl conformance`` was asked to do."""
+
+    agent_cmd: str
+    scenarios: tuple[str, ...] = tuple(SCENARIOS)
+    #: where agents' inputs, state and logs go (default: a temporary directory, removed after)
+    workdir: Path | None = None
+    #: seconds the agent may take to answer one task
+    answer_timeout_s: float = 60.0
+    #: seconds the agent may take from its start to its first status
+    start_timeout_s: float = 120.0
+    #: after the answer to a later task: how long to keep listening for an answer that must not come
+    quiet_s: float = 1.0
+    #: the agent's own M in the config the kit writes for edgepfl's agent
+    agent_max_message_bytes: int = LARGE_M
+    progress: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr))
+
+
+#: ``signer`` left out: the scenario's coordinator key (None in the unsigned scenarios)
+_COORDINATOR_KEY = object()
+
+
+class ScenarioAborted(Exception):
+    """A scenario cannot go on (the agent did not start, or stopped answering)."""
+
+
+def run_kit(options: KitOptions) -> Report:
+    """Run the chosen scenarios against ``options.agent_cmd``; the report of every check."""
+    from edgepfl.errors import require
+
+    require("torch", "edgepfl conformance (it builds the tasks' model payload)")
+    report = Report(agent_cmd=options.agent_cmd, protocol=PROTOCOL_VERSION)
+    own_dir = options.workdir is None
+    workdir = Path(tempfile.mkdtemp(prefix="edgepfl-conformance-")) if own_dir else Path(options.workdir)  # type: ignore[arg-type]
+    broker = MosquittoBroker()
+    broker.start()
+    kit = _Kit(options, report, broker, workdir)
+    try:
+        for name in SCENARIOS:
+            if name not in options.scenarios:
+                report.skip_unrecorded(SCENARIOS[name], f"scenario {name!r} not run (--skip)")
+                continue
+            options.progress(f"conformance: scenario {name} …")
+            try:
+                getattr(kit, f"scenario_{name}")()
+            except ScenarioAborted as exc:
+                report.skip_unrecorded(SCENARIOS[name], f"scenario {name} aborted: {exc}")
+        kit.record_frames()
+    finally:
+        kit.close()
+        if own_dir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return report
+
+
+class _Kit:
+    def __init__(self, options: KitOptions, report: Report, broker: MosquittoBroker, workdir: Path):
+        self.options = options
+        self.report = report
+        self.broker = broker
+        self.workdir = workdir
+        #: the run's epoch (Unix ms), as a coordinator's
+        self.epoch = int(time.time() * 1000)
+        self.normalization = write_dataset(workdir / "data.npz")
+        self.run = RunSpec(
+            method=MethodChoice(name="fedavg"),
+            model=ModelSpec(arch="mlp", feature_dim=32, norm="batch"),
+            train=TrainConfig(epochs=1, batch_size=16, lr=0.05),
+            seed=0,
+            data=DataShape(input_shape=INPUT_SHAPE, num_classes=len(CLASS_NAMES), class_names=list(CLASS_NAMES),
+                           normalization=Normalization(**self.normalization)),
+        )
+        self._payloads: dict[str, dict[str, np.ndarray]] = {}
+        self.wires: list[Wire] = []
+        self.agents: list[AgentProcess] = []
+        #: (agent id, federation) of every agent started: frames.valid looks at each one's frames
+        self.frame_problems: list[str] = []
+        self.frames_checked = 0
+
+    # ------------------------------------------------------------------ set-up
+    def close(self) -> None:
+        for agent in self.agents:
+            agent.stop(grace=5)
+        for wire in self.wires:
+            wire.stop()
+        self.broker.stop()
+
+    def payload(self, run: RunSpec) -> dict[str, np.ndarray]:
+        """FedAvg's initial shared parameters for ``run``'s model (the task body)."""
+        key = run.model_dump_json(include={"method", "model", "data"})
+        if key not in self._payloads:
+            from edgepfl._torch import torch
+            from edgepfl.methods import create_method
+
+            torch.manual_seed(0)
+            method = create_method(run.method.name, run.method.options)
+            model = method.build_model(run.model, run.data.input_shape, run.data.num_classes)
+            self._payloads[key] = method.payload_for(method.init_server(model), "conformance")
+        return self._payloads[key]
+
+    def open(self, name: str, *, signed: bool = False) -> _Scenario:
+        federation = f"conf-{uuid.uuid4().hex[:8]}-{name}"
+        agent_id = f"dut-{name}"
+        directory = self.workdir / name
+        keys = directory / "keys"
+        keys.mkdir(parents=True, exist_ok=True)
+        for who in ("agent", "coordinator", "foreign"):
+            generate_keypair(keys / f"{who}.key", keys / f"{who}.pub")
+        values = {
+            "python": sys.executable,
+            "broker": self.broker.url,
+            "host": self.broker.host,
+            "port": str(self.broker.port),
+            "federation": federation,
+            "agent_id": agent_id,
+            "data": str(self.workdir / "data.npz"),
+            "workdir": str(directory),
+            "config": str(directory / "agent.yaml"),
+            "state_dir": str(directory / "state"),
+            "signing_key": str(keys / "agent.key") if signed else "",
+            "coordinator_key": str(keys / "coordinator.pub") if signed else "",
+        }
+        config = agent_config(values, max_message_bytes=self.options.agent_max_message_bytes, signed=signed)
+        (directory / "agent.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        coordinator = load_signer(keys / "coordinator.key") if signed else None
+        will = encode(MessageType.COORDINATOR, federation=federation, sender="coordinator", round=-1,
+                      meta=CoordinatorMeta(state="offline"), signer=coordinator)
+        wire = Wire(self.broker.url, federation, will=will).start()
+        self.wires.append(wire)
+        agent = AgentProcess(self.options.agent_cmd, values, directory)
+        self.agents.append(agent)
+        return _Scenario(self, wire, agent, federation, agent_id, coordinator,
+                         load_public_key(keys / "agent.pub"), load_signer(keys / "foreign.key"))
+
+    def restart_broker(self, down_s: float) -> None:
+        """Stop Mosquitto, wait ``down_s`` seconds, start it again on the same port."""
+        port = self.broker.port
+        self.broker.stop()
+        time.sleep(down_s)
+        self.broker = MosquittoBroker(port=port)
+        self.broker.start()
+
+    def record_frames(self) -> None:
+        if not self.frames_checked:
+            return
+        problems = self.frame_problems
+        self.report.record("frames.valid", not problems,
+                           f"{self.frames_checked} frames checked" + (f"; {len(problems)} failed: "
+                                                                      + "; ".join(problems[:3]) if problems else ""))
+
+    # ------------------------------------------------------------------ scenarios
+    def scenario_session(self) -> None:
+        s = self.open("session")
+        r = self.report
+        s.presence(session=uuid.uuid4().hex, m=LARGE_M)
+        birth = s.start()
+        status = birth.meta_as(StatusMeta)
+        r.record("presence.session", bool(status.session), f"session {status.session!r}")
+        try:
+            major = parse_version(status.version)[0]
+        except ValueError:
+            major = -1
+        r.record("presence.version", major == MAJOR, f"version {status.version!r}")
+        caps = status.capabilities
+        r.record("presence.capabilities", caps is not None and caps.methods is not None,
+                 f"capabilities {caps.model_dump(exclude_none=True) if caps else None}")
+        # the retained presence published before the start is a roll call too: let its answer pass
+        s.wire.wait(lambda f: s.is_status(f, "online") and f is not s.birth_frame, 3.0, s.birth_index + 1)
+        mark = s.wire.mark()
+        s.presence(session=uuid.uuid4().hex, m=LARGE_M)
+        answer = s.wire.wait(lambda f: s.is_status(f, "online"), 15.0, mark)
+        r.record("presence.roll_call", answer is not None,
+                 "a fresh online status followed the new session" if answer else "no status within 15 s")
+
+        # a train task and its update
+        task, meta = s.task(0)
+        update = s.ask(task, meta)
+        if update is None:
+            r.record("task.train", False, f"no update within {self.options.answer_timeout_s:.0f} s; "
+                                          f"agent log: {s.agent.log_tail(5)}")
+            raise ScenarioAborted("the agent answered no train task")
+        s.check_update(update, meta, 0, train=True)
+        first = update.message
+        assert first is not None
+
+        # redelivery: the same task frame again
+        again = s.ask(task, meta)
+        r.record("idempotency.redelivery",
+                 again is not None and again.message is not None
+                 and again.message.header.message_id == first.header.message_id,
+                 "no answer to the redelivered task" if again is None or again.message is None else
+                 f"message_id {again.message.header.message_id} (first answer {first.header.message_id})")
+
+        task, meta = s.task(1, kind="evaluate")
+        update = s.ask(task, meta)
+        if update is not None and update.message is not None:
+            m = update.message.meta_as(UpdateMeta) if update.message.type == MessageType.UPDATE else None
+            ok = m is not None and m.kind == "evaluate" and not update.message.tensors
+            r.record("task.evaluate", ok, f"kind {m.kind if m else None!r}, "
+                                          f"{len(update.message.tensors)} tensors")
+        else:
+            r.record("task.evaluate", False, "no answer to an evaluate task")
+
+        task, meta = s.task(2)
+        update = s.ask(_with_unknown_fields(task), meta)
+        r.record("evolution.unknown_fields", update is not None,
+                 "answered" if update else "no answer to a task carrying header, meta, run and run.data keys "
+                                           "of a newer minor version")
+
+        task, meta = s.task(3)
+        update = s.ask(task, meta, chunk_to=SMALL_M)
+        r.record("chunking.receive", update is not None,
+                 f"a {len(task)}-byte task in {math.ceil(len(task) / (SMALL_M - 2048))} chunks of <= {SMALL_M} bytes: "
+                 + ("answered" if update else "no answer"))
+        last = update or s.last_update
+
+        # a NACK, an unknown message type, then tasks the agent must not run, then a sentinel task
+        mark = s.wire.mark()
+        nacked = last is not None and last.message is not None and r.required("nack.keeps_going")
+        if nacked:
+            assert last is not None and last.message is not None
+            nack = NackMeta(message_id=last.message.header.message_id, rejected_type="update", reason="out_of_range",
+                            detail="conformance kit: a NACK the agent must take in its stride",
+                            task_id=last.message.meta_as(UpdateMeta).task_id)
+            s.send(encode(MessageType.NACK, federation=s.federation, sender="coordinator", round=3, meta=nack))
+        s.send(_retyped(s.task(4)[0], "x_future_type"))
+        wrong = self.run.model_copy(update={"data": self.run.data.model_copy(update={"input_shape": (1, 9, 9)})})
+        shape_task, shape_meta = s.task(5, run=wrong)
+        s.send(shape_task)
+        refused_methods = set(caps.methods or []) if caps else set()
+        method = next(n for n in ("no-such-method", "no-such-method-2") if n not in refused_methods)
+        alien = self.run.model_copy(update={"method": MethodChoice(name=method)})
+        method_task, method_meta = s.task(6, run=alien, payload=self.run)
+        s.send(method_task)
+        task, meta = s.task(7)
+        sentinel = s.ask(task, meta)
+        if sentinel is None:
+            raise ScenarioAborted("the agent stopped answering after a NACK, an unknown message type and two tasks "
+                                  "it must not run")
+        if nacked:
+            r.record("nack.keeps_going", True, "the task after the NACK was answered")
+        r.record("evolution.unknown_type", True, "the task after an `x_future_type` frame was answered")
+        time.sleep(self.options.quiet_s)
+        s.check_refusal(mark, shape_meta, "data_mismatch", "refusal.data_mismatch")
+        s.check_refusal(mark, method_meta, "unsupported_method", "refusal.unsupported_method")
+
+        # the announced M goes down: the next update must come in chunks of at most M
+        announced_at = time.monotonic()
+        s.presence(session=s.session, m=SMALL_M)
+        time.sleep(0.5)
+        task, meta = s.task(8)
+        update = s.ask(task, meta)
+        if update is None:
+            r.record("chunking.send", False, f"no answer after announcing max_message_bytes={SMALL_M}")
+        else:
+            s.check_chunked(update, 8)
+        big = [len(x.payload) for x in s.wire.seen_after(announced_at + 0.2) if f"/agents/{s.agent_id}/" in x.topic]
+        r.record("limits.announced_m", bool(big) and max(big) <= SMALL_M,
+                 f"{len(big)} MQTT messages after the announcement, largest {max(big, default=0)} bytes (M {SMALL_M})")
+
+        s.clean_stop()
+        s.account_frames()
+
+    def scenario_reconnect(self) -> None:
+        s = self.open("reconnect")
+        r = self.report
+        s.presence(session=uuid.uuid4().hex, m=LARGE_M, round=0)
+        s.start()
+        seconds = 0.0
+        for _ in range(2):  # the second answer times a warm agent: the first builds the model
+            task, meta = s.task(0)
+            first = s.ask(task, meta)
+            if first is None or first.message is None:
+                raise ScenarioAborted("the agent answered no train task")
+            seconds = first.message.meta_as(UpdateMeta).train_seconds
+        per_epoch = max(seconds, 0.002)
+        epochs = int(min(5000, max(2, math.ceil(HOLD_TRAIN_S / per_epoch))))
+
+        # a long task of round 1; the broker goes away while the agent trains
+        s.presence(session=s.session, m=LARGE_M, round=1)
+        long_run = self.run.model_copy(update={"train": self.run.train.model_copy(update={"epochs": epochs})})
+        task, meta = s.task(1, run=long_run)
+        mark = s.wire.mark()
+        s.send(task)
+        time.sleep(0.7)
+        early = s.answer_to(meta.task_id, mark)
+        self.restart_broker(down_s=min(epochs * per_epoch, 2 * HOLD_TRAIN_S) + 1.0)
+        # (the kit's client reconnects by itself and publishes its presence again)
+        birth = s.wire.wait(lambda f: s.is_status(f, "online"), 60.0, mark)
+        r.record("reconnect.birth", birth is not None,
+                 "a birth status after the broker restart" if birth else "no status within 60 s of the restart")
+        if birth is None:
+            raise ScenarioAborted("the agent did not come back after the broker restart")
+        if early is not None:
+            r.skip("reconnect.held_answer", f"the agent answered before the broker stopped ({epochs} epochs)")
+        else:
+            held = s.wire.wait(lambda f: s.is_answer(f, meta.task_id), 30.0, mark)
+            r.record("reconnect.held_answer", held is not None,
+                     f"the round-1 answer ({epochs} epochs) " + ("arrived after the reconnect" if held else
+                                                                 "never arrived (presence still says round 1)"))
+        s.presence(session=s.session, m=LARGE_M, round=2)
+        task, meta = s.task(2)
+        update = s.ask(task, meta)
+        r.record("reconnect.resubscribe", update is not None,
+                 "a task sent after the reconnect was answered" if update else "no answer after the reconnect")
+
+        mark = s.wire.mark()
+        s.agent.signal(signal.SIGKILL)
+        will = s.wire.wait(lambda f: s.is_status(f, "offline"), 30.0, mark)
+        retained = read_retained(self.broker.url, s.status_topic)
+        ok, evidence = s.offline_evidence(will, retained, "will")
+        r.record("presence.will", ok, evidence)
+        s.account_frames()
+
+    def scenario_signatures(self) -> None:
+        s = self.open("signatures", signed=True)
+        r = self.report
+        s.presence(session=uuid.uuid4().hex, m=LARGE_M)
+        birth = s.start()
+        reason = verify(birth, s.agent_key)
+        r.record("signing.status", reason is None, "the birth status verifies with the agent's key" if reason is None
+                 else f"birth status: {reason}")
+        mark = s.wire.mark()
+        bad = {
+            "signing.unsigned_task": s.task(1, signer=None),
+            "signing.foreign_key": s.task(1, signer=s.foreign),
+            "signing.wrong_recipient": s.task(1, recipient="someone-else"),
+        }
+        for frame, _ in bad.values():
+            s.send(frame)
+        task, meta = s.task(2)
+        update = s.ask(task, meta)
+        if update is None or update.message is None:
+            r.record("signing.update", False, "no answer to a signed task for this agent")
+            raise ScenarioAborted("the agent answered no signed task")
+        reason = verify(update.message, s.agent_key)
+        r.record("signing.update", reason is None, "the update verifies with the agent's key" if reason is None
+                 else f"update: {reason}")
+        stale_task, stale_meta = s.task(1)
+        s.send(stale_task)
+        task, meta = s.task(3)
+        if s.ask(task, meta) is None:
+            raise ScenarioAborted("the agent stopped answering signed tasks")
+        time.sleep(self.options.quiet_s)
+        for check_id, (_, bad_meta) in {**bad, "signing.stale": (stale_task, stale_meta)}.items():
+            answer = s.answer_to(bad_meta.task_id, mark)
+            r.record(check_id, answer is None, "ignored" if answer is None else
+                     f"answered with a {answer.message.type.value if answer.message else 'broken'} frame")
+        s.clean_stop(record=False)
+        s.account_frames()
+
+
+class _Scenario:
+    """One agent process under test, in its own federation, and the kit's side of its wire."""
+
+    def __init__(self, kit: _Kit, wire: Wire, agent: AgentProcess, federation: str, agent_id: str,
+                 coordinator: Signer | None, agent_key, foreign: Signer):
+        self.kit, self.wire, self.agent = kit, wire, agent
+        self.federation, self.agent_id = federation, agent_id
+        self.coordinator, self.agent_key, self.foreign = coordinator, agent_key, foreign
+        self.report = kit.report
+        self.session = ""
+        self.status: StatusMeta | None = None
+        self.birth_frame: Frame | None = None
+        self.birth_index = 0
+        self.last_update: Frame | None = None
+        self.status_topic = agent_topic(federation, agent_id, AgentChannel.STATUS)
+        self.task_topic = agent_topic(federation, agent_id, AgentChannel.TASK)
+
+    # ------------------------------------------------------------------ frames the kit sends
+    def presence(self, *, session: str, m: int, round: int = 0) -> None:
+        self.session = session
+        meta = CoordinatorMeta(state="online", method=self.kit.run.method.name, round=round, max_message_bytes=m,
+                               max_payload_bytes=256 * 2**20, session=session)
+        self.wire.retain(federation_topic(self.federation, FederationChannel.COORDINATOR),
+                         encode(MessageType.COORDINATOR, federation=self.federation, sender="coordinator",
+                                round=round, meta=meta, signer=self.coordinator))
+
+    def task(self, round: int, *, kind: str = "train", run: RunSpec | None = None, payload: RunSpec | None = None,
+             signer: Signer | None | object = _COORDINATOR_KEY, recipient: str | None = None) -> tuple[bytes, TaskMeta]:
+        """A task frame for this agent (signed with the coordinator's key in the signed scenario)."""
+        run = run or self.kit.run
+        meta = TaskMeta(task_id=new_message_id(), kind=kind, run=run, seed=seed_for(run.seed, round, self.agent_id),
+                        deadline_s=max(60.0, self.kit.options.answer_timeout_s), epoch=self.kit.epoch)
+        key = self.coordinator if signer is _COORDINATOR_KEY else signer
+        frame = encode(MessageType.TASK, federation=self.federation, sender="coordinator", round=round, meta=meta,
+                       tensors=self.kit.payload(payload or run), signer=key,  # type: ignore[arg-type]
+                       recipient=(recipient or self.agent_id) if key is not None else None)
+        return frame, meta
+
+    def send(self, frame: bytes, chunk_to: int | None = None) -> None:
+        self.wire.publish(self.task_topic, frame, chunk_to=chunk_to)
+
+    def ask(self, frame: bytes, meta: TaskMeta, chunk_to: int | None = None) -> Frame | None:
+        """Send a task; its update, or None when none came within the answer timeout."""
+        mark = self.wire.mark()
+        self.send(frame, chunk_to)
+        answer = self.wire.wait(lambda f: self.is_answer(f, meta.task_id, MessageType.UPDATE),
+                                self.kit.options.answer_timeout_s, mark)
+        if answer is not None:
+            self.last_update = answer
+        return answer
+
+    # ------------------------------------------------------------------ frames the agent sends
+    def is_status(self, frame: Frame, state: str) -> bool:
+        m = frame.message
+        return (frame.agent == self.agent_id and frame.channel == "status" and m is not None
+                and m.type == MessageType.STATUS and m.meta_as(StatusMeta).state == state)
+
+    def is_answer(self, frame: Frame, task_id: str, kind: MessageType | None = None) -> bool:
+        m = frame.message
+        if frame.agent != self.agent_id or frame.channel != "update" or m is None:
+            return False
+        if m.type not in (MessageType.UPDATE, MessageType.REFUSAL) or (kind is not None and m.type != kind):
+            return False
+        return getattr(m.meta, "task_id", None) == task_id
+
+    def answer_to(self, task_id: str, since: int) -> Frame | None:
+        return next((f for f in self.wire.since(since) if self.is_answer(f, task_id)), None)
+
+    def start(self) -> Message:
+        """Start the agent; its birth status (recorded as ``presence.birth``)."""
+        r = self.report
+        mark = self.wire.mark()
+        try:
+            self.agent.start()
+        except (OSError, ValueError) as exc:
+            r.record("presence.birth", False, f"the agent command did not start: {exc}")
+            raise ScenarioAborted(str(exc)) from None
+        deadline = time.monotonic() + self.kit.options.start_timeout_s
+        birth = None
+        while birth is None and self.agent.running and time.monotonic() < deadline:  # an agent that exits fails at once
+            birth = self.wire.wait(lambda f: self.is_status(f, "online") or (f.agent == self.agent_id and bool(f.error)),
+                                   1.0, mark)
+        if birth is None or birth.message is None:
+            why = f"a broken status: {birth.error}" if birth else f"no status within {self.kit.options.start_timeout_s:.0f} s"
+            exited = "" if self.agent.running else f" (the agent exited with {self.agent.proc.returncode if self.agent.proc else '?'})"
+            r.record("presence.birth", False, f"{why}{exited}; agent log: {self.agent.log_tail(8)}")
+            raise ScenarioAborted("no birth status")
+        self.birth_frame = birth
+        self.birth_index = self.wire.frames.index(birth)
+        message = birth.message
+        status = self.status = message.meta_as(StatusMeta)
+        if not r.agent_version:
+            r.agent_version = status.version
+        retained = read_retained(self.kit.broker.url, self.status_topic)
+        kept = retained is not None and _decoded_status(retained) is not None
+        h = message.header
+        problems = [p for p, bad in (
+            ("not retained", not kept), (f"QoS {birth.parts[0].qos}", birth.parts[0].qos != 1),
+            (f"round {h.round}", h.round != -1), ("tensors", bool(message.tensors)),
+            (f"num_train {status.num_train}", status.num_train <= 0)) if bad]
+        r.record("presence.birth", not problems,
+                 f"online, tier {status.tier}, {status.num_train} train / {status.num_test} test"
+                 + (f"; problems: {', '.join(problems)}" if problems else "; retained, QoS 1"))
+        return message
+
+    def check_update(self, frame: Frame, task: TaskMeta, round: int, *, train: bool) -> None:
+        r, m = self.report, frame.message
+        assert m is not None and self.status is not None
+        r.record("task.train", frame.parts[0].qos == 1, f"answered with QoS {frame.parts[0].qos}")
+        h = m.header
+        r.record("update.header", (h.type, h.federation, h.sender, h.round) == (
+            MessageType.UPDATE, self.federation, self.agent_id, round),
+            f"type {h.type.value}, federation {h.federation}, sender {h.sender}, round {h.round} (task round {round})")
+        u = m.meta_as(UpdateMeta)
+        problems = [p for p, bad in (
+            ("task_id", u.task_id != task.task_id), (f"kind {u.kind}", u.kind != task.kind),
+            (f"num_train {u.num_train} not in 1..{self.status.num_train}", not 0 < u.num_train <= self.status.num_train),
+            (f"eval_correct {u.eval_correct} > num_test {u.num_test}", u.eval_correct > u.num_test)) if bad]
+        r.record("update.meta", not problems, "; ".join(problems) or
+                 f"task_id echoed, num_train {u.num_train}, eval_correct {u.eval_correct}/{u.num_test}")
+        losses_ok = (u.num_test == 0 or (u.eval_loss is not None and math.isfinite(u.eval_loss) and u.eval_loss >= 0)) \
+            and (not train or u.train_loss is not None)
+        r.record("update.losses", losses_ok, f"eval_loss {u.eval_loss}, train_loss {u.train_loss}")
+        want = {k: (str(v.dtype), list(v.shape)) for k, v in self.kit.payload(task.run).items()}
+        got = {k: (str(v.dtype), list(v.shape)) for k, v in m.tensors.items()}
+        wrong = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+        non_finite = [k for k, v in m.tensors.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
+        r.record("update.tensors", not wrong and not non_finite,
+                 f"{len(got)} tensors, the task's {len(want)} shared keys" if not wrong and not non_finite else
+                 f"differ from the task's shared keys: {wrong[:4]}; non-finite: {non_finite[:4]}")
+
+    def check_refusal(self, since: int, task: TaskMeta, reason: str, check_id: str) -> None:
+        r = self.report
+        answers = [f for f in self.wire.since(since) if self.is_answer(f, task.task_id)]
+        updates = [f for f in answers if f.message is not None and f.message.type == MessageType.UPDATE]
+        r.record(f"{check_id}.silent", not updates, "no update" if not updates else "answered with an update")
+        refusals = [f.message.meta_as(RefusalMeta) for f in answers
+                    if f.message is not None and f.message.type == MessageType.REFUSAL]
+        if not r.required(check_id):
+            r.skip(check_id, f"the agent announced {r.agent_version}")
+        else:
+            r.record(check_id, any(x.reason == reason for x in refusals),
+                     f"refusals: {[x.reason for x in refusals]}" if refusals else "no refusal (silence)")
+
+    def check_chunked(self, frame: Frame, round: int) -> None:
+        problems = []
+        if not frame.chunked:
+            problems.append(f"sent whole ({len(frame.data)} bytes)")
+        for part in frame.parts:
+            if len(part.payload) > SMALL_M:
+                problems.append(f"a {len(part.payload)}-byte chunk")
+            if part.topic != frame.topic:
+                problems.append(f"a chunk on {part.topic}")
+            if part.qos != 1:
+                problems.append(f"a chunk with QoS {part.qos}")
+        if frame.message is not None:
+            h = frame.message.header
+            if (h.sender, h.federation, h.round) != (self.agent_id, self.federation, round):
+                problems.append(f"the whole frame names {h.sender}/{h.federation}/round {h.round}")
+        self.report.record("chunking.send", not problems,
+                           "; ".join(problems) or f"a {len(frame.data)}-byte update in {len(frame.parts)} chunks "
+                                                  f"of <= {max(len(p.payload) for p in frame.parts)} bytes")
+
+    def clean_stop(self, record: bool = True) -> None:
+        mark = self.wire.mark()
+        self.agent.signal(signal.SIGTERM)
+        offline = self.wire.wait(lambda f: self.is_status(f, "offline"), 30.0, mark)
+        self.agent.wait(15)
+        if not record:
+            return
+        retained = read_retained(self.kit.broker.url, self.status_topic)
+        ok, evidence = self.offline_evidence(offline, retained, "clean stop")
+        self.report.record("presence.clean_stop", ok, evidence)
+
+    def offline_evidence(self, frame: Frame | None, retained: bytes | None, what: str) -> tuple[bool, str]:
+        kept = _decoded_status(retained) if retained is not None else None
+        own = self.status.session if self.status else None
+        if frame is None:
+            return False, f"no offline status after the {what}"
+        status = frame.message.meta_as(StatusMeta) if frame.message else None
+        problems = [p for p, bad in (
+            ("not retained", kept is None or kept.state != "offline"),
+            (f"session {status.session if status else None} is not the birth's {own}",
+             status is None or status.session != own)) if bad]
+        return not problems, "; ".join(problems) or f"offline status of session {own}, retained"
+
+    def account_frames(self) -> None:
+        """Add this agent's frames to the frames.valid check (decoding, sender, type per channel)."""
+        expected = {"status": {MessageType.STATUS}, "update": {MessageType.UPDATE, MessageType.REFUSAL},
+                    "metrics": {MessageType.METRICS}}
+        for frame in self.wire.since(0):
+            if frame.agent != self.agent_id:
+                continue
+            self.kit.frames_checked += 1
+            m = frame.message
+            if m is None:
+                self.kit.frame_problems.append(f"{frame.channel}: {frame.error}")
+            elif m.header.sender != self.agent_id or m.header.federation != self.federation:
+                self.kit.frame_problems.append(f"{frame.channel}: sender {m.header.sender} / federation "
+                                               f"{m.header.federation}")
+            elif m.type not in expected.get(frame.channel, set()):
+                self.kit.frame_problems.append(f"a {m.type.value} frame on the {frame.channel} topic")
+
+
+def _decoded_status(payload: bytes) -> StatusMeta | None:
+    from edgepfl.protocol import ProtocolError, decode
+
+    try:
+        return decode(payload).meta_as(StatusMeta)
+    except ProtocolError:
+        return None
+
+
+def _split(frame: bytes) -> tuple[dict, bytes]:
+    (length,) = struct.unpack(">I", frame[4:8])
+    return json.loads(frame[8:8 + length]), frame[8 + length:]
+
+
+def _pack(header: dict, rest: bytes) -> bytes:
+    head = json.dumps(header).encode()
+    return MAGIC + struct.pack(">I", len(head)) + head + rest
+
+
+def _with_unknown_fields(frame: bytes) -> bytes:
+    """``frame`` (unsigned) with keys a newer minor version might add, in the header, the meta,
+    the run spec and its data shape: a 1.2 receiver ignores them (§16)."""
+    header, rest = _split(frame)
+    header["x_trace"] = "conformance"
+    header["meta"]["x_priority"] = 3
+    header["meta"]["run"]["x_schedule"] = {"warmup": 1}
+    header["meta"]["run"]["data"]["x_augment"] = False
+    return _pack(header, rest)
+
+
+def _retyped(frame: bytes, type_name: str) -> bytes:
+    """``frame`` (unsigned) as a message of a type this protocol version does not define."""
+    header, rest = _split(frame)
+    header["type"] = type_name
+    return _pack(header, rest)

@@ -1,0 +1,150 @@
+"""The conformance kit: the project's agent passes it, a broken agent fails the matching
+checks, and docs/CONFORMANCE.md lists exactly the kit's checks.
+
+The kit runs real agent processes against a real Mosquitto (edgepfl.testing); the two
+end-to-end runs are slow (about 2 minutes and 1 minute on a loaded 2-core box).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from edgepfl.conformance import CHECKS, SCENARIOS, Report
+from edgepfl.conformance.cli import main_conformance
+
+from conftest import REPO_ROOT, require_mosquitto
+
+AGENT_CMD = "{python} -m edgepfl agent --config {config}"
+
+#: 1.2 behaviour the project's agent does not implement yet in this branch: each check is
+#: expected to fail until the named feature lands (then the xfail turns into an XPASS)
+PENDING = {
+    "presence.capabilities": "agent capabilities in the status (edge_agent, issue 12 item 3)",
+    "refusal.data_mismatch": "agent refusals (edge_agent, issue 12 item 2)",
+    "refusal.unsupported_method": "agent refusals (edge_agent, issue 12 item 2)",
+}
+
+
+def _param(check_id: str):
+    if check_id in PENDING:
+        return pytest.param(check_id, marks=pytest.mark.xfail(
+            strict=False, reason=f"expected to fail until {PENDING[check_id]} lands"))
+    return check_id
+
+
+def _run(tmp: Path, agent_cmd: str, *skip: str) -> tuple[int, dict]:
+    out = tmp / "report.json"
+    argv = ["--agent-cmd", agent_cmd, "--workdir", str(tmp / "work"), "--json", str(out)]
+    for scenario in skip:
+        argv += ["--skip", scenario]
+    code = main_conformance(argv)
+    return code, json.loads(out.read_text())
+
+
+def _verdicts(report: dict) -> dict[str, dict]:
+    return {c["id"]: c for c in report["checks"]}
+
+
+@pytest.fixture(scope="module")
+def project_report(tmp_path_factory):
+    require_mosquitto()
+    return _run(tmp_path_factory.mktemp("conformance"), AGENT_CMD)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("check_id", [_param(c) for c in CHECKS])
+def test_project_agent_passes_check(project_report, check_id):
+    _, report = project_report
+    result = _verdicts(report)[check_id]
+    assert result["verdict"] == "pass", f"{check_id}: {result['verdict']} — {result['evidence']}"
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="expected to fail until agent refusals land (issue 12)")
+def test_project_agent_is_conformant(project_report):
+    code, report = project_report
+    assert report["conformant"] and code == 0, [c["id"] for c in report["checks"] if c["verdict"] == "fail"]
+
+
+@pytest.mark.slow
+def test_exit_code_says_whether_every_must_passed(project_report):
+    code, report = project_report
+    assert code == (0 if report["conformant"] else 1)
+    assert report["conformant"] == (not any(c["verdict"] == "fail" and c["level"] == "MUST"
+                                            for c in report["checks"]))
+    assert set(_verdicts(report)) == set(CHECKS)  # every check has a verdict, skipped ones with a reason
+
+
+BROKEN_AGENT = '''
+"""edgepfl's agent with two MUSTs broken: it ignores the coordinator's announced M and
+trains again on a redelivered task instead of re-sending its answer."""
+import sys
+
+from edgepfl.config import load_agent_config
+from edgepfl.edge_agent import agent as agent_module, tiers
+
+def ignore_announced_m(self, presence):
+    return self.transport.max_message_bytes
+
+answer = tiers.TrainerTier.handle
+def forgetful(self, message):
+    self._answered.clear()
+    return answer(self, message)
+
+agent_module.Agent.adopt_limits = ignore_announced_m
+tiers.TrainerTier.handle = forgetful
+agent_module.run_agent(load_agent_config(sys.argv[1], []))
+'''
+
+
+@pytest.mark.slow
+def test_broken_agent_fails_the_matching_checks(tmp_path):
+    require_mosquitto()
+    wrapper = tmp_path / "broken_agent.py"
+    wrapper.write_text(BROKEN_AGENT)
+    code, report = _run(tmp_path, f"{{python}} {wrapper} {{config}}", "reconnect", "signatures")
+    verdicts = {k: v["verdict"] for k, v in _verdicts(report).items()}
+    assert verdicts["idempotency.redelivery"] == "fail"
+    assert verdicts["chunking.send"] == "fail"
+    assert verdicts["limits.announced_m"] == "fail"
+    # what it did not break still passes: the kit tells the broken MUSTs apart
+    for check_id in ("presence.birth", "task.train", "update.tensors", "chunking.receive", "presence.clean_stop"):
+        assert verdicts[check_id] == "pass", check_id
+    assert all(verdicts[c] == "skip" for c in (*SCENARIOS["reconnect"], *SCENARIOS["signatures"]))
+    assert not report["conformant"] and code == 1
+
+
+def test_a_newer_requirement_is_skipped_for_an_older_agent():
+    report = Report(agent_cmd="x", protocol="1.2", agent_version="1.1")
+    report.record("refusal.data_mismatch", False, "no refusal (silence)")
+    report.record("refusal.data_mismatch.silent", False, "answered with an update")
+    assert report.results["refusal.data_mismatch"].verdict == "skip"
+    assert report.results["refusal.data_mismatch.silent"].verdict == "fail"
+    assert not report.conformant
+    assert "NOT CONFORMANT" in report.table()
+
+
+def test_a_failed_should_leaves_the_agent_conformant():
+    report = Report(agent_cmd="x", protocol="1.2", agent_version="1.2")
+    report.record("presence.capabilities", False, "capabilities None")
+    report.record("task.train", True, "answered")
+    report.record("task.train", False, "a later verdict does not replace the first")
+    assert report.results["task.train"].verdict == "pass"
+    assert report.conformant
+
+
+def test_docs_list_every_check_with_its_section_and_level():
+    text = (REPO_ROOT / "docs" / "CONFORMANCE.md").read_text()
+    pattern = r"^\| `([a-z_.]+)` \| \[(§\w+)\]\(PROTOCOL\.md#[^)]+\) \| (MUST|SHOULD) \|"
+    rows = {m[0]: (m[1], m[2]) for m in re.findall(pattern, text, re.M)}
+    assert rows == {c.id: (c.section, c.level) for c in CHECKS.values()}
+
+
+def test_cli_registers_the_command():
+    from edgepfl.cli import DELEGATES
+
+    assert ("conformance", "edgepfl.conformance.cli:main_conformance") in [(n, t) for n, t, _ in DELEGATES]
