@@ -37,7 +37,7 @@ import signal
 import threading
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -114,7 +114,7 @@ class Agent:
         #: frames dropped before reaching the tier, by reason
         self.rejected: Counter[str] = Counter()
         self._logged: dict[str, float] = {}
-        self._birth: bytes | None = None  # the last birth status published
+        self._births: deque[bytes] = deque(maxlen=4)  # the last births published, newest last
         self._birth_declares = False  # whether that birth carried capabilities
         self._reasserted = float("-inf")
         #: the last presence of a coordinator of this major version (None: none seen yet)
@@ -169,6 +169,9 @@ class Agent:
             keepalive_s=c.broker.keepalive_s,
             inbox_max_bytes=c.broker.inbox_max_bytes,
             inbox_max_messages=c.broker.inbox_max_messages,
+            # statuses and answers left unacknowledged by a lost connection: the birth on the
+            # reconnect and the held answers replace them (module docstring)
+            not_resent=lambda topic: topic in (status_topic, self._topic(AgentChannel.UPDATE)),
         )
         transport.start(timeout=120)
         log.info("agent %s (%s tier) online: %d train / %d test samples", c.agent_id, c.tier,
@@ -264,7 +267,8 @@ class Agent:
         self.adopt_limits(presence)
         # A new coordinator session is a roll call; a coordinator whose version says whether
         # it reads capabilities gets a birth that does (or does not) carry them.
-        if self._roll_call.due(presence) or self._birth_declares != self.speaks_1_2():
+        due = self._roll_call.due(presence) or self._birth_declares != self.speaks_1_2()
+        if due and transport.connected.is_set():  # else the birth of the reconnect is the fresh one
             transport.publish(self._topic(AgentChannel.STATUS), self._new_birth(), retain=True)
         self._settle_answers(presence)
 
@@ -333,14 +337,16 @@ class Agent:
 
     def _new_birth(self) -> bytes:
         self._birth_declares = self.speaks_1_2()
-        self._birth = self._status_frame("online")
-        return self._birth
+        self._births.append(self._status_frame("online"))
+        return self._births[-1]
 
     def _reassert(self, frame: bytes) -> None:
-        """Another status than this process's last birth is retained on its status topic (a
+        """Another status than this process's births is retained on its status topic (a
         forged or replayed ``offline``, an old will): publish a fresh birth over it, so a
-        coordinator that (re)starts learns the agent's real presence. Rate-limited."""
-        if frame == self._birth or self.transport is None or self._stop.is_set():
+        coordinator that (re)starts learns the agent's real presence. Rate-limited; not
+        while disconnected (the reconnect publishes a birth)."""
+        if (frame in self._births or self.transport is None or self._stop.is_set()
+                or not self.transport.connected.is_set()):
             return
         now = time.monotonic()
         if now - self._reasserted < REASSERT_EVERY_S:
