@@ -12,6 +12,21 @@ network thread only queues bytes. What a message means is the tier's business
 With ``security.coordinator_key`` the agent acts only on frames the coordinator signed
 (others are logged with their reason, counted in :attr:`Agent.rejected` and dropped);
 with ``security.signing_key`` it signs its statuses, its last will, updates and metrics.
+
+Protocol 1.2, used only with a coordinator whose presence announced it
+(``docs/PROTOCOL.md`` §10): the status carries the tier's capabilities, a task the agent
+cannot run is answered with a ``refusal``, and ``nack`` frames on the task topic are
+logged, counted (:attr:`Agent.nacks`) and close the task they name. A coordinator of
+another major version is logged once and its tasks are ignored.
+
+**Held answers.** paho keeps a QoS 1 message published while disconnected and re-sends
+it as soon as it reconnects; after a broker restart that is before the coordinator has
+subscribed again, so the broker acknowledges the update and discards it, and paho
+counts it as delivered. So the agent keeps each task's answer itself until the task's
+round is over, and publishes it again once the coordinator's presence shows that round
+still open on a connection (or coordinator session) it was not yet published on; a
+presence of a later round or ``done`` drops it (logged when it never went out). A copy
+the coordinator already has is dropped there as ``duplicate``.
 """
 
 from __future__ import annotations
@@ -22,7 +37,8 @@ import signal
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,6 +51,7 @@ from edgepfl.protocol import (
     FederationChannel,
     Message,
     MessageType,
+    NackMeta,
     ProtocolError,
     RollCall,
     StatusMeta,
@@ -42,13 +59,17 @@ from edgepfl.protocol import (
     decode,
     encode,
     federation_topic,
+    parse_version,
+    supports,
 )
 from edgepfl.protocol.connection import BrokerLogin
+from edgepfl.protocol.evolution import MAJOR
 from edgepfl.protocol.signing import load_public_key, load_signer, verify
 from edgepfl.protocol.transport import MqttTransport
 from edgepfl.service import notifier
 
-from .tiers import TierRuntime, create_tier
+from .task_guard import recipient_refusal
+from .tiers import ANSWERED_TASKS, Reply, TierRuntime, create_tier
 
 if TYPE_CHECKING:
     from edgepfl.data import ClientData
@@ -60,6 +81,18 @@ COORDINATOR = "coordinator"
 LOG_EVERY_S = 60.0
 # An agent re-asserts its presence at most this often when its retained status is overwritten.
 REASSERT_EVERY_S = 2.0
+#: the protocol version that added refusals, nacks and capabilities
+NEGOTIATED = (1, 2)
+
+
+@dataclass
+class HeldAnswer:
+    """An answer to a task, kept until its round is over (the module's "held answers").
+    ``sent_on``: (connection number, coordinator session) it was last published on, None
+    while it never went out."""
+
+    reply: Reply
+    sent_on: tuple[int, str] | None = None
 
 
 class Agent:
@@ -81,8 +114,15 @@ class Agent:
         #: frames dropped before reaching the tier, by reason
         self.rejected: Counter[str] = Counter()
         self._logged: dict[str, float] = {}
-        self._birth: bytes | None = None  # the last birth status published
+        self._births: deque[bytes] = deque(maxlen=4)  # the last births published, newest last
+        self._birth_declares = False  # whether that birth carried capabilities
         self._reasserted = float("-inf")
+        #: the last presence of a coordinator of this major version (None: none seen yet)
+        self.coordinator: CoordinatorMeta | None = None
+        self._foreign_version: str | None = None  # set while the coordinator speaks another major version
+        #: nack frames received, by reason
+        self.nacks: Counter[str] = Counter()
+        self._answers: OrderedDict[str, HeldAnswer] = OrderedDict()
 
     # ---------------------------------------------------------------- lifecycle
     def setup(self) -> None:
@@ -129,6 +169,9 @@ class Agent:
             keepalive_s=c.broker.keepalive_s,
             inbox_max_bytes=c.broker.inbox_max_bytes,
             inbox_max_messages=c.broker.inbox_max_messages,
+            # statuses and answers left unacknowledged by a lost connection: the birth on the
+            # reconnect and the held answers replace them (module docstring)
+            not_resent=lambda topic: topic in (status_topic, self._topic(AgentChannel.UPDATE)),
         )
         transport.start(timeout=120)
         log.info("agent %s (%s tier) online: %d train / %d test samples", c.agent_id, c.tier,
@@ -194,26 +237,116 @@ class Agent:
         elif message.header.federation != self.config.federation:
             log.warning("ignored %s for federation %s", message.type.value, message.header.federation)
         elif message.type == MessageType.COORDINATOR:
-            presence = message.meta_as(CoordinatorMeta)
-            self.adopt_limits(presence)
-            if self._roll_call.due(presence):
-                transport.publish(self._topic(AgentChannel.STATUS), self._new_birth(), retain=True)
+            self._on_presence(message.meta_as(CoordinatorMeta))
+        elif message.type == MessageType.NACK:
+            self._on_nack(message)
+        elif self._foreign_version is not None:
+            self._drop(message, "unsupported_version", f"the coordinator speaks protocol {self._foreign_version}")
         elif message.type != tier.accepts:
             log.warning("ignored unexpected %s message from %s", message.type.value, message.header.sender)
         else:
             reply = tier.handle(message)
             if reply is not None:
-                transport.publish(self._topic(reply.channel), reply.frame, round=reply.round)
+                self._send(reply)
+
+    def speaks_1_2(self) -> bool:
+        """Whether the coordinator's presence announced protocol 1.2 or later (of this major)."""
+        return self.coordinator is not None and supports(self.coordinator.version, NEGOTIATED)
+
+    def _on_presence(self, presence: CoordinatorMeta) -> None:
+        transport = self.transport
+        assert transport is not None  # only called from _dispatch
+        if parse_version(presence.version)[0] != MAJOR:
+            if self._foreign_version != presence.version:
+                log.error("the coordinator speaks protocol %s, this agent %d.x: another major version, so its tasks "
+                          "are ignored until a coordinator of major version %d is online", presence.version, MAJOR, MAJOR)
+            self._foreign_version = presence.version
+            return
+        self._foreign_version = None
+        self.coordinator = presence
+        self.adopt_limits(presence)
+        # A new coordinator session is a roll call; a coordinator whose version says whether
+        # it reads capabilities gets a birth that does (or does not) carry them.
+        due = self._roll_call.due(presence) or self._birth_declares != self.speaks_1_2()
+        if due and transport.connected.is_set():  # else the birth of the reconnect is the fresh one
+            transport.publish(self._topic(AgentChannel.STATUS), self._new_birth(), retain=True)
+        self._settle_answers(presence)
+
+    def _send(self, reply: Reply) -> None:
+        """Publish a tier's reply; a task's answer is held as well (the module's "held answers")."""
+        transport = self.transport
+        assert transport is not None  # only called from _dispatch
+        if reply.task_id is None:
+            transport.publish(self._topic(reply.channel), reply.frame, round=reply.round)
+            return
+        if reply.refusal and not self.speaks_1_2():
+            # the tier logged why it refused; a coordinator before 1.2 is not sent refusals
+            log.info("refusal of task %s not sent: the coordinator (protocol %s) does not take refusals",
+                     reply.task_id, self.coordinator.version if self.coordinator else "unknown")
+            return
+        held = self._answers[reply.task_id] = HeldAnswer(reply)
+        self._answers.move_to_end(reply.task_id)
+        while len(self._answers) > ANSWERED_TASKS:
+            self._answers.popitem(last=False)
+        if transport.connected.is_set():
+            self._publish(held)
+        else:
+            log.warning("the answer to task %s (round %d) is held: not connected to the broker; it is published "
+                        "once the coordinator is back in that round", reply.task_id, reply.round)
+
+    def _publish(self, held: HeldAnswer) -> None:
+        transport = self.transport
+        assert transport is not None
+        reply = held.reply
+        transport.publish(self._topic(reply.channel), reply.frame, round=reply.round)
+        held.sent_on = (transport.connect_count, self.coordinator.session if self.coordinator else "")
+
+    def _settle_answers(self, presence: CoordinatorMeta) -> None:
+        """Publish each held answer whose round the presence shows open, on a connection or to a
+        coordinator session it did not go out on yet; forget those of rounds that are over."""
+        transport = self.transport
+        assert transport is not None
+        here = (transport.connect_count, presence.session)
+        for task_id, held in list(self._answers.items()):
+            round = held.reply.round
+            if presence.state == "done" or presence.round > round:
+                del self._answers[task_id]
+                if held.sent_on is None:
+                    log.warning("dropped the held answer to task %s (round %d): the coordinator is %s", task_id, round,
+                                "done" if presence.state == "done" else f"at round {presence.round}")
+            elif presence.state == "online" and presence.round == round and held.sent_on != here:
+                log.info("publishing the %s answer to task %s (round %d): the round is still open",
+                         "held" if held.sent_on is None else "re-sent", task_id, round)
+                self._publish(held)
+
+    def _on_nack(self, message: Message) -> None:
+        tier = self.tier
+        assert tier is not None  # only called from _dispatch
+        misaddressed = recipient_refusal(message, self.config.agent_id, strict=self.coordinator_key is not None)
+        if misaddressed is not None:
+            self._drop(message, *misaddressed)
+            return
+        nack = message.meta_as(NackMeta)
+        self.nacks[nack.reason] += 1
+        log.warning("the coordinator rejected this agent's %s %s (round %d): %s%s%s", nack.rejected_type,
+                    nack.message_id, message.header.round, nack.reason, f" ({nack.detail})" if nack.detail else "",
+                    f"; task {nack.task_id} is closed" if nack.task_id else "")
+        if nack.task_id is not None:
+            self._answers.pop(nack.task_id, None)
+            tier.close(nack.task_id)
 
     def _new_birth(self) -> bytes:
-        self._birth = self._status_frame("online")
-        return self._birth
+        self._birth_declares = self.speaks_1_2()
+        self._births.append(self._status_frame("online"))
+        return self._births[-1]
 
     def _reassert(self, frame: bytes) -> None:
-        """Another status than this process's last birth is retained on its status topic (a
+        """Another status than this process's births is retained on its status topic (a
         forged or replayed ``offline``, an old will): publish a fresh birth over it, so a
-        coordinator that (re)starts learns the agent's real presence. Rate-limited."""
-        if frame == self._birth or self.transport is None or self._stop.is_set():
+        coordinator that (re)starts learns the agent's real presence. Rate-limited; not
+        while disconnected (the reconnect publishes a birth)."""
+        if (frame in self._births or self.transport is None or self._stop.is_set()
+                or not self.transport.connected.is_set()):
             return
         now = time.monotonic()
         if now - self._reasserted < REASSERT_EVERY_S:
@@ -251,6 +384,9 @@ class Agent:
             software=f"edgepfl {__version__}",
             platform=f"{platform.system()} {platform.machine()} py{platform.python_version()}",
             session=self.session,
+            # 1.2: only for a coordinator that reads them (left out of the frame otherwise)
+            capabilities=tier.capabilities().model_copy(update={"max_message_bytes": c.broker.max_message_bytes})
+            if self.speaks_1_2() else None,
         )
         return encode(MessageType.STATUS, federation=c.federation, sender=c.agent_id, round=-1, meta=meta,
                       signer=self.signer)

@@ -26,6 +26,17 @@ ORDER_FILE = "task_order.json"
 MAX_CLOCK_SKEW_S = 300.0
 
 
+def recipient_refusal(message: Message, agent_id: str, *, strict: bool) -> tuple[str, str] | None:
+    """(``wrong_recipient``, detail) when a frame from the coordinator (a task, a nack) is
+    addressed to another agent or, when ``strict`` (a pinned coordinator key), to nobody."""
+    recipient, kind = message.header.recipient, message.type.value
+    if recipient is not None and recipient != agent_id:
+        return "wrong_recipient", f"{kind} for {recipient}"
+    if strict and recipient is None:
+        return "wrong_recipient", f"signed {kind} names no recipient"
+    return None
+
+
 class TaskGuard:
     """Refuses tasks for another agent and, when ``strict`` (a pinned coordinator key),
     unaddressed, older or expired ones. :meth:`refusal` is asked first, :meth:`accept` records
@@ -46,12 +57,9 @@ class TaskGuard:
     def refusal(self, message: Message, now: float | None = None) -> tuple[str, str] | None:
         """(reason, detail) when the task must be ignored, else None."""
         h, meta = message.header, message.meta_as(TaskMeta)
-        if h.recipient is not None and h.recipient != self.agent_id:
-            return "wrong_recipient", f"task for {h.recipient}"
-        if not self.strict:
-            return None
-        if h.recipient is None:
-            return "wrong_recipient", "signed task names no recipient"
+        misaddressed = recipient_refusal(message, self.agent_id, strict=self.strict)
+        if misaddressed is not None or not self.strict:
+            return misaddressed
         order = (meta.epoch, h.round)
         newest = self._newest.get(h.federation)
         if newest is not None and order < newest:

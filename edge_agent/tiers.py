@@ -22,10 +22,12 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 from edgepfl.config import AgentConfig
 from edgepfl.protocol import (
     AgentChannel,
+    Capabilities,
     FederationChannel,
     Message,
     MessageType,
     MetricsMeta,
+    RefusalMeta,
     ReleaseMeta,
     TaskMeta,
     agent_topic,
@@ -47,11 +49,17 @@ ANSWERED_TASKS = 4
 
 @dataclass(frozen=True)
 class Reply:
-    """A frame for the agent to publish on one of its own channels."""
+    """A frame for the agent to publish on one of its own channels.
+
+    ``task_id``: the task it answers (an update or a refusal), which the agent holds
+    until the task's round is over (docs/PROTOCOL.md §10, held answers); ``refusal``:
+    a ``refusal`` frame, which only a coordinator of protocol 1.2 or later is sent."""
 
     channel: AgentChannel
     frame: bytes
     round: int
+    task_id: str | None = None
+    refusal: bool = False
 
 
 class TierRuntime(Protocol):
@@ -66,6 +74,14 @@ class TierRuntime(Protocol):
 
     @property
     def device(self) -> str: ...
+
+    def capabilities(self) -> Capabilities:
+        """What this agent can run, for its status (the agent adds its message size)."""
+        ...
+
+    def close(self, task_id: str) -> None:
+        """The coordinator closed ``task_id`` (a ``nack``): never answer it again."""
+        ...
 
     def subscriptions(self, federation: str, agent_id: str) -> list[str]:
         """Topics to (re)subscribe on every connect."""
@@ -84,7 +100,9 @@ class TrainerTier:
     """Trainer tier: evaluates and trains the model of each task, answers with an update.
 
     Idempotent on task id: a task delivered again (QoS 1 is at-least-once) is answered
-    with the cached update frame, same message id, instead of training twice.
+    with the cached update frame, same message id, instead of training twice. A task it
+    cannot run is answered with a ``refusal`` (:class:`~edgepfl.edge_agent.trainer.TaskRefused`'s
+    reason; ``error`` when the local update raised), cached the same way.
     """
 
     tier: ClassVar[str] = "trainer"
@@ -98,7 +116,10 @@ class TrainerTier:
         self.runtime = TrainerRuntime(agent_id, data, state_dir, device, threads=threads, signer=signer)
         #: with a pinned coordinator key: only tasks for this agent, newest first, before their deadline
         self.guard = TaskGuard(agent_id, state_dir, strict=pinned)
-        self._answered: OrderedDict[str, Reply] = OrderedDict()
+        self.agent_id = agent_id
+        # task id -> its answer; None: closed by the coordinator (a nack), not answered again
+        self._answered: OrderedDict[str, Reply | None] = OrderedDict()
+        self._capabilities: Capabilities | None = None
 
     @classmethod
     def from_config(cls, config: AgentConfig, data: ClientData, signer: Signer | None = None,
@@ -113,32 +134,57 @@ class TrainerTier:
     def subscriptions(self, federation: str, agent_id: str) -> list[str]:
         return [agent_topic(federation, agent_id, AgentChannel.TASK)]
 
+    def capabilities(self) -> Capabilities:
+        from .trainer import buildable_archs, trainable_methods
+
+        if self._capabilities is None:  # imports every method module once
+            self._capabilities = Capabilities(methods=trainable_methods(), archs=buildable_archs())
+        return self._capabilities
+
     def restore(self) -> None:
         """Nothing yet: personal state belongs to a method and model, which the first task names."""
 
+    def close(self, task_id: str) -> None:
+        self._remember(task_id, None)
+
     def handle(self, message: Message) -> Reply | None:
+        from .trainer import TaskRefused
+
         meta = message.meta_as(TaskMeta)  # the agent hands a tier only messages of its ``accepts`` type
-        task_id = meta.task_id
+        task_id, round = meta.task_id, message.header.round
         refused = self.guard.refusal(message)
         if refused is not None:
-            log.warning("ignored task %s (round %d): %s (%s)", task_id, message.header.round, *refused)
+            log.warning("ignored task %s (round %d): %s (%s)", task_id, round, *refused)
             return None
-        cached = self._answered.get(task_id)
-        if cached is not None:
+        if task_id in self._answered:
+            cached = self._answered[task_id]
+            if cached is None:
+                log.info("task %s (round %d) was closed by the coordinator; not answered again", task_id, round)
             return cached
         if self.guard.strict:
             self.guard.accept(message)
         try:
-            frame = self.runtime.answer(message)
-        except Exception:
-            log.exception("task %s (round %d) failed", task_id, message.header.round)
-            return None
-        reply = Reply(AgentChannel.UPDATE, frame, message.header.round)
+            reply = Reply(AgentChannel.UPDATE, self.runtime.answer(message), round, task_id)
+            log.info("round %d: %s task answered", round, meta.kind)
+        except TaskRefused as exc:  # logged where it was raised
+            reply = self._refusal(message, exc.reason, exc.detail)
+        except Exception as exc:
+            log.exception("task %s (round %d) failed", task_id, round)
+            reply = self._refusal(message, "error", f"{type(exc).__name__}: {exc}")
+        self._remember(task_id, reply)
+        return reply
+
+    def _refusal(self, task: Message, reason: str, detail: str) -> Reply:
+        meta = RefusalMeta(task_id=task.meta_as(TaskMeta).task_id, reason=reason, detail=detail[:300])
+        frame = encode(MessageType.REFUSAL, federation=task.header.federation, sender=self.agent_id,
+                       round=task.header.round, meta=meta, signer=self.runtime.signer)
+        return Reply(AgentChannel.UPDATE, frame, task.header.round, meta.task_id, refusal=True)
+
+    def _remember(self, task_id: str, reply: Reply | None) -> None:
         self._answered[task_id] = reply
+        self._answered.move_to_end(task_id)
         while len(self._answered) > ANSWERED_TASKS:
             self._answered.popitem(last=False)
-        log.info("round %d: %s task answered", message.header.round, meta.kind)
-        return reply
 
 
 class HeadTier:
@@ -167,6 +213,27 @@ class HeadTier:
         # The task topic too, as the protocol has every agent do; a head agent ignores tasks.
         return [agent_topic(federation, agent_id, AgentChannel.TASK),
                 federation_topic(federation, FederationChannel.RELEASE)]
+
+    def capabilities(self) -> Capabilities:
+        from importlib.util import find_spec
+
+        from edgepfl.heads import GENERIC_HEAD_KINDS, OFFLINE_HEAD_KIND
+        from edgepfl.methods import available_methods
+
+        # Read from the method modules' names, not their classes: importing every method
+        # module imports torch where it is installed, which a head agent never does. Every
+        # method offers the generic kinds; a method's own head kind carries its name and is
+        # fitted with torch (edgepfl.methods.device_head); an offline head fits any encoder.
+        # tests/test_agent_protocol12.py checks this against the classes' ``head_kinds``.
+        kind = self.head
+        if kind in GENERIC_HEAD_KINDS or kind == OFFLINE_HEAD_KIND:
+            methods = available_methods()
+        else:
+            methods = [kind] if kind in available_methods() and find_spec("torch") is not None else []
+        return Capabilities(methods=methods, head_kinds=[kind])
+
+    def close(self, task_id: str) -> None:
+        """A head agent answers no task."""
 
     def restore(self) -> None:
         try:

@@ -11,19 +11,23 @@ import hashlib
 import json
 import logging
 import time
+import typing
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from pydantic import ValidationError
 
 from edgepfl._torch import nn, torch
 from edgepfl.atomic import read_tensors, write_json, write_tensors
 from edgepfl.data import ClientData, ClientTensors
 from edgepfl.data.preprocess import conversion
-from edgepfl.methods import LocalContext, Method, create_method
+from edgepfl.methods import LocalContext, Method, available_methods, create_method, get_method_class
 from edgepfl.methods.base import load_tensors
-from edgepfl.protocol import Message, MessageType, RunSpec, TaskMeta, UpdateMeta, encode, seed_for
+from edgepfl.models import TORCHVISION_ARCHS
+from edgepfl.protocol import REFUSAL_REASONS, Message, MessageType, RunSpec, TaskMeta, UpdateMeta, encode, seed_for
 from edgepfl.protocol.signing import Signer
+from edgepfl.specs import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +49,38 @@ def pick_device(requested: str = "auto") -> torch.device:
 
 
 class TaskRefused(ValueError):
-    """A task this agent cannot run on its data (logged; no update is sent)."""
+    """A task this agent cannot run (logged once where it is raised). ``reason`` is a key of
+    :data:`edgepfl.protocol.REFUSAL_REASONS`: the agent answers a 1.2 coordinator with a
+    ``refusal`` carrying it (docs/PROTOCOL.md §10)."""
+
+    def __init__(self, reason: str, detail: str):
+        if reason not in REFUSAL_REASONS:
+            raise ValueError(f"unknown refusal reason {reason!r}")
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+def buildable_archs() -> list[str]:
+    """Every ``run.model.arch`` this process can build (the torchvision ones only with torchvision)."""
+    from importlib.util import find_spec
+
+    archs = typing.get_args(ModelSpec.model_fields["arch"].annotation)
+    vision = find_spec("torchvision") is not None
+    return [a for a in archs if vision or a not in TORCHVISION_ARCHS]
+
+
+def trainable_methods() -> list[str]:
+    """The registry's methods whose module imports here (a method with a missing dependency is left out)."""
+    names = []
+    for name in available_methods():
+        try:
+            get_method_class(name)
+        except Exception as exc:  # an optional dependency of that method is missing: it is not offered
+            log.info("method %s is not available on this agent: %s", name, exc)
+            continue
+        names.append(name)
+    return names
 
 
 def run_signature(run: RunSpec) -> str:
@@ -91,10 +126,7 @@ class TrainerRuntime:
         if run.data.num_classes != self.data.num_classes:
             problems.append(f"{run.data.num_classes} classes, local data {self.data.num_classes}")
         if problems:
-            reason = (f"{self.agent_id}: task {meta.task_id} (round {round}) refused: the run has "
-                      + "; ".join(problems))
-            log.error(reason)
-            raise TaskRefused(reason)
+            raise self._refuse(meta, round, "data_mismatch", "the run has " + "; ".join(problems))
 
     def _inputs_for(self, meta: TaskMeta, round: int) -> ClientTensors:
         """The local data preprocessed as the run says (``run.data``: pixel scale, mean, std).
@@ -114,10 +146,8 @@ class TrainerRuntime:
             log.warning("%s: the run does not say how inputs are normalized; training on the local normalization "
                         "%s, which may differ from the rest of the fleet", self.agent_id, data.normalization or "(unknown)")
         elif not data.normalization:
-            reason = (f"{self.agent_id}: task {meta.task_id} (round {round}) refused: the run normalizes with "
-                      f"{wanted.normalization.model_dump()}, and the local data does not say how it was normalized")
-            log.error(reason)
-            raise TaskRefused(reason)
+            raise self._refuse(meta, round, "normalization", f"the run normalizes with {wanted.normalization.model_dump()}, "
+                               "and the local data does not say how it was normalized")
         else:
             affine = conversion(data.normalization, wanted)
             if affine is not None:
@@ -130,14 +160,37 @@ class TrainerRuntime:
         self._inputs = {key: tensors}  # one run at a time: keep only the current preprocessing
         return tensors
 
-    def _ensure_model(self, run: RunSpec) -> tuple[Method, nn.Module]:
-        """The method and model for ``run``: the current ones if its signature is unchanged, else built."""
+    def _refuse(self, meta: TaskMeta, round: int, reason: str, why: str) -> TaskRefused:
+        """Log why the task is refused (one line) and return the exception to raise."""
+        detail = f"{self.agent_id}: task {meta.task_id} (round {round}) refused ({reason}): {why}"
+        log.error(detail)
+        return TaskRefused(reason, detail)
+
+    def _ensure_model(self, meta: TaskMeta, round: int) -> tuple[Method, nn.Module]:
+        """The method and model for the task's run: the current ones if its signature is
+        unchanged, else built. A method, options or model this agent cannot build is a
+        :class:`TaskRefused` with the matching reason."""
+        run = meta.run
         signature = run_signature(run)
         if signature == self._signature and self.method is not None and self.model is not None:
             return self.method, self.model
-        method = create_method(run.method.name, run.method.options)
+        try:
+            get_method_class(run.method.name)
+        except Exception as exc:  # unknown here, or its module does not import (a missing dependency)
+            raise self._refuse(meta, round, "unsupported_method", str(exc)) from None
+        try:
+            method = create_method(run.method.name, run.method.options)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'options'}: {e['msg']}" for e in exc.errors())
+            raise self._refuse(meta, round, "bad_options", f"{run.method.name} options: {problems}") from None
+        if run.model.arch not in buildable_archs():
+            raise self._refuse(meta, round, "unsupported_arch", f"this agent cannot build arch {run.model.arch!r} "
+                               f"(it builds {', '.join(buildable_archs())})")
         torch.manual_seed(seed_for(run.seed, "init", self.agent_id))
-        model = method.build_model(run.model, run.data.input_shape, run.data.num_classes)
+        try:
+            model = method.build_model(run.model, run.data.input_shape, run.data.num_classes)
+        except (OSError, ImportError, ValueError) as exc:  # a weights file missing here, an input it cannot take
+            raise self._refuse(meta, round, "unsupported_arch", f"cannot build {run.model.model_dump()}: {exc}") from None
         model.to(self.device)
         restored = self._load_personal(method, model, signature)
         self.method, self.model, self._signature = method, model, signature
@@ -176,13 +229,13 @@ class TrainerRuntime:
 
         The local data is first preprocessed as the task's run says (:meth:`_inputs_for`).
         Raises :class:`TaskRefused` (after logging why) when the task's run has another
-        input shape or class count than this agent's data, or a normalization the local
-        data cannot be converted to.
+        input shape or class count than this agent's data, a normalization the local
+        data cannot be converted to, or a method, options or model this agent cannot build.
         """
         meta = task.meta_as(TaskMeta)
         self._check_data(meta, task.header.round)
         inputs = self._inputs_for(meta, task.header.round)
-        method, model = self._ensure_model(meta.run)
+        method, model = self._ensure_model(meta, task.header.round)
         generator = torch.Generator().manual_seed(meta.seed)
         torch.manual_seed(meta.seed)
         ctx = LocalContext(

@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ from edgepfl.protocol import (
     DataShape,
     MessageType,
     MethodChoice,
+    RefusalMeta,
     ReleaseMeta,
     RunSpec,
     TaskMeta,
@@ -85,14 +87,72 @@ def test_a_redelivered_task_is_answered_from_the_cache_without_training_again(tr
     assert len(calls) == 2 + ANSWERED_TASKS and decode(again.frame).header.message_id != decode(first.frame).header.message_id
 
 
-def test_a_task_that_fails_is_logged_and_not_answered(trainer, caplog):
+def _task_for(run: RunSpec, tensors=None):
+    meta = TaskMeta(task_id=new_message_id(), kind="train", run=run, seed=0, deadline_s=60)
+    return decode(encode(MessageType.TASK, federation=FED, sender="coordinator", round=0, meta=meta,
+                         tensors=tensors or {}))
+
+
+@pytest.mark.parametrize("change,reason,needle", [
+    ({"method": MethodChoice(name="fedavg", options={"no_such_option": 1})}, "bad_options", "no_such_option"),
+    ({"method": MethodChoice(name="no_such_method")}, "unsupported_method", "unknown method 'no_such_method'"),
+    ({"model": ModelSpec(arch="resnet18", weights="/nonexistent/resnet18.pt")}, "unsupported_arch", "not found"),
+    ({"data": RUN.data.model_copy(update={"num_classes": 3, "class_names": list("abc")})}, "data_mismatch",
+     "3 classes"),
+])
+def test_a_task_the_agent_cannot_run_is_answered_with_a_refusal_naming_the_reason(trainer, caplog, change, reason,
+                                                                                   needle):
     tier, calls = trainer
-    broken = RUN.model_copy(update={"method": MethodChoice(name="fedavg", options={"no_such_option": 1})})
-    meta = TaskMeta(task_id=new_message_id(), kind="train", run=broken, seed=0, deadline_s=60)
-    bad = decode(encode(MessageType.TASK, federation=FED, sender="coordinator", round=0, meta=meta))
+    bad = _task_for(RUN.model_copy(update=change))
+    with caplog.at_level("ERROR"):
+        reply = tier.handle(bad)
+    assert reply is not None and reply.refusal and reply.task_id == bad.meta.task_id
+    assert reply.channel == AgentChannel.UPDATE and reply.round == 0
+    refusal = decode(reply.frame)
+    assert refusal.type == MessageType.REFUSAL and refusal.header.sender == "t-1"
+    assert refusal.meta_as(RefusalMeta).reason == reason and needle in refusal.meta.detail
+    assert [r for r in caplog.records if r.levelname == "ERROR" and reason in r.getMessage()]  # one logged line
+    assert tier.handle(bad) is reply  # a redelivered task gets the same refusal, same message id
+
+
+def test_a_local_update_that_raises_is_refused_as_error(trainer, caplog):
+    tier, calls = trainer
+    # a payload the model cannot load: the local update fails on the device
+    broken = _task_for(RUN, tensors={"head.weight": np.zeros((7,), np.float32)})
     with caplog.at_level("ERROR", logger="edgepfl.agent"):
-        assert tier.handle(bad) is None
+        reply = tier.handle(broken)
+    assert reply.refusal and decode(reply.frame).meta_as(RefusalMeta).reason == "error"
     assert "failed" in caplog.text
+
+
+def test_a_task_the_coordinator_closed_is_not_answered_again(trainer):
+    tier, calls = trainer
+    t = task()
+    assert tier.handle(t) is not None
+    tier.close(t.meta.task_id)
+    assert tier.handle(t) is None and calls == [t.meta.task_id]  # neither re-sent nor trained again
+
+
+def test_the_trainer_declares_the_methods_and_archs_it_can_run(trainer):
+    from edgepfl.methods import available_methods
+
+    tier, _ = trainer
+    caps = tier.capabilities()
+    assert caps.methods == available_methods()  # every method imports here
+    assert {"cnn", "mlp", "resnet18", "mobilenet_v3_small"} <= set(caps.archs)  # torchvision is installed here
+    assert caps.head_kinds is None
+
+
+def test_a_head_agent_declares_the_methods_whose_heads_it_builds(tmp_path):
+    from edgepfl.methods import available_methods, get_method_class
+
+    for kind in ("lr", "dualfed", "onnx"):
+        tier = HeadTier("pi", client_data(NEW_CLIENT), str(tmp_path / kind), kind)
+        caps = tier.capabilities()
+        assert caps.head_kinds == [kind] and caps.archs is None
+        # what it declares without importing the method modules is what their classes offer
+        offered = [m for m in available_methods() if kind == "onnx" or kind in get_method_class(m).head_kinds]
+        assert caps.methods == offered
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +248,9 @@ class FakeTier:
 class FakeTransport:
     def __init__(self):
         self.published = []
+        self.connected = threading.Event()
+        self.connected.set()
+        self.connect_count = 1
 
     def publish(self, topic, frame, *, retain=False, round=-1, wait=False):
         self.published.append((topic, frame, round))

@@ -84,6 +84,10 @@ class IdentityEncoder(Encoder):
         return x.flatten(1)
 
 
+#: the archs :class:`TorchvisionEncoder` builds: only where torchvision is installed
+TORCHVISION_ARCHS = ("resnet18", "mobilenet_v3_small")
+
+
 class TorchvisionEncoder(Encoder):
     """ResNet-18 or MobileNetV3-Small trunk with the classifier removed."""
 
@@ -172,6 +176,7 @@ def model_as(model: nn.Module, cls: type[ModelT]) -> ModelT:
 
 
 __all__ = [
-    "Encoder", "IdentityEncoder", "MLPEncoder", "SmallCNN", "SplitModel", "TorchvisionEncoder", "build_encoder",
+    "TORCHVISION_ARCHS", "Encoder", "IdentityEncoder", "MLPEncoder", "SmallCNN", "SplitModel", "TorchvisionEncoder",
+    "build_encoder",
     "model_as",
 ]

@@ -10,6 +10,10 @@ What it adds over a bare paho client:
 * reconnect with exponential backoff, and **subscribe in on_connect**, so a reconnect
   restores every subscription;
 * a last will and a birth message (re-published on every connect) for presence;
+* ``not_resent``: topics whose QoS 1 messages left unacknowledged by a lost connection
+  paho must not re-send on the reconnect (it would, right after the CONNACK: after a
+  broker restart that is before anyone subscribed again, so the broker acknowledges them
+  to nobody); the agent re-publishes its status and held answers itself;
 * payloads larger than ``max_message_bytes`` are split into chunk frames and put
   back together (and sha256-verified) on receipt, with the partial frames bounded per
   topic and in all (:mod:`.reassembly`); an evicted or refused partial is reported
@@ -96,6 +100,7 @@ class MqttTransport:
         on_reject: Callable[[str, str, str], None] | None = None,
         inbox_max_bytes: int | None = None,
         inbox_max_messages: int = 10_000,
+        not_resent: Callable[[str], bool] | None = None,
     ):
         import paho.mqtt.client as mqtt
 
@@ -110,6 +115,7 @@ class MqttTransport:
         self.accept_message_bytes = max_message_bytes
         self.keepalive_s = keepalive_s
         self.on_reject = on_reject
+        self.not_resent = not_resent
         # Raw (topic, payload) from paho's thread. Waiting for room must stay well inside the
         # keepalive: paho's thread sends the PINGREQs too.
         self.inbox: BoundedInbox[tuple[str, bytes]] = BoundedInbox(
@@ -230,6 +236,8 @@ class MqttTransport:
                 log.warning("broker refused connection: %s", reason_code)
             return
         self.connect_count += 1
+        if self.connect_count > 1 and self.not_resent is not None:
+            self._forget_unacked(client, self.not_resent)
         for topic in self.subscriptions:
             client.subscribe(topic, qos=1)
         if self.birth:
@@ -239,6 +247,25 @@ class MqttTransport:
             log.info("reconnected to %s:%d, subscriptions restored", self.host, self.port)
         self.connected.set()
         self._connack.set()
+
+    def _forget_unacked(self, client, not_resent: Callable[[str], bool]) -> None:
+        """On a reconnect, before paho re-sends what the last connection left unacknowledged:
+        drop the messages on topics the owner re-sends itself (``not_resent``), keep the rest."""
+        pending = client.drop_out_messages()  # paho's documented way to stop its re-send, from on_connect
+        with self._flight_lock:
+            self._in_flight.clear()
+            self._acked_early.clear()
+            self.unacked_bytes = 0
+        dropped = 0
+        for message in pending:
+            if not_resent(message.topic):
+                dropped += 1
+                continue
+            info = client.publish(message.topic, message.payload, qos=message.qos, retain=message.retain)
+            self._sent(info.mid, len(message.payload))
+        if dropped:
+            log.info("not re-sending %d message(s) the last connection left unacknowledged: their sender decides "
+                     "what still matters", dropped)
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties=None) -> None:
         self.connected.clear()
