@@ -23,9 +23,6 @@ AGENT_CMD = "{python} -m edgepfl agent --config {config}"
 #: 1.2 behaviour the project's agent does not implement yet in this branch: each check is
 #: expected to fail until the named feature lands (then the xfail turns into an XPASS)
 PENDING = {
-    "presence.capabilities": "agent capabilities in the status (edge_agent, issue 12 item 3)",
-    "refusal.data_mismatch": "agent refusals (edge_agent, issue 12 item 2)",
-    "refusal.unsupported_method": "agent refusals (edge_agent, issue 12 item 2)",
 }
 
 
@@ -64,7 +61,6 @@ def test_project_agent_passes_check(project_report, check_id):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="expected to fail until agent refusals land (issue 12)")
 def test_project_agent_is_conformant(project_report):
     code, report = project_report
     assert report["conformant"] and code == 0, [c["id"] for c in report["checks"] if c["verdict"] == "fail"]

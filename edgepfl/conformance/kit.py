@@ -239,9 +239,6 @@ class _Kit:
         except ValueError:
             major = -1
         r.record("presence.version", major == MAJOR, f"version {status.version!r}")
-        caps = status.capabilities
-        r.record("presence.capabilities", caps is not None and caps.methods is not None,
-                 f"capabilities {caps.model_dump(exclude_none=True) if caps else None}")
         # the retained presence published before the start is a roll call too: let its answer pass
         s.wire.wait(lambda f: s.is_status(f, "online") and f is not s.birth_frame, 3.0, s.birth_index + 1)
         mark = s.wire.mark()
@@ -249,6 +246,12 @@ class _Kit:
         answer = s.wire.wait(lambda f: s.is_status(f, "online"), 15.0, mark)
         r.record("presence.roll_call", answer is not None,
                  "a fresh online status followed the new session" if answer else "no status within 15 s")
+        # capabilities may come only once the agent knows the coordinator speaks 1.2 (§16):
+        # the birth precedes that, the roll-call answer follows the 1.2 presence
+        latest = answer.message.meta_as(StatusMeta) if answer is not None and answer.message else status
+        caps = latest.capabilities
+        r.record("presence.capabilities", caps is not None and caps.methods is not None,
+                 f"capabilities {caps.model_dump(exclude_none=True) if caps else None}")
 
         # a train task and its update
         task, meta = s.task(0)
