@@ -46,6 +46,8 @@ class RoundMetrics(BaseModel):
     evaluated: int = Field(ge=0, description="agents that answered (train or evaluate)")
     dropped: list[str] = Field(description="agents that did not answer before the round closed, sorted")
     rejected: dict[str, int] = Field(description="messages rejected this round, per reason")
+    refused: dict[str, int] = Field(
+        default_factory=dict, description="tasks their agents refused this round, per reason (docs/PROTOCOL.md §5)")
     aborted: bool = Field(description="the global state was left unchanged (abort_reason says why)")
     abort_reason: str | None = Field(
         None, description="below_quorum (too few updates), or the closed aggregate was refused: non_finite, "
