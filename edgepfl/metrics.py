@@ -46,8 +46,6 @@ class RoundMetrics(BaseModel):
     evaluated: int = Field(ge=0, description="agents that answered (train or evaluate)")
     dropped: list[str] = Field(description="agents that did not answer before the round closed, sorted")
     rejected: dict[str, int] = Field(description="messages rejected this round, per reason")
-    refused: dict[str, int] = Field(
-        default_factory=dict, description="tasks their agents refused this round, per reason (docs/PROTOCOL.md §5)")
     aborted: bool = Field(description="the global state was left unchanged (abort_reason says why)")
     abort_reason: str | None = Field(
         None, description="below_quorum (too few updates), or the closed aggregate was refused: non_finite, "
@@ -63,6 +61,8 @@ class RoundMetrics(BaseModel):
     clipped: list[str] = Field(
         default_factory=list, description="participants whose update moved past aggregation.max_update_ratio and "
                                           "was clipped onto it (on_large_update: clip), sorted")
+    refused: dict[str, int] = Field(
+        default_factory=dict, description="tasks their agents refused this round, per reason (docs/PROTOCOL.md §7)")
 
     def to_line(self) -> str:
         """The row as one ``metrics.jsonl`` line (with its newline)."""

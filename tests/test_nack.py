@@ -23,7 +23,9 @@ import pytest
 from edgepfl.broker import parse_broker_url
 from edgepfl.config import RunConfig
 from edgepfl.coordinator.fleet import MqttFleet
-from edgepfl.coordinator.nack import AGENT_BURST, AGENT_RATE_PER_S
+from edgepfl.coordinator.gate import Attribution, Rejection
+from edgepfl.coordinator.nack import AGENT_BURST, AGENT_RATE_PER_S, FLEET_BURST, Nacker
+from edgepfl.coordinator.registry import Registry
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.protocol import (
     Capabilities,
@@ -38,8 +40,6 @@ from edgepfl.protocol import (
 )
 
 from fleet_helpers import run_in_thread, wait_until
-
-pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 60
 
@@ -135,6 +135,7 @@ def finish(thread: threading.Thread, box: dict, fleet: MqttFleet, agents: list[W
     assert "error" not in box, box.get("error")
 
 
+@pytest.mark.slow
 def test_rejected_and_refused_tasks_do_not_cost_the_deadline_and_each_agent_is_told_what_the_protocol_says(
         mosquitto, tmp_path):
     fed = f"nack{uuid.uuid4().hex[:8]}"
@@ -205,6 +206,7 @@ def test_rejected_and_refused_tasks_do_not_cost_the_deadline_and_each_agent_is_t
     assert by_id["old"].nacks == [] and len(by_id["old"].tasks) == 3
 
 
+@pytest.mark.slow
 def test_nacks_to_one_agent_are_rate_bounded_and_the_round_goes_on(mosquitto, tmp_path):
     fed = f"flood{uuid.uuid4().hex[:8]}"
     url = mosquitto.url
@@ -234,3 +236,47 @@ def test_nacks_to_one_agent_are_rate_bounded_and_the_round_goes_on(mosquitto, tm
     assert AGENT_BURST <= len(nacks) <= AGENT_BURST + AGENT_RATE_PER_S * elapsed + 1, (len(nacks), elapsed)
     assert coordinator.inbox.nacks.suppressed == flood - len(nacks)
     assert agents[0].nacks == []
+
+
+class Told:
+    """A fleet that only records what it is asked to tell."""
+
+    def __init__(self) -> None:
+        self.told: list[tuple[str, Message]] = []
+
+    def tell(self, agent_id: str, frame: bytes) -> int:
+        self.told.append((agent_id, decode(frame)))
+        return len(frame)
+
+
+def rejection(agent: str, reason: str = "malformed", attributed: bool = True) -> Rejection:
+    return Rejection(agent, reason, "x" * 400, Attribution(new_message_id(), "update", 3, None) if attributed else None)
+
+
+def test_who_is_told_burst_and_refill_per_agent_and_a_fleet_wide_bound():
+    now = [0.0]
+    registry = Registry()
+    for agent, version in [("new", "1.2"), ("old", "1.1"), ("newer", "1.7")]:
+        registry.update(agent, StatusMeta(state="online", version=version))
+    fleet = Told()
+    nacks = Nacker("f", fleet, registry, clock=lambda: now[0])  # type: ignore[arg-type]
+    assert not nacks.rejected(rejection("old"))  # 1.1: does not know the message
+    assert not nacks.rejected(rejection("stranger"))  # never registered: version unknown
+    assert not nacks.rejected(rejection("new", "duplicate"))  # the first copy was answered
+    assert not nacks.rejected(rejection("new", attributed=False))  # not provably its frame
+    assert nacks.rejected(rejection("stranger", "unsupported_version"))  # told whatever it announced
+    assert nacks.rejected(rejection("newer"))
+    agent, nack = fleet.told[-1]
+    assert agent == "newer" and nack.type == MessageType.NACK and len(nack.meta.detail) == 300
+    assert nack.header.round == 3 and nack.header.sender == "coordinator"
+
+    sent = sum(nacks.rejected(rejection("new")) for _ in range(50))
+    assert sent == AGENT_BURST and nacks.suppressed == 50 - AGENT_BURST
+    now[0] += 1.0
+    assert sum(nacks.rejected(rejection("new")) for _ in range(50)) == int(AGENT_RATE_PER_S)
+    assert nacks.rejected(rejection("newer"))  # another agent's bucket is its own
+
+    # statuses of an unsupported version from ever new ids: bounded over the whole fleet
+    now[0] += 100.0
+    sent = sum(nacks.rejected(rejection(f"sybil-{i}", "unsupported_version")) for i in range(1000))
+    assert sent == FLEET_BURST
