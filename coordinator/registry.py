@@ -188,11 +188,6 @@ class Registry:
         info = self.agents.get(agent_id)
         return info.version if info is not None else None
 
-    def max_message_bytes(self, agent_id: str) -> int | None:
-        """The largest MQTT message the agent declared it accepts (None: not declared)."""
-        info = self.agents.get(agent_id)
-        return info.capabilities.max_message_bytes if info is not None and info.capabilities is not None else None
-
     def mark_unresponsive(self, agent_id: str, silent_since: float) -> None:
         """An agent that let a task time out and sent nothing since ``silent_since``
         (``time.monotonic()``): no tasks until it shows life. One that reconnected during

@@ -280,3 +280,30 @@ def test_who_is_told_burst_and_refill_per_agent_and_a_fleet_wide_bound():
     now[0] += 100.0
     sent = sum(nacks.rejected(rejection(f"sybil-{i}", "unsupported_version")) for i in range(1000))
     assert sent == FLEET_BURST
+
+
+@pytest.mark.slow
+def test_what_is_sent_to_an_agent_is_chunked_to_the_message_size_it_declared(mosquitto, broker_capture):
+    fed = f"limit{uuid.uuid4().hex[:8]}"
+    fleet = MqttFleet(fed, config(fed).broker, url=mosquitto.url)
+    try:
+        frame = encode(MessageType.UPDATE, federation=fed, sender="coordinator", round=0,
+                       meta=UpdateMeta(task_id=new_message_id(), kind="train", num_train=1, num_test=0,
+                                       eval_correct=0), tensors={"w": np.zeros(20_000, np.float32)})
+        fleet.agent_limits("small", 16_384)
+        fleet.agent_limits("large", 10**9)  # above the coordinator's own M: its own M applies
+        for agent in ("small", "large", "undeclared"):
+            fleet.send(agent, frame, 0)
+        topic = f"edgepfl/v1/{fed}/agents/{{}}/task"
+        wait_until(lambda: all(any(t == topic.format(a) for t, _ in broker_capture.snapshot())
+                               for a in ("small", "large", "undeclared")), 30, what="the frames")
+        time.sleep(0.5)
+        got = {a: [p for t, p in broker_capture.snapshot() if t == topic.format(a)]
+               for a in ("small", "large", "undeclared")}
+    finally:
+        fleet.close()
+    assert len(frame) > 80_000
+    assert got["large"] == [frame] and got["undeclared"] == [frame]
+    chunks = [decode(p) for p in got["small"]]
+    assert len(chunks) == -(-len(frame) // (16_384 - 2048)) and all(len(p) <= 16_384 for p in got["small"])
+    assert b"".join(bytes(c.tensors["data"]) for c in sorted(chunks, key=lambda c: c.meta.index)) == frame
