@@ -28,6 +28,7 @@ from edgepfl.protocol import (
     encode,
     federation_topic,
     parse_topic,
+    split_frame,
 )
 from edgepfl.protocol.connection import BrokerLogin
 from edgepfl.protocol.signing import Signer, load_signer
@@ -67,6 +68,18 @@ class Fleet(ABC):
         """Whether more may be sent now; while not, the round loop routes inbound traffic
         (which lets the transport take the acknowledgements) instead of queueing more."""
         return True
+
+    def tell(self, agent_id: str, frame: bytes) -> int:
+        """Deliver a NACK on the agent's task topic; returns bytes put on the wire. A fleet
+        whose agents cannot be told (in-process ones, which are never rejected for their
+        frames) drops it."""
+        return 0
+
+    def agent_limits(self, agent_id: str, max_message_bytes: int | None) -> None:
+        """The largest MQTT message the agent declared it accepts (None: not declared): what
+        is sent to it is chunked to at most that and the fleet's own limit. A fleet without
+        a broker has no message size to mind."""
+        return None  # not abstract: only a fleet with a broker overrides it
 
     @abstractmethod
     def poll(self, timeout: float) -> Incoming | Rejection | None:
@@ -112,6 +125,7 @@ class MqttFleet(Fleet):
         self._presence = federation_topic(federation, FederationChannel.COORDINATOR)
         self._meta = CoordinatorMeta(state="online")
         self._release: tuple[bytes, int] | None = None  # the last release, for late head agents
+        self._limits: dict[str, int] = {}  # agent id -> the max message size it declared, where below ours
         self._dropped: deque[Rejection] = deque()
         #: (max_message_bytes, max_payload_bytes) announced in every presence frame
         self.transport_limits = (broker.max_message_bytes, broker.max_payload_bytes)
@@ -161,7 +175,22 @@ class MqttFleet(Fleet):
         self.transport.publish(self._presence, self._frame(self._meta), retain=True)
 
     def send(self, agent_id: str, frame: bytes, round: int) -> int:
-        return self.transport.publish(agent_topic(self.federation, agent_id, AgentChannel.TASK), frame, round=round)
+        topic = agent_topic(self.federation, agent_id, AgentChannel.TASK)
+        limit = self._limits.get(agent_id)
+        if limit is None or len(frame) <= limit:
+            return self.transport.publish(topic, frame, round=round)
+        # chunked to the agent's declared M, which is below ours: each part then fits the transport's M
+        parts = split_frame(frame, limit, federation=self.federation, sender=SENDER, round=round)
+        return sum(self.transport.publish(topic, part, round=round) for part in parts)
+
+    def tell(self, agent_id: str, frame: bytes) -> int:
+        return self.send(agent_id, frame, -1)
+
+    def agent_limits(self, agent_id: str, max_message_bytes: int | None) -> None:
+        if max_message_bytes is not None and max_message_bytes < self.transport.max_message_bytes:
+            self._limits[agent_id] = max_message_bytes
+        else:
+            self._limits.pop(agent_id, None)
 
     def send_ready(self) -> bool:
         return self.transport.send_ready()
@@ -186,7 +215,7 @@ class MqttFleet(Fleet):
         # (PROTOCOL.md §12); one that already has it just reports again.
         if tier == "head" and self._release is not None:
             frame, round = self._release
-            self.transport.publish(agent_topic(self.federation, agent_id, AgentChannel.TASK), frame, round=round)
+            self.send(agent_id, frame, round)  # chunked to what the agent declared it accepts
 
     def poll(self, timeout: float) -> Incoming | Rejection | None:
         if not self._dropped:

@@ -7,19 +7,39 @@ agent's update topic and the tasks of the round being collected, and returns an
 :func:`admit_metrics` do the same for presence and head-tier reports, and
 :func:`admit_state` for a round's closed aggregate before it becomes the global state.
 The caller counts and logs rejections; nothing here raises on hostile bytes.
+
+A rejection carries an :class:`Attribution` when the rejected frame is provably the
+agent's own (its header decodes, names the topic's agent as sender and, with a keyring,
+is signed by the agent's enrolled key): only those are answered with a NACK and may end
+the agent's wait for its task (docs/PROTOCOL.md §7). A ``refusal`` on an update topic
+that names the agent's open task is admitted as :class:`Refused`.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Set
 from dataclasses import dataclass
 
 import numpy as np
 
 from edgepfl.methods import ClientUpdate, Method, ServerState, UpdateRejected
-from edgepfl.protocol import Message, MessageType, MetricsMeta, ProtocolError, StatusMeta, UpdateMeta, decode
-from edgepfl.protocol.signing import Keyring
+from edgepfl.protocol import (
+    REFUSAL_REASONS,
+    Message,
+    MessageType,
+    MetricsMeta,
+    ProtocolError,
+    RefusalMeta,
+    StatusMeta,
+    UpdateMeta,
+    decode,
+    parse_version,
+)
+from edgepfl.protocol.envelope import peek_header, peek_signed_part
+from edgepfl.protocol.evolution import MAJOR
+from edgepfl.protocol.signing import Keyring, verify_signed_part
 
 from .registry import Registry
 
@@ -29,14 +49,49 @@ from .registry import Registry
 # device holds anywhere near this many.
 MAX_SAMPLES = 2**53
 
+# Rejections that never end an agent's wait: the frame is not an answer to its open task
+# (an old round's, another task's) or a second copy of an answer already counted.
+NEVER_ENDS_WAIT = frozenset({"stale", "unexpected", "duplicate", "unknown_agent"})
+#: refusal reasons that hold until the agent restarts: it gets no further task of this run
+EXCLUDING_REFUSALS = frozenset({"unsupported_method", "unsupported_arch", "unsupported_version", "bad_options",
+                                "data_mismatch", "normalization"})
+_ID = re.compile(r"^[0-9a-f]{32}$")
+_TAG = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """The rejected frame, when it is provably from the agent whose topic it came on."""
+
+    message_id: str
+    #: the frame's type (``update``, ``status``, ``refusal``, ``metrics``; ``unknown`` when not a type tag)
+    type: str
+    round: int
+    #: the task it answered, when its meta names one readably
+    task_id: str | None = None
+
 
 @dataclass(frozen=True)
 class Rejection:
-    """A message the coordinator drops: ``reason`` tags the counters, ``detail`` goes to the log."""
+    """A message the coordinator drops: ``reason`` tags the counters, ``detail`` goes to the log.
+
+    ``attributed`` is set when the frame is provably ``agent_id``'s (see the module doc)."""
 
     agent_id: str | None
     reason: str
     detail: str
+    attributed: Attribution | None = None
+
+
+@dataclass(frozen=True)
+class Refused:
+    """An agent's refusal of its open task (since protocol 1.2): the task is answered, nothing aggregated.
+    ``reason`` is one of :data:`~edgepfl.protocol.REFUSAL_REASONS` (an unknown one reads as ``error``)."""
+
+    agent_id: str
+    reason: str
+    detail: str
+    message_id: str
 
 
 @dataclass(frozen=True)
@@ -57,6 +112,46 @@ def _unsigned_by(agent_id: str, message: Message, keyring: Keyring | None) -> Re
     return Rejection(agent_id, reason, f"{message.type.value} not signed by {agent_id}'s enrolled key")
 
 
+def _sender_checks(agent_id: str, message: Message,
+                   keyring: Keyring | None) -> tuple[Attribution | None, Rejection | None]:
+    """The decoded ``message`` as ``agent_id``'s frame (None when its sender is another or,
+    with a keyring, it is not signed by ``agent_id``'s enrolled key), and the signature's
+    rejection when the sender is right but the signature is not."""
+    h = message.header
+    if h.sender != agent_id:
+        return None, None
+    forged = _unsigned_by(agent_id, message, keyring)
+    if forged is not None:
+        return None, forged
+    task_id = getattr(message.meta, "task_id", None)
+    return Attribution(h.message_id, h.type.value, h.round, task_id if isinstance(task_id, str) else None), None
+
+
+def attribute_raw(agent_id: str, frame: bytes, keyring: Keyring | None) -> Attribution | None:
+    """:func:`attribute` for a frame that did not decode, from its header read best-effort:
+    its ``sender``, ``message_id`` and ``round`` must be readable (and, with a keyring, its
+    signature over prefix and header must verify)."""
+    header = peek_header(frame)
+    if header is None or header.get("sender") != agent_id:
+        return None
+    message_id, kind, round = header.get("message_id"), header.get("type"), header.get("round")
+    if not (isinstance(message_id, str) and _ID.match(message_id)):
+        return None
+    if type(round) is not int or round < -1:
+        return None
+    if keyring is not None:
+        public, signed = keyring.get(agent_id), peek_signed_part(frame)
+        signer = header.get("signer")
+        if public is None or signed is None or not isinstance(signer, str):
+            return None
+        if verify_signed_part(signed[0], signed[1], signer, public) is not None:
+            return None
+    meta = header.get("meta")
+    task_id = meta.get("task_id") if isinstance(meta, dict) else None
+    return Attribution(message_id, kind if isinstance(kind, str) and _TAG.match(kind) else "unknown", round,
+                       task_id if isinstance(task_id, str) and _ID.match(task_id) else None)
+
+
 @dataclass(frozen=True)
 class Accepted:
     """An update that passed every check.
@@ -68,6 +163,8 @@ class Accepted:
     agent_id: str
     meta: UpdateMeta
     update: ClientUpdate | None
+    #: ``header.message_id`` of the update (for a NACK when the aggregation rule still refuses it)
+    message_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -133,34 +230,57 @@ class UpdateGate:
         self._seen: set[str] = set()
         self._seen_round: int | None = None
 
-    def admit(self, agent_id: str, frame: bytes, tasks: RoundTasks, state: ServerState | None) -> Accepted | Rejection:
-        """Check one frame from ``agent_id``'s update topic; accepting marks its task answered.
+    def admit(self, agent_id: str, frame: bytes, tasks: RoundTasks,
+              state: ServerState | None) -> Accepted | Refused | Rejection:
+        """Check one frame from ``agent_id``'s update topic. Accepting an update or a refusal
+        marks the agent's task answered, and so does a rejection that :meth:`ends_wait`.
 
         ``state`` is None before the first round opens (no tasks yet, so nothing is accepted)."""
+        if tasks.round != self._seen_round:
+            self._seen, self._seen_round = set(), tasks.round
         try:
             message = decode(frame, max_bytes=self.max_bytes)
         except ProtocolError as exc:
-            return Rejection(agent_id, exc.reason, exc.detail)
-        if tasks.round != self._seen_round:
-            self._seen, self._seen_round = set(), tasks.round
-        verdict = self._check(agent_id, message, tasks, state)
-        if isinstance(verdict, Accepted):
-            self._seen.add(message.header.message_id)
+            attributed = attribute_raw(agent_id, frame, self.keyring)
+            if attributed is not None and attributed.message_id in self._seen:
+                attributed = None  # a mangled copy of an answer already taken: nothing to tell or end
+            verdict: Accepted | Refused | Rejection = Rejection(agent_id, exc.reason, exc.detail, attributed)
+        else:
+            verdict = self._check(agent_id, message, tasks, state)
+            if not isinstance(verdict, Rejection):
+                self._seen.add(message.header.message_id)
+        if not isinstance(verdict, Rejection) or self.ends_wait(verdict, tasks):
             tasks.mark_answered(agent_id)
         return verdict
 
+    @staticmethod
+    def ends_wait(rejection: Rejection, tasks: RoundTasks) -> bool:
+        """Whether a rejected frame answers its agent's open task (docs/PROTOCOL.md §7): it is
+        the agent's own update or refusal for the round being collected, naming the open
+        task or no readable task at all (an agent has one task per round), and rejected for
+        something other than being stale, unexpected or a duplicate."""
+        a, agent_id = rejection.attributed, rejection.agent_id
+        if a is None or agent_id is None or rejection.reason in NEVER_ENDS_WAIT:
+            return False
+        if a.type not in (MessageType.UPDATE.value, MessageType.REFUSAL.value):
+            return False
+        task = tasks.get(agent_id)
+        if tasks.closed or a.round != tasks.round or task is None or agent_id not in tasks.waiting:
+            return False
+        return a.task_id is None or a.task_id == task.task_id
+
     def _check(self, agent_id: str, message: Message, tasks: RoundTasks,
-               state: ServerState | None) -> Accepted | Rejection:
+               state: ServerState | None) -> Accepted | Refused | Rejection:
         h = message.header
+        attributed, forged = _sender_checks(agent_id, message, self.keyring)
 
         def reject(reason: str, detail: str) -> Rejection:
-            return Rejection(agent_id, reason, detail)
+            return Rejection(agent_id, reason, detail, attributed)
 
-        if message.type != MessageType.UPDATE:
+        if message.type not in (MessageType.UPDATE, MessageType.REFUSAL):
             return reject("wrong_type", f"{h.type.value} on an update topic")
         if h.sender != agent_id:
             return reject("wrong_sender", f"sender {h.sender} on {agent_id}'s topic")
-        forged = _unsigned_by(agent_id, message, self.keyring)
         if forged is not None:
             return forged
         if h.federation != self.federation:
@@ -173,12 +293,16 @@ class UpdateGate:
             return reject("stale", f"update for round {h.round}, current round is {tasks.round}")
         if tasks.closed:
             return reject("stale", f"update for round {h.round}, which is closed")
-        meta: UpdateMeta = message.meta  # type: ignore[assignment]
+        answer: UpdateMeta | RefusalMeta = message.meta  # type: ignore[assignment]
         task = tasks.get(agent_id)
-        if task is None or meta.task_id != task.task_id:
+        if task is None or answer.task_id != task.task_id:
             return reject("unexpected", "no such task was sent to this agent this round")
         if tasks.answered(agent_id):
             return reject("duplicate", f"task {task.task_id} already answered")
+        if isinstance(answer, RefusalMeta):
+            reason = answer.reason if answer.reason in REFUSAL_REASONS else "error"
+            return Refused(agent_id, reason, answer.detail, h.message_id)
+        meta = answer
         if meta.kind != task.kind:
             return reject("malformed", f"answered a {task.kind} task with {meta.kind}")
         if meta.eval_correct > meta.num_test:
@@ -186,7 +310,7 @@ class UpdateGate:
         if task.kind == "evaluate":
             if message.tensors:
                 return reject("malformed", "evaluate answer carries tensors")
-            return Accepted(agent_id, meta, None)
+            return Accepted(agent_id, meta, None, h.message_id)
         if meta.num_train <= 0:
             return reject("malformed", "train update with num_train = 0")
         announced = self.registry.announced_num_train(agent_id)
@@ -201,30 +325,34 @@ class UpdateGate:
             self.method.check_update(state, update)
         except UpdateRejected as exc:
             return reject(exc.reason, str(exc))
-        return Accepted(agent_id, meta, update)
+        return Accepted(agent_id, meta, update, h.message_id)
 
 
 def admit_presence(agent_id: str, frame: bytes, keyring: Keyring | None = None,
                    registry: Registry | None = None) -> Presence | Rejection:
     """Check a frame from ``agent_id``'s status topic: it may update the registry when it is a
     status from that agent (signed by its enrolled key, with a keyring) and, given the
-    ``registry``, not older than the agent's current presence (:meth:`Registry.stale_presence`)."""
+    ``registry``, not older than the agent's current presence (:meth:`Registry.stale_presence`).
+    A status of another major protocol version is refused (``unsupported_version``)."""
     try:
         message = decode(frame)
     except ProtocolError as exc:
-        return Rejection(agent_id, exc.reason, f"status: {exc.detail}")
+        return Rejection(agent_id, exc.reason, f"status: {exc.detail}", attribute_raw(agent_id, frame, keyring))
     if message.type != MessageType.STATUS or message.header.sender != agent_id:
         return Rejection(agent_id, "wrong_sender", "status not from the agent whose topic it is on")
-    forged = _unsigned_by(agent_id, message, keyring)
+    attributed, forged = _sender_checks(agent_id, message, keyring)
     if forged is not None:
         return forged
     meta = message.meta_as(StatusMeta)
+    if parse_version(meta.version)[0] != MAJOR:
+        return Rejection(agent_id, "unsupported_version", f"status of protocol {meta.version}; this coordinator "
+                                                          f"speaks major version {MAJOR}", attributed)
     if meta.num_train > MAX_SAMPLES or meta.num_test > MAX_SAMPLES:
-        return Rejection(agent_id, "malformed", f"status announces more than {MAX_SAMPLES} samples")
+        return Rejection(agent_id, "malformed", f"status announces more than {MAX_SAMPLES} samples", attributed)
     if registry is not None:
         stale = registry.stale_presence(agent_id, meta, message.header.created)
         if stale is not None:
-            return Rejection(agent_id, "stale_status", stale)
+            return Rejection(agent_id, "stale_status", stale, attributed)
     return Presence(meta, message.header.created)
 
 
@@ -242,17 +370,17 @@ def admit_metrics(agent_id: str, frame: bytes, keyring: Keyring | None = None,
     try:
         message = decode(frame)
     except ProtocolError as exc:
-        return Rejection(agent_id, exc.reason, exc.detail)
+        return Rejection(agent_id, exc.reason, exc.detail, attribute_raw(agent_id, frame, keyring))
+    attributed, forged = _sender_checks(agent_id, message, keyring)
     if message.type != MessageType.METRICS or message.header.sender != agent_id:
-        return Rejection(agent_id, "malformed", "not a metrics message from this agent")
-    forged = _unsigned_by(agent_id, message, keyring)
+        return Rejection(agent_id, "malformed", "not a metrics message from this agent", attributed)
     if forged is not None:
         return forged
     if registry is not None and not registry.known(agent_id):
         return Rejection(agent_id, "unknown_agent", "metrics from an agent that never announced itself")
     meta = message.meta_as(MetricsMeta)
     if meta.eval_correct > meta.num_test:
-        return Rejection(agent_id, "malformed", "eval_correct exceeds num_test")
+        return Rejection(agent_id, "malformed", "eval_correct exceeds num_test", attributed)
     return meta
 
 

@@ -3,8 +3,10 @@
 :class:`Inbox` routes every inbound event — statuses to the :class:`~.registry.Registry`
 (telling the fleet who came online), updates through the :class:`~.gate.UpdateGate`
 into the open round (whose aggregate folds each one in at once, or refuses it with an
-:class:`~edgepfl.aggregation.AggregationRejected`), head-tier metrics to the head
-reports, and every rejection, by reason, to the round's and the run's counters and the log.
+:class:`~edgepfl.aggregation.AggregationRejected`), refusals of tasks to the round's
+counters (and the registry, which may exclude the agent), head-tier metrics to the head
+reports, and every rejection, by reason, to the round's and the run's counters, the log
+and, through the :class:`~.nack.Nacker`, a NACK to the agent whose frame it was.
 """
 
 from __future__ import annotations
@@ -22,7 +24,19 @@ from edgepfl.protocol.signing import SIGNATURE_REASONS, Keyring
 from edgepfl.service import notifier
 
 from .fleet import Fleet, Incoming
-from .gate import Accepted, Presence, Rejection, RoundTasks, UpdateGate, admit_metrics, admit_presence
+from .gate import (
+    EXCLUDING_REFUSALS,
+    Accepted,
+    Attribution,
+    Presence,
+    Refused,
+    Rejection,
+    RoundTasks,
+    UpdateGate,
+    admit_metrics,
+    admit_presence,
+)
+from .nack import Nacker
 from .presence import PresenceWatch
 from .registry import Registry
 
@@ -41,6 +55,8 @@ class RoundSink(Protocol):
     """Where an open round's accepted updates and rejections go (the round loop's ``RoundResult``)."""
 
     rejected: Counter
+    #: refused tasks by reason
+    refused: Counter
 
     def record(self, accepted: Accepted, wire_bytes: int) -> None:
         """Take an accepted answer; raises :class:`AggregationRejected` for an update the
@@ -56,8 +72,10 @@ class Inbox:
 
     def __init__(self, fleet: Fleet, registry: Registry, gate: UpdateGate, rejected_total: Counter,
                  tick: Callable[[], None] | None = None, keyring: Keyring | None = None,
-                 presence: PresenceWatch | None = None):
+                 presence: PresenceWatch | None = None, nacks: Nacker | None = None):
         self.fleet = fleet
+        #: answers attributable rejections with NACKs (None: nobody is told)
+        self.nacks = nacks
         self.tick = tick  # called after every poll; O(1) unless it decides to publish (the fleet view)
         self.presence = presence or PresenceWatch(registry, expected=None)
         self.registry = registry
@@ -124,6 +142,8 @@ class Inbox:
             return self._reject(status)
         assert isinstance(status, Presence)
         was_online = self.registry.update(incoming.agent_id, status.meta, status.created)
+        capabilities = status.meta.capabilities
+        self.fleet.agent_limits(incoming.agent_id, capabilities.max_message_bytes if capabilities else None)
         if status.meta.state == "online" and not was_online:
             self.fleet.agent_online(incoming.agent_id, status.meta.tier)
 
@@ -134,10 +154,22 @@ class Inbox:
             return self._reject(verdict)
         # Accepting needs a task, and tasks come only with an open round and its sink.
         assert self._sink is not None
+        if isinstance(verdict, Refused):
+            return self._on_refusal(verdict)
         try:
             self._sink.record(verdict, incoming.wire_bytes)
         except AggregationRejected as exc:
-            self._reject(Rejection(incoming.agent_id, exc.reason, str(exc)))
+            update = verdict.meta
+            self._reject(Rejection(incoming.agent_id, exc.reason, str(exc), Attribution(
+                verdict.message_id, "update", self._tasks.round, update.task_id)))
+
+    def _on_refusal(self, refused: Refused) -> None:
+        assert self._sink is not None
+        self._sink.refused[refused.reason] += 1
+        log.info("round %d: agent %s refused its task: %s (%s)", self._tasks.round, refused.agent_id, refused.reason,
+                 refused.detail)
+        if refused.reason in EXCLUDING_REFUSALS:
+            self.registry.exclude(refused.agent_id, refused.reason)
 
     def _on_metrics(self, incoming: Incoming) -> None:
         m = admit_metrics(incoming.agent_id, incoming.frame, self.keyring, self.registry)
@@ -162,6 +194,10 @@ class Inbox:
             self.registry.show_life(agent_id)
 
     def _reject(self, rejection: Rejection) -> None:
+        if rejection.reason == "unsupported_version" and rejection.attributed is not None:
+            self.registry.forget(rejection.agent_id or "")  # an agent of another major version is not registered
+        if self.nacks is not None:
+            self.nacks.rejected(rejection)
         self.rejected_total[rejection.reason] += 1
         if self._sink is not None:
             self._sink.rejected[rejection.reason] += 1

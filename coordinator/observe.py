@@ -49,6 +49,7 @@ class Observer:
         self.last_accuracy: float | None = None
         self.last_accuracy_round: int | None = None
         self.release: str | None = None
+        self.refused: Counter = Counter()  # this process's rounds (metrics.jsonl keeps every round's)
         self._seen_revision = -1
         self._seen_rejections = -1
         self._dirty = True
@@ -75,6 +76,7 @@ class Observer:
             self.rounds_completed = row.round + 1
         if row.accuracy is not None:
             self.last_accuracy, self.last_accuracy_round = row.accuracy, row.round
+        self.refused.update(row.refused)
         if self.metrics is not None:
             self.metrics.round_done(row)
         self._dirty = True
@@ -116,7 +118,8 @@ class Observer:
             rounds_completed=self.rounds_completed, last_accuracy=self.last_accuracy,
             last_accuracy_round=self.last_accuracy_round, release=self.release,
             online={tier: self.registry.count_online(tier) for tier in TIERS},
-            rejected=dict(sorted(self.rejected_total.items())), agents=agents,
+            rejected=dict(sorted(self.rejected_total.items())), refused=dict(sorted(self.refused.items())),
+            agents=agents,
         )
 
     def publish(self) -> None:

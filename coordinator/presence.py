@@ -4,8 +4,9 @@ A (re)starting coordinator learns who is online from the retained statuses the b
 replays when it subscribes. Mosquitto queues at most ``max_queued_messages`` (default
 1,000) plus ``max_inflight_messages`` (20) for one client and silently drops the rest,
 so a coordinator facing 2,000 connected agents sees 1,020 of them and nothing says why.
-:class:`PresenceWatch` notices it two ways: fewer trainers online than the run's
-``expected_agents``, and a replay burst that stopped at such a cap's count
+:class:`PresenceWatch` notices it two ways: fewer trainers online (that may run the run's
+tasks: :meth:`~.registry.Registry.eligible`) than the run's ``expected_agents``, and a
+replay burst that stopped at such a cap's count
 (``k x 100 + 20``). Each is one log line naming the broker setting to raise.
 """
 
@@ -55,7 +56,7 @@ class PresenceWatch:
         if self.burst_over or not self.burst or now - self._last_status < BURST_QUIET_S:
             return
         self.burst_over = True
-        online = self.registry.count_online("trainer")
+        online = self.registry.count_eligible()
         if self.expected is not None and online < self.expected:
             self._warned_online = online
             log.warning("presence may be truncated: the broker replayed %d agent statuses, %d trainers online of "
@@ -65,7 +66,7 @@ class PresenceWatch:
                         "queue cap plus its in-flight window; %s", self.burst, HINT)
 
     def round_starts(self, round: int) -> None:
-        online = self.registry.count_online("trainer")
+        online = self.registry.count_eligible()
         if self.expected is None or online >= self.expected or online == self._warned_online:
             return
         self._warned_online = online  # one line per shortfall, not one per round

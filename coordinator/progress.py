@@ -40,6 +40,8 @@ class Progress:
             extra.append(f"dropped {len(row.dropped)}")
         if row.rejected:
             extra.append(f"rejected {sum(row.rejected.values())}")
+        if row.refused:
+            extra.append(f"refused {sum(row.refused.values())}")
         if row.aborted:
             extra.append(f"ABORTED ({(row.abort_reason or 'below_quorum').replace('_', ' ')})")
         if row.rolled_back_to is not None:

@@ -1,4 +1,10 @@
-"""Fleet registry: who is online, with what tier, device and data, from retained status messages."""
+"""Fleet registry: who is online, with what tier, device, data and capabilities, from retained status messages.
+
+Besides presence it keeps who may be sent a task of this run (:meth:`Registry.eligible`):
+a trainer that is ``online`` (not ``busy``), whose declared capabilities include the
+run's method and architecture (:meth:`Registry.require`), and that has not refused a
+task of this run for a reason that will not change until it restarts
+(:meth:`Registry.exclude`, docs/PROTOCOL.md §10)."""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from edgepfl.protocol import StatusMeta
+from edgepfl.protocol import Capabilities, StatusMeta
 
 log = logging.getLogger("edgepfl.coordinator")
 
@@ -23,6 +29,10 @@ class AgentInfo:
     version: str
     platform: str = ""
     last_seen: float = field(default_factory=time.time)
+    #: ``online``, ``busy`` or ``offline``, as last announced (``online`` above is "not offline")
+    state: str = "online"
+    session: str | None = None
+    capabilities: Capabilities | None = None
 
 
 class Registry:
@@ -42,6 +52,58 @@ class Registry:
         self.revision = 0
         # agent id -> (session, created) of the last status accepted with a session
         self._presence: dict[str, tuple[str, float]] = {}
+        # what this run needs of a trainer (require()); None: anything
+        self._method: str | None = None
+        self._arch: str | None = None
+        # trainers that may be sent a task now (online, capable, not excluded): kept up to date per status
+        self._eligible: set[str] = set()
+        # agent id -> (session, reason) of a refusal that keeps it out of this run until another session
+        self._excluded: dict[str, tuple[str | None, str]] = {}
+        self._told_incapable: set[str] = set()
+
+    def require(self, method: str, arch: str) -> None:
+        """The run's method and architecture: a trainer whose capabilities exclude either gets no task."""
+        self._method, self._arch = method, arch
+        for agent_id in self.agents:
+            self._refresh(agent_id)
+
+    def incapable(self, capabilities: Capabilities | None) -> str | None:
+        """Why an agent with these declared capabilities cannot run this run's tasks, or None.
+        Undeclared (None) means anything, as for an agent of protocol 1.1."""
+        if capabilities is None:
+            return None
+        if self._method is not None and capabilities.methods is not None and self._method not in capabilities.methods:
+            return f"its capabilities do not include method {self._method}"
+        if self._arch is not None and capabilities.archs is not None and self._arch not in capabilities.archs:
+            return f"its capabilities do not include arch {self._arch}"
+        return None
+
+    def exclude(self, agent_id: str, reason: str) -> None:
+        """The agent refused a task for ``reason``, which will not change while it runs: no
+        further task of this run until it announces a status of another session."""
+        info = self.agents.get(agent_id)
+        self._excluded[agent_id] = (info.session if info else None, reason)
+        self._refresh(agent_id)
+        log.warning("agent %s refused its task (%s): no further task of this run until it restarts", agent_id, reason)
+
+    def excluded(self, agent_id: str) -> str | None:
+        """The refusal reason that keeps the agent out of this run, or None."""
+        entry = self._excluded.get(agent_id)
+        return entry[1] if entry else None
+
+    def _refresh(self, agent_id: str) -> None:
+        """Recompute whether the agent may be sent a task (O(1))."""
+        info = self.agents.get(agent_id)
+        why = None
+        if info is not None and info.tier == "trainer" and info.state == "online":
+            why = self.incapable(info.capabilities) or self.excluded(agent_id)
+            if why is None:
+                self._eligible.add(agent_id)
+                return
+        self._eligible.discard(agent_id)
+        if why is not None and agent_id not in self._told_incapable and self.excluded(agent_id) is None:
+            self._told_incapable.add(agent_id)  # once per agent: it re-announces on every connect
+            log.warning("agent %s gets no task of this %s run: %s", agent_id, self._method or "", why)
 
     def stale_presence(self, agent_id: str, status: StatusMeta, created: float) -> str | None:
         """Why a status with a ``session`` must not change the agent's presence, or None.
@@ -75,7 +137,13 @@ class Registry:
         self.agents[agent_id] = AgentInfo(
             agent_id=agent_id, tier=status.tier, device=status.device, num_train=status.num_train,
             num_test=status.num_test, online=online, version=status.version, platform=status.platform,
+            state=status.state, session=status.session, capabilities=status.capabilities,
         )
+        excluded = self._excluded.get(agent_id)
+        if excluded is not None and status.state != "offline" and status.session != excluded[0]:
+            del self._excluded[agent_id]  # a restarted agent: its refusal may not hold any more
+            log.info("agent %s restarted (session %s): eligible for tasks again", agent_id, status.session)
+        self._refresh(agent_id)
         if was is not None and was.online:
             self._online_by_tier[was.tier] -= 1
         if online:
@@ -91,9 +159,34 @@ class Registry:
         """Ids of the agents whose last status is not offline, sorted (O(N log N): not per message)."""
         return sorted(a for a, info in self.agents.items() if info.online and (tier is None or info.tier == tier))
 
-    def responsive(self, tier: str) -> list[str]:
-        """Online agents of ``tier`` that answered their last task or have shown life since, sorted."""
-        return [a for a in self.online(tier) if a not in self._unresponsive]
+    def eligible(self) -> list[str]:
+        """Trainers that may be sent a task of this run, sorted: online and not ``busy``, capable
+        of the run's method and architecture, not excluded by a refusal (O(N log N): not per message)."""
+        return sorted(self._eligible)
+
+    def count_eligible(self) -> int:
+        return len(self._eligible)
+
+    def responsive(self) -> list[str]:
+        """Eligible trainers that answered their last task or have shown life since, sorted."""
+        return [a for a in self.eligible() if a not in self._unresponsive]
+
+    def forget(self, agent_id: str) -> None:
+        """Drop the agent from the registry (a status the coordinator refuses: it is not registered)."""
+        info = self.agents.pop(agent_id, None)
+        if info is None:
+            return
+        if info.online:
+            self._online_by_tier[info.tier] -= 1
+        self._eligible.discard(agent_id)
+        self._presence.pop(agent_id, None)
+        self.revision += 1
+        log.info("agent %s removed from the registry", agent_id)
+
+    def version(self, agent_id: str) -> str | None:
+        """The protocol version the agent's last accepted status announced (None: unknown agent)."""
+        info = self.agents.get(agent_id)
+        return info.version if info is not None else None
 
     def mark_unresponsive(self, agent_id: str, silent_since: float) -> None:
         """An agent that let a task time out and sent nothing since ``silent_since``

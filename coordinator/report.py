@@ -57,6 +57,7 @@ def summarize(rows: list[RoundMetrics], target: float | None = None, times: RunT
         "resumed": bool(times and any(s.resumed_from is not None for s in times.sessions)),
         "mean_round_seconds": round(sum(r.seconds for r in train_rows) / len(train_rows), 3) if train_rows else None,
         "rejected": _sum_counts(r.rejected for r in rows),
+        "refused": _sum_counts(r.refused for r in rows),
         "dropped": sum(len(r.dropped) for r in rows),
     }
     latest = latest_release(head or {})
@@ -118,6 +119,8 @@ def format_table(rows: list[RoundMetrics], summary: dict, method: str = "") -> s
                          if r.get("accuracy") is not None))
     if summary.get("rejected"):
         lines.append(f"rejected messages: {summary['rejected']}")
+    if summary.get("refused"):
+        lines.append(f"refused tasks: {summary['refused']}")
     wall = summary.get("wall_seconds")
     sessions = summary.get("sessions") or 0
     lines.append(f"traffic: {summary['bytes_up'] / 1e6:.1f} MB up, {summary['bytes_down'] / 1e6:.1f} MB down; "

@@ -58,6 +58,7 @@ from edgepfl.state import CheckpointError, CheckpointMeta, load_checkpoint, save
 from .fleet import SENDER, Fleet
 from .gate import Accepted, RoundTasks, Task, UpdateGate, admit_state
 from .inbox import Inbox
+from .nack import Nacker
 from .observe import Observer
 from .presence import PresenceWatch
 from .progress import Progress
@@ -105,6 +106,8 @@ class RoundResult:
     clipped: list[str] = field(default_factory=list)
     evaluations: dict[str, dict] = field(default_factory=dict)
     rejected: Counter = field(default_factory=Counter)
+    #: tasks refused by their agents, by reason
+    refused: Counter = field(default_factory=Counter)
     bytes_up: int = 0
     bytes_down: int = 0
     dropped: list[str] = field(default_factory=list)
@@ -152,6 +155,7 @@ class Coordinator:
         self.progress = Progress(config.rounds, enabled=progress)
         self.rejected_total: Counter = Counter()
         self.registry = Registry()
+        self.registry.require(config.method.name, config.model.arch)
         security = config.security
         # With a signing key every task and release is signed; with enrolled_dir only
         # enrolled agents' signed statuses, updates and metrics get in (PROTOCOL.md §3a).
@@ -161,7 +165,8 @@ class Coordinator:
                           keyring=keyring)
         self.observer = Observer(config, fleet, self.registry, self.rejected_total)
         self.inbox = Inbox(fleet, self.registry, gate, self.rejected_total, tick=self.observer.tick, keyring=keyring,
-                           presence=PresenceWatch(self.registry, config.expected_agents))
+                           presence=PresenceWatch(self.registry, config.expected_agents),
+                           nacks=Nacker(config.federation, fleet, self.registry, self.signer))
         self.epoch = int(time.time() * 1000)  # a resumed run keeps its checkpoint's (init_or_resume)
         self.state: ServerState | None = None
         self.start_round = 0
@@ -268,7 +273,8 @@ class Coordinator:
         return rows
 
     def _wait_for_agents(self, required: bool = True) -> None:
-        """Block until ``min_agents`` trainers are online. Before round 0 that is required
+        """Block until ``min_agents`` trainers that may be sent this run's tasks are online
+        (:meth:`Registry.eligible`: capable, not busy, not excluded). Before round 0 that is required
         (TimeoutError after ``wait_for_agents_s``); between rounds we wait at most one
         round timeout and go on with whoever is there."""
         need = self.config.min_agents
@@ -277,7 +283,7 @@ class Coordinator:
 
         def enough() -> bool:
             nonlocal shown, shown_at
-            online = self.registry.count_online("trainer")
+            online = self.registry.count_eligible()
             # at most a line a second: a thousand agents coming online are not a thousand lines
             if online < need and online != shown and time.monotonic() - shown_at >= 1.0:
                 self.progress.note(f"waiting for agents: {online}/{need} online")
@@ -286,11 +292,11 @@ class Coordinator:
 
         if self.inbox.pump_until(enough, time.monotonic() + wait):
             return
-        online = self.registry.count_online("trainer")
+        online = self.registry.count_eligible()
         if not required and online:
             log.warning("only %d of min_agents=%d online; going on without the others", online, need)
             return
-        raise TimeoutError(f"only {online} of min_agents={need} trainer agents came online within "
+        raise TimeoutError(f"only {online} of min_agents={need} capable trainer agents came online within "
                            f"{self.config.wait_for_agents_s:.0f}s")
 
     def _run_round(self, r: int, final: bool) -> RoundMetrics:
@@ -331,10 +337,11 @@ class Coordinator:
         online trainers (``final_eval_fraction`` in the final round) are evaluated. The
         trainers count: each evaluates the global model before it trains."""
         c = self.config
-        # Agents that let their last task time out are skipped until they show life (any
-        # frame), so a dead agent does not cost every later round its timeout; if nobody
-        # is left, everyone online gets another chance.
-        online = self.registry.responsive("trainer") or self.registry.online("trainer")
+        # Only trainers that may run this run's tasks (capable, not busy, not excluded by a
+        # refusal). Agents that let their last task time out are skipped until they show
+        # life (any frame), so a dead agent does not cost every later round its timeout; if
+        # nobody is left, every eligible one gets another chance.
+        online = self.registry.responsive() or self.registry.eligible()
         sampled = [] if final else sample_agents(online, c.fraction, c.seed, r)
         if not (final or r % c.eval_every == 0):
             return sampled, []
@@ -506,6 +513,7 @@ class Coordinator:
             evaluated=len(evals),
             dropped=sorted(result.dropped),
             rejected=dict(result.rejected),
+            refused=dict(result.refused),
             aborted=abort is not None,
             abort_reason=abort,
             rolled_back_to=rolled_back,

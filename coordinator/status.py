@@ -94,6 +94,7 @@ def format_view(view: FleetView, *, now: float | None = None, max_agents: int = 
         f"release    {view.release or '-'}",
         "online     " + ", ".join(f"{n} {tier}" for tier, n in view.online.items()),
         "rejected   " + (", ".join(f"{reason} {n}" for reason, n in view.rejected.items()) or "none"),
+        "refused    " + (", ".join(f"{reason} {n}" for reason, n in view.refused.items()) or "none"),
         "",
         f"{'agent':<24} {'tier':<8} {'state':<8} {'last seen':>12} {'samples':>8}  device",
     ]

@@ -61,6 +61,8 @@ class RoundMetrics(BaseModel):
     clipped: list[str] = Field(
         default_factory=list, description="participants whose update moved past aggregation.max_update_ratio and "
                                           "was clipped onto it (on_large_update: clip), sorted")
+    refused: dict[str, int] = Field(
+        default_factory=dict, description="tasks their agents refused this round, per reason (docs/PROTOCOL.md §7)")
 
     def to_line(self) -> str:
         """The row as one ``metrics.jsonl`` line (with its newline)."""

@@ -6,6 +6,8 @@ checks the verdict the coordinator would reach on it, reason tag included.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +16,8 @@ from edgepfl.config import ModelSpec
 from edgepfl.coordinator.gate import (
     MAX_SAMPLES,
     Accepted,
+    Attribution,
+    Refused,
     Rejection,
     RoundTasks,
     Task,
@@ -24,7 +28,16 @@ from edgepfl.coordinator.gate import (
 )
 from edgepfl.coordinator.registry import Registry
 from edgepfl.methods import ClientUpdate, ServerState, UpdateRejected, create_method
-from edgepfl.protocol import MessageType, MetricsMeta, StatusMeta, TaskMeta, UpdateMeta, encode, new_message_id
+from edgepfl.protocol import (
+    MessageType,
+    MetricsMeta,
+    RefusalMeta,
+    StatusMeta,
+    TaskMeta,
+    UpdateMeta,
+    encode,
+    new_message_id,
+)
 
 from wire_samples import sample_run_spec
 
@@ -71,6 +84,11 @@ class Round:
 
     def admit(self, frame: bytes, agent="alice"):
         return self.gate.admit(agent, frame, self.tasks, self.state)
+
+    def reopen(self, agent="alice", kind="train") -> None:
+        """A fresh task for ``agent``, as if it was sent now: for trying another answer after
+        a rejected one (which answered the task it named)."""
+        self.tasks.add(Task(agent, new_message_id(), kind))
 
 
 @pytest.fixture
@@ -154,12 +172,57 @@ def test_a_second_answer_to_an_answered_task_is_a_duplicate(rnd):
     assert reason(verdict) == "duplicate" and "already answered" in verdict.detail
 
 
-def test_a_rejected_message_leaves_no_trace(rnd):
-    # neither its id nor its task is used up: a corrected resend under the same id is accepted
+def test_a_rejected_answer_to_the_open_task_is_the_agents_answer(rnd):
+    # the round no longer waits for alice (PROTOCOL.md §7): a second answer is a duplicate
     message_id = new_message_id()
-    assert reason(rnd.admit(rnd.frame(eval_correct=99, message_id=message_id))) == "malformed"
+    verdict = rnd.admit(rnd.frame(eval_correct=99, message_id=message_id))
+    assert reason(verdict) == "malformed" and rnd.tasks.waiting == {"bob"}
+    task_id = rnd.tasks.get("alice").task_id
+    assert verdict.attributed == Attribution(message_id, "update", ROUND, task_id)
+    assert reason(rnd.admit(rnd.frame())) == "duplicate"
+
+
+def test_a_rejected_message_that_answers_no_open_task_leaves_no_trace(rnd):
+    # neither its id nor the task is used up: a resend under the same id is accepted
+    message_id = new_message_id()
+    assert reason(rnd.admit(rnd.frame(round=ROUND - 1, message_id=message_id))) == "stale"
+    assert reason(rnd.admit(rnd.frame(task_id=new_message_id(), message_id=message_id))) == "unexpected"
     assert rnd.tasks.waiting == {"alice", "bob"}
     assert isinstance(rnd.admit(rnd.frame(message_id=message_id)), Accepted)
+
+
+def test_a_frame_whose_meta_does_not_decode_ends_the_wait_when_sender_and_round_are_the_agents(rnd):
+    def raw(meta: dict, sender="alice", round=ROUND) -> bytes:
+        frame = rnd.frame("bob")  # a valid evaluate answer: empty body; its meta is swapped for ``meta``
+        head_len = int.from_bytes(frame[4:8], "big")
+        header = json.loads(frame[8:8 + head_len])
+        header.update(meta=meta, sender=sender, round=round)
+        head = json.dumps(header).encode()
+        return b"EPF1" + len(head).to_bytes(4, "big") + head
+
+    unreadable = {"task_id": "not-an-id", "kind": "train"}
+    assert reason(rnd.admit(raw(unreadable, sender="mallory"))) == "malformed"  # not alice's frame
+    assert reason(rnd.admit(raw(unreadable, round=ROUND - 1))) == "malformed"  # not this round's
+    assert reason(rnd.admit(raw({**unreadable, "task_id": new_message_id()}))) == "malformed"  # another task
+    assert rnd.tasks.waiting == {"alice", "bob"}
+    verdict = rnd.admit(raw(unreadable))
+    assert reason(verdict) == "malformed" and verdict.attributed.task_id is None
+    assert rnd.tasks.waiting == {"bob"}
+
+
+def test_a_refusal_answers_the_task_with_its_reason_and_an_unknown_reason_is_error(rnd):
+    def refusal(agent: str, reason: str, **header) -> bytes:
+        task = rnd.tasks.get(agent)
+        return encode(MessageType.REFUSAL, federation=FED, sender=agent, round=header.get("round", ROUND),
+                      meta=RefusalMeta(task_id=header.get("task_id", task.task_id), reason=reason, detail="no"))
+
+    assert reason(rnd.admit(refusal("alice", "unsupported_method", task_id=new_message_id()))) == "unexpected"
+    assert reason(rnd.admit(refusal("alice", "unsupported_method", round=ROUND - 1))) == "stale"
+    verdict = rnd.admit(refusal("alice", "unsupported_method"))
+    assert isinstance(verdict, Refused) and verdict.reason == "unsupported_method" and rnd.tasks.waiting == {"bob"}
+    assert reason(rnd.admit(rnd.frame())) == "duplicate"  # refused is answered
+    verdict = rnd.admit(refusal("bob", "out_of_cheese"), "bob")
+    assert isinstance(verdict, Refused) and verdict.reason == "error" and not rnd.tasks.waiting
 
 
 def test_an_agent_that_never_sent_a_status_is_unknown(rnd):
@@ -201,12 +264,14 @@ def test_a_train_update_may_not_claim_more_samples_than_its_status_announced(rnd
     verdict = rnd.admit(rnd.frame(num_train=num_train))
     assert reason(verdict) == "malformed" and f"the {ANNOUNCED} samples its status announced" in verdict.detail
     assert len(verdict.detail) < 200
+    rnd.reopen()
     assert isinstance(rnd.admit(rnd.frame(num_train=ANNOUNCED // 2)), Accepted)  # fewer is fine
 
 
 def test_the_announced_count_is_the_latest_status(rnd):
     rnd.registry.update("alice", StatusMeta(state="online", num_train=10))
     assert reason(rnd.admit(rnd.frame(num_train=11))) == "malformed"
+    rnd.reopen()
     assert isinstance(rnd.admit(rnd.frame(num_train=10)), Accepted)
 
 
@@ -214,12 +279,14 @@ def test_tensors_that_do_not_fit_the_server_state_carry_the_method_reason(rnd):
     tensors = rnd.tensors()
     key = next(k for k, v in tensors.items() if v.ndim == 2)
     missing = {k: v for k, v in tensors.items() if k != key}
-    assert reason(rnd.admit(rnd.frame(tensors=missing))) == "wrong_tensors"
     extra = dict(tensors, **{"intruder.weight": np.zeros(3, np.float32)})
-    assert reason(rnd.admit(rnd.frame(tensors=extra))) == "wrong_tensors"
-    assert reason(rnd.admit(rnd.frame(tensors=dict(tensors, **{key: tensors[key][:, :-1]})))) == "wrong_shape"
-    assert reason(rnd.admit(rnd.frame(tensors=dict(tensors, **{key: tensors[key].astype(np.float64)})))) == "wrong_shape"
-    assert rnd.tasks.waiting == {"alice", "bob"}  # nothing was accepted
+    for wrong, want in [(missing, "wrong_tensors"), (extra, "wrong_tensors"),
+                        (dict(tensors, **{key: tensors[key][:, :-1]}), "wrong_shape"),
+                        (dict(tensors, **{key: tensors[key].astype(np.float64)}), "wrong_shape")]:
+        rnd.reopen()
+        verdict = rnd.admit(rnd.frame(tensors=wrong))
+        assert reason(verdict) == want and verdict.attributed is not None
+    assert rnd.tasks.waiting == {"bob"}  # alice's (rejected) answer ended its wait
 
 
 def test_a_method_may_reject_with_its_own_reason(method_and_state):
@@ -252,6 +319,14 @@ def status(agent: str, **meta) -> bytes:
 def test_a_status_is_admitted_with_its_meta():
     meta = admit_status("alice", status("alice", tier="head", num_train=7))
     assert isinstance(meta, StatusMeta) and meta.tier == "head" and meta.num_train == 7
+
+
+def test_a_status_of_another_major_version_is_refused_and_any_minor_of_ours_is_admitted():
+    verdict = admit_status("alice", status("alice", version="2.0"))
+    assert reason(verdict) == "unsupported_version" and "2.0" in verdict.detail
+    assert verdict.attributed is not None and verdict.attributed.type == "status"  # the agent is told
+    for version in ("1.0", "1.1", "1.2", "1.9"):
+        assert isinstance(admit_status("alice", status("alice", version=version)), StatusMeta)
 
 
 def test_a_status_from_another_agent_or_of_another_type_is_the_wrong_sender():

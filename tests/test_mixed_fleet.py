@@ -59,10 +59,11 @@ def assert_every_channel_has_one_direction(frames: list[tuple[str, bytes]], fede
         header = decode(payload).header
         from_agent = parsed.channel in (AgentChannel.STATUS, AgentChannel.UPDATE, AgentChannel.METRICS)
         assert header.sender == (parsed.agent if from_agent else COORDINATOR), (topic, header.sender)
-        # a late head agent gets the current release on its task topic (PROTOCOL.md §12)
+        # a late head agent gets the current release on its task topic (PROTOCOL.md §12), and
+        # an agent a NACK of a rejected frame of its own (§7)
         allowed = {MessageType(parsed.channel.value), MessageType.CHUNK}
         if parsed.channel == AgentChannel.TASK:
-            allowed.add(MessageType.RELEASE)
+            allowed |= {MessageType.RELEASE, MessageType.NACK}
         assert header.type in allowed, (topic, header.type)
     # this run exercised every channel, so the check above covered both directions of each
     assert seen == {*AgentChannel, *FederationChannel}

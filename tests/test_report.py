@@ -44,6 +44,19 @@ def test_head_tier_accuracy_is_the_latest_releases_and_labelled_with_it():
     assert "head-tier agents, release fedavg-r3-bbbb (encoder after round 3): 80.00% overall" in table
 
 
+def test_rejections_and_refusals_are_summed_by_reason_and_shown():
+    rows = _rows(2, 3)
+    rows[0] = rows[0].model_copy(update={"rejected": {"wrong_shape": 1}, "refused": {"bad_options": 1, "busy": 1}})
+    rows[1] = rows[1].model_copy(update={"refused": {"busy": 2}})
+    summary = summarize(rows)
+    assert summary["rejected"] == {"wrong_shape": 1} and summary["refused"] == {"bad_options": 1, "busy": 3}
+    table = format_table(rows, summary)
+    assert "rejected messages: {'wrong_shape': 1}" in table and "refused tasks: {'bad_options': 1, 'busy': 3}" in table
+    stream = io.StringIO()
+    Progress(3, stream=stream).update(rows[0])
+    assert "rejected 1, refused 2" in stream.getvalue()
+
+
 def test_wall_time_is_the_sessions_elapsed_time_and_a_resume_is_said():
     times = RunTimes(sessions=[RunSession(started=100.0, finished=160.0),
                                RunSession(started=500.0, finished=555.5, resumed_from=2)])

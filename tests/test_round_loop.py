@@ -27,10 +27,12 @@ from edgepfl.coordinator.rounds import Coordinator, RoundResult
 from edgepfl.metrics import read_head_metrics, read_metrics
 from edgepfl.protocol import (
     AgentChannel,
+    Capabilities,
     CoordinatorMeta,
     Message,
     MessageType,
     MetricsMeta,
+    RefusalMeta,
     StatusMeta,
     UpdateMeta,
     decode,
@@ -56,9 +58,9 @@ def silent(task: Message) -> list[bytes]:
     return []
 
 
-def status(agent_id: str, state: str = "online", tier: str = "trainer", num_train: int = 10) -> Incoming:
+def status(agent_id: str, state: str = "online", tier: str = "trainer", num_train: int = 10, **meta) -> Incoming:
     frame = encode(MessageType.STATUS, federation=FED, sender=agent_id, round=-1,
-                   meta=StatusMeta(state=state, tier=tier, num_train=num_train, num_test=5))
+                   meta=StatusMeta(state=state, tier=tier, num_train=num_train, num_test=5, **meta))
     return Incoming(agent_id, AgentChannel.STATUS, frame, len(frame))
 
 
@@ -70,6 +72,8 @@ class ScriptedFleet(Fleet):
         self.events: deque[Incoming | Rejection] = deque(status(a) for a in agents)
         self.online_calls: list[tuple[str, str]] = []
         self.on_send: Callable[[str, Message], None] | None = None
+        #: the NACKs sent, in order: (agent id, decoded frame)
+        self.told: list[tuple[str, Message]] = []
 
     def send(self, agent_id: str, frame: bytes, round: int) -> int:
         task = decode(frame)
@@ -77,6 +81,10 @@ class ScriptedFleet(Fleet):
             self.on_send(agent_id, task)
         for answer in self.agents[agent_id](task):
             self.events.append(Incoming(agent_id, AgentChannel.UPDATE, answer, len(answer)))
+        return len(frame)
+
+    def tell(self, agent_id: str, frame: bytes) -> int:
+        self.told.append((agent_id, decode(frame)))
         return len(frame)
 
     def poll(self, timeout: float) -> Incoming | Rejection | None:
@@ -166,20 +174,120 @@ def test_rejections_from_the_fleet_and_the_gate_are_counted_by_reason(tmp_path, 
     fleet = ScriptedFleet({"a": honest("a"), "m": mallory})
     fleet.events.append(Rejection(None, "bad_topic", "edgepfl/v1/loop/nope"))
     with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
-        coord = coordinator(fleet, tmp_path)
+        coord = coordinator(fleet, tmp_path, round_timeout_s=60)
         rows = coord.run()
-    assert rows[0].participants == ["a", "m"]
-    assert rows[0].rejected == {"bad_topic": 1, "malformed": 2} and rows[1].rejected == {}
-    assert coord.rejected_total == {"bad_topic": 1, "malformed": 2}
+    assert rows[0].seconds < 20  # the rejected update answered m's task: not the 60 s timeout
+    # junk is nobody's frame; the inflated update is m's answer, so the good one after it is late
+    assert rows[0].participants == ["a"] and rows[0].dropped == []
+    assert rows[0].rejected == {"bad_topic": 1, "malformed": 2} and rows[1].rejected == {"stale": 1}
+    assert coord.rejected_total == {"bad_topic": 1, "malformed": 2, "stale": 1}
     assert "rejected message from ?: bad_topic" in caplog.text
     assert "rejected message from m: malformed (num_train exceeds the 10 samples its status announced)" in caplog.text
+    # m announced 1.2: told of both of its own frames, with the reason, the message and the task
+    assert [(a, m.meta.reason) for a, m in fleet.told] == [("m", "malformed"), ("m", "stale")]
+    nack = fleet.told[0][1]
+    assert nack.type == MessageType.NACK and nack.meta.rejected_type == "update" and nack.header.round == 0
+    assert nack.meta.task_id is not None and nack.meta.message_id != fleet.told[1][1].meta.message_id
 
 
 def test_a_hostile_sample_count_is_rejected_and_cannot_take_over_or_crash_the_server_step(tmp_path):
     fleet = ScriptedFleet({"a": honest("a"), "b": honest("b"), "m": honest("m", num_train=10**400)})
-    rows = coordinator(fleet, tmp_path, quorum=0.5, round_timeout_s=1.0).run()
+    rows = coordinator(fleet, tmp_path, quorum=0.5, round_timeout_s=60).run()
+    assert rows[0].seconds < 20  # m's rejected update is its answer: the round does not wait 60 s
     assert rows[0].participants == ["a", "b"] and rows[0].rejected == {"malformed": 1}
-    assert rows[0].dropped == ["m"] and not rows[0].aborted
+    assert rows[0].dropped == [] and not rows[0].aborted
+
+
+def test_a_1_1_agents_rejected_update_ends_its_wait_but_it_is_not_told(tmp_path):
+    fleet = ScriptedFleet({"a": honest("a"), "old": honest("old", num_train=10**400)})
+    fleet.events = deque([status("a"), status("old", version="1.1")])
+    rows = coordinator(fleet, tmp_path, round_timeout_s=60).run()
+    assert rows[0].seconds < 20  # not the 60 s timeout
+    assert rows[0].participants == ["a"] and rows[0].rejected == {"malformed": 1} and rows[0].dropped == []
+    assert fleet.told == []
+
+
+def refuses(agent_id: str, reason: str, then: Responder | None = None) -> Responder:
+    """Refuses its first task with ``reason``; later tasks go to ``then`` (default: refused too)."""
+    refused: list[int] = []
+
+    def answer(task: Message) -> list[bytes]:
+        if refused and then is not None:
+            return then(task)
+        refused.append(task.header.round)
+        return [encode(MessageType.REFUSAL, federation=FED, sender=agent_id, round=task.header.round,
+                       meta=RefusalMeta(task_id=task.meta.task_id, reason=reason, detail="cannot"))]
+    return answer
+
+
+def test_a_refused_task_is_answered_counted_by_reason_and_keeps_the_agent_eligible_when_busy(tmp_path):
+    fleet = ScriptedFleet({"a": honest("a"), "b": refuses("b", "busy", then=honest("b")),
+                           "c": refuses("c", "no_such_reason")})
+    rows = coordinator(fleet, tmp_path, rounds=2, round_timeout_s=60).run()
+    assert max(r.seconds for r in rows) < 20  # not the 60 s timeout
+    assert rows[0].refused == {"busy": 1, "error": 1} and rows[0].participants == ["a"] and rows[0].dropped == []
+    assert rows[1].refused == {"error": 1} and rows[1].participants == ["a", "b"]  # busy stays eligible
+    assert rows[0].rejected == {} and fleet.told == []  # a refusal is an answer, not a rejection
+
+
+def test_an_agent_that_refused_for_good_gets_no_task_until_it_restarts(tmp_path):
+    first, second = "a" * 32, "b" * 32
+    fleet = ScriptedFleet({"a": honest("a"), "b": refuses("b", "unsupported_method", then=honest("b"))})
+    fleet.events = deque([status("a"), status("b", session=first)])
+    tasks: list[tuple[int, str]] = []
+
+    def restart_b_after_round_1(agent: str, task: Message) -> None:
+        tasks.append((task.header.round, agent))
+        if agent == "a" and task.header.round == 2:
+            fleet.events.append(status("b", session=second))
+
+    fleet.on_send = restart_b_after_round_1
+    coord = coordinator(fleet, tmp_path, rounds=4)
+    rows = coord.run()
+    assert rows[0].refused == {"unsupported_method": 1} and rows[0].participants == ["a"]
+    assert [r.sampled for r in rows[1:3]] == [["a"], ["a"]]  # excluded, and no restart yet
+    assert rows[3].sampled == ["a", "b"] and rows[3].participants == ["a", "b"]  # a new session: eligible again
+    assert rows[-1].final and rows[-1].evaluated == 2
+
+
+def test_agents_whose_capabilities_exclude_the_run_and_busy_agents_get_no_task(tmp_path, caplog):
+    agents = {a: honest(a) for a in ("a", "b", "cnn_only", "no_fedavg", "busy")}
+    fleet = ScriptedFleet(agents)
+    fleet.events = deque([
+        status("a", capabilities=Capabilities(methods=["fedavg", "fedrep"], archs=["mlp", "cnn"])),
+        status("cnn_only", capabilities=Capabilities(archs=["cnn"])),
+        status("no_fedavg", capabilities=Capabilities(methods=["fedrep"])),
+        status("busy", state="busy"),
+        status("b"),  # 1.1-like: nothing declared, so anything
+    ])
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        coord = coordinator(fleet, tmp_path, min_agents=2, rounds=2)
+        rows = coord.run()
+    for row in rows[:-1]:
+        assert row.sampled == ["a", "b"] and row.participants == ["a", "b"]
+    assert rows[-1].evaluated == 2  # nor evaluate tasks
+    assert "cnn_only gets no task" in caplog.text and "arch mlp" in caplog.text
+    assert "no_fedavg gets no task" in caplog.text and "method fedavg" in caplog.text
+    assert caplog.text.count("cnn_only gets no task") == 1
+    assert coord.registry.online("trainer") == ["a", "b", "busy", "cnn_only", "no_fedavg"]  # registered, online
+
+
+def test_min_agents_counts_capable_trainers_only(tmp_path):
+    fleet = ScriptedFleet({"a": honest("a"), "x": honest("x")})
+    fleet.events = deque([status("a"), status("x", capabilities=Capabilities(methods=["fedrep"]))])
+    with pytest.raises(TimeoutError, match="only 1 of min_agents=2 capable"):
+        coordinator(fleet, tmp_path, min_agents=2, wait_for_agents_s=1).run()
+
+
+def test_a_status_of_another_major_version_is_not_registered_and_is_told_why(tmp_path):
+    fleet = ScriptedFleet({"a": honest("a"), "future": honest("future")})
+    fleet.events = deque([status("a"), status("future", version="2.0")])
+    coord = coordinator(fleet, tmp_path, min_agents=1)
+    rows = coord.run()
+    assert not coord.registry.known("future") and rows[0].sampled == ["a"]
+    assert coord.rejected_total == {"unsupported_version": 1}
+    assert [(a, m.meta.reason, m.meta.rejected_type) for a, m in fleet.told] == [
+        ("future", "unsupported_version", "status")]
 
 
 def test_statuses_keep_the_registry_and_tell_the_fleet_who_came_online(tmp_path):

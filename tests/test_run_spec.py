@@ -114,7 +114,7 @@ def test_a_metrics_line_written_before_the_typed_row_reads_and_writes_back_ident
     assert row.dropped == ["agent-01"] and row.per_client["agent-01"] is None
     assert row.abort_reason is None and row.rolled_back_to is None  # fields added later read as null
     # written back: the old keys with their values in their order, then the later fields
-    later = {"abort_reason": None, "rolled_back_to": None, "clipped": []}
+    later = {"abort_reason": None, "rolled_back_to": None, "clipped": [], "refused": {}}
     assert json.loads(row.to_line()) == {**old, **later}
     assert row.to_line().startswith(line[:line.index(', "train_loss"')])
 

@@ -271,6 +271,36 @@ def test_an_update_forged_on_an_agents_topic_is_rejected_before_it_can_answer_th
     assert reason(gate.admit("alice", real, tasks, None)) == "duplicate"  # replayed
 
 
+def test_only_the_agents_own_signed_frame_ends_its_wait_when_its_meta_does_not_decode(keyring):
+    from edgepfl.coordinator.gate import RoundTasks, Task, UpdateGate
+    from edgepfl.methods import create_method
+
+    registry = Registry()
+    registry.update("alice", StatusMeta(state="online", num_train=10))
+    gate = UpdateGate(FED, create_method("fedavg", {}), registry, max_bytes=2**20, keyring=keyring)
+    tasks = RoundTasks(0)
+    tasks.add(Task("alice", "c" * 32, "evaluate"))
+
+    def unreadable(signer=None) -> bytes:  # an update whose meta fails validation, signed or not
+        header = {"schema_version": 1, "type": "update", "federation": FED, "sender": "alice", "round": 0,
+                  "message_id": os.urandom(16).hex(), "created": time.time(),
+                  "body_sha256": hashlib.sha256(b"").hexdigest(), "body_bytes": 0, "tensors": [],
+                  "meta": {"task_id": "c" * 32, "kind": "evaluate", "num_train": -1}}
+        if signer is not None:
+            header["signer"] = signer.key_id
+        head = json.dumps(header).encode()
+        signed = b"EPF1" + struct.pack(">I", len(head)) + head
+        return signed + (signer.sign(signed) if signer is not None else b"")
+
+    for forged in (unreadable(), unreadable(MALLORY)):
+        verdict = gate.admit("alice", forged, tasks, None)
+        assert reason(verdict) == "malformed" and verdict.attributed is None
+    assert "alice" in tasks.waiting  # a forgery does not answer alice's task
+    verdict = gate.admit("alice", unreadable(ALICE), tasks, None)
+    assert reason(verdict) == "malformed" and verdict.attributed.task_id == "c" * 32
+    assert "alice" not in tasks.waiting  # alice's own frame does
+
+
 # ------------------------------------------------------------------ the agent's task rules
 
 def test_task_guard_recipient_order_and_deadline(tmp_path):

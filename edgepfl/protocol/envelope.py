@@ -307,6 +307,20 @@ def peek_header(frame: bytes) -> dict | None:
         return None
 
 
+def peek_signed_part(frame: bytes) -> tuple[bytes, bytes] | None:
+    """``(prefix + header, last 64 bytes)`` of a frame that may not decode: what a signature
+    covers and where it sits, for checking who sent a frame whose meta or body is invalid.
+    None when the frame is too short to hold both."""
+    try:
+        magic, head_len = _PREFIX.unpack_from(frame)
+    except struct.error:
+        return None
+    head_end = _PREFIX.size + head_len
+    if magic != MAGIC or len(frame) < head_end + SIGNATURE_BYTES:
+        return None
+    return bytes(frame[:head_end]), bytes(frame[len(frame) - SIGNATURE_BYTES :])
+
+
 # --------------------------------------------------------------------------- chunking
 
 CHUNK_OVERHEAD = 2048
