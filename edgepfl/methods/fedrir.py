@@ -243,7 +243,8 @@ def fit_q(q: InfoDistillation, optimizer, f_g: torch.Tensor, f_cs: torch.Tensor,
     cond, target = (t.detach() for t in q_roles(f_g, f_cs, mode))
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        q_nll(*q(cond), target).backward()
+        mu, logvar = q(cond)
+        q_nll(mu, logvar, target).backward()
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
