@@ -4,11 +4,13 @@ Runs FedRIR's own ``local_update`` round after round on a single client of a
 benchmark setting (no averaging, so nothing federated can be the cause) and records,
 per round, the stage-2 terms the method reports (CE, q's NLL, the vCLUB estimate),
 the mean norm of the global features f_g on the training data, and the client's test
-accuracy — once with the paper's vCLUB bound minimised (``mi: vclub``, the default)
-and once with the authors' code behaviour (``mi: code``). Options otherwise come from
-configs/fedrir.yaml. Writes benchmarks/results/diagnose_fedrir.json::
+accuracy — once per information term (``--modes``, FedRIR's ``mi`` choices: the paper's
+literal vCLUB, the conditional CLUB procedure, the authors' code). Options otherwise come
+from configs/fedrir.yaml. Writes ``--out`` (default benchmarks/results/diagnose_fedrir.json)::
 
-    OMP_NUM_THREADS=1 python benchmarks/diagnose_fedrir.py --rounds 30
+    OMP_NUM_THREADS=1 python benchmarks/diagnose_fedrir.py --rounds 30 --modes vclub,code
+    OMP_NUM_THREADS=1 python benchmarks/diagnose_fedrir.py --setting dir03 --rounds 20 \
+        --out benchmarks/results/fedrir_mi/diagnose_dir03.json
 """
 
 from __future__ import annotations
@@ -65,15 +67,18 @@ def main(argv=None) -> int:
     p.add_argument("--client", type=int, default=0)
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", default="club_conditional,vclub,code", help="comma list of FedRIR's mi choices")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "diagnose_fedrir.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     t0 = time.monotonic()
     result = {"setting": args.setting, "client": args.client, "rounds": args.rounds, "seed": args.seed,
               "command": "OMP_NUM_THREADS=1 python benchmarks/diagnose_fedrir.py " + " ".join(argv or sys.argv[1:]),
               "modes": {mode: run(mode, args.setting, args.client, args.rounds, args.seed)
-                        for mode in ("vclub", "code")}}
+                        for mode in args.modes.split(",")}}
     result["wall_seconds"] = round(time.monotonic() - t0, 1)
-    path = REPO / "benchmarks" / "results" / "diagnose_fedrir.json"
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path} ({result['wall_seconds']} s)")
     return 0

@@ -1,5 +1,7 @@
-"""What defines FedRIR: 4x4 patch masking at ratio 0.6, the vCLUB upper bound, the
-two-stage schedule touching disjoint parts, only the GFE's parameters shared."""
+"""What defines FedRIR: 4x4 patch masking at ratio 0.6, the vCLUB upper bound in its three
+forms (literal, conditional CLUB, the authors' code), the two-stage schedule touching
+disjoint parts, Adam state kept across rounds and agent restarts, only the GFE's
+parameters shared."""
 
 from __future__ import annotations
 
@@ -9,11 +11,21 @@ import numpy as np
 import pytest
 import torch
 
+from edgepfl.atomic import read_tensors, write_tensors
 from edgepfl.config import ModelSpec, TrainConfig
 from edgepfl.methods import create_method
-from edgepfl.methods.fedrir import InfoDistillation, information_term, mask_patches, q_nll, vclub
+from edgepfl.methods.base import load_tensors
+from edgepfl.methods.fedrir import (
+    MI_MODES,
+    InfoDistillation,
+    fit_q,
+    information_term,
+    mask_patches,
+    q_nll,
+    vclub,
+)
 
-from method_kit import MethodKit, changed, generator, snapshot
+from method_kit import MethodKit, changed, generator, same, snapshot
 
 SHAPE = (1, 28, 28)
 CLASSES = 4
@@ -114,9 +126,98 @@ def test_information_term_routes_gradients_as_the_paper_says():
     info, nll, _ = information_term(q, f_g, f_cs, "code")
     assert info is nll
     assert float(torch.autograd.grad(info, f_g)[0].abs().sum()) > 0
+    # conditional CLUB: the bound reaches the GFE through q's input, q stays out of it
+    info, _, mi = information_term(q, f_g, f_cs, "club_conditional")
+    assert info is mi
+    assert all(p.requires_grad for p in q.parameters())  # unfrozen again after the bound
+    assert all(g is None for g in torch.autograd.grad(info, list(q.parameters()), allow_unused=True))
+    assert float(torch.autograd.grad(info, f_g)[0].abs().sum()) > 0
 
 
-@pytest.mark.parametrize("mi", ["vclub", "code"])
+def _linear_q(a: torch.Tensor, logvar: float) -> InfoDistillation:
+    """q(target | c) = N(a @ c, exp(tanh(logvar))): ReLU(c) - ReLU(-c) = c through the MLP."""
+    d = a.shape[0]
+    q = InfoDistillation(d, 2 * d)
+    with torch.no_grad():
+        q.mu[0].weight.copy_(torch.cat([torch.eye(d), -torch.eye(d)]))
+        q.mu[0].bias.zero_()
+        q.mu[2].weight.copy_(torch.cat([a, -a], 1))
+        q.mu[2].bias.zero_()
+        q.logvar[2].weight.zero_()
+        q.logvar[2].bias.fill_(logvar)
+    return q
+
+
+@pytest.mark.parametrize("mode", ["vclub", "club_conditional"])
+def test_bound_value_and_gradient_on_a_known_q(mode):
+    """Against the all-pairs definition of vCLUB with q's conditioning as the mode says:
+    vclub  q(f_g | f_cs), the gradient reaches f_g as the target;
+    club_conditional  q(f_cs | f_g), the gradient reaches f_g through mu(f_g)."""
+    g = generator(3)
+    a = torch.randn(3, 3, generator=g)  # not symmetric: the two conditionings differ
+    q = _linear_q(a, 0.4)
+    f_g = torch.randn(6, 3, generator=g, requires_grad=True)
+    f_cs = torch.randn(6, 3, generator=g)
+    var = math.exp(math.tanh(0.4))
+
+    def reference(f_g):
+        cond, target = (f_cs, f_g) if mode == "vclub" else (f_g, f_cs)
+        mu = cond @ a.T
+        log_q = -((target[None, :, :] - mu[:, None, :]) ** 2).sum(2) / (2 * var)  # [i, j]: log q(t_j | c_i) + const
+        return log_q.diagonal().mean() - log_q.mean()
+
+    value = information_term(q, f_g, f_cs, mode)[2]
+    assert float(value.detach()) == pytest.approx(float(reference(f_g).detach()), abs=1e-5)
+    (grad,) = torch.autograd.grad(value, f_g)
+    (expected,) = torch.autograd.grad(reference(f_g), f_g)
+    torch.testing.assert_close(grad, expected)
+    # closed forms: vclub (mu_k - mean mu)/(B var), mu = a f_cs; conditional a^T (f_cs_k - mean f_cs)/(B var)
+    centred = f_cs - f_cs.mean(0)
+    closed = centred @ a.T if mode == "vclub" else centred @ a
+    torch.testing.assert_close(grad, closed / (len(f_cs) * var))
+
+
+def test_fit_q_moves_only_q_towards_the_conditional_of_the_mode():
+    g = generator(4)
+    f_g, f_cs = torch.randn(64, 4, generator=g), torch.randn(64, 4, generator=g)
+    enc = torch.nn.Linear(4, 4)
+    q = InfoDistillation(4, 16)
+    opt = torch.optim.Adam([*enc.parameters(), *q.parameters()], lr=1e-2)
+    f_enc = enc(f_g)
+    before_enc, before_q = snapshot(enc), snapshot(q)
+    with torch.no_grad():
+        nll_before = float(q_nll(*q(f_enc.detach()), f_cs))
+    fit_q(q, opt, f_enc, f_cs, "club_conditional", 5)
+    assert same(before_enc, snapshot(enc)) and changed(before_q, snapshot(q))
+    assert float(q_nll(*q(f_enc.detach()), f_cs)) < nll_before
+    assert all(p.grad is None for p in [*enc.parameters(), *q.parameters()])
+
+
+def _f_g_norms(mi: str, calls: int) -> list[float]:
+    method, model = KIT.build("fedrir", {"mi": mi, "cls_epochs": 15, "lr": 2e-3})
+    data = KIT.quadrant_data()
+    method.train_stage1(model, data, KIT.ctx(0, epochs=2))
+    norms = []
+    for r in range(calls):
+        method.train_stage2(model, data, KIT.ctx(r))
+        model.eval()
+        with torch.no_grad():
+            norms.append(float(model.encoder(data.x_train).norm(dim=1).mean()))
+    return norms
+
+
+@pytest.mark.slow
+def test_conditional_bound_keeps_the_features_bounded_where_the_literal_one_grows():
+    """The issue's failure: with q(f_g | f_cs) the bound is linear in f_g for a given q, so
+    the GFE grows f_g while q lags; q(f_cs | f_g) fit first stops that (135 steps each)."""
+    literal = _f_g_norms("vclub", 3)
+    conditional = _f_g_norms("club_conditional", 3)
+    assert literal[2] > 2 * literal[0]
+    assert conditional[2] < 1.3 * conditional[0]
+    assert conditional[2] < literal[2] / 3
+
+
+@pytest.mark.parametrize("mi", MI_MODES)
 def test_stages_train_disjoint_parts(mi):
     method, model = KIT.build("fedrir", {"mi": mi})
     data = KIT.quadrant_data()
@@ -127,12 +228,52 @@ def test_stages_train_disjoint_parts(mi):
     for part in ("csfe.", "generator."):
         assert changed(before, snapshot(model), part), part
 
+    modes = []
+    model.csfe.register_forward_pre_hook(lambda mod, args: modes.append(mod.training))
     before = snapshot(model)
     method.train_stage2(model, data, KIT.ctx())
-    for part in ("csfe.", "generator."):
-        assert not changed(before, snapshot(model), part), part
+    assert not changed(before, snapshot(model), "generator.")
+    # CSFE parameters frozen; in training mode as in the authors' code, so only its
+    # BatchNorm statistics move (towards the unmasked images')
+    moved = changed(before, snapshot(model), "csfe.")
+    assert moved and all(k.endswith(("running_mean", "running_var")) for k in moved)
+    assert modes and all(modes)
     for part in ("encoder.", "head.", "q."):
         assert changed(before, snapshot(model), part), part
+
+
+def test_adam_state_survives_a_restart_and_is_used(tmp_path):
+    """Round 2 after saving and reloading the personal state (what the agent does) equals
+    round 2 without a restart; with the kept state reset it differs."""
+    data = KIT.quadrant_data()
+    method, model = KIT.build("fedrir")
+    method.local_update(model, data, KIT.ctx(0))
+    adam = {k: v for k, v in method.personal_state(model).items() if k.startswith("adam.")}
+    assert adam and float(adam["adam.encoder__fc__weight__step"]) == 3  # 48 samples, batch 16
+    assert float(adam["adam.csfe__fc__weight__step"]) == 3 and np.abs(adam["adam.q__mu__0__weight__exp_avg"]).sum() > 0
+
+    def restarted(path, reset):
+        _, fresh = KIT.build("fedrir", seed=1)
+        write_tensors(path, method.personal_state(model))
+        saved = read_tensors(path)
+        if reset:
+            saved = {k: np.zeros_like(v) if k.startswith("adam.") else v for k, v in saved.items()}
+        load_tensors(fresh, {**saved, **method.shared_params(model)})
+        return fresh
+
+    resumed = restarted(tmp_path / "personal.safetensors", reset=False)
+    reset = restarted(tmp_path / "reset.safetensors", reset=True)
+    uploads = [method.local_update(m, data, KIT.ctx(1)).upload for m in (model, resumed, reset)]
+    key = "encoder.fc.weight"
+    np.testing.assert_array_equal(uploads[0][key], uploads[1][key])
+    assert not np.array_equal(uploads[0][key], uploads[2][key])
+
+
+def test_sgd_or_keep_optimizer_state_off_adds_no_state():
+    for options in ({"keep_optimizer_state": False}, {"optimizer": "sgd"}):
+        method, model = KIT.build("fedrir", options)
+        assert model.adam is None
+        assert not any(k.startswith("adam.") for k in method.personal_state(model))
 
 
 def test_only_gfe_parameters_are_shared():
@@ -149,7 +290,7 @@ def test_only_gfe_parameters_are_shared():
     assert method.encoder_module(model) is model.encoder and method.device_head(model) is None
 
 
-@pytest.mark.parametrize("mi, flag", [("vclub", 1.0), ("code", 0.0)])
+@pytest.mark.parametrize("mi, flag", [("code", 0.0), ("vclub", 1.0), ("club_conditional", 2.0)])
 def test_local_update_records_mi_mode_reproduces_and_learns(mi, flag):
     data = KIT.quadrant_data()
     method, model = KIT.build("fedrir", {"mi": mi})
@@ -157,7 +298,7 @@ def test_local_update_records_mi_mode_reproduces_and_learns(mi, flag):
     before = method.evaluate(model, data, KIT.ctx()).accuracy
     res = method.local_update(model, data, KIT.ctx(3, epochs=3))
     res_twin = method.local_update(twin, data, KIT.ctx(3, epochs=3))
-    assert res.metrics["mi_mode_vclub"] == flag
+    assert res.metrics["mi_mode"] == flag
     assert all(math.isfinite(res.metrics[k]) for k in ("recon_mse", "recon_kl", "cls_ce", "q_nll", "mi_vclub"))
     for k in res.upload:
         np.testing.assert_array_equal(res.upload[k], res_twin.upload[k])

@@ -9,18 +9,29 @@ conditional; the head is Linear(1024, C) on concat[f_g, f_cs]. Everything but th
 GFE's parameters stays on the device (GFE BatchNorm statistics included).
 
 Each round: stage 1 trains CSFE + generator to reconstruct the full image from a
-masked one (4x4 patches, 60% zeroed): MSE + 0.1*KL. Stage 2 freezes the CSFE and
-trains GFE, q and head with CE plus an information term, chosen by ``mi``:
+masked one (4x4 patches, 60% zeroed): MSE + 0.1*KL. Stage 2 freezes the CSFE's
+parameters (its BatchNorm runs in training mode, as in the authors' code) and trains
+GFE, q and head with CE plus an information term, chosen by ``mi``:
 
-* ``vclub`` (paper, default): q(f_g | f_cs) is fit by maximum likelihood on detached
-  inputs, and the GFE minimises the vCLUB upper bound of I(f_cs; f_g) [Cheng et al. 2020];
-* ``code`` (the authors' published code): q(f_cs | f_g) conditioned on f_g, and only
-  q's negative log-likelihood is added to CE (gradients reach the GFE through q's input).
+* ``club_conditional`` (default): q(f_cs | f_g) takes ``q_steps`` maximum-likelihood
+  steps on the batch (f_g detached) first, then the GFE minimises the vCLUB bound of
+  I(f_cs; f_g) through mu(f_g) and sigma(f_g), q frozen: CLUB's reference procedure
+  [Cheng et al. 2020]. It bounds the paper's quantity and stays stable;
+* ``vclub`` (the paper's literal form): q(f_g | f_cs) is fit by maximum likelihood on a
+  detached f_g in the same step, and the GFE minimises the bound through f_g. With q
+  fixed the estimate is linear in f_g, so f_g can grow without limit (docs/METHODS.md);
+* ``code`` (the authors' published code): q(f_cs | f_g), and only q's negative
+  log-likelihood is added to CE (gradients reach the GFE through q's input).
+
+The Adam moments of both stages are kept across rounds (the authors' code builds its
+two optimizers once per client) as personal buffers of the model (``adam.*``), so they
+are saved and restored with the rest of the personal state.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from typing import Literal
 
 from pydantic import Field
@@ -29,15 +40,22 @@ from .._torch import F, nn, torch
 from ..models import model_as
 from . import register
 from .base import LocalResult, Method, MethodConfig
-from .training import fit, make_optimizer, noise_generator
+from .training import fit, freeze, make_optimizer, noise_generator
 
 
 class FedRIRConfig(MethodConfig):
     """FedRIR's options; defaults are the paper's (Adam 5e-4, batch 100, r = 0.6)."""
 
-    mi: Literal["vclub", "code"] = Field(
-        "vclub", description="vclub: paper's upper bound minimised; code: authors' code (q NLL only)"
-    )
+    mi: Literal["club_conditional", "vclub", "code"] = Field(
+        "club_conditional",
+        description="club_conditional: q(f_cs|f_g) fit first, bound through mu/sigma(f_g) (CLUB's procedure); "
+                    "vclub: the paper's literal q(f_g|f_cs), bound through f_g; code: authors' code (q NLL only)")
+    q_steps: int = Field(
+        1, ge=1, description="q's maximum-likelihood steps per batch; in vclub and code the last one is the joint "
+                             "stage-2 step, in club_conditional all come before the extractor's step")
+    mi_normalize: bool = Field(False, description="f_g enters the information term L2-normalised (the head sees it as is)")
+    keep_optimizer_state: bool = Field(
+        True, description="keep the Adam moments across rounds (authors' code), saved with the personal state")
     mi_weight: float = Field(1.0, ge=0, description="weight of the information term in stage 2 (paper: 1)")
     mask_ratio: float = Field(0.6, ge=0, lt=1, description="share of patches zeroed per sample")
     patch_size: int = Field(4, ge=1)
@@ -195,6 +213,42 @@ def kl_standard_normal(mean: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor
     return (-0.5 * (1 + logvar - mean**2 - logvar.exp()).sum(1)).mean()
 
 
+#: the ``mi`` choices; a choice's index is the ``mi_mode`` metric of an update (floats only)
+MI_MODES = ("code", "vclub", "club_conditional")
+
+
+def q_roles(f_g: torch.Tensor, f_cs: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(condition, target) of q: the paper's q(f_g | f_cs) for ``vclub``, else q(f_cs | f_g)."""
+    return (f_cs, f_g) if mode == "vclub" else (f_g, f_cs)
+
+
+@contextmanager
+def frozen(module: nn.Module):
+    """Inside, ``module``'s parameters take no gradient; gradients still pass through it to its input."""
+    flags = [p.requires_grad for p in module.parameters()]
+    freeze(module)
+    try:
+        yield module
+    finally:
+        for p, flag in zip(module.parameters(), flags):
+            p.requires_grad_(flag)
+
+
+def fit_q(q: InfoDistillation, optimizer, f_g: torch.Tensor, f_cs: torch.Tensor, mode: str, steps: int) -> None:
+    """``steps`` maximum-likelihood steps of q on one batch, features detached.
+
+    ``optimizer`` is the stage's: only q's parameters get gradients here, and Adam skips
+    parameters without one, so only q moves; gradients are cleared afterwards.
+    """
+    cond, target = (t.detach() for t in q_roles(f_g, f_cs, mode))
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        mu, logvar = q(cond)
+        q_nll(mu, logvar, target).backward()
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def information_term(q: InfoDistillation, f_g: torch.Tensor, f_cs: torch.Tensor,
                      mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 2's information loss; returns (loss to add to CE, q's NLL, vCLUB estimate).
@@ -202,6 +256,9 @@ def information_term(q: InfoDistillation, f_g: torch.Tensor, f_cs: torch.Tensor,
     ``vclub`` (paper): q(f_g | f_cs) learns by maximum likelihood on a detached f_g,
     and the GFE minimises the bound through f_g alone (q's outputs detached), so q is
     never trained to loosen the bound and the GFE never to help q's fit.
+    ``club_conditional`` (CLUB's reference procedure): q(f_cs | f_g) was fit before
+    (:func:`fit_q`) and is frozen here; the bound reaches the GFE through mu(f_g) and
+    logvar(f_g). q's NLL is only reported.
     ``code`` (authors' code): q(f_cs | f_g), its NLL added as is; the GFE receives
     gradient through q's input. The vCLUB value is then only reported.
     """
@@ -210,6 +267,13 @@ def information_term(q: InfoDistillation, f_g: torch.Tensor, f_cs: torch.Tensor,
         nll = q_nll(mu, logvar, f_g.detach())
         mi = vclub(mu.detach(), logvar.detach(), f_g)
         return nll + mi, nll, mi
+    if mode == "club_conditional":
+        with frozen(q):
+            mu, logvar = q(f_g)
+        mi = vclub(mu, logvar, f_cs)
+        with torch.no_grad():
+            nll = q_nll(mu, logvar, f_cs)
+        return mi, nll, mi
     mu, logvar = q(f_g)
     nll = q_nll(mu, logvar, f_cs)
     with torch.no_grad():
@@ -217,14 +281,62 @@ def information_term(q: InfoDistillation, f_g: torch.Tensor, f_cs: torch.Tensor,
     return nll, nll, mi
 
 
+class AdamMoments(nn.Module):
+    """Adam's per-parameter state (step, first and second moments) as buffers.
+
+    Buffers are in the model's ``state_dict``, so the state is personal state: saved
+    by the agent after a round, restored after a restart, moved with ``.to(device)``.
+    Buffer ``<param name with . as __>__<step|exp_avg|exp_avg_sq>``; step 0: no state yet.
+    """
+
+    def __init__(self, named_parameters):
+        super().__init__()
+        for name, p in named_parameters:
+            key = self._key(name)
+            self.register_buffer(f"{key}__step", torch.zeros(()))
+            self.register_buffer(f"{key}__exp_avg", torch.zeros_like(p))
+            self.register_buffer(f"{key}__exp_avg_sq", torch.zeros_like(p))
+
+    @staticmethod
+    def _key(name: str) -> str:
+        return name.replace(".", "__")
+
+    def restore(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+        """Give ``optimizer`` (an Adam over parameters of ``model``) the kept state."""
+        names = {id(p): n for n, p in model.named_parameters()}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        state = {}
+        for i, p in enumerate(params):
+            key = self._key(names[id(p)])
+            step = getattr(self, f"{key}__step")
+            if float(step) > 0:
+                state[i] = {"step": step.detach().cpu().clone(),
+                            "exp_avg": getattr(self, f"{key}__exp_avg").clone(),
+                            "exp_avg_sq": getattr(self, f"{key}__exp_avg_sq").clone()}
+        optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+
+    @torch.no_grad()
+    def store(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+        """Keep ``optimizer``'s state of the parameters it has stepped."""
+        names = {id(p): n for n, p in model.named_parameters()}
+        for p, st in optimizer.state.items():
+            key = self._key(names[id(p)])
+            getattr(self, f"{key}__step").fill_(float(st["step"]))
+            getattr(self, f"{key}__exp_avg").copy_(st["exp_avg"])
+            getattr(self, f"{key}__exp_avg_sq").copy_(st["exp_avg_sq"])
+
+
 class FedRIRModel(nn.Module):
-    """``encoder`` = GFE (shared), ``csfe``, ``generator``, ``q``, ``head`` (personal).
+    """``encoder`` = GFE (shared), ``csfe``, ``generator``, ``q``, ``head`` (personal), and
+    ``adam`` (personal, with ``keep_adam_state``): the optimizer state kept across rounds.
 
     ``forward`` is the inference rule: head([GFE(x), mean(CSFE(x))]) on the unmasked image.
     """
 
+    adam: AdamMoments | None
+
     def __init__(self, input_shape: tuple[int, int, int], num_classes: int, embed_dim: int = 512,
-                 q_hidden: int = 128, norm: str = "batch"):
+                 q_hidden: int = 128, norm: str = "batch", keep_adam_state: bool = False):
         super().__init__()
         _, h, w = input_shape
         if min(h, w) < 16:
@@ -234,6 +346,7 @@ class FedRIRModel(nn.Module):
         self.generator = Generator(input_shape, embed_dim)
         self.q = InfoDistillation(embed_dim, q_hidden)
         self.head = nn.Linear(2 * embed_dim, num_classes)
+        self.adam = AdamMoments(list(self.named_parameters())) if keep_adam_state else None
 
     def features(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(f_g, f_cs) with f_cs the CSFE mean."""
@@ -249,7 +362,7 @@ class FedRIR(Method):
     """FedRIR: GFE parameters shared (BN statistics local); CSFE, generator, q, head personal."""
 
     name = "fedrir"
-    summary = "masked client-specific VAE features + information distillation (vCLUB); head on both"
+    summary = "masked client-specific VAE features + information distillation (CLUB bound); head on both"
     config_class = FedRIRConfig
     config: FedRIRConfig
     shared_parts = ("encoder",)
@@ -258,11 +371,19 @@ class FedRIR(Method):
 
     def build_model(self, spec, input_shape, num_classes) -> FedRIRModel:
         c = self.config
-        return FedRIRModel(tuple(input_shape), num_classes, c.embed_dim, c.q_hidden, spec.norm)
+        return FedRIRModel(tuple(input_shape), num_classes, c.embed_dim, c.q_hidden, spec.norm,
+                           keep_adam_state=c.keep_optimizer_state and c.optimizer == "adam")
 
-    def _optimizer(self, params, ctx):
+    @contextmanager
+    def _optimizer(self, model: FedRIRModel, params, ctx):
+        """The stage's optimizer, given the state kept from earlier rounds and keeping it after."""
         c = self.config
-        return make_optimizer(params, ctx, optimizer=c.optimizer, lr=c.lr, weight_decay=c.weight_decay)
+        opt = make_optimizer(params, ctx, optimizer=c.optimizer, lr=c.lr, weight_decay=c.weight_decay)
+        if model.adam is not None:
+            model.adam.restore(opt, model)
+        yield opt
+        if model.adam is not None:
+            model.adam.store(opt, model)
 
     def train_stage1(self, model: FedRIRModel, data, ctx, noise: torch.Generator | None = None) -> dict[str, float]:
         """Masked client-specific learning: CSFE + generator reconstruct x from its masked copy."""
@@ -283,34 +404,45 @@ class FedRIR(Method):
             return mse + c.kl_weight * kl
 
         params = [*model.csfe.parameters(), *model.generator.parameters()]
-        loss = fit(model, data, ctx, loss_fn, params, c.recon_epochs or ctx.train.epochs,
-                   optimizer=self._optimizer(params, ctx), batch_size=c.batch_size)
+        with self._optimizer(model, params, ctx) as opt:
+            loss = fit(model, data, ctx, loss_fn, params, c.recon_epochs or ctx.train.epochs,
+                       optimizer=opt, batch_size=c.batch_size)
         return {"recon_loss": loss, "recon_mse": mse_sum / n if n else math.nan,
                 "recon_kl": kl_sum / n if n else math.nan}
 
     def train_stage2(self, model: FedRIRModel, data, ctx) -> dict[str, float]:
-        """Information distillation: CSFE frozen; GFE, q and head on CE + the information term."""
+        """Information distillation: CSFE parameters frozen; GFE, q and head on CE + the information term.
+
+        The whole model is in training mode, the CSFE included, as in the authors' code
+        (``model.train()`` before both stages): f_cs is normalised with the batch's
+        statistics and the CSFE's BatchNorm running statistics follow the unmasked images.
+        """
         c = self.config
         sums = {"cls_ce": 0.0, "q_nll": 0.0, "mi_vclub": 0.0}
         n = 0
-
-        def loss_fn(m, x, y):
-            nonlocal n
-            m.csfe.eval()  # frozen: its BatchNorm statistics must not move either
-            with torch.no_grad():
-                f_cs = m.csfe(x)[0]
-            f_g = m.encoder(x)
-            ce = F.cross_entropy(m.head(torch.cat([f_g, f_cs], 1)), y)
-            info, nll, mi = information_term(m.q, f_g, f_cs, c.mi)
-            sums["cls_ce"] += float(ce.detach()) * len(y)
-            sums["q_nll"] += float(nll.detach()) * len(y)
-            sums["mi_vclub"] += float(mi.detach()) * len(y)
-            n += len(y)
-            return ce + c.mi_weight * info
-
+        # club_conditional fits q only before the extractor's step; the other forms also in it
+        q_first = c.q_steps if c.mi == "club_conditional" else c.q_steps - 1
         params = [*model.encoder.parameters(), *model.q.parameters(), *model.head.parameters()]
-        loss = fit(model, data, ctx, loss_fn, params, c.cls_epochs or ctx.train.epochs,
-                   optimizer=self._optimizer(params, ctx), batch_size=c.batch_size)
+        with self._optimizer(model, params, ctx) as opt:
+
+            def loss_fn(m, x, y):
+                nonlocal n
+                with torch.no_grad():
+                    f_cs = m.csfe(x)[0]
+                f_g = m.encoder(x)
+                f_info = F.normalize(f_g, dim=1) if c.mi_normalize else f_g
+                if q_first:
+                    fit_q(m.q, opt, f_info, f_cs, c.mi, q_first)
+                ce = F.cross_entropy(m.head(torch.cat([f_g, f_cs], 1)), y)
+                info, nll, mi = information_term(m.q, f_info, f_cs, c.mi)
+                sums["cls_ce"] += float(ce.detach()) * len(y)
+                sums["q_nll"] += float(nll.detach()) * len(y)
+                sums["mi_vclub"] += float(mi.detach()) * len(y)
+                n += len(y)
+                return ce + c.mi_weight * info
+
+            loss = fit(model, data, ctx, loss_fn, params, c.cls_epochs or ctx.train.epochs,
+                       optimizer=opt, batch_size=c.batch_size)
         out = {k: v / n if n else math.nan for k, v in sums.items()}
         out["cls_loss"] = loss
         return out
@@ -319,9 +451,8 @@ class FedRIR(Method):
         rir = model_as(model, FedRIRModel)
         s1 = self.train_stage1(rir, data, ctx)
         s2 = self.train_stage2(rir, data, ctx)
-        # UpdateMeta.extra carries floats only: 1.0 = the paper's vCLUB bound was minimised,
-        # 0.0 = the authors' code behaviour.
-        metrics = {**s1, **s2, "mi_mode_vclub": 1.0 if self.config.mi == "vclub" else 0.0}
+        # UpdateMeta.extra carries floats only: the information term's form as its index in MI_MODES
+        metrics = {**s1, **s2, "mi_mode": float(MI_MODES.index(self.config.mi))}
         return LocalResult(upload=self.shared_params(model), train_loss=s2["cls_loss"], metrics=metrics)
 
     def device_head(self, model: nn.Module) -> None:
