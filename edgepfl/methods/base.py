@@ -368,7 +368,11 @@ class Method:
 
 
 def load_tensors(model: nn.Module, tensors: TensorDict) -> None:
-    """Copy numpy tensors into matching ``state_dict`` entries (in place, no realloc)."""
+    """Copy numpy tensors into matching ``state_dict`` entries (in place, no realloc).
+
+    Every tensor must name an entry and have exactly its shape: ``copy_`` would broadcast
+    a (1, 1) tensor into a (10, 8) weight without complaint, training a model nobody sent.
+    """
     import torch
 
     if not tensors:
@@ -377,6 +381,10 @@ def load_tensors(model: nn.Module, tensors: TensorDict) -> None:
     unknown = [k for k in tensors if k not in sd]
     if unknown:
         raise KeyError(f"tensors not in model: {unknown[:5]}")
+    wrong = [f"{k} {list(np.shape(v))} (model {list(sd[k].shape)})" for k, v in tensors.items()
+             if tuple(np.shape(v)) != tuple(sd[k].shape)]
+    if wrong:
+        raise ValueError(f"tensors of another shape than the model's: {', '.join(wrong[:3])}")
     with torch.no_grad():
         for key, value in tensors.items():
             sd[key].copy_(torch.from_numpy(np.asarray(value)))
