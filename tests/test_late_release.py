@@ -20,8 +20,8 @@ from edgepfl.coordinator.fleet import MqttFleet
 from edgepfl.coordinator.release import PUBLISHED_FILE
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import data_shape, prepare, spawn_agent, stop_agents
-from edgepfl.protocol import release_part_topic
-from edgepfl.protocol.signing import generate_keypair
+from edgepfl.protocol import MessageType, Reassembler, decode, parse_topic, release_part_topic
+from edgepfl.protocol.signing import generate_keypair, load_public_key, verify
 from edgepfl.testing import TrafficCapture
 
 from fleet_helpers import run_config, wait_until
@@ -59,6 +59,29 @@ def agent_log(out: Path, agent: str) -> str:
     return (out / "agents" / f"{agent}.log").read_text(errors="replace")
 
 
+def older_head_agent_installs_the_encoder_and_ignores_the_global_heads(release, config, state, keys) -> None:
+    """What a 1.1 head agent does with a 1.2 release (PROTOCOL.md §16): it reads ``artifact``
+    only and fits an lr head; pinning the coordinator key, it cannot re-verify the installed
+    release on restart (it re-encodes the body without ``global_heads``), so it waits for
+    the retained release and installs it again."""
+    from edgepfl.data import load_client_data
+    from edgepfl.edge_agent.head_tier import HeadRuntime
+
+    meta, artifact = release.meta, release.tensors["artifact"].tobytes()
+    data = load_client_data(config.data, TRAINERS)
+    key = load_public_key(keys / "coordinator.pub")
+    runtime = HeadRuntime(state, "lr", data, coordinator_key=key)
+    metrics = runtime.install_release(meta.manifest, artifact, meta.sha256, sequence=meta.sequence,
+                                      expires=meta.expires, proof=release.signed_part + release.signature)
+    assert metrics["head"] == "lr" and metrics["num_test"] == data.num_test
+    with pytest.raises(ValueError, match="differs from the signed release"):
+        HeadRuntime(state, "lr", data, coordinator_key=key).load()
+    again = HeadRuntime(state, "lr", data, coordinator_key=key)
+    refitted = again.install_release(meta.manifest, artifact, meta.sha256, sequence=meta.sequence,
+                                     expires=meta.expires, proof=release.signed_part + release.signature)
+    assert refitted["eval_correct"] == metrics["eval_correct"]
+
+
 def test_a_late_head_agent_gets_a_signed_release_in_parts_and_fits_the_methods_own_head(mosquitto, tmp_path):
     keys = tmp_path / "keys"
     keys.mkdir()
@@ -74,7 +97,19 @@ def test_a_late_head_agent_gets_a_signed_release_in_parts_and_fits_the_methods_o
     with TrafficCapture(url, f"edgepfl/v1/{config.federation}/release/#", include_retained=True) as cap:
         wanted = {release_part_topic(config.federation, i) for i in range(parts)}
         wait_until(lambda: {t for t, p in cap.snapshot() if p} >= wanted, 10, what="the retained parts")
-        assert {t for t, p in cap.snapshot() if p} == wanted  # the whole-frame topic holds nothing
+        retained = {t: p for t, p in cap.snapshot() if p}
+    assert set(retained) == wanted  # the whole-frame topic holds nothing
+    reassembler, frame = Reassembler(), None
+    for topic, payload in retained.items():  # release/<i> holds chunk i, from the coordinator
+        chunk = decode(payload)
+        assert chunk.type == MessageType.CHUNK and chunk.header.sender == "coordinator"
+        assert parse_topic(topic).part == chunk.meta.index and chunk.meta.count == parts
+        frame = reassembler.add("release", chunk) or frame
+    assert frame is not None
+    release = decode(frame)
+    assert set(release.tensors) == {"artifact", "global_heads"}
+    assert verify(release, load_public_key(keys / "coordinator.pub")) is None
+    older_head_agent_installs_the_encoder_and_ignores_the_global_heads(release, config, tmp_path / "v1.1", keys)
 
     pinned = SecuritySpec(coordinator_key=str(keys / "coordinator.pub"))
     device = "device-00"

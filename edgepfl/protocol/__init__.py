@@ -14,6 +14,7 @@ from .envelope import (
     new_message_id,
     split_frame,
 )
+from .evolution import parse_version, supports
 from .manifest import (
     MANIFEST_FORMAT,
     BatchNormOrigin,
@@ -24,7 +25,6 @@ from .manifest import (
     parse_manifest,
     read_manifest,
 )
-from .evolution import parse_version, supports
 from .messages import (
     PROTOCOL_VERSION,
     REFUSAL_REASONS,

@@ -21,7 +21,7 @@ From protocol 1.2 on (docs/PROTOCOL.md §16):
 from __future__ import annotations
 
 import re
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 from pydantic import BaseModel
@@ -56,7 +56,7 @@ def supports(version: str | None, feature: tuple[int, int]) -> bool:
     return major == feature[0] and minor >= feature[1]
 
 
-def since(version: str) -> dict[str, str]:
+def since(version: str) -> dict[str, Any]:
     """``json_schema_extra`` of a field a minor version added: ``Field(None, json_schema_extra=since("1.2"))``.
 
     The mark appears in the published JSON Schemas, and :func:`omitted_defaults` leaves
@@ -81,7 +81,7 @@ def omitted_defaults(model: BaseModel) -> dict[str, Any]:
     return exclude
 
 
-@lru_cache(maxsize=None)
+@cache
 def _schema(model: type[BaseModel]) -> dict[str, Any]:
     return model.model_json_schema(mode="validation")
 
