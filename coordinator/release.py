@@ -11,12 +11,11 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
-
 from edgepfl.atomic import write_json
 from edgepfl.config import RunConfig
 from edgepfl.methods import ServerState
 from edgepfl.protocol import MessageType, ReleaseMeta, encode
+from edgepfl.protocol.manifest import release_tensors
 from edgepfl.protocol.signing import Signer
 from edgepfl.state import CheckpointMeta
 
@@ -50,10 +49,8 @@ def build_release(state: ServerState, meta: CheckpointMeta, releases_dir: Path, 
     out = Path(releases_dir) / f"round-{meta.round:04d}"
     export_state(state, meta, out)
     manifest, artifact = read_release(out)
-    tensors = {"artifact": np.frombuffer(artifact, dtype=np.uint8)}
-    global_heads = read_global_heads(out, manifest)
-    if global_heads is not None:  # what a DualFed / FedPick head is fitted around (PROTOCOL.md §12)
-        tensors["global_heads"] = np.frombuffer(global_heads, dtype=np.uint8)
+    # the global heads: what a DualFed / FedPick head is fitted around (PROTOCOL.md §12)
+    tensors = release_tensors(artifact, read_global_heads(out, manifest))
     now = time.time()
     meta_msg = ReleaseMeta(release_id=manifest.release_id, manifest=manifest,
                            sha256=hashlib.sha256(artifact).hexdigest(), size_bytes=len(artifact),

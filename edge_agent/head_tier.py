@@ -49,7 +49,7 @@ from edgepfl.heads import OFFLINE_HEAD_KIND, HeadRelease
 from edgepfl.heads.labels import FEDERATION, LabelSpace, label_space_for
 from edgepfl.methods import create_method
 from edgepfl.protocol.envelope import Header, encode_body
-from edgepfl.protocol.manifest import ReleaseManifest, parse_manifest
+from edgepfl.protocol.manifest import ReleaseManifest, parse_manifest, release_tensors
 from edgepfl.protocol.messages import ReleaseMeta
 from edgepfl.protocol.signing import SIGNATURE_BYTES, verify_signed_part
 
@@ -149,7 +149,7 @@ class HeadRuntime:
         reason = verify_signed_part(signed, signature, header.signer, key)
         if reason is not None:
             raise ValueError(f"installed release fails its signature check: {reason}")
-        body = encode_body(_release_tensors(encoder, self._stored_global_heads(record)))
+        body = encode_body(release_tensors(encoder, self._stored_global_heads(record)))
         if body.sha256 != header.body_sha256 or meta.sha256 != record["encoder_sha256"] \
                 or meta.sequence != record.get("sequence"):
             raise ValueError("installed encoder or sequence differs from the signed release")
@@ -249,9 +249,10 @@ class HeadRuntime:
         labels, to_labels = label_space_for(self.data.class_names, manifest.run.data.class_names)
         y_train, y_test = to_labels[self.data.y_train], to_labels[self.data.y_test]
         # named by content like the encoder; a refused release's file is removed again
-        heads_path = self.state_dir / f"global-heads-{_sha(global_heads)[:16]}.safetensors" if global_heads else None
+        heads_path = None
         keep = self.record.get("global_heads_file") if self.record else None
-        if heads_path is not None and global_heads is not None:
+        if global_heads is not None:
+            heads_path = self.state_dir / f"global-heads-{_sha(global_heads)[:16]}.safetensors"
             write_bytes(heads_path, global_heads)
         start = time.perf_counter()
         try:
@@ -422,14 +423,6 @@ def _renormalization(local: dict[str, Any], manifest: ReleaseManifest) -> Channe
 
 def _apply(adapt: ChannelAffine | None, x: np.ndarray) -> np.ndarray:
     return x if adapt is None else adapt.apply(x)
-
-
-def _release_tensors(artifact: bytes, global_heads: bytes | None) -> dict[str, np.ndarray]:
-    """A release frame's tensors, as the coordinator encodes them (PROTOCOL.md §12)."""
-    tensors = {"artifact": np.frombuffer(artifact, dtype=np.uint8)}
-    if global_heads is not None:
-        tensors["global_heads"] = np.frombuffer(global_heads, dtype=np.uint8)
-    return tensors
 
 
 def _sha(data: bytes) -> str:
