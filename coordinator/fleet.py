@@ -28,6 +28,7 @@ from edgepfl.protocol import (
     encode,
     federation_topic,
     parse_topic,
+    release_part_topic,
     split_frame,
 )
 from edgepfl.protocol.connection import BrokerLogin
@@ -86,8 +87,13 @@ class Fleet(ABC):
         """The next inbound event, or None when nothing came within ``timeout`` seconds."""
 
     @abstractmethod
-    def publish_release(self, frame: bytes, round: int) -> int:
-        """Make an encoder release available to head-tier agents; returns bytes put on the wire."""
+    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0) -> int:
+        """Make an encoder release available to head-tier agents, late joiners included.
+
+        ``earlier_parts``: how many retained part topics an earlier release left (0: it was
+        whole or there was none), so those this one does not overwrite are cleared. Returns
+        the part topics now holding this release (0: it is retained whole).
+        """
 
     @abstractmethod
     def agent_online(self, agent_id: str, tier: str) -> None:
@@ -195,24 +201,35 @@ class MqttFleet(Fleet):
     def send_ready(self) -> bool:
         return self.transport.send_ready()
 
-    def publish_release(self, frame: bytes, round: int) -> int:
-        """To every head agent online now, retained when it fits one MQTT message (chunked
-        otherwise); each head agent that comes online later gets it on its own task topic."""
+    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0) -> int:
+        """Retained on the release topic when it fits one MQTT message, else as retained parts
+        on ``release/<i>`` (PROTOCOL.md §12), so a head agent that joins after this
+        coordinator exited still gets it; each head agent that comes online while it runs
+        gets it on its own task topic too. Clears what an earlier release left retained and
+        this one does not overwrite: its extra parts, or the whole-frame topic."""
         self._release = (frame, round)
         topic = federation_topic(self.federation, FederationChannel.RELEASE)
-        retain = len(frame) <= self.transport.max_message_bytes
-        if not retain:
-            log.info("release of %d bytes exceeds max_message_bytes: chunked, not retained", len(frame))
-        return self.transport.publish(topic, frame, retain=retain, round=round, wait=True)
+        if len(frame) <= self.transport.max_message_bytes:
+            self.transport.publish(topic, frame, retain=True, round=round, wait=True)
+            parts = 0
+        else:
+            _, parts = self.transport.publish_parts(frame, lambda i: release_part_topic(self.federation, i),
+                                                    round=round)
+            self.transport.clear_retained([topic])
+            log.info("release of %d bytes exceeds max_message_bytes: retained in %d parts", len(frame), parts)
+        stale = range(parts, earlier_parts)
+        if stale:
+            self.transport.clear_retained(release_part_topic(self.federation, i) for i in stale)
+        return parts
 
     def publish_view(self, payload: bytes) -> None:
         self.transport.publish(federation_topic(self.federation, FederationChannel.VIEW), payload, retain=True)
 
     def agent_online(self, agent_id: str, tier: str) -> None:
-        # The retained release cannot be relied on to reach a late joiner: a chunked one is
-        # not retained, and RabbitMQ keeps retained messages on one cluster node only. So the
-        # current release goes to each head agent that comes online, addressed to it alone
-        # (PROTOCOL.md §12); one that already has it just reports again.
+        # The retained release cannot be relied on to reach a late joiner: RabbitMQ keeps
+        # retained messages on one cluster node only. So the current release goes to each
+        # head agent that comes online, addressed to it alone (PROTOCOL.md §12); one that
+        # already has it just reports again.
         if tier == "head" and self._release is not None:
             frame, round = self._release
             self.send(agent_id, frame, round)  # chunked to what the agent declared it accepts
@@ -269,8 +286,8 @@ class LocalFleet(Fleet):
         except queue.Empty:
             return None
 
-    def publish_release(self, frame: bytes, round: int) -> int:
-        return len(frame)  # in-process agents are all trainers: nobody installs releases
+    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0) -> int:
+        return 0  # in-process agents are all trainers: nobody installs releases
 
     def agent_online(self, agent_id: str, tier: str) -> None:
         """Nothing to do: the agents here are online from the start and never leave."""

@@ -460,12 +460,12 @@ class Coordinator:
     # ---------------------------------------------------------------- releases
     def release(self, round: int) -> str | None:
         """Export the frozen encoder and publish it (retained) for head-tier agents."""
-        from .release import build_release
+        from .release import build_release, publish_release
 
         self.observer.enter("releasing", round)
         release_id, frame = build_release(self._server_state(), self.run_meta(round), self.out_dir / "releases",
                                           self.config, signer=self.signer)
-        self.fleet.publish_release(frame, round)
+        publish_release(self.fleet, frame, round, self.out_dir / "releases")
         self.releases[release_id] = round
         self.observer.released(release_id)
         self.progress.note(f"released encoder {release_id} ({len(frame) / 1e6:.2f} MB) to head-tier agents")

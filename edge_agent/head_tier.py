@@ -20,13 +20,16 @@ other data is a new task in its own. Either way the head file records the name o
 class (:mod:`edgepfl.heads.labels`), so ``edgepfl predict`` prints the right names.
 
 Only numpy, onnxruntime and scikit-learn are imported here (and skl2onnx to save a
-fitted head); a test asserts torch never is. A method's own head (``dualfed``,
-``fedpick``) is trained with torch and around the federation's global heads, which a
-release over MQTT does not carry: a device fits those offline (``edgepfl fit-head``).
+fitted head); a test asserts torch never is for the generic heads. A method's own head
+(``dualfed``, ``fedpick``) is trained with torch around the federation's global heads,
+which a release carries beside the encoder (checked against the manifest's sha256 and kept
+with the installed release): a device with torch fits it on receipt, a device without
+torch fits it elsewhere (``edgepfl fit-head``) and installs it as an offline head.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -46,7 +49,7 @@ from edgepfl.heads import OFFLINE_HEAD_KIND, HeadRelease
 from edgepfl.heads.labels import FEDERATION, LabelSpace, label_space_for
 from edgepfl.methods import create_method
 from edgepfl.protocol.envelope import Header, encode_body
-from edgepfl.protocol.manifest import ReleaseManifest, parse_manifest
+from edgepfl.protocol.manifest import ReleaseManifest, parse_manifest, release_tensors
 from edgepfl.protocol.messages import ReleaseMeta
 from edgepfl.protocol.signing import SIGNATURE_BYTES, verify_signed_part
 
@@ -146,10 +149,20 @@ class HeadRuntime:
         reason = verify_signed_part(signed, signature, header.signer, key)
         if reason is not None:
             raise ValueError(f"installed release fails its signature check: {reason}")
-        body = encode_body({"artifact": np.frombuffer(encoder, dtype=np.uint8)})
+        body = encode_body(release_tensors(encoder, self._stored_global_heads(record)))
         if body.sha256 != header.body_sha256 or meta.sha256 != record["encoder_sha256"] \
                 or meta.sequence != record.get("sequence"):
             raise ValueError("installed encoder or sequence differs from the signed release")
+
+    def _stored_global_heads(self, record: dict[str, Any]) -> bytes | None:
+        """The installed release's global heads bytes, checked against their record, or None."""
+        name = record.get("global_heads_file")
+        if not name:
+            return None
+        data = (self.state_dir / name).read_bytes()
+        if _sha(data) != record.get("global_heads_sha256"):
+            raise ValueError(f"{name} does not match {STATE_FILE}")
+        return data
 
     def _release_refusal(self, sequence: int | None, expires: float | None, digest: str) -> str | None:
         """Why a release with this ``sequence`` and ``expires`` must not replace the installed one
@@ -167,7 +180,7 @@ class HeadRuntime:
 
     def install_release(self, manifest: ReleaseManifest, artifact: bytes, expected_sha256: str, *,
                         sequence: int | None = None, expires: float | None = None,
-                        proof: bytes | None = None) -> dict[str, Any]:
+                        proof: bytes | None = None, global_heads: bytes | None = None) -> dict[str, Any]:
         """Verify, install and fit on a new encoder release; returns the held-out metrics.
 
         Metrics: ``accuracy``, ``eval_correct``, ``num_train``, ``num_test``,
@@ -177,7 +190,10 @@ class HeadRuntime:
         does not fit this device's data; or when its ``sequence`` is not above the installed
         release's (a rollback), it is past ``expires``, or, with a pinned coordinator key, it
         lacks either. ``proof`` (the signed frame's prefix, header and signature) is kept to
-        re-verify the release on restart.
+        re-verify the release on restart. ``global_heads``: the bytes of the manifest's
+        global heads file as the release carried them (a release from a 1.1 coordinator
+        carries none: then only heads that do not need them can be fitted); refused when
+        they do not match the manifest's sha256 or the manifest names no such file.
         """
         release_id = manifest.release_id
         current = self.release_id
@@ -196,6 +212,12 @@ class HeadRuntime:
         refusal = self._release_refusal(sequence, expires, digest)
         if refusal is not None:
             raise refuse(refusal)
+        heads_entry = manifest.global_heads
+        if global_heads is not None and heads_entry is None:
+            raise refuse("it carries global heads its manifest does not name")
+        if global_heads is not None and heads_entry is not None and _sha(global_heads) != heads_entry.sha256:
+            raise refuse(f"sha256 mismatch: global heads are {_sha(global_heads)[:16]}…, manifest says "
+                         f"{heads_entry.sha256[:16]}…")
         if self.coordinator_key is not None and proof is None:
             raise refuse("unsigned")
         if self.record and self.record["encoder_sha256"] == digest and self.ready:
@@ -226,8 +248,19 @@ class HeadRuntime:
 
         labels, to_labels = label_space_for(self.data.class_names, manifest.run.data.class_names)
         y_train, y_test = to_labels[self.data.y_train], to_labels[self.data.y_test]
+        # named by content like the encoder; a refused release's file is removed again
+        heads_path = None
+        keep = self.record.get("global_heads_file") if self.record else None
+        if global_heads is not None:
+            heads_path = self.state_dir / f"global-heads-{_sha(global_heads)[:16]}.safetensors"
+            write_bytes(heads_path, global_heads)
         start = time.perf_counter()
-        head_bytes, head_name = self._head_for(manifest, digest, f_train, y_train, labels, refuse)
+        try:
+            head_bytes, head_name = self._head_for(manifest, digest, f_train, y_train, labels, refuse, heads_path)
+        except ReleaseRefused:
+            if heads_path is not None and heads_path.name != keep:
+                heads_path.unlink(missing_ok=True)
+            raise
         head_path = self.state_dir / f"head-{digest[:16]}.onnx"
         write_bytes(head_path, head_bytes)
         head = OnnxHead(head_path, self.threads).fit()
@@ -255,6 +288,8 @@ class HeadRuntime:
             "release_id": release_id, "manifest": manifest.model_dump(mode="json"), "encoder_file": enc_name,
             "encoder_sha256": digest,
             "head_file": head_path.name, "head_sha256": _sha(head_bytes), "metrics": metrics,
+            "global_heads_file": heads_path.name if heads_path is not None else None,
+            "global_heads_sha256": _sha(global_heads) if global_heads is not None else None,
             "installed": time.time(), "sequence": sequence,
             # the signed prefix + header + signature as received, re-verified on restart
             "proof_file": proof_file,
@@ -280,9 +315,11 @@ class HeadRuntime:
         return method.make_head(self.head_kind, release, **self.head_params)
 
     def _head_for(self, manifest: ReleaseManifest, encoder_sha: str, f_train: np.ndarray, y_train: np.ndarray,
-                  labels: LabelSpace, refuse: Callable[[str], ReleaseRefused]) -> tuple[bytes, str]:
+                  labels: LabelSpace, refuse: Callable[[str], ReleaseRefused],
+                  global_heads: Path | None = None) -> tuple[bytes, str]:
         """(ONNX bytes, kind) of the head for this encoder: the offline one if it matches, else
-        fitted on ``y_train`` (labels in ``labels``, which the head records)."""
+        fitted on ``y_train`` (labels in ``labels``, which the head records) around the release's
+        ``global_heads`` file where the head needs it."""
         offline = self.state_dir / OFFLINE_HEAD
         if offline.is_file():
             try:
@@ -302,7 +339,7 @@ class HeadRuntime:
         if self.head_kind == OFFLINE_HEAD_KIND:
             raise refuse(f"head kind {OFFLINE_HEAD_KIND!r} needs {offline} fitted for encoder {encoder_sha[:12]} "
                          "(edgepfl fit-head --encoder … --out head.onnx)")
-        release = HeadRelease.from_manifest(manifest)
+        release = dataclasses.replace(HeadRelease.from_manifest(manifest), global_heads=global_heads)
         try:
             head = self.new_head(release)
         except KeyError as exc:  # a method this installation does not know
@@ -320,8 +357,9 @@ class HeadRuntime:
         """Delete the files of the ``old`` record that the ``current`` one does not use."""
         if not old:
             return
-        keep = {current["encoder_file"], current["head_file"], current.get("proof_file")}
-        for name in (old.get("encoder_file"), old.get("head_file"), old.get("proof_file")):
+        kept = ("encoder_file", "head_file", "proof_file", "global_heads_file")
+        keep = {current.get(k) for k in kept}
+        for name in (old.get(k) for k in kept):
             if name and name not in keep:
                 (self.state_dir / name).unlink(missing_ok=True)
 

@@ -33,6 +33,7 @@ from edgepfl.protocol import (
     agent_topic,
     encode,
     federation_topic,
+    release_part_topic,
 )
 
 if TYPE_CHECKING:
@@ -211,8 +212,9 @@ class HeadTier:
 
     def subscriptions(self, federation: str, agent_id: str) -> list[str]:
         # The task topic too, as the protocol has every agent do; a head agent ignores tasks.
+        # Part 0 of a release in parts: the transport follows its other parts (PROTOCOL.md §12).
         return [agent_topic(federation, agent_id, AgentChannel.TASK),
-                federation_topic(federation, FederationChannel.RELEASE)]
+                federation_topic(federation, FederationChannel.RELEASE), release_part_topic(federation, 0)]
 
     def capabilities(self) -> Capabilities:
         from importlib.util import find_spec
@@ -243,14 +245,15 @@ class HeadTier:
 
     def handle(self, message: Message) -> Reply | None:
         meta = message.meta_as(ReleaseMeta)  # the agent hands a tier only messages of its ``accepts`` type
-        artifact = message.tensors.get("artifact")
+        artifact, global_heads = message.tensors.get("artifact"), message.tensors.get("global_heads")
         if artifact is None:
             log.error("release %s carries no artifact; refused", meta.release_id)
             return None
         try:
             result = self.runtime.install_release(
                 meta.manifest, artifact.tobytes(), meta.sha256, sequence=meta.sequence, expires=meta.expires,
-                proof=message.signed_part + message.signature if message.signature is not None else None)
+                proof=message.signed_part + message.signature if message.signature is not None else None,
+                global_heads=global_heads.tobytes() if global_heads is not None else None)
         except Exception as exc:
             log.error("release %s refused: %s", meta.release_id, exc)
             return None

@@ -7,8 +7,8 @@ Written by ``edgepfl provision`` and read by Mosquitto 2.x, so the formats are M
   with hashlib so provisioning needs no Mosquitto installed;
 * :func:`acl_text` — the pattern ACL of docs/PROTOCOL.md §17, tightened: each agent
   writes its own status/update/metrics and reads its own task, the coordinator presence
-  and the release; the coordinator reads the agents' side and writes tasks, its presence
-  and the release; nothing reads ``#``;
+  and the release (whole or its retained parts ``release/+``); the coordinator reads the
+  agents' side and writes tasks, its presence and the release; nothing reads ``#``;
 * :func:`broker_sizing` and :func:`mosquitto_conf` — the listener and its limits, sized
   to the fleet and the message size, every number with a comment saying why.
 """
@@ -68,6 +68,7 @@ def acl_text(federation: str) -> str:
         f"topic write {base}/agents/+/task",
         f"topic write {base}/coordinator",
         f"topic write {base}/release",
+        f"topic write {base}/release/+",
         f"topic write {base}/view",
         "",
         "# Operators' tools (edgepfl status, dashboards): the fleet view only.",
@@ -75,13 +76,15 @@ def acl_text(federation: str) -> str:
         f"topic read {base}/view",
         "",
         "# Every agent: writes only its own status/update/metrics, reads only its own task,",
-        "# the coordinator's presence and the release. Nothing else, and no '#'.",
+        "# the coordinator's presence and the release (whole, or its retained parts release/<i>).",
+        "# Nothing else, and no '#'.",
         f"pattern write {base}/agents/%u/status",
         f"pattern write {base}/agents/%u/update",
         f"pattern write {base}/agents/%u/metrics",
         f"pattern read {base}/agents/%u/task",
         f"pattern read {base}/coordinator",
         f"pattern read {base}/release",
+        f"pattern read {base}/release/+",
         "",
     ])
 

@@ -243,6 +243,18 @@ def read_release(out_dir: str | Path) -> tuple[ReleaseManifest, bytes]:
     return manifest, data
 
 
+def read_global_heads(out_dir: str | Path, manifest: ReleaseManifest) -> bytes | None:
+    """The bytes of the release's global heads file (None when the manifest names none),
+    checked against the manifest's sha256."""
+    if manifest.global_heads is None:
+        return None
+    path = Path(out_dir) / manifest.global_heads.file
+    data = path.read_bytes()
+    if sha256_bytes(data) != manifest.global_heads.sha256:
+        raise ExportError(f"{path} does not match its manifest sha256")
+    return data
+
+
 # --------------------------------------------------------------------------- helpers
 def _module_prefix(model, module) -> str:
     for name, mod in model.named_modules():

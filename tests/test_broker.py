@@ -411,6 +411,7 @@ def test_acl_from_the_doc_confines_each_agent_to_its_own_topics(acl_broker, peer
     coord = login("coordinator").subscribe(f"{base}/agents/+/update")
     pi7, pi8 = login("pi-07"), login("pi-08")
     pi7.subscribe(f"{base}/agents/pi-07/task").subscribe(f"{base}/agents/pi-08/task").subscribe(f"{base}/release")
+    pi7.subscribe(f"{base}/release/0")
     pi8.subscribe(f"{base}/agents/pi-08/task")
     # tasks reach their own agent only
     coord.publish(f"{base}/agents/pi-08/task", b"task-for-8")
@@ -422,12 +423,15 @@ def test_acl_from_the_doc_confines_each_agent_to_its_own_topics(acl_broker, peer
     pi7.publish(f"{base}/agents/pi-07/update", b"from-7")
     pi7.publish(f"{base}/agents/pi-08/update", b"forged-by-7")
     pi7.publish(f"{base}/release", b"fake-release", retain=True)
+    pi7.publish(f"{base}/release/0", b"fake-part", retain=True)
     got = coord.get()
     assert (got.topic, got.payload) == (f"{base}/agents/pi-07/update", b"from-7")
     assert coord.nothing(wait=0.5) and pi7.nothing()
     # the coordinator's release reaches agents
     coord.publish(f"{base}/release", b"real-release", retain=True)
     assert pi7.get().payload == b"real-release"
+    coord.publish(f"{base}/release/0", b"real-part", retain=True)  # a release in parts (PROTOCOL §12)
+    assert pi7.get().payload == b"real-part"
     # the fleet view: the coordinator writes it, an operator reads it, an agent can neither forge nor read it
     operator = login("operator").subscribe(f"{base}/view")
     pi8.subscribe(f"{base}/view")

@@ -151,6 +151,41 @@ def test_a_head_kind_the_releases_method_does_not_offer_is_refused(releases, dat
     assert rt.release_id is None and not (tmp_path / "state" / "release.json").exists()
 
 
+def test_a_release_carrying_its_global_heads_gets_the_methods_own_head(releases, data, tmp_path, caplog):
+    """The release's ``global_heads`` bytes (PROTOCOL.md §12) are all a device needs beside the
+    encoder for a DualFed head: verified against the manifest, kept with the installed release."""
+    from edgepfl.export.onnx_export import read_global_heads
+
+    manifest, artifact, sha = _release_args(releases[1])
+    heads = read_global_heads(releases[1], manifest)
+    assert heads is not None
+    state = tmp_path / "state"
+    rt = HeadRuntime(state, "dualfed", data)
+    # heads that are not the manifest's, or a manifest that names none: refused before anything is fitted
+    with caplog.at_level(logging.ERROR, logger="edgepfl.agent.head"):
+        with pytest.raises(ReleaseRefused, match="global heads are"):
+            rt.install_release(manifest, artifact, sha, global_heads=heads[:-1] + bytes([heads[-1] ^ 1]))
+        with pytest.raises(ReleaseRefused, match="manifest does not name"):
+            rt.install_release(manifest.model_copy(update={"global_heads": None}), artifact, sha, global_heads=heads)
+    assert rt.release_id is None and not list(state.glob("global-heads-*"))  # no orphan left behind
+
+    metrics = rt.install_release(manifest, artifact, sha, global_heads=heads)
+    assert metrics["head"] == "dualfed" and metrics["accuracy"] > 0.5
+    record = json.loads((state / "release.json").read_text())
+    assert (state / record["global_heads_file"]).read_bytes() == heads
+    assert record["global_heads_sha256"] == manifest.global_heads.sha256
+    # a restarted agent serves the same head without refitting
+    restored = HeadRuntime(state, "dualfed", data)
+    assert restored.load() == metrics
+    np.testing.assert_array_equal(restored.predict(data.x_test), rt.predict(data.x_test))
+
+    # the next release (without global heads, say from a 1.1 coordinator, for an lr device) removes the old file
+    lr = HeadRuntime(state, "lr", data)
+    lr.load()
+    _install(lr, releases[0])
+    assert not list(state.glob("global-heads-*"))
+
+
 def _release_args(release_dir):
     manifest, artifact = read_release(release_dir)
     return manifest, artifact, manifest.encoder.sha256

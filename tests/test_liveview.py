@@ -47,7 +47,7 @@ class RecordingFleet(Fleet):
     def poll(self, timeout):
         return None
 
-    def publish_release(self, frame, round):
+    def publish_release(self, frame, round, earlier_parts=0):
         return 0
 
     def agent_online(self, agent_id, tier):

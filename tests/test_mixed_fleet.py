@@ -45,8 +45,9 @@ def test_mixed_fleet_reports_both_tiers(mosquitto, broker_capture, tmp_path):
 
 def assert_every_channel_has_one_direction(frames: list[tuple[str, bytes]], federation: str) -> None:
     """docs/PROTOCOL.md, Channels: nobody but agent A publishes on its status, update and
-    metrics topics; nobody but the coordinator on task, coordinator and release. Each
-    frame's type is its channel's (or a chunk of a frame too big for one message)."""
+    metrics topics; nobody but the coordinator on task, coordinator and release (and the
+    release's part topics). Each frame's type is its channel's (or a chunk of a frame too
+    big for one message; on a release part topic, exactly that part's chunk)."""
     seen = set()
     for topic, payload in frames:
         if not topic.startswith(f"edgepfl/v1/{federation}/") or not payload:  # other traffic; a cleared retained topic
@@ -56,9 +57,12 @@ def assert_every_channel_has_one_direction(frames: list[tuple[str, bytes]], fede
         if parsed.channel == FederationChannel.VIEW:  # the operators' JSON mirror, not a frame (PROTOCOL §18)
             assert json.loads(payload)["federation"] == federation
             continue
-        header = decode(payload).header
+        message = decode(payload)
+        header = message.header
         from_agent = parsed.channel in (AgentChannel.STATUS, AgentChannel.UPDATE, AgentChannel.METRICS)
         assert header.sender == (parsed.agent if from_agent else COORDINATOR), (topic, header.sender)
+        if parsed.part is not None:  # a release in parts: release/<i> carries chunk i, nothing else (PROTOCOL §12)
+            assert header.type == MessageType.CHUNK and message.meta.index == parsed.part, (topic, header.type)
         # a late head agent gets the current release on its task topic (PROTOCOL.md §12), and
         # an agent a NACK of a rejected frame of its own (§7)
         allowed = {MessageType(parsed.channel.value), MessageType.CHUNK}

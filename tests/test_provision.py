@@ -101,11 +101,12 @@ def test_acl_confines_agents_to_their_own_topics_and_has_no_wildcard_reads(tmp_p
         "user coordinator",
         f"topic read {base}/agents/+/status", f"topic read {base}/agents/+/update",
         f"topic read {base}/agents/+/metrics", f"topic write {base}/agents/+/task",
-        f"topic write {base}/coordinator", f"topic write {base}/release", f"topic write {base}/view",
+        f"topic write {base}/coordinator", f"topic write {base}/release", f"topic write {base}/release/+",
+        f"topic write {base}/view",
         "user operator", f"topic read {base}/view",
         f"pattern write {base}/agents/%u/status", f"pattern write {base}/agents/%u/update",
         f"pattern write {base}/agents/%u/metrics", f"pattern read {base}/agents/%u/task",
-        f"pattern read {base}/coordinator", f"pattern read {base}/release",
+        f"pattern read {base}/coordinator", f"pattern read {base}/release", f"pattern read {base}/release/+",
     ]
     assert not any(line.endswith("#") for line in lines)
 
@@ -257,6 +258,7 @@ def test_one_agents_credentials_reach_nothing_but_its_own_topics(tmp_path, auth)
         coord = Attacker(broker.url, creds["coordinator"], "edgepfl-demo-coordinator").subscribe(f"{base}/agents/+/+")
         victim = Attacker(broker.url, creds["pi-02"], "edgepfl-demo-pi-02")
         victim.subscribe(f"{base}/agents/pi-02/task").subscribe(f"{base}/coordinator").subscribe(f"{base}/release")
+        victim.subscribe(f"{base}/release/0")
         thief = Attacker(broker.url, creds["pi-01"], "edgepfl-demo-pi-01").subscribe("#")
         thief.subscribe(f"{base}/agents/pi-02/task").subscribe(f"{base}/agents/+/update")
         try:
@@ -265,6 +267,7 @@ def test_one_agents_credentials_reach_nothing_but_its_own_topics(tmp_path, auth)
             thief.publish(f"{base}/agents/pi-02/task", b"forged-task")
             thief.publish(f"{base}/coordinator", b"forged-presence", retain=True)
             thief.publish(f"{base}/release", b"forged-release", retain=True)
+            thief.publish(f"{base}/release/0", b"forged-part", retain=True)
             thief.publish(f"{base}/agents/pi-01/update", b"own-update")  # allowed: the control
             coord.publish(f"{base}/agents/pi-02/task", b"task-2")
             victim.publish(f"{base}/agents/pi-02/update", b"update-2")

@@ -93,8 +93,8 @@ class ScriptedFleet(Fleet):
         time.sleep(min(timeout, 0.01))
         return None
 
-    def publish_release(self, frame: bytes, round: int) -> int:
-        return len(frame)
+    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0) -> int:
+        return 0
 
     def agent_online(self, agent_id: str, tier: str) -> None:
         self.online_calls.append((agent_id, tier))
@@ -311,7 +311,7 @@ class HeadFleet(ScriptedFleet):
         self.events += [status("pi-1", tier="head"), status("pi-2", tier="head")]
         self.releases: list[int] = []
 
-    def publish_release(self, frame: bytes, round: int) -> int:
+    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0) -> int:
         self.releases.append(round)
         release_id = decode(frame).meta.release_id
         for agent_id, correct in (("pi-1", 7), ("pi-2", 9)):

@@ -170,7 +170,8 @@ def test_the_head_tier_answers_a_release_with_metrics(release, tmp_path):
     tier = HeadTier("pi", client_data(NEW_CLIENT), str(tmp_path / "pi"), "lr")
     tier.restore()  # nothing saved yet: logged, not raised
     assert tier.accepts == MessageType.RELEASE and tier.device == "cpu-onnxruntime"
-    assert tier.subscriptions(FED, "pi") == [f"edgepfl/v1/{FED}/agents/pi/task", f"edgepfl/v1/{FED}/release"]
+    assert tier.subscriptions(FED, "pi") == [f"edgepfl/v1/{FED}/agents/pi/task", f"edgepfl/v1/{FED}/release",
+                                             f"edgepfl/v1/{FED}/release/0"]  # part 0 of a release in parts
     reply = tier.handle(decode(release))
     assert reply.channel == AgentChannel.METRICS and reply.round == 0
     report = decode(reply.frame)

@@ -52,9 +52,10 @@ def test_the_session_field_is_optional_and_must_be_an_id():
 def test_a_bridge_forwards_agent_channels_out_and_coordinator_channels_in_and_cannot_loop():
     lines = bridge_config("site0", 1883).splitlines()
     topics = [line.split() for line in lines if line.startswith("topic ")]
-    out = {t[1].rsplit("/", 1)[-1] for t in topics if t[2] == "out"}
-    into = {t[1].rsplit("/", 1)[-1] for t in topics if t[2] == "in"}
-    assert out == {"status", "update", "metrics"} and into == {"task", "coordinator", "release"}
+    out = {t[1].split("/", 3)[-1] for t in topics if t[2] == "out"}
+    into = {t[1].split("/", 3)[-1] for t in topics if t[2] == "in"}
+    assert out == {"agents/+/status", "agents/+/update", "agents/+/metrics"}
+    assert into == {"agents/+/task", "coordinator", "release", "release/+"}  # a release in parts too
     assert all(t[3] == "1" for t in topics)  # QoS 1 across the link, like every edgepfl publish
     assert "try_private true" in lines and "cleansession false" in lines
 

@@ -51,6 +51,7 @@ from .topics import (
     agent_wildcard,
     federation_topic,
     parse_topic,
+    release_part_topic,
 )
 
 __all__ = [
@@ -62,4 +63,5 @@ __all__ = [
     "ReleaseMeta", "RollCall", "RunSpec", "StatusMeta", "TaskMeta", "TopicError", "UpdateMeta", "agent_topic", "agent_wildcard",
     "decode", "encode", "federation_topic", "new_message_id", "parse_manifest", "parse_topic", "read_manifest",
     "split_frame", "Capabilities", "NackMeta", "REFUSAL_REASONS", "RefusalMeta", "parse_version", "supports",
+    "release_part_topic",
 ]

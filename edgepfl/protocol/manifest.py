@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any, Final, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .run import RunSpec
@@ -23,7 +24,7 @@ from .validation import first_validation_error
 
 __all__ = [
     "MANIFEST_FORMAT", "BatchNormOrigin", "FileEntry", "GlobalHeadsEntry", "ManifestError", "ReleaseManifest",
-    "parse_manifest", "read_manifest",
+    "parse_manifest", "read_manifest", "release_tensors",
 ]
 
 #: the manifest's ``format``; version 2 embeds the run spec (version 1 was a flat dict)
@@ -119,3 +120,12 @@ def read_manifest(path: str | Path) -> ReleaseManifest:
     except (OSError, ValueError) as exc:
         raise ManifestError(f"{path}: not a JSON manifest ({exc})") from None
     return parse_manifest(data, str(path))
+
+
+def release_tensors(artifact: bytes, global_heads: bytes | None = None) -> dict[str, np.ndarray]:
+    """The tensors of a ``release`` frame (docs/PROTOCOL.md §12): ``artifact``, the encoder
+    file's bytes, and ``global_heads``, the global heads file's bytes when the manifest has them."""
+    tensors = {"artifact": np.frombuffer(artifact, dtype=np.uint8)}
+    if global_heads is not None:
+        tensors["global_heads"] = np.frombuffer(global_heads, dtype=np.uint8)
+    return tensors

@@ -1,7 +1,9 @@
 """The topic grammar: the only place that builds or parses an MQTT topic.
 
-``edgepfl/v1/<federation>/agents/<agent>/<channel>`` for per-agent traffic and
-``edgepfl/v1/<federation>/<channel>`` for federation-wide traffic. Every
+``edgepfl/v1/<federation>/agents/<agent>/<channel>`` for per-agent traffic,
+``edgepfl/v1/<federation>/<channel>`` for federation-wide traffic and
+``edgepfl/v1/<federation>/release/<index>`` for the retained parts of a release too large
+for one MQTT message (docs/PROTOCOL.md §12). Every name
 segment matches ``[A-Za-z0-9_-]+`` so a topic never carries a wildcard or a
 separator smuggled in by a name, and a broker ACL keyed on the username
 (``pattern readwrite edgepfl/v1/+/agents/%u/#``) confines each agent to its own
@@ -19,6 +21,8 @@ from enum import Enum
 ROOT = "edgepfl"
 VERSION_SEGMENT = "v1"
 _SEGMENT = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+#: a part index: decimal, no leading zero, below a chunk's largest ``count`` (1 000 000)
+_PART = re.compile(r"^(0|[1-9][0-9]{0,5})$")
 
 
 class AgentChannel(str, Enum):
@@ -61,15 +65,24 @@ def federation_topic(federation: str, channel: FederationChannel) -> str:
     return f"{ROOT}/{VERSION_SEGMENT}/{federation}/{FederationChannel(channel).value}"
 
 
+def release_part_topic(federation: str, index: int) -> str:
+    """The retained topic of chunk ``index`` of a release published in parts."""
+    if not isinstance(index, int) or not _PART.match(str(index)):
+        raise TopicError(f"release part index {index!r} must be an integer in 0..999999")
+    return f"{federation_topic(federation, FederationChannel.RELEASE)}/{index}"
+
+
 @dataclass(frozen=True)
 class ParsedTopic:
     federation: str
     channel: AgentChannel | FederationChannel
     agent: str | None = None
+    #: the index of a release part topic (``…/release/<index>``), else None
+    part: int | None = None
 
 
 def parse_topic(topic: str) -> ParsedTopic:
-    """Inverse of :func:`agent_topic` / :func:`federation_topic`; raises TopicError."""
+    """Inverse of :func:`agent_topic` / :func:`federation_topic` / :func:`release_part_topic`; raises TopicError."""
     parts = topic.split("/")
     if len(parts) < 4 or parts[0] != ROOT or parts[1] != VERSION_SEGMENT:
         raise TopicError(f"not an edgepfl/{VERSION_SEGMENT} topic: {topic!r}")
@@ -79,6 +92,8 @@ def parse_topic(topic: str) -> ParsedTopic:
             return ParsedTopic(federation, AgentChannel(parts[5]), check_segment(parts[4], "agent id"))
         if len(parts) == 4:
             return ParsedTopic(federation, FederationChannel(parts[3]))
+        if len(parts) == 5 and parts[3] == FederationChannel.RELEASE.value and _PART.match(parts[4]):
+            return ParsedTopic(federation, FederationChannel.RELEASE, part=int(parts[4]))
     except ValueError as exc:
         raise TopicError(f"unknown channel in topic {topic!r}") from exc
     raise TopicError(f"malformed topic {topic!r}")

@@ -18,6 +18,10 @@ What it adds over a bare paho client:
   back together (and sha256-verified) on receipt, with the partial frames bounded per
   topic and in all (:mod:`.reassembly`); an evicted or refused partial is reported
   like any other dropped message;
+* a frame too large for one message that must stay retained (a release) is published as
+  retained **parts**, chunk i on its own topic (:meth:`MqttTransport.publish_parts`); a
+  receiver subscribed to part 0 subscribes to the others once chunk 0 tells their count,
+  and reassembles them as one frame of the parts' base topic (docs/PROTOCOL.md §8, §12);
 * incoming frames are queued and handed to the caller's thread by
   :meth:`MqttTransport.receive`, so decoding and training never run on paho's
   network thread; the queue is bounded (:class:`.backpressure.BoundedInbox`): while it
@@ -35,7 +39,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ..broker import parse_broker_url
@@ -52,7 +56,7 @@ from .connection import (
 from .envelope import DEFAULT_MAX_PAYLOAD_BYTES, ProtocolError, decode, peek_header, split_frame
 from .messages import ChunkMeta, MessageType
 from .reassembly import DEFAULT_MAX_BUFFERED_BYTES, Reassembler
-from .topics import ParsedTopic, TopicError, parse_topic
+from .topics import FederationChannel, ParsedTopic, TopicError, federation_topic, parse_topic, release_part_topic
 
 log = logging.getLogger(__name__)
 
@@ -330,6 +334,35 @@ class MqttTransport:
         self.bytes_sent[topic.rsplit("/", 1)[-1]] += sent
         return sent
 
+    def publish_parts(self, frame: bytes, part_topic: Callable[[int], str], *, round: int = -1) -> tuple[int, int]:
+        """Publish a frame larger than one message as retained chunks, chunk ``i`` on ``part_topic(i)``.
+
+        The last chunk goes first and chunk 0 last, so a receiver that learns the count from
+        chunk 0 finds every other chunk of the same frame retained already. Waits for the
+        broker's acknowledgements. Returns (bytes put on the wire, number of chunks).
+        """
+        parts = split_frame(frame, self.max_message_bytes, federation=self.federation, sender=self.sender, round=round)
+        if len(parts) < 2:
+            raise ValueError("the frame fits one MQTT message: publish it whole")
+        infos = []
+        with self._lock:
+            for index in reversed(range(len(parts))):
+                info = self._client.publish(part_topic(index), parts[index], qos=1, retain=True)
+                self._sent(info.mid, len(parts[index]))
+                infos.append(info)
+        for info in infos:
+            info.wait_for_publish(timeout=60)
+        sent = sum(len(p) for p in parts)
+        self.bytes_sent[FederationChannel.RELEASE.value] += sent
+        return sent, len(parts)
+
+    def clear_retained(self, topics: Iterable[str]) -> None:
+        """Delete the retained message of each topic (an empty retained message), acknowledged."""
+        with self._lock:
+            infos = [self._client.publish(topic, b"", qos=1, retain=True) for topic in topics]
+        for info in infos:
+            info.wait_for_publish(timeout=60)
+
     def send_ready(self) -> bool:
         """Whether the bytes published and not yet acknowledged are below the send window."""
         return self.unacked_bytes < self.send_window_bytes
@@ -350,29 +383,68 @@ class MqttTransport:
                 return None
 
     def _assemble(self, topic: str, payload: bytes) -> Inbound | None:
-        channel = topic.rsplit("/", 1)[-1]
-        self.bytes_received[channel] += len(payload)
         try:
             parsed = parse_topic(topic)
         except TopicError as exc:
+            self.bytes_received[topic.rsplit("/", 1)[-1]] += len(payload)
             self._reject(topic, "bad_topic", str(exc))
             return None
+        self.bytes_received[parsed.channel.value] += len(payload)
         if not payload:
             return None  # a cleared retained message
         header = peek_header(payload)
-        if header is not None and header.get("type") == MessageType.CHUNK.value:
+        is_chunk = header is not None and header.get("type") == MessageType.CHUNK.value
+        if parsed.part is not None and not is_chunk:
+            self._reject(topic, "malformed", "a release part topic carries only chunk frames")
+            return None
+        if is_chunk:
+            # the parts of a release are one frame of the release topic, whichever topic each came on
+            source = topic if parsed.part is None else federation_topic(parsed.federation, FederationChannel.RELEASE)
             try:
                 chunk = decode(payload, max_bytes=self.accept_message_bytes + 65536)
-                whole = self.reassembler.add(topic, chunk)
+                meta = chunk.meta_as(ChunkMeta)
+                if parsed.part is not None and meta.index != parsed.part:
+                    raise ProtocolError("malformed", f"chunk {meta.index} on the topic of part {parsed.part}")
+                if parsed.part == 0 and topic in self.subscriptions:
+                    self._follow_parts(parsed.federation, meta.count)
+                whole = self.reassembler.add(source, chunk)
             except ProtocolError as exc:
                 self._reject(topic, exc.reason, exc.detail)
                 return None
             if whole is None:
                 return None
-            return Inbound(parsed, whole, chunk.meta_as(ChunkMeta).total_bytes)
+            if parsed.part is not None:
+                parsed = ParsedTopic(parsed.federation, parsed.channel)
+            return Inbound(parsed, whole, meta.total_bytes)
         return Inbound(parsed, payload, len(payload))
+
+    def _follow_parts(self, federation: str, count: int) -> None:
+        """Subscribe to exactly the release part topics 1..count-1 that chunk 0 announces
+        (exact topics: RabbitMQ sends no retained message on a wildcard), dropping any of a
+        longer earlier release; kept in :attr:`subscriptions`, so a reconnect restores them."""
+        wanted = [release_part_topic(federation, i) for i in range(1, count)]
+        held = [t for t in self.subscriptions if _part_index(t, federation) not in (None, 0)]
+        new = [t for t in wanted if t not in self.subscriptions]
+        gone = [t for t in held if t not in set(wanted)]
+        if not new and not gone:
+            return
+        self.subscriptions = [t for t in self.subscriptions if t not in set(gone)] + new
+        if gone:
+            self._client.unsubscribe(gone)
+        if new:
+            self._client.subscribe([(t, 1) for t in new])
+        log.debug("release in %d parts: subscribed to %d more part topics, dropped %d", count, len(new), len(gone))
 
     def _reject(self, topic: str, reason: str, detail: str) -> None:
         log.warning("dropped message on %s: %s (%s)", topic, reason, detail)
         if self.on_reject:
             self.on_reject(topic, reason, detail)
+
+
+def _part_index(topic: str, federation: str) -> int | None:
+    """The part index of a release part topic of ``federation``, else None."""
+    try:
+        parsed = parse_topic(topic)
+    except TopicError:
+        return None
+    return parsed.part if parsed.federation == federation else None

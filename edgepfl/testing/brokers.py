@@ -228,7 +228,7 @@ class MosquittoBroker:
 #: coordinator's), for every federation of protocol v1. Disjoint directions: nothing a
 #: site sends out can come back in, so the topology cannot loop (docs/BROKERS.md).
 BRIDGE_OUT_TOPICS = ("agents/+/status", "agents/+/update", "agents/+/metrics")
-BRIDGE_IN_TOPICS = ("agents/+/task", "coordinator", "release")
+BRIDGE_IN_TOPICS = ("agents/+/task", "coordinator", "release", "release/+")
 
 
 def bridge_config(name: str, central_port: int, *, federation: str = "+", host: str = "127.0.0.1") -> str:
