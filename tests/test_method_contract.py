@@ -199,8 +199,7 @@ def test_personal_state_survives_safetensors_save_load(name, tmp_path):
 def test_a_payload_tensor_of_another_shape_is_refused_not_broadcast(name):
     """A (1, …, 1) tensor would broadcast into any weight through ``copy_``: the model
     would silently train on values nobody sent. Loading refuses it, and changes nothing."""
-    run = run_round(name)
-    method, model = run.method, run.models["agent-a"]
+    model = run_round(name).models["agent-a"]
     key, value = max(model.state_dict().items(), key=lambda kv: kv[1].numel())
     value = value.numpy()
     before = {k: v.clone() for k, v in model.state_dict().items()}
