@@ -68,6 +68,8 @@ def assert_every_channel_has_one_direction(frames: list[tuple[str, bytes]], fede
         allowed = {MessageType(parsed.channel.value), MessageType.CHUNK}
         if parsed.channel == AgentChannel.TASK:
             allowed |= {MessageType.RELEASE, MessageType.NACK}
+        if parsed.channel == AgentChannel.UPDATE:  # an agent that will not run a task says so (§5)
+            allowed.add(MessageType.REFUSAL)
         assert header.type in allowed, (topic, header.type)
     # this run exercised every channel, so the check above covered both directions of each
     assert seen == {*AgentChannel, *FederationChannel}
