@@ -144,8 +144,8 @@ class MqttTransport:
         self._lock = threading.Lock()
         # QoS 1 publishes not yet acknowledged (mid -> bytes) and the largest acknowledged:
         # the send window counts them, and two drops in a row with the same larger one in
-        # flight are the broker's size limit (one drop may be a broker that stopped). Never held while calling into paho, whose thread holds its
-        # own locks when it calls on_publish.
+        # flight are the broker's size limit (one drop may be a broker that stopped). Never
+        # held while calling into paho, whose thread holds its own locks when it calls on_publish.
         self._in_flight: dict[int, int] = {}
         self._acked_early: set[int] = set()
         self._largest_acked = 0
