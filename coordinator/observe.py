@@ -34,11 +34,14 @@ ROUND_SECONDS_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600)
 class Observer:
     """Keeps the fleet view and the metrics current; never raises into the round loop."""
 
-    def __init__(self, config: RunConfig, fleet: Fleet, registry: Registry, rejected_total: Counter):
+    def __init__(self, config: RunConfig, fleet: Fleet, registry: Registry, rejected_total: Counter,
+                 refused_total: Counter | None = None):
         self.spec: ObserveSpec = config.observe
         self.fleet = fleet
         self.registry = registry
+        # the run's counters, every round's (a resumed run's from its checkpoint): the round loop keeps them
         self.rejected_total = rejected_total
+        self.refused_total = Counter() if refused_total is None else refused_total
         self.federation, self.method, self.rounds = config.federation, config.method.name, config.rounds
         self.max_bytes = config.broker.max_message_bytes
         self.started = time.time()
@@ -49,7 +52,6 @@ class Observer:
         self.last_accuracy: float | None = None
         self.last_accuracy_round: int | None = None
         self.release: str | None = None
-        self.refused: Counter = Counter()  # this process's rounds (metrics.jsonl keeps every round's)
         self._seen_revision = -1
         self._seen_rejections = -1
         self._dirty = True
@@ -76,7 +78,6 @@ class Observer:
             self.rounds_completed = row.round + 1
         if row.accuracy is not None:
             self.last_accuracy, self.last_accuracy_round = row.accuracy, row.round
-        self.refused.update(row.refused)
         if self.metrics is not None:
             self.metrics.round_done(row)
         self._dirty = True
@@ -118,7 +119,7 @@ class Observer:
             rounds_completed=self.rounds_completed, last_accuracy=self.last_accuracy,
             last_accuracy_round=self.last_accuracy_round, release=self.release,
             online={tier: self.registry.count_online(tier) for tier in TIERS},
-            rejected=dict(sorted(self.rejected_total.items())), refused=dict(sorted(self.refused.items())),
+            rejected=dict(sorted(self.rejected_total.items())), refused=dict(sorted(self.refused_total.items())),
             agents=agents,
         )
 

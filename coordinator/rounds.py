@@ -154,6 +154,7 @@ class Coordinator:
                               "normalization: {mean: [...], std: [...]} in the run config")
         self.progress = Progress(config.rounds, enabled=progress)
         self.rejected_total: Counter = Counter()
+        self.refused_total: Counter = Counter()  # refused tasks by reason, every round of the run (checkpointed)
         self.registry = Registry()
         self.registry.require(config.method.name, config.model.arch)
         security = config.security
@@ -163,7 +164,7 @@ class Coordinator:
         keyring = Keyring(Path(security.enrolled_dir)) if security.enrolled_dir else None
         gate = UpdateGate(config.federation, self.method, self.registry, max_bytes=config.broker.max_payload_bytes,
                           keyring=keyring)
-        self.observer = Observer(config, fleet, self.registry, self.rejected_total)
+        self.observer = Observer(config, fleet, self.registry, self.rejected_total, self.refused_total)
         self.inbox = Inbox(fleet, self.registry, gate, self.rejected_total, tick=self.observer.tick, keyring=keyring,
                            presence=PresenceWatch(self.registry, config.expected_agents),
                            nacks=Nacker(config.federation, fleet, self.registry, self.signer))
@@ -199,6 +200,7 @@ class Coordinator:
                                    f"{self.config.method.name}; use another --out")
             self.state, self.start_round = state, meta.round + 1
             self.rejected_total.update(meta.rejected_total)
+            self.refused_total.update(meta.refused_total)
             self.aborted_streak, self.good_round = meta.aborted_streak, meta.good_round
             self.epoch = meta.epoch if meta.epoch is not None else self.epoch
             log.info("resuming from checkpoint after round %d", meta.round)
@@ -222,7 +224,8 @@ class Coordinator:
     def run_meta(self, round: int) -> CheckpointMeta:
         """What a checkpoint (and an export) records about this run as of ``round``."""
         return CheckpointMeta(round=round, run=self._run_dict(), data_spec=self.config.data,
-                              rejected_total=dict(self.rejected_total), aborted_streak=self.aborted_streak,
+                              rejected_total=dict(self.rejected_total), refused_total=dict(self.refused_total),
+                              aborted_streak=self.aborted_streak,
                               good_round=self.good_round, epoch=self.epoch)
 
     def _checkpoint(self, round: int) -> None:
@@ -315,6 +318,7 @@ class Coordinator:
         abort = self._server_step(result)
         rolled_back = self._after_abort(r, abort) if abort else None
         row = self._row(result, time.monotonic() - started, final, abort, rolled_back)
+        self.refused_total.update(row.refused)
         # Row first, checkpoint second: a crash in between leaves a row that the resumed
         # run drops and writes again (see _truncate_metrics), never a round without a row.
         self._append_metrics(row)

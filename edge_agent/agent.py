@@ -26,7 +26,10 @@ counts it as delivered. So the agent keeps each task's answer itself until the t
 round is over, and publishes it again once the coordinator's presence shows that round
 still open on a connection (or coordinator session) it was not yet published on; a
 presence of a later round or ``done`` drops it (logged when it never went out). A copy
-the coordinator already has is dropped there as ``duplicate``.
+the coordinator already has is dropped there as ``duplicate``. A head agent's ``metrics``
+report is held the same way, except that it is wanted in any round: it is published
+again on every connection (or coordinator session) with the coordinator online that it
+has not gone out on yet, and dropped only once the run is ``done``.
 """
 
 from __future__ import annotations
@@ -171,7 +174,8 @@ class Agent:
             inbox_max_messages=c.broker.inbox_max_messages,
             # statuses and answers left unacknowledged by a lost connection: the birth on the
             # reconnect and the held answers replace them (module docstring)
-            not_resent=lambda topic: topic in (status_topic, self._topic(AgentChannel.UPDATE)),
+            not_resent=lambda topic: topic in (status_topic, self._topic(AgentChannel.UPDATE),
+                                               self._topic(AgentChannel.METRICS)),
         )
         transport.start(timeout=120)
         log.info("agent %s (%s tier) online: %d train / %d test samples", c.agent_id, c.tier,
@@ -273,10 +277,12 @@ class Agent:
         self._settle_answers(presence)
 
     def _send(self, reply: Reply) -> None:
-        """Publish a tier's reply; a task's answer is held as well (the module's "held answers")."""
+        """Publish a tier's reply; a task's answer or a metrics report is held as well (the
+        module's "held answers")."""
         transport = self.transport
         assert transport is not None  # only called from _dispatch
-        if reply.task_id is None:
+        key = reply.held_as
+        if key is None:
             transport.publish(self._topic(reply.channel), reply.frame, round=reply.round)
             return
         if reply.refusal and not self.speaks_1_2():
@@ -284,12 +290,15 @@ class Agent:
             log.info("refusal of task %s not sent: the coordinator (protocol %s) does not take refusals",
                      reply.task_id, self.coordinator.version if self.coordinator else "unknown")
             return
-        held = self._answers[reply.task_id] = HeldAnswer(reply)
-        self._answers.move_to_end(reply.task_id)
+        held = self._answers[key] = HeldAnswer(reply)
+        self._answers.move_to_end(key)
         while len(self._answers) > ANSWERED_TASKS:
             self._answers.popitem(last=False)
         if transport.connected.is_set():
             self._publish(held)
+        elif reply.task_id is None:
+            log.warning("the %s (round %d) is held: not connected to the broker; it is published once the "
+                        "coordinator is back", key, reply.round)
         else:
             log.warning("the answer to task %s (round %d) is held: not connected to the broker; it is published "
                         "once the coordinator is back in that round", reply.task_id, reply.round)
@@ -302,21 +311,26 @@ class Agent:
         held.sent_on = (transport.connect_count, self.coordinator.session if self.coordinator else "")
 
     def _settle_answers(self, presence: CoordinatorMeta) -> None:
-        """Publish each held answer whose round the presence shows open, on a connection or to a
-        coordinator session it did not go out on yet; forget those of rounds that are over."""
+        """Publish each held answer whose round the presence shows open (a metrics report: any
+        round), on a connection or to a coordinator session it did not go out on yet; forget
+        those of rounds that are over (a metrics report: of a run that is done)."""
         transport = self.transport
         assert transport is not None
         here = (transport.connect_count, presence.session)
-        for task_id, held in list(self._answers.items()):
-            round = held.reply.round
-            if presence.state == "done" or presence.round > round:
-                del self._answers[task_id]
+        for key, held in list(self._answers.items()):
+            reply = held.reply
+            what = f"answer to task {key}" if reply.task_id is not None else key
+            per_round = reply.task_id is not None  # a task's answer is wanted in its round only
+            if presence.state == "done" or (per_round and presence.round > reply.round):
+                del self._answers[key]
                 if held.sent_on is None:
-                    log.warning("dropped the held answer to task %s (round %d): the coordinator is %s", task_id, round,
+                    log.warning("dropped the held %s (round %d): the coordinator is %s", what, reply.round,
                                 "done" if presence.state == "done" else f"at round {presence.round}")
-            elif presence.state == "online" and presence.round == round and held.sent_on != here:
-                log.info("publishing the %s answer to task %s (round %d): the round is still open",
-                         "held" if held.sent_on is None else "re-sent", task_id, round)
+            elif (presence.state == "online" and (not per_round or presence.round == reply.round)
+                  and held.sent_on != here):
+                log.info("publishing the %s %s (round %d): the coordinator is online %s",
+                         "held" if held.sent_on is None else "re-sent", what, reply.round,
+                         "in that round" if per_round else f"(round {presence.round})")
                 self._publish(held)
 
     def _on_nack(self, message: Message) -> None:

@@ -53,14 +53,24 @@ class Reply:
     """A frame for the agent to publish on one of its own channels.
 
     ``task_id``: the task it answers (an update or a refusal), which the agent holds
-    until the task's round is over (docs/PROTOCOL.md §10, held answers); ``refusal``:
-    a ``refusal`` frame, which only a coordinator of protocol 1.2 or later is sent."""
+    until the task's round is over (docs/PROTOCOL.md §10, held answers); ``release_id``:
+    the release a ``metrics`` report measured, which the agent holds until the run is
+    done; ``refusal``: a ``refusal`` frame, which only a coordinator of protocol 1.2 or
+    later is sent."""
 
     channel: AgentChannel
     frame: bytes
     round: int
     task_id: str | None = None
     refusal: bool = False
+    release_id: str | None = None
+
+    @property
+    def held_as(self) -> str | None:
+        """The key the agent holds this reply under until it is no longer wanted; None: not held."""
+        if self.task_id is not None:
+            return self.task_id
+        return None if self.release_id is None else f"metrics report of release {self.release_id}"
 
 
 class TierRuntime(Protocol):
@@ -268,7 +278,7 @@ class HeadTier:
         )
         frame = encode(MessageType.METRICS, federation=message.header.federation, sender=self.agent_id,
                        round=message.header.round, meta=metrics, signer=self.signer)
-        return Reply(AgentChannel.METRICS, frame, message.header.round)
+        return Reply(AgentChannel.METRICS, frame, message.header.round, release_id=meta.release_id)
 
 
 #: tier name (``AgentConfig.tier``) -> how to build it

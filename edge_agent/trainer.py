@@ -22,6 +22,7 @@ from edgepfl._torch import nn, torch
 from edgepfl.atomic import read_tensors, write_json, write_tensors
 from edgepfl.data import ClientData, ClientTensors
 from edgepfl.data.preprocess import conversion
+from edgepfl.heads.labels import LabelMismatch, run_label_index
 from edgepfl.methods import LocalContext, Method, available_methods, create_method, get_method_class
 from edgepfl.methods.base import load_tensors
 from edgepfl.models import TORCHVISION_ARCHS
@@ -117,8 +118,11 @@ class TrainerRuntime:
         self.model: nn.Module | None = None
 
     # ---------------------------------------------------------------- model setup
-    def _check_data(self, meta: TaskMeta, round: int) -> None:
-        """Refuse a run whose data shape is not this agent's: its model could not take the data."""
+    def _check_data(self, meta: TaskMeta, round: int) -> np.ndarray | None:
+        """Refuse a run whose data is not this agent's: its model could not take the data,
+        or the run's classes are not the local data's (docs/PROTOCOL.md §5, Labels).
+        Returns how the local labels become the run's (:func:`run_label_index`): None when
+        they are the run's already."""
         run = meta.run
         problems = []
         if tuple(run.data.input_shape) != tuple(self.data.input_shape):
@@ -127,21 +131,32 @@ class TrainerRuntime:
             problems.append(f"{run.data.num_classes} classes, local data {self.data.num_classes}")
         if problems:
             raise self._refuse(meta, round, "data_mismatch", "the run has " + "; ".join(problems))
+        try:
+            return run_label_index(self.data.class_names, run.data.class_names)
+        except LabelMismatch as exc:
+            raise self._refuse(meta, round, "data_mismatch", str(exc)) from None
 
-    def _inputs_for(self, meta: TaskMeta, round: int) -> ClientTensors:
-        """The local data preprocessed as the run says (``run.data``: pixel scale, mean, std).
+    def _inputs_for(self, meta: TaskMeta, round: int, to_run_labels: np.ndarray | None = None) -> ClientTensors:
+        """The local data as the run wants it: preprocessed as ``run.data`` says (pixel scale,
+        mean, std), labels in the run's numbering (``to_run_labels``, from :meth:`_check_data`).
 
         Local data normalized otherwise is converted (one exact per-channel multiply-add,
         logged as a warning once per preprocessing); a run that does not say how it
         normalizes gets the local data as it is, with a warning; local data that does not
-        say how it was normalized cannot be converted, so the task is refused.
+        say how it was normalized cannot be converted, so the task is refused. Local
+        labels in another class order are mapped onto the run's (logged once per order).
         """
         wanted = meta.run.data
-        key = wanted.model_dump_json(include={"pixel_scale", "normalization"})
+        key = wanted.model_dump_json(include={"pixel_scale", "normalization", "class_names"})
         cached = self._inputs.get(key)
         if cached is not None:
             return cached
         data = self.data
+        if to_run_labels is not None:
+            log.info("%s: mapping the local labels onto the run's class order (local %s, run %s)", self.agent_id,
+                     data.class_names, wanted.class_names)
+            data = replace(data, y_train=to_run_labels[data.y_train], y_test=to_run_labels[data.y_test],
+                           class_names=list(wanted.class_names))
         if wanted.normalization is None:
             log.warning("%s: the run does not say how inputs are normalized; training on the local normalization "
                         "%s, which may differ from the rest of the fleet", self.agent_id, data.normalization or "(unknown)")
@@ -227,14 +242,15 @@ class TrainerRuntime:
     def handle(self, task: Message) -> tuple[UpdateMeta, dict[str, np.ndarray]]:
         """Evaluate the model made from the task's payload, train if asked; return the update.
 
-        The local data is first preprocessed as the task's run says (:meth:`_inputs_for`).
-        Raises :class:`TaskRefused` (after logging why) when the task's run has another
-        input shape or class count than this agent's data, a normalization the local
-        data cannot be converted to, or a method, options or model this agent cannot build.
+        The local data is first preprocessed and labelled as the task's run says
+        (:meth:`_inputs_for`). Raises :class:`TaskRefused` (after logging why) when the task's
+        run has another input shape, class count or set of class names than this agent's
+        data, a normalization the local data cannot be converted to, or a method, options or
+        model this agent cannot build.
         """
         meta = task.meta_as(TaskMeta)
-        self._check_data(meta, task.header.round)
-        inputs = self._inputs_for(meta, task.header.round)
+        to_run_labels = self._check_data(meta, task.header.round)
+        inputs = self._inputs_for(meta, task.header.round, to_run_labels)
         method, model = self._ensure_model(meta, task.header.round)
         generator = torch.Generator().manual_seed(meta.seed)
         torch.manual_seed(meta.seed)

@@ -75,6 +75,7 @@ class CheckpointMeta(BaseModel):
     data_spec: DataSpec | None = Field(
         None, description="the run's client data config; export calibrates BatchNorm statistics from it")
     rejected_total: dict[str, int] = Field(default_factory=dict, description="rejected messages per reason, all rounds")
+    refused_total: dict[str, int] = Field(default_factory=dict, description="refused tasks per reason, all rounds")
     aborted_streak: int = Field(0, ge=0, description="training rounds aborted in a row up to this one")
     good_round: int | None = Field(
         None, ge=-1, description="the last good state: the global state after this round (-1: the initial one), "

@@ -6,12 +6,16 @@ agent declares capabilities and answers a task it cannot run with a refusal only
 coordinator whose presence announced 1.2; it logs a nack, counts it and closes the task
 it names; it ignores a coordinator of another major version. A real coordinator and a
 broker restarted while the agent trains: the answer the agent finished while
-disconnected is held and still reaches the round.
+disconnected is held and still reaches the round; a head agent's metrics report finished
+while the broker was down is held too and reaches the coordinator that comes back.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 import uuid
 
 import paho.mqtt.client as mqtt
@@ -22,6 +26,7 @@ from edgepfl.protocol import (
     CoordinatorMeta,
     FederationChannel,
     MessageType,
+    MetricsMeta,
     NackMeta,
     RefusalMeta,
     StatusMeta,
@@ -210,3 +215,63 @@ def test_an_answer_finished_while_the_broker_was_down_still_reaches_its_round(tm
     assert "publishing the held answer" in log, log[-3000:]
     # the coordinator counted no rejection of it (the held copy is the only one that went out)
     assert not rows[0].rejected, json.dumps(rows[0].rejected)
+
+
+def test_a_head_agents_metrics_finished_while_the_broker_was_down_reach_the_coordinator_back(tmp_path):
+    """The head agent receives a release and the broker dies before its metrics go out (the
+    agent process is frozen meanwhile, so the order is certain): paho alone would re-send
+    the report at the reconnect, before the coordinator is back; the held report is
+    published once the coordinator's presence shows it online again."""
+    from edgepfl.coordinator.fleet import LocalFleet
+    from edgepfl.coordinator.release import build_release
+    from edgepfl.coordinator.rounds import Coordinator
+    from edgepfl.coordinator.simulate import data_shape, prepare, spawn_agent, stop_agents
+    from edgepfl.testing import MosquittoBroker
+
+    from conftest import require_mosquitto
+
+    require_mosquitto()
+    config = prepare(run_config(), 0, head_agents=1)
+    out = tmp_path / "run"
+    # a real release of an (untrained) encoder, exported as the coordinator does
+    coordinator = Coordinator(config, LocalFleet({}, config.federation), out, progress=False, **data_shape(config))
+    coordinator.init_or_resume()
+    assert coordinator.state is not None
+    release_id, frame = build_release(coordinator.state, coordinator.run_meta(0), out / "releases", config)
+
+    broker = MosquittoBroker()
+    url = broker.start()
+    port = broker.port
+    agent = spawn_agent(config, out, url, AGENT, 0, tier="head")
+    played = PlayedCoordinator(url, config.federation)
+    log_path = out / "agents" / f"{AGENT}.log"
+    try:
+        _statuses(played, 1)
+        played.presence("1.2")
+        _statuses(played, 2)  # the roll call's birth: the agent knows the coordinator
+        os.kill(agent.pid, signal.SIGSTOP)
+        try:
+            played.publish(federation_topic(config.federation, FederationChannel.RELEASE), frame, retain=True)
+            time.sleep(1.0)  # the broker has handed the release to the agent's socket
+            played.close()
+            broker.stop()  # no persistence: the retained release and presence are gone with it
+        finally:
+            os.kill(agent.pid, signal.SIGCONT)
+        wait_until(lambda: f"release {release_id} installed" in log_path.read_text(), timeout=240,
+                   what="the release installed")
+        broker = MosquittoBroker(port=port)
+        broker.start()
+        # the agent reconnects (its birth) before the coordinator is back
+        births = TrafficCapture(url, topic=agent_topic(config.federation, AGENT, AgentChannel.STATUS)).start()
+        wait_until(births.snapshot, timeout=120, what="the agent's reconnect")
+        births.stop()
+        played = PlayedCoordinator(url, config.federation)
+        played.presence("1.2")
+        (report, *_) = wait_until(lambda: played.sent(AgentChannel.METRICS), timeout=60, what="the held metrics")
+    finally:
+        played.close()
+        stop_agents([agent])
+        broker.stop()
+    metrics = decode(report).meta_as(MetricsMeta)
+    assert metrics.release_id == release_id and metrics.num_test > 0
+    assert f"publishing the held metrics report of release {release_id}" in log_path.read_text()

@@ -183,3 +183,46 @@ def test_agent_process_prints_one_line_naming_the_cause(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("edgepfl: TLS verification of MQTT broker"), proc.stderr[-2000:]
     assert took < 40  # data loading and imports included; the connection itself fails at once
+
+
+# --------------------------------------------------------------------------- a broker that stops
+
+
+def test_a_broker_stopped_mid_publish_is_not_taken_for_a_size_limit(caplog):
+    """Mosquitto dies with a message unacknowledged (nothing was acknowledged yet): the
+    transport says the connection was lost with it unacknowledged, never that the broker
+    refuses its size; the broker back on its port acknowledges the re-sent message."""
+    import signal
+
+    require_mosquitto()
+    broker = MosquittoBroker()
+    broker.start()
+    port = broker.port
+    t = MqttTransport(broker.url, client_id="edgepfl-stopped-broker", federation="stopped", sender="a1",
+                      subscriptions=[], max_message_bytes=4_000_000)
+    t.start(timeout=30)
+    try:
+        with caplog.at_level(logging.INFO, "edgepfl.protocol.transport"):
+            os.kill(broker.pid, signal.SIGSTOP)  # frozen: it reads nothing more, so it acknowledges nothing
+            t.publish("edgepfl/v1/stopped/agents/a1/update", b"z" * 3_000_000)
+            time.sleep(0.5)
+            os.kill(broker.pid, signal.SIGKILL)  # the broker dies mid-publish
+            broker.stop()
+            deadline = time.monotonic() + 30
+            while t.connected.is_set() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not t.connected.is_set()
+            lost = [r.getMessage() for r in caplog.records if "lost connection" in r.getMessage()]
+            assert lost and "1 message(s) of 3" in lost[0] and "unacknowledged" in lost[0], lost
+
+            broker = MosquittoBroker(port=port)
+            broker.start()
+            deadline = time.monotonic() + 60  # paho's reconnect backoff
+            while t.unacked_bytes and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert t.unacked_bytes == 0  # re-sent after the reconnect and acknowledged
+    finally:
+        t.stop()
+        broker.stop()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+    assert not any("max_message_bytes" in r.getMessage() for r in caplog.records)

@@ -122,6 +122,51 @@ def test_status_table_names_the_run_the_agents_and_the_rejections():
     assert "offline" in next(line for line in table.splitlines() if line.startswith("pi-08"))
 
 
+def test_the_views_refused_totals_survive_a_coordinator_restart(tmp_path):
+    """Like ``rejected``: a resumed run's view counts the refusals of the rounds before the restart."""
+    from dataclasses import replace
+
+    from edgepfl.coordinator.fleet import LocalFleet
+    from edgepfl.coordinator.rounds import Coordinator
+    from edgepfl.coordinator.simulate import agent_ids, data_shape, prepare
+    from edgepfl.data import load_client_data
+    from edgepfl.edge_agent.tiers import TrainerTier
+    from edgepfl.state import read_checkpoint_meta
+
+    class AnsweringTier:
+        """An in-process agent that answers as an agent process does: an update or a refusal frame."""
+
+        def __init__(self, tier: TrainerTier):
+            self.tier, self.data, self.device = tier, tier.runtime.data, tier.runtime.device
+
+        def answer(self, task) -> bytes:
+            return self.tier.handle(task).frame
+
+    names = [f"class-{i}" for i in range(10)]
+    config = prepare(run_config(rounds=1, model={"arch": "mlp", "feature_dim": 8}, device="cpu",
+                                data={"dataset": "digits", "samples_per_client": 60}), 2)
+    out = tmp_path / "run"
+
+    def coordinator(rounds: int) -> Coordinator:
+        # agent-01's classes are not the run's: it refuses its task (data_mismatch) in every process's first round
+        runtimes = {a: AnsweringTier(TrainerTier(a, replace(load_client_data(config.data, i), class_names=names
+                                                            if i == 0 else ["cat", *names[1:]]), str(out / "agents" / a),
+                                                    "cpu"))
+                    for i, a in enumerate(agent_ids(2))}
+        run = config.model_copy(update={"rounds": rounds})
+        return Coordinator(run, LocalFleet(runtimes, config.federation), out, progress=False,
+                           **{**data_shape(config), "class_names": names})
+
+    first = coordinator(rounds=1)
+    first.run()
+    assert first.observer.view().refused == {"data_mismatch": 1}
+    assert read_checkpoint_meta(out / "checkpoint").refused_total == {"data_mismatch": 1}
+    resumed = coordinator(rounds=2)  # a new process resumes after round 0 and runs round 1
+    resumed.run()
+    assert resumed.start_round == 1
+    assert resumed.observer.view().refused == {"data_mismatch": 2}  # round 0's refusal is still counted
+
+
 # ----------------------------------------------------------------- live: coordinator + agents + Mosquitto
 
 

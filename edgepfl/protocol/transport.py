@@ -143,12 +143,15 @@ class MqttTransport:
         self._socket_error: str | None = None  # paho's last error while waiting for the first CONNACK
         self._lock = threading.Lock()
         # QoS 1 publishes not yet acknowledged (mid -> bytes) and the largest acknowledged:
-        # the send window counts them, and a drop with a larger one in flight is most likely
-        # the broker's size limit. Never held while calling into paho, whose thread holds its
-        # own locks when it calls on_publish.
+        # the send window counts them, and two drops in a row with the same larger one in
+        # flight are the broker's size limit (one drop may be a broker that stopped). Never
+        # held while calling into paho, whose thread holds its own locks when it calls on_publish.
         self._in_flight: dict[int, int] = {}
         self._acked_early: set[int] = set()
         self._largest_acked = 0
+        # The oversized-looking message the last lost connection left unacknowledged (0: none):
+        # only the same one left again by the next connection is taken for the broker's size limit.
+        self._suspect = 0
         self._flight_lock = threading.Lock()
         self._client = mqtt.Client(
             mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv311, clean_session=True
@@ -276,14 +279,24 @@ class MqttTransport:
         if self.connect_count == 0:
             self._connack.set()  # lost before the first CONNACK: start() reports why
             return
-        if reason_code != 0:
+        if reason_code == 0:
+            return
+        count, size = self._unacknowledged()
+        suspect = self._oversized_in_flight()
+        if suspect and suspect == self._suspect:
+            # The same message left two connections in a row unacknowledged: a broker that
+            # stopped or restarted acknowledges it once back, one that refuses its size never.
+            log.error("the broker closed the connection twice in a row with the same %d-byte message unacknowledged, "
+                      "larger than any it acknowledged (%d); paho re-sends it on every reconnect. If the broker "
+                      "limits message size (Mosquitto max_packet_size, AWS IoT 128 KB), set broker.max_message_bytes "
+                      "(now %d) below its limit: docs/BROKERS.md", suspect, self._largest_acked, self.max_message_bytes)
+        elif count:
+            log.warning("lost connection to broker (%s) with %d message(s) of %d bytes unacknowledged (the broker "
+                        "stopped or closed the connection before acknowledging them); reconnecting with backoff",
+                        reason_code, count, size)
+        else:
             log.warning("lost connection to broker (%s); reconnecting with backoff", reason_code)
-            suspect = self._oversized_in_flight()
-            if suspect:
-                log.error("the broker closed the connection with a %d-byte message unacknowledged, larger than any it "
-                          "acknowledged (%d); paho re-sends it on every reconnect. If the broker limits message size "
-                          "(Mosquitto max_packet_size, AWS IoT 128 KB), set broker.max_message_bytes (now %d) below "
-                          "its limit: docs/BROKERS.md", suspect, self._largest_acked, self.max_message_bytes)
+        self._suspect = suspect
 
     def _on_publish(self, client, userdata, mid, reason_code=None, properties=None) -> None:
         with self._flight_lock:
@@ -303,6 +316,11 @@ class MqttTransport:
             else:
                 self._in_flight[mid] = size
                 self.unacked_bytes += size
+
+    def _unacknowledged(self) -> tuple[int, int]:
+        """(messages, bytes) published with QoS 1 and not yet acknowledged."""
+        with self._flight_lock:
+            return len(self._in_flight), self.unacked_bytes
 
     def _oversized_in_flight(self) -> int:
         """The largest unacknowledged message if it is larger than any acknowledged one, else 0."""

@@ -61,8 +61,8 @@ class FleetView(_View):
     release: str | None = Field(None, description="the current encoder release id")
     online: dict[str, int] = Field(default_factory=dict, description="tier -> agents online")
     rejected: dict[str, int] = Field(default_factory=dict, description="run total of rejected messages by reason")
-    refused: dict[str, int] = Field(default_factory=dict, description="tasks refused by their agents, by reason, "
-                                                                      "since this coordinator process started")
+    refused: dict[str, int] = Field(default_factory=dict, description="run total of tasks refused by their agents, "
+                                                                      "by reason")
     agents: list[AgentView] = Field(default_factory=list, description="online agents first, then offline; by id")
     agents_left_out: int = Field(0, ge=0, description="agents not listed to keep the view in one MQTT message")
 

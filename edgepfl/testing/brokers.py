@@ -108,6 +108,13 @@ class MosquittoBroker:
         return self._proc is not None and self._proc.poll() is None
 
     @property
+    def pid(self) -> int:
+        """The mosquitto process id (a test that must freeze or kill the broker signals it)."""
+        if self._proc is None:
+            raise BrokerError("mosquitto not started")
+        return self._proc.pid
+
+    @property
     def log_path(self) -> Path | None:
         return Path(self._dir.name) / "mosquitto.log" if self._dir else None
 
