@@ -26,6 +26,7 @@ from edgepfl.protocol import (
     agent_wildcard,
     decode,
     encode,
+    encode_refusal,
     federation_topic,
     parse_topic,
     release_part_topic,
@@ -276,7 +277,12 @@ class LocalFleet(Fleet):
 
     def send(self, agent_id: str, frame: bytes, round: int) -> int:
         task = decode(frame)
-        answer = self.runtimes[agent_id].answer(task)
+        try:
+            answer = self.runtimes[agent_id].answer(task)
+        except Exception as exc:  # as an MQTT agent does: a task it cannot run is refused, not lost
+            reason = getattr(exc, "reason", "error")  # the trainer's TaskRefused names its reason
+            log.warning("%s refused task (round %d): %s", agent_id, round, exc)
+            answer = encode_refusal(task, sender=agent_id, reason=reason, detail=f"{type(exc).__name__}: {exc}")
         self._queue.put(Incoming(agent_id, AgentChannel.UPDATE, answer, len(answer)))
         return len(frame)
 

@@ -27,11 +27,11 @@ from edgepfl.protocol import (
     Message,
     MessageType,
     MetricsMeta,
-    RefusalMeta,
     ReleaseMeta,
     TaskMeta,
     agent_topic,
     encode,
+    encode_refusal,
     federation_topic,
     release_part_topic,
 )
@@ -186,10 +186,8 @@ class TrainerTier:
         return reply
 
     def _refusal(self, task: Message, reason: str, detail: str) -> Reply:
-        meta = RefusalMeta(task_id=task.meta_as(TaskMeta).task_id, reason=reason, detail=detail[:300])
-        frame = encode(MessageType.REFUSAL, federation=task.header.federation, sender=self.agent_id,
-                       round=task.header.round, meta=meta, signer=self.runtime.signer)
-        return Reply(AgentChannel.UPDATE, frame, task.header.round, meta.task_id, refusal=True)
+        frame = encode_refusal(task, sender=self.agent_id, reason=reason, detail=detail, signer=self.runtime.signer)
+        return Reply(AgentChannel.UPDATE, frame, task.header.round, task.meta_as(TaskMeta).task_id, refusal=True)
 
     def _remember(self, task_id: str, reply: Reply | None) -> None:
         self._answered[task_id] = reply

@@ -88,3 +88,22 @@ def test_data_without_names_takes_the_runs_numbering_as_it_is(tmp_path):
 def test_a_head_takes_placeholder_named_data_in_the_federations_numbering():
     space, index = label_space_for(["0", "1", "2"], NAMES)
     assert space.kind == FEDERATION and space.names == tuple(NAMES) and index.tolist() == [0, 1, 2]
+
+
+def test_the_in_process_fleet_answers_a_refused_task_with_a_refusal_frame(tmp_path):
+    """``LocalFleet`` carries what an MQTT agent would send: a task the trainer cannot run
+    comes back as a ``refusal`` with the trainer's reason, and the round loop goes on."""
+    from edgepfl.coordinator.fleet import LocalFleet
+    from edgepfl.protocol import AgentChannel, RefusalMeta
+
+    fleet = LocalFleet({"agent-00": TrainerRuntime("agent-00", _named(NAMES), tmp_path, "cpu")}, "f")
+    assert fleet.poll(0.1).channel == AgentChannel.STATUS
+    task = _task(["cat", *NAMES[1:]])
+    fleet.send("agent-00", encode(MessageType.TASK, federation="f", sender="coordinator", round=2,
+                                  meta=task.meta_as(TaskMeta)), 2)
+    answer = fleet.poll(0.1)
+    assert answer.channel == AgentChannel.UPDATE
+    refusal = decode(answer.frame)
+    assert refusal.type == MessageType.REFUSAL and refusal.header.sender == "agent-00"
+    meta = refusal.meta_as(RefusalMeta)
+    assert meta.reason == "data_mismatch" and meta.task_id == "a" * 32 and "'cat'" in meta.detail

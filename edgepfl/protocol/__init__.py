@@ -11,6 +11,7 @@ from .envelope import (
     decode,
     encode,
     encode_body,
+    encode_refusal,
     new_message_id,
     split_frame,
 )
@@ -62,6 +63,6 @@ __all__ = [
     "MessageType", "MethodChoice", "MetricsMeta", "Normalization", "ProtocolError", "Reassembler", "ReleaseManifest",
     "ReleaseMeta", "RollCall", "RunSpec", "StatusMeta", "TaskMeta", "TopicError", "UpdateMeta", "agent_topic", "agent_wildcard",
     "decode", "encode", "federation_topic", "new_message_id", "parse_manifest", "parse_topic", "read_manifest",
-    "split_frame", "Capabilities", "NackMeta", "REFUSAL_REASONS", "RefusalMeta", "parse_version", "supports",
+    "split_frame", "encode_refusal", "Capabilities", "NackMeta", "REFUSAL_REASONS", "RefusalMeta", "parse_version", "supports",
     "release_part_topic",
 ]

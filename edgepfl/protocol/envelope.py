@@ -186,6 +186,16 @@ def encode(
     return prefix_and_head + body.data + signer.sign(prefix_and_head)
 
 
+def encode_refusal(task: Message, *, sender: str, reason: str, detail: str, signer: Signer | None = None) -> bytes:
+    """The ``refusal`` frame answering ``task`` (docs/PROTOCOL.md §5): the agent will not
+    run it, for ``reason`` (one of :data:`~edgepfl.protocol.messages.REFUSAL_REASONS`)."""
+    from .messages import RefusalMeta, TaskMeta
+
+    meta = RefusalMeta(task_id=task.meta_as(TaskMeta).task_id, reason=reason, detail=detail[:300])
+    return encode(MessageType.REFUSAL, federation=task.header.federation, sender=sender, round=task.header.round,
+                  meta=meta, signer=signer)
+
+
 @dataclass(frozen=True)
 class Body:
     """A frame's tensors, encoded: the safetensors bytes, their sha256 and their manifest."""
