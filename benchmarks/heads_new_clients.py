@@ -48,7 +48,7 @@ def run_config(method: str, args) -> RunConfig:  # noqa: F821
         train=TrainConfig(epochs=args.epochs, batch_size=50, lr=args.lr, momentum=0.5),
         data=DataSpec(dataset="fmnist", num_clients=args.trainers + args.new, samples_per_client=args.samples_per_client,
                       partition=PartitionSpec(kind="dirichlet", alpha=args.alpha), seed=args.seed),
-        rounds=args.rounds, min_agents=args.trainers, device="cpu", seed=args.seed,
+        rounds=args.rounds, min_agents=args.trainers, device="cpu", seed=args.seed, fraction=args.fraction,
     )
 
 
@@ -200,6 +200,7 @@ def main() -> None:
     parser.add_argument("--samples-per-client", type=int, default=1000)
     parser.add_argument("--alpha", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fraction", type=float, default=1.0, help="share of the trainers sampled per round")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--work", default="/tmp/edgepfl-heads-bench")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child mode
@@ -214,7 +215,7 @@ def main() -> None:
     methods = args.methods.split(",")
     flags = [f"--rounds {args.rounds}", f"--epochs {args.epochs}", f"--lr {args.lr}", f"--trainers {args.trainers}",
              f"--new {args.new}", f"--samples-per-client {args.samples_per_client}", f"--alpha {args.alpha}",
-             f"--seed {args.seed}", f"--jobs {args.jobs}"]
+             f"--seed {args.seed}", f"--jobs {args.jobs}"] + ([f"--fraction {args.fraction}"] if args.fraction != 1.0 else [])
     command = "python benchmarks/heads_new_clients.py --methods " + ",".join(methods) + " " + " ".join(flags)
     if Path(args.out).resolve() != (RESULTS / "edge_heads_new_clients").resolve():
         command += f" --out {os.path.relpath(args.out, ROOT)}"
