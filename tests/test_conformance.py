@@ -135,7 +135,7 @@ def test_a_failed_should_leaves_the_agent_conformant():
 
 def test_docs_list_every_check_with_its_section_and_level():
     text = (REPO_ROOT / "docs" / "CONFORMANCE.md").read_text()
-    pattern = r"^\| `([a-z_.]+)` \| \[(§\w+)\]\(PROTOCOL\.md#[^)]+\) \| (MUST|SHOULD) \|"
+    pattern = r"^\| `([a-z0-9_.]+)` \| \[(§\w+)\]\(PROTOCOL\.md#[^)]+\) \| (MUST|SHOULD) \|"
     rows = {m[0]: (m[1], m[2]) for m in re.findall(pattern, text, re.M)}
     assert rows == {c.id: (c.section, c.level) for c in CHECKS.values()}
 
