@@ -22,10 +22,10 @@ payload is FedAvg's initial shared parameters of the MLP of docs/MODELS.md, buil
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
-import hashlib
 import os
 import shutil
 import signal
@@ -44,7 +44,6 @@ import yaml
 
 from edgepfl.protocol import (
     PROTOCOL_VERSION,
-    FederationChannel,
     AgentChannel,
     CoordinatorMeta,
     DataShape,
@@ -154,6 +153,8 @@ def run_kit(options: KitOptions) -> Report:
             except ScenarioAborted as exc:
                 report.skip_unrecorded(SCENARIOS[name], f"scenario {name} aborted: {exc}")
         kit.record_frames()
+        for name in options.scenarios:  # every check gets a verdict
+            report.skip_unrecorded(SCENARIOS[name], f"scenario {name} did not reach this check")
     finally:
         kit.close()
         if own_dir:
@@ -387,6 +388,9 @@ class _Kit:
                                   "it must not run")
         if nacked:
             r.record("nack.keeps_going", True, "the task after the NACK was answered")
+        else:
+            r.skip("nack.keeps_going", f"no NACK sent: the agent announced {r.agent_version} (§16)"
+                   if not r.required("nack.keeps_going") else "no update to NACK")
         r.record("evolution.unknown_type", True, "the task after an `x_future_type` frame was answered")
         time.sleep(self.options.quiet_s)
         s.check_refusal(mark, shape_meta, "data_mismatch", "refusal.data_mismatch")
