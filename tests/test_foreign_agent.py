@@ -235,3 +235,54 @@ def test_a_foreign_agent_trains_within_a_point_of_the_project_agent_on_the_same_
         if method == "fedavg":  # one global model, one split: the same evaluation
             assert meta["eval_correct"] == twin["eval_correct"], (round_, meta, twin)
             assert meta["eval_loss"] == pytest.approx(twin["eval_loss"], abs=1e-4)
+
+
+def test_the_foreign_agent_splits_pooled_data_per_class_in_file_order(tmp_path):
+    from edgepfl.conformance.wire import CLASS_NAMES, SAMPLES_PER_CLASS, TEST_FRACTION, write_dataset
+
+    write_dataset(tmp_path / "data.npz")
+    raw = np.load(tmp_path / "data.npz")
+    split = foreign_module().split_pooled(raw["x"], raw["y"], TEST_FRACTION)
+    held = round(TEST_FRACTION * SAMPLES_PER_CLASS)
+    assert np.bincount(split["y_test"]).tolist() == [held] * len(CLASS_NAMES)
+    assert np.bincount(split["y_train"]).tolist() == [SAMPLES_PER_CLASS - held] * len(CLASS_NAMES)
+    last = np.flatnonzero(raw["y"] == 0)[-held:]  # class 0's last samples are its held-out ones
+    assert np.array_equal(split["x_test"][:held], raw["x"][last])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_foreign_agent_passes_every_conformance_must_of_its_version(tmp_path):
+    """The kit against an implementation written from the documents: every check of 1.1 or
+    earlier passes; a 1.2 requirement it does not meet is a skip (it announces 1.1). It has
+    no signatures (optional, §3a) and no head tier, so those scenarios are left out."""
+    import json
+
+    from edgepfl.conformance import CHECKS, SCENARIOS
+    from edgepfl.conformance.cli import main_conformance
+    from edgepfl.protocol.evolution import parse_version, supports
+
+    from conftest import require_mosquitto
+
+    require_mosquitto()
+    runner = tmp_path / "isolated.py"
+    runner.write_text(ISOLATED)
+    command = (f"{{python}} -I {runner} {AGENT} --broker {{broker}} --federation {{federation}} "
+               f"--agent-id {{agent_id}} --data {{data}} --test-fraction 0.25 --schemas {SCHEMAS} "
+               f"--state-dir {{state_dir}}")
+    out = tmp_path / "report.json"
+    code = main_conformance(["--agent-cmd", command, "--skip", "signatures", "--skip", "head",
+                             "--workdir", str(tmp_path / "work"), "--json", str(out)])
+    report = json.loads(out.read_text())
+    verdicts = {c["id"]: c for c in report["checks"]}
+    assert report["agent_version"] == "1.1"
+    not_run = {*SCENARIOS["signatures"], *SCENARIOS["head"]}
+    for check_id, check in CHECKS.items():
+        result = verdicts[check_id]
+        if check_id in not_run:
+            assert result["verdict"] == "skip", check_id
+        elif supports("1.1", parse_version(check.since)):
+            assert result["verdict"] == "pass", f"{check_id}: {result['verdict']} — {result['evidence']}"
+        else:
+            assert result["verdict"] in ("pass", "skip"), f"{check_id}: {result['evidence']}"
+    assert report["conformant"] and code == 0

@@ -80,6 +80,12 @@ CHECKS: dict[str, Check] = _catalog(
           "a task of a method the agent cannot run (outside its capabilities) gets no update"),
     Check("refusal.unsupported_method", "§5", "MUST", "1.2",
           "... and, to a 1.2 coordinator, a `refusal` with reason `unsupported_method` naming the task"),
+    Check("version.other_major", "§16", "MUST", "1.2",
+          "while the coordinator's presence announces another major version, its tasks get no answer "
+          "(no update, no refusal); a presence of major 1 brings the agent back"),
+    Check("presence.done", "§10", "SHOULD", "1.0",
+          "after a `done` presence the agent stays connected (no `offline`, same session) and answers a task "
+          "once a later `online` presence comes"),
     Check("presence.clean_stop", "§10", "MUST", "1.0",
           "a clean stop (SIGTERM) leaves a retained `offline` status of the same session"),
     # reconnect (scenario "reconnect")
@@ -87,6 +93,9 @@ CHECKS: dict[str, Check] = _catalog(
     Check("reconnect.resubscribe", "§10", "MUST", "1.0", "after the reconnect a new task is answered (subscriptions restored)"),
     Check("reconnect.held_answer", "§10", "MUST", "1.2",
           "an answer finished while disconnected is published after reconnecting while its round is open"),
+    Check("reconnect.held_answer_dropped", "§10", "MUST", "1.2",
+          "an answer finished while disconnected is not published when the presence after the reconnect shows "
+          "a later round"),
     Check("presence.will", "§11", "MUST", "1.0",
           "on kill -9 the broker publishes the last will: a retained `offline` status of the same session"),
     # signatures (scenario "signatures")
@@ -97,13 +106,30 @@ CHECKS: dict[str, Check] = _catalog(
     Check("signing.wrong_recipient", "§4", "MUST", "1.1", "a signed task whose `recipient` is another agent is ignored"),
     Check("signing.stale", "§7", "MUST", "1.1",
           "a signed task older by (epoch, round) than the newest acted on is ignored"),
+    # the head tier (scenario "head"): releases, with a pinned coordinator key
+    Check("release.install", "§12", "MUST", "1.0",
+          "a release retained whole before the head agent started is installed: `metrics` (tier head, its "
+          "release_id, round = the release's)"),
+    Check("release.sha256", "§12", "MUST", "1.0",
+          "a release whose artifact does not match its sha256 is refused (no metrics; the installed one is kept)"),
+    Check("release.rollback", "§12", "MUST", "1.1",
+          "with a pinned coordinator key, a release whose `sequence` is below the installed one's is refused"),
+    Check("release.expired", "§12", "MUST", "1.1",
+          "with a pinned coordinator key, a release past `expires` is refused"),
+    Check("release.task_topic", "§12", "MUST", "1.0",
+          "the installed release sent again on the agent's task topic is answered with `metrics` again"),
+    Check("release.parts", "§12", "MUST", "1.2",
+          "a release retained in chunks of <= M on `release/<i>` before the agent started is reassembled and "
+          "installed"),
 )
 
 #: scenario name -> the checks it records (the CLI's --skip takes these names)
 SCENARIOS: dict[str, tuple[str, ...]] = {
-    "session": tuple(k for k in CHECKS if not k.startswith(("reconnect.", "signing.")) and k != "presence.will"),
-    "reconnect": ("reconnect.birth", "reconnect.resubscribe", "reconnect.held_answer", "presence.will"),
+    "session": tuple(k for k in CHECKS if not k.startswith(("reconnect.", "signing.", "release."))
+                     and k != "presence.will"),
+    "reconnect": (*(k for k in CHECKS if k.startswith("reconnect.")), "presence.will"),
     "signatures": tuple(k for k in CHECKS if k.startswith("signing.")),
+    "head": tuple(k for k in CHECKS if k.startswith("release.")),
 }
 
 

@@ -17,9 +17,12 @@ def build_parser() -> OneLineParser:
     p.add_argument("--agent-cmd", required=True, metavar="TEMPLATE",
                    help="the agent's command line, with placeholders such as {broker}, {federation}, {agent_id}, "
                         "{data}, {config}, e.g. \"edgepfl agent --config {config}\"")
+    p.add_argument("--head-agent-cmd", metavar="TEMPLATE",
+                   help="the head agent's command line for the `head` scenario (default: --agent-cmd; the "
+                        "{tier} and {head} placeholders tell one command which tier to run)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     p.add_argument("--skip", action="append", default=[], choices=list(SCENARIOS),
-                   help="leave a scenario out (repeatable): session, reconnect, signatures")
+                   help=f"leave a scenario out (repeatable): {', '.join(SCENARIOS)}")
     p.add_argument("--workdir", metavar="DIR", help="keep agents' inputs, state and logs here (default: a "
                                                     "temporary directory, removed afterwards)")
     p.add_argument("--answer-timeout", type=float, default=60.0, metavar="S", help="seconds per task answer")
@@ -33,7 +36,7 @@ def main_conformance(argv: list[str]) -> int:
     from .kit import KitOptions, run_kit
 
     args = build_parser().parse_args(argv)
-    options = KitOptions(agent_cmd=args.agent_cmd,
+    options = KitOptions(agent_cmd=args.agent_cmd, head_agent_cmd=args.head_agent_cmd,
                          scenarios=tuple(s for s in SCENARIOS if s not in args.skip),
                          workdir=Path(args.workdir).resolve() if args.workdir else None,
                          answer_timeout_s=args.answer_timeout, start_timeout_s=args.start_timeout)

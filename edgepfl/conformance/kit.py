@@ -9,7 +9,11 @@ the kit starts on a free loopback port (:class:`edgepfl.testing.MosquittoBroker`
 * ``reconnect`` — a broker restart (birth again, an answer held over the outage, a task
   after it) and the last will on ``kill -9``;
 * ``signatures`` — a pinned coordinator key and an agent key: signed status and update,
-  unsigned / foreign-key / wrongly addressed / stale tasks ignored.
+  unsigned / foreign-key / wrongly addressed / stale tasks ignored;
+* ``head`` — a head agent (its own command, ``--head-agent-cmd``) joining late: releases
+  retained whole and in parts, a corrupt, a rolled-back and an expired release, a release
+  sent again on its task topic. The release is a real export (``edgepfl export`` run as a
+  command, the core imports no app) of the task model's initial state.
 
 The kit builds tasks with :mod:`edgepfl.protocol` exactly as the coordinator does; the
 payload is FedAvg's initial shared parameters of the MLP of docs/MODELS.md, built by
@@ -18,12 +22,15 @@ payload is FedAvg's initial shared parameters of the MLP of docs/MODELS.md, buil
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
+import os
 import shutil
 import signal
 import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,9 +51,11 @@ from edgepfl.protocol import (
     Message,
     MessageType,
     MethodChoice,
+    MetricsMeta,
     NackMeta,
     Normalization,
     RefusalMeta,
+    ReleaseMeta,
     RunSpec,
     StatusMeta,
     TaskMeta,
@@ -56,16 +65,30 @@ from edgepfl.protocol import (
     federation_topic,
     new_message_id,
     parse_version,
+    release_part_topic,
     seed_for,
+    split_frame,
 )
 from edgepfl.protocol.envelope import MAGIC
 from edgepfl.protocol.evolution import MAJOR
+from edgepfl.protocol.manifest import ReleaseManifest, release_tensors
 from edgepfl.protocol.signing import Signer, generate_keypair, load_public_key, load_signer, verify
 from edgepfl.specs import ModelSpec, TrainConfig
 from edgepfl.testing import MosquittoBroker
 
 from .checks import SCENARIOS, Report
-from .wire import CLASS_NAMES, INPUT_SHAPE, AgentProcess, Frame, Wire, agent_config, read_retained, write_dataset
+from .wire import (
+    CLASS_NAMES,
+    HEAD_KIND,
+    INPUT_SHAPE,
+    TEST_FRACTION,
+    AgentProcess,
+    Frame,
+    Wire,
+    agent_config,
+    read_retained,
+    write_dataset,
+)
 
 log = logging.getLogger("edgepfl.conformance")
 
@@ -73,6 +96,10 @@ log = logging.getLogger("edgepfl.conformance")
 LARGE_M, SMALL_M = 1_000_000, 16_384
 #: how long the agent should train on the task whose answer is held over a broker outage
 HOLD_TRAIN_S = 4.0
+#: epochs of the task that times the agent's training
+TIMING_EPOCHS = 10
+#: how long the kit watches an agent after a `done` presence
+DONE_WAIT_S = 2.0
 
 
 @dataclass
@@ -80,6 +107,8 @@ class KitOptions:
     """What ``edgepfl conformance`` was asked to do."""
 
     agent_cmd: str
+    #: the head agent's command line for the ``head`` scenario (default: ``agent_cmd``)
+    head_agent_cmd: str | None = None
     scenarios: tuple[str, ...] = tuple(SCENARIOS)
     #: where agents' inputs, state and logs go (default: a temporary directory, removed after)
     workdir: Path | None = None
@@ -114,6 +143,8 @@ def run_kit(options: KitOptions) -> Report:
     broker.start()
     kit = _Kit(options, report, broker, workdir)
     try:
+        if "head" in options.scenarios:
+            kit.start_export()  # beside the first scenarios: it takes seconds
         for name in SCENARIOS:
             if name not in options.scenarios:
                 report.skip_unrecorded(SCENARIOS[name], f"scenario {name!r} not run (--skip)")
@@ -124,6 +155,8 @@ def run_kit(options: KitOptions) -> Report:
             except ScenarioAborted as exc:
                 report.skip_unrecorded(SCENARIOS[name], f"scenario {name} aborted: {exc}")
         kit.record_frames()
+        for name in options.scenarios:  # every check gets a verdict
+            report.skip_unrecorded(SCENARIOS[name], f"scenario {name} did not reach this check")
     finally:
         kit.close()
         if own_dir:
@@ -154,9 +187,13 @@ class _Kit:
         #: (agent id, federation) of every agent started: frames.valid looks at each one's frames
         self.frame_problems: list[str] = []
         self.frames_checked = 0
+        self._export: subprocess.Popen | None = None
 
     # ------------------------------------------------------------------ set-up
     def close(self) -> None:
+        if self._export is not None and self._export.poll() is None:
+            self._export.kill()
+            self._export.wait()
         for agent in self.agents:
             agent.stop(grace=5)
         for wire in self.wires:
@@ -167,16 +204,46 @@ class _Kit:
         """FedAvg's initial shared parameters for ``run``'s model (the task body)."""
         key = run.model_dump_json(include={"method", "model", "data"})
         if key not in self._payloads:
-            from edgepfl._torch import torch
-            from edgepfl.methods import create_method
-
-            torch.manual_seed(0)
-            method = create_method(run.method.name, run.method.options)
-            model = method.build_model(run.model, run.data.input_shape, run.data.num_classes)
-            self._payloads[key] = method.payload_for(method.init_server(model), "conformance")
+            method, state = _initial_state(run)
+            self._payloads[key] = method.payload_for(state, "conformance")
         return self._payloads[key]
 
-    def open(self, name: str, *, signed: bool = False) -> _Scenario:
+    # ------------------------------------------------------------------ the head scenario's release
+    def start_export(self) -> None:
+        """Checkpoint the task model's initial state and start ``edgepfl export`` on it."""
+        from edgepfl.config import DataSpec
+        from edgepfl.state import CheckpointMeta, save_checkpoint
+
+        _, state = _initial_state(self.run)
+        run_dir = self.workdir / "release-run"
+        data = DataSpec(dataset="npz", root=str(self.workdir / "data.npz"), num_clients=1, test_fraction=TEST_FRACTION)
+        save_checkpoint(run_dir / "checkpoint", state, CheckpointMeta(round=0, run=self.run, data_spec=data))
+        with open(run_dir / "export.log", "wb") as out:
+            self._export = subprocess.Popen(
+                [sys.executable, "-m", "edgepfl", "export", "--run", str(run_dir), "--out", str(run_dir / "export")],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
+
+    def exported(self) -> tuple[ReleaseManifest, bytes, bytes | None]:
+        """The export's manifest, encoder bytes and global heads bytes (waits for the export)."""
+        run_dir = self.workdir / "release-run"
+        if self._export is None:
+            self.start_export()
+        assert self._export is not None
+        try:
+            code = self._export.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            raise ScenarioAborted("the kit's `edgepfl export` took over 300 s") from None
+        if code != 0:
+            tail = (run_dir / "export.log").read_text(errors="replace").splitlines()[-3:]
+            raise ScenarioAborted(f"the kit's `edgepfl export` failed ({code}): {' '.join(tail)}")
+        out = run_dir / "export"
+        manifest = ReleaseManifest.model_validate_json((out / "manifest.json").read_text())
+        heads = manifest.global_heads
+        return (manifest, (out / manifest.encoder.file).read_bytes(),
+                (out / heads.file).read_bytes() if heads is not None else None)
+
+    def open(self, name: str, *, signed: bool = False, tier: str = "trainer") -> _Scenario:
         federation = f"conf-{uuid.uuid4().hex[:8]}-{name}"
         agent_id = f"dut-{name}"
         directory = self.workdir / name
@@ -197,6 +264,8 @@ class _Kit:
             "state_dir": str(directory / "state"),
             "signing_key": str(keys / "agent.key") if signed else "",
             "coordinator_key": str(keys / "coordinator.pub") if signed else "",
+            "tier": tier,
+            "head": HEAD_KIND,
         }
         config = agent_config(values, max_message_bytes=self.options.agent_max_message_bytes, signed=signed)
         (directory / "agent.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
@@ -205,7 +274,8 @@ class _Kit:
                       meta=CoordinatorMeta(state="offline"), signer=coordinator)
         wire = Wire(self.broker.url, federation, will=will).start()
         self.wires.append(wire)
-        agent = AgentProcess(self.options.agent_cmd, values, directory)
+        command = self.options.head_agent_cmd if tier == "head" else None
+        agent = AgentProcess(command or self.options.agent_cmd, values, directory)
         self.agents.append(agent)
         return _Scenario(self, wire, agent, federation, agent_id, coordinator,
                          load_public_key(keys / "agent.pub"), load_signer(keys / "foreign.key"))
@@ -320,27 +390,93 @@ class _Kit:
                                   "it must not run")
         if nacked:
             r.record("nack.keeps_going", True, "the task after the NACK was answered")
+        else:
+            r.skip("nack.keeps_going", f"no NACK sent: the agent announced {r.agent_version} (§16)"
+                   if not r.required("nack.keeps_going") else "no update to NACK")
         r.record("evolution.unknown_type", True, "the task after an `x_future_type` frame was answered")
         time.sleep(self.options.quiet_s)
         s.check_refusal(mark, shape_meta, "data_mismatch", "refusal.data_mismatch")
         s.check_refusal(mark, method_meta, "unsupported_method", "refusal.unsupported_method")
 
+        # a coordinator of another major version, then one of major 1 again (§16)
+        mark = s.wire.mark()
+        s.presence(session=s.session, m=LARGE_M, round=8, version=f"{MAJOR + 1}.0")
+        foreign_task, foreign_meta = s.task(8)
+        s.send(foreign_task)
+        s.presence(session=s.session, m=LARGE_M, round=9)
+        task, meta = s.task(9)
+        if s.ask(task, meta) is None:
+            raise ScenarioAborted(f"the agent answered no task after a presence of major {MAJOR} followed one of "
+                                  f"major {MAJOR + 1}")
+        time.sleep(self.options.quiet_s)
+        answer = s.answer_to(foreign_meta.task_id, mark)
+        r.record("version.other_major", answer is None,
+                 f"the task sent under a {MAJOR + 1}.0 presence got no answer; the next one, under {PROTOCOL_VERSION}, "
+                 "was answered" if answer is None else
+                 f"the task sent under a {MAJOR + 1}.0 presence was answered with a "
+                 f"{answer.message.type.value if answer.message else 'broken'} frame")
+
         # the announced M goes down: the next update must come in chunks of at most M
         announced_at = time.monotonic()
-        s.presence(session=s.session, m=SMALL_M)
+        s.presence(session=s.session, m=SMALL_M, round=10)
         time.sleep(0.5)
-        task, meta = s.task(8)
+        task, meta = s.task(10)
         update = s.ask(task, meta)
         if update is None:
             r.record("chunking.send", False, f"no answer after announcing max_message_bytes={SMALL_M}")
         else:
-            s.check_chunked(update, 8)
+            s.check_chunked(update, 10)
         big = [len(x.payload) for x in s.wire.seen_after(announced_at + 0.2) if f"/agents/{s.agent_id}/" in x.topic]
         r.record("limits.announced_m", bool(big) and max(big) <= SMALL_M,
                  f"{len(big)} MQTT messages after the announcement, largest {max(big, default=0)} bytes (M {SMALL_M})")
 
+        self.run_done(s)
         s.clean_stop()
         s.account_frames()
+
+    def outage(self, s: _Scenario, round: int, epochs: int, per_epoch: float, *,
+               back_in_round: int) -> tuple[TaskMeta, int, Frame | None]:
+        """Send a task of ``round`` that trains about HOLD_TRAIN_S, stop the broker while the
+        agent trains, start it again with the kit's presence in ``back_in_round``; records
+        ``reconnect.birth``. Returns the task, the mark before it, and its answer if it came
+        before the broker stopped (then nothing was held)."""
+        long_run = self.run.model_copy(update={"train": self.run.train.model_copy(update={"epochs": epochs})})
+        task, meta = s.task(round, run=long_run)
+        mark = s.wire.mark()
+        s.send(task)
+        time.sleep(0.7)
+        early = s.answer_to(meta.task_id, mark)
+        if back_in_round != round:  # the kit's client publishes it once the broker is back
+            s.presence(session=s.session, m=LARGE_M, round=back_in_round, now=False)
+        self.restart_broker(down_s=min(epochs * per_epoch, 2 * HOLD_TRAIN_S) + 1.0)
+        birth = s.wire.wait(lambda f: s.is_status(f, "online"), 60.0, mark)
+        self.report.record("reconnect.birth", birth is not None, "a birth status after the broker restart" if birth
+                           else "no status within 60 s of the restart")
+        if birth is None:
+            raise ScenarioAborted("the agent did not come back after the broker restart")
+        return meta, mark, early
+
+    def run_done(self, s: _Scenario) -> None:
+        """A `done` presence, then a new run's presence and task (§10: the agent stays, SHOULD)."""
+        mark = s.wire.mark()
+        s.presence(session=s.session, m=SMALL_M, round=10, state="done")
+        time.sleep(DONE_WAIT_S)
+        offline = s.wire.wait(lambda f: s.is_status(f, "offline"), 0.0, mark)
+        retained = read_retained(self.broker.url, s.status_topic)
+        kept = _decoded_status(retained) if retained is not None else None
+        own = s.status.session if s.status else None
+        problems = [p for p, bad in (
+            ("the agent exited", not s.agent.running), ("it published `offline`", offline is not None),
+            (f"its retained status is {kept.state if kept else None} of session {kept.session if kept else None}",
+             kept is None or kept.state != "online" or kept.session != own)) if bad]
+        if s.agent.running:
+            s.presence(session=uuid.uuid4().hex, m=SMALL_M, round=0)  # a new run of the federation
+            task, meta = s.task(0)
+            if s.ask(task, meta) is None:
+                problems.append("no answer to the next run's task")
+        self.report.record("presence.done", not problems, "; ".join(problems) or
+                           f"{DONE_WAIT_S:.0f} s after `done` still online (session {own}); the next run's task "
+                           "was answered")
 
     def scenario_reconnect(self) -> None:
         s = self.open("reconnect")
@@ -348,30 +484,21 @@ class _Kit:
         s.presence(session=uuid.uuid4().hex, m=LARGE_M, round=0)
         s.start()
         seconds = 0.0
-        for _ in range(2):  # the second answer times a warm agent: the first builds the model
-            task, meta = s.task(0)
+        # the second answer times a warm agent (the first builds the model) over several epochs,
+        # so that what a task costs once does not pass for the cost of an epoch
+        for epochs in (1, TIMING_EPOCHS):
+            timing = self.run.model_copy(update={"train": self.run.train.model_copy(update={"epochs": epochs})})
+            task, meta = s.task(0, run=timing)
             first = s.ask(task, meta)
             if first is None or first.message is None:
                 raise ScenarioAborted("the agent answered no train task")
             seconds = first.message.meta_as(UpdateMeta).train_seconds
-        per_epoch = max(seconds, 0.002)
+        per_epoch = max(seconds / TIMING_EPOCHS, 0.002)
         epochs = int(min(5000, max(2, math.ceil(HOLD_TRAIN_S / per_epoch))))
 
-        # a long task of round 1; the broker goes away while the agent trains
+        # a long task of round 1; the broker goes away while the agent trains and comes back in round 1
         s.presence(session=s.session, m=LARGE_M, round=1)
-        long_run = self.run.model_copy(update={"train": self.run.train.model_copy(update={"epochs": epochs})})
-        task, meta = s.task(1, run=long_run)
-        mark = s.wire.mark()
-        s.send(task)
-        time.sleep(0.7)
-        early = s.answer_to(meta.task_id, mark)
-        self.restart_broker(down_s=min(epochs * per_epoch, 2 * HOLD_TRAIN_S) + 1.0)
-        # (the kit's client reconnects by itself and publishes its presence again)
-        birth = s.wire.wait(lambda f: s.is_status(f, "online"), 60.0, mark)
-        r.record("reconnect.birth", birth is not None,
-                 "a birth status after the broker restart" if birth else "no status within 60 s of the restart")
-        if birth is None:
-            raise ScenarioAborted("the agent did not come back after the broker restart")
+        meta, mark, early = self.outage(s, 1, epochs, per_epoch, back_in_round=1)
         if early is not None:
             r.skip("reconnect.held_answer", f"the agent answered before the broker stopped ({epochs} epochs)")
         else:
@@ -384,6 +511,22 @@ class _Kit:
         update = s.ask(task, meta)
         r.record("reconnect.resubscribe", update is not None,
                  "a task sent after the reconnect was answered" if update else "no answer after the reconnect")
+        if update is None:
+            raise ScenarioAborted("the agent answered no task after the broker restart")
+
+        # a long task of round 2; the broker comes back with the coordinator in round 3
+        meta, mark, early = self.outage(s, 2, epochs, per_epoch, back_in_round=3)
+        task, sentinel_meta = s.task(3)
+        if s.ask(task, sentinel_meta) is None:
+            raise ScenarioAborted("the agent answered no task after the second broker restart")
+        time.sleep(self.options.quiet_s)
+        if early is not None:
+            r.skip("reconnect.held_answer_dropped", f"the agent answered before the broker stopped ({epochs} epochs)")
+        else:
+            late = s.answer_to(meta.task_id, mark)
+            r.record("reconnect.held_answer_dropped", late is None,
+                     "the round-2 answer was not published: the presence after the reconnect said round 3"
+                     if late is None else "the round-2 answer was published although the presence said round 3")
 
         mark = s.wire.mark()
         s.agent.signal(signal.SIGKILL)
@@ -430,6 +573,69 @@ class _Kit:
         s.clean_stop(record=False)
         s.account_frames()
 
+    def scenario_head(self) -> None:
+        manifest, artifact, global_heads = self.exported()
+        s = self.open("head", signed=True, tier="head")
+        r = self.report
+        sequence, now = int(time.time() * 1000), time.time()
+
+        def release(name: str, *, seq: int, expires: float = now + 3600, body: bytes = artifact) -> tuple[bytes, str]:
+            """A signed release of the export under its own release id; ``body`` the artifact it carries."""
+            release_id = f"conformance-{name}-{manifest.encoder.sha256[:12]}"
+            meta = ReleaseMeta(release_id=release_id, manifest=manifest.model_copy(update={"release_id": release_id}),
+                               sha256=hashlib.sha256(artifact).hexdigest(), size_bytes=len(artifact), sequence=seq,
+                               expires=expires)
+            return encode(MessageType.RELEASE, federation=s.federation, sender="coordinator", round=manifest.round,
+                          meta=meta, tensors=release_tensors(body, global_heads), signer=s.coordinator), release_id
+
+        release_topic = federation_topic(s.federation, FederationChannel.RELEASE)
+        s.presence(session=uuid.uuid4().hex, m=LARGE_M)
+        whole, whole_id = release("whole", seq=sequence)
+        s.wire.publish(release_topic, whole, retain=True)
+        mark = s.wire.mark()
+        s.start()
+        got = s.wait_metrics(whole_id, mark, self.options.start_timeout_s)
+        r.record("release.install", s.metrics_ok(got, manifest.round), s.metrics_evidence(got, "retained whole", whole_id))
+        if got is None:
+            raise ScenarioAborted("the head agent installed no release")
+
+        # three releases it must refuse, on its task topic, then the installed one again
+        corrupt = bytearray(artifact)
+        corrupt[len(corrupt) // 2] ^= 0xFF
+        bad = {"release.sha256": release("corrupt", seq=sequence + 10, body=bytes(corrupt)),
+               "release.rollback": release("rollback", seq=sequence - 1),
+               "release.expired": release("expired", seq=sequence + 20, expires=now - 3600)}
+        mark = s.wire.mark()
+        for frame, _ in bad.values():
+            s.send(frame)
+        s.send(whole)
+        again = s.wait_metrics(whole_id, mark, self.options.answer_timeout_s)
+        r.record("release.task_topic", s.metrics_ok(again, manifest.round),
+                 s.metrics_evidence(again, "sent again on the task topic", whole_id))
+        if again is None:
+            raise ScenarioAborted("the head agent did not answer its installed release sent again")
+        time.sleep(self.options.quiet_s)
+        for check_id, (_, release_id) in bad.items():
+            installed = s.wait_metrics(release_id, mark, 0.0)
+            r.record(check_id, installed is None, "refused: no metrics" if installed is None else
+                     f"installed: metrics for {release_id}")
+
+        # a late joiner again, the release retained in parts of at most the announced M
+        s.clean_stop(record=False)
+        s.presence(session=s.session, m=SMALL_M)
+        parted, parted_id = release("parts", seq=sequence + 30)
+        parts = split_frame(parted, SMALL_M, federation=s.federation, sender="coordinator", round=manifest.round)
+        for index in reversed(range(len(parts))):  # chunk 0 last (§12)
+            s.wire.publish(release_part_topic(s.federation, index), parts[index], retain=True)
+        s.wire.publish(release_topic, b"", retain=True)
+        mark = s.wire.mark()
+        s.restart()
+        got = s.wait_metrics(parted_id, mark, self.options.answer_timeout_s)
+        r.record("release.parts", s.metrics_ok(got, manifest.round),
+                 s.metrics_evidence(got, f"retained in {len(parts)} parts of <= {SMALL_M} bytes", parted_id))
+        s.clean_stop(record=False)
+        s.account_frames()
+
 
 class _Scenario:
     """One agent process under test, in its own federation, and the kit's side of its wire."""
@@ -449,13 +655,15 @@ class _Scenario:
         self.task_topic = agent_topic(federation, agent_id, AgentChannel.TASK)
 
     # ------------------------------------------------------------------ frames the kit sends
-    def presence(self, *, session: str, m: int, round: int = 0) -> None:
+    def presence(self, *, session: str, m: int, round: int = 0, state: str = "online",
+                 version: str = PROTOCOL_VERSION, now: bool = True) -> None:
+        """The kit's retained presence; ``now`` false: only once the broker is back (a restart)."""
         self.session = session
-        meta = CoordinatorMeta(state="online", method=self.kit.run.method.name, round=round, max_message_bytes=m,
-                               max_payload_bytes=256 * 2**20, session=session)
+        meta = CoordinatorMeta(state=state, method=self.kit.run.method.name, round=round, version=version,
+                               max_message_bytes=m, max_payload_bytes=256 * 2**20, session=session)
         self.wire.retain(federation_topic(self.federation, FederationChannel.COORDINATOR),
                          encode(MessageType.COORDINATOR, federation=self.federation, sender="coordinator",
-                                round=round, meta=meta, signer=self.coordinator))
+                                round=round, meta=meta, signer=self.coordinator), now=now)
 
     def task(self, round: int, *, kind: str = "train", run: RunSpec | None = None, payload: RunSpec | None = None,
              signer: Signer | None | object = _COORDINATOR_KEY, recipient: str | None = None) -> tuple[bytes, TaskMeta]:
@@ -498,6 +706,41 @@ class _Scenario:
 
     def answer_to(self, task_id: str, since: int) -> Frame | None:
         return next((f for f in self.wire.since(since) if self.is_answer(f, task_id)), None)
+
+    def wait_metrics(self, release_id: str, since: int, timeout: float) -> Frame | None:
+        """The agent's ``metrics`` frame for ``release_id`` from ``since`` on, or None after ``timeout`` s."""
+        def measured(f: Frame) -> bool:
+            m = f.message
+            return (f.agent == self.agent_id and f.channel == "metrics" and m is not None
+                    and m.type == MessageType.METRICS and m.meta_as(MetricsMeta).release_id == release_id)
+
+        return self.wire.wait(measured, timeout, since)
+
+    @staticmethod
+    def metrics_ok(frame: Frame | None, round: int) -> bool:
+        if frame is None or frame.message is None:
+            return False
+        meta = frame.message.meta_as(MetricsMeta)
+        return meta.tier == "head" and frame.message.header.round == round and meta.eval_correct <= meta.num_test
+
+    def metrics_evidence(self, frame: Frame | None, how: str, release_id: str) -> str:
+        if frame is None or frame.message is None:
+            return f"no metrics for the release {how} ({release_id}); agent log: {self.agent.log_tail(3)}"
+        meta = frame.message.meta_as(MetricsMeta)
+        return (f"the release {how}: metrics of tier {meta.tier}, head {meta.head}, round {frame.message.header.round}, "
+                f"{meta.eval_correct}/{meta.num_test} held-out correct")
+
+    def restart(self) -> None:
+        """Start the stopped agent again; waits for its birth (a status of a new session)."""
+        mark = self.wire.mark()
+        old = self.status.session if self.status else None
+        self.agent.start()
+        birth = self.wire.wait(lambda f: self.is_status(f, "online") and f.message is not None
+                               and f.message.meta_as(StatusMeta).session != old,
+                               self.kit.options.start_timeout_s, mark)
+        if birth is None or birth.message is None:
+            raise ScenarioAborted(f"no birth status after restarting the agent; agent log: {self.agent.log_tail(5)}")
+        self.status = birth.message.meta_as(StatusMeta)
 
     def start(self) -> Message:
         """Start the agent; its birth status (recorded as ``presence.birth``)."""
@@ -633,6 +876,17 @@ class _Scenario:
                                                f"{m.header.federation}")
             elif m.type not in expected.get(frame.channel, set()):
                 self.kit.frame_problems.append(f"a {m.type.value} frame on the {frame.channel} topic")
+
+
+def _initial_state(run: RunSpec):
+    """(method, its initial server state) for ``run``'s model, seeded: the same every time."""
+    from edgepfl._torch import torch
+    from edgepfl.methods import create_method
+
+    torch.manual_seed(0)
+    method = create_method(run.method.name, run.method.options)
+    model = method.build_model(run.model, run.data.input_shape, run.data.num_classes)
+    return method, method.init_server(model)
 
 
 def _decoded_status(payload: bytes) -> StatusMeta | None:

@@ -41,7 +41,7 @@ from edgepfl.protocol.envelope import peek_header
 
 #: the placeholders an ``--agent-cmd`` template may use (docs/CONFORMANCE.md)
 PLACEHOLDERS = ("python", "broker", "host", "port", "federation", "agent_id", "data", "workdir", "config",
-                "state_dir", "signing_key", "coordinator_key")
+                "state_dir", "signing_key", "coordinator_key", "tier", "head")
 
 
 @dataclass
@@ -172,10 +172,12 @@ class Wire:
             if self.connected.is_set():
                 info.wait_for_publish(timeout=10)
 
-    def retain(self, topic: str, frame: bytes) -> None:
-        """Publish ``frame`` retained on ``topic`` now and after every reconnection."""
+    def retain(self, topic: str, frame: bytes, *, now: bool = True) -> None:
+        """Publish ``frame`` retained on ``topic`` now (unless ``now`` is false: only once the
+        broker is back) and after every reconnection."""
         self.retained[topic] = frame
-        self.publish(topic, frame, retain=True)
+        if now:
+            self.publish(topic, frame, retain=True)
 
     # ------------------------------------------------------------------ waiting
     def mark(self) -> int:
@@ -311,6 +313,8 @@ INPUT_SHAPE = (1, 8, 8)
 CLASS_NAMES = ("ring", "bar", "cross", "dot")
 SAMPLES_PER_CLASS = 24
 TEST_FRACTION = 0.25
+#: the head kind a head agent under test fits (every method's releases offer it)
+HEAD_KIND = "lr"
 
 
 def write_dataset(path: Path, seed: int = 0) -> dict[str, list[float]]:
@@ -336,13 +340,15 @@ def agent_config(values: dict[str, str], *, max_message_bytes: int, signed: bool
     config: dict[str, Any] = {
         "agent_id": values["agent_id"],
         "federation": values["federation"],
-        "tier": "trainer",
+        "tier": values["tier"],
         "broker": {"url": values["broker"], "max_message_bytes": max_message_bytes, "keepalive_s": 10},
         "data": {"dataset": "npz", "root": values["data"], "num_clients": 1, "test_fraction": TEST_FRACTION},
         "state_dir": values["state_dir"],
         "device": "cpu",
         "threads": 1,
     }
+    if values["tier"] == "head":
+        config["head"] = values["head"]
     if signed:
         config["security"] = {"signing_key": values["signing_key"], "coordinator_key": values["coordinator_key"]}
     return config

@@ -12,7 +12,9 @@ It imports nothing of edgepfl: everything it does is specified in
 
 It is a test fixture and an example for device makers: one file, readable top to
 bottom. Its local data is an ``.npz`` of raw 8-bit images (``x_train``, ``x_test``:
-uint8 N×C×H×W), integer labels (``y_train``, ``y_test``) and ``num_classes``.
+uint8 N×C×H×W), integer labels (``y_train``, ``y_test``) and ``num_classes``; or, with
+``--test-fraction F``, pooled ``x`` and ``y`` (the conformance kit's data, docs/CONFORMANCE.md),
+split per class in file order: the last round(F · n) of a class's n samples are held out.
 
     python agent.py --broker mqtt://127.0.0.1:1883 --federation demo --agent-id dev-7 \
         --data client.npz --schemas docs/schemas --state-dir /var/lib/dev-7
@@ -330,17 +332,29 @@ def evaluate(model: nn.Module, x, y) -> tuple[int, float | None]:
 
 # ----------------------------------------------------------------------------- the trainer
 
+def split_pooled(x: np.ndarray, y: np.ndarray, test_fraction: float) -> dict[str, np.ndarray]:
+    """Pooled samples -> train / held-out: per class, in file order, the last round(F · n) held out."""
+    test = np.zeros(len(y), dtype=bool)
+    for label in np.unique(y):
+        where = np.flatnonzero(y == label)
+        held = int(round(test_fraction * len(where)))
+        test[where[len(where) - held:]] = held > 0
+    return {"x_train": x[~test], "y_train": y[~test], "x_test": x[test], "y_test": y[test]}
+
+
 class Trainer:
     """Local data, the model of the current run, its personal state on disk."""
 
-    def __init__(self, agent_id: str, data: Path, state_dir: Path):
+    def __init__(self, agent_id: str, data: Path, state_dir: Path, test_fraction: float | None = None):
         self.agent_id = agent_id
-        raw = np.load(data)
+        raw = dict(np.load(data))
+        if test_fraction is not None:
+            raw.update(split_pooled(raw["x"], raw["y"], test_fraction))
         self.pixels = {"train": raw["x_train"], "test": raw["x_test"]}
         if any(p.dtype != np.uint8 or p.ndim != 4 for p in self.pixels.values()):
             raise ValueError(f"{data}: x_train and x_test must be uint8 (N, C, H, W)")
         self.labels = {s: torch.as_tensor(raw[f"y_{s}"], dtype=torch.long) for s in ("train", "test")}
-        self.num_classes = int(raw["num_classes"])
+        self.num_classes = int(raw["num_classes"]) if "num_classes" in raw else int(raw["y"].max()) + 1
         self.state_dir = state_dir
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._model_key: str | None = None
@@ -450,7 +464,7 @@ class Agent:
     def __init__(self, args: argparse.Namespace):
         self.federation, self.agent_id = args.federation, args.agent_id
         self.codec = Codec(args.schemas)
-        self.trainer = Trainer(args.agent_id, args.data, args.state_dir)
+        self.trainer = Trainer(args.agent_id, args.data, args.state_dir, args.test_fraction)
         self.own_m = args.max_message_bytes
         self.max_message = self.own_m                 # min(own, announced): §8
         self.accept_bytes = self.own_m + CHUNK_SLACK  # max(own, announced) + 64 KiB
@@ -574,6 +588,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--schemas", type=Path, required=True, help="docs/schemas of the protocol version spoken")
     parser.add_argument("--state-dir", type=Path, required=True)
     parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_M)
+    parser.add_argument("--test-fraction", type=float, help="--data holds pooled x / y: hold out this fraction "
+                                                              "of each class (the last samples in file order)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     agent = Agent(args)
