@@ -252,6 +252,8 @@ class HeadTier:
             log.info("no usable saved head yet (%s)", exc)
 
     def handle(self, message: Message) -> Reply | None:
+        from .head_tier import ReleaseRefused
+
         meta = message.meta_as(ReleaseMeta)  # the agent hands a tier only messages of its ``accepts`` type
         artifact, global_heads = message.tensors.get("artifact"), message.tensors.get("global_heads")
         if artifact is None:
@@ -262,6 +264,8 @@ class HeadTier:
                 meta.manifest, artifact.tobytes(), meta.sha256, sequence=meta.sequence, expires=meta.expires,
                 proof=message.signed_part + message.signature if message.signature is not None else None,
                 global_heads=global_heads.tobytes() if global_heads is not None else None)
+        except ReleaseRefused:  # logged, with the release kept, where it was refused
+            return None
         except Exception as exc:
             log.error("release %s refused: %s", meta.release_id, exc)
             return None
