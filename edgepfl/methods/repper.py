@@ -68,7 +68,7 @@ class RepPerConfig(MethodConfig):
 
     tau: float = Field(0.1, gt=0, description="SupCon temperature")
     supcon_form: Literal["out", "in"] = Field(
-        "out", description="'out': log inside the positive mean (METHODS.md); 'in': the paper's eq. 5 as printed"
+        "in", description="'in': the paper's eq. 5 and its gradient (log of the positive mean); 'out': the mean of logs"
     )
     optimizer: Literal["sgd", "adam"] = Field("adam", description="stage-1 optimizer (paper: Adam)")
     lr: float = Field(1e-3, gt=0)
@@ -86,8 +86,11 @@ class RepPerConfig(MethodConfig):
     head: Literal[GENERIC_HEAD_KINDS] = Field(  # type: ignore[valid-type]
         "lr", description="stage-2 personal head: logistic regression, linear SVM or MLP"
     )
-    head_normalize: bool = Field(DEFAULT_NORMALIZE, description="L2-normalize features before the head [inferred default]")
-    head_C: float = Field(DEFAULT_C, gt=0, description="inverse regularization of lr / svm")
+    head_normalize: bool = Field(DEFAULT_NORMALIZE, description="L2-normalize features before the head [measured default]")
+    head_C: float | None = Field(
+        DEFAULT_C, gt=0, description="inverse regularization of lr / svm; None: chosen per client by k-fold "
+                                     "cross-validation on its training split (edgepfl.heads)"
+    )
     head_hidden: int = Field(DEFAULT_HIDDEN, ge=1, description="MLP head hidden units (sklearn's default)")
     head_max_iter: int = Field(DEFAULT_MAX_ITER, ge=1, description="solver iterations of every head kind")
 
