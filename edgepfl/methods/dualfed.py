@@ -23,6 +23,17 @@ Local training, ``schedule = "stagewise"`` (default) [paper 4.2, code], each rou
 sum ``CE(h_p(u), y) + lambda * SupCon(u, y) + CE(h_s(z), y)``, gradients reaching the
 encoder from both classifiers.
 
+Personal BatchNorm statistics at evaluation, ``bn_recalibrate = True`` (default,
+issue 13; docs/METHODS.md "DualFed"): the agent evaluates right after loading a new
+global encoder, and the stored running statistics were estimated under the client's
+own previous encoder — an EMA over its last local training — so they do not describe
+the received encoder's features. Before evaluating, every personal BatchNorm layer
+(encoder and projector) is re-estimated on the client's training images: no gradient,
+train-mode forward passes, cumulative average (momentum None). Training normalizes with
+batch statistics and never reads the running ones, so the option changes what is
+evaluated (and stored), not what is trained. ``False`` evaluates the stored statistics,
+as the authors' code does.
+
 Inference: ``argmax(h_p(u) + h_s(z))`` on raw logits [code]; ``ensemble = "softmax"``
 sums the probabilities instead and returns ``log((p_p + p_s) / 2)`` so that the
 evaluation loss stays a proper negative log-likelihood.

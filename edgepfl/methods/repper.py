@@ -3,7 +3,8 @@
 Stage 1, common representation learning (federated): the encoder ``f`` maps an image
 to ``r``; the supervised contrastive loss (:func:`~edgepfl.methods.losses.supcon_loss`,
 temperature 0.1) is applied to the L2-normalized features of **two random
-augmentations** of every image in a batch (2B views, labels repeated). Labels serve
+augmentations** of every image in a batch (2B views, labels repeated), in the form of
+the paper's eq. 5 (``supcon_form = "in"``: log of the mean over positives). Labels serve
 only to say which views are positives: no classifier is trained during federated
 training, and only the encoder is uploaded. Optimizer Adam, lr 1e-3, weight decay
 1e-4 (paper), carried by this method's config because the run's ``train`` section
@@ -11,7 +12,9 @@ defaults to SGD. The server is FedAvg of the encoder weighted by sample count.
 
 Stage 2, personalized classification: the encoder is frozen and each client fits its
 own scikit-learn head (logistic regression, linear SVM or a one-hidden-layer MLP) on
-features of its own training split, L2-normalized by default. The heads are the
+features of its own training split, raw by default (``head_normalize``), the linear
+heads' C chosen per client by 3-fold cross-validation on that split unless ``head_C``
+is set (issue 13; docs/METHODS.md "RepPer"). The heads are the
 generic family of :mod:`edgepfl.heads`, built by :meth:`RepPer.make_head` from this
 method's ``head_*`` options: a head-tier device or ``edgepfl fit-head`` fitting a head
 on a RepPer encoder gets exactly the estimator of stage 2.
