@@ -80,7 +80,7 @@ class DualFedConfig(MethodConfig):
     batch_size: int | None = Field(None, ge=2, description="None: the run's train.batch_size (paper: 256)")
     bn_recalibrate: bool = Field(
         True, description="re-estimate the personal BatchNorm statistics on the client's training images with "
-                          "each received encoder, before evaluating and training (False: the authors' code)"
+                          "each received encoder, before evaluating (False: the stored ones, as the authors' code)"
     )
 
 
