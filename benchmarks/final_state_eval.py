@@ -7,13 +7,16 @@ are used by no training step), so the same run state can be read both ways:
 * ``dualfed``: every client's model — the checkpoint's global tensors plus the agent's
   saved personal state, the state the agent would evaluate next — scored on its test
   split with the stored personal BatchNorm statistics (what the authors' code
-  evaluates) and with statistics re-estimated on its training images (``bn_recalibrate``);
+  evaluates) and with statistics re-estimated on its training images (``bn_recalibrate``),
+  each as the logit-sum ensemble and as each classifier alone (``h_p`` on u, ``h_s`` on z),
+  beside the majority-class floor;
 * ``repper``: the checkpoint's encoder; on its features of every client's training
   split, heads fitted by several rules (C fixed or chosen by cross-validation, raw or
   L2-normalized features) and scored on the test split.
 
 Accuracy is the sample-weighted mean over clients, as the federation reports it.
-Only clients whose saved personal state belongs to the checkpoint's round are used::
+For DualFed only clients whose saved personal state belongs to the checkpoint's round
+are used (RepPer's heads are fitted afresh)::
 
     OMP_NUM_THREADS=1 python benchmarks/final_state_eval.py --run runs/bench/<tag>/<setting>__<method> \\
         --out benchmarks/results/<tag>/<setting>__<method>__paired.json
@@ -67,7 +70,7 @@ def evaluate_run(run_dir: Path) -> dict:
         index = int(agent_dir.name.rsplit("-", 1)[1])
         records = sorted(agent_dir.glob("personal-*.json"))  # one run, one signature
         record = json.loads(records[0].read_text())
-        if record["round"] != meta.round:
+        if method.name == "dualfed" and record["round"] != meta.round:
             continue  # trained past the checkpoint: its personal state belongs to another global model
         data = load_client_data(config.data, index).to_torch("cpu")
         torch.manual_seed(0)
@@ -78,14 +81,20 @@ def evaluate_run(run_dir: Path) -> dict:
         clients.append(agent_dir.name)
         total += len(y)
         if method.name == "dualfed":
-            readings = {"stored statistics (authors' code)": None, "recalibrated (bn_recalibrate)": True}
-            for label, recalibrate in readings.items():
-                if recalibrate:
+            for stats in ("stored", "recalibrated"):
+                if stats == "recalibrated":
                     method.recalibrate(model, data)
                 model.eval()
                 with torch.no_grad():
-                    pred = method.logits(model, data.x_test).argmax(1).numpy()
-                correct[label] = correct.get(label, 0) + _accuracy(pred, y)
+                    _, personal, global_ = model.head.parts(model.encoder(data.x_test))
+                # the ensemble and each of its two classifiers alone: which one carries the client
+                for part, logits in (("ensemble", model.head.combine(personal, global_)), ("h_p only", personal),
+                                     ("h_s only", global_)):
+                    label = f"{stats} statistics, {part}"
+                    correct[label] = correct.get(label, 0) + _accuracy(logits.argmax(1).numpy(), y)
+            majority = int(torch.bincount(data.y_train).argmax())
+            correct["majority class of the train split"] = correct.get("majority class of the train split", 0) + int(
+                (y == majority).sum())
         elif method.name == "repper":
             from edgepfl.methods.repper import encode
 
