@@ -3,8 +3,9 @@
 Stage 1, common representation learning (federated): the encoder ``f`` maps an image
 to ``r``; the supervised contrastive loss (:func:`~edgepfl.methods.losses.supcon_loss`,
 temperature 0.1) is applied to the L2-normalized features of **two random
-augmentations** of every image in a batch (2B views, labels repeated), in the form of
-the paper's eq. 5 (``supcon_form = "in"``: log of the mean over positives). Labels serve
+augmentations** of every image in a batch (2B views, labels repeated). Default form
+``supcon_form = "out"`` (mean of logs over positives); the paper's eq. 5 (``"in"``, log
+of the mean) measured worse on both held-out settings (issue 13, docs/METHODS.md). Labels serve
 only to say which views are positives: no classifier is trained during federated
 training, and only the encoder is uploaded. Optimizer Adam, lr 1e-3, weight decay
 1e-4 (paper), carried by this method's config because the run's ``train`` section
@@ -71,7 +72,8 @@ class RepPerConfig(MethodConfig):
 
     tau: float = Field(0.1, gt=0, description="SupCon temperature")
     supcon_form: Literal["out", "in"] = Field(
-        "in", description="'in': the paper's eq. 5 and its gradient (log of the positive mean); 'out': the mean of logs"
+        "out", description="'out': mean of logs over positives (METHODS.md; measured better, issue 13); "
+                           "'in': the paper's eq. 5 and its gradient (log of the positive mean)"
     )
     optimizer: Literal["sgd", "adam"] = Field("adam", description="stage-1 optimizer (paper: Adam)")
     lr: float = Field(1e-3, gt=0)
