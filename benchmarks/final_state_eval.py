@@ -48,8 +48,8 @@ HEAD_RULES = [
     ("lr C=1 l2 (before issue 13)", {"C": 1.0, "normalize": True}),
     ("lr C=1 raw", {"C": 1.0, "normalize": False}),
     ("lr C=100 l2", {"C": 100.0, "normalize": True}),
-    ("lr C by 3-fold CV, l2", {"C": None, "normalize": True}),
-    ("lr C by 3-fold CV, raw (default)", {"C": None, "normalize": False}),
+    ("lr C by 3-fold CV, l2 (default)", {"C": None, "normalize": True}),
+    ("lr C by 3-fold CV, raw", {"C": None, "normalize": False}),
 ]
 
 
@@ -65,7 +65,8 @@ def evaluate_run(run_dir: Path) -> dict:
     state, meta = loaded
     method = create_method(config.method.name, config.method.options())
     correct: dict[str, int] = {}
-    total, clients, chosen_C = 0, [], []
+    total, clients = 0, []
+    chosen_C: dict[str, list[float]] = {}
     for agent_dir in sorted((run_dir / "agents").iterdir()):
         index = int(agent_dir.name.rsplit("-", 1)[1])
         records = sorted(agent_dir.glob("personal-*.json"))  # one run, one signature
@@ -106,8 +107,8 @@ def evaluate_run(run_dir: Path) -> dict:
                 else:
                     head = method.make_head("lr", random_state=0, **params).fit(f_train, y_train)
                     pred = head.predict(f_test)
-                    if label.endswith("(default)"):
-                        chosen_C.append(head.C_)
+                    if params["C"] is None:
+                        chosen_C.setdefault(label, []).append(head.C_)
                 correct[label] = correct.get(label, 0) + _accuracy(pred, y)
         else:
             raise SystemExit(f"no paired reading for method {method.name}")
@@ -119,7 +120,7 @@ def evaluate_run(run_dir: Path) -> dict:
         "clients": clients,
         "test_samples": total,
         "accuracy": {label: c / total for label, c in correct.items()},
-        "chosen_C": {str(c): chosen_C.count(c) for c in sorted(set(chosen_C))},
+        "chosen_C": {label: {str(c): cs.count(c) for c in sorted(set(cs))} for label, cs in chosen_C.items()},
     }
 
 

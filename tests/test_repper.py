@@ -55,8 +55,8 @@ def test_defaults_follow_the_paper():
     cfg = create_method("repper").config
     assert (cfg.tau, cfg.optimizer, cfg.lr, cfg.weight_decay) == (0.1, "adam", 1e-3, 1e-4)
     assert cfg.supcon_form == "out"  # the paper's eq. 5 ('in') measured worse (issue 13)
-    # stage 2 (issue 13, measured): raw features, C chosen per client by cross-validation
-    assert cfg.projection_dim is None and cfg.head == "lr" and not cfg.head_normalize and cfg.head_C is None
+    # stage 2 (issue 13, measured): L2-normalized features, C chosen per client by cross-validation
+    assert cfg.projection_dim is None and cfg.head == "lr" and cfg.head_normalize and cfg.head_C is None
 
 
 def test_two_augmentations_of_an_image_differ_and_are_reproducible():

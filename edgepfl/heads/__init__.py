@@ -7,7 +7,7 @@ scikit-learn estimators in :mod:`edgepfl.heads.estimators`:
 * ``"svm"`` — :class:`~edgepfl.heads.estimators.SVMHead`, one-vs-rest linear SVM;
 * ``"mlp"`` — :class:`~edgepfl.heads.estimators.MLPHead`, one hidden ReLU layer;
 
-each optionally on L2-normalized features (default off); the linear kinds choose their
+each optionally on L2-normalized features (default on); the linear kinds choose their
 regularization C by cross-validation on the training rows unless it is given. The same classes, with the
 same defaults, are RepPer's stage-2 heads in a federation, the heads a head-tier device
 fits and the heads ``edgepfl fit-head`` fits, so an accuracy measured in one place is
@@ -42,8 +42,8 @@ GENERIC_HEAD_KINDS: tuple[str, ...] = ("lr", "svm", "mlp")
 OFFLINE_HEAD_KIND = "onnx"
 
 # The one set of defaults of the generic heads; RepPer's options (``head_C``,
-# ``head_hidden``, ...) default to these too. Issue 13 replaced the fixed C = 1 on
-# L2-normalized features (docs/METHODS.md, "RepPer": measured effect and reasoning).
+# ``head_hidden``, ...) default to these too. Issue 13 replaced the fixed C = 1 by a C
+# chosen by cross-validation (docs/METHODS.md, "RepPer": measured effect and reasoning).
 #: inverse L2 regularization of lr and svm; None: chosen by k-fold cross-validation on
 #: the training rows over :data:`DEFAULT_C_GRID` (the chosen value is the head's ``C_``)
 DEFAULT_C: float | None = None
@@ -58,7 +58,7 @@ DEFAULT_MAX_ITER = 1000
 #: hidden units of the mlp head (scikit-learn's default)
 DEFAULT_HIDDEN = 100
 #: L2-normalize features before the classifier
-DEFAULT_NORMALIZE = False
+DEFAULT_NORMALIZE = True
 
 
 @dataclass(frozen=True)

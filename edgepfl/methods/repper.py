@@ -13,7 +13,7 @@ defaults to SGD. The server is FedAvg of the encoder weighted by sample count.
 
 Stage 2, personalized classification: the encoder is frozen and each client fits its
 own scikit-learn head (logistic regression, linear SVM or a one-hidden-layer MLP) on
-features of its own training split, raw by default (``head_normalize``), the linear
+features of its own training split, L2-normalized by default (``head_normalize``), the linear
 heads' C chosen per client by 3-fold cross-validation on that split unless ``head_C``
 is set (issue 13; docs/METHODS.md "RepPer"). The heads are the
 generic family of :mod:`edgepfl.heads`, built by :meth:`RepPer.make_head` from this
