@@ -196,3 +196,54 @@ def test_dualfed_head_standalone():
     assert torch.allclose(head(z), p + s)
     with pytest.raises(ValueError):
         create_method("dualfed", {"schedule": "alternating"})
+
+
+def bn_inputs(model: nn.Module, forward, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The input every BatchNorm layer sees in one training-mode forward of all of ``x``."""
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [m.register_forward_hook(lambda mod, inp, out, name=name: seen.__setitem__(name, inp[0].detach()))
+             for name, m in model.named_modules() if isinstance(m, nn.BatchNorm1d)]
+    model.train()
+    with torch.no_grad():
+        forward(x)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def test_evaluation_recalibrates_personal_bn_statistics_to_the_received_encoder():
+    import copy
+
+    method, model = build()
+    assert method.config.bn_recalibrate
+    data = make_data()
+    method.local_update(model, data, make_ctx())
+    _, other = build(seed=5)
+    method.receive(model, method.init_server(other).global_tensors, make_ctx())
+    # what the received encoder (and the personal projector on its features) produce on
+    # the client's training images, from a copy so the reference pass leaves the model alone
+    ref = copy.deepcopy(model)
+    expected = bn_inputs(ref, ref.parts_forward, data.x_train)
+    stale = {k: v.clone() for k, v in model.state_dict().items() if "running_" in k}
+
+    method.evaluate(model, data, make_ctx())
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, nn.BatchNorm1d)}
+    assert set(layers) == set(expected) and any(n.startswith("encoder") for n in layers)
+    for name, bn in layers.items():
+        torch.testing.assert_close(bn.running_mean, expected[name].mean(0))
+        torch.testing.assert_close(bn.running_var, expected[name].var(0, unbiased=True))
+        assert bn.momentum == 0.1  # the training momentum is back
+    assert any(not torch.equal(model.state_dict()[k], v) for k, v in stale.items())
+    # recalibration is evaluation-side only: no parameter moved
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def test_without_recalibration_evaluation_keeps_the_stored_statistics():
+    method, model = build({"bn_recalibrate": False})
+    data = make_data()
+    method.local_update(model, data, make_ctx())
+    _, other = build(seed=5)
+    method.receive(model, method.init_server(other).global_tensors, make_ctx())
+    stale = {k: v.clone() for k, v in model.state_dict().items() if "running_" in k}
+    method.evaluate(model, data, make_ctx())
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in stale.items())

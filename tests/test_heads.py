@@ -220,3 +220,41 @@ def test_head_kind_outside_the_release_is_refused(releases, new_client, tmp_path
     rc = main_fit_head(["--encoder", str(releases["fedavg"] / "encoder.onnx"), "--data", str(new_client["npz"]),
                         "--head", "fedpick", "--out", str(tmp_path / "h.onnx")])
     assert rc == ExitCode.DATA and "does not fit a fedavg encoder" in capsys.readouterr().err
+
+
+def _scaled_blobs(scale: float, n: int = 120, d: int = 20, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    y = np.arange(n) % 3
+    centers = rng.normal(size=(3, d))
+    return (scale * (centers[y] + 1.5 * rng.normal(size=(n, d)))).astype(np.float32), y
+
+
+@pytest.mark.parametrize("kind", ["lr", "svm"])
+def test_linear_heads_choose_C_by_stratified_cross_validation(kind):
+    from sklearn.model_selection import StratifiedKFold, cross_val_score
+
+    from edgepfl.heads import DEFAULT_C_GRID, generic_head
+
+    for scale in (0.01, 1.0):  # tiny features need weak regularization, larger ones less so
+        X, y = _scaled_blobs(scale)
+        head = generic_head(kind).fit(X, y)
+        # the rule, computed independently: the best mean fold accuracy, ties to the first grid value
+        folds = StratifiedKFold(3, shuffle=True, random_state=0)
+        reference = [cross_val_score(generic_head(kind, C=c), X, y, cv=folds).mean() for c in DEFAULT_C_GRID]
+        np.testing.assert_allclose(head.cv_scores_, reference)
+        assert head.C_ == DEFAULT_C_GRID[int(np.argmax(reference))]
+        assert head.get_params()["C"] is None  # a parameter stays what was given
+    # raw features a hundred times smaller need a far weaker penalty than the old fixed C = 1
+    assert generic_head(kind, normalize=False).fit(*_scaled_blobs(0.01)).C_ >= 10
+
+
+def test_given_C_is_used_and_data_too_small_to_split_falls_back():
+    from edgepfl.heads import FALLBACK_C, LRHead
+
+    X, y = _scaled_blobs(1.0)
+    fixed = LRHead(C=0.5).fit(X, y)
+    assert fixed.C_ == 0.5 and not hasattr(fixed, "cv_scores_")
+    tiny = LRHead().fit(X[:3], y[:3])  # one sample per class: no fold can hold a class out
+    assert tiny.C_ == FALLBACK_C and not hasattr(tiny, "cv_scores_")
+    skewed = LRHead().fit(X[:40], np.r_[np.zeros(38, int), 1, 2])  # dominant class, singletons
+    assert skewed.C_ in skewed.C_grid and len(skewed.cv_scores_) == len(skewed.C_grid)

@@ -54,7 +54,9 @@ def build(options=None, seed: int = 0):
 def test_defaults_follow_the_paper():
     cfg = create_method("repper").config
     assert (cfg.tau, cfg.optimizer, cfg.lr, cfg.weight_decay) == (0.1, "adam", 1e-3, 1e-4)
-    assert cfg.projection_dim is None and cfg.head == "lr" and cfg.head_normalize
+    assert cfg.supcon_form == "out"  # the paper's eq. 5 ('in') measured worse (issue 13)
+    # stage 2 (issue 13, measured): L2-normalized features, C chosen per client by cross-validation
+    assert cfg.projection_dim is None and cfg.head == "lr" and cfg.head_normalize and cfg.head_C is None
 
 
 def test_two_augmentations_of_an_image_differ_and_are_reproducible():
@@ -195,3 +197,29 @@ def test_heads_carry_the_methods_head_options():
     with pytest.raises(ValueError, match="does not fit a repper encoder"):
         method.make_head("forest")
     assert isinstance(RepPerHead(4, 3, "lr").net[0], torch.nn.Linear)
+
+
+def test_stage_two_and_a_head_tier_device_choose_the_same_C_on_the_same_features(tmp_path):
+    """C is chosen inside the estimator's fit, so RepPer's stage 2 and a head-tier device
+    (which builds its head from the release's method options) make one choice."""
+    from edgepfl.edge_agent.head_tier import HeadRuntime
+    from edgepfl.heads import HeadRelease
+    from edgepfl.methods.repper import encode
+
+    from export_fixtures import client_data
+
+    method, model = build()
+    data = make_data(n_train=90, n_test=8)
+    stage2 = method.fit_head(model, data.x_train, data.y_train, seed=0)
+    feats = encode(model, data.x_train).numpy()
+
+    release = HeadRelease("repper", method.config.model_dump())
+    device = HeadRuntime(tmp_path / "state", "lr", client_data(0)).new_head(release)
+    device.set_params(random_state=0).fit(feats, data.y_train.numpy())
+
+    assert stage2 is not None and stage2.C is None and device.C is None
+    assert stage2.C_ == device.C_ and np.array_equal(stage2.cv_scores_, device.cv_scores_)
+    np.testing.assert_array_equal(stage2.predict(feats), device.predict(feats))
+    # the torch twin that the federation evaluates carries the chosen head
+    model.eval()
+    assert np.array_equal(model.head(torch.from_numpy(feats)).argmax(1).numpy(), stage2.predict(feats))

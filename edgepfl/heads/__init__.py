@@ -7,7 +7,8 @@ scikit-learn estimators in :mod:`edgepfl.heads.estimators`:
 * ``"svm"`` — :class:`~edgepfl.heads.estimators.SVMHead`, one-vs-rest linear SVM;
 * ``"mlp"`` — :class:`~edgepfl.heads.estimators.MLPHead`, one hidden ReLU layer;
 
-each optionally on L2-normalized features (default on). The same classes, with the
+each optionally on L2-normalized features (default on); the linear kinds choose their
+regularization C by cross-validation on the training rows unless it is given. The same classes, with the
 same defaults, are RepPer's stage-2 heads in a federation, the heads a head-tier device
 fits and the heads ``edgepfl fit-head`` fits, so an accuracy measured in one place is
 the accuracy of the same estimator in the others.
@@ -40,11 +41,18 @@ GENERIC_HEAD_KINDS: tuple[str, ...] = ("lr", "svm", "mlp")
 #: a head fitted offline for exactly the installed encoder, run from its ONNX file
 OFFLINE_HEAD_KIND = "onnx"
 
-# The one set of defaults of the generic heads. They are RepPer's stage-2 values, so
-# the method-benchmark figures of RepPer federations stay valid; RepPer's options
-# (``head_C``, ``head_hidden``, ...) default to these too.
-#: inverse L2 regularization of lr and svm
-DEFAULT_C = 1.0
+# The one set of defaults of the generic heads; RepPer's options (``head_C``,
+# ``head_hidden``, ...) default to these too. Issue 13 replaced the fixed C = 1 by a C
+# chosen by cross-validation (docs/METHODS.md, "RepPer": measured effect and reasoning).
+#: inverse L2 regularization of lr and svm; None: chosen by k-fold cross-validation on
+#: the training rows over :data:`DEFAULT_C_GRID` (the chosen value is the head's ``C_``)
+DEFAULT_C: float | None = None
+#: candidate values of C when it is chosen by cross-validation, most regularized first
+DEFAULT_C_GRID: tuple[float, ...] = (0.1, 1.0, 10.0, 100.0)
+#: folds of that cross-validation (fewer when the data is too small for them)
+DEFAULT_CV_FOLDS = 3
+#: the C used when the data is too small to cross-validate (every class a single sample)
+FALLBACK_C = 1.0
 #: solver iteration budget of every kind (lbfgs for lr, liblinear for svm, Adam epochs for mlp)
 DEFAULT_MAX_ITER = 1000
 #: hidden units of the mlp head (scikit-learn's default)
@@ -92,6 +100,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "DEFAULT_C", "DEFAULT_HIDDEN", "DEFAULT_MAX_ITER", "DEFAULT_NORMALIZE", "GENERIC_HEAD_KINDS", "OFFLINE_HEAD_KIND",
+    "DEFAULT_C", "DEFAULT_CV_FOLDS", "DEFAULT_C_GRID", "DEFAULT_HIDDEN", "DEFAULT_MAX_ITER", "DEFAULT_NORMALIZE",
+    "FALLBACK_C", "GENERIC_HEAD_KINDS", "OFFLINE_HEAD_KIND",
     "HeadRelease", *sorted(_LAZY),
 ]

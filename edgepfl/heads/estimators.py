@@ -3,7 +3,10 @@
 Each is a ``Pipeline`` of an optional L2 :class:`~sklearn.preprocessing.Normalizer`
 and the classifier, fitted on feature rows (float32, ``(N, d)``). Parameters are the
 constructor's (visible to ``get_params`` / ``clone``); learned attributes end in
-``_``: ``pipeline_``, ``classes_``, ``n_features_in_``. ONNX export is
+``_``: ``pipeline_``, ``classes_``, ``n_features_in_``, and for lr / svm ``C_`` (with
+``cv_scores_`` when C was chosen by cross-validation, :meth:`_LinearHead.fit`). Every
+place that fits a head — RepPer's stage 2, a head-tier device, ``edgepfl fit-head`` —
+calls the same ``fit``, so the same features give the same choice everywhere. ONNX export is
 :func:`edgepfl.export.heads.head_to_onnx`'s business, not this module's.
 
 Imports scikit-learn, never torch or skl2onnx.
@@ -18,7 +21,16 @@ import numpy as np
 from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.utils.validation import check_array, check_is_fitted, check_X_y
 
-from . import DEFAULT_C, DEFAULT_HIDDEN, DEFAULT_MAX_ITER, DEFAULT_NORMALIZE, GENERIC_HEAD_KINDS
+from . import (
+    DEFAULT_C,
+    DEFAULT_C_GRID,
+    DEFAULT_CV_FOLDS,
+    DEFAULT_HIDDEN,
+    DEFAULT_MAX_ITER,
+    DEFAULT_NORMALIZE,
+    FALLBACK_C,
+    GENERIC_HEAD_KINDS,
+)
 
 
 def softmax(z: np.ndarray) -> np.ndarray:
@@ -68,19 +80,26 @@ class SklearnHead(HeadEstimator):
         steps.append(("clf", self._classifier()))
         return Pipeline(steps)
 
-    def fit(self, X, y):
-        """Fit on feature rows ``X`` (N, d) and labels ``y`` (N,)."""
-        from sklearn.exceptions import ConvergenceWarning
-
+    def _checked(self, X, y) -> tuple[np.ndarray, np.ndarray]:
         X, y = check_X_y(X, y, dtype=np.float32)
         if len(np.unique(y)) < 2:
             raise ValueError(f"a {self.kind} head needs training samples of at least 2 classes, got {np.unique(y).tolist()}")
+        return X, y
+
+    def _fit_pipeline(self, X: np.ndarray, y: np.ndarray):
+        from sklearn.exceptions import ConvergenceWarning
+
         with warnings.catch_warnings():
             # a head is fitted within a fixed budget — on a device, or again at every
             # RepPer evaluation — and an unconverged fit is still a usable head; the
             # warning would only flood every agent's log
             warnings.simplefilter("ignore", ConvergenceWarning)
-            self.pipeline_ = self._pipeline().fit(X, y)
+            return self._pipeline().fit(X, y)
+
+    def fit(self, X, y):
+        """Fit on feature rows ``X`` (N, d) and labels ``y`` (N,)."""
+        X, y = self._checked(X, y)
+        self.pipeline_ = self._fit_pipeline(X, y)
         self.classes_ = self.pipeline_.classes_
         self.n_features_in_ = X.shape[1]
         return self
@@ -92,14 +111,70 @@ class SklearnHead(HeadEstimator):
 
 
 class _LinearHead(SklearnHead):
-    """A linear classifier with inverse regularization ``C`` (LR and SVM share these parameters)."""
+    """A linear classifier with inverse regularization ``C`` (LR and SVM share these parameters).
 
-    def __init__(self, C: float = DEFAULT_C, max_iter: int = DEFAULT_MAX_ITER, normalize: bool = DEFAULT_NORMALIZE,
-                 random_state: int | None = 0):
+    ``C=None`` chooses it on the training rows: ``cv``-fold stratified cross-validation
+    (folds shuffled with ``random_state``) over ``C_grid``, the highest mean fold
+    accuracy winning and ties going to the earlier grid value (the default grid lists the
+most regularized first); then one fit on all
+    rows. A rule a device runs on its own data, so it needs no validation split of its
+    own. Learned: ``C_`` (the value used) and ``cv_scores_`` (mean fold accuracy per
+    grid value; absent when C was given or the data too small to split, which uses
+    :data:`~edgepfl.heads.FALLBACK_C`).
+    """
+
+    def __init__(self, C: float | None = DEFAULT_C, max_iter: int = DEFAULT_MAX_ITER,
+                 normalize: bool = DEFAULT_NORMALIZE, random_state: int | None = 0,
+                 C_grid: tuple[float, ...] = DEFAULT_C_GRID, cv: int = DEFAULT_CV_FOLDS):
         self.C = C
         self.max_iter = max_iter
         self.normalize = normalize
         self.random_state = random_state
+        self.C_grid = C_grid
+        self.cv = cv
+
+    def _linear(self, C: float):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _classifier(self):
+        return self._linear(self.C_)
+
+    def fit(self, X, y):
+        """Fit on feature rows ``X`` (N, d) and labels ``y`` (N,), choosing C first if it is None."""
+        X, y = self._checked(X, y)
+        if self.C is not None:
+            self.C_ = float(self.C)
+        else:
+            self.C_, scores = self._select_C(X, y)
+            if scores is not None:
+                self.cv_scores_ = scores
+        return super().fit(X, y)
+
+    def _select_C(self, X: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray | None]:
+        from sklearn.model_selection import StratifiedKFold
+
+        counts = np.unique(y, return_counts=True)[1]
+        folds = min(self.cv, int(counts.max()))
+        if folds < 2 or len(self.C_grid) == 0:
+            return FALLBACK_C, None
+        splitter = StratifiedKFold(n_splits=folds, shuffle=True, random_state=self.random_state)
+        scores = np.zeros(len(self.C_grid))
+        with warnings.catch_warnings():
+            # a class with fewer members than folds is normal on a device; it is kept
+            # out of some folds' test parts, which the mean over folds accounts for
+            warnings.simplefilter("ignore", UserWarning)
+            splits = list(splitter.split(X, y))
+        for train, test in splits:
+            classes = np.unique(y[train])
+            for i, C in enumerate(self.C_grid):
+                if len(classes) < 2:  # a fold without a second class predicts its one class
+                    scores[i] += np.mean(y[test] == classes[0])
+                    continue
+                self.C_ = float(C)
+                scores[i] += np.mean(self._fit_pipeline(X[train], y[train]).predict(X[test]) == y[test])
+        scores /= len(splits)
+        # argmax takes the first best: grid order decides ties
+        return float(self.C_grid[int(np.argmax(scores))]), scores
 
 
 class LRHead(_LinearHead):
@@ -107,10 +182,10 @@ class LRHead(_LinearHead):
 
     kind = "lr"
 
-    def _classifier(self):
+    def _linear(self, C: float):
         from sklearn.linear_model import LogisticRegression
 
-        return LogisticRegression(C=self.C, max_iter=self.max_iter, random_state=self.random_state)
+        return LogisticRegression(C=C, max_iter=self.max_iter, random_state=self.random_state)
 
 
 class SVMHead(_LinearHead):
@@ -124,10 +199,10 @@ class SVMHead(_LinearHead):
 
     kind = "svm"
 
-    def _classifier(self):
+    def _linear(self, C: float):
         from sklearn.svm import LinearSVC
 
-        return LinearSVC(C=self.C, max_iter=self.max_iter, random_state=self.random_state)
+        return LinearSVC(C=C, max_iter=self.max_iter, random_state=self.random_state)
 
     def decision_function(self, X) -> np.ndarray:
         """Per-class scores (N, K); the binary case is expanded to ``[-s, s]``."""

@@ -23,6 +23,17 @@ Local training, ``schedule = "stagewise"`` (default) [paper 4.2, code], each rou
 sum ``CE(h_p(u), y) + lambda * SupCon(u, y) + CE(h_s(z), y)``, gradients reaching the
 encoder from both classifiers.
 
+Personal BatchNorm statistics at evaluation, ``bn_recalibrate = True`` (default,
+issue 13; docs/METHODS.md "DualFed"): the agent evaluates right after loading a new
+global encoder, and the stored running statistics were estimated under the client's
+own previous encoder — an EMA over its last local training — so they do not describe
+the received encoder's features. Before evaluating, every personal BatchNorm layer
+(encoder and projector) is re-estimated on the client's training images: no gradient,
+train-mode forward passes, cumulative average (momentum None). Training normalizes with
+batch statistics and never reads the running ones, so the option changes what is
+evaluated (and stored), not what is trained. ``False`` evaluates the stored statistics,
+as the authors' code does.
+
 Inference: ``argmax(h_p(u) + h_s(z))`` on raw logits [code]; ``ensemble = "softmax"``
 sums the probabilities instead and returns ``log((p_p + p_s) / 2)`` so that the
 evaluation loss stays a proper negative log-likelihood.
@@ -42,9 +53,9 @@ from .._torch import F, nn, torch
 from ..heads import GENERIC_HEAD_KINDS
 from ..models import model_as
 from . import register
-from .base import ClientUpdate, LocalContext, LocalResult, Method, MethodConfig
+from .base import ClientUpdate, EvalResult, LocalContext, LocalResult, Method, MethodConfig
 from .losses import SupConForm, supcon_loss
-from .training import fit, make_optimizer
+from .training import fit, make_optimizer, recalibrate_batchnorm
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..data.client import ClientTensors
@@ -67,6 +78,10 @@ class DualFedConfig(MethodConfig):
     momentum: float | None = Field(None, ge=0)
     weight_decay: float | None = Field(0.0, ge=0, description="the authors' SGD has none; None: train.weight_decay")
     batch_size: int | None = Field(None, ge=2, description="None: the run's train.batch_size (paper: 256)")
+    bn_recalibrate: bool = Field(
+        True, description="re-estimate the personal BatchNorm statistics on the client's training images with "
+                          "each received encoder, before evaluating (False: the stored ones, as the authors' code)"
+    )
 
 
 class DualFedHead(nn.Module):
@@ -114,6 +129,10 @@ class DualFedModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.encoder(x))
+
+    def parts_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Encoder and projector only: every BatchNorm layer, no classifier."""
+        return self.head.projector(self.encoder(x))
 
 
 def stage_a_loss(head: DualFedHead, z: torch.Tensor, y: torch.Tensor, *, con_lambda: float, tau: float,
@@ -200,6 +219,23 @@ class DualFed(Method):
             loss_b = self.train_stage_b(dual, data, ctx)
             metrics = {"loss_stage_a": loss, "loss_stage_b": loss_b}
         return LocalResult(upload=self.shared_params(model), train_loss=loss, metrics=metrics)
+
+    def recalibrate(self, model: nn.Module, data: ClientTensors) -> int:
+        """Re-estimate every personal BatchNorm statistic (encoder and projector) for the current
+        encoder on the client's training images; returns the number of images used."""
+        dual = model_as(model, DualFedModel)
+        return recalibrate_batchnorm(dual, dual.parts_forward, data.x_train)
+
+    def evaluate(self, model: nn.Module, data: ClientTensors, ctx: LocalContext) -> EvalResult:
+        """Personalized evaluation; with ``bn_recalibrate`` on statistics of the received encoder.
+
+        The agent evaluates right after loading a new global encoder, whose features the
+        personal running statistics (estimated under the client's own previous encoder)
+        no longer describe; re-estimating them here makes them the received encoder's.
+        """
+        if self.config.bn_recalibrate:
+            self.recalibrate(model, data)
+        return super().evaluate(model, data, ctx)
 
     # ------------------------------------------------------------------ server side
     def update_weight(self, update: ClientUpdate) -> int:

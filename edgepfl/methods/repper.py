@@ -3,7 +3,9 @@
 Stage 1, common representation learning (federated): the encoder ``f`` maps an image
 to ``r``; the supervised contrastive loss (:func:`~edgepfl.methods.losses.supcon_loss`,
 temperature 0.1) is applied to the L2-normalized features of **two random
-augmentations** of every image in a batch (2B views, labels repeated). Labels serve
+augmentations** of every image in a batch (2B views, labels repeated). Default form
+``supcon_form = "out"`` (mean of logs over positives); the paper's eq. 5 (``"in"``, log
+of the mean) measured worse on both held-out settings (issue 13, docs/METHODS.md). Labels serve
 only to say which views are positives: no classifier is trained during federated
 training, and only the encoder is uploaded. Optimizer Adam, lr 1e-3, weight decay
 1e-4 (paper), carried by this method's config because the run's ``train`` section
@@ -11,7 +13,9 @@ defaults to SGD. The server is FedAvg of the encoder weighted by sample count.
 
 Stage 2, personalized classification: the encoder is frozen and each client fits its
 own scikit-learn head (logistic regression, linear SVM or a one-hidden-layer MLP) on
-features of its own training split, L2-normalized by default. The heads are the
+features of its own training split, L2-normalized by default (``head_normalize``), the linear
+heads' C chosen per client by 3-fold cross-validation on that split unless ``head_C``
+is set (issue 13; docs/METHODS.md "RepPer"). The heads are the
 generic family of :mod:`edgepfl.heads`, built by :meth:`RepPer.make_head` from this
 method's ``head_*`` options: a head-tier device or ``edgepfl fit-head`` fitting a head
 on a RepPer encoder gets exactly the estimator of stage 2.
@@ -68,7 +72,8 @@ class RepPerConfig(MethodConfig):
 
     tau: float = Field(0.1, gt=0, description="SupCon temperature")
     supcon_form: Literal["out", "in"] = Field(
-        "out", description="'out': log inside the positive mean (METHODS.md); 'in': the paper's eq. 5 as printed"
+        "out", description="'out': mean of logs over positives (METHODS.md; measured better, issue 13); "
+                           "'in': the paper's eq. 5 and its gradient (log of the positive mean)"
     )
     optimizer: Literal["sgd", "adam"] = Field("adam", description="stage-1 optimizer (paper: Adam)")
     lr: float = Field(1e-3, gt=0)
@@ -86,8 +91,11 @@ class RepPerConfig(MethodConfig):
     head: Literal[GENERIC_HEAD_KINDS] = Field(  # type: ignore[valid-type]
         "lr", description="stage-2 personal head: logistic regression, linear SVM or MLP"
     )
-    head_normalize: bool = Field(DEFAULT_NORMALIZE, description="L2-normalize features before the head [inferred default]")
-    head_C: float = Field(DEFAULT_C, gt=0, description="inverse regularization of lr / svm")
+    head_normalize: bool = Field(DEFAULT_NORMALIZE, description="L2-normalize features before the head [measured default]")
+    head_C: float | None = Field(
+        DEFAULT_C, gt=0, description="inverse regularization of lr / svm; None: chosen per client by k-fold "
+                                     "cross-validation on its training split (edgepfl.heads)"
+    )
     head_hidden: int = Field(DEFAULT_HIDDEN, ge=1, description="MLP head hidden units (sklearn's default)")
     head_max_iter: int = Field(DEFAULT_MAX_ITER, ge=1, description="solver iterations of every head kind")
 

@@ -122,3 +122,40 @@ def _has_batchnorm(model: nn.Module) -> bool:
     from torch.nn.modules.batchnorm import _BatchNorm
 
     return any(isinstance(m, _BatchNorm) for m in model.modules())
+
+
+def recalibrate_batchnorm(model: nn.Module, forward: Callable[[torch.Tensor], object], x: torch.Tensor,
+                          batch_size: int = 256) -> int:
+    """Re-estimate every BatchNorm layer's running statistics of ``model`` on ``x``.
+
+    Statistics are reset and accumulated as a cumulative average (``momentum=None``)
+    over ``forward`` calls on batches of ``x`` in training mode, without gradient; no
+    parameter changes. A last batch of one sample is skipped (BatchNorm cannot use it).
+    Returns the number of samples seen; the model's mode and momenta are restored.
+    """
+    import torch
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    layers = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+    if not layers or len(x) < 2:
+        return 0
+    was_training = model.training
+    momenta = [bn.momentum for bn in layers]
+    for bn in layers:
+        bn.reset_running_stats()
+        bn.momentum = None
+    model.train()
+    seen = 0
+    try:
+        with torch.no_grad():
+            for start in range(0, len(x), batch_size):
+                batch = x[start : start + batch_size]
+                if len(batch) < 2:
+                    continue
+                forward(batch)
+                seen += len(batch)
+    finally:
+        for bn, momentum in zip(layers, momenta):
+            bn.momentum = momentum
+        model.train(was_training)
+    return seen

@@ -1,0 +1,143 @@
+"""Paired evaluations on the saved state of a benchmark run (issue 13): one training, several readings.
+
+DualFed's ``bn_recalibrate`` and RepPer's stage-2 head rule change only how a client
+is evaluated, never what it trains (the personal BatchNorm statistics and the heads
+are used by no training step), so the same run state can be read both ways:
+
+* ``dualfed``: every client's model — the checkpoint's global tensors plus the agent's
+  saved personal state, the state the agent would evaluate next — scored on its test
+  split with the stored personal BatchNorm statistics (what the authors' code
+  evaluates) and with statistics re-estimated on its training images (``bn_recalibrate``),
+  each as the logit-sum ensemble and as each classifier alone (``h_p`` on u, ``h_s`` on z),
+  beside the majority-class floor;
+* ``repper``: the checkpoint's encoder; on its features of every client's training
+  split, heads fitted by several rules (C fixed or chosen by cross-validation, raw or
+  L2-normalized features) and scored on the test split.
+
+Accuracy is the sample-weighted mean over clients, as the federation reports it.
+For DualFed only clients whose saved personal state belongs to the checkpoint's round
+are used (RepPer's heads are fitted afresh)::
+
+    OMP_NUM_THREADS=1 python benchmarks/final_state_eval.py --run runs/bench/<tag>/<setting>__<method> \\
+        --out benchmarks/results/<tag>/<setting>__<method>__paired.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from edgepfl.atomic import read_tensors  # noqa: E402
+from edgepfl.config import RunConfig, parse_config  # noqa: E402
+from edgepfl.data import load_client_data  # noqa: E402
+from edgepfl.methods import create_method  # noqa: E402
+from edgepfl.methods.base import load_tensors  # noqa: E402
+from edgepfl.state import load_checkpoint  # noqa: E402
+
+#: RepPer head rules read on one encoder: (label, make_head parameters)
+HEAD_RULES = [
+    ("lr C=1 l2 (before issue 13)", {"C": 1.0, "normalize": True}),
+    ("lr C=1 raw", {"C": 1.0, "normalize": False}),
+    ("lr C=100 l2", {"C": 100.0, "normalize": True}),
+    ("lr C by 3-fold CV, l2 (default)", {"C": None, "normalize": True}),
+    ("lr C by 3-fold CV, raw", {"C": None, "normalize": False}),
+]
+
+
+def _accuracy(pred: np.ndarray, y: np.ndarray) -> int:
+    return int((pred == y).sum())
+
+
+def evaluate_run(run_dir: Path) -> dict:
+    config = parse_config(RunConfig, yaml.safe_load((run_dir / "config.yaml").read_text()), str(run_dir))
+    loaded = load_checkpoint(run_dir / "checkpoint")
+    if loaded is None:
+        raise SystemExit(f"{run_dir}: no checkpoint")
+    state, meta = loaded
+    method = create_method(config.method.name, config.method.options())
+    correct: dict[str, int] = {}
+    total, clients = 0, []
+    chosen_C: dict[str, list[float]] = {}
+    for agent_dir in sorted((run_dir / "agents").iterdir()):
+        index = int(agent_dir.name.rsplit("-", 1)[1])
+        records = sorted(agent_dir.glob("personal-*.json"))  # one run, one signature
+        record = json.loads(records[0].read_text())
+        if method.name == "dualfed" and record["round"] != meta.round:
+            continue  # trained past the checkpoint: its personal state belongs to another global model
+        data = load_client_data(config.data, index).to_torch("cpu")
+        torch.manual_seed(0)
+        model = method.build_model(config.model, data.x_train.shape[1:], data.num_classes)
+        load_tensors(model, read_tensors(records[0].with_suffix(".safetensors")))
+        load_tensors(model, state.global_tensors)
+        y = data.y_test.numpy()
+        clients.append(agent_dir.name)
+        total += len(y)
+        if method.name == "dualfed":
+            for stats in ("stored", "recalibrated"):
+                if stats == "recalibrated":
+                    method.recalibrate(model, data)
+                model.eval()
+                with torch.no_grad():
+                    _, personal, global_ = model.head.parts(model.encoder(data.x_test))
+                # the ensemble and each of its two classifiers alone: which one carries the client
+                for part, logits in (("ensemble", model.head.combine(personal, global_)), ("h_p only", personal),
+                                     ("h_s only", global_)):
+                    label = f"{stats} statistics, {part}"
+                    correct[label] = correct.get(label, 0) + _accuracy(logits.argmax(1).numpy(), y)
+            majority = int(torch.bincount(data.y_train).argmax())
+            correct["majority class of the train split"] = correct.get("majority class of the train split", 0) + int(
+                (y == majority).sum())
+        elif method.name == "repper":
+            from edgepfl.methods.repper import encode
+
+            f_train, f_test = encode(model, data.x_train).numpy(), encode(model, data.x_test).numpy()
+            y_train = data.y_train.numpy()
+            for label, params in HEAD_RULES:
+                if len(np.unique(y_train)) < 2:
+                    pred = np.full_like(y, y_train[0])
+                else:
+                    head = method.make_head("lr", random_state=0, **params).fit(f_train, y_train)
+                    pred = head.predict(f_test)
+                    if params["C"] is None:
+                        chosen_C.setdefault(label, []).append(head.C_)
+                correct[label] = correct.get(label, 0) + _accuracy(pred, y)
+        else:
+            raise SystemExit(f"no paired reading for method {method.name}")
+    return {
+        "run": str(run_dir),
+        "method": method.name,
+        "options": dict(config.method.options()),
+        "checkpoint_round": meta.round,
+        "clients": clients,
+        "test_samples": total,
+        "accuracy": {label: c / total for label, c in correct.items()},
+        "chosen_C": {label: {str(c): cs.count(c) for c in sorted(set(cs))} for label, cs in chosen_C.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--run", required=True, help="a run directory of benchmarks/run_methods.py (--runs-root/<tag>/...)")
+    p.add_argument("--out", required=True, help="JSON to write")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    record = evaluate_run(Path(args.run))
+    record["command"] = "OMP_NUM_THREADS=1 python benchmarks/final_state_eval.py " + " ".join(sys.argv[1:])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=1))
+    print(json.dumps({k: record[k] for k in ("checkpoint_round", "accuracy", "chosen_C")}, indent=1))
+    print(f"{len(record['clients'])} clients")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
