@@ -38,6 +38,7 @@ import numpy as np
 
 from edgepfl import __version__
 from edgepfl.atomic import write_bytes, write_json, write_tensors
+from edgepfl.methods.training import recalibrate_batchnorm
 from edgepfl.protocol.manifest import (
     BatchNormOrigin,
     FileEntry,
@@ -290,20 +291,7 @@ def _prepare_batchnorm(encoder, prefix: str, shared: dict[str, np.ndarray], cali
                     "the exported encoder uses their initial statistics", len(missing))
         return BatchNormOrigin(layers=layers, statistics="initial", encoder_keys_not_federated=not_federated)
     x = np.ascontiguousarray(x[:CALIBRATION_SAMPLES], dtype=np.float32)
-    encoder.eval()
-    saved = {}
-    for _, bn in missing:
-        saved[bn] = bn.momentum
-        bn.reset_running_stats()
-        bn.momentum = None  # cumulative average over all calibration batches
-        bn.train()
-    with torch.no_grad():
-        for start in range(0, len(x), 256):
-            batch = x[start : start + 256]
-            if len(batch) >= 2:
-                encoder(torch.from_numpy(batch))
-    for bn, momentum in saved.items():
-        bn.momentum = momentum
+    recalibrate_batchnorm(encoder, encoder, torch.from_numpy(x), layers=[bn for _, bn in missing])
     encoder.eval()
     log.info("re-estimated %d personal BatchNorm layers on %d calibration images", len(missing), len(x))
     return BatchNormOrigin(layers=layers, statistics="calibrated", calibration_samples=int(len(x)),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -125,26 +125,36 @@ def _has_batchnorm(model: nn.Module) -> bool:
 
 
 def recalibrate_batchnorm(model: nn.Module, forward: Callable[[torch.Tensor], object], x: torch.Tensor,
-                          batch_size: int = 256) -> int:
-    """Re-estimate every BatchNorm layer's running statistics of ``model`` on ``x``.
+                          batch_size: int = 256, layers: Sequence[nn.Module] | None = None) -> int:
+    """Re-estimate the BatchNorm running statistics of ``model`` on ``x``.
 
     Statistics are reset and accumulated as a cumulative average (``momentum=None``)
-    over ``forward`` calls on batches of ``x`` in training mode, without gradient; no
-    parameter changes. A last batch of one sample is skipped (BatchNorm cannot use it).
-    Returns the number of samples seen; the model's mode and momenta are restored.
+    over ``forward`` calls on batches of ``x``, without gradient; no parameter changes. A
+    last batch of one sample is skipped (BatchNorm cannot use it). By default every
+    BatchNorm layer is re-estimated with the model in training mode; with ``layers``
+    only those are, and the rest of the model stays in eval mode (its other BatchNorm
+    layers normalize with, and keep, their running statistics: an export re-estimates
+    only the statistics the federation does not hold). Returns the number of samples
+    seen; the model's modes and momenta are restored.
     """
     import torch
     from torch.nn.modules.batchnorm import _BatchNorm
 
-    layers = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
-    if not layers or len(x) < 2:
+    pool = model.modules() if layers is None else layers
+    chosen = [m for m in pool if isinstance(m, _BatchNorm) and m.track_running_stats]
+    if not chosen or len(x) < 2:
         return 0
-    was_training = model.training
-    momenta = [bn.momentum for bn in layers]
-    for bn in layers:
+    modes = {m: m.training for m in model.modules()}
+    momenta = [bn.momentum for bn in chosen]
+    for bn in chosen:
         bn.reset_running_stats()
         bn.momentum = None
-    model.train()
+    if layers is None:
+        model.train()
+    else:
+        model.eval()
+        for bn in chosen:
+            bn.train()
     seen = 0
     try:
         with torch.no_grad():
@@ -155,7 +165,8 @@ def recalibrate_batchnorm(model: nn.Module, forward: Callable[[torch.Tensor], ob
                 forward(batch)
                 seen += len(batch)
     finally:
-        for bn, momentum in zip(layers, momenta):
+        for bn, momentum in zip(chosen, momenta):
             bn.momentum = momentum
-        model.train(was_training)
+        for module, training in modes.items():
+            module.training = training
     return seen
