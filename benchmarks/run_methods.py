@@ -8,6 +8,12 @@ markdown table::
     python benchmarks/run_methods.py --tag cpu30 --rounds 30 --jobs 2
     python benchmarks/run_methods.py --tag cpu30 --rounds 30 --seeds 0,1,2 --jobs 2
     python benchmarks/run_methods.py --tag cpu30 --table          # table only, from the JSONs
+    python benchmarks/run_methods.py --tag cpu30 --rounds 30 --seeds 0,1,2 --skip-done --resume   # go on after a stop
+
+Every run checkpoints each round (it is the coordinator's own round loop): with
+``--resume`` a run whose directory holds a checkpoint of the same configuration goes on
+from it, so a run cut off by a time limit (a lent GPU's, a session's) loses at most
+one round. Bring its run directory (``--runs-root``) back with the results.
 
 With several seeds the table leads with mean ± std over seeds, the paired per-client
 difference to FedRep and FedAvg and in how many seeds each method is ahead of them
@@ -33,6 +39,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -159,21 +166,78 @@ def run_config_dict(setting: str, method: str, rounds: int, epochs: int, seed: i
     }
 
 
+def run_dir(runs_root: Path, tag: str, setting: str, method: str, seed: int) -> Path:
+    """Where one run keeps its checkpoint, metrics and agents' state. The seed is part of
+    the name: two seeds of one pair may run at once, and a directory holding another
+    seed's checkpoint must never be resumed."""
+    return runs_root / tag / f"{setting}__{method}__s{seed}"
+
+
+#: the benchmark's own record of the configuration a run directory was started with
+BENCH_CONFIG = "bench_config.json"
+
+
+def resumable(out: Path, cfg: dict) -> bool:
+    """True when ``out`` holds a checkpoint of a run started with exactly ``cfg``.
+
+    A directory with a checkpoint of any other configuration is an error, not a fresh
+    start: resuming it would mix two runs, starting over would discard one."""
+    if not (out / "checkpoint").is_dir():
+        return False
+    recorded = out / BENCH_CONFIG
+    previous = json.loads(recorded.read_text()) if recorded.is_file() else None
+    if previous != cfg:
+        raise SystemExit(f"{out} holds a checkpoint of another configuration (see {recorded.name}); "
+                         "remove the directory or run without --resume")
+    return True
+
+
+def majority_floor(setting: str, seed: int, data_root: str | None = None) -> float:
+    """What a client scores by always predicting its training split's majority class,
+    sample-weighted over clients' test splits as the federation's accuracy is: the
+    floor a personalized method must clear in a label-skew setting."""
+    import numpy as np
+
+    from edgepfl.config import DataSpec
+    from edgepfl.data import client_indices, load_pool
+
+    s = SETTINGS[setting]
+    spec = DataSpec(**{**s["data"], "num_clients": s["clients"], "seed": seed, "root": data_root})
+    y = np.asarray(load_pool(spec).y)
+    correct = total = 0
+    for client in range(s["clients"]):
+        train, test = client_indices(spec, client)
+        majority = np.bincount(y[train]).argmax()
+        correct += int((y[test] == majority).sum())
+        total += len(test)
+    return correct / total
+
+
 def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, device: str, tag: str,
-            runs_root: Path, data_root: str | None = None) -> dict:
-    """One in-process federation; returns (and the caller stores) its result record."""
+            runs_root: Path, data_root: str | None = None, resume: bool = False) -> dict:
+    """One in-process federation; returns (and the caller stores) its result record.
+
+    With ``resume``, a checkpoint of the same configuration in the run's directory is
+    continued (:func:`resumable`); the record covers every round either way."""
     import torch
 
     from edgepfl.config import RunConfig, parse_config
     from edgepfl.coordinator.simulate import simulate
+    from edgepfl.metrics import read_metrics
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = run_config_dict(setting, method, rounds, epochs, seed, device, data_root)
     config = parse_config(RunConfig, cfg, f"benchmark {setting}/{method}")
-    out = runs_root / tag / f"{setting}__{method}"
+    out = run_dir(runs_root, tag, setting, method, seed)
+    fresh = not (resume and resumable(out, cfg))
+    if fresh:
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        (out / BENCH_CONFIG).write_text(json.dumps(cfg, indent=1))
     t0 = time.monotonic()
-    rows, summary = simulate(config, SETTINGS[setting]["clients"], out, in_process=True, progress=False)
+    _, summary = simulate(config, SETTINGS[setting]["clients"], out, in_process=True, progress=False, fresh=False)
     wall = time.monotonic() - t0
+    rows = read_metrics(out)  # every round, those before a resume included
     scored = [r for r in rows if r.accuracy is not None]
     return {
         "setting": setting,
@@ -194,7 +258,10 @@ def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, devi
         "participants_per_round": [len(r.participants) for r in rows if not r.final],
         "round_seconds": [r.seconds for r in rows],
         "final_per_client": summary["final_per_client"],
-        "wall_seconds": round(wall, 1),
+        "wall_seconds": round(sum(r.seconds for r in rows), 1),
+        "wall_seconds_this_process": round(wall, 1),
+        "resumed": not fresh,
+        "majority_floor": majority_floor(setting, seed, data_root),
         "paper_accuracy": PAPER.get(setting, {}).get(method),
         "command": command_line(tag, rounds, epochs, seed, device, [setting], [method], data_root),
     }
@@ -204,6 +271,16 @@ def command_line(tag, rounds, epochs, seed, device, settings, methods, data_root
     root = f" --data-root {data_root}" if data_root else ""
     return (f"OMP_NUM_THREADS=1 python benchmarks/run_methods.py --tag {tag} --rounds {rounds} --epochs {epochs} "
             f"--seed {seed} --device {device} --settings {','.join(settings)} --methods {','.join(methods)}{root}")
+
+
+def parse_pair(item: str, seeds: list[int]) -> list[tuple[str, str, int]]:
+    """``setting:method`` (once per seed of ``seeds``) or ``setting:method@seed`` (that
+    seed only): the queue runs in the order given, so the runs that matter most go first."""
+    pair, at, seed = item.partition("@")
+    setting, _, method = pair.partition(":")
+    if setting not in SETTINGS or not method:
+        raise SystemExit(f"--pairs: {item!r} is not setting:method[@seed] with a setting of {', '.join(SETTINGS)}")
+    return [(setting, method, int(seed))] if at else [(setting, method, s) for s in seeds]
 
 
 def result_path(tag: str, setting: str, method: str, seed: int) -> Path:
@@ -275,12 +352,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settings", default="fedpac_dominant,fedrir_pathological,fedrir_dir01,domain",
                    help=f"comma list of {', '.join(SETTINGS)}")
     p.add_argument("--methods", default="all", help="comma list, or 'all' (each setting's ORDER)")
-    p.add_argument("--pairs", default=None, help="explicit run queue 'setting:method,...' (overrides --settings/--methods)")
+    p.add_argument("--pairs", default=None, help="explicit run queue 'setting:method[@seed],...', run in this order "
+                   "(overrides --settings/--methods; without @seed a pair runs once per --seeds)")
     p.add_argument("--jobs", type=int, default=1, help="runs in parallel (separate processes)")
     p.add_argument("--runs-root", default=str(REPO / "runs" / "bench"), help="run directories (not committed)")
     p.add_argument("--data-root", default=None, help="folder with the four Fashion-MNIST IDX files "
                    "(default: the Debian package's)")
     p.add_argument("--skip-done", action="store_true", help="skip pairs whose result JSON exists")
+    p.add_argument("--resume", action="store_true", help="continue each run from its directory's checkpoint "
+                   "(same configuration only) instead of starting it over")
     p.add_argument("--table", action="store_true", help="only (re)write the markdown table for --tag")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # worker: setting:method
     args = p.parse_args(argv)
@@ -288,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         setting, method = args.one.split(":")
         record = run_one(setting, method, args.rounds, args.epochs, args.seed, args.device, args.tag,
-                         Path(args.runs_root), args.data_root)
+                         Path(args.runs_root), args.data_root, resume=args.resume)
         path = result_path(args.tag, setting, method, args.seed)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=1))
@@ -302,10 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         for setting in settings:
             methods = ORDER[setting] if args.methods == "all" else args.methods.split(",")
             pairs += [(setting, m) for m in methods]
-        if args.pairs:
-            pairs = [tuple(x.split(":")) for x in args.pairs.split(",")]
         seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
         runs = [(s, m, seed) for seed in seeds for s, m in pairs]
+        if args.pairs:
+            runs = [run for item in args.pairs.split(",") for run in parse_pair(item, seeds)]
         if args.skip_done:
             runs = [(s, m, seed) for s, m, seed in runs if not result_path(args.tag, s, m, seed).exists()]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
@@ -320,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
                    "--device", args.device, "--runs-root", args.runs_root]
             if args.data_root:
                 cmd += ["--data-root", args.data_root]
+            if args.resume:
+                cmd.append("--resume")
             log_path = log_dir / f"{setting}__{method}__s{seed}.log"
             with open(log_path, "w") as log:
                 rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

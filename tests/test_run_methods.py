@@ -1,0 +1,121 @@
+"""The method benchmark's runner (benchmarks/run_methods.py): run queue, run directories,
+resume after a kill, the majority floor. Real in-process federations on Fashion-MNIST."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgepfl.data import load_client_data
+
+REPO = Path(__file__).resolve().parent.parent
+_PATH = REPO / "benchmarks" / "run_methods.py"
+_spec = importlib.util.spec_from_file_location("run_methods", _PATH)
+assert _spec and _spec.loader
+run_methods = importlib.util.module_from_spec(_spec)
+sys.modules["run_methods"] = run_methods
+_spec.loader.exec_module(run_methods)
+
+FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
+needs_fmnist = pytest.mark.skipif(not FMNIST.exists(), reason="Fashion-MNIST (apt dataset-fashion-mnist) not installed")
+
+#: a setting small enough for a test: 4 clients x 100 samples, dominant class
+TINY = {"title": "tiny", "clients": 4, "paper_source": "none",
+        "data": {"dataset": "fmnist", "samples_per_client": 100, "test_fraction": 0.25,
+                 "partition": {"kind": "dominant", "uniform_fraction": 0.2}}}
+
+#: runs the benchmark's worker with the tiny setting registered (a worker is a fresh process)
+WORKER = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {bench!r})
+    import run_methods
+    run_methods.SETTINGS["tiny"] = json.loads({tiny!r})
+    run_methods.RESULTS = __import__("pathlib").Path({results!r})
+    sys.exit(run_methods.main(sys.argv[1:]))
+""")
+
+
+def test_pairs_run_in_the_order_given_with_pinned_or_listed_seeds():
+    runs = [r for item in ["dir03:fedrir@2", "domain:fedavg"] for r in run_methods.parse_pair(item, [0, 1])]
+    assert runs == [("dir03", "fedrir", 2), ("domain", "fedavg", 0), ("domain", "fedavg", 1)]
+    with pytest.raises(SystemExit, match="nowhere:fedavg"):
+        run_methods.parse_pair("nowhere:fedavg", [0])
+    with pytest.raises(SystemExit, match="not setting:method"):
+        run_methods.parse_pair("dir03", [0])
+
+
+def test_each_seed_has_its_own_run_directory(tmp_path):
+    dirs = {run_methods.run_dir(tmp_path, "t", "dir03", "fedavg", s) for s in (0, 1, 2)}
+    assert len(dirs) == 3
+
+
+@needs_fmnist
+def test_majority_floor_is_the_weighted_score_of_each_clients_majority_class(monkeypatch):
+    monkeypatch.setitem(run_methods.SETTINGS, "tiny", TINY)
+    from edgepfl.config import DataSpec
+
+    spec = DataSpec(**{**TINY["data"], "num_clients": 4, "seed": 3})
+    correct = total = 0
+    for i in range(4):
+        data = load_client_data(spec, i)
+        majority = np.bincount(np.asarray(data.y_train)).argmax()
+        correct += int((np.asarray(data.y_test) == majority).sum())
+        total += len(data.y_test)
+    floor = run_methods.majority_floor("tiny", 3)
+    assert floor == pytest.approx(correct / total)
+    assert 0.6 < floor < 1.0  # 80 % of each client's samples are its dominant class
+
+
+@needs_fmnist
+def test_a_killed_run_resumes_from_its_checkpoint_and_reports_every_round(tmp_path, monkeypatch):
+    results, runs_root = tmp_path / "results", tmp_path / "runs"
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(bench=str(REPO / "benchmarks"), tiny=json.dumps(TINY), results=str(results)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    rounds = 12
+
+    def worker(epochs: int = 1) -> list[str]:
+        return [sys.executable, str(script), "--one", "tiny:fedavg", "--tag", "t", "--rounds", str(rounds), "--seed",
+                "0", "--epochs", str(epochs), "--device", "cpu", "--runs-root", str(runs_root)]
+
+    argv = worker()
+    metrics = run_methods.run_dir(runs_root, "t", "tiny", "fedavg", 0) / "metrics.jsonl"
+
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed: give it more rounds"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert 3 <= len(before) < rounds
+
+    # with --resume it goes on from the checkpoint
+    done = subprocess.run([*argv, "--resume"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = json.loads((results / "t" / "tiny__fedavg__s0.json").read_text())
+    assert record["resumed"] is True
+    assert len(record["accuracy_curve"]) == rounds + 1  # round 0 .. the final evaluation
+    after = [json.loads(line) for line in metrics.read_text().splitlines()]
+    kept = len(before) - 1  # the last row may be one the checkpoint did not reach: it is written again
+    assert [r["accuracy"] for r in after[:kept]] == [r["accuracy"] for r in before[:kept]]
+    monkeypatch.setitem(run_methods.SETTINGS, "tiny", TINY)
+    assert record["majority_floor"] == pytest.approx(run_methods.majority_floor("tiny", 0))
+
+    # a directory of another configuration is never resumed
+    other = subprocess.run([*worker(epochs=2), "--resume"], env=env, capture_output=True, text=True, timeout=300)
+    assert other.returncode != 0
+    assert "holds a checkpoint of another configuration" in other.stderr
