@@ -298,6 +298,26 @@ def _tail_mean(record: dict, k: int = 10):
     return sum(tail) / len(tail) if tail else None
 
 
+def floor_of(record: dict) -> float | None:
+    """The record's majority-class floor; records written before it was stored get it
+    computed from the data (None where the data are not on this machine)."""
+    if record.get("majority_floor") is not None:
+        return record["majority_floor"]
+    try:
+        return majority_floor(record["setting"], record["seed"])
+    except Exception:  # noqa: BLE001 - a table is still worth writing without the floor
+        return None
+
+
+def below_floor_from(record: dict, floor: float | None, start: int = 5) -> str:
+    """``"k/n"``: of the evaluations after ``start`` or more rounds, how many scored below
+    the floor (issue 13: DualFed must stay above it from round 5 on)."""
+    curve = [a for a in record["accuracy_curve"][start:] if a is not None]
+    if floor is None or not curve:
+        return "—"
+    return f"{sum(1 for a in curve if a < floor)}/{len(curve)}"
+
+
 def load_results(tag: str) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((RESULTS / tag).glob("*.json"))]
 
@@ -326,16 +346,20 @@ def markdown_table(tag: str) -> str:
             lines += [*seed_table(rows, ORDER[setting], targets=[m for m, ts in TARGET.items() if setting in ts]),
                       "", "Every run:", ""]
         lines += [
-                  "| method | final acc. % (after round " + str(r0["rounds"]) + ") | best acc. % (round) | paper % | "
+                  "| method | seed | final acc. % (after round " + str(r0["rounds"]) + ") | best acc. % (round) | "
+                  "best − final pts | majority floor % | evals below floor from round 5 | paper % | "
                   "mean acc. % last 10 evals | wall s | device |",
-                  "|---|---:|---:|---:|---:|---:|---|"]
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in rows:
             paper = r.get("paper_accuracy")
             target = " (target)" if setting in TARGET.get(r["method"], ()) else ""
-            lines.append(f"| {r['method']}{target} | {_pct(r['final_accuracy'])} | {_pct(r['best_accuracy'])} "
-                         f"({r['best_round']}) | {'—' if paper is None else f'{paper:.2f}'} | {_pct(_tail_mean(r))} | "
-                         f"{r['wall_seconds']:.0f} | "
-                         f"{r['device']} |")
+            floor = floor_of(r)
+            drop = (f"{100 * (r['best_accuracy'] - r['final_accuracy']):.2f}"
+                    if r["best_accuracy"] is not None and r["final_accuracy"] is not None else "—")
+            lines.append(f"| {r['method']}{target} | {r['seed']} | {_pct(r['final_accuracy'])} | "
+                         f"{_pct(r['best_accuracy'])} ({r['best_round']}) | {drop} | {_pct(floor)} | "
+                         f"{below_floor_from(r, floor)} | {'—' if paper is None else f'{paper:.2f}'} | "
+                         f"{_pct(_tail_mean(r))} | {r['wall_seconds']:.0f} | {r['device']} |")
         lines.append("")
     return "\n".join(lines)
 
