@@ -119,3 +119,9 @@ def test_a_killed_run_resumes_from_its_checkpoint_and_reports_every_round(tmp_pa
     other = subprocess.run([*worker(epochs=2), "--resume"], env=env, capture_output=True, text=True, timeout=300)
     assert other.returncode != 0
     assert "holds a checkpoint of another configuration" in other.stderr
+
+
+def test_below_floor_counts_evaluations_from_round_five_on():
+    record = {"accuracy_curve": [0.1, 0.2, 0.5, 0.7, 0.85, 0.81, 0.90, 0.95, None]}
+    assert run_methods.below_floor_from(record, 0.82) == "1/3"  # 0.81 after round 5; None is not an evaluation
+    assert run_methods.below_floor_from(record, None) == "—"
