@@ -5,12 +5,14 @@ benchmark setting (no averaging, so nothing federated can be the cause) and reco
 per round, the stage-2 terms the method reports (CE, q's NLL, the vCLUB estimate),
 the mean norm of the global features f_g on the training data, and the client's test
 accuracy — once per information term (``--modes``, FedRIR's ``mi`` choices: the paper's
-literal vCLUB, the conditional CLUB procedure, the authors' code). Options otherwise come
-from configs/fedrir.yaml. Writes ``--out`` (default benchmarks/results/diagnose_fedrir.json)::
+literal vCLUB, the conditional CLUB procedure, the authors' code; ``mi+option=value``
+overrides another option too). Options otherwise come from configs/fedrir.yaml. Writes
+``--out`` (default benchmarks/results/diagnose_fedrir.json)::
 
     OMP_NUM_THREADS=1 python benchmarks/diagnose_fedrir.py --rounds 30 --modes vclub,code
     OMP_NUM_THREADS=1 python benchmarks/diagnose_fedrir.py --setting dir03 --rounds 20 \
         --out benchmarks/results/fedrir_mi/diagnose_dir03.json
+    python benchmarks/diagnose_fedrir.py --summarize benchmarks/results/fedrir_mi/*.json   # table
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ def run(mode: str, setting: str, client: int, rounds: int, seed: int) -> list[di
     spec = DataSpec(**{**s["data"], "num_clients": s["clients"], "seed": seed})
     raw = load_client_data(spec, client)
     data = raw.to_torch("cpu")
-    options = {k: v for k, v in method_block("fedrir", 1).items() if k != "name"}
-    method = create_method("fedrir", {**options, "mi": mode})
+    # a mode is an ``mi`` choice, optionally with other options overridden: "code+keep_optimizer_state=false"
+    mi, *overrides = mode.split("+")
+    options = {k: v for k, v in method_block("+".join(["fedrir", *overrides]), 1).items() if k != "name"}
+    method = create_method("fedrir", {**options, "mi": mi})
     torch.manual_seed(seed)
     model = method.build_model(ModelSpec(arch="cnn", feature_dim=128), raw.input_shape, raw.num_classes)
     train = TrainConfig(epochs=1, batch_size=50, lr=0.01, momentum=0.5, weight_decay=5e-4)
@@ -61,15 +65,38 @@ def run(mode: str, setting: str, client: int, rounds: int, seed: int) -> list[di
     return out
 
 
+def summarize(paths: list[Path], last: int = 5) -> str:
+    """A markdown table of diagnostic files: per setting, client and mode the best, final and
+    mean of the last ``last`` rounds' test accuracy, and f_g's norm after rounds 1, 10, last."""
+    lines = [f"| setting | client | mode | best % (round) | final % | mean % last {last} | f_g norm r1 / r10 / last "
+             "| q NLL last |", "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for path in paths:
+        d = json.loads(path.read_text())
+        for mode, rows in d["modes"].items():
+            acc = [r["test_accuracy"] for r in rows]
+            best = max(acc)
+            norms = [rows[0]["f_g_norm"], rows[min(9, len(rows) - 1)]["f_g_norm"], rows[-1]["f_g_norm"]]
+            lines.append(f"| {d['setting']} | {d['client']} | {mode} | {100 * best:.1f} ({acc.index(best) + 1}) | "
+                         f"{100 * acc[-1]:.1f} | {100 * sum(acc[-last:]) / len(acc[-last:]):.1f} | "
+                         f"{' / '.join(f'{n:.0f}' for n in norms)} | {rows[-1]['q_nll']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--setting", default="fedrir_pathological", choices=list(SETTINGS))
     p.add_argument("--client", type=int, default=0)
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--modes", default="club_conditional,vclub,code", help="comma list of FedRIR's mi choices")
+    p.add_argument("--modes", default="club_conditional,vclub,code",
+                   help="comma list of FedRIR's mi choices, each optionally with options overridden as in "
+                        "run_methods' variants: club_conditional+keep_optimizer_state=false")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "diagnose_fedrir.json"))
+    p.add_argument("--summarize", nargs="+", metavar="JSON", help="only print a markdown table of these results")
     args = p.parse_args(argv)
+    if args.summarize:
+        print(summarize([Path(x) for x in args.summarize]), end="")
+        return 0
     torch.set_num_threads(1)
     t0 = time.monotonic()
     result = {"setting": args.setting, "client": args.client, "rounds": args.rounds, "seed": args.seed,
