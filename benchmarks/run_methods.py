@@ -72,6 +72,21 @@ SETTINGS: dict[str, dict] = {
                  "partition": {"kind": "dirichlet", "alpha": 0.1}},
         "paper_source": "FedRIR Table 4, 20 clients, all 70k FMNIST images, 1000 rounds",
     },
+    # FedRIR's own data size: all 70k images over 20 clients (~2,625 train each), for its paper protocol
+    "fedrir_pathological_full": {
+        "title": "FedRIR's pathological label shift at its data size: 20 clients, 2 classes, all 70k images",
+        "clients": 20,
+        "data": {"dataset": "fmnist", "samples_per_client": None, "test_fraction": 0.25,
+                 "partition": {"kind": "pathological", "classes_per_client": 2}},
+        "paper_source": "FedRIR Table 1, 20 clients, all 70k FMNIST images, 1000 rounds",
+    },
+    "fedrir_dir01_full": {
+        "title": "FedRIR's practical label shift at its data size: 20 clients, Dir(0.1), all 70k images",
+        "clients": 20,
+        "data": {"dataset": "fmnist", "samples_per_client": None, "test_fraction": 0.25,
+                 "partition": {"kind": "dirichlet", "alpha": 0.1}},
+        "paper_source": "FedRIR Table 4, 20 clients, all 70k FMNIST images, 1000 rounds",
+    },
     # two settings none of the method defaults was tuned on (issue 13): for deciding defaults
     "dominant_s10": {
         "title": "held-out label shift: 20 clients, dominant class, s = 10 %",
@@ -106,6 +121,8 @@ ORDER: dict[str, list[str]] = {
                             "fedavg_ft", "lgfedavg", "fedprox", "fedbn", "dualfed", "fedpick"],
     "fedrir_dir01": ["fedavg", "fedrep", "fedrir", "fedpac", "repper", "fedrod", "fedper", "local", "fedavg_ft",
                      "lgfedavg", "fedprox", "fedbn", "dualfed", "fedpick"],
+    "fedrir_pathological_full": ["fedavg", "fedrep", "fedrir", "fedrod", "local"],
+    "fedrir_dir01_full": ["fedavg", "fedrep", "fedrir", "fedrod"],
     "dominant_s10": ["fedavg", "fedrep", "fedpac", "repper", "fedrir", "dualfed", "fedpick"],
     "dir03": ["fedavg", "fedrep", "fedpac", "repper", "fedrir", "dualfed", "fedpick"],
     "domain": ["fedavg", "fedrep", "fedbn", "dualfed", "fedpick", "fedrod", "fedper", "local", "fedavg_ft",
@@ -118,6 +135,8 @@ PAPER: dict[str, dict[str, float]] = {
                         "fedrep": 88.25, "fedrod": 90.11, "fedpac": 91.83},
     "fedrir_pathological": {"local": 86.36, "fedavg": 86.01, "fedrep": 85.86, "fedrod": 86.43, "fedrir": 90.58},
     "fedrir_dir01": {"fedavg": 71.99, "fedrep": 95.47, "fedrod": 95.57, "fedrir": 97.51},
+    "fedrir_pathological_full": {"local": 86.36, "fedavg": 86.01, "fedrep": 85.86, "fedrod": 86.43, "fedrir": 90.58},
+    "fedrir_dir01_full": {"fedavg": 71.99, "fedrep": 95.47, "fedrod": 95.57, "fedrir": 97.51},
     "domain": {},
     "dominant_s10": {},
     "dir03": {},
@@ -125,7 +144,8 @@ PAPER: dict[str, dict[str, float]] = {
 
 #: the settings each founding method's paper targets
 TARGET = {"fedpac": ("fedpac_dominant",), "repper": ("fedpac_dominant",),
-          "fedrir": ("fedrir_pathological", "fedrir_dir01"), "dualfed": ("domain",), "fedpick": ("domain",)}
+          "fedrir": ("fedrir_pathological", "fedrir_dir01", "fedrir_pathological_full", "fedrir_dir01_full"),
+          "dualfed": ("domain",), "fedpick": ("domain",)}
 
 
 def method_block(method: str, epochs: int) -> dict:
