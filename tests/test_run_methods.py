@@ -125,3 +125,10 @@ def test_below_floor_counts_evaluations_from_round_five_on():
     record = {"accuracy_curve": [0.1, 0.2, 0.5, 0.7, 0.85, 0.81, 0.90, 0.95, None]}
     assert run_methods.below_floor_from(record, 0.82) == "1/3"  # 0.81 after round 5; None is not an evaluation
     assert run_methods.below_floor_from(record, None) == "—"
+
+
+def test_every_setting_has_a_run_order_and_a_paper_column():
+    assert set(run_methods.ORDER) == set(run_methods.SETTINGS) == set(run_methods.PAPER)
+    assert {s for settings in run_methods.TARGET.values() for s in settings} <= set(run_methods.SETTINGS)
+    for setting, methods in run_methods.ORDER.items():
+        assert set(run_methods.PAPER[setting]) <= set(methods), setting  # every paper number gets its row
