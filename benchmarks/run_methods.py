@@ -412,12 +412,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     if args.one:
+        from edgepfl.atomic import write_json
+
         setting, method = args.one.split(":")
         record = run_one(setting, method, args.rounds, args.epochs, args.seed, args.device, args.tag,
                          Path(args.runs_root), args.data_root, resume=args.resume)
         path = result_path(args.tag, setting, method, args.seed)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record, indent=1))
+        # atomic: a run killed mid-write must not leave a JSON that --skip-done takes as finished
+        write_json(path, record)
         print(f"{setting:22s} {method:10s} final {_pct(record['final_accuracy'])} best "
               f"{_pct(record['best_accuracy'])} ({record['best_round']}) {record['wall_seconds']:.0f}s", flush=True)
         return 0
