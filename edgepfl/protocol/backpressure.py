@@ -1,19 +1,32 @@
-"""The transport's inbound queue, bounded in bytes and messages.
+"""The transport's inbound queue: bounded by the acknowledgements it grants.
 
-paho hands every received MQTT message to a callback on its network thread, and for a
-QoS 1 message it sends the PUBACK only when that callback returns. :class:`BoundedInbox`
-makes the callback wait while the queue is full: the PUBACKs are held back, the broker's
-in-flight window for this client (Mosquitto's ``max_inflight_messages``) fills, and the
+paho hands every received MQTT message to a callback on its network thread. The
+transport runs paho with ``manual_ack``: the callback only queues the message here, and
+the message's PUBACK is the queue's to send. :class:`BoundedInbox` acknowledges a
+message at once while the acknowledged messages waiting for the consumer fit the bound
+(bytes and messages); past it, it holds the acknowledgements back, in arrival order, and
+sends them as the consumer takes messages. The broker's in-flight window for this client
+(Mosquitto's ``max_inflight_messages``, MQTT 5's Receive Maximum) then fills, and the
 broker keeps the rest in its queue for the client (``max_queued_messages`` /
 ``max_queued_bytes``) instead of pushing it into this process's memory. That is the
 backpressure MQTT offers a subscriber; it does not reach the publishers, whose messages
 the broker still accepts.
 
-The network thread also sends the keepalive PINGREQs and this process's own publishes,
-so it is never blocked for long: after ``max_wait_s`` (below the keepalive) a message is
-queued over the bound, counted in :attr:`BoundedInbox.overruns` and logged. Nothing is
-dropped here; a consumer that has stalled for that long costs one message over the bound
-per wait instead of the connection.
+Why not make the callback wait for room: the network thread must keep reading. A
+PINGRESP arrives behind the messages the broker has already sent, and paho closes the
+connection when it has not read one within the keepalive of its PINGREQ; a thread that
+waits in the callback reads a message per wait, so a stalled consumer with a backlog in
+the socket lost the connection (and, with a clean session, the broker's queue for it).
+Here the thread does not wait: a stall of any length costs the broker's in-flight window
+over the bound, never the connection.
+
+Brokers do not all keep to their window: Mosquitto 2.0 was measured sending 70-90
+unacknowledged messages to a client draining a backlog fast, against its default window of
+20 (``tests/test_backpressure.py``). So the held acknowledgements have a bound of their own,
+``max_held``, well above the common windows (Mosquitto 20, EMQX 32): past it the thread
+waits for the consumer after all, at most ``max_wait_s`` (below the keepalive), then
+queues the message over the bound, counted in :attr:`BoundedInbox.overruns` and logged.
+Past a window the consumer is taking messages, so that wait is short.
 """
 
 from __future__ import annotations
@@ -22,73 +35,120 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+Acknowledge = Callable[[], None]
+
+#: a consumer that keeps falling behind is logged once per this many seconds
+WARN_EVERY_S = 60.0
+
 
 class BoundedInbox(Generic[T]):
-    """A FIFO of items with a byte size: :meth:`put` waits (up to ``max_wait_s``) while the
-    queue holds ``max_bytes`` or ``max_messages``; :meth:`get` waits for an item.
+    """A FIFO of received items that grants their acknowledgements as the consumer makes room.
 
-    An item larger than ``max_bytes`` is taken when the queue is empty, so one message
-    of any size the broker allows always gets through.
+    :meth:`put` never blocks. It calls the item's ``ack`` at once when no earlier item
+    waits for its acknowledgement and the acknowledged items queued, with this one, fit
+    ``max_bytes`` and ``max_messages``; otherwise the acknowledgement is held, and
+    :meth:`get` sends held ones, oldest first, as it frees room. An item larger than
+    ``max_bytes`` is acknowledged when no acknowledged item is queued, so one message of
+    any size the broker allows always gets through. Acknowledgements are sent in arrival
+    order (MQTT 3.1.1 §4.6), under the queue's lock.
+
+    A broker that sends past its in-flight window meets ``max_held``: with that many
+    acknowledgements held, :meth:`put` waits for the consumer up to ``max_wait_s``.
     """
 
-    def __init__(self, max_bytes: int, max_messages: int, max_wait_s: float):
-        if max_bytes <= 0 or max_messages <= 0 or max_wait_s <= 0:
-            raise ValueError("max_bytes, max_messages and max_wait_s must be positive")
+    def __init__(self, max_bytes: int, max_messages: int, max_held: int = 100, max_wait_s: float = 10.0):
+        if max_bytes <= 0 or max_messages <= 0 or max_held <= 0 or max_wait_s <= 0:
+            raise ValueError("max_bytes, max_messages, max_held and max_wait_s must be positive")
         self.max_bytes = max_bytes
         self.max_messages = max_messages
+        self.max_held = max_held
         self.max_wait_s = max_wait_s
         self._items: deque[tuple[T, int]] = deque()
         self._bytes = 0
+        # acknowledged and not yet taken: what the bound counts
+        self._admitted_bytes = 0
+        self._admitted = 0
+        # (size, ack) of the newest queued items whose acknowledgement is held, oldest first
+        self._held: deque[tuple[int, Acknowledge]] = deque()
         self._cond = threading.Condition()
-        #: the most bytes queued at once
+        #: the most bytes queued at once (acknowledged and held)
         self.peak_bytes = 0
-        #: messages queued over the bound because the consumer did not make room in time
+        #: the most items queued at once with their acknowledgement held
+        self.peak_held = 0
+        #: items whose acknowledgement was held because the queue was full
+        self.held_back = 0
+        #: items queued past ``max_held`` because the consumer took none within ``max_wait_s``
         self.overruns = 0
-        #: seconds the producer (paho's network thread) spent waiting for room
+        self._warned_at = -WARN_EVERY_S
+        #: seconds :meth:`put` spent waiting at ``max_held`` (a broker past its window)
         self.waited_s = 0.0
 
     @property
     def queued_bytes(self) -> int:
+        """Bytes queued for the consumer, acknowledged or held."""
         return self._bytes
+
+    @property
+    def admitted_bytes(self) -> int:
+        """Bytes acknowledged and not yet taken by the consumer: at most ``max_bytes`` (or one item)."""
+        return self._admitted_bytes
+
+    @property
+    def held(self) -> int:
+        """Items queued whose acknowledgement is held back."""
+        return len(self._held)
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def _full(self, size: int) -> bool:
-        if not self._items:
-            return False
-        return self._bytes + size > self.max_bytes or len(self._items) >= self.max_messages
+    def _fits(self, size: int) -> bool:
+        if self._admitted == 0:
+            return True
+        return self._admitted_bytes + size <= self.max_bytes and self._admitted < self.max_messages
 
-    def put(self, item: T, size: int) -> bool:
-        """Queue ``item``; returns False when it went in over the bound after waiting ``max_wait_s``."""
+    def _admit(self, size: int, ack: Acknowledge) -> None:
+        self._admitted_bytes += size
+        self._admitted += 1
+        ack()
+
+    def put(self, item: T, size: int, ack: Acknowledge) -> bool:
+        """Queue ``item`` of ``size`` bytes; True when ``ack`` was called at once, False when it is held."""
         with self._cond:
-            within = True
-            if self._full(size):
-                started = time.monotonic()
-                deadline = started + self.max_wait_s
-                while self._full(size):
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        within = False
-                        self.overruns += 1
-                        break
-                    self._cond.wait(left)
-                self.waited_s += time.monotonic() - started
+            if len(self._held) >= self.max_held:
+                self._wait_below_max_held()
             self._items.append((item, size))
             self._bytes += size
             self.peak_bytes = max(self.peak_bytes, self._bytes)
+            admitted = not self._held and self._fits(size)
+            if admitted:
+                self._admit(size, ack)
+            else:
+                if not self._held and time.monotonic() - self._warned_at >= WARN_EVERY_S:
+                    self._warned_at = time.monotonic()
+                    log.warning("inbound queue full (%d messages, %d bytes, bound %d bytes): the consumer is behind; "
+                                "holding acknowledgements back so that the broker keeps the backlog",
+                                self._admitted, self._admitted_bytes, self.max_bytes)
+                self._held.append((size, ack))
+                self.held_back += 1
+                self.peak_held = max(self.peak_held, len(self._held))
             self._cond.notify_all()
-        if not within:
-            log.warning("inbound queue full for %.1fs (%d messages, %d bytes, bound %d bytes): the consumer is "
-                        "stalled; queued over the bound so that the connection's keepalive survives",
-                        self.max_wait_s, len(self._items), self._bytes, self.max_bytes)
-        return within
+        return admitted
+
+    def _wait_below_max_held(self) -> None:
+        started = time.monotonic()
+        if not self._cond.wait_for(lambda: len(self._held) < self.max_held, self.max_wait_s):
+            self.overruns += 1
+            log.warning("%d acknowledgements held and the consumer took no message for %.1fs: queued over the bound "
+                        "so that the connection's keepalive survives (%d messages, %d bytes queued)",
+                        len(self._held), self.max_wait_s, len(self._items), self._bytes)
+        self.waited_s += time.monotonic() - started
 
     def get(self, timeout: float | None = None) -> T | None:
         """The oldest item, or None when none came within ``timeout`` seconds (None: wait forever)."""
@@ -97,5 +157,11 @@ class BoundedInbox(Generic[T]):
                 return None
             item, size = self._items.popleft()
             self._bytes -= size
+            # the front item is always acknowledged: held ones are the newest, and the
+            # oldest held one is admitted as soon as nothing acknowledged is queued
+            self._admitted_bytes -= size
+            self._admitted -= 1
+            while self._held and self._fits(self._held[0][0]):
+                self._admit(*self._held.popleft())
             self._cond.notify_all()
             return item

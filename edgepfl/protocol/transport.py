@@ -24,8 +24,9 @@ What it adds over a bare paho client:
   and reassembles them as one frame of the parts' base topic (docs/PROTOCOL.md §8, §12);
 * incoming frames are queued and handed to the caller's thread by
   :meth:`MqttTransport.receive`, so decoding and training never run on paho's
-  network thread; the queue is bounded (:class:`.backpressure.BoundedInbox`): while it
-  is full, paho's thread holds back the PUBACKs and the broker keeps the backlog;
+  network thread; the queue is bounded (:class:`.backpressure.BoundedInbox`): paho runs
+  with manual acknowledgement and the queue sends the PUBACKs, holding them back while it
+  is full, so the broker keeps the backlog and paho's thread never stops reading;
 * a count of the bytes published and not yet acknowledged (:attr:`MqttTransport.unacked_bytes`,
   :meth:`MqttTransport.send_ready`): paho keeps every QoS 1 message until its PUBACK, so a
   sender that waits for room sends at the broker's pace instead of queueing a round's
@@ -120,11 +121,15 @@ class MqttTransport:
         self.keepalive_s = keepalive_s
         self.on_reject = on_reject
         self.not_resent = not_resent
-        # Raw (topic, payload) from paho's thread. Waiting for room must stay well inside the
-        # keepalive: paho's thread sends the PINGREQs too.
+        # Raw (topic, payload) from paho's thread, which never waits here: the inbox holds
+        # the PUBACKs back instead (see .backpressure for why waiting lost connections).
         self.inbox: BoundedInbox[tuple[str, bytes]] = BoundedInbox(
             inbox_max_bytes or default_inbox_bytes(max_payload_bytes, max_message_bytes), inbox_max_messages,
             max_wait_s=keepalive_s / 3)
+        # A held PUBACK belongs to the connection that delivered its message: after a
+        # reconnect its message id names another message (or none), so it is not sent.
+        self._ack_lock = threading.Lock()
+        self._connection = 0
         #: bytes a sender may have published and not yet seen acknowledged (:meth:`send_ready`)
         self.send_window_bytes = self.inbox.max_bytes
         #: bytes published with QoS 1 and not yet acknowledged (the sum of ``_in_flight``)
@@ -154,7 +159,8 @@ class MqttTransport:
         self._suspect = 0
         self._flight_lock = threading.Lock()
         self._client = mqtt.Client(
-            mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv311, clean_session=True
+            mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv311, clean_session=True,
+            manual_ack=True,
         )
         if self.login.username:
             self._client.username_pw_set(self.login.username, self.login.password)
@@ -275,6 +281,8 @@ class MqttTransport:
                      "what still matters", dropped)
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties=None) -> None:
+        with self._ack_lock:  # before paho reconnects: no PUBACK of this connection reaches the next
+            self._connection += 1
         self.connected.clear()
         if self.connect_count == 0:
             self._connack.set()  # lost before the first CONNACK: start() reports why
@@ -329,9 +337,15 @@ class MqttTransport:
         return largest if largest > self._largest_acked else 0
 
     def _on_message(self, client, userdata, msg) -> None:
-        # Runs on paho's network thread: only enqueue, never decode or train here.
-        # Blocks while the inbox is full: the PUBACK goes out when this returns (backpressure).
-        self.inbox.put((msg.topic, msg.payload), len(msg.payload))
+        # Runs on paho's network thread: only enqueue, never decode, train or wait here.
+        # The inbox sends the PUBACK now, or later when the consumer has made room.
+        mid, qos, connection = msg.mid, msg.qos, self._connection
+        self.inbox.put((msg.topic, msg.payload), len(msg.payload), ack=lambda: self._acknowledge(mid, qos, connection))
+
+    def _acknowledge(self, mid: int, qos: int, connection: int) -> None:
+        with self._ack_lock:
+            if qos and connection == self._connection:
+                self._client.ack(mid, qos)
 
     # ------------------------------------------------------------------ traffic
     def publish(self, topic: str, frame: bytes, *, retain: bool = False, round: int = -1, wait: bool = False) -> int:
