@@ -32,6 +32,7 @@ from edgepfl.protocol import (
     release_part_topic,
     split_frame,
 )
+from edgepfl.protocol.backpressure import BoundedInbox
 from edgepfl.protocol.connection import BrokerLogin
 from edgepfl.protocol.signing import Signer, load_signer
 from edgepfl.protocol.transport import Inbound, MqttTransport
@@ -65,6 +66,11 @@ class Fleet(ABC):
     @abstractmethod
     def send(self, agent_id: str, frame: bytes, round: int) -> int:
         """Deliver a task frame; returns bytes put on the wire."""
+
+    @property
+    def inbox(self) -> BoundedInbox | None:
+        """The queue of frames received and not yet routed, where the fleet has one (for metrics)."""
+        return None
 
     def send_ready(self) -> bool:
         """Whether more may be sent now; while not, the round loop routes inbound traffic
@@ -154,6 +160,10 @@ class MqttFleet(Fleet):
             on_reject=self._transport_dropped,
         )
         self.transport.start(timeout=60)
+
+    @property
+    def inbox(self) -> BoundedInbox:
+        return self.transport.inbox
 
     def _frame(self, meta: CoordinatorMeta) -> bytes:
         # Every presence frame announces the limits, so agents chunk to this coordinator's M.

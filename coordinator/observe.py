@@ -19,6 +19,7 @@ from typing import Any
 
 from edgepfl.config import ObserveSpec, RunConfig
 from edgepfl.metrics import RoundMetrics
+from edgepfl.protocol.backpressure import BoundedInbox
 from edgepfl.protocol.view import AgentView, FleetView, Phase, encode_view
 
 from .fleet import Fleet
@@ -63,7 +64,8 @@ class Observer:
         self.resumed_from = resumed_from
         if self.spec.metrics_port is not None and self.metrics is None:
             self.metrics = PrometheusMetrics(self.spec.metrics_host, self.spec.metrics_port, self.federation,
-                                             already_rejected=dict(self.rejected_total))
+                                             already_rejected=dict(self.rejected_total),
+                                             inbox=self.fleet.inbox)
             log.info("Prometheus metrics on http://%s:%d/metrics", self.spec.metrics_host, self.metrics.port)
         self.publish()
 
@@ -138,7 +140,8 @@ class Observer:
 class PrometheusMetrics:
     """The run's numbers as Prometheus metrics on ``http://host:port/metrics`` (a daemon thread)."""
 
-    def __init__(self, host: str, port: int, federation: str, already_rejected: dict[str, int] | None = None):
+    def __init__(self, host: str, port: int, federation: str, already_rejected: dict[str, int] | None = None,
+                 inbox: BoundedInbox | None = None):
         from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, start_http_server
 
         self.registry = CollectorRegistry()
@@ -159,6 +162,11 @@ class PrometheusMetrics:
                           states=["waiting", "training", "aggregating", "evaluating", "releasing", "done"], **labels)
         Gauge("edgepfl_federation_info", "The federation this coordinator runs", ["federation"],
               **labels).labels(federation).set(1)
+        if inbox is not None:  # read at scrape time: a coordinator falling behind its fleet shows here
+            Gauge("edgepfl_inbox_queued_bytes", "Bytes received and not yet handled by the round loop",
+                  **labels).set_function(lambda: inbox.queued_bytes)
+            Gauge("edgepfl_inbox_held_acks", "Messages received whose PUBACK is held back: the broker keeps the "
+                  "backlog (docs/PROTOCOL.md §1, flow control)", **labels).set_function(lambda: inbox.held)
         # rejections a resumed run counted before this process started are not this process's
         self._rejected_seen: dict[str, int] = dict(already_rejected or {})
         self.server, self._thread = start_http_server(port, addr=host, registry=self.registry)

@@ -245,6 +245,8 @@ def test_live_view_status_and_metrics_of_a_running_federation(mosquitto, tmp_pat
         assert metrics[("edgepfl_agents_online", (("tier", "trainer"),))] == 2
         assert metrics[("edgepfl_rejected_messages_total", (("reason", "malformed"),))] == 1
         assert metrics[("edgepfl_phase", (("edgepfl_phase", "waiting"),))] == 1
+        # the round loop keeps up with two agents: nothing held back at the broker
+        assert metrics[("edgepfl_inbox_held_acks", ())] == 0 and ("edgepfl_inbox_queued_bytes", ()) in metrics
 
         shown = _status(mosquitto.url, fed, "--json")
         assert shown.returncode == 0, shown.stderr
