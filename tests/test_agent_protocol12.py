@@ -177,7 +177,9 @@ def test_a_nack_is_logged_and_closes_its_task_and_another_major_version_is_ignor
 def test_an_answer_finished_while_the_broker_was_down_still_reaches_its_round(tmp_path):
     """The broker is stopped while the agent trains and restarted after it finished: paho
     alone would re-send the update at the reconnect, before the coordinator is back; the
-    held answer is published once the coordinator's presence shows the round still open."""
+    held answer is published once the coordinator's presence shows the round still open.
+    The agent is frozen from the start of its training until the broker is down, so the
+    order is certain however fast it trains (a loaded box once let it answer first)."""
     from edgepfl.coordinator.fleet import MqttFleet
     from edgepfl.coordinator.rounds import Coordinator
     from edgepfl.testing import MosquittoBroker
@@ -193,13 +195,16 @@ def test_an_answer_finished_while_the_broker_was_down_still_reaches_its_round(tm
     out = tmp_path / "run"
     try:
         with RunningFleet(config, out, url, 1) as fleet:
-            capture = TrafficCapture(url, topic=f"edgepfl/v1/{config.federation}/agents/+/task").start()
             mfleet = MqttFleet(fleet.config.federation, fleet.config.broker, url=url)
             coordinator = Coordinator(fleet.config, mfleet, out, progress=False, **fleet.shape())
             thread, box = run_in_thread(coordinator.run)
-            wait_until(lambda: capture.snapshot(), timeout=240, what="the round-0 task")
-            capture.stop()
-            broker.stop()
+            _logged(fleet, f"{AGENT}: built", timeout=240)  # the round-0 task arrived; training starts
+            agent = fleet.procs[AGENT]
+            os.kill(agent.pid, signal.SIGSTOP)
+            try:
+                broker.stop()
+            finally:
+                os.kill(agent.pid, signal.SIGCONT)
             _logged(fleet, "is held: not connected to the broker", timeout=240)
             broker = MosquittoBroker(port=port)
             broker.start()
