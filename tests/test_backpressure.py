@@ -226,3 +226,57 @@ def test_the_send_window_counts_bytes_until_the_broker_acknowledges_them(mosquit
         assert sender.unacked_bytes == 0 and sender.send_ready()  # every PUBACK matched its message
     finally:
         sender.stop()
+
+
+@pytest.mark.slow
+def test_messages_held_when_the_broker_restarts_are_kept_and_the_new_connection_flows():
+    """Held acknowledgements belong to the lost connection: its messages stay queued for the
+    consumer, and the next connection's messages are acknowledged and arrive after them."""
+    from edgepfl.testing import MosquittoBroker
+
+    broker = MosquittoBroker()
+    url = broker.start()
+    federation = f"bp{uuid.uuid4().hex[:8]}"
+    sink = _receiver(url, federation, keepalive_s=10, inbox_max_bytes=5 * MESSAGE_BYTES)
+    topic = agent_topic(federation, "a1", AgentChannel.UPDATE)
+    flood = _flood(url, topic, 20)
+    try:
+        deadline = time.monotonic() + 20
+        while len(sink.inbox) < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        held = sink.inbox.held
+        assert len(sink.inbox) == 20 and held >= 1, (len(sink.inbox), held)
+        flood.disconnect()
+        flood.loop_stop()
+        port = broker.port
+        broker.stop()
+        broker = MosquittoBroker(port=port)
+        broker.start()
+        deadline = time.monotonic() + 30
+        while not (sink.connect_count == 2 and sink.connected.is_set()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sink.connect_count == 2
+        flood = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"flood-{uuid.uuid4().hex[:8]}")
+        flood.connect("127.0.0.1", port)
+        flood.loop_start()
+        # the sink subscribes again in on_connect: probe until the broker routes to it
+        probe = (99).to_bytes(4, "big") + bytes(MESSAGE_BYTES - 4)
+        deadline = time.monotonic() + 30
+        while len(sink.inbox) == 20 and time.monotonic() < deadline:
+            flood.publish(topic, probe, qos=1).wait_for_publish(5)
+            time.sleep(0.2)
+        for i in range(100, 130):  # more than the bound again: the new connection holds its own
+            flood.publish(topic, i.to_bytes(4, "big") + bytes(MESSAGE_BYTES - 4), qos=1)
+        got: list[int] = []
+        deadline = time.monotonic() + 60
+        while 129 not in got and time.monotonic() < deadline:
+            inbound = sink.receive(timeout=1)
+            if inbound is not None and (n := int.from_bytes(inbound.frame[:4], "big")) != 99:
+                got.append(n)
+        assert got == list(range(20)) + list(range(100, 130)), got
+        assert sink.inbox.held == 0 and sink.connect_count == 2
+    finally:
+        flood.disconnect()
+        flood.loop_stop()
+        sink.stop()
+        broker.stop()
