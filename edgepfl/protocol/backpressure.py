@@ -87,8 +87,6 @@ class BoundedInbox(Generic[T]):
         #: items queued past ``max_held`` because the consumer took none within ``max_wait_s``
         self.overruns = 0
         self._warned_at = -WARN_EVERY_S
-        #: seconds :meth:`put` spent waiting at ``max_held`` (a broker past its window)
-        self.waited_s = 0.0
 
     @property
     def queued_bytes(self) -> int:
@@ -142,13 +140,11 @@ class BoundedInbox(Generic[T]):
         return admitted
 
     def _wait_below_max_held(self) -> None:
-        started = time.monotonic()
         if not self._cond.wait_for(lambda: len(self._held) < self.max_held, self.max_wait_s):
             self.overruns += 1
             log.warning("%d acknowledgements held and the consumer took no message for %.1fs: queued over the bound "
                         "so that the connection's keepalive survives (%d messages, %d bytes queued)",
                         len(self._held), self.max_wait_s, len(self._items), self._bytes)
-        self.waited_s += time.monotonic() - started
 
     def get(self, timeout: float | None = None) -> T | None:
         """The oldest item, or None when none came within ``timeout`` seconds (None: wait forever)."""
