@@ -337,7 +337,8 @@ class MqttTransport:
         return largest if largest > self._largest_acked else 0
 
     def _on_message(self, client, userdata, msg) -> None:
-        # Runs on paho's network thread: only enqueue, never decode, train or wait here.
+        # Runs on paho's network thread: only enqueue, never decode or train here; it waits
+        # only past the inbox's max_held (a broker far past its in-flight window).
         # The inbox sends the PUBACK now, or later when the consumer has made room.
         mid, qos, connection = msg.mid, msg.qos, self._connection
         self.inbox.put((msg.topic, msg.payload), len(msg.payload), ack=lambda: self._acknowledge(mid, qos, connection))
