@@ -106,3 +106,18 @@ def broker_capture(mosquitto):
         yield cap
     finally:
         cap.stop()
+
+
+@pytest.fixture(autouse=True)
+def _edgepfl_logging_restored():
+    """An in-process CLI call points the ``edgepfl`` logger at the sys.stderr of that moment —
+    pytest's capture file for that test, closed after it. Later tests then log into a closed
+    file ("--- Logging error ---") and caplog misses their records; restore the logger."""
+    import logging
+
+    logger = logging.getLogger("edgepfl")
+    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
+    yield
+    logger.handlers[:] = handlers
+    logger.setLevel(level)  # not `.level =`: setLevel also clears the loggers' cached levels
+    logger.propagate = propagate

@@ -203,6 +203,11 @@ class Reassembler:
 
 # ----------------------------------------------------------------------------- the model (MODELS.md)
 
+def seed_for(*parts: object) -> int:
+    """PROTOCOL §5: the parts joined with "/", SHA-256, the first 4 bytes big-endian, top bit cleared."""
+    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:4], "big") & 0x7FFFFFFF
+
+
 class CNNEncoder(nn.Module):
     """MODELS.md `cnn`: Conv5(C→32) [BN] ReLU MaxPool2 → Conv5(32→64) [BN] ReLU MaxPool2 →
     Flatten → Linear(64·S·S → F) ReLU, in `encoder.conv` and `encoder.fc`."""
@@ -394,6 +399,9 @@ class Trainer:
         """The model of ``run`` (built once per method + options + model), personal state restored."""
         key = hashlib.sha256(json.dumps([method, options, run["model"]], sort_keys=True).encode()).hexdigest()[:16]
         if key != self._model_key:
+            # MODELS.md's personal initialisation (a MAY): a stand-in for an edgepfl agent of the
+            # same id then starts from the same personal tensors
+            torch.manual_seed(seed_for(run["seed"], "init", self.agent_id))
             self.model, self._model_key = Classifier(run), key
             path = self._personal_path()
             if path.exists():
