@@ -157,6 +157,7 @@ class MqttFleet(Fleet):
             keepalive_s=broker.keepalive_s,
             inbox_max_bytes=broker.inbox_max_bytes,
             inbox_max_messages=broker.inbox_max_messages,
+            inbox_max_held_acks=broker.inbox_max_held_acks,
             on_reject=self._transport_dropped,
         )
         self.transport.start(timeout=60)

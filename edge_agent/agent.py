@@ -172,6 +172,7 @@ class Agent:
             keepalive_s=c.broker.keepalive_s,
             inbox_max_bytes=c.broker.inbox_max_bytes,
             inbox_max_messages=c.broker.inbox_max_messages,
+            inbox_max_held_acks=c.broker.inbox_max_held_acks,
             # statuses and answers left unacknowledged by a lost connection: the birth on the
             # reconnect and the held answers replace them (module docstring)
             not_resent=lambda topic: topic in (status_topic, self._topic(AgentChannel.UPDATE),

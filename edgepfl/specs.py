@@ -118,6 +118,11 @@ class BrokerConfig(_Strict):
                     "rest (default: max_payload_bytes / 16, at least four max_message_bytes); also the bytes the coordinator "
                     "sends before it waits for the broker's acknowledgements")
     inbox_max_messages: int = Field(10_000, ge=1, description="the same bound in messages")
+    inbox_max_held_acks: int = Field(
+        100, ge=1,
+        description="messages past the inbox bound whose PUBACK is held while paho's thread keeps reading; past "
+                    "it the thread waits up to keepalive_s / 3 for the consumer. Keep above the broker's in-flight "
+                    "window for this client (Mosquitto max_inflight_messages, which it was measured to overshoot)")
 
     @model_validator(mode="after")
     def _one_password_source(self) -> BrokerConfig:

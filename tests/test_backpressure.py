@@ -210,6 +210,35 @@ def test_a_stall_several_times_the_keepalive_keeps_the_connection_and_every_mess
 
 
 @pytest.mark.slow
+def test_broker_inbox_max_held_acks_bounds_a_stalled_coordinator_s_held_acknowledgements(mosquitto):
+    """The operator's bound (``broker.inbox_max_held_acks``) reaches the coordinator's
+    transport: with it below the broker's window (Mosquitto's 20), the network thread holds
+    that many, then waits a third of the keepalive per message and queues it over the bound,
+    counted (its acknowledgement held too: PUBACKs go in order); the connection and every
+    message survive."""
+    from edgepfl.coordinator.fleet import MqttFleet
+    from edgepfl.specs import BrokerConfig
+
+    federation = f"bp{uuid.uuid4().hex[:8]}"
+    broker = BrokerConfig(url=mosquitto.url, keepalive_s=6, inbox_max_bytes=16_384, inbox_max_held_acks=3)
+    fleet = MqttFleet(federation, broker)
+    sink = fleet.transport
+    assert sink.inbox.max_held == 3 and sink.inbox.max_wait_s == 2
+    count = 30
+    flood = _flood(mosquitto.url, agent_topic(federation, "a1", AgentChannel.UPDATE), count)
+    try:
+        time.sleep(5)  # the consumer stalls
+        state = f"queued={len(sink.inbox)} held={sink.inbox.held} overruns={sink.inbox.overruns}"
+        assert sink.inbox.overruns >= 1 and sink.inbox.held <= 3 + sink.inbox.overruns, state
+        got = _drain(sink, count)
+        assert got == list(range(count)) and sink.connect_count == 1, (state, got)
+    finally:
+        flood.disconnect()
+        flood.loop_stop()
+        fleet.close()
+
+
+@pytest.mark.slow
 def test_the_send_window_counts_bytes_until_the_broker_acknowledges_them(mosquitto):
     federation = f"bp{uuid.uuid4().hex[:8]}"
     sender = _receiver(mosquitto.url, federation, keepalive_s=30, inbox_max_bytes=5 * MESSAGE_BYTES)

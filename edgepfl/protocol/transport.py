@@ -105,6 +105,7 @@ class MqttTransport:
         on_reject: Callable[[str, str, str], None] | None = None,
         inbox_max_bytes: int | None = None,
         inbox_max_messages: int = 10_000,
+        inbox_max_held_acks: int = 100,
         not_resent: Callable[[str], bool] | None = None,
     ):
         import paho.mqtt.client as mqtt
@@ -125,7 +126,7 @@ class MqttTransport:
         # the PUBACKs back instead (see .backpressure for why waiting lost connections).
         self.inbox: BoundedInbox[tuple[str, bytes]] = BoundedInbox(
             inbox_max_bytes or default_inbox_bytes(max_payload_bytes, max_message_bytes), inbox_max_messages,
-            max_wait_s=keepalive_s / 3)
+            max_held=inbox_max_held_acks, max_wait_s=keepalive_s / 3)
         # A held PUBACK belongs to the connection that delivered its message: after a
         # reconnect its message id names another message (or none), so it is not sent.
         self._ack_lock = threading.Lock()
