@@ -7,7 +7,7 @@ markdown table::
 
     python benchmarks/run_methods.py --tag cpu30 --rounds 30 --jobs 2
     python benchmarks/run_methods.py --tag cpu30 --rounds 30 --seeds 0,1,2 --jobs 2
-    python benchmarks/run_methods.py --tag cpu30 --table          # table only, from the JSONs
+    python benchmarks/run_methods.py --tag cpu30 --table          # table and curves.png only, from the JSONs
     python benchmarks/run_methods.py --tag cpu30 --rounds 30 --seeds 0,1,2 --skip-done --resume   # go on after a stop
 
 Every run checkpoints each round (it is the coordinator's own round loop): with
@@ -42,6 +42,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -386,6 +387,59 @@ def markdown_table(tag: str) -> str:
     return "\n".join(lines)
 
 
+def plot_curves(tag: str, path: Path) -> bool:
+    """Accuracy per round, one panel per setting: each method's mean over its seeds with a
+    ± std band, the majority-class floor dashed. False (nothing written) without results."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from seed_stats import by_method_seed, curve_band
+
+    results = load_results(tag)
+    settings = [s for s in SETTINGS if any(r["setting"] == s for r in results)]
+    if not settings:
+        return False
+    cols = min(2, len(settings))
+    rows = -(-len(settings) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.6 * rows), squeeze=False)
+    for ax in axes.flat[len(settings):]:
+        ax.set_visible(False)
+    for ax, setting in zip(axes.flat, settings):
+        records = [r for r in results if r["setting"] == setting]
+        table = by_method_seed(records)
+        rank = {m: i for i, m in enumerate(ORDER[setting])}
+        lowest = 100.0  # the axis starts below the lowest mean from round 5 on: the first rounds' climb is not the story
+        for method in sorted(table, key=lambda m: (rank.get(m, len(rank)), m)):
+            xs, mean, std = curve_band(table[method])
+            if not xs:
+                continue
+            lowest = min(lowest, *(100 * m for x, m in zip(xs, mean, strict=True) if x >= 5))
+            target = setting in TARGET.get(method, ())
+            line, = ax.plot(xs, [100 * m for m in mean], lw=2.0 if target else 1.1,
+                            label=f"{method} ({len(table[method])} seed{'s' if len(table[method]) > 1 else ''})")
+            if all(d is not None for d in std):
+                ax.fill_between(xs, [100 * (m - d) for m, d in zip(mean, std, strict=True)],
+                                [100 * (m + d) for m, d in zip(mean, std, strict=True)],
+                                color=line.get_color(), alpha=0.15, lw=0)
+        floors = [f for f in (floor_of(r) for r in records) if f is not None]
+        if floors:
+            floor = 100 * sum(floors) / len(floors)
+            ax.axhline(floor, color="grey", ls="--", lw=1, label="majority floor")
+            lowest = min(lowest, floor)
+        ax.set_title("\n".join(textwrap.wrap(SETTINGS[setting]["title"], 60)), fontsize=9)
+        ax.set_xlabel("round")
+        ax.set_ylabel("accuracy % (mean ± std over seeds)")
+        ax.set_ylim(max(0.0, lowest - 3), min(100.0, ax.get_ylim()[1]))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 # ---------------------------------------------------------------------- driver
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -407,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-done", action="store_true", help="skip pairs whose result JSON exists")
     p.add_argument("--resume", action="store_true", help="continue each run from its directory's checkpoint "
                    "(same configuration only) instead of starting it over")
-    p.add_argument("--table", action="store_true", help="only (re)write the markdown table for --tag")
+    p.add_argument("--table", action="store_true", help="only (re)write the markdown table and curves.png for --tag")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # worker: setting:method
     args = p.parse_args(argv)
 
@@ -467,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table(args.tag)
     (RESULTS / args.tag).mkdir(parents=True, exist_ok=True)
     (RESULTS / args.tag / "table.md").write_text(table)
+    plot_curves(args.tag, RESULTS / args.tag / "curves.png")
     print(table)
     return 0
 

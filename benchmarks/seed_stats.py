@@ -127,3 +127,23 @@ def seed_table(records: Sequence[dict], order: Sequence[str], references: Sequen
             row += " — | — |" if cmp is None else f" {cmp.cell()} | {cmp.seed_wins}/{cmp.seeds} |"
         lines.append(row)
     return lines
+
+
+def curve_band(runs: dict[int, dict]) -> tuple[list[int], list[float], list[float | None]]:
+    """One method's accuracy curve over its seeds: evaluation index (0 is the initial model),
+    mean and sample std per evaluation, up to the shortest curve and skipping evaluations
+    where any seed has no accuracy; std is None for a single seed."""
+    curves = [r["accuracy_curve"] for r in runs.values() if r.get("accuracy_curve")]
+    xs: list[int] = []
+    means: list[float] = []
+    stds: list[float | None] = []
+    for i in range(min((len(c) for c in curves), default=0)):
+        column = [c[i] for c in curves]
+        if any(v is None for v in column):
+            continue
+        s = spread(column)
+        assert s is not None
+        xs.append(i)
+        means.append(s.mean)
+        stds.append(s.std)
+    return xs, means, stds

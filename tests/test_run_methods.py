@@ -132,3 +132,22 @@ def test_every_setting_has_a_run_order_and_a_paper_column():
     assert {s for settings in run_methods.TARGET.values() for s in settings} <= set(run_methods.SETTINGS)
     for setting, methods in run_methods.ORDER.items():
         assert set(run_methods.PAPER[setting]) <= set(methods), setting  # every paper number gets its row
+
+
+def test_the_curves_plot_has_a_panel_per_setting_with_results(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_methods, "RESULTS", tmp_path)
+    assert run_methods.plot_curves("empty", tmp_path / "none.png") is False
+    assert not (tmp_path / "none.png").exists()
+    (tmp_path / "t").mkdir()
+    for seed in (0, 1):
+        for method, top in (("fedavg", 0.7), ("fedrep", 0.9)):
+            curve = [0.1 + (top - 0.1) * min(1, r / 5) + 0.01 * seed for r in range(11)]
+            record = {"setting": "fedpac_dominant", "method": method, "seed": seed, "accuracy_curve": curve,
+                      "majority_floor": 0.8, "final_accuracy": curve[-1]}
+            (tmp_path / "t" / f"{method}_{seed}.json").write_text(json.dumps(record))
+    assert run_methods.plot_curves("t", tmp_path / "t" / "curves.png")
+    from PIL import Image
+
+    with Image.open(tmp_path / "t" / "curves.png") as image:  # one panel: one column, not two
+        width, height = image.size
+    assert image.format == "PNG" and width < 1.5 * height

@@ -62,3 +62,16 @@ def test_seed_table_has_one_row_per_method_with_its_seeds():
     assert cells[4] == "3/3" and cells[6] == "3/3"
     fedrep = next(line for line in lines if line.startswith("| fedrep"))
     assert [c.strip() for c in fedrep.strip("|").split("|")][3] == "—"  # not compared with itself
+
+
+def test_curve_band_is_the_per_round_mean_and_std_up_to_the_shortest_curve():
+    runs = {0: {"accuracy_curve": [0.1, 0.5, 0.9, 0.95]},
+            1: {"accuracy_curve": [0.1, None, 0.7, 0.85, 0.9]},
+            2: {"accuracy_curve": [0.1, 0.6, 0.8, 0.9, 0.99]}}
+    xs, mean, std = seed_stats.curve_band(runs)
+    assert xs == [0, 2, 3]  # round 1 has a seed without an evaluation; seed 0 stops at 3
+    assert mean == pytest.approx([0.1, 0.8, statistics.mean([0.95, 0.85, 0.9])])
+    assert std[1] == pytest.approx(statistics.stdev([0.9, 0.7, 0.8]))
+    one_xs, _, one_std = seed_stats.curve_band({0: runs[0]})
+    assert one_xs == [0, 1, 2, 3] and one_std == [None] * 4
+    assert seed_stats.curve_band({}) == ([], [], [])
