@@ -49,7 +49,9 @@ def _type_name(annotation: Any) -> str:
         return f"{origin.__name__}[{', '.join(_type_name(a) for a in args if a is not Ellipsis)}]"
     if isinstance(annotation, type):
         if issubclass(annotation, BaseModel):
-            return f"[{_section(annotation)}](#{_section(annotation).lower()})"
+            # MethodSpec has no table of its own: each method's options are under "method options"
+            anchor = "method-options" if annotation is MethodSpec else _section(annotation).lower()
+            return f"[{_section(annotation)}](#{anchor})"
         return annotation.__name__
     return str(annotation)
 
