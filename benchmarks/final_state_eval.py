@@ -10,13 +10,16 @@ are used by no training step), so the same run state can be read both ways:
   evaluates) and with statistics re-estimated on its training images (``bn_recalibrate``),
   each as the logit-sum ensemble and as each classifier alone (``h_p`` on u, ``h_s`` on z),
   beside the majority-class floor;
+* ``fedrir``: the same two readings of the GFE's personal BatchNorm statistics (stored,
+  or re-estimated on the training images: ``bn_recalibrate``) for FedRIR's head on
+  [f_g, f_cs];
 * ``repper``: the checkpoint's encoder; on its features of every client's training
   split, heads fitted by several rules (C fixed or chosen by cross-validation, raw or
   L2-normalized features) and scored on the test split.
 
 Accuracy is the sample-weighted mean over clients, as the federation reports it.
-For DualFed only clients whose saved personal state belongs to the checkpoint's round
-are used (RepPer's heads are fitted afresh)::
+For DualFed and FedRIR only clients whose saved personal state belongs to the
+checkpoint's round are used (RepPer's heads are fitted afresh)::
 
     OMP_NUM_THREADS=1 python benchmarks/final_state_eval.py --run runs/bench/<tag>/<setting>__<method> \\
         --out benchmarks/results/<tag>/<setting>__<method>__paired.json
@@ -71,7 +74,7 @@ def evaluate_run(run_dir: Path) -> dict:
         index = int(agent_dir.name.rsplit("-", 1)[1])
         records = sorted(agent_dir.glob("personal-*.json"))  # one run, one signature
         record = json.loads(records[0].read_text())
-        if method.name == "dualfed" and record["round"] != meta.round:
+        if method.name in ("dualfed", "fedrir") and record["round"] != meta.round:
             continue  # trained past the checkpoint: its personal state belongs to another global model
         data = load_client_data(config.data, index).to_torch("cpu")
         torch.manual_seed(0)
@@ -96,6 +99,15 @@ def evaluate_run(run_dir: Path) -> dict:
             majority = int(torch.bincount(data.y_train).argmax())
             correct["majority class of the train split"] = correct.get("majority class of the train split", 0) + int(
                 (y == majority).sum())
+        elif method.name == "fedrir":
+            for stats in ("stored", "recalibrated"):
+                if stats == "recalibrated":
+                    method.recalibrate(model, data)
+                model.eval()
+                with torch.no_grad():
+                    pred = model(data.x_test).argmax(1).numpy()
+                label = f"{stats} statistics"
+                correct[label] = correct.get(label, 0) + _accuracy(pred, y)
         elif method.name == "repper":
             from edgepfl.methods.repper import encode
 

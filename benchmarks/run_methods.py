@@ -35,6 +35,7 @@ Table 1, FedRIR Tables 1 and 4); they were obtained with the papers' full protoc
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -171,11 +172,20 @@ def method_block(method: str, epochs: int) -> dict:
     return block
 
 
+def federation_name(setting: str, method: str) -> str:
+    """``bench-<setting>-<method>`` in the protocol's alphabet; a name past its 64
+    characters (a variant with several options) keeps 55 and a hash of the whole."""
+    name = re.sub(r"[^A-Za-z0-9-]", "-", f"bench-{setting}-{method}")
+    if len(name) > 64:
+        name = f"{name[:55]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+    return name
+
+
 def run_config_dict(setting: str, method: str, rounds: int, epochs: int, seed: int, device: str,
                     data_root: str | None = None) -> dict:
     s = SETTINGS[setting]
     return {
-        "federation": re.sub(r"[^A-Za-z0-9-]", "-", f"bench-{setting}-{method}"),
+        "federation": federation_name(setting, method),
         "method": method_block(method, epochs),
         "model": {"arch": "cnn", "feature_dim": 128, "norm": "batch"},
         "train": {"optimizer": "sgd", "lr": 0.01, "momentum": 0.5, "weight_decay": 5e-4, "batch_size": 50,

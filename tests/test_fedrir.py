@@ -177,6 +177,32 @@ def test_bound_value_and_gradient_on_a_known_q(mode):
     torch.testing.assert_close(grad, closed / (len(f_cs) * var))
 
 
+@pytest.mark.parametrize("mode", ["vclub", "club_conditional"])
+def test_clamped_bound_gives_no_gradient_below_zero_and_the_same_above(mode):
+    """Mutual information is never negative: with ``clamp`` a batch whose estimate is below
+    zero (q misfits it) does not push the GFE, one above zero pushes it as without clamp.
+    (In ``vclub`` q's own likelihood is in the loss too, but it takes no gradient to f_g.)"""
+    g = generator(5)
+    a = torch.randn(3, 3, generator=g)
+    f_cs = torch.randn(8, 3, generator=g)
+    # the target follows the condition through a; q predicts it (estimate > 0) or its opposite (< 0)
+    f_g = (f_cs @ a.T if mode == "vclub" else f_cs @ torch.linalg.pinv(a).T).requires_grad_(True)
+    for sign in (1.0, -1.0):
+        q = _linear_q(sign * a, 0.0)
+        loss, nll, estimate = information_term(q, f_g, f_cs, mode, clamp=True)
+        plain = information_term(q, f_g, f_cs, mode)[0]
+        (grad,) = torch.autograd.grad(loss, f_g, allow_unused=True)
+        (plain_grad,) = torch.autograd.grad(plain, f_g)
+        bound_part = float((loss - nll).detach()) if mode == "vclub" else float(loss.detach())
+        if sign > 0:
+            assert float(estimate.detach()) > 0 and bound_part == pytest.approx(float(estimate.detach()))
+            torch.testing.assert_close(grad, plain_grad)
+        else:
+            assert float(estimate.detach()) < 0 and bound_part == 0
+            assert grad is None or float(grad.abs().sum()) == 0
+            assert float(plain_grad.abs().sum()) > 0
+
+
 def test_fit_q_moves_only_q_towards_the_conditional_of_the_mode():
     g = generator(4)
     f_g, f_cs = torch.randn(64, 4, generator=g), torch.randn(64, 4, generator=g)
@@ -323,3 +349,71 @@ def test_generator_reconstructs_at_image_size():
         assert model.generator(mean).shape == (2, *shape)
     with pytest.raises(ValueError, match="16 px"):
         create_method("fedrir", SMALL).build_model(ModelSpec(), (1, 8, 8), CLASSES)
+
+
+def _gfe_bn_inputs(model, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The input every GFE BatchNorm layer sees in one training-mode GFE forward of all of ``x``."""
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [m.register_forward_hook(lambda mod, inp, out, name=name: seen.__setitem__(name, inp[0].detach()))
+             for name, m in model.encoder.named_modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    model.train()
+    with torch.no_grad():
+        model.encoder(x)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def _received(options=None):
+    """A client after one local round that has just loaded another model's GFE, as an agent
+    does before evaluating: its stored GFE statistics describe its own, older GFE."""
+    data = KIT.quadrant_data()
+    method, model = KIT.build("fedrir", options)
+    method.local_update(model, data, KIT.ctx())
+    _, other = KIT.build("fedrir", options, seed=5)
+    method.receive(model, method.init_server(other).global_tensors, KIT.ctx())
+    return method, model, data
+
+
+def test_evaluation_recalibrates_the_gfe_statistics_to_the_received_gfe():
+    import copy
+
+    method, model, data = _received({"bn_recalibrate": True})
+    ref = copy.deepcopy(model)
+    expected = _gfe_bn_inputs(ref, data.x_train)
+    before = {k: v.clone() for k, v in model.state_dict().items() if "running_" in k}
+
+    method.evaluate(model, data, KIT.ctx())
+    gfe = {n: m for n, m in model.encoder.named_modules() if isinstance(m, torch.nn.BatchNorm2d)}
+    assert len(gfe) == 2 and set(gfe) == set(expected)
+    for name, bn in gfe.items():
+        x = expected[name].transpose(0, 1).flatten(1)  # channels x (N*H*W)
+        torch.testing.assert_close(bn.running_mean, x.mean(1))
+        torch.testing.assert_close(bn.running_var, x.var(1, unbiased=True))
+        assert bn.momentum == 0.1  # the training momentum is back
+    after = model.state_dict()
+    assert all(not torch.equal(after[k], v) for k, v in before.items() if k.startswith("encoder."))
+    # the CSFE's weights are personal, so its statistics already describe them: left alone
+    assert all(torch.equal(after[k], v) for k, v in before.items() if k.startswith("csfe."))
+    # evaluation-side only: no parameter moved
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def test_without_recalibration_evaluation_keeps_the_stored_statistics():
+    method, model, data = _received({"bn_recalibrate": False})
+    before = {k: v.clone() for k, v in model.state_dict().items() if "running_" in k}
+    method.evaluate(model, data, KIT.ctx())
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_recalibration_changes_what_is_evaluated_not_what_is_trained():
+    """Training normalizes the GFE with batch statistics, so the next round's upload is the
+    same bit for bit whichever statistics the evaluation before it used."""
+    uploads = []
+    for recalibrate in (True, False):
+        method, model, data = _received({"bn_recalibrate": recalibrate})
+        method.evaluate(model, data, KIT.ctx())
+        uploads.append(method.local_update(model, data, KIT.ctx(1)).upload)
+    assert uploads[0].keys() == uploads[1].keys()
+    for key in uploads[0]:
+        np.testing.assert_array_equal(uploads[0][key], uploads[1][key])

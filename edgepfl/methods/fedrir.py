@@ -23,24 +23,40 @@ GFE, q and head with CE plus an information term, chosen by ``mi``:
 * ``code`` (the authors' published code): q(f_cs | f_g), and only q's negative
   log-likelihood is added to CE (gradients reach the GFE through q's input).
 
+``mi_clamp`` adds the bound as max(estimate, 0): mutual information is never negative,
+so a batch whose estimate is below zero says that q misfits it, and the GFE is not
+pushed further along q's error there.
+
 The Adam moments of both stages are kept across rounds (the authors' code builds its
 two optimizers once per client) as personal buffers of the model (``adam.*``), so they
 are saved and restored with the rest of the personal state.
+
+The GFE's BatchNorm running statistics are personal while its weights are shared, and
+the agent evaluates right after loading a new global GFE: the stored statistics were
+estimated under the client's own GFE of its last local training, not the received one.
+``bn_recalibrate = True`` re-estimates them on the client's training images before
+evaluating (the same rule as DualFed's option; docs/METHODS.md "FedRIR"). Training
+normalizes the GFE with batch statistics and never reads the running ones, so the
+option changes what is evaluated (and stored), not what is trained. ``False`` evaluates
+the stored statistics, as the authors' code does.
 """
 
 from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
 from .._torch import F, nn, torch
 from ..models import model_as
 from . import register
-from .base import LocalResult, Method, MethodConfig
-from .training import fit, freeze, make_optimizer, noise_generator
+from .base import EvalResult, LocalContext, LocalResult, Method, MethodConfig
+from .training import fit, freeze, make_optimizer, noise_generator, recalibrate_batchnorm
+
+if TYPE_CHECKING:
+    from ..data import ClientTensors
 
 
 class FedRIRConfig(MethodConfig):
@@ -57,6 +73,9 @@ class FedRIRConfig(MethodConfig):
     keep_optimizer_state: bool = Field(
         True, description="keep the Adam moments across rounds (authors' code), saved with the personal state")
     mi_weight: float = Field(1.0, ge=0, description="weight of the information term in stage 2 (paper: 1)")
+    mi_clamp: bool = Field(
+        False, description="the bound enters the loss as max(estimate, 0): mutual information is never negative, "
+                           "so a batch whose estimate is below zero measures q's misfit and gives the GFE no gradient")
     mask_ratio: float = Field(0.6, ge=0, lt=1, description="share of patches zeroed per sample")
     patch_size: int = Field(4, ge=1)
     kl_weight: float = Field(0.1, ge=0, description="weight of KL(N(mu, var) || N(0, I)) in stage 1")
@@ -68,6 +87,9 @@ class FedRIRConfig(MethodConfig):
     weight_decay: float | None = Field(0.0, ge=0, description="None: the run's train.weight_decay")
     recon_epochs: int | None = Field(None, ge=1, description="stage 1 epochs; None: train.epochs")
     cls_epochs: int | None = Field(None, ge=1, description="stage 2 epochs; None: train.epochs")
+    bn_recalibrate: bool = Field(
+        False, description="re-estimate the GFE's personal BatchNorm statistics on the client's training images "
+                          "with each received GFE, before evaluating (False: the stored ones, as the authors' code)")
 
 
 # ---------------------------------------------------------------------------- masking
@@ -250,7 +272,7 @@ def fit_q(q: InfoDistillation, optimizer, f_g: torch.Tensor, f_cs: torch.Tensor,
 
 
 def information_term(q: InfoDistillation, f_g: torch.Tensor, f_cs: torch.Tensor,
-                     mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     mode: str, clamp: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 2's information loss; returns (loss to add to CE, q's NLL, vCLUB estimate).
 
     ``vclub`` (paper): q(f_g | f_cs) learns by maximum likelihood on a detached f_g,
@@ -261,19 +283,21 @@ def information_term(q: InfoDistillation, f_g: torch.Tensor, f_cs: torch.Tensor,
     logvar(f_g). q's NLL is only reported.
     ``code`` (authors' code): q(f_cs | f_g), its NLL added as is; the GFE receives
     gradient through q's input. The vCLUB value is then only reported.
+    With ``clamp`` the bound enters the loss as max(estimate, 0) (``vclub``,
+    ``club_conditional``); the estimate is reported as it is.
     """
     if mode == "vclub":
         mu, logvar = q(f_cs)
         nll = q_nll(mu, logvar, f_g.detach())
         mi = vclub(mu.detach(), logvar.detach(), f_g)
-        return nll + mi, nll, mi
+        return nll + (mi.clamp(min=0) if clamp else mi), nll, mi
     if mode == "club_conditional":
         with frozen(q):
             mu, logvar = q(f_g)
         mi = vclub(mu, logvar, f_cs)
         with torch.no_grad():
             nll = q_nll(mu, logvar, f_cs)
-        return mi, nll, mi
+        return (mi.clamp(min=0) if clamp else mi), nll, mi
     mu, logvar = q(f_g)
     nll = q_nll(mu, logvar, f_cs)
     with torch.no_grad():
@@ -434,7 +458,7 @@ class FedRIR(Method):
                 if q_first:
                     fit_q(m.q, opt, f_info, f_cs, c.mi, q_first)
                 ce = F.cross_entropy(m.head(torch.cat([f_g, f_cs], 1)), y)
-                info, nll, mi = information_term(m.q, f_info, f_cs, c.mi)
+                info, nll, mi = information_term(m.q, f_info, f_cs, c.mi, c.mi_clamp)
                 sums["cls_ce"] += float(ce.detach()) * len(y)
                 sums["q_nll"] += float(nll.detach()) * len(y)
                 sums["mi_vclub"] += float(mi.detach()) * len(y)
@@ -454,6 +478,20 @@ class FedRIR(Method):
         # UpdateMeta.extra carries floats only: the information term's form as its index in MI_MODES
         metrics = {**s1, **s2, "mi_mode": float(MI_MODES.index(self.config.mi))}
         return LocalResult(upload=self.shared_params(model), train_loss=s2["cls_loss"], metrics=metrics)
+
+    def recalibrate(self, model: nn.Module, data: ClientTensors) -> int:
+        """Re-estimate the GFE's personal BatchNorm statistics for the current GFE on the
+        client's training images; returns the number of images used. The CSFE's statistics
+        are left alone: its weights are personal, so its statistics already describe them."""
+        rir = model_as(model, FedRIRModel)
+        layers = [m for m in rir.encoder.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        return recalibrate_batchnorm(rir, rir.encoder, data.x_train, layers=layers)
+
+    def evaluate(self, model: nn.Module, data: ClientTensors, ctx: LocalContext) -> EvalResult:
+        """Personalized evaluation; with ``bn_recalibrate`` on GFE statistics of the received GFE."""
+        if self.config.bn_recalibrate:
+            self.recalibrate(model, data)
+        return super().evaluate(model, data, ctx)
 
     def device_head(self, model: nn.Module) -> None:
         """None: the personal head needs the personal CSFE's features, not only the shared GFE's.
