@@ -60,6 +60,17 @@ def _accuracy(pred: np.ndarray, y: np.ndarray) -> int:
     return int((pred == y).sum())
 
 
+def _stored_then_recalibrated(method, model, data):
+    """Yield "stored" with the model as saved, then "recalibrated" after the method has
+    re-estimated its personal BatchNorm statistics on the training images; the model is
+    in eval mode at each."""
+    for stats in ("stored", "recalibrated"):
+        if stats == "recalibrated":
+            method.recalibrate(model, data)
+        model.eval()
+        yield stats
+
+
 def evaluate_run(run_dir: Path) -> dict:
     config = parse_config(RunConfig, yaml.safe_load((run_dir / "config.yaml").read_text()), str(run_dir))
     loaded = load_checkpoint(run_dir / "checkpoint")
@@ -85,10 +96,7 @@ def evaluate_run(run_dir: Path) -> dict:
         clients.append(agent_dir.name)
         total += len(y)
         if method.name == "dualfed":
-            for stats in ("stored", "recalibrated"):
-                if stats == "recalibrated":
-                    method.recalibrate(model, data)
-                model.eval()
+            for stats in _stored_then_recalibrated(method, model, data):
                 with torch.no_grad():
                     _, personal, global_ = model.head.parts(model.encoder(data.x_test))
                 # the ensemble and each of its two classifiers alone: which one carries the client
@@ -100,10 +108,7 @@ def evaluate_run(run_dir: Path) -> dict:
             correct["majority class of the train split"] = correct.get("majority class of the train split", 0) + int(
                 (y == majority).sum())
         elif method.name == "fedrir":
-            for stats in ("stored", "recalibrated"):
-                if stats == "recalibrated":
-                    method.recalibrate(model, data)
-                model.eval()
+            for stats in _stored_then_recalibrated(method, model, data):
                 with torch.no_grad():
                     pred = model(data.x_test).argmax(1).numpy()
                 label = f"{stats} statistics"
