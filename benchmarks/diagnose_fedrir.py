@@ -6,7 +6,9 @@ per round, the stage-2 terms the method reports (CE, q's NLL, the vCLUB estimate
 the mean norm of the global features f_g on the training data, and the client's test
 accuracy — once per information term (``--modes``, FedRIR's ``mi`` choices: the paper's
 literal vCLUB, the conditional CLUB procedure, the authors' code; ``mi+option=value``
-overrides another option too). Options otherwise come from configs/fedrir.yaml. Writes
+overrides another option too). Options otherwise come from configs/fedrir.yaml, which
+clamps the bound since issue 13 (``mi_clamp: true``); the diagnoses recorded before it
+ran unclamped, so ``vclub+mi_clamp=false`` repeats those. Writes
 ``--out`` (default benchmarks/results/diagnose_fedrir.json)::
 
     OMP_NUM_THREADS=1 python benchmarks/diagnose_fedrir.py --rounds 30 --modes vclub,code

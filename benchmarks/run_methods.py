@@ -352,7 +352,10 @@ def below_floor_from(record: dict, floor: float | None, start: int = 5) -> str:
 
 
 def load_results(tag: str) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted((RESULTS / tag).glob("*.json"))]
+    """The run records of ``tag``; other JSON beside them (final_state_eval's paired
+    readings of a run's state) is not a run and is left out."""
+    records = [json.loads(p.read_text()) for p in sorted((RESULTS / tag).glob("*.json"))]
+    return [r for r in records if "setting" in r and "method" in r]
 
 
 def markdown_table(tag: str) -> str:

@@ -151,3 +151,23 @@ def test_the_curves_plot_has_a_panel_per_setting_with_results(tmp_path, monkeypa
     with Image.open(tmp_path / "t" / "curves.png") as image:  # one panel: one column, not two
         width, height = image.size
     assert image.format == "PNG" and width < 1.5 * height
+
+
+def test_tables_read_run_records_only(tmp_path, monkeypatch):
+    """A paired reading written beside the runs (final_state_eval) is not a run."""
+    monkeypatch.setattr(run_methods, "RESULTS", tmp_path)
+    (tmp_path / "t").mkdir()
+    run = {"setting": "fedpac_dominant", "method": "fedavg", "seed": 0}
+    (tmp_path / "t" / "fedpac_dominant__fedavg__s0.json").write_text(json.dumps(run))
+    (tmp_path / "t" / "fedpac_dominant__fedavg__s0__paired.json").write_text(json.dumps({"accuracy": {}}))
+    assert run_methods.load_results("t") == [run]
+
+
+def test_a_long_variant_keeps_the_federation_name_within_the_protocol():
+    import re
+
+    short = run_methods.federation_name("fedpac_dominant", "fedavg")
+    assert short == "bench-fedpac-dominant-fedavg"
+    names = {run_methods.federation_name("fedrir_pathological_full", f"fedrir+bn_recalibrate=false+{o}")
+             for o in ("q_steps=5", "mi_clamp=true")}
+    assert len(names) == 2 and all(re.fullmatch(r"[A-Za-z0-9_-]{1,64}", n) for n in names)

@@ -23,9 +23,11 @@ GFE, q and head with CE plus an information term, chosen by ``mi``:
 * ``code`` (the authors' published code): q(f_cs | f_g), and only q's negative
   log-likelihood is added to CE (gradients reach the GFE through q's input).
 
-``mi_clamp`` adds the bound as max(estimate, 0): mutual information is never negative,
-so a batch whose estimate is below zero says that q misfits it, and the GFE is not
-pushed further along q's error there.
+``mi_clamp`` (default) adds the bound as max(estimate, 0): mutual information is never
+negative, so a batch whose estimate is below zero says that q misfits it, and the GFE is
+not pushed further along q's error there; max(bound, 0) still bounds the paper's
+quantity. Unclamped, the default swings at the paper's steps per round
+(docs/BENCHMARKS.md "At the paper's data size").
 
 The Adam moments of both stages are kept across rounds (the authors' code builds its
 two optimizers once per client) as personal buffers of the model (``adam.*``), so they
@@ -74,7 +76,7 @@ class FedRIRConfig(MethodConfig):
         True, description="keep the Adam moments across rounds (authors' code), saved with the personal state")
     mi_weight: float = Field(1.0, ge=0, description="weight of the information term in stage 2 (paper: 1)")
     mi_clamp: bool = Field(
-        False, description="the bound enters the loss as max(estimate, 0): mutual information is never negative, "
+        True, description="the bound enters the loss as max(estimate, 0): mutual information is never negative, "
                            "so a batch whose estimate is below zero measures q's misfit and gives the GFE no gradient")
     mask_ratio: float = Field(0.6, ge=0, lt=1, description="share of patches zeroed per sample")
     patch_size: int = Field(4, ge=1)
