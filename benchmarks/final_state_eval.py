@@ -18,8 +18,9 @@ are used by no training step), so the same run state can be read both ways:
   L2-normalized features) and scored on the test split.
 
 Accuracy is the sample-weighted mean over clients, as the federation reports it.
-For DualFed and FedRIR only clients whose saved personal state belongs to the
-checkpoint's round are used (RepPer's heads are fitted afresh)::
+For a method with personal BN statistics to re-estimate (DualFed, FedRIR) only clients
+whose saved personal state belongs to the checkpoint's round are used (RepPer's heads
+are fitted afresh)::
 
     OMP_NUM_THREADS=1 python benchmarks/final_state_eval.py --run runs/bench/<tag>/<setting>__<method> \\
         --out benchmarks/results/<tag>/<setting>__<method>__paired.json
@@ -85,8 +86,9 @@ def evaluate_run(run_dir: Path) -> dict:
         index = int(agent_dir.name.rsplit("-", 1)[1])
         records = sorted(agent_dir.glob("personal-*.json"))  # one run, one signature
         record = json.loads(records[0].read_text())
-        if method.name in ("dualfed", "fedrir") and record["round"] != meta.round:
-            continue  # trained past the checkpoint: its personal state belongs to another global model
+        if hasattr(method, "recalibrate") and record["round"] != meta.round:
+            # personal BN statistics trained past the checkpoint belong to another global model
+            continue
         data = load_client_data(config.data, index).to_torch("cpu")
         torch.manual_seed(0)
         model = method.build_model(config.model, data.x_train.shape[1:], data.num_classes)

@@ -188,6 +188,21 @@ def bn_keys(model: nn.Module) -> set[str]:
     return {k for k in model.state_dict() if k.rpartition(".")[0] in bn}
 
 
+def bn_inputs(module: nn.Module, forward, x: torch.Tensor, kind: type[nn.Module] = _BatchNorm) -> dict[str, torch.Tensor]:
+    """The input each ``kind`` BatchNorm layer of ``module`` sees in one training-mode
+    ``forward(x)`` of all of ``x``, by its name in ``module``: what a re-estimation of the
+    running statistics on ``x`` must average."""
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [m.register_forward_hook(lambda mod, inp, out, name=name: seen.__setitem__(name, inp[0].detach()))
+             for name, m in module.named_modules() if isinstance(m, kind)]
+    module.train()
+    with torch.no_grad():
+        forward(x)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
 def eval_logits(method: Method, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``method``'s inference rule on ``x`` in eval mode, without gradients."""
     model.eval()

@@ -15,6 +15,8 @@ from edgepfl.methods import create_method
 from edgepfl.methods.base import ClientUpdate, LocalContext
 from edgepfl.methods.dualfed import DualFedHead
 
+from method_kit import bn_inputs
+
 C = 3
 SPEC = ModelSpec(arch="mlp", feature_dim=6)
 SHAPE = (1, 6, 6)
@@ -198,19 +200,6 @@ def test_dualfed_head_standalone():
         create_method("dualfed", {"schedule": "alternating"})
 
 
-def bn_inputs(model: nn.Module, forward, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The input every BatchNorm layer sees in one training-mode forward of all of ``x``."""
-    seen: dict[str, torch.Tensor] = {}
-    hooks = [m.register_forward_hook(lambda mod, inp, out, name=name: seen.__setitem__(name, inp[0].detach()))
-             for name, m in model.named_modules() if isinstance(m, nn.BatchNorm1d)]
-    model.train()
-    with torch.no_grad():
-        forward(x)
-    for h in hooks:
-        h.remove()
-    return seen
-
-
 def test_evaluation_recalibrates_personal_bn_statistics_to_the_received_encoder():
     import copy
 
@@ -223,7 +212,7 @@ def test_evaluation_recalibrates_personal_bn_statistics_to_the_received_encoder(
     # what the received encoder (and the personal projector on its features) produce on
     # the client's training images, from a copy so the reference pass leaves the model alone
     ref = copy.deepcopy(model)
-    expected = bn_inputs(ref, ref.parts_forward, data.x_train)
+    expected = bn_inputs(ref, ref.parts_forward, data.x_train, nn.BatchNorm1d)
     stale = {k: v.clone() for k, v in model.state_dict().items() if "running_" in k}
 
     method.evaluate(model, data, make_ctx())

@@ -25,7 +25,7 @@ from edgepfl.methods.fedrir import (
     vclub,
 )
 
-from method_kit import MethodKit, changed, generator, same, snapshot
+from method_kit import MethodKit, bn_inputs, changed, generator, same, snapshot
 
 SHAPE = (1, 28, 28)
 CLASSES = 4
@@ -352,19 +352,6 @@ def test_generator_reconstructs_at_image_size():
         create_method("fedrir", SMALL).build_model(ModelSpec(), (1, 8, 8), CLASSES)
 
 
-def _gfe_bn_inputs(model, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The input every GFE BatchNorm layer sees in one training-mode GFE forward of all of ``x``."""
-    seen: dict[str, torch.Tensor] = {}
-    hooks = [m.register_forward_hook(lambda mod, inp, out, name=name: seen.__setitem__(name, inp[0].detach()))
-             for name, m in model.encoder.named_modules() if isinstance(m, torch.nn.BatchNorm2d)]
-    model.train()
-    with torch.no_grad():
-        model.encoder(x)
-    for h in hooks:
-        h.remove()
-    return seen
-
-
 def _received(options=None):
     """A client after one local round that has just loaded another model's GFE, as an agent
     does before evaluating: its stored GFE statistics describe its own, older GFE."""
@@ -381,7 +368,7 @@ def test_evaluation_recalibrates_the_gfe_statistics_to_the_received_gfe():
 
     method, model, data = _received({"bn_recalibrate": True})
     ref = copy.deepcopy(model)
-    expected = _gfe_bn_inputs(ref, data.x_train)
+    expected = bn_inputs(ref.encoder, ref.encoder, data.x_train)
     before = {k: v.clone() for k, v in model.state_dict().items() if "running_" in k}
 
     method.evaluate(model, data, KIT.ctx())

@@ -20,6 +20,8 @@ from edgepfl.data import load_client_data
 
 REPO = Path(__file__).resolve().parent.parent
 _PATH = REPO / "benchmarks" / "run_methods.py"
+# as when it runs as a script: its own folder is on the path (it imports seed_stats from there)
+sys.path.insert(0, str(_PATH.parent))
 _spec = importlib.util.spec_from_file_location("run_methods", _PATH)
 assert _spec and _spec.loader
 run_methods = importlib.util.module_from_spec(_spec)
