@@ -45,6 +45,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -351,27 +352,35 @@ def below_floor_from(record: dict, floor: float | None, start: int = 5) -> str:
     return f"{sum(1 for a in curve if a < floor)}/{len(curve)}"
 
 
-def load_results(tag: str) -> list[dict]:
-    """The run records of ``tag``; other JSON beside them (final_state_eval's paired
-    readings of a run's state) is not a run and is left out."""
-    records = [json.loads(p.read_text()) for p in sorted((RESULTS / tag).glob("*.json"))]
+def load_results(tag: str, merge: Sequence[str] = ()) -> list[dict]:
+    """The run records of ``tag`` and of the tags in ``merge`` (a method's later runs kept
+    under their own tag, tabulated beside the baselines they are compared with); other
+    JSON beside them (final_state_eval's paired readings of a run's state) is not a run
+    and is left out."""
+    records = [json.loads(p.read_text()) for t in (tag, *merge) for p in sorted((RESULTS / t).glob("*.json"))]
     return [r for r in records if "setting" in r and "method" in r]
 
 
-def markdown_table(tag: str) -> str:
+def base_method(method: str) -> str:
+    """``fedrir`` for the variant ``fedrir+mi_clamp=true``: a variant ranks and counts as a
+    target like the method it varies."""
+    return method.partition("+")[0]
+
+
+def markdown_table(tag: str, merge: Sequence[str] = ()) -> str:
     """One table per setting: with several seeds first their spread and paired
     comparisons (``seed_stats``), then every run's final and best-round accuracy
     beside the paper's number."""
     from seed_stats import seed_table
 
-    results = load_results(tag)
+    results = load_results(tag, merge)
     lines = []
     for setting, s in SETTINGS.items():
         rows = [r for r in results if r["setting"] == setting]
         if not rows:
             continue
         order = {m: i for i, m in enumerate(ORDER[setting])}
-        rows.sort(key=lambda r: (order.get(r["method"], 99), r["seed"]))
+        rows.sort(key=lambda r: (order.get(base_method(r["method"]), 99), r["method"], r["seed"]))
         r0 = rows[0]
         lines += [f"### {s['title']}", "",
                   f"{'/'.join(sorted({str(r['rounds']) for r in rows}))} rounds, "
@@ -379,7 +388,9 @@ def markdown_table(tag: str) -> str:
                   f"{sorted({r['seed'] for r in rows})}, {r0['clients']} clients, full participation. "
                   f"Paper column: {s['paper_source']}.", ""]
         if len({r["seed"] for r in rows}) > 1:
-            lines += [*seed_table(rows, ORDER[setting], targets=[m for m, ts in TARGET.items() if setting in ts]),
+            methods = list(dict.fromkeys(r["method"] for r in rows))  # in the rows' order: variants after their base
+            lines += [*seed_table(rows, methods,
+                                  targets=[m for m in methods if setting in TARGET.get(base_method(m), ())]),
                       "", "Every run:", ""]
         lines += [
                   "| method | seed | final acc. % (after round " + str(r0["rounds"]) + ") | best acc. % (round) | "
@@ -388,7 +399,7 @@ def markdown_table(tag: str) -> str:
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in rows:
             paper = r.get("paper_accuracy")
-            target = " (target)" if setting in TARGET.get(r["method"], ()) else ""
+            target = " (target)" if setting in TARGET.get(base_method(r["method"]), ()) else ""
             floor = floor_of(r)
             drop = (f"{100 * (r['best_accuracy'] - r['final_accuracy']):.2f}"
                     if r["best_accuracy"] is not None and r["final_accuracy"] is not None else "—")
@@ -400,7 +411,7 @@ def markdown_table(tag: str) -> str:
     return "\n".join(lines)
 
 
-def plot_curves(tag: str, path: Path) -> bool:
+def plot_curves(tag: str, path: Path, merge: Sequence[str] = ()) -> bool:
     """Accuracy per round, one panel per setting: each method's mean over its seeds with a
     ± std band, the majority-class floor dashed. False (nothing written) without results."""
     import matplotlib
@@ -409,7 +420,7 @@ def plot_curves(tag: str, path: Path) -> bool:
     import matplotlib.pyplot as plt
     from seed_stats import by_method_seed, curve_band
 
-    results = load_results(tag)
+    results = load_results(tag, merge)
     settings = [s for s in SETTINGS if any(r["setting"] == s for r in results)]
     if not settings:
         return False
@@ -423,12 +434,12 @@ def plot_curves(tag: str, path: Path) -> bool:
         table = by_method_seed(records)
         rank = {m: i for i, m in enumerate(ORDER[setting])}
         lowest = 100.0  # the axis starts below the lowest mean from round 5 on: the first rounds' climb is not the story
-        for method in sorted(table, key=lambda m: (rank.get(m, len(rank)), m)):
+        for method in sorted(table, key=lambda m: (rank.get(base_method(m), len(rank)), m)):
             xs, mean, std = curve_band(table[method])
             if not xs:
                 continue
-            lowest = min(lowest, *(100 * m for x, m in zip(xs, mean, strict=True) if x >= 5))
-            target = setting in TARGET.get(method, ())
+            lowest = min([lowest, *(100 * m for x, m in zip(xs, mean, strict=True) if x >= 5)])  # a run of < 5 rounds adds none
+            target = setting in TARGET.get(base_method(method), ())
             line, = ax.plot(xs, [100 * m for m in mean], lw=2.0 if target else 1.1,
                             label=f"{method} ({len(table[method])} seed{'s' if len(table[method]) > 1 else ''})")
             if all(d is not None for d in std):
@@ -475,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true", help="continue each run from its directory's checkpoint "
                    "(same configuration only) instead of starting it over")
     p.add_argument("--table", action="store_true", help="only (re)write the markdown table and curves.png for --tag")
+    p.add_argument("--merge", default="", help="comma list of tags whose runs the table and curves of --tag "
+                   "include beside its own (e.g. a method's later variant runs)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # worker: setting:method
     args = p.parse_args(argv)
 
@@ -531,10 +544,11 @@ def main(argv: list[str] | None = None) -> int:
         if any(codes):
             print(f"{sum(1 for c in codes if c)} run(s) failed", flush=True)
 
-    table = markdown_table(args.tag)
+    merge = [t for t in args.merge.split(",") if t]
+    table = markdown_table(args.tag, merge)
     (RESULTS / args.tag).mkdir(parents=True, exist_ok=True)
     (RESULTS / args.tag / "table.md").write_text(table)
-    plot_curves(args.tag, RESULTS / args.tag / "curves.png")
+    plot_curves(args.tag, RESULTS / args.tag / "curves.png", merge)
     print(table)
     return 0
 

@@ -173,3 +173,32 @@ def test_a_long_variant_keeps_the_federation_name_within_the_protocol():
     names = {run_methods.federation_name("fedrir_pathological_full", f"fedrir+bn_recalibrate=false+{o}")
              for o in ("q_steps=5", "mi_clamp=true")}
     assert len(names) == 2 and all(re.fullmatch(r"[A-Za-z0-9_-]{1,64}", n) for n in names)
+
+
+def test_a_merged_tag_tabulates_a_variant_beside_its_base_with_paired_comparisons(tmp_path, monkeypatch):
+    """A method's later variant runs, kept under their own tag, land in the baselines' table:
+    ranked right after the method they vary, marked as its target, compared per client."""
+    monkeypatch.setattr(run_methods, "RESULTS", tmp_path)
+
+    def write(tag, method, seed, acc):
+        record = {"setting": "fedrir_pathological", "method": method, "seed": seed, "rounds": 30,
+                  "local_epochs": 1, "clients": 2, "final_accuracy": acc, "best_accuracy": acc, "best_round": 30,
+                  "final_per_client": {"0": acc, "1": acc}, "accuracy_curve": [0.1, acc], "majority_floor": 0.5,
+                  "paper_accuracy": None, "wall_seconds": 1.0, "device": "cpu"}
+        (tmp_path / tag).mkdir(exist_ok=True)
+        (tmp_path / tag / f"fedrir_pathological__{method}__s{seed}.json").write_text(json.dumps(record))
+
+    for seed in (0, 1):
+        write("base", "fedavg", seed, 0.70)
+        write("base", "fedrep", seed, 0.90)
+        write("base", "fedrir", seed, 0.85)
+        write("later", "fedrir+mi_clamp=true", seed, 0.95)
+    alone = run_methods.markdown_table("base")
+    assert "mi_clamp" not in alone
+    table = run_methods.markdown_table("base", ["later"])
+    summary = [line for line in table.splitlines() if line.startswith("| ") and "clients)" in line]
+    assert [line.split("|")[1].strip() for line in summary] == [
+        "fedavg", "fedrep", "fedrir (target)", "fedrir+mi_clamp=true (target)"]
+    variant = [c.strip() for c in summary[-1].strip("|").split("|")]
+    assert variant[1] == "0,1" and variant[3] == "+5.00 ± 0.00 (4/4 clients)" and variant[4] == "2/2"
+    assert run_methods.plot_curves("base", tmp_path / "c.png", ["later"])
