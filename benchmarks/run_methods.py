@@ -368,9 +368,9 @@ def base_method(method: str) -> str:
 
 
 def markdown_table(tag: str, merge: Sequence[str] = ()) -> str:
-    """One table per setting: with several seeds first their spread and paired
-    comparisons (``seed_stats``), then every run's final and best-round accuracy
-    beside the paper's number."""
+    """One table per setting: with several methods first their spread over seeds and
+    paired per-client comparisons (``seed_stats``), then every run's final and
+    best-round accuracy beside the paper's number."""
     from seed_stats import seed_table
 
     results = load_results(tag, merge)
@@ -387,7 +387,7 @@ def markdown_table(tag: str, merge: Sequence[str] = ()) -> str:
                   f"{'/'.join(sorted({str(r['local_epochs']) for r in rows}))} local epoch(s), seed(s) "
                   f"{sorted({r['seed'] for r in rows})}, {r0['clients']} clients, full participation. "
                   f"Paper column: {s['paper_source']}.", ""]
-        if len({r["seed"] for r in rows}) > 1:
+        if len({r["method"] for r in rows}) > 1:  # paired per client: worth it from one seed on
             methods = list(dict.fromkeys(r["method"] for r in rows))  # in the rows' order: variants after their base
             lines += [*seed_table(rows, methods,
                                   targets=[m for m in methods if setting in TARGET.get(base_method(m), ())]),

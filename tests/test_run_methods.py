@@ -202,3 +202,16 @@ def test_a_merged_tag_tabulates_a_variant_beside_its_base_with_paired_comparison
     variant = [c.strip() for c in summary[-1].strip("|").split("|")]
     assert variant[1] == "0,1" and variant[3] == "+5.00 ± 0.00 (4/4 clients)" and variant[4] == "2/2"
     assert run_methods.plot_curves("base", tmp_path / "c.png", ["later"])
+
+
+def test_one_seed_still_gets_the_paired_per_client_comparison(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_methods, "RESULTS", tmp_path)
+    (tmp_path / "t").mkdir()
+    for method, per_client in (("fedrep", {"0": 0.9, "1": 0.8}), ("fedrir", {"0": 0.95, "1": 0.7})):
+        record = {"setting": "fedrir_pathological", "method": method, "seed": 1, "rounds": 20, "local_epochs": 1,
+                  "clients": 2, "final_accuracy": 0.85 if method == "fedrep" else 0.825, "best_accuracy": 0.9,
+                  "best_round": 3, "final_per_client": per_client, "accuracy_curve": [0.1, 0.9], "majority_floor": 0.5,
+                  "paper_accuracy": None, "wall_seconds": 1.0, "device": "cpu"}
+        (tmp_path / "t" / f"fedrir_pathological__{method}__s1.json").write_text(json.dumps(record))
+    row = next(line for line in run_methods.markdown_table("t").splitlines() if line.startswith("| fedrir (target) | 1 |"))
+    assert "−2.50 (1/2 clients)" in row and "| 0/1 |" in row
