@@ -174,11 +174,14 @@ def method_block(method: str, epochs: int) -> dict:
 
 
 def federation_name(setting: str, method: str) -> str:
-    """``bench-<setting>-<method>`` in the protocol's alphabet; a name past its 64
-    characters (a variant with several options) keeps 55 and a hash of the whole."""
+    """``bench-<setting>-<method>`` in the protocol's alphabet; a name past its length
+    limit (a variant with several options) keeps its start and a hash of the whole."""
+    from edgepfl.protocol.topics import NAME_MAX_CHARS
+
     name = re.sub(r"[^A-Za-z0-9-]", "-", f"bench-{setting}-{method}")
-    if len(name) > 64:
-        name = f"{name[:55]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+    if len(name) > NAME_MAX_CHARS:
+        digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+        name = f"{name[: NAME_MAX_CHARS - len(digest) - 1]}-{digest}"
     return name
 
 

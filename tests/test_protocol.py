@@ -49,6 +49,7 @@ from edgepfl.protocol import (
     supports,
 )
 from edgepfl.protocol.envelope import MAGIC, MAX_HEADER_BYTES
+from edgepfl.protocol.topics import check_segment
 
 from wire_samples import sample_manifest, sample_run_spec
 
@@ -710,6 +711,19 @@ def test_names_that_cannot_be_a_segment_are_refused(bad):
 def test_longest_allowed_segment():
     name = "a" * 64
     assert parse_topic(agent_topic(name, name, AgentChannel.STATUS)).agent == name
+
+
+def test_a_name_that_fits_a_topic_fits_the_envelope_and_one_past_it_fits_neither():
+    """The envelope's federation and sender are topic segments: one limit for both."""
+    longest = "a" * 64
+    msg = decode(encode("status", federation=longest, sender=longest, round=-1, meta=StatusMeta(state="online")))
+    assert (msg.header.federation, msg.header.sender) == (longest, longest)
+    with pytest.raises(TopicError):
+        check_segment(longest + "a")
+    for field in ("federation", "sender"):
+        names = {"federation": longest, "sender": longest, field: longest + "a"}
+        with pytest.raises(ValueError, match=field):
+            encode("status", round=-1, meta=StatusMeta(state="online"), **names)
 
 
 @pytest.mark.parametrize(

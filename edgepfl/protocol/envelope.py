@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .evolution import PROTOCOL_VERSION, omitted_defaults, strip_unknown
 from .messages import META_TYPES, ChunkMeta, MessageType
 from .signing import SIGNATURE_BYTES
+from .topics import NAME_PATTERN
 from .validation import first_validation_error
 
 if TYPE_CHECKING:
@@ -74,8 +75,8 @@ class Header(BaseModel):
     model_config = ConfigDict(extra="forbid")
     schema_version: Literal[1] = SCHEMA_VERSION
     type: MessageType
-    federation: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    sender: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    federation: str = Field(pattern=NAME_PATTERN)
+    sender: str = Field(pattern=NAME_PATTERN)
     round: int = Field(ge=-1)
     message_id: str = Field(pattern=r"^[0-9a-f]{32}$")
     created: float
@@ -86,7 +87,7 @@ class Header(BaseModel):
     #: key id of the signer; when present a 64-byte signature follows the body
     signer: str | None = Field(None, pattern=r"^[0-9a-f]{16}$")
     #: the one agent a signed task is for (so it cannot be replayed to another)
-    recipient: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    recipient: str | None = Field(None, pattern=NAME_PATTERN)
 
 
 _TYPE_NAMES = frozenset(t.value for t in MessageType)

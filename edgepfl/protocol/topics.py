@@ -20,7 +20,11 @@ from enum import Enum
 
 ROOT = "edgepfl"
 VERSION_SEGMENT = "v1"
-_SEGMENT = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+#: the longest name a segment (federation, agent id) may be
+NAME_MAX_CHARS = 64
+#: a federation or agent name: a topic segment, and the envelope's ``federation`` / ``sender`` / ``recipient``
+NAME_PATTERN = rf"^[A-Za-z0-9_-]{{1,{NAME_MAX_CHARS}}}$"
+_SEGMENT = re.compile(NAME_PATTERN)
 #: a part index: decimal, no leading zero, below a chunk's largest ``count`` (1 000 000)
 _PART = re.compile(r"^(0|[1-9][0-9]{0,5})$")
 
@@ -44,7 +48,7 @@ class TopicError(ValueError):
 
 def check_segment(value: str, what: str = "name") -> str:
     if not isinstance(value, str) or not _SEGMENT.match(value):
-        raise TopicError(f"{what} {value!r} must match [A-Za-z0-9_-]{{1,64}}")
+        raise TopicError(f"{what} {value!r} must match [A-Za-z0-9_-]{{1,{NAME_MAX_CHARS}}}")
     return value
 
 
