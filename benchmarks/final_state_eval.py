@@ -13,12 +13,15 @@ are used by no training step), so the same run state can be read both ways:
 * ``fedrir``: the same two readings of the GFE's personal BatchNorm statistics (stored,
   or re-estimated on the training images: ``bn_recalibrate``) for FedRIR's head on
   [f_g, f_cs];
+* ``fedbn``, ``fedpick`` (``bn_policy = "local"``: every BatchNorm parameter and
+  statistic personal, evaluated under freshly aggregated convolutions, as DualFed's):
+  the same two readings, re-estimating every BatchNorm layer through the whole model;
 * ``repper``: the checkpoint's encoder; on its features of every client's training
   split, heads fitted by several rules (C fixed or chosen by cross-validation, raw or
   L2-normalized features) and scored on the test split.
 
 Accuracy is the sample-weighted mean over clients, as the federation reports it.
-For a method with personal BN statistics to re-estimate (DualFed, FedRIR) only clients
+For a method with personal BN statistics (DualFed, FedRIR, FedBN, FedPick) only clients
 whose saved personal state belongs to the checkpoint's round are used (RepPer's heads
 are fitted afresh)::
 
@@ -45,6 +48,7 @@ from edgepfl.config import RunConfig, parse_config  # noqa: E402
 from edgepfl.data import load_client_data  # noqa: E402
 from edgepfl.methods import create_method  # noqa: E402
 from edgepfl.methods.base import load_tensors  # noqa: E402
+from edgepfl.methods.training import recalibrate_batchnorm  # noqa: E402
 from edgepfl.state import load_checkpoint  # noqa: E402
 
 #: RepPer head rules read on one encoder: (label, make_head parameters)
@@ -62,12 +66,17 @@ def _accuracy(pred: np.ndarray, y: np.ndarray) -> int:
 
 
 def _stored_then_recalibrated(method, model, data):
-    """Yield "stored" with the model as saved, then "recalibrated" after the method has
-    re-estimated its personal BatchNorm statistics on the training images; the model is
-    in eval mode at each."""
+    """Yield "stored" with the model as saved, then "recalibrated" after its personal
+    BatchNorm statistics were re-estimated on the training images — by the method's own
+    rule where it has one (DualFed, FedRIR), else every BatchNorm layer through the whole
+    model (FedBN, FedPick: all BN parameters and statistics personal, no such option in
+    their papers); the model is in eval mode at each."""
     for stats in ("stored", "recalibrated"):
         if stats == "recalibrated":
-            method.recalibrate(model, data)
+            if hasattr(method, "recalibrate"):
+                method.recalibrate(model, data)
+            else:
+                recalibrate_batchnorm(model, model, data.x_train)
         model.eval()
         yield stats
 
@@ -86,7 +95,7 @@ def evaluate_run(run_dir: Path) -> dict:
         index = int(agent_dir.name.rsplit("-", 1)[1])
         records = sorted(agent_dir.glob("personal-*.json"))  # one run, one signature
         record = json.loads(records[0].read_text())
-        if hasattr(method, "recalibrate") and record["round"] != meta.round:
+        if method.bn_policy != "shared" and record["round"] != meta.round:
             # personal BN statistics trained past the checkpoint belong to another global model
             continue
         data = load_client_data(config.data, index).to_torch("cpu")
@@ -109,10 +118,10 @@ def evaluate_run(run_dir: Path) -> dict:
             majority = int(torch.bincount(data.y_train).argmax())
             correct["majority class of the train split"] = correct.get("majority class of the train split", 0) + int(
                 (y == majority).sum())
-        elif method.name == "fedrir":
+        elif method.name == "fedrir" or method.bn_policy == "local":
             for stats in _stored_then_recalibrated(method, model, data):
                 with torch.no_grad():
-                    pred = model(data.x_test).argmax(1).numpy()
+                    pred = method.logits(model, data.x_test).argmax(1).numpy()
                 label = f"{stats} statistics"
                 correct[label] = correct.get(label, 0) + _accuracy(pred, y)
         elif method.name == "repper":
