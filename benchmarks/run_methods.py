@@ -299,7 +299,7 @@ def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, devi
         "wall_seconds_this_process": round(wall, 1),
         "resumed": not fresh,
         "majority_floor": majority_floor(setting, seed, data_root),
-        "paper_accuracy": PAPER.get(setting, {}).get(method),
+        "paper_accuracy": PAPER.get(setting, {}).get(base_method(method)),
         "command": command_line(tag, rounds, epochs, seed, device, [setting], [method], data_root),
     }
 
@@ -401,7 +401,8 @@ def markdown_table(tag: str, merge: Sequence[str] = ()) -> str:
                   "mean acc. % last 10 evals | wall s | device |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in rows:
-            paper = r.get("paper_accuracy")
+            # a variant is set beside its method's published number (records before this stored none)
+            paper = r.get("paper_accuracy") or PAPER.get(setting, {}).get(base_method(r["method"]))
             target = " (target)" if setting in TARGET.get(base_method(r["method"]), ()) else ""
             floor = floor_of(r)
             drop = (f"{100 * (r['best_accuracy'] - r['final_accuracy']):.2f}"

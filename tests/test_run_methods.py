@@ -202,6 +202,10 @@ def test_a_merged_tag_tabulates_a_variant_beside_its_base_with_paired_comparison
     variant = [c.strip() for c in summary[-1].strip("|").split("|")]
     assert variant[1] == "0,1" and variant[3] == "+5.00 ± 0.00 (4/4 clients)" and variant[4] == "2/2"
     assert run_methods.plot_curves("base", tmp_path / "c.png", ["later"])
+    # every run of FedRIR, variant or not, is set beside FedRIR's published number
+    runs = [line for line in table.splitlines() if line.startswith("| fedrir") and "clients)" not in line]
+    paper = f"{run_methods.PAPER['fedrir_pathological']['fedrir']:.2f}"
+    assert len(runs) == 4 and all(f"| {paper} |" in line for line in runs)
 
 
 def test_one_seed_still_gets_the_paired_per_client_comparison(tmp_path, monkeypatch):
