@@ -132,6 +132,9 @@ ORDER: dict[str, list[str]] = {
                "lgfedavg", "fedprox", "fedpac", "repper", "fedrir"],
 }
 
+#: every method of the run orders, in order of first appearance (a method's colour in the curves)
+ALL_METHODS = list(dict.fromkeys(m for methods in ORDER.values() for m in methods))
+
 #: the paper's Fashion-MNIST accuracy (%) for the same method name and setting (METHODS.md)
 PAPER: dict[str, dict[str, float]] = {
     "fedpac_dominant": {"local": 85.68, "fedavg": 85.28, "fedavg_ft": 90.47, "fedper": 87.43, "lgfedavg": 85.66,
@@ -428,6 +431,11 @@ def plot_curves(tag: str, path: Path, merge: Sequence[str] = ()) -> bool:
     settings = [s for s in SETTINGS if any(r["setting"] == s for r in results)]
     if not settings:
         return False
+    # one colour per method in every panel, its variants dashed in the same colour; the ten
+    # strong colours first, then the light ones (the default cycle repeats after ten)
+    palette = [*plt.get_cmap("tab10").colors, *plt.get_cmap("tab20").colors[1::2]]
+    bases = list(dict.fromkeys([*ALL_METHODS, *sorted(base_method(r["method"]) for r in results)]))
+    colour = {m: palette[i % len(palette)] for i, m in enumerate(bases)}
     cols = min(2, len(settings))
     rows = -(-len(settings) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.6 * rows), squeeze=False)
@@ -444,7 +452,8 @@ def plot_curves(tag: str, path: Path, merge: Sequence[str] = ()) -> bool:
                 continue
             lowest = min([lowest, *(100 * m for x, m in zip(xs, mean, strict=True) if x >= 5)])  # a run of < 5 rounds adds none
             target = setting in TARGET.get(base_method(method), ())
-            line, = ax.plot(xs, [100 * m for m in mean], lw=2.0 if target else 1.1,
+            line, = ax.plot(xs, [100 * m for m in mean], lw=2.0 if target else 1.1, color=colour[base_method(method)],
+                            ls="--" if method != base_method(method) else "-",
                             label=f"{method} ({len(table[method])} seed{'s' if len(table[method]) > 1 else ''})")
             if all(d is not None for d in std):
                 ax.fill_between(xs, [100 * (m - d) for m, d in zip(mean, std, strict=True)],
