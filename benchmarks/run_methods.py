@@ -9,13 +9,18 @@ markdown table::
     python benchmarks/run_methods.py --tag cpu30 --rounds 30 --seeds 0,1,2 --jobs 2
     python benchmarks/run_methods.py --tag cpu30 --table          # table and curves.png only, from the JSONs
     python benchmarks/run_methods.py --tag cpu30 --rounds 30 --seeds 0,1,2 --skip-done --resume   # go on after a stop
+    python benchmarks/run_methods.py --tag later --rounds 30 --seeds 0,1,2 --methods "fedrir+mi_clamp=true"
+    python benchmarks/run_methods.py --tag cpu30 --merge later --table   # a variant beside cpu30's baselines
+
+A method ``name+option=value[+...]`` is a variant: the method with those options set on
+top of ``configs/<name>.yaml``; tables rank it after, and compare it like, its method.
 
 Every run checkpoints each round (it is the coordinator's own round loop): with
 ``--resume`` a run whose directory holds a checkpoint of the same configuration goes on
 from it, so a run cut off by a time limit (a lent GPU's, a session's) loses at most
 one round. Bring its run directory (``--runs-root``) back with the results.
 
-With several seeds the table leads with mean ± std over seeds, the paired per-client
+The table of a setting leads with mean ± std over seeds, the paired per-client
 difference to FedRep and FedAvg and in how many seeds each method is ahead of them
 (``benchmarks/seed_stats.py``).
 
