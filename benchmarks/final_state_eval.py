@@ -1,6 +1,6 @@
 """Paired evaluations on the saved state of a benchmark run (issue 13): one training, several readings.
 
-DualFed's ``bn_recalibrate`` and RepPer's stage-2 head rule change only how a client
+``bn_recalibrate`` and RepPer's stage-2 head rule change only how a client
 is evaluated, never what it trains (the personal BatchNorm statistics and the heads
 are used by no training step), so the same run state can be read both ways:
 
@@ -15,7 +15,7 @@ are used by no training step), so the same run state can be read both ways:
   [f_g, f_cs];
 * ``fedbn``, ``fedpick`` (``bn_policy = "local"``: every BatchNorm parameter and
   statistic personal, evaluated under freshly aggregated convolutions, as DualFed's):
-  the same two readings, re-estimating every BatchNorm layer through the whole model;
+  the same two readings (``bn_recalibrate``: the encoder's statistics re-estimated);
 * ``repper``: the checkpoint's encoder; on its features of every client's training
   split, heads fitted by several rules (C fixed or chosen by cross-validation, raw or
   L2-normalized features) and scored on the test split.
@@ -48,7 +48,6 @@ from edgepfl.config import RunConfig, parse_config  # noqa: E402
 from edgepfl.data import load_client_data  # noqa: E402
 from edgepfl.methods import create_method  # noqa: E402
 from edgepfl.methods.base import load_tensors  # noqa: E402
-from edgepfl.methods.training import recalibrate_batchnorm  # noqa: E402
 from edgepfl.state import load_checkpoint  # noqa: E402
 
 #: RepPer head rules read on one encoder: (label, make_head parameters)
@@ -67,16 +66,12 @@ def _accuracy(pred: np.ndarray, y: np.ndarray) -> int:
 
 def _stored_then_recalibrated(method, model, data):
     """Yield "stored" with the model as saved, then "recalibrated" after its personal
-    BatchNorm statistics were re-estimated on the training images — by the method's own
-    rule where it has one (DualFed, FedRIR), else every BatchNorm layer through the whole
-    model (FedBN, FedPick: all BN parameters and statistics personal, no such option in
-    their papers); the model is in eval mode at each."""
+    BatchNorm statistics were re-estimated on the training images by the method's own
+    rule (``Method.recalibrate``, what ``bn_recalibrate`` does before an evaluation);
+    the model is in eval mode at each."""
     for stats in ("stored", "recalibrated"):
         if stats == "recalibrated":
-            if hasattr(method, "recalibrate"):
-                method.recalibrate(model, data)
-            else:
-                recalibrate_batchnorm(model, model, data.x_train)
+            method.recalibrate(model, data)
         model.eval()
         yield stats
 
@@ -118,7 +113,7 @@ def evaluate_run(run_dir: Path) -> dict:
             majority = int(torch.bincount(data.y_train).argmax())
             correct["majority class of the train split"] = correct.get("majority class of the train split", 0) + int(
                 (y == majority).sum())
-        elif method.name == "fedrir" or method.bn_policy == "local":
+        elif method.bn_policy != "shared":  # FedRIR, FedBN, FedPick
             for stats in _stored_then_recalibrated(method, model, data):
                 with torch.no_grad():
                     pred = method.logits(model, data.x_test).argmax(1).numpy()

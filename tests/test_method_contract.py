@@ -35,11 +35,11 @@ from edgepfl.methods import (
     create_method,
 )
 from edgepfl.methods.aggregate import weighted_mean
-from edgepfl.methods.base import STAT, load_tensors
+from edgepfl.methods.base import STAT, PersonalBatchNormConfig, load_tensors
 from edgepfl.protocol.envelope import decode, encode
 from edgepfl.protocol.messages import MessageType, TaskMeta, UpdateMeta
 
-from method_kit import MethodKit, eval_logits
+from method_kit import MethodKit, bn_inputs, eval_logits
 from wire_samples import sample_run_spec
 
 KIT = MethodKit()  # 4 classes of 1x28x28 images, SmallCNN with 16 features, 1 epoch of batches of 16
@@ -425,3 +425,65 @@ def test_task_and_update_messages_round_trip_bit_exactly(name):
     assert_bit_exact(update.tensors, upload)
     # what the coordinator decodes is still a valid update for the server state
     run.method.check_update(run.state0, ClientUpdate(agent, meta.num_train, update.tensors))
+
+
+# --------------------------------------------------------------------------- personal BatchNorm statistics
+PERSONAL_BN = [m for m in METHODS if create_method(m).bn_policy != "shared"]
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_a_method_with_personal_batchnorm_statistics_has_the_option_to_re_estimate_them(name):
+    """Personal statistics under aggregated layers go stale when the aggregate arrives (issue 13):
+    every such method offers ``bn_recalibrate``, and no other method does."""
+    method = create_method(name)
+    assert (method.bn_policy != "shared") == isinstance(method.config, PersonalBatchNormConfig)
+
+
+def _received(name: str, recalibrate: bool) -> tuple[Method, torch.nn.Module, object]:
+    """A client after one local round that has just received another model's shared part,
+    as an agent is when it evaluates: its stored statistics describe its own older model."""
+    method, model = KIT.build(name, {"bn_recalibrate": recalibrate})
+    data = CLIENTS["agent-a"].to_torch()
+    method.local_update(model, data, KIT.ctx())
+    method.receive(model, method.payload_for(method.init_server(KIT.model(method, 5)), "agent-a"), KIT.ctx())
+    return method, model, data
+
+
+def _running_stats(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items() if k.endswith(("running_mean", "running_var"))}
+
+
+@pytest.mark.parametrize("name", PERSONAL_BN)
+def test_re_estimated_statistics_change_what_is_evaluated_not_what_is_trained(name):
+    """Training normalizes with batch statistics, so the next upload is the same bit for bit
+    whichever statistics the evaluation before it used; no parameter moves."""
+    stats, uploads = [], []
+    for recalibrate in (False, True):
+        method, model, data = _received(name, recalibrate)
+        params = {k: v.clone() for k, v in model.named_parameters()}
+        method.evaluate(model, data, KIT.ctx())
+        assert all(torch.equal(params[k], v) for k, v in model.named_parameters()), name
+        stats.append(_running_stats(model))
+        uploads.append(method.local_update(model, data, KIT.ctx(1)).upload)
+    assert any(not torch.equal(stats[0][k], stats[1][k]) for k in stats[0]), f"{name}: bn_recalibrate changed nothing"
+    assert_bit_exact(uploads[1], uploads[0])
+
+
+@pytest.mark.parametrize("name", [m for m in PERSONAL_BN if type(create_method(m)).recalibrate is Method.recalibrate])
+def test_the_default_re_estimation_is_the_encoders_statistics_on_the_training_images(name):
+    """Every BatchNorm layer of the encoder gets the mean and (unbiased) variance of what it
+    sees in a training-mode pass over the client's training images; layers outside the
+    encoder (FedRIR's personal CSFE) keep theirs."""
+    method, model, data = _received(name, False)
+    encoder = method.encoder_module(model)
+    expected = bn_inputs(encoder, encoder, data.x_train)
+    before = _running_stats(model)
+    assert expected and method.recalibrate(model, data) == len(data.x_train)
+    layers = dict(encoder.named_modules())
+    for layer, inputs in expected.items():
+        per_channel = inputs.transpose(0, 1).flatten(1)
+        torch.testing.assert_close(layers[layer].running_mean, per_channel.mean(1))
+        torch.testing.assert_close(layers[layer].running_var, per_channel.var(1, unbiased=True))
+    prefix = next(n for n, m in model.named_modules() if m is encoder) + "."
+    after = _running_stats(model)
+    assert all(torch.equal(after[k], v) for k, v in before.items() if not k.startswith(prefix))

@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..aggregation import Aggregator, Mean
 from ..heads import GENERIC_HEAD_KINDS
 from ..state import ServerState
-from .training import EvalResult, evaluate_logits, fit
+from .training import EvalResult, evaluate_logits, fit, recalibrate_batchnorm
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -61,6 +61,22 @@ class MethodConfig(BaseModel):
     """Base of every method's options. Unknown keys are an error, so typos are caught."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class PersonalBatchNormConfig(MethodConfig):
+    """Options of a method whose BatchNorm running statistics stay on the device while the
+    layers they normalize are aggregated (``bn_policy`` "local" or "local_stats").
+
+    The agent evaluates right after loading the aggregate, and the stored statistics were
+    estimated under the client's previous model (an EMA over its last local training), so
+    they do not describe the received model's features (issue 13: DualFed's collapse below
+    the majority floor). Training normalizes with batch statistics and never reads the
+    running ones, so re-estimating them changes what is evaluated, never what is trained.
+    """
+
+    bn_recalibrate: bool = Field(
+        False, description="re-estimate the personal BatchNorm statistics on the client's training images for each "
+                           "received model, before evaluating (False: the stored ones, as the published method)")
 
 
 class UpdateRejected(ValueError):
@@ -259,8 +275,20 @@ class Method:
         return model(x)
 
     def evaluate(self, model: nn.Module, data: ClientTensors, ctx: LocalContext) -> EvalResult:
-        """Personalized evaluation on the client's own held-out split."""
+        """Personalized evaluation on the client's own held-out split; with
+        ``bn_recalibrate`` (:class:`PersonalBatchNormConfig`) on personal BatchNorm
+        statistics re-estimated for the received model first (:meth:`recalibrate`)."""
+        if isinstance(self.config, PersonalBatchNormConfig) and self.config.bn_recalibrate:
+            self.recalibrate(model, data)
         return evaluate_logits(lambda x: self.logits(model, x), model, data.x_test, data.y_test, ctx)
+
+    def recalibrate(self, model: nn.Module, data: ClientTensors) -> int:
+        """Re-estimate the BatchNorm running statistics of the encoder (:meth:`encoder_module`)
+        on the client's training images, without gradient and moving no parameter; returns
+        the number of images used. A method with personal statistics outside its encoder
+        (DualFed's projector) widens it."""
+        encoder = self.encoder_module(model)
+        return recalibrate_batchnorm(model, encoder, data.x_train, layers=list(encoder.modules()))
 
     # ------------------------------------------------------------------ server side
     def init_server(self, model: nn.Module) -> ServerState:

@@ -53,7 +53,7 @@ from .._torch import F, nn, torch
 from ..heads import GENERIC_HEAD_KINDS
 from ..models import model_as
 from . import register
-from .base import ClientUpdate, EvalResult, LocalContext, LocalResult, Method, MethodConfig
+from .base import ClientUpdate, LocalContext, LocalResult, Method, PersonalBatchNormConfig
 from .losses import SupConForm, supcon_loss
 from .training import fit, make_optimizer, recalibrate_batchnorm
 
@@ -64,7 +64,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..specs import ModelSpec
 
 
-class DualFedConfig(MethodConfig):
+class DualFedConfig(PersonalBatchNormConfig):
     """DualFed options; optimizer fields left ``None`` follow the run's ``train`` section."""
 
     con_lambda: float = Field(40.0, ge=0, description="weight of the SupCon term (code, PACS)")
@@ -225,17 +225,6 @@ class DualFed(Method):
         encoder on the client's training images; returns the number of images used."""
         dual = model_as(model, DualFedModel)
         return recalibrate_batchnorm(dual, dual.parts_forward, data.x_train)
-
-    def evaluate(self, model: nn.Module, data: ClientTensors, ctx: LocalContext) -> EvalResult:
-        """Personalized evaluation; with ``bn_recalibrate`` on statistics of the received encoder.
-
-        The agent evaluates right after loading a new global encoder, whose features the
-        personal running statistics (estimated under the client's own previous encoder)
-        no longer describe; re-estimating them here makes them the received encoder's.
-        """
-        if self.config.bn_recalibrate:
-            self.recalibrate(model, data)
-        return super().evaluate(model, data, ctx)
 
     # ------------------------------------------------------------------ server side
     def update_weight(self, update: ClientUpdate) -> int:

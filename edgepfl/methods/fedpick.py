@@ -24,7 +24,7 @@ from .._torch import F, nn, torch
 from ..heads import GENERIC_HEAD_KINDS
 from ..models import Encoder, model_as
 from . import register
-from .base import LocalResult, Method, MethodConfig
+from .base import LocalResult, Method, PersonalBatchNormConfig
 from .training import fit, noise_generator
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..heads.estimators import HeadEstimator
 
 
-class FedPickConfig(MethodConfig):
+class FedPickConfig(PersonalBatchNormConfig):
     """FedPick's options; defaults are the paper's real-image column of Table III."""
 
     lam_g: float = Field(1.0, ge=0, description="weight of CE on the global classifier C_g(v)")

@@ -37,7 +37,8 @@ The GFE's BatchNorm running statistics are personal while its weights are shared
 the agent evaluates right after loading a new global GFE: the stored statistics were
 estimated under the client's own GFE of its last local training, not the received one.
 ``bn_recalibrate = True`` re-estimates them on the client's training images before
-evaluating (the same rule as DualFed's option; docs/METHODS.md "FedRIR"). Training
+evaluating (:meth:`Method.recalibrate`, the GFE being FedRIR's encoder; the CSFE's
+statistics are left alone, as its weights are personal too; docs/METHODS.md "FedRIR"). Training
 normalizes the GFE with batch statistics and never reads the running ones, so the
 option changes what is evaluated (and stored), not what is trained. ``False`` evaluates
 the stored statistics, as the authors' code does.
@@ -47,21 +48,18 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import Field
 
 from .._torch import F, nn, torch
 from ..models import model_as
 from . import register
-from .base import EvalResult, LocalContext, LocalResult, Method, MethodConfig
-from .training import fit, freeze, make_optimizer, noise_generator, recalibrate_batchnorm
-
-if TYPE_CHECKING:
-    from ..data import ClientTensors
+from .base import LocalResult, Method, PersonalBatchNormConfig
+from .training import fit, freeze, make_optimizer, noise_generator
 
 
-class FedRIRConfig(MethodConfig):
+class FedRIRConfig(PersonalBatchNormConfig):
     """FedRIR's options; defaults are the paper's (Adam 5e-4, batch 100, r = 0.6)."""
 
     mi: Literal["club_conditional", "vclub", "code"] = Field(
@@ -480,20 +478,6 @@ class FedRIR(Method):
         # UpdateMeta.extra carries floats only: the information term's form as its index in MI_MODES
         metrics = {**s1, **s2, "mi_mode": float(MI_MODES.index(self.config.mi))}
         return LocalResult(upload=self.shared_params(model), train_loss=s2["cls_loss"], metrics=metrics)
-
-    def recalibrate(self, model: nn.Module, data: ClientTensors) -> int:
-        """Re-estimate the GFE's personal BatchNorm statistics for the current GFE on the
-        client's training images; returns the number of images used. The CSFE's statistics
-        are left alone: its weights are personal, so its statistics already describe them."""
-        rir = model_as(model, FedRIRModel)
-        layers = [m for m in rir.encoder.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-        return recalibrate_batchnorm(rir, rir.encoder, data.x_train, layers=layers)
-
-    def evaluate(self, model: nn.Module, data: ClientTensors, ctx: LocalContext) -> EvalResult:
-        """Personalized evaluation; with ``bn_recalibrate`` on GFE statistics of the received GFE."""
-        if self.config.bn_recalibrate:
-            self.recalibrate(model, data)
-        return super().evaluate(model, data, ctx)
 
     def device_head(self, model: nn.Module) -> None:
         """None: the personal head needs the personal CSFE's features, not only the shared GFE's.
