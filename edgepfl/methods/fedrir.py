@@ -37,11 +37,11 @@ The GFE's BatchNorm running statistics are personal while its weights are shared
 the agent evaluates right after loading a new global GFE: the stored statistics were
 estimated under the client's own GFE of its last local training, not the received one.
 ``bn_recalibrate = True`` re-estimates them on the client's training images before
-evaluating (:meth:`Method.recalibrate`, the GFE being FedRIR's encoder; the CSFE's
-statistics are left alone, as its weights are personal too; docs/METHODS.md "FedRIR"). Training
-normalizes the GFE with batch statistics and never reads the running ones, so the
-option changes what is evaluated (and stored), not what is trained. ``False`` evaluates
-the stored statistics, as the authors' code does.
+evaluating (:meth:`Method.recalibrate`: the GFE is FedRIR's encoder; the CSFE's
+statistics are left alone, its weights being personal too; docs/METHODS.md "FedRIR").
+Training normalizes the GFE with batch statistics and never reads the running ones, so
+the option changes what is evaluated (and stored), not what is trained. ``False``
+evaluates the stored statistics, as the authors' code does.
 """
 
 from __future__ import annotations
