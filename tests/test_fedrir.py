@@ -25,7 +25,7 @@ from edgepfl.methods.fedrir import (
     vclub,
 )
 
-from method_kit import MethodKit, bn_inputs, changed, generator, same, snapshot
+from method_kit import MethodKit, changed, generator, same, snapshot
 
 SHAPE = (1, 28, 28)
 CLASSES = 4
@@ -363,28 +363,19 @@ def _received(options=None):
     return method, model, data
 
 
-def test_evaluation_recalibrates_the_gfe_statistics_to_the_received_gfe():
-    import copy
-
+def test_evaluation_re_estimates_the_gfe_statistics_and_leaves_the_csfe_alone():
+    """FedRIR's shared part is the GFE; the CSFE's weights are personal, so its statistics
+    already describe them. (The values, parameters and the next upload: the contract suite.)"""
     method, model, data = _received({"bn_recalibrate": True})
-    ref = copy.deepcopy(model)
-    expected = bn_inputs(ref.encoder, ref.encoder, data.x_train)
+    assert method.encoder_module(model) is model.encoder
     before = {k: v.clone() for k, v in model.state_dict().items() if "running_" in k}
+    assert sum(k.startswith("encoder.") for k in before) == 4  # two GFE BatchNorm layers, mean and var
 
     method.evaluate(model, data, KIT.ctx())
-    gfe = {n: m for n, m in model.encoder.named_modules() if isinstance(m, torch.nn.BatchNorm2d)}
-    assert len(gfe) == 2 and set(gfe) == set(expected)
-    for name, bn in gfe.items():
-        x = expected[name].transpose(0, 1).flatten(1)  # channels x (N*H*W)
-        torch.testing.assert_close(bn.running_mean, x.mean(1))
-        torch.testing.assert_close(bn.running_var, x.var(1, unbiased=True))
-        assert bn.momentum == 0.1  # the training momentum is back
     after = model.state_dict()
     assert all(not torch.equal(after[k], v) for k, v in before.items() if k.startswith("encoder."))
-    # the CSFE's weights are personal, so its statistics already describe them: left alone
     assert all(torch.equal(after[k], v) for k, v in before.items() if k.startswith("csfe."))
-    # evaluation-side only: no parameter moved
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    assert any(k.startswith("csfe.") for k in before)
 
 
 def test_without_recalibration_evaluation_keeps_the_stored_statistics():
@@ -392,16 +383,3 @@ def test_without_recalibration_evaluation_keeps_the_stored_statistics():
     before = {k: v.clone() for k, v in model.state_dict().items() if "running_" in k}
     method.evaluate(model, data, KIT.ctx())
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
-
-
-def test_recalibration_changes_what_is_evaluated_not_what_is_trained():
-    """Training normalizes the GFE with batch statistics, so the next round's upload is the
-    same bit for bit whichever statistics the evaluation before it used."""
-    uploads = []
-    for recalibrate in (True, False):
-        method, model, data = _received({"bn_recalibrate": recalibrate})
-        method.evaluate(model, data, KIT.ctx())
-        uploads.append(method.local_update(model, data, KIT.ctx(1)).upload)
-    assert uploads[0].keys() == uploads[1].keys()
-    for key in uploads[0]:
-        np.testing.assert_array_equal(uploads[0][key], uploads[1][key])

@@ -473,17 +473,21 @@ def test_re_estimated_statistics_change_what_is_evaluated_not_what_is_trained(na
 def test_the_default_re_estimation_is_the_encoders_statistics_on_the_training_images(name):
     """Every BatchNorm layer of the encoder gets the mean and (unbiased) variance of what it
     sees in a training-mode pass over the client's training images; layers outside the
-    encoder (FedRIR's personal CSFE) keep theirs."""
+    encoder (FedRIR's personal CSFE) keep theirs, and momenta and train/eval modes are back."""
     method, model, data = _received(name, False)
     encoder = method.encoder_module(model)
     expected = bn_inputs(encoder, encoder, data.x_train)
     before = _running_stats(model)
-    assert expected and method.recalibrate(model, data) == len(data.x_train)
     layers = dict(encoder.named_modules())
+    momenta = {layer: layers[layer].momentum for layer in expected}
+    modes = [m.training for m in model.modules()]
+    assert expected and method.recalibrate(model, data) == len(data.x_train)
     for layer, inputs in expected.items():
         per_channel = inputs.transpose(0, 1).flatten(1)
         torch.testing.assert_close(layers[layer].running_mean, per_channel.mean(1))
         torch.testing.assert_close(layers[layer].running_var, per_channel.var(1, unbiased=True))
+        assert layers[layer].momentum == momenta[layer], f"{name}: {layer}'s training momentum is not back"
+    assert [m.training for m in model.modules()] == modes, f"{name}: train/eval modes not restored"
     prefix = next(n for n, m in model.named_modules() if m is encoder) + "."
     after = _running_stats(model)
     assert all(torch.equal(after[k], v) for k, v in before.items() if not k.startswith(prefix))
