@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -219,3 +220,33 @@ def test_one_seed_still_gets_the_paired_per_client_comparison(tmp_path, monkeypa
         (tmp_path / "t" / f"fedrir_pathological__{method}__s1.json").write_text(json.dumps(record))
     row = next(line for line in run_methods.markdown_table("t").splitlines() if line.startswith("| fedrir (target) | 1 |"))
     assert "−2.50 (1/2 clients)" in row and "| 0/1 |" in row
+
+
+#: top-level modules the lent GPU machine's image holds, of those the benchmark imports
+#: (/work/.library/device/KINDS.md's package list; the rest come as wheels)
+GPU_IMAGE_HAS = {"torch", "torchgen", "numpy", "yaml", "scipy", "sklearn", "matplotlib", "cuda", "cython_runtime"}
+
+
+def test_the_device_kit_carries_every_module_the_benchmark_imports_that_the_gpu_image_lacks():
+    """What a GPU lease's run imports beyond the image comes from benchmarks/device_kit.sh's
+    wheels; a new dependency of the simulation path would otherwise fail there, minutes in."""
+    kit = (REPO / "benchmarks" / "device_kit.sh").read_text()
+    carried = set(re.search(r"PACKAGES=\(([^)]*)\)", kit).group(1).split())
+    probe = textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{str(REPO)!r}, {str(_PATH.parent)!r}]
+        import run_methods
+        from edgepfl.config import RunConfig, parse_config
+        from edgepfl.coordinator.simulate import simulate
+        from edgepfl.metrics import read_metrics
+        from edgepfl.data import client_indices, load_pool
+        from edgepfl.methods import available_methods, create_method
+        for name in available_methods():
+            create_method(name)
+        print(" ".join(sorted({{m.split(".")[0] for m in sys.modules}})))
+    """)
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=REPO)
+    third_party = {m for m in loaded.stdout.split() if m not in sys.stdlib_module_names and not m.startswith("_")}
+    missing = third_party - {"edgepfl", "run_methods", "seed_stats", "results_io"} - GPU_IMAGE_HAS - carried
+    assert not missing, f"the GPU image lacks {sorted(missing)}: add them to PACKAGES in benchmarks/device_kit.sh"
+    assert "pydantic" in third_party  # the probe saw the simulation's imports
