@@ -15,7 +15,8 @@ are used by no training step), so the same run state can be read both ways:
   [f_g, f_cs];
 * ``fedbn``, ``fedpick`` (``bn_policy = "local"``: every BatchNorm parameter and
   statistic personal, evaluated under freshly aggregated convolutions, as DualFed's):
-  the same two readings (``bn_recalibrate``: the encoder's statistics re-estimated);
+  the same two readings (``bn_recalibrate``: the encoder's statistics re-estimated),
+  and for FedPick each classifier of its ensemble alone (``C_g`` on v, ``C_p`` on m*v);
 * ``repper``: the checkpoint's encoder; on its features of every client's training
   split, heads fitted by several rules (C fixed or chosen by cross-validation, raw or
   L2-normalized features) and scored on the test split.
@@ -116,9 +117,14 @@ def evaluate_run(run_dir: Path) -> dict:
         elif method.bn_policy != "shared":  # FedRIR, FedBN, FedPick
             for stats in _stored_then_recalibrated(method, model, data):
                 with torch.no_grad():
-                    pred = method.logits(model, data.x_test).argmax(1).numpy()
-                label = f"{stats} statistics"
-                correct[label] = correct.get(label, 0) + _accuracy(pred, y)
+                    readings = {f"{stats} statistics": method.logits(model, data.x_test)}
+                    if method.name == "fedpick":
+                        # the ensemble's two classifiers alone: the shared C_g(v), the personal C_p(m*v)
+                        parts = model.parts(data.x_test)
+                        readings |= {f"{stats} statistics, C_g only": parts["z_g"],
+                                     f"{stats} statistics, C_p only": parts["z_p"]}
+                for label, logits in readings.items():
+                    correct[label] = correct.get(label, 0) + _accuracy(logits.argmax(1).numpy(), y)
         elif method.name == "repper":
             from edgepfl.methods.repper import encode
 
