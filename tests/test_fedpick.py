@@ -167,6 +167,24 @@ def test_softmax_ensemble_option_averages_probabilities():
     assert torch.allclose(method.device_head(model)(p["v"]).exp(), avg, atol=1e-6)
 
 
+def test_personal_inference_option_is_the_personal_classifier_alone_and_trains_the_same():
+    """``ensemble: personal`` changes what is evaluated (and what a device runs), not what
+    is trained: the upload is bit-identical to the default's."""
+    data = make_data()
+    uploads = []
+    for ensemble in ("personal", "logits"):
+        method, model = build({"ensemble": ensemble})
+        uploads.append(method.local_update(model, data, make_ctx(seed=3)).upload)
+        if ensemble == "personal":
+            model.eval()
+            p = model.parts(data.x_test[:16])
+            assert torch.equal(method.logits(model, data.x_test[:16]), p["z_p"])
+            assert torch.allclose(method.device_head(model)(p["v"]), p["z_p"], atol=1e-6)
+            assert not torch.allclose(p["z_p"], p["z_g"] + p["z_p"])
+    for key in uploads[0]:
+        np.testing.assert_array_equal(uploads[0][key], uploads[1][key])
+
+
 def test_local_update_uploads_shared_only_is_reproducible_and_learns():
     data = make_data()
     method, model = build()

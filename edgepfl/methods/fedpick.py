@@ -41,8 +41,9 @@ class FedPickConfig(PersonalBatchNormConfig):
     lam_kd: float = Field(1.0, ge=0, description="weight of the cyclic distillation between p_g and p_p")
     temperature: float = Field(1.0, gt=0, description="Gumbel-Sigmoid temperature T [inferred]")
     threshold: float = Field(0.5, gt=0, lt=1, description="hard-mask threshold on the soft mask (paper: 0.5)")
-    ensemble: Literal["logits", "softmax"] = Field(
-        "logits", description="inference: C_g(v)+C_p(v_r) logit sum, or the average of their softmaxes"
+    ensemble: Literal["logits", "softmax", "personal"] = Field(
+        "logits", description="inference: C_g(v)+C_p(v_r) logit sum, the average of their softmaxes, "
+        "or C_p(v_r) alone (label shift with many local epochs: docs/BENCHMARKS.md)"
     )
 
 
@@ -64,7 +65,11 @@ def combine(z_g: torch.Tensor, z_p: torch.Tensor, mode: str) -> torch.Tensor:
 
     ``softmax`` returns log((p_g + p_p) / 2): log-probabilities are valid logits, so the
     argmax and the evaluation's cross-entropy both see the averaged distribution.
+    ``personal`` returns the personal classifier's scores alone: under label shift the
+    averaged C_g is generic, and with many local epochs its logits outvote C_p's.
     """
+    if mode == "personal":
+        return z_p
     if mode == "softmax":
         stacked = torch.stack([F.log_softmax(z_g, 1), F.log_softmax(z_p, 1)])
         return torch.logsumexp(stacked, 0) - torch.log(torch.tensor(2.0, dtype=z_g.dtype, device=z_g.device))
