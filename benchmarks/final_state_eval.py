@@ -8,7 +8,8 @@ are used by no training step), so the same run state can be read both ways:
   saved personal state, the state the agent would evaluate next — scored on its test
   split with the stored personal BatchNorm statistics (what the authors' code
   evaluates) and with statistics re-estimated on its training images (``bn_recalibrate``),
-  each as the logit-sum ensemble and as each classifier alone (``h_p`` on u, ``h_s`` on z),
+  each as the logit-sum ensemble, as each classifier alone (``h_p`` on u, ``h_s`` on z) and
+  as the average of their softmaxes (``ensemble: softmax``),
   beside the majority-class floor;
 * ``fedrir``: the same two readings of the GFE's personal BatchNorm statistics (stored,
   or re-estimated on the training images: ``bn_recalibrate``) for FedRIR's head on
@@ -16,12 +17,14 @@ are used by no training step), so the same run state can be read both ways:
 * ``fedbn``, ``fedpick`` (``bn_policy = "local"``: every BatchNorm parameter and
   statistic personal, evaluated under freshly aggregated convolutions, as DualFed's):
   the same two readings (``bn_recalibrate``: the encoder's statistics re-estimated),
-  and for FedPick each classifier of its ensemble alone (``C_g`` on v, ``C_p`` on m*v);
+  and for FedPick each classifier of its ensemble alone (``C_g`` on v, ``C_p`` on m*v)
+  and the average of their softmaxes (``ensemble: softmax``);
 * ``repper``: the checkpoint's encoder; on its features of every client's training
   split, heads fitted by several rules (C fixed or chosen by cross-validation, raw or
   L2-normalized features) and scored on the test split.
 
-Accuracy is the sample-weighted mean over clients, as the federation reports it.
+Accuracy is the sample-weighted mean over clients, as the federation reports it;
+``per_client`` keeps each client's accuracy under every reading, for paired comparisons.
 For a method with personal BN statistics (DualFed, FedRIR, FedBN, FedPick) only clients
 whose saved personal state belongs to the checkpoint's round are used (RepPer's heads
 are fitted afresh)::
@@ -49,6 +52,7 @@ from edgepfl.config import RunConfig, parse_config  # noqa: E402
 from edgepfl.data import load_client_data  # noqa: E402
 from edgepfl.methods import create_method  # noqa: E402
 from edgepfl.methods.base import load_tensors  # noqa: E402
+from edgepfl.methods.fedpick import combine  # noqa: E402
 from edgepfl.state import load_checkpoint  # noqa: E402
 
 #: RepPer head rules read on one encoder: (label, make_head parameters)
@@ -85,7 +89,13 @@ def evaluate_run(run_dir: Path) -> dict:
     state, meta = loaded
     method = create_method(config.method.name, config.method.options())
     correct: dict[str, int] = {}
+    per_client: dict[str, dict[str, float]] = {}
     total, clients = 0, []
+
+    def score(label: str, n_correct: int) -> None:
+        correct[label] = correct.get(label, 0) + n_correct
+        per_client.setdefault(label, {})[clients[-1]] = n_correct / len(y)
+
     chosen_C: dict[str, list[float]] = {}
     for agent_dir in sorted((run_dir / "agents").iterdir()):
         index = int(agent_dir.name.rsplit("-", 1)[1])
@@ -106,25 +116,31 @@ def evaluate_run(run_dir: Path) -> dict:
             for stats in _stored_then_recalibrated(method, model, data):
                 with torch.no_grad():
                     _, personal, global_ = model.head.parts(model.encoder(data.x_test))
+                configured = model.head.ensemble
+                model.head.ensemble = "softmax"  # the other inference ensemble of the same classifiers
+                softmax_average = model.head.combine(personal, global_)
+                model.head.ensemble = configured
                 # the ensemble and each of its two classifiers alone: which one carries the client
                 for part, logits in (("ensemble", model.head.combine(personal, global_)), ("h_p only", personal),
-                                     ("h_s only", global_)):
+                                     ("h_s only", global_), ("softmax average", softmax_average)):
                     label = f"{stats} statistics, {part}"
-                    correct[label] = correct.get(label, 0) + _accuracy(logits.argmax(1).numpy(), y)
+                    score(label, _accuracy(logits.argmax(1).numpy(), y))
             majority = int(torch.bincount(data.y_train).argmax())
-            correct["majority class of the train split"] = correct.get("majority class of the train split", 0) + int(
-                (y == majority).sum())
+            score("majority class of the train split", int((y == majority).sum()))
         elif method.bn_policy != "shared":  # FedRIR, FedBN, FedPick
             for stats in _stored_then_recalibrated(method, model, data):
                 with torch.no_grad():
                     readings = {f"{stats} statistics": method.logits(model, data.x_test)}
                     if method.name == "fedpick":
-                        # the ensemble's two classifiers alone: the shared C_g(v), the personal C_p(m*v)
+                        # every inference ensemble of the same two classifiers: the shared C_g(v),
+                        # the personal C_p(m*v); which combination carries the client
                         parts = model.parts(data.x_test)
                         readings |= {f"{stats} statistics, C_g only": parts["z_g"],
-                                     f"{stats} statistics, C_p only": parts["z_p"]}
+                                     f"{stats} statistics, C_p only": parts["z_p"],
+                                     f"{stats} statistics, softmax average":
+                                         combine(parts["z_g"], parts["z_p"], "softmax")}
                 for label, logits in readings.items():
-                    correct[label] = correct.get(label, 0) + _accuracy(logits.argmax(1).numpy(), y)
+                    score(label, _accuracy(logits.argmax(1).numpy(), y))
         elif method.name == "repper":
             from edgepfl.methods.repper import encode
 
@@ -138,7 +154,7 @@ def evaluate_run(run_dir: Path) -> dict:
                     pred = head.predict(f_test)
                     if params["C"] is None:
                         chosen_C.setdefault(label, []).append(head.C_)
-                correct[label] = correct.get(label, 0) + _accuracy(pred, y)
+                score(label, _accuracy(pred, y))
         else:
             raise SystemExit(f"no paired reading for method {method.name}")
     return {
@@ -149,6 +165,7 @@ def evaluate_run(run_dir: Path) -> dict:
         "clients": clients,
         "test_samples": total,
         "accuracy": {label: c / total for label, c in correct.items()},
+        "per_client": per_client,
         "chosen_C": {label: {str(c): cs.count(c) for c in sorted(set(cs))} for label, cs in chosen_C.items()},
     }
 

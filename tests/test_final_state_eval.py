@@ -32,7 +32,7 @@ TINY = {"title": "tiny", "clients": 4, "paper_source": "none",
 
 
 @pytest.mark.skipif(not FMNIST.exists(), reason="Fashion-MNIST (apt dataset-fashion-mnist) not installed")
-@pytest.mark.parametrize("method", ["fedbn", "fedpick", "fedrir"])
+@pytest.mark.parametrize("method", ["dualfed", "fedbn", "fedpick", "fedrir"])
 def test_personal_batchnorm_statistics_are_read_stored_and_re_estimated(method, tmp_path, monkeypatch):
     """FedBN and FedPick keep every BatchNorm statistic personal, like DualFed and FedRIR:
     their final state is read with the stored statistics and with statistics re-estimated
@@ -42,9 +42,18 @@ def test_personal_batchnorm_statistics_are_read_stored_and_re_estimated(method, 
     run_methods.run_one("tiny", method, 2, 1, 0, "cpu", "t", tmp_path / "runs")
     record = final_state_eval.evaluate_run(run_methods.run_dir(tmp_path / "runs", "t", "tiny", method, 0))
     readings = {"stored statistics", "recalibrated statistics"}
-    if method == "fedpick":  # and each classifier of its ensemble alone
+    if method == "dualfed":  # its ensemble, each classifier alone, the other ensemble; the floor
+        readings = {f"{r}, {part}" for r in readings for part in ("ensemble", "h_p only", "h_s only", "softmax average")}
+        readings.add("majority class of the train split")
+    elif method == "fedpick":  # each classifier of its ensemble alone, and the other ensemble
         readings |= {f"{r}, {c} only" for r in readings for c in ("C_g", "C_p")}
+        readings |= {f"{r}, softmax average" for r in ("stored statistics", "recalibrated statistics")}
     assert set(record["accuracy"]) == readings
     assert record["clients"] == [f"agent-{i:02d}" for i in range(4)] and record["test_samples"] == 4 * 25
     assert all(0.0 <= a <= 1.0 for a in record["accuracy"].values())
+    # every reading per client too (equal test splits: the overall figure is their mean)
+    assert set(record["per_client"]) == readings
+    for label, by_client in record["per_client"].items():
+        assert list(by_client) == record["clients"]
+        assert sum(by_client.values()) / 4 == pytest.approx(record["accuracy"][label])
 
