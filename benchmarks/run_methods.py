@@ -11,6 +11,7 @@ markdown table::
     python benchmarks/run_methods.py --tag cpu30 --rounds 30 --seeds 0,1,2 --skip-done --resume   # go on after a stop
     python benchmarks/run_methods.py --tag later --rounds 30 --seeds 0,1,2 --methods "fedrir+mi_clamp=true"
     python benchmarks/run_methods.py --tag cpu30 --merge later --table   # a variant beside cpu30's baselines
+    python benchmarks/run_methods.py --tag cpu200 --rounds 200 --extend cpu30 --resume  # rounds 30..199 of cpu30's runs
 
 A method ``name+option=value[+...]`` is a variant: the method with those options set on
 top of ``configs/<name>.yaml``; tables rank it after, and compare it like, its method.
@@ -220,6 +221,8 @@ def run_dir(runs_root: Path, tag: str, setting: str, method: str, seed: int) -> 
 
 #: the benchmark's own record of the configuration a run directory was started with
 BENCH_CONFIG = "bench_config.json"
+#: in a run directory that went on from a shorter run (--extend): that run's tag and rounds
+EXTENDED = "extended_from.json"
 
 
 def resumable(out: Path, cfg: dict) -> bool:
@@ -235,6 +238,32 @@ def resumable(out: Path, cfg: dict) -> bool:
         raise SystemExit(f"{out} holds a checkpoint of another configuration (see {recorded.name}); "
                          "remove the directory or run without --resume")
     return True
+
+
+def extend_from(out: Path, source: Path, cfg: dict) -> int:
+    """Start ``out`` as a copy of the finished shorter run in ``source``, so that a run of
+    R rounds goes on from a finished run of r < R rounds of the same configuration instead
+    of training its first r rounds again; returns r.
+
+    Exact, not approximate: nothing in a round depends on the run's length (no learning-rate
+    schedule; client sampling, seeds and each agent's state depend on the round alone), and
+    the final evaluation only reads state, so rounds r..R-1 continue the run as if it had
+    been started with R (``tests/test_run_methods.py`` compares the two round by round).
+    The copy lives under its own tag: the shorter run's directory and results stay as
+    they were."""
+    recorded = source / BENCH_CONFIG
+    if not (source / "summary.json").is_file() or not recorded.is_file():
+        raise SystemExit(f"--extend: {source} holds no finished run to go on from")
+    previous = json.loads(recorded.read_text())
+    shorter = previous.get("rounds")
+    if {**previous, "rounds": cfg["rounds"]} != cfg or not isinstance(shorter, int) or shorter >= cfg["rounds"]:
+        raise SystemExit(f"--extend: {source} is not a shorter run of this configuration (see {recorded.name})")
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(source, out)
+    (out / "summary.json").unlink()  # the shorter run's: this one is not finished
+    (out / BENCH_CONFIG).write_text(json.dumps(cfg, indent=1))
+    (out / EXTENDED).write_text(json.dumps({"tag": source.parent.name, "rounds": shorter}))
+    return shorter
 
 
 def majority_floor(setting: str, seed: int, data_root: str | None = None) -> float:
@@ -259,11 +288,14 @@ def majority_floor(setting: str, seed: int, data_root: str | None = None) -> flo
 
 
 def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, device: str, tag: str,
-            runs_root: Path, data_root: str | None = None, resume: bool = False) -> dict:
+            runs_root: Path, data_root: str | None = None, resume: bool = False,
+            extend: str | None = None) -> dict:
     """One in-process federation; returns (and the caller stores) its result record.
 
     With ``resume``, a checkpoint of the same configuration in the run's directory is
-    continued (:func:`resumable`); the record covers every round either way."""
+    continued (:func:`resumable`); with ``extend``, a run not started yet begins as a copy
+    of the same run, finished with fewer rounds, under that tag (:func:`extend_from`). The
+    record covers every round either way."""
     import torch
 
     from edgepfl.config import RunConfig, parse_config
@@ -275,6 +307,10 @@ def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, devi
     config = parse_config(RunConfig, cfg, f"benchmark {setting}/{method}")
     out = run_dir(runs_root, tag, setting, method, seed)
     fresh = not (resume and resumable(out, cfg))
+    resumed = not fresh  # its own checkpoint, after a stop: not the shorter run it went on from
+    if fresh and extend:
+        extend_from(out, run_dir(runs_root, extend, setting, method, seed), cfg)
+        fresh = False
     if fresh:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
@@ -283,6 +319,7 @@ def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, devi
     _, summary = simulate(config, SETTINGS[setting]["clients"], out, in_process=True, progress=False, fresh=False)
     wall = time.monotonic() - t0
     rows = read_metrics(out)  # every round, those before a resume included
+    extended = json.loads((out / EXTENDED).read_text()) if (out / EXTENDED).is_file() else None
     scored = [r for r in rows if r.accuracy is not None]
     return {
         "setting": setting,
@@ -305,17 +342,20 @@ def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, devi
         "final_per_client": summary["final_per_client"],
         "wall_seconds": round(sum(r.seconds for r in rows), 1),
         "wall_seconds_this_process": round(wall, 1),
-        "resumed": not fresh,
+        "resumed": resumed,
+        "extended_from": extended,
         "majority_floor": majority_floor(setting, seed, data_root),
         "paper_accuracy": PAPER.get(setting, {}).get(base_method(method)),
-        "command": command_line(tag, rounds, epochs, seed, device, [setting], [method], data_root),
+        "command": command_line(tag, rounds, epochs, seed, device, [setting], [method], data_root, extend),
     }
 
 
-def command_line(tag, rounds, epochs, seed, device, settings, methods, data_root=None) -> str:
+def command_line(tag, rounds, epochs, seed, device, settings, methods, data_root=None, extend=None) -> str:
     root = f" --data-root {data_root}" if data_root else ""
+    longer = f" --extend {extend}" if extend else ""
     return (f"OMP_NUM_THREADS=1 python benchmarks/run_methods.py --tag {tag} --rounds {rounds} --epochs {epochs} "
-            f"--seed {seed} --device {device} --settings {','.join(settings)} --methods {','.join(methods)}{root}")
+            f"--seed {seed} --device {device} --settings {','.join(settings)} --methods {','.join(methods)}"
+            f"{root}{longer}")
 
 
 def parse_pair(item: str, seeds: list[int]) -> list[tuple[str, str, int]]:
@@ -503,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-done", action="store_true", help="skip pairs whose result JSON exists")
     p.add_argument("--resume", action="store_true", help="continue each run from its directory's checkpoint "
                    "(same configuration only) instead of starting it over")
+    p.add_argument("--extend", default=None, metavar="TAG", help="start each run not started yet from the same "
+                   "run finished with fewer rounds under TAG (copied, TAG's results stay), instead of from round 0")
     p.add_argument("--table", action="store_true", help="only (re)write the markdown table and curves.png for --tag")
     p.add_argument("--merge", default="", help="comma list of tags whose runs the table and curves of --tag "
                    "include beside its own (e.g. a method's later variant runs)")
@@ -514,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
 
         setting, method = args.one.split(":")
         record = run_one(setting, method, args.rounds, args.epochs, args.seed, args.device, args.tag,
-                         Path(args.runs_root), args.data_root, resume=args.resume)
+                         Path(args.runs_root), args.data_root, resume=args.resume, extend=args.extend)
         path = result_path(args.tag, setting, method, args.seed)
         path.parent.mkdir(parents=True, exist_ok=True)
         # atomic: a run killed mid-write must not leave a JSON that --skip-done takes as finished
@@ -549,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
                 cmd += ["--data-root", args.data_root]
             if args.resume:
                 cmd.append("--resume")
+            if args.extend:
+                cmd += ["--extend", args.extend]
             log_path = log_dir / f"{setting}__{method}__s{seed}.log"
             with open(log_path, "w") as log:
                 rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -250,3 +250,45 @@ def test_the_device_kit_carries_every_module_the_benchmark_imports_that_the_gpu_
     missing = third_party - {"edgepfl", "run_methods", "seed_stats", "results_io"} - GPU_IMAGE_HAS - carried
     assert not missing, f"the GPU image lacks {sorted(missing)}: add them to PACKAGES in benchmarks/device_kit.sh"
     assert "pydantic" in third_party  # the probe saw the simulation's imports
+
+
+@pytest.mark.slow
+@needs_fmnist
+@pytest.mark.parametrize("method", ["fedavg", "fedpac"])
+def test_an_extended_run_is_the_longer_run_round_by_round(tmp_path, method):
+    """--extend: R rounds that go on from a finished run of r < R rounds score exactly as
+    a run started with R — a shared encoder (FedAvg) and personal state on the agents with
+    a server-side rule (FedPAC) alike — and the shorter run is left as it was."""
+    results, runs_root = tmp_path / "results", tmp_path / "runs"
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(bench=str(REPO / "benchmarks"), tiny=json.dumps(TINY), results=str(results)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+
+    def run(tag: str, rounds: int, *extra: str, epochs: int = 1) -> subprocess.CompletedProcess:
+        argv = [sys.executable, str(script), "--one", f"tiny:{method}", "--tag", tag, "--rounds", str(rounds),
+                "--seed", "1", "--epochs", str(epochs), "--device", "cpu", "--runs-root", str(runs_root), *extra]
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+
+    def record(tag: str) -> dict:
+        return json.loads((results / tag / f"tiny__{method}__s1.json").read_text())
+
+    for tag, rounds, extra in (("short", 2, ()), ("straight", 4, ()), ("long", 4, ("--extend", "short"))):
+        done = run(tag, rounds, *extra)
+        assert done.returncode == 0, done.stdout + done.stderr
+    short_before = (run_methods.run_dir(runs_root, "short", "tiny", method, 1) / "metrics.jsonl").read_text()
+
+    straight, long = record("straight"), record("long")
+    assert long["extended_from"] == {"tag": "short", "rounds": 2} and straight["extended_from"] is None
+    assert long["resumed"] is False
+    assert len(long["accuracy_curve"]) == 5  # rounds 0..3 and the final evaluation
+    assert long["accuracy_curve"] == straight["accuracy_curve"]
+    assert long["train_loss_curve"] == straight["train_loss_curve"]
+    assert long["final_per_client"] == straight["final_per_client"]
+    assert record("short")["rounds"] == 2
+    assert (run_methods.run_dir(runs_root, "short", "tiny", method, 1) / "metrics.jsonl").read_text() == short_before
+
+    # only a shorter run of the same configuration is gone on from
+    for tag, rounds, epochs in (("as_long", 2, 1), ("other_epochs", 4, 2)):
+        refused = run(tag, rounds, "--extend", "short", epochs=epochs)
+        assert refused.returncode != 0
+        assert "is not a shorter run of this configuration" in refused.stderr
