@@ -52,7 +52,7 @@ from edgepfl.config import RunConfig, parse_config  # noqa: E402
 from edgepfl.data import load_client_data  # noqa: E402
 from edgepfl.methods import create_method  # noqa: E402
 from edgepfl.methods.base import load_tensors  # noqa: E402
-from edgepfl.methods.fedpick import combine  # noqa: E402
+from edgepfl.methods.ensemble import ensemble_logits  # noqa: E402
 from edgepfl.state import load_checkpoint  # noqa: E402
 
 #: RepPer head rules read on one encoder: (label, make_head parameters)
@@ -116,13 +116,10 @@ def evaluate_run(run_dir: Path) -> dict:
             for stats in _stored_then_recalibrated(method, model, data):
                 with torch.no_grad():
                     _, personal, global_ = model.head.parts(model.encoder(data.x_test))
-                configured = model.head.ensemble
-                model.head.ensemble = "softmax"  # the other inference ensemble of the same classifiers
-                softmax_average = model.head.combine(personal, global_)
-                model.head.ensemble = configured
-                # the ensemble and each of its two classifiers alone: which one carries the client
+                # the configured ensemble, the other form, and each classifier alone: which carries the client
                 for part, logits in (("ensemble", model.head.combine(personal, global_)), ("h_p only", personal),
-                                     ("h_s only", global_), ("softmax average", softmax_average)):
+                                     ("h_s only", global_),
+                                     ("softmax average", ensemble_logits(global_, personal, "softmax"))):
                     label = f"{stats} statistics, {part}"
                     score(label, _accuracy(logits.argmax(1).numpy(), y))
             majority = int(torch.bincount(data.y_train).argmax())
@@ -138,7 +135,7 @@ def evaluate_run(run_dir: Path) -> dict:
                         readings |= {f"{stats} statistics, C_g only": parts["z_g"],
                                      f"{stats} statistics, C_p only": parts["z_p"],
                                      f"{stats} statistics, softmax average":
-                                         combine(parts["z_g"], parts["z_p"], "softmax")}
+                                         ensemble_logits(parts["z_g"], parts["z_p"], "softmax")}
                 for label, logits in readings.items():
                     score(label, _accuracy(logits.argmax(1).numpy(), y))
         elif method.name == "repper":

@@ -27,7 +27,7 @@ from .base import (
 
 _REGISTRY: dict[str, type[Method]] = {}
 #: modules of this package that hold building blocks, not methods
-_INFRA = frozenset({"base", "aggregate", "training", "losses", "device_head"})
+_INFRA = frozenset({"base", "aggregate", "training", "losses", "ensemble", "device_head"})
 
 
 def register(cls: type[Method]) -> type[Method]:

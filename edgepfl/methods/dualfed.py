@@ -36,7 +36,7 @@ as the authors' code does.
 
 Inference: ``argmax(h_p(u) + h_s(z))`` on raw logits [code]; ``ensemble = "softmax"``
 sums the probabilities instead and returns ``log((p_p + p_s) / 2)`` so that the
-evaluation loss stays a proper negative log-likelihood.
+evaluation loss stays a proper negative log-likelihood (:mod:`.ensemble`, shared with FedPick).
 
 Defaults: SGD lr 0.01 momentum 0.5 (the run's ``train`` section, whose defaults are
 these), no weight decay [code], batch 256 and E = 1 in the paper (``train``),
@@ -54,6 +54,7 @@ from ..heads import GENERIC_HEAD_KINDS
 from ..models import model_as
 from . import register
 from .base import ClientUpdate, LocalContext, LocalResult, Method, PersonalBatchNormConfig
+from .ensemble import ensemble_logits
 from .losses import SupConForm, supcon_loss
 from .training import fit, make_optimizer, recalibrate_batchnorm
 
@@ -107,9 +108,7 @@ class DualFedHead(nn.Module):
         return u, self.personal_classifier(u), self.global_classifier(z)
 
     def combine(self, personal: torch.Tensor, global_: torch.Tensor) -> torch.Tensor:
-        if self.ensemble == "softmax":
-            return torch.log((F.softmax(personal, dim=1) + F.softmax(global_, dim=1)) / 2)
-        return personal + global_
+        return ensemble_logits(global_, personal, self.ensemble)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         _, personal, global_ = self.parts(z)

@@ -11,12 +11,13 @@ v_ir = (1-m)*v. Three classifiers sit on top: the global C_g(v) (shared, the mod
         + lam_kd*[KL(sg p_g || p_p) + KL(sg p_p || p_g)]
 
 Shared: encoder (all BatchNorm layers personal) and C_g. Inference: C_g(v) + C_p(v_r)
-with the noise-free mask (softmax average as an option). See METHODS.md "FedPick".
+with the noise-free mask (the softmax average or C_p alone as options, :mod:`.ensemble`).
+See METHODS.md "FedPick".
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
@@ -25,6 +26,7 @@ from ..heads import GENERIC_HEAD_KINDS
 from ..models import Encoder, model_as
 from . import register
 from .base import LocalResult, Method, PersonalBatchNormConfig
+from .ensemble import EnsembleForm, ensemble_logits
 from .training import fit, noise_generator
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,7 +43,7 @@ class FedPickConfig(PersonalBatchNormConfig):
     lam_kd: float = Field(1.0, ge=0, description="weight of the cyclic distillation between p_g and p_p")
     temperature: float = Field(1.0, gt=0, description="Gumbel-Sigmoid temperature T [inferred]")
     threshold: float = Field(0.5, gt=0, lt=1, description="hard-mask threshold on the soft mask (paper: 0.5)")
-    ensemble: Literal["logits", "softmax", "personal"] = Field(
+    ensemble: EnsembleForm = Field(
         "logits", description="inference: C_g(v)+C_p(v_r) logit sum, the average of their softmaxes, "
         "or C_p(v_r) alone (label shift with many local epochs: docs/BENCHMARKS.md)"
     )
@@ -58,22 +60,6 @@ def gumbel_noise(shape: torch.Size, generator: torch.Generator | None, like: tor
 def deterministic_mask(s: torch.Tensor, temperature: float, threshold: float) -> torch.Tensor:
     """The inference mask: no noise, 1 where sigmoid(s/T) exceeds the threshold."""
     return (torch.sigmoid(s / temperature) > threshold).to(s.dtype)
-
-
-def combine(z_g: torch.Tensor, z_p: torch.Tensor, mode: str) -> torch.Tensor:
-    """Ensemble of the global and personal predictions as class scores.
-
-    ``softmax`` returns log((p_g + p_p) / 2): log-probabilities are valid logits, so the
-    argmax and the evaluation's cross-entropy both see the averaged distribution.
-    ``personal`` returns the personal classifier's scores alone: under label shift the
-    averaged C_g is generic, and with many local epochs its logits outvote C_p's.
-    """
-    if mode == "personal":
-        return z_p
-    if mode == "softmax":
-        stacked = torch.stack([F.log_softmax(z_g, 1), F.log_softmax(z_p, 1)])
-        return torch.logsumexp(stacked, 0) - torch.log(torch.tensor(2.0, dtype=z_g.dtype, device=z_g.device))
-    return z_g + z_p
 
 
 class FedPickModel(nn.Module):
@@ -125,7 +111,7 @@ class FedPickModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.parts(x)
-        return combine(p["z_g"], p["z_p"], self.ensemble)
+        return ensemble_logits(p["z_g"], p["z_p"], self.ensemble)
 
 
 class FedPickHead(nn.Module):
@@ -145,7 +131,7 @@ class FedPickHead(nn.Module):
 
     def forward(self, v: torch.Tensor) -> torch.Tensor:
         m = deterministic_mask(self.pfsm(v), self.temperature, self.threshold)
-        return combine(self.head(v), self.personal_head(m * v), self.ensemble)
+        return ensemble_logits(self.head(v), self.personal_head(m * v), self.ensemble)
 
 
 def fedpick_loss(parts: dict[str, torch.Tensor], y: torch.Tensor, cfg: FedPickConfig) -> dict[str, torch.Tensor]:
