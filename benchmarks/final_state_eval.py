@@ -65,10 +65,6 @@ HEAD_RULES = [
 ]
 
 
-def _accuracy(pred: np.ndarray, y: np.ndarray) -> int:
-    return int((pred == y).sum())
-
-
 def _stored_then_recalibrated(method, model, data):
     """Yield "stored" with the model as saved, then "recalibrated" after its personal
     BatchNorm statistics were re-estimated on the training images by the method's own
@@ -92,9 +88,11 @@ def evaluate_run(run_dir: Path) -> dict:
     per_client: dict[str, dict[str, float]] = {}
     total, clients = 0, []
 
-    def score(label: str, n_correct: int) -> None:
+    def score(label: str, client: str, pred: np.ndarray, y: np.ndarray) -> None:
+        """One reading of one client: its accuracy, and its correct answers in the pooled count."""
+        n_correct = int((pred == y).sum())
         correct[label] = correct.get(label, 0) + n_correct
-        per_client.setdefault(label, {})[clients[-1]] = n_correct / len(y)
+        per_client.setdefault(label, {})[client] = n_correct / len(y)
 
     chosen_C: dict[str, list[float]] = {}
     for agent_dir in sorted((run_dir / "agents").iterdir()):
@@ -110,7 +108,8 @@ def evaluate_run(run_dir: Path) -> dict:
         load_tensors(model, read_tensors(records[0].with_suffix(".safetensors")))
         load_tensors(model, state.global_tensors)
         y = data.y_test.numpy()
-        clients.append(agent_dir.name)
+        client = agent_dir.name
+        clients.append(client)
         total += len(y)
         if method.name == "dualfed":
             for stats in _stored_then_recalibrated(method, model, data):
@@ -121,9 +120,9 @@ def evaluate_run(run_dir: Path) -> dict:
                                      ("h_s only", global_),
                                      ("softmax average", ensemble_logits(global_, personal, "softmax"))):
                     label = f"{stats} statistics, {part}"
-                    score(label, _accuracy(logits.argmax(1).numpy(), y))
+                    score(label, client, logits.argmax(1).numpy(), y)
             majority = int(torch.bincount(data.y_train).argmax())
-            score("majority class of the train split", int((y == majority).sum()))
+            score("majority class of the train split", client, np.full_like(y, majority), y)
         elif method.bn_policy != "shared":  # FedRIR, FedBN, FedPick
             for stats in _stored_then_recalibrated(method, model, data):
                 with torch.no_grad():
@@ -137,7 +136,7 @@ def evaluate_run(run_dir: Path) -> dict:
                                      f"{stats} statistics, softmax average":
                                          ensemble_logits(parts["z_g"], parts["z_p"], "softmax")}
                 for label, logits in readings.items():
-                    score(label, _accuracy(logits.argmax(1).numpy(), y))
+                    score(label, client, logits.argmax(1).numpy(), y)
         elif method.name == "repper":
             from edgepfl.methods.repper import encode
 
@@ -151,7 +150,7 @@ def evaluate_run(run_dir: Path) -> dict:
                     pred = head.predict(f_test)
                     if params["C"] is None:
                         chosen_C.setdefault(label, []).append(head.C_)
-                score(label, _accuracy(pred, y))
+                score(label, client, pred, y)
         else:
             raise SystemExit(f"no paired reading for method {method.name}")
     return {
