@@ -240,10 +240,10 @@ def resumable(out: Path, cfg: dict) -> bool:
     return True
 
 
-def extend_from(out: Path, source: Path, cfg: dict) -> int:
+def extend_from(out: Path, source: Path, cfg: dict) -> None:
     """Start ``out`` as a copy of the finished shorter run in ``source``, so that a run of
     R rounds goes on from a finished run of r < R rounds of the same configuration instead
-    of training its first r rounds again; returns r.
+    of training its first r rounds again; ``out``'s :data:`EXTENDED` records where it began.
 
     Exact, not approximate: nothing in a round depends on the run's length (no learning-rate
     schedule; client sampling, seeds and each agent's state depend on the round alone), and
@@ -263,7 +263,6 @@ def extend_from(out: Path, source: Path, cfg: dict) -> int:
     (out / "summary.json").unlink()  # the shorter run's: this one is not finished
     (out / BENCH_CONFIG).write_text(json.dumps(cfg, indent=1))
     (out / EXTENDED).write_text(json.dumps({"tag": source.parent.name, "rounds": shorter}))
-    return shorter
 
 
 def majority_floor(setting: str, seed: int, data_root: str | None = None) -> float:
