@@ -62,10 +62,23 @@ class PartitionSpec(_Strict):
     alpha: float = Field(0.5, gt=0, description="Dirichlet concentration")
     classes_per_client: int = Field(2, ge=1, description="pathological: classes per client")
     uniform_fraction: float = Field(0.2, ge=0, le=1, description="dominant: share drawn uniformly over classes")
+    dominant_sets: list[list[int]] | None = Field(
+        None, description="dominant: client i draws the rest evenly from the classes dominant_sets[i % len]; null: "
+                          "one class, i mod the number of classes. FedPAC's code for Fashion-MNIST: [[0,1,2],[2,3,4],"
+                          "[4,5,6],[6,7,8],[8,9,0]]")
     domains: list[str] = Field(
         default_factory=lambda: ["identity", "rot90", "invert", "noise"],
         description="domain: transforms, client i gets domains[i % len]",
     )
+
+    @model_validator(mode="after")
+    def _check_dominant_sets(self) -> PartitionSpec:
+        for group in self.dominant_sets or []:
+            if not group or len(set(group)) != len(group) or min(group) < 0:
+                raise ValueError(f"dominant_sets: each set must name distinct classes >= 0, got {group}")
+        if self.dominant_sets == []:
+            raise ValueError("dominant_sets: give at least one set, or null for one class per client")
+        return self
 
 
 class DataSpec(_Strict):

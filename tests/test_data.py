@@ -196,6 +196,43 @@ def test_samples_per_client_cap_keeps_proportions(fmnist):
         assert r["class_counts"][i % 10] / 600 == pytest.approx(0.82, abs=0.01)
 
 
+#: FedPAC's published code for Fashion-MNIST (data_loader.py, mnist_noniid_s)
+FEDPAC_CODE_SETS = [[0, 1, 2], [2, 3, 4], [4, 5, 6], [6, 7, 8], [8, 9, 0]]
+
+
+def test_dominant_sets_match_fedpac_code(fmnist):
+    # 600 train and 600 test images a client, as the authors' code gives each: 12 of every
+    # class (s = 20 %) and 160 more of each of its group's three dominant classes
+    s = spec(dataset="fmnist", num_clients=20, samples_per_client=1200, test_fraction=0.5,
+             partition={"kind": "dominant", "uniform_fraction": 0.2, "dominant_sets": FEDPAC_CODE_SETS})
+    for i, r in enumerate(describe_partition(s)):
+        expected = np.full(10, 12)
+        expected[FEDPAC_CODE_SETS[i % 5]] += 160
+        assert (r["n_train"], r["n_test"]) == (600, 600)
+        assert r["class_counts"] == expected.tolist() and r["test_class_counts"] == expected.tolist()
+
+
+def test_dominant_sets_size_is_the_largest_the_pool_supplies(fmnist):
+    # overlapping sets draw unevenly on the classes: the size stops where the most
+    # demanded class runs out, and no sample is used twice
+    labels = fmnist.y
+    parts = _parts(labels, "dominant", k=20, uniform_fraction=0.2, dominant_sets=FEDPAC_CODE_SETS)
+    allidx = np.concatenate(parts)
+    assert len(np.unique(allidx)) == len(allidx)
+    left = np.bincount(labels) - np.bincount(labels[allidx], minlength=10)
+    assert left.min() < 20  # one more sample a client would take more than some class has left
+    even, odd = left[::2], left[1::2]  # even classes are dominant in two groups, odd in one
+    assert even.max() < odd.min()
+
+
+def test_dominant_sets_rejected_clearly(digits):
+    with pytest.raises(ValueError, match="pool has 10 classes"):
+        _parts(digits.y, "dominant", dominant_sets=[[0, 10]])
+    for bad in ([[]], [[1, 1]], [[-1]], []):
+        with pytest.raises(ValueError, match="dominant_sets"):
+            PartitionSpec(kind="dominant", dominant_sets=bad)
+
+
 def test_test_split_follows_client_distribution(digits):
     s = spec(num_clients=6, test_fraction=0.3, partition={"kind": "dirichlet", "alpha": 0.3})
     for i in range(6):

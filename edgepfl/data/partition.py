@@ -128,39 +128,59 @@ def _uniform_quota(n_uniform: int, num_classes: int, client: int) -> np.ndarray:
     return q
 
 
-def _dominant_demand(n: int, frac: float, num_clients: int, num_classes: int) -> np.ndarray:
+def _dominant_sets(spec: PartitionSpec, num_classes: int) -> list[list[int]]:
+    if spec.dominant_sets is None:
+        return [[c] for c in range(num_classes)]
+    for group in spec.dominant_sets:
+        if max(group) >= num_classes:
+            raise PartitionError(f"dominant_sets names class {max(group)} but the pool has {num_classes} classes")
+    return spec.dominant_sets
+
+
+def _dominant_demand(n: int, frac: float, num_clients: int, sets: list[list[int]], num_classes: int) -> np.ndarray:
     """(K, C) samples each client takes from each class, when each holds ``n`` samples."""
     n_uniform = int(round(frac * n))
     demand = np.zeros((num_clients, num_classes), dtype=np.int64)
     for i in range(num_clients):
         demand[i] = _uniform_quota(n_uniform, num_classes, i)
-        demand[i, i % num_classes] += n - n_uniform
+        group = sets[i % len(sets)]
+        share = np.full(len(group), (n - n_uniform) // len(group), dtype=np.int64)
+        share[: (n - n_uniform) % len(group)] += 1
+        demand[i, group] += share
     return demand
 
 
 def dominant(labels: np.ndarray, num_clients: int, spec: PartitionSpec, rng: np.random.Generator) -> list[np.ndarray]:
     """FedPAC's label-shift setting: a share ``uniform_fraction`` of each client's samples
-    is spread evenly over all classes, the rest comes from one dominant class,
-    ``client_index mod num_classes`` (so clients form groups sharing a dominant class).
+    is spread evenly over all classes, the rest evenly over the client's dominant classes,
+    ``dominant_sets[i % len]`` (clients form groups sharing their dominant classes).
+
+    Without ``dominant_sets`` a client has one dominant class, ``client_index mod
+    num_classes``, and that class's share is ``(1 - s) + s / C``. FedPAC's published code
+    for Fashion-MNIST uses five overlapping sets of three, ``[[0,1,2],[2,3,4],...,[8,9,0]]``.
 
     All clients get the same size: the largest the pool can supply without reusing a
-    sample (``samples_per_client`` then caps it, keeping these proportions). A client's
-    dominant-class share is ``(1 - s) + s / C``.
+    sample (``samples_per_client`` then caps it, keeping these proportions).
     """
     labels = _check(labels, num_clients)
     classes = np.unique(labels)
     num_classes = len(classes)
+    sets = _dominant_sets(spec, num_classes)
     counts = np.array([(labels == c).sum() for c in classes], dtype=np.int64)
     frac = spec.uniform_fraction
-    groups = np.bincount(np.arange(num_clients) % num_classes, minlength=num_classes)
-    per_client = groups * (1 - frac) + num_clients * frac / num_classes
-    n = int(min(len(labels) // num_clients, np.floor(np.min(counts / per_client))))
-    # rounding of the per-class quotas can overshoot the closed-form bound by a few
-    while n > 0 and np.any(_dominant_demand(n, frac, num_clients, num_classes).sum(0) > counts):
-        n -= 1
+
+    def fits(n: int) -> bool:
+        return bool(np.all(_dominant_demand(n, frac, num_clients, sets, num_classes).sum(0) <= counts))
+
+    # the largest n that fits; demand grows with n, so bisect
+    lo, hi = 0, len(labels) // num_clients
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    n = lo
     if n < 1:
         raise PartitionError("the pool is too small for a dominant-class partition over this many clients")
-    demand = _dominant_demand(n, frac, num_clients, num_classes)
+    demand = _dominant_demand(n, frac, num_clients, sets, num_classes)
     pools = [rng.permutation(np.flatnonzero(labels == c)) for c in classes]
     used = np.zeros(num_classes, dtype=np.int64)
     parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
