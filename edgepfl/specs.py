@@ -35,11 +35,12 @@ class _Strict(BaseModel):
 class ModelSpec(_Strict):
     """Which network to build. Weights are only ever read from a local file."""
 
-    arch: Literal["cnn", "mlp", "resnet18", "mobilenet_v3_small", "identity"] = Field(
+    arch: Literal["cnn", "fedpac_cnn", "mlp", "resnet18", "mobilenet_v3_small", "identity"] = Field(
         "cnn", description="'identity': inputs already are feature vectors, the encoder only flattens them "
-                           "(how a method's head is fitted on an exported encoder's features)"
+                           "(how a method's head is fitted on an exported encoder's features); 'fedpac_cnn': the "
+                           "CNN of FedPAC's published code (16 / 32 channels, LeakyReLU; with norm: none as there)"
     )
-    feature_dim: int = Field(128, ge=2, description="encoder output size (cnn / mlp)")
+    feature_dim: int = Field(128, ge=2, description="encoder output size (cnn / fedpac_cnn / mlp)")
     norm: Literal["batch", "none"] = Field("batch", description="BatchNorm in the encoder, or none")
     weights: ConfigPath | None = Field(None, description="local state_dict file for resnet18 / mobilenet_v3_small")
 

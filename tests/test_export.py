@@ -183,8 +183,9 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
 
 @pytest.mark.slow  # trains a CNN on Fashion-MNIST: 10-20 s on 2 cores
 @pytest.mark.skipif(not fmnist_available(), reason="Fashion-MNIST not installed (dataset-fashion-mnist)")
-def test_cnn_encoder_parity_on_fashion_mnist(tmp_path):
-    run = make_run(tmp_path / "run", "fedbn", arch="cnn", dataset="fmnist", rounds=1, epochs=1, feature_dim=64)
+@pytest.mark.parametrize("arch", ["cnn", "fedpac_cnn"])
+def test_cnn_encoder_parity_on_fashion_mnist(tmp_path, arch):
+    run = make_run(tmp_path / "run", "fedbn", arch=arch, dataset="fmnist", rounds=1, epochs=1, feature_dim=64)
     calib = client_data(0, "fmnist").x_train
     manifest = read_manifest(export_run(run, tmp_path / "out", calibration=calib))
     assert manifest.batchnorm.statistics == "calibrated"

@@ -13,7 +13,7 @@ from edgepfl.methods import available_methods, create_method
 from edgepfl.specs import ModelSpec
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "MODELS.md"
-ARCHS = ("cnn", "mlp", "identity", "resnet18", "mobilenet_v3_small")
+ARCHS = ("cnn", "fedpac_cnn", "mlp", "identity", "resnet18", "mobilenet_v3_small")
 NORMS = ("batch", "none")
 INPUT = (2, 20, 20)  # C = 2 catches a channel count taken for 3 or 1; S = 2
 F, K = 8, 3
@@ -72,8 +72,9 @@ def _method_table(name: str) -> tuple[str, bool, list]:
 def _symbols(method, arch: str, norm: str, model) -> dict:
     c, h, w = INPUT
     side = ((min(h, w) - 4) // 2 - 4) // 2
-    d = {"cnn": F, "mlp": F, "identity": c * h * w, "resnet18": 512, "mobilenet_v3_small": 576}[arch]
-    return {**method.config.model_dump(), "C": c, "H": h, "W": w, "F": F, "K": K, "D": d, "S": side,
+    fedpac_side = ((min(h, w) - 4) // 2 - 2) // 2
+    d = {"cnn": F, "fedpac_cnn": F, "mlp": F, "identity": c * h * w, "resnet18": 512, "mobilenet_v3_small": 576}[arch]
+    return {**method.config.model_dump(), "C": c, "H": h, "W": w, "F": F, "K": K, "D": d, "S": side, "P": fedpac_side,
             "Sh": ((h - 4) // 2 - 4) // 2, "Sw": ((w - 4) // 2 - 4) // 2, "norm": norm, "arch": arch}
 
 

@@ -29,24 +29,32 @@ class Encoder(nn.Module):
 class SmallCNN(Encoder):
     """Two conv blocks and a linear layer; the usual 28x28 / 32x32 FL network.
 
-    conv5-[BN]-ReLU-pool2 -> conv5-[BN]-ReLU-pool2 -> flatten -> Linear -> ReLU.
+    conv5-[BN]-act-pool2 -> conv5-[BN]-act-pool2 -> flatten -> Linear -> act. The
+    defaults are ``arch: cnn`` (32 and 64 channels, ReLU); ``arch: fedpac_cnn`` is the
+    CNN of FedPAC's published code (16 and 32 channels, the second conv padded by one,
+    LeakyReLU), see :func:`build_encoder`.
     """
 
-    def __init__(self, in_channels: int, image_size: int, feature_dim: int = 128, norm: str = "batch"):
+    def __init__(self, in_channels: int, image_size: int, feature_dim: int = 128, norm: str = "batch",
+                 widths: tuple[int, int] = (32, 64), second_padding: int = 0, leaky: bool = False):
         super().__init__()
 
-        def block(cin: int, cout: int) -> list[nn.Module]:
-            layers: list[nn.Module] = [nn.Conv2d(cin, cout, 5)]
+        def block(cin: int, cout: int, padding: int) -> list[nn.Module]:
+            layers: list[nn.Module] = [nn.Conv2d(cin, cout, 5, padding=padding)]
             if norm == "batch":
                 layers.append(nn.BatchNorm2d(cout))
-            layers += [nn.ReLU(inplace=True), nn.MaxPool2d(2)]
+            layers += [activation(), nn.MaxPool2d(2)]
             return layers
 
-        self.conv = nn.Sequential(*block(in_channels, 32), *block(32, 64), nn.Flatten())
-        side = ((image_size - 4) // 2 - 4) // 2
+        def activation() -> nn.Module:
+            return nn.LeakyReLU(inplace=True) if leaky else nn.ReLU(inplace=True)
+
+        first, second = widths
+        self.conv = nn.Sequential(*block(in_channels, first, 0), *block(first, second, second_padding), nn.Flatten())
+        side = ((image_size - 4) // 2 - 4 + 2 * second_padding) // 2
         if side < 1:
-            raise ValueError(f"SmallCNN needs images of at least 16 px, got {image_size}")
-        self.fc = nn.Sequential(nn.Linear(64 * side * side, feature_dim), nn.ReLU(inplace=True))
+            raise ValueError(f"SmallCNN needs images of at least {16 - 2 * second_padding} px, got {image_size}")
+        self.fc = nn.Sequential(nn.Linear(second * side * side, feature_dim), activation())
         self.out_features = feature_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,6 +145,8 @@ def build_encoder(spec: ModelSpec, input_shape: tuple[int, ...]) -> Encoder:
     c, h, w = input_shape
     if spec.arch == "cnn":
         return SmallCNN(c, min(h, w), spec.feature_dim, spec.norm)
+    if spec.arch == "fedpac_cnn":  # JianXu95/FedPAC, models/cnn.py, CNN_FMNIST
+        return SmallCNN(c, min(h, w), spec.feature_dim, spec.norm, widths=(16, 32), second_padding=1, leaky=True)
     if spec.arch == "mlp":
         return MLPEncoder(c * h * w, spec.feature_dim, norm=spec.norm)
     return TorchvisionEncoder(spec.arch, c, spec.weights)
