@@ -59,7 +59,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 
-#: the four settings of issue 3; ``data`` is a DataSpec, ``clients`` the fleet size
+#: the benchmark's settings; ``data`` is a DataSpec, ``clients`` the fleet size, ``model`` (where
+#: given) the setting's own model
 SETTINGS: dict[str, dict] = {
     "fedpac_dominant": {
         "title": "FedPAC's label shift: 20 clients x 600 train samples, dominant class, s = 20 %",
@@ -184,7 +185,7 @@ PAPER: dict[str, dict[str, float]] = {
     "dir03": {},
 }
 
-# the full-data settings are the same paper tables as their capped twins
+# FedPAC's code settings and the full-data settings are the same paper tables as their twins
 PAPER["fedpac_sets"] = PAPER["fedpac_table1"] = PAPER["fedpac_dominant"]
 PAPER["fedrir_pathological_full"] = PAPER["fedrir_pathological"]
 PAPER["fedrir_dir01_full"] = PAPER["fedrir_dir01"]
