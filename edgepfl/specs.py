@@ -74,11 +74,11 @@ class PartitionSpec(_Strict):
 
     @model_validator(mode="after")
     def _check_dominant_sets(self) -> PartitionSpec:
+        if self.dominant_sets == []:
+            raise ValueError("dominant_sets: give at least one set, or null for one class per client")
         for group in self.dominant_sets or []:
             if not group or len(set(group)) != len(group) or min(group) < 0:
                 raise ValueError(f"dominant_sets: each set must name distinct classes >= 0, got {group}")
-        if self.dominant_sets == []:
-            raise ValueError("dominant_sets: give at least one set, or null for one class per client")
         return self
 
 

@@ -39,15 +39,15 @@ class SmallCNN(Encoder):
                  widths: tuple[int, int] = (32, 64), second_padding: int = 0, leaky: bool = False):
         super().__init__()
 
+        def activation() -> nn.Module:
+            return nn.LeakyReLU(inplace=True) if leaky else nn.ReLU(inplace=True)
+
         def block(cin: int, cout: int, padding: int) -> list[nn.Module]:
             layers: list[nn.Module] = [nn.Conv2d(cin, cout, 5, padding=padding)]
             if norm == "batch":
                 layers.append(nn.BatchNorm2d(cout))
             layers += [activation(), nn.MaxPool2d(2)]
             return layers
-
-        def activation() -> nn.Module:
-            return nn.LeakyReLU(inplace=True) if leaky else nn.ReLU(inplace=True)
 
         first, second = widths
         self.conv = nn.Sequential(*block(in_channels, first, 0), *block(first, second, second_padding), nn.Flatten())
