@@ -31,7 +31,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "setup: creating $VENV" >&2
   "$PY" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+# No wheel cache: where torch comes from the registry it brings several GB of CUDA wheels,
+# and a cached copy of each would double what the install needs on disk.
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir)
 
 if [[ "$EXTRAS" == *all* || "$EXTRAS" == *train* ]] && ! "$VENV/bin/python" -c "import torch, torchvision" 2>/dev/null; then
   # The one exact pin: on x86_64 with Python 3.11 these wheels are the ones known to
