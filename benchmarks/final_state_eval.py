@@ -19,6 +19,12 @@ are used by no training step), so the same run state can be read both ways:
   the same two readings (``bn_recalibrate``: the encoder's statistics re-estimated),
   and for FedPick each classifier of its ensemble alone (``C_g`` on v, ``C_p`` on m*v)
   and the average of their softmaxes (``ensemble: softmax``);
+* ``fedavg``, ``fedavg_ft``: the checkpoint's global model three ways, FedPAC's two
+  readings of its FedAvg-FT row (docs/METHODS.md): as received (what FedAvg reports),
+  after the classifier alone was fine-tuned for ``FT_EPOCHS`` on a copy (``fedavg_ft``,
+  the code's ``local_fine_tuning``), and after the run's own local epochs on a copy (the
+  code's ``acc2``: FedAvg's model after local training), each copy's batch order seeded
+  per client;
 * ``repper``: the checkpoint's encoder; on its features of every client's training
   split, heads fitted by several rules (C fixed or chosen by cross-validation, raw or
   L2-normalized features) and scored on the test split.
@@ -36,6 +42,7 @@ are fitted afresh)::
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -51,7 +58,7 @@ from edgepfl.atomic import read_tensors  # noqa: E402
 from edgepfl.config import RunConfig, parse_config  # noqa: E402
 from edgepfl.data import load_client_data  # noqa: E402
 from edgepfl.methods import create_method  # noqa: E402
-from edgepfl.methods.base import load_tensors  # noqa: E402
+from edgepfl.methods.base import EvalResult, LocalContext, load_tensors  # noqa: E402
 from edgepfl.methods.ensemble import ensemble_logits  # noqa: E402
 from edgepfl.state import load_checkpoint  # noqa: E402
 
@@ -63,6 +70,33 @@ HEAD_RULES = [
     ("lr C by 3-fold CV, l2 (default)", {"C": None, "normalize": True}),
     ("lr C by 3-fold CV, raw", {"C": None, "normalize": False}),
 ]
+
+
+#: classifier fine-tuning epochs of the ``fedavg`` reading: the length of FedPAC's code's
+#: ``local_fine_tuning`` (its ``local_epoch``, 5 in Table 1's runs)
+FT_EPOCHS = 5
+
+
+def _fedavg_readings(config: RunConfig, model, data, index: int) -> dict[str, EvalResult]:
+    """FedAvg's global model as received, after ``FT_EPOCHS`` of classifier fine-tuning,
+    and after the run's local epochs: each on its own copy, from the same batch order."""
+    readings = {"global model (FedAvg)": create_method("fedavg").evaluate(model, data, _context(config, data, index))}
+    tuner = create_method("fedavg_ft", {"ft_epochs": FT_EPOCHS})
+    readings[f"classifier fine-tuned {FT_EPOCHS} epochs (FedAvg-FT)"] = tuner.evaluate(
+        copy.deepcopy(model), data, _context(config, data, index))
+    trained = copy.deepcopy(model)
+    trainer = create_method("fedavg")
+    trainer.local_update(trained, data, _context(config, data, index))
+    readings[f"after {config.train.epochs} local epochs (acc2)"] = trainer.evaluate(
+        trained, data, _context(config, data, index))
+    return readings
+
+
+def _context(config: RunConfig, data, index: int) -> LocalContext:
+    """A local context whose batch order depends on the run's seed and the client only."""
+    generator = torch.Generator().manual_seed(config.seed * 1_000_003 + index)
+    return LocalContext(train=config.train, device="cpu", round=0, seed=config.seed,
+                        num_classes=data.num_classes, generator=generator)
 
 
 def _stored_then_recalibrated(method, model, data):
@@ -137,6 +171,10 @@ def evaluate_run(run_dir: Path) -> dict:
                                          ensemble_logits(parts["z_g"], parts["z_p"], "softmax")}
                 for label, logits in readings.items():
                     score(label, client, logits.argmax(1).numpy(), y)
+        elif method.name in ("fedavg", "fedavg_ft"):
+            for label, result in _fedavg_readings(config, model, data, index).items():
+                correct[label] = correct.get(label, 0) + result.correct
+                per_client.setdefault(label, {})[client] = result.correct / result.total
         elif method.name == "repper":
             from edgepfl.methods.repper import encode
 

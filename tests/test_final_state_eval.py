@@ -57,3 +57,22 @@ def test_personal_batchnorm_statistics_are_read_stored_and_re_estimated(method, 
         assert list(by_client) == record["clients"]
         assert sum(by_client.values()) / 4 == pytest.approx(record["accuracy"][label])
 
+
+
+@pytest.mark.skipif(not FMNIST.exists(), reason="Fashion-MNIST (apt dataset-fashion-mnist) not installed")
+def test_fedavg_is_read_as_received_fine_tuned_and_after_local_epochs(tmp_path, monkeypatch):
+    """FedPAC's two readings of its FedAvg-FT row, on FedAvg's own final state: the global
+    model as received is the run's own final accuracy, client by client, and the two
+    fine-tuned readings (each on a copy, from a per-client seed) repeat exactly."""
+    monkeypatch.setitem(run_methods.SETTINGS, "tiny", TINY)
+    monkeypatch.setattr(run_methods, "RESULTS", tmp_path / "results")
+    result = run_methods.run_one("tiny", "fedavg", 2, 1, 0, "cpu", "t", tmp_path / "runs")
+    run = run_methods.run_dir(tmp_path / "runs", "t", "tiny", "fedavg", 0)
+    record = final_state_eval.evaluate_run(run)
+    received, tuned, trained = ("global model (FedAvg)", "classifier fine-tuned 5 epochs (FedAvg-FT)",
+                                "after 1 local epochs (acc2)")
+    assert set(record["accuracy"]) == {received, tuned, trained}
+    assert record["accuracy"][received] == pytest.approx(result["final_accuracy"])
+    assert record["per_client"][received] == pytest.approx(result["final_per_client"])
+    # each fine-tuning draws its batch order from a seed of the run and the client: it repeats
+    assert final_state_eval.evaluate_run(run)["per_client"] == record["per_client"]
