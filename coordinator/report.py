@@ -218,7 +218,7 @@ def write_report(run_dir: str | Path, method: str = "") -> tuple[str, dict]:
     Reads the run directory only: ``metrics.jsonl``, ``head_metrics.json`` and ``run_times.json``.
     """
     run_dir = Path(run_dir)
-    rows = read_metrics(run_dir)
+    rows = read_metrics(run_dir, drop_torn_tail=True)  # a crashed run reports the rounds it finished
     head = read_head_metrics(run_dir)
     summary = summarize(rows, times=read_run_times(run_dir), head=head)
     write_json(run_dir / "summary.json", summary)

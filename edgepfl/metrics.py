@@ -71,17 +71,31 @@ class RoundMetrics(BaseModel):
         return json.dumps(self.model_dump(mode="json")) + "\n"
 
 
-def read_metrics(path: str | Path) -> list[RoundMetrics]:
-    """The rows of a ``metrics.jsonl`` (or of ``<run dir>/metrics.jsonl``), in file order."""
+def read_metrics(path: str | Path, *, drop_torn_tail: bool = False) -> list[RoundMetrics]:
+    """The rows of a ``metrics.jsonl`` (or of ``<run dir>/metrics.jsonl``), in file order.
+
+    ``drop_torn_tail``: a last line without its newline that does not parse is left out
+    instead of raising :class:`MetricsError`. A crash (power lost) while a row was being
+    appended leaves such a line; the round loop writes its row before its checkpoint, so
+    that round is not in the checkpoint and a resumed run writes its row again.
+    """
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE
     if not path.exists():
         raise FileNotFoundError(f"no {METRICS_FILE} at {path}")
+    text = path.read_text()
+    lines = text.splitlines()
+    torn = drop_torn_tail and bool(lines) and not text.endswith("\n")
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
+        if torn and number == len(lines):
+            try:
+                json.loads(line)
+            except ValueError:
+                break
         try:
             data = json.loads(line)
         except ValueError as exc:

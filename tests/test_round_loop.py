@@ -24,7 +24,7 @@ from edgepfl.coordinator.fleet import Fleet, Incoming
 from edgepfl.coordinator.gate import Rejection
 from edgepfl.coordinator.registry import Registry
 from edgepfl.coordinator.rounds import Coordinator, RoundResult
-from edgepfl.metrics import read_head_metrics, read_metrics
+from edgepfl.metrics import MetricsError, read_head_metrics, read_metrics
 from edgepfl.protocol import (
     AgentChannel,
     Capabilities,
@@ -794,3 +794,26 @@ def test_while_the_send_window_is_full_the_round_loop_admits_answers_instead_of_
     assert len(rows[0].participants) == n
     # each task went out only after the answer to the one before had been admitted
     assert [pending for what, pending in fleet.log] == [0] * len(fleet.log)
+
+
+def test_a_row_cut_short_by_a_crash_is_dropped_on_resume_and_written_again(tmp_path, caplog):
+    """Power lost while round 2's row was being appended: half a line after round 1's row,
+    no checkpoint of round 2. The resumed run drops the torn line with a warning, runs
+    round 2 again and leaves a file every line of which parses."""
+    def fleet() -> ScriptedFleet:
+        return ScriptedFleet({"a": shifted("a", 0.01), "b": shifted("b", 0.02)})
+
+    coordinator(fleet(), tmp_path, rounds=2).run()
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    whole = [line for line in metrics.read_text().splitlines(keepends=True) if '"final": true' not in line]
+    assert [json.loads(line)["round"] for line in whole] == [0, 1]
+    metrics.write_text("".join(whole) + whole[-1].replace('"round": 1', '"round": 2')[:60])
+    with pytest.raises(MetricsError, match="metrics.jsonl:3: not JSON"):
+        read_metrics(metrics)  # what a resume read before
+
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        rows = coordinator(fleet(), tmp_path, rounds=4).run()
+    assert "its last row was cut short by a crash" in caplog.text
+    assert [r.round for r in rows if not r.final] == [2, 3]
+    assert [(r.round, r.final) for r in read_metrics(metrics)] == [(0, False), (1, False), (2, False), (3, False),
+                                                                   (4, True)]
