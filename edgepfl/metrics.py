@@ -91,14 +91,11 @@ def read_metrics(path: str | Path, *, drop_torn_tail: bool = False) -> list[Roun
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        if torn and number == len(lines):
-            try:
-                json.loads(line)
-            except ValueError:
-                break
         try:
             data = json.loads(line)
         except ValueError as exc:
+            if torn and number == len(lines):
+                break
             raise MetricsError(f"{path}:{number}: not JSON ({exc})") from None
         try:
             rows.append(RoundMetrics.model_validate(data))

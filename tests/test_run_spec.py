@@ -123,6 +123,23 @@ def test_a_metrics_line_written_before_the_typed_row_reads_and_writes_back_ident
         read_metrics(tmp_path)
 
 
+def test_only_a_torn_last_line_is_dropped_and_only_when_asked(tmp_path):
+    """A crash can cut the last row short, never one before it: a bad line in the middle
+    is still an error, and so is a bad last line that has its newline."""
+    row = json.dumps({"round": 0, "final": False, "accuracy": 0.5, "per_client": {"a": 0.5}, "participants": ["a"],
+                      "sampled": ["a"], "evaluated": 1, "dropped": [], "rejected": {}, "aborted": False,
+                      "train_loss": 1.0, "bytes_up": 1, "bytes_down": 1, "shared_bytes": 1, "seconds": 0.1}) + "\n"
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(row + row[:30])
+    with pytest.raises(MetricsError, match="metrics.jsonl:2: not JSON"):
+        read_metrics(tmp_path)
+    assert [r.round for r in read_metrics(tmp_path, drop_torn_tail=True)] == [0]
+    for text in (row[:30] + "\n" + row, row + row[:30] + "\n"):
+        metrics.write_text(text)
+        with pytest.raises(MetricsError, match="not JSON"):
+            read_metrics(tmp_path, drop_torn_tail=True)
+
+
 def test_an_old_checkpoint_is_a_one_line_error_naming_file_and_field(tmp_path):
     (tmp_path / "state.json").write_text(json.dumps({"round": 3, "method": "fedavg", "tensors_sha256": "0" * 64}))
     with pytest.raises(CheckpointError) as info:
