@@ -80,14 +80,14 @@ FT_EPOCHS = 5
 def _fedavg_readings(config: RunConfig, model, data, index: int) -> dict[str, EvalResult]:
     """FedAvg's global model as received, after ``FT_EPOCHS`` of classifier fine-tuning,
     and after the run's local epochs: each on its own copy, from the same batch order."""
-    readings = {"global model (FedAvg)": create_method("fedavg").evaluate(model, data, _context(config, data, index))}
+    fedavg = create_method("fedavg")
+    readings = {"global model (FedAvg)": fedavg.evaluate(model, data, _context(config, data, index))}
     tuner = create_method("fedavg_ft", {"ft_epochs": FT_EPOCHS})
     readings[f"classifier fine-tuned {FT_EPOCHS} epochs (FedAvg-FT)"] = tuner.evaluate(
         copy.deepcopy(model), data, _context(config, data, index))
     trained = copy.deepcopy(model)
-    trainer = create_method("fedavg")
-    trainer.local_update(trained, data, _context(config, data, index))
-    readings[f"after {config.train.epochs} local epochs (acc2)"] = trainer.evaluate(
+    fedavg.local_update(trained, data, _context(config, data, index))
+    readings[f"after {config.train.epochs} local epochs (acc2)"] = fedavg.evaluate(
         trained, data, _context(config, data, index))
     return readings
 

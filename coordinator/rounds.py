@@ -541,10 +541,8 @@ class Coordinator:
         """Drop rows the resumed run will write again (written after the last checkpoint)."""
         if not self.metrics_path.exists():
             return
+        # a row torn by a crash belongs to a round the checkpoint does not hold: it runs again
         rows = read_metrics(self.metrics_path, drop_torn_tail=True)
-        if len(rows) < sum(1 for line in self.metrics_path.read_text().splitlines() if line.strip()):
-            log.warning("%s: its last row was cut short by a crash; dropped, the round runs again",
-                        self.metrics_path)
         keep = [row for row in rows if row.round < start_round and not row.final]
         from edgepfl.atomic import write_bytes
 

@@ -8,6 +8,7 @@ the progress line and the benchmarks read it back through :func:`read_metrics`.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 __all__ = ["HEAD_METRICS_FILE", "METRICS_FILE", "RUN_TIMES_FILE", "MetricsError", "ReleaseReports", "RoundMetrics",
            "RunSession", "RunTimes", "latest_release", "read_head_metrics", "read_metrics", "read_run_times", "record_run_end",
            "record_run_start"]
+
+log = logging.getLogger("edgepfl.metrics")
 
 METRICS_FILE = "metrics.jsonl"
 #: head-tier reports by release: ``{release_id: ReleaseReports}``, releases in the order published
@@ -95,6 +98,7 @@ def read_metrics(path: str | Path, *, drop_torn_tail: bool = False) -> list[Roun
             data = json.loads(line)
         except ValueError as exc:
             if torn and number == len(lines):
+                log.warning("%s: its last row was cut short by a crash; left out", path)
                 break
             raise MetricsError(f"{path}:{number}: not JSON ({exc})") from None
         try:
