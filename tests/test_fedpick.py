@@ -157,6 +157,17 @@ def test_inference_is_logit_sum_and_device_head_matches():
     assert "fedpick" in method.head_kinds
 
 
+def test_pfsm_hidden_sets_the_bottleneck_and_the_mask_keeps_one_entry_per_feature():
+    _, default = build()
+    assert [tuple(layer.weight.shape) for layer in default.pfsm[::2]] == [(16, 16), (16, 16)]
+    method, model = build({"pfsm_hidden": 5})
+    assert [tuple(layer.weight.shape) for layer in model.pfsm[::2]] == [(5, 16), (16, 5)]
+    model.eval()
+    v = model.encoder(make_data().x_test[:8])
+    assert model.mask(v)[0].shape == v.shape
+    assert torch.allclose(method.device_head(model)(v), method.logits(model, make_data().x_test[:8]), atol=1e-6)
+
+
 def test_softmax_ensemble_option_averages_probabilities():
     method, model = build({"ensemble": "softmax"})
     model.eval()

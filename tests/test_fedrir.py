@@ -269,6 +269,20 @@ def test_stages_train_disjoint_parts(mi):
         assert changed(before, snapshot(model), part), part
 
 
+def test_csfe_train_mode_off_keeps_the_frozen_csfe_in_eval_mode_and_its_statistics_unmoved():
+    method, model = KIT.build("fedrir", {"csfe_train_mode": False})
+    data = KIT.quadrant_data()
+    method.train_stage1(model, data, KIT.ctx())
+    modes = []
+    model.csfe.register_forward_pre_hook(lambda mod, args: modes.append(mod.training))
+    before = snapshot(model)
+    method.train_stage2(model, data, KIT.ctx())
+    assert modes and not any(modes)
+    assert not changed(before, snapshot(model), "csfe.")
+    for part in ("encoder.", "head.", "q."):
+        assert changed(before, snapshot(model), part), part
+
+
 def test_adam_state_survives_a_restart_and_is_used(tmp_path):
     """Round 2 after saving and reloading the personal state (what the agent does) equals
     round 2 without a restart; with the kept state reset it differs."""

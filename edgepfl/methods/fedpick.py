@@ -41,6 +41,9 @@ class FedPickConfig(PersonalBatchNormConfig):
     lam_p: float = Field(1.0, ge=0, description="weight of CE on the personal classifier C_p(v_r)")
     lam_ent: float = Field(0.001, ge=0, description="weight of the entropy of C_ir(v_ir) (maximised)")
     lam_kd: float = Field(1.0, ge=0, description="weight of the cyclic distillation between p_g and p_p")
+    pfsm_hidden: int | None = Field(
+        None, ge=1, description="hidden width of the PFSM's Linear(d, h)-ReLU-Linear(h, d) [inferred]; "
+                                "None: h = d, the feature size (the paper's widths were lost in extraction)")
     temperature: float = Field(1.0, gt=0, description="Gumbel-Sigmoid temperature T [inferred]")
     threshold: float = Field(0.5, gt=0, lt=1, description="hard-mask threshold on the soft mask (paper: 0.5)")
     ensemble: EnsembleForm = Field(
@@ -70,13 +73,14 @@ class FedPickModel(nn.Module):
     """
 
     def __init__(self, encoder: Encoder, num_classes: int, *, temperature: float = 1.0,
-                 threshold: float = 0.5, ensemble: str = "logits"):
+                 threshold: float = 0.5, ensemble: str = "logits", pfsm_hidden: int | None = None):
         super().__init__()
         d = encoder.out_features
         self.encoder = encoder
         self.head = nn.Linear(d, num_classes)  # C_g, shared
-        # The paper's widths were lost in extraction; d -> d keeps a mask entry per feature.
-        self.pfsm = nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, d))
+        # The output is d wide, a mask entry per feature; the hidden width was lost in extraction.
+        h = pfsm_hidden or d
+        self.pfsm = nn.Sequential(nn.Linear(d, h), nn.ReLU(), nn.Linear(h, d))
         self.personal_head = nn.Linear(d, num_classes)  # C_p on v_r
         self.irrelevant_head = nn.Linear(d, num_classes)  # C_ir on v_ir
         self.temperature = temperature
@@ -172,7 +176,7 @@ class FedPick(Method):
 
         c = self.config
         return FedPickModel(build_encoder(spec, input_shape), num_classes, temperature=c.temperature,
-                            threshold=c.threshold, ensemble=c.ensemble)
+                            threshold=c.threshold, ensemble=c.ensemble, pfsm_hidden=c.pfsm_hidden)
 
     def local_update(self, model: nn.Module, data, ctx) -> LocalResult:
         pick = model_as(model, FedPickModel)

@@ -73,6 +73,10 @@ class FedRIRConfig(PersonalBatchNormConfig):
     keep_optimizer_state: bool = Field(
         True, description="keep the Adam moments across rounds (authors' code), saved with the personal state")
     mi_weight: float = Field(1.0, ge=0, description="weight of the information term in stage 2 (paper: 1)")
+    csfe_train_mode: bool = Field(
+        True, description="the frozen CSFE stays in training mode in stage 2 (authors' code): f_cs is normalised "
+                          "with the batch's statistics, which its BatchNorm running statistics follow; False: "
+                          "eval mode, its stored statistics from stage 1")
     mi_clamp: bool = Field(
         True, description="the bound enters the loss as max(estimate, 0): mutual information is never negative, "
                            "so a batch whose estimate is below zero measures q's misfit and gives the GFE no gradient")
@@ -440,6 +444,7 @@ class FedRIR(Method):
         The whole model is in training mode, the CSFE included, as in the authors' code
         (``model.train()`` before both stages): f_cs is normalised with the batch's
         statistics and the CSFE's BatchNorm running statistics follow the unmasked images.
+        ``csfe_train_mode: false`` keeps the CSFE in eval mode instead.
         """
         c = self.config
         sums = {"cls_ce": 0.0, "q_nll": 0.0, "mi_vclub": 0.0}
@@ -451,6 +456,7 @@ class FedRIR(Method):
 
             def loss_fn(m, x, y):
                 nonlocal n
+                m.csfe.train(c.csfe_train_mode)  # fit() put the whole model in training mode
                 with torch.no_grad():
                     f_cs = m.csfe(x)[0]
                 f_g = m.encoder(x)
