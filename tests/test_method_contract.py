@@ -136,6 +136,18 @@ def test_local_update_uploads_finite_numpy_tensors_that_changed(name):
 
 
 @pytest.mark.parametrize("name", METHODS)
+def test_uploads_and_trained_weights_keep_the_default_memory_layout(name):
+    """Channels-last is an activation layout of the CPU forward (``ConvTrunk``), never a
+    weight layout: what is uploaded, kept and saved stays C-ordered, as the wire expects."""
+    run = run_round(name)
+    for agent in AGENTS:
+        for key, value in run.uploads[agent].items():
+            assert value.flags.c_contiguous, f"{name}: uploaded {key} is not C-ordered"
+        for key, tensor in run.models[agent].state_dict().items():
+            assert tensor.is_contiguous(), f"{name}: {key} left the default layout after a local update"
+
+
+@pytest.mark.parametrize("name", METHODS)
 def test_upload_is_shared_keys_plus_stats_and_no_personal_key(name):
     run = run_round(name)
     for agent in AGENTS:

@@ -53,7 +53,7 @@ from typing import Literal
 from pydantic import Field
 
 from .._torch import F, nn, torch
-from ..models import model_as
+from ..models import ConvTrunk, model_as
 from . import register
 from .base import LocalResult, Method, PersonalBatchNormConfig
 from .training import fit, freeze, make_optimizer, noise_generator
@@ -118,14 +118,14 @@ def mask_patches(x: torch.Tensor, ratio: float, patch: int = 4,
 
 
 # ---------------------------------------------------------------------------- modules
-def _trunk(in_channels: int, norm: str) -> nn.Sequential:
+def _trunk(in_channels: int, norm: str) -> ConvTrunk:
     def block(cin: int, cout: int) -> list[nn.Module]:
         layers: list[nn.Module] = [nn.Conv2d(cin, cout, 5)]
         if norm == "batch":
             layers.append(nn.BatchNorm2d(cout))
         return layers + [nn.ReLU(inplace=True), nn.MaxPool2d(2)]
 
-    return nn.Sequential(*block(in_channels, 32), *block(32, 64), nn.Flatten())
+    return ConvTrunk(*block(in_channels, 32), *block(32, 64), nn.Flatten())
 
 
 def _trunk_sizes(h: int) -> tuple[int, int]:
