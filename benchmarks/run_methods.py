@@ -21,6 +21,11 @@ Every run checkpoints each round (it is the coordinator's own round loop): with
 from it, so a run cut off by a time limit (a lent GPU's, a session's) loses at most
 one round. Bring its run directory (``--runs-root``) back with the results.
 
+``--over-mqtt`` runs one federation's agents as their own processes over the embedded
+broker, one torch thread each, instead of one after another in one process: a single
+long run then uses every core. The numbers are the in-process run's, bit for bit
+(``tests/test_run_methods.py``), so a run may be resumed either way.
+
 The table of a setting leads with mean ± std over seeds, the paired per-client
 difference to FedRep and FedAvg and in how many seeds each method is ahead of them
 (``benchmarks/seed_stats.py``).
@@ -323,13 +328,15 @@ def majority_floor(setting: str, seed: int, data_root: str | None = None) -> flo
 
 def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, device: str, tag: str,
             runs_root: Path, data_root: str | None = None, resume: bool = False,
-            extend: str | None = None) -> dict:
+            extend: str | None = None, over_mqtt: bool = False) -> dict:
     """One in-process federation; returns (and the caller stores) its result record.
 
     With ``resume``, a checkpoint of the same configuration in the run's directory is
     continued (:func:`resumable`); with ``extend``, a run not started yet begins as a copy
     of the same run, finished with fewer rounds, under that tag (:func:`extend_from`). The
-    record covers every round either way."""
+    record covers every round either way. With ``over_mqtt`` the agents are processes on
+    the embedded broker (the module docstring); the configuration, and so the checkpoint a
+    run resumes from, is the same."""
     import torch
 
     from edgepfl.config import RunConfig, parse_config
@@ -350,7 +357,8 @@ def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, devi
         out.mkdir(parents=True)
         (out / BENCH_CONFIG).write_text(json.dumps(cfg, indent=1))
     t0 = time.monotonic()
-    _, summary = simulate(config, SETTINGS[setting]["clients"], out, in_process=True, progress=False, fresh=False)
+    _, summary = simulate(config, SETTINGS[setting]["clients"], out, in_process=not over_mqtt, progress=False,
+                          fresh=False, threads=1 if over_mqtt else None)
     wall = time.monotonic() - t0
     rows = read_metrics(out)  # every round, those before a resume included
     extended = json.loads((out / EXTENDED).read_text()) if (out / EXTENDED).is_file() else None
@@ -365,6 +373,7 @@ def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, devi
         "clients": SETTINGS[setting]["clients"],
         "device": str(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")),
         "torch_threads": torch.get_num_threads(),
+        "agents": "processes over MQTT" if over_mqtt else "in process",
         "config": cfg,
         "final_accuracy": summary["final_accuracy"],
         "best_accuracy": summary["best_accuracy"],
@@ -380,13 +389,15 @@ def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, devi
         "extended_from": extended,
         "majority_floor": majority_floor(setting, seed, data_root),
         "paper_accuracy": PAPER.get(setting, {}).get(base_method(method)),
-        "command": command_line(tag, rounds, epochs, seed, device, [setting], [method], data_root, extend),
+        "command": command_line(tag, rounds, epochs, seed, device, [setting], [method], data_root, extend, over_mqtt),
     }
 
 
-def command_line(tag, rounds, epochs, seed, device, settings, methods, data_root=None, extend=None) -> str:
+def command_line(tag, rounds, epochs, seed, device, settings, methods, data_root=None, extend=None,
+                 over_mqtt=False) -> str:
     root = f" --data-root {data_root}" if data_root else ""
     longer = f" --extend {extend}" if extend else ""
+    longer += " --over-mqtt" if over_mqtt else ""
     return (f"OMP_NUM_THREADS=1 python benchmarks/run_methods.py --tag {tag} --rounds {rounds} --epochs {epochs} "
             f"--seed {seed} --device {device} --settings {','.join(settings)} --methods {','.join(methods)}"
             f"{root}{longer}")
@@ -579,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(same configuration only) instead of starting it over")
     p.add_argument("--extend", default=None, metavar="TAG", help="start each run not started yet from the same "
                    "run finished with fewer rounds under TAG (copied, TAG's results stay), instead of from round 0")
+    p.add_argument("--over-mqtt", action="store_true", help="run each federation's agents as processes over the "
+                   "embedded broker, one core each (same numbers as in process; for one long run on idle cores)")
     p.add_argument("--table", action="store_true", help="only (re)write the markdown table and curves.png for --tag")
     p.add_argument("--merge", default="", help="comma list of tags whose runs the table and curves of --tag "
                    "include beside its own (e.g. a method's later variant runs)")
@@ -590,7 +603,8 @@ def main(argv: list[str] | None = None) -> int:
 
         setting, method = args.one.split(":")
         record = run_one(setting, method, args.rounds, args.epochs, args.seed, args.device, args.tag,
-                         Path(args.runs_root), args.data_root, resume=args.resume, extend=args.extend)
+                         Path(args.runs_root), args.data_root, resume=args.resume, extend=args.extend,
+                         over_mqtt=args.over_mqtt)
         path = result_path(args.tag, setting, method, args.seed)
         path.parent.mkdir(parents=True, exist_ok=True)
         # atomic: a run killed mid-write must not leave a JSON that --skip-done takes as finished
@@ -627,6 +641,8 @@ def main(argv: list[str] | None = None) -> int:
                 cmd.append("--resume")
             if args.extend:
                 cmd += ["--extend", args.extend]
+            if args.over_mqtt:
+                cmd.append("--over-mqtt")
             log_path = log_dir / f"{setting}__{method}__s{seed}.log"
             with open(log_path, "w") as log:
                 rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -126,6 +126,37 @@ def test_a_killed_run_resumes_from_its_checkpoint_and_reports_every_round(tmp_pa
     assert "holds a checkpoint of another configuration" in other.stderr
 
 
+@needs_fmnist
+def test_agents_over_mqtt_give_the_in_process_numbers_bit_for_bit(tmp_path):
+    """``--over-mqtt`` only changes where the agents run: RepPer (augmented views, a head
+    fitted at every evaluation) gives the same curve, per-client scores and state."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(bench=str(REPO / "benchmarks"), tiny=json.dumps(TINY),
+                                    results=str(tmp_path / "results")))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    records = {}
+    for tag, extra in (("local", []), ("mqtt", ["--over-mqtt"])):
+        argv = [sys.executable, str(script), "--one", "tiny:repper", "--tag", tag, "--rounds", "2", "--seed", "0",
+                "--device", "cpu", "--runs-root", str(tmp_path / "runs"), *extra]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout + done.stderr
+        records[tag] = json.loads((tmp_path / "results" / tag / "tiny__repper__s0.json").read_text())
+    local, mqtt = records["local"], records["mqtt"]
+    assert (local["agents"], mqtt["agents"]) == ("in process", "processes over MQTT")
+    assert mqtt["command"].endswith("--over-mqtt")
+    assert len(mqtt["accuracy_curve"]) == 3
+    assert mqtt["accuracy_curve"] == local["accuracy_curve"]
+    assert mqtt["final_per_client"] == local["final_per_client"]
+    # the round's mean loss sums the agents' reports in arrival order: equal to float rounding
+    assert mqtt["train_loss_curve"] == pytest.approx(local["train_loss_curve"], rel=1e-12)
+    runs = {tag: tmp_path / "runs" / tag / "tiny__repper__s0" for tag in records}
+    # an agent process leaves its config and log; an in-process agent neither
+    assert sorted(p.name for p in (runs["mqtt"] / "agents").glob("*.yaml")) == [f"agent-0{i}.yaml" for i in range(4)]
+    assert not list((runs["local"] / "agents").glob("*.yaml"))
+    states = [run / "checkpoint" / "state.safetensors" for run in runs.values()]
+    assert states[0].read_bytes() == states[1].read_bytes()
+
+
 def test_below_floor_counts_evaluations_from_round_five_on():
     record = {"accuracy_curve": [0.1, 0.2, 0.5, 0.7, 0.85, 0.81, 0.90, 0.95, None]}
     assert run_methods.below_floor_from(record, 0.82) == "1/3"  # 0.81 after round 5; None is not an evaluation
