@@ -34,7 +34,7 @@ What is identical across the methods of a setting: the data (partition, clients,
 samples, seed), the model (SmallCNN, feature_dim 128, unless the setting names its own:
 ``fedpac_table1`` runs FedPAC's published CNN; FedRIR builds its own CNN of SmallCNN's
 trunk), the ``train`` section (SGD lr 0.01, momentum 0.5, wd 5e-4, batch 50,
-``--epochs`` local epochs), rounds, full participation and the seed. What differs is
+``--epochs`` local epochs), rounds, participation (full, unless ``--fraction``) and the seed. What differs is
 only each method's own options, read from ``configs/<method>.yaml`` (their values
 and sources are written there), except that FedPAC's ``body_epochs`` follows
 ``--epochs`` like every other method's local epochs.
@@ -235,7 +235,7 @@ def federation_name(setting: str, method: str) -> str:
 
 
 def run_config_dict(setting: str, method: str, rounds: int, epochs: int, seed: int, device: str,
-                    data_root: str | None = None) -> dict:
+                    data_root: str | None = None, fraction: float = 1.0) -> dict:
     s = SETTINGS[setting]
     return {
         "federation": federation_name(setting, method),
@@ -245,7 +245,7 @@ def run_config_dict(setting: str, method: str, rounds: int, epochs: int, seed: i
                   "epochs": epochs},
         "data": {**s["data"], "num_clients": s["clients"], "seed": seed, "root": data_root},
         "rounds": rounds,
-        "fraction": 1.0,
+        "fraction": fraction,  # of the clients trained each round; every client is evaluated every round
         "seed": seed,
         "device": device,
         "round_timeout_s": 3600,
@@ -326,9 +326,18 @@ def majority_floor(setting: str, seed: int, data_root: str | None = None) -> flo
     return correct / total
 
 
+def participation(records: list[dict]) -> str:
+    """How many clients trained a round in these runs, as the table's header says it."""
+    shares = sorted({r.get("config", {}).get("fraction", 1.0) for r in records})
+    if shares == [1.0]:
+        return "full participation"
+    return "a share of " + " / ".join(f"{x:g}" for x in shares) + " of the clients training each round " \
+        "(all evaluated)"
+
+
 def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, device: str, tag: str,
             runs_root: Path, data_root: str | None = None, resume: bool = False,
-            extend: str | None = None, over_mqtt: bool = False) -> dict:
+            extend: str | None = None, over_mqtt: bool = False, fraction: float = 1.0) -> dict:
     """One in-process federation; returns (and the caller stores) its result record.
 
     With ``resume``, a checkpoint of the same configuration in the run's directory is
@@ -344,7 +353,7 @@ def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, devi
     from edgepfl.metrics import read_metrics
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    cfg = run_config_dict(setting, method, rounds, epochs, seed, device, data_root)
+    cfg = run_config_dict(setting, method, rounds, epochs, seed, device, data_root, fraction)
     config = parse_config(RunConfig, cfg, f"benchmark {setting}/{method}")
     out = run_dir(runs_root, tag, setting, method, seed)
     fresh = not (resume and resumable(out, cfg))
@@ -389,13 +398,15 @@ def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, devi
         "extended_from": extended,
         "majority_floor": majority_floor(setting, seed, data_root),
         "paper_accuracy": PAPER.get(setting, {}).get(base_method(method)),
-        "command": command_line(tag, rounds, epochs, seed, device, [setting], [method], data_root, extend, over_mqtt),
+        "command": command_line(tag, rounds, epochs, seed, device, [setting], [method], data_root, extend, over_mqtt,
+                                fraction),
     }
 
 
 def command_line(tag, rounds, epochs, seed, device, settings, methods, data_root=None, extend=None,
-                 over_mqtt=False) -> str:
+                 over_mqtt=False, fraction=1.0) -> str:
     root = f" --data-root {data_root}" if data_root else ""
+    root += f" --fraction {fraction:g}" if fraction != 1.0 else ""
     longer = f" --extend {extend}" if extend else ""
     longer += " --over-mqtt" if over_mqtt else ""
     return (f"OMP_NUM_THREADS=1 python benchmarks/run_methods.py --tag {tag} --rounds {rounds} --epochs {epochs} "
@@ -481,7 +492,7 @@ def markdown_table(tag: str, merge: Sequence[str] = ()) -> str:
         lines += [f"### {s['title']}", "",
                   f"{'/'.join(sorted({str(r['rounds']) for r in rows}))} rounds, "
                   f"{'/'.join(sorted({str(r['local_epochs']) for r in rows}))} local epoch(s), seed(s) "
-                  f"{sorted({r['seed'] for r in rows})}, {r0['clients']} clients, full participation. "
+                  f"{sorted({r['seed'] for r in rows})}, {r0['clients']} clients, {participation(rows)}. "
                   f"Paper column: {s['paper_source']}.", ""]
         if len({r["method"] for r in rows}) > 1:  # paired per client: worth it from one seed on
             methods = list(dict.fromkeys(r["method"] for r in rows))  # in the rows' order: variants after their base
@@ -590,6 +601,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(same configuration only) instead of starting it over")
     p.add_argument("--extend", default=None, metavar="TAG", help="start each run not started yet from the same "
                    "run finished with fewer rounds under TAG (copied, TAG's results stay), instead of from round 0")
+    p.add_argument("--fraction", type=float, default=1.0, help="share of the clients that train each round "
+                   "(all of them are evaluated every round); 1.0: full participation, as the tables assume")
     p.add_argument("--over-mqtt", action="store_true", help="run each federation's agents as processes over the "
                    "embedded broker, one core each (same numbers as in process; for one long run on idle cores)")
     p.add_argument("--table", action="store_true", help="only (re)write the markdown table and curves.png for --tag")
@@ -604,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         setting, method = args.one.split(":")
         record = run_one(setting, method, args.rounds, args.epochs, args.seed, args.device, args.tag,
                          Path(args.runs_root), args.data_root, resume=args.resume, extend=args.extend,
-                         over_mqtt=args.over_mqtt)
+                         over_mqtt=args.over_mqtt, fraction=args.fraction)
         path = result_path(args.tag, setting, method, args.seed)
         path.parent.mkdir(parents=True, exist_ok=True)
         # atomic: a run killed mid-write must not leave a JSON that --skip-done takes as finished
@@ -643,6 +656,8 @@ def main(argv: list[str] | None = None) -> int:
                 cmd += ["--extend", args.extend]
             if args.over_mqtt:
                 cmd.append("--over-mqtt")
+            if args.fraction != 1.0:
+                cmd += ["--fraction", str(args.fraction)]
             log_path = log_dir / f"{setting}__{method}__s{seed}.log"
             with open(log_path, "w") as log:
                 rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -157,6 +157,24 @@ def test_agents_over_mqtt_give_the_in_process_numbers_bit_for_bit(tmp_path):
     assert states[0].read_bytes() == states[1].read_bytes()
 
 
+@needs_fmnist
+def test_a_fraction_trains_that_share_of_the_clients_and_still_evaluates_every_client(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(bench=str(REPO / "benchmarks"), tiny=json.dumps(TINY),
+                                    results=str(tmp_path / "results")))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    argv = [sys.executable, str(script), "--one", "tiny:fedavg", "--tag", "t", "--rounds", "3", "--seed", "0",
+            "--device", "cpu", "--runs-root", str(tmp_path / "runs"), "--fraction", "0.5"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = json.loads((tmp_path / "results" / "t" / "tiny__fedavg__s0.json").read_text())
+    assert record["participants_per_round"] == [2, 2, 2]
+    assert len(record["final_per_client"]) == 4 and None not in record["accuracy_curve"]
+    assert "--fraction 0.5" in record["command"]
+    assert run_methods.participation([record]).startswith("a share of 0.5 of the clients")
+    assert run_methods.participation([{"config": {"fraction": 1.0}}]) == "full participation"
+
+
 def test_below_floor_counts_evaluations_from_round_five_on():
     record = {"accuracy_curve": [0.1, 0.2, 0.5, 0.7, 0.85, 0.81, 0.90, 0.95, None]}
     assert run_methods.below_floor_from(record, 0.82) == "1/3"  # 0.81 after round 5; None is not an evaluation
