@@ -87,11 +87,19 @@ def test_a_late_head_agent_gets_a_signed_release_in_parts_and_fits_the_methods_o
     keys.mkdir()
     generate_keypair(keys / "coordinator.key", keys / "coordinator.pub")
     m = 65_536
-    config = prepare(run_config(method={"name": "dualfed"}, rounds=2, broker={"max_message_bytes": m},
+    # DualFed's device head sums its personal logits with the released global classifier's,
+    # so the federation must train: at the method's default lambda (40) and the helper's lr
+    # (0.05) every update overshoots the coordinator's change bound and the release would
+    # hold the initial encoder. lambda 5 and lr 0.01 are the FMNIST configs' values.
+    config = prepare(run_config(method={"name": "dualfed", "con_lambda": 5}, train={"lr": 0.01}, rounds=2,
+                                broker={"max_message_bytes": m},
                                 security=SecuritySpec(signing_key=str(keys / "coordinator.key"))),
                      TRAINERS, head_agents=1)
     out, url = tmp_path / "run", mosquitto.url
     release_id = run_and_exit(config, out, url)
+    rounds = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rounds if not r["final"]]
+    assert [len(r["participants"]) for r in trained] == [TRAINERS] * 2 and not any(r["rejected"] for r in trained)
     parts = json.loads((out / "releases" / PUBLISHED_FILE).read_text())["parts"]
     assert parts >= 2  # larger than M: retained in parts, not whole
     with TrafficCapture(url, f"edgepfl/v1/{config.federation}/release/#", include_retained=True) as cap:
