@@ -338,7 +338,7 @@ def participation(records: list[dict]) -> str:
 def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, device: str, tag: str,
             runs_root: Path, data_root: str | None = None, resume: bool = False,
             extend: str | None = None, over_mqtt: bool = False, fraction: float = 1.0) -> dict:
-    """One in-process federation; returns (and the caller stores) its result record.
+    """One federation (in process, or its agents over MQTT); returns (and the caller stores) its result record.
 
     With ``resume``, a checkpoint of the same configuration in the run's directory is
     continued (:func:`resumable`); with ``extend``, a run not started yet begins as a copy
