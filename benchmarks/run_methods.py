@@ -263,6 +263,44 @@ def run_dir(runs_root: Path, tag: str, setting: str, method: str, seed: int) -> 
 BENCH_CONFIG = "bench_config.json"
 #: in a run directory that went on from a shorter run (--extend): that run's tag and rounds
 EXTENDED = "extended_from.json"
+#: in a run directory: where the agents ran in each coordinator session (run_times.json's)
+AGENT_MODES = "agent_modes.json"
+
+
+def agent_mode(over_mqtt: bool) -> str:
+    return "processes over MQTT" if over_mqtt else "in process"
+
+
+def note_agent_mode(out: Path, over_mqtt: bool) -> None:
+    """Record where the agents of the coordinator session about to begin in ``out`` run.
+
+    The entry is keyed by that session's index in ``run_times.json``; a process killed
+    before its session began leaves an entry the next one overwrites."""
+    from edgepfl.atomic import write_json
+    from edgepfl.metrics import read_run_times
+
+    path = out / AGENT_MODES
+    modes = json.loads(path.read_text()) if path.is_file() else {}
+    modes[str(len(read_run_times(out).sessions))] = agent_mode(over_mqtt)
+    write_json(path, modes)
+
+
+def agents_label(out: Path) -> str:
+    """Where a run's agents ran: one mode, or, when a resumed run changed it, each mode
+    with the first round it trained ("in process from round 0, processes over MQTT from
+    round 112"). The numbers are the same either way (tests/test_run_methods.py)."""
+    from edgepfl.metrics import read_run_times
+
+    path = out / AGENT_MODES
+    modes = json.loads(path.read_text()) if path.is_file() else {}
+    spans: list[tuple[int, str]] = []
+    for i, session in enumerate(read_run_times(out).sessions):
+        mode = modes.get(str(i), "not recorded")
+        if not spans or spans[-1][1] != mode:
+            spans.append((0 if session.resumed_from is None else session.resumed_from + 1, mode))
+    if len(spans) == 1:
+        return spans[0][1]
+    return ", ".join(f"{mode} from round {first}" for first, mode in spans)
 
 
 def resumable(out: Path, cfg: dict) -> bool:
@@ -365,6 +403,7 @@ def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, devi
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         (out / BENCH_CONFIG).write_text(json.dumps(cfg, indent=1))
+    note_agent_mode(out, over_mqtt)
     t0 = time.monotonic()
     _, summary = simulate(config, SETTINGS[setting]["clients"], out, in_process=not over_mqtt, progress=False,
                           fresh=False, threads=1 if over_mqtt else None)
@@ -382,7 +421,7 @@ def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, devi
         "clients": SETTINGS[setting]["clients"],
         "device": str(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")),
         "torch_threads": torch.get_num_threads(),
-        "agents": "processes over MQTT" if over_mqtt else "in process",
+        "agents": agents_label(out),
         "config": cfg,
         "final_accuracy": summary["final_accuracy"],
         "best_accuracy": summary["best_accuracy"],

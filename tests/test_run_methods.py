@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from edgepfl.data import load_client_data
+from edgepfl.metrics import read_run_times
 
 REPO = Path(__file__).resolve().parent.parent
 _PATH = REPO / "benchmarks" / "run_methods.py"
@@ -46,6 +47,42 @@ WORKER = textwrap.dedent("""
     run_methods.RESULTS = __import__("pathlib").Path({results!r})
     sys.exit(run_methods.main(sys.argv[1:]))
 """)
+
+
+class Worker:
+    """The benchmark's worker on the tiny setting, as a fresh process, with its results
+    and run directories under one temporary folder."""
+
+    def __init__(self, root: Path):
+        self.results, self.runs = root / "results", root / "runs"
+        self.script = root / "worker.py"
+        self.script.write_text(WORKER.format(bench=str(REPO / "benchmarks"), tiny=json.dumps(TINY),
+                                             results=str(self.results)))
+
+    def argv(self, method: str, tag: str, rounds: int, *extra: str, seed: int = 0, epochs: int = 1) -> list[str]:
+        return [sys.executable, str(self.script), "--one", f"tiny:{method}", "--tag", tag, "--rounds", str(rounds),
+                "--seed", str(seed), "--epochs", str(epochs), "--device", "cpu", "--runs-root", str(self.runs),
+                *extra]
+
+    @staticmethod
+    def env() -> dict[str, str]:
+        return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+
+    def run(self, method: str, tag: str, rounds: int, *extra: str, seed: int = 0, epochs: int = 1,
+            timeout: float = 600) -> subprocess.CompletedProcess:
+        return subprocess.run(self.argv(method, tag, rounds, *extra, seed=seed, epochs=epochs), env=self.env(),
+                              capture_output=True, text=True, timeout=timeout)
+
+    def record(self, method: str, tag: str, seed: int = 0) -> dict:
+        return json.loads((self.results / tag / f"tiny__{method}__s{seed}.json").read_text())
+
+    def run_dir(self, method: str, tag: str, seed: int = 0) -> Path:
+        return run_methods.run_dir(self.runs, tag, "tiny", method, seed)
+
+
+@pytest.fixture
+def worker(tmp_path) -> Worker:
+    return Worker(tmp_path)
 
 
 def test_pairs_run_in_the_order_given_with_pinned_or_listed_seeds():
@@ -80,21 +117,14 @@ def test_majority_floor_is_the_weighted_score_of_each_clients_majority_class(mon
 
 
 @needs_fmnist
-def test_a_killed_run_resumes_from_its_checkpoint_and_reports_every_round(tmp_path, monkeypatch):
-    results, runs_root = tmp_path / "results", tmp_path / "runs"
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(bench=str(REPO / "benchmarks"), tiny=json.dumps(TINY), results=str(results)))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+def test_a_killed_run_resumes_from_its_checkpoint_and_reports_every_round(worker, monkeypatch):
+    """Killed in process, the run goes on over MQTT from its checkpoint: every round is
+    reported once and the record says where the agents of each part ran."""
     rounds = 12
+    metrics = worker.run_dir("fedavg", "t") / "metrics.jsonl"
 
-    def worker(epochs: int = 1) -> list[str]:
-        return [sys.executable, str(script), "--one", "tiny:fedavg", "--tag", "t", "--rounds", str(rounds), "--seed",
-                "0", "--epochs", str(epochs), "--device", "cpu", "--runs-root", str(runs_root)]
-
-    argv = worker()
-    metrics = run_methods.run_dir(runs_root, "t", "tiny", "fedavg", 0) / "metrics.jsonl"
-
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(worker.argv("fedavg", "t", rounds), env=worker.env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     # generous: on a loaded box (benchmarks beside the suite) the worker's start alone took
     # most of the two minutes this wait once had, and the kill then came before round 3
     deadline = time.monotonic() + 600
@@ -103,44 +133,43 @@ def test_a_killed_run_resumes_from_its_checkpoint_and_reports_every_round(tmp_pa
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be killed: give it more rounds"
+    assert metrics.exists(), "the worker reported no round in ten minutes: the box is starved"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     before = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert 3 <= len(before) < rounds
 
     # with --resume it goes on from the checkpoint
-    done = subprocess.run([*argv, "--resume"], env=env, capture_output=True, text=True, timeout=300)
+    done = worker.run("fedavg", "t", rounds, "--resume", "--over-mqtt")
     assert done.returncode == 0, done.stdout + done.stderr
-    record = json.loads((results / "t" / "tiny__fedavg__s0.json").read_text())
+    record = worker.record("fedavg", "t")
     assert record["resumed"] is True
     assert len(record["accuracy_curve"]) == rounds + 1  # round 0 .. the final evaluation
     after = [json.loads(line) for line in metrics.read_text().splitlines()]
     kept = len(before) - 1  # the last row may be one the checkpoint did not reach: it is written again
     assert [r["accuracy"] for r in after[:kept]] == [r["accuracy"] for r in before[:kept]]
+    assert [r["round"] for r in after if not r["final"]] == list(range(rounds))
+    first_resumed = read_run_times(worker.run_dir("fedavg", "t")).sessions[-1].resumed_from + 1
+    assert kept <= first_resumed <= len(before)
+    assert record["agents"] == f"in process from round 0, processes over MQTT from round {first_resumed}"
     monkeypatch.setitem(run_methods.SETTINGS, "tiny", TINY)
     assert record["majority_floor"] == pytest.approx(run_methods.majority_floor("tiny", 0))
 
     # a directory of another configuration is never resumed
-    other = subprocess.run([*worker(epochs=2), "--resume"], env=env, capture_output=True, text=True, timeout=300)
+    other = worker.run("fedavg", "t", rounds, "--resume", epochs=2, timeout=300)
     assert other.returncode != 0
     assert "holds a checkpoint of another configuration" in other.stderr
 
 
 @needs_fmnist
-def test_agents_over_mqtt_give_the_in_process_numbers_bit_for_bit(tmp_path):
+def test_agents_over_mqtt_give_the_in_process_numbers_bit_for_bit(worker):
     """``--over-mqtt`` only changes where the agents run: RepPer (augmented views, a head
     fitted at every evaluation) gives the same curve, per-client scores and state."""
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(bench=str(REPO / "benchmarks"), tiny=json.dumps(TINY),
-                                    results=str(tmp_path / "results")))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     records = {}
     for tag, extra in (("local", []), ("mqtt", ["--over-mqtt"])):
-        argv = [sys.executable, str(script), "--one", "tiny:repper", "--tag", tag, "--rounds", "2", "--seed", "0",
-                "--device", "cpu", "--runs-root", str(tmp_path / "runs"), *extra]
-        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+        done = worker.run("repper", tag, 2, *extra)
         assert done.returncode == 0, done.stdout + done.stderr
-        records[tag] = json.loads((tmp_path / "results" / tag / "tiny__repper__s0.json").read_text())
+        records[tag] = worker.record("repper", tag)
     local, mqtt = records["local"], records["mqtt"]
     assert (local["agents"], mqtt["agents"]) == ("in process", "processes over MQTT")
     assert mqtt["command"].endswith("--over-mqtt")
@@ -149,7 +178,7 @@ def test_agents_over_mqtt_give_the_in_process_numbers_bit_for_bit(tmp_path):
     assert mqtt["final_per_client"] == local["final_per_client"]
     # the round's mean loss sums the agents' reports in arrival order: equal to float rounding
     assert mqtt["train_loss_curve"] == pytest.approx(local["train_loss_curve"], rel=1e-12)
-    runs = {tag: tmp_path / "runs" / tag / "tiny__repper__s0" for tag in records}
+    runs = {tag: worker.run_dir("repper", tag) for tag in records}
     # an agent process leaves its config and log; an in-process agent neither
     assert sorted(p.name for p in (runs["mqtt"] / "agents").glob("*.yaml")) == [f"agent-0{i}.yaml" for i in range(4)]
     assert not list((runs["local"] / "agents").glob("*.yaml"))
@@ -158,16 +187,10 @@ def test_agents_over_mqtt_give_the_in_process_numbers_bit_for_bit(tmp_path):
 
 
 @needs_fmnist
-def test_a_fraction_trains_that_share_of_the_clients_and_still_evaluates_every_client(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(bench=str(REPO / "benchmarks"), tiny=json.dumps(TINY),
-                                    results=str(tmp_path / "results")))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    argv = [sys.executable, str(script), "--one", "tiny:fedavg", "--tag", "t", "--rounds", "3", "--seed", "0",
-            "--device", "cpu", "--runs-root", str(tmp_path / "runs"), "--fraction", "0.5"]
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+def test_a_fraction_trains_that_share_of_the_clients_and_still_evaluates_every_client(worker):
+    done = worker.run("fedavg", "t", 3, "--fraction", "0.5")
     assert done.returncode == 0, done.stdout + done.stderr
-    record = json.loads((tmp_path / "results" / "t" / "tiny__fedavg__s0.json").read_text())
+    record = worker.record("fedavg", "t")
     assert record["participants_per_round"] == [2, 2, 2]
     assert len(record["final_per_client"]) == 4 and None not in record["accuracy_curve"]
     assert "--fraction 0.5" in record["command"]
@@ -333,26 +356,20 @@ def test_an_extended_run_is_the_longer_run_round_by_round(tmp_path, monkeypatch,
 
 @pytest.mark.slow
 @needs_fmnist
-def test_extend_goes_on_only_from_a_shorter_run_and_leaves_it_as_it_was(tmp_path):
+def test_extend_goes_on_only_from_a_shorter_run_and_leaves_it_as_it_was(worker):
     """The benchmark's worker with --extend: the new run's record says where it began, the
     shorter run's directory is untouched, and a run of another configuration or of as many
     rounds is refused with a one-line reason."""
-    results, runs_root = tmp_path / "results", tmp_path / "runs"
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(bench=str(REPO / "benchmarks"), tiny=json.dumps(TINY), results=str(results)))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
 
     def run(tag: str, rounds: int, *extra: str, epochs: int = 1) -> subprocess.CompletedProcess:
-        argv = [sys.executable, str(script), "--one", "tiny:fedavg", "--tag", tag, "--rounds", str(rounds),
-                "--seed", "1", "--epochs", str(epochs), "--device", "cpu", "--runs-root", str(runs_root), *extra]
-        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        return worker.run("fedavg", tag, rounds, *extra, seed=1, epochs=epochs, timeout=300)
 
     assert run("short", 1).returncode == 0
-    short_dir = run_methods.run_dir(runs_root, "short", "tiny", "fedavg", 1)
+    short_dir = worker.run_dir("fedavg", "short", seed=1)
     before = {p.relative_to(short_dir): p.read_bytes() for p in short_dir.rglob("*") if p.is_file()}
     done = run("longer", 2, "--extend", "short", "--resume")
     assert done.returncode == 0, done.stdout + done.stderr
-    record = json.loads((results / "longer" / "tiny__fedavg__s1.json").read_text())
+    record = worker.record("fedavg", "longer", seed=1)
     assert record["extended_from"] == {"tag": "short", "rounds": 1} and record["resumed"] is False
     assert "--extend short" in record["command"]
     assert {p.relative_to(short_dir): p.read_bytes() for p in short_dir.rglob("*") if p.is_file()} == before

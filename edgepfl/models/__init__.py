@@ -39,10 +39,12 @@ class ConvTrunk(nn.Sequential):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(self):
+        first, *rest = self
+        x = first(x)
+        if x.dim() == 4 and x.device.type == "cpu":
+            x = x.contiguous(memory_format=torch.channels_last)
+        for layer in rest:
             x = layer(x)
-            if i == 0 and x.dim() == 4 and x.device.type == "cpu":
-                x = x.contiguous(memory_format=torch.channels_last)
         return x
 
 
