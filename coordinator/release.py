@@ -7,14 +7,13 @@ and publish it so that agents joining later, after this coordinator exited too, 
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from pathlib import Path
 
 from edgepfl.atomic import write_json
 from edgepfl.config import RunConfig
 from edgepfl.methods import ServerState
-from edgepfl.protocol import MessageType, ReleaseMeta, encode
+from edgepfl.protocol import MessageType, ReleaseMeta, bounded_json, encode
 from edgepfl.protocol.manifest import release_tensors
 from edgepfl.protocol.signing import Signer
 from edgepfl.state import CheckpointMeta
@@ -35,7 +34,7 @@ def next_sequence(releases_dir: Path, now: float | None = None) -> int:
     past the last release; agents refuse a release that is not above the one they have.
     """
     path = Path(releases_dir) / SEQUENCE_FILE
-    last = json.loads(path.read_text())["last"] if path.is_file() else -1
+    last = bounded_json.loads(path.read_text())["last"] if path.is_file() else -1
     sequence = max(int((time.time() if now is None else now) * 1000), int(last) + 1)
     write_json(path, {"last": sequence})
     return sequence
@@ -68,7 +67,7 @@ def publish_release(fleet: Fleet, frame: bytes, round: int, releases_dir: Path) 
     it does not overwrite.
     """
     path = Path(releases_dir) / PUBLISHED_FILE
-    earlier = int(json.loads(path.read_text())["parts"]) if path.is_file() else 0
+    earlier = int(bounded_json.loads(path.read_text())["parts"]) if path.is_file() else 0
     parts = fleet.publish_release(frame, round, earlier_parts=earlier)
     write_json(path, {"parts": parts})
     return parts

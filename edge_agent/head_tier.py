@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -48,6 +47,7 @@ from edgepfl.export.predict import OnnxEncoder
 from edgepfl.heads import OFFLINE_HEAD_KIND, HeadRelease
 from edgepfl.heads.labels import FEDERATION, LabelSpace, label_space_for
 from edgepfl.methods import create_method
+from edgepfl.protocol import bounded_json
 from edgepfl.protocol.envelope import Header, encode_body
 from edgepfl.protocol.manifest import ReleaseManifest, parse_manifest, release_tensors
 from edgepfl.protocol.messages import ReleaseMeta
@@ -114,7 +114,7 @@ class HeadRuntime:
         path = self.state_dir / STATE_FILE
         if not path.is_file():
             raise FileNotFoundError(f"no release installed in {self.state_dir}")
-        record = json.loads(path.read_text())
+        record = bounded_json.loads(path.read_text())
         manifest = parse_manifest(record["manifest"], f"{path} manifest")
         enc_bytes = (self.state_dir / record["encoder_file"]).read_bytes()
         head_bytes = (self.state_dir / record["head_file"]).read_bytes()

@@ -9,13 +9,12 @@ tasks either. ``docs/PROTOCOL.md`` §10 states the rules.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
 
 from edgepfl.atomic import write_json
-from edgepfl.protocol import Message, TaskMeta
+from edgepfl.protocol import Message, TaskMeta, bounded_json
 
 log = logging.getLogger("edgepfl.agent")
 
@@ -49,7 +48,7 @@ class TaskGuard:
         self._newest: dict[str, tuple[int, int]] = {}
         if self.path.is_file():
             try:
-                self._newest = {f: (int(e), int(r)) for f, (e, r) in json.loads(self.path.read_text()).items()}
+                self._newest = {f: (int(e), int(r)) for f, (e, r) in bounded_json.loads(self.path.read_text()).items()}
             except (ValueError, TypeError, AttributeError) as exc:
                 # Unreadable: refuse nothing we cannot order rather than crash; say so.
                 log.error("%s is unreadable (%s); task order starts afresh", self.path, exc)

@@ -26,7 +26,17 @@ from edgepfl.heads.labels import LabelMismatch, run_label_index
 from edgepfl.methods import LocalContext, Method, available_methods, create_method, get_method_class
 from edgepfl.methods.base import load_tensors
 from edgepfl.models import TORCHVISION_ARCHS
-from edgepfl.protocol import REFUSAL_REASONS, Message, MessageType, RunSpec, TaskMeta, UpdateMeta, encode, seed_for
+from edgepfl.protocol import (
+    REFUSAL_REASONS,
+    Message,
+    MessageType,
+    RunSpec,
+    TaskMeta,
+    UpdateMeta,
+    bounded_json,
+    encode,
+    seed_for,
+)
 from edgepfl.protocol.signing import Signer
 from edgepfl.specs import ModelSpec
 
@@ -220,8 +230,12 @@ class TrainerRuntime:
             path, meta_path = self.state_dir / PERSONAL_FILE, self.state_dir / "personal.json"
             if not path.exists() or not meta_path.exists():
                 return False
-        meta = json.loads(meta_path.read_text())
-        if meta.get("signature") != signature:
+        try:
+            meta = bounded_json.loads(meta_path.read_text())
+        except ValueError as exc:
+            log.warning("%s: %s is unreadable (%s); starting fresh", self.agent_id, meta_path, exc)
+            return False
+        if not isinstance(meta, dict) or meta.get("signature") != signature:
             log.info("%s: no saved personal state for this method/model yet (others are kept)", self.agent_id)
             return False
         tensors = read_tensors(path)

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .aggregation import AggregationSpec
 from .heads import OFFLINE_HEAD_KIND
 from .methods import Method, available_head_kinds, get_method
+from .protocol.bounded_json import MAX_DEPTH
 from .protocol.run import DataShape, MethodChoice, Normalization, RunSpec
 from .protocol.topics import check_segment
 from .specs import (
@@ -210,13 +211,47 @@ def _format(exc: ValidationError, source: str) -> str:
     return f"invalid config {source}: " + "; ".join(problems)
 
 
+#: the most nodes a YAML document may stand for once its aliases are expanded: a config
+#: is a few hundred; a "billion laughs" of nested aliases is what this stops
+MAX_YAML_NODES = 100_000
+
+
+def load_yaml_bounded(text: str) -> Any:
+    """``yaml.safe_load(text)``, after checking on the event stream (which PyYAML produces
+    without recursing) that collections nest at most :data:`MAX_DEPTH` deep and that the
+    document, its aliases expanded, has at most :data:`MAX_YAML_NODES` nodes. Either
+    excess is a :class:`yaml.YAMLError`: the composer would otherwise recurse once per
+    level (RecursionError) or a validator walk every expanded alias."""
+    sizes: list[list] = [[None, 0]]  # per open collection: its anchor, its expanded node count
+    anchored: dict[str, int] = {}
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            if len(sizes) > MAX_DEPTH:
+                raise yaml.YAMLError(f"collections nest more than {MAX_DEPTH} deep")
+            sizes.append([event.anchor, 1])
+        elif isinstance(event, yaml.CollectionEndEvent):
+            anchor, size = sizes.pop()
+            if anchor is not None:
+                anchored[anchor] = size
+            sizes[-1][1] += size
+        elif isinstance(event, yaml.ScalarEvent):
+            if event.anchor is not None:
+                anchored[event.anchor] = 1
+            sizes[-1][1] += 1
+        elif isinstance(event, yaml.AliasEvent):
+            sizes[-1][1] += anchored.get(event.anchor, 1)
+        if sizes[-1][1] > MAX_YAML_NODES:
+            raise yaml.YAMLError(f"more than {MAX_YAML_NODES} nodes once aliases are expanded")
+    return yaml.safe_load(text)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """The mapping at the top of a YAML file; :class:`ConfigError` when it is missing or not a mapping."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_yaml_bounded(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"invalid YAML in {path}: {' '.join(str(exc).split())}") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -247,7 +282,7 @@ def apply_overrides(data: dict[str, Any], assignments: Iterable[str]) -> dict[st
         if not sep or not all(parts):
             raise ConfigError(f"--set {assignment!r}: expected key.path=value, e.g. --set train.lr=0.05")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = load_yaml_bounded(raw) if raw.strip() else ""
         except yaml.YAMLError as exc:
             raise ConfigError(f"--set {assignment!r}: the value is not valid YAML ({' '.join(str(exc).split())})") from None
         node = out

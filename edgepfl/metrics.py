@@ -14,6 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .protocol import bounded_json
+
 __all__ = ["HEAD_METRICS_FILE", "METRICS_FILE", "RUN_TIMES_FILE", "MetricsError", "ReleaseReports", "RoundMetrics",
            "RunSession", "RunTimes", "latest_release", "read_head_metrics", "read_metrics", "read_run_times", "record_run_end",
            "record_run_start"]
@@ -87,15 +89,17 @@ def read_metrics(path: str | Path, *, drop_torn_tail: bool = False) -> list[Roun
         path = path / METRICS_FILE
     if not path.exists():
         raise FileNotFoundError(f"no {METRICS_FILE} at {path}")
-    text = path.read_text()
-    lines = text.splitlines()
-    torn = drop_torn_tail and bool(lines) and not text.endswith("\n")
+    text = path.read_bytes()  # decoded line by line: one bad line is one error naming it
+    lines = text.split(b"\n")
+    if lines and not lines[-1]:
+        lines.pop()
+    torn = drop_torn_tail and bool(lines) and not text.endswith(b"\n")
     rows = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            data = json.loads(line)
+            data = bounded_json.loads(line)
         except ValueError as exc:
             if torn and number == len(lines):
                 log.warning("%s: its last row was cut short by a crash; left out", path)
@@ -133,7 +137,7 @@ def read_head_metrics(path: str | Path) -> dict[str, ReleaseReports]:
     if not path.exists():
         return {}
     try:
-        data = json.loads(path.read_text())
+        data = bounded_json.loads(path.read_text())
         return {rid: ReleaseReports.model_validate(entry) for rid, entry in data.items()}
     except (ValueError, AttributeError) as exc:
         raise MetricsError(f"{path}: not a head-metrics file by release ({str(exc).splitlines()[0]})") from None

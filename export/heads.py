@@ -39,6 +39,7 @@ from edgepfl.heads import OFFLINE_HEAD_KIND
 from edgepfl.heads.estimators import HeadEstimator, SklearnHead, SVMHead
 from edgepfl.heads.labels import LabelSpace
 from edgepfl.methods.device_head import TorchDeviceHead
+from edgepfl.protocol import bounded_json
 
 HEAD_INPUT = "features"
 OUT_LABEL = "label"
@@ -212,7 +213,7 @@ class OnnxHead(HeadEstimator):
         self.session_ = make_session(Path(self.path).read_bytes(), self.threads)
         meta = self.session_.get_modelmeta().custom_metadata_map
         try:
-            self.classes_ = np.asarray(json.loads(meta[META_CLASSES]))
+            self.classes_ = np.asarray(bounded_json.loads(meta[META_CLASSES]))
             self.n_features_in_ = int(meta[META_FEATURE_DIM])
         except KeyError as exc:
             raise ValueError(f"{self.path} is not an edgepfl head (missing metadata {exc})") from None
@@ -221,7 +222,7 @@ class OnnxHead(HeadEstimator):
         self.class_names_: list[str] | None = None
         self.label_space_: str | None = meta.get(META_LABEL_SPACE)
         if META_CLASS_NAMES in meta:
-            names = json.loads(meta[META_CLASS_NAMES])
+            names = bounded_json.loads(meta[META_CLASS_NAMES])
             if not isinstance(names, list) or len(names) != len(self.classes_):
                 raise ValueError(f"{self.path}: {META_CLASS_NAMES} must name each of its {len(self.classes_)} classes")
             self.class_names_ = [str(n) for n in names]

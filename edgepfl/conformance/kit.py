@@ -61,6 +61,7 @@ from edgepfl.protocol import (
     TaskMeta,
     UpdateMeta,
     agent_topic,
+    bounded_json,
     encode,
     federation_topic,
     new_message_id,
@@ -900,7 +901,7 @@ def _decoded_status(payload: bytes) -> StatusMeta | None:
 
 def _split(frame: bytes) -> tuple[dict, bytes]:
     (length,) = struct.unpack(">I", frame[4:8])
-    return json.loads(frame[8:8 + length]), frame[8 + length:]
+    return bounded_json.loads(frame[8:8 + length]), frame[8 + length:]
 
 
 def _pack(header: dict, rest: bytes) -> bytes:

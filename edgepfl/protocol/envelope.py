@@ -14,7 +14,8 @@ The header is validated with pydantic (:class:`Header`); the body is a
 safetensors blob whose tensors must match the header's manifest exactly
 (names, dtypes, shapes) and whose sha256 must match ``body_sha256``. Nothing is
 ever unpickled: safetensors and JSON are the only decoders that see network
-bytes. Floating tensors must be finite.
+bytes, and the header's JSON only once its nesting is known to be bounded
+(:mod:`.bounded_json`). Floating tensors must be finite.
 
 Frames larger than the broker's maximum message size are split into ``chunk``
 frames (:func:`split_frame`) and put back together by
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import builtins
 import hashlib
-import json
 import struct
 import time
 import uuid
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from . import bounded_json
 from .evolution import PROTOCOL_VERSION, omitted_defaults, strip_unknown
 from .messages import META_TYPES, ChunkMeta, MessageType
 from .signing import SIGNATURE_BYTES
@@ -230,9 +231,9 @@ def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, check_fi
     head_end = _PREFIX.size + head_len
     raw_head = frame[_PREFIX.size : head_end]
     try:
-        raw = json.loads(raw_head)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError("malformed", f"invalid header: not JSON ({exc})") from None
+        raw = bounded_json.loads(raw_head, what="header")
+    except bounded_json.BoundedJSONError as exc:
+        raise ProtocolError("malformed", f"invalid header: {exc}") from None
     if isinstance(raw, dict) and isinstance(raw.get("type"), str) and raw["type"] not in _TYPE_NAMES:
         # a message type of a newer minor version, sent to us by mistake: not ours to read
         raise ProtocolError("unknown_type", f"message type {raw['type']!r} is not one of protocol {PROTOCOL_VERSION}")
@@ -312,9 +313,9 @@ def peek_header(frame: bytes) -> dict | None:
         magic, head_len = _PREFIX.unpack_from(frame)
         if magic != MAGIC or head_len > MAX_HEADER_BYTES:
             return None
-        header = json.loads(frame[_PREFIX.size : _PREFIX.size + head_len])
+        header = bounded_json.loads(frame[_PREFIX.size : _PREFIX.size + head_len])
         return header if isinstance(header, dict) else None
-    except Exception:
+    except (struct.error, TypeError, bounded_json.BoundedJSONError):
         return None
 
 

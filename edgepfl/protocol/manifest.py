@@ -12,13 +12,13 @@ Torch-free: the head tier imports this.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Final, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from . import bounded_json
 from .run import RunSpec
 from .validation import first_validation_error
 
@@ -114,7 +114,7 @@ def read_manifest(path: str | Path) -> ReleaseManifest:
     """Read ``manifest.json``; :class:`ManifestError` (one line, naming file and field) if unusable."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        data = bounded_json.loads(path.read_text())
     except FileNotFoundError:
         raise ManifestError(f"{path}: no such manifest") from None
     except (OSError, ValueError) as exc:

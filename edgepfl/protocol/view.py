@@ -13,10 +13,11 @@ Size is bounded: a view that would not fit one MQTT message lists fewer agents
 
 from __future__ import annotations
 
-import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from . import bounded_json
 
 __all__ = ["VIEW_FORMAT", "AgentView", "FleetView", "Phase", "encode_view", "parse_view"]
 
@@ -87,7 +88,7 @@ def encode_view(view: FleetView, max_bytes: int) -> bytes:
 def parse_view(payload: bytes | str) -> FleetView:
     """A view read back (``edgepfl status``); ValueError with one line when it is not one."""
     try:
-        return FleetView.model_validate(json.loads(payload))
+        return FleetView.model_validate(bounded_json.loads(payload, what="the payload"))
     except ValueError as exc:  # JSON and pydantic errors alike
         first = str(exc).splitlines()
         raise ValueError(f"not an edgepfl fleet view: {' '.join(first[:3])}") from None

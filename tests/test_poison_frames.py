@@ -1,0 +1,117 @@
+"""Poison frames on every topic of a live federation: no process exits, each frame is one
+counted rejection, the run completes with every honest agent (issue #37, first item).
+
+The attacker is a plain paho client on the default (unsigned, anonymous) deployment. It
+publishes the red team's frame — a header of JSON nested 200,000 deep — and the rest of
+the poison corpus of ``test_bounded_json`` on every topic of the protocol: retained
+before the agents start (so each of them reads it on subscribe, as after a restart), on
+an enrolled agent's retained status before the coordinator starts (the frame that
+crash-looped a restarted coordinator), and live during round 0 on the coordinator's and
+the agents' topics. The conformance kit's network thread gets the same corpus.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+from test_bounded_json import POISON_FRAMES, POISON_JSON
+from test_hostile_fleet import Attacker, agent_log
+
+from edgepfl.conformance.wire import Wire
+from edgepfl.coordinator.fleet import MqttFleet
+from edgepfl.coordinator.rounds import Coordinator
+from edgepfl.coordinator.simulate import data_shape, prepare, spawn_agent, stop_agents
+from edgepfl.protocol import MessageType, StatusMeta, encode
+
+from fleet_helpers import read_rows, run_config, run_in_thread, wait_until
+
+pytestmark = pytest.mark.slow
+
+TRAINERS = ("agent-00", "agent-01")
+HEAD = "device-00"
+RETAINED_BEFORE_START = ("coordinator", "release", "release/0", "view", "agents/ghost/status")
+
+
+def test_poison_on_every_topic_kills_nothing_and_each_frame_is_one_rejection(mosquitto, tmp_path):
+    config = prepare(run_config(rounds=2, round_timeout_s=60), len(TRAINERS), head_agents=1)
+    fed, out, url = config.federation, tmp_path / "run", mosquitto.url
+    attacker = Attacker(url, fed)
+    procs: list[subprocess.Popen] = []
+    fleet = None
+    try:
+        for suffix in RETAINED_BEFORE_START:
+            attacker.publish(suffix, POISON_FRAMES[0], retain=True)
+        procs = [spawn_agent(config, out, url, agent, i) for i, agent in enumerate(TRAINERS)]
+        procs.append(spawn_agent(config, out, url, HEAD, len(TRAINERS), tier="head"))
+        wait_until(lambda: all(attacker.frames(f"agents/{a}/status") for a in TRAINERS), 180, what="agents' births")
+        # the enrolled agent's own retained status replaced by poison: the coordinator reads it first
+        attacker.publish("agents/agent-00/status", POISON_FRAMES[0], retain=True)
+
+        fleet = MqttFleet(fed, config.broker, url=url)
+        coordinator = Coordinator(config, fleet, out, progress=False, **data_shape(config))
+        thread, box = run_in_thread(coordinator.run)
+        wait_until(lambda: attacker.frames("agents/agent-00/task"), 240, what="agent-00's first task")
+        # round 0, live: the whole corpus on every topic the coordinator and the agents read
+        live_to_coordinator = ("agents/agent-00/update", "agents/agent-01/metrics", "agents/agent-01/status")
+        for frame in POISON_FRAMES:
+            for suffix in (*live_to_coordinator, "agents/agent-00/task", f"agents/{HEAD}/task", "coordinator"):
+                attacker.publish(suffix, frame)
+
+        thread.join(timeout=600)
+        assert not thread.is_alive(), "the coordinator did not finish"
+        assert "error" not in box, box.get("error")
+        for proc, agent in zip(procs, (*TRAINERS, HEAD)):
+            assert proc.poll() is None, f"{agent} exited:\n{agent_log(out, agent)[-2000:]}"
+
+        rows = read_rows(out)
+        assert len(rows) == config.rounds + 1 and rows[-1].final
+        for row in rows[:-1]:  # agent-00 announced itself again: nobody was shut out
+            assert set(row.participants) == set(TRAINERS), row
+        # one rejection per frame: the live corpus, the ghost's retained status, and agent-00's
+        # poisoned retained status unless agent-00 re-announced itself before the coordinator
+        # subscribed (its new birth replaces the retained poison)
+        live = len(POISON_FRAMES) * len(live_to_coordinator)
+        assert live + 1 <= coordinator.rejected_total["malformed"] <= live + 2, coordinator.rejected_total
+        for agent in (*TRAINERS, HEAD):
+            assert "malformed" in agent_log(out, agent), agent
+
+        # edgepfl status reading a poisoned view: one line, and its documented exit code for "no view"
+        fleet.close()
+        fleet = None
+        attacker.publish("view", POISON_FRAMES[0], retain=True)
+        status = subprocess.run([sys.executable, "-m", "edgepfl.cli", "status", "--broker", url, "--federation", fed],
+                                capture_output=True, text=True, timeout=120)
+        assert status.returncode == 1, status.stderr
+        assert status.stderr.count("\n") == 1 and "fleet view" in status.stderr, status.stderr
+    finally:
+        for suffix in (*RETAINED_BEFORE_START, "agents/agent-00/status"):
+            attacker.client.publish(f"edgepfl/v1/{fed}/{suffix}", b"", qos=1, retain=True)
+        attacker.close()
+        if fleet is not None:
+            fleet.close()
+        stop_agents(procs)
+
+
+def test_the_conformance_kits_network_thread_records_poison_as_errors_and_keeps_going(mosquitto):
+    fed = f"kit{time.time_ns() % 10**9}"
+    will = encode(MessageType.STATUS, federation=fed, sender="coordinator", round=-1,
+                  meta=StatusMeta(state="offline"))
+    wire = Wire(mosquitto.url, fed, will=will).start()
+    attacker = Attacker(mosquitto.url, fed)
+    try:
+        for frame in POISON_FRAMES:
+            for channel in ("status", "update", "metrics"):
+                attacker.publish(f"agents/agent-00/{channel}", frame)
+        honest = encode(MessageType.STATUS, federation=fed, sender="agent-00", round=-1,
+                        meta=StatusMeta(state="online", num_train=10))
+        attacker.publish("agents/agent-00/status", honest)
+        assert wire.wait(lambda f: f.data == honest and f.message is not None, 60) is not None
+        poisoned = [f for f in wire.since(0) if f.data in POISON_FRAMES]
+        assert len(poisoned) == 3 * len(POISON_JSON)
+        assert all(f.message is None and "malformed" in (f.error or "") for f in poisoned)
+    finally:
+        attacker.close()
+        wire.stop()
