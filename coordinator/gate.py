@@ -174,13 +174,23 @@ class Task:
     agent_id: str
     task_id: str
     kind: str
+    #: the training samples the agent's status announced when the task was sent: an answer
+    #: may claim no more (None: whatever the registry holds when the answer arrives)
+    announced: int | None = None
 
 
 class RoundTasks:
-    """The tasks sent in one round (one per agent) and the agents that have not answered yet."""
+    """The tasks sent in one round (one per agent) and the agents that have not answered yet.
 
-    def __init__(self, round: int) -> None:
+    ``weight_cap`` is the most weight one training update of the round may carry
+    (:func:`edgepfl.aggregation.weight_cap` of the counts its sampled agents announced;
+    None: no cap): fixed when the round opens, so an update's weight depends on that update
+    and the round alone, never on what arrived before it.
+    """
+
+    def __init__(self, round: int, weight_cap: int | None = None) -> None:
         self.round = round
+        self.weight_cap = weight_cap
         #: set once the round stopped collecting: a later answer is ``stale``
         self.closed = False
         self._tasks: dict[str, Task] = {}
@@ -313,12 +323,14 @@ class UpdateGate:
             return Accepted(agent_id, meta, None, h.message_id)
         if meta.num_train <= 0:
             return reject("malformed", "train update with num_train = 0")
-        announced = self.registry.announced_num_train(agent_id)
+        announced = self.registry.announced_num_train(agent_id) if task.announced is None else task.announced
         if meta.num_train > announced:
             # The count is the aggregation weight: one the agent did not announce could
             # outweigh the whole fleet. (Not formatted: it may have thousands of digits.)
             return reject("malformed", f"num_train exceeds the {announced} samples its status announced")
-        update = ClientUpdate(agent_id, meta.num_train, message.tensors)
+        # What the device says it trained on, up to the round's cap: its weight (never a rejection)
+        weight = meta.num_train if tasks.weight_cap is None else min(meta.num_train, tasks.weight_cap)
+        update = ClientUpdate(agent_id, weight, message.tensors)
         if state is None:  # not reached: without a state no round is open, so there was no task
             return reject("unexpected", "no round is open")
         try:

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgepfl.aggregation import capped_accuracy, weight_cap
 from edgepfl.config import ConfigError, RunConfig
 from edgepfl.methods import Method, RoundAggregate, ServerState, create_method
 from edgepfl.metrics import RoundMetrics, read_metrics, record_run_end, record_run_start
@@ -358,7 +359,9 @@ class Coordinator:
     def _send_tasks(self, r: int, sampled: list[str], evaluators: list[str]) -> tuple[RoundTasks, RoundResult]:
         """Open round ``r`` and send each agent its task; returns the tasks and the round's (empty) result."""
         c = self.config
-        tasks, result = RoundTasks(r), RoundResult(round=r, sampled=sampled)
+        announced = {a: self.registry.announced_num_train(a) for a in sampled}
+        tasks = RoundTasks(r, weight_cap(announced.values(), c.aggregation.max_weight_ratio))
+        result = RoundResult(round=r, sampled=sampled)
         state = self._server_state()
         if sampled:
             result.aggregate = self.method.open_round(state, c.aggregation.build())
@@ -380,7 +383,7 @@ class Coordinator:
             frame = encode(MessageType.TASK, federation=c.federation, sender=SENDER, round=r, meta=meta,
                            body=bodies[key][1], signer=self.signer,
                            recipient=agent_id if self.signer is not None else None)
-            tasks.add(Task(agent_id, task_id, kind))
+            tasks.add(Task(agent_id, task_id, kind, announced.get(agent_id)))
             result.bytes_down += self.fleet.send(agent_id, frame, r)
             if not self.fleet.send_ready():
                 # Unacknowledged tasks wait in the transport: at 1,000 agents a round's worth
@@ -503,13 +506,12 @@ class Coordinator:
     def _row(self, result: RoundResult, seconds: float, final: bool, abort: str | None,
              rolled_back: int | None) -> RoundMetrics:
         evals = result.evaluations
-        correct = sum(e["correct"] for e in evals.values())
-        total = sum(e["total"] for e in evals.values())
         losses = [e["train_loss"] for e in evals.values() if e["train_loss"] is not None]
         return RoundMetrics(
             round=result.round,
             final=final,
-            accuracy=correct / total if total else None,
+            accuracy=capped_accuracy(((e["correct"], e["total"]) for e in evals.values()),
+                                     self.config.aggregation.max_weight_ratio),
             per_client={a: (e["correct"] / e["total"] if e["total"] else None) for a, e in sorted(evals.items())},
             participants=sorted(result.participants),
             clipped=sorted(result.clipped),

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import ClassVar, Literal
 
 import numpy as np
@@ -48,6 +48,8 @@ TensorDict = dict[str, np.ndarray]
 
 #: the most weight (sample count) one update may carry in a streaming rule
 MAX_UPDATE_WEIGHT = 2**24
+#: a device's count weighs at most this times the round's median count (``max_weight_ratio``)
+DEFAULT_MAX_WEIGHT_RATIO = 2.0
 #: how far (in units of the reference's largest magnitude, at least 1) a coordinate may move
 CHANGE_RANGE = 2**6
 _INT64_HEADROOM = 62  # bits one contribution may use in int64; one spare for the sign of the sum
@@ -78,8 +80,10 @@ class AggregationSpec(BaseModel):
         "mean", description="mean (FedAvg; DualFed: unweighted), clipped_mean, or a robust rule: "
                             "median, trimmed_mean, multi_krum (these three unweighted, and they buffer the round)")
     clip_ratio: float = Field(1.0, gt=0, description="clipped_mean: largest change norm, relative to the reference's")
-    trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="trimmed_mean: share cut from each end per coordinate")
-    krum_byzantine: int = Field(1, ge=0, description="multi_krum: how many attackers to tolerate (f)")
+    trim_fraction: float = Field(0.2, gt=0, lt=0.5, description="trimmed_mean: share cut from each end per "
+                                                                 "coordinate, at least one value each end of a round "
+                                                                 "of 3 or more updates")
+    krum_byzantine: int = Field(1, ge=1, description="multi_krum: how many attackers to tolerate (f)")
     krum_select: int | None = Field(None, ge=1, description="multi_krum: updates averaged (m); default n - f")
     max_change_ratio: float | None = Field(
         10.0, gt=0, description="abort a round (reason 'diverged', state kept) whose aggregate moves the shared "
@@ -94,6 +98,11 @@ class AggregationSpec(BaseModel):
     on_large_update: Literal["reject", "clip"] = Field(
         "reject", description="an update over max_update_ratio: reject it (reason 'out_of_range') or clip its "
                               "change onto the bound")
+    max_weight_ratio: float | None = Field(
+        DEFAULT_MAX_WEIGHT_RATIO, ge=1,
+        description="one device's sample count weighs at most this times the median count of the round (training: "
+                    "the counts its sampled agents announced; accuracy: the counts evaluated); a larger count is "
+                    "cut to it, never rejected; null: every count as the device says")
     rollback_after: int | None = Field(
         3, ge=1, description="after this many aborted rounds in a row (any reason, below quorum included), go "
                              "back to the last good state: the last one a round was adopted from; null: never")
@@ -115,6 +124,34 @@ class AggregationSpec(BaseModel):
         if self.rule == "trimmed_mean":
             return TrimmedMean(self.trim_fraction)
         return MultiKrum(self.krum_byzantine, self.krum_select)
+
+
+def weight_cap(counts: Iterable[int], ratio: float | None) -> int | None:
+    """The most weight one device's count may carry: ``ratio`` times the median of ``counts``
+    (the lower middle one of an even number; at least 1), or None (no cap) without a ratio
+    or counts.
+
+    A count is what a device says about itself, and as an aggregation weight it decides
+    how much of the model that device writes: announced as 2**24 it outweighs any fleet.
+    The lower median cannot be raised by half of the devices or fewer, so one attacker
+    among honest devices (one of two included) is held to ``ratio`` honest devices' worth;
+    an honest device with more data than most keeps all its weight up to the same bound.
+    """
+    ordered = sorted(counts)
+    if ratio is None or not ordered:
+        return None
+    return max(1, math.floor(ratio * ordered[(len(ordered) - 1) // 2]))
+
+
+def capped_accuracy(results: Iterable[tuple[int, int]], ratio: float | None) -> float | None:
+    """Held-out accuracy over ``(correct, total)`` pairs, each device weighted by its
+    ``total`` cut to :func:`weight_cap` of the totals (None: no device evaluated anything)."""
+    pairs = [(c, t) for c, t in results if t > 0]
+    cap = weight_cap((t for _, t in pairs), ratio)
+    weights = [t if cap is None else min(t, cap) for _, t in pairs]
+    if not weights:
+        return None
+    return sum(w * c / t for w, (c, t) in zip(weights, pairs)) / sum(weights)
 
 
 #: ``state_dict`` leaves that are BatchNorm running statistics: bounded as a group of their
@@ -406,7 +443,12 @@ class CoordinateMedian(_Buffered):
 
 
 class TrimmedMean(_Buffered):
-    """Per coordinate, drop the ``trim_fraction`` largest and smallest values, average the rest."""
+    """Per coordinate, drop the ``trim_fraction`` largest and smallest values, average the rest.
+
+    At least one value is dropped from each end whenever there are 3 or more: at 0.2 a
+    round of 4 updates would otherwise trim nothing and be the plain mean, the one
+    outcome a user of this rule chose against.
+    """
 
     def __init__(self, trim_fraction: float = 0.2):
         super().__init__()
@@ -415,7 +457,7 @@ class TrimmedMean(_Buffered):
     def result(self) -> TensorDict:
         self._require_updates()
         n = self.count_
-        cut = min(int(math.floor(self.trim_fraction * n)), (n - 1) // 2)
+        cut = min(max(int(math.floor(self.trim_fraction * n)), 1), (n - 1) // 2)
         out = {}
         for key in self.reference_:
             values = np.sort(self._stacked(key), axis=0)
@@ -447,6 +489,7 @@ class MultiKrum(_Buffered):
 
 
 __all__ = [
-    "CHANGE_RANGE", "MAX_UPDATE_WEIGHT", "AggregationRejected", "AggregationSpec", "Aggregator", "CoordinateMedian",
-    "Mean", "MultiKrum", "NormClippedMean", "STATISTIC_LEAVES", "TrimmedMean", "UpdateNormBound",
+    "CHANGE_RANGE", "DEFAULT_MAX_WEIGHT_RATIO", "MAX_UPDATE_WEIGHT", "AggregationRejected", "AggregationSpec",
+    "Aggregator", "CoordinateMedian", "Mean", "MultiKrum", "NormClippedMean", "STATISTIC_LEAVES", "TrimmedMean",
+    "UpdateNormBound", "capped_accuracy", "weight_cap",
 ]

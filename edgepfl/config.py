@@ -136,6 +136,10 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
         check_segment(self.federation, "federation")
+        agg = self.aggregation
+        if agg.rule == "multi_krum" and agg.krum_select is not None and agg.krum_select >= self.min_agents:
+            raise ValueError(f"aggregation.krum_select {agg.krum_select} averages every update of a round of "
+                             f"min_agents = {self.min_agents}: multi_krum would drop nothing; choose fewer")
         return self
 
     def method_config(self):

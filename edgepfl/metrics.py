@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .aggregation import DEFAULT_MAX_WEIGHT_RATIO, capped_accuracy
 from .protocol import bounded_json
 
 __all__ = ["HEAD_METRICS_FILE", "METRICS_FILE", "RUN_TIMES_FILE", "MetricsError", "ReleaseReports", "RoundMetrics",
@@ -44,7 +45,8 @@ class RoundMetrics(BaseModel):
 
     round: int = Field(ge=0, description="the round; for the final row, the number of rounds")
     final: bool = Field(description="the evaluation after the last round (no training)")
-    accuracy: float | None = Field(description="sample-weighted held-out accuracy over evaluated agents")
+    accuracy: float | None = Field(description="sample-weighted held-out accuracy over evaluated agents, each "
+                                   "agent's count at most aggregation.max_weight_ratio x the median")
     per_client: dict[str, float | None] = Field(description="agent -> held-out accuracy (None: no test samples)")
     participants: list[str] = Field(description="agents whose training update was aggregated, sorted")
     sampled: list[str] = Field(description="agents sent a training task")
@@ -124,9 +126,10 @@ class ReleaseReports(BaseModel):
         default_factory=dict, description="agent -> report: tier, release_id, head, correct, total, accuracy, values")
 
     def accuracy(self) -> float | None:
-        """Sample-weighted held-out accuracy over the agents that reported."""
-        total = sum(int(r.get("total") or 0) for r in self.reports.values())
-        return sum(int(r.get("correct") or 0) for r in self.reports.values()) / total if total else None
+        """Sample-weighted held-out accuracy over the agents that reported, each agent's count
+        capped as a round's are (:func:`edgepfl.aggregation.capped_accuracy`)."""
+        counts = ((int(r.get("correct") or 0), int(r.get("total") or 0)) for r in self.reports.values())
+        return capped_accuracy(counts, DEFAULT_MAX_WEIGHT_RATIO)
 
 
 def read_head_metrics(path: str | Path) -> dict[str, ReleaseReports]:

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgepfl.aggregation import (
+    DEFAULT_MAX_WEIGHT_RATIO,
     AggregationRejected,
     AggregationSpec,
     CoordinateMedian,
@@ -17,6 +18,8 @@ from edgepfl.aggregation import (
     NormClippedMean,
     TrimmedMean,
     UpdateNormBound,
+    capped_accuracy,
+    weight_cap,
 )
 
 RULES = ["mean", "clipped_mean", "median", "trimmed_mean", "multi_krum"]
@@ -157,13 +160,20 @@ def test_clipped_mean_equals_mean_when_nothing_is_clipped_and_bounds_one_update(
     assert tight.clipped_ == 1 and moved == pytest.approx(bound, rel=1e-5)
 
 
-def test_trimmed_mean_without_trimming_is_the_plain_mean_and_median_of_three_is_the_middle():
+def test_trimmed_mean_always_trims_and_median_of_three_is_the_middle():
     rng = np.random.default_rng(7)
     ref = reference(rng)
-    updates = honest(ref, rng, 5)
-    got = aggregate(TrimmedMean(0.0), ref, updates, [1] * 5)
+    updates = honest(ref, rng, 4)
+    # 0.2 of 4 is no whole update: the rule still cuts one from each end (the red team's
+    # trimmed mean at 0.2 trimmed nothing with fewer than 5 updates)
+    got = aggregate(TrimmedMean(0.2), ref, updates, [1] * 4)
     for key in ref:
-        np.testing.assert_allclose(got[key], np.mean([u[key].astype(np.float64) for u in updates], axis=0), rtol=1e-6)
+        middle = np.sort(np.stack([u[key].astype(np.float64) for u in updates]), axis=0)[1:3].mean(axis=0)
+        np.testing.assert_allclose(got[key], middle.astype(ref[key].dtype), rtol=1e-6)
+    with pytest.raises(ValueError):
+        AggregationSpec(rule="trimmed_mean", trim_fraction=0.0)
+    with pytest.raises(ValueError):
+        AggregationSpec(rule="multi_krum", krum_byzantine=0)
     a, b, c = ({k: np.full_like(v, x) for k, v in ref.items()} for x in (1.0, 2.0, 7.0))
     med = aggregate(CoordinateMedian(), ref, [c, a, b], [1, 1, 1])
     assert all((v == 2.0).all() for v in med.values())
@@ -322,3 +332,26 @@ def test_without_a_bound_the_robust_rules_take_a_huge_update_in_and_out_vote_it(
         rule = AggregationSpec(rule=name, max_update_ratio=None).build()
         out = aggregate(rule, ref, good + [huge], [1] * 7)
         assert all(float(np.abs(out[k] - ref[k]).max()) < 0.1 for k in ref), name
+
+
+def test_no_device_outweighs_ratio_times_the_lower_median_count():
+    honest = [600, 540, 700]
+    assert weight_cap([*honest, 2**24], 2.0) == 2 * 600  # one of four: the median stays honest
+    assert weight_cap([600, 2**24], 2.0) == 1200  # one of two: the lower median is the honest one
+    assert weight_cap([600, 2**24, 2**24], 2.0) == 2 * 2**24  # a majority moves it: nothing to be done
+    assert weight_cap(honest, None) is None and weight_cap([], 2.0) is None
+    assert weight_cap([0, 0, 1], 2.0) == 1  # never 0: every honest update keeps a weight
+    # an honest device with 3x the data of most keeps 2x (cut, never refused)
+    assert weight_cap([100, 100, 100, 300], DEFAULT_MAX_WEIGHT_RATIO) == 200
+
+
+def test_a_device_reporting_2_to_the_53_correct_answers_cannot_set_the_federations_accuracy():
+    honest = [(45, 100), (50, 100), (55, 100)]
+    inflated = [*honest, (2**53, 2**53)]
+    uncapped = sum(c for c, _ in inflated) / sum(t for _, t in inflated)
+    assert uncapped == pytest.approx(1.0)  # what the red team saw: 100.0 %
+    capped = capped_accuracy(inflated, DEFAULT_MAX_WEIGHT_RATIO)
+    assert capped == pytest.approx((45 + 50 + 55 + 200) / 500)  # the liar weighs 2 devices
+    assert capped_accuracy(honest, DEFAULT_MAX_WEIGHT_RATIO) == pytest.approx(0.5)
+    assert capped_accuracy(honest, None) == pytest.approx(0.5)
+    assert capped_accuracy([(0, 0)], 2.0) is None

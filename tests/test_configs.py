@@ -67,6 +67,23 @@ def test_an_aggregation_section_parses(tmp_path):
     assert not spec.build().streaming
 
 
+@pytest.mark.parametrize("aggregation, why", [
+    ({"rule": "multi_krum", "krum_select": 4}, "would drop nothing"),
+    ({"rule": "multi_krum", "krum_byzantine": 0}, "krum_byzantine"),
+    ({"rule": "trimmed_mean", "trim_fraction": 0.0}, "trim_fraction"),
+])
+def test_a_robust_rule_configured_to_do_nothing_is_refused(tmp_path, aggregation, why):
+    data = yaml.safe_load((REPO / "configs" / "fedavg.yaml").read_text())
+    data.update(aggregation=aggregation, min_agents=4)
+    path = tmp_path / "robust.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=why):
+        load_run_config(path)
+    data["aggregation"] = {**aggregation, "krum_select": 3} if "krum_select" in aggregation else {"rule": "median"}
+    path.write_text(yaml.safe_dump(data))
+    assert load_run_config(path).aggregation.rule in ("multi_krum", "median")
+
+
 def _broken(tmp_path: Path, mutate) -> Path:
     data = yaml.safe_load((REPO / "configs" / "fedpac.yaml").read_text())
     data = copy.deepcopy(data)

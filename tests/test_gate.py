@@ -409,3 +409,19 @@ def test_the_gate_keeps_message_ids_of_the_current_round_only_and_a_replay_stays
     assert len(rnd.gate._seen) == 0  # a long run does not grow the set round after round
     assert isinstance(rnd.admit(rnd.frame(round=ROUND + 1)), Accepted)
     assert len(rnd.gate._seen) == 1
+
+
+def test_an_update_weighs_at_most_the_rounds_cap_and_what_was_announced_when_its_task_was_sent(rnd):
+    rnd.tasks = RoundTasks(ROUND, weight_cap=60)
+    rnd.tasks.add(Task("alice", new_message_id(), "train", announced=ANNOUNCED))
+    verdict = rnd.admit(rnd.frame(num_train=ANNOUNCED))
+    assert isinstance(verdict, Accepted) and verdict.update.num_samples == 60  # cut to the cap, not refused
+    assert verdict.meta.num_train == ANNOUNCED  # the report itself is kept as sent
+    rnd.reopen()
+    assert rnd.admit(rnd.frame(num_train=40)).update.num_samples == 40  # under the cap: as reported
+
+    # announcing more after the task was sent buys nothing: the task's count holds
+    rnd.registry.update("alice", StatusMeta(state="online", num_train=2**24, num_test=20))
+    rnd.tasks.add(Task("alice", new_message_id(), "train", announced=ANNOUNCED))
+    verdict = rnd.admit(rnd.frame(num_train=2**24))
+    assert reason(verdict) == "malformed" and f"the {ANNOUNCED} samples" in verdict.detail
