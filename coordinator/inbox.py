@@ -39,6 +39,7 @@ from .gate import (
 from .nack import Nacker
 from .presence import PresenceWatch
 from .registry import Registry
+from .result import RunCounters
 
 log = logging.getLogger("edgepfl.coordinator")
 
@@ -66,11 +67,12 @@ class RoundSink(Protocol):
 class Inbox:
     """Routes what the fleet delivers; :meth:`pump_until` is the only loop that polls it.
 
-    ``rejected_total`` is the run's counter of rejections by reason (the coordinator's,
-    restored from its checkpoint); the inbox adds to it.
+    ``counters`` are the run's rejections and refused tasks by reason (the round loop's,
+    restored from its checkpoint): the inbox counts each into them and into the open
+    round's sink at the moment it decides.
     """
 
-    def __init__(self, fleet: Fleet, registry: Registry, gate: UpdateGate, rejected_total: Counter,
+    def __init__(self, fleet: Fleet, registry: Registry, gate: UpdateGate, counters: RunCounters,
                  tick: Callable[[], None] | None = None, keyring: Keyring | None = None,
                  presence: PresenceWatch | None = None, nacks: Nacker | None = None):
         self.fleet = fleet
@@ -80,7 +82,7 @@ class Inbox:
         self.presence = presence or PresenceWatch(registry, expected=None)
         self.registry = registry
         self.gate = gate
-        self.rejected_total = rejected_total
+        self.counters = counters
         #: release id -> agent id -> the agent's report measured with that release
         self.reports_by_release: dict[str, dict[str, dict]] = {}
         #: with a keyring, statuses and metrics must be signed by the sender's enrolled key
@@ -166,6 +168,7 @@ class Inbox:
     def _on_refusal(self, refused: Refused) -> None:
         assert self._sink is not None
         self._sink.refused[refused.reason] += 1
+        self.counters.refused[refused.reason] += 1
         log.info("round %d: agent %s refused its task: %s (%s)", self._tasks.round, refused.agent_id, refused.reason,
                  refused.detail)
         if refused.reason in EXCLUDING_REFUSALS:
@@ -198,7 +201,7 @@ class Inbox:
             self.registry.forget(rejection.agent_id or "")  # an agent of another major version is not registered
         if self.nacks is not None:
             self.nacks.rejected(rejection)
-        self.rejected_total[rejection.reason] += 1
+        self.counters.rejected[rejection.reason] += 1
         if self._sink is not None:
             self._sink.rejected[rejection.reason] += 1
         now = time.monotonic()

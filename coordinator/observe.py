@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from typing import Any
 
 from edgepfl.config import ObserveSpec, RunConfig
@@ -24,6 +23,7 @@ from edgepfl.protocol.view import AgentView, FleetView, Phase, encode_view
 
 from .fleet import Fleet
 from .registry import Registry
+from .result import RunCounters
 
 log = logging.getLogger("edgepfl.coordinator")
 
@@ -35,14 +35,12 @@ ROUND_SECONDS_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600)
 class Observer:
     """Keeps the fleet view and the metrics current; never raises into the round loop."""
 
-    def __init__(self, config: RunConfig, fleet: Fleet, registry: Registry, rejected_total: Counter,
-                 refused_total: Counter | None = None):
+    def __init__(self, config: RunConfig, fleet: Fleet, registry: Registry, counters: RunCounters):
         self.spec: ObserveSpec = config.observe
         self.fleet = fleet
         self.registry = registry
-        # the run's counters, every round's (a resumed run's from its checkpoint): the round loop keeps them
-        self.rejected_total = rejected_total
-        self.refused_total = Counter() if refused_total is None else refused_total
+        # the run's counters, every round's (a resumed run's from its checkpoint): the inbox counts into them
+        self.counters = counters
         self.federation, self.method, self.rounds = config.federation, config.method.name, config.rounds
         self.max_bytes = config.broker.max_message_bytes
         self.started = time.time()
@@ -64,7 +62,7 @@ class Observer:
         self.resumed_from = resumed_from
         if self.spec.metrics_port is not None and self.metrics is None:
             self.metrics = PrometheusMetrics(self.spec.metrics_host, self.spec.metrics_port, self.federation,
-                                             already_rejected=dict(self.rejected_total),
+                                             already_rejected=dict(self.counters.rejected),
                                              inbox=self.fleet.inbox)
             log.info("Prometheus metrics on http://%s:%d/metrics", self.spec.metrics_host, self.metrics.port)
         self.publish()
@@ -90,7 +88,7 @@ class Observer:
 
     def tick(self) -> None:
         """After every poll: notice presence and rejection changes; publish when due. O(1) unless publishing."""
-        rejections = sum(self.rejected_total.values())  # a handful of reasons
+        rejections = sum(self.counters.rejected.values())  # a handful of reasons
         if self.registry.revision != self._seen_revision or rejections != self._seen_rejections:
             self._seen_revision, self._seen_rejections = self.registry.revision, rejections
             self._dirty = True
@@ -121,7 +119,7 @@ class Observer:
             rounds_completed=self.rounds_completed, last_accuracy=self.last_accuracy,
             last_accuracy_round=self.last_accuracy_round, release=self.release,
             online={tier: self.registry.count_online(tier) for tier in TIERS},
-            rejected=dict(sorted(self.rejected_total.items())), refused=dict(sorted(self.refused_total.items())),
+            rejected=dict(sorted(self.counters.rejected.items())), refused=dict(sorted(self.counters.refused.items())),
             agents=agents,
         )
 

@@ -89,6 +89,6 @@ def test_a_chunk_flood_on_one_topic_evicts_no_other_agents_update(mosquitto, tmp
         assert row.participants == ["agent-00", "agent-01"] and row.dropped == [] and not row.aborted
     evicted = sum(r.rejected.get("evicted", 0) for r in rows)
     assert evicted > 0  # the flood is counted, by reason, in metrics.jsonl
-    assert coord.rejected_total["evicted"] >= evicted
+    assert coord.counters.rejected["evicted"] >= evicted
     assert "dropped message on edgepfl/v1/" in caplog.text and "/intruder/update: evicted" in caplog.text
     assert "/agent-00/update: evicted" not in caplog.text and "/agent-01/update: evicted" not in caplog.text

@@ -173,7 +173,7 @@ def test_a_signed_federation_completes_under_attack_and_refuses_every_forgery(mo
         for row in rows[:-1]:
             assert set(row.sampled) == set(TRAINERS) and set(row.participants) == set(TRAINERS)
         assert set(coordinator.registry.agents) == {*TRAINERS, HEAD}  # no Sybil ever entered
-        rejected = coordinator.rejected_total
+        rejected = coordinator.counters.rejected
         assert rejected["not_enrolled"] >= len(SYBILS) // 2
         # unsigned Sybils (10) + the forged answer + ghost metrics + the mid-run forged offlines (2)
         assert rejected["unsigned"] >= len(SYBILS) // 2 + 1 + 1 + 2

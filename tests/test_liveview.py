@@ -25,6 +25,7 @@ from edgepfl.config import RunConfig
 from edgepfl.coordinator.fleet import Fleet
 from edgepfl.coordinator.observe import Observer
 from edgepfl.coordinator.registry import Registry
+from edgepfl.coordinator.result import RunCounters
 from edgepfl.coordinator.status import format_view
 from edgepfl.protocol import StatusMeta
 from edgepfl.protocol.view import AgentView, FleetView, encode_view, parse_view
@@ -62,8 +63,8 @@ class RecordingFleet(Fleet):
 
 def _observer(**observe) -> tuple[Observer, Registry, RecordingFleet, Counter]:
     config = RunConfig(federation="viewtest", rounds=5, observe=observe)
-    fleet, registry, rejected = RecordingFleet(), Registry(), Counter()
-    return Observer(config, fleet, registry, rejected), registry, fleet, rejected
+    fleet, registry, counters = RecordingFleet(), Registry(), RunCounters()
+    return Observer(config, fleet, registry, counters), registry, fleet, counters.rejected
 
 
 def test_a_thousand_agents_coming_online_cost_one_view_per_interval_not_one_each():

@@ -223,7 +223,7 @@ def test_nacks_to_one_agent_are_rate_bounded_and_the_round_goes_on(mosquitto, tm
 
     agents = [WireAgent(url, fed, "good", honest), WireAgent(url, fed, "noisy", floods_then_answers)]
     coordinator, fleet, thread, box = run_coordinator(config(fed, rounds=1), url, tmp_path / "run")
-    wait_until(lambda: len(agents[1].tasks) >= 1 and coordinator.rejected_total["unexpected"] >= flood, 120,
+    wait_until(lambda: len(agents[1].tasks) >= 1 and coordinator.counters.rejected["unexpected"] >= flood, 120,
                what="the flood admitted")
     elapsed = time.monotonic() - timing["start"]
     finish(thread, box, fleet, agents)

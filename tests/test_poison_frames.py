@@ -74,7 +74,7 @@ def test_poison_on_every_topic_kills_nothing_and_each_frame_is_one_rejection(mos
         # poisoned retained status unless agent-00 re-announced itself before the coordinator
         # subscribed (its new birth replaces the retained poison)
         live = len(POISON_FRAMES) * len(live_to_coordinator)
-        assert live + 1 <= coordinator.rejected_total["malformed"] <= live + 2, coordinator.rejected_total
+        assert live + 1 <= coordinator.counters.rejected["malformed"] <= live + 2, coordinator.counters.rejected
         for agent in (*TRAINERS, HEAD):
             assert "malformed" in agent_log(out, agent), agent
 

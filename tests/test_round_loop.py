@@ -23,7 +23,8 @@ from edgepfl.config import RunConfig
 from edgepfl.coordinator.fleet import Fleet, Incoming
 from edgepfl.coordinator.gate import Rejection
 from edgepfl.coordinator.registry import Registry
-from edgepfl.coordinator.rounds import Coordinator, RoundResult
+from edgepfl.coordinator.result import RoundResult
+from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.metrics import MetricsError, read_head_metrics, read_metrics
 from edgepfl.protocol import (
     AgentChannel,
@@ -180,7 +181,7 @@ def test_rejections_from_the_fleet_and_the_gate_are_counted_by_reason(tmp_path, 
     # junk is nobody's frame; the inflated update is m's answer, so the good one after it is late
     assert rows[0].participants == ["a"] and rows[0].dropped == []
     assert rows[0].rejected == {"bad_topic": 1, "malformed": 2} and rows[1].rejected == {"stale": 1}
-    assert coord.rejected_total == {"bad_topic": 1, "malformed": 2, "stale": 1}
+    assert coord.counters.rejected == {"bad_topic": 1, "malformed": 2, "stale": 1}
     assert "rejected message from ?: bad_topic" in caplog.text
     assert "rejected message from m: malformed (num_train exceeds the 10 samples its status announced)" in caplog.text
     # m announced 1.2: told of both of its own frames, with the reason, the message and the task
@@ -285,7 +286,7 @@ def test_a_status_of_another_major_version_is_not_registered_and_is_told_why(tmp
     coord = coordinator(fleet, tmp_path, min_agents=1)
     rows = coord.run()
     assert not coord.registry.known("future") and rows[0].sampled == ["a"]
-    assert coord.rejected_total == {"unsupported_version": 1}
+    assert coord.counters.rejected == {"unsupported_version": 1}
     assert [(a, m.meta.reason, m.meta.rejected_type) for a, m in fleet.told] == [
         ("future", "unsupported_version", "status")]
 
@@ -300,7 +301,7 @@ def test_statuses_keep_the_registry_and_tell_the_fleet_who_came_online(tmp_path)
     # re-announcing while online is not "coming online"; coming back after offline is
     assert fleet.online_calls == [("a", "trainer"), ("b", "trainer"), ("pi", "head"), ("pi", "head")]
     assert coord.registry.online("head") == ["pi"] and not coord.registry.known("x")
-    assert coord.rejected_total == {"malformed": 1, "wrong_sender": 1}
+    assert coord.counters.rejected == {"malformed": 1, "wrong_sender": 1}
 
 
 class HeadFleet(ScriptedFleet):
@@ -417,7 +418,7 @@ def test_an_update_scaled_a_millionfold_is_rejected_out_of_range_and_the_round_c
     with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
         rows = coord.run()
     assert time.monotonic() - started < 10  # m's answer counts as an answer: no wait for the timeout
-    assert rows[0].rejected == {"out_of_range": 1} and coord.rejected_total == {"out_of_range": 1}
+    assert rows[0].rejected == {"out_of_range": 1} and coord.counters.rejected == {"out_of_range": 1}
     assert rows[0].participants == ["a", "b"] and rows[0].dropped == [] and not rows[0].aborted
     assert rows[0].evaluated == 2  # nothing of a refused update counts, its evaluation neither
     assert same_tensors(global_tensors(coord), before)  # the mean of a's and b's echo
@@ -628,7 +629,7 @@ def test_an_answer_that_comes_after_its_round_closed_is_stale(tmp_path):
     coord._collect = collect_then_c_answers_late  # type: ignore[method-assign]
     rows = coord.run()
     assert rows[0].participants == ["a", "b"] and rows[0].dropped == ["c"] and not rows[0].aborted
-    assert coord.rejected_total == {"stale": 1}
+    assert coord.counters.rejected == {"stale": 1}
     assert rows[1].participants == ["a", "b", "c"]
 
 

@@ -365,17 +365,16 @@ def test_exposure_warning_only_off_this_machine_without_tls_or_signatures():
 
 
 def test_a_flood_of_rejections_is_counted_in_full_but_logged_a_few_times(caplog):
-    from collections import Counter
-
     from edgepfl.coordinator.inbox import LOG_PER_WINDOW, Inbox
+    from edgepfl.coordinator.result import RunCounters
 
-    total: Counter = Counter()
-    inbox = Inbox(None, Registry(), None, total)  # type: ignore[arg-type]  # only the rejection path is used
+    counters = RunCounters()
+    inbox = Inbox(None, Registry(), None, counters)  # type: ignore[arg-type]  # only the rejection path is used
     with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
         for i in range(1000):
             inbox._reject(Rejection(f"sybil-{i}", "not_enrolled", "status not signed by its enrolled key"))
         inbox._reject(Rejection("alice", "malformed", "bad"))
-    assert total == {"not_enrolled": 1000, "malformed": 1}
+    assert counters.rejected == {"not_enrolled": 1000, "malformed": 1}
     lines = caplog.text.splitlines()
     assert sum("not_enrolled" in line for line in lines) == LOG_PER_WINDOW + 1  # + "counted, not logged"
     assert "rejected message from alice: malformed (bad)" in caplog.text

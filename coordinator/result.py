@@ -1,0 +1,129 @@
+"""What a round collected, and what the run has counted: the records the round loop keeps.
+
+:class:`RoundResult` is one round's: its open aggregate, its answers' evaluations (typed,
+:class:`Evaluation`), its rejections and refusals, its traffic; :meth:`RoundResult.to_metrics`
+makes the ``metrics.jsonl`` row of it. :class:`RunCounters` is the run's: rejections and
+refused tasks by reason over every round, checkpointed, shown by the fleet view and
+Prometheus. The inbox counts into both at the moment it decides, so the two agree at
+every instant.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgepfl.aggregation import capped_accuracy
+from edgepfl.methods import RoundAggregate
+from edgepfl.metrics import RoundMetrics
+from edgepfl.protocol import UpdateMeta
+from edgepfl.state import CheckpointMeta
+
+from .gate import Accepted
+
+log = logging.getLogger("edgepfl.coordinator")
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One agent's answer, as the metrics see it: its held-out counts, losses and time."""
+
+    correct: int
+    total: int
+    loss: float | None
+    train_loss: float | None
+    kind: str
+    train_seconds: float
+
+    @classmethod
+    def of(cls, meta: UpdateMeta) -> Evaluation:
+        return cls(correct=meta.eval_correct, total=meta.num_test, loss=meta.eval_loss, train_loss=meta.train_loss,
+                   kind=meta.kind, train_seconds=meta.train_seconds)
+
+    @property
+    def accuracy(self) -> float | None:
+        return self.correct / self.total if self.total else None
+
+
+@dataclass
+class RunCounters:
+    """The run's rejected messages and refused tasks by reason, every round of it (a resumed
+    run's start from its checkpoint)."""
+
+    rejected: Counter = field(default_factory=Counter)
+    refused: Counter = field(default_factory=Counter)
+
+    def restore(self, meta: CheckpointMeta) -> None:
+        self.rejected.update(meta.rejected_total)
+        self.refused.update(meta.refused_total)
+
+
+@dataclass
+class RoundResult:
+    """What one round collected: its open aggregate, evaluations, rejections, traffic.
+
+    Accepted training updates go straight into ``aggregate`` (None in a round where
+    nobody trains); the result itself keeps no update's tensors.
+    """
+
+    round: int
+    aggregate: RoundAggregate | None = None
+    participants: list[str] = field(default_factory=list)
+    #: participants whose update the rule's bound clipped (aggregation.on_large_update: clip)
+    clipped: list[str] = field(default_factory=list)
+    evaluations: dict[str, Evaluation] = field(default_factory=dict)
+    rejected: Counter = field(default_factory=Counter)
+    #: tasks refused by their agents, by reason
+    refused: Counter = field(default_factory=Counter)
+    bytes_up: int = 0
+    bytes_down: int = 0
+    dropped: list[str] = field(default_factory=list)
+    sampled: list[str] = field(default_factory=list)
+
+    def record(self, accepted: Accepted, wire_bytes: int) -> None:
+        """Count an answer the gate accepted; a training update is added to the round's
+        aggregate first, and one the rule refuses (``AggregationRejected``) counts for nothing."""
+        if accepted.update is not None:
+            # a train task, hence a training round with its aggregate
+            assert self.aggregate is not None
+            if self.aggregate.add(accepted.update):
+                log.warning("round %d: the update from %s moved the shared parameters past the update bound "
+                            "(aggregation.max_update_ratio); clipped onto it", self.round, accepted.agent_id)
+                self.clipped.append(accepted.agent_id)
+            self.participants.append(accepted.agent_id)
+        self.bytes_up += wire_bytes
+        self.evaluations[accepted.agent_id] = Evaluation.of(accepted.meta)
+
+    def to_metrics(self, *, seconds: float, final: bool, abort: str | None, rolled_back: int | None,
+                   shared_bytes: int, max_weight_ratio: float | None) -> RoundMetrics:
+        """The ``metrics.jsonl`` row of this round; accuracy weighs each agent's held-out count
+        up to ``max_weight_ratio`` times the round's median (:func:`~edgepfl.aggregation.capped_accuracy`)."""
+        evals = self.evaluations
+        losses = [e.train_loss for e in evals.values() if e.train_loss is not None]
+        return RoundMetrics(
+            round=self.round,
+            final=final,
+            accuracy=capped_accuracy(((e.correct, e.total) for e in evals.values()), max_weight_ratio),
+            per_client={a: e.accuracy for a, e in sorted(evals.items())},
+            participants=sorted(self.participants),
+            clipped=sorted(self.clipped),
+            sampled=self.sampled,
+            evaluated=len(evals),
+            dropped=sorted(self.dropped),
+            rejected=dict(self.rejected),
+            refused=dict(self.refused),
+            aborted=abort is not None,
+            abort_reason=abort,
+            rolled_back_to=rolled_back,
+            train_loss=float(np.mean(losses)) if losses else None,
+            bytes_up=self.bytes_up,
+            bytes_down=self.bytes_down,
+            shared_bytes=shared_bytes,
+            seconds=round(seconds, 4),
+        )
+
+
+__all__ = ["Evaluation", "RoundResult", "RunCounters"]
