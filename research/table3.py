@@ -14,7 +14,7 @@ sampling all follow the seed); this script runs them and reports, per head kind:
   method − FedAvg; mean ± std over seeds; new clients ahead), and in how many seeds the
   method's mean is above FedAvg's (``research/seed_stats.py``).
 
-Usage (what docs/BENCHMARKS.md records)::
+Usage (what research/RESULTS.md records)::
 
     .venv/bin/python research/table3.py --seeds 0,1,2 --rounds 30 --epochs 2 --jobs 2
 
