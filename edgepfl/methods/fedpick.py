@@ -48,7 +48,7 @@ class FedPickConfig(PersonalBatchNormConfig):
     threshold: float = Field(0.5, gt=0, lt=1, description="hard-mask threshold on the soft mask (paper: 0.5)")
     ensemble: EnsembleForm = Field(
         "logits", description="inference: C_g(v)+C_p(v_r) logit sum, the average of their softmaxes, "
-        "or C_p(v_r) alone (label shift with many local epochs: docs/BENCHMARKS.md)"
+        "or C_p(v_r) alone (label shift with many local epochs: research/RESULTS.md)"
     )
 
 

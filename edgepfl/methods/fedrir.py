@@ -27,7 +27,7 @@ GFE, q and head with CE plus an information term, chosen by ``mi``:
 negative, so a batch whose estimate is below zero says that q misfits it, and the GFE is
 not pushed further along q's error there; max(bound, 0) still bounds the paper's
 quantity. Unclamped, the default swings at the paper's steps per round
-(docs/BENCHMARKS.md "At the paper's data size").
+(research/RESULTS.md "At the paper's data size").
 
 The Adam moments of both stages are kept across rounds (the authors' code builds its
 two optimizers once per client) as personal buffers of the model (``adam.*``), so they

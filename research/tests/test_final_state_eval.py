@@ -1,4 +1,4 @@
-"""Paired readings of a benchmark run's saved state (benchmarks/final_state_eval.py):
+"""Paired readings of a benchmark run's saved state (research/final_state_eval.py):
 a real tiny federation's checkpoint and agents' personal state, read both ways."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))  # as when the scripts run: they import each other from there
+RESEARCH = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(RESEARCH))  # as when the scripts run: they import each other from there
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, RESEARCH / f"{name}.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# What a lent GPU machine needs to run benchmarks/run_methods.py, prepared here.
+# What a lent GPU machine needs to run research/run_methods.py, prepared here.
 #
-#   bash benchmarks/device_kit.sh prepare   here: wheels into .whl/, Fashion-MNIST into .benchdata/
-#   bash benchmarks/device_kit.sh install   there: the wheels into /tmp/site (then PYTHONPATH=/tmp/site)
+#   bash research/device_kit.sh prepare   here: wheels into .whl/, Fashion-MNIST into .benchdata/
+#   bash research/device_kit.sh install   there: the wheels into /tmp/site (then PYTHONPATH=/tmp/site)
 #
 # The GPU machine's image has torch, numpy, PyYAML and scikit-learn but not pydantic, and
 # nothing can be fetched there; its Python is 3.12 on x86-64 (see the device tool's notes).
@@ -11,10 +11,10 @@
 # .benchdata`). Both folders are git-ignored; name them in the call's `carry` list:
 #
 #   carry: [".whl", ".benchdata"]
-#   command: bash benchmarks/device_kit.sh install && export PYTHONPATH=/tmp/site && \
-#            OMP_NUM_THREADS=1 timeout 540 python3 benchmarks/run_methods.py ... \
+#   command: bash research/device_kit.sh install && export PYTHONPATH=/tmp/site && \
+#            OMP_NUM_THREADS=1 timeout 540 python3 research/run_methods.py ... \
 #            --device cuda --data-root .benchdata --jobs 16 --skip-done --resume; \
-#            tar czf $OUT/results.tgz benchmarks/results/<tag>
+#            tar czf $OUT/results.tgz research/results/<tag>
 #
 # Run directories live under runs/ (ignored), which the machine keeps between calls as
 # long as it stays warm, so `--resume` continues there; results come back in $OUT.

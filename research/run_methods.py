@@ -5,13 +5,13 @@ round loop and trainer runtime as an MQTT run (``tests/test_federation.py`` prov
 two give the same numbers for the same seed) — and writes one JSON per run plus a
 markdown table::
 
-    python benchmarks/run_methods.py --tag cpu30 --rounds 30 --jobs 2
-    python benchmarks/run_methods.py --tag cpu30 --rounds 30 --seeds 0,1,2 --jobs 2
-    python benchmarks/run_methods.py --tag cpu30 --table          # table and curves.png only, from the JSONs
-    python benchmarks/run_methods.py --tag cpu30 --rounds 30 --seeds 0,1,2 --skip-done --resume   # go on after a stop
-    python benchmarks/run_methods.py --tag later --rounds 30 --seeds 0,1,2 --methods "fedrir+mi_clamp=true"
-    python benchmarks/run_methods.py --tag cpu30 --merge later --table   # a variant beside cpu30's baselines
-    python benchmarks/run_methods.py --tag cpu200 --rounds 200 --extend cpu30 --resume  # rounds 30..199 of cpu30's runs
+    python research/run_methods.py --tag cpu30 --rounds 30 --jobs 2
+    python research/run_methods.py --tag cpu30 --rounds 30 --seeds 0,1,2 --jobs 2
+    python research/run_methods.py --tag cpu30 --table          # table and curves.png only, from the JSONs
+    python research/run_methods.py --tag cpu30 --rounds 30 --seeds 0,1,2 --skip-done --resume   # go on after a stop
+    python research/run_methods.py --tag later --rounds 30 --seeds 0,1,2 --methods "fedrir+mi_clamp=true"
+    python research/run_methods.py --tag cpu30 --merge later --table   # a variant beside cpu30's baselines
+    python research/run_methods.py --tag cpu200 --rounds 200 --extend cpu30 --resume  # rounds 30..199 of cpu30's runs
 
 A method ``name+option=value[+...]`` is a variant: the method with those options set on
 top of ``configs/<name>.yaml``; tables rank it after, and compare it like, its method.
@@ -24,11 +24,11 @@ one round. Bring its run directory (``--runs-root``) back with the results.
 ``--over-mqtt`` runs one federation's agents as their own processes over the embedded
 broker, one torch thread each, instead of one after another in one process: a single
 long run then uses every core. The numbers are the in-process run's, bit for bit
-(``tests/test_run_methods.py``), so a run may be resumed either way.
+(``research/tests/test_run_methods.py``), so a run may be resumed either way.
 
 The table of a setting leads with mean ± std over seeds, the paired per-client
 difference to FedRep and FedAvg and in how many seeds each method is ahead of them
-(``benchmarks/seed_stats.py``).
+(``research/seed_stats.py``).
 
 What is identical across the methods of a setting: the data (partition, clients,
 samples, seed), the model (SmallCNN, feature_dim 128, unless the setting names its own:
@@ -62,7 +62,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "results"
+RESULTS = REPO / "research" / "results"
 
 #: the benchmark's settings; ``data`` is a DataSpec, ``clients`` the fleet size, ``model`` (where
 #: given) the setting's own model
@@ -288,7 +288,7 @@ def note_agent_mode(out: Path, over_mqtt: bool) -> None:
 def agents_label(out: Path) -> str:
     """Where a run's agents ran: one mode, or, when a resumed run changed it, each mode
     with the first round it trained ("in process from round 0, processes over MQTT from
-    round 112"). The numbers are the same either way (tests/test_run_methods.py)."""
+    round 112"). The numbers are the same either way (research/tests/test_run_methods.py)."""
     from edgepfl.metrics import read_run_times
 
     path = out / AGENT_MODES
@@ -326,7 +326,7 @@ def extend_from(out: Path, source: Path, cfg: dict) -> None:
     Exact, not approximate: nothing in a round depends on the run's length (no learning-rate
     schedule; client sampling, seeds and each agent's state depend on the round alone), and
     the final evaluation only reads state, so rounds r..R-1 continue the run as if it had
-    been started with R (``tests/test_run_methods.py`` compares the two round by round).
+    been started with R (``research/tests/test_run_methods.py`` compares the two round by round).
     The copy lives under its own tag: the shorter run's directory and results stay as
     they were."""
     recorded = source / BENCH_CONFIG
@@ -448,7 +448,7 @@ def command_line(tag, rounds, epochs, seed, device, settings, methods, data_root
     root += f" --fraction {fraction:g}" if fraction != 1.0 else ""
     longer = f" --extend {extend}" if extend else ""
     longer += " --over-mqtt" if over_mqtt else ""
-    return (f"OMP_NUM_THREADS=1 python benchmarks/run_methods.py --tag {tag} --rounds {rounds} --epochs {epochs} "
+    return (f"OMP_NUM_THREADS=1 python research/run_methods.py --tag {tag} --rounds {rounds} --epochs {epochs} "
             f"--seed {seed} --device {device} --settings {','.join(settings)} --methods {','.join(methods)}"
             f"{root}{longer}")
 
@@ -620,7 +620,7 @@ def plot_curves(tag: str, path: Path, merge: Sequence[str] = ()) -> bool:
 # ---------------------------------------------------------------------- driver
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tag", required=True, help="results go to benchmarks/results/<tag>/")
+    p.add_argument("--tag", required=True, help="results go to research/results/<tag>/")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--epochs", type=int, default=1, help="local epochs of every method")
     p.add_argument("--seed", type=int, default=0)

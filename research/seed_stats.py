@@ -1,7 +1,7 @@
 """Statistics over seeds for the method benchmark: mean ± std, paired per-client
 differences, and how often an ordering holds.
 
-Pure functions over the result records that ``benchmarks/run_methods.py`` writes (one
+Pure functions over the result records that ``research/run_methods.py`` writes (one
 JSON per setting, method and seed). Papers report one number per method; a table built
 from these functions reports what the number is worth:
 

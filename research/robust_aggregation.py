@@ -21,11 +21,11 @@ norm-based thresholds (``clip_ratio``, ``max_update_ratio``) are set from the cl
 honest updates: ``--bound`` (default 2) times the largest change ratio an honest update
 of the clean FedAvg run had, so that honest updates pass and a ×10 one does not.
 
-    OMP_NUM_THREADS=1 python benchmarks/robust_aggregation.py --jobs 2
-    python benchmarks/robust_aggregation.py --table          # table and plot from the JSONs
+    OMP_NUM_THREADS=1 python research/robust_aggregation.py --jobs 2
+    python research/robust_aggregation.py --table          # table and plot from the JSONs
 
-Writes ``benchmarks/results/robust_aggregation/<method>__<rule>__<attack>.json``, and
-``benchmarks/results/robust_aggregation.{json,md,png}``.
+Writes ``research/results/robust_aggregation/<method>__<rule>__<attack>.json``, and
+``research/results/robust_aggregation.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "results"
+RESULTS = REPO / "research" / "results"
 OUT_DIR = RESULTS / "robust_aggregation"
 AGENTS = 8
 
@@ -239,7 +239,7 @@ def result_path(method: str, rule: str, attack: str) -> Path:
 def worker(args) -> int:
     method, rule, attack = args.one.split("/")
     record = run_one(method, rule, attack, args.rounds, json.loads(args.ratio), args.seed, Path(args.runs_root))
-    record["command"] = (f"OMP_NUM_THREADS=1 python benchmarks/robust_aggregation.py --methods {method} "
+    record["command"] = (f"OMP_NUM_THREADS=1 python research/robust_aggregation.py --methods {method} "
                          f"--rounds {args.rounds} --seed {args.seed} --bound {args.bound}")
     path = result_path(method, rule, attack)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -378,5 +378,5 @@ def plot(records: list[dict], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(REPO / "benchmarks"))  # results_io: the JSON + markdown writer the benchmarks share
     raise SystemExit(main())

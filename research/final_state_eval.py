@@ -35,8 +35,8 @@ For a method with personal BN statistics (DualFed, FedRIR, FedBN, FedPick) only 
 whose saved personal state belongs to the checkpoint's round are used (RepPer's heads
 are fitted afresh)::
 
-    OMP_NUM_THREADS=1 python benchmarks/final_state_eval.py --run runs/bench/<tag>/<setting>__<method> \\
-        --out benchmarks/results/<tag>/<setting>__<method>__paired.json
+    OMP_NUM_THREADS=1 python research/final_state_eval.py --run runs/bench/<tag>/<setting>__<method> \\
+        --out research/results/<tag>/<setting>__<method>__paired.json
 """
 
 from __future__ import annotations
@@ -206,12 +206,12 @@ def evaluate_run(run_dir: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--run", required=True, help="a run directory of benchmarks/run_methods.py (--runs-root/<tag>/...)")
+    p.add_argument("--run", required=True, help="a run directory of research/run_methods.py (--runs-root/<tag>/...)")
     p.add_argument("--out", required=True, help="JSON to write")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     record = evaluate_run(Path(args.run))
-    record["command"] = "OMP_NUM_THREADS=1 python benchmarks/final_state_eval.py " + " ".join(sys.argv[1:])
+    record["command"] = "OMP_NUM_THREADS=1 python research/final_state_eval.py " + " ".join(sys.argv[1:])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1))
     print(json.dumps({k: record[k] for k in ("checkpoint_round", "accuracy", "chosen_C")}, indent=1))

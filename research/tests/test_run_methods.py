@@ -1,4 +1,4 @@
-"""The method benchmark's runner (benchmarks/run_methods.py): run queue, run directories,
+"""The method benchmark's runner (research/run_methods.py): run queue, run directories,
 resume after a kill, the majority floor. Real in-process federations on Fashion-MNIST."""
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import pytest
 from edgepfl.data import load_client_data
 from edgepfl.metrics import read_run_times
 
-REPO = Path(__file__).resolve().parent.parent
-_PATH = REPO / "benchmarks" / "run_methods.py"
+RESEARCH = Path(__file__).resolve().parent.parent
+REPO = RESEARCH.parent
+_PATH = RESEARCH / "run_methods.py"
 # as when it runs as a script: its own folder is on the path (it imports seed_stats from there)
 sys.path.insert(0, str(_PATH.parent))
 _spec = importlib.util.spec_from_file_location("run_methods", _PATH)
@@ -56,7 +57,7 @@ class Worker:
     def __init__(self, root: Path):
         self.results, self.runs = root / "results", root / "runs"
         self.script = root / "worker.py"
-        self.script.write_text(WORKER.format(bench=str(REPO / "benchmarks"), tiny=json.dumps(TINY),
+        self.script.write_text(WORKER.format(bench=str(RESEARCH), tiny=json.dumps(TINY),
                                              results=str(self.results)))
 
     def argv(self, method: str, tag: str, rounds: int, *extra: str, seed: int = 0, epochs: int = 1) -> list[str]:
@@ -302,9 +303,9 @@ GPU_IMAGE_HAS = {"torch", "torchgen", "numpy", "yaml", "scipy", "sklearn", "matp
 
 
 def test_the_device_kit_carries_every_module_the_benchmark_imports_that_the_gpu_image_lacks():
-    """What a GPU lease's run imports beyond the image comes from benchmarks/device_kit.sh's
+    """What a GPU lease's run imports beyond the image comes from research/device_kit.sh's
     wheels; a new dependency of the simulation path would otherwise fail there, minutes in."""
-    kit = (REPO / "benchmarks" / "device_kit.sh").read_text()
+    kit = (RESEARCH / "device_kit.sh").read_text()
     carried = set(re.search(r"PACKAGES=\(([^)]*)\)", kit).group(1).split())
     probe = textwrap.dedent(f"""
         import sys
@@ -322,7 +323,7 @@ def test_the_device_kit_carries_every_module_the_benchmark_imports_that_the_gpu_
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=REPO)
     third_party = {m for m in loaded.stdout.split() if m not in sys.stdlib_module_names and not m.startswith("_")}
     missing = third_party - {"edgepfl", "run_methods", "seed_stats", "results_io"} - GPU_IMAGE_HAS - carried
-    assert not missing, f"the GPU image lacks {sorted(missing)}: add them to PACKAGES in benchmarks/device_kit.sh"
+    assert not missing, f"the GPU image lacks {sorted(missing)}: add them to PACKAGES in research/device_kit.sh"
     assert "pydantic" in third_party  # the probe saw the simulation's imports
 
 

@@ -9,12 +9,12 @@ literal vCLUB, the conditional CLUB procedure, the authors' code; ``mi+option=va
 overrides another option too). Options otherwise come from configs/fedrir.yaml, which
 clamps the bound since issue 13 (``mi_clamp: true``); the diagnoses recorded before it
 ran unclamped, so ``vclub+mi_clamp=false`` repeats those. Writes
-``--out`` (default benchmarks/results/diagnose_fedrir.json)::
+``--out`` (default research/results/diagnose_fedrir.json)::
 
-    OMP_NUM_THREADS=1 python benchmarks/diagnose_fedrir.py --rounds 30 --modes vclub,code
-    OMP_NUM_THREADS=1 python benchmarks/diagnose_fedrir.py --setting dir03 --rounds 20 \
-        --out benchmarks/results/fedrir_mi/diagnose_dir03.json
-    python benchmarks/diagnose_fedrir.py --summarize benchmarks/results/fedrir_mi/*.json   # table
+    OMP_NUM_THREADS=1 python research/diagnose_fedrir.py --rounds 30 --modes vclub,code
+    OMP_NUM_THREADS=1 python research/diagnose_fedrir.py --setting dir03 --rounds 20 \
+        --out research/results/fedrir_mi/diagnose_dir03.json
+    python research/diagnose_fedrir.py --summarize research/results/fedrir_mi/*.json   # table
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "research"))
 
 from run_methods import SETTINGS, method_block  # noqa: E402
 
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="club_conditional,vclub,code",
                    help="comma list of FedRIR's mi choices, each optionally with options overridden as in "
                         "run_methods' variants: club_conditional+keep_optimizer_state=false")
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "diagnose_fedrir.json"))
+    p.add_argument("--out", default=str(REPO / "research" / "results" / "diagnose_fedrir.json"))
     p.add_argument("--summarize", nargs="+", metavar="JSON", help="only print a markdown table of these results")
     args = p.parse_args(argv)
     if args.summarize:
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     t0 = time.monotonic()
     result = {"setting": args.setting, "client": args.client, "rounds": args.rounds, "seed": args.seed,
-              "command": "OMP_NUM_THREADS=1 python benchmarks/diagnose_fedrir.py " + " ".join(argv or sys.argv[1:]),
+              "command": "OMP_NUM_THREADS=1 python research/diagnose_fedrir.py " + " ".join(argv or sys.argv[1:]),
               "modes": {mode: run(mode, args.setting, args.client, args.rounds, args.seed)
                         for mode in args.modes.split(",")}}
     result["wall_seconds"] = round(time.monotonic() - t0, 1)

@@ -17,9 +17,9 @@ Each method runs in its own process (``--jobs`` at a time, ``OMP_NUM_THREADS=1``
 
 Usage::
 
-    .venv/bin/python benchmarks/heads_new_clients.py --rounds 10 --jobs 2
+    .venv/bin/python research/heads_new_clients.py --rounds 10 --jobs 2
 
-Writes ``benchmarks/results/edge_heads_new_clients.json`` and ``.md``.
+Writes ``research/results/edge_heads_new_clients.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run from a checkout: `python benchmarks/<script>.py`
-RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT))  # run from a checkout: `python research/<script>.py`
+RESULTS = ROOT / "research" / "results"
 
 METHODS = ["fedavg", "repper", "dualfed", "fedpick", "fedpac", "fedrir", "fedper", "fedrep"]
 
@@ -216,7 +216,7 @@ def main() -> None:
     flags = [f"--rounds {args.rounds}", f"--epochs {args.epochs}", f"--lr {args.lr}", f"--trainers {args.trainers}",
              f"--new {args.new}", f"--samples-per-client {args.samples_per_client}", f"--alpha {args.alpha}",
              f"--seed {args.seed}", f"--jobs {args.jobs}"] + ([f"--fraction {args.fraction}"] if args.fraction != 1.0 else [])
-    command = "python benchmarks/heads_new_clients.py --methods " + ",".join(methods) + " " + " ".join(flags)
+    command = "python research/heads_new_clients.py --methods " + ",".join(methods) + " " + " ".join(flags)
     if Path(args.out).resolve() != (RESULTS / "edge_heads_new_clients").resolve():
         command += f" --out {os.path.relpath(args.out, ROOT)}"
     loadavg_start = [round(v, 2) for v in os.getloadavg()]

@@ -1,4 +1,4 @@
-"""The benchmark's statistics over seeds (benchmarks/seed_stats.py) on synthetic records."""
+"""The benchmark's statistics over seeds (research/seed_stats.py) on synthetic records."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "seed_stats.py"
+_PATH = Path(__file__).resolve().parent.parent / "seed_stats.py"
 _spec = importlib.util.spec_from_file_location("seed_stats", _PATH)
 assert _spec and _spec.loader
 seed_stats = importlib.util.module_from_spec(_spec)

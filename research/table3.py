@@ -6,19 +6,19 @@ RepPer, then lets clients too weak to train fit an SVM, an LR or an MLP head on 
 paper's C = 0.2) on Dirichlet(``--alpha``) Fashion-MNIST; ``--new`` IoT clients of the same
 partition never train and fit each head on the exported ONNX encoder offline, exactly as a
 torch-free device does (``edgepfl fit-head``). Each seed is one run of
-``benchmarks/heads_new_clients.py`` (the data partition, the initial model and the client
+``research/heads_new_clients.py`` (the data partition, the initial model and the client
 sampling all follow the seed); this script runs them and reports, per head kind:
 
 * the mean new-client accuracy over seeds (mean ± std),
 * the paired difference to the FedAvg encoder (per seed, mean over the same new clients of
   method − FedAvg; mean ± std over seeds; new clients ahead), and in how many seeds the
-  method's mean is above FedAvg's (``benchmarks/seed_stats.py``).
+  method's mean is above FedAvg's (``research/seed_stats.py``).
 
-Usage (what docs/BENCHMARKS.md records)::
+Usage (what research/RESULTS.md records)::
 
-    .venv/bin/python benchmarks/table3.py --seeds 0,1,2 --rounds 30 --epochs 2 --jobs 2
+    .venv/bin/python research/table3.py --seeds 0,1,2 --rounds 30 --epochs 2 --jobs 2
 
-Writes ``benchmarks/results/table3/seed<k>.json|md`` per seed and ``table3.json|md``.
+Writes ``research/results/table3/seed<k>.json|md`` per seed and ``table3.json|md``.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-RESULTS = ROOT / "benchmarks" / "results" / "table3"
+sys.path.insert(0, str(ROOT / "research"))
+RESULTS = ROOT / "research" / "results" / "table3"
 
 from seed_stats import seed_table  # noqa: E402
 
@@ -106,12 +106,12 @@ def main() -> None:
         if args.collect_only:
             break
         print(f"seed {seed}", flush=True)
-        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "heads_new_clients.py"), *flags, "--seed", str(seed),
+        subprocess.run([sys.executable, str(ROOT / "research" / "heads_new_clients.py"), *flags, "--seed", str(seed),
                         "--work", f"{args.work}/seed{seed}", "--out", str(out / f"seed{seed}")], check=True,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     per_seed = {s: json.loads((out / f"seed{s}.json").read_text()) for s in seeds if (out / f"seed{s}.json").is_file()}
     wall = sum(r["wall_seconds"] for r in per_seed.values()) if args.collect_only else time.perf_counter() - start
-    command = "python benchmarks/table3.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+    command = "python research/table3.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                                                           if k not in ("work", "out", "collect_only"))
     text = markdown(command, args, per_seed, wall)
     (out / "table3.md").write_text(text)
