@@ -27,13 +27,12 @@ from pathlib import Path
 
 import numpy as np
 
+from edgepfl.data.preprocess import IMAGE_SUFFIXES
 from edgepfl.errors import InputError, OneLineParser, report
 from edgepfl.protocol.manifest import ReleaseManifest, read_manifest
 from edgepfl.protocol.run import PIXEL_SCALE
 
 from .heads import OnnxHead, make_session
-
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".pgm", ".ppm")
 
 
 class OnnxEncoder:

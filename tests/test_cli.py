@@ -85,3 +85,21 @@ def test_demo_runs_where_fashion_mnist_is_absent(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "on digits" in proc.stderr and "final accuracy (after round 0, the last)" in proc.stdout
     assert "Traceback" not in proc.stderr
+
+
+def test_a_helper_module_in_the_methods_package_is_not_taken_for_a_method(tmp_path, monkeypatch, capsys):
+    """The package is discovered, not listed: a module of building blocks beside the
+    methods (no ``@register``) must not break ``edgepfl methods``; a new method module is listed."""
+    import edgepfl.methods as methods
+    from edgepfl.cli import main
+
+    (tmp_path / "shared_helpers.py").write_text("def helper():\n    return 1\n")
+    (tmp_path / "toy.py").write_text(
+        "from edgepfl.methods import register\nfrom edgepfl.methods.fedavg import FedAvg\n\n\n"
+        "@register\nclass Toy(FedAvg):\n    name = 'toy'\n    description = 'a test method'\n")
+    monkeypatch.setattr(methods, "__path__", [*methods.__path__, str(tmp_path)])
+    monkeypatch.setattr(methods, "_REGISTRY", dict(methods._REGISTRY))
+    assert "shared_helpers" not in methods.available_methods() and "toy" in methods.available_methods()
+    assert main(["methods"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert "toy" in listed and "shared_helpers" not in listed and "fedavg" in listed

@@ -30,6 +30,7 @@ from ..specs import DataSpec
 from .client import ClientData
 from .domains import apply_domain, check_domains
 from .partition import PartitionError, partition, stratified_quota, stratified_take
+from .preprocess import IMAGE_SUFFIXES
 
 #: where Debian's ``dataset-fashion-mnist`` installs the gzipped IDX files
 FMNIST_ROOT = "/usr/share/datasets/fashion-mnist"
@@ -42,7 +43,6 @@ _FMNIST_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     "t10k": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 #: normalization of a device's own data (imagefolder, npz without stats): fixed, so
 #: devices holding different files still feed the shared encoder the same scale
 DEVICE_NORMALIZATION = 0.5

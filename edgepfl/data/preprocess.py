@@ -17,6 +17,10 @@ import numpy as np
 
 from ..protocol.run import PIXEL_SCALE, DataShape
 
+#: the image files a folder of images may hold (an image-folder data set, ``edgepfl predict``):
+#: what Pillow reads on every platform we install on
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".pgm", ".ppm")
+
 __all__ = ["ChannelAffine", "conversion"]
 
 

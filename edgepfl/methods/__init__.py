@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from .base import (
@@ -26,8 +28,9 @@ from .base import (
 )
 
 _REGISTRY: dict[str, type[Method]] = {}
-#: modules of this package that hold building blocks, not methods
-_INFRA = frozenset({"base", "aggregate", "training", "losses", "ensemble", "device_head"})
+# A method module registers its class with a line of its own, `@register`: that is how
+# a method is told from a building block (base, losses, ...) without importing either.
+_REGISTERS = re.compile(rb"^@register\b", re.MULTILINE)
 
 
 def register(cls: type[Method]) -> type[Method]:
@@ -49,11 +52,15 @@ def register(cls: type[Method]) -> type[Method]:
 
 
 def available_methods() -> list[str]:
-    """Names of every method, from the modules of this package (nothing is imported)."""
-    return sorted(
-        info.name for info in pkgutil.iter_modules(__path__)
-        if info.name not in _INFRA and not info.name.startswith("_")
-    )
+    """Names of every method: the modules of this package that register one (read, not imported)."""
+    found = []
+    for info in pkgutil.iter_modules(__path__):
+        spec = None if info.name.startswith("_") else info.module_finder.find_spec(
+            f"{__name__}.{info.name}", None)
+        origin = spec.origin if spec is not None else None
+        if origin and origin.endswith(".py") and _REGISTERS.search(Path(origin).read_bytes()):
+            found.append(info.name)
+    return sorted(found)
 
 
 def get_method_class(name: str) -> type[Method]:
