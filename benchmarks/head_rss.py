@@ -159,13 +159,14 @@ def prepare(work: Path, rounds: int) -> Path:
     """Train FedAvg briefly on Fashion-MNIST (in-process) and export it; returns the release dir."""
     from edgepfl.config import DataSpec, MethodSpec, ModelSpec, RunConfig, TrainConfig
     from edgepfl.coordinator.simulate import simulate
+    from edgepfl.edge_agent.tiers import local_trainers
     from edgepfl.export.onnx_export import export_run
 
     config = RunConfig(method=MethodSpec(name="fedavg"), model=ModelSpec(arch="cnn"),
                        train=TrainConfig(epochs=1, batch_size=50, lr=0.05, momentum=0.5),
                        data=DataSpec(dataset="fmnist", samples_per_client=1500, seed=0), rounds=rounds, device="cpu")
     run = work / "run-fedavg"
-    simulate(config, 4, run, in_process=True, progress=False)
+    simulate(config, 4, run, in_process=local_trainers, progress=False)
     export_run(run, work / "release")
     return work / "release"
 

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from edgepfl.config import RunConfig, parse_config  # noqa: E402
 from edgepfl.coordinator.simulate import simulate  # noqa: E402
+from edgepfl.edge_agent.tiers import local_trainers  # noqa: E402
 from edgepfl.metrics import RoundMetrics  # noqa: E402
 
 from results_io import write_results  # noqa: E402
@@ -149,8 +150,8 @@ def run_once(config: RunConfig, agents: int, out: Path, *, in_process: bool, url
     meter = CpuMeter(out).start()
     t = time.perf_counter()
     try:
-        rows, _ = simulate(config, agents, out, in_process=in_process, broker=url, progress=False, threads=threads,
-                           fresh=False)
+        rows, _ = simulate(config, agents, out, in_process=local_trainers if in_process else None, broker=url,
+                           progress=False, threads=threads, fresh=False)
     finally:
         meter.stop()
     return measure(rows, meter.snapshots, time.perf_counter() - t)

@@ -11,7 +11,9 @@ import queue
 import uuid
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from edgepfl.broker import exposure_warning
 from edgepfl.config import BrokerConfig, SecuritySpec
@@ -19,6 +21,7 @@ from edgepfl.protocol import (
     AgentChannel,
     CoordinatorMeta,
     FederationChannel,
+    Message,
     MessageType,
     StatusMeta,
     TopicError,
@@ -26,7 +29,6 @@ from edgepfl.protocol import (
     agent_wildcard,
     decode,
     encode,
-    encode_refusal,
     federation_topic,
     parse_topic,
     release_part_topic,
@@ -267,34 +269,48 @@ class MqttFleet(Fleet):
                                                                                method=self._meta.method))))
 
 
+class LocalReply(Protocol):
+    """What an in-process agent publishes back: one frame (an update or a refusal)."""
+
+    @property
+    def frame(self) -> bytes: ...
+
+
+class LocalAgent(Protocol):
+    """An agent run in this process: :class:`edgepfl.edge_agent.tiers.TrainerTier` is one,
+    and answers a task exactly as its agent process would (an update, or a refusal with
+    its reason), so the in-process fleet has no refusal path of its own."""
+
+    def status(self) -> StatusMeta:
+        """Its presence, as its birth message would announce it."""
+        ...
+
+    def handle(self, message: Message) -> LocalReply | None:
+        """Its answer to one task (None: ignored, as an agent ignores a task it will not answer)."""
+        ...
+
+
 class LocalFleet(Fleet):
     """Agents as objects in this process: the research loop and the MQTT path's reference.
 
-    ``runtimes`` maps agent id to a :class:`edgepfl.edge_agent.trainer.TrainerRuntime` of
-    federation ``federation``. Each agent's status frame is the first thing :meth:`poll`
-    returns, as a broker would replay it; tasks run synchronously inside :meth:`send` and
-    their encoded updates wait in a queue. The frames are the ones an MQTT fleet
-    carries, so a run here matches one over MQTT bit for bit for the same seed.
+    ``agents`` maps agent id to a :class:`LocalAgent` of federation ``federation``. Each
+    agent's status frame is the first thing :meth:`poll` returns, as a broker would
+    replay it; tasks run synchronously inside :meth:`send` and their answers wait in a
+    queue. The frames are the ones an MQTT fleet carries, so a run here matches one over
+    MQTT bit for bit for the same seed.
     """
 
-    def __init__(self, runtimes: dict, federation: str):
-        self.runtimes = runtimes
+    def __init__(self, agents: Mapping[str, LocalAgent], federation: str):
+        self.agents = agents
         self._queue: queue.Queue[Incoming] = queue.Queue()
-        for agent_id, runtime in runtimes.items():
-            status = StatusMeta(state="online", tier="trainer", device=str(runtime.device),
-                                num_train=runtime.data.num_train, num_test=runtime.data.num_test)
-            frame = encode(MessageType.STATUS, federation=federation, sender=agent_id, round=-1, meta=status)
+        for agent_id, agent in agents.items():
+            frame = encode(MessageType.STATUS, federation=federation, sender=agent_id, round=-1, meta=agent.status())
             self._queue.put(Incoming(agent_id, AgentChannel.STATUS, frame, len(frame)))
 
     def send(self, agent_id: str, frame: bytes, round: int) -> int:
-        task = decode(frame)
-        try:
-            answer = self.runtimes[agent_id].answer(task)
-        except Exception as exc:  # as an MQTT agent does: a task it cannot run is refused, not lost
-            reason = getattr(exc, "reason", "error")  # the trainer's TaskRefused names its reason
-            log.warning("%s refused task (round %d): %s", agent_id, round, exc)
-            answer = encode_refusal(task, sender=agent_id, reason=reason, detail=f"{type(exc).__name__}: {exc}")
-        self._queue.put(Incoming(agent_id, AgentChannel.UPDATE, answer, len(answer)))
+        reply = self.agents[agent_id].handle(decode(frame))
+        if reply is not None:
+            self._queue.put(Incoming(agent_id, AgentChannel.UPDATE, reply.frame, len(reply.frame)))
         return len(frame)
 
     def poll(self, timeout: float) -> Incoming | None:

@@ -15,12 +15,15 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import yaml
 
 from edgepfl.config import AgentConfig, RunConfig, SecuritySpec
 from edgepfl.metrics import RoundMetrics
+
+from .fleet import LocalAgent, LocalFleet
 
 log = logging.getLogger("edgepfl.coordinator.simulate")
 
@@ -68,12 +71,20 @@ def prepare(config: RunConfig, agents: int, head_agents: int = 0, rounds: int | 
     return config.model_copy(update=update)
 
 
+#: builds the in-process agents of a simulated federation: (run config, agent ids, run
+#: directory) -> agent id -> agent; :func:`edgepfl.edge_agent.tiers.local_trainers` is the one
+LocalAgents = Callable[[RunConfig, list[str], Path], Mapping[str, LocalAgent]]
+
+
 def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str = "embedded",
-             in_process: bool = False, rounds: int | None = None, head_agents: int = 0, head: str = "lr",
-             fresh: bool = True, progress: bool = True, threads: int | None = None,
+             in_process: LocalAgents | None = None, rounds: int | None = None, head_agents: int = 0,
+             head: str = "lr", fresh: bool = True, progress: bool = True, threads: int | None = None,
              agent_brokers: list[str] | None = None) -> tuple[list[RoundMetrics], dict]:
     """Run a whole federation; returns (metrics rows, summary) and writes the report into ``out_dir``.
 
+    By default every agent is an ``edgepfl agent`` process on ``broker``; ``in_process``
+    instead builds the agents as objects in this process (no broker), with the factory
+    given (the coordinator does not import the agent app: the caller chooses the agents).
     ``agent_brokers`` spreads the agents over other broker URLs (bridged sites, cluster
     nodes): agent i connects to ``agent_brokers[i % len]``, the coordinator to ``broker``.
     """
@@ -88,20 +99,15 @@ def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str
     shape = service_data_shape(config)
     (out / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
     ids = agent_ids(agents)
-    if in_process:
+    if in_process is not None:
         if head_agents:
             raise ValueError("head-tier agents run over MQTT only (they are separate, torch-free processes)")
-        from edgepfl.coordinator.fleet import LocalFleet
-        from edgepfl.data import load_client_data
-        from edgepfl.edge_agent.trainer import TrainerRuntime
-
         if threads:
             import torch
 
             torch.set_num_threads(threads)
-        runtimes = {a: TrainerRuntime(a, load_client_data(config.data, i), out / "agents" / a, config.device)
-                    for i, a in enumerate(ids)}
-        coordinator = Coordinator(config, LocalFleet(runtimes, config.federation), out, progress=progress, **shape)
+        local = LocalFleet(in_process(config, ids, out), config.federation)
+        coordinator = Coordinator(config, local, out, progress=progress, **shape)
         rows = coordinator.run()
         table, summary = write_report(out, config.method.name)
         return rows, summary

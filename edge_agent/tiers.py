@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
-from edgepfl.config import AgentConfig
+from edgepfl.config import AgentConfig, RunConfig
 from edgepfl.protocol import (
     AgentChannel,
     Capabilities,
@@ -28,6 +30,7 @@ from edgepfl.protocol import (
     MessageType,
     MetricsMeta,
     ReleaseMeta,
+    StatusMeta,
     TaskMeta,
     agent_topic,
     encode,
@@ -151,6 +154,13 @@ class TrainerTier:
         if self._capabilities is None:  # imports every method module once
             self._capabilities = Capabilities(methods=trainable_methods(), archs=buildable_archs())
         return self._capabilities
+
+    def status(self) -> StatusMeta:
+        """Its presence in an in-process fleet (:class:`edgepfl.coordinator.fleet.LocalAgent`);
+        the agent loop's birth adds session, limits and capabilities."""
+        data = self.runtime.data
+        return StatusMeta(state="online", tier=self.tier, device=self.device, num_train=data.num_train,
+                          num_test=data.num_test)
 
     def restore(self) -> None:
         """Nothing yet: personal state belongs to a method and model, which the first task names."""
@@ -294,3 +304,14 @@ def create_tier(config: AgentConfig, data: ClientData, signer: Signer | None = N
     if config.tier == HeadTier.tier:
         return HeadTier.from_config(config, data, signer, coordinator_key)
     return TrainerTier.from_config(config, data, signer, pinned=coordinator_key is not None)
+
+
+def local_trainers(config: RunConfig, agent_ids: Sequence[str], out_dir: str | Path) -> dict[str, TrainerTier]:
+    """Trainer agents run in this process for a simulated federation (``edgepfl simulate
+    --in-process``): agent ``i`` of ``agent_ids`` holds partition ``i`` of ``config.data``
+    and keeps its state in ``out_dir/agents/<id>``, as its agent process would."""
+    from edgepfl.data import load_client_data
+
+    return {agent_id: TrainerTier(agent_id, load_client_data(config.data, i), str(Path(out_dir) / "agents" / agent_id),
+                                  config.device)
+            for i, agent_id in enumerate(agent_ids)}

@@ -140,7 +140,10 @@ def cmd_simulate(args) -> int:
         parse_config(AgentConfig, {"agent_id": "check", "tier": "head", "head": args.head}, "--head")
     _require_release_tools(config, args.head_agents)
     out = Path(args.out or f"runs/{config.federation}-{config.method.name}")
-    simulate(config, agents, out, broker=args.broker or config.broker.url, in_process=args.in_process,
+    from edgepfl.edge_agent.tiers import local_trainers
+
+    simulate(config, agents, out, broker=args.broker or config.broker.url,
+             in_process=local_trainers if args.in_process else None,
              rounds=args.rounds, head_agents=args.head_agents, head=args.head, fresh=not args.resume)
     print((out / "results.txt").read_text())
     return 0

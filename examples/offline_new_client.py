@@ -73,6 +73,7 @@ def main() -> int:
 
     from edgepfl.config import DataSpec, MethodSpec, ModelSpec, RunConfig, TrainConfig
     from edgepfl.coordinator.simulate import simulate
+    from edgepfl.edge_agent.tiers import local_trainers
     from edgepfl.protocol import read_manifest
 
     out = Path(ns.out)
@@ -88,7 +89,7 @@ def main() -> int:
         device="cpu",
     )
     print(f"1. training {ns.method} for {ns.rounds} rounds on {agents} in-process clients -> {out / 'run'}")
-    simulate(config, agents, out / "run", in_process=True, progress=False)
+    simulate(config, agents, out / "run", in_process=local_trainers, progress=False)
 
     release = out / "release"
     cli("export", "--run", str(out / "run"), "--out", str(release), "--quantize", "int8")

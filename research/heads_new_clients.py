@@ -64,15 +64,13 @@ def train(config, trainers: int, out: Path) -> dict:
     from edgepfl.coordinator.report import write_report
     from edgepfl.coordinator.rounds import Coordinator
     from edgepfl.coordinator.simulate import agent_ids, data_shape
-    from edgepfl.data import load_client_data
-    from edgepfl.edge_agent.trainer import TrainerRuntime
+    from edgepfl.edge_agent.tiers import local_trainers
 
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    runtimes = {a: TrainerRuntime(a, load_client_data(config.data, i), out / "agents" / a, config.device)
-                for i, a in enumerate(agent_ids(trainers))}
-    Coordinator(config, LocalFleet(runtimes, config.federation), out, progress=False, **data_shape(config)).run()
+    agents = local_trainers(config, agent_ids(trainers), out)
+    Coordinator(config, LocalFleet(agents, config.federation), out, progress=False, **data_shape(config)).run()
     _, summary = write_report(out, config.method.name)
     return summary
 

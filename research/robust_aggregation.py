@@ -120,7 +120,7 @@ def run_one(method: str, rule: str, attack: str, rounds: int, ratio: dict, seed:
     from edgepfl.coordinator.rounds import Coordinator
     from edgepfl.coordinator.simulate import agent_ids, data_shape
     from edgepfl.data import load_client_data
-    from edgepfl.edge_agent.trainer import TrainerRuntime
+    from edgepfl.edge_agent.tiers import TrainerTier
 
     torch.set_num_threads(1)
     cfg = run_config(method, rule, rounds, ratio, seed)
@@ -135,8 +135,11 @@ def run_one(method: str, rule: str, attack: str, rounds: int, ratio: dict, seed:
     ids = agent_ids(AGENTS)
     runtimes = {}
     for i, agent in enumerate(ids):
-        cls = poisoned_trainer(kind) if i < attackers else TrainerRuntime
-        runtimes[agent] = cls(agent, load_client_data(config.data, i), out / "agents" / agent, "cpu")
+        data, state_dir = load_client_data(config.data, i), out / "agents" / agent
+        tier = TrainerTier(agent, data, str(state_dir), "cpu")
+        if i < attackers:  # the tier's answers (and refusals) come from the poisoned runtime
+            tier.runtime = poisoned_trainer(kind)(agent, data, state_dir, "cpu")
+        runtimes[agent] = tier
     coord = Coordinator(config, LocalFleet(runtimes, config.federation), out, progress=False, **data_shape(config))
     timing = {"cpu_s": 0.0, "rounds": 0}
     _time_server_step(coord, timing)

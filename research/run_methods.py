@@ -388,6 +388,7 @@ def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, devi
 
     from edgepfl.config import RunConfig, parse_config
     from edgepfl.coordinator.simulate import simulate
+    from edgepfl.edge_agent.tiers import local_trainers
     from edgepfl.metrics import read_metrics
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -405,7 +406,7 @@ def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, devi
         (out / BENCH_CONFIG).write_text(json.dumps(cfg, indent=1))
     note_agent_mode(out, over_mqtt)
     t0 = time.monotonic()
-    _, summary = simulate(config, SETTINGS[setting]["clients"], out, in_process=not over_mqtt, progress=False,
+    _, summary = simulate(config, SETTINGS[setting]["clients"], out, in_process=None if over_mqtt else local_trainers, progress=False,
                           fresh=False, threads=1 if over_mqtt else None)
     wall = time.monotonic() - t0
     rows = read_metrics(out)  # every round, those before a resume included

@@ -16,6 +16,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from edgepfl.edge_agent.tiers import TrainerTier
 from edgepfl.edge_agent.trainer import TaskRefused, TrainerRuntime
 from edgepfl.heads.labels import FEDERATION, label_space_for
 from edgepfl.protocol import MessageType, TaskMeta, decode, encode
@@ -96,7 +97,7 @@ def test_the_in_process_fleet_answers_a_refused_task_with_a_refusal_frame(tmp_pa
     from edgepfl.coordinator.fleet import LocalFleet
     from edgepfl.protocol import AgentChannel, RefusalMeta
 
-    fleet = LocalFleet({"agent-00": TrainerRuntime("agent-00", _named(NAMES), tmp_path, "cpu")}, "f")
+    fleet = LocalFleet({"agent-00": TrainerTier("agent-00", _named(NAMES), str(tmp_path), "cpu")}, "f")
     assert fleet.poll(0.1).channel == AgentChannel.STATUS
     task = _task(["cat", *NAMES[1:]])
     fleet.send("agent-00", encode(MessageType.TASK, federation="f", sender="coordinator", round=2,

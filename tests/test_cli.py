@@ -62,11 +62,12 @@ def test_agent_refuses_the_embedded_placeholder_broker(tmp_path):
 
 def test_report_rebuilds_table_and_plot_from_a_run_directory(tmp_path):
     from edgepfl.coordinator.simulate import simulate
+    from edgepfl.edge_agent.tiers import local_trainers
 
     from fleet_helpers import run_config
 
     out = tmp_path / "run"
-    simulate(run_config(rounds=1, data={"samples_per_client": 60}), 2, out, in_process=True, progress=False)
+    simulate(run_config(rounds=1, data={"samples_per_client": 60}), 2, out, in_process=local_trainers, progress=False)
     (out / "accuracy.png").unlink()
     proc = run_cli("report", "--run", str(out))
     assert proc.returncode == 0, proc.stderr

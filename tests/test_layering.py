@@ -96,6 +96,39 @@ def test_the_core_imports_no_app_package():
     assert not offenders, "the core must not import the apps:\n" + "\n".join(offenders)
 
 
+#: the only imports from one app into another (docs/ARCHITECTURE.md): the coordinator exports
+#: its releases with the export app's ONNX exporter; the head agent runs the exported encoder
+#: and heads. Everything else between apps goes through the protocol, or is wired together by
+#: an entry point (``edgepfl simulate --in-process`` hands the coordinator the agent app's
+#: in-process trainers).
+ALLOWED_APP_EDGES = {
+    ("edgepfl.coordinator", "edgepfl.export"): {"edgepfl.coordinator.release -> edgepfl.export.onnx_export"},
+    ("edgepfl.edge_agent", "edgepfl.export"): {"edgepfl.edge_agent.head_tier -> edgepfl.export.heads",
+                                               "edgepfl.edge_agent.head_tier -> edgepfl.export.predict"},
+}
+
+
+def _app_of(name: str) -> str | None:
+    return next((a for a in APPS.values() if name == a or name.startswith(a + ".")), None)
+
+
+def test_the_apps_import_each_other_only_where_the_architecture_allows():
+    """Counting imports inside functions too: a lazy import is still an edge."""
+    modules = _modules()
+    edges = set()
+    for name, path in sorted(modules.items()):
+        app = _app_of(name)
+        if app is None:
+            continue
+        for imported in _imports(name, path, module_level_only=False):
+            other = _app_of(imported)
+            if other is not None and other != app:
+                edges.add(f"{name} -> {_resolve(imported, modules)}")
+    allowed = set().union(*ALLOWED_APP_EDGES.values())
+    assert edges <= allowed, "app -> app imports the architecture does not allow:\n" + "\n".join(sorted(edges - allowed))
+    assert allowed <= edges, f"stale entries in ALLOWED_APP_EDGES: {sorted(allowed - edges)}"
+
+
 def test_the_protocol_imports_neither_the_config_nor_the_method_registry():
     """Tasks and releases carry the run spec; validating it against methods is the receivers' job."""
     modules = _modules()

@@ -134,15 +134,6 @@ def test_the_views_refused_totals_survive_a_coordinator_restart(tmp_path):
     from edgepfl.edge_agent.tiers import TrainerTier
     from edgepfl.state import read_checkpoint_meta
 
-    class AnsweringTier:
-        """An in-process agent that answers as an agent process does: an update or a refusal frame."""
-
-        def __init__(self, tier: TrainerTier):
-            self.tier, self.data, self.device = tier, tier.runtime.data, tier.runtime.device
-
-        def answer(self, task) -> bytes:
-            return self.tier.handle(task).frame
-
     names = [f"class-{i}" for i in range(10)]
     config = prepare(run_config(rounds=1, model={"arch": "mlp", "feature_dim": 8}, device="cpu",
                                 data={"dataset": "digits", "samples_per_client": 60}), 2)
@@ -150,12 +141,11 @@ def test_the_views_refused_totals_survive_a_coordinator_restart(tmp_path):
 
     def coordinator(rounds: int) -> Coordinator:
         # agent-01's classes are not the run's: it refuses its task (data_mismatch) in every process's first round
-        runtimes = {a: AnsweringTier(TrainerTier(a, replace(load_client_data(config.data, i), class_names=names
-                                                            if i == 0 else ["cat", *names[1:]]), str(out / "agents" / a),
-                                                    "cpu"))
-                    for i, a in enumerate(agent_ids(2))}
+        agents = {a: TrainerTier(a, replace(load_client_data(config.data, i), class_names=names
+                                            if i == 0 else ["cat", *names[1:]]), str(out / "agents" / a), "cpu")
+                  for i, a in enumerate(agent_ids(2))}
         run = config.model_copy(update={"rounds": rounds})
-        return Coordinator(run, LocalFleet(runtimes, config.federation), out, progress=False,
+        return Coordinator(run, LocalFleet(agents, config.federation), out, progress=False,
                            **{**data_shape(config), "class_names": names})
 
     first = coordinator(rounds=1)

@@ -26,6 +26,7 @@ import yaml
 from edgepfl.config import RunConfig, parse_config
 from edgepfl.coordinator.simulate import simulate
 from edgepfl.data import FMNIST_PACKAGE, fmnist_available
+from edgepfl.edge_agent.tiers import local_trainers
 from edgepfl.methods import available_methods
 from edgepfl.metrics import RoundMetrics
 
@@ -70,7 +71,7 @@ def check_rows(rows: list[RoundMetrics], summary: dict) -> None:
 
 @pytest.mark.parametrize("method", available_methods())
 def test_method_federates_in_process(method, tmp_path):
-    rows, summary = simulate(tiny_config(method), AGENTS, tmp_path / "run", in_process=True, progress=False)
+    rows, summary = simulate(tiny_config(method), AGENTS, tmp_path / "run", in_process=local_trainers, progress=False)
     check_rows(rows, summary)
 
 
