@@ -19,6 +19,7 @@ from typing import Protocol
 
 from edgepfl.aggregation import AggregationRejected
 from edgepfl.methods import ServerState
+from edgepfl.metrics import HeadReport
 from edgepfl.protocol import AgentChannel
 from edgepfl.protocol.signing import SIGNATURE_REASONS, Keyring
 from edgepfl.service import notifier
@@ -84,7 +85,7 @@ class Inbox:
         self.gate = gate
         self.counters = counters
         #: release id -> agent id -> the agent's report measured with that release
-        self.reports_by_release: dict[str, dict[str, dict]] = {}
+        self.reports_by_release: dict[str, dict[str, HeadReport]] = {}
         #: with a keyring, statuses and metrics must be signed by the sender's enrolled key
         self.keyring = keyring
         self._log_window: dict[str, tuple[float, int]] = {}  # reason -> (window start, rejections in it)
@@ -179,17 +180,14 @@ class Inbox:
         self._shows_life(incoming.agent_id, m)
         if isinstance(m, Rejection):
             return self._reject(m)
-        # The agent's free-form values first: what the coordinator computes from the
-        # counts (accuracy, correct, total) and the identity fields must win.
-        report = {
-            **m.values, "tier": m.tier, "release_id": m.release_id, "head": m.head, "correct": m.eval_correct,
-            "total": m.num_test, "accuracy": m.eval_correct / m.num_test if m.num_test else None,
-        }
+        # the accuracy is the coordinator's, from the counts; the agent's values are only its own figures
+        report = HeadReport(tier=m.tier, release_id=m.release_id, head=m.head, correct=m.eval_correct,
+                            total=m.num_test, values=m.values)
         self.reports_by_release.setdefault(m.release_id or "", {})[incoming.agent_id] = report
         if m.release_id == self._awaited_release:
             self._awaited_reports.discard(incoming.agent_id)
         log.info("agent %s (%s tier) reported accuracy %.4f with head %s", incoming.agent_id, m.tier,
-                 report["accuracy"] or float("nan"), m.head)
+                 report.accuracy or float("nan"), m.head)
 
     def _shows_life(self, agent_id: str, verdict: object) -> None:
         """Any frame from the agent (an answer even if late) proves it is there; a forged one does not."""

@@ -64,7 +64,7 @@ def summarize(rows: list[RoundMetrics], target: float | None = None, times: RunT
     if latest is not None:
         release_id, entry = latest
         out["head_tier"] = {"release": release_id, "round": entry.round, "accuracy": entry.accuracy(),
-                            "agents": entry.reports}
+                            "agents": {a: r.model_dump(mode="json") for a, r in entry.reports.items()}}
     if target is not None:
         sent = 0
         out["target_accuracy"] = target

@@ -36,7 +36,7 @@ from pathlib import Path
 from edgepfl.aggregation import weight_cap
 from edgepfl.config import ConfigError, RunConfig
 from edgepfl.methods import Method, ServerState, create_method
-from edgepfl.metrics import RoundMetrics
+from edgepfl.metrics import HeadReport, RoundMetrics
 from edgepfl.protocol import (
     Body,
     CoordinatorMeta,
@@ -103,7 +103,7 @@ class Coordinator:
         self.releases: dict[str, int] = {}  # release id -> the round it was exported after, in publishing order
 
     @property
-    def head_reports(self) -> dict[str, dict]:
+    def head_reports(self) -> dict[str, HeadReport]:
         """Head-tier reports on the latest release, by agent id (``head_metrics.json`` keeps every release's)."""
         latest = next(reversed(self.releases), None)
         return self.inbox.reports_by_release.get(latest, {}) if latest else {}

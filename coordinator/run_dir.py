@@ -20,13 +20,13 @@ import logging
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from edgepfl.atomic import write_bytes, write_json
 from edgepfl.methods import ServerState
 from edgepfl.metrics import (
     HEAD_METRICS_FILE,
     METRICS_FILE,
+    HeadReport,
     ReleaseReports,
     RoundMetrics,
     read_head_metrics,
@@ -112,7 +112,7 @@ class RunDirectory:
         write_bytes(self.metrics_path, "".join(row.to_line() for row in keep).encode())
 
     # ---------------------------------------------------------------- head reports
-    def write_head_reports(self, reports_by_release: Mapping[str, dict[str, dict[str, Any]]],
+    def write_head_reports(self, reports_by_release: Mapping[str, Mapping[str, HeadReport]],
                            release_rounds: Mapping[str, int]) -> None:
         """Every release's head-tier reports, by release id; those of the run's earlier
         sessions are kept. ``release_rounds``: the training round each release of this

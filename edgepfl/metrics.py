@@ -12,12 +12,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
 
 from .aggregation import DEFAULT_MAX_WEIGHT_RATIO, capped_accuracy
 from .protocol import bounded_json
 
-__all__ = ["HEAD_METRICS_FILE", "METRICS_FILE", "RUN_TIMES_FILE", "MetricsError", "ReleaseReports", "RoundMetrics",
+__all__ = ["HEAD_METRICS_FILE", "METRICS_FILE", "RUN_TIMES_FILE", "HeadReport", "MetricsError", "ReleaseReports", "RoundMetrics",
            "RunSession", "RunTimes", "latest_release", "read_head_metrics", "read_metrics", "read_run_times", "record_run_end",
            "record_run_start"]
 
@@ -116,20 +116,53 @@ def read_metrics(path: str | Path, *, drop_torn_tail: bool = False) -> list[Roun
     return rows
 
 
+class HeadReport(BaseModel):
+    """One agent's report on one release: what its ``metrics`` message said, with the
+    accuracy the coordinator computed from the counts (the agent's ``values`` cannot
+    overwrite it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tier: str = Field(description="the reporting agent's tier (head)")
+    release_id: str | None = Field(None, description="the release the head was fitted and measured on")
+    head: str | None = Field(None, description="the head kind (lr, svm, mlp, a method's own head)")
+    correct: int = Field(ge=0, description="held-out samples predicted right")
+    total: int = Field(ge=0, description="held-out samples evaluated")
+    values: dict[str, float] = Field(default_factory=dict, description="the agent's own figures (fit time, ...)")
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def accuracy(self) -> float | None:
+        """``correct / total`` (None: nothing evaluated); written to the file, recomputed on reading."""
+        return self.correct / self.total if self.total else None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read(cls, data: Any) -> Any:
+        """The accuracy is computed, never read. Reports written before ``values`` was
+        nested kept the agent's figures beside the fields: read those into ``values``."""
+        if not isinstance(data, dict):
+            return data
+        data = {k: v for k, v in data.items() if k != "accuracy"}
+        if "values" not in data:
+            known = set(cls.model_fields)
+            data = {k: v for k, v in data.items() if k in known} | {
+                "values": {k: v for k, v in data.items() if k not in known}}
+        return data
+
+
 class ReleaseReports(BaseModel):
     """The head-tier reports measured with one encoder release (``head_metrics.json``, one entry)."""
 
     model_config = ConfigDict(extra="forbid")
 
     round: int | None = Field(None, description="the last training round the released encoder includes")
-    reports: dict[str, dict[str, Any]] = Field(
-        default_factory=dict, description="agent -> report: tier, release_id, head, correct, total, accuracy, values")
+    reports: dict[str, HeadReport] = Field(default_factory=dict, description="agent id -> its report")
 
     def accuracy(self) -> float | None:
         """Sample-weighted held-out accuracy over the agents that reported, each agent's count
         capped as a round's are (:func:`edgepfl.aggregation.capped_accuracy`)."""
-        counts = ((int(r.get("correct") or 0), int(r.get("total") or 0)) for r in self.reports.values())
-        return capped_accuracy(counts, DEFAULT_MAX_WEIGHT_RATIO)
+        return capped_accuracy(((r.correct, r.total) for r in self.reports.values()), DEFAULT_MAX_WEIGHT_RATIO)
 
 
 def read_head_metrics(path: str | Path) -> dict[str, ReleaseReports]:

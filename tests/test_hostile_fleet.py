@@ -180,8 +180,8 @@ def test_a_signed_federation_completes_under_attack_and_refuses_every_forgery(mo
         assert rows[0].rejected.get("unsigned", 0) >= 1  # the forged answer, in its round's counters
         assert rejected["duplicate"] + rejected["stale"] >= 1  # the replayed update
         assert "ghost" not in coordinator.head_reports
-        assert coordinator.head_reports[HEAD]["accuracy"] == pytest.approx(
-            coordinator.head_reports[HEAD]["correct"] / coordinator.head_reports[HEAD]["total"])
+        report = coordinator.head_reports[HEAD]
+        assert report.accuracy == pytest.approx(report.correct / report.total)
         assert rows[0].per_client["agent-00"] is not None and rows[0].per_client["agent-00"] <= 1.0
 
         # --- the agents refused what was not for them, and kept their personal state

@@ -140,3 +140,12 @@ def test_a_runs_report_gives_its_real_wall_time(tmp_path):
     assert len(times.sessions) == 1 and times.sessions[0].resumed_from is None and not summary["resumed"]
     assert summary["wall_seconds"] == pytest.approx(elapsed, abs=0.5)
     assert summary["wall_seconds"] >= summary["round_seconds"]
+
+
+def test_a_head_report_of_an_older_run_reads_its_figures_into_values_and_recomputes_accuracy():
+    from edgepfl.metrics import HeadReport
+
+    old = {"tier": "head", "head": "lr", "correct": 7, "total": 10, "accuracy": 0.99, "fit_seconds": 1.5}
+    report = HeadReport.model_validate(old)
+    assert report.values == {"fit_seconds": 1.5} and report.accuracy == 0.7  # the file's 0.99 is not trusted
+    assert HeadReport.model_validate(report.model_dump(mode="json")) == report

@@ -330,7 +330,7 @@ def test_head_reports_are_collected_until_every_online_head_reported(tmp_path):
     coord.run()
     assert time.monotonic() - started < 20  # the reports end the wait, not the timeout
     assert fleet.releases == [0]
-    assert {a: r["accuracy"] for a, r in coord.head_reports.items()} == {"pi-1": 0.7, "pi-2": 0.9}
+    assert {a: r.accuracy for a, r in coord.head_reports.items()} == {"pi-1": 0.7, "pi-2": 0.9}
     (release_id, entry), = read_head_metrics(tmp_path / "run").items()  # keyed by release
     assert release_id in coord.releases and entry.round == 0 and entry.accuracy() == pytest.approx(0.8)
 

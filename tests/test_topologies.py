@@ -96,7 +96,7 @@ def test_a_federation_runs_through_site_brokers_bridged_to_a_central_one(tmp_pat
     assert senders == {"agent-00", "agent-01", "agent-02", "agent-03"}
     # the head agent on site 0 got the release over the bridge and reported
     _, latest = latest_release(read_head_metrics(tmp_path / "run"))
-    assert set(latest.reports) == {"device-00"} and latest.reports["device-00"]["total"] > 0
+    assert set(latest.reports) == {"device-00"} and latest.reports["device-00"].total > 0
     # QoS 1 across two hops: whatever was delivered twice was dropped, never aggregated twice
     assert summary["rejected"].get("duplicate", 0) == sum(1 for ch, f in frames if ch == "update") - 4 * 3
 
@@ -188,7 +188,7 @@ def test_a_128_kb_message_limit_chunks_everything_and_learns_the_same_model(mosq
     chunked = {parse_topic(t).channel.value for t, p in frames if p and decode(p).type == MessageType.CHUNK}
     assert chunked >= {"task", "update", "release"}
     _, latest = latest_release(read_head_metrics(tmp_path / "mqtt"))
-    assert latest.reports["device-00"]["total"] > 0  # the chunked release was reassembled, verified and used
+    assert latest.reports["device-00"].total > 0  # the chunked release was reassembled, verified and used
     assert [r.accuracy for r in rows] == pytest.approx([r.accuracy for r in local_rows], abs=1e-9)
     g_mqtt = read_tensors(tmp_path / "mqtt" / "checkpoint" / "state.safetensors")
     g_local = read_tensors(tmp_path / "local" / "checkpoint" / "state.safetensors")
