@@ -32,12 +32,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from edgepfl.atomic import write_bytes, write_json
 from edgepfl.data.client import ClientData
@@ -47,11 +49,11 @@ from edgepfl.export.predict import OnnxEncoder
 from edgepfl.heads import OFFLINE_HEAD_KIND, HeadRelease
 from edgepfl.heads.labels import FEDERATION, LabelSpace, label_space_for
 from edgepfl.methods import create_method
-from edgepfl.protocol import bounded_json
 from edgepfl.protocol.envelope import Header, encode_body
-from edgepfl.protocol.manifest import ReleaseManifest, parse_manifest, release_tensors
+from edgepfl.protocol.manifest import ReleaseManifest, release_tensors
 from edgepfl.protocol.messages import ReleaseMeta
 from edgepfl.protocol.signing import SIGNATURE_BYTES, verify_signed_part
+from edgepfl.protocol.validation import first_validation_error
 
 if TYPE_CHECKING:  # pragma: no cover
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -69,6 +71,53 @@ MAX_CLOCK_SKEW_S = 300.0
 
 class ReleaseRefused(ValueError):
     """A release that cannot be installed; the previous one stays in use."""
+
+
+class HeadFit(BaseModel):
+    """What fitting the personal head on a release measured on this device's own data."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    release_id: str
+    head: str = Field(description="the head kind fitted (or the offline head's)")
+    accuracy: float = Field(description="on the device's held-out samples")
+    eval_correct: int
+    num_train: int
+    num_test: int
+    train_accuracy: float | None = Field(description="None without training samples")
+    fit_seconds: float
+    feature_seconds: float
+
+    def values(self) -> dict[str, float]:
+        """The numeric figures, for a ``metrics`` report's ``values``."""
+        return {k: float(v) for k, v in self.model_dump().items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+class InstalledRelease(BaseModel):
+    """``release.json``: the installed release and the files it is made of, written last
+    (the switch from the previous release) and re-verified on restart."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    release_id: str
+    manifest: ReleaseManifest
+    encoder_file: str
+    encoder_sha256: str
+    head_file: str
+    head_sha256: str
+    metrics: HeadFit
+    global_heads_file: str | None = None
+    global_heads_sha256: str | None = None
+    #: when it was installed (Unix time)
+    installed: float
+    sequence: int | None = None
+    #: the signed prefix + header + signature as received (None: an unsigned release)
+    proof_file: str | None = None
+
+    def files(self) -> set[str]:
+        """The files in the state directory this release uses."""
+        return {n for n in (self.encoder_file, self.head_file, self.proof_file, self.global_heads_file) if n}
 
 
 class HeadRuntime:
@@ -93,19 +142,19 @@ class HeadRuntime:
         self.head_params = dict(head_params or {})
         self.encoder: OnnxEncoder | None = None
         self.head: OnnxHead | None = None
-        self.record: dict[str, Any] | None = None
+        self.record: InstalledRelease | None = None
         self._adapt: ChannelAffine | None = None
 
     # ---------------------------------------------------------------- state
     @property
     def release_id(self) -> str | None:
-        return self.record["release_id"] if self.record else None
+        return self.record.release_id if self.record else None
 
     @property
     def ready(self) -> bool:
         return self.encoder is not None and self.head is not None
 
-    def load(self) -> dict[str, Any]:
+    def load(self) -> HeadFit:
         """Restore the last installed release from disk; returns its metrics.
 
         Raises ``FileNotFoundError`` when nothing was installed yet and ``ValueError``
@@ -114,28 +163,30 @@ class HeadRuntime:
         path = self.state_dir / STATE_FILE
         if not path.is_file():
             raise FileNotFoundError(f"no release installed in {self.state_dir}")
-        record = bounded_json.loads(path.read_text())
-        manifest = parse_manifest(record["manifest"], f"{path} manifest")
-        enc_bytes = (self.state_dir / record["encoder_file"]).read_bytes()
-        head_bytes = (self.state_dir / record["head_file"]).read_bytes()
-        if _sha(head_bytes) != record["head_sha256"]:
-            raise ValueError(f"{record['head_file']} does not match {STATE_FILE}")
+        try:  # pydantic-core's parser: bounded nesting, like every reader of bytes we did not just write
+            record = InstalledRelease.model_validate_json(path.read_bytes())
+        except ValidationError as exc:
+            raise ValueError(f"{path}: {first_validation_error(exc)}") from None
+        manifest = record.manifest
+        enc_bytes = (self.state_dir / record.encoder_file).read_bytes()
+        head_bytes = (self.state_dir / record.head_file).read_bytes()
+        if _sha(head_bytes) != record.head_sha256:
+            raise ValueError(f"{record.head_file} does not match {STATE_FILE}")
         if self.coordinator_key is not None:
             self._check_proof(record, enc_bytes, self.coordinator_key)
-        encoder = OnnxEncoder(enc_bytes, manifest, threads=self.threads,
-                              expected_sha256=record["encoder_sha256"])
-        head = OnnxHead(self.state_dir / record["head_file"], self.threads).fit()
+        encoder = OnnxEncoder(enc_bytes, manifest, threads=self.threads, expected_sha256=record.encoder_sha256)
+        head = OnnxHead(self.state_dir / record.head_file, self.threads).fit()
         self.encoder, self.head, self.record = encoder, head, record
         self._adapt = _renormalization(self.data.normalization, manifest)
-        log.info("restored release %s with a %s head (accuracy %.4f)", record["release_id"], record["metrics"]["head"],
-                 record["metrics"]["accuracy"])
-        return dict(record["metrics"])
+        log.info("restored release %s with a %s head (accuracy %.4f)", record.release_id, record.metrics.head,
+                 record.metrics.accuracy)
+        return record.metrics
 
     # ---------------------------------------------------------------- releases
-    def _check_proof(self, record: dict[str, Any], encoder: bytes, key: Ed25519PublicKey) -> None:
+    def _check_proof(self, record: InstalledRelease, encoder: bytes, key: Ed25519PublicKey) -> None:
         """Re-verify the installed release as received: the coordinator's signature over its
         header, which binds the encoder bytes (through the body's sha256) and the sequence."""
-        name = record.get("proof_file")
+        name = record.proof_file
         path = self.state_dir / name if name else None
         if path is None or not path.is_file():
             raise ValueError("no proof file: the installed release cannot be verified against the coordinator key")
@@ -150,17 +201,17 @@ class HeadRuntime:
         if reason is not None:
             raise ValueError(f"installed release fails its signature check: {reason}")
         body = encode_body(release_tensors(encoder, self._stored_global_heads(record)))
-        if body.sha256 != header.body_sha256 or meta.sha256 != record["encoder_sha256"] \
-                or meta.sequence != record.get("sequence"):
+        if body.sha256 != header.body_sha256 or meta.sha256 != record.encoder_sha256 \
+                or meta.sequence != record.sequence:
             raise ValueError("installed encoder or sequence differs from the signed release")
 
-    def _stored_global_heads(self, record: dict[str, Any]) -> bytes | None:
+    def _stored_global_heads(self, record: InstalledRelease) -> bytes | None:
         """The installed release's global heads bytes, checked against their record, or None."""
-        name = record.get("global_heads_file")
+        name = record.global_heads_file
         if not name:
             return None
         data = (self.state_dir / name).read_bytes()
-        if _sha(data) != record.get("global_heads_sha256"):
+        if _sha(data) != record.global_heads_sha256:
             raise ValueError(f"{name} does not match {STATE_FILE}")
         return data
 
@@ -171,20 +222,18 @@ class HeadRuntime:
             return "unsequenced: a signed release must carry a sequence and an expiry"
         if expires is not None and time.time() > expires + MAX_CLOCK_SKEW_S:
             return f"expired at {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(expires))} UTC"
-        installed = self.record.get("sequence") if self.record else None
+        installed = self.record.sequence if self.record else None
         if sequence is not None and installed is not None and sequence <= installed:
-            if sequence == installed and self.record and self.record["encoder_sha256"] == digest:
+            if sequence == installed and self.record and self.record.encoder_sha256 == digest:
                 return None  # the installed release again (a late re-send): nothing to refuse
             return f"rollback: sequence {sequence} is not above the installed {installed}"
         return None
 
     def install_release(self, manifest: ReleaseManifest, artifact: bytes, expected_sha256: str, *,
                         sequence: int | None = None, expires: float | None = None,
-                        proof: bytes | None = None, global_heads: bytes | None = None) -> dict[str, Any]:
-        """Verify, install and fit on a new encoder release; returns the held-out metrics.
+                        proof: bytes | None = None, global_heads: bytes | None = None) -> HeadFit:
+        """Verify, install and fit on a new encoder release; returns what the fit measured.
 
-        Metrics: ``accuracy``, ``eval_correct``, ``num_train``, ``num_test``,
-        ``train_accuracy``, ``head``, ``release_id``, ``fit_seconds``, ``feature_seconds``.
         Raises :class:`ReleaseRefused` (after logging why) and keeps the current release
         when the artifact does not match its sha256, is not a loadable ONNX encoder, or
         does not fit this device's data; or when its ``sequence`` is not above the installed
@@ -220,9 +269,9 @@ class HeadRuntime:
                          f"{heads_entry.sha256[:16]}…")
         if self.coordinator_key is not None and proof is None:
             raise refuse("unsigned")
-        if self.record and self.record["encoder_sha256"] == digest and self.ready:
+        if self.record and self.record.encoder_sha256 == digest and self.ready:
             log.info("release %s already installed", release_id)
-            return dict(self.record["metrics"])
+            return self.record.metrics
         want = list(self.data.input_shape)
         got = list(manifest.run.data.input_shape)
         if got != want:
@@ -250,7 +299,7 @@ class HeadRuntime:
         y_train, y_test = to_labels[self.data.y_train], to_labels[self.data.y_test]
         # named by content like the encoder; a refused release's file is removed again
         heads_path = None
-        keep = self.record.get("global_heads_file") if self.record else None
+        keep = self.record.global_heads_file if self.record else None
         if global_heads is not None:
             heads_path = self.state_dir / f"global-heads-{_sha(global_heads)[:16]}.safetensors"
             write_bytes(heads_path, global_heads)
@@ -269,41 +318,31 @@ class HeadRuntime:
         pred_train = head.predict(f_train)
         pred_test = head.predict(f_test)
         correct = int((pred_test == y_test).sum())
-        metrics = {
-            "accuracy": correct / max(1, self.data.num_test),
-            "eval_correct": correct,
-            "train_accuracy": float((pred_train == y_train).mean()) if self.data.num_train else float("nan"),
-            "num_train": int(self.data.num_train),
-            "num_test": int(self.data.num_test),
-            "head": head_name,
-            "release_id": release_id,
-            "fit_seconds": fit_seconds,
-            "feature_seconds": feature_seconds,
-        }
+        metrics = HeadFit(
+            release_id=release_id, head=head_name, accuracy=correct / max(1, self.data.num_test), eval_correct=correct,
+            num_train=int(self.data.num_train), num_test=int(self.data.num_test),
+            train_accuracy=float((pred_train == y_train).mean()) if self.data.num_train else None,
+            fit_seconds=fit_seconds, feature_seconds=feature_seconds)
         enc_name = f"encoder-{digest[:16]}.onnx"
         write_bytes(self.state_dir / enc_name, artifact)
         old = self.record
         proof_file = f"release-{digest[:16]}.proof" if proof is not None else None
-        record = {
-            "release_id": release_id, "manifest": manifest.model_dump(mode="json"), "encoder_file": enc_name,
-            "encoder_sha256": digest,
-            "head_file": head_path.name, "head_sha256": _sha(head_bytes), "metrics": metrics,
-            "global_heads_file": heads_path.name if heads_path is not None else None,
-            "global_heads_sha256": _sha(global_heads) if global_heads is not None else None,
-            "installed": time.time(), "sequence": sequence,
-            # the signed prefix + header + signature as received, re-verified on restart
-            "proof_file": proof_file,
-        }
+        record = InstalledRelease(
+            release_id=release_id, manifest=manifest, encoder_file=enc_name, encoder_sha256=digest,
+            head_file=head_path.name, head_sha256=_sha(head_bytes), metrics=metrics,
+            global_heads_file=heads_path.name if heads_path is not None else None,
+            global_heads_sha256=_sha(global_heads) if global_heads is not None else None,
+            installed=time.time(), sequence=sequence, proof_file=proof_file)
         if proof is not None and proof_file is not None:
             write_bytes(self.state_dir / proof_file, proof)
         # for `edgepfl predict --encoder <state>/encoder-….onnx`, which reads the manifest beside it
-        write_json(self.state_dir / "manifest.json", record["manifest"])
-        write_json(self.state_dir / STATE_FILE, record)  # the switch: written last
+        write_json(self.state_dir / "manifest.json", manifest.model_dump(mode="json"))
+        write_json(self.state_dir / STATE_FILE, record.model_dump(mode="json"))  # the switch: written last
         self.encoder, self.head, self.record, self._adapt = encoder, head, record, adapt
         self._remove_old(old, record)
         log.info("release %s installed: %s head, held-out accuracy %.4f (%d/%d), fit %.2f s", release_id, head_name,
-                 metrics["accuracy"], correct, self.data.num_test, fit_seconds)
-        return dict(metrics)
+                 metrics.accuracy, correct, self.data.num_test, fit_seconds)
+        return metrics
 
     def new_head(self, release: HeadRelease) -> HeadEstimator:
         """The unfitted head this device fits on an encoder ``release``, from the release's method.
@@ -353,15 +392,12 @@ class HeadRuntime:
             raise refuse(f"cannot fit a {self.head_kind} head on local data: {exc}") from None
         return data, self.head_kind
 
-    def _remove_old(self, old: dict[str, Any] | None, current: dict[str, Any]) -> None:
+    def _remove_old(self, old: InstalledRelease | None, current: InstalledRelease) -> None:
         """Delete the files of the ``old`` record that the ``current`` one does not use."""
-        if not old:
+        if old is None:
             return
-        kept = ("encoder_file", "head_file", "proof_file", "global_heads_file")
-        keep = {current.get(k) for k in kept}
-        for name in (old.get(k) for k in kept):
-            if name and name not in keep:
-                (self.state_dir / name).unlink(missing_ok=True)
+        for name in old.files() - current.files():
+            (self.state_dir / name).unlink(missing_ok=True)
 
     # ---------------------------------------------------------------- serving
     def _installed(self) -> tuple[OnnxEncoder, OnnxHead]:

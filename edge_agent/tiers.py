@@ -279,15 +279,8 @@ class HeadTier:
         except Exception as exc:
             log.error("release %s refused: %s", meta.release_id, exc)
             return None
-        metrics = MetricsMeta(
-            tier="head",
-            release_id=meta.release_id,
-            head=str(result.get("head", self.head)),
-            num_train=int(result.get("num_train", 0)),
-            num_test=int(result.get("num_test", 0)),
-            eval_correct=int(result.get("eval_correct", round(result.get("accuracy", 0.0) * result.get("num_test", 0)))),
-            values={k: float(v) for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
-        )
+        metrics = MetricsMeta(tier="head", release_id=meta.release_id, head=result.head, num_train=result.num_train,
+                              num_test=result.num_test, eval_correct=result.eval_correct, values=result.values())
         frame = encode(MessageType.METRICS, federation=message.header.federation, sender=self.agent_id,
                        round=message.header.round, meta=metrics, signer=self.signer)
         return Reply(AgentChannel.METRICS, frame, message.header.round, release_id=meta.release_id)

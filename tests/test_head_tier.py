@@ -39,12 +39,12 @@ def test_install_fit_evaluate_persist_and_restore(releases, data, tmp_path):
     rt = HeadRuntime(tmp_path / "state", "lr", data)
     metrics = _install(rt, releases[0])
     manifest, _ = read_release(releases[0])
-    assert metrics["release_id"] == manifest.release_id and metrics["head"] == "lr"
-    assert metrics["num_train"] == data.num_train and metrics["num_test"] == data.num_test
-    assert metrics["accuracy"] > 0.5 and metrics["eval_correct"] == round(metrics["accuracy"] * data.num_test)
-    assert metrics["fit_seconds"] >= 0
+    assert metrics.release_id == manifest.release_id and metrics.head == "lr"
+    assert metrics.num_train == data.num_train and metrics.num_test == data.num_test
+    assert metrics.accuracy > 0.5 and metrics.eval_correct == round(metrics.accuracy * data.num_test)
+    assert metrics.fit_seconds >= 0
     pred = rt.predict(data.x_test)
-    assert (pred == data.y_test).mean() == pytest.approx(metrics["accuracy"])
+    assert (pred == data.y_test).mean() == pytest.approx(metrics.accuracy)
     assert rt.predict_proba(data.x_test[:3]).shape == (3, len(rt.classes))
 
     # a restarted agent restores encoder and head from disk, without refitting
@@ -56,7 +56,7 @@ def test_install_fit_evaluate_persist_and_restore(releases, data, tmp_path):
 
     # a new release replaces the old files
     m2 = _install(rt, releases[1])
-    assert m2["release_id"] != metrics["release_id"]
+    assert m2.release_id != metrics.release_id
     onnx_files = sorted(p.name for p in (tmp_path / "state").glob("*.onnx"))
     assert len(onnx_files) == 2 and all(sha256_bytes(read_release(releases[1])[1])[:16] in n for n in onnx_files)
 
@@ -91,7 +91,7 @@ def test_tampered_or_corrupt_releases_are_refused_and_the_old_one_stays(releases
     bad = bytearray(artifact)
     bad[len(bad) // 2] ^= 0xFF
     line = _refused(rt, caplog, manifest, bytes(bad), manifest.encoder.sha256, "sha256 mismatch")
-    assert manifest.release_id in line and good["release_id"] in line  # names the new and the kept release
+    assert manifest.release_id in line and good.release_id in line  # names the new and the kept release
 
     # checksum consistent with the bytes, but the bytes are not an ONNX model
     junk = b"not an onnx model" * 100
@@ -108,7 +108,7 @@ def test_tampered_or_corrupt_releases_are_refused_and_the_old_one_stays(releases
     _refused(rt, caplog, other, artifact, manifest.encoder.sha256, "input shape mismatch")
 
     # the old release is still served and still on disk
-    assert rt.release_id == good["release_id"]
+    assert rt.release_id == good.release_id
     np.testing.assert_array_equal(rt.predict_proba(data.x_test), before)
     assert (state / "release.json").read_bytes() == record
     restarted = HeadRuntime(state, "svm", data)
@@ -132,13 +132,13 @@ def test_offline_head_is_used_for_its_encoder_only(releases, data, tmp_path, cap
     # for another encoder the offline head does not fit: an 'onnx' device refuses that release
     _refused(rt, caplog, *_release_args(releases[0]), "head kind 'onnx' needs")
     metrics = _install(rt, releases[1])
-    assert metrics["head"] == "dualfed" and metrics["accuracy"] > 0.5
+    assert metrics.head == "dualfed" and metrics.accuracy > 0.5
     # an 'lr' device with the same offline file prefers it for the matching encoder only
     rt2 = HeadRuntime(tmp_path / "s2", "lr", data)
     (tmp_path / "s2").mkdir()
     (tmp_path / "s2" / "head.offline.onnx").write_bytes((state / "head.offline.onnx").read_bytes())
-    assert _install(rt2, releases[0])["head"] == "lr"
-    assert _install(rt2, releases[1])["head"] == "dualfed"
+    assert _install(rt2, releases[0]).head == "lr"
+    assert _install(rt2, releases[1]).head == "dualfed"
 
 
 def test_a_head_kind_the_releases_method_does_not_offer_is_refused(releases, data, tmp_path, caplog):
@@ -170,7 +170,7 @@ def test_a_release_carrying_its_global_heads_gets_the_methods_own_head(releases,
     assert rt.release_id is None and not list(state.glob("global-heads-*"))  # no orphan left behind
 
     metrics = rt.install_release(manifest, artifact, sha, global_heads=heads)
-    assert metrics["head"] == "dualfed" and metrics["accuracy"] > 0.5
+    assert metrics.head == "dualfed" and metrics.accuracy > 0.5
     record = json.loads((state / "release.json").read_text())
     assert (state / record["global_heads_file"]).read_bytes() == heads
     assert record["global_heads_sha256"] == manifest.global_heads.sha256
@@ -217,7 +217,7 @@ def test_head_runtime_never_imports_torch(releases, data, tmp_path):
             again = HeadRuntime(tmp / kind, kind, data)
             again.load()
             same = bool((again.predict(data.x_test) == rt.predict(data.x_test)).all())
-            out[kind] = {{"accuracy": m["accuracy"], "same_after_restart": same}}
+            out[kind] = {{"accuracy": m.accuracy, "same_after_restart": same}}
         out["torch_imported"] = sorted(k for k in sys.modules if k == "torch" or k.startswith("torch."))
         print(json.dumps(out))
     """)
@@ -245,7 +245,7 @@ def test_local_data_in_another_normalization_is_converted(releases, data, tmp_pa
                          normalization={"mean": [0.5], "std": [0.5]})
     rt = HeadRuntime(tmp_path / "b", "lr", shifted)
     m = _install(rt, releases[0])
-    assert m["accuracy"] == pytest.approx(m_ref["accuracy"])
+    assert m.accuracy == pytest.approx(m_ref.accuracy)
     np.testing.assert_allclose(rt.features(shifted.x_test), ref.features(data.x_test), atol=1e-4)
     restored = HeadRuntime(tmp_path / "b", "lr", shifted)
     restored.load()

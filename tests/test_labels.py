@@ -110,7 +110,7 @@ def test_head_agent_in_another_folder_order_predicts_the_right_names(release, tm
     right = sum(path.split("/")[0] == name for path, name in printed.items())
     # what predict prints is what the device measured: its accuracy on these very images is
     # about its held-out accuracy, far above chance (1/3) -- mapping through the wrong names gives 0
-    assert right / len(printed) > 0.8 and metrics["accuracy"] > 0.8
+    assert right / len(printed) > 0.8 and metrics.accuracy > 0.8
 
     # fit-head on the same folder agrees on the names
     offline = tmp_path / "offline.onnx"

@@ -73,13 +73,13 @@ def older_head_agent_installs_the_encoder_and_ignores_the_global_heads(release, 
     runtime = HeadRuntime(state, "lr", data, coordinator_key=key)
     metrics = runtime.install_release(meta.manifest, artifact, meta.sha256, sequence=meta.sequence,
                                       expires=meta.expires, proof=release.signed_part + release.signature)
-    assert metrics["head"] == "lr" and metrics["num_test"] == data.num_test
+    assert metrics.head == "lr" and metrics.num_test == data.num_test
     with pytest.raises(ValueError, match="differs from the signed release"):
         HeadRuntime(state, "lr", data, coordinator_key=key).load()
     again = HeadRuntime(state, "lr", data, coordinator_key=key)
     refitted = again.install_release(meta.manifest, artifact, meta.sha256, sequence=meta.sequence,
                                      expires=meta.expires, proof=release.signed_part + release.signature)
-    assert refitted["eval_correct"] == metrics["eval_correct"]
+    assert refitted.eval_correct == metrics.eval_correct
 
 
 def test_a_late_head_agent_gets_a_signed_release_in_parts_and_fits_the_methods_own_head(mosquitto, tmp_path):

@@ -20,8 +20,8 @@ from edgepfl.config import ConfigError, RunConfig
 from edgepfl.coordinator.fleet import LocalFleet
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import agent_ids, data_shape, prepare, service_data_shape, spawn_agent, stop_agents
-from edgepfl.data import load_client_data
 from edgepfl.data.preprocess import conversion
+from edgepfl.edge_agent.tiers import local_trainers
 from edgepfl.edge_agent.trainer import TaskRefused, TrainerRuntime
 from edgepfl.protocol import DataShape, MessageType, Normalization, TaskMeta, decode, encode
 from edgepfl.testing import TrafficCapture
@@ -140,9 +140,7 @@ def test_the_round_loop_sends_the_configured_normalization_and_agents_train_on_i
     config = prepare(run_config(rounds=1, normalization=RUN_NORM.model_dump(), device="cpu",
                                 model={"arch": "mlp", "feature_dim": 16},
                                 data={"dataset": "digits", "samples_per_client": 60}), 2)
-    runtimes = {a: TrainerRuntime(a, load_client_data(config.data, i), tmp_path / a, "cpu")
-                for i, a in enumerate(agent_ids(2))}
-    fleet = RecordingFleet(runtimes, config.federation)
+    fleet = RecordingFleet(local_trainers(config, agent_ids(2), tmp_path), config.federation)
     with caplog.at_level(logging.WARNING, logger=TRAINER_LOG):
         rows = Coordinator(config, fleet, tmp_path / "run", progress=False, **service_data_shape(config)).run()
     assert fleet.tasks and all(t.meta.run.data.normalization == RUN_NORM for t in fleet.tasks)

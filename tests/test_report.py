@@ -120,16 +120,14 @@ def test_a_runs_report_gives_its_real_wall_time(tmp_path):
     from edgepfl.coordinator.fleet import LocalFleet
     from edgepfl.coordinator.rounds import Coordinator
     from edgepfl.coordinator.simulate import agent_ids, data_shape, prepare
-    from edgepfl.data import load_client_data
-    from edgepfl.edge_agent.trainer import TrainerRuntime
+    from edgepfl.edge_agent.tiers import local_trainers
 
     config = prepare(RunConfig(federation="walltime", method={"name": "fedavg"},
                                model={"arch": "mlp", "feature_dim": 16}, train={"epochs": 1, "batch_size": 32},
                                data={"dataset": "digits"}, rounds=2, min_agents=2, device="cpu"), 2)
     out = tmp_path / "run"
-    runtimes = {a: TrainerRuntime(a, load_client_data(config.data, i), out / "agents" / a, "cpu")
-                for i, a in enumerate(agent_ids(2))}
-    coordinator = Coordinator(config, LocalFleet(runtimes, config.federation), out, progress=False,
+    coordinator = Coordinator(config, LocalFleet(local_trainers(config, agent_ids(2), out), config.federation), out,
+                              progress=False,
                               **data_shape(config))
     coordinator.init_or_resume()
     started = time.time()

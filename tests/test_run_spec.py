@@ -14,7 +14,7 @@ from edgepfl.config import ConfigError
 from edgepfl.coordinator.fleet import LocalFleet
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import agent_ids, data_shape, prepare
-from edgepfl.data import load_client_data
+from edgepfl.edge_agent.tiers import local_trainers
 from edgepfl.edge_agent.trainer import TaskRefused, TrainerRuntime
 from edgepfl.export.onnx_export import export_run
 from edgepfl.metrics import MetricsError, RoundMetrics, read_metrics
@@ -47,9 +47,7 @@ def federation(tmp_path_factory):
                         model={"arch": "mlp", "feature_dim": 16},
                         data={"dataset": "digits", "samples_per_client": 80}, device="cpu")
     config = prepare(config, AGENTS)
-    runtimes = {a: TrainerRuntime(a, load_client_data(config.data, i), out / "agents" / a, "cpu")
-                for i, a in enumerate(agent_ids(AGENTS))}
-    fleet = RecordingFleet(runtimes, config.federation)
+    fleet = RecordingFleet(local_trainers(config, agent_ids(AGENTS), out), config.federation)
     coordinator = Coordinator(config, fleet, out, progress=False, **data_shape(config))
     rows = coordinator.run()
     return {"config": config, "out": out, "fleet": fleet, "rows": rows}
