@@ -35,8 +35,10 @@ def test_config_parses_and_method_options_validate(path):
     assert isinstance(config, RunConfig)
     options = config.method_config()
     assert isinstance(options, get_method(config.method.name).config_class)
-    # every option written in the file is one the method declares (nothing silently ignored)
-    assert set(config.method.options()) <= set(type(options).model_fields)
+    # the method options reach the method exactly as written: none dropped, renamed or coerced
+    written = (yaml.safe_load(path.read_text()) or {}).get("method", {})
+    assert config.method.options() == {k: v for k, v in written.items() if k != "name"}
+    assert options.model_dump(include=set(written) - {"name"}) == {k: v for k, v in written.items() if k != "name"}
 
 
 @pytest.mark.parametrize("path", METHOD_CONFIGS, ids=lambda p: p.name)
