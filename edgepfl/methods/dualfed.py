@@ -51,7 +51,7 @@ from pydantic import Field
 
 from .._torch import F, nn, torch
 from ..heads import GENERIC_HEAD_KINDS
-from ..models import model_as
+from ..models import SplitModel, build_encoder, model_as
 from . import register
 from .base import ClientUpdate, LocalContext, LocalResult, Method, PersonalBatchNormConfig
 from .ensemble import ensemble_logits
@@ -115,19 +115,19 @@ class DualFedHead(nn.Module):
         return self.combine(personal, global_)
 
 
-class DualFedModel(nn.Module):
-    """``encoder`` (x -> z) + :class:`DualFedHead`."""
+class DualFedModel(SplitModel):
+    """``encoder`` (x -> z) + :class:`DualFedHead` as the ``head``."""
+
+    head: DualFedHead
 
     def __init__(self, encoder: nn.Module, head: DualFedHead):
-        super().__init__()
-        self.encoder = encoder
-        self.head = head
+        super().__init__(encoder, head)
 
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.encoder(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(x))
+    @classmethod
+    def build(cls, spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int, *, hidden: int = 256,
+              ensemble: str = "logits") -> DualFedModel:
+        encoder = build_encoder(spec, input_shape)
+        return cls(encoder, DualFedHead(encoder.out_features, num_classes, hidden, ensemble))
 
     def parts_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Encoder and projector only: every BatchNorm layer, no classifier."""
@@ -157,11 +157,8 @@ class DualFed(Method):
     config: DualFedConfig
 
     def build_model(self, spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-        from ..models import build_encoder
-
-        encoder = build_encoder(spec, input_shape)
-        head = DualFedHead(encoder.out_features, num_classes, self.config.proj_hidden, self.config.ensemble)
-        return DualFedModel(encoder, head)
+        return DualFedModel.build(spec, input_shape, num_classes, hidden=self.config.proj_hidden,
+                                  ensemble=self.config.ensemble)
 
     # ------------------------------------------------------------------ agent side
     def _optimizer(self, params, ctx: LocalContext):

@@ -50,7 +50,7 @@ from pydantic import Field
 
 from .._torch import F, nn, torch
 from ..heads import DEFAULT_C, DEFAULT_HIDDEN, DEFAULT_MAX_ITER, DEFAULT_NORMALIZE, GENERIC_HEAD_KINDS
-from ..models import model_as
+from ..models import SplitModel, build_encoder, model_as
 from . import register
 from .base import EvalResult, LocalContext, LocalResult, Method, MethodConfig
 from .losses import supcon_loss
@@ -216,20 +216,27 @@ class RepPerHead(nn.Module):
         out.bias.copy_(torch.as_tensor(bias, dtype=out.bias.dtype))
 
 
-class RepPerModel(nn.Module):
+class RepPerModel(SplitModel):
     """``encoder`` (x -> r), personal ``head`` (r -> logits), optional ``projector`` (loss only)."""
 
+    head: RepPerHead
+
     def __init__(self, encoder: nn.Module, head: RepPerHead, projector: nn.Module | None = None):
-        super().__init__()
-        self.encoder = encoder
-        self.head = head
+        super().__init__(encoder, head)
         self.projector = projector
 
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.encoder(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(x))
+    @classmethod
+    def build(cls, spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int, *, head: str = "lr",
+              hidden: int = DEFAULT_HIDDEN, normalize: bool = DEFAULT_NORMALIZE,
+              projection_dim: int | None = None) -> RepPerModel:
+        """Encoder, then the projector MLP ``k-k-projection_dim`` when asked, then the head
+        (the order their weights are drawn in)."""
+        encoder = build_encoder(spec, input_shape)
+        k = encoder.out_features
+        projector = None
+        if projection_dim is not None:
+            projector = nn.Sequential(nn.Linear(k, k), nn.ReLU(inplace=True), nn.Linear(k, projection_dim))
+        return cls(encoder, RepPerHead(k, num_classes, head, hidden, normalize), projector)
 
 
 @torch.no_grad()
@@ -256,16 +263,9 @@ class RepPer(Method):
     config: RepPerConfig
 
     def build_model(self, spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-        from ..models import build_encoder
-
         cfg = self.config
-        encoder = build_encoder(spec, input_shape)
-        k = encoder.out_features
-        projector = None
-        if cfg.projection_dim is not None:
-            projector = nn.Sequential(nn.Linear(k, k), nn.ReLU(inplace=True), nn.Linear(k, cfg.projection_dim))
-        head = RepPerHead(k, num_classes, cfg.head, cfg.head_hidden, cfg.head_normalize)
-        return RepPerModel(encoder, head, projector)
+        return RepPerModel.build(spec, input_shape, num_classes, head=cfg.head, hidden=cfg.head_hidden,
+                                 normalize=cfg.head_normalize, projection_dim=cfg.projection_dim)
 
     # ------------------------------------------------------------------ stage 1
     def views(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
