@@ -42,6 +42,7 @@ from .base import (
     UpdateRejected,
     load_tensors,
 )
+from .training import encoder_features
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..data import ClientTensors
@@ -211,12 +212,13 @@ class FedPAC(Method):
 
     def local_update(self, model, data: ClientTensors, ctx: LocalContext) -> LocalResult:
         k = data.num_classes
-        feats = _features(model, data.x_train)
+        feats = encoder_features(model, data.x_train).float().cpu().numpy()
         counts, means, h, v = feature_statistics(feats, data.y_train.cpu().numpy(), k)
         head_loss = self.head_phase(model, data, ctx)
         targets = alignment_targets(getattr(model, _RECEIVED, None), means)
         body_loss = self.body_phase(model, data, ctx, targets)
-        _, centroids, _, _ = feature_statistics(_features(model, data.x_train), data.y_train.cpu().numpy(), k)
+        after = encoder_features(model, data.x_train).float().cpu().numpy()
+        _, centroids, _, _ = feature_statistics(after, data.y_train.cpu().numpy(), k)
         upload = self.shared_params(model)
         upload.update({key: val.detach().cpu().numpy().copy() for key, val in model.state_dict().items()
                        if key.startswith("head.")})
@@ -328,18 +330,6 @@ def alignment_targets(received, local_means: np.ndarray) -> np.ndarray | None:
     centroids, counts = received
     have = np.asarray(counts).reshape(-1) > 0
     return np.where(have[:, None], np.asarray(centroids, dtype=np.float64), local_means)
-
-
-def _features(model, x, batch_size: int = 512) -> np.ndarray:
-    """Encoder features of ``x`` in eval mode (no BN statistics touched), as numpy."""
-    import torch
-
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        out = [model.encoder(x[s : s + batch_size]).float().cpu() for s in range(0, len(x), batch_size)]
-    model.train(was_training)
-    return torch.cat(out).numpy()
 
 
 def _fit_sgd(model, data, ctx, loss_fn, part, epochs: int, lr: float, cfg: FedPACConfig, frozen=None) -> float:

@@ -54,7 +54,7 @@ from ..models import SplitModel, build_encoder, model_as
 from . import register
 from .base import EvalResult, LocalContext, LocalResult, Method, MethodConfig
 from .losses import supcon_loss
-from .training import fit, make_optimizer
+from .training import encoder_features, fit, make_optimizer
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..data.client import ClientTensors
@@ -239,17 +239,6 @@ class RepPerModel(SplitModel):
         return cls(encoder, RepPerHead(k, num_classes, head, hidden, normalize), projector)
 
 
-@torch.no_grad()
-def encode(model: RepPerModel, x: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
-    """Encoder features of ``x`` in eval mode (training mode restored afterwards)."""
-    was_training = model.training
-    model.eval()
-    try:
-        return torch.cat([model.encoder(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
-    finally:
-        model.train(was_training)
-
-
 @register
 class RepPer(Method):
     name = "repper"
@@ -323,7 +312,7 @@ class RepPer(Method):
         if len(present) < 2:
             model.head.set_constant(int(present[0]) if len(present) else 0)
             return None
-        feats = encode(model, x).cpu().numpy()
+        feats = encoder_features(model, x).cpu().numpy()
         head = self.make_head(self.config.head, random_state=seed).fit(feats, labels)
         model.head.load_head(head)
         return head

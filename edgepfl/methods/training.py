@@ -12,6 +12,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
     from ..data import ClientTensors
+    from ..models import SplitModel
     from .base import LocalContext
 
 #: the model type a training loop is given, and what its loss function receives
@@ -98,6 +99,24 @@ def evaluate_logits(logits_fn, model, x, y, ctx: LocalContext, batch_size: int =
     model.train(was_training)
     n = len(y)
     return EvalResult(correct=correct, total=n, loss=loss_sum / n if n else math.nan)
+
+
+def encoder_features(model: SplitModel, x: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
+    """``model.encoder``'s features of ``x``, in batches, without gradient and in eval mode
+    (no BatchNorm statistic moves); the model's training mode is restored afterwards.
+
+    The features a method computes on frozen data outside its training loop: RepPer's
+    stage-2 head, FedPAC's class statistics.
+    """
+    import torch
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return torch.cat([model.encoder(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
+    finally:
+        model.train(was_training)
 
 
 def noise_generator(ctx: LocalContext, salt: int):
