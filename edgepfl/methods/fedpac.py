@@ -41,6 +41,8 @@ from .base import (
     TensorDict,
     UpdateRejected,
     load_tensors,
+    method_optimizer,
+    train_override,
 )
 from .training import encoder_features
 
@@ -59,8 +61,8 @@ class FedPACConfig(MethodConfig):
     lam: float = Field(1.0, ge=0, description="weight of the feature-alignment MSE term (paper: lambda = 1)")
     head_lr: float = Field(0.1, gt=0, description="SGD learning rate of the head phase")
     body_lr: float = Field(0.01, gt=0, description="SGD learning rate of the body phase")
-    momentum: float = Field(0.5, ge=0, description="SGD momentum, both phases")
-    weight_decay: float = Field(5e-4, ge=0, description="SGD weight decay, both phases")
+    momentum: float | None = train_override("momentum", 0.5, "SGD momentum, both phases")
+    weight_decay: float | None = train_override("weight_decay", 5e-4, "SGD weight decay, both phases")
     head_epochs: int = Field(1, ge=1, description="head-only epochs per round")
     body_epochs: int | None = Field(None, ge=1, description="body-only epochs per round; default train.epochs (paper 5)")
     weighting: Literal["qp", "prototype"] = Field(
@@ -333,15 +335,14 @@ def alignment_targets(received, local_means: np.ndarray) -> np.ndarray | None:
 
 
 def _fit_sgd(model, data, ctx, loss_fn, part, epochs: int, lr: float, cfg: FedPACConfig, frozen=None) -> float:
-    """SGD on ``part`` only (FedPAC fixes its optimizers), ``frozen`` kept out of autograd."""
-    from .training import fit, freeze, make_optimizer
+    """SGD on ``part`` only (FedPAC fixes its optimizer and each phase's lr), ``frozen`` kept out of autograd."""
+    from .training import fit, freeze
 
     if frozen is not None:
         freeze(frozen, True)
     try:
         params = list(part.parameters())
-        opt = make_optimizer(params, ctx, optimizer="sgd", lr=lr, momentum=cfg.momentum,
-                             weight_decay=cfg.weight_decay)
+        opt = method_optimizer(cfg, params, ctx, optimizer="sgd", lr=lr)
         return fit(model, data, ctx, loss_fn, params, epochs, optimizer=opt)
     finally:
         if frozen is not None:

@@ -52,9 +52,9 @@ from .._torch import F, nn, torch
 from ..heads import DEFAULT_C, DEFAULT_HIDDEN, DEFAULT_MAX_ITER, DEFAULT_NORMALIZE, GENERIC_HEAD_KINDS
 from ..models import SplitModel, build_encoder, model_as
 from . import register
-from .base import EvalResult, LocalContext, LocalResult, Method, MethodConfig
+from .base import EvalResult, LocalContext, LocalResult, Method, MethodConfig, method_optimizer, train_override
 from .losses import supcon_loss
-from .training import encoder_features, fit, make_optimizer
+from .training import encoder_features, fit
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..data.client import ClientTensors
@@ -75,11 +75,11 @@ class RepPerConfig(MethodConfig):
         "out", description="'out': mean of logs over positives (METHODS.md; measured better, issue 13); "
                            "'in': the paper's eq. 5 and its gradient (log of the positive mean)"
     )
-    optimizer: Literal["sgd", "adam"] = Field("adam", description="stage-1 optimizer (paper: Adam)")
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(1e-4, ge=0)
-    momentum: float | None = Field(None, ge=0, description="SGD only; None: the run's train.momentum")
-    batch_size: int | None = Field(None, ge=2, description="None: the run's train.batch_size (paper: 256)")
+    optimizer: Literal["sgd", "adam"] | None = train_override("optimizer", "adam", "stage-1 optimizer (paper: Adam)")
+    lr: float | None = train_override("lr", 1e-3, "the paper's value")
+    weight_decay: float | None = train_override("weight_decay", 1e-4, "the paper's value")
+    momentum: float | None = train_override("momentum", None, "SGD only")
+    batch_size: int | None = train_override("batch_size", None, "paper: 256", ge=2)
     projection_dim: int | None = Field(
         None, ge=2, description="optional projection MLP k-k-dim for the loss only [inferred; default off]"
     )
@@ -280,8 +280,7 @@ class RepPer(Method):
         params = list(rep.encoder.parameters())
         if rep.projector is not None:
             params += list(rep.projector.parameters())
-        opt = make_optimizer(params, ctx, optimizer=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
-                             weight_decay=cfg.weight_decay)
+        opt = method_optimizer(cfg, params, ctx)
         loss = fit(rep, data, ctx, lambda m, x, y: self.contrastive_loss(m, x, y, ctx.generator), params,
                    ctx.train.epochs, optimizer=opt, batch_size=cfg.batch_size)
         return LocalResult(upload=self.shared_params(model), train_loss=loss, metrics={"supcon": loss})

@@ -34,7 +34,8 @@ class EvalResult:
 
 def make_optimizer(params: Iterable, ctx: LocalContext, *, optimizer: str | None = None, lr: float | None = None,
                    momentum: float | None = None, weight_decay: float | None = None):
-    """An optimizer from the run's train config, with per-phase overrides."""
+    """An optimizer from the run's train config; an override that is None is the run's
+    ``train.<field>`` (a method's options reach it through :func:`~edgepfl.methods.base.method_optimizer`)."""
     import torch
 
     params = [p for p in params if p.requires_grad]
@@ -57,15 +58,16 @@ def fit(
     *,
     optimizer=None,
     batch_size: int | None = None,
-    **opt_overrides,
 ) -> float:
     """Minimise ``loss_fn(model, x, y)`` over ``params`` for ``epochs``; returns the mean loss.
 
     Parameters not in ``params`` are not stepped (their gradients are still computed
     unless the caller detaches them), so phase-wise schedules pass the part they train.
+    ``optimizer``: the phase's own (default: one from the run's train section);
+    ``batch_size``: None is the run's ``train.batch_size``.
     """
     params = list(params)
-    opt = optimizer or make_optimizer(params, ctx, **opt_overrides)
+    opt = optimizer or make_optimizer(params, ctx)
     model.train()
     total, count = 0.0, 0
     for _ in range(epochs):
