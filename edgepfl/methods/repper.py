@@ -24,7 +24,7 @@ Where the personal head lives: the head is **re-fitted at every evaluation** (ch
 a few hundred samples, one convex fit) and its fitted weights are copied into the
 torch module ``model.head`` (:class:`RepPerHead`: normalize + linear or MLP), whose
 softmax equals the sklearn ``predict_proba`` for lr / mlp and whose logits equal
-``decision_function`` for svm. So the head is ordinary personal state: it survives
+the per-class scores of svm (``decision_function``; ``[-s, s]`` for a binary one). So the head is ordinary personal state: it survives
 the agent's save / load, ``logits`` uses it between evaluations, and
 :meth:`RepPer.device_head` exports it to ONNX like any torch head.
 
@@ -169,8 +169,8 @@ class RepPerHead(nn.Module):
         Softmax of the logits is then the head's ``predict_proba`` (for svm: the
         logits are its ``decision_function``). Binary estimators keep one output row
         ``s``: for lr / mlp it becomes the logit of the second class against 0 for the
-        first (softmax of ``[0, s]`` is their sigmoid), for svm ``[-s, s]`` as the SVM
-        head's own scores. Classes the estimator never saw get :data:`ABSENT_CLASS_LOGIT`.
+        first (softmax of ``[0, s]`` is their sigmoid), for svm ``[-s, s]``, the scores
+        the SVM head's ``predict_proba`` takes the softmax of. Classes the estimator never saw get :data:`ABSENT_CLASS_LOGIT`.
         """
         if head.normalize != self.normalize:
             raise ValueError(f"head normalize={head.normalize} does not match this module's {self.normalize}")
