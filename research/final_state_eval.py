@@ -176,9 +176,10 @@ def evaluate_run(run_dir: Path) -> dict:
                 correct[label] = correct.get(label, 0) + result.correct
                 per_client.setdefault(label, {})[client] = result.correct / result.total
         elif method.name == "repper":
-            from edgepfl.methods.repper import encode
+            from edgepfl.methods.training import encoder_features
 
-            f_train, f_test = encode(model, data.x_train).numpy(), encode(model, data.x_test).numpy()
+            f_train = encoder_features(model, data.x_train).numpy()
+            f_test = encoder_features(model, data.x_test).numpy()
             y_train = data.y_train.numpy()
             for label, params in HEAD_RULES:
                 if len(np.unique(y_train)) < 2:

@@ -35,7 +35,7 @@ from edgepfl.methods import (
     create_method,
 )
 from edgepfl.methods.aggregate import weighted_mean
-from edgepfl.methods.base import STAT, PersonalBatchNormConfig, load_tensors
+from edgepfl.methods.base import STAT, TRAIN_OVERRIDES, PersonalBatchNormConfig, load_tensors, method_optimizer
 from edgepfl.protocol.envelope import decode, encode
 from edgepfl.protocol.messages import MessageType, TaskMeta, UpdateMeta
 
@@ -115,6 +115,48 @@ def test_config_rejects_unknown_option(name):
         cls.config_class.model_validate({"no_such_option_anywhere": 1})
     with pytest.raises(ValidationError):
         create_method(name, {"no_such_option_anywhere": 1})
+
+
+#: options named after a train field that cannot be None, and why
+OVERRIDES_WITHOUT_NONE = {
+    ("fedrir", "optimizer"): "whether the model holds Adam moments is settled when it is built, before any task",
+}
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_an_option_named_after_a_train_field_follows_the_one_override_rule(name):
+    """``optimizer``, ``lr``, ``momentum``, ``weight_decay``, ``batch_size`` in a method's
+    options replace the run's ``train.<field>``, and None is the run's (base.train_override)."""
+    config_class = create_method(name).config_class
+    for field in TRAIN_OVERRIDES:
+        info = config_class.model_fields.get(field)
+        if info is None or (name, field) in OVERRIDES_WITHOUT_NONE:
+            continue
+        assert (info.description or "").endswith(f"None: the run's train.{field}"), (name, field, info.description)
+        assert getattr(config_class.model_validate({field: None}), field) is None
+
+
+def test_method_optimizer_takes_each_override_with_a_value_and_the_runs_field_for_none():
+    ctx = KIT.ctx(optimizer="sgd", lr=0.07, momentum=0.3, weight_decay=0.002)
+    params = [torch.nn.Parameter(torch.zeros(2))]
+
+    def built(name: str, options: dict, **fixed) -> tuple[type, dict]:
+        opt = method_optimizer(create_method(name, options).config, params, ctx, **fixed)
+        group = opt.param_groups[0]
+        return type(opt), {k: group[k] for k in ("lr", "weight_decay", "momentum") if k in group}
+
+    run = {"lr": 0.07, "weight_decay": 0.002, "momentum": 0.3}
+    assert built("dualfed", {"weight_decay": None}) == (torch.optim.SGD, run)
+    assert built("dualfed", {"optimizer": "adam", "lr": 0.5, "weight_decay": 0.1}) == (
+        torch.optim.Adam, {"lr": 0.5, "weight_decay": 0.1})
+    assert built("repper", {"optimizer": "sgd", "lr": None, "weight_decay": None}) == (torch.optim.SGD, run)
+    # FedPAC fixes SGD and each phase's lr; its momentum and weight decay are overrides
+    assert built("fedpac", {}, optimizer="sgd", lr=0.2) == (torch.optim.SGD, {"lr": 0.2, "weight_decay": 5e-4,
+                                                                               "momentum": 0.5})
+    assert built("fedpac", {"momentum": None, "weight_decay": None}, optimizer="sgd", lr=0.2) == (
+        torch.optim.SGD, {**run, "lr": 0.2})
+    # an override a method does not declare (FedRIR has no momentum) is the run's
+    assert built("fedrir", {"optimizer": "sgd", "lr": None, "weight_decay": None}) == (torch.optim.SGD, run)
 
 
 # --------------------------------------------------------------------------- agent side

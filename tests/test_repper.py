@@ -204,14 +204,14 @@ def test_stage_two_and_a_head_tier_device_choose_the_same_C_on_the_same_features
     (which builds its head from the release's method options) make one choice."""
     from edgepfl.edge_agent.head_tier import HeadRuntime
     from edgepfl.heads import HeadRelease
-    from edgepfl.methods.repper import encode
+    from edgepfl.methods.training import encoder_features
 
     from export_fixtures import client_data
 
     method, model = build()
     data = make_data(n_train=90, n_test=8)
     stage2 = method.fit_head(model, data.x_train, data.y_train, seed=0)
-    feats = encode(model, data.x_train).numpy()
+    feats = encoder_features(model, data.x_train).numpy()
 
     release = HeadRelease("repper", method.config.model_dump())
     device = HeadRuntime(tmp_path / "state", "lr", client_data(0)).new_head(release)

@@ -3,8 +3,10 @@
 Each is a ``Pipeline`` of an optional L2 :class:`~sklearn.preprocessing.Normalizer`
 and the classifier, fitted on feature rows (float32, ``(N, d)``). Parameters are the
 constructor's (visible to ``get_params`` / ``clone``); learned attributes end in
-``_``: ``pipeline_``, ``classes_``, ``n_features_in_``, and for lr / svm ``C_`` (with
-``cv_scores_`` when C was chosen by cross-validation, :meth:`_LinearHead.fit`). Every
+``_``: ``pipeline_``, ``classes_``, ``n_features_in_``, ``n_iter_`` (the classifier's
+solver iterations), and for lr / svm ``C_`` (with ``cv_scores_`` when C was chosen by
+cross-validation, :meth:`_LinearHead.fit`). The estimators pass scikit-learn's own
+estimator checks (``tests/test_heads.py``, ``parametrize_with_checks``). Every
 place that fits a head — RepPer's stage 2, a head-tier device, ``edgepfl fit-head`` —
 calls the same ``fit``, so the same features give the same choice everywhere. ONNX export is
 :func:`edgepfl.export.heads.head_to_onnx`'s business, not this module's.
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 from sklearn.base import BaseEstimator, ClassifierMixin
+from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_array, check_is_fitted, check_X_y
 
 from . import (
@@ -82,8 +85,12 @@ class SklearnHead(HeadEstimator):
 
     def _checked(self, X, y) -> tuple[np.ndarray, np.ndarray]:
         X, y = check_X_y(X, y, dtype=np.float32)
-        if len(np.unique(y)) < 2:
-            raise ValueError(f"a {self.kind} head needs training samples of at least 2 classes, got {np.unique(y).tolist()}")
+        # labels, not values: a continuous or unknown y is refused before any fit (C's cross-validation too)
+        check_classification_targets(y)
+        classes = np.unique(y)
+        if len(classes) < 2:
+            raise ValueError(f"a {self.kind} head needs training samples of at least 2 classes, "
+                             f"got one class: {classes.tolist()}")
         return X, y
 
     def _fit_pipeline(self, X: np.ndarray, y: np.ndarray):
@@ -102,6 +109,7 @@ class SklearnHead(HeadEstimator):
         self.pipeline_ = self._fit_pipeline(X, y)
         self.classes_ = self.pipeline_.classes_
         self.n_features_in_ = X.shape[1]
+        self.n_iter_ = self.pipeline_[-1].n_iter_
         return self
 
     def predict_proba(self, X) -> np.ndarray:
@@ -192,7 +200,8 @@ class SVMHead(_LinearHead):
     """Linear SVM (one-vs-rest ``LinearSVC``) on (L2-normalized) features.
 
     ``LinearSVC`` has no probabilities; ``predict_proba`` is the softmax of the decision
-    scores (binary: of ``[-s, s]``), so its argmax is the SVM's own prediction. Chosen over
+    scores (binary: of ``[-s, s]``, ``s`` the one score scikit-learn gives a binary
+    problem), so its argmax is the SVM's own prediction. Chosen over
     Platt calibration because it needs no internal cross-validation (a device may hold a
     handful of samples of a class) and converts to ONNX exactly.
     """
@@ -205,14 +214,15 @@ class SVMHead(_LinearHead):
         return LinearSVC(C=C, max_iter=self.max_iter, random_state=self.random_state)
 
     def decision_function(self, X) -> np.ndarray:
-        """Per-class scores (N, K); the binary case is expanded to ``[-s, s]``."""
+        """Per-class scores (N, K), or for a binary problem scikit-learn's one score per
+        row (N,), positive for ``classes_[1]``."""
         check_is_fitted(self)
-        s = self.pipeline_.decision_function(check_array(X, dtype=np.float32))
-        return np.stack([-s, s], axis=1) if s.ndim == 1 else s
+        return self.pipeline_.decision_function(check_array(X, dtype=np.float32))
 
     def predict_proba(self, X) -> np.ndarray:
-        """Softmax of :meth:`decision_function`."""
-        return softmax(self.decision_function(X))
+        """Softmax of the per-class scores: :meth:`decision_function`, a binary ``s`` as ``[-s, s]``."""
+        s = self.decision_function(X)
+        return softmax(np.stack([-s, s], axis=1) if s.ndim == 1 else s)
 
 
 class MLPHead(SklearnHead):

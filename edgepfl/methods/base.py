@@ -32,6 +32,7 @@ the head tier can import this module without it.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -41,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..aggregation import Aggregator, Mean
 from ..heads import GENERIC_HEAD_KINDS
 from ..state import ServerState
-from .training import EvalResult, evaluate_logits, fit, recalibrate_batchnorm
+from .training import EvalResult, evaluate_logits, fit, make_optimizer, recalibrate_batchnorm
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -61,6 +62,41 @@ class MethodConfig(BaseModel):
     """Base of every method's options. Unknown keys are an error, so typos are caught."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+#: the fields of the run's ``train`` section that a method's options may override, under
+#: the same name, by the rule of :func:`train_override`
+TRAIN_OVERRIDES = ("optimizer", "lr", "momentum", "weight_decay", "batch_size")
+_OVERRIDE_BOUNDS: dict[str, dict[str, float]] = {
+    "lr": {"gt": 0}, "momentum": {"ge": 0}, "weight_decay": {"ge": 0}, "batch_size": {"ge": 1}}
+
+
+def train_override(field: str, default: Any = None, note: str = "", **bounds: Any) -> Any:
+    """The pydantic ``Field`` of a method option named after ``train.<field>``, one of
+    :data:`TRAIN_OVERRIDES`.
+
+    One rule for every such option: a value replaces the run's ``train.<field>`` in the
+    method's own training phases; ``None`` is the run's ``train.<field>``; an option the
+    method does not declare is the run's too. ``default``: the method's value (its
+    paper's), or None to follow the run. ``note`` opens the description; ``bounds``
+    replace the field's usual constraints (a SupCon batch needs ``ge=2``). The optimizer
+    is built by :func:`method_optimizer`, the batches by :meth:`LocalContext.batches`.
+    """
+    if field not in TRAIN_OVERRIDES:
+        raise ValueError(f"{field!r} is not a train field a method may override ({', '.join(TRAIN_OVERRIDES)})")
+    rule = f"None: the run's train.{field}"
+    return Field(default, description=f"{note}; {rule}" if note else rule, **{**_OVERRIDE_BOUNDS.get(field, {}), **bounds})
+
+
+def method_optimizer(config: MethodConfig, params: Iterable[torch.nn.Parameter], ctx: LocalContext,
+                     **fixed: Any) -> torch.optim.Optimizer:
+    """A fresh optimizer for one of a method's training phases, by :func:`train_override`'s
+    rule: the run's ``train`` section, where ``config`` overrides a field with a value, that
+    value. ``fixed``: what the phase sets whatever the options (FedPAC: SGD and the
+    phase's own learning rate)."""
+    overrides = {name: getattr(config, name, None) for name in ("optimizer", "lr", "momentum", "weight_decay")}
+    overrides.update(fixed)
+    return make_optimizer(params, ctx, **overrides)
 
 
 class PersonalBatchNormConfig(MethodConfig):

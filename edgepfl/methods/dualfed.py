@@ -51,12 +51,20 @@ from pydantic import Field
 
 from .._torch import F, nn, torch
 from ..heads import GENERIC_HEAD_KINDS
-from ..models import model_as
+from ..models import SplitModel, build_encoder, model_as
 from . import register
-from .base import ClientUpdate, LocalContext, LocalResult, Method, PersonalBatchNormConfig
+from .base import (
+    ClientUpdate,
+    LocalContext,
+    LocalResult,
+    Method,
+    PersonalBatchNormConfig,
+    method_optimizer,
+    train_override,
+)
 from .ensemble import ensemble_logits
 from .losses import SupConForm, supcon_loss
-from .training import fit, make_optimizer, recalibrate_batchnorm
+from .training import fit, recalibrate_batchnorm
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..data.client import ClientTensors
@@ -66,7 +74,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class DualFedConfig(PersonalBatchNormConfig):
-    """DualFed options; optimizer fields left ``None`` follow the run's ``train`` section."""
+    """DualFed options; the optimizer options follow :func:`~edgepfl.methods.base.train_override`'s rule."""
 
     con_lambda: float = Field(40.0, ge=0, description="weight of the SupCon term (code, PACS)")
     tau: float = Field(0.2, gt=0, description="SupCon temperature (code, PACS)")
@@ -74,11 +82,11 @@ class DualFedConfig(PersonalBatchNormConfig):
     schedule: Literal["stagewise", "simultaneous"] = "stagewise"
     ensemble: Literal["logits", "softmax"] = Field("logits", description="sum raw logits [code] or probabilities")
     proj_hidden: int = Field(256, ge=1, description="projector hidden width")
-    optimizer: Literal["sgd", "adam"] | None = None
-    lr: float | None = Field(None, gt=0)
-    momentum: float | None = Field(None, ge=0)
-    weight_decay: float | None = Field(0.0, ge=0, description="the authors' SGD has none; None: train.weight_decay")
-    batch_size: int | None = Field(None, ge=2, description="None: the run's train.batch_size (paper: 256)")
+    optimizer: Literal["sgd", "adam"] | None = train_override("optimizer")
+    lr: float | None = train_override("lr")
+    momentum: float | None = train_override("momentum")
+    weight_decay: float | None = train_override("weight_decay", 0.0, "the authors' SGD has none")
+    batch_size: int | None = train_override("batch_size", None, "paper: 256", ge=2)
     bn_recalibrate: bool = Field(
         True, description="re-estimate the personal BatchNorm statistics on the client's training images with "
                           "each received encoder, before evaluating (False: the stored ones, as the authors' code)"
@@ -115,19 +123,19 @@ class DualFedHead(nn.Module):
         return self.combine(personal, global_)
 
 
-class DualFedModel(nn.Module):
-    """``encoder`` (x -> z) + :class:`DualFedHead`."""
+class DualFedModel(SplitModel):
+    """``encoder`` (x -> z) + :class:`DualFedHead` as the ``head``."""
+
+    head: DualFedHead
 
     def __init__(self, encoder: nn.Module, head: DualFedHead):
-        super().__init__()
-        self.encoder = encoder
-        self.head = head
+        super().__init__(encoder, head)
 
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.encoder(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(x))
+    @classmethod
+    def build(cls, spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int, *, hidden: int = 256,
+              ensemble: str = "logits") -> DualFedModel:
+        encoder = build_encoder(spec, input_shape)
+        return cls(encoder, DualFedHead(encoder.out_features, num_classes, hidden, ensemble))
 
     def parts_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Encoder and projector only: every BatchNorm layer, no classifier."""
@@ -157,18 +165,10 @@ class DualFed(Method):
     config: DualFedConfig
 
     def build_model(self, spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-        from ..models import build_encoder
-
-        encoder = build_encoder(spec, input_shape)
-        head = DualFedHead(encoder.out_features, num_classes, self.config.proj_hidden, self.config.ensemble)
-        return DualFedModel(encoder, head)
+        return DualFedModel.build(spec, input_shape, num_classes, hidden=self.config.proj_hidden,
+                                  ensemble=self.config.ensemble)
 
     # ------------------------------------------------------------------ agent side
-    def _optimizer(self, params, ctx: LocalContext):
-        cfg = self.config
-        return make_optimizer(params, ctx, optimizer=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
-                              weight_decay=cfg.weight_decay)
-
     def _stage_a(self, m: DualFedModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         return stage_a_loss(m.head, m.encoder(x), y, con_lambda=cfg.con_lambda, tau=cfg.tau, form=cfg.supcon_form)
@@ -178,7 +178,7 @@ class DualFed(Method):
         params = [*model.encoder.parameters(), *model.head.projector.parameters(),
                   *model.head.personal_classifier.parameters()]
         return fit(model, data, ctx, self._stage_a, params, ctx.train.epochs,
-                   optimizer=self._optimizer(params, ctx), batch_size=self.config.batch_size)
+                   optimizer=method_optimizer(self.config, params, ctx), batch_size=self.config.batch_size)
 
     def train_stage_b(self, model: DualFedModel, data: ClientTensors, ctx: LocalContext) -> float:
         """Stage B: only ``h_s`` on detached pre-projection features, fresh optimizer."""
@@ -193,7 +193,7 @@ class DualFed(Method):
 
         params = list(model.head.global_classifier.parameters())
         return fit(model, data, ctx, loss, params, ctx.train.epochs,
-                   optimizer=self._optimizer(params, ctx), batch_size=self.config.batch_size)
+                   optimizer=method_optimizer(self.config, params, ctx), batch_size=self.config.batch_size)
 
     def train_simultaneous(self, model: DualFedModel, data: ClientTensors, ctx: LocalContext) -> float:
         """Variant: every part on the sum of both stages' losses, z not detached."""
@@ -206,7 +206,7 @@ class DualFed(Method):
 
         params = list(model.parameters())
         return fit(model, data, ctx, loss, params, ctx.train.epochs,
-                   optimizer=self._optimizer(params, ctx), batch_size=cfg.batch_size)
+                   optimizer=method_optimizer(self.config, params, ctx), batch_size=cfg.batch_size)
 
     def local_update(self, model: nn.Module, data: ClientTensors, ctx: LocalContext) -> LocalResult:
         dual = model_as(model, DualFedModel)

@@ -41,7 +41,10 @@ from .base import (
     TensorDict,
     UpdateRejected,
     load_tensors,
+    method_optimizer,
+    train_override,
 )
+from .training import encoder_features
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..data import ClientTensors
@@ -58,8 +61,8 @@ class FedPACConfig(MethodConfig):
     lam: float = Field(1.0, ge=0, description="weight of the feature-alignment MSE term (paper: lambda = 1)")
     head_lr: float = Field(0.1, gt=0, description="SGD learning rate of the head phase")
     body_lr: float = Field(0.01, gt=0, description="SGD learning rate of the body phase")
-    momentum: float = Field(0.5, ge=0, description="SGD momentum, both phases")
-    weight_decay: float = Field(5e-4, ge=0, description="SGD weight decay, both phases")
+    momentum: float | None = train_override("momentum", 0.5, "SGD momentum, both phases")
+    weight_decay: float | None = train_override("weight_decay", 5e-4, "SGD weight decay, both phases")
     head_epochs: int = Field(1, ge=1, description="head-only epochs per round")
     body_epochs: int | None = Field(None, ge=1, description="body-only epochs per round; default train.epochs (paper 5)")
     weighting: Literal["qp", "prototype"] = Field(
@@ -211,12 +214,13 @@ class FedPAC(Method):
 
     def local_update(self, model, data: ClientTensors, ctx: LocalContext) -> LocalResult:
         k = data.num_classes
-        feats = _features(model, data.x_train)
+        feats = encoder_features(model, data.x_train).float().cpu().numpy()
         counts, means, h, v = feature_statistics(feats, data.y_train.cpu().numpy(), k)
         head_loss = self.head_phase(model, data, ctx)
         targets = alignment_targets(getattr(model, _RECEIVED, None), means)
         body_loss = self.body_phase(model, data, ctx, targets)
-        _, centroids, _, _ = feature_statistics(_features(model, data.x_train), data.y_train.cpu().numpy(), k)
+        after = encoder_features(model, data.x_train).float().cpu().numpy()
+        _, centroids, _, _ = feature_statistics(after, data.y_train.cpu().numpy(), k)
         upload = self.shared_params(model)
         upload.update({key: val.detach().cpu().numpy().copy() for key, val in model.state_dict().items()
                        if key.startswith("head.")})
@@ -330,28 +334,15 @@ def alignment_targets(received, local_means: np.ndarray) -> np.ndarray | None:
     return np.where(have[:, None], np.asarray(centroids, dtype=np.float64), local_means)
 
 
-def _features(model, x, batch_size: int = 512) -> np.ndarray:
-    """Encoder features of ``x`` in eval mode (no BN statistics touched), as numpy."""
-    import torch
-
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        out = [model.encoder(x[s : s + batch_size]).float().cpu() for s in range(0, len(x), batch_size)]
-    model.train(was_training)
-    return torch.cat(out).numpy()
-
-
 def _fit_sgd(model, data, ctx, loss_fn, part, epochs: int, lr: float, cfg: FedPACConfig, frozen=None) -> float:
-    """SGD on ``part`` only (FedPAC fixes its optimizers), ``frozen`` kept out of autograd."""
-    from .training import fit, freeze, make_optimizer
+    """SGD on ``part`` only (FedPAC fixes its optimizer and each phase's lr), ``frozen`` kept out of autograd."""
+    from .training import fit, freeze
 
     if frozen is not None:
         freeze(frozen, True)
     try:
         params = list(part.parameters())
-        opt = make_optimizer(params, ctx, optimizer="sgd", lr=lr, momentum=cfg.momentum,
-                             weight_decay=cfg.weight_decay)
+        opt = method_optimizer(cfg, params, ctx, optimizer="sgd", lr=lr)
         return fit(model, data, ctx, loss_fn, params, epochs, optimizer=opt)
     finally:
         if frozen is not None:

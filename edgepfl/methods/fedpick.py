@@ -23,7 +23,7 @@ from pydantic import Field
 
 from .._torch import F, nn, torch
 from ..heads import GENERIC_HEAD_KINDS
-from ..models import Encoder, model_as
+from ..models import Encoder, SplitModel, build_encoder, model_as
 from . import register
 from .base import LocalResult, Method, PersonalBatchNormConfig
 from .ensemble import EnsembleForm, ensemble_logits
@@ -32,6 +32,7 @@ from .training import fit, noise_generator
 if TYPE_CHECKING:  # pragma: no cover
     from ..heads import HeadRelease
     from ..heads.estimators import HeadEstimator
+    from ..specs import ModelSpec
 
 
 class FedPickConfig(PersonalBatchNormConfig):
@@ -65,7 +66,7 @@ def deterministic_mask(s: torch.Tensor, temperature: float, threshold: float) ->
     return (torch.sigmoid(s / temperature) > threshold).to(s.dtype)
 
 
-class FedPickModel(nn.Module):
+class FedPickModel(SplitModel):
     """Encoder + PFSM + three classifiers; ``head`` is the shared global classifier C_g.
 
     In training mode :meth:`parts` draws Gumbel noise (from ``generator`` when given);
@@ -74,10 +75,8 @@ class FedPickModel(nn.Module):
 
     def __init__(self, encoder: Encoder, num_classes: int, *, temperature: float = 1.0,
                  threshold: float = 0.5, ensemble: str = "logits", pfsm_hidden: int | None = None):
-        super().__init__()
         d = encoder.out_features
-        self.encoder = encoder
-        self.head = nn.Linear(d, num_classes)  # C_g, shared
+        super().__init__(encoder, nn.Linear(d, num_classes))  # head: C_g, shared
         # The output is d wide, a mask entry per feature; the hidden width was lost in extraction.
         h = pfsm_hidden or d
         self.pfsm = nn.Sequential(nn.Linear(d, h), nn.ReLU(), nn.Linear(h, d))
@@ -86,6 +85,12 @@ class FedPickModel(nn.Module):
         self.temperature = temperature
         self.threshold = threshold
         self.ensemble = ensemble
+
+    @classmethod
+    def build(cls, spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int, *, temperature: float = 1.0,
+              threshold: float = 0.5, ensemble: str = "logits", pfsm_hidden: int | None = None) -> FedPickModel:
+        return cls(build_encoder(spec, input_shape), num_classes, temperature=temperature, threshold=threshold,
+                   ensemble=ensemble, pfsm_hidden=pfsm_hidden)
 
     def mask(self, v: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(m, m_soft) for features ``v``.
@@ -172,11 +177,9 @@ class FedPick(Method):
     head_kinds = (name, *GENERIC_HEAD_KINDS)
 
     def build_model(self, spec, input_shape, num_classes) -> FedPickModel:
-        from ..models import build_encoder
-
         c = self.config
-        return FedPickModel(build_encoder(spec, input_shape), num_classes, temperature=c.temperature,
-                            threshold=c.threshold, ensemble=c.ensemble, pfsm_hidden=c.pfsm_hidden)
+        return FedPickModel.build(spec, input_shape, num_classes, temperature=c.temperature, threshold=c.threshold,
+                                  ensemble=c.ensemble, pfsm_hidden=c.pfsm_hidden)
 
     def local_update(self, model: nn.Module, data, ctx) -> LocalResult:
         pick = model_as(model, FedPickModel)

@@ -55,8 +55,8 @@ from pydantic import Field
 from .._torch import F, nn, torch
 from ..models import ConvTrunk, model_as
 from . import register
-from .base import LocalResult, Method, PersonalBatchNormConfig
-from .training import fit, freeze, make_optimizer, noise_generator
+from .base import LocalResult, Method, PersonalBatchNormConfig, method_optimizer, train_override
+from .training import fit, freeze, noise_generator
 
 
 class FedRIRConfig(PersonalBatchNormConfig):
@@ -85,10 +85,12 @@ class FedRIRConfig(PersonalBatchNormConfig):
     kl_weight: float = Field(0.1, ge=0, description="weight of KL(N(mu, var) || N(0, I)) in stage 1")
     embed_dim: int = Field(512, ge=1, description="f_g and f_cs size (the paper's 512)")
     q_hidden: int = Field(128, ge=1, description="hidden width of q's two MLPs")
-    optimizer: Literal["sgd", "adam"] = "adam"
-    lr: float | None = Field(5e-4, gt=0, description="None: the run's train.lr")
-    batch_size: int | None = Field(100, ge=1, description="None: the run's train.batch_size")
-    weight_decay: float | None = Field(0.0, ge=0, description="None: the run's train.weight_decay")
+    optimizer: Literal["sgd", "adam"] = Field(
+        "adam", description="paper: Adam; no None (the run's train.optimizer): whether the model keeps Adam "
+                            "moments (keep_optimizer_state) is settled when it is built, before any task")
+    lr: float | None = train_override("lr", 5e-4, "the paper's value")
+    batch_size: int | None = train_override("batch_size", 100, "the paper's value")
+    weight_decay: float | None = train_override("weight_decay", 0.0)
     recon_epochs: int | None = Field(None, ge=1, description="stage 1 epochs; None: train.epochs")
     cls_epochs: int | None = Field(None, ge=1, description="stage 2 epochs; None: train.epochs")
     bn_recalibrate: bool = Field(
@@ -406,7 +408,7 @@ class FedRIR(Method):
     def _optimizer(self, model: FedRIRModel, params, ctx):
         """The stage's optimizer, given the state kept from earlier rounds and keeping it after."""
         c = self.config
-        opt = make_optimizer(params, ctx, optimizer=c.optimizer, lr=c.lr, weight_decay=c.weight_decay)
+        opt = method_optimizer(c, params, ctx)
         if model.adam is not None:
             model.adam.restore(opt, model)
         yield opt

@@ -18,7 +18,7 @@ import copy
 from typing import TYPE_CHECKING
 
 from .._torch import F, nn, torch
-from ..models import model_as
+from ..models import SplitModel, build_encoder, model_as
 from . import register
 from .base import LocalResult, Method
 from .training import fit
@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..specs import ModelSpec
 
 
-class RoDModel(nn.Module):
+class RoDModel(SplitModel):
     """``encoder`` (f), generic ``head`` (h_G, shared) and ``personal_head`` (h_P).
 
     The generic head keeps the name ``head`` so that FedAvg-style export and
@@ -35,21 +35,14 @@ class RoDModel(nn.Module):
     """
 
     def __init__(self, encoder: nn.Module, head: nn.Module, personal_head: nn.Module):
-        super().__init__()
-        self.encoder = encoder
-        self.head = head
+        super().__init__(encoder, head)
         self.personal_head = personal_head
 
     @classmethod
     def build(cls, spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> RoDModel:
-        from ..models import build_encoder
-
         encoder = build_encoder(spec, input_shape)
         head = nn.Linear(encoder.out_features, num_classes)
         return cls(encoder, head, copy.deepcopy(head))
-
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.encoder(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return RoDHead(self.head, self.personal_head)(self.encoder(x))

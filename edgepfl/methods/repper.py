@@ -24,7 +24,7 @@ Where the personal head lives: the head is **re-fitted at every evaluation** (ch
 a few hundred samples, one convex fit) and its fitted weights are copied into the
 torch module ``model.head`` (:class:`RepPerHead`: normalize + linear or MLP), whose
 softmax equals the sklearn ``predict_proba`` for lr / mlp and whose logits equal
-``decision_function`` for svm. So the head is ordinary personal state: it survives
+the per-class scores of svm (``decision_function``; ``[-s, s]`` for a binary one). So the head is ordinary personal state: it survives
 the agent's save / load, ``logits`` uses it between evaluations, and
 :meth:`RepPer.device_head` exports it to ONNX like any torch head.
 
@@ -50,11 +50,11 @@ from pydantic import Field
 
 from .._torch import F, nn, torch
 from ..heads import DEFAULT_C, DEFAULT_HIDDEN, DEFAULT_MAX_ITER, DEFAULT_NORMALIZE, GENERIC_HEAD_KINDS
-from ..models import model_as
+from ..models import SplitModel, build_encoder, model_as
 from . import register
-from .base import EvalResult, LocalContext, LocalResult, Method, MethodConfig
+from .base import EvalResult, LocalContext, LocalResult, Method, MethodConfig, method_optimizer, train_override
 from .losses import supcon_loss
-from .training import fit, make_optimizer
+from .training import encoder_features, fit
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..data.client import ClientTensors
@@ -75,11 +75,11 @@ class RepPerConfig(MethodConfig):
         "out", description="'out': mean of logs over positives (METHODS.md; measured better, issue 13); "
                            "'in': the paper's eq. 5 and its gradient (log of the positive mean)"
     )
-    optimizer: Literal["sgd", "adam"] = Field("adam", description="stage-1 optimizer (paper: Adam)")
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(1e-4, ge=0)
-    momentum: float | None = Field(None, ge=0, description="SGD only; None: the run's train.momentum")
-    batch_size: int | None = Field(None, ge=2, description="None: the run's train.batch_size (paper: 256)")
+    optimizer: Literal["sgd", "adam"] | None = train_override("optimizer", "adam", "stage-1 optimizer (paper: Adam)")
+    lr: float | None = train_override("lr", 1e-3, "the paper's value")
+    weight_decay: float | None = train_override("weight_decay", 1e-4, "the paper's value")
+    momentum: float | None = train_override("momentum", None, "SGD only")
+    batch_size: int | None = train_override("batch_size", None, "paper: 256", ge=2)
     projection_dim: int | None = Field(
         None, ge=2, description="optional projection MLP k-k-dim for the loss only [inferred; default off]"
     )
@@ -169,8 +169,8 @@ class RepPerHead(nn.Module):
         Softmax of the logits is then the head's ``predict_proba`` (for svm: the
         logits are its ``decision_function``). Binary estimators keep one output row
         ``s``: for lr / mlp it becomes the logit of the second class against 0 for the
-        first (softmax of ``[0, s]`` is their sigmoid), for svm ``[-s, s]`` as the SVM
-        head's own scores. Classes the estimator never saw get :data:`ABSENT_CLASS_LOGIT`.
+        first (softmax of ``[0, s]`` is their sigmoid), for svm ``[-s, s]``, the scores
+        the SVM head's ``predict_proba`` takes the softmax of. Classes the estimator never saw get :data:`ABSENT_CLASS_LOGIT`.
         """
         if head.normalize != self.normalize:
             raise ValueError(f"head normalize={head.normalize} does not match this module's {self.normalize}")
@@ -216,31 +216,27 @@ class RepPerHead(nn.Module):
         out.bias.copy_(torch.as_tensor(bias, dtype=out.bias.dtype))
 
 
-class RepPerModel(nn.Module):
+class RepPerModel(SplitModel):
     """``encoder`` (x -> r), personal ``head`` (r -> logits), optional ``projector`` (loss only)."""
 
+    head: RepPerHead
+
     def __init__(self, encoder: nn.Module, head: RepPerHead, projector: nn.Module | None = None):
-        super().__init__()
-        self.encoder = encoder
-        self.head = head
+        super().__init__(encoder, head)
         self.projector = projector
 
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.encoder(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(x))
-
-
-@torch.no_grad()
-def encode(model: RepPerModel, x: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
-    """Encoder features of ``x`` in eval mode (training mode restored afterwards)."""
-    was_training = model.training
-    model.eval()
-    try:
-        return torch.cat([model.encoder(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
-    finally:
-        model.train(was_training)
+    @classmethod
+    def build(cls, spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int, *, head: str = "lr",
+              hidden: int = DEFAULT_HIDDEN, normalize: bool = DEFAULT_NORMALIZE,
+              projection_dim: int | None = None) -> RepPerModel:
+        """Encoder, then the projector MLP ``k-k-projection_dim`` when asked, then the head
+        (the order their weights are drawn in)."""
+        encoder = build_encoder(spec, input_shape)
+        k = encoder.out_features
+        projector = None
+        if projection_dim is not None:
+            projector = nn.Sequential(nn.Linear(k, k), nn.ReLU(inplace=True), nn.Linear(k, projection_dim))
+        return cls(encoder, RepPerHead(k, num_classes, head, hidden, normalize), projector)
 
 
 @register
@@ -256,16 +252,9 @@ class RepPer(Method):
     config: RepPerConfig
 
     def build_model(self, spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-        from ..models import build_encoder
-
         cfg = self.config
-        encoder = build_encoder(spec, input_shape)
-        k = encoder.out_features
-        projector = None
-        if cfg.projection_dim is not None:
-            projector = nn.Sequential(nn.Linear(k, k), nn.ReLU(inplace=True), nn.Linear(k, cfg.projection_dim))
-        head = RepPerHead(k, num_classes, cfg.head, cfg.head_hidden, cfg.head_normalize)
-        return RepPerModel(encoder, head, projector)
+        return RepPerModel.build(spec, input_shape, num_classes, head=cfg.head, hidden=cfg.head_hidden,
+                                 normalize=cfg.head_normalize, projection_dim=cfg.projection_dim)
 
     # ------------------------------------------------------------------ stage 1
     def views(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -291,8 +280,7 @@ class RepPer(Method):
         params = list(rep.encoder.parameters())
         if rep.projector is not None:
             params += list(rep.projector.parameters())
-        opt = make_optimizer(params, ctx, optimizer=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
-                             weight_decay=cfg.weight_decay)
+        opt = method_optimizer(cfg, params, ctx)
         loss = fit(rep, data, ctx, lambda m, x, y: self.contrastive_loss(m, x, y, ctx.generator), params,
                    ctx.train.epochs, optimizer=opt, batch_size=cfg.batch_size)
         return LocalResult(upload=self.shared_params(model), train_loss=loss, metrics={"supcon": loss})
@@ -323,7 +311,7 @@ class RepPer(Method):
         if len(present) < 2:
             model.head.set_constant(int(present[0]) if len(present) else 0)
             return None
-        feats = encode(model, x).cpu().numpy()
+        feats = encoder_features(model, x).cpu().numpy()
         head = self.make_head(self.config.head, random_state=seed).fit(feats, labels)
         model.head.load_head(head)
         return head

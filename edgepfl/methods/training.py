@@ -12,6 +12,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
     from ..data import ClientTensors
+    from ..models import SplitModel
     from .base import LocalContext
 
 #: the model type a training loop is given, and what its loss function receives
@@ -33,7 +34,8 @@ class EvalResult:
 
 def make_optimizer(params: Iterable, ctx: LocalContext, *, optimizer: str | None = None, lr: float | None = None,
                    momentum: float | None = None, weight_decay: float | None = None):
-    """An optimizer from the run's train config, with per-phase overrides."""
+    """An optimizer from the run's train config; an override that is None is the run's
+    ``train.<field>`` (a method's options reach it through :func:`~edgepfl.methods.base.method_optimizer`)."""
     import torch
 
     params = [p for p in params if p.requires_grad]
@@ -56,15 +58,16 @@ def fit(
     *,
     optimizer=None,
     batch_size: int | None = None,
-    **opt_overrides,
 ) -> float:
     """Minimise ``loss_fn(model, x, y)`` over ``params`` for ``epochs``; returns the mean loss.
 
     Parameters not in ``params`` are not stepped (their gradients are still computed
     unless the caller detaches them), so phase-wise schedules pass the part they train.
+    ``optimizer``: the phase's own (default: one from the run's train section);
+    ``batch_size``: None is the run's ``train.batch_size``.
     """
     params = list(params)
-    opt = optimizer or make_optimizer(params, ctx, **opt_overrides)
+    opt = optimizer or make_optimizer(params, ctx)
     model.train()
     total, count = 0.0, 0
     for _ in range(epochs):
@@ -98,6 +101,24 @@ def evaluate_logits(logits_fn, model, x, y, ctx: LocalContext, batch_size: int =
     model.train(was_training)
     n = len(y)
     return EvalResult(correct=correct, total=n, loss=loss_sum / n if n else math.nan)
+
+
+def encoder_features(model: SplitModel, x: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
+    """``model.encoder``'s features of ``x``, in batches, without gradient and in eval mode
+    (no BatchNorm statistic moves); the model's training mode is restored afterwards.
+
+    The features a method computes on frozen data outside its training loop: RepPer's
+    stage-2 head, FedPAC's class statistics.
+    """
+    import torch
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return torch.cat([model.encoder(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
+    finally:
+        model.train(was_training)
 
 
 def noise_generator(ctx: LocalContext, salt: int):

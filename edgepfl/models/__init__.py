@@ -175,7 +175,13 @@ def build_encoder(spec: ModelSpec, input_shape: tuple[int, ...]) -> Encoder:
 
 
 class SplitModel(nn.Module):
-    """``encoder`` (x -> features) followed by a linear ``head`` (features -> logits)."""
+    """``encoder`` (x -> features) followed by a ``head`` (features -> logits).
+
+    :meth:`build` makes the default model, a linear head on the encoder. A method whose
+    model has more parts (DualFed, RepPer, FedRoD, FedPick) extends this class: the
+    encoder and the head keep these names, and so the ``state_dict`` keys ``encoder.*``
+    and ``head.*`` (docs/MODELS.md), and its own parts are registered after them.
+    """
 
     def __init__(self, encoder: nn.Module, head: nn.Module):
         super().__init__()
