@@ -104,7 +104,7 @@ def reference_markdown() -> str:
     out = [
         "# Configuration reference",
         "",
-        f"Generated from the pydantic models by `{REGENERATE}`; `tests/test_operator.py::test_config_reference_is_generated_from_the_models` fails",
+        f"Generated from the pydantic models by `{REGENERATE}`; `tests/test_operator.py` fails",
         "when it is out of date. `edgepfl config --template run` (or `agent`) prints a commented",
         "YAML file with every default, `edgepfl config --schema run` the JSON Schema.",
         "",
