@@ -35,7 +35,6 @@ from edgepfl.protocol import (
     split_frame,
 )
 from edgepfl.protocol.backpressure import BoundedInbox
-from edgepfl.protocol.connection import BrokerLogin
 from edgepfl.protocol.signing import Signer, load_signer
 from edgepfl.protocol.transport import Inbound, MqttTransport
 
@@ -144,22 +143,15 @@ class MqttFleet(Fleet):
         self._dropped: deque[Rejection] = deque()
         #: (max_message_bytes, max_payload_bytes) announced in every presence frame
         self.transport_limits = (broker.max_message_bytes, broker.max_payload_bytes)
-        self.transport = MqttTransport(
-            url or broker.url,
+        self.transport = MqttTransport.from_config(
+            broker,
+            url=url,
             client_id=f"edgepfl-{federation}-coordinator",
             federation=federation,
             sender=SENDER,
             subscriptions=[agent_wildcard(federation, ch) for ch in (AgentChannel.STATUS, AgentChannel.UPDATE, AgentChannel.METRICS)],
-            login=BrokerLogin.from_config(broker),
             will=(self._presence, self._frame(CoordinatorMeta(state="offline"))),
             birth=self._birth,
-            max_message_bytes=broker.max_message_bytes,
-            max_payload_bytes=broker.max_payload_bytes,
-            max_buffered_bytes=broker.max_buffered_bytes,
-            keepalive_s=broker.keepalive_s,
-            inbox_max_bytes=broker.inbox_max_bytes,
-            inbox_max_messages=broker.inbox_max_messages,
-            inbox_max_held_acks=broker.inbox_max_held_acks,
             on_reject=self._transport_dropped,
         )
         self.transport.start(timeout=60)

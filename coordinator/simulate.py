@@ -22,6 +22,7 @@ import yaml
 
 from edgepfl.config import AgentConfig, RunConfig, SecuritySpec
 from edgepfl.metrics import RoundMetrics
+from edgepfl.specs import EMBEDDED_BROKER
 
 from .fleet import LocalAgent, LocalFleet
 
@@ -76,7 +77,7 @@ def prepare(config: RunConfig, agents: int, head_agents: int = 0, rounds: int | 
 LocalAgents = Callable[[RunConfig, list[str], Path], Mapping[str, LocalAgent]]
 
 
-def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str = "embedded",
+def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str = EMBEDDED_BROKER,
              in_process: LocalAgents | None = None, rounds: int | None = None, head_agents: int = 0,
              head: str = "lr", fresh: bool = True, progress: bool = True, threads: int | None = None,
              agent_brokers: list[str] | None = None) -> tuple[list[RoundMetrics], dict]:
@@ -116,7 +117,7 @@ def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str
 
     embedded = None
     url = broker
-    if broker == "embedded":
+    if broker == EMBEDDED_BROKER:
         from edgepfl.broker import EmbeddedBroker
 
         embedded = EmbeddedBroker()

@@ -65,7 +65,6 @@ from edgepfl.protocol import (
     parse_version,
     supports,
 )
-from edgepfl.protocol.connection import BrokerLogin
 from edgepfl.protocol.evolution import MAJOR
 from edgepfl.protocol.signing import load_public_key, load_signer, verify
 from edgepfl.protocol.transport import MqttTransport
@@ -153,8 +152,8 @@ class Agent:
         if warning:
             log.warning(warning)
         status_topic = self._topic(AgentChannel.STATUS)
-        self.transport = transport = MqttTransport(
-            c.broker.url,
+        self.transport = transport = MqttTransport.from_config(
+            c.broker,
             client_id=f"edgepfl-{c.federation}-{c.agent_id}",
             federation=c.federation,
             sender=c.agent_id,
@@ -163,16 +162,8 @@ class Agent:
             # retained status someone else put there is replaced (_reassert).
             subscriptions=[*tier.subscriptions(c.federation, c.agent_id),
                            federation_topic(c.federation, FederationChannel.COORDINATOR), status_topic],
-            login=BrokerLogin.from_config(c.broker),
             will=(status_topic, self._status_frame("offline")),
             birth=lambda: (status_topic, self._new_birth(), True),
-            max_message_bytes=c.broker.max_message_bytes,
-            max_payload_bytes=c.broker.max_payload_bytes,
-            max_buffered_bytes=c.broker.max_buffered_bytes,
-            keepalive_s=c.broker.keepalive_s,
-            inbox_max_bytes=c.broker.inbox_max_bytes,
-            inbox_max_messages=c.broker.inbox_max_messages,
-            inbox_max_held_acks=c.broker.inbox_max_held_acks,
             # statuses and answers left unacknowledged by a lost connection: the birth on the
             # reconnect and the held answers replace them (module docstring)
             not_resent=lambda topic: topic in (status_topic, self._topic(AgentChannel.UPDATE),

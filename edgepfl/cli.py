@@ -31,6 +31,7 @@ from . import __version__
 from .config import ConfigError, RunConfig, load_agent_config, load_run_config, parse_config
 from .errors import ExitCode, OneLineParser, UsageError, report, require
 from .logs import FORMATS, LEVELS, setup_logging
+from .specs import EMBEDDED_BROKER
 
 DEMO = {
     "federation": "demo",
@@ -107,7 +108,7 @@ def cmd_demo(args) -> int:
     print(f"edgepfl demo: {args.agents} agents, {config.rounds} rounds of {config.method.name} on "
           f"{config.data.dataset} over {'an embedded' if not args.broker else 'the'} MQTT broker; run directory {out}",
           file=sys.stderr)
-    simulate(config, args.agents, out, broker=args.broker or "embedded")
+    simulate(config, args.agents, out, broker=args.broker or EMBEDDED_BROKER)
     print((out / "results.txt").read_text())
     print(f"plot: {out / 'accuracy.png'}")
     return 0
@@ -159,7 +160,7 @@ def cmd_coordinator(args) -> int:
 
     config = load_run_config(args.config, args.set)
     url = args.broker or config.broker.url
-    if url == "embedded":
+    if url == EMBEDDED_BROKER:
         raise ConfigError("the coordinator service needs a broker URL (--broker mqtt://host:1883 or broker.url)")
     _require_release_tools(config)
     from .coordinator.simulate import service_data_shape
@@ -190,7 +191,7 @@ def cmd_agent(args) -> int:
     config = load_agent_config(args.config, args.set, **overrides)
     if args.broker:
         config = config.model_copy(update={"broker": config.broker.model_copy(update={"url": args.broker})})
-    if config.broker.url == "embedded":
+    if config.broker.embedded:
         raise ConfigError("an agent needs a broker URL (--broker mqtt://host:1883 or broker.url)")
     if config.tier == "trainer":
         require("torch", "a trainer-tier agent")

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class PathField:
@@ -102,6 +102,11 @@ class DataSpec(_Strict):
     seed: int = Field(0, description="seeds the partition and the train / test split")
 
 
+#: ``broker.url`` of a broker the command starts in its own process (amqtt): ``edgepfl demo``
+#: and ``edgepfl simulate``; a coordinator service and an agent need a real broker's URL
+EMBEDDED_BROKER = "embedded"
+
+
 class BrokerConfig(_Strict):
     """How to reach and log in to the MQTT broker.
 
@@ -112,7 +117,7 @@ class BrokerConfig(_Strict):
     ``key_file`` are this client's certificate and key, for brokers that require them.
     """
 
-    url: str = Field("embedded", description="mqtt://host:port, mqtts://…, or 'embedded' (in-process amqtt)")
+    url: str = Field(EMBEDDED_BROKER, description="mqtt://host:port, mqtts://…, or 'embedded' (in-process amqtt)")
     username: str | None = Field(None, description="MQTT username")
     password: str | None = Field(None, description="plain password; prefer password_file or password_env")
     password_file: ConfigPath | None = Field(None, description="file whose first line is the password (mode 0600)")
@@ -137,6 +142,24 @@ class BrokerConfig(_Strict):
         description="messages past the inbox bound whose PUBACK is held while paho's thread keeps reading; past "
                     "it the thread waits up to keepalive_s / 3 for the consumer. Keep above the broker's in-flight "
                     "window for this client (Mosquitto max_inflight_messages, which it was measured to overshoot)")
+
+    @field_validator("url")
+    @classmethod
+    def _valid_url(cls, url: str) -> str:
+        """An invalid URL is a config error at load time, not a failure to connect later."""
+        if url != EMBEDDED_BROKER:
+            from .broker import BrokerError, parse_broker_url
+
+            try:
+                parse_broker_url(url)
+            except BrokerError as exc:
+                raise ValueError(str(exc)) from None
+        return url
+
+    @property
+    def embedded(self) -> bool:
+        """Whether the command starts the broker itself (``url: embedded``)."""
+        return self.url == EMBEDDED_BROKER
 
     @model_validator(mode="after")
     def _one_password_source(self) -> BrokerConfig:

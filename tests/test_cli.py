@@ -99,8 +99,11 @@ def test_a_helper_module_in_the_methods_package_is_not_taken_for_a_method(tmp_pa
         "from edgepfl.methods import register\nfrom edgepfl.methods.fedavg import FedAvg\n\n\n"
         "@register\nclass Toy(FedAvg):\n    name = 'toy'\n    description = 'a test method'\n")
     monkeypatch.setattr(methods, "__path__", [*methods.__path__, str(tmp_path)])
-    monkeypatch.setattr(methods, "_REGISTRY", dict(methods._REGISTRY))
-    assert "shared_helpers" not in methods.available_methods() and "toy" in methods.available_methods()
-    assert main(["methods"]) == 0
-    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.strip()]
-    assert "toy" in listed and "shared_helpers" not in listed and "fedavg" in listed
+    try:
+        assert "shared_helpers" not in methods.available_methods() and "toy" in methods.available_methods()
+        assert main(["methods"]) == 0
+        listed = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.strip()]
+        assert "toy" in listed and "shared_helpers" not in listed and "fedavg" in listed
+    finally:  # the registry is the process's: no toy method for the tests after this one
+        methods._REGISTRY.pop("toy", None)
+        sys.modules.pop("edgepfl.methods.toy", None)

@@ -142,3 +142,16 @@ def test_cli_with_bad_config_exits_nonzero_naming_the_field(case, tmp_path):
     assert f"{field}:" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr  # a user error, not a crash
     assert not (tmp_path / "run").exists()  # refused before anything was started
+
+
+@pytest.mark.parametrize("url", ["http://broker:1883", "mqtt://user:secret@broker", "mqtt://", "broker:1883"])
+def test_a_broker_url_that_cannot_work_is_a_config_error_when_loaded(tmp_path, url):
+    data = yaml.safe_load((REPO / "configs" / "fedavg.yaml").read_text())
+    data["broker"] = {"url": url}
+    path = tmp_path / "bad_broker.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="broker.url"):
+        load_run_config(path)
+    data["broker"] = {"url": "mqtts://broker.example:8883"}
+    path.write_text(yaml.safe_dump(data))
+    assert not load_run_config(path).broker.embedded

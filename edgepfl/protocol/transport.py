@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ..broker import parse_broker_url
+from ..specs import BrokerConfig
 from .backpressure import BoundedInbox
 from .connection import (
     BrokerLogin,
@@ -86,6 +87,17 @@ class MqttTransport:
     ``(topic, frame)`` registered as the last will (retained). ``login`` carries the
     username, password and TLS files (default: anonymous, system trust store).
     """
+
+    @classmethod
+    def from_config(cls, broker: BrokerConfig, *, url: str | None = None, **options) -> MqttTransport:
+        """A transport with everything ``broker:`` configures (limits, keepalive, inbound queue,
+        credentials); ``url`` (default ``broker.url``) where the broker really is, e.g. an
+        embedded broker's address; ``options`` the caller's own (client id, topics, will, …)."""
+        return cls(url or broker.url, login=BrokerLogin.from_config(broker),
+                   max_message_bytes=broker.max_message_bytes, max_payload_bytes=broker.max_payload_bytes,
+                   max_buffered_bytes=broker.max_buffered_bytes, keepalive_s=broker.keepalive_s,
+                   inbox_max_bytes=broker.inbox_max_bytes, inbox_max_messages=broker.inbox_max_messages,
+                   inbox_max_held_acks=broker.inbox_max_held_acks, **options)
 
     def __init__(
         self,
