@@ -69,6 +69,9 @@ class Attribution:
     round: int
     #: the task it answered, when its meta names one readably
     task_id: str | None = None
+    #: its signature verified against the agent's enrolled key: only then can it answer the
+    #: agent's task (on an unsigned deployment anyone can write a header naming the agent)
+    verified: bool = False
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,8 @@ def _sender_checks(agent_id: str, message: Message,
     if forged is not None:
         return None, forged
     task_id = getattr(message.meta, "task_id", None)
-    return Attribution(h.message_id, h.type.value, h.round, task_id if isinstance(task_id, str) else None), None
+    return Attribution(h.message_id, h.type.value, h.round, task_id if isinstance(task_id, str) else None,
+                       verified=keyring is not None), None
 
 
 def attribute_raw(agent_id: str, frame: bytes, keyring: Keyring | None) -> Attribution | None:
@@ -149,7 +153,8 @@ def attribute_raw(agent_id: str, frame: bytes, keyring: Keyring | None) -> Attri
     meta = header.get("meta")
     task_id = meta.get("task_id") if isinstance(meta, dict) else None
     return Attribution(message_id, kind if isinstance(kind, str) and _TAG.match(kind) else "unknown", round,
-                       task_id if isinstance(task_id, str) and _ID.match(task_id) else None)
+                       task_id if isinstance(task_id, str) and _ID.match(task_id) else None,
+                       verified=keyring is not None)
 
 
 @dataclass(frozen=True)
@@ -266,11 +271,13 @@ class UpdateGate:
     @staticmethod
     def ends_wait(rejection: Rejection, tasks: RoundTasks) -> bool:
         """Whether a rejected frame answers its agent's open task (docs/PROTOCOL.md §7): it is
-        the agent's own update or refusal for the round being collected, naming the open
+        the agent's own *by its signature* (only an enrolled key proves that: on an unsigned
+        deployment a forged frame naming the agent would burn its task, so there no rejection
+        answers one), an update or refusal for the round being collected, naming the open
         task or no readable task at all (an agent has one task per round), and rejected for
         something other than being stale, unexpected or a duplicate."""
         a, agent_id = rejection.attributed, rejection.agent_id
-        if a is None or agent_id is None or rejection.reason in NEVER_ENDS_WAIT:
+        if a is None or not a.verified or agent_id is None or rejection.reason in NEVER_ENDS_WAIT:
             return False
         if a.type not in (MessageType.UPDATE.value, MessageType.REFUSAL.value):
             return False

@@ -164,7 +164,7 @@ class Inbox:
         except AggregationRejected as exc:
             update = verdict.meta
             self._reject(Rejection(incoming.agent_id, exc.reason, str(exc), Attribution(
-                verdict.message_id, "update", self._tasks.round, update.task_id)))
+                verdict.message_id, "update", self._tasks.round, update.task_id, verified=self.keyring is not None)))
 
     def _on_refusal(self, refused: Refused) -> None:
         assert self._sink is not None

@@ -65,6 +65,7 @@ from edgepfl.protocol import (
     parse_version,
     supports,
 )
+from edgepfl.protocol.envelope import peek_header
 from edgepfl.protocol.evolution import MAJOR
 from edgepfl.protocol.signing import load_public_key, load_signer, verify
 from edgepfl.protocol.transport import MqttTransport
@@ -334,10 +335,17 @@ class Agent:
             return
         nack = message.meta_as(NackMeta)
         self.nacks[nack.reason] += 1
-        log.warning("the coordinator rejected this agent's %s %s (round %d): %s%s%s", nack.rejected_type,
-                    nack.message_id, message.header.round, nack.reason, f" ({nack.detail})" if nack.detail else "",
-                    f"; task {nack.task_id} is closed" if nack.task_id else "")
-        if nack.task_id is not None:
+        held = self._answers.get(nack.task_id) if nack.task_id is not None else None
+        # Only a rejection of this agent's own answer closes its task: a nack naming a frame it
+        # never sent (someone else's frame on its topic, or a forged nack) must not cost it the task.
+        own = held is not None and _message_id(held.reply.frame) == nack.message_id
+        log.warning("the coordinator rejected %s %s %s (round %d): %s%s%s",
+                    "this agent's" if own or nack.task_id is None else "a frame this agent did not send, a",
+                    nack.rejected_type, nack.message_id, message.header.round, nack.reason,
+                    f" ({nack.detail})" if nack.detail else "",
+                    f"; task {nack.task_id} is closed" if own else
+                    f"; task {nack.task_id} stays open" if nack.task_id else "")
+        if own and nack.task_id is not None:
             self._answers.pop(nack.task_id, None)
             tier.close(nack.task_id)
 
@@ -426,3 +434,11 @@ def run_agent(config: AgentConfig) -> None:
     signal.signal(signal.SIGINT, agent.stop)
     agent.setup()
     agent.run()
+
+
+def _message_id(frame: bytes) -> str | None:
+    """The ``message_id`` in a frame this agent encoded itself."""
+    header = peek_header(frame)
+    value = header.get("message_id") if header else None
+    return value if isinstance(value, str) else None
+

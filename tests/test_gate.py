@@ -172,14 +172,14 @@ def test_a_second_answer_to_an_answered_task_is_a_duplicate(rnd):
     assert reason(verdict) == "duplicate" and "already answered" in verdict.detail
 
 
-def test_a_rejected_answer_to_the_open_task_is_the_agents_answer(rnd):
-    # the round no longer waits for alice (PROTOCOL.md §7): a second answer is a duplicate
+def test_a_rejected_answer_to_the_open_task_is_attributed_for_its_nack_but_unsigned_answers_nothing(rnd):
+    # signed, it would answer the task (test_signing); unsigned, anyone could have written it
     message_id = new_message_id()
     verdict = rnd.admit(rnd.frame(eval_correct=99, message_id=message_id))
-    assert reason(verdict) == "malformed" and rnd.tasks.waiting == {"bob"}
+    assert reason(verdict) == "malformed" and rnd.tasks.waiting == {"alice", "bob"}
     task_id = rnd.tasks.get("alice").task_id
-    assert verdict.attributed == Attribution(message_id, "update", ROUND, task_id)
-    assert reason(rnd.admit(rnd.frame())) == "duplicate"
+    assert verdict.attributed == Attribution(message_id, "update", ROUND, task_id, verified=False)
+    assert isinstance(rnd.admit(rnd.frame()), Accepted)
 
 
 def test_a_rejected_message_that_answers_no_open_task_leaves_no_trace(rnd):
@@ -191,7 +191,17 @@ def test_a_rejected_message_that_answers_no_open_task_leaves_no_trace(rnd):
     assert isinstance(rnd.admit(rnd.frame(message_id=message_id)), Accepted)
 
 
-def test_a_frame_whose_meta_does_not_decode_ends_the_wait_when_sender_and_round_are_the_agents(rnd):
+def test_on_an_unsigned_deployment_no_rejected_frame_answers_a_task(rnd):
+    """Anyone can write a header naming alice: a garbage frame ahead of her real update
+    must not burn her task (the red team silenced any device this way, issue #37)."""
+    forged = rnd.frame(num_train=ANNOUNCED + 1)  # her task id, her round, a count she did not announce
+    verdict = rnd.admit(forged)
+    assert reason(verdict) == "malformed" and verdict.attributed is not None and not verdict.attributed.verified
+    assert rnd.tasks.waiting == {"alice", "bob"}  # still open for the real answer
+    assert isinstance(rnd.admit(rnd.frame()), Accepted)
+
+
+def test_a_frame_whose_meta_does_not_decode_is_attributed_when_sender_and_round_are_the_agents(rnd):
     def raw(meta: dict, sender="alice", round=ROUND) -> bytes:
         frame = rnd.frame("bob")  # a valid evaluate answer: empty body; its meta is swapped for ``meta``
         head_len = int.from_bytes(frame[4:8], "big")
@@ -206,8 +216,8 @@ def test_a_frame_whose_meta_does_not_decode_ends_the_wait_when_sender_and_round_
     assert reason(rnd.admit(raw({**unreadable, "task_id": new_message_id()}))) == "malformed"  # another task
     assert rnd.tasks.waiting == {"alice", "bob"}
     verdict = rnd.admit(raw(unreadable))
-    assert reason(verdict) == "malformed" and verdict.attributed.task_id is None
-    assert rnd.tasks.waiting == {"bob"}
+    assert reason(verdict) == "malformed" and verdict.attributed.task_id is None  # alice's (for a NACK)
+    assert rnd.tasks.waiting == {"alice", "bob"}  # unsigned: it answers nothing (test_signing: signed, it does)
 
 
 def test_a_refusal_answers_the_task_with_its_reason_and_an_unknown_reason_is_error(rnd):

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
+import numpy as np
 import pytest
 from test_bounded_json import POISON_FRAMES, POISON_JSON
 from test_hostile_fleet import Attacker, agent_log
+from test_protocol import DOC, doc_block
 
 from edgepfl.conformance.wire import Wire
 from edgepfl.coordinator.fleet import MqttFleet
@@ -115,3 +118,66 @@ def test_the_conformance_kits_network_thread_records_poison_as_errors_and_keeps_
     finally:
         attacker.close()
         wire.stop()
+
+
+@pytest.fixture(scope="module")
+def ref():
+    """PROTOCOL.md §14's reference codec: all the attacker knows of edgepfl."""
+    namespace: dict = {}
+    exec(compile(doc_block("reference-codec"), str(DOC), "exec"), namespace)
+    return namespace
+
+
+def test_forged_frames_ahead_of_every_real_update_cost_no_agent_its_task(mosquitto, tmp_path, ref):
+    """Unsigned deployment. The moment a task goes out, the attacker answers it in the
+    agent's name three ways — meta that does not parse, a count the agent never announced,
+    a non-finite tensor — before the agent can. Every one is rejected, NACKed to the agent
+    (the header names it), and none may cost the agent its task: every round aggregates
+    both agents' real updates."""
+    config = prepare(run_config(rounds=3, round_timeout_s=120), len(TRAINERS))
+    fed, out, url = config.federation, tmp_path / "run", mosquitto.url
+    attacker = Attacker(url, fed)
+    procs = [spawn_agent(config, out, url, agent, i) for i, agent in enumerate(TRAINERS)]
+    forged_per_task: dict[str, int] = {}
+
+    def forge(agent: str, task_frame: bytes) -> None:
+        header, tensors = ref["decode_frame"](task_frame)
+        meta = header["meta"]
+        if header["type"] != "task" or meta.get("kind") != "train" or meta["task_id"] in forged_per_task:
+            return
+        base = {"task_id": meta["task_id"], "kind": "train", "num_test": 10, "eval_correct": 1}
+        nan = {k: (np.full_like(v, np.nan) if v.dtype.kind == "f" else v) for k, v in tensors.items()}
+        for frame in (ref["encode_frame"]("update", fed, agent, header["round"], {**base, "num_train": "many"}),
+                      ref["encode_frame"]("update", fed, agent, header["round"], {**base, "num_train": 10**9}, tensors),
+                      ref["encode_frame"]("update", fed, agent, header["round"], {**base, "num_train": 1}, nan)):
+            attacker.publish(f"agents/{agent}/update", frame)
+        forged_per_task[meta["task_id"]] = 3
+
+    def on_message(client, userdata, msg) -> None:
+        attacker.seen.put((msg.topic, bytes(msg.payload)))
+        parts = msg.topic.split("/")
+        if len(parts) == 6 and parts[5] == "task" and msg.payload:
+            threading.Thread(target=forge, args=(parts[4], bytes(msg.payload)), daemon=True).start()
+
+    attacker.client.on_message = on_message
+    fleet = None
+    try:
+        wait_until(lambda: all(attacker.frames(f"agents/{a}/status") for a in TRAINERS), 180, what="agents' births")
+        fleet = MqttFleet(fed, config.broker, url=url)
+        coordinator = Coordinator(config, fleet, out, progress=False, **data_shape(config))
+        thread, box = run_in_thread(coordinator.run)
+        thread.join(timeout=900)
+        assert not thread.is_alive() and "error" not in box, box.get("error")
+        rows = read_rows(out)
+        assert len(forged_per_task) == len(TRAINERS) * config.rounds  # every train task was raced
+        for row in rows[:-1]:
+            assert set(row.participants) == set(TRAINERS) and not row.dropped, row
+            assert row.rejected.get("malformed", 0) + row.rejected.get("non_finite", 0) >= 3 * len(TRAINERS), row
+        for agent in TRAINERS:
+            assert "stays open" in agent_log(out, agent)  # the NACKs named frames it never sent
+            assert "is closed" not in agent_log(out, agent)
+    finally:
+        attacker.close()
+        if fleet is not None:
+            fleet.close()
+        stop_agents(procs)

@@ -177,34 +177,36 @@ def test_rejections_from_the_fleet_and_the_gate_are_counted_by_reason(tmp_path, 
     with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
         coord = coordinator(fleet, tmp_path, round_timeout_s=60)
         rows = coord.run()
-    assert rows[0].seconds < 20  # the rejected update answered m's task: not the 60 s timeout
-    # junk is nobody's frame; the inflated update is m's answer, so the good one after it is late
-    assert rows[0].participants == ["a"] and rows[0].dropped == []
-    assert rows[0].rejected == {"bad_topic": 1, "malformed": 2} and rows[1].rejected == {"stale": 1}
-    assert coord.counters.rejected == {"bad_topic": 1, "malformed": 2, "stale": 1}
+    # junk is nobody's frame; the inflated update names m but is unsigned, so it answers
+    # nothing (anyone could have sent it): m's good update after it is accepted
+    assert rows[0].participants == ["a", "m"] and rows[0].dropped == []
+    assert rows[0].rejected == {"bad_topic": 1, "malformed": 2} and rows[1].rejected == {}
+    assert coord.counters.rejected == {"bad_topic": 1, "malformed": 2}
     assert "rejected message from ?: bad_topic" in caplog.text
     assert "rejected message from m: malformed (num_train exceeds the 10 samples its status announced)" in caplog.text
-    # m announced 1.2: told of both of its own frames, with the reason, the message and the task
-    assert [(a, m.meta.reason) for a, m in fleet.told] == [("m", "malformed"), ("m", "stale")]
+    # m announced 1.2: told of the frame in its name, with the reason, the message and the task
+    assert [(a, m.meta.reason) for a, m in fleet.told] == [("m", "malformed")]
     nack = fleet.told[0][1]
     assert nack.type == MessageType.NACK and nack.meta.rejected_type == "update" and nack.header.round == 0
-    assert nack.meta.task_id is not None and nack.meta.message_id != fleet.told[1][1].meta.message_id
+    assert nack.meta.task_id is not None
 
 
 def test_a_hostile_sample_count_is_rejected_and_cannot_take_over_or_crash_the_server_step(tmp_path):
     fleet = ScriptedFleet({"a": honest("a"), "b": honest("b"), "m": honest("m", num_train=10**400)})
-    rows = coordinator(fleet, tmp_path, quorum=0.5, round_timeout_s=60).run()
-    assert rows[0].seconds < 20  # m's rejected update is its answer: the round does not wait 60 s
+    rows = coordinator(fleet, tmp_path, quorum=0.5, round_timeout_s=2).run()
     assert rows[0].participants == ["a", "b"] and rows[0].rejected == {"malformed": 1}
-    assert rows[0].dropped == [] and not rows[0].aborted
+    # unsigned, m's rejected update answers nothing: the round closes on its deadline without m
+    assert rows[0].dropped == ["m"] and not rows[0].aborted
 
 
-def test_a_1_1_agents_rejected_update_ends_its_wait_but_it_is_not_told(tmp_path):
+def test_a_1_1_agents_rejected_update_is_counted_but_it_is_not_told(tmp_path):
     fleet = ScriptedFleet({"a": honest("a"), "old": honest("old", num_train=10**400)})
     fleet.events = deque([status("a"), status("old", version="1.1")])
-    rows = coordinator(fleet, tmp_path, round_timeout_s=60).run()
-    assert rows[0].seconds < 20  # not the 60 s timeout
-    assert rows[0].participants == ["a"] and rows[0].rejected == {"malformed": 1} and rows[0].dropped == []
+    rows = coordinator(fleet, tmp_path, round_timeout_s=2).run()
+    assert rows[0].participants == ["a"] and rows[0].rejected == {"malformed": 1}
+    # unsigned: the rejection did not answer old's task (a forgery could have), so the round
+    # closed on its deadline without old's answer
+    assert rows[0].dropped == ["old"]
     assert fleet.told == []
 
 

@@ -12,6 +12,7 @@ import stat
 import struct
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -335,7 +336,7 @@ def test_release_rollback_expiry_and_unsequenced_refusals(tmp_path):
     assert "unsequenced" in runtime._release_refusal(None, now + 60, "d" * 64)
     assert "expired" in runtime._release_refusal(5, now - 3600, "d" * 64)
     assert runtime._release_refusal(5, now + 60, "d" * 64) is None
-    runtime.record = {"sequence": 5, "encoder_sha256": "d" * 64}
+    runtime.record = SimpleNamespace(sequence=5, encoder_sha256="d" * 64)  # type: ignore[assignment]
     assert "rollback" in runtime._release_refusal(4, now + 60, "e" * 64)
     assert "rollback" in runtime._release_refusal(5, now + 60, "e" * 64)
     assert runtime._release_refusal(5, now + 60, "d" * 64) is None  # the installed one, re-sent
