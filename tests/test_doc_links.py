@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-DOCUMENTS = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md")])
+DOCUMENTS = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "research").glob("*.md")])
 
 LINK = re.compile(r"\]\(([^)\s]*?)(?:#([^)\s]+))?\)")
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
