@@ -157,6 +157,9 @@ class MqttTransport:
         self.connect_count = 0
         self.login = login or BrokerLogin()
         self._connack = threading.Event()  # the first connection attempt got an answer (or lost its socket)
+        # the broker acknowledged this connection's subscriptions: from then on nothing sent to them is missed
+        self.subscribed = threading.Event()
+        self._last_subscribe_mid: int | None = None
         self._refusal: Failure | None = None
         self._socket_error: str | None = None  # paho's last error while waiting for the first CONNACK
         self._lock = threading.Lock()
@@ -184,6 +187,7 @@ class MqttTransport:
         self._client.reconnect_delay_set(min_delay=1, max_delay=30)
         self._client.max_inflight_messages_set(100)
         self._client.on_connect = self._on_connect
+        self._client.on_subscribe = self._on_subscribe
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message
         self._client.on_publish = self._on_publish
@@ -202,6 +206,11 @@ class MqttTransport:
         while True:
             failure = self._connect_once(max(1.0, deadline - time.monotonic()))
             if failure is None:
+                # "started" means receiving: a message sent to our topics after start() returns
+                # is not lost to a SUBSCRIBE the broker has not processed yet
+                if not self.subscribed.wait(max(1.0, deadline - time.monotonic())):
+                    log.warning("the broker at %s:%d did not acknowledge the subscriptions within %.0fs",
+                                self.host, self.port, timeout)
                 return self
             if not failure.transient:
                 raise BrokerUnreachable(failure.cause, failure.message)
@@ -264,8 +273,11 @@ class MqttTransport:
         self.connect_count += 1
         if self.connect_count > 1 and self.not_resent is not None:
             self._forget_unacked(client, self.not_resent)
-        for topic in self.subscriptions:
-            client.subscribe(topic, qos=1)
+        self.subscribed.clear()
+        if self.subscriptions:
+            _, self._last_subscribe_mid = client.subscribe([(topic, 1) for topic in self.subscriptions])
+        else:
+            self.subscribed.set()
         if self.birth:
             topic, frame, retain = self.birth()
             client.publish(topic, frame, qos=1, retain=retain)
@@ -273,6 +285,13 @@ class MqttTransport:
             log.info("reconnected to %s:%d, subscriptions restored", self.host, self.port)
         self.connected.set()
         self._connack.set()
+
+    def _on_subscribe(self, client, userdata, mid, reason_codes, properties=None) -> None:
+        if mid == self._last_subscribe_mid:
+            failed = [str(code) for code in reason_codes if code.is_failure]
+            if failed:  # e.g. an ACL that denies a topic: the transport runs, deaf to it
+                log.error("the broker refused subscriptions of %s: %s", self.sender, ", ".join(failed))
+            self.subscribed.set()
 
     def _forget_unacked(self, client, not_resent: Callable[[str], bool]) -> None:
         """On a reconnect, before paho re-sends what the last connection left unacknowledged:
