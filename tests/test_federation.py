@@ -11,6 +11,7 @@ import pytest
 
 from edgepfl.atomic import read_tensors
 from edgepfl.coordinator.simulate import simulate
+from edgepfl.edge_agent.tiers import local_trainers
 from edgepfl.protocol import decode
 
 from fleet_helpers import run_config
@@ -48,7 +49,7 @@ def test_mqtt_run_equals_in_process_run_for_the_same_seed(mosquitto, tmp_path):
     config = run_config(method={"name": "fedavg"}, rounds=2, seed=7)
     # one thread everywhere, so that agents' training is the same arithmetic in both runs
     mqtt_rows, _ = simulate(config, 4, tmp_path / "mqtt", broker=mosquitto.url, progress=False, threads=1)
-    local_rows, _ = simulate(config, 4, tmp_path / "local", in_process=True, progress=False, threads=1)
+    local_rows, _ = simulate(config, 4, tmp_path / "local", in_process=local_trainers, progress=False, threads=1)
 
     assert [r.round for r in mqtt_rows] == [r.round for r in local_rows]
     for a, b in zip(mqtt_rows, local_rows):

@@ -296,7 +296,7 @@ def test_tensors_that_do_not_fit_the_server_state_carry_the_method_reason(rnd):
         rnd.reopen()
         verdict = rnd.admit(rnd.frame(tensors=wrong))
         assert reason(verdict) == want and verdict.attributed is not None
-    assert rnd.tasks.waiting == {"bob"}  # alice's (rejected) answer ended its wait
+    assert rnd.tasks.waiting == {"alice", "bob"}  # unsigned: her rejected answers leave her task open
 
 
 def test_a_method_may_reject_with_its_own_reason(method_and_state):
