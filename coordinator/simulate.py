@@ -2,9 +2,9 @@
 
 * over MQTT (the production path): a broker (embedded amqtt unless a URL is given),
   the coordinator in this process, and N real ``edgepfl agent`` processes;
-* ``in_process=True``: the same coordinator round loop and the same trainer runtime,
-  agents as objects in this process — the fast research loop and the reference the
-  MQTT path is compared against (same seed, same result).
+* ``in_process=<factory>`` (``edgepfl.edge_agent.tiers.local_trainers``): the same coordinator
+  round loop and the same trainer tier, agents as objects in this process — the fast
+  research loop and the reference the MQTT path is compared against (same seed, same result).
 """
 
 from __future__ import annotations
