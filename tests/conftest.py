@@ -121,3 +121,13 @@ def _edgepfl_logging_restored():
     logger.handlers[:] = handlers
     logger.setLevel(level)  # not `.level =`: setLevel also clears the loggers' cached levels
     logger.propagate = propagate
+
+
+@pytest.fixture(scope="module")
+def ref():
+    """PROTOCOL.md §14's reference codec: all an attacker (or a foreign agent) knows of edgepfl."""
+    from test_protocol import DOC, doc_block
+
+    namespace: dict = {}
+    exec(compile(doc_block("reference-codec"), str(DOC), "exec"), namespace)
+    return namespace

@@ -18,7 +18,6 @@ import uuid
 import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
-from test_protocol import DOC, doc_block
 
 from edgepfl.broker import parse_broker_url
 from edgepfl.config import SecuritySpec
@@ -37,12 +36,6 @@ HEAD = "device-00"
 SYBILS = [f"sybil-{i:02d}" for i in range(20)]
 
 
-@pytest.fixture(scope="module")
-def ref():
-    """The reference codec of PROTOCOL.md §14: all the attacker knows of edgepfl."""
-    namespace: dict = {}
-    exec(compile(doc_block("reference-codec"), str(DOC), "exec"), namespace)
-    return namespace
 
 
 class Attacker:

@@ -21,7 +21,6 @@ import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
 from test_hostile_fleet import agent_log
-from test_protocol import DOC, doc_block
 
 from edgepfl.aggregation import STATISTIC_LEAVES
 from edgepfl.broker import parse_broker_url
@@ -40,11 +39,6 @@ ANNOUNCED = 2**24
 CLAIMED_TEST = 2**53
 
 
-@pytest.fixture(scope="module")
-def ref():
-    namespace: dict = {}
-    exec(compile(doc_block("reference-codec"), str(DOC), "exec"), namespace)
-    return namespace
 
 
 def _learned(name: str, value: np.ndarray) -> bool:

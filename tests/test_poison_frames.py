@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 from test_bounded_json import POISON_FRAMES, POISON_JSON
 from test_hostile_fleet import Attacker, agent_log
-from test_protocol import DOC, doc_block
 
 from edgepfl.conformance.wire import Wire
 from edgepfl.coordinator.fleet import MqttFleet
@@ -120,12 +119,6 @@ def test_the_conformance_kits_network_thread_records_poison_as_errors_and_keeps_
         wire.stop()
 
 
-@pytest.fixture(scope="module")
-def ref():
-    """PROTOCOL.md §14's reference codec: all the attacker knows of edgepfl."""
-    namespace: dict = {}
-    exec(compile(doc_block("reference-codec"), str(DOC), "exec"), namespace)
-    return namespace
 
 
 def test_forged_frames_ahead_of_every_real_update_cost_no_agent_its_task(mosquitto, tmp_path, ref):
