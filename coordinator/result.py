@@ -90,8 +90,8 @@ class RoundResult:
             # a train task, hence a training round with its aggregate
             assert self.aggregate is not None
             if self.aggregate.add(accepted.update):
-                log.warning("round %d: the update from %s moved the shared parameters past the update bound "
-                            "(aggregation.max_update_ratio); clipped onto it", self.round, accepted.agent_id)
+                log.warning("round %d: the update from %s went past the update bound (aggregation.max_update_ratio, "
+                            "max_mean_shift, max_variance_growth); clipped onto it", self.round, accepted.agent_id)
                 self.clipped.append(accepted.agent_id)
             self.participants.append(accepted.agent_id)
         self.bytes_up += wire_bytes

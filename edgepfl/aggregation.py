@@ -13,13 +13,15 @@ is written once and serves every method whose server step averages.
   that need every update of the round at once (``streaming = False``); unweighted, since
   a self-reported sample count is exactly what an attacker would inflate.
 
-**Bounded trust in every update.** Whatever the rule, :class:`UpdateNormBound` (the
-spec's ``max_update_ratio``) bounds how far one update may move the shared parameters
-from the reference: the norm of its change, taken separately over the learned parameters
-and over BatchNorm's running statistics, may be at most ``max_update_ratio`` times the
-reference's norm of the same group (at least 1). An update over the bound is refused
-(``out_of_range``) or scaled back onto it (``on_large_update: clip``); either way the
-decision and the clipped tensors depend on that update and the reference alone.
+**Bounded trust in every update.** Whatever the rule, :class:`UpdateBound` bounds how
+far one update may move the shared state from the reference: the learned parameters by
+the norm of their change (``max_update_ratio`` times the reference's norm, at least 1),
+BatchNorm's running statistics per channel in their own geometry (a mean in reference
+standard deviations, ``max_mean_shift``; a variance's growth, ``max_variance_growth``),
+clamped onto them, never refused, so that a device whose data is unusual is not shut
+out. An update over the parameters' bound is refused (``out_of_range``) or clipped onto it
+(``on_large_update: clip``); either way the decision and the clipped tensors depend on
+that update and the reference alone.
 
 **Order independence.** Over MQTT updates arrive in any order; in-process they arrive
 sorted. Both must give the same bits, so the streaming rules do not add floats (whose
@@ -50,10 +52,15 @@ TensorDict = dict[str, np.ndarray]
 MAX_UPDATE_WEIGHT = 2**24
 #: a device's count weighs at most this times the round's median count (``max_weight_ratio``)
 DEFAULT_MAX_WEIGHT_RATIO = 2.0
+#: a running mean may move this many reference standard deviations (``max_mean_shift``)
+DEFAULT_MAX_MEAN_SHIFT = 20.0
+#: a running variance may grow to this times its reference (``max_variance_growth``)
+DEFAULT_MAX_VARIANCE_GROWTH = 50.0
 #: how far (in units of the reference's largest magnitude, at least 1) a coordinate may move
 CHANGE_RANGE = 2**6
 _INT64_HEADROOM = 62  # bits one contribution may use in int64; one spare for the sign of the sum
 _CARRY_BITS = 40  # the low word keeps this many bits; the rest is carried to the high word
+_INSIDE = 1 - 2**-16  # a clamp this far inside change_range stays inside after rounding to float32
 
 
 class AggregationRejected(ValueError):
@@ -89,12 +96,18 @@ class AggregationSpec(BaseModel):
         10.0, gt=0, description="abort a round (reason 'diverged', state kept) whose aggregate moves the shared "
                                "parameters by more than this times their norm (at least 1); null: no bound")
     max_update_ratio: float | None = Field(
-        10.0, gt=0, description="any rule: one update's change may be at most this times the reference's norm (at "
-                               "least 1), learned parameters and BatchNorm running statistics each on their own; "
-                               "null: no bound")
-    max_statistics_ratio: float | None = Field(
-        None, gt=0, description="the bound for BatchNorm's running statistics, whose changes follow the data "
-                               "rather than the learning rate; null: max_update_ratio")
+        10.0, gt=0, description="any rule: one update may change the learned parameters by a norm of at most this "
+                               "times the reference's (at least 1); null: no bound")
+    max_mean_shift: float | None = Field(
+        DEFAULT_MAX_MEAN_SHIFT, gt=0,
+        description="any rule: a BatchNorm running mean an update sends is clamped to move at most this many "
+                    "reference standard deviations per channel (the layer's median variance added as a floor); never "
+                    "a reason to refuse the update; null: no bound")
+    max_variance_growth: float | None = Field(
+        DEFAULT_MAX_VARIANCE_GROWTH, gt=1,
+        description="any rule: a BatchNorm running variance an update sends is clamped to at most this times its "
+                    "reference per channel (the layer's median variance added); shrinking is free; never a reason to "
+                    "refuse the update; null: no bound")
     on_large_update: Literal["reject", "clip"] = Field(
         "reject", description="an update over max_update_ratio: reject it (reason 'out_of_range') or clip its "
                               "change onto the bound")
@@ -110,8 +123,9 @@ class AggregationSpec(BaseModel):
     def build(self) -> Aggregator:
         """A new aggregator for this spec, with its update bound."""
         rule = self._build_rule()
-        if self.max_update_ratio is not None:
-            rule.bound = UpdateNormBound(self.max_update_ratio, self.on_large_update, self.max_statistics_ratio)
+        if (self.max_update_ratio, self.max_mean_shift, self.max_variance_growth) != (None, None, None):
+            rule.bound = UpdateBound(self.max_update_ratio, self.on_large_update, self.max_mean_shift,
+                                     self.max_variance_growth)
         return rule
 
     def _build_rule(self) -> Aggregator:
@@ -154,67 +168,125 @@ def capped_accuracy(results: Iterable[tuple[int, int]], ratio: float | None) -> 
     return sum(w * c / t for w, (c, t) in zip(weights, pairs)) / sum(weights)
 
 
-#: ``state_dict`` leaves that are BatchNorm running statistics: bounded as a group of their
-#: own, since their scale (the data's) has nothing to do with the weights'
+def change_range(reference: np.ndarray) -> float:
+    """How far any coordinate of a floating-point tensor may move from ``reference`` in one
+    update for the streaming rules' exact sums: :data:`CHANGE_RANGE` times the tensor's
+    largest magnitude, at least 1."""
+    return CHANGE_RANGE * max(1.0, float(np.max(np.abs(reference))) if reference.size else 0.0)
+
+
+#: ``state_dict`` leaves that are BatchNorm running statistics: bounded in their own geometry
+#: (:class:`UpdateBound`), since they follow the device's data, not the learning rate
 STATISTIC_LEAVES = ("running_mean", "running_var")
 
 
-class UpdateNormBound:
-    """Bounds one update's change from the round's reference, whatever the rule.
+def _statistic_layers(reference: Mapping[str, np.ndarray]) -> list[str]:
+    """The prefixes of the BatchNorm layers in ``reference``: those with both a floating
+    ``running_mean`` and a ``running_var`` of the same shape."""
+    layers = []
+    for key, value in reference.items():
+        if key.endswith(".running_mean") or key == "running_mean":
+            layer = key[: -len("running_mean")]
+            var = reference.get(layer + "running_var")
+            if var is not None and value.dtype.kind == "f" and var.dtype.kind == "f" and var.shape == value.shape:
+                layers.append(layer)
+    return layers
 
-    The change of the floating-point tensors is measured in two groups: the learned
-    parameters, and BatchNorm's running statistics (:data:`STATISTIC_LEAVES`), whose
-    values follow the data and may legitimately move more than the weights. In each
-    group the change's L2 norm may be at most ``ratio * max(1, ||reference||)`` (the
-    reference's norm over the same group; at least 1, so that a model near zero may
-    still learn; ``statistics_ratio``, when given, for the statistics). Over it,
-    ``action`` ``"reject"`` refuses the update (``out_of_range``); ``"clip"`` scales the
-    group's change onto the bound. Integer tensors are neither
-    measured nor scaled (a rule averages them as integers).
+
+class UpdateBound:
+    """Bounds how far one update may move the round's reference, whatever the rule; the
+    decision and the clipped tensors depend on that update and the reference alone.
+
+    **Learned parameters** (every floating-point tensor but the statistics): the L2 norm
+    of the change may be at most ``ratio * max(1, ||reference||)`` over the group (at
+    least 1, so that a model near zero may still learn). Over it, ``action`` ``"reject"``
+    refuses the update (``out_of_range``); ``"clip"`` scales the change onto the bound.
+
+    **BatchNorm running statistics**, per layer and per channel, in their own geometry,
+    and **clamped, never refused**: they are estimates of the device's own data, so a
+    device whose data is unusual (the reason it wants personalization) moves them far,
+    and a device whose training diverges drags them along with its weights; refusing on
+    them turned heterogeneity into exclusion (issue #31). With ``s2`` the layer's median
+    reference variance (a floor, so a channel nearly constant in the reference is
+    measured on the layer's scale):
+
+    * a running mean moves at most ``mean_shift`` reference standard deviations,
+      ``|mean' - mean| <= mean_shift * sqrt(var + s2)``;
+    * a running variance grows at most to ``variance_growth * (var + s2)``. It may shrink
+      freely: a channel the device's data never lights has a variance near zero, and in a
+      weighted mean a small variance lowers the fleet's by at most the device's weight
+      share. A negative variance is no estimate at all: :meth:`Aggregator.add` refuses it
+      whatever the bound.
+
+    Neither moves past :func:`change_range` (what the streaming rules can sum exactly).
+    ``benchmarks/results/honest_update_geometry.md`` measures honest fleets against these
+    bounds. A ``None`` bound is not checked. Integer tensors are neither measured nor
+    scaled (a rule averages them as integers).
     """
 
-    def __init__(self, ratio: float, action: Literal["reject", "clip"] = "reject", statistics_ratio: float | None = None):
+    def __init__(self, ratio: float | None, action: Literal["reject", "clip"] = "reject",
+                 mean_shift: float | None = DEFAULT_MAX_MEAN_SHIFT,
+                 variance_growth: float | None = DEFAULT_MAX_VARIANCE_GROWTH):
         self.ratio = ratio
         self.action = action
-        self.statistics_ratio = statistics_ratio
-        self.groups_: dict[str, list[str]] = {}
-        self.limits_: dict[str, float] = {}
+        self.mean_shift = mean_shift
+        self.variance_growth = variance_growth
 
     def begin(self, reference: Mapping[str, np.ndarray]) -> None:
         """Measure the reference once per round."""
         self.reference_ = reference
-        self.groups_ = {"parameters": [], "running statistics": []}
-        for key, ref in reference.items():
-            if ref.dtype.kind == "f":
-                group = "running statistics" if key.rpartition(".")[2] in STATISTIC_LEAVES else "parameters"
-                self.groups_[group].append(key)
-        self.ratios_ = {"parameters": self.ratio, "running statistics": self.statistics_ratio or self.ratio}
-        self.limits_ = {group: self.ratios_[group] * max(1.0, _norm(reference[k] for k in keys))
-                        for group, keys in self.groups_.items()}
+        self.layers_ = _statistic_layers(reference)
+        statistics = {layer + leaf for layer in self.layers_ for leaf in STATISTIC_LEAVES}
+        self.parameters_ = [k for k, v in reference.items() if v.dtype.kind == "f" and k not in statistics]
+        self.limit_ = None if self.ratio is None else self.ratio * max(1.0, _norm(reference[k] for k in self.parameters_))
+        #: per layer: (reference mean, its largest move, the largest variance)
+        self.statistic_limits_: dict[str, tuple[np.ndarray, np.ndarray | None, np.ndarray | None]] = {}
+        for layer in self.layers_:
+            mean = reference[layer + "running_mean"].astype(np.float64)
+            var = reference[layer + "running_var"].astype(np.float64)
+            scale = var + max(float(np.median(var)), 1e-12) if var.size else var
+            # just inside the range the streaming rules' exact sums take (change_range, less
+            # float32's rounding): a statistic clamped here is never refused there
+            self.statistic_limits_[layer] = (
+                mean,
+                None if self.mean_shift is None else np.minimum(self.mean_shift * np.sqrt(scale),
+                                                                _INSIDE * change_range(mean)),
+                None if self.variance_growth is None else np.minimum(self.variance_growth * scale,
+                                                                     var + _INSIDE * change_range(var)))
 
     def apply(self, params: Mapping[str, np.ndarray]) -> tuple[Mapping[str, np.ndarray], bool]:
         """``params`` within the bound (the same mapping when nothing is over it) and whether
         it was clipped; raises :class:`AggregationRejected` to refuse it. ``params`` must
         already have the reference's shapes and finite values."""
-        factors: dict[str, float] = {}
-        for group, keys in self.groups_.items():
-            change = _norm(np.asarray(params[k], np.float64) - self.reference_[k] for k in keys)
-            limit = self.limits_[group]
-            if change > limit:
+        clipped: dict[str, np.ndarray] = {}
+        if self.limit_ is not None and self.parameters_:
+            change = _norm(np.asarray(params[k], np.float64) - self.reference_[k] for k in self.parameters_)
+            if change > self.limit_:
                 if self.action == "reject":
                     raise AggregationRejected(
-                        "out_of_range", f"the update changes the {group} by a norm of {change:.4g}, more than "
-                                        f"{self.ratios_[group]:g} x max(1, their norm) = {limit:.4g}")
-                factors[group] = limit / change
-        if not factors:
+                        "out_of_range", f"the update changes the learned parameters by a norm of {change:.4g}, more "
+                                        f"than {self.ratio:g} x max(1, their norm) = {self.limit_:.4g}")
+                factor = self.limit_ / change
+                for key in self.parameters_:
+                    ref = self.reference_[key]
+                    ref64 = ref.astype(np.float64)
+                    clipped[key] = (ref64 + factor * (np.asarray(params[key], np.float64) - ref64)).astype(ref.dtype)
+        for layer in self.layers_:
+            mean_ref, max_move, max_var = self.statistic_limits_[layer]
+            mean_key, var_key = layer + "running_mean", layer + "running_var"
+            if max_move is not None:
+                mean = np.asarray(params[mean_key], np.float64)
+                over = np.abs(mean - mean_ref) > max_move
+                if over.any():
+                    dtype = self.reference_[mean_key].dtype
+                    clipped[mean_key] = np.clip(mean, mean_ref - max_move, mean_ref + max_move).astype(dtype)
+            if max_var is not None:
+                var = np.asarray(params[var_key], np.float64)
+                if (var > max_var).any():
+                    clipped[var_key] = np.minimum(var, max_var).astype(self.reference_[var_key].dtype)
+        if not clipped:
             return params, False
-        clipped = dict(params)
-        for group, factor in factors.items():
-            for key in self.groups_[group]:
-                ref = self.reference_[key]
-                ref64 = ref.astype(np.float64)
-                clipped[key] = (ref64 + factor * (np.asarray(params[key], np.float64) - ref64)).astype(ref.dtype)
-        return clipped, True
+        return {**params, **clipped}, True
 
 
 class Aggregator(ABC):
@@ -228,7 +300,7 @@ class Aggregator(ABC):
         self.reference_: TensorDict = {}
         self.count_ = 0
         #: the bound on one update's change, applied before the rule sees it (None: none)
-        self.bound: UpdateNormBound | None = None
+        self.bound: UpdateBound | None = None
         #: updates of this round that the bound clipped
         self.bound_clipped_ = 0
 
@@ -257,6 +329,8 @@ class Aggregator(ABC):
                 raise AggregationRejected("wrong_shape", f"{key}: {x.dtype}{list(x.shape)}")
             if x.dtype.kind == "f" and not np.isfinite(x).all():
                 raise AggregationRejected("non_finite", f"{key} holds NaN or Inf")
+            if key.endswith("running_var") and x.dtype.kind == "f" and (x < 0).any():
+                raise AggregationRejected("out_of_range", f"{key} holds a negative variance")
         clipped = False
         if self.bound is not None:
             params, clipped = self.bound.apply(params)
@@ -301,8 +375,7 @@ class _ExactSum:
         self.high: dict[str, np.ndarray] = {}
         for key, ref in reference.items():
             if ref.dtype.kind == "f":
-                magnitude = float(np.max(np.abs(ref))) if ref.size else 0.0
-                span = CHANGE_RANGE * max(1.0, magnitude)  # the largest |x - reference| accepted
+                span = change_range(ref)  # the largest |x - reference| accepted
                 exponent = math.ceil(math.log2(span * MAX_UPDATE_WEIGHT))
                 self.scale[key] = 2.0 ** (_INT64_HEADROOM - exponent)
                 self.limit[key] = span
@@ -491,5 +564,5 @@ class MultiKrum(_Buffered):
 __all__ = [
     "CHANGE_RANGE", "DEFAULT_MAX_WEIGHT_RATIO", "MAX_UPDATE_WEIGHT", "AggregationRejected", "AggregationSpec",
     "Aggregator", "CoordinateMedian", "Mean", "MultiKrum", "NormClippedMean", "STATISTIC_LEAVES", "TrimmedMean",
-    "UpdateNormBound", "capped_accuracy", "weight_cap",
+    "UpdateBound", "capped_accuracy", "weight_cap",
 ]

@@ -100,28 +100,40 @@ def wait_for_port(host: str, port: int, timeout: float = 10.0, alive=lambda: Tru
 
 # --------------------------------------------------------------------------- amqtt
 
-try:  # amqtt is optional (the head tier does not install it); the plugin is only needed with it.
-    from amqtt.plugins.base import BaseAuthPlugin as _BaseAuthPlugin
-except ImportError:  # pragma: no cover - exercised only where amqtt is absent
-    _BaseAuthPlugin = object
+_OPEN_AUTH_PLUGIN = None
 
 
-class OpenAuthPlugin(_BaseAuthPlugin):
+def _open_auth_plugin_class() -> type:
     """amqtt auth plugin: accept every client (with or without a username).
 
     amqtt's own ``AnonymousAuthPlugin`` marks every session anonymous, and amqtt
     then neither queues QoS 1 messages for a disconnected persistent session nor
     keeps its subscriptions — unlike Mosquitto. Accepting clients without that
     flag keeps the embedded broker's session semantics the same as Mosquitto's.
+    Built on first use: amqtt is imported only by a process that embeds a broker.
     """
+    global _OPEN_AUTH_PLUGIN
+    if _OPEN_AUTH_PLUGIN is None:
+        from amqtt.plugins.base import BaseAuthPlugin
 
-    @dataclass
-    class Config:
-        pass
+        class OpenAuthPlugin(BaseAuthPlugin):
+            @dataclass
+            class Config:
+                pass
 
-    async def authenticate(self, *, session) -> bool:  # noqa: D102 - amqtt hook
-        session.is_anonymous = False
-        return True
+            async def authenticate(self, *, session) -> bool:  # noqa: D102 - amqtt hook
+                session.is_anonymous = False
+                return True
+
+        _OPEN_AUTH_PLUGIN = OpenAuthPlugin
+    return _OPEN_AUTH_PLUGIN
+
+
+def __getattr__(name: str) -> Any:
+    # amqtt loads its plugins by dotted name ("edgepfl.broker.OpenAuthPlugin")
+    if name == "OpenAuthPlugin":
+        return _open_auth_plugin_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _FIXED_BROKER_CLASS = None

@@ -17,7 +17,7 @@ from edgepfl.aggregation import (
     MultiKrum,
     NormClippedMean,
     TrimmedMean,
-    UpdateNormBound,
+    UpdateBound,
     capped_accuracy,
     weight_cap,
 )
@@ -28,6 +28,7 @@ RULES = ["mean", "clipped_mean", "median", "trimmed_mean", "multi_krum"]
 def reference(rng: np.random.Generator) -> dict[str, np.ndarray]:
     return {
         "encoder.conv.weight": rng.normal(0, 0.1, (8, 1, 3, 3)).astype(np.float32),
+        "encoder.bn.running_mean": rng.normal(0, 1.0, 8).astype(np.float32),
         "encoder.bn.running_var": rng.uniform(0.5, 2.0, 8).astype(np.float32),
         "head.bias": np.zeros(10, np.float32),
         # float64 keeps the last bits that a float32 cast would round away: an
@@ -37,7 +38,12 @@ def reference(rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 
 def honest(ref, rng, n: int, spread: float = 0.01) -> list[dict[str, np.ndarray]]:
-    return [{k: (v + rng.normal(0, spread, v.shape)).astype(v.dtype) for k, v in ref.items()} for _ in range(n)]
+    """``n`` updates around ``ref``; a variance stays a variance (>= 0), as any honest estimate."""
+    def noisy(key, value):
+        moved = value + rng.normal(0, spread, value.shape)
+        return (np.abs(moved) if key.endswith("running_var") else moved).astype(value.dtype)
+
+    return [{k: noisy(k, v) for k, v in ref.items()} for _ in range(n)]
 
 
 def aggregate(rule, ref, updates, weights):
@@ -133,7 +139,9 @@ def test_two_attackers_of_eight_barely_move_a_robust_rule(name, attack):
     if attack == "sign_flip_x10":
         bad = [{k: (ref[k] - 10 * (target[k] - ref[k]) - 0.5).astype(ref[k].dtype) for k in ref} for _ in range(2)]
     else:
-        bad = [{k: rng.normal(0, 3, v.shape).astype(v.dtype) for k, v in ref.items()} for _ in range(2)]
+        # noise, with variances an attacker keeps positive (a negative one is refused outright)
+        bad = [{k: np.abs(x) if k.endswith("running_var") else x
+                for k, x in ((k, rng.normal(0, 3, v.shape).astype(v.dtype)) for k, v in ref.items())} for _ in range(2)]
     spec = AggregationSpec(rule=name, clip_ratio=0.05, trim_fraction=0.25, krum_byzantine=2)  # sized for f = 2
     robust = aggregate(spec.build(), ref, good + bad, [1] * 8)
     plain = aggregate(Mean(), ref, good + bad, [1] * 8)
@@ -240,9 +248,11 @@ def test_the_update_bound_keeps_arrival_order_free_with_attackers_clipped_or_ref
     rng = np.random.default_rng(11)
     ref = reference(rng)
     updates = honest(ref, rng, 9, spread=0.05)
-    updates += [{k: (v + 3.0 * (v - ref[k]) * 40).astype(v.dtype) for k, v in u.items()} for u in updates[:3]]
+    # attackers: three honest changes x121 (a variance grown 40-fold instead: it must stay positive)
+    updates += [{k: (v * 40 if k.endswith("running_var") else v + 3.0 * (v - ref[k]) * 40).astype(v.dtype)
+                 for k, v in u.items()} for u in updates[:3]]
     weights = rng.integers(1, 5000, len(updates)).tolist()
-    spec = AggregationSpec(rule=name, max_update_ratio=0.3, on_large_update=action)
+    spec = AggregationSpec(rule=name, max_update_ratio=0.3, max_variance_growth=20, on_large_update=action)
 
     def run(order):
         rule = spec.build()
@@ -264,59 +274,133 @@ def test_the_update_bound_keeps_arrival_order_free_with_attackers_clipped_or_ref
             assert got[key].tobytes() == want[key].tobytes(), (name, action, seed, key)
 
 
-def test_a_clipped_update_moves_each_group_exactly_onto_its_bound_and_honest_ones_pass_untouched():
+STATISTICS = ["encoder.bn.running_mean", "encoder.bn.running_var"]
+
+
+def test_a_clipped_update_moves_the_parameters_onto_their_bound_and_honest_ones_pass_untouched():
     rng = np.random.default_rng(12)
     ref = reference(rng)
-    bound = UpdateNormBound(0.5, "clip")
+    bound = UpdateBound(0.5, "clip")
     bound.begin(ref)
     calm = honest(ref, rng, 1, spread=1e-3)[0]
     same, clipped = bound.apply(calm)
     assert same is calm and not clipped
-    huge = {k: (v * 1e6).astype(v.dtype) for k, v in calm.items()}
+    huge = {k: (ref[k] + 1e6 * (v - ref[k])).astype(v.dtype) for k, v in calm.items()}
     out, clipped = bound.apply(huge)
     assert clipped
-    stats = ["encoder.bn.running_var"]
-    for keys in (PARAMETERS, stats):
-        limit = 0.5 * max(1.0, _norm_of(ref, keys))
-        assert _change_norm(out, ref, keys) == pytest.approx(limit, rel=1e-5)
-        # the direction of the change is kept: the clipped change is parallel to the sent one
-        sent = np.concatenate([(huge[k].astype(np.float64) - ref[k]).ravel() for k in keys])
-        kept = np.concatenate([(out[k].astype(np.float64) - ref[k]).ravel() for k in keys])
-        assert float(sent @ kept) / (np.linalg.norm(sent) * np.linalg.norm(kept)) == pytest.approx(1.0, abs=1e-6)
+    limit = 0.5 * max(1.0, _norm_of(ref, PARAMETERS))
+    assert _change_norm(out, ref, PARAMETERS) == pytest.approx(limit, rel=1e-5)
+    # the direction of the change is kept: the clipped change is parallel to the sent one
+    sent = np.concatenate([(huge[k].astype(np.float64) - ref[k]).ravel() for k in PARAMETERS])
+    kept = np.concatenate([(out[k].astype(np.float64) - ref[k]).ravel() for k in PARAMETERS])
+    assert float(sent @ kept) / (np.linalg.norm(sent) * np.linalg.norm(kept)) == pytest.approx(1.0, abs=1e-6)
 
 
-def test_running_statistics_are_bounded_on_their_own_scale_not_the_weights():
-    """BatchNorm's running variance follows the data: when it moves far, clipping scales the
-    statistics back and leaves the update's learned parameters exactly as sent."""
+def _skewed_statistics(ref) -> dict[str, np.ndarray]:
+    """What a device whose data is unlike the fleet's reports: channels its data never
+    lights (variance ~0), channels moved by several standard deviations, a variance
+    fifty times the fleet's. Far over a norm ratio of the global statistics."""
+    mean, var = ref["encoder.bn.running_mean"].astype(np.float64), ref["encoder.bn.running_var"].astype(np.float64)
+    new_mean = mean + 6.0 * np.sqrt(var) * np.where(np.arange(8) % 2, 1, -1)
+    new_var = np.where(np.arange(8) < 4, var * 1e-6, var * 50.0)
+    return {"encoder.bn.running_mean": new_mean.astype(np.float32), "encoder.bn.running_var": new_var.astype(np.float32)}
+
+
+@pytest.mark.parametrize("action", ["reject", "clip"])
+def test_running_statistics_of_a_skewed_honest_device_pass_untouched(action):
     rng = np.random.default_rng(13)
     ref = reference(rng)
+    update = {**honest(ref, rng, 1, spread=1e-3)[0], **_skewed_statistics(ref)}
+    old_measure = _change_norm(update, ref, STATISTICS) / max(1.0, _norm_of(ref, STATISTICS))
+    assert old_measure > 10  # the global norm ratio (issue #31) refused this device
+    bound = AggregationSpec(on_large_update=action).build().bound
+    assert bound is not None
+    bound.begin(ref)
+    assert bound.apply(update) == (update, False)
+
+
+@pytest.mark.parametrize("action", ["reject", "clip"])
+def test_a_running_mean_moved_past_its_bound_is_clamped_per_channel_never_refused(action):
+    rng = np.random.default_rng(14)
+    ref = reference(rng)
     update = honest(ref, rng, 1, spread=1e-3)[0]
-    update["encoder.bn.running_var"] = (ref["encoder.bn.running_var"] * 50.0).astype(np.float32)
-    bound = UpdateNormBound(2.5, "clip")
+    var = ref["encoder.bn.running_var"].astype(np.float64)
+    scale = np.sqrt(var + np.median(var))  # the layer's median variance is the floor
+    moved = ref["encoder.bn.running_mean"].astype(np.float64) + np.where(np.arange(8) == 3, -50.0, 1.0) * scale
+    update["encoder.bn.running_mean"] = moved.astype(np.float32)
+    bound = UpdateBound(10.0, action, mean_shift=20.0)
     bound.begin(ref)
     out, clipped = bound.apply(update)
     assert clipped
-    assert all(out[k].tobytes() == update[k].tobytes() for k in PARAMETERS)
-    stats = ["encoder.bn.running_var"]
-    assert _change_norm(out, ref, stats) == pytest.approx(2.5 * max(1.0, _norm_of(ref, stats)), rel=1e-5)
-    # tripling the variance is within 2.5 x the statistics' norm: accepted as sent
-    update["encoder.bn.running_var"] = (ref["encoder.bn.running_var"] * 3.0).astype(np.float32)
-    same, clipped = bound.apply(update)
-    assert same is update and not clipped
-    separate = UpdateNormBound(2.5, "clip", statistics_ratio=60.0)  # the statistics on a ratio of their own
-    assert separate.begin(ref) is None and separate.apply(update) == (update, False)
-    rejecting = UpdateNormBound(2.5, "reject")
-    rejecting.begin(ref)
-    update["encoder.bn.running_var"] = (ref["encoder.bn.running_var"] * 50.0).astype(np.float32)
-    with pytest.raises(AggregationRejected, match="running statistics") as err:
-        rejecting.apply(update)
-    assert err.value.reason == "out_of_range"
+    shift = (out["encoder.bn.running_mean"].astype(np.float64) - ref["encoder.bn.running_mean"]) / scale
+    np.testing.assert_allclose(shift, np.where(np.arange(8) == 3, -20.0, 1.0), rtol=1e-5)
+    assert all(out[k].tobytes() == update[k].tobytes() for k in ref if k != "encoder.bn.running_mean")
+
+
+@pytest.mark.parametrize("action", ["reject", "clip"])
+def test_a_running_variance_grown_past_its_bound_is_clamped_and_shrinking_is_free(action):
+    rng = np.random.default_rng(15)
+    ref = reference(rng)
+    update = honest(ref, rng, 1, spread=1e-3)[0]
+    var = ref["encoder.bn.running_var"].astype(np.float64)
+    limit = 20.0 * (var + np.median(var))
+    assert (limit < var + 64 * var.max()).all()  # the bound, not the exact sums' range, is what holds here
+    update["encoder.bn.running_var"] = np.where(np.arange(8) == 5, 2 * limit, var * 1e-9).astype(np.float32)
+    bound = UpdateBound(10.0, action, variance_growth=20.0)
+    bound.begin(ref)
+    out, clipped = bound.apply(update)
+    assert clipped
+    np.testing.assert_allclose(out["encoder.bn.running_var"], np.where(np.arange(8) == 5, limit, var * 1e-9), rtol=1e-6)
+    assert all(out[k].tobytes() == update[k].tobytes() for k in ref if k != "encoder.bn.running_var")
+
+
+def test_a_statistic_is_clamped_inside_the_range_the_exact_sums_take_so_a_streaming_rule_never_refuses_it():
+    rng = np.random.default_rng(18)
+    ref = reference(rng)
+    update = honest(ref, rng, 1, spread=1e-3)[0]
+    update["encoder.bn.running_var"] = (ref["encoder.bn.running_var"] * 1e4).astype(np.float32)
+    update["encoder.bn.running_mean"] = (ref["encoder.bn.running_mean"] + 1e4).astype(np.float32)
+    for action in ("reject", "clip"):
+        rule = AggregationSpec(rule="mean", on_large_update=action, max_mean_shift=1e6, max_variance_growth=1e6).build()
+        rule.begin(ref)
+        assert rule.add(update, 3) is True  # clamped (counted as clipped), not refused
+        moved = rule.result()["encoder.bn.running_var"].astype(np.float64) - ref["encoder.bn.running_var"]
+        assert (moved <= 64 * ref["encoder.bn.running_var"].max()).all() and (moved > 63 * ref["encoder.bn.running_var"].max()).all()
+
+
+def test_a_negative_variance_is_refused_by_every_rule_even_without_a_bound():
+    rng = np.random.default_rng(16)
+    ref = reference(rng)
+    update = honest(ref, rng, 1, spread=1e-3)[0]
+    update["encoder.bn.running_var"][2] = -1e-3
+    for name in RULES:
+        rule = AggregationSpec(rule=name, max_update_ratio=None, max_mean_shift=None, max_variance_growth=None).build()
+        assert rule.bound is None
+        rule.begin(ref)
+        with pytest.raises(AggregationRejected, match="negative variance") as err:
+            rule.add(update, 1)
+        assert err.value.reason == "out_of_range"
+
+
+def test_the_bound_stops_the_attacks_it_is_for_on_statistics_too():
+    """x1e6 of an honest update, and an honest update x10 that pushes a variance below zero
+    or a mean tens of deviations away, are refused by the default bound."""
+    rng = np.random.default_rng(17)
+    ref = reference(rng)
+    update = {**honest(ref, rng, 1, spread=1e-3)[0], **_skewed_statistics(ref)}
+    rule = AggregationSpec().build()
+    for factor in (10.0, 1e6):
+        attacked = {k: (ref[k] + factor * (v.astype(np.float64) - ref[k])).astype(v.dtype) for k, v in update.items()}
+        rule.begin(ref)
+        with pytest.raises(AggregationRejected) as err:
+            rule.add(attacked, 1)
+        assert err.value.reason == "out_of_range", factor
 
 
 def test_integer_tensors_are_neither_measured_nor_scaled():
     rng = np.random.default_rng(14)
     ref = {**reference(rng), "encoder.bn.num_batches_tracked": np.array(7, np.int64)}
-    bound = UpdateNormBound(0.1, "clip")
+    bound = UpdateBound(0.1, "clip")
     bound.begin(ref)
     update = {k: (v * 1e3).astype(v.dtype) if v.dtype.kind == "f" else np.array(10**9, np.int64) for k, v in ref.items()}
     out, clipped = bound.apply(update)
@@ -329,7 +413,7 @@ def test_without_a_bound_the_robust_rules_take_a_huge_update_in_and_out_vote_it(
     good = honest(ref, rng, 6, spread=0.01)
     huge = {k: (v * 1e6).astype(v.dtype) for k, v in good[0].items()}
     for name in ("median", "trimmed_mean", "multi_krum"):
-        rule = AggregationSpec(rule=name, max_update_ratio=None).build()
+        rule = AggregationSpec(rule=name, max_update_ratio=None, max_mean_shift=None, max_variance_growth=None).build()
         out = aggregate(rule, ref, good + [huge], [1] * 7)
         assert all(float(np.abs(out[k] - ref[k]).max()) < 0.1 for k in ref), name
 
