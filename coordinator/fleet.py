@@ -6,8 +6,8 @@ Both fleets move the same encoded frames, so the round loop
 
 from __future__ import annotations
 
+import heapq
 import logging
-import queue
 import uuid
 from abc import ABC, abstractmethod
 from collections import deque
@@ -37,7 +37,9 @@ from edgepfl.protocol import (
 from edgepfl.protocol.backpressure import BoundedInbox
 from edgepfl.protocol.signing import Signer, load_signer
 from edgepfl.protocol.transport import Inbound, MqttTransport
+from edgepfl.simulation import FleetTiming, SimulationSpec, task_samples
 
+from .clock import Clock, VirtualClock, WallClock
 from .gate import Rejection
 
 log = logging.getLogger("edgepfl.coordinator")
@@ -63,6 +65,9 @@ class Fleet(ABC):
     :class:`~edgepfl.coordinator.gate.Rejection`, so the round loop counts every
     rejection in one place.
     """
+
+    #: the time every deadline of the round loop is read from (the wall clock but in simulation)
+    clock: Clock = WallClock()
 
     @abstractmethod
     def send(self, agent_id: str, frame: bytes, round: int) -> int:
@@ -283,39 +288,79 @@ class LocalAgent(Protocol):
 
 
 class LocalFleet(Fleet):
-    """Agents as objects in this process: the research loop and the MQTT path's reference.
+    """Agents as objects in this process, on a virtual clock: the research loop and the
+    MQTT path's reference.
 
-    ``agents`` maps agent id to a :class:`LocalAgent` of federation ``federation``. Each
-    agent's status frame is the first thing :meth:`poll` returns, as a broker would
-    replay it; tasks run synchronously inside :meth:`send` and their answers wait in a
-    queue. The frames are the ones an MQTT fleet carries, so a run here matches one over
-    MQTT bit for bit for the same seed.
+    ``agents`` maps agent id to a :class:`LocalAgent` of federation ``federation``. A task
+    is computed when it is sent, and its answer is delivered by :meth:`poll` at the
+    virtual time the agent's device would have it there (:class:`~edgepfl.simulation.
+    FleetTiming`: download, compute while online, upload); a device going off- or online
+    is a status frame at that time, as its last will and its reconnection would be. The
+    :attr:`clock` moves only to the next such event (or by a poll's whole timeout when
+    none is due), so deadlines pass in virtual time and the host's speed changes
+    nothing. The frames are the ones an MQTT fleet carries, so with devices that answer
+    within the round's deadline a run here matches one over MQTT bit for bit.
     """
 
-    def __init__(self, agents: Mapping[str, LocalAgent], federation: str):
+    def __init__(self, agents: Mapping[str, LocalAgent], federation: str, timing: FleetTiming | None = None,
+                 epochs: int = 1):
         self.agents = agents
-        self._queue: queue.Queue[Incoming] = queue.Queue()
-        for agent_id, agent in agents.items():
-            frame = encode(MessageType.STATUS, federation=federation, sender=agent_id, round=-1, meta=agent.status())
-            self._queue.put(Incoming(agent_id, AgentChannel.STATUS, frame, len(frame)))
+        self.federation = federation
+        self.timing = timing or FleetTiming(SimulationSpec(), list(agents), seed=0)
+        self.epochs = epochs
+        self.clock: VirtualClock = VirtualClock()
+        self._events: list[tuple[float, int, Incoming | str]] = []  # (virtual time, sequence, frame or agent id)
+        self._sequence = 0
+        self._online: dict[str, bool] = {}
+        for agent_id in agents:
+            device = self.timing[agent_id]
+            online = device.availability.online_at(0.0)
+            self._online[agent_id] = online
+            self._push(0.0, self._status(agent_id, online))
+            self._push(device.availability.next_change(0.0), agent_id)
+
+    def _push(self, at: float, event: Incoming | str) -> None:
+        if at != float("inf"):
+            heapq.heappush(self._events, (at, self._sequence, event))
+            self._sequence += 1
+
+    def _status(self, agent_id: str, online: bool) -> Incoming:
+        meta = self.agents[agent_id].status()
+        if not online:
+            meta = meta.model_copy(update={"state": "offline"})
+        frame = encode(MessageType.STATUS, federation=self.federation, sender=agent_id, round=-1, meta=meta)
+        return Incoming(agent_id, AgentChannel.STATUS, frame, len(frame))
 
     def send(self, agent_id: str, frame: bytes, round: int) -> int:
-        reply = self.agents[agent_id].handle(decode(frame))
+        message = decode(frame)
+        reply = self.agents[agent_id].handle(message)
         if reply is not None:
-            self._queue.put(Incoming(agent_id, AgentChannel.UPDATE, reply.frame, len(reply.frame)))
+            answer = decode(reply.frame).header.meta  # the agent's own counts: in-process agents are ours
+            samples = task_samples(str(message.header.meta.get("kind", "train")), int(answer.get("num_train", 0)),
+                                   int(answer.get("num_test", 0)), self.epochs)
+            at = self.timing[agent_id].answer_time(self.clock.now(), len(frame), samples, len(reply.frame))
+            self._push(at, Incoming(agent_id, AgentChannel.UPDATE, reply.frame, len(reply.frame)))
         return len(frame)
 
     def poll(self, timeout: float) -> Incoming | None:
-        try:
-            return self._queue.get(timeout=timeout)
-        except queue.Empty:
+        if not self._events or self._events[0][0] > self.clock.now() + timeout:
+            self.clock.advance_to(self.clock.now() + timeout)
             return None
+        at, _, event = heapq.heappop(self._events)
+        self.clock.advance_to(at)
+        if isinstance(event, Incoming):
+            return event
+        agent_id = event  # the device goes on- or offline now
+        availability = self.timing[agent_id].availability
+        self._online[agent_id] = online = availability.online_at(at)
+        self._push(availability.next_change(at), agent_id)
+        return self._status(agent_id, online)
 
     def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0) -> int:
         return 0  # in-process agents are all trainers: nobody installs releases
 
     def agent_online(self, agent_id: str, tier: str) -> None:
-        """Nothing to do: the agents here are online from the start and never leave."""
+        """Nothing to do: an in-process agent's tasks reach it whenever it is online."""
 
     def announce(self, meta: CoordinatorMeta) -> None:
         """Nothing to do: in-process agents get their tasks directly and never ask for presence."""

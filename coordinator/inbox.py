@@ -24,6 +24,7 @@ from edgepfl.protocol import AgentChannel
 from edgepfl.protocol.signing import SIGNATURE_REASONS, Keyring
 from edgepfl.service import notifier
 
+from .clock import Clock, WallClock
 from .fleet import Fleet, Incoming
 from .gate import (
     EXCLUDING_REFUSALS,
@@ -75,8 +76,10 @@ class Inbox:
 
     def __init__(self, fleet: Fleet, registry: Registry, gate: UpdateGate, counters: RunCounters,
                  tick: Callable[[], None] | None = None, keyring: Keyring | None = None,
-                 presence: PresenceWatch | None = None, nacks: Nacker | None = None):
+                 presence: PresenceWatch | None = None, nacks: Nacker | None = None, clock: Clock | None = None):
         self.fleet = fleet
+        #: deadlines and presence are in this clock's time (the fleet's); the log's rate limit is the wall's
+        self.clock = clock or WallClock()
         #: answers attributable rejections with NACKs (None: nobody is told)
         self.nacks = nacks
         self.tick = tick  # called after every poll; O(1) unless it decides to publish (the fleet view)
@@ -110,16 +113,16 @@ class Inbox:
         return not self._awaited_reports
 
     def pump_until(self, done: Callable[[], bool], deadline: float) -> bool:
-        """Route inbound traffic until ``done()`` holds (True) or the ``time.monotonic()``
+        """Route inbound traffic until ``done()`` holds (True) or the :attr:`clock`'s
         ``deadline`` passes (False). ``done`` is asked after every message, so it must not
         do work that grows with the fleet."""
         while not done():
             notifier().watchdog()  # the coordinator's service loop: systemd's WatchdogSec= is fed here
-            remaining = deadline - time.monotonic()
+            remaining = deadline - self.clock.now()
             if remaining <= 0:
                 return False
             self._route(self.fleet.poll(min(POLL_S, remaining)))
-            self.presence.tick(time.monotonic())
+            self.presence.tick(self.clock.now())
             if self.tick is not None:
                 self.tick()
         return True
@@ -139,7 +142,7 @@ class Inbox:
             self._on_metrics(event)
 
     def _on_status(self, incoming: Incoming) -> None:
-        self.presence.status_arrived(time.monotonic())
+        self.presence.status_arrived(self.clock.now())
         status = admit_presence(incoming.agent_id, incoming.frame, self.keyring, self.registry)
         if isinstance(status, Rejection):
             return self._reject(status)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 from edgepfl.protocol import Capabilities, StatusMeta
 
+from .clock import Clock, WallClock
+
 log = logging.getLogger("edgepfl.coordinator")
 
 
@@ -43,7 +45,9 @@ class Registry:
     costs more than the round itself.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock | None = None) -> None:
+        #: the time of an agent's last sign of life (the round loop's clock)
+        self.clock = clock or WallClock()
         self.agents: dict[str, AgentInfo] = {}
         self._online_by_tier: Counter[str] = Counter()
         self._unresponsive: set[str] = set()
@@ -190,7 +194,7 @@ class Registry:
 
     def mark_unresponsive(self, agent_id: str, silent_since: float) -> None:
         """An agent that let a task time out and sent nothing since ``silent_since``
-        (``time.monotonic()``): no tasks until it shows life. One that reconnected during
+        (:attr:`clock` time): no tasks until it shows life. One that reconnected during
         the round (its task lost with the old connection) has shown life and is not marked."""
         if self._last_life.get(agent_id, float("-inf")) >= silent_since or agent_id in self._unresponsive:
             return
@@ -199,13 +203,13 @@ class Registry:
 
     def show_life(self, agent_id: str) -> None:
         """Any frame from the agent (a status, an answer even if late) proves it is there."""
-        self._last_life[agent_id] = time.monotonic()
+        self._last_life[agent_id] = self.clock.now()
         if agent_id in self._unresponsive:
             self._unresponsive.discard(agent_id)
             log.info("agent %s shows life again", agent_id)
 
     def last_life(self, agent_id: str) -> float | None:
-        """``time.monotonic()`` of the agent's last frame of any kind (None: never)."""
+        """The :attr:`clock` time of the agent's last frame of any kind (None: never)."""
         return self._last_life.get(agent_id)
 
     def count_online(self, tier: str) -> int:

@@ -52,6 +52,8 @@ def summarize(rows: list[RoundMetrics], target: float | None = None, times: RunT
         "bytes_up": sum(r.bytes_up for r in rows),
         "bytes_down": sum(r.bytes_down for r in rows),
         "round_seconds": round(sum(r.seconds for r in rows), 2),
+        # in-process runs: the rows' seconds are simulated device time (run_times.json says per session)
+        "round_clock": "virtual" if times and any(s.virtual_clock for s in times.sessions) else "wall",
         "wall_seconds": None if times is None or times.wall_seconds() is None else round(times.wall_seconds() or 0, 2),
         "sessions": len(times.sessions) if times else 0,
         "resumed": bool(times and any(s.resumed_from is not None for s in times.sessions)),
@@ -126,7 +128,8 @@ def format_table(rows: list[RoundMetrics], summary: dict, method: str = "") -> s
     lines.append(f"traffic: {summary['bytes_up'] / 1e6:.1f} MB up, {summary['bytes_down'] / 1e6:.1f} MB down; "
                  + ("wall time unknown (no run_times.json)" if wall is None else f"wall time {wall:.1f}s")
                  + (f" over {sessions} sessions (resumed)" if summary.get("resumed") else "")
-                 + f"; {summary['round_seconds']:.1f}s inside rounds")
+                 + f"; {summary['round_seconds']:.1f}s inside rounds"
+                 + (" (virtual: the simulated devices' time)" if summary.get("round_clock") == "virtual" else ""))
     return "\n".join(lines)
 
 

@@ -84,7 +84,9 @@ class Coordinator:
         self.run_dir = RunDirectory(out_dir)
         self.counters = RunCounters()
         self.rollback = RollbackPolicy(config.aggregation.rollback_after, self.run_dir)
-        self.registry = Registry()
+        #: deadlines are read from the fleet's clock: the wall clock, or a simulation's virtual one
+        self.clock = fleet.clock
+        self.registry = Registry(clock=self.clock)
         self.registry.require(config.method.name, config.model.arch)
         security = config.security
         # With a signing key every task and release is signed; with enrolled_dir only
@@ -95,6 +97,7 @@ class Coordinator:
                           keyring=keyring)
         self.observer = Observer(config, fleet, self.registry, self.counters)
         self.inbox = Inbox(fleet, self.registry, gate, self.counters, tick=self.observer.tick, keyring=keyring,
+                           clock=self.clock,
                            presence=PresenceWatch(self.registry, config.expected_agents),
                            nacks=Nacker(config.federation, fleet, self.registry, self.signer))
         self.epoch = int(time.time() * 1000)  # a resumed run keeps its checkpoint's (init_or_resume)
@@ -157,7 +160,7 @@ class Coordinator:
         if self.state is None:
             self.init_or_resume()
         resumed_from = self.start_round - 1 if self.start_round else None
-        self.run_dir.open(resumed_from)
+        self.run_dir.open(resumed_from, virtual_clock=self.clock.virtual)
         self.observer.start(resumed_from)
         self.observer.enter("waiting", self.start_round)
         try:
@@ -200,12 +203,12 @@ class Coordinator:
             nonlocal shown, shown_at
             online = self.registry.count_eligible()
             # at most a line a second: a thousand agents coming online are not a thousand lines
-            if online < need and online != shown and time.monotonic() - shown_at >= 1.0:
+            if online < need and online != shown and self.clock.now() - shown_at >= 1.0:
                 self.progress.note(f"waiting for agents: {online}/{need} online")
-                shown, shown_at = online, time.monotonic()
+                shown, shown_at = online, self.clock.now()
             return online >= need
 
-        if self.inbox.pump_until(enough, time.monotonic() + wait):
+        if self.inbox.pump_until(enough, self.clock.now() + wait):
             return
         online = self.registry.count_eligible()
         if not required and online:
@@ -216,7 +219,7 @@ class Coordinator:
 
     def _run_round(self, r: int, final: bool) -> RoundMetrics:
         """One round: sample, send tasks, collect, close the aggregate, metrics row, checkpoint."""
-        started = time.monotonic()
+        started = self.clock.now()
         self.inbox.presence.round_starts(r)
         sampled, evaluators = self._sample(r, final)
         tasks, result = self._send_tasks(r, sampled, evaluators)
@@ -229,7 +232,7 @@ class Coordinator:
         previous = self._server_state()
         abort = self._server_step(result)
         rolled_back = self._roll_back(r, abort) if abort else None
-        row = result.to_metrics(seconds=time.monotonic() - started, final=final, abort=abort, rolled_back=rolled_back,
+        row = result.to_metrics(seconds=self.clock.now() - started, final=final, abort=abort, rolled_back=rolled_back,
                                 shared_bytes=int(sum(v.nbytes for v in self._server_state().shared_params().values())),
                                 max_weight_ratio=self.config.aggregation.max_weight_ratio)
         # Row first, checkpoint second: a crash in between leaves a row that the resumed
@@ -283,7 +286,7 @@ class Coordinator:
             if not self.fleet.send_ready():
                 # Unacknowledged tasks wait in the transport: at 1,000 agents a round's worth
                 # is 1,000 x the model. Answers are admitted meanwhile (their tasks are added).
-                self.inbox.pump_until(self.fleet.send_ready, time.monotonic() + c.round_timeout_s)
+                self.inbox.pump_until(self.fleet.send_ready, self.clock.now() + c.round_timeout_s)
         return tasks, result
 
     def _collect(self, tasks: RoundTasks, result: RoundResult, started: float) -> None:
@@ -301,12 +304,12 @@ class Coordinator:
                 return False
             # is_online is a dict lookup, and any() stops at the first agent still online:
             # no per-message work that grows with the fleet.
-            return time.monotonic() - started > timeout or not any(self.registry.is_online(a) for a in waiting)
+            return self.clock.now() - started > timeout or not any(self.registry.is_online(a) for a in waiting)
 
         self.inbox.pump_until(closable, started + 2 * timeout)
         if waiting:
             log.info("round %d: closed with %d/%d updates after %.0fs; no answer from %s", result.round,
-                     len(result.participants), len(result.sampled), time.monotonic() - started, ", ".join(sorted(waiting)))
+                     len(result.participants), len(result.sampled), self.clock.now() - started, ", ".join(sorted(waiting)))
             result.dropped.extend(sorted(waiting))
 
     def _server_step(self, result: RoundResult) -> str | None:
@@ -361,5 +364,5 @@ class Coordinator:
         if not heads or not self.releases:
             return
         self.inbox.expect_reports(heads, next(reversed(self.releases)))
-        self.inbox.pump_until(self.inbox.reports_complete, time.monotonic() + timeout)
+        self.inbox.pump_until(self.inbox.reports_complete, self.clock.now() + timeout)
         self.run_dir.write_head_reports(self.inbox.reports_by_release, self.releases)

@@ -62,10 +62,11 @@ class RunDirectory:
         return self.checkpoint_dir / f"good-{round}"
 
     # ---------------------------------------------------------------- sessions
-    def open(self, resumed_from: int | None) -> None:
-        """A coordinator session begins (``resumed_from``: the checkpointed round it continues after)."""
+    def open(self, resumed_from: int | None, virtual_clock: bool = False) -> None:
+        """A coordinator session begins (``resumed_from``: the checkpointed round it continues after;
+        ``virtual_clock``: its rounds' seconds are a simulation's)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        record_run_start(self.root, resumed_from)
+        record_run_start(self.root, resumed_from, virtual_clock)
 
     def close(self) -> None:
         record_run_end(self.root)

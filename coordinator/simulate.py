@@ -22,6 +22,8 @@ import yaml
 
 from edgepfl.config import AgentConfig, RunConfig, SecuritySpec
 from edgepfl.metrics import RoundMetrics
+from edgepfl.protocol.clock import simulated_time
+from edgepfl.simulation import FleetTiming
 from edgepfl.specs import EMBEDDED_BROKER
 
 from .fleet import LocalAgent, LocalFleet
@@ -92,11 +94,16 @@ def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str
     from edgepfl.coordinator.report import write_report
     from edgepfl.coordinator.rounds import Coordinator
 
+    original_min_agents = config.min_agents
     out = Path(out_dir)
     if fresh and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
+    intermittent = any(device.mean_online_s is not None for device in config.simulation.devices)
     config = prepare(config, agents, head_agents, rounds)
+    if in_process is not None and intermittent:
+        # devices that come and go are never all online at once: start with the config's min_agents
+        config = config.model_copy(update={"min_agents": min(agents, original_min_agents)})
     shape = service_data_shape(config)
     (out / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
     ids = agent_ids(agents)
@@ -107,9 +114,12 @@ def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str
             import torch
 
             torch.set_num_threads(threads)
-        local = LocalFleet(in_process(config, ids, out), config.federation)
-        coordinator = Coordinator(config, local, out, progress=progress, **shape)
-        rows = coordinator.run()
+        local = LocalFleet(in_process(config, ids, out), config.federation,
+                           FleetTiming(config.simulation, ids, config.seed), epochs=config.train.epochs)
+        # every frame's time stamp and every agent's stopwatch read the fleet's virtual clock
+        with simulated_time(local.clock.now):
+            coordinator = Coordinator(config, local, out, progress=progress, **shape)
+            rows = coordinator.run()
         table, summary = write_report(out, config.method.name)
         return rows, summary
 

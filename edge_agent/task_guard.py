@@ -10,11 +10,11 @@ tasks either. ``docs/PROTOCOL.md`` §10 states the rules.
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 from edgepfl.atomic import write_json
 from edgepfl.protocol import Message, TaskMeta, bounded_json
+from edgepfl.protocol.clock import wall_time
 
 log = logging.getLogger("edgepfl.agent")
 
@@ -63,7 +63,7 @@ class TaskGuard:
         newest = self._newest.get(h.federation)
         if newest is not None and order < newest:
             return "stale", f"task of run {meta.epoch} round {h.round}, already at run {newest[0]} round {newest[1]}"
-        now = time.time() if now is None else now
+        now = wall_time() if now is None else now
         late = now - (h.created + 2 * meta.deadline_s + MAX_CLOCK_SKEW_S)
         if late > 0:
             return "expired", f"task of round {h.round} is {late:.0f}s past its deadline"

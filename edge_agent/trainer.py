@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import time
 import typing
 from dataclasses import replace
 from pathlib import Path
@@ -37,6 +36,7 @@ from edgepfl.protocol import (
     encode,
     seed_for,
 )
+from edgepfl.protocol.clock import stopwatch
 from edgepfl.protocol.signing import Signer
 from edgepfl.specs import ModelSpec
 
@@ -278,7 +278,7 @@ class TrainerRuntime:
             log=log,
         )
         method.receive(model, task.tensors, ctx)
-        started = time.perf_counter()
+        started = stopwatch()
         evaluation = method.evaluate(model, inputs, ctx)
         upload: dict[str, np.ndarray] = {}
         train_loss = None
@@ -297,7 +297,7 @@ class TrainerRuntime:
             eval_correct=evaluation.correct,
             eval_loss=None if np.isnan(evaluation.loss) else float(evaluation.loss),
             train_loss=train_loss,
-            train_seconds=time.perf_counter() - started,
+            train_seconds=stopwatch() - started,
             extra=extra,
         )
         return update, upload

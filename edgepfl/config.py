@@ -22,6 +22,7 @@ from .methods import Method, available_head_kinds, get_method
 from .protocol.bounded_json import MAX_DEPTH
 from .protocol.run import DataShape, MethodChoice, Normalization, RunSpec
 from .protocol.topics import check_segment
+from .simulation import SimulationSpec
 from .specs import (
     BrokerConfig,
     ConfigPath,
@@ -129,6 +130,9 @@ class RunConfig(_Strict):
     release_every: int | None = Field(None, ge=1, description="publish an encoder release every k rounds (and at the end)")
     release_at_end: bool = Field(False, description="export and publish the encoder when training ends")
     observe: ObserveSpec = Field(default_factory=ObserveSpec, description="fleet view and Prometheus metrics")
+    simulation: SimulationSpec = Field(
+        default_factory=SimulationSpec, description="simulate --in-process: how the devices differ (compute, links, "
+                                                    "availability); time there is virtual")
     release_ttl_s: float = Field(
         30 * 86400.0, gt=0, description="a release expires this long after it is published: head agents refuse to "
                                         "install it later (one that installed it keeps it)")

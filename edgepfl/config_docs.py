@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel
-from pydantic_core import PydanticUndefined
+from pydantic_core import PydanticUndefined, to_jsonable_python
 
 from .config import AgentConfig, MethodSpec, RunConfig, _is_path, _unwrap
 from .methods import available_methods, get_method
@@ -29,7 +29,10 @@ def _hints(model: type[BaseModel]) -> dict[str, Any]:
 
 
 def _submodel(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds, alone or as the items of a list."""
     for alt in _unwrap(annotation):
+        if typing.get_origin(alt) is list:
+            return _submodel(typing.get_args(alt)[0])
         if isinstance(alt, type) and issubclass(alt, BaseModel):
             return alt
     return None
@@ -67,7 +70,7 @@ def _default(field: Any) -> Any:
         return PydanticUndefined
     else:
         value = field.default
-    return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+    return to_jsonable_python(value)  # a model, or models in a list, as their JSON values
 
 
 def _scalar(value: Any) -> str:

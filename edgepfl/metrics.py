@@ -194,6 +194,8 @@ class RunSession(BaseModel):
     started: float = Field(description="Unix time the session began")
     finished: float | None = Field(None, description="Unix time it ended; None: it crashed or still runs")
     resumed_from: int | None = Field(None, description="it resumed after this round's checkpoint")
+    virtual_clock: bool = Field(False, description="its rounds ran on a simulation's virtual clock: their "
+                                                   "metrics rows' seconds are simulated device time, not elapsed time")
 
 
 class RunTimes(BaseModel):
@@ -214,7 +216,7 @@ def read_run_times(run_dir: str | Path) -> RunTimes:
     return RunTimes.model_validate_json(path.read_text()) if path.exists() else RunTimes()
 
 
-def record_run_start(run_dir: str | Path, resumed_from: int | None) -> None:
+def record_run_start(run_dir: str | Path, resumed_from: int | None, virtual_clock: bool = False) -> None:
     """Append a session to ``run_times.json`` (atomically): a coordinator begins or resumes the run."""
     import time
 
@@ -223,7 +225,7 @@ def record_run_start(run_dir: str | Path, resumed_from: int | None) -> None:
     times = read_run_times(run_dir)
     if resumed_from is None:
         times = RunTimes()  # a fresh run: earlier sessions in this directory were another run's
-    times.sessions.append(RunSession(started=time.time(), resumed_from=resumed_from))
+    times.sessions.append(RunSession(started=time.time(), resumed_from=resumed_from, virtual_clock=virtual_clock))
     write_json(Path(run_dir) / RUN_TIMES_FILE, times.model_dump(mode="json"))
 
 

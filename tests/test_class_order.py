@@ -102,7 +102,7 @@ def test_the_in_process_fleet_answers_a_refused_task_with_a_refusal_frame(tmp_pa
     task = _task(["cat", *NAMES[1:]])
     fleet.send("agent-00", encode(MessageType.TASK, federation="f", sender="coordinator", round=2,
                                   meta=task.meta_as(TaskMeta)), 2)
-    answer = fleet.poll(0.1)
+    answer = fleet.poll(10.0)  # virtual seconds: the refusal travels back with the device's link delay
     assert answer.channel == AgentChannel.UPDATE
     refusal = decode(answer.frame)
     assert refusal.type == MessageType.REFUSAL and refusal.header.sender == "agent-00"

@@ -28,7 +28,6 @@ from __future__ import annotations
 import builtins
 import hashlib
 import struct
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
@@ -37,6 +36,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import bounded_json
+from .clock import wall_time
 from .evolution import PROTOCOL_VERSION, omitted_defaults, strip_unknown
 from .messages import META_TYPES, ChunkMeta, MessageType
 from .signing import SIGNATURE_BYTES
@@ -170,7 +170,7 @@ def encode(
         sender=sender,
         round=round,
         message_id=message_id or new_message_id(),
-        created=time.time(),
+        created=wall_time(),
         body_sha256=body.sha256,
         body_bytes=len(body.data),
         tensors=list(body.tensors),
