@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Set
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Set
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from edgepfl.aggregation import staleness_weight
 from edgepfl.methods import ClientUpdate, Method, ServerState, UpdateRejected
 from edgepfl.protocol import (
     REFUSAL_REASONS,
@@ -170,6 +171,8 @@ class Accepted:
     update: ClientUpdate | None
     #: ``header.message_id`` of the update (for a NACK when the aggregation rule still refuses it)
     message_id: str = ""
+    #: a late update: the closed round whose task it answers, trained from that round's state
+    late: LateWindow | None = None
 
 
 @dataclass(frozen=True)
@@ -224,6 +227,28 @@ class RoundTasks:
         return self._waiting
 
 
+@dataclass(frozen=True)
+class LateWindow:
+    """A closed round whose dropped agents' training updates are still taken
+    (``stragglers.max_staleness``): its tasks, the state they were built from, and how much
+    of a late update's change is applied (its discount)."""
+
+    tasks: RoundTasks
+    state: ServerState
+    discount: float
+
+
+def late_windows(round: int, closed: Iterable[tuple[RoundTasks, ServerState]], staleness_exponent: float,
+                 method: Method) -> dict[int, LateWindow]:
+    """The closed rounds whose stragglers round ``round`` takes late updates from, by round
+    number, each with the discount of its staleness (none for a method whose server step
+    needs a round's updates together)."""
+    if not method.streaming:
+        return {}
+    return {tasks.round: LateWindow(tasks, state, staleness_weight(round - tasks.round, staleness_exponent))
+            for tasks, state in closed}
+
+
 class UpdateGate:
     """Admits or rejects the updates of a federation's rounds.
 
@@ -246,11 +271,13 @@ class UpdateGate:
         self._seen_round: int | None = None
 
     def admit(self, agent_id: str, frame: bytes, tasks: RoundTasks,
-              state: ServerState | None) -> Accepted | Refused | Rejection:
+              state: ServerState | None, late: Mapping[int, LateWindow] | None = None) -> Accepted | Refused | Rejection:
         """Check one frame from ``agent_id``'s update topic. Accepting an update or a refusal
         marks the agent's task answered, and so does a rejection that :meth:`ends_wait`.
 
-        ``state`` is None before the first round opens (no tasks yet, so nothing is accepted)."""
+        ``state`` is None before the first round opens (no tasks yet, so nothing is accepted).
+        ``late``: closed rounds by number, whose unanswered training tasks may still be answered
+        (an accepted one is marked answered there, so a copy of it is a ``duplicate``)."""
         if tasks.round != self._seen_round:
             self._seen, self._seen_round = set(), tasks.round
         try:
@@ -261,10 +288,12 @@ class UpdateGate:
                 attributed = None  # a mangled copy of an answer already taken: nothing to tell or end
             verdict: Accepted | Refused | Rejection = Rejection(agent_id, exc.reason, exc.detail, attributed)
         else:
-            verdict = self._check(agent_id, message, tasks, state)
+            verdict = self._check(agent_id, message, tasks, state, late)
             if not isinstance(verdict, Rejection):
                 self._seen.add(message.header.message_id)
-        if not isinstance(verdict, Rejection) or self.ends_wait(verdict, tasks):
+        if isinstance(verdict, Accepted) and verdict.late is not None:
+            verdict.late.tasks.mark_answered(agent_id)
+        elif not isinstance(verdict, Rejection) or self.ends_wait(verdict, tasks):
             tasks.mark_answered(agent_id)
         return verdict
 
@@ -287,7 +316,7 @@ class UpdateGate:
         return a.task_id is None or a.task_id == task.task_id
 
     def _check(self, agent_id: str, message: Message, tasks: RoundTasks,
-               state: ServerState | None) -> Accepted | Refused | Rejection:
+               state: ServerState | None, late: Mapping[int, LateWindow] | None = None) -> Accepted | Refused | Rejection:
         h = message.header
         attributed, forged = _sender_checks(agent_id, message, self.keyring)
 
@@ -306,6 +335,8 @@ class UpdateGate:
             return reject("duplicate", f"message {h.message_id} already processed")
         if not self.registry.known(agent_id):
             return reject("unknown_agent", "no status ever received from this agent")
+        if late and h.round in late and h.round != tasks.round and message.type == MessageType.UPDATE:
+            return self._check_late(agent_id, message, late[h.round], reject)
         if h.round != tasks.round:
             return reject("stale", f"update for round {h.round}, current round is {tasks.round}")
         if tasks.closed:
@@ -328,6 +359,31 @@ class UpdateGate:
             if message.tensors:
                 return reject("malformed", "evaluate answer carries tensors")
             return Accepted(agent_id, meta, None, h.message_id)
+        if state is None:  # not reached: without a state no round is open, so there was no task
+            return reject("unexpected", "no round is open")
+        return self._training_update(agent_id, message, task, tasks, state, reject)
+
+    def _check_late(self, agent_id: str, message: Message, late: LateWindow,
+                    reject: Callable[[str, str], Rejection]) -> Accepted | Rejection:
+        """A training update for a closed round, from an agent that round dropped."""
+        answer = message.meta
+        task = late.tasks.get(agent_id)
+        if task is None or not isinstance(answer, UpdateMeta) or answer.task_id != task.task_id:
+            return reject("unexpected", f"no such task was sent to this agent in round {late.tasks.round}")
+        if late.tasks.answered(agent_id):
+            return reject("duplicate", f"task {task.task_id} already answered")
+        if task.kind != "train" or answer.kind != "train":
+            return reject("stale", f"a late {answer.kind} answer for round {late.tasks.round}: only training "
+                                   "updates are folded in late")
+        if answer.eval_correct > answer.num_test:
+            return reject("malformed", "eval_correct exceeds num_test")
+        verdict = self._training_update(agent_id, message, task, late.tasks, late.state, reject)
+        return replace(verdict, late=late) if isinstance(verdict, Accepted) else verdict
+
+    def _training_update(self, agent_id: str, message: Message, task: Task, tasks: RoundTasks, state: ServerState,
+                         reject: Callable[[str, str], Rejection]) -> Accepted | Rejection:
+        """The checks of a training update against the round its task was sent in."""
+        meta: UpdateMeta = message.meta  # type: ignore[assignment]
         if meta.num_train <= 0:
             return reject("malformed", "train update with num_train = 0")
         announced = self.registry.announced_num_train(agent_id) if task.announced is None else task.announced
@@ -338,13 +394,11 @@ class UpdateGate:
         # What the device says it trained on, up to the round's cap: its weight (never a rejection)
         weight = meta.num_train if tasks.weight_cap is None else min(meta.num_train, tasks.weight_cap)
         update = ClientUpdate(agent_id, weight, message.tensors)
-        if state is None:  # not reached: without a state no round is open, so there was no task
-            return reject("unexpected", "no round is open")
         try:
             self.method.check_update(state, update)
         except UpdateRejected as exc:
             return reject(exc.reason, str(exc))
-        return Accepted(agent_id, meta, update, h.message_id)
+        return Accepted(agent_id, meta, update, message.header.message_id)
 
 
 def admit_presence(agent_id: str, frame: bytes, keyring: Keyring | None = None,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from edgepfl.aggregation import AggregationRejected
@@ -30,6 +30,7 @@ from .gate import (
     EXCLUDING_REFUSALS,
     Accepted,
     Attribution,
+    LateWindow,
     Presence,
     Refused,
     Rejection,
@@ -99,10 +100,18 @@ class Inbox:
         self._tasks = RoundTasks(-1)
         self._sink: RoundSink | None = None
         self._state: ServerState | None = None
+        self._late: Mapping[int, LateWindow] | None = None
 
-    def open_round(self, tasks: RoundTasks, sink: RoundSink, state: ServerState) -> None:
-        """Admit answers to ``tasks``, checked against ``state`` (what the tasks were built from), into ``sink``."""
-        self._tasks, self._sink, self._state = tasks, sink, state
+    def open_round(self, tasks: RoundTasks, sink: RoundSink, state: ServerState,
+                   late: Mapping[int, LateWindow] | None = None) -> None:
+        """Admit answers to ``tasks``, checked against ``state`` (what the tasks were built from), into ``sink``;
+        with ``late``, also the training updates of agents those closed rounds dropped."""
+        self._tasks, self._sink, self._state, self._late = tasks, sink, state, late
+
+    @property
+    def open_tasks(self) -> RoundTasks:
+        """The tasks of the round being (or last) collected."""
+        return self._tasks
 
     def expect_reports(self, agents: Iterable[str], release_id: str) -> None:
         """Wait for a report on ``release_id`` from each of ``agents`` (those that have not sent one already)."""
@@ -154,7 +163,7 @@ class Inbox:
             self.fleet.agent_online(incoming.agent_id, status.meta.tier)
 
     def _on_update(self, incoming: Incoming) -> None:
-        verdict = self.gate.admit(incoming.agent_id, incoming.frame, self._tasks, self._state)
+        verdict = self.gate.admit(incoming.agent_id, incoming.frame, self._tasks, self._state, self._late)
         self._shows_life(incoming.agent_id, verdict)
         if isinstance(verdict, Rejection):
             return self._reject(verdict)

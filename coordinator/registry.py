@@ -196,7 +196,7 @@ class Registry:
         """An agent that let a task time out and sent nothing since ``silent_since``
         (:attr:`clock` time): no tasks until it shows life. One that reconnected during
         the round (its task lost with the old connection) has shown life and is not marked."""
-        if self._last_life.get(agent_id, float("-inf")) >= silent_since or agent_id in self._unresponsive:
+        if self._last_life.get(agent_id, float("-inf")) > silent_since or agent_id in self._unresponsive:
             return
         self._unresponsive.add(agent_id)
         log.info("agent %s did not answer its task; no tasks until it shows life", agent_id)

@@ -82,20 +82,25 @@ class RoundResult:
     bytes_down: int = 0
     dropped: list[str] = field(default_factory=list)
     sampled: list[str] = field(default_factory=list)
+    #: agents the previous round dropped whose update arrived in this one and was folded in
+    late: list[str] = field(default_factory=list)
 
     def record(self, accepted: Accepted, wire_bytes: int) -> None:
         """Count an answer the gate accepted; a training update is added to the round's
         aggregate first, and one the rule refuses (``AggregationRejected``) counts for nothing."""
+        late = accepted.late
         if accepted.update is not None:
-            # a train task, hence a training round with its aggregate
+            # a train task, hence a training round with its aggregate (a late one: last round's task)
             assert self.aggregate is not None
-            if self.aggregate.add(accepted.update):
+            base = late.state.shared_params() if late is not None else None
+            if self.aggregate.add(accepted.update, base, late.discount if late is not None else 1.0):
                 log.warning("round %d: the update from %s went past the update bound (aggregation.max_update_ratio, "
                             "max_mean_shift, max_variance_growth); clipped onto it", self.round, accepted.agent_id)
                 self.clipped.append(accepted.agent_id)
-            self.participants.append(accepted.agent_id)
+            (self.late if late is not None else self.participants).append(accepted.agent_id)
         self.bytes_up += wire_bytes
-        self.evaluations[accepted.agent_id] = Evaluation.of(accepted.meta)
+        if late is None:  # a late answer's evaluation is of last round's model
+            self.evaluations[accepted.agent_id] = Evaluation.of(accepted.meta)
 
     def to_metrics(self, *, seconds: float, final: bool, abort: str | None, rolled_back: int | None,
                    shared_bytes: int, max_weight_ratio: float | None) -> RoundMetrics:
@@ -109,6 +114,7 @@ class RoundResult:
             accuracy=capped_accuracy(((e.correct, e.total) for e in evals.values()), max_weight_ratio),
             per_client={a: e.accuracy for a, e in sorted(evals.items())},
             participants=sorted(self.participants),
+            late=sorted(self.late),
             clipped=sorted(self.clipped),
             sampled=self.sampled,
             evaluated=len(evals),

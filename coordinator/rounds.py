@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from pathlib import Path
 
 from edgepfl.aggregation import weight_cap
@@ -52,7 +53,7 @@ from edgepfl.protocol.signing import Keyring, load_signer
 from edgepfl.state import CheckpointMeta
 
 from .fleet import SENDER, Fleet
-from .gate import RoundTasks, Task, UpdateGate, admit_state
+from .gate import RoundTasks, Task, UpdateGate, admit_state, late_windows
 from .inbox import Inbox
 from .nack import Nacker
 from .observe import Observer
@@ -97,13 +98,14 @@ class Coordinator:
                           keyring=keyring)
         self.observer = Observer(config, fleet, self.registry, self.counters)
         self.inbox = Inbox(fleet, self.registry, gate, self.counters, tick=self.observer.tick, keyring=keyring,
-                           clock=self.clock,
-                           presence=PresenceWatch(self.registry, config.expected_agents),
+                           clock=self.clock, presence=PresenceWatch(self.registry, config.expected_agents),
                            nacks=Nacker(config.federation, fleet, self.registry, self.signer))
         self.epoch = int(time.time() * 1000)  # a resumed run keeps its checkpoint's (init_or_resume)
         self.state: ServerState | None = None
         self.start_round = 0
         self.releases: dict[str, int] = {}  # release id -> the round it was exported after, in publishing order
+        #: recent training rounds' tasks and the states they were built from: their stragglers' late updates
+        self._closed_rounds: deque[tuple[RoundTasks, ServerState]] = deque(maxlen=config.stragglers.max_staleness)
 
     @property
     def head_reports(self) -> dict[str, HeadReport]:
@@ -112,17 +114,13 @@ class Coordinator:
         return self.inbox.reports_by_release.get(latest, {}) if latest else {}
 
     # ---------------------------------------------------------------- state
-    @property
-    def checkpoint_dir(self) -> Path:
-        return self.run_dir.checkpoint_dir
-
     def init_or_resume(self) -> None:
         """Fresh server state from a seeded model, or the last checkpoint if one exists."""
         found = self.run_dir.load_checkpoint()
         if found is not None:
             state, meta = found
             if meta.run.method.name != self.config.method.name:
-                raise RuntimeError(f"{self.checkpoint_dir} holds a {meta.run.method.name} run, config says "
+                raise RuntimeError(f"{self.run_dir.checkpoint_dir} holds a {meta.run.method.name} run, config says "
                                    f"{self.config.method.name}; use another --out")
             self.state, self.start_round = state, meta.round + 1
             self.counters.restore(meta)
@@ -225,11 +223,13 @@ class Coordinator:
         tasks, result = self._send_tasks(r, sampled, evaluators)
         self.observer.enter("evaluating" if final else "training", r)
         self._collect(tasks, result, started)
-        tasks.close()  # an answer after this is stale: the aggregate is closed next
+        tasks.close()  # an answer after this is stale (or, from a dropped agent, late): the aggregate is closed next
         self.observer.enter("aggregating", r)
         for agent_id in result.dropped:
             self.registry.mark_unresponsive(agent_id, silent_since=started)
         previous = self._server_state()
+        if sampled and self._closed_rounds.maxlen:
+            self._closed_rounds.append((tasks, previous))
         abort = self._server_step(result)
         rolled_back = self._roll_back(r, abort) if abort else None
         row = result.to_metrics(seconds=self.clock.now() - started, final=final, abort=abort, rolled_back=rolled_back,
@@ -263,7 +263,8 @@ class Coordinator:
         state = self._server_state()
         if sampled:
             result.aggregate = self.method.open_round(state, c.aggregation.build())
-        self.inbox.open_round(tasks, result, state)
+        late = late_windows(r, self._closed_rounds, self.config.stragglers.staleness_exponent, self.method)
+        self.inbox.open_round(tasks, result, state, late if sampled else None)
         run = self.run_spec
         # Most methods send every agent the same tensors: encode and hash them once per round.
         # The payload is held with its body so that its arrays' ids cannot be reused by

@@ -168,6 +168,30 @@ def capped_accuracy(results: Iterable[tuple[int, int]], ratio: float | None) -> 
     return sum(w * c / t for w, (c, t) in zip(weights, pairs)) / sum(weights)
 
 
+def staleness_weight(staleness: int, exponent: float = 0.5) -> float:
+    """How much of a stale update's change is applied: ``(1 + staleness) ** -exponent``
+    (FedBuff's polynomial discount; 1 for a fresh update, 0.71 one version late)."""
+    return float((1 + staleness) ** -exponent)
+
+
+def rebase(update: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray],
+           factor: float) -> TensorDict:
+    """An update trained from ``base``, moved onto ``reference``: ``reference + factor * (update - base)``
+    for floating-point tensors (a variance kept at 0 or above), integer ones as sent. What a
+    late or asynchronous update contributes to a newer state: its own change, discounted."""
+    out: TensorDict = {}
+    for key, ref in reference.items():
+        x = np.asarray(update[key])
+        if ref.dtype.kind != "f":
+            out[key] = x
+            continue
+        moved = ref.astype(np.float64) + factor * (x.astype(np.float64) - np.asarray(base[key], np.float64))
+        if key.endswith("running_var"):
+            moved = np.maximum(moved, 0.0)
+        out[key] = moved.astype(ref.dtype)
+    return out
+
+
 def change_range(reference: np.ndarray) -> float:
     """How far any coordinate of a floating-point tensor may move from ``reference`` in one
     update for the streaming rules' exact sums: :data:`CHANGE_RANGE` times the tensor's
@@ -564,5 +588,5 @@ class MultiKrum(_Buffered):
 __all__ = [
     "CHANGE_RANGE", "DEFAULT_MAX_WEIGHT_RATIO", "MAX_UPDATE_WEIGHT", "AggregationRejected", "AggregationSpec",
     "Aggregator", "CoordinateMedian", "Mean", "MultiKrum", "NormClippedMean", "STATISTIC_LEAVES", "TrimmedMean",
-    "UpdateBound", "capped_accuracy", "weight_cap",
+    "UpdateBound", "capped_accuracy", "rebase", "staleness_weight", "weight_cap",
 ]

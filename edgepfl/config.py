@@ -37,7 +37,7 @@ from .specs import (
 
 __all__ = [
     "AgentConfig", "AggregationSpec", "BrokerConfig", "ConfigError", "DataSpec", "MethodSpec", "ModelSpec",
-    "ObserveSpec", "PartitionSpec", "RunConfig", "RunSpec", "SecuritySpec", "TrainConfig", "apply_overrides",
+    "ObserveSpec", "PartitionSpec", "RunConfig", "StragglerSpec", "RunSpec", "SecuritySpec", "TrainConfig", "apply_overrides",
     "load_agent_config", "load_run_config", "load_yaml", "parse_config", "resolve_paths",
 ]
 
@@ -82,6 +82,19 @@ class ObserveSpec(_Strict):
     metrics_port: int | None = Field(None, ge=0, le=65535,
                                      description="serve Prometheus /metrics on this port (0: any free port); off if unset")
     metrics_host: str = Field("127.0.0.1", description="address the metrics endpoint binds (0.0.0.0: every interface)")
+
+
+class StragglerSpec(_Strict):
+    """What a synchronous round does with a device that answers after it closed."""
+
+    max_staleness: int = Field(
+        2, ge=0, description="a training update that arrives up to this many rounds after its round closed, from a "
+                             "device that round dropped, is applied to the open round's aggregate, its change "
+                             "discounted by its staleness; later ones (and every late one for a method whose server "
+                             "step is not an average of the round's updates: FedPAC) are rejected 'stale'; 0: none")
+    staleness_exponent: float = Field(
+        0.5, ge=0, description="a late update's change counts (1 + staleness) ** -exponent, staleness in rounds "
+                               "(FedBuff's discount; 0.5: 0.71 for one round late, 0.58 for two)")
 
 
 class RunConfig(_Strict):
@@ -130,6 +143,8 @@ class RunConfig(_Strict):
     release_every: int | None = Field(None, ge=1, description="publish an encoder release every k rounds (and at the end)")
     release_at_end: bool = Field(False, description="export and publish the encoder when training ends")
     observe: ObserveSpec = Field(default_factory=ObserveSpec, description="fleet view and Prometheus metrics")
+    stragglers: StragglerSpec = Field(default_factory=StragglerSpec,
+                                      description="what happens to an update that arrives after its round closed")
     simulation: SimulationSpec = Field(
         default_factory=SimulationSpec, description="simulate --in-process: how the devices differ (compute, links, "
                                                     "availability); time there is virtual")

@@ -49,6 +49,9 @@ class RoundMetrics(BaseModel):
                                    "agent's count at most aggregation.max_weight_ratio x the median")
     per_client: dict[str, float | None] = Field(description="agent -> held-out accuracy (None: no test samples)")
     participants: list[str] = Field(description="agents whose training update was aggregated, sorted")
+    late: list[str] = Field(
+        default_factory=list, description="agents the previous round dropped whose update came in this round and "
+                                          "was folded in, discounted (stragglers.late_updates: fold), sorted")
     sampled: list[str] = Field(description="agents sent a training task")
     evaluated: int = Field(ge=0, description="agents that answered (train or evaluate)")
     dropped: list[str] = Field(description="agents that did not answer before the round closed, sorted")

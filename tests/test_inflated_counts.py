@@ -124,7 +124,7 @@ def test_a_device_announcing_2_to_the_24_samples_writes_no_more_than_two_honest_
         rows = read_rows(out)
         assert set(rows[0].participants) == {*HONEST, MALLORY}  # nobody refused, honest or not
 
-        loaded = load_checkpoint(coordinator.checkpoint_dir)
+        loaded = load_checkpoint(coordinator.run_dir.checkpoint_dir)
         assert loaded is not None
         share = mallory.share_of_direction(loaded[0].global_tensors)
         final = rows[-1]

@@ -32,14 +32,14 @@ the head tier can import this module without it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..aggregation import Aggregator, Mean
+from ..aggregation import Aggregator, Mean, rebase
 from ..heads import GENERIC_HEAD_KINDS
 from ..state import ServerState
 from .training import EvalResult, evaluate_logits, fit, make_optimizer, recalibrate_batchnorm
@@ -169,17 +169,25 @@ class RoundAggregate:
         """Updates added so far."""
         return len(self.participants)
 
-    def add(self, update: ClientUpdate) -> bool:
+    def add(self, update: ClientUpdate, base: Mapping[str, np.ndarray] | None = None, discount: float = 1.0) -> bool:
         """Fold in one update that passed :meth:`Method.check_update`; True when the rule's
         update bound clipped its shared parameters first.
+
+        ``base``: the shared parameters the update was trained from when they are not this
+        round's (a late update): its change from them, times ``discount``, is applied to
+        this round's (:func:`~edgepfl.aggregation.rebase`). Only a streaming method takes one.
 
         Raises :class:`~edgepfl.aggregation.AggregationRejected` (with a reason for the
         rejection counters) for an update the rule cannot take; the round then goes on
         as if it had not arrived.
         """
         clipped = False
+        if base is not None and not self.method.streaming:
+            raise ValueError(f"{self.method.name} aggregates a round's updates together: no late update")
         if self.reference:
             shared = {k: v for k, v in update.tensors.items() if k in self.reference}
+            if base is not None and set(shared) == set(self.reference):
+                shared = rebase(shared, base, self.reference, discount)
             clipped = self.rule.add(shared, self.method.update_weight(update))
         self.participants.append(update.agent_id)
         if not self.method.streaming:
