@@ -109,9 +109,9 @@ class Inbox:
         self._tasks, self._sink, self._state, self._late = tasks, sink, state, late
 
     @property
-    def open_tasks(self) -> RoundTasks:
-        """The tasks of the round being (or last) collected."""
-        return self._tasks
+    def late_rounds(self) -> set[int]:
+        """The closed rounds whose late updates the open round takes."""
+        return set(self._late or ())
 
     def expect_reports(self, agents: Iterable[str], release_id: str) -> None:
         """Wait for a report on ``release_id`` from each of ``agents`` (those that have not sent one already)."""

@@ -84,6 +84,8 @@ class RoundResult:
     sampled: list[str] = field(default_factory=list)
     #: agents the previous round dropped whose update arrived in this one and was folded in
     late: list[str] = field(default_factory=list)
+    #: updates folded in, by how many rounds (states) old the state they were trained on was
+    staleness: Counter = field(default_factory=Counter)
 
     def record(self, accepted: Accepted, wire_bytes: int) -> None:
         """Count an answer the gate accepted; a training update is added to the round's
@@ -98,9 +100,10 @@ class RoundResult:
                             "max_mean_shift, max_variance_growth); clipped onto it", self.round, accepted.agent_id)
                 self.clipped.append(accepted.agent_id)
             (self.late if late is not None else self.participants).append(accepted.agent_id)
+            self.staleness[self.round - late.tasks.round if late is not None else 0] += 1
         self.bytes_up += wire_bytes
-        if late is None:  # a late answer's evaluation is of last round's model
-            self.evaluations[accepted.agent_id] = Evaluation.of(accepted.meta)
+        # a late answer's held-out counts are of the state it was sent: the row says how stale (staleness)
+        self.evaluations[accepted.agent_id] = Evaluation.of(accepted.meta)
 
     def to_metrics(self, *, seconds: float, final: bool, abort: str | None, rolled_back: int | None,
                    shared_bytes: int, max_weight_ratio: float | None) -> RoundMetrics:
@@ -115,6 +118,7 @@ class RoundResult:
             per_client={a: e.accuracy for a, e in sorted(evals.items())},
             participants=sorted(self.participants),
             late=sorted(self.late),
+            staleness={str(k): v for k, v in sorted(self.staleness.items())},
             clipped=sorted(self.clipped),
             sampled=self.sampled,
             evaluated=len(evals),

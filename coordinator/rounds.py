@@ -29,7 +29,6 @@ the counters that ``metrics.jsonl``, the checkpoint and the log show.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 from pathlib import Path
@@ -39,20 +38,15 @@ from edgepfl.config import ConfigError, RunConfig
 from edgepfl.methods import Method, ServerState, create_method
 from edgepfl.metrics import HeadReport, RoundMetrics
 from edgepfl.protocol import (
-    Body,
     CoordinatorMeta,
-    MessageType,
     RunSpec,
-    TaskMeta,
-    encode,
-    encode_body,
-    new_message_id,
     seed_for,
 )
 from edgepfl.protocol.signing import Keyring, load_signer
 from edgepfl.state import CheckpointMeta
 
-from .fleet import SENDER, Fleet
+from .buffered import BufferedRounds
+from .fleet import Fleet
 from .gate import RoundTasks, Task, UpdateGate, admit_state, late_windows
 from .inbox import Inbox
 from .nack import Nacker
@@ -64,6 +58,7 @@ from .result import RoundResult, RunCounters
 from .rollback import RollbackPolicy
 from .run_dir import RunDirectory
 from .sampling import choose_participants
+from .tasks import TaskWriter
 
 log = logging.getLogger("edgepfl.coordinator")
 
@@ -97,6 +92,7 @@ class Coordinator:
         gate = UpdateGate(config.federation, self.method, self.registry, max_bytes=config.broker.max_payload_bytes,
                           keyring=keyring)
         self.observer = Observer(config, fleet, self.registry, self.counters)
+        self.task_writer = TaskWriter(config, self.run_spec, self.method, self.signer)
         self.inbox = Inbox(fleet, self.registry, gate, self.counters, tick=self.observer.tick, keyring=keyring,
                            clock=self.clock, presence=PresenceWatch(self.registry, config.expected_agents),
                            nacks=Nacker(config.federation, fleet, self.registry, self.signer))
@@ -105,7 +101,7 @@ class Coordinator:
         self.start_round = 0
         self.releases: dict[str, int] = {}  # release id -> the round it was exported after, in publishing order
         #: recent training rounds' tasks and the states they were built from: their stragglers' late updates
-        self._closed_rounds: deque[tuple[RoundTasks, ServerState]] = deque(maxlen=config.stragglers.max_staleness)
+        self._closed_rounds: deque[tuple[RoundTasks, ServerState]] = deque(maxlen=config.staleness_limit)
 
     @property
     def head_reports(self) -> dict[str, HeadReport]:
@@ -113,7 +109,6 @@ class Coordinator:
         latest = next(reversed(self.releases), None)
         return self.inbox.reports_by_release.get(latest, {}) if latest else {}
 
-    # ---------------------------------------------------------------- state
     def init_or_resume(self) -> None:
         """Fresh server state from a seeded model, or the last checkpoint if one exists."""
         found = self.run_dir.load_checkpoint()
@@ -172,12 +167,13 @@ class Coordinator:
         c = self.config
         self._wait_for_agents()
         rows = []
+        buffered = BufferedRounds(self) if c.asynchrony.mode == "buffered" else None
         for r in range(self.start_round, c.rounds):
-            if r > self.start_round:
+            if r > self.start_round and buffered is None:
                 # Agents that dropped out get up to one round timeout to come back before we go on without them.
                 self._wait_for_agents(required=False)
             self.fleet.announce(CoordinatorMeta(state="online", method=c.method.name, round=r))
-            rows.append(self._run_round(r, final=False))
+            rows.append(buffered.run_state(r) if buffered is not None else self._run_round(r, final=False))
             if c.release_every and (r + 1) % c.release_every == 0 and r + 1 < c.rounds:
                 self.release(r)
         rows.append(self._run_round(c.rounds, final=True))
@@ -223,14 +219,21 @@ class Coordinator:
         tasks, result = self._send_tasks(r, sampled, evaluators)
         self.observer.enter("evaluating" if final else "training", r)
         self._collect(tasks, result, started)
-        tasks.close()  # an answer after this is stale (or, from a dropped agent, late): the aggregate is closed next
-        self.observer.enter("aggregating", r)
         for agent_id in result.dropped:
             self.registry.mark_unresponsive(agent_id, silent_since=started)
-        previous = self._server_state()
-        if sampled and self._closed_rounds.maxlen:
+        return self.close_round(tasks, result, started, final, quorum=self.config.quorum_of(len(sampled)))
+
+    def close_round(self, tasks: RoundTasks, result: RoundResult, started: float, final: bool,
+                    quorum: int) -> RoundMetrics:
+        """Stop collecting, adopt the aggregate if it passes (at least ``quorum`` updates),
+        write the metrics row, then the checkpoint."""
+        r = tasks.round
+        tasks.close()  # an answer after this is stale (or, from a dropped agent, late): the aggregate is closed next
+        self.observer.enter("aggregating", r)
+        previous, trained = self._server_state(), result.aggregate is not None
+        if trained and self._closed_rounds.maxlen:
             self._closed_rounds.append((tasks, previous))
-        abort = self._server_step(result)
+        abort = self._server_step(result, quorum)
         rolled_back = self._roll_back(r, abort) if abort else None
         row = result.to_metrics(seconds=self.clock.now() - started, final=final, abort=abort, rolled_back=rolled_back,
                                 shared_bytes=int(sum(v.nbytes for v in self._server_state().shared_params().values())),
@@ -238,7 +241,7 @@ class Coordinator:
         # Row first, checkpoint second: a crash in between leaves a row that the resumed
         # run drops and writes again (RunDirectory.drop_rows_from), never a round without a row.
         self.run_dir.append_row(row)
-        if sampled:
+        if trained:
             if abort is None:  # a round trained from `previous` was adopted: it is the last good state
                 self.rollback.keep_good_state(previous, self.checkpoint_meta(r - 1))
             self.run_dir.save_checkpoint(self._server_state(), self.checkpoint_meta(r))
@@ -256,46 +259,42 @@ class Coordinator:
 
     def _send_tasks(self, r: int, sampled: list[str], evaluators: list[str]) -> tuple[RoundTasks, RoundResult]:
         """Open round ``r`` and send each agent its task; returns the tasks and the round's (empty) result."""
-        c = self.config
-        announced = {a: self.registry.announced_num_train(a) for a in sampled}
-        tasks = RoundTasks(r, weight_cap(announced.values(), c.aggregation.max_weight_ratio))
+        tasks, result, _ = self.open_round(r, sampled, late=bool(sampled))
+        for agent_id, kind in [(a, "train") for a in sampled] + [(a, "evaluate") for a in evaluators]:
+            self.send_task(tasks, result, agent_id, kind)
+        return tasks, result
+
+    def open_round(self, r: int, sampled: list[str], late: bool) -> tuple[RoundTasks, RoundResult, ServerState]:
+        """Open round ``r`` for answers (its aggregate when ``sampled`` train; with ``late``,
+        closed rounds' late updates too), its tasks built from the current state."""
+        c, state = self.config, self._server_state()
+        tasks = RoundTasks(r, weight_cap([self.registry.announced_num_train(a) for a in sampled],
+                                         c.aggregation.max_weight_ratio))
         result = RoundResult(round=r, sampled=sampled)
-        state = self._server_state()
         if sampled:
             result.aggregate = self.method.open_round(state, c.aggregation.build())
-        late = late_windows(r, self._closed_rounds, self.config.stragglers.staleness_exponent, self.method)
-        self.inbox.open_round(tasks, result, state, late if sampled else None)
-        run = self.run_spec
-        # Most methods send every agent the same tensors: encode and hash them once per round.
-        # The payload is held with its body so that its arrays' ids cannot be reused by
-        # another agent's payload while the loop runs.
-        bodies: dict[tuple[tuple[str, int], ...], tuple[dict, Body]] = {}
-        for agent_id, kind in [(a, "train") for a in sampled] + [(a, "evaluate") for a in evaluators]:
-            task_id = new_message_id()
-            meta = TaskMeta(task_id=task_id, kind=kind, run=run, seed=seed_for(c.seed, r, agent_id),
-                            deadline_s=c.round_timeout_s, epoch=self.epoch)
-            payload = self.method.payload_for(state, agent_id)
-            key = tuple((name, id(array)) for name, array in payload.items())
-            if key not in bodies:
-                bodies[key] = (payload, encode_body(payload))
-            # signed per agent over its own header only: the shared body is hashed once per round
-            frame = encode(MessageType.TASK, federation=c.federation, sender=SENDER, round=r, meta=meta,
-                           body=bodies[key][1], signer=self.signer,
-                           recipient=agent_id if self.signer is not None else None)
-            tasks.add(Task(agent_id, task_id, kind, announced.get(agent_id)))
-            result.bytes_down += self.fleet.send(agent_id, frame, r)
-            if not self.fleet.send_ready():
-                # Unacknowledged tasks wait in the transport: at 1,000 agents a round's worth
-                # is 1,000 x the model. Answers are admitted meanwhile (their tasks are added).
-                self.inbox.pump_until(self.fleet.send_ready, self.clock.now() + c.round_timeout_s)
-        return tasks, result
+        windows = late_windows(r, self._closed_rounds, c.stragglers.staleness_exponent, self.method) if late else None
+        self.inbox.open_round(tasks, result, state, windows)
+        self.task_writer.open(r, state, self.epoch)
+        return tasks, result, state
+
+    def send_task(self, tasks: RoundTasks, result: RoundResult, agent_id: str, kind: str) -> None:
+        """Send ``agent_id`` a ``kind`` task of the open round."""
+        task_id, frame = self.task_writer.frame(agent_id, kind)
+        announced = self.registry.announced_num_train(agent_id) if kind == "train" else None
+        tasks.add(Task(agent_id, task_id, kind, announced))
+        result.bytes_down += self.fleet.send(agent_id, frame, tasks.round)
+        if not self.fleet.send_ready():
+            # Unacknowledged tasks wait in the transport: at 1,000 agents a round's worth
+            # is 1,000 x the model. Answers are admitted meanwhile (their tasks are added).
+            self.inbox.pump_until(self.fleet.send_ready, self.clock.now() + self.config.round_timeout_s)
 
     def _collect(self, tasks: RoundTasks, result: RoundResult, started: float) -> None:
         """Admit answers until every task is answered or, once a quorum of updates is in,
         the round timeout passes or every agent still owing an answer is offline; never
         past twice the timeout. Whoever has not answered then is dropped from the round."""
         timeout = self.config.round_timeout_s
-        quorum = self._quorum(len(result.sampled))
+        quorum = self.config.quorum_of(len(result.sampled))
         waiting = tasks.waiting  # live: the gate removes agents as they answer
 
         def closable() -> bool:
@@ -313,13 +312,12 @@ class Coordinator:
                      len(result.participants), len(result.sampled), self.clock.now() - started, ", ".join(sorted(waiting)))
             result.dropped.extend(sorted(waiting))
 
-    def _server_step(self, result: RoundResult) -> str | None:
+    def _server_step(self, result: RoundResult, quorum: int) -> str | None:
         """Close the round's aggregate when a quorum was added and adopt it if it passes
         :func:`~.gate.admit_state`; returns why the round was aborted (None: adopted)."""
         aggregate, result.aggregate = result.aggregate, None  # the round's sums go with this call
-        if not result.sampled or aggregate is None:
+        if aggregate is None:  # nobody trained (an evaluation round)
             return None
-        quorum = self._quorum(len(result.sampled))
         if aggregate.count == 0 or aggregate.count < quorum:
             log.warning("round %d: %d of %d updates, below quorum %d; global state unchanged", result.round,
                         aggregate.count, len(result.sampled), quorum)
@@ -341,9 +339,6 @@ class Coordinator:
             return None
         good, self.state = target
         return good
-
-    def _quorum(self, sampled: int) -> int:
-        return math.ceil(self.config.quorum * sampled)
 
     # ---------------------------------------------------------------- releases
     def release(self, round: int) -> str | None:

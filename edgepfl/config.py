@@ -7,6 +7,7 @@ message names the file and the offending field. Method-specific options live und
 
 from __future__ import annotations
 
+import math
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -37,8 +38,9 @@ from .specs import (
 
 __all__ = [
     "AgentConfig", "AggregationSpec", "BrokerConfig", "ConfigError", "DataSpec", "MethodSpec", "ModelSpec",
-    "ObserveSpec", "PartitionSpec", "RunConfig", "StragglerSpec", "RunSpec", "SecuritySpec", "TrainConfig", "apply_overrides",
-    "load_agent_config", "load_run_config", "load_yaml", "parse_config", "resolve_paths",
+    "AsynchronySpec", "ObserveSpec", "PartitionSpec", "RunConfig", "StragglerSpec", "RunSpec", "SecuritySpec",
+    "TrainConfig", "apply_overrides", "load_agent_config", "load_run_config", "load_yaml", "parse_config",
+    "resolve_paths",
 ]
 
 
@@ -84,17 +86,42 @@ class ObserveSpec(_Strict):
     metrics_host: str = Field("127.0.0.1", description="address the metrics endpoint binds (0.0.0.0: every interface)")
 
 
+#: rounds (sync) or states (buffered) an update may be late by default: a state of a
+#: buffered run takes buffer_size updates, so a device 16 states late is one that computes
+#: about 16 x buffer_size / fleet size times slower than the median, and still counts
+DEFAULT_MAX_STALENESS = {"sync": 2, "buffered": 16}
+
+
 class StragglerSpec(_Strict):
     """What a synchronous round does with a device that answers after it closed."""
 
-    max_staleness: int = Field(
-        2, ge=0, description="a training update that arrives up to this many rounds after its round closed, from a "
-                             "device that round dropped, is applied to the open round's aggregate, its change "
-                             "discounted by its staleness; later ones (and every late one for a method whose server "
-                             "step is not an average of the round's updates: FedPAC) are rejected 'stale'; 0: none")
+    max_staleness: int | None = Field(
+        None, ge=0, description="a training update that arrives up to this many rounds (buffered: states) after its "
+                                "round closed, from a device that round dropped (buffered: any), is applied to the "
+                                "open round's aggregate, its change discounted by its staleness; later ones (and every "
+                                "late one for a method whose server step is not an average of the round's updates: "
+                                "FedPAC) are rejected 'stale'; 0: none; null: 2 rounds (sync), 16 states (buffered)")
+
+    def staleness_limit(self, mode: str) -> int:
+        """``max_staleness``, or its default for ``mode`` (``sync`` or ``buffered``)."""
+        if self.max_staleness is not None:
+            return self.max_staleness
+        return DEFAULT_MAX_STALENESS[mode]
+
     staleness_exponent: float = Field(
         0.5, ge=0, description="a late update's change counts (1 + staleness) ** -exponent, staleness in rounds "
                                "(FedBuff's discount; 0.5: 0.71 for one round late, 0.58 for two)")
+
+
+class AsynchronySpec(_Strict):
+    """Synchronous rounds, or buffered asynchronous ones (FedBuff)."""
+
+    mode: Literal["sync", "buffered"] = Field(
+        "sync", description="sync: rounds with a deadline, every sampled agent trains on the same state; buffered: "
+                            "every online trainer trains continuously on the freshest state it was sent, and each "
+                            "buffer_size accepted updates (changes discounted by staleness, stragglers) make the "
+                            "next state: a row of metrics.jsonl per state (rounds counts states)")
+    buffer_size: int = Field(10, ge=1, description="buffered: accepted updates folded into one new state (K)")
 
 
 class RunConfig(_Strict):
@@ -143,6 +170,8 @@ class RunConfig(_Strict):
     release_every: int | None = Field(None, ge=1, description="publish an encoder release every k rounds (and at the end)")
     release_at_end: bool = Field(False, description="export and publish the encoder when training ends")
     observe: ObserveSpec = Field(default_factory=ObserveSpec, description="fleet view and Prometheus metrics")
+    asynchrony: AsynchronySpec = Field(default_factory=AsynchronySpec,
+                                       description="synchronous rounds, or buffered asynchronous ones (FedBuff)")
     stragglers: StragglerSpec = Field(default_factory=StragglerSpec,
                                       description="what happens to an update that arrives after its round closed")
     simulation: SimulationSpec = Field(
@@ -159,7 +188,20 @@ class RunConfig(_Strict):
         if agg.rule == "multi_krum" and agg.krum_select is not None and agg.krum_select >= self.min_agents:
             raise ValueError(f"aggregation.krum_select {agg.krum_select} averages every update of a round of "
                              f"min_agents = {self.min_agents}: multi_krum would drop nothing; choose fewer")
+        if self.asynchrony.mode == "buffered" and not get_method(self.method.name).streaming:
+            raise ValueError(f"asynchrony.mode buffered: {self.method.name}'s server step needs every update of a "
+                             "synchronous round together (it is not an average of each update's shared parts); "
+                             "use mode: sync")
         return self
+
+    def quorum_of(self, sampled: int) -> int:
+        """Updates that close a round of ``sampled`` agents at its deadline."""
+        return math.ceil(self.quorum * sampled)
+
+    @property
+    def staleness_limit(self) -> int:
+        """How many rounds (buffered: states) late an update may be (``stragglers.max_staleness``)."""
+        return self.stragglers.staleness_limit(self.asynchrony.mode)
 
     def method_config(self):
         return get_method(self.method.name).config_class.model_validate(self.method.options())

@@ -51,7 +51,11 @@ class RoundMetrics(BaseModel):
     participants: list[str] = Field(description="agents whose training update was aggregated, sorted")
     late: list[str] = Field(
         default_factory=list, description="agents the previous round dropped whose update came in this round and "
-                                          "was folded in, discounted (stragglers.late_updates: fold), sorted")
+                                          "was folded in, discounted (stragglers.max_staleness), sorted; in a "
+                                          "buffered run every update trained on an earlier state")
+    staleness: dict[str, int] = Field(
+        default_factory=dict, description="updates folded in, by staleness: how many rounds (buffered: states) "
+                                          "before this one the state they were trained on was; '0': on time")
     sampled: list[str] = Field(description="agents sent a training task")
     evaluated: int = Field(ge=0, description="agents that answered (train or evaluate)")
     dropped: list[str] = Field(description="agents that did not answer before the round closed, sorted")

@@ -639,12 +639,12 @@ def test_an_answer_that_comes_after_its_round_closed_is_stale(tmp_path):
 
 
 def _count_encodings(monkeypatch) -> list[int]:
-    """How many bodies the round loop encodes (a spy on the real encode_body)."""
-    from edgepfl.coordinator import rounds
+    """How many bodies the round loop's task writer encodes (a spy on the real encode_body)."""
+    from edgepfl.coordinator import tasks
 
     calls: list[int] = []
-    real = rounds.encode_body
-    monkeypatch.setattr(rounds, "encode_body", lambda tensors: calls.append(len(tensors)) or real(tensors))
+    real = tasks.encode_body
+    monkeypatch.setattr(tasks, "encode_body", lambda tensors: calls.append(len(tensors)) or real(tensors))
     return calls
 
 

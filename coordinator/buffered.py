@@ -1,0 +1,92 @@
+"""Buffered asynchronous rounds (FedBuff; ``asynchrony.mode: buffered``).
+
+No device waits for another. Every online trainer holds one training task at a time,
+built from the freshest state when it was sent; when its update arrives the device is
+sent a new task at once. Each accepted update is folded into the open state's aggregate
+as it arrives: its change from the state it was trained on, discounted by
+``(1 + staleness) ** -stragglers.staleness_exponent`` and applied to the open state
+(:func:`edgepfl.aggregation.rebase`), weighted by its sample count as in a synchronous
+round. After ``asynchrony.buffer_size`` updates (or, with at least one, after
+``round_timeout_s``) the aggregate becomes the next state: one ``metrics.jsonl`` row,
+one checkpoint, the same guards (``admit_state``, rollback) as a synchronous round. An
+update trained on a state more than ``stragglers.max_staleness`` states old is rejected
+``stale`` (a NACK tells the device), and the device is sent a fresh task.
+
+On the wire nothing is new: a task's ``round`` is the number of the state it was built
+from, and a device answers it as any task. The gate checks an update against the round
+its task was sent in (:class:`~.gate.LateWindow`), so signatures, bounds, weight caps and
+NACKs work unchanged. Evaluation comes with the answers: a training answer carries the
+device's held-out counts on the state it received, and the row's accuracy is over the
+answers folded into it; the final evaluation round is synchronous, as in ``sync`` mode.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from edgepfl.metrics import RoundMetrics
+
+from .gate import RoundTasks
+from .result import RoundResult
+
+if TYPE_CHECKING:
+    from .rounds import Coordinator
+
+log = logging.getLogger("edgepfl.coordinator")
+
+
+class BufferedRounds:
+    """The states of a buffered run, one :meth:`run_state` call each, over a coordinator's fleet."""
+
+    def __init__(self, coordinator: Coordinator):
+        self.coordinator = coordinator
+        #: agent -> (the round whose task it holds, the clock time it was sent)
+        self.holding: dict[str, tuple[RoundTasks, float]] = {}
+        self._seen: tuple = ()
+
+    def run_state(self, v: int) -> RoundMetrics:
+        """Collect updates into state ``v``'s aggregate until the buffer is full; adopt it."""
+        co = self.coordinator
+        started = co.clock.now()
+        # weights capped by what every eligible trainer announced; the tasks go out as devices free up
+        tasks, result, _ = co.open_round(v, co.registry.eligible(), late=True)
+        result.sampled = []
+        co.observer.enter("training", v)
+        buffer_size, timeout = co.config.asynchrony.buffer_size, co.config.round_timeout_s
+        self._seen = ()
+        self._hand_out(tasks, result)
+
+        def full() -> bool:
+            self._hand_out(tasks, result)
+            count = result.aggregate.count if result.aggregate is not None else 0
+            return count >= buffer_size or (count > 0 and co.clock.now() - started > timeout)
+
+        co.inbox.pump_until(full, started + 2 * timeout)
+        return co.close_round(tasks, result, started, final=False, quorum=1)
+
+    def _hand_out(self, tasks: RoundTasks, result: RoundResult) -> None:
+        """Send a task of the open state to every eligible trainer not holding one: one whose
+        task was answered, that sent anything since (a rejected answer, a new session), or
+        whose task's state has left the late window. Looks at the fleet only when an answer,
+        a rejection or a presence change came in since the last look."""
+        co = self.coordinator
+        aggregate = result.aggregate
+        seen = (aggregate.count if aggregate is not None else 0, sum(result.rejected.values()),
+                sum(result.refused.values()), co.registry.revision)
+        if seen == self._seen:
+            return
+        self._seen = seen
+        windows = co.inbox.late_rounds
+        for agent_id in co.registry.eligible():
+            held = self.holding.get(agent_id)
+            if held is not None:
+                held_tasks, sent_at = held
+                life = co.registry.last_life(agent_id)
+                waiting = not held_tasks.answered(agent_id) and (life is None or life <= sent_at)
+                if waiting and (held_tasks is tasks or held_tasks.round in windows):
+                    continue
+            self.holding[agent_id] = (tasks, co.clock.now())
+            if agent_id not in result.sampled:
+                result.sampled.append(agent_id)
+            co.send_task(tasks, result, agent_id, "train")

@@ -1,0 +1,52 @@
+"""The frames of a round's tasks: what every agent of the round is sent.
+
+Most methods send every agent the same tensors, so :class:`TaskWriter` encodes and hashes
+a payload's body once per round and signs each agent's header on its own.
+"""
+
+from __future__ import annotations
+
+from edgepfl.config import RunConfig
+from edgepfl.methods import Method, ServerState
+from edgepfl.protocol import Body, MessageType, RunSpec, TaskMeta, encode, encode_body, new_message_id, seed_for
+from edgepfl.protocol.signing import Signer
+
+from .fleet import SENDER
+
+
+class TaskWriter:
+    """Task frames of one round at a time (:meth:`open`, then :meth:`frame` per agent)."""
+
+    def __init__(self, config: RunConfig, run_spec: RunSpec, method: Method, signer: Signer | None):
+        self.config = config
+        self.run_spec = run_spec
+        self.method = method
+        self.signer = signer
+        self._round = -1
+        self._state: ServerState | None = None
+        self._epoch = 0
+        # The payload is held with its body so that its arrays' ids cannot be reused by
+        # another agent's payload while the round's tasks are written.
+        self._bodies: dict[tuple[tuple[str, int], ...], tuple[dict, Body]] = {}
+
+    def open(self, round: int, state: ServerState, epoch: int) -> None:
+        """The tasks that follow are round ``round``'s, built from ``state``, of the run begun at ``epoch``."""
+        self._round, self._state, self._epoch, self._bodies = round, state, epoch, {}
+
+    def frame(self, agent_id: str, kind: str) -> tuple[str, bytes]:
+        """A new task for ``agent_id`` (``train`` or ``evaluate``): its id and its frame."""
+        if self._state is None:
+            raise RuntimeError("open() a round first")
+        c = self.config
+        task_id = new_message_id()
+        meta = TaskMeta(task_id=task_id, kind=kind, run=self.run_spec, seed=seed_for(c.seed, self._round, agent_id),
+                        deadline_s=c.round_timeout_s, epoch=self._epoch)
+        payload = self.method.payload_for(self._state, agent_id)
+        key = tuple((name, id(array)) for name, array in payload.items())
+        if key not in self._bodies:
+            self._bodies[key] = (payload, encode_body(payload))
+        # signed per agent over its own header only: the shared body is hashed once per round
+        frame = encode(MessageType.TASK, federation=c.federation, sender=SENDER, round=self._round, meta=meta,
+                       body=self._bodies[key][1], signer=self.signer,
+                       recipient=agent_id if self.signer is not None else None)
+        return task_id, frame

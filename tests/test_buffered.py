@@ -1,0 +1,70 @@
+"""Buffered asynchronous rounds (issue #31, item 2) on the in-process virtual clock: no
+device waits for another, each accepted update is folded into the open state's buffer
+discounted by its staleness, and every ``buffer_size`` updates make the next state.
+
+Eight devices, two of them ten times slower than the rest; a state every four updates.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from edgepfl.config import ConfigError, RunConfig, parse_config
+from edgepfl.coordinator.simulate import simulate
+from edgepfl.edge_agent.tiers import local_trainers
+from edgepfl.simulation import FleetTiming
+
+
+def _config(**overrides) -> RunConfig:
+    base = dict(federation="buffered", method={"name": "fedavg"}, model={"arch": "mlp", "feature_dim": 16},
+                train={"epochs": 1, "batch_size": 32}, data={"dataset": "digits", "num_clients": 8}, rounds=10,
+                device="cpu", seed=5, round_timeout_s=30.0, asynchrony={"mode": "buffered", "buffer_size": 4},
+                simulation={"devices": [{"name": "fast", "share": 6},
+                                        {"name": "slow", "share": 2, "seconds_per_sample": 0.01}]})
+    base.update(overrides)
+    return RunConfig.model_validate(base)
+
+
+def _slow(config: RunConfig) -> set[str]:
+    timing = FleetTiming(config.simulation, [f"agent-{i:02d}" for i in range(8)], config.seed)
+    return {a for a, d in timing.devices.items() if d.profile.name == "slow"}
+
+
+@pytest.mark.slow
+def test_every_state_folds_a_full_buffer_and_slow_devices_count_discounted(tmp_path):
+    config = _config()
+    rows, _ = simulate(config, 8, tmp_path / "a", in_process=local_trainers, progress=False)
+    training = [row for row in rows if not row.final]
+    assert len(training) == 10 and not any(row.aborted for row in training)
+    for row in training:
+        folded = len(row.participants) + len(row.late)
+        assert folded == 4 == sum(row.staleness.values()), row
+        assert row.rejected == {} and row.dropped == []
+    slow = _slow(config)
+    contributed = {a for row in training for a in row.participants + row.late}
+    assert slow <= contributed  # ten times slower, and still in the model
+    assert max(int(k) for row in training for k in row.staleness) >= 3  # ... with the staleness it has
+    # a state's time is the time its buffer took to fill, far less than a slow device's task
+    sync, _ = simulate(_config(asynchrony={"mode": "sync"}), 8, tmp_path / "sync", in_process=local_trainers,
+                       progress=False)
+    assert sum(r.seconds for r in training) < sum(r.seconds for r in sync if not r.final) / 3
+    again, _ = simulate(config, 8, tmp_path / "b", in_process=local_trainers, progress=False)
+    assert (tmp_path / "a" / "metrics.jsonl").read_bytes() == (tmp_path / "b" / "metrics.jsonl").read_bytes()
+
+
+@pytest.mark.slow
+def test_an_update_staler_than_the_bound_is_rejected_and_its_device_gets_a_fresh_task(tmp_path):
+    config = _config(stragglers={"max_staleness": 2}, rounds=12)
+    rows, _ = simulate(config, 8, tmp_path / "run", in_process=local_trainers, progress=False)
+    training = [row for row in rows if not row.final]
+    assert sum(row.rejected.get("stale", 0) for row in training) >= 1
+    assert all(int(k) <= 2 for row in training for k in row.staleness)
+    slow = _slow(config)
+    handed = [a for row in training for a in row.sampled]
+    assert all(handed.count(a) >= 2 for a in slow)  # re-tasked after each stale answer, never shut out of tasks
+
+
+def test_a_method_whose_server_step_needs_a_synchronous_round_says_so_at_validation():
+    with pytest.raises(ConfigError, match="fedpac's server step needs every update of a synchronous round"):
+        parse_config({"method": {"name": "fedpac"}, "asynchrony": {"mode": "buffered"}}, RunConfig, "test")
+    assert parse_config({"method": {"name": "fedavg"}, "asynchrony": {"mode": "buffered"}}, RunConfig, "test")
