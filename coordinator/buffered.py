@@ -2,7 +2,8 @@
 
 No device waits for another. Every online trainer holds one training task at a time,
 built from the freshest state when it was sent; when its update arrives the device is
-sent a new task at once. Each accepted update is folded into the open state's aggregate
+sent a task of the open state at once, unless it already answered one of that state (no
+device, however fast, writes more than one update of a state). Each accepted update is folded into the open state's aggregate
 as it arrives: its change from the state it was trained on, discounted by
 ``(1 + staleness) ** -stragglers.staleness_exponent`` and applied to the open state
 (:func:`edgepfl.aggregation.rebase`), weighted by its sample count as in a synchronous
@@ -41,8 +42,8 @@ class BufferedRounds:
 
     def __init__(self, coordinator: Coordinator):
         self.coordinator = coordinator
-        #: agent -> (the round whose task it holds, the clock time it was sent)
-        self.holding: dict[str, tuple[RoundTasks, float]] = {}
+        #: agent -> the round (state) whose task it holds
+        self.holding: dict[str, RoundTasks] = {}
         self._seen: tuple = ()
 
     def run_state(self, v: int) -> RoundMetrics:
@@ -66,10 +67,10 @@ class BufferedRounds:
         return co.close_round(tasks, result, started, final=False, quorum=1)
 
     def _hand_out(self, tasks: RoundTasks, result: RoundResult) -> None:
-        """Send a task of the open state to every eligible trainer not holding one: one whose
-        task was answered, that sent anything since (a rejected answer, a new session), or
-        whose task's state has left the late window. Looks at the fleet only when an answer,
-        a rejection or a presence change came in since the last look."""
+        """Send a task of the open state to every eligible trainer that holds none of it and
+        none of an earlier state still open to late updates (answered, or refused, or
+        rejected for a reason that ends the wait, frees a device). Looks at the fleet only when an
+        answer, a rejection or a presence change came in since the last look."""
         co = self.coordinator
         aggregate = result.aggregate
         seen = (aggregate.count if aggregate is not None else 0, sum(result.rejected.values()),
@@ -80,13 +81,12 @@ class BufferedRounds:
         windows = co.inbox.late_rounds
         for agent_id in co.registry.eligible():
             held = self.holding.get(agent_id)
-            if held is not None:
-                held_tasks, sent_at = held
-                life = co.registry.last_life(agent_id)
-                waiting = not held_tasks.answered(agent_id) and (life is None or life <= sent_at)
-                if waiting and (held_tasks is tasks or held_tasks.round in windows):
-                    continue
-            self.holding[agent_id] = (tasks, co.clock.now())
+            # An agent works through its tasks one at a time: a second one now would only
+            # queue. And one that answered this state waits for the next: no device, however
+            # fast, writes more than one update of a state.
+            if held is tasks or (held is not None and not held.answered(agent_id) and held.round in windows):
+                continue
+            self.holding[agent_id] = tasks
             if agent_id not in result.sampled:
                 result.sampled.append(agent_id)
             co.send_task(tasks, result, agent_id, "train")

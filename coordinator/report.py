@@ -97,7 +97,7 @@ def format_table(rows: list[RoundMetrics], summary: dict, method: str = "") -> s
     for r in rows:
         acc = "-" if r.accuracy is None else f"{r.accuracy:.2%}"
         label = "final" if r.final else str(r.round)
-        lines.append(f"{label:>6} {acc:>9} {len(r.participants):>8} {r.evaluated:>9} "
+        lines.append(f"{label:>6} {acc:>9} {len(r.participants) + len(r.late):>8} {r.evaluated:>9} "
                      f"{r.bytes_up / 1e6:>8.2f} {r.bytes_down / 1e6:>8.2f} {r.seconds:>8.2f}")
     lines.append("")
     fa, ba = summary.get("final_accuracy"), summary.get("best_accuracy")

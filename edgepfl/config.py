@@ -121,7 +121,9 @@ class AsynchronySpec(_Strict):
                             "every online trainer trains continuously on the freshest state it was sent, and each "
                             "buffer_size accepted updates (changes discounted by staleness, stragglers) make the "
                             "next state: a row of metrics.jsonl per state (rounds counts states)")
-    buffer_size: int = Field(10, ge=1, description="buffered: accepted updates folded into one new state (K)")
+    buffer_size: int = Field(10, ge=1, description="buffered: accepted updates folded into one new state (K), "
+                                                     "at most one per device: keep it at or below the number of "
+                                                     "trainers (a state short of it closes at round_timeout_s)")
 
 
 class RunConfig(_Strict):

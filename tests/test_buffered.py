@@ -66,5 +66,22 @@ def test_an_update_staler_than_the_bound_is_rejected_and_its_device_gets_a_fresh
 
 def test_a_method_whose_server_step_needs_a_synchronous_round_says_so_at_validation():
     with pytest.raises(ConfigError, match="fedpac's server step needs every update of a synchronous round"):
-        parse_config({"method": {"name": "fedpac"}, "asynchrony": {"mode": "buffered"}}, RunConfig, "test")
-    assert parse_config({"method": {"name": "fedavg"}, "asynchrony": {"mode": "buffered"}}, RunConfig, "test")
+        parse_config(RunConfig, {"method": {"name": "fedpac"}, "asynchrony": {"mode": "buffered"}}, "test")
+    assert parse_config(RunConfig, {"method": {"name": "fedavg"}, "asynchrony": {"mode": "buffered"}}, "test")
+
+
+@pytest.mark.slow
+def test_a_buffered_federation_over_mosquitto_with_agent_processes(mosquitto, tmp_path):
+    """Real agent processes over a real broker: every state folds a full buffer of updates
+    from distinct devices, tasks never cross (no ``unexpected`` answer), and the only
+    rejections are the answers still outstanding when the synchronous final round opens."""
+    config = _config(federation="buffered-mqtt", rounds=5, simulation={}, round_timeout_s=60.0,
+                     data={"dataset": "digits", "num_clients": 4}, asynchrony={"mode": "buffered", "buffer_size": 3})
+    rows, _ = simulate(config, 4, tmp_path / "run", broker=mosquitto.url, progress=False, threads=1)
+    training = [row for row in rows if not row.final]
+    assert len(training) == 5 and not any(row.aborted for row in training)
+    for row in training:
+        folded = row.participants + row.late
+        assert len(folded) == 3 == len(set(folded)) == sum(row.staleness.values()), row
+        assert row.rejected == {}, row.rejected
+    assert set(rows[-1].rejected) <= {"stale"} and rows[-1].evaluated == 4
