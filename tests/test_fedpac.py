@@ -65,7 +65,9 @@ def fake_update(agent, rng, *, n=10, counts=None, centroids=None, h=None, v=0.1,
 
 
 def body_of(state, rng):
-    return {k: rng.normal(size=v.shape).astype(v.dtype) for k, v in state.shared_params().items()}
+    """A random body of the shared parameters (variances kept non-negative, as any honest estimate)."""
+    return {k: (np.abs(x) if k.endswith("running_var") else x).astype(v.dtype)
+            for k, v in state.shared_params().items() for x in [rng.normal(size=v.shape)]}
 
 
 # ---------------------------------------------------------------------- server: QP weights
