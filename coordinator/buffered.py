@@ -79,12 +79,14 @@ class BufferedRounds:
             return
         self._seen = seen
         windows = co.inbox.late_rounds
+        wrote = {*result.participants, *result.late}
         for agent_id in co.registry.eligible():
             held = self.holding.get(agent_id)
             # An agent works through its tasks one at a time: a second one now would only
-            # queue. And one that answered this state waits for the next: no device, however
-            # fast, writes more than one update of a state.
-            if held is tasks or (held is not None and not held.answered(agent_id) and held.round in windows):
+            # queue. And one whose update (on time or late) is in this state waits for the
+            # next: no device, however fast, writes more than one update of a state.
+            if held is tasks or agent_id in wrote or (
+                    held is not None and not held.answered(agent_id) and held.round in windows):
                 continue
             self.holding[agent_id] = tasks
             if agent_id not in result.sampled:

@@ -34,6 +34,10 @@ class MetricsError(ValueError):
     """A metrics file that cannot be read; the message names file, line and field."""
 
 
+#: fields rows gained after their first format; written only when they hold something
+_LATER_FIELDS = ("late", "staleness")
+
+
 class RoundMetrics(BaseModel):
     """What one round (or the final evaluation) measured.
 
@@ -82,7 +86,11 @@ class RoundMetrics(BaseModel):
         """The row as one ``metrics.jsonl`` line (with its newline)."""
         # json.dumps rather than model_dump_json: the same bytes as the rows written
         # before this model existed (and Python's own float repr)
-        return json.dumps(self.model_dump(mode="json")) + "\n"
+        row = self.model_dump(mode="json")
+        for key in _LATER_FIELDS:  # left out while empty: a row of an older run writes back as it was
+            if not row[key]:
+                del row[key]
+        return json.dumps(row) + "\n"
 
 
 def read_metrics(path: str | Path, *, drop_torn_tail: bool = False) -> list[RoundMetrics]:

@@ -169,9 +169,9 @@ def test_signed_worked_example_in_the_doc_verifies_and_matches_the_encoder(monke
     message = decode(frame)
     assert message.header.signer == key.key_id and verify(message, key.public) is None
     assert message.header.sender == "pi-07" and message.type == MessageType.STATUS
-    import edgepfl.protocol.envelope as envelope
+    import edgepfl.protocol.clock as clock
 
-    monkeypatch.setattr(envelope.time, "time", lambda: message.header.created)
+    monkeypatch.setattr(clock, "_wall", lambda: message.header.created)  # the frame's time stamp, as in the doc
     again = encode(MessageType.STATUS, federation="demo", sender="pi-07", round=-1, meta=message.meta,
                    message_id=message.header.message_id, signer=key)
     assert again == frame  # Ed25519 signatures are deterministic: the doc cannot drift from the code
