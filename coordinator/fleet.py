@@ -311,12 +311,9 @@ class LocalFleet(Fleet):
         self.clock: VirtualClock = VirtualClock()
         self._events: list[tuple[float, int, Incoming | str]] = []  # (virtual time, sequence, frame or agent id)
         self._sequence = 0
-        self._online: dict[str, bool] = {}
         for agent_id in agents:
             device = self.timing[agent_id]
-            online = device.availability.online_at(0.0)
-            self._online[agent_id] = online
-            self._push(0.0, self._status(agent_id, online))
+            self._push(0.0, self._status(agent_id, device.availability.online_at(0.0)))
             self._push(device.availability.next_change(0.0), agent_id)
 
     def _push(self, at: float, event: Incoming | str) -> None:
@@ -352,9 +349,8 @@ class LocalFleet(Fleet):
             return event
         agent_id = event  # the device goes on- or offline now
         availability = self.timing[agent_id].availability
-        self._online[agent_id] = online = availability.online_at(at)
         self._push(availability.next_change(at), agent_id)
-        return self._status(agent_id, online)
+        return self._status(agent_id, availability.online_at(at))
 
     def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0) -> int:
         return 0  # in-process agents are all trainers: nobody installs releases
