@@ -40,7 +40,7 @@ from edgepfl.protocol import (
 from edgepfl.protocol.envelope import peek_header
 from edgepfl.testing import TrafficCapture
 
-from fleet_helpers import RunningFleet, read_rows, run_config, run_in_thread, wait_until
+from tests.fleet_helpers import RunningFleet, read_rows, run_config, run_in_thread, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -184,7 +184,7 @@ def test_an_answer_finished_while_the_broker_was_down_still_reaches_its_round(tm
     from edgepfl.coordinator.rounds import Coordinator
     from edgepfl.testing import MosquittoBroker
 
-    from conftest import require_mosquitto
+    from tests.conftest import require_mosquitto
 
     require_mosquitto()
     broker = MosquittoBroker()
@@ -233,7 +233,7 @@ def test_a_head_agents_metrics_finished_while_the_broker_was_down_reach_the_coor
     from edgepfl.coordinator.simulate import data_shape, prepare, spawn_agent, stop_agents
     from edgepfl.testing import MosquittoBroker
 
-    from conftest import require_mosquitto
+    from tests.conftest import require_mosquitto
 
     require_mosquitto()
     config = prepare(run_config(), 0, head_agents=1)

@@ -18,7 +18,7 @@ from edgepfl.protocol import CoordinatorMeta, MessageType, decode, encode
 from edgepfl.protocol.transport import MqttTransport
 from edgepfl.testing import MosquittoBroker, TrafficCapture
 
-from fleet_helpers import run_config
+from tests.fleet_helpers import run_config
 
 
 def test_presence_without_limits_still_decodes_and_announces_none():

@@ -22,7 +22,7 @@ from edgepfl.broker import BrokerError, EmbeddedBroker, parse_broker_url, wait_f
 from edgepfl.protocol import MessageType, UpdateMeta, decode, encode, new_message_id
 from edgepfl.testing import MosquittoBroker, TrafficCapture, find_mosquitto
 
-from conftest import require_mosquitto
+from tests.conftest import require_mosquitto
 
 MB = 1024 * 1024
 

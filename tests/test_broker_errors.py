@@ -33,7 +33,7 @@ from edgepfl.protocol.transport import MqttTransport
 from edgepfl.provision import main_provision
 from edgepfl.testing import MosquittoBroker
 
-from conftest import require_mosquitto
+from tests.conftest import require_mosquitto
 
 # --------------------------------------------------------------------------- unit
 

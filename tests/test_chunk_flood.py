@@ -20,7 +20,7 @@ from edgepfl.coordinator.fleet import MqttFleet
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.protocol import AgentChannel, ChunkMeta, MessageType, agent_topic, encode
 
-from fleet_helpers import RunningFleet, run_config
+from tests.fleet_helpers import RunningFleet, run_config
 
 pytestmark = pytest.mark.slow
 

@@ -21,8 +21,8 @@ from edgepfl.edge_agent.trainer import TaskRefused, TrainerRuntime
 from edgepfl.heads.labels import FEDERATION, label_space_for
 from edgepfl.protocol import MessageType, TaskMeta, decode, encode
 
-from export_fixtures import client_data
-from wire_samples import sample_run_spec
+from tests.export_fixtures import client_data
+from tests.wire_samples import sample_run_spec
 
 NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 

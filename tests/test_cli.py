@@ -64,7 +64,7 @@ def test_report_rebuilds_table_and_plot_from_a_run_directory(tmp_path):
     from edgepfl.coordinator.simulate import simulate
     from edgepfl.edge_agent.tiers import local_trainers
 
-    from fleet_helpers import run_config
+    from tests.fleet_helpers import run_config
 
     out = tmp_path / "run"
     simulate(run_config(rounds=1, data={"samples_per_client": 60}), 2, out, in_process=local_trainers, progress=False)

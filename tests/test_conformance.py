@@ -18,7 +18,7 @@ import pytest
 from edgepfl.conformance import CHECKS, SCENARIOS, Report
 from edgepfl.conformance.cli import main_conformance
 
-from conftest import REPO_ROOT, require_mosquitto
+from tests.conftest import REPO_ROOT, require_mosquitto
 
 AGENT_CMD = "{python} -m edgepfl agent --config {config}"
 

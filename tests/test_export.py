@@ -16,7 +16,7 @@ from edgepfl.export.onnx_export import ExportError, export_run, load_run, read_r
 from edgepfl.export.predict import OnnxEncoder
 from edgepfl.protocol import ManifestError, read_manifest
 
-from export_fixtures import TRAIN_CLIENTS, client_data, make_run
+from tests.export_fixtures import TRAIN_CLIENTS, client_data, make_run
 
 
 @pytest.fixture(scope="module")

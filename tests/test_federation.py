@@ -14,7 +14,7 @@ from edgepfl.coordinator.simulate import simulate
 from edgepfl.edge_agent.tiers import local_trainers
 from edgepfl.protocol import decode
 
-from fleet_helpers import run_config
+from tests.fleet_helpers import run_config
 
 pytestmark = pytest.mark.slow
 

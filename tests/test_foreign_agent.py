@@ -25,7 +25,7 @@ from edgepfl.data import client_indices, fmnist_available, load_pool
 from edgepfl.protocol import MessageType, UpdateMeta, decode, encode
 from edgepfl.protocol.reassembly import Reassembler
 
-from fleet_helpers import RunningFleet, run_config
+from tests.fleet_helpers import RunningFleet, run_config
 
 AGENT = Path(__file__).parent / "foreign_agent" / "agent.py"
 SCHEMAS = Path(__file__).resolve().parent.parent / "docs" / "schemas"
@@ -319,7 +319,7 @@ def test_the_foreign_agent_passes_every_conformance_must_of_its_version(tmp_path
     from edgepfl.conformance.cli import main_conformance
     from edgepfl.protocol.evolution import parse_version, supports
 
-    from conftest import require_mosquitto
+    from tests.conftest import require_mosquitto
 
     require_mosquitto()
     runner = tmp_path / "isolated.py"

@@ -39,7 +39,7 @@ from edgepfl.protocol import (
     new_message_id,
 )
 
-from wire_samples import sample_run_spec
+from tests.wire_samples import sample_run_spec
 
 FED = "gatefed"
 ROUND = 3

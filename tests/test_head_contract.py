@@ -23,7 +23,7 @@ from edgepfl.heads import GENERIC_HEAD_KINDS, OFFLINE_HEAD_KIND, HeadRelease
 from edgepfl.methods import available_head_kinds, available_methods, create_method, get_method
 from edgepfl.protocol import read_manifest
 
-from export_fixtures import NEW_CLIENT, client_data, client_pixels, export_dir
+from tests.export_fixtures import NEW_CLIENT, client_data, client_pixels, export_dir
 
 FEATURE_DIM = 12
 NUM_CLASSES = 3

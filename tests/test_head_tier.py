@@ -14,7 +14,7 @@ import pytest
 from edgepfl.edge_agent.head_tier import HeadRuntime, ReleaseRefused
 from edgepfl.export.onnx_export import read_release, sha256_bytes
 
-from export_fixtures import NEW_CLIENT, REPO_ROOT_HINT, client_data, export_dir
+from tests.export_fixtures import NEW_CLIENT, REPO_ROOT_HINT, client_data, export_dir
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def test_offline_head_is_used_for_its_encoder_only(releases, data, tmp_path, cap
     state = tmp_path / "state"
     state.mkdir()
     npz = tmp_path / "d.npz"
-    from export_fixtures import client_pixels
+    from tests.export_fixtures import client_pixels
 
     px, y, _ = client_pixels(NEW_CLIENT)
     np.savez(npz, x=px, y=y)

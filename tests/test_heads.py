@@ -22,7 +22,7 @@ from edgepfl.heads.estimators import HeadEstimator, generic_head
 from edgepfl.methods import create_method
 from edgepfl.protocol import read_manifest
 
-from export_fixtures import NEW_CLIENT, TRAIN_CLIENTS, client_data, client_pixels, export_dir
+from tests.export_fixtures import NEW_CLIENT, TRAIN_CLIENTS, client_data, client_pixels, export_dir
 
 # the method whose release a head kind belongs to
 RELEASE_OF = {"svm": "fedavg", "lr": "fedavg", "mlp": "fedavg", "dualfed": "dualfed", "fedpick": "fedpick"}

@@ -27,7 +27,7 @@ from edgepfl.coordinator.simulate import data_shape, prepare, spawn_agent, stop_
 from edgepfl.protocol import MessageType, ReleaseMeta, decode, encode
 from edgepfl.protocol.signing import generate_keypair, load_signer
 
-from fleet_helpers import read_rows, run_config, run_in_thread, wait_until
+from tests.fleet_helpers import read_rows, run_config, run_in_thread, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -235,7 +235,7 @@ def test_an_unsigned_retained_release_does_not_crash_loop_a_head_agent_without_o
     config = prepare(run_config(), 1, head_agents=1)
     fed, out = config.federation, tmp_path / "run"
     attacker = Attacker(mosquitto.url, fed)
-    from wire_samples import sample_manifest
+    from tests.wire_samples import sample_manifest
 
     manifest = sample_manifest().model_dump(mode="json")
     fake = ref["encode_frame"]("release", fed, "coordinator", 0, {"release_id": "evil", "manifest": manifest,

@@ -20,7 +20,6 @@ import uuid
 import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
-from test_hostile_fleet import agent_log
 
 from edgepfl.aggregation import STATISTIC_LEAVES
 from edgepfl.broker import parse_broker_url
@@ -29,7 +28,8 @@ from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import data_shape, prepare, spawn_agent, stop_agents
 from edgepfl.state import load_checkpoint
 
-from fleet_helpers import read_rows, run_config, run_in_thread
+from tests.fleet_helpers import read_rows, run_config, run_in_thread
+from tests.test_hostile_fleet import agent_log
 
 pytestmark = pytest.mark.slow
 

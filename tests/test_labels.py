@@ -18,7 +18,7 @@ import pytest
 
 from edgepfl.heads.labels import FEDERATION, LOCAL, LabelSpace, label_space_for
 
-from export_fixtures import NEW_CLIENT, REPO_ROOT_HINT, client_pixels
+from tests.export_fixtures import NEW_CLIENT, REPO_ROOT_HINT, client_pixels
 
 # ----------------------------------------------------------------- the rule, without any model
 
@@ -82,7 +82,7 @@ def _printed(stdout: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
-    from export_fixtures import export_dir
+    from tests.export_fixtures import export_dir
 
     return export_dir(tmp_path_factory.mktemp("labels"), "fedavg", rounds=2)
 

@@ -24,7 +24,7 @@ from edgepfl.protocol import MessageType, Reassembler, decode, parse_topic, rele
 from edgepfl.protocol.signing import generate_keypair, load_public_key, verify
 from edgepfl.testing import TrafficCapture
 
-from fleet_helpers import run_config, wait_until
+from tests.fleet_helpers import run_config, wait_until
 
 pytestmark = pytest.mark.slow
 

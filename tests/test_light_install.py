@@ -23,7 +23,7 @@ from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import agent_config
 from edgepfl.data import load_client_data
 
-from fleet_helpers import RunningFleet, run_config
+from tests.fleet_helpers import RunningFleet, run_config
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent

@@ -30,7 +30,7 @@ from edgepfl.coordinator.status import format_view
 from edgepfl.protocol import StatusMeta
 from edgepfl.protocol.view import AgentView, FleetView, encode_view, parse_view
 
-from fleet_helpers import RunningFleet, read_rows, run_config, wait_until
+from tests.fleet_helpers import RunningFleet, read_rows, run_config, wait_until
 
 
 class RecordingFleet(Fleet):

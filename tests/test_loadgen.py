@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, require_mosquitto
+from tests.conftest import REPO_ROOT, require_mosquitto
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 

@@ -39,8 +39,8 @@ from edgepfl.methods.base import STAT, TRAIN_OVERRIDES, PersonalBatchNormConfig,
 from edgepfl.protocol.envelope import decode, encode
 from edgepfl.protocol.messages import MessageType, TaskMeta, UpdateMeta
 
-from method_kit import MethodKit, bn_inputs, eval_logits
-from wire_samples import sample_run_spec
+from tests.method_kit import MethodKit, bn_inputs, eval_logits
+from tests.wire_samples import sample_run_spec
 
 KIT = MethodKit()  # 4 classes of 1x28x28 images, SmallCNN with 16 features, 1 epoch of batches of 16
 AGENTS = ("agent-a", "agent-b")

@@ -11,7 +11,7 @@ from edgepfl.coordinator.fleet import SENDER as COORDINATOR
 from edgepfl.coordinator.simulate import simulate
 from edgepfl.protocol import AgentChannel, FederationChannel, MessageType, decode, parse_topic
 
-from fleet_helpers import run_config
+from tests.fleet_helpers import run_config
 
 pytestmark = pytest.mark.slow
 

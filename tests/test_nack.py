@@ -39,7 +39,7 @@ from edgepfl.protocol import (
     new_message_id,
 )
 
-from fleet_helpers import run_in_thread, wait_until
+from tests.fleet_helpers import run_in_thread, wait_until
 
 TIMEOUT_S = 60
 

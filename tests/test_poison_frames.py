@@ -19,8 +19,6 @@ import time
 
 import numpy as np
 import pytest
-from test_bounded_json import POISON_FRAMES, POISON_JSON
-from test_hostile_fleet import Attacker, agent_log
 
 from edgepfl.conformance.wire import Wire
 from edgepfl.coordinator.fleet import MqttFleet
@@ -28,7 +26,9 @@ from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import data_shape, prepare, spawn_agent, stop_agents
 from edgepfl.protocol import MessageType, StatusMeta, encode
 
-from fleet_helpers import read_rows, run_config, run_in_thread, wait_until
+from tests.fleet_helpers import read_rows, run_config, run_in_thread, wait_until
+from tests.test_bounded_json import POISON_FRAMES, POISON_JSON
+from tests.test_hostile_fleet import Attacker, agent_log
 
 pytestmark = pytest.mark.slow
 

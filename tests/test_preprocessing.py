@@ -26,9 +26,9 @@ from edgepfl.edge_agent.trainer import TaskRefused, TrainerRuntime
 from edgepfl.protocol import DataShape, MessageType, Normalization, TaskMeta, decode, encode
 from edgepfl.testing import TrafficCapture
 
-from export_fixtures import client_data, client_pixels
-from fleet_helpers import run_config
-from wire_samples import sample_run_spec
+from tests.export_fixtures import client_data, client_pixels
+from tests.fleet_helpers import run_config
+from tests.wire_samples import sample_run_spec
 
 TRAINER_LOG = "edgepfl.edge_agent.trainer"
 RUN_NORM = Normalization(mean=[0.45], std=[0.2])

@@ -21,7 +21,7 @@ from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.protocol import AgentChannel, MessageType, StatusMeta, agent_topic, encode
 from edgepfl.testing import MosquittoBroker
 
-from conftest import require_mosquitto
+from tests.conftest import require_mosquitto
 
 
 def _registry(n: int) -> Registry:

@@ -51,7 +51,7 @@ from edgepfl.protocol import (
 from edgepfl.protocol.envelope import MAGIC, MAX_HEADER_BYTES
 from edgepfl.protocol.topics import check_segment
 
-from wire_samples import sample_manifest, sample_run_spec
+from tests.wire_samples import sample_manifest, sample_run_spec
 
 FED = "fed1"
 

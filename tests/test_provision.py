@@ -33,8 +33,8 @@ from edgepfl.mosquitto import broker_sizing, password_line
 from edgepfl.provision import main_provision
 from edgepfl.testing import MosquittoBroker
 
-from conftest import require_mosquitto
-from fleet_helpers import read_rows, run_config, run_in_thread
+from tests.conftest import require_mosquitto
+from tests.fleet_helpers import read_rows, run_config, run_in_thread
 
 PATH_FIELDS = ("ca_file", "cert_file", "key_file", "password_file")
 

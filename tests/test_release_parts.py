@@ -14,7 +14,7 @@ from edgepfl.protocol import FederationChannel, TopicError, federation_topic, pa
 from edgepfl.protocol.transport import MqttTransport
 from edgepfl.testing import TrafficCapture
 
-from fleet_helpers import wait_until
+from tests.fleet_helpers import wait_until
 
 M = 16_384  # the smallest allowed message size: a few kB make a release of many parts
 

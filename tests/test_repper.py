@@ -206,7 +206,7 @@ def test_stage_two_and_a_head_tier_device_choose_the_same_C_on_the_same_features
     from edgepfl.heads import HeadRelease
     from edgepfl.methods.training import encoder_features
 
-    from export_fixtures import client_data
+    from tests.export_fixtures import client_data
 
     method, model = build()
     data = make_data(n_train=90, n_test=8)

@@ -33,7 +33,7 @@ from edgepfl.protocol import (
     encode,
 )
 
-from fleet_helpers import RunningFleet, read_rows, run_config, run_in_thread, wait_until
+from tests.fleet_helpers import RunningFleet, read_rows, run_config, run_in_thread, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -223,7 +223,7 @@ def test_malformed_payloads_are_rejected_with_a_reason_and_the_round_completes(m
 def test_broker_restart_mid_federation_agents_and_coordinator_reconnect(tmp_path):
     from edgepfl.testing import MosquittoBroker
 
-    from conftest import require_mosquitto
+    from tests.conftest import require_mosquitto
 
     require_mosquitto()
     broker = MosquittoBroker()
@@ -261,7 +261,7 @@ def test_transport_started_before_the_broker_connects_once_it_appears():
     from edgepfl.protocol.transport import MqttTransport
     from edgepfl.testing import MosquittoBroker
 
-    from conftest import require_mosquitto
+    from tests.conftest import require_mosquitto
 
     require_mosquitto()
     port = free_port()

@@ -21,8 +21,8 @@ from edgepfl.metrics import MetricsError, RoundMetrics, read_metrics
 from edgepfl.protocol import MessageType, RunSpec, TaskMeta, decode, encode, read_manifest
 from edgepfl.state import CheckpointError, load_checkpoint, read_checkpoint_meta
 
-from fleet_helpers import run_config
-from wire_samples import sample_run_spec
+from tests.fleet_helpers import run_config
+from tests.wire_samples import sample_run_spec
 
 AGENTS = 2
 
@@ -150,7 +150,7 @@ def test_an_old_checkpoint_is_a_one_line_error_naming_file_and_field(tmp_path):
     ({"num_classes": 4, "class_names": list("abcd")}, "4 classes, local data 10"),
 ])
 def test_trainer_refuses_a_run_for_other_data_with_a_clear_logged_error(tmp_path, caplog, change, needle):
-    from export_fixtures import client_data
+    from tests.export_fixtures import client_data
 
     runtime = TrainerRuntime("agent-00", client_data(0), tmp_path, "cpu")
     spec = sample_run_spec()

@@ -31,7 +31,7 @@ from edgepfl.protocol import (
 from edgepfl.protocol.messages import META_TYPES
 from edgepfl.protocol.schemas import main, render, schema_documents, write_schemas
 
-from wire_samples import sample_manifest, sample_run_spec
+from tests.wire_samples import sample_manifest, sample_run_spec
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "schemas"
 REGENERATE = "run: python -m edgepfl.protocol.schemas --out docs/schemas"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fleet_helpers import wait_until
+from tests.fleet_helpers import wait_until
 
 pytestmark = pytest.mark.slow
 

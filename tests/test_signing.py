@@ -45,6 +45,7 @@ from edgepfl.protocol.signing import (
     load_signer,
     verify,
 )
+
 from tests.wire_samples import sample_run_spec as sample_run
 
 REPO = Path(__file__).resolve().parent.parent

@@ -36,8 +36,8 @@ from edgepfl.protocol import (
 )
 from edgepfl.specs import ModelSpec, TrainConfig
 
-from export_fixtures import NEW_CLIENT, REPO_ROOT_HINT, client_data, export_dir
-from wire_samples import sample_manifest
+from tests.export_fixtures import NEW_CLIENT, REPO_ROOT_HINT, client_data, export_dir
+from tests.wire_samples import sample_manifest
 
 FED = "tiers"
 _DATA = client_data(0)

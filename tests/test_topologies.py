@@ -20,8 +20,8 @@ from edgepfl.metrics import latest_release, read_head_metrics
 from edgepfl.protocol import CoordinatorMeta, FederationChannel, MessageType, RollCall, decode, parse_topic
 from edgepfl.testing import MosquittoBridge, MosquittoBroker, RabbitMQCluster, TrafficCapture, bridge_config
 
-from conftest import require_mosquitto, require_rabbitmq
-from fleet_helpers import read_rows, run_config, run_in_thread, wait_until
+from tests.conftest import require_mosquitto, require_rabbitmq
+from tests.fleet_helpers import read_rows, run_config, run_in_thread, wait_until
 
 AWS_IOT_LIMIT = 128 * 1024
 

@@ -20,7 +20,7 @@ from edgepfl.broker import free_port
 from edgepfl.metrics import read_head_metrics
 from edgepfl.protocol.view import parse_view
 
-from conftest import require_mosquitto
+from tests.conftest import require_mosquitto
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 OWNER_CLASSES = {"Trouser", "Sandal", "Bag"}
