@@ -126,7 +126,7 @@ def _edgepfl_logging_restored():
 @pytest.fixture(scope="module")
 def ref():
     """PROTOCOL.md §14's reference codec: all an attacker (or a foreign agent) knows of edgepfl."""
-    from tests.test_protocol import DOC, doc_block
+    from tests.unit.protocol.test_protocol import DOC, doc_block
 
     namespace: dict = {}
     exec(compile(doc_block("reference-codec"), str(DOC), "exec"), namespace)

@@ -752,7 +752,7 @@ def test_parse_rejects_malformed_topics(topic):
 
 # --------------------------------------------------------------------------- docs/PROTOCOL.md stays true
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "PROTOCOL.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "PROTOCOL.md"
 
 
 def doc_block(name: str) -> str:

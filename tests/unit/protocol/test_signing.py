@@ -48,7 +48,7 @@ from edgepfl.protocol.signing import (
 
 from tests.wire_samples import sample_run_spec as sample_run
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 FED = "demo"
 
 
@@ -162,7 +162,7 @@ def test_chunks_are_not_signed():
 
 
 def test_signed_worked_example_in_the_doc_verifies_and_matches_the_encoder(monkeypatch):
-    from tests.test_protocol import doc_block
+    from tests.unit.protocol.test_protocol import doc_block
 
     frame = b"".join(bytes.fromhex("".join(line.split(":", 1)[1][:40].split()))
                      for line in doc_block("signed-example-frame").splitlines())
