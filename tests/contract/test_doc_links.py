@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOCUMENTS = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "research").glob("*.md")])
 
 LINK = re.compile(r"\]\(([^)\s]*?)(?:#([^)\s]+))?\)")

@@ -12,7 +12,7 @@ import pytest
 from edgepfl.methods import available_methods, create_method
 from edgepfl.specs import ModelSpec
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "MODELS.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "MODELS.md"
 ARCHS = ("cnn", "fedpac_cnn", "mlp", "identity", "resnet18", "mobilenet_v3_small")
 NORMS = ("batch", "none")
 INPUT = (2, 20, 20)  # C = 2 catches a channel count taken for 3 or 1; S = 2

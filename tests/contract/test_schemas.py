@@ -33,7 +33,7 @@ from edgepfl.protocol.schemas import main, render, schema_documents, write_schem
 
 from tests.wire_samples import sample_manifest, sample_run_spec
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "schemas"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "schemas"
 REGENERATE = "run: python -m edgepfl.protocol.schemas --out docs/schemas"
 
 
