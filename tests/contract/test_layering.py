@@ -1,0 +1,176 @@
+"""The architecture as tests: the core imports no app, nothing imports in a cycle, the
+wheel ships every package under one import name (that the registry needs no torch,
+in fresh interpreters: tests/integration/test_layering.py).
+
+The core is every module physically under ``edgepfl/`` except the command-line entry
+points (``cli``, ``__main__``), which start the apps. The apps are ``coordinator/``,
+``edge_agent/`` and ``export/``, installed as ``edgepfl.coordinator`` and so on.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[2]
+APPS = {"coordinator": "edgepfl.coordinator", "edge_agent": "edgepfl.edge_agent", "export": "edgepfl.export"}
+ENTRY_POINTS = {"edgepfl.cli", "edgepfl.__main__"}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[0] in APPS:
+        parts = APPS[parts[0]].split(".") + parts[1:]
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for top in ("edgepfl", *APPS):
+        for path in (ROOT / top).rglob("*.py"):
+            found[_module_name(path)] = path
+    return found
+
+
+def _imports(name: str, path: Path, *, module_level_only: bool) -> set[str]:
+    """Absolute names of the edgepfl modules ``name`` imports (relative imports resolved)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    nodes: list[ast.AST] = []
+
+    def collect(body: list[ast.stmt]) -> None:  # `if TYPE_CHECKING:` blocks never run
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                collect(node.orelse)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and module_level_only:
+                continue
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                nodes.append(node)
+            else:
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    collect(getattr(node, field, None) or [])
+
+    collect(tree.body)
+    out: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)  # `from pkg import submodule`
+    return {m for m in out if m == "edgepfl" or m.startswith("edgepfl.")}
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _is_app(name: str) -> bool:
+    return any(name == a or name.startswith(a + ".") for a in APPS.values())
+
+
+def test_the_core_imports_no_app_package():
+    modules = _modules()
+    offenders = []
+    for name, path in sorted(modules.items()):
+        if _is_app(name) or name in ENTRY_POINTS:
+            continue
+        for imported in _imports(name, path, module_level_only=False):
+            if _is_app(imported):
+                offenders.append(f"{path.relative_to(ROOT)} imports {imported}")
+    assert not offenders, "the core must not import the apps:\n" + "\n".join(offenders)
+
+
+#: the only imports from one app into another (docs/ARCHITECTURE.md): the coordinator exports
+#: its releases with the export app's ONNX exporter; the head agent runs the exported encoder
+#: and heads. Everything else between apps goes through the protocol, or is wired together by
+#: an entry point (``edgepfl simulate --in-process`` hands the coordinator the agent app's
+#: in-process trainers).
+ALLOWED_APP_EDGES = {
+    ("edgepfl.coordinator", "edgepfl.export"): {"edgepfl.coordinator.release -> edgepfl.export.onnx_export"},
+    ("edgepfl.edge_agent", "edgepfl.export"): {"edgepfl.edge_agent.head_tier -> edgepfl.export.heads",
+                                               "edgepfl.edge_agent.head_tier -> edgepfl.export.predict"},
+}
+
+
+def _app_of(name: str) -> str | None:
+    return next((a for a in APPS.values() if name == a or name.startswith(a + ".")), None)
+
+
+def test_the_apps_import_each_other_only_where_the_architecture_allows():
+    """Counting imports inside functions too: a lazy import is still an edge."""
+    modules = _modules()
+    edges = set()
+    for name, path in sorted(modules.items()):
+        app = _app_of(name)
+        if app is None:
+            continue
+        for imported in _imports(name, path, module_level_only=False):
+            other = _app_of(imported)
+            if other is not None and other != app:
+                edges.add(f"{name} -> {_resolve(imported, modules)}")
+    allowed = set().union(*ALLOWED_APP_EDGES.values())
+    assert edges <= allowed, "app -> app imports the architecture does not allow:\n" + "\n".join(sorted(edges - allowed))
+    assert allowed <= edges, f"stale entries in ALLOWED_APP_EDGES: {sorted(allowed - edges)}"
+
+
+def test_the_protocol_imports_neither_the_config_nor_the_method_registry():
+    """Tasks and releases carry the run spec; validating it against methods is the receivers' job."""
+    modules = _modules()
+    forbidden = ("edgepfl.config", "edgepfl.methods")
+    offenders = [f"{path.relative_to(ROOT)} imports {imported}"
+                 for name, path in sorted(modules.items()) if name.startswith("edgepfl.protocol")
+                 for imported in _imports(name, path, module_level_only=False)
+                 if any(imported == f or imported.startswith(f + ".") for f in forbidden)]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_no_import_cycle():
+    """Counting imports inside functions too: a lazy import hides a cycle, it does not remove it."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = {_resolve(m, modules) for m in _imports(name, path, module_level_only=False)}
+        # importing a submodule runs its package's __init__ first; that edge is not a cycle of ours
+        graph[name] = {d for d in deps if d and d != name and not name.startswith(d + ".")}
+    cycles = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                cycles.append(stack[stack.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_wheel_lists_every_package_under_the_edgepfl_name():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    present = {_module_name(p) for top in ("edgepfl", *APPS) for p in (ROOT / top).rglob("__init__.py")}
+    assert listed == present, f"missing from pyproject: {sorted(present - listed)}; stale: {sorted(listed - present)}"
+    assert all(p == "edgepfl" or p.startswith("edgepfl.") for p in listed)
+    assert config["package-dir"] == {v: k for k, v in APPS.items()}

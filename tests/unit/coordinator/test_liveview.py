@@ -1,0 +1,148 @@
+"""A live view of the fleet: the retained JSON view, ``edgepfl status`` and Prometheus ``/metrics``.
+
+The view's logic: rate limit, size bound, table, totals across a restart (a running
+federation's view, read the way an operator's tools read it:
+tests/integration/test_liveview.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+from edgepfl.config import RunConfig
+from edgepfl.coordinator.fleet import Fleet
+from edgepfl.coordinator.observe import Observer
+from edgepfl.coordinator.registry import Registry
+from edgepfl.coordinator.result import RunCounters
+from edgepfl.coordinator.status import format_view
+from edgepfl.protocol import StatusMeta
+from edgepfl.protocol.view import AgentView, FleetView, encode_view, parse_view
+
+from tests.fleet_helpers import run_config
+
+
+class RecordingFleet(Fleet):
+    """A fleet with no agents that keeps the views it is asked to publish (the view logic's unit tests)."""
+
+    def __init__(self):
+        self.views: list[bytes] = []
+
+    def publish_view(self, payload: bytes) -> None:
+        self.views.append(payload)
+
+    def send(self, agent_id, frame, round):
+        return 0
+
+    def poll(self, timeout):
+        return None
+
+    def publish_release(self, frame, round, earlier_parts=0):
+        return 0
+
+    def agent_online(self, agent_id, tier):
+        pass
+
+    def announce(self, meta):
+        pass
+
+    def close(self):
+        pass
+
+
+def _observer(**observe) -> tuple[Observer, Registry, RecordingFleet, Counter]:
+    config = RunConfig(federation="viewtest", rounds=5, observe=observe)
+    fleet, registry, counters = RecordingFleet(), Registry(), RunCounters()
+    return Observer(config, fleet, registry, counters), registry, fleet, counters.rejected
+
+
+def test_a_thousand_agents_coming_online_cost_one_view_per_interval_not_one_each():
+    obs, registry, fleet, _ = _observer(view_interval_s=2.0)
+    obs.start(resumed_from=None)
+    fleet.views.clear()
+    for i in range(1000):
+        registry.update(f"pi-{i:04d}", StatusMeta(state="online", tier="head" if i % 4 == 0 else "trainer"))
+        obs.tick()
+    assert len(fleet.views) <= 1
+    time.sleep(2.0)
+    obs.tick()  # the batched changes go out once the interval has passed
+    view = parse_view(fleet.views[-1])
+    assert view.online == {"trainer": 750, "head": 250} and len(view.agents) == 1000
+    obs.tick()
+    assert len(fleet.views) <= 2  # nothing changed since: nothing more until the heartbeat
+
+
+def test_a_phase_change_is_published_at_once_and_rejections_mark_the_view_dirty():
+    obs, registry, fleet, rejected = _observer(view_interval_s=60)
+    obs.start(resumed_from=None)
+    obs.enter("training", 0)
+    assert parse_view(fleet.views[-1]).phase == "training"
+    rejected["malformed"] += 1
+    obs.tick()  # within the interval: batched
+    assert "malformed" not in parse_view(fleet.views[-1]).rejected
+    obs.enter("aggregating", 0)
+    assert parse_view(fleet.views[-1]).rejected == {"malformed": 1}
+
+
+def test_the_view_stays_within_one_mqtt_message_listing_online_agents_first():
+    agents = [AgentView(id=f"agent-{i:05d}", tier="trainer", online=i % 2 == 0, last_seen=1.0, device="cpu")
+              for i in range(5000)]
+    agents.sort(key=lambda a: (not a.online, a.id))
+    view = FleetView(federation="f", method="fedavg", updated=2.0, started=1.0, phase="training", round=3, rounds=10,
+                     rounds_completed=3, agents=agents)
+    data = encode_view(view, 100_000)
+    assert len(data) <= 100_000
+    back = json.loads(data)
+    assert back["agents_left_out"] == 5000 - len(back["agents"]) > 0
+    assert all(a["online"] for a in back["agents"])  # offline agents went first
+
+
+def test_status_table_names_the_run_the_agents_and_the_rejections():
+    view = FleetView(federation="demo", method="fedrep", updated=100.0, started=10.0, phase="training", round=4,
+                     rounds=10, rounds_completed=4, last_accuracy=0.8123, last_accuracy_round=4,
+                     release="fedrep-r3-abc", online={"trainer": 1, "head": 0}, rejected={"malformed": 2},
+                     agents=[AgentView(id="pi-07", tier="trainer", online=True, last_seen=95.0, device="cpu",
+                                       num_train=600),
+                             AgentView(id="pi-08", tier="head", online=False, last_seen=40.0)])
+    table = format_view(view, now=100.0)
+    assert "phase      training, round 4 of 0..9 (4 completed)" in table
+    assert "81.23% (round 4)" in table and "fedrep-r3-abc" in table and "malformed 2" in table
+    pi7 = next(line for line in table.splitlines() if line.startswith("pi-07"))
+    assert "online" in pi7 and "5s ago" in pi7 and "600" in pi7
+    assert "offline" in next(line for line in table.splitlines() if line.startswith("pi-08"))
+
+
+def test_the_views_refused_totals_survive_a_coordinator_restart(tmp_path):
+    """Like ``rejected``: a resumed run's view counts the refusals of the rounds before the restart."""
+    from dataclasses import replace
+
+    from edgepfl.coordinator.fleet import LocalFleet
+    from edgepfl.coordinator.rounds import Coordinator
+    from edgepfl.coordinator.simulate import agent_ids, data_shape, prepare
+    from edgepfl.data import load_client_data
+    from edgepfl.edge_agent.tiers import TrainerTier
+    from edgepfl.state import read_checkpoint_meta
+
+    names = [f"class-{i}" for i in range(10)]
+    config = prepare(run_config(rounds=1, model={"arch": "mlp", "feature_dim": 8}, device="cpu",
+                                data={"dataset": "digits", "samples_per_client": 60}), 2)
+    out = tmp_path / "run"
+
+    def coordinator(rounds: int) -> Coordinator:
+        # agent-01's classes are not the run's: it refuses its task (data_mismatch) in every process's first round
+        agents = {a: TrainerTier(a, replace(load_client_data(config.data, i), class_names=names
+                                            if i == 0 else ["cat", *names[1:]]), str(out / "agents" / a), "cpu")
+                  for i, a in enumerate(agent_ids(2))}
+        run = config.model_copy(update={"rounds": rounds})
+        return Coordinator(run, LocalFleet(agents, config.federation), out, progress=False,
+                           **{**data_shape(config), "class_names": names})
+
+    first = coordinator(rounds=1)
+    first.run()
+    assert first.observer.view().refused == {"data_mismatch": 1}
+    assert read_checkpoint_meta(out / "checkpoint").refused_total == {"data_mismatch": 1}
+    resumed = coordinator(rounds=2)  # a new process resumes after round 0 and runs round 1
+    resumed.run()
+    assert resumed.start_round == 1
+    assert resumed.observer.view().refused == {"data_mismatch": 2}  # round 0's refusal is still counted

@@ -1,0 +1,122 @@
+"""The run report tells the truth: wall time, one round numbering, the latest release's
+head-tier accuracy labelled by release, and figures that stay readable at 150 clients (a
+real run's wall time: tests/integration/test_report.py)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+
+from edgepfl.coordinator.progress import Progress
+from edgepfl.coordinator.report import PER_CLIENT_LIMIT, accuracy_figure, format_table, summarize
+from edgepfl.metrics import ReleaseReports, RoundMetrics, RunSession, RunTimes
+
+
+def _rows(clients: int, rounds: int, seed: int = 0) -> list[RoundMetrics]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for r in range(rounds + 1):
+        per = {f"c{i:03d}": float(np.clip(0.3 + 0.1 * r + rng.normal(0, 0.1), 0, 1)) for i in range(clients)}
+        rows.append(RoundMetrics(
+            round=r, final=r == rounds, accuracy=float(np.mean(list(per.values()))), per_client=per,
+            participants=[] if r == rounds else sorted(per), sampled=[] if r == rounds else sorted(per),
+            evaluated=clients, dropped=[], rejected={}, aborted=False, train_loss=None, bytes_up=10, bytes_down=20,
+            shared_bytes=8, seconds=1.5))
+    return rows
+
+
+def _reports(correct: int, total: int = 100) -> dict:
+    return {"pi-1": {"tier": "head", "head": "lr", "correct": correct, "total": total, "accuracy": correct / total}}
+
+
+HEAD = {
+    "fedavg-r1-aaaa": ReleaseReports(round=1, reports=_reports(50)),
+    "fedavg-r3-bbbb": ReleaseReports(round=3, reports=_reports(80)),  # the latest, whatever the key order
+}
+
+
+def test_head_tier_accuracy_is_the_latest_releases_and_labelled_with_it():
+    summary = summarize(_rows(3, 4), head=HEAD)
+    assert summary["head_tier"]["release"] == "fedavg-r3-bbbb" and summary["head_tier"]["accuracy"] == 0.8
+    table = format_table(_rows(3, 4), summary, "fedavg")
+    assert "head-tier agents, release fedavg-r3-bbbb (encoder after round 3): 80.00% overall" in table
+
+
+def test_rejections_and_refusals_are_summed_by_reason_and_shown():
+    rows = _rows(2, 3)
+    rows[0] = rows[0].model_copy(update={"rejected": {"wrong_shape": 1}, "refused": {"bad_options": 1, "busy": 1}})
+    rows[1] = rows[1].model_copy(update={"refused": {"busy": 2}})
+    summary = summarize(rows)
+    assert summary["rejected"] == {"wrong_shape": 1} and summary["refused"] == {"bad_options": 1, "busy": 3}
+    table = format_table(rows, summary)
+    assert "rejected messages: {'wrong_shape': 1}" in table and "refused tasks: {'bad_options': 1, 'busy': 3}" in table
+    stream = io.StringIO()
+    Progress(3, stream=stream).update(rows[0])
+    assert "rejected 1, refused 2" in stream.getvalue()
+
+
+def test_wall_time_is_the_sessions_elapsed_time_and_a_resume_is_said():
+    times = RunTimes(sessions=[RunSession(started=100.0, finished=160.0),
+                               RunSession(started=500.0, finished=555.5, resumed_from=2)])
+    summary = summarize(_rows(2, 4), times=times)
+    assert summary["wall_seconds"] == 115.5 and summary["round_seconds"] == 7.5 and summary["resumed"]
+    assert "wall time 115.5s over 2 sessions (resumed); 7.5s inside rounds" in format_table(_rows(2, 4), summary)
+
+
+def test_one_round_numbering_from_0_in_progress_table_and_metrics():
+    rows = _rows(2, 3)
+    stream = io.StringIO()
+    progress = Progress(3, stream=stream)
+    for row in rows:
+        progress.update(row)
+    labels = [line.split("[")[0].strip() for line in stream.getvalue().splitlines()]
+    assert labels == ["round   0", "round   1", "round   2", "final eval"] == \
+        [f"round {r.round:>3}" if not r.final else "final eval" for r in rows]
+    assert "3/3" in stream.getvalue().splitlines()[2]
+    table = format_table(rows, summarize(rows))
+    assert [line.split()[0] for line in table.splitlines()[3:7]] == ["0", "1", "2", "final"]
+    assert "final accuracy (after round 2, the last)" in table
+    # accuracy rises with the round in _rows, so the best is the final evaluation's row
+    assert "best accuracy (table row final)" in table
+    early_best = [r.model_copy(update={"accuracy": 0.99}) if r.round == 1 else r for r in rows]
+    assert "best accuracy (table row 1)" in format_table(early_best, summarize(early_best))
+
+
+def test_150_clients_are_drawn_as_a_distribution_with_release_markers_and_head_accuracy():
+    from matplotlib.collections import PolyCollection
+
+    rows = _rows(150, 5)
+    fig = accuracy_figure(rows, head=HEAD)
+    ax, bx = fig.axes
+    # no line per client: the mean, and the head-tier markers
+    assert len([line for line in ax.get_lines() if len(line.get_xdata()) > 1]) <= 3
+    bands = [c for c in ax.collections if isinstance(c, PolyCollection)]
+    assert len(bands) == 2  # 10-90 and 25-75 percentile bands
+    # the final accuracies as a 20-bin histogram, not 150 bars
+    assert len(bx.patches) == 20 and sum(p.get_height() for p in bx.patches) == 150
+    assert bx.get_title() == "final accuracy of 150 clients"
+    # one marker per release where the next round starts, and the head tier's accuracy on it
+    markers = [line for line in ax.get_lines() if list(line.get_xdata()) in ([2, 2], [4, 4])]
+    assert len(markers) == 2
+    diamonds = {(float(line.get_xdata()[0]), float(line.get_ydata()[0])) for line in ax.get_lines()
+                if line.get_marker() == "D"}
+    assert diamonds == {(2.0, 0.5), (4.0, 0.8)}
+    labels = ax.get_legend_handles_labels()[1]
+    assert "encoder release" in labels and "head-tier accuracy on the release" in labels
+
+
+def test_few_clients_keep_their_own_lines_and_bars():
+    fig = accuracy_figure(_rows(PER_CLIENT_LIMIT, 3))
+    ax, bx = fig.axes
+    assert len([line for line in ax.get_lines() if len(line.get_xdata()) > 1]) == PER_CLIENT_LIMIT + 1
+    assert len(bx.patches) == PER_CLIENT_LIMIT
+
+
+def test_a_head_report_of_an_older_run_reads_its_figures_into_values_and_recomputes_accuracy():
+    from edgepfl.metrics import HeadReport
+
+    old = {"tier": "head", "head": "lr", "correct": 7, "total": 10, "accuracy": 0.99, "fit_seconds": 1.5}
+    report = HeadReport.model_validate(old)
+    assert report.values == {"fit_seconds": 1.5} and report.accuracy == 0.7  # the file's 0.99 is not trusted
+    assert HeadReport.model_validate(report.model_dump(mode="json")) == report

@@ -1,0 +1,803 @@
+"""The round loop against a scripted fleet: no broker, no processes, every event chosen by the test.
+
+What is checked here is the coordinator's own logic: when a round closes (all answered,
+quorum + everyone missing offline, quorum + timeout, hard deadline), what it counts
+(rejections from the fleet, the gate and the aggregation rule, by reason), what it tells
+the fleet (agents coming online), that a hostile sample count cannot crash it, that a
+round of 1,000 agents costs time proportional to its messages, and what becomes of the
+round's aggregate: refused when not finite or moved too far, rolled back after repeated
+failures, and (with a streaming rule) holding no update's tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from edgepfl.config import RunConfig
+from edgepfl.coordinator.fleet import Fleet, Incoming
+from edgepfl.coordinator.gate import Rejection
+from edgepfl.coordinator.registry import Registry
+from edgepfl.coordinator.result import RoundResult
+from edgepfl.coordinator.rounds import Coordinator
+from edgepfl.metrics import MetricsError, read_head_metrics, read_metrics
+from edgepfl.protocol import (
+    AgentChannel,
+    Capabilities,
+    CoordinatorMeta,
+    Message,
+    MessageType,
+    MetricsMeta,
+    RefusalMeta,
+    StatusMeta,
+    UpdateMeta,
+    decode,
+    encode,
+)
+
+FED = "loop"
+# A protocol-level agent: answers with the tensors it got, 2 of 5 correct.
+Responder = Callable[[Message], list[bytes]]
+
+
+def honest(agent_id: str, num_train: int = 10, **meta) -> Responder:
+    def answer(task: Message) -> list[bytes]:
+        fields = dict(task_id=task.meta.task_id, kind=task.meta.kind, num_train=num_train, num_test=5, eval_correct=2)
+        fields.update(meta)
+        tensors = dict(task.tensors) if task.meta.kind == "train" else {}
+        return [encode(MessageType.UPDATE, federation=FED, sender=agent_id, round=task.header.round,
+                       meta=UpdateMeta(**fields), tensors=tensors)]
+    return answer
+
+
+def silent(task: Message) -> list[bytes]:
+    return []
+
+
+def status(agent_id: str, state: str = "online", tier: str = "trainer", num_train: int = 10, **meta) -> Incoming:
+    frame = encode(MessageType.STATUS, federation=FED, sender=agent_id, round=-1,
+                   meta=StatusMeta(state=state, tier=tier, num_train=num_train, num_test=5, **meta))
+    return Incoming(agent_id, AgentChannel.STATUS, frame, len(frame))
+
+
+class ScriptedFleet(Fleet):
+    """Agents as responder functions; events the test injects come out of poll() in order."""
+
+    def __init__(self, agents: dict[str, Responder]):
+        self.agents = agents
+        self.events: deque[Incoming | Rejection] = deque(status(a) for a in agents)
+        self.online_calls: list[tuple[str, str]] = []
+        self.on_send: Callable[[str, Message], None] | None = None
+        #: the NACKs sent, in order: (agent id, decoded frame)
+        self.told: list[tuple[str, Message]] = []
+
+    def send(self, agent_id: str, frame: bytes, round: int) -> int:
+        task = decode(frame)
+        if self.on_send:
+            self.on_send(agent_id, task)
+        for answer in self.agents[agent_id](task):
+            self.events.append(Incoming(agent_id, AgentChannel.UPDATE, answer, len(answer)))
+        return len(frame)
+
+    def tell(self, agent_id: str, frame: bytes) -> int:
+        self.told.append((agent_id, decode(frame)))
+        return len(frame)
+
+    def poll(self, timeout: float) -> Incoming | Rejection | None:
+        if self.events:
+            return self.events.popleft()
+        time.sleep(min(timeout, 0.01))
+        return None
+
+    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0) -> int:
+        return 0
+
+    def agent_online(self, agent_id: str, tier: str) -> None:
+        self.online_calls.append((agent_id, tier))
+
+    def announce(self, meta: CoordinatorMeta) -> None:
+        """Presence is not scripted."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def config(**overrides) -> RunConfig:
+    base = dict(federation=FED, method={"name": "fedavg"}, model={"arch": "mlp", "feature_dim": 8, "norm": "none"},
+                rounds=1, round_timeout_s=30, wait_for_agents_s=5, input_shape=[1, 4, 4],
+                num_classes=3, normalization={"mean": [0.5], "std": [0.5]}, device="cpu")
+    base.update(overrides)
+    return RunConfig(**base)
+
+
+def coordinator(fleet: ScriptedFleet, tmp_path, **overrides) -> Coordinator:
+    """A coordinator that starts once all of the fleet's trainers are online."""
+    return Coordinator(config(**{"min_agents": len(fleet.agents), **overrides}), fleet, tmp_path / "run",
+                       progress=False)
+
+
+def test_a_round_closes_when_everyone_answered(tmp_path):
+    fleet = ScriptedFleet({a: honest(a) for a in ("a", "b", "c")})
+    started = time.monotonic()
+    rows = coordinator(fleet, tmp_path).run()
+    assert time.monotonic() - started < 10  # not the 30 s timeout
+    assert rows[0].participants == ["a", "b", "c"] and rows[0].dropped == [] and not rows[0].aborted
+    assert rows[0].accuracy == pytest.approx(0.4) and rows[-1].final and rows[-1].evaluated == 3
+    assert fleet.online_calls == [("a", "trainer"), ("b", "trainer"), ("c", "trainer")]
+
+
+def test_a_round_with_a_quorum_closes_as_soon_as_the_missing_agents_are_offline(tmp_path):
+    fleet = ScriptedFleet({"a": honest("a"), "b": honest("b"), "c": silent})
+
+    def c_dies_with_its_task(agent: str, task: Message) -> None:
+        if agent == "c" and task.header.round == 0:
+            fleet.events.append(status("c", state="offline"))
+
+    fleet.on_send = c_dies_with_its_task
+    started = time.monotonic()
+    rows = coordinator(fleet, tmp_path, quorum=0.5).run()
+    assert time.monotonic() - started < 10
+    assert rows[0].participants == ["a", "b"] and rows[0].dropped == ["c"] and not rows[0].aborted
+
+
+def test_a_round_with_a_quorum_closes_at_the_timeout(tmp_path):
+    fleet = ScriptedFleet({"a": honest("a"), "b": honest("b"), "c": silent})
+    started = time.monotonic()
+    rows = coordinator(fleet, tmp_path, quorum=0.5, round_timeout_s=1.0).run()
+    assert time.monotonic() - started >= 1.0
+    assert rows[0].participants == ["a", "b"] and rows[0].dropped == ["c"] and not rows[0].aborted
+
+
+def test_a_round_without_a_quorum_waits_twice_the_timeout_and_is_aborted(tmp_path):
+    fleet = ScriptedFleet({"a": honest("a"), "b": silent, "c": silent})
+    coord = coordinator(fleet, tmp_path, quorum=1.0, round_timeout_s=0.5)
+    coord.init_or_resume()
+    before = {k: v.copy() for k, v in coord.state.global_tensors.items()}
+    started = time.monotonic()
+    rows = coord.run()
+    assert time.monotonic() - started >= 1.0
+    assert rows[0].aborted and rows[0].participants == ["a"] and rows[0].dropped == ["b", "c"]
+    assert all((coord.state.global_tensors[k] == v).all() for k, v in before.items())
+
+
+def test_rejections_from_the_fleet_and_the_gate_are_counted_by_reason(tmp_path, caplog):
+    def mallory(task: Message) -> list[bytes]:
+        good = honest("m")(task)
+        if task.meta.kind != "train":
+            return good
+        return [b"junk", *honest("m", num_train=10**400)(task), *good]
+
+    fleet = ScriptedFleet({"a": honest("a"), "m": mallory})
+    fleet.events.append(Rejection(None, "bad_topic", "edgepfl/v1/loop/nope"))
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        coord = coordinator(fleet, tmp_path, round_timeout_s=60)
+        rows = coord.run()
+    # junk is nobody's frame; the inflated update names m but is unsigned, so it answers
+    # nothing (anyone could have sent it): m's good update after it is accepted
+    assert rows[0].participants == ["a", "m"] and rows[0].dropped == []
+    assert rows[0].rejected == {"bad_topic": 1, "malformed": 2} and rows[1].rejected == {}
+    assert coord.counters.rejected == {"bad_topic": 1, "malformed": 2}
+    assert "rejected message from ?: bad_topic" in caplog.text
+    assert "rejected message from m: malformed (num_train exceeds the 10 samples its status announced)" in caplog.text
+    # m announced 1.2: told of the frame in its name, with the reason, the message and the task
+    assert [(a, m.meta.reason) for a, m in fleet.told] == [("m", "malformed")]
+    nack = fleet.told[0][1]
+    assert nack.type == MessageType.NACK and nack.meta.rejected_type == "update" and nack.header.round == 0
+    assert nack.meta.task_id is not None
+
+
+def test_a_hostile_sample_count_is_rejected_and_cannot_take_over_or_crash_the_server_step(tmp_path):
+    fleet = ScriptedFleet({"a": honest("a"), "b": honest("b"), "m": honest("m", num_train=10**400)})
+    rows = coordinator(fleet, tmp_path, quorum=0.5, round_timeout_s=2).run()
+    assert rows[0].participants == ["a", "b"] and rows[0].rejected == {"malformed": 1}
+    # unsigned, m's rejected update answers nothing: the round closes on its deadline without m
+    assert rows[0].dropped == ["m"] and not rows[0].aborted
+
+
+def test_a_1_1_agents_rejected_update_is_counted_but_it_is_not_told(tmp_path):
+    fleet = ScriptedFleet({"a": honest("a"), "old": honest("old", num_train=10**400)})
+    fleet.events = deque([status("a"), status("old", version="1.1")])
+    rows = coordinator(fleet, tmp_path, round_timeout_s=2).run()
+    assert rows[0].participants == ["a"] and rows[0].rejected == {"malformed": 1}
+    # unsigned: the rejection did not answer old's task (a forgery could have), so the round
+    # closed on its deadline without old's answer
+    assert rows[0].dropped == ["old"]
+    assert fleet.told == []
+
+
+def refuses(agent_id: str, reason: str, then: Responder | None = None) -> Responder:
+    """Refuses its first task with ``reason``; later tasks go to ``then`` (default: refused too)."""
+    refused: list[int] = []
+
+    def answer(task: Message) -> list[bytes]:
+        if refused and then is not None:
+            return then(task)
+        refused.append(task.header.round)
+        return [encode(MessageType.REFUSAL, federation=FED, sender=agent_id, round=task.header.round,
+                       meta=RefusalMeta(task_id=task.meta.task_id, reason=reason, detail="cannot"))]
+    return answer
+
+
+def test_a_refused_task_is_answered_counted_by_reason_and_keeps_the_agent_eligible_when_busy(tmp_path):
+    fleet = ScriptedFleet({"a": honest("a"), "b": refuses("b", "busy", then=honest("b")),
+                           "c": refuses("c", "no_such_reason")})
+    rows = coordinator(fleet, tmp_path, rounds=2, round_timeout_s=60).run()
+    assert max(r.seconds for r in rows) < 20  # not the 60 s timeout
+    assert rows[0].refused == {"busy": 1, "error": 1} and rows[0].participants == ["a"] and rows[0].dropped == []
+    assert rows[1].refused == {"error": 1} and rows[1].participants == ["a", "b"]  # busy stays eligible
+    assert rows[0].rejected == {} and fleet.told == []  # a refusal is an answer, not a rejection
+
+
+def test_agents_whose_capabilities_exclude_the_run_and_busy_agents_get_no_task(tmp_path, caplog):
+    agents = {a: honest(a) for a in ("a", "b", "cnn_only", "no_fedavg", "busy")}
+    fleet = ScriptedFleet(agents)
+    fleet.events = deque([
+        status("a", capabilities=Capabilities(methods=["fedavg", "fedrep"], archs=["mlp", "cnn"])),
+        status("cnn_only", capabilities=Capabilities(archs=["cnn"])),
+        status("no_fedavg", capabilities=Capabilities(methods=["fedrep"])),
+        status("busy", state="busy"),
+        status("b"),  # 1.1-like: nothing declared, so anything
+    ])
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        coord = coordinator(fleet, tmp_path, min_agents=2, rounds=2)
+        rows = coord.run()
+    for row in rows[:-1]:
+        assert row.sampled == ["a", "b"] and row.participants == ["a", "b"]
+    assert rows[-1].evaluated == 2  # nor evaluate tasks
+    assert "cnn_only gets no task" in caplog.text and "arch mlp" in caplog.text
+    assert "no_fedavg gets no task" in caplog.text and "method fedavg" in caplog.text
+    assert caplog.text.count("cnn_only gets no task") == 1
+    assert coord.registry.online("trainer") == ["a", "b", "busy", "cnn_only", "no_fedavg"]  # registered, online
+
+
+def test_min_agents_counts_capable_trainers_only(tmp_path):
+    fleet = ScriptedFleet({"a": honest("a"), "x": honest("x")})
+    fleet.events = deque([status("a"), status("x", capabilities=Capabilities(methods=["fedrep"]))])
+    with pytest.raises(TimeoutError, match="only 1 of min_agents=2 capable"):
+        coordinator(fleet, tmp_path, min_agents=2, wait_for_agents_s=1).run()
+
+
+def test_a_status_of_another_major_version_is_not_registered_and_is_told_why(tmp_path):
+    fleet = ScriptedFleet({"a": honest("a"), "future": honest("future")})
+    fleet.events = deque([status("a"), status("future", version="2.0")])
+    coord = coordinator(fleet, tmp_path, min_agents=1)
+    rows = coord.run()
+    assert not coord.registry.known("future") and rows[0].sampled == ["a"]
+    assert coord.counters.rejected == {"unsupported_version": 1}
+    assert [(a, m.meta.reason, m.meta.rejected_type) for a, m in fleet.told] == [
+        ("future", "unsupported_version", "status")]
+
+
+def test_statuses_keep_the_registry_and_tell_the_fleet_who_came_online(tmp_path):
+    fleet = ScriptedFleet({"a": honest("a"), "b": honest("b")})
+    fleet.events += [status("pi", tier="head"), status("pi", tier="head"), status("pi", state="offline", tier="head"),
+                     status("pi", tier="head"), status("x", num_train=2**60),
+                     Incoming("y", AgentChannel.STATUS, status("z").frame, 10)]
+    coord = coordinator(fleet, tmp_path)
+    coord.run()
+    # re-announcing while online is not "coming online"; coming back after offline is
+    assert fleet.online_calls == [("a", "trainer"), ("b", "trainer"), ("pi", "head"), ("pi", "head")]
+    assert coord.registry.online("head") == ["pi"] and not coord.registry.known("x")
+    assert coord.counters.rejected == {"malformed": 1, "wrong_sender": 1}
+
+
+class HeadFleet(ScriptedFleet):
+    """Two head agents that report as soon as a release is published."""
+
+    def __init__(self, agents: dict[str, Responder]):
+        super().__init__(agents)
+        self.events += [status("pi-1", tier="head"), status("pi-2", tier="head")]
+        self.releases: list[int] = []
+
+    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0) -> int:
+        self.releases.append(round)
+        release_id = decode(frame).meta.release_id
+        for agent_id, correct in (("pi-1", 7), ("pi-2", 9)):
+            report = encode(MessageType.METRICS, federation=FED, sender=agent_id, round=round,
+                            meta=MetricsMeta(tier="head", release_id=release_id, head="lr", num_test=10,
+                                             eval_correct=correct))
+            self.events.append(Incoming(agent_id, AgentChannel.METRICS, report, len(report)))
+        return len(frame)
+
+
+def test_head_reports_are_collected_until_every_online_head_reported(tmp_path):
+    fleet = HeadFleet({"a": honest("a"), "b": honest("b")})
+    coord = coordinator(fleet, tmp_path, round_timeout_s=20, release_at_end=True)
+    started = time.monotonic()
+    coord.run()
+    assert time.monotonic() - started < 20  # the reports end the wait, not the timeout
+    assert fleet.releases == [0]
+    assert {a: r.accuracy for a, r in coord.head_reports.items()} == {"pi-1": 0.7, "pi-2": 0.9}
+    (release_id, entry), = read_head_metrics(tmp_path / "run").items()  # keyed by release
+    assert release_id in coord.releases and entry.round == 0 and entry.accuracy() == pytest.approx(0.8)
+
+
+def test_a_round_of_1000_agents_costs_time_proportional_to_its_messages(tmp_path, monkeypatch):
+    """At 1,000 agents the old loop rebuilt and sorted the online list once per waiting agent
+    per message (40-73 s per round); the registry is now asked for a sorted list once per round."""
+    n = 1000
+    fleet = ScriptedFleet({f"agent-{i:04d}": honest(f"agent-{i:04d}") for i in range(n)})
+    calls = {"online": 0}
+    original = Registry.online
+
+    def counting(self, tier=None):
+        calls["online"] += 1
+        return original(self, tier)
+
+    monkeypatch.setattr(Registry, "online", counting)
+    started = time.monotonic()
+    rows = coordinator(fleet, tmp_path).run()
+    seconds = time.monotonic() - started
+    assert len(rows[0].participants) == n and rows[-1].evaluated == n
+    assert calls["online"] <= 4  # once per round (sampling), not per message
+    assert seconds < 60, seconds  # 4,000 frames encoded and decoded; the old loop took minutes
+
+
+def test_rejection_totals_survive_a_restart(tmp_path):
+    def mallory(task: Message) -> list[bytes]:
+        junk = [b"junk"] if task.meta.kind == "train" else []
+        return [*junk, *honest("m")(task)]
+
+    def checkpointed() -> dict:
+        return json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())
+
+    coordinator(ScriptedFleet({"a": honest("a"), "m": mallory}), tmp_path, rounds=1).run()
+    assert checkpointed()["round"] == 0 and checkpointed()["rejected_total"] == {"malformed": 1}
+    resumed = coordinator(ScriptedFleet({"a": honest("a"), "m": mallory}), tmp_path, rounds=2)
+    rows = resumed.run()
+    assert [r.round for r in rows] == [1, 2] and rows[0].rejected == {"malformed": 1}
+    assert checkpointed()["round"] == 1 and checkpointed()["rejected_total"] == {"malformed": 2}
+
+
+# --------------------------------------------------------------------------- aggregation in the round
+
+
+def shifted(agent_id: str, by: float | Callable[[int], float], num_train: int = 10) -> Responder:
+    """A trainer whose update moves every float tensor it got by ``by`` (or ``by(round)``)."""
+    def answer(task: Message) -> list[bytes]:
+        if task.meta.kind != "train":
+            return honest(agent_id, num_train)(task)
+        delta = by(task.header.round) if callable(by) else by
+        tensors = {k: (v + delta).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in task.tensors.items()}
+        meta = UpdateMeta(task_id=task.meta.task_id, kind="train", num_train=num_train, num_test=5, eval_correct=2)
+        return [encode(MessageType.UPDATE, federation=FED, sender=agent_id, round=task.header.round, meta=meta,
+                       tensors=tensors)]
+    return answer
+
+
+def scaled(agent_id: str, factor: float) -> Responder:
+    """A trainer that answers with the tensors it got times ``factor``."""
+    def answer(task: Message) -> list[bytes]:
+        if task.meta.kind != "train":
+            return honest(agent_id)(task)
+        tensors = {k: (v * factor).astype(v.dtype) for k, v in task.tensors.items()}
+        meta = UpdateMeta(task_id=task.meta.task_id, kind="train", num_train=10, num_test=5, eval_correct=2)
+        return [encode(MessageType.UPDATE, federation=FED, sender=agent_id, round=task.header.round, meta=meta,
+                       tensors=tensors)]
+    return answer
+
+
+def global_tensors(coord: Coordinator) -> dict:
+    assert coord.state is not None
+    return {k: v.copy() for k, v in coord.state.global_tensors.items()}
+
+
+def same_tensors(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
+
+
+def test_an_update_scaled_a_millionfold_is_rejected_out_of_range_and_the_round_completes(tmp_path, caplog):
+    fleet = ScriptedFleet({"a": honest("a"), "b": honest("b"), "m": scaled("m", 1e6)})
+    coord = coordinator(fleet, tmp_path)
+    coord.init_or_resume()
+    before = global_tensors(coord)
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        rows = coord.run()
+    assert time.monotonic() - started < 10  # m's answer counts as an answer: no wait for the timeout
+    assert rows[0].rejected == {"out_of_range": 1} and coord.counters.rejected == {"out_of_range": 1}
+    assert rows[0].participants == ["a", "b"] and rows[0].dropped == [] and not rows[0].aborted
+    assert rows[0].evaluated == 2  # nothing of a refused update counts, its evaluation neither
+    assert same_tensors(global_tensors(coord), before)  # the mean of a's and b's echo
+    assert "rejected message from m: out_of_range" in caplog.text
+
+
+def test_an_aggregate_that_moves_too_far_is_not_adopted_and_a_robust_rule_outvotes_the_attacker(tmp_path, caplog):
+    # +50 on every coordinate is within the rule's range (64 x max(1, |w|)): without the
+    # update bound only the closed mean shows it, moving the model by ~17 per coordinate
+    agents = {"a": shifted("a", 0.001), "b": shifted("b", 0.001), "m": shifted("m", 50.0)}
+    coord = coordinator(ScriptedFleet(agents), tmp_path / "mean", aggregation={"max_update_ratio": None})
+    coord.init_or_resume()
+    before = global_tensors(coord)
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        rows = coord.run()
+    assert rows[0].aborted and rows[0].abort_reason == "diverged" and rows[0].rolled_back_to is None
+    assert rows[0].participants == ["a", "b", "m"]  # all three went into the refused aggregate
+    assert same_tensors(global_tensors(coord), before)
+    assert "round 0: aggregate not adopted: diverged" in caplog.text
+
+    robust = coordinator(ScriptedFleet(agents), tmp_path / "median",
+                         aggregation={"rule": "median", "max_update_ratio": None})
+    rows = robust.run()
+    assert not rows[0].aborted and rows[0].abort_reason is None
+    after = global_tensors(robust)
+    for key, value in before.items():  # the median of (+0.001, +0.001, +50) is +0.001
+        np.testing.assert_allclose(after[key], value + 0.001, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("rule", ["mean", "median"])
+def test_the_update_bound_refuses_or_clips_one_update_whatever_the_rule(tmp_path, caplog, rule):
+    """The +50 attacker of the test above, under the default bound (10 x the model's norm):
+    refused as out_of_range and the round adopted from a's and b's updates; with
+    on_large_update: clip its change is scaled onto the bound, it is counted as clipped
+    in the metrics row, and the round is adopted with the model moved at most by the
+    bound times m's share."""
+    agents = {"a": shifted("a", 0.001), "b": shifted("b", 0.001), "m": shifted("m", 50.0)}
+    coord = coordinator(ScriptedFleet(agents), tmp_path / "reject", aggregation={"rule": rule})
+    coord.init_or_resume()
+    before = global_tensors(coord)
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        rows = coord.run()
+    assert rows[0].rejected == {"out_of_range": 1} and rows[0].participants == ["a", "b"] and not rows[0].aborted
+    assert "rejected message from m: out_of_range (out_of_range: the update changes the learned parameters by a norm" \
+        in caplog.text
+    for key, value in before.items():
+        np.testing.assert_allclose(coord.state.global_tensors[key], value + 0.001, rtol=0, atol=1e-6)
+
+    clip = coordinator(ScriptedFleet(agents), tmp_path / "clip", aggregation={"rule": rule, "on_large_update": "clip"})
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        rows = clip.run()
+    assert rows[0].rejected == {} and rows[0].participants == ["a", "b", "m"] and rows[0].clipped == ["m"]
+    assert not rows[0].aborted and "the update from m went past the update bound" in caplog.text
+    assert read_metrics(tmp_path / "clip" / "run")[0].clipped == ["m"]
+    learned = [k for k, v in before.items() if v.dtype.kind == "f" and "running_" not in k]
+    norm = np.sqrt(sum(float(np.sum(before[k].astype(np.float64) ** 2)) for k in learned))
+    moved = np.sqrt(sum(float(np.sum((clip.state.global_tensors[k].astype(np.float64) - before[k]) ** 2))
+                        for k in learned))
+    honest_share = 0.001 * np.sqrt(sum(before[k].size for k in learned))
+    # the learned parameters: m's change scaled onto 10 x their norm, a third of the mean (median: the middle value)
+    assert 0 < moved <= 10 * max(1.0, norm) / 3 + honest_share
+    for mean_key in [k for k in before if k.endswith("running_mean")]:
+        # each running mean: m's +50 clamped to 20 reference deviations per channel, a third of the mean
+        var = before[mean_key.replace("running_mean", "running_var")].astype(np.float64)
+        shift = clip.state.global_tensors[mean_key].astype(np.float64) - before[mean_key]
+        assert (0 < shift).all() and (shift <= 20 * np.sqrt(var + np.median(var)) / 3 + 0.001 + 1e-6).all()
+
+
+def test_a_non_finite_aggregate_is_not_adopted(tmp_path, caplog):
+    coord = coordinator(ScriptedFleet({"a": honest("a"), "b": honest("b")}), tmp_path)
+    coord.init_or_resume()
+    before = global_tensors(coord)
+    finish = coord.method.finish_round
+
+    def overflowing(state, shared, updates, round):  # a server step with a numerical bug
+        new = finish(state, shared, updates, round)
+        key = next(iter(new.global_tensors))
+        new.global_tensors[key] = np.full_like(new.global_tensors[key], np.inf)
+        return new
+
+    coord.method.finish_round = overflowing  # type: ignore[method-assign]
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        rows = coord.run()
+    assert rows[0].aborted and rows[0].abort_reason == "non_finite"
+    assert same_tensors(global_tensors(coord), before)
+    assert "aggregate not adopted: non_finite" in caplog.text
+
+
+def test_rounds_that_keep_failing_roll_back_to_the_last_good_state_and_resume_keeps_it(tmp_path, caplog):
+    """Round 0 is adopted (from the initial state S0); rounds 1 and 2 fail from its result
+    S1; with rollback_after=2 the state goes back to S0, the last state a round was adopted
+    from, and round 3 trains from S0. A coordinator restarted after round 1 does the same."""
+    def poison(r: int) -> float:
+        return 50.0 if r in (1, 2) else 0.01
+
+    def fleet() -> ScriptedFleet:
+        return ScriptedFleet({"a": shifted("a", 0.01), "b": shifted("b", 0.01), "m": shifted("m", poison)})
+
+    def run(out, rounds: int) -> tuple[Coordinator, list]:
+        coord = coordinator(fleet(), out, rounds=rounds, aggregation={"rollback_after": 2, "max_update_ratio": None})
+        return coord, coord.run()
+
+    sent: dict[int, dict] = {}
+    coord = coordinator(fleet(), tmp_path / "once", rounds=4,
+                        aggregation={"rollback_after": 2, "max_update_ratio": None})
+    coord.fleet.on_send = lambda agent, task: sent.setdefault(task.header.round, dict(task.tensors))  # type: ignore[attr-defined]
+    coord.init_or_resume()
+    s0 = global_tensors(coord)
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        rows = coord.run()
+    assert [r.abort_reason for r in rows[:4]] == [None, "diverged", "diverged", None]
+    assert [r.rolled_back_to for r in rows[:4]] == [None, None, -1, None]
+    s1 = sent[1]
+    assert not same_tensors(s1, s0) and same_tensors(sent[2], s1)  # round 2 still trains from S1
+    assert same_tensors(sent[3], s0)  # round 3 from the rolled-back S0
+    for key, value in s0.items():
+        np.testing.assert_allclose(coord.state.global_tensors[key], value + 0.01, rtol=0, atol=1e-6)
+    assert "2 rounds in a row aborted (last: diverged); rolled back to the last good state, the global state " \
+           "after round -1" in caplog.text
+    checkpoint = tmp_path / "once" / "run" / "checkpoint"
+    assert sorted(p.name for p in checkpoint.glob("good-*")) == ["good-2"]  # S0 again proved good in round 3
+
+    # a coordinator killed after round 1 resumes with the failure count and the good state
+    run(tmp_path / "twice", rounds=2)
+    meta = json.loads((tmp_path / "twice" / "run" / "checkpoint" / "state.json").read_text())
+    assert meta["aborted_streak"] == 1 and meta["good_round"] == -1
+    resumed, rows2 = run(tmp_path / "twice", rounds=4)
+    assert [r.rolled_back_to for r in rows2[:2]] == [-1, None]
+    assert same_tensors(global_tensors(resumed), global_tensors(coord))
+
+
+def reachable_arrays(root: object) -> dict[int, int]:
+    """Every numpy buffer reachable from ``root`` through attributes and containers: base id -> bytes."""
+    seen: set[int] = set()
+    found: dict[int, int] = {}
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool, type)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, np.ndarray):
+            base = obj
+            while isinstance(base.base, np.ndarray):
+                base = base.base
+            found[id(base)] = base.nbytes
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset, deque)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+    return found
+
+
+@pytest.mark.parametrize("rule", ["mean", "clipped_mean", "median"])
+def test_a_streaming_rule_keeps_no_update_in_the_open_round(tmp_path, rule):
+    """Structural: what the open round holds while 20 updates come in. With a streaming rule
+    it is the round's reference and its sums, whatever the number of updates; a buffered
+    rule (median) holds every update, which is what this check would see."""
+    n = 20
+    peak = {"bytes": 0, "added": 0}
+
+    class Probe(ScriptedFleet):
+        coord: Coordinator | None = None
+
+        def poll(self, timeout: float):
+            sink = self.coord.inbox._sink if self.coord else None
+            if isinstance(sink, RoundResult) and sink.aggregate is not None:
+                peak["bytes"] = max(peak["bytes"], sum(reachable_arrays(sink).values()))
+                peak["added"] = max(peak["added"], sink.aggregate.count)
+            return super().poll(timeout)
+
+    fleet = Probe({f"agent-{i:02d}": shifted(f"agent-{i:02d}", 0.001 * i) for i in range(n)})
+    coord = fleet.coord = coordinator(fleet, tmp_path, aggregation={"rule": rule})
+    coord.init_or_resume()
+    model = sum(v.nbytes for v in coord.state.shared_params().values())
+    coord.run()
+    assert peak["added"] == n - 1  # measured with all but the last update in
+    if RunConfig(aggregation={"rule": rule}).aggregation.build().streaming:
+        # the state (1x) and two int64 words per float32 coordinate (4x); per update 1x more
+        assert peak["bytes"] <= 6 * model, (peak, model)
+    else:
+        assert peak["bytes"] >= (n - 1) * model, (peak, model)
+
+
+def test_an_answer_that_comes_after_its_round_closed_is_stale(tmp_path):
+    """c goes offline with its round-0 task (the round closes on quorum without it), and
+    its round-0 answer arrives while the coordinator waits for it before round 1: too late
+    for a round whose aggregate is already closed."""
+    late: list[bytes] = []
+
+    def c(task: Message) -> list[bytes]:
+        if task.header.round == 0 and task.meta.kind == "train":
+            late.extend(honest("c")(task))
+            fleet.events.append(status("c", state="offline"))
+            return []
+        return honest("c")(task)
+
+    fleet = ScriptedFleet({"a": honest("a"), "b": honest("b"), "c": c})
+    coord = coordinator(fleet, tmp_path, rounds=2, quorum=0.5)
+    original = coord._collect
+
+    def collect_then_c_answers_late(tasks, result, started):
+        original(tasks, result, started)
+        if result.round == 0:
+            fleet.events.extend(Incoming("c", AgentChannel.UPDATE, f, len(f)) for f in late)
+            fleet.events.append(status("c"))
+
+    coord._collect = collect_then_c_answers_late  # type: ignore[method-assign]
+    rows = coord.run()
+    assert rows[0].participants == ["a", "b"] and rows[0].dropped == ["c"] and not rows[0].aborted
+    assert coord.counters.rejected == {"stale": 1}
+    assert rows[1].participants == ["a", "b", "c"]
+
+
+def _count_encodings(monkeypatch) -> list[int]:
+    """How many bodies the round loop's task writer encodes (a spy on the real encode_body)."""
+    from edgepfl.coordinator import tasks
+
+    calls: list[int] = []
+    real = tasks.encode_body
+    monkeypatch.setattr(tasks, "encode_body", lambda tensors: calls.append(len(tensors)) or real(tensors))
+    return calls
+
+
+def test_a_payload_every_agent_shares_is_encoded_once_per_round(tmp_path, monkeypatch):
+    fleet = ScriptedFleet({a: honest(a) for a in ("a", "b", "c")})
+    calls = _count_encodings(monkeypatch)
+    coordinator(fleet, tmp_path, rounds=2).run()
+    assert len(calls) == 3  # rounds 0 and 1 and the final evaluation: one body each, not one per agent
+
+
+def test_a_personal_payload_gets_its_own_body(tmp_path, monkeypatch):
+    fleet = ScriptedFleet({a: honest(a) for a in ("a", "b", "c")})
+    calls = _count_encodings(monkeypatch)
+    sent: dict[str, Message] = {}
+    fleet.on_send = lambda agent_id, task: sent.setdefault(agent_id, task)  # round 0's task
+    coord = coordinator(fleet, tmp_path)
+    shared = coord.method.payload_for
+
+    def personal(state, agent_id):  # like FedPAC's per-agent combined heads
+        payload = shared(state, agent_id)
+        first = sorted(payload)[0]
+        return {**payload, first: payload[first] + np.float32(1e-3 * "abc".index(agent_id))}
+
+    coord.method.payload_for = personal  # type: ignore[method-assign]
+    coord.run()
+    assert len(calls) == 6  # round 0 and the final evaluation, three agents each
+    first = sorted(sent["a"].tensors)[0]
+    assert not np.array_equal(sent["a"].tensors[first], sent["c"].tensors[first])
+    np.testing.assert_allclose(sent["c"].tensors[first] - sent["a"].tensors[first], 2e-3, atol=1e-6)
+
+
+def test_an_agent_that_let_its_task_time_out_gets_no_task_until_it_shows_life(tmp_path):
+    answering: set[str] = set()
+
+    def wakes_up(task: Message) -> list[bytes]:  # silent until it has shown life
+        return honest("c")(task) if "c" in answering else []
+
+    fleet = ScriptedFleet({"a": honest("a"), "b": honest("b"), "c": wakes_up})
+    sent_to: dict[int, list[str]] = {}
+
+    def on_send(agent_id: str, task: Message) -> None:
+        sent_to.setdefault(task.header.round, []).append(agent_id)
+        if task.header.round == 2 and agent_id == "a":  # c comes back during round 2
+            answering.add("c")
+            fleet.events.append(status("c"))
+
+    fleet.on_send = on_send
+    rows = coordinator(fleet, tmp_path, rounds=4, round_timeout_s=1.5).run()
+    assert rows[0].dropped == ["c"] and rows[0].participants == ["a", "b"]
+    assert sorted(sent_to[1]) == ["a", "b"] and rows[1].dropped == []  # not waited for again
+    assert rows[1].seconds < 1.0  # the round closed when a and b answered, not at the timeout
+    assert sorted(sent_to[3]) == ["a", "b", "c"] and rows[3].participants == ["a", "b", "c"]
+
+
+def test_an_agent_that_reconnected_during_the_round_keeps_getting_tasks(tmp_path):
+    lost: set[int] = {0}  # c's round-0 task is lost with its old connection; it reconnects mid-round
+
+    def reconnecting(task: Message) -> list[bytes]:
+        return [] if task.header.round in lost else honest("c")(task)
+
+    fleet = ScriptedFleet({"a": honest("a"), "b": honest("b"), "c": reconnecting})
+    sent_to: dict[int, list[str]] = {}
+
+    def on_send(agent_id: str, task: Message) -> None:
+        sent_to.setdefault(task.header.round, []).append(agent_id)
+        if task.header.round == 0 and agent_id == "c":
+            fleet.events.append(status("c"))  # its birth status after reconnecting
+
+    fleet.on_send = on_send
+    rows = coordinator(fleet, tmp_path, rounds=2, round_timeout_s=1.5).run()
+    assert rows[0].dropped == ["c"]
+    assert sorted(sent_to[1]) == ["a", "b", "c"] and rows[1].participants == ["a", "b", "c"]
+
+
+def _task_log(fleet: ScriptedFleet) -> list[tuple[int, str, str]]:
+    sent: list[tuple[int, str, str]] = []
+    fleet.on_send = lambda agent_id, task: sent.append((task.header.round, agent_id, task.meta.kind))
+    return sent
+
+
+def _run_sampled(tmp_path, name: str, n: int = 20, **overrides) -> tuple[list[tuple[int, str, str]], list]:
+    fleet = ScriptedFleet({f"agent-{i:02d}": honest(f"agent-{i:02d}") for i in range(n)})
+    sent = _task_log(fleet)
+    rows = Coordinator(config(min_agents=n, **overrides), fleet, tmp_path / name, progress=False).run()
+    return sent, rows
+
+
+def test_evaluation_sampling_sends_evaluate_tasks_to_a_seeded_sample_only_round_0_and_final_included(tmp_path):
+    n, rounds = 20, 3
+    sent, rows = _run_sampled(tmp_path, "a", n, rounds=rounds, fraction=0.25, eval_fraction=0.5)
+    for r in range(rounds + 1):  # round `rounds` is the final evaluation
+        kinds = [kind for rnd, _, kind in sent if rnd == r]
+        trainers = 0 if r == rounds else 5
+        evaluators = 10 - trainers  # half the fleet is evaluated; the trainers count
+        assert kinds.count("train") == trainers and kinds.count("evaluate") == evaluators, (r, kinds)
+        evaluated = {a for rnd, a, kind in sent if rnd == r and kind == "evaluate"}
+        trained = {a for rnd, a, kind in sent if rnd == r and kind == "train"}
+        assert not evaluated & trained
+        assert rows[r].evaluated == 10  # trainers report their pre-training evaluation too
+    # the evaluators differ between rounds: not the same few agents every time
+    assert len({frozenset(a for rnd, a, k in sent if rnd == r and k == "evaluate") for r in range(rounds)}) > 1
+
+    again, _ = _run_sampled(tmp_path, "b", n, rounds=rounds, fraction=0.25, eval_fraction=0.5)
+    assert sorted(again) == sorted(sent)  # samples depend only on seed and round: a resumed run draws the same
+    other, _ = _run_sampled(tmp_path, "c", n, rounds=rounds, fraction=0.25, eval_fraction=0.5, seed=7)
+    assert sorted(other) != sorted(sent)
+
+
+def test_evaluation_sampling_cuts_the_bytes_sent_and_the_final_fraction_can_differ(tmp_path):
+    n = 20
+    _, full = _run_sampled(tmp_path, "full", n, rounds=2, fraction=0.1)
+    sent, sampled = _run_sampled(tmp_path, "sampled", n, rounds=2, fraction=0.1, eval_fraction=0.1,
+                                 final_eval_fraction=1.0)
+    for r in range(2):
+        # the 2 trainers are the tenth evaluated, no evaluate task; in full, 2 trainers + 18 evaluators
+        assert [k for rnd, _, k in sent if rnd == r] == ["train", "train"]
+        assert sampled[r].bytes_down / full[r].bytes_down == pytest.approx(2 / 20, rel=0.01)
+    assert sampled[-1].final and sampled[-1].evaluated == n  # final_eval_fraction: everyone
+    assert sum(1 for rnd, _, k in sent if rnd == 2 and k == "evaluate") == n
+    _, final_sampled = _run_sampled(tmp_path, "final", n, rounds=1, fraction=0.1, eval_fraction=0.1)
+    assert final_sampled[-1].evaluated == 2  # without final_eval_fraction, the final round samples too
+
+
+def test_eval_fraction_one_is_every_idle_agent_as_before(tmp_path):
+    sent, rows = _run_sampled(tmp_path, "one", 10, rounds=1, fraction=0.3)
+    assert sum(1 for rnd, _, k in sent if rnd == 0 and k == "evaluate") == 7
+    assert rows[-1].evaluated == 10
+
+
+def test_while_the_send_window_is_full_the_round_loop_admits_answers_instead_of_sending(tmp_path):
+    """The transport says when too many sent bytes wait for acknowledgement; until it has
+    room again the round loop routes inbound traffic (here: the answers already in)."""
+    n = 6
+
+    class SlowLink(ScriptedFleet):
+        def __init__(self, agents):
+            super().__init__(agents)
+            self.sent = 0
+            self.log: list[tuple[str, int]] = []
+
+        def send(self, agent_id, frame, round):
+            self.sent += 1
+            self.log.append(("send", len(self.events)))
+            return super().send(agent_id, frame, round)
+
+        def send_ready(self) -> bool:
+            # room again once every answer of the tasks sent so far has been routed
+            return not self.events
+
+    fleet = SlowLink({f"agent-{i}": honest(f"agent-{i}") for i in range(n)})
+    rows = coordinator(fleet, tmp_path).run()
+    assert len(rows[0].participants) == n
+    # each task went out only after the answer to the one before had been admitted
+    assert [pending for what, pending in fleet.log] == [0] * len(fleet.log)
+
+
+def test_a_row_cut_short_by_a_crash_is_dropped_on_resume_and_written_again(tmp_path, caplog):
+    """Power lost while round 2's row was being appended: half a line after round 1's row,
+    no checkpoint of round 2. The resumed run drops the torn line with a warning, runs
+    round 2 again and leaves a file every line of which parses."""
+    def fleet() -> ScriptedFleet:
+        return ScriptedFleet({"a": shifted("a", 0.01), "b": shifted("b", 0.02)})
+
+    coordinator(fleet(), tmp_path, rounds=2).run()
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    whole = [line for line in metrics.read_text().splitlines(keepends=True) if '"final": true' not in line]
+    assert [json.loads(line)["round"] for line in whole] == [0, 1]
+    metrics.write_text("".join(whole) + whole[-1].replace('"round": 1', '"round": 2')[:60])
+    with pytest.raises(MetricsError, match="metrics.jsonl:3: not JSON"):
+        read_metrics(metrics)  # what a resume read before
+
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        rows = coordinator(fleet(), tmp_path, rounds=4).run()
+    assert "its last row was cut short by a crash" in caplog.text
+    assert [r.round for r in rows if not r.final] == [2, 3]
+    assert [(r.round, r.final) for r in read_metrics(metrics)] == [(0, False), (1, False), (2, False), (3, False),
+                                                                   (4, True)]

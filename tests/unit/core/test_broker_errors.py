@@ -1,0 +1,63 @@
+"""A first connection that fails says why: where a password comes from, and each socket
+error's cause and retry policy (the real failures, one per cause:
+tests/integration/test_broker_errors.py).
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+
+import pytest
+
+from edgepfl.config import BrokerConfig
+from edgepfl.protocol.connection import (
+    BrokerLogin,
+    BrokerUnreachable,
+    FailureCause,
+    classify_connack,
+    classify_socket_error,
+)
+
+# --------------------------------------------------------------------------- unit
+
+
+def test_password_comes_from_exactly_one_source(tmp_path, monkeypatch):
+    secret = tmp_path / "pw"
+    secret.write_text("from-file\n")
+    assert BrokerConfig(password_file=str(secret)).read_password() == "from-file"
+    monkeypatch.setenv("EDGEPFL_TEST_PW", "from-env")
+    assert BrokerConfig(password_env="EDGEPFL_TEST_PW").read_password() == "from-env"
+    assert BrokerConfig(password="plain").read_password() == "plain"
+    assert BrokerConfig().read_password() is None
+    with pytest.raises(ValueError, match="one way, not password and password_env"):
+        BrokerConfig(password="a", password_env="EDGEPFL_TEST_PW")
+    with pytest.raises(ValueError, match="cert_file and key_file go together"):
+        BrokerConfig(cert_file="c.crt")
+    monkeypatch.delenv("EDGEPFL_TEST_PW")
+    with pytest.raises(BrokerUnreachable, match="EDGEPFL_TEST_PW is not set") as err:
+        BrokerLogin.from_config(BrokerConfig(password_env="EDGEPFL_TEST_PW"))
+    assert err.value.cause is FailureCause.CREDENTIALS
+    with pytest.raises(BrokerUnreachable, match="password_file .*missing"):
+        BrokerLogin.from_config(BrokerConfig(password_file=str(tmp_path / "missing")))
+    with pytest.raises(BrokerUnreachable, match="ca_file .* no such file"):
+        BrokerLogin(ca_file=str(tmp_path / "ca.crt")).tls_context()
+
+
+def test_each_socket_error_has_its_own_cause_and_retry_policy():
+    cases = [
+        (ssl.SSLCertVerificationError(1, "certificate verify failed"), FailureCause.TLS, False),
+        (ssl.SSLError(1, "alert bad certificate"), FailureCause.TLS_CLIENT, False),
+        (socket.gaierror(-2, "Name or service not known"), FailureCause.DNS, True),
+        (ConnectionRefusedError(111, "Connection refused"), FailureCause.REFUSED, True),
+        (TimeoutError("timed out"), FailureCause.UNREACHABLE, True),
+        (OSError(113, "No route to host"), FailureCause.UNREACHABLE, True),
+    ]
+    for exc, cause, transient in cases:
+        failure = classify_socket_error(exc, "mqtt.example.org", 8883)
+        assert (failure.cause, failure.transient) == (cause, transient), exc
+        assert "mqtt.example.org" in failure.message and "\n" not in failure.message
+    refused = classify_connack("Not authorized", 135, "h", 1, "pi-07")
+    assert refused.cause is FailureCause.AUTH and not refused.transient and "'pi-07'" in refused.message
+    assert classify_connack("Server unavailable", 136, "h", 1, None).transient
+    assert issubclass(BrokerUnreachable, ConnectionError)  # the CLI prints ConnectionError as one line

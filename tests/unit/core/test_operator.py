@@ -1,0 +1,296 @@
+"""The operator's side, unit level: --set overrides, paths relative to the YAML, log levels
+and formats, file modes, the Jetson torch specifier, the config reference, the demo's data."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import socket
+import stat
+from pathlib import Path
+
+import pytest
+import yaml
+
+from edgepfl.atomic import write_bytes, write_json
+from edgepfl.config import AgentConfig, ConfigError, RunConfig, apply_overrides, load_agent_config, load_run_config
+from edgepfl.config_docs import json_schema, reference_markdown, template_yaml
+from edgepfl.errors import ExitCode, MissingExtra, classify
+from edgepfl.logs import setup_logging
+from edgepfl.service import ServiceNotifier
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+# ----------------------------------------------------------------------------- --set
+
+
+def test_set_assigns_nested_yaml_typed_values():
+    data = apply_overrides({"train": {"lr": 1}, "rounds": 3},
+                           ["train.lr=0.5", "data.partition.alpha=0.1", "rounds=7", "model.weights=null",
+                            "data.partition.domains=[identity, invert]"])
+    assert data == {"train": {"lr": 0.5}, "rounds": 7, "model": {"weights": None},
+                    "data": {"partition": {"alpha": 0.1, "domains": ["identity", "invert"]}}}
+
+
+@pytest.mark.parametrize("bad, why", [("rounds", "key.path=value"), ("=3", "key.path=value"),
+                                      ("train..lr=1", "key.path=value"), ("rounds.x=1", "not a section"),
+                                      ("rounds=[1", "not valid YAML")])
+def test_malformed_set_is_a_config_error(bad, why):
+    with pytest.raises(ConfigError, match=why):
+        apply_overrides({"rounds": 3}, [bad])
+
+
+def test_set_is_validated_and_located(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("rounds: 3\n")
+    assert load_run_config(cfg, ["rounds=5", "method.name=fedprox", "method.mu=0.1"]).method_config().mu == 0.1
+    with pytest.raises(ConfigError) as err:
+        load_run_config(cfg, ["train.lr=-1"])
+    message = str(err.value)
+    assert "\n" not in message and "run.yaml" in message and "--set train.lr=-1" in message and "train.lr" in message
+
+
+# ----------------------------------------------------------------------------- ConfigPath
+
+
+def test_paths_in_a_yaml_resolve_against_its_folder(tmp_path, monkeypatch):
+    folder = tmp_path / "etc"
+    folder.mkdir()
+    (folder / "agent.yaml").write_text(yaml.safe_dump({
+        "agent_id": "pi-1", "state_dir": "state", "data": {"dataset": "npz", "root": "data/own.npz"},
+        "security": {"signing_key": "keys/pi-1.pem", "coordinator_key": "/abs/coord.pub", "enrolled_dir": "~/enrolled"},
+    }))
+    monkeypatch.chdir(tmp_path)  # elsewhere than the file's folder
+    config = load_agent_config("etc/agent.yaml")
+    assert config.state_dir == str(folder / "state")
+    assert config.data.root == str(folder / "data" / "own.npz")
+    assert config.security.signing_key == str(folder / "keys" / "pi-1.pem")
+    assert config.security.coordinator_key == "/abs/coord.pub"
+    assert config.security.enrolled_dir == str(Path("~/enrolled").expanduser())
+    # --set is typed in a shell: relative to the working directory, as given
+    assert load_agent_config("etc/agent.yaml", ["state_dir=here"]).state_dir == "here"
+    run = tmp_path / "run.yaml"
+    run.write_text("model: {arch: resnet18, weights: w/r18.pt}\n")
+    assert load_run_config(run).model.weights == str(tmp_path / "w" / "r18.pt")
+
+
+def test_every_path_field_is_a_config_path():
+    """Fields whose name says path are marked, so the loaders resolve them (new fields too)."""
+    from edgepfl.config import _is_path
+    from edgepfl.config_docs import _hints, _models
+
+    names = ("root", "weights", "dir", "key", "file", "path")
+    for root in (RunConfig, AgentConfig):
+        for model in _models(root, []):
+            hints = _hints(model)
+            for name in model.model_fields:
+                if any(name == n or name.endswith("_" + n) for n in names) and "str" in str(hints[name]):
+                    assert _is_path(hints[name]), f"{model.__name__}.{name} should be a ConfigPath"
+
+
+# ----------------------------------------------------------------------------- logging
+
+
+def test_log_level_acts_on_edgepfl_loggers_only():
+    stream = io.StringIO()
+    root_level = logging.getLogger().level
+    try:
+        setup_logging("debug", stream=stream)
+        logging.getLogger("edgepfl.agent").debug("ours")
+        logging.getLogger("matplotlib.font_manager").debug("theirs")
+        assert "ours" in stream.getvalue() and "theirs" not in stream.getvalue()
+        assert logging.getLogger().level == root_level
+        with pytest.raises(ValueError, match="verbose"):
+            setup_logging("verbose")
+    finally:
+        setup_logging("warning")
+
+
+def test_json_log_lines_carry_time_level_logger_message_and_extras():
+    stream = io.StringIO()
+    try:
+        setup_logging("info", "json", stream=stream)
+        logging.getLogger("edgepfl.coordinator").info("round %d closed", 3, extra={"round": 3, "agent": "pi-1"})
+        try:
+            raise RuntimeError("boom")
+        except RuntimeError:
+            logging.getLogger("edgepfl.agent").exception("failed")
+    finally:
+        setup_logging("warning")
+    first, second = (json.loads(line) for line in stream.getvalue().splitlines())
+    assert first["message"] == "round 3 closed" and first["level"] == "info" and first["logger"] == "edgepfl.coordinator"
+    assert first["round"] == 3 and first["agent"] == "pi-1" and first["time"].endswith("+00:00")
+    assert second["level"] == "error" and "RuntimeError: boom" in second["exception"]
+
+
+def test_every_module_logs_under_the_edgepfl_tree():
+    import importlib
+    import pkgutil
+
+    import edgepfl
+
+    before = set(logging.root.manager.loggerDict)
+    for info in pkgutil.walk_packages(edgepfl.__path__, "edgepfl."):
+        if info.name.endswith("__main__"):
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:
+            continue
+        log = getattr(module, "log", None)
+        if isinstance(log, logging.Logger):
+            assert log.name.startswith("edgepfl."), f"{info.name} logs as {log.name!r}"
+    ours = {n for n in set(logging.root.manager.loggerDict) - before if "edgepfl" in n}
+    assert all(n.startswith("edgepfl.") or n == "edgepfl" for n in ours)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_errors_map_to_documented_exit_codes():
+    from edgepfl.data import DataError
+
+    assert classify(ConfigError("x"))[0] == ExitCode.USAGE
+    assert classify(DataError("x"))[0] == ExitCode.DATA
+    assert classify(ConnectionError("x"))[0] == ExitCode.BROKER
+    assert classify(MissingExtra("export", "torch", "train"))[0] == ExitCode.EXTRA
+    missing = ModuleNotFoundError("No module named 'onnxruntime'", name="onnxruntime")
+    assert classify(missing) == (ExitCode.EXTRA, classify(missing)[1]) and "edgepfl[agent]" in classify(missing)[1]
+    assert classify(KeyError("bug"))[0] == ExitCode.OTHER
+
+    class BrokerUnreachable(ConnectionError):  # what a typed broker error looks like: still the broker's code
+        def __init__(self, msg, cause):
+            super().__init__(msg)
+            self.cause = cause
+
+    assert classify(BrokerUnreachable("tls handshake failed", "tls"))[0] == ExitCode.BROKER
+    readme = (REPO / "README.md").read_text()
+    for code in ExitCode:
+        assert f"| {int(code)} |" in readme, f"exit code {int(code)} is not documented in the README"
+
+
+# ----------------------------------------------------------------------------- files
+
+
+@pytest.mark.parametrize("umask, expect", [(0o022, 0o644), (0o027, 0o640), (0o077, 0o600)])
+def test_atomic_files_get_the_umask_mode_and_secrets_0600(tmp_path, umask, expect):
+    old = os.umask(umask)
+    try:
+        write_json(tmp_path / "manifest.json", {"a": 1})
+        write_bytes(tmp_path / "key.pem", b"secret", private=True)
+        write_bytes(tmp_path / "manifest.json", b"{}")  # replacing keeps the rule
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "manifest.json").stat().st_mode) == expect
+    assert stat.S_IMODE((tmp_path / "key.pem").stat().st_mode) == 0o600
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+# ----------------------------------------------------------------------------- packaging
+
+
+def test_torch_specifier_accepts_nvidia_jetpack_builds():
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+
+    train = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["train"]
+    spec = {Requirement(r).name: Requirement(r).specifier for r in train}
+    for jetpack in ("2.1.0a0+41361538.nv23.06", "2.3.0a0+ebedce2.nv24.02", "2.14.1", "2.1.0"):
+        assert spec["torch"].contains(jetpack), jetpack
+    for old in ("2.0.0+nv23.05", "2.0.1", "1.13.0"):
+        assert not spec["torch"].contains(old), old
+    assert spec["torchvision"].contains("0.16.0a0+fbb4cc5") and not spec["torchvision"].contains("0.15.2")
+
+
+# ----------------------------------------------------------------------------- config reference
+
+
+def test_config_reference_is_generated_from_the_models():
+    assert (REPO / "docs" / "CONFIG.md").read_text() == reference_markdown(), \
+        "docs/CONFIG.md is out of date: run `edgepfl config > docs/CONFIG.md`"
+
+
+def test_config_reference_lists_every_field_and_method_option():
+    from edgepfl.config_docs import _models
+    from edgepfl.methods import available_methods, get_method
+
+    text = reference_markdown()
+    for model in _models(RunConfig, []) + _models(AgentConfig, []):
+        for name in model.model_fields:
+            assert f"| `{name}` |" in text, f"{model.__name__}.{name}"
+    for method in available_methods():
+        assert f"### method: {method}" in text
+        for option in get_method(method).config_class.model_fields:
+            assert f"| `{option}` |" in text
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedpac", "repper"])
+def test_run_template_is_a_valid_config_of_the_defaults(method):
+    data = yaml.safe_load(template_yaml("run", method=method))
+    config = RunConfig.model_validate(data)
+    assert config.model_dump(exclude={"method"}) == RunConfig().model_dump(exclude={"method"})
+    assert config.method.name == method
+    assert config.method_config() == RunConfig(method={"name": method}).method_config()
+
+
+def test_agent_template_is_a_valid_config_of_the_defaults():
+    data = yaml.safe_load(template_yaml("agent"))
+    assert AgentConfig.model_validate(data) == AgentConfig(agent_id=data["agent_id"])
+
+
+def test_json_schema_describes_the_config():
+    schema = json_schema("run")
+    assert schema["title"] == "edgepfl run config" and "rounds" in schema["properties"]
+    assert "agent_id" in json_schema("agent")["required"]
+
+
+# ----------------------------------------------------------------------------- demo data
+
+
+def test_demo_uses_digits_with_a_fitting_model_where_fmnist_is_absent(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    from edgepfl.cli import demo_config
+    from edgepfl.data import clear_cache, fmnist_available, load_client_data
+    from edgepfl.models import SplitModel
+
+    monkeypatch.setenv("EDGEPFL_FMNIST_ROOT", str(tmp_path / "no-fmnist"))
+    assert not fmnist_available()
+    clear_cache()
+    config = demo_config(rounds=1)
+    assert config.data.dataset == "digits"
+    import torch
+
+    data = load_client_data(config.data, 0)
+    model = SplitModel.build(config.model, data.input_shape, data.num_classes)
+    assert model(torch.zeros(2, *data.input_shape)).shape == (2, data.num_classes)
+    # every one of the demo's default 4 agents gets data
+    assert all(load_client_data(config.data, i).num_train > 0 for i in range(4))
+    clear_cache()
+
+
+# ----------------------------------------------------------------------------- systemd
+
+
+def test_notifier_sends_ready_watchdog_and_stopping_to_notify_socket(tmp_path, monkeypatch):
+    pytest.importorskip("sdnotify")
+    path = str(tmp_path / "notify")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(path)
+        sock.settimeout(2)
+        monkeypatch.setenv("NOTIFY_SOCKET", path)
+        monkeypatch.setenv("WATCHDOG_USEC", "1000000")
+        n = ServiceNotifier()
+        n.ready("up")
+        n.watchdog()
+        n.watchdog()  # not due yet: half a second between pings
+        n.stopping()
+        got = [sock.recv(256).decode() for _ in range(3)]
+    assert got == ["READY=1\nSTATUS=up", "WATCHDOG=1", "STOPPING=1"]
+    monkeypatch.delenv("NOTIFY_SOCKET")
+    quiet = ServiceNotifier()
+    assert not quiet.active
+    quiet.ready()
+    quiet.watchdog()  # no socket: nothing to do, no error

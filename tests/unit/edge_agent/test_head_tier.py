@@ -1,0 +1,226 @@
+"""Head tier runtime: install, persist, restore, refuse bad releases, offline heads (that
+it never imports torch, in a fresh interpreter: tests/integration/test_head_tier.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from edgepfl.edge_agent.head_tier import HeadRuntime, ReleaseRefused
+from edgepfl.export.onnx_export import read_release, sha256_bytes
+
+from tests.export_fixtures import NEW_CLIENT, client_data, export_dir
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rel")
+    first = export_dir(tmp, "fedavg", rounds=1)
+    second = export_dir(tmp, "dualfed", rounds=2)  # one round leaves h_s too weak for the logit sum
+    return [first, second]
+
+
+@pytest.fixture()
+def data():
+    return client_data(NEW_CLIENT)
+
+
+def _install(rt, release_dir):
+    manifest, artifact = read_release(release_dir)
+    return rt.install_release(manifest, artifact, manifest.encoder.sha256)
+
+
+def test_install_fit_evaluate_persist_and_restore(releases, data, tmp_path):
+    rt = HeadRuntime(tmp_path / "state", "lr", data)
+    metrics = _install(rt, releases[0])
+    manifest, _ = read_release(releases[0])
+    assert metrics.release_id == manifest.release_id and metrics.head == "lr"
+    assert metrics.num_train == data.num_train and metrics.num_test == data.num_test
+    assert metrics.accuracy > 0.5 and metrics.eval_correct == round(metrics.accuracy * data.num_test)
+    assert metrics.fit_seconds >= 0
+    pred = rt.predict(data.x_test)
+    assert (pred == data.y_test).mean() == pytest.approx(metrics.accuracy)
+    assert rt.predict_proba(data.x_test[:3]).shape == (3, len(rt.classes))
+
+    # a restarted agent restores encoder and head from disk, without refitting
+    again = HeadRuntime(tmp_path / "state", "lr", data)
+    assert again.load() == metrics
+    np.testing.assert_array_equal(again.predict(data.x_test), pred)
+    # the retained release delivered again is not refitted
+    assert _install(again, releases[0]) == metrics
+
+    # a new release replaces the old files
+    m2 = _install(rt, releases[1])
+    assert m2.release_id != metrics.release_id
+    onnx_files = sorted(p.name for p in (tmp_path / "state").glob("*.onnx"))
+    assert len(onnx_files) == 2 and all(sha256_bytes(read_release(releases[1])[1])[:16] in n for n in onnx_files)
+
+
+def test_nothing_installed_yet(tmp_path, data):
+    rt = HeadRuntime(tmp_path / "s", "svm", data)
+    with pytest.raises(FileNotFoundError):
+        rt.load()
+    with pytest.raises(RuntimeError, match="no encoder release"):
+        rt.predict(data.x_test)
+
+
+def _refused(rt, caplog, manifest, artifact, sha, match):
+    with caplog.at_level(logging.ERROR, logger="edgepfl.agent.head"):
+        with pytest.raises(ReleaseRefused, match=match):
+            rt.install_release(manifest, artifact, sha)
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("refused" in ln and match.split()[0] in ln for ln in lines), lines
+    caplog.clear()
+    return lines[-1]
+
+
+def test_tampered_or_corrupt_releases_are_refused_and_the_old_one_stays(releases, data, tmp_path, caplog):
+    state = tmp_path / "state"
+    rt = HeadRuntime(state, "svm", data)
+    good = _install(rt, releases[0])
+    before = rt.predict_proba(data.x_test)
+    record = (state / "release.json").read_bytes()
+    manifest, artifact = read_release(releases[1])
+
+    # tampered: one flipped byte, the release's checksum unchanged
+    bad = bytearray(artifact)
+    bad[len(bad) // 2] ^= 0xFF
+    line = _refused(rt, caplog, manifest, bytes(bad), manifest.encoder.sha256, "sha256 mismatch")
+    assert manifest.release_id in line and good.release_id in line  # names the new and the kept release
+
+    # checksum consistent with the bytes, but the bytes are not an ONNX model
+    junk = b"not an onnx model" * 100
+    forged = manifest.model_copy(update={"encoder": manifest.encoder.model_copy(update={"sha256": sha256_bytes(junk)})})
+    _refused(rt, caplog, forged, junk, sha256_bytes(junk), "not a loadable ONNX")
+
+    # manifest and release header disagree
+    _refused(rt, caplog, manifest, artifact, "0" * 64, "sha256 mismatch")
+
+    # an encoder for other images (input shape) than this device holds
+    run = manifest.run
+    other_data = run.data.model_copy(update={"input_shape": (3, 32, 32)})
+    other = manifest.model_copy(update={"run": run.model_copy(update={"data": other_data})})
+    _refused(rt, caplog, other, artifact, manifest.encoder.sha256, "input shape mismatch")
+
+    # the old release is still served and still on disk
+    assert rt.release_id == good.release_id
+    np.testing.assert_array_equal(rt.predict_proba(data.x_test), before)
+    assert (state / "release.json").read_bytes() == record
+    restarted = HeadRuntime(state, "svm", data)
+    assert restarted.load() == good
+
+
+def test_offline_head_is_used_for_its_encoder_only(releases, data, tmp_path, caplog):
+    from edgepfl.export.fit_head import main_fit_head
+
+    state = tmp_path / "state"
+    state.mkdir()
+    npz = tmp_path / "d.npz"
+    from tests.export_fixtures import client_pixels
+
+    px, y, _ = client_pixels(NEW_CLIENT)
+    np.savez(npz, x=px, y=y)
+    # a DualFed head fitted offline (needs torch) and shipped to a device that has none
+    assert main_fit_head(["--encoder", str(releases[1] / "encoder.onnx"), "--data", str(npz), "--head", "dualfed",
+                          "--out", str(state / "head.offline.onnx")]) == 0
+    rt = HeadRuntime(state, "onnx", data)
+    # for another encoder the offline head does not fit: an 'onnx' device refuses that release
+    _refused(rt, caplog, *_release_args(releases[0]), "head kind 'onnx' needs")
+    metrics = _install(rt, releases[1])
+    assert metrics.head == "dualfed" and metrics.accuracy > 0.5
+    # an 'lr' device with the same offline file prefers it for the matching encoder only
+    rt2 = HeadRuntime(tmp_path / "s2", "lr", data)
+    (tmp_path / "s2").mkdir()
+    (tmp_path / "s2" / "head.offline.onnx").write_bytes((state / "head.offline.onnx").read_bytes())
+    assert _install(rt2, releases[0]).head == "lr"
+    assert _install(rt2, releases[1]).head == "dualfed"
+
+
+def test_a_head_kind_the_releases_method_does_not_offer_is_refused(releases, data, tmp_path, caplog):
+    """A 'dualfed' device: a FedAvg release has no such head; a DualFed one over MQTT lacks its global heads."""
+    rt = HeadRuntime(tmp_path / "state", "dualfed", data)
+    line = _refused(rt, caplog, *_release_args(releases[0]), "no dualfed head")
+    assert "does not fit a fedavg encoder" in line
+    line = _refused(rt, caplog, *_release_args(releases[1]), "no dualfed head")
+    assert "needs the federation's global heads" in line
+    assert rt.release_id is None and not (tmp_path / "state" / "release.json").exists()
+
+
+def test_a_release_carrying_its_global_heads_gets_the_methods_own_head(releases, data, tmp_path, caplog):
+    """The release's ``global_heads`` bytes (PROTOCOL.md §12) are all a device needs beside the
+    encoder for a DualFed head: verified against the manifest, kept with the installed release."""
+    from edgepfl.export.onnx_export import read_global_heads
+
+    manifest, artifact, sha = _release_args(releases[1])
+    heads = read_global_heads(releases[1], manifest)
+    assert heads is not None
+    state = tmp_path / "state"
+    rt = HeadRuntime(state, "dualfed", data)
+    # heads that are not the manifest's, or a manifest that names none: refused before anything is fitted
+    with caplog.at_level(logging.ERROR, logger="edgepfl.agent.head"):
+        with pytest.raises(ReleaseRefused, match="global heads are"):
+            rt.install_release(manifest, artifact, sha, global_heads=heads[:-1] + bytes([heads[-1] ^ 1]))
+        with pytest.raises(ReleaseRefused, match="manifest does not name"):
+            rt.install_release(manifest.model_copy(update={"global_heads": None}), artifact, sha, global_heads=heads)
+    assert rt.release_id is None and not list(state.glob("global-heads-*"))  # no orphan left behind
+
+    metrics = rt.install_release(manifest, artifact, sha, global_heads=heads)
+    assert metrics.head == "dualfed" and metrics.accuracy > 0.5
+    record = json.loads((state / "release.json").read_text())
+    assert (state / record["global_heads_file"]).read_bytes() == heads
+    assert record["global_heads_sha256"] == manifest.global_heads.sha256
+    # a restarted agent serves the same head without refitting
+    restored = HeadRuntime(state, "dualfed", data)
+    assert restored.load() == metrics
+    np.testing.assert_array_equal(restored.predict(data.x_test), rt.predict(data.x_test))
+
+    # the next release (without global heads, say from a 1.1 coordinator, for an lr device) removes the old file
+    lr = HeadRuntime(state, "lr", data)
+    lr.load()
+    _install(lr, releases[0])
+    assert not list(state.glob("global-heads-*"))
+
+
+def _release_args(release_dir):
+    manifest, artifact = read_release(release_dir)
+    return manifest, artifact, manifest.encoder.sha256
+
+
+def test_local_data_in_another_normalization_is_converted(releases, data, tmp_path):
+    """A device whose loader normalized differently (e.g. an image folder) still feeds the encoder right."""
+    from edgepfl.data.client import ClientData
+
+    ref = HeadRuntime(tmp_path / "a", "lr", data)
+    m_ref = _install(ref, releases[0])
+    mean, std = np.float32(data.normalization["mean"][0]), np.float32(data.normalization["std"][0])
+
+    def other(x):  # the same pixels, normalized with mean 0.5 / std 0.5
+        return ((x * std + mean) - 0.5) / 0.5
+
+    shifted = ClientData(other(data.x_train), data.y_train, other(data.x_test), data.y_test, data.num_classes,
+                         normalization={"mean": [0.5], "std": [0.5]})
+    rt = HeadRuntime(tmp_path / "b", "lr", shifted)
+    m = _install(rt, releases[0])
+    assert m.accuracy == pytest.approx(m_ref.accuracy)
+    np.testing.assert_allclose(rt.features(shifted.x_test), ref.features(data.x_test), atol=1e-4)
+    restored = HeadRuntime(tmp_path / "b", "lr", shifted)
+    restored.load()
+    np.testing.assert_array_equal(restored.predict(shifted.x_test), rt.predict(shifted.x_test))
+
+
+def test_installed_files_work_with_the_predict_cli(releases, data, tmp_path, capsys):
+    from edgepfl.export.predict import main_predict
+
+    rt = HeadRuntime(tmp_path / "state", "mlp", data)
+    _install(rt, releases[0])
+    record = json.loads((tmp_path / "state" / "release.json").read_text())
+    npy = tmp_path / "x.npy"
+    np.save(npy, data.x_test[:6])
+    rc = main_predict(["--encoder", str(tmp_path / "state" / record["encoder_file"]),
+                       "--head", str(tmp_path / "state" / record["head_file"]), str(npy), "--preprocessed", "--json"])
+    rows = [json.loads(s) for s in capsys.readouterr().out.splitlines()]
+    assert rc == 0
+    np.testing.assert_array_equal([r["predictions"][0]["index"] for r in rows], rt.predict(data.x_test[:6]))

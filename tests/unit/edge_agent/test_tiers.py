@@ -1,0 +1,249 @@
+"""Tier runtimes and the agent's dispatch, without a broker.
+
+The trainer tier answers tasks and answers a re-delivered task from its cache; the
+head tier turns releases into metrics (and never imports torch, in a fresh interpreter:
+tests/integration/test_tiers.py); the agent hands each message to its tier through the
+interface and publishes what comes back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import numpy as np
+import pytest
+
+from edgepfl.config import AgentConfig
+from edgepfl.edge_agent.agent import Agent
+from edgepfl.edge_agent.tiers import ANSWERED_TASKS, TIERS, HeadTier, Reply, TrainerTier, create_tier
+from edgepfl.protocol import (
+    AgentChannel,
+    DataShape,
+    MessageType,
+    MethodChoice,
+    RefusalMeta,
+    ReleaseMeta,
+    RunSpec,
+    TaskMeta,
+    UpdateMeta,
+    decode,
+    encode,
+    new_message_id,
+)
+from edgepfl.specs import ModelSpec, TrainConfig
+
+from tests.export_fixtures import NEW_CLIENT, client_data, export_dir
+from tests.wire_samples import sample_manifest
+
+FED = "tiers"
+_DATA = client_data(0)
+RUN = RunSpec(method=MethodChoice(name="fedavg"), model=ModelSpec(arch="mlp", feature_dim=8, norm="none"),
+              train=TrainConfig(epochs=1, batch_size=32, lr=0.05), seed=0,
+              data=DataShape(input_shape=_DATA.input_shape, num_classes=_DATA.num_classes,
+                             class_names=list(_DATA.class_names)))
+
+
+def task(kind: str = "train", round: int = 0, tensors=None):
+    meta = TaskMeta(task_id=new_message_id(), kind=kind, run=RUN, seed=round, deadline_s=60)
+    return decode(encode(MessageType.TASK, federation=FED, sender="coordinator", round=round, meta=meta,
+                         tensors=tensors or {}))
+
+
+@pytest.fixture
+def trainer(tmp_path):
+    tier = TrainerTier("t-1", client_data(0), str(tmp_path / "state"), device="cpu")
+    calls = []
+    answer = tier.runtime.answer
+    tier.runtime.answer = lambda message: calls.append(message.meta.task_id) or answer(message)
+    return tier, calls
+
+
+def test_the_trainer_tier_answers_a_task_with_an_update(trainer):
+    tier, calls = trainer
+    assert tier.accepts == MessageType.TASK and tier.device == "cpu"
+    assert tier.subscriptions(FED, "t-1") == [f"edgepfl/v1/{FED}/agents/t-1/task"]
+    t = task()
+    reply = tier.handle(t)
+    assert reply.channel == AgentChannel.UPDATE and reply.round == 0
+    update = decode(reply.frame)
+    assert isinstance(update.meta, UpdateMeta) and update.meta.task_id == t.meta.task_id
+    assert update.header.sender == "t-1" and update.tensors and update.meta.num_train == client_data(0).num_train
+
+
+def test_a_redelivered_task_is_answered_from_the_cache_without_training_again(trainer):
+    tier, calls = trainer
+    t = task()
+    first = tier.handle(t)
+    assert tier.handle(t) is first and calls == [t.meta.task_id]  # same frame, same message id
+    later = [task(round=r) for r in range(1, ANSWERED_TASKS + 1)]
+    for other in later:
+        tier.handle(other)
+    assert tier.handle(later[-1]) is not None and len(calls) == 1 + ANSWERED_TASKS  # still cached
+    again = tier.handle(t)  # evicted: the oldest of more than ANSWERED_TASKS
+    assert len(calls) == 2 + ANSWERED_TASKS and decode(again.frame).header.message_id != decode(first.frame).header.message_id
+
+
+def _task_for(run: RunSpec, tensors=None):
+    meta = TaskMeta(task_id=new_message_id(), kind="train", run=run, seed=0, deadline_s=60)
+    return decode(encode(MessageType.TASK, federation=FED, sender="coordinator", round=0, meta=meta,
+                         tensors=tensors or {}))
+
+
+@pytest.mark.parametrize("change,reason,needle", [
+    ({"method": MethodChoice(name="fedavg", options={"no_such_option": 1})}, "bad_options", "no_such_option"),
+    ({"method": MethodChoice(name="no_such_method")}, "unsupported_method", "unknown method 'no_such_method'"),
+    ({"model": ModelSpec(arch="resnet18", weights="/nonexistent/resnet18.pt")}, "unsupported_arch", "not found"),
+    ({"data": RUN.data.model_copy(update={"num_classes": 3, "class_names": list("abc")})}, "data_mismatch",
+     "3 classes"),
+])
+def test_a_task_the_agent_cannot_run_is_answered_with_a_refusal_naming_the_reason(trainer, caplog, change, reason,
+                                                                                   needle):
+    tier, calls = trainer
+    bad = _task_for(RUN.model_copy(update=change))
+    with caplog.at_level("ERROR"):
+        reply = tier.handle(bad)
+    assert reply is not None and reply.refusal and reply.task_id == bad.meta.task_id
+    assert reply.channel == AgentChannel.UPDATE and reply.round == 0
+    refusal = decode(reply.frame)
+    assert refusal.type == MessageType.REFUSAL and refusal.header.sender == "t-1"
+    assert refusal.meta_as(RefusalMeta).reason == reason and needle in refusal.meta.detail
+    assert [r for r in caplog.records if r.levelname == "ERROR" and reason in r.getMessage()]  # one logged line
+    assert tier.handle(bad) is reply  # a redelivered task gets the same refusal, same message id
+
+
+def test_a_local_update_that_raises_is_refused_as_error(trainer, caplog):
+    tier, calls = trainer
+    # a payload the model cannot load: the local update fails on the device
+    broken = _task_for(RUN, tensors={"head.weight": np.zeros((7,), np.float32)})
+    with caplog.at_level("ERROR", logger="edgepfl.agent"):
+        reply = tier.handle(broken)
+    assert reply.refusal and decode(reply.frame).meta_as(RefusalMeta).reason == "error"
+    assert "failed" in caplog.text
+
+
+def test_a_task_the_coordinator_closed_is_not_answered_again(trainer):
+    tier, calls = trainer
+    t = task()
+    assert tier.handle(t) is not None
+    tier.close(t.meta.task_id)
+    assert tier.handle(t) is None and calls == [t.meta.task_id]  # neither re-sent nor trained again
+
+
+def test_the_trainer_declares_the_methods_and_archs_it_can_run(trainer):
+    from edgepfl.methods import available_methods
+
+    tier, _ = trainer
+    caps = tier.capabilities()
+    assert caps.methods == available_methods()  # every method imports here
+    assert {"cnn", "mlp", "resnet18", "mobilenet_v3_small"} <= set(caps.archs)  # torchvision is installed here
+    assert caps.head_kinds is None
+
+
+def test_a_head_agent_declares_the_methods_whose_heads_it_builds(tmp_path):
+    from edgepfl.methods import available_methods, get_method_class
+
+    for kind in ("lr", "dualfed", "onnx"):
+        tier = HeadTier("pi", client_data(NEW_CLIENT), str(tmp_path / kind), kind)
+        caps = tier.capabilities()
+        assert caps.head_kinds == [kind] and caps.archs is None
+        # what it declares without importing the method modules is what their classes offer
+        offered = [m for m in available_methods() if kind == "onnx" or kind in get_method_class(m).head_kinds]
+        assert caps.methods == offered
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    from edgepfl.export.onnx_export import read_release
+
+    manifest, artifact = read_release(export_dir(tmp_path_factory.mktemp("rel"), "fedavg", rounds=1))
+    meta = ReleaseMeta(release_id=manifest.release_id, manifest=manifest,
+                       sha256=hashlib.sha256(artifact).hexdigest(), size_bytes=len(artifact))
+    return encode(MessageType.RELEASE, federation=FED, sender="coordinator", round=0, meta=meta,
+                  tensors={"artifact": np.frombuffer(artifact, dtype=np.uint8)})
+
+
+def test_the_head_tier_answers_a_release_with_metrics(release, tmp_path):
+    tier = HeadTier("pi", client_data(NEW_CLIENT), str(tmp_path / "pi"), "lr")
+    tier.restore()  # nothing saved yet: logged, not raised
+    assert tier.accepts == MessageType.RELEASE and tier.device == "cpu-onnxruntime"
+    assert tier.subscriptions(FED, "pi") == [f"edgepfl/v1/{FED}/agents/pi/task", f"edgepfl/v1/{FED}/release",
+                                             f"edgepfl/v1/{FED}/release/0"]  # part 0 of a release in parts
+    reply = tier.handle(decode(release))
+    assert reply.channel == AgentChannel.METRICS and reply.round == 0
+    report = decode(reply.frame)
+    assert report.header.sender == "pi" and report.meta.head == "lr" and report.meta.num_test > 0
+    assert report.meta.release_id == decode(release).meta.release_id
+
+    restarted = HeadTier("pi", client_data(NEW_CLIENT), str(tmp_path / "pi"), "lr")
+    restarted.restore()
+    assert restarted.runtime.ready
+
+
+def test_the_head_tier_refuses_a_release_without_or_with_a_wrong_artifact(release, tmp_path):
+    tier = HeadTier("pi", client_data(NEW_CLIENT), str(tmp_path / "pi"), "lr")
+    good = decode(release)
+    empty = encode(MessageType.RELEASE, federation=FED, sender="coordinator", round=0, meta=good.meta)
+    assert tier.handle(decode(empty)) is None
+    corrupt = encode(MessageType.RELEASE, federation=FED, sender="coordinator", round=0, meta=good.meta,
+                     tensors={"artifact": good.tensors["artifact"][:-1]})
+    assert tier.handle(decode(corrupt)) is None and not tier.runtime.ready
+
+
+def test_every_configurable_tier_has_a_runtime():
+    assert set(TIERS) == set(AgentConfig.model_fields["tier"].annotation.__args__)
+
+
+# ---------------------------------------------------------------- the agent's dispatch
+
+
+class FakeTier:
+    tier = "trainer"
+    accepts = MessageType.TASK
+    device = "fake"
+
+    def __init__(self):
+        self.handled = []
+
+    def subscriptions(self, federation, agent_id):
+        return []
+
+    def restore(self):
+        pass
+
+    def handle(self, message):
+        self.handled.append(message)
+        return Reply(AgentChannel.UPDATE, b"answer", message.header.round)
+
+
+class FakeTransport:
+    def __init__(self):
+        self.published = []
+        self.connected = threading.Event()
+        self.connected.set()
+        self.connect_count = 1
+
+    def publish(self, topic, frame, *, retain=False, round=-1, wait=False):
+        self.published.append((topic, frame, round))
+        return len(frame)
+
+
+def test_the_agent_hands_its_tier_only_the_messages_it_accepts_and_publishes_the_reply(caplog):
+    agent = Agent(AgentConfig(agent_id="t-1", federation=FED))
+    agent.tier, agent.transport = FakeTier(), FakeTransport()
+    mine = task(round=2)
+    foreign = decode(encode(MessageType.TASK, federation="other", sender="coordinator", round=2, meta=mine.meta))
+    with caplog.at_level("WARNING", logger="edgepfl.agent"):
+        agent._dispatch(foreign)
+        agent._dispatch(decode(encode(MessageType.RELEASE, federation=FED, sender="coordinator", round=0,
+                                      meta=ReleaseMeta(release_id="r", manifest=sample_manifest(), sha256="0" * 64,
+                                                      size_bytes=0))))
+        agent._dispatch(mine)
+    assert agent.tier.handled == [mine]
+    assert agent.transport.published == [(f"edgepfl/v1/{FED}/agents/t-1/update", b"answer", 2)]
+    assert "ignored task for federation other" in caplog.text and "ignored unexpected release" in caplog.text
+
+
+def test_create_tier_builds_the_configured_tier(tmp_path):
+    config = AgentConfig(agent_id="t-1", federation=FED, state_dir=str(tmp_path), device="cpu")
+    assert isinstance(create_tier(config, client_data(0)), TrainerTier)
