@@ -41,14 +41,11 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    # Registered here as well as in pyproject.toml so the markers exist however pytest is invoked.
-    config.addinivalue_line("markers", "slow: agent processes, federations over a broker, venvs, or over ~10 s alone "
-                            "(run by default; -m 'not slow' is the fast day-to-day lane)")
+    # Registered here as well as in pyproject.toml so the marker exists however pytest is invoked.
     config.addinivalue_line("markers", "benchmark: long accuracy benchmarks (run only with --run-benchmarks)")
 
 
 def pytest_collection_modifyitems(config, items):
-    # 'slow' tests are part of the default run: they are the end-to-end proofs.
     if config.getoption("--run-benchmarks") or os.environ.get("EDGEPFL_BENCHMARKS") == "1":
         return
     skip = pytest.mark.skip(reason="benchmark: pass --run-benchmarks (or EDGEPFL_BENCHMARKS=1) to run")

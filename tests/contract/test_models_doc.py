@@ -128,9 +128,7 @@ def _builds():
             # FedRIR builds its own extractors whatever the arch (test_fedrir_ignores_the_arch...)
             for arch in ("cnn",) if name == "fedrir" else ARCHS:
                 for norm in NORMS:
-                    # the torchvision trunks take ~0.2 s a build: the slow lane checks them
-                    marks = [pytest.mark.slow] if arch in ("resnet18", "mobilenet_v3_small") else []
-                    yield pytest.param(name, options, arch, norm, marks=marks)
+                    yield pytest.param(name, options, arch, norm)
 
 
 @pytest.mark.parametrize("name,options,arch,norm", list(_builds()))

@@ -19,7 +19,6 @@ import time
 import uuid
 
 import paho.mqtt.client as mqtt
-import pytest
 
 from edgepfl.protocol import (
     AgentChannel,
@@ -41,8 +40,6 @@ from edgepfl.protocol.envelope import peek_header
 from edgepfl.testing import TrafficCapture
 
 from tests.fleet_helpers import RunningFleet, read_rows, run_config, run_in_thread, wait_until
-
-pytestmark = pytest.mark.slow
 
 AGENT = "agent-00"
 

@@ -6,8 +6,6 @@ side in process: tests/unit/edge_agent/test_announced_limits.py)."""
 
 from __future__ import annotations
 
-import pytest
-
 from edgepfl.coordinator.fleet import MqttFleet
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import agent_ids, prepare, service_data_shape, spawn_agent, stop_agents
@@ -17,7 +15,6 @@ from edgepfl.testing import MosquittoBroker, TrafficCapture
 from tests.fleet_helpers import run_config
 
 
-@pytest.mark.slow
 def test_an_agent_left_at_the_default_m_behind_a_small_packet_limit_still_delivers(tmp_path):
     """Mosquitto refuses packets over 50 kB; the coordinator is configured for it (M = 40 kB),
     the agents are left at the default 1 MB. Their ~85 kB updates get through, in chunks

@@ -14,7 +14,6 @@ import time
 import uuid
 
 import paho.mqtt.client as mqtt
-import pytest
 
 from edgepfl.protocol import AgentChannel, agent_topic, agent_wildcard
 from edgepfl.protocol.transport import MqttTransport
@@ -52,7 +51,6 @@ def _drain(transport: MqttTransport, count: int, timeout: float = 60) -> list[in
     return got
 
 
-@pytest.mark.slow
 def test_a_flood_waits_at_the_broker_while_the_consumer_stalls_and_nothing_is_lost(mosquitto):
     federation = f"bp{uuid.uuid4().hex[:8]}"
     bound = 5 * MESSAGE_BYTES
@@ -78,7 +76,6 @@ def test_a_flood_waits_at_the_broker_while_the_consumer_stalls_and_nothing_is_lo
         sink.stop()
 
 
-@pytest.mark.slow
 def test_a_stall_several_times_the_keepalive_keeps_the_connection_and_every_message(mosquitto):
     """paho closes a connection whose PINGRESP it has not read within the keepalive; the
     PINGRESP queues in the socket behind the messages the broker sent, so paho's thread must
@@ -113,7 +110,6 @@ def test_a_stall_several_times_the_keepalive_keeps_the_connection_and_every_mess
         sink.stop()
 
 
-@pytest.mark.slow
 def test_broker_inbox_max_held_acks_bounds_a_stalled_coordinator_s_held_acknowledgements(mosquitto):
     """The operator's bound (``broker.inbox_max_held_acks``) reaches the coordinator's
     transport: with it below the broker's window (Mosquitto's 20), the network thread holds
@@ -142,7 +138,6 @@ def test_broker_inbox_max_held_acks_bounds_a_stalled_coordinator_s_held_acknowle
         fleet.close()
 
 
-@pytest.mark.slow
 def test_the_send_window_counts_bytes_until_the_broker_acknowledges_them(mosquitto):
     federation = f"bp{uuid.uuid4().hex[:8]}"
     sender = _receiver(mosquitto.url, federation, keepalive_s=30, inbox_max_bytes=5 * MESSAGE_BYTES)
@@ -161,7 +156,6 @@ def test_the_send_window_counts_bytes_until_the_broker_acknowledges_them(mosquit
         sender.stop()
 
 
-@pytest.mark.slow
 def test_messages_held_when_the_broker_restarts_are_kept_and_the_new_connection_flows():
     """Held acknowledgements belong to the lost connection: its messages stay queued for the
     consumer, and the next connection's messages are acknowledged and arrive after them."""

@@ -407,7 +407,6 @@ def test_acl_from_the_doc_confines_each_agent_to_its_own_topics(acl_broker, peer
         Peer(url, username="pi-07", password="wrong")
 
 
-@pytest.mark.slow
 def test_two_agents_written_from_the_doc_alone_complete_rounds_with_the_real_coordinator(mosquitto, tmp_path):
     """The doc's reference codec + agent, run as separate processes, against edgepfl's coordinator."""
     from edgepfl.config import RunConfig

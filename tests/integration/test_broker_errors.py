@@ -46,7 +46,6 @@ def _fails(transport: MqttTransport, timeout: float) -> tuple[BrokerUnreachable,
     return err.value, time.monotonic() - started
 
 
-@pytest.mark.slow
 def test_nothing_listening_is_retried_with_its_cause_logged_then_named(caplog):
     port = free_port()
     with caplog.at_level(logging.WARNING, logger="edgepfl.protocol.transport"):
@@ -58,7 +57,6 @@ def test_nothing_listening_is_retried_with_its_cause_logged_then_named(caplog):
     assert len(retries) >= 2 and all("refused" in m for m in retries)
 
 
-@pytest.mark.slow
 def test_unresolvable_host_names_dns():
     err, took = _fails(_transport("mqtt://nonexistent.invalid:1883"), timeout=3)
     assert err.cause is FailureCause.DNS
@@ -73,7 +71,6 @@ def _provisioned(tmp_path: Path, name: str, auth: str) -> Path:
     return out
 
 
-@pytest.mark.slow
 def test_untrusted_broker_certificate_fails_at_once_naming_tls(tmp_path):
     require_mosquitto()
     ours, theirs = _provisioned(tmp_path, "ours", "password"), _provisioned(tmp_path, "theirs", "password")
@@ -88,7 +85,6 @@ def test_untrusted_broker_certificate_fails_at_once_naming_tls(tmp_path):
         assert err.cause is FailureCause.TLS and took < 5
 
 
-@pytest.mark.slow
 def test_wrong_password_fails_at_once_naming_the_user(tmp_path):
     require_mosquitto()
     out = _provisioned(tmp_path, "p", "password")
@@ -102,7 +98,6 @@ def test_wrong_password_fails_at_once_naming_the_user(tmp_path):
         transport.stop()
 
 
-@pytest.mark.slow
 def test_missing_client_certificate_fails_naming_it(tmp_path):
     require_mosquitto()
     out = _provisioned(tmp_path, "p", "cert")
@@ -115,7 +110,6 @@ def test_missing_client_certificate_fails_naming_it(tmp_path):
         assert took < 10
 
 
-@pytest.mark.slow
 def test_agent_process_prints_one_line_naming_the_cause(tmp_path):
     """What an operator sees: ``edgepfl agent`` against a broker whose CA it does not trust."""
     require_mosquitto()

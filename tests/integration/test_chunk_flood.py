@@ -22,8 +22,6 @@ from edgepfl.protocol import AgentChannel, ChunkMeta, MessageType, agent_topic, 
 
 from tests.fleet_helpers import RunningFleet, run_config
 
-pytestmark = pytest.mark.slow
-
 
 class ChunkFlood:
     """A paho client publishing tiny chunk frames on ``topic`` until stopped."""

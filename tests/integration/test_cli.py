@@ -6,14 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
 
 def run_cli(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "edgepfl.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.slow
 def test_demo_runs_on_the_embedded_broker_and_writes_table_and_plot(tmp_path):
     out = tmp_path / "demo"
     proc = run_cli("demo", "--agents", "4", "--rounds", "2", "--out", str(out))
@@ -68,7 +65,6 @@ def test_report_rebuilds_table_and_plot_from_a_run_directory(tmp_path):
     assert (out / "accuracy.png").exists()
 
 
-@pytest.mark.slow
 def test_demo_runs_where_fashion_mnist_is_absent(tmp_path):
     import os
 

@@ -11,8 +11,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from tests.unit.core import test_cli_errors as unit
 from tests.unit.core.test_cli_errors import _check, cases
 
@@ -20,7 +18,6 @@ from tests.unit.core.test_cli_errors import _check, cases
 files = unit.files
 
 
-@pytest.mark.slow
 def test_every_bad_input_is_one_line_and_an_exit_code(files):
     failures = []
     for case in cases(files):

@@ -54,7 +54,6 @@ def project_report(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("conformance"), AGENT_CMD)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("check_id", [_param(c) for c in CHECKS])
 def test_project_agent_passes_check(project_report, check_id):
     _, report = project_report
@@ -62,13 +61,11 @@ def test_project_agent_passes_check(project_report, check_id):
     assert result["verdict"] == "pass", f"{check_id}: {result['verdict']} — {result['evidence']}"
 
 
-@pytest.mark.slow
 def test_project_agent_is_conformant(project_report):
     code, report = project_report
     assert report["conformant"] and code == 0, [c["id"] for c in report["checks"] if c["verdict"] == "fail"]
 
 
-@pytest.mark.slow
 def test_exit_code_says_whether_every_must_passed(project_report):
     code, report = project_report
     assert code == (0 if report["conformant"] else 1)
@@ -101,7 +98,6 @@ agent_module.run_agent(load_agent_config(sys.argv[1], []))
 '''
 
 
-@pytest.mark.slow
 def test_broken_agent_fails_the_matching_checks(tmp_path):
     require_mosquitto()
     wrapper = tmp_path / "broken_agent.py"
@@ -131,7 +127,6 @@ agent_module.run_agent(load_agent_config(sys.argv[1], []))
 '''
 
 
-@pytest.mark.slow
 def test_a_head_agent_without_rollback_and_expiry_checks_fails_those(tmp_path):
     require_mosquitto()
     wrapper = tmp_path / "broken_head_agent.py"

@@ -15,7 +15,7 @@ from tests.export_fixtures import client_data, make_run
 from tests.unit.export.test_export import _torch_features
 
 
-@pytest.mark.slow  # trains a CNN on Fashion-MNIST: 10-20 s on 2 cores
+# trains a CNN on Fashion-MNIST: 10-20 s on 2 cores
 @pytest.mark.skipif(not fmnist_available(), reason="Fashion-MNIST not installed (dataset-fashion-mnist)")
 @pytest.mark.parametrize("arch", ["cnn", "fedpac_cnn"])
 def test_cnn_encoder_parity_on_fashion_mnist(tmp_path, arch):

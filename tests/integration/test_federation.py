@@ -16,8 +16,6 @@ from edgepfl.protocol import decode
 
 from tests.fleet_helpers import run_config
 
-pytestmark = pytest.mark.slow
-
 
 def test_fedper_over_mosquitto_learns_and_personal_heads_never_cross_the_broker(mosquitto, broker_capture, tmp_path):
     config = run_config(method={"name": "fedper"}, rounds=3)

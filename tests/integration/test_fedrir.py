@@ -4,7 +4,6 @@ tests/unit/methods/test_fedrir.py)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tests.unit.methods.test_fedrir import KIT
@@ -24,7 +23,6 @@ def _f_g_norms(mi: str, calls: int) -> list[float]:
     return norms
 
 
-@pytest.mark.slow
 def test_conditional_bound_keeps_the_features_bounded_where_the_literal_one_grows():
     """The issue's failure: with q(f_g | f_cs) the bound is linear in f_g for a given q, so
     the GFE grows f_g while q lags; q(f_cs | f_g) fit first stops that (135 steps each)."""

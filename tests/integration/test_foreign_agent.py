@@ -111,7 +111,6 @@ def captured_updates(capture, federation: str) -> dict:
     return updates
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_foreign_agent_beside_the_project_agents_evaluates_the_global_model_as_they_do(
         mosquitto, broker_capture, tmp_path):
@@ -146,7 +145,6 @@ def test_a_foreign_agent_beside_the_project_agents_evaluates_the_global_model_as
     assert compared >= cfg.rounds + 1
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_foreign_agent_standing_in_for_a_project_agent_leaves_every_client_s_accuracy_as_it_was(
         mosquitto, tmp_path):
@@ -184,7 +182,6 @@ def test_a_foreign_agent_standing_in_for_a_project_agent_leaves_every_client_s_a
     assert rows[-1].per_client[TWIN] > 0.5  # it learned: ten classes, chance is 0.1
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_the_foreign_agent_passes_every_conformance_must_of_its_version(tmp_path):
     """The kit against an implementation written from the documents: every check of 1.1 or

@@ -29,8 +29,6 @@ from edgepfl.protocol.signing import generate_keypair, load_signer
 
 from tests.fleet_helpers import read_rows, run_config, run_in_thread, wait_until
 
-pytestmark = pytest.mark.slow
-
 TRAINERS = ("agent-00", "agent-01")
 HEAD = "device-00"
 SYBILS = [f"sybil-{i:02d}" for i in range(20)]

@@ -31,8 +31,6 @@ from edgepfl.state import load_checkpoint
 from tests.fleet_helpers import read_rows, run_config, run_in_thread
 from tests.integration.test_hostile_fleet import agent_log
 
-pytestmark = pytest.mark.slow
-
 HONEST = ("agent-00", "agent-01", "agent-02")
 MALLORY = "mallory"
 ANNOUNCED = 2**24

@@ -64,7 +64,6 @@ def release(tmp_path_factory):
     return export_dir(tmp_path_factory.mktemp("labels"), "fedavg", rounds=2)
 
 
-@pytest.mark.slow
 def test_head_agent_in_another_folder_order_predicts_the_right_names(release, tmp_path):
     from edgepfl.edge_agent.head_tier import HeadRuntime
     from edgepfl.export.onnx_export import read_release
@@ -101,7 +100,6 @@ def test_head_agent_in_another_folder_order_predicts_the_right_names(release, tm
     assert sum(p.split("/")[0] == n for p, n in offline_printed.items()) / len(offline_printed) > 0.8
 
 
-@pytest.mark.slow
 def test_a_new_task_keeps_its_own_names_on_device_and_offline(release, tmp_path):
     from edgepfl.edge_agent.head_tier import HeadRuntime
     from edgepfl.export.onnx_export import read_release
@@ -120,7 +118,6 @@ def test_a_new_task_keeps_its_own_names_on_device_and_offline(release, tmp_path)
     assert sum(p.split("/")[0] == n for p, n in printed.items()) / len(printed) > 0.8
 
 
-@pytest.mark.slow
 def test_predict_refuses_a_missing_manifest_and_a_head_without_names(release, tmp_path):
     from edgepfl.export.heads import head_to_onnx
     from edgepfl.export.predict import OnnxEncoder

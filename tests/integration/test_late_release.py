@@ -26,8 +26,6 @@ from edgepfl.testing import TrafficCapture
 
 from tests.fleet_helpers import run_config, wait_until
 
-pytestmark = pytest.mark.slow
-
 TRAINERS = 2
 
 

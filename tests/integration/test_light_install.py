@@ -25,7 +25,6 @@ from edgepfl.data import load_client_data
 
 from tests.fleet_helpers import RunningFleet, run_config
 
-pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -63,7 +63,6 @@ def _status(url: str, federation: str, *extra: str) -> subprocess.CompletedProce
                            *extra], capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.slow
 def test_live_view_status_and_metrics_of_a_running_federation(mosquitto, tmp_path):
     config = run_config(rounds=3, min_agents=3, round_timeout_s=30)
     out = tmp_path / "run"

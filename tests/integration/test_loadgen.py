@@ -12,14 +12,11 @@ import argparse
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.conftest import REPO_ROOT, require_mosquitto
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
 
-@pytest.mark.slow
 def test_fifty_virtual_agents_run_a_sampled_federation_against_the_real_coordinator(tmp_path: Path):
     require_mosquitto()
     import capacity

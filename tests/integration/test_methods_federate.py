@@ -23,7 +23,6 @@ from tests.unit.methods.test_methods_federate import AGENTS, check_rows, tiny_co
 MQTT_METHODS = available_methods()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("method", MQTT_METHODS)
 def test_method_federates_over_mosquitto(method, mosquitto, tmp_path):
     rows, summary = simulate(tiny_config(method), AGENTS, tmp_path / "run", broker=mosquitto.url, progress=False)

@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from edgepfl.coordinator.fleet import SENDER as COORDINATOR
 from edgepfl.coordinator.simulate import simulate
 from edgepfl.protocol import AgentChannel, FederationChannel, MessageType, decode, parse_topic
 
 from tests.fleet_helpers import run_config
-
-pytestmark = pytest.mark.slow
 
 
 def test_mixed_fleet_reports_both_tiers(mosquitto, broker_capture, tmp_path):

@@ -19,7 +19,6 @@ from collections.abc import Callable
 
 import numpy as np
 import paho.mqtt.client as mqtt
-import pytest
 
 from edgepfl.broker import parse_broker_url
 from edgepfl.config import RunConfig
@@ -134,7 +133,6 @@ def finish(thread: threading.Thread, box: dict, fleet: MqttFleet, agents: list[W
     assert "error" not in box, box.get("error")
 
 
-@pytest.mark.slow
 def test_rejected_and_refused_tasks_do_not_cost_the_deadline_and_each_agent_is_told_what_the_protocol_says(
         mosquitto, tmp_path):
     fed = f"nack{uuid.uuid4().hex[:8]}"
@@ -209,7 +207,6 @@ def test_rejected_and_refused_tasks_do_not_cost_the_deadline_and_each_agent_is_t
     assert by_id["old"].nacks == [] and len(by_id["old"].tasks) == 3
 
 
-@pytest.mark.slow
 def test_nacks_to_one_agent_are_rate_bounded_and_the_round_goes_on(mosquitto, tmp_path):
     fed = f"flood{uuid.uuid4().hex[:8]}"
     url = mosquitto.url
@@ -241,7 +238,6 @@ def test_nacks_to_one_agent_are_rate_bounded_and_the_round_goes_on(mosquitto, tm
     assert agents[0].nacks == []
 
 
-@pytest.mark.slow
 def test_what_is_sent_to_an_agent_is_chunked_to_the_message_size_it_declared(mosquitto, broker_capture):
     fed = f"limit{uuid.uuid4().hex[:8]}"
     fleet = MqttFleet(fed, config(fed).broker, url=mosquitto.url)

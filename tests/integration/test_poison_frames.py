@@ -18,7 +18,6 @@ import threading
 import time
 
 import numpy as np
-import pytest
 
 from edgepfl.conformance.wire import Wire
 from edgepfl.coordinator.fleet import MqttFleet
@@ -29,8 +28,6 @@ from edgepfl.protocol import MessageType, StatusMeta, encode
 from tests.fleet_helpers import read_rows, run_config, run_in_thread, wait_until
 from tests.integration.test_hostile_fleet import Attacker, agent_log
 from tests.unit.protocol.test_bounded_json import POISON_FRAMES, POISON_JSON
-
-pytestmark = pytest.mark.slow
 
 TRAINERS = ("agent-00", "agent-01")
 HEAD = "device-00"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
 import yaml
 
 from edgepfl.config import RunConfig
@@ -19,7 +18,6 @@ from edgepfl.testing import TrafficCapture
 from tests.fleet_helpers import run_config
 
 
-@pytest.mark.slow
 def test_the_coordinator_service_with_a_configured_shape_still_sends_the_data_s_normalization(mosquitto, tmp_path):
     """The issue's case: ``edgepfl coordinator`` with input_shape and num_classes in its
     config sent trainer tasks with ``normalization: null``. A plain MQTT subscriber reads

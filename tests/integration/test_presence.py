@@ -11,7 +11,6 @@ import logging
 import uuid
 
 import paho.mqtt.client as mqtt
-import pytest
 
 from edgepfl.config import RunConfig
 from edgepfl.coordinator.fleet import MqttFleet
@@ -39,7 +38,6 @@ def _publish_statuses(url: str, federation: str, n: int) -> None:
     client.loop_stop()
 
 
-@pytest.mark.slow
 def test_a_coordinator_behind_a_small_broker_queue_warns_that_presence_is_truncated(tmp_path, caplog):
     require_mosquitto()
     federation = f"pr{uuid.uuid4().hex[:8]}"

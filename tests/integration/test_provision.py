@@ -96,7 +96,6 @@ class Attacker:
         self.client.loop_stop()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("auth", ["cert", "password"])
 def test_one_agents_credentials_reach_nothing_but_its_own_topics(tmp_path, auth):
     require_mosquitto()
@@ -136,7 +135,6 @@ def test_one_agents_credentials_reach_nothing_but_its_own_topics(tmp_path, auth)
                 client.close()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("auth", ["cert", "password"])
 def test_the_operator_bundle_reads_the_fleet_view_and_nothing_else(tmp_path, auth, capsys):
     from edgepfl.coordinator.status import main_status
@@ -183,7 +181,6 @@ def spawn_bundle_agent(bundle: Path, config: RunConfig, index: int) -> subproces
                             env=env, stdout=open(bundle / "agent.log", "ab"), stderr=subprocess.STDOUT)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("auth", ["cert", "password"])
 def test_federation_runs_over_mqtts_from_the_bundles_and_a_client_id_hijack_changes_nothing(tmp_path, auth):
     from edgepfl.coordinator.fleet import MqttFleet

@@ -11,7 +11,6 @@ from edgepfl.coordinator.report import write_report
 from edgepfl.metrics import read_run_times
 
 
-@pytest.mark.slow
 def test_a_runs_report_gives_its_real_wall_time(tmp_path):
     from edgepfl.config import RunConfig
     from edgepfl.coordinator.fleet import LocalFleet

@@ -16,7 +16,6 @@ import time
 
 import numpy as np
 import paho.mqtt.client as mqtt
-import pytest
 import yaml
 
 from edgepfl.atomic import read_tensors
@@ -34,8 +33,6 @@ from edgepfl.protocol import (
 )
 
 from tests.fleet_helpers import RunningFleet, read_rows, run_config, run_in_thread, wait_until
-
-pytestmark = pytest.mark.slow
 
 
 def _coordinator(config, url, out, shape):

@@ -17,8 +17,6 @@ import yaml
 
 from tests.fleet_helpers import wait_until
 
-pytestmark = pytest.mark.slow
-
 
 def _children(pid: int) -> set[int]:
     """Live (not zombie) processes whose parent is ``pid``, from /proc."""

@@ -34,7 +34,6 @@ def _frames(capture: TrafficCapture, federation: str) -> list[tuple[str, object]
             if t.startswith(f"edgepfl/v1/{federation}/") and p and parse_topic(t).channel != FederationChannel.VIEW]
 
 
-@pytest.mark.slow
 def test_a_federation_runs_through_site_brokers_bridged_to_a_central_one(tmp_path):
     require_mosquitto()
     config = run_config(rounds=2, data={"samples_per_client": 200})
@@ -61,7 +60,6 @@ def _spawn(config, out, url, agent_id, index, tier="trainer"):
     return spawn_agent(config, out, url, agent_id, index, tier, "lr", 1)
 
 
-@pytest.mark.slow
 def test_a_federation_runs_on_a_rabbitmq_cluster_with_agents_on_every_node(tmp_path):
     """RabbitMQ keeps retained messages on one node and never sends them on a wildcard
     subscription: the coordinator learns of agents that came before it only by the roll
@@ -126,7 +124,6 @@ def mosquitto_128k():
         yield broker
 
 
-@pytest.mark.slow
 def test_a_128_kb_message_limit_chunks_everything_and_learns_the_same_model(mosquitto_128k, mosquitto, tmp_path):
     limit = max_message_bytes_for(AWS_IOT_LIMIT)
     config = run_config(rounds=2, seed=11, broker={"max_message_bytes": limit})
@@ -153,7 +150,6 @@ def test_a_128_kb_message_limit_chunks_everything_and_learns_the_same_model(mosq
         assert g_mqtt[key].tobytes() == g_local[key].tobytes(), key
 
 
-@pytest.mark.slow
 def test_a_message_above_the_brokers_limit_is_a_loud_error_and_one_that_fits_is_not(mosquitto_128k, caplog):
     import logging
 

@@ -37,7 +37,6 @@ def run_walkthrough(script: str, work: Path) -> str:
     return output
 
 
-@pytest.mark.slow
 def test_operators_walkthrough_provisions_runs_over_tls_shows_status_and_reports(tmp_path):
     require_mosquitto()
     work = tmp_path / "operator"
@@ -69,7 +68,6 @@ def test_operators_walkthrough_provisions_runs_over_tls_shows_status_and_reports
     assert (run / "accuracy.png").stat().st_size > 0
 
 
-@pytest.mark.slow
 def test_pi_owners_walkthrough_predicts_the_owners_class_names(tmp_path):
     from edgepfl.data import fmnist_available
 
