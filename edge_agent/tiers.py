@@ -244,7 +244,7 @@ class HeadTier:
         # module imports torch where it is installed, which a head agent never does. Every
         # method offers the generic kinds; a method's own head kind carries its name and is
         # fitted with torch (edgepfl.methods.device_head); an offline head fits any encoder.
-        # tests/test_agent_protocol12.py checks this against the classes' ``head_kinds``.
+        # tests/unit/edge_agent/test_tiers.py checks this against the classes' ``head_kinds``.
         kind = self.head
         if kind in GENERIC_HEAD_KINDS or kind == OFFLINE_HEAD_KIND:
             methods = available_methods()

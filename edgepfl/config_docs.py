@@ -107,7 +107,7 @@ def reference_markdown() -> str:
     out = [
         "# Configuration reference",
         "",
-        f"Generated from the pydantic models by `{REGENERATE}`; `tests/test_operator.py` fails",
+        f"Generated from the pydantic models by `{REGENERATE}`; `tests/unit/core/test_operator.py` fails",
         "when it is out of date. `edgepfl config --template run` (or `agent`) prints a commented",
         "YAML file with every default, `edgepfl config --schema run` the JSON Schema.",
         "",

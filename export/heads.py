@@ -167,7 +167,7 @@ def _torch_graph(module, feature_dim: int):
     # torch.onnx.export's hints say f is a path (str | PathLike), but the TorchScript exporter
     # (dynamo=False) writes through torch.serialization._open_file_like, which takes a buffer too
     # (onnx_proto_utils._export_file: f: io.BytesIO | str). The head graph stays in memory, no
-    # temporary file; tests/test_heads.py's ONNX parity tests exercise this call.
+    # temporary file; tests/unit/heads/test_heads.py's ONNX parity tests exercise this call.
     target = cast(Any, buf)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -218,7 +218,7 @@ def encoder_to_onnx(encoder, input_shape: tuple[int, ...]) -> bytes:
     buf = io.BytesIO()
     # torch.onnx.export's hints say f is a path (str | PathLike), but the TorchScript exporter
     # (dynamo=False) writes to a buffer too, as export/heads.py's _torch_graph relies on
-    # (the reason is spelled out there); tests/test_export.py exercises this call.
+    # (the reason is spelled out there); tests/unit/export/test_export.py exercises this call.
     target = cast(Any, buf)
     # The TorchScript exporter: deterministic, fast, and emits exactly the opset asked for,
     # which the heads (skl2onnx) target too so encoder and head graphs can be fused.

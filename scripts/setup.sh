@@ -14,7 +14,7 @@ PY="${PYTHON:-python3}"
 
 need_apt=()
 command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need_apt+=(mosquitto)
-# RabbitMQ: the broker-cluster tests (tests/test_topologies.py) run a real cluster.
+# RabbitMQ: the broker-cluster tests (tests/integration/test_topologies.py) run a real cluster.
 [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || command -v rabbitmq-server >/dev/null 2>&1 || need_apt+=(rabbitmq-server)
 [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || need_apt+=(dataset-fashion-mnist)
 if [ ${#need_apt[@]} -gt 0 ]; then
