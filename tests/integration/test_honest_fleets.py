@@ -25,9 +25,8 @@ from edgepfl.coordinator.simulate import simulate
 from edgepfl.data import FMNIST_PACKAGE, fmnist_available
 from edgepfl.edge_agent.tiers import local_trainers
 
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "fedavg.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "fedavg.yaml"
 
-pytestmark = pytest.mark.slow
 
 FLEETS = {
     # the reproduction: digits MLP (BatchNorm, feature 32), Dirichlet 0.5, 15 local epochs
