@@ -2,14 +2,14 @@
 device waits for another, each accepted update is folded into the open state's buffer
 discounted by its staleness, and every ``buffer_size`` updates make the next state.
 
-Eight devices, two of them ten times slower than the rest; a state every four updates.
+Eight devices, two of them ten times slower than the rest; a state every four updates;
+then the same over Mosquitto with agent processes. (The config check alone:
+tests/unit/core/test_buffered.py.)
 """
 
 from __future__ import annotations
 
-import pytest
-
-from edgepfl.config import ConfigError, RunConfig, parse_config
+from edgepfl.config import RunConfig
 from edgepfl.coordinator.simulate import simulate
 from edgepfl.edge_agent.tiers import local_trainers
 from edgepfl.simulation import FleetTiming
@@ -30,7 +30,6 @@ def _slow(config: RunConfig) -> set[str]:
     return {a for a, d in timing.devices.items() if d.profile.name == "slow"}
 
 
-@pytest.mark.slow
 def test_every_state_folds_a_full_buffer_and_slow_devices_count_discounted(tmp_path):
     config = _config()
     rows, _ = simulate(config, 8, tmp_path / "a", in_process=local_trainers, progress=False)
@@ -52,7 +51,6 @@ def test_every_state_folds_a_full_buffer_and_slow_devices_count_discounted(tmp_p
     assert (tmp_path / "a" / "metrics.jsonl").read_bytes() == (tmp_path / "b" / "metrics.jsonl").read_bytes()
 
 
-@pytest.mark.slow
 def test_an_update_staler_than_the_bound_is_rejected_and_its_device_gets_a_fresh_task(tmp_path):
     config = _config(stragglers={"max_staleness": 2}, rounds=12)
     rows, _ = simulate(config, 8, tmp_path / "run", in_process=local_trainers, progress=False)
@@ -64,13 +62,6 @@ def test_an_update_staler_than_the_bound_is_rejected_and_its_device_gets_a_fresh
     assert all(handed.count(a) >= 2 for a in slow)  # re-tasked after each stale answer, never shut out of tasks
 
 
-def test_a_method_whose_server_step_needs_a_synchronous_round_says_so_at_validation():
-    with pytest.raises(ConfigError, match="fedpac's server step needs every update of a synchronous round"):
-        parse_config(RunConfig, {"method": {"name": "fedpac"}, "asynchrony": {"mode": "buffered"}}, "test")
-    assert parse_config(RunConfig, {"method": {"name": "fedavg"}, "asynchrony": {"mode": "buffered"}}, "test")
-
-
-@pytest.mark.slow
 def test_a_buffered_federation_over_mosquitto_with_agent_processes(mosquitto, tmp_path):
     """Real agent processes over a real broker: every state folds a full buffer of updates
     from distinct devices, tasks never cross (no ``unexpected`` answer), and the only
