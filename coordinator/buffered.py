@@ -19,6 +19,10 @@ its task was sent in (:class:`~.gate.LateWindow`), so signatures, bounds, weight
 NACKs work unchanged. Evaluation comes with the answers: a training answer carries the
 device's held-out counts on the state it received, and the row's accuracy is over the
 answers folded into it; the final evaluation round is synchronous, as in ``sync`` mode.
+
+A state's checkpoint is written when it is adopted, so a restarted coordinator resumes
+from the last adopted state bit for bit; the open buffer is work in flight, lost with the
+process like a synchronous round's aggregate (tests/integration/test_buffered_hostile.py).
 """
 
 from __future__ import annotations

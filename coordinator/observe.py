@@ -23,7 +23,7 @@ from edgepfl.protocol.view import AgentView, FleetView, Phase, encode_view
 
 from .fleet import Fleet
 from .registry import Registry
-from .result import RunCounters
+from .result import RoundResult, RunCounters
 
 log = logging.getLogger("edgepfl.coordinator")
 
@@ -48,6 +48,9 @@ class Observer:
         self.phase: Phase = "waiting"
         self.round = -1
         self.rounds_completed = 0
+        self.buffer_size = config.asynchrony.buffer_size if config.asynchrony.mode == "buffered" else None
+        self._collecting: RoundResult | None = None
+        self._seen_updates = 0
         self.last_accuracy: float | None = None
         self.last_accuracy_round: int | None = None
         self.release: str | None = None
@@ -72,8 +75,14 @@ class Observer:
         self.phase, self.round = phase, round
         self.publish()
 
+    def collecting(self, result: RoundResult) -> None:
+        """A round opened: the view counts the updates folded into ``result`` as they come."""
+        self._collecting, self._seen_updates = result, 0
+        self._dirty = True
+
     def round_done(self, row: RoundMetrics) -> None:
         """A round's (or the final evaluation's) metrics row was written."""
+        self._collecting = None
         if not row.final:
             self.rounds_completed = row.round + 1
         if row.accuracy is not None:
@@ -89,8 +98,11 @@ class Observer:
     def tick(self) -> None:
         """After every poll: notice presence and rejection changes; publish when due. O(1) unless publishing."""
         rejections = sum(self.counters.rejected.values())  # a handful of reasons
-        if self.registry.revision != self._seen_revision or rejections != self._seen_rejections:
+        updates = self._updates()
+        if (self.registry.revision != self._seen_revision or rejections != self._seen_rejections
+                or updates != self._seen_updates):
             self._seen_revision, self._seen_rejections = self.registry.revision, rejections
+            self._seen_updates = updates
             self._dirty = True
         since = time.monotonic() - self._published_at
         if (self._dirty and since >= self.spec.view_interval_s) or since >= self.spec.view_heartbeat_s:
@@ -100,6 +112,10 @@ class Observer:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+
+    def _updates(self) -> int:
+        result = self._collecting
+        return len(result.participants) + len(result.late) if result is not None else 0
 
     # ---------------------------------------------------------------- the view
     def view(self) -> FleetView:
@@ -116,7 +132,9 @@ class Observer:
         return FleetView(
             federation=self.federation, method=self.method, updated=round(now_wall, 3), started=round(self.started, 3),
             resumed_from=self.resumed_from, phase=self.phase, round=self.round, rounds=self.rounds,
-            rounds_completed=self.rounds_completed, last_accuracy=self.last_accuracy,
+            rounds_completed=self.rounds_completed, updates=self._updates(), buffer_size=self.buffer_size,
+            staleness={str(k): n for k, n in sorted(self._collecting.staleness.items())} if self._collecting else {},
+            last_accuracy=self.last_accuracy,
             last_accuracy_round=self.last_accuracy_round, release=self.release,
             online={tier: self.registry.count_online(tier) for tier in TIERS},
             rejected=dict(sorted(self.counters.rejected.items())), refused=dict(sorted(self.counters.refused.items())),
@@ -169,6 +187,11 @@ class PrometheusMetrics:
         self._rejected_seen: dict[str, int] = dict(already_rejected or {})
         self.server, self._thread = start_http_server(port, addr=host, registry=self.registry)
         self.port = int(self.server.server_port)
+
+    def collecting(self, result: RoundResult) -> None:
+        """A round opened: the view counts the updates folded into ``result`` as they come."""
+        self._collecting, self._seen_updates = result, 0
+        self._dirty = True
 
     def round_done(self, row: RoundMetrics) -> None:
         if not row.final:

@@ -275,6 +275,7 @@ class Coordinator:
             result.aggregate = self.method.open_round(state, c.aggregation.build())
         windows = late_windows(r, self._closed_rounds, c.stragglers.staleness_exponent, self.method) if late else None
         self.inbox.open_round(tasks, result, state, windows)
+        self.observer.collecting(result)
         self.task_writer.open(r, state, self.epoch)
         return tasks, result, state
 

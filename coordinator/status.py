@@ -90,6 +90,9 @@ def format_view(view: FleetView, *, now: float | None = None, max_agents: int = 
         f"federation {view.federation} — {view.method}; view updated {_ago(now - view.updated)}",
         f"phase      {view.phase}, round {view.round} of 0..{view.rounds - 1} ({view.rounds_completed} completed)"
         + (f"; resumed after round {view.resumed_from}" if view.resumed_from is not None else ""),
+        (f"updates    {view.updates} of {view.buffer_size} in the open state's buffer" if view.buffer_size
+         else f"updates    {view.updates} in this round")
+        + (" (staleness " + ", ".join(f"{k}: {n}" for k, n in view.staleness.items()) + ")" if view.staleness else ""),
         f"accuracy   {acc}",
         f"release    {view.release or '-'}",
         "online     " + ", ".join(f"{n} {tier}" for tier, n in view.online.items()),

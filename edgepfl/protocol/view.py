@@ -30,7 +30,9 @@ Phase = Literal["waiting", "training", "aggregating", "evaluating", "releasing",
 
 
 class _View(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # A reader ignores fields it does not know: a newer coordinator's view still reads
+    # (the same rule as a frame's meta, docs/PROTOCOL.md §16).
+    model_config = ConfigDict(extra="ignore")
 
 
 class AgentView(_View):
@@ -57,6 +59,12 @@ class FleetView(_View):
     round: int = Field(ge=-1, description="the round in progress (0-based, as metrics.jsonl); -1 before round 0")
     rounds: int = Field(ge=1, description="training rounds of the run")
     rounds_completed: int = Field(ge=0)
+    updates: int = Field(0, ge=0, description="updates folded into the round in progress so far (buffered rounds: "
+                                              "the open state's buffer)")
+    buffer_size: int | None = Field(None, description="updates that make a state (asynchrony.mode: buffered); "
+                                                      "None: synchronous rounds")
+    staleness: dict[str, int] = Field(default_factory=dict, description="the round in progress's folded updates "
+                                                                         "by staleness (states behind)")
     last_accuracy: float | None = Field(None, description="sample-weighted accuracy of the last evaluated round")
     last_accuracy_round: int | None = None
     release: str | None = Field(None, description="the current encoder release id")

@@ -11,76 +11,24 @@ and the run must complete with each attack refused for its counted reason.
 from __future__ import annotations
 
 import json
-import queue
 import time
 import uuid
 
 import numpy as np
-import paho.mqtt.client as mqtt
 import pytest
 
-from edgepfl.broker import parse_broker_url
-from edgepfl.config import SecuritySpec
 from edgepfl.coordinator.fleet import MqttFleet
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import data_shape, prepare, spawn_agent, stop_agents
 from edgepfl.protocol import MessageType, ReleaseMeta, decode, encode
 from edgepfl.protocol.signing import generate_keypair, load_signer
 
+from tests.attack_kit import Attacker, signed_fleet
 from tests.fleet_helpers import read_rows, run_config, run_in_thread, wait_until
 
 TRAINERS = ("agent-00", "agent-01")
 HEAD = "device-00"
 SYBILS = [f"sybil-{i:02d}" for i in range(20)]
-
-
-
-
-class Attacker:
-    """A bare paho client: records what it sees, publishes what it likes."""
-
-    def __init__(self, url: str, federation: str):
-        host, port, _ = parse_broker_url(url)
-        self.base = f"edgepfl/v1/{federation}"
-        self.seen: queue.Queue[tuple[str, bytes]] = queue.Queue()
-        self.log: list[tuple[str, bytes]] = []
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"mallory-{uuid.uuid4().hex[:8]}",
-                                  protocol=mqtt.MQTTv311, clean_session=True)
-        self.client.on_message = lambda c, u, msg: self.seen.put((msg.topic, bytes(msg.payload)))
-        self.client.connect(host, port, keepalive=30)
-        self.client.loop_start()
-        self.client.subscribe(f"{self.base}/#", qos=1)
-
-    def publish(self, suffix: str, frame: bytes, retain: bool = False) -> None:
-        self.client.publish(f"{self.base}/{suffix}", frame, qos=1, retain=retain).wait_for_publish(10)
-
-    def drain(self) -> list[tuple[str, bytes]]:
-        while True:
-            try:
-                self.log.append(self.seen.get_nowait())
-            except queue.Empty:
-                return self.log
-
-    def frames(self, suffix: str) -> list[bytes]:
-        return [p for t, p in self.drain() if t == f"{self.base}/{suffix}" and p]
-
-    def close(self) -> None:
-        self.client.loop_stop()
-        self.client.disconnect()
-
-
-def keys(tmp_path):
-    """The coordinator's key pair, one per agent, and the enrolled dir of the agents' public keys."""
-    root = tmp_path / "keys"
-    (root / "enrolled").mkdir(parents=True)
-    generate_keypair(root / "coordinator.key", root / "coordinator.pub")
-    agents = {}
-    for agent in (*TRAINERS, HEAD):
-        generate_keypair(root / f"{agent}.key", root / "enrolled" / f"{agent}.pub")
-        agents[agent] = SecuritySpec(signing_key=str(root / f"{agent}.key"),
-                                     coordinator_key=str(root / "coordinator.pub"))
-    coordinator = SecuritySpec(signing_key=str(root / "coordinator.key"), enrolled_dir=str(root / "enrolled"))
-    return coordinator, agents
 
 
 def agent_log(out, agent: str) -> str:
@@ -89,7 +37,7 @@ def agent_log(out, agent: str) -> str:
 
 
 def test_a_signed_federation_completes_under_attack_and_refuses_every_forgery(mosquitto, tmp_path, ref):
-    coordinator_security, agent_security = keys(tmp_path)
+    coordinator_security, agent_security = signed_fleet(tmp_path / "keys", (*TRAINERS, HEAD))
     config = run_config(rounds=3, round_timeout_s=40, method={"name": "fedper"}, security=coordinator_security)
     config = prepare(config, len(TRAINERS), head_agents=1)  # min_agents = 2, release at the end
     fed, out, url = config.federation, tmp_path / "run", mosquitto.url
@@ -229,7 +177,7 @@ def test_a_signed_federation_completes_under_attack_and_refuses_every_forgery(mo
 
 def test_an_unsigned_retained_release_does_not_crash_loop_a_head_agent_without_one_installed(mosquitto, tmp_path, ref):
     """A fresh head agent pinned to a coordinator key, with only a forged release retained."""
-    _, agent_security = keys(tmp_path)
+    _, agent_security = signed_fleet(tmp_path / "keys", (*TRAINERS, HEAD))
     config = prepare(run_config(), 1, head_agents=1)
     fed, out = config.federation, tmp_path / "run"
     attacker = Attacker(mosquitto.url, fed)

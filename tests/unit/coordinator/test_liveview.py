@@ -146,3 +146,32 @@ def test_the_views_refused_totals_survive_a_coordinator_restart(tmp_path):
     resumed.run()
     assert resumed.start_round == 1
     assert resumed.observer.view().refused == {"data_mismatch": 2}  # round 0's refusal is still counted
+
+
+def test_the_view_counts_the_open_rounds_updates_and_a_buffered_runs_buffer():
+    from edgepfl.coordinator.result import RoundResult
+
+    config = RunConfig(federation="viewtest", rounds=5, observe={"view_interval_s": 0.001},
+                       asynchrony={"mode": "buffered", "buffer_size": 4})
+    fleet = RecordingFleet()
+    obs = Observer(config, fleet, Registry(), RunCounters())
+    obs.start(resumed_from=None)
+    result = RoundResult(round=2)
+    obs.collecting(result)
+    obs.enter("training", 2)
+    assert (parse_view(fleet.views[-1]).updates, parse_view(fleet.views[-1]).buffer_size) == (0, 4)
+    result.participants.append("pi-1")
+    result.late.append("pi-2")
+    result.staleness.update({0: 1, 3: 1})
+    time.sleep(0.01)
+    obs.tick()
+    view = parse_view(fleet.views[-1])
+    assert view.updates == 2 and view.staleness == {"0": 1, "3": 1}
+    assert "updates    2 of 4 in the open state's buffer (staleness 0: 1, 3: 1)" in format_view(view)
+
+
+def test_a_view_from_a_newer_coordinator_still_reads():
+    view = FleetView(federation="f", method="fedavg", updated=2.0, started=1.0, phase="training", round=3, rounds=10,
+                     rounds_completed=3)
+    newer = dict(json.loads(view.model_dump_json()), a_field_of_view_2=[1, 2])
+    assert parse_view(json.dumps(newer)) == view
