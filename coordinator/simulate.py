@@ -23,7 +23,7 @@ import yaml
 from edgepfl.config import AgentConfig, RunConfig, SecuritySpec
 from edgepfl.metrics import RoundMetrics
 from edgepfl.protocol.clock import simulated_time
-from edgepfl.simulation import FleetTiming
+from edgepfl.simulation import DevicePace, FleetTiming
 from edgepfl.specs import EMBEDDED_BROKER
 
 from .fleet import LocalAgent, LocalFleet
@@ -139,8 +139,12 @@ def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str
         specs = [(a, i, "trainer") for i, a in enumerate(ids)]
         specs += [(a, agents + i, "head") for i, a in enumerate(agent_ids(head_agents, "device"))]
         urls = agent_brokers or [url]
+        # paced processes: each trainer answers no sooner than its simulated device would
+        timing = FleetTiming(config.simulation, ids, config.seed) if config.simulation.pace_processes else None
         for agent_id, index, tier in specs:
-            procs.append(spawn_agent(config, out, urls[index % len(urls)], agent_id, index, tier, head, n_threads))
+            pace = timing[agent_id].pace if timing is not None and tier == "trainer" else None
+            procs.append(spawn_agent(config, out, urls[index % len(urls)], agent_id, index, tier, head, n_threads,
+                                     pace=pace))
         fleet = MqttFleet(config.federation, config.broker, url=url, security=config.security)
         coordinator = Coordinator(config, fleet, out, progress=progress, **shape)
         rows = coordinator.run()
@@ -155,21 +159,23 @@ def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str
 
 
 def agent_config(config: RunConfig, out: Path, url: str, agent_id: str, index: int, tier: str, head: str,
-                 threads: int | None, security: SecuritySpec | None = None) -> AgentConfig:
+                 threads: int | None, security: SecuritySpec | None = None,
+                 pace: DevicePace | None = None) -> AgentConfig:
     return AgentConfig(
         agent_id=agent_id, federation=config.federation, tier=tier,
         broker=config.broker.model_copy(update={"url": url}), data=config.data, client_index=index,
         # absolute: a relative path in the agent's YAML would resolve against that file's folder
         state_dir=str((out / "agents" / agent_id).absolute()), device=config.device, threads=threads,
-        head=head if tier == "head" else "lr", security=security or SecuritySpec(),
+        head=head if tier == "head" else "lr", security=security or SecuritySpec(), pace=pace,
     )
 
 
 def spawn_agent(config: RunConfig, out: Path, url: str, agent_id: str, index: int, tier: str = "trainer",
-                head: str = "lr", threads: int | None = 1, security: SecuritySpec | None = None) -> subprocess.Popen:
+                head: str = "lr", threads: int | None = 1, security: SecuritySpec | None = None,
+                pace: DevicePace | None = None) -> subprocess.Popen:
     """Start one ``edgepfl agent`` process for partition ``index``; its log goes to ``out/agents/<id>.log``.
-    ``security``: its keys (none: unsigned)."""
-    cfg = agent_config(config, out, url, agent_id, index, tier, head, threads, security)
+    ``security``: its keys (none: unsigned); ``pace``: a simulated device's (none: as fast as the host)."""
+    cfg = agent_config(config, out, url, agent_id, index, tier, head, threads, security, pace)
     cfg_path = out / "agents" / f"{agent_id}.yaml"
     cfg_path.parent.mkdir(parents=True, exist_ok=True)
     cfg_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

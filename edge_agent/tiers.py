@@ -15,6 +15,7 @@ torch, and a trainer agent need not have onnxruntime.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from edgepfl.protocol import (
     federation_topic,
     release_part_topic,
 )
+from edgepfl.simulation import DevicePace, task_samples
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -134,12 +136,16 @@ class TrainerTier:
         # task id -> its answer; None: closed by the coordinator (a nack), not answered again
         self._answered: OrderedDict[str, Reply | None] = OrderedDict()
         self._capabilities: Capabilities | None = None
+        #: a simulated device's pace (AgentConfig.pace): answers are held until it would have sent them
+        self.pace: DevicePace | None = None
 
     @classmethod
     def from_config(cls, config: AgentConfig, data: ClientData, signer: Signer | None = None,
                     pinned: bool = False) -> TrainerTier:
-        return cls(config.agent_id, data, config.state_dir, config.device, threads=config.threads, signer=signer,
+        tier = cls(config.agent_id, data, config.state_dir, config.device, threads=config.threads, signer=signer,
                    pinned=pinned)
+        tier.pace = config.pace
+        return tier
 
     @property
     def device(self) -> str:
@@ -184,8 +190,11 @@ class TrainerTier:
             return cached
         if self.guard.strict:
             self.guard.accept(message)
+        received = time.monotonic()
         try:
             reply = Reply(AgentChannel.UPDATE, self.runtime.answer(message), round, task_id)
+            if self.pace is not None:
+                self._keep_pace(message, meta, received, len(reply.frame))
             log.info("round %d: %s task answered", round, meta.kind)
         except TaskRefused as exc:  # logged where it was raised
             reply = self._refusal(message, exc.reason, exc.detail)
@@ -194,6 +203,16 @@ class TrainerTier:
             reply = self._refusal(message, "error", f"{type(exc).__name__}: {exc}")
         self._remember(task_id, reply)
         return reply
+
+    def _keep_pace(self, task: Message, meta: TaskMeta, received: float, answer_bytes: int) -> None:
+        """Hold the answer until a device of :attr:`pace` would have sent it: the task's
+        download, the work (this machine's time if it was slower) and the answer's upload."""
+        assert self.pace is not None
+        data = self.runtime.data
+        samples = task_samples(meta.kind, data.num_train, data.num_test, meta.run.train.epochs)
+        task_bytes = sum(t.nbytes for t in task.tensors.values())  # the frame's bulk
+        due = received + self.pace.answer_s(task_bytes, samples, answer_bytes)
+        time.sleep(max(0.0, due - time.monotonic()))
 
     def _refusal(self, task: Message, reason: str, detail: str) -> Reply:
         frame = encode_refusal(task, sender=self.agent_id, reason=reason, detail=detail, signer=self.runtime.signer)

@@ -23,7 +23,7 @@ from .methods import Method, available_head_kinds, get_method
 from .protocol.bounded_json import MAX_DEPTH
 from .protocol.run import DataShape, MethodChoice, Normalization, RunSpec
 from .protocol.topics import check_segment
-from .simulation import SimulationSpec
+from .simulation import DevicePace, SimulationSpec
 from .specs import (
     BrokerConfig,
     ConfigPath,
@@ -252,6 +252,8 @@ class AgentConfig(_Strict):
     threads: int | None = Field(None, ge=1, description="torch intra-op threads")
     head: str = Field("lr", description="head tier: a head kind the releases' method offers (its head_kinds), "
                                         f"fitted on device, or {OFFLINE_HEAD_KIND!r}: only a head fitted offline")
+    pace: DevicePace | None = Field(None, description="simulation (trainer tier): answer no sooner than a device of "
+                                                      "this pace would; none: as fast as this machine can")
 
     @field_validator("head")
     @classmethod

@@ -57,13 +57,48 @@ class DeviceClass(BaseModel):
 
 
 class SimulationSpec(BaseModel):
-    """How the devices of an in-process simulation differ (``edgepfl simulate --in-process``)."""
+    """How the devices of a simulated fleet differ (``edgepfl simulate``)."""
 
     model_config = ConfigDict(extra="forbid")
 
     devices: list[DeviceClass] = Field(
         default_factory=lambda: [DeviceClass()], min_length=1,
         description="device classes; agents are dealt to them by share (agent order shuffled with the run's seed)")
+    pace_processes: bool = Field(
+        False, description="over MQTT: each agent process answers no sooner than its device would (compute, links; "
+                           "not availability), so one profile compares the two paths; the in-process path always "
+                           "runs on the profiles' virtual clock")
+
+
+class DevicePace(BaseModel):
+    """One device's pace: what its work and its messages take (its class's, speed spread
+    applied). The virtual clock computes with it; a paced agent process sleeps to it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seconds_per_sample: float = Field(ge=0, description="seconds one training sample takes, for one epoch")
+    downlink_mbps: float = Field(gt=0, description="megabits per second towards the device")
+    uplink_mbps: float = Field(gt=0, description="megabits per second from the device")
+    latency_ms: float = Field(ge=0, description="one-way delay of every message, milliseconds")
+
+    def download_s(self, nbytes: int) -> float:
+        """A task of ``nbytes`` reaching the device (latency included)."""
+        return self.latency_ms / 1000.0 + nbytes * 8 / (self.downlink_mbps * 1e6)
+
+    def compute_s(self, samples: float) -> float:
+        return samples * self.seconds_per_sample
+
+    def upload_s(self, nbytes: int) -> float:
+        """An answer of ``nbytes`` sent (the link only; its latency is :meth:`arrival_delay_s`)."""
+        return nbytes * 8 / (self.uplink_mbps * 1e6)
+
+    def arrival_delay_s(self) -> float:
+        return self.latency_ms / 1000.0
+
+    def answer_s(self, task_bytes: int, samples: float, answer_bytes: int) -> float:
+        """A task's whole turn on an idle, always-online device: download, work, upload."""
+        return (self.download_s(task_bytes) + self.compute_s(samples) + self.upload_s(answer_bytes)
+                + self.arrival_delay_s())
 
 
 @dataclass
@@ -130,18 +165,20 @@ class Device:
     availability: Availability
     busy_until: float = 0.0
 
+    @property
+    def pace(self) -> DevicePace:
+        p = self.profile
+        return DevicePace(seconds_per_sample=p.seconds_per_sample * self.time_factor, downlink_mbps=p.downlink_mbps,
+                          uplink_mbps=p.uplink_mbps, latency_ms=p.latency_ms)
+
     def answer_time(self, sent_at: float, task_bytes: int, samples: float, answer_bytes: int) -> float:
         """When the answer to a task sent at ``sent_at`` arrives: the task's download, the
         work (after any earlier task, and only while online), the answer's upload."""
-        p = self.profile
-        latency = p.latency_ms / 1000.0
-        arrives = sent_at + latency + task_bytes * 8 / (p.downlink_mbps * 1e6)
-        start = max(arrives, self.busy_until)
-        compute = samples * p.seconds_per_sample * self.time_factor
-        upload = answer_bytes * 8 / (p.uplink_mbps * 1e6)
-        done = self.availability.finish(start, compute + upload)
+        pace = self.pace
+        start = max(sent_at + pace.download_s(task_bytes), self.busy_until)
+        done = self.availability.finish(start, pace.compute_s(samples) + pace.upload_s(answer_bytes))
         self.busy_until = done
-        return done + latency
+        return done + pace.arrival_delay_s()
 
 
 def _stream(seed: int, *parts: str) -> np.random.Generator:

@@ -76,3 +76,28 @@ def test_a_buffered_federation_over_mosquitto_with_agent_processes(mosquitto, tm
         assert len(folded) == 3 == len(set(folded)) == sum(row.staleness.values()), row
         assert row.rejected == {}, row.rejected
     assert set(rows[-1].rejected) <= {"stale"} and rows[-1].evaluated == 4
+
+
+def test_paced_agent_processes_keep_their_device_profiles_over_mosquitto(mosquitto, tmp_path):
+    """simulation.pace_processes: the MQTT path runs the in-process path's profiles on real
+    agent processes. The fast devices answer no sooner than every ~1 s, the slow one every
+    ~10 s: twelve states take longer than one slow task, so the slow device's updates come
+    in, and stale (the fast ones filled the buffers meanwhile), discounted, and folded in —
+    as on the virtual clock (the first test above)."""
+    simulation = {"pace_processes": True,
+                  "devices": [{"name": "fast", "share": 3, "seconds_per_sample": 0.003},
+                              {"name": "slow", "share": 1, "seconds_per_sample": 0.03}]}
+    config = _config(federation="buffered-paced", rounds=12, simulation=simulation, round_timeout_s=120.0,
+                     data={"dataset": "digits", "num_clients": 4}, asynchrony={"mode": "buffered", "buffer_size": 3})
+    timing = FleetTiming(config.simulation, [f"agent-{i:02d}" for i in range(4)], config.seed)
+    slow = {a for a, d in timing.devices.items() if d.profile.name == "slow"}
+    assert len(slow) == 1
+    rows, _ = simulate(config, 4, tmp_path / "run", broker=mosquitto.url, progress=False, threads=1)
+    training = [row for row in rows if not row.final]
+    assert len(training) == 12 and not any(row.aborted for row in training)
+    slow_on_time = [a for row in training for a in row.participants if a in slow]
+    slow_late = [a for row in training for a in row.late if a in slow]
+    assert slow_late and not slow_on_time  # every one of its updates came in after its state had moved on
+    assert all(row.rejected.keys() <= {"stale"} for row in training), [row.rejected for row in training]
+    paced = (tmp_path / "run" / "agents" / f"{next(iter(slow))}.yaml").read_text()
+    assert "seconds_per_sample: 0.03" in paced

@@ -247,3 +247,29 @@ def test_the_agent_hands_its_tier_only_the_messages_it_accepts_and_publishes_the
 def test_create_tier_builds_the_configured_tier(tmp_path):
     config = AgentConfig(agent_id="t-1", federation=FED, state_dir=str(tmp_path), device="cpu")
     assert isinstance(create_tier(config, client_data(0)), TrainerTier)
+
+
+def test_a_paced_trainer_answers_no_sooner_than_its_device_would(tmp_path):
+    """simulation.pace_processes: an agent process keeps its simulated device's pace (the
+    same model as the virtual clock's, tests/unit/core/test_virtual_clock.py), so one
+    profile runs on both paths. A lower bound only: a busy host may be slower still."""
+    import time
+
+    from edgepfl.simulation import DevicePace, task_samples
+
+    pace = DevicePace(seconds_per_sample=0.002, downlink_mbps=1, uplink_mbps=0.5, latency_ms=100)
+    config = AgentConfig(agent_id="t-1", federation=FED, state_dir=str(tmp_path / "paced"), device="cpu", pace=pace)
+    tier = TrainerTier.from_config(config, client_data(0))
+    assert tier.pace == pace
+    message = task()
+    started = time.monotonic()
+    reply = tier.handle(message)
+    took = time.monotonic() - started
+    assert reply is not None and not reply.refusal
+    samples = task_samples("train", _DATA.num_train, _DATA.num_test, RUN.train.epochs)
+    due = pace.answer_s(0, samples, len(reply.frame))
+    assert due == pytest.approx(0.1 + samples * 0.002 + len(reply.frame) * 8 / 0.5e6 + 0.1)
+    assert took >= due
+    unpaced = TrainerTier.from_config(config.model_copy(update={"pace": None, "state_dir": str(tmp_path / "free")}),
+                                      client_data(0))
+    assert unpaced.pace is None and unpaced.handle(task()) is not None
