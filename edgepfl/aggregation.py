@@ -176,19 +176,26 @@ def staleness_weight(staleness: int, exponent: float = 0.5) -> float:
 
 def rebase(update: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray],
            factor: float) -> TensorDict:
-    """An update trained from ``base``, moved onto ``reference``: ``reference + factor * (update - base)``
-    for floating-point tensors (a variance kept at 0 or above), integer ones as sent. What a
-    late or asynchronous update contributes to a newer state: its own change, discounted."""
+    """An update trained from ``base``, moved onto ``reference``: what a late or asynchronous
+    update contributes to a newer state.
+
+    Learned parameters carry the update's own change, discounted: ``reference + factor *
+    (update - base)``. BatchNorm running statistics are estimates of the device's data, not
+    steps: they are mixed in, ``reference + factor * (update - reference)``, so a variance
+    stays between the two estimates. (Added as a change, a device whose variance fell
+    below a base the fleet has since moved under drove the state's variance to zero, and
+    the update bound, measuring in units of it, then clamped every honest update.)
+    Integer tensors go as sent."""
+    statistics = {layer + leaf for layer in _statistic_layers(reference) for leaf in STATISTIC_LEAVES}
     out: TensorDict = {}
     for key, ref in reference.items():
         x = np.asarray(update[key])
         if ref.dtype.kind != "f":
             out[key] = x
             continue
-        moved = ref.astype(np.float64) + factor * (x.astype(np.float64) - np.asarray(base[key], np.float64))
-        if key.endswith("running_var"):
-            moved = np.maximum(moved, 0.0)
-        out[key] = moved.astype(ref.dtype)
+        ref64 = ref.astype(np.float64)
+        origin = ref64 if key in statistics else np.asarray(base[key], np.float64)
+        out[key] = (ref64 + factor * (x.astype(np.float64) - origin)).astype(ref.dtype)
     return out
 
 
@@ -441,10 +448,14 @@ class _ExactSum:
 
     def mean(self) -> TensorDict:
         out: TensorDict = {}
+        variances = {layer + "running_var" for layer in _statistic_layers(self.reference)}
         for key, ref in self.reference.items():
             if ref.dtype.kind == "f":
                 change = self._total(key) / (self.scale[key] * self.total_weight)
-                out[key] = (ref.astype(np.float64) + change).astype(ref.dtype)
+                mean = ref.astype(np.float64) + change
+                if key in variances:  # a mean of variances is one; the grid's rounding may not make it negative
+                    mean = np.maximum(mean, 0.0)
+                out[key] = mean.astype(ref.dtype)
             else:
                 out[key] = (ref.astype(np.int64) + np.rint(self._total(key) / self.total_weight)).astype(ref.dtype)
         return out

@@ -18,8 +18,9 @@ from edgepfl.methods import available_methods, get_method
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
-# demo.yaml (if present) belongs to another part of the project and is not per-method
-METHOD_CONFIGS = [p for p in CONFIGS if p.stem != "demo"]
+# the rest are one per method; these describe a situation (the demo; a fleet of unequal devices)
+SCENARIOS = {"demo", "unequal_fleet"}
+METHOD_CONFIGS = [p for p in CONFIGS if p.stem not in SCENARIOS]
 
 
 def test_there_is_a_config_for_every_registered_method():
