@@ -70,3 +70,24 @@ def test_an_honest_non_iid_fleet_loses_no_update_to_the_default_bound(fleet, tmp
     # statistics over their bound are clamped, never refused: only the diverging fleet's are
     clipped = [agent for row in training for agent in row.clipped]
     assert bool(clipped) == fleet.endswith("diverging"), clipped
+
+
+def test_an_unequal_buffered_fleet_has_no_honest_update_clamped(tmp_path):
+    """Buffered rounds fold mostly stale updates (a state every 5 updates, 20 devices, a
+    fifth of them five times slower): their statistics are mixed into the newer state, so
+    the state's variance stays the fleet's and no honest update is clamped or refused. (Added
+    as changes from their base, they drove it to 0 by the third state, and every update was
+    clamped from then on.)"""
+    if not fmnist_available():
+        if os.environ.get("CI"):
+            pytest.fail(f"Fashion-MNIST missing under CI: apt-get install {FMNIST_PACKAGE}")
+        pytest.skip(f"Fashion-MNIST not installed (apt-get install {FMNIST_PACKAGE})")
+    config = load_run_config(CONFIG.with_name("unequal_fleet.yaml"), ["asynchrony.mode=buffered",
+                                                                      "asynchrony.buffer_size=5"])
+    assert config.aggregation == AggregationSpec()
+    rows, _ = simulate(config, 20, tmp_path / "run", in_process=local_trainers, rounds=10, progress=False)
+    training = [row for row in rows if not row.final]
+    assert len(training) == 10 and not any(row.aborted for row in training)
+    assert sum(n for row in training for k, n in row.staleness.items() if int(k) > 0) >= 20  # mostly stale
+    for row in training:
+        assert row.rejected == {} and row.clipped == [], (row.round, row.rejected, row.clipped)
