@@ -1,27 +1,37 @@
-"""Virtual time (and bytes) to a target accuracy: buffered asynchronous rounds against
-synchronous ones, on an unequal simulated fleet (issue #31).
+"""Time (and bytes) to a target accuracy: buffered asynchronous rounds against synchronous
+ones, on an unequal fleet (issue #31).
 
-Runs ``edgepfl simulate --in-process`` on the virtual clock (``simulation:`` device
-classes), so the figures are simulated device time, the same on any host. The fleet:
-``--devices`` devices on Fashion-MNIST (pathological, 2 classes each), 80 % "fast"
-(1 ms per training sample, log-normal spread sigma 0.5) and 20 % "slow" (5x slower,
-same spread), links of 10 / 50 Mbit/s. Per method and seed:
+The fleet is ``configs/unequal_fleet.yaml``: Fashion-MNIST, pathological (2 classes per
+device, 200 samples each), 80 % "fast" devices (1 ms per training sample) and 20 % "slow"
+ones (5 ms, and a slower link), every device with a log-normal spread of speed (sigma 0.5)
+and its own on/off periods (online 120 s, offline 10 s on average). Per method and seed:
 
-* ``sync`` — every device trains every round; a round closes when all answered or at
-  ``round_timeout_s`` with a quorum (stragglers' updates folded in late, the default);
-* ``buffered`` — FedBuff: a new state every ``--buffer`` updates, at most one per device.
+* ``sync`` — every online device trains every round; a round closes when all answered, or
+  when everyone still owing an answer is offline, or at ``round_timeout_s`` with a quorum
+  (a straggler's update is folded into the next round, discounted: the default);
+* ``buffered`` — FedBuff: every device trains continuously on the newest state it was
+  sent; a new state every ``--buffer`` updates, at most one per device.
 
-The accuracy curve is the same estimator for both: after each row, the mean over devices
-of each device's latest held-out accuracy (a device's accuracy on the state it was last
-sent). Time to target is the first cumulative virtual time at which it reaches
-``--target``; bytes to target likewise. Both modes see the same number of updates per
-device-second of compute, so the comparison is time, not work.
+Both modes run the same number of training updates (``--rounds`` x devices). The
+accuracy is the same estimator for both: after each metrics row, the mean over devices of
+each device's latest held-out accuracy (measured on the state it was last sent). Time to
+target is the first (virtual) time at which it reaches ``--target``, bytes to target
+likewise, and the final accuracy is the run's final evaluation (every device, the last
+state).
+
+Two paths, one profile:
+
+* ``--path in-process`` (default): ``edgepfl simulate --in-process`` on the virtual clock;
+  the times are simulated device time, the same on any host at any load.
+* ``--path mqtt``: a broker, the coordinator and one ``edgepfl agent`` process per device,
+  each paced to its device (``simulation.pace_processes``: compute and links; availability
+  is not imposed on processes, so ``--always-online`` drops it from the profile for both
+  paths); the times are wall-clock seconds. Small fleets only: every agent is a process.
 
     python benchmarks/async_time_to_accuracy.py --devices 50 --seeds 0 1 2 --methods fedavg fedrep fedpick
+    python benchmarks/async_time_to_accuracy.py --path mqtt --devices 8 --always-online --seconds-per-sample 0.005 ...
 
-Sized by its arguments: ``--devices 20 --seeds 0 --methods fedavg --rounds 15 --buffer 5`` runs
-in minutes on a 2-core box; the issue's full comparison (50 devices, 3 seeds, three
-methods) is a GPU-lease or overnight job.
+The first runs in about an hour on a 2-core box (two processes: ``--methods`` split).
 """
 
 from __future__ import annotations
@@ -31,8 +41,9 @@ import platform
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-from edgepfl.config import load_run_config
+from edgepfl.config import RunConfig, load_run_config
 from edgepfl.coordinator.simulate import simulate
 from edgepfl.edge_agent.tiers import local_trainers
 from edgepfl.metrics import RoundMetrics
@@ -42,16 +53,11 @@ try:
 except ImportError:  # run as a module
     from benchmarks.results_io import write_results
 
-FLEET = [
-    {"name": "fast", "share": 4, "seconds_per_sample": 0.001, "speed_sigma": 0.5, "uplink_mbps": 10,
-     "downlink_mbps": 50},
-    {"name": "slow", "share": 1, "seconds_per_sample": 0.005, "speed_sigma": 0.5, "uplink_mbps": 10,
-     "downlink_mbps": 50},
-]
+FLEET_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "unequal_fleet.yaml"
 
 
 def curve(rows: list[RoundMetrics]) -> list[tuple[float, int, float]]:
-    """(cumulative virtual seconds, cumulative bytes, mean of each device's latest accuracy) per row."""
+    """(cumulative seconds, cumulative bytes, mean of each device's latest accuracy) per row."""
     latest: dict[str, float] = {}
     t, sent, points = 0.0, 0, []
     for row in rows:
@@ -71,71 +77,105 @@ def to_target(points: list[tuple[float, int, float]], target: float) -> tuple[fl
     return None, None
 
 
-def run_one(method: str, mode: str, seed: int, devices: int, rounds: int, buffer: int) -> dict:
-    sets = [f"method.name={method}", "data.dataset=fmnist", "data.partition.kind=pathological",
-            "data.partition.classes_per_client=2", "data.samples_per_client=200", f"seed={seed}",
-            f"data.seed={seed}", "round_timeout_s=20", f"asynchrony.mode={mode}", f"asynchrony.buffer_size={buffer}"]
-    config = load_run_config("configs/fedavg.yaml", sets)
-    config = config.model_copy(update={"simulation": config.simulation.model_validate({"devices": FLEET})})
+def fleet_config(args: argparse.Namespace, method: str, mode: str, seed: int) -> RunConfig:
+    sets = [f"method.name={method}", f"seed={seed}", f"data.seed={seed}", f"asynchrony.mode={mode}",
+            f"asynchrony.buffer_size={args.buffer}", *args.set]
+    config = load_run_config(FLEET_CONFIG, sets)
+    devices = []
+    for device in config.simulation.devices:
+        update: dict = {}
+        if args.always_online:
+            update.update(mean_online_s=None, mean_offline_s=None)
+        if args.seconds_per_sample is not None:  # the fast class's; the others keep their ratio to it
+            update["seconds_per_sample"] = (device.seconds_per_sample / config.simulation.devices[0].seconds_per_sample
+                                            * args.seconds_per_sample)
+        devices.append(device.model_copy(update=update))
+    simulation = config.simulation.model_copy(update={"devices": devices, "pace_processes": args.path == "mqtt"})
+    return config.model_copy(update={"simulation": simulation})
+
+
+def run_one(args: argparse.Namespace, method: str, mode: str, seed: int) -> dict:
+    config = fleet_config(args, method, mode, seed)
+    rounds = args.rounds if mode == "sync" else args.rounds * args.devices // args.buffer
     w0, c0 = time.perf_counter(), time.process_time()
     with tempfile.TemporaryDirectory() as out:
-        rows, _ = simulate(config, devices, out, in_process=local_trainers, rounds=rounds, progress=False)
+        if args.path == "mqtt":
+            rows, _ = simulate(config, args.devices, out, rounds=rounds, progress=False, threads=1,
+                               **({"broker": args.broker} if args.broker else {}))
+        else:
+            rows, _ = simulate(config, args.devices, out, in_process=local_trainers, rounds=rounds, progress=False)
     points = curve(rows)
     final = next(r for r in rows if r.final)
+    stale = [int(k) for row in rows for k, n in row.staleness.items() for _ in range(n)]
     return {"method": method, "mode": mode, "seed": seed, "rows": len(points), "curve": points,
-            "final_accuracy": final.accuracy, "host_wall_s": round(time.perf_counter() - w0, 1),
-            "host_cpu_s": round(time.process_time() - c0, 1)}
+            "final_accuracy": final.accuracy, "updates": len(stale),
+            "mean_staleness": sum(stale) / len(stale) if stale else 0.0,
+            "rejected": {k: sum(r.rejected.get(k, 0) for r in rows if not r.final)
+                         for k in sorted({k for r in rows if not r.final for k in r.rejected})},
+            "host_wall_s": round(time.perf_counter() - w0, 1), "host_cpu_s": round(time.process_time() - c0, 1)}
 
 
 def markdown(result: dict) -> str:
-    lines = ["# Time to accuracy: buffered vs synchronous rounds (virtual clock)", "",
+    unit = "virtual s" if result["path"] == "in-process" else "wall s"
+    lines = ["# Time to accuracy: buffered vs synchronous rounds", "",
              f"`{result['command']}` on {result['machine']}", "",
-             f"Target: mean latest per-device accuracy {result['target']:.0%}; {result['devices']} devices "
-             "(80 % fast, 20 % 5x slower, log-normal spread 0.5); FMNIST pathological, 200 samples each.", "",
-             "| method | seed | mode | rows | virtual s to target | MB to target | final accuracy | host CPU s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"Path: {result['path']}. Target: mean latest per-device accuracy {result['target']:.0%}; "
+             f"{result['devices']} devices of `configs/unequal_fleet.yaml`"
+             + (" without availability periods" if result["always_online"] else "")
+             + (f", {result['seconds_per_sample']} s per sample on a fast device" if result["seconds_per_sample"]
+                else "") + f"; a buffered state per {result['buffer']} updates.", "",
+             f"| method | seed | mode | rows | updates | mean staleness | {unit} to target | MB to target | "
+             f"final accuracy | host CPU s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for run in result["runs"]:
         t, b = run["time_to_target"], run["bytes_to_target"]
-        lines.append(f"| {run['method']} | {run['seed']} | {run['mode']} | {run['rows']} | "
-                     f"{'—' if t is None else f'{t:.1f}'} | {'—' if b is None else f'{b / 1e6:.1f}'} | "
-                     f"{run['final_accuracy']:.2%} | {run['host_cpu_s']} |")
-    lines += ["", "| method | seed | speed-up to target (sync / buffered) | final accuracy difference (points) |",
-              "| --- | --- | --- | --- |"]
+        lines.append(f"| {run['method']} | {run['seed']} | {run['mode']} | {run['rows']} | {run['updates']} | "
+                     f"{run['mean_staleness']:.2f} | {'—' if t is None else f'{t:.1f}'} | "
+                     f"{'—' if b is None else f'{b / 1e6:.1f}'} | {run['final_accuracy']:.2%} | {run['host_cpu_s']} |")
+    lines += ["", "| method | seed | speed-up to target (sync / buffered) | bytes to target (buffered / sync) | "
+              "final accuracy difference (points) |", "| --- | --- | --- | --- | --- |"]
     for pair in result["pairs"]:
-        speed = pair["speedup"]
+        speed, ratio = pair["speedup"], pair["bytes_ratio"]
         lines.append(f"| {pair['method']} | {pair['seed']} | {'—' if speed is None else f'{speed:.2f}x'} | "
-                     f"{pair['final_difference_points']:+.2f} |")
+                     f"{'—' if ratio is None else f'{ratio:.2f}'} | {pair['final_difference_points']:+.2f} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--path", choices=["in-process", "mqtt"], default="in-process")
     p.add_argument("--devices", type=int, default=50)
     p.add_argument("--methods", nargs="*", default=["fedavg", "fedrep", "fedpick"])
     p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
-    p.add_argument("--rounds", type=int, default=30, help="synchronous rounds; buffered states: rounds x devices / buffer")
+    p.add_argument("--rounds", type=int, default=30, help="synchronous rounds; buffered: the same number of updates")
     p.add_argument("--buffer", type=int, default=10)
     p.add_argument("--target", type=float, default=0.8)
+    p.add_argument("--always-online", action="store_true", help="drop the availability periods (both paths)")
+    p.add_argument("--seconds-per-sample", type=float, default=None,
+                   help="a fast device's pace (the slow class keeps its ratio); for paced processes, slower than "
+                        "this host really is")
+    p.add_argument("--broker", default=None, help="--path mqtt: a broker URL (default: the embedded one)")
+    p.add_argument("--set", action="append", default=[], help="a run-config override, key=value (repeatable)")
     p.add_argument("--out", default="benchmarks/results/async_time_to_accuracy")
     args = p.parse_args(argv)
     runs, pairs = [], []
     for method in args.methods:
         for seed in args.seeds:
-            # the same number of updates in both modes: rounds x devices
-            sync = run_one(method, "sync", seed, args.devices, args.rounds, args.buffer)
-            buffered = run_one(method, "buffered", seed, args.devices, args.rounds * args.devices // args.buffer,
-                               args.buffer)
+            sync, buffered = (run_one(args, method, mode, seed) for mode in ("sync", "buffered"))
             for run in (sync, buffered):
                 run["time_to_target"], run["bytes_to_target"] = to_target(run["curve"], args.target)
                 runs.append(run)
                 print(method, seed, run["mode"], run["time_to_target"], run["final_accuracy"], flush=True)
-            ts, tb = sync["time_to_target"], buffered["time_to_target"]
+            (ts, bs), (tb, bb) = (to_target(r["curve"], args.target) for r in (sync, buffered))
             pairs.append({"method": method, "seed": seed, "speedup": ts / tb if ts and tb else None,
+                          "bytes_ratio": bb / bs if bs and bb else None,
                           "final_difference_points": 100 * (buffered["final_accuracy"] - sync["final_accuracy"])})
     given = sys.argv[1:] if argv is None else argv
     result = {"command": " ".join(["python benchmarks/async_time_to_accuracy.py", *given]),
-              "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "devices": args.devices,
-              "target": args.target, "runs": runs, "pairs": pairs}
+              "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "path": args.path,
+              "devices": args.devices, "buffer": args.buffer, "target": args.target,
+              "always_online": args.always_online, "seconds_per_sample": args.seconds_per_sample,
+              "runs": runs, "pairs": pairs}
     write_results(result, args.out, markdown)
     return result
 

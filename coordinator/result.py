@@ -86,6 +86,8 @@ class RoundResult:
     late: list[str] = field(default_factory=list)
     #: updates folded in, by how many rounds (states) old the state they were trained on was
     staleness: Counter = field(default_factory=Counter)
+    #: late agents -> the round their update was trained on
+    trained_on: dict[str, int] = field(default_factory=dict)
 
     def record(self, accepted: Accepted, wire_bytes: int) -> None:
         """Count an answer the gate accepted; a training update is added to the round's
@@ -101,6 +103,8 @@ class RoundResult:
                 self.clipped.append(accepted.agent_id)
             (self.late if late is not None else self.participants).append(accepted.agent_id)
             self.staleness[self.round - late.tasks.round if late is not None else 0] += 1
+            if late is not None:
+                self.trained_on[accepted.agent_id] = late.tasks.round
         self.bytes_up += wire_bytes
         # a late answer's held-out counts are of the state it was sent: the row says how stale (staleness)
         self.evaluations[accepted.agent_id] = Evaluation.of(accepted.meta)
@@ -119,6 +123,7 @@ class RoundResult:
             participants=sorted(self.participants),
             late=sorted(self.late),
             staleness={str(k): v for k, v in sorted(self.staleness.items())},
+            trained_on=dict(sorted(self.trained_on.items())),
             clipped=sorted(self.clipped),
             sampled=self.sampled,
             evaluated=len(evals),

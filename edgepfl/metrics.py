@@ -35,7 +35,7 @@ class MetricsError(ValueError):
 
 
 #: fields rows gained after their first format; written only when they hold something
-_LATER_FIELDS = ("late", "staleness")
+_LATER_FIELDS = ("late", "staleness", "trained_on")
 
 
 class RoundMetrics(BaseModel):
@@ -60,6 +60,9 @@ class RoundMetrics(BaseModel):
     staleness: dict[str, int] = Field(
         default_factory=dict, description="updates folded in, by staleness: how many rounds (buffered: states) "
                                           "before this one the state they were trained on was; '0': on time")
+    trained_on: dict[str, int] = Field(
+        default_factory=dict, description="each late agent -> the round (buffered: state) its update was trained "
+                                          "on; a participant's is this round")
     sampled: list[str] = Field(description="agents sent a training task")
     evaluated: int = Field(ge=0, description="agents that answered (train or evaluate)")
     dropped: list[str] = Field(description="agents that did not answer before the round closed, sorted")

@@ -39,6 +39,10 @@ def test_every_state_folds_a_full_buffer_and_slow_devices_count_discounted(tmp_p
         folded = row.participants + row.late
         assert len(folded) == 4 == len(set(folded)) == sum(row.staleness.values()), row  # one update per device
         assert row.rejected == {} and row.dropped == []
+        # the state each late update was trained on, and the distribution it makes
+        assert set(row.trained_on) == set(row.late) and all(v < row.round for v in row.trained_on.values())
+        behind = [row.round - v for v in row.trained_on.values()]
+        assert {str(k): behind.count(k) for k in set(behind)} == {k: n for k, n in row.staleness.items() if k != "0"}
     slow = _slow(config)
     contributed = {a for row in training for a in row.participants + row.late}
     assert slow <= contributed  # ten times slower, and still in the model
