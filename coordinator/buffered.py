@@ -9,9 +9,12 @@ as it arrives: its change from the state it was trained on, discounted by
 (:func:`edgepfl.aggregation.rebase`), weighted by its sample count as in a synchronous
 round. After ``asynchrony.buffer_size`` updates (or, with at least one, after
 ``round_timeout_s``) the aggregate becomes the next state: one ``metrics.jsonl`` row,
-one checkpoint, the same guards (``admit_state``, rollback) as a synchronous round. An
-update trained on a state more than ``stragglers.max_staleness`` states old is rejected
-``stale`` (a NACK tells the device), and the device is sent a fresh task.
+one checkpoint, the same guards (``admit_state``, rollback) as a synchronous round. By
+default no update is too stale to count (the discount weighs it down, and a state is kept
+while a task built from it is unanswered); with ``stragglers.max_staleness`` set, an update
+trained on a state more than that many states old is rejected ``stale`` (a NACK tells the
+device), and the device is sent a fresh task. A device that restarts (a new session) is
+sent a fresh task at once.
 
 On the wire nothing is new: a task's ``round`` is the number of the state it was built
 from, and a device answers it as any task. The gate checks an update against the round
@@ -48,6 +51,8 @@ class BufferedRounds:
         self.coordinator = coordinator
         #: agent -> the round (state) whose task it holds
         self.holding: dict[str, RoundTasks] = {}
+        #: agent -> the session it announced when it was sent that task
+        self._sessions: dict[str, str | None] = {}
         self._seen: tuple = ()
 
     def run_state(self, v: int) -> RoundMetrics:
@@ -86,6 +91,10 @@ class BufferedRounds:
         wrote = {*result.participants, *result.late}
         for agent_id in co.registry.eligible():
             held = self.holding.get(agent_id)
+            if held is not None and self._sessions.get(agent_id) != co.registry.agents[agent_id].session:
+                # the agent restarted: the task it held is lost with the old process, and its
+                # state need not be kept for it
+                held.mark_answered(agent_id)
             # An agent works through its tasks one at a time: a second one now would only
             # queue. And one whose update (on time or late) is in this state waits for the
             # next: no device, however fast, writes more than one update of a state.
@@ -93,6 +102,7 @@ class BufferedRounds:
                     held is not None and not held.answered(agent_id) and held.round in windows):
                 continue
             self.holding[agent_id] = tasks
+            self._sessions[agent_id] = co.registry.agents[agent_id].session
             if agent_id not in result.sampled:
                 result.sampled.append(agent_id)
             co.send_task(tasks, result, agent_id, "train")

@@ -101,6 +101,7 @@ class Coordinator:
         self.start_round = 0
         self.releases: dict[str, int] = {}  # release id -> the round it was exported after, in publishing order
         #: recent training rounds' tasks and the states they were built from: their stragglers' late updates
+        #: (stragglers.max_staleness of them; with no bound, those with a task still unanswered)
         self._closed_rounds: deque[tuple[RoundTasks, ServerState]] = deque(maxlen=config.staleness_limit)
 
     @property
@@ -231,8 +232,10 @@ class Coordinator:
         tasks.close()  # an answer after this is stale (or, from a dropped agent, late): the aggregate is closed next
         self.observer.enter("aggregating", r)
         previous, trained = self._server_state(), result.aggregate is not None
-        if trained and self._closed_rounds.maxlen:
+        if trained and self._closed_rounds.maxlen != 0:
             self._closed_rounds.append((tasks, previous))
+            if self._closed_rounds.maxlen is None:  # no bound by count: keep the states a task is still out on
+                self._closed_rounds = deque(entry for entry in self._closed_rounds if entry[0].waiting)
         abort = self._server_step(result, quorum)
         rolled_back = self._roll_back(r, abort) if abort else None
         row = result.to_metrics(seconds=self.clock.now() - started, final=final, abort=abort, rolled_back=rolled_back,

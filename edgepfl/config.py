@@ -86,10 +86,12 @@ class ObserveSpec(_Strict):
     metrics_host: str = Field("127.0.0.1", description="address the metrics endpoint binds (0.0.0.0: every interface)")
 
 
-#: rounds (sync) or states (buffered) an update may be late by default: a state of a
-#: buffered run takes buffer_size updates, so a device 16 states late is one that computes
-#: about 16 x buffer_size / fleet size times slower than the median, and still counts
-DEFAULT_MAX_STALENESS = {"sync": 2, "buffered": 16}
+#: rounds (sync) or states (buffered) an update may be late by default. Buffered: no bound
+#: by count, so no device is too slow to count (a 50-device fleet with a state per 10
+#: updates saw its slowest devices' updates arrive 17 to 20 states late, every one of them
+#: refused under a bound of 16); the discount weighs them down, and a state is kept only
+#: while a task built from it is unanswered
+DEFAULT_MAX_STALENESS: dict[str, int | None] = {"sync": 2, "buffered": None}
 
 
 class StragglerSpec(_Strict):
@@ -100,10 +102,12 @@ class StragglerSpec(_Strict):
                                 "round closed, from a device that round dropped (buffered: any), is applied to the "
                                 "open round's aggregate, its change discounted by its staleness; later ones (and every "
                                 "late one for a method whose server step is not an average of the round's updates: "
-                                "FedPAC) are rejected 'stale'; 0: none; null: 2 rounds (sync), 16 states (buffered)")
+                                "FedPAC) are rejected 'stale'; 0: none; null: 2 rounds (sync), no bound (buffered: "
+                                "each state is kept while a task built from it is unanswered; set one to bound that "
+                                "memory on a large fleet with a large model)")
 
-    def staleness_limit(self, mode: str) -> int:
-        """``max_staleness``, or its default for ``mode`` (``sync`` or ``buffered``)."""
+    def staleness_limit(self, mode: str) -> int | None:
+        """``max_staleness``, or its default for ``mode`` (``sync`` or ``buffered``; None: no bound)."""
         if self.max_staleness is not None:
             return self.max_staleness
         return DEFAULT_MAX_STALENESS[mode]
@@ -201,8 +205,8 @@ class RunConfig(_Strict):
         return math.ceil(self.quorum * sampled)
 
     @property
-    def staleness_limit(self) -> int:
-        """How many rounds (buffered: states) late an update may be (``stragglers.max_staleness``)."""
+    def staleness_limit(self) -> int | None:
+        """How many rounds (buffered: states) late an update may be (``stragglers.max_staleness``; None: no bound)."""
         return self.stragglers.staleness_limit(self.asynchrony.mode)
 
     def method_config(self):

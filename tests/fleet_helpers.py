@@ -10,6 +10,7 @@ from pathlib import Path
 from edgepfl.config import RunConfig, parse_config
 from edgepfl.coordinator.simulate import agent_ids, data_shape, prepare, spawn_agent, stop_agents
 from edgepfl.metrics import RoundMetrics, read_metrics
+from edgepfl.simulation import FleetTiming
 
 
 def run_config(federation: str | None = None, **overrides) -> RunConfig:
@@ -44,7 +45,10 @@ class RunningFleet:
 
     def start_agent(self, index: int):
         agent_id = self.ids[index]
-        self.procs[agent_id] = spawn_agent(self.config, self.out, self.url, agent_id, index)
+        pace = None
+        if self.config.simulation.pace_processes:  # as `simulate` paces them
+            pace = FleetTiming(self.config.simulation, self.ids, self.config.seed)[agent_id].pace
+        self.procs[agent_id] = spawn_agent(self.config, self.out, self.url, agent_id, index, pace=pace)
         return self.procs[agent_id]
 
     def __enter__(self) -> RunningFleet:

@@ -9,10 +9,17 @@ tests/unit/core/test_buffered.py.)
 
 from __future__ import annotations
 
+import signal
+
 from edgepfl.config import RunConfig
+from edgepfl.coordinator.fleet import MqttFleet
+from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import simulate
 from edgepfl.edge_agent.tiers import local_trainers
+from edgepfl.protocol import AgentChannel, agent_topic
 from edgepfl.simulation import FleetTiming
+
+from tests.fleet_helpers import RunningFleet, read_rows, run_in_thread, wait_until
 
 
 def _config(**overrides) -> RunConfig:
@@ -66,6 +73,22 @@ def test_an_update_staler_than_the_bound_is_rejected_and_its_device_gets_a_fresh
     assert all(handed.count(a) >= 2 for a in slow)  # re-tasked after each stale answer, never shut out of tasks
 
 
+def test_by_default_no_device_is_too_slow_to_count(tmp_path):
+    """With no staleness bound (the buffered default) a device twenty times slower than the
+    rest still has every update folded in, however many states late, discounted; the states
+    kept for it are only those it still holds a task of."""
+    devices = [{"name": "fast", "share": 7}, {"name": "crawler", "share": 1, "seconds_per_sample": 0.02}]
+    config = _config(rounds=80, simulation={"devices": devices}, asynchrony={"mode": "buffered", "buffer_size": 2})
+    assert config.staleness_limit is None
+    rows, _ = simulate(config, 8, tmp_path / "run", in_process=local_trainers, progress=False)
+    training = [row for row in rows if not row.final]
+    timing = FleetTiming(config.simulation, [f"agent-{i:02d}" for i in range(8)], config.seed)
+    crawler = next(a for a, d in timing.devices.items() if d.profile.name == "crawler")
+    assert all(row.rejected == {} for row in training)
+    folded = [row.round - row.trained_on[crawler] for row in training if crawler in row.trained_on]
+    assert folded and min(folded) > 16  # more than the old default bound (16) allowed, and counted
+
+
 def test_a_buffered_federation_over_mosquitto_with_agent_processes(mosquitto, tmp_path):
     """Real agent processes over a real broker: every state folds a full buffer of updates
     from distinct devices, tasks never cross (no ``unexpected`` answer), and the only
@@ -105,3 +128,33 @@ def test_paced_agent_processes_keep_their_device_profiles_over_mosquitto(mosquit
     assert all(row.rejected.keys() <= {"stale"} for row in training), [row.rejected for row in training]
     paced = (tmp_path / "run" / "agents" / f"{next(iter(slow))}.yaml").read_text()
     assert "seconds_per_sample: 0.03" in paced
+
+
+def test_a_device_that_restarts_mid_task_is_sent_a_fresh_one(mosquitto, broker_capture, tmp_path):
+    """Its task died with the old process: a new session frees the device at once (with
+    no staleness bound, the old task's window would otherwise wait for it forever)."""
+    simulation = {"pace_processes": True,
+                  "devices": [{"name": "fast", "share": 2, "seconds_per_sample": 0.002},
+                              {"name": "slow", "share": 1, "seconds_per_sample": 0.01}]}
+    config = _config(federation="buffered-restart", rounds=20, simulation=simulation, round_timeout_s=120.0,
+                     data={"dataset": "digits", "num_clients": 3}, asynchrony={"mode": "buffered", "buffer_size": 2})
+    out = tmp_path / "run"
+    with RunningFleet(config, out, mosquitto.url, 3) as fleet:
+        timing = FleetTiming(fleet.config.simulation, fleet.ids, fleet.config.seed)
+        victim = next(a for a, d in timing.devices.items() if d.profile.name == "slow")  # holds each task ~6 s
+        coordinator = Coordinator(fleet.config, MqttFleet(config.federation, config.broker, url=mosquitto.url), out,
+                                  progress=False, **fleet.shape())
+        thread, box = run_in_thread(coordinator.run)
+        task_topic = agent_topic(config.federation, victim, AgentChannel.TASK)
+        wait_until(lambda: any(t == task_topic for t, _ in broker_capture.snapshot()), 240, what="the victim's task")
+        fleet.procs[victim].send_signal(signal.SIGKILL)
+        fleet.procs[victim].wait()
+        wait_until(lambda: len(read_rows(out)) >= 3, 240, what="three states without it")
+        restarted_after = len(read_rows(out))
+        fleet.start_agent(fleet.ids.index(victim))
+        thread.join(timeout=400)
+        coordinator.fleet.close()
+        assert not thread.is_alive() and "error" not in box, box.get("error")
+    rows = [row for row in read_rows(out) if not row.final]
+    assert len(rows) == 20
+    assert any(victim in row.sampled for row in rows[restarted_after:]), "the restarted device got no task again"
