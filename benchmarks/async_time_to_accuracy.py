@@ -12,8 +12,9 @@ and its own on/off periods (online 120 s, offline 10 s on average). Per method a
 * ``buffered`` — FedBuff: every device trains continuously on the newest state it was
   sent; a new state every ``--buffer`` updates, at most one per device.
 
-Both modes run the same number of training updates (``--rounds`` x devices). The
-accuracy is the same estimator for both: after each metrics row, the mean over devices of
+Both modes get the same time: the synchronous run trains ``--rounds`` rounds, the buffered
+one as many states as fit in the time that took (``time_budget_s``). The accuracy is the
+same estimator for both: after each metrics row, the mean over devices of
 each device's latest held-out accuracy (measured on the state it was last sent). Time to
 target is the first (virtual) time at which it reaches ``--target``, bytes to target
 likewise, and the final accuracy is the run's final evaluation (every device, the last
@@ -31,12 +32,14 @@ Two paths, one profile:
     python benchmarks/async_time_to_accuracy.py --devices 50 --seeds 0 1 2 --methods fedavg fedrep fedpick
     python benchmarks/async_time_to_accuracy.py --path mqtt --devices 8 --always-online --seconds-per-sample 0.005 ...
 
-The first runs in about an hour on a 2-core box (two processes: ``--methods`` split).
+The first runs in about an hour on a 2-core box (two processes: ``--methods`` split, then
+``benchmarks/async_time_to_accuracy.py --merge OUT1 OUT2 --out OUT``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import sys
 import tempfile
@@ -94,16 +97,21 @@ def fleet_config(args: argparse.Namespace, method: str, mode: str, seed: int) ->
     return config.model_copy(update={"simulation": simulation})
 
 
-def run_one(args: argparse.Namespace, method: str, mode: str, seed: int) -> dict:
+def run_one(args: argparse.Namespace, method: str, mode: str, seed: int, budget: float | None = None) -> dict:
     config = fleet_config(args, method, mode, seed)
-    rounds = args.rounds if mode == "sync" else args.rounds * args.devices // args.buffer
+    rounds = args.rounds
+    if budget is not None:  # as many states as fit in the time the synchronous run took
+        config = config.model_copy(update={"time_budget_s": budget})
+        rounds = args.rounds * args.devices * 10 // args.buffer
     w0, c0 = time.perf_counter(), time.process_time()
     with tempfile.TemporaryDirectory() as out:
         if args.path == "mqtt":
             rows, _ = simulate(config, args.devices, out, rounds=rounds, progress=False, threads=1,
                                **({"broker": args.broker} if args.broker else {}))
         else:
-            rows, _ = simulate(config, args.devices, out, in_process=local_trainers, rounds=rounds, progress=False)
+            # one torch thread: two runs side by side on two cores do not spin against each other
+            rows, _ = simulate(config, args.devices, out, in_process=local_trainers, rounds=rounds, progress=False,
+                               threads=1)
     points = curve(rows)
     final = next(r for r in rows if r.final)
     stale = [int(k) for row in rows for k, n in row.staleness.items() for _ in range(n)]
@@ -119,7 +127,9 @@ def markdown(result: dict) -> str:
     unit = "virtual s" if result["path"] == "in-process" else "wall s"
     lines = ["# Time to accuracy: buffered vs synchronous rounds", "",
              f"`{result['command']}` on {result['machine']}", "",
-             f"Path: {result['path']}. Target: mean latest per-device accuracy {result['target']:.0%}; "
+             f"Path: {result['path']}. Target: mean latest per-device accuracy "
+             + (f"{result['target']:.0%}" if result["target"] is not None
+                else f"{result['target_fraction']:.0%} of the synchronous run's final accuracy") + "; "
              f"{result['devices']} devices of `configs/unequal_fleet.yaml`"
              + (" without availability periods" if result["always_online"] else "")
              + (f", {result['seconds_per_sample']} s per sample on a fast device" if result["seconds_per_sample"]
@@ -132,11 +142,12 @@ def markdown(result: dict) -> str:
         lines.append(f"| {run['method']} | {run['seed']} | {run['mode']} | {run['rows']} | {run['updates']} | "
                      f"{run['mean_staleness']:.2f} | {'—' if t is None else f'{t:.1f}'} | "
                      f"{'—' if b is None else f'{b / 1e6:.1f}'} | {run['final_accuracy']:.2%} | {run['host_cpu_s']} |")
-    lines += ["", "| method | seed | speed-up to target (sync / buffered) | bytes to target (buffered / sync) | "
-              "final accuracy difference (points) |", "| --- | --- | --- | --- | --- |"]
+    lines += ["", "| method | seed | target | speed-up to target (sync / buffered) | bytes to target (buffered / sync) | "
+              "final accuracy difference (points) |", "| --- | --- | --- | --- | --- | --- |"]
     for pair in result["pairs"]:
         speed, ratio = pair["speedup"], pair["bytes_ratio"]
-        lines.append(f"| {pair['method']} | {pair['seed']} | {'—' if speed is None else f'{speed:.2f}x'} | "
+        lines.append(f"| {pair['method']} | {pair['seed']} | {pair['target']:.2%} | "
+                     f"{'—' if speed is None else f'{speed:.2f}x'} | "
                      f"{'—' if ratio is None else f'{ratio:.2f}'} | {pair['final_difference_points']:+.2f} |")
     return "\n".join(lines) + "\n"
 
@@ -147,9 +158,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--devices", type=int, default=50)
     p.add_argument("--methods", nargs="*", default=["fedavg", "fedrep", "fedpick"])
     p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
-    p.add_argument("--rounds", type=int, default=30, help="synchronous rounds; buffered: the same number of updates")
-    p.add_argument("--buffer", type=int, default=10)
-    p.add_argument("--target", type=float, default=0.8)
+    p.add_argument("--rounds", type=int, default=30, help="synchronous rounds; buffered: the same time")
+    p.add_argument("--buffer", type=int, default=25, help="updates per buffered state (at most the fleet's size)")
+    p.add_argument("--target", type=float, default=None, help="an accuracy to reach (default: --target-fraction)")
+    p.add_argument("--target-fraction", type=float, default=0.95,
+                   help="the target as a share of the synchronous run's final accuracy (methods end far apart)")
     p.add_argument("--always-online", action="store_true", help="drop the availability periods (both paths)")
     p.add_argument("--seconds-per-sample", type=float, default=None,
                    help="a fast device's pace (the slow class keeps its ratio); for paced processes, slower than "
@@ -157,23 +170,38 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--broker", default=None, help="--path mqtt: a broker URL (default: the embedded one)")
     p.add_argument("--set", action="append", default=[], help="a run-config override, key=value (repeatable)")
     p.add_argument("--out", default="benchmarks/results/async_time_to_accuracy")
+    p.add_argument("--merge", nargs="*", default=None, metavar="OUT",
+                   help="write one result from earlier runs' OUT.json files (same settings) instead of running")
     args = p.parse_args(argv)
+    if args.merge:
+        parts = [json.loads(Path(out).with_suffix(".json").read_text()) for out in args.merge]
+        result = {**parts[0], "command": " && ".join(part["command"] for part in parts),
+                  "runs": [r for part in parts for r in part["runs"]],
+                  "pairs": [pair for part in parts for pair in part["pairs"]]}
+        write_results(result, args.out, markdown)
+        return result
     runs, pairs = [], []
     for method in args.methods:
         for seed in args.seeds:
-            sync, buffered = (run_one(args, method, mode, seed) for mode in ("sync", "buffered"))
+            sync = run_one(args, method, "sync", seed)
+            buffered = run_one(args, method, "buffered", seed, budget=sync["curve"][-1][0])
+            target = args.target if args.target is not None else args.target_fraction * sync["final_accuracy"]
             for run in (sync, buffered):
-                run["time_to_target"], run["bytes_to_target"] = to_target(run["curve"], args.target)
+                run["target"] = target
+                run["time_to_target"], run["bytes_to_target"] = to_target(run["curve"], target)
                 runs.append(run)
-                print(method, seed, run["mode"], run["time_to_target"], run["final_accuracy"], flush=True)
-            (ts, bs), (tb, bb) = (to_target(r["curve"], args.target) for r in (sync, buffered))
-            pairs.append({"method": method, "seed": seed, "speedup": ts / tb if ts and tb else None,
+                print(method, seed, run["mode"], f"target {target:.4f}", run["time_to_target"],
+                      run["final_accuracy"], flush=True)
+            (ts, bs), (tb, bb) = (to_target(r["curve"], target) for r in (sync, buffered))
+            pairs.append({"method": method, "seed": seed, "target": target,
+                          "speedup": ts / tb if ts and tb else None,
                           "bytes_ratio": bb / bs if bs and bb else None,
                           "final_difference_points": 100 * (buffered["final_accuracy"] - sync["final_accuracy"])})
     given = sys.argv[1:] if argv is None else argv
     result = {"command": " ".join(["python benchmarks/async_time_to_accuracy.py", *given]),
               "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "path": args.path,
               "devices": args.devices, "buffer": args.buffer, "target": args.target,
+              "target_fraction": args.target_fraction,
               "always_online": args.always_online, "seconds_per_sample": args.seconds_per_sample,
               "runs": runs, "pairs": pairs}
     write_results(result, args.out, markdown)

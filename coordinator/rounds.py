@@ -169,7 +169,11 @@ class Coordinator:
         self._wait_for_agents()
         rows = []
         buffered = BufferedRounds(self) if c.asynchrony.mode == "buffered" else None
+        began = self.clock.now()
         for r in range(self.start_round, c.rounds):
+            if c.time_budget_s is not None and self.clock.now() - began >= c.time_budget_s:
+                log.info("time budget of %.0fs spent after round %d; final evaluation", c.time_budget_s, r - 1)
+                break
             if r > self.start_round and buffered is None:
                 # Agents that dropped out get up to one round timeout to come back before we go on without them.
                 self._wait_for_agents(required=False)
@@ -177,12 +181,13 @@ class Coordinator:
             rows.append(buffered.run_state(r) if buffered is not None else self._run_round(r, final=False))
             if c.release_every and (r + 1) % c.release_every == 0 and r + 1 < c.rounds:
                 self.release(r)
-        rows.append(self._run_round(c.rounds, final=True))
+        trained = rows[-1].round + 1 if rows else self.start_round  # c.rounds, unless the time budget ran out
+        rows.append(self._run_round(trained, final=True))
         if c.release_at_end or c.release_every:
-            self.release(c.rounds - 1)
+            self.release(trained - 1)
             self._collect_head_reports(timeout=c.round_timeout_s)
-        self.fleet.announce(CoordinatorMeta(state="done", method=c.method.name, round=c.rounds))
-        self.observer.enter("done", c.rounds)
+        self.fleet.announce(CoordinatorMeta(state="done", method=c.method.name, round=trained))
+        self.observer.enter("done", trained)
         return rows
 
     def _wait_for_agents(self, required: bool = True) -> None:

@@ -142,6 +142,10 @@ class RunConfig(_Strict):
     broker: BrokerConfig = Field(default_factory=BrokerConfig)
     security: SecuritySpec = Field(default_factory=SecuritySpec)
     rounds: int = Field(10, ge=1, description="training rounds")
+    time_budget_s: float | None = Field(
+        None, gt=0, description="stop training once this many seconds have passed since this coordinator session "
+                                "started (the fleet's clock: virtual in a simulation), even before rounds, then run "
+                                "the final evaluation; null: rounds alone decide")
     fraction: float = Field(1.0, gt=0, le=1, description="share of online agents sampled per round")
     min_agents: int = Field(2, ge=1, description="agents online before round 0 starts")
     quorum: float = Field(0.5, gt=0, le=1, description="share of sampled agents enough to close a round at timeout")

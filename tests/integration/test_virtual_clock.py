@@ -78,3 +78,25 @@ def test_devices_that_come_and_go_are_sampled_while_online_and_waited_for_only_w
     assert all(len(row.sampled) < 4 for row in training)  # never all four online at a round's start
     assert any(row.dropped and len(row.participants) >= 1 for row in training)  # closed on quorum, not at 2 x timeout
     assert len({a for row in training for a in row.participants}) >= 3
+
+
+def test_a_time_budget_ends_training_on_the_fleets_clock_and_evaluates(tmp_path):
+    """time_budget_s: training stops at the first round that would start past the budget
+    (virtual seconds here, so the same rounds on any host), then the final evaluation."""
+    from edgepfl.config import RunConfig
+    from edgepfl.coordinator.simulate import simulate
+    from edgepfl.edge_agent.tiers import local_trainers
+
+    base = dict(federation="budget", method={"name": "fedavg"}, model={"arch": "mlp", "feature_dim": 16},
+                train={"epochs": 1, "batch_size": 32}, data={"dataset": "digits", "num_clients": 4}, rounds=50,
+                device="cpu", seed=3, simulation={"devices": [{"seconds_per_sample": 0.01}]})
+    unbounded, _ = simulate(RunConfig.model_validate({**base, "rounds": 6}), 4, tmp_path / "a",
+                            in_process=local_trainers, progress=False)
+    per_round = unbounded[0].seconds
+    budget = 3.5 * per_round
+    rows, _ = simulate(RunConfig.model_validate({**base, "time_budget_s": budget}), 4, tmp_path / "b",
+                       in_process=local_trainers, progress=False)
+    training, final = rows[:-1], rows[-1]
+    assert final.final and final.round == len(training) == 4  # rounds 0-3 start within 3.5 rounds' time
+    assert sum(r.seconds for r in training[:-1]) < budget <= sum(r.seconds for r in training)
+    assert [r.accuracy for r in training] == [r.accuracy for r in unbounded[:4]]
