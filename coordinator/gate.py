@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping, Set
+from collections import deque
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -238,15 +239,30 @@ class LateWindow:
     discount: float
 
 
-def late_windows(round: int, closed: Iterable[tuple[RoundTasks, ServerState]], staleness_exponent: float,
-                 method: Method) -> dict[int, LateWindow]:
-    """The closed rounds whose stragglers round ``round`` takes late updates from, by round
-    number, each with the discount of its staleness (none for a method whose server step
-    needs a round's updates together)."""
-    if not method.streaming:
-        return {}
-    return {tasks.round: LateWindow(tasks, state, staleness_weight(round - tasks.round, staleness_exponent))
-            for tasks, state in closed}
+class ClosedRounds:
+    """Closed training rounds whose stragglers' late updates are still taken: each round's
+    tasks and the state they were built from. ``limit`` (``stragglers.max_staleness``) keeps
+    the last that many; with no limit, every round a task is still unanswered of."""
+
+    def __init__(self, limit: int | None):
+        self.limit = limit
+        self._rounds: deque[tuple[RoundTasks, ServerState]] = deque(maxlen=limit)
+
+    def add(self, tasks: RoundTasks, state: ServerState) -> None:
+        if self.limit == 0:
+            return
+        self._rounds.append((tasks, state))
+        if self.limit is None:
+            self._rounds = deque(entry for entry in self._rounds if entry[0].waiting)
+
+    def windows(self, round: int, staleness_exponent: float, method: Method) -> dict[int, LateWindow]:
+        """The rounds whose stragglers round ``round`` takes late updates from, by round
+        number, each with the discount of its staleness (none for a method whose server step
+        needs a round's updates together)."""
+        if not method.streaming:
+            return {}
+        return {tasks.round: LateWindow(tasks, state, staleness_weight(round - tasks.round, staleness_exponent))
+                for tasks, state in self._rounds}
 
 
 class UpdateGate:

@@ -121,6 +121,24 @@ class Inbox:
     def reports_complete(self) -> bool:
         return not self._awaited_reports
 
+    def wait_for_trainers(self, need: int, deadline: float, note: Callable[[str], None]) -> int:
+        """Route inbound traffic until ``need`` trainers that may be sent this run's tasks are
+        online (:meth:`Registry.eligible`) or ``deadline`` passes; returns how many are.
+        ``note`` shows the count, at most once a second: a thousand agents coming online
+        are not a thousand lines."""
+        shown, shown_at = -1, float("-inf")
+
+        def enough() -> bool:
+            nonlocal shown, shown_at
+            online = self.registry.count_eligible()
+            if online < need and online != shown and self.clock.now() - shown_at >= 1.0:
+                note(f"waiting for agents: {online}/{need} online")
+                shown, shown_at = online, self.clock.now()
+            return online >= need
+
+        self.pump_until(enough, deadline)
+        return self.registry.count_eligible()
+
     def pump_until(self, done: Callable[[], bool], deadline: float) -> bool:
         """Route inbound traffic until ``done()`` holds (True) or the :attr:`clock`'s
         ``deadline`` passes (False). ``done`` is asked after every message, so it must not

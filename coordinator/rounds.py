@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from pathlib import Path
 
 from edgepfl.aggregation import weight_cap
@@ -47,7 +46,7 @@ from edgepfl.state import CheckpointMeta
 
 from .buffered import BufferedRounds
 from .fleet import Fleet
-from .gate import RoundTasks, Task, UpdateGate, admit_state, late_windows
+from .gate import ClosedRounds, RoundTasks, Task, UpdateGate, admit_state
 from .inbox import Inbox
 from .nack import Nacker
 from .observe import Observer
@@ -100,9 +99,8 @@ class Coordinator:
         self.state: ServerState | None = None
         self.start_round = 0
         self.releases: dict[str, int] = {}  # release id -> the round it was exported after, in publishing order
-        #: recent training rounds' tasks and the states they were built from: their stragglers' late updates
-        #: (stragglers.max_staleness of them; with no bound, those with a task still unanswered)
-        self._closed_rounds: deque[tuple[RoundTasks, ServerState]] = deque(maxlen=config.staleness_limit)
+        #: closed training rounds' tasks and the states they were built from: their stragglers' late updates
+        self._closed_rounds = ClosedRounds(config.staleness_limit)
 
     @property
     def head_reports(self) -> dict[str, HeadReport]:
@@ -197,20 +195,9 @@ class Coordinator:
         round timeout and go on with whoever is there."""
         need = self.config.min_agents
         wait = self.config.wait_for_agents_s if required else self.config.round_timeout_s
-        shown, shown_at = -1, float("-inf")
-
-        def enough() -> bool:
-            nonlocal shown, shown_at
-            online = self.registry.count_eligible()
-            # at most a line a second: a thousand agents coming online are not a thousand lines
-            if online < need and online != shown and self.clock.now() - shown_at >= 1.0:
-                self.progress.note(f"waiting for agents: {online}/{need} online")
-                shown, shown_at = online, self.clock.now()
-            return online >= need
-
-        if self.inbox.pump_until(enough, self.clock.now() + wait):
+        online = self.inbox.wait_for_trainers(need, self.clock.now() + wait, self.progress.note)
+        if online >= need:
             return
-        online = self.registry.count_eligible()
         if not required and online:
             log.warning("only %d of min_agents=%d online; going on without the others", online, need)
             return
@@ -237,10 +224,8 @@ class Coordinator:
         tasks.close()  # an answer after this is stale (or, from a dropped agent, late): the aggregate is closed next
         self.observer.enter("aggregating", r)
         previous, trained = self._server_state(), result.aggregate is not None
-        if trained and self._closed_rounds.maxlen != 0:
-            self._closed_rounds.append((tasks, previous))
-            if self._closed_rounds.maxlen is None:  # no bound by count: keep the states a task is still out on
-                self._closed_rounds = deque(entry for entry in self._closed_rounds if entry[0].waiting)
+        if trained:
+            self._closed_rounds.add(tasks, previous)
         abort = self._server_step(result, quorum)
         rolled_back = self._roll_back(r, abort) if abort else None
         row = result.to_metrics(seconds=self.clock.now() - started, final=final, abort=abort, rolled_back=rolled_back,
@@ -281,7 +266,7 @@ class Coordinator:
         result = RoundResult(round=r, sampled=sampled)
         if sampled:
             result.aggregate = self.method.open_round(state, c.aggregation.build())
-        windows = late_windows(r, self._closed_rounds, c.stragglers.staleness_exponent, self.method) if late else None
+        windows = self._closed_rounds.windows(r, c.stragglers.staleness_exponent, self.method) if late else None
         self.inbox.open_round(tasks, result, state, windows)
         self.observer.collecting(result)
         self.task_writer.open(r, state, self.epoch)
