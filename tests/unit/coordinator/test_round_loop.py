@@ -801,3 +801,25 @@ def test_a_row_cut_short_by_a_crash_is_dropped_on_resume_and_written_again(tmp_p
     assert [r.round for r in rows if not r.final] == [2, 3]
     assert [(r.round, r.final) for r in read_metrics(metrics)] == [(0, False), (1, False), (2, False), (3, False),
                                                                    (4, True)]
+
+
+def test_an_agent_that_refused_for_good_gets_no_task_until_it_restarts(tmp_path):
+    first, second = "a" * 32, "b" * 32
+    fleet = ScriptedFleet({"a": honest("a"), "b": refuses("b", "unsupported_method", then=honest("b"))})
+    fleet.events = deque([status("a"), status("b", session=first)])
+    tasks: list[tuple[int, str]] = []
+
+    def restart_b_after_round_1(agent: str, task: Message) -> None:
+        tasks.append((task.header.round, agent))
+        if agent == "a" and task.header.round == 2:
+            fleet.events.append(status("b", session=second))
+
+    fleet.on_send = restart_b_after_round_1
+    # between rounds the coordinator waits up to one round timeout for min_agents (b is excluded): 2 s, not 30
+    coord = coordinator(fleet, tmp_path, rounds=4, round_timeout_s=2.0)
+    rows = coord.run()
+    assert rows[0].refused == {"unsupported_method": 1} and rows[0].participants == ["a"]
+    assert [r.sampled for r in rows[1:3]] == [["a"], ["a"]]  # excluded, and no restart yet
+    assert rows[3].sampled == ["a", "b"] and rows[3].participants == ["a", "b"]  # a new session: eligible again
+    assert rows[-1].final and rows[-1].evaluated == 2
+    assert [agent for round, agent in tasks if round in (1, 2)] == ["a", "a"]  # nothing was sent to b meanwhile
