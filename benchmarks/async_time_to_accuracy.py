@@ -181,6 +181,12 @@ def main(argv: list[str] | None = None) -> dict:
         write_results(result, args.out, markdown)
         return result
     runs, pairs = [], []
+    given = sys.argv[1:] if argv is None else argv
+    result = {"command": " ".join(["python benchmarks/async_time_to_accuracy.py", *given]),
+              "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "path": args.path,
+              "devices": args.devices, "buffer": args.buffer, "target": args.target,
+              "target_fraction": args.target_fraction, "always_online": args.always_online,
+              "seconds_per_sample": args.seconds_per_sample, "runs": runs, "pairs": pairs}
     for method in args.methods:
         for seed in args.seeds:
             sync = run_one(args, method, "sync", seed)
@@ -197,14 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
                           "speedup": ts / tb if ts and tb else None,
                           "bytes_ratio": bb / bs if bs and bb else None,
                           "final_difference_points": 100 * (buffered["final_accuracy"] - sync["final_accuracy"])})
-    given = sys.argv[1:] if argv is None else argv
-    result = {"command": " ".join(["python benchmarks/async_time_to_accuracy.py", *given]),
-              "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "path": args.path,
-              "devices": args.devices, "buffer": args.buffer, "target": args.target,
-              "target_fraction": args.target_fraction,
-              "always_online": args.always_online, "seconds_per_sample": args.seconds_per_sample,
-              "runs": runs, "pairs": pairs}
-    write_results(result, args.out, markdown)
+            write_results(result, args.out, markdown)  # after every pair: a long grid keeps what it measured
     return result
 
 
