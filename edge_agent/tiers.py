@@ -169,7 +169,9 @@ class TrainerTier:
                           num_test=data.num_test)
 
     def restore(self) -> None:
-        """Nothing yet: personal state belongs to a method and model, which the first task names."""
+        """Get ready for tasks (:meth:`TrainerRuntime.warm_up`). Personal state is restored by
+        the first task, which names the method and model it belongs to."""
+        self.runtime.warm_up()
 
     def close(self, task_id: str) -> None:
         self._remember(task_id, None)

@@ -127,6 +127,16 @@ class TrainerRuntime:
         self.method: Method | None = None
         self.model: nn.Module | None = None
 
+    def warm_up(self) -> None:
+        """Pay torch's one-time costs before the agent announces itself, not inside its first
+        task's deadline: the first optimizer built in a process imports ``torch._dynamo``
+        (about 2 s idle on a 2-core x86 box, 11 s beside other work, longer on a Pi), and the
+        first backward pass initializes autograd's engine."""
+        weight = torch.zeros(1, requires_grad=True, device=self.device)
+        optimizer = torch.optim.SGD([weight], lr=0.0)
+        (weight * 2).sum().backward()
+        optimizer.step()
+
     # ---------------------------------------------------------------- model setup
     def _check_data(self, meta: TaskMeta, round: int) -> np.ndarray | None:
         """Refuse a run whose data is not this agent's: its model could not take the data,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -273,3 +274,25 @@ def test_a_paced_trainer_answers_no_sooner_than_its_device_would(tmp_path):
     unpaced = TrainerTier.from_config(config.model_copy(update={"pace": None, "state_dir": str(tmp_path / "free")}),
                                       client_data(0))
     assert unpaced.pace is None and unpaced.handle(task()) is not None
+
+
+def test_a_trainer_pays_torchs_one_time_costs_before_it_announces_itself(tmp_path):
+    """The first optimizer a process builds imports torch._dynamo (11 s of a first task's
+    time on a loaded 2-core box, measured): the trainer tier's restore(), which the agent
+    runs before its birth status, does it, so no task deadline pays for it."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from edgepfl.edge_agent.tiers import TrainerTier
+from tests.export_fixtures import client_data
+tier = TrainerTier("t-1", client_data(0), {str(tmp_path)!r}, device="cpu")
+before = "torch._dynamo" in sys.modules
+tier.restore()
+print(before, "torch._dynamo" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=str(Path(__file__).resolve().parents[3]))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True"]
