@@ -21,6 +21,7 @@ import bisect
 import hashlib
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -165,7 +166,7 @@ class Device:
     availability: Availability
     busy_until: float = 0.0
 
-    @property
+    @cached_property  # one model per device, not one per task (answer_time runs for every task)
     def pace(self) -> DevicePace:
         p = self.profile
         return DevicePace(seconds_per_sample=p.seconds_per_sample * self.time_factor, downlink_mbps=p.downlink_mbps,
