@@ -34,6 +34,7 @@ from pathlib import Path
 
 from edgepfl.aggregation import weight_cap
 from edgepfl.config import ConfigError, RunConfig
+from edgepfl.failpoints import failpoint
 from edgepfl.methods import Method, ServerState, create_method
 from edgepfl.metrics import HeadReport, RoundMetrics
 from edgepfl.protocol import (
@@ -123,6 +124,8 @@ class Coordinator:
             log.info("resuming from checkpoint after round %d", meta.round)
             self.run_dir.drop_rows_from(self.start_round)
             return
+        # rows a session wrote before its first checkpoint: that session left nothing to resume
+        self.run_dir.drop_rows_from(0)
         import torch
 
         from edgepfl.config import ModelSpec
@@ -234,9 +237,11 @@ class Coordinator:
         # Row first, checkpoint second: a crash in between leaves a row that the resumed
         # run drops and writes again (RunDirectory.drop_rows_from), never a round without a row.
         self.run_dir.append_row(row)
+        failpoint("round.row_appended")
         if trained:
             if abort is None:  # a round trained from `previous` was adopted: it is the last good state
                 self.rollback.keep_good_state(previous, self.checkpoint_meta(r - 1))
+                failpoint("round.good_state_kept")
             self.run_dir.save_checkpoint(self._server_state(), self.checkpoint_meta(r))
         self.progress.update(row)
         self.observer.round_done(row)

@@ -2,7 +2,7 @@
 
 ::
 
-    <out>/checkpoint/             the state after the last completed round (state.safetensors, state.json)
+    <out>/checkpoint/             the state after the last completed round (state.json and the tensor file it names)
     <out>/checkpoint/good-<r>/    the last good state: the one round r + 1 was adopted from (rollback)
     <out>/metrics.jsonl           one row per round, appended; the final evaluation last
     <out>/head_metrics.json       head-tier reports by release
@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from edgepfl.atomic import write_bytes, write_json
+from edgepfl.failpoints import failpoint
 from edgepfl.methods import ServerState
 from edgepfl.metrics import (
     HEAD_METRICS_FILE,
@@ -79,6 +80,7 @@ class RunDirectory:
     def save_checkpoint(self, state: ServerState, meta: CheckpointMeta) -> None:
         """Checkpoint ``state`` as of ``meta.round``; then drop every good state but the one ``meta`` names."""
         save_checkpoint(self.checkpoint_dir, state, meta)
+        failpoint("round.checkpointed")
         # Only now, with the checkpoint naming the current good state, may older ones go.
         keep = self.good_state_dir(meta.good_round).name
         for stale in self.checkpoint_dir.glob("good-*"):

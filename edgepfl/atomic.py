@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from .failpoints import failpoint
+
 
 def current_umask() -> int:
     """The process's umask, read without changing it where Linux allows (``/proc/self/status``)."""
@@ -44,6 +46,7 @@ def write_bytes(path: str | Path, data: bytes, *, private: bool = False) -> None
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
+        failpoint("atomic.written")
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -51,6 +54,7 @@ def write_bytes(path: str | Path, data: bytes, *, private: bool = False) -> None
         except FileNotFoundError:
             pass
         raise
+    failpoint("atomic.renamed")
     try:  # make the rename itself durable
         dfd = os.open(path.parent, os.O_RDONLY)
         try:
@@ -66,17 +70,27 @@ def write_json(path: str | Path, obj: Any, *, private: bool = False) -> None:
     write_bytes(path, json.dumps(obj, indent=2, sort_keys=True).encode(), private=private)
 
 
-def write_tensors(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
-    """Atomically write numpy tensors as safetensors."""
+def tensors_bytes(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> bytes:
+    """Numpy tensors as a safetensors file's bytes (an empty dict as one empty placeholder)."""
     from safetensors.numpy import save
 
     payload = {k: np.require(v, requirements="C") for k, v in tensors.items()}  # 0-d stays 0-d
-    write_bytes(path, save(payload, metadata=metadata) if payload else save({"__empty__": np.zeros(0, np.uint8)}, metadata=metadata))
+    return save(payload or {"__empty__": np.zeros(0, np.uint8)}, metadata=metadata)
+
+
+def tensors_from_bytes(data: bytes) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file's bytes (:func:`tensors_bytes`)."""
+    from safetensors.numpy import load
+
+    out = load(data)
+    out.pop("__empty__", None)
+    return out
+
+
+def write_tensors(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    """Atomically write numpy tensors as safetensors."""
+    write_bytes(path, tensors_bytes(tensors, metadata))
 
 
 def read_tensors(path: str | Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    out = load_file(str(path))
-    out.pop("__empty__", None)
-    return out
+    return tensors_from_bytes(Path(path).read_bytes())

@@ -1,11 +1,15 @@
 """Server state and its checkpoint format: what the coordinator keeps between rounds.
 
 :class:`ServerState` is what a method's server step maps to the next round's state.
-A checkpoint of it, in ``<run>/checkpoint/``, is ``state.safetensors`` (the flattened
-state) and ``state.json``: the :class:`CheckpointMeta` (round completed, the run's
-:class:`~edgepfl.protocol.run.RunSpec`, counters) plus the state's JSON extras and the
-tensor file's sha256. The JSON is written last, so a crash between the two writes
-leaves a checkpoint that is detected as inconsistent rather than silently mixed.
+A checkpoint of it, in ``<run>/checkpoint/``, is one unit of two files: a tensor file
+``state-<sha256 prefix>.safetensors`` (the flattened state) and ``state.json``: the
+:class:`CheckpointMeta` (round completed, the run's :class:`~edgepfl.protocol.run.RunSpec`,
+counters) plus the state's JSON extras and the tensor file's name and sha256. The new
+tensor file is written beside the old one, then ``state.json`` is replaced (the commit),
+then the old tensor file is removed: a crash at any point leaves ``state.json`` naming a
+complete tensor file, the old checkpoint or the new one (``tests/integration/
+test_crash_consistency.py`` kills a run at each point). A checkpoint of an earlier version
+(``state.safetensors``, no file name in the JSON) still loads.
 
 The coordinator writes checkpoints; export reads them. Both import this core module.
 """
@@ -20,7 +24,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .atomic import read_tensors, write_json, write_tensors
+from .atomic import tensors_bytes, tensors_from_bytes, write_bytes, write_json
+from .failpoints import failpoint
 from .protocol.run import RunSpec
 from .specs import DataSpec
 
@@ -85,10 +90,16 @@ class CheckpointMeta(BaseModel):
                                 "order a fresh run's tasks after an old run's")
 
 
+#: the tensor file of a checkpoint written before the name was part of ``state.json``
+LEGACY_TENSORS_FILE = "state.safetensors"
+
+
 class _StateJson(CheckpointMeta):
     """``state.json``: the meta plus what :class:`ServerState` and the tensor file need."""
 
     server_extra: dict[str, Any] = Field(default_factory=dict)
+    tensors_file: str = Field(LEGACY_TENSORS_FILE, pattern=r"^state(-[0-9a-f]{16})?\.safetensors$",
+                              description="the tensor file beside this one (older checkpoints: state.safetensors)")
     tensors_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
     def meta(self) -> CheckpointMeta:
@@ -96,13 +107,22 @@ class _StateJson(CheckpointMeta):
 
 
 def save_checkpoint(directory: str | Path, state: ServerState, meta: CheckpointMeta) -> None:
-    """Persist ``state`` and ``meta`` (``meta.round``: the last completed round)."""
+    """Persist ``state`` and ``meta`` (``meta.round``: the last completed round) as one unit:
+    the new tensor file, then ``state.json`` naming it, then the old tensor file removed."""
     directory = Path(directory)
-    tensors_path = directory / "state.safetensors"
-    write_tensors(tensors_path, state.to_flat())
-    record = _StateJson(**dict(meta), server_extra=state.extra,
-                        tensors_sha256=hashlib.sha256(tensors_path.read_bytes()).hexdigest())
+    data = tensors_bytes(state.to_flat())
+    digest = hashlib.sha256(data).hexdigest()
+    name = f"state-{digest[:16]}.safetensors"
+    write_bytes(directory / name, data)
+    failpoint("checkpoint.tensors_written")
+    record = _StateJson(**dict(meta), server_extra=state.extra, tensors_file=name, tensors_sha256=digest)
     write_json(directory / "state.json", record.model_dump(mode="json"))
+    failpoint("checkpoint.committed")
+    for old in directory.glob("state*.safetensors"):
+        if old.name != name:
+            old.unlink(missing_ok=True)
+    for torn in directory.glob(".state*.tmp"):  # a write a crash cut short
+        torn.unlink(missing_ok=True)
 
 
 def _read_state_json(meta_path: Path) -> _StateJson:
@@ -129,11 +149,11 @@ def load_checkpoint(directory: str | Path) -> tuple[ServerState, CheckpointMeta]
     if not meta_path.exists():
         return None
     record = _read_state_json(meta_path)
-    tensors_path = directory / "state.safetensors"
+    tensors_path = directory / record.tensors_file
     if not tensors_path.exists():
         raise CheckpointError(f"{tensors_path} missing")
-    digest = hashlib.sha256(tensors_path.read_bytes()).hexdigest()
-    if digest != record.tensors_sha256:
-        raise CheckpointError(f"{tensors_path} does not match {meta_path} (interrupted write?)")
-    state = ServerState.from_flat(read_tensors(tensors_path), record.server_extra)
+    data = tensors_path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != record.tensors_sha256:
+        raise CheckpointError(f"{tensors_path} does not match {meta_path} (changed on disk since it was written)")
+    state = ServerState.from_flat(tensors_from_bytes(data), record.server_extra)
     return state, record.meta()

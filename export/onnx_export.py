@@ -103,7 +103,7 @@ def load_run(run_dir: str | Path) -> LoadedRun:
     ckpt = run_dir / "checkpoint" if (run_dir / "checkpoint").is_dir() else run_dir
     loaded = load_checkpoint(ckpt)
     if loaded is None:
-        raise ExportError(f"no checkpoint in {ckpt} (expected state.json + state.safetensors)")
+        raise ExportError(f"no checkpoint in {ckpt} (expected state.json and the tensor file it names)")
     state, meta = loaded
     method, model = build_from_meta(meta)
     load_tensors(model, state.shared_params())

@@ -11,6 +11,7 @@ from edgepfl.config import RunConfig, parse_config
 from edgepfl.coordinator.simulate import agent_ids, data_shape, prepare, spawn_agent, stop_agents
 from edgepfl.metrics import RoundMetrics, read_metrics
 from edgepfl.simulation import FleetTiming
+from edgepfl.state import load_checkpoint
 
 
 def run_config(federation: str | None = None, **overrides) -> RunConfig:
@@ -94,3 +95,10 @@ def wait_until(predicate, timeout: float, interval: float = 0.1, what: str = "co
             return value
         time.sleep(interval)
     raise TimeoutError(f"{what} not reached within {timeout}s")
+
+
+def checkpoint_tensors(directory: Path) -> dict:
+    """The flattened tensors of the checkpoint in ``directory`` (``global::<key>``, ``client::...``)."""
+    found = load_checkpoint(directory)
+    assert found is not None, f"no checkpoint in {directory}"
+    return found[0].to_flat()

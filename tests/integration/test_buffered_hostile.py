@@ -19,14 +19,13 @@ import time
 import numpy as np
 import yaml
 
-from edgepfl.atomic import read_tensors
 from edgepfl.coordinator.simulate import prepare, spawn_agent, stop_agents
 from edgepfl.protocol import MessageType, TaskMeta, UpdateMeta, decode, encode
 from edgepfl.protocol.signing import generate_keypair, load_signer
 from edgepfl.protocol.view import FleetView, parse_view
 
 from tests.attack_kit import Attacker, signed_fleet
-from tests.fleet_helpers import read_rows, run_config, wait_until
+from tests.fleet_helpers import checkpoint_tensors, read_rows, run_config, wait_until
 
 TRAINERS = ("agent-00", "agent-01", "agent-02")
 ROUNDS = 24  # states are fast: enough of them that the freeze below lands mid-run
@@ -111,7 +110,7 @@ def test_a_buffered_federation_refuses_every_attack_and_resumes_bit_identically_
         first.wait()
         k = checkpointed()
         assert (k + 1, view.buffer_size) == (view.round, 2)  # killed with the buffer of state k + 1 partly full
-        saved = read_tensors(out / "checkpoint" / "state.safetensors")
+        saved = checkpoint_tensors(out / "checkpoint")
         rows_before = read_rows(out)
         assert [r.round for r in rows_before] == list(range(k + 1))
         for agent in TRAINERS[1:]:

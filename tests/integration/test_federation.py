@@ -14,7 +14,7 @@ from edgepfl.coordinator.simulate import simulate
 from edgepfl.edge_agent.tiers import local_trainers
 from edgepfl.protocol import decode
 
-from tests.fleet_helpers import run_config
+from tests.fleet_helpers import checkpoint_tensors, run_config
 
 
 def test_fedper_over_mosquitto_learns_and_personal_heads_never_cross_the_broker(mosquitto, broker_capture, tmp_path):
@@ -56,8 +56,8 @@ def test_mqtt_run_equals_in_process_run_for_the_same_seed(mosquitto, tmp_path):
         # same frames; only the JSON header's timestamp digits may differ by a few bytes
         assert a.bytes_up == pytest.approx(b.bytes_up, abs=64 * 8)
         assert a.bytes_down == pytest.approx(b.bytes_down, abs=64 * 8)
-    g_mqtt = read_tensors(tmp_path / "mqtt" / "checkpoint" / "state.safetensors")
-    g_local = read_tensors(tmp_path / "local" / "checkpoint" / "state.safetensors")
+    g_mqtt = checkpoint_tensors(tmp_path / "mqtt" / "checkpoint")
+    g_local = checkpoint_tensors(tmp_path / "local" / "checkpoint")
     assert g_mqtt.keys() == g_local.keys()
     for key in g_mqtt:
         # bit for bit: updates arrive over MQTT in any order, and the exact fixed-point

@@ -18,7 +18,6 @@ import numpy as np
 import paho.mqtt.client as mqtt
 import yaml
 
-from edgepfl.atomic import read_tensors
 from edgepfl.coordinator.fleet import MqttFleet
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.protocol import (
@@ -32,7 +31,7 @@ from edgepfl.protocol import (
     encode,
 )
 
-from tests.fleet_helpers import RunningFleet, read_rows, run_config, run_in_thread, wait_until
+from tests.fleet_helpers import RunningFleet, checkpoint_tensors, read_rows, run_config, run_in_thread, wait_until
 
 
 def _coordinator(config, url, out, shape):
@@ -90,7 +89,7 @@ def test_coordinator_killed_after_round_k_resumes_at_k_plus_1_with_same_global_w
         first.send_signal(signal.SIGKILL)
         first.wait()
         k = json.loads(state_json.read_text())["round"]
-        saved = read_tensors(out / "checkpoint" / "state.safetensors")
+        saved = checkpoint_tensors(out / "checkpoint")
         broker_capture.clear()
 
         log2 = open(tmp_path / "coordinator2.log", "wb")

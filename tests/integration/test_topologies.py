@@ -11,7 +11,6 @@ import signal
 
 import pytest
 
-from edgepfl.atomic import read_tensors
 from edgepfl.broker import max_message_bytes_for
 from edgepfl.coordinator.fleet import MqttFleet
 from edgepfl.coordinator.rounds import Coordinator
@@ -21,7 +20,7 @@ from edgepfl.protocol import FederationChannel, MessageType, decode, parse_topic
 from edgepfl.testing import MosquittoBridge, MosquittoBroker, RabbitMQCluster, TrafficCapture
 
 from tests.conftest import require_mosquitto, require_rabbitmq
-from tests.fleet_helpers import read_rows, run_config, run_in_thread, wait_until
+from tests.fleet_helpers import checkpoint_tensors, read_rows, run_config, run_in_thread, wait_until
 from tests.unit.core.test_topologies import AWS_IOT_LIMIT
 
 # --------------------------------------------------------------------------- real topologies
@@ -143,8 +142,8 @@ def test_a_128_kb_message_limit_chunks_everything_and_learns_the_same_model(mosq
     _, latest = latest_release(read_head_metrics(tmp_path / "mqtt"))
     assert latest.reports["device-00"].total > 0  # the chunked release was reassembled, verified and used
     assert [r.accuracy for r in rows] == pytest.approx([r.accuracy for r in local_rows], abs=1e-9)
-    g_mqtt = read_tensors(tmp_path / "mqtt" / "checkpoint" / "state.safetensors")
-    g_local = read_tensors(tmp_path / "local" / "checkpoint" / "state.safetensors")
+    g_mqtt = checkpoint_tensors(tmp_path / "mqtt" / "checkpoint")
+    g_local = checkpoint_tensors(tmp_path / "local" / "checkpoint")
     assert g_mqtt.keys() == g_local.keys()
     for key in g_mqtt:
         assert g_mqtt[key].tobytes() == g_local[key].tobytes(), key

@@ -179,3 +179,40 @@ def test_a_coordinator_without_the_data_shape_is_a_config_error(tmp_path, known)
     assert config.input_shape is None and config.num_classes is None
     with pytest.raises(ConfigError, match="input_shape and num_classes are unknown"):
         Coordinator(config, LocalFleet({}, config.federation), tmp_path / "run", progress=False, **known)
+
+
+def test_a_checkpoint_is_one_unit_and_one_written_before_the_tensor_file_was_named_still_loads(tmp_path):
+    """state.json names its tensor file, written beside the old one: a checkpoint from before
+    (``state.safetensors``, no name in the JSON) loads, and the next save replaces it whole."""
+    from edgepfl.atomic import write_json, write_tensors
+    from edgepfl.methods import ServerState
+    from edgepfl.state import CheckpointMeta, save_checkpoint
+
+    state = ServerState(global_tensors={"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, extra={"k": 1})
+    meta = CheckpointMeta(round=4, run=sample_run_spec())
+    new = tmp_path / "new"
+    save_checkpoint(new, state, meta)
+    record = json.loads((new / "state.json").read_text())
+    legacy = tmp_path / "legacy"
+    write_tensors(legacy / "state.safetensors", state.to_flat())
+    del record["tensors_file"]
+    write_json(legacy / "state.json", record)
+    loaded, loaded_meta = load_checkpoint(legacy)
+    np.testing.assert_array_equal(loaded.global_tensors["w"], state.global_tensors["w"])
+    assert loaded.extra == {"k": 1} and loaded_meta.round == 4
+    save_checkpoint(legacy, state, meta.model_copy(update={"round": 5}))
+    assert sorted(p.name for p in legacy.iterdir()) == sorted(p.name for p in new.iterdir())
+    # a tensor file changed on disk after its state.json was written is refused, in one line
+    tensors = next(new.glob("state-*.safetensors"))
+    tensors.write_bytes(tensors.read_bytes()[:-1] + b"\x01")
+    with pytest.raises(CheckpointError, match="does not match") as info:
+        load_checkpoint(new)
+    assert "\n" not in str(info.value)
+
+
+def test_an_unknown_failpoint_name_fails_at_once(monkeypatch):
+    from edgepfl.failpoints import ENV, failpoint
+
+    monkeypatch.setenv(ENV, "checkpoint.comitted:2")  # misspelt: it would never fire
+    with pytest.raises(ValueError, match="unknown failpoint 'checkpoint.comitted'"):
+        failpoint("atomic.written")
