@@ -82,7 +82,7 @@ def to_target(points: list[tuple[float, int, float]], target: float) -> tuple[fl
 
 def fleet_config(args: argparse.Namespace, method: str, mode: str, seed: int) -> RunConfig:
     sets = [f"method.name={method}", f"seed={seed}", f"data.seed={seed}", f"asynchrony.mode={mode}",
-            f"asynchrony.buffer_size={args.buffer}", *args.set]
+            f"asynchrony.buffer_size={args.buffer}", *args.set, *(args.buffered_set if mode == "buffered" else [])]
     config = load_run_config(FLEET_CONFIG, sets)
     devices = []
     for device in config.simulation.devices:
@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "this host really is")
     p.add_argument("--broker", default=None, help="--path mqtt: a broker URL (default: the embedded one)")
     p.add_argument("--set", action="append", default=[], help="a run-config override, key=value (repeatable)")
+    p.add_argument("--buffered-set", action="append", default=[],
+                   help="a run-config override for the buffered runs only, key=value (repeatable)")
     p.add_argument("--out", default="benchmarks/results/async_time_to_accuracy")
     p.add_argument("--merge", nargs="*", default=None, metavar="OUT",
                    help="write one result from earlier runs' OUT.json files (same settings) instead of running")
@@ -186,7 +188,8 @@ def main(argv: list[str] | None = None) -> dict:
               "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "path": args.path,
               "devices": args.devices, "buffer": args.buffer, "target": args.target,
               "target_fraction": args.target_fraction, "always_online": args.always_online,
-              "seconds_per_sample": args.seconds_per_sample, "runs": runs, "pairs": pairs}
+              "seconds_per_sample": args.seconds_per_sample, "set": args.set, "buffered_set": args.buffered_set,
+              "runs": runs, "pairs": pairs}
     for method in args.methods:
         for seed in args.seeds:
             sync = run_one(args, method, "sync", seed)

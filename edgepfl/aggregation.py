@@ -116,6 +116,11 @@ class AggregationSpec(BaseModel):
         description="one device's sample count weighs at most this times the median count of the round (training: "
                     "the counts its sampled agents announced; accuracy: the counts evaluated); a larger count is "
                     "cut to it, never rejected; null: every count as the device says")
+    server_lr: float = Field(
+        1.0, gt=0, le=1, description="each new state moves this share of the way from the state the round's tasks "
+                                     "carried to the rule's aggregate of the shared parameters (a server learning "
+                                     "rate, FedBuff's eta_g); below 1 smooths a run whose rounds each hear from a "
+                                     "different part of a non-IID fleet")
     rollback_after: int | None = Field(
         3, ge=1, description="after this many aborted rounds in a row (any reason, below quorum included), go "
                              "back to the last good state: the last one a round was adopted from; null: never")

@@ -152,10 +152,12 @@ class RoundAggregate:
     :meth:`Method.finish_round`.
     """
 
-    def __init__(self, method: Method, state: ServerState, rule: Aggregator):
+    def __init__(self, method: Method, state: ServerState, rule: Aggregator, server_lr: float = 1.0):
         self.method = method
         self.state = state
         self.rule = rule
+        #: the share of the way the shared parameters move from ``state`` to the rule's aggregate
+        self.server_lr = server_lr
         self.reference = state.shared_params()
         #: agents whose update was added, in arrival order
         self.participants: list[str] = []
@@ -199,6 +201,8 @@ class RoundAggregate:
         if not self.participants:
             raise RuntimeError("no update was added this round")
         shared = self.rule.result() if self.reference else {}
+        if shared and self.server_lr != 1.0:
+            shared = rebase(shared, self.reference, self.reference, self.server_lr)
         updates = sorted(self.updates, key=lambda u: u.agent_id)
         return self.method.finish_round(self.state, shared, updates, round)
 
@@ -372,9 +376,10 @@ class Method:
         coordinator bounds by the count the agent announced)."""
         return update.num_samples
 
-    def open_round(self, state: ServerState, rule: Aggregator) -> RoundAggregate:
-        """Start aggregating a round whose tasks carried ``state``, its shared parameters with ``rule``."""
-        return RoundAggregate(self, state, rule)
+    def open_round(self, state: ServerState, rule: Aggregator, server_lr: float = 1.0) -> RoundAggregate:
+        """Start aggregating a round whose tasks carried ``state``, its shared parameters with
+        ``rule``; the next state's move ``server_lr`` of the way from ``state`` to the aggregate."""
+        return RoundAggregate(self, state, rule, server_lr)
 
     def finish_round(self, state: ServerState, shared: TensorDict, updates: list[ClientUpdate],
                      round: int) -> ServerState:

@@ -25,7 +25,7 @@ import torch
 from pydantic import ValidationError
 from safetensors.numpy import load_file, save_file
 
-from edgepfl.aggregation import AggregationSpec
+from edgepfl.aggregation import AggregationSpec, Mean
 from edgepfl.methods import (
     ClientUpdate,
     Method,
@@ -545,3 +545,27 @@ def test_the_default_re_estimation_is_the_encoders_statistics_on_the_training_im
     prefix = next(n for n, m in model.named_modules() if m is encoder) + "."
     after = _running_stats(model)
     assert all(torch.equal(after[k], v) for k, v in before.items() if not k.startswith(prefix))
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_a_server_learning_rate_moves_the_shared_parameters_that_share_of_the_way(name):
+    """``aggregation.server_lr``: the next state's shared parameters move ``server_lr`` of the
+    way from the state the tasks carried to the rule's aggregate (BatchNorm statistics
+    mixed the same way); 1 is the plain aggregate, for every method."""
+    run = run_round(name)
+    if not run.state0.shared_params():
+        pytest.skip(f"{name} shares nothing: there is nothing to average")
+    updates = synthetic_updates(run, 3, seed=2)
+    full = run.method.server_step(run.state0, updates, 0)
+    aggregate = run.method.open_round(run.state0, Mean(), server_lr=0.25)
+    for update in sorted(updates, key=lambda u: u.agent_id):
+        aggregate.add(update)
+    quarter = aggregate.close(0)
+    reference, moved = run.state0.shared_params(), 0
+    for key, ref in reference.items():
+        if ref.dtype.kind != "f":
+            continue
+        want = ref.astype(np.float64) + 0.25 * (full.shared_params()[key].astype(np.float64) - ref)
+        np.testing.assert_allclose(quarter.shared_params()[key], want, rtol=1e-5, atol=1e-6, err_msg=f"{name}: {key}")
+        moved += int(not np.array_equal(full.shared_params()[key], ref))
+    assert moved, f"{name}: the round moved no shared parameter, so the test shows nothing"
