@@ -9,10 +9,11 @@ round times. Head-tier accuracy is the latest release's, labelled with its id;
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
-from edgepfl.atomic import write_json
+from edgepfl.atomic import write_bytes, write_json
 from edgepfl.metrics import (
     ReleaseReports,
     RoundMetrics,
@@ -140,8 +141,9 @@ def plot_accuracy(rows: list[RoundMetrics], path: str | Path, title: str = "",
 
     path = Path(path)
     fig = accuracy_figure(rows, title, head)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=110)
+    write_bytes(path, image.getvalue())
     plt.close(fig)
     return path
 
@@ -229,5 +231,5 @@ def write_report(run_dir: str | Path, method: str = "") -> tuple[str, dict]:
         plot_accuracy(rows, run_dir / "accuracy.png", title=f"{method} — personalized accuracy" if method else "",
                       head=head)
     table = format_table(rows, summary, method)
-    (run_dir / "results.txt").write_text(table + "\n")
+    write_bytes(run_dir / "results.txt", (table + "\n").encode())
     return table, summary

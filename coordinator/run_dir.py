@@ -21,7 +21,7 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
-from edgepfl.atomic import write_bytes, write_json
+from edgepfl.atomic import make_dirs, open_for_append, write_bytes, write_json
 from edgepfl.failpoints import failpoint
 from edgepfl.methods import ServerState
 from edgepfl.metrics import (
@@ -66,7 +66,7 @@ class RunDirectory:
     def open(self, resumed_from: int | None, virtual_clock: bool = False) -> None:
         """A coordinator session begins (``resumed_from``: the checkpointed round it continues after;
         ``virtual_clock``: its rounds' seconds are a simulation's)."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.root)
         record_run_start(self.root, resumed_from, virtual_clock)
 
     def close(self) -> None:
@@ -101,8 +101,8 @@ class RunDirectory:
 
     # ---------------------------------------------------------------- metrics rows
     def append_row(self, row: RoundMetrics) -> None:
-        with self.metrics_path.open("a") as fh:
-            fh.write(row.to_line())
+        with open_for_append(self.metrics_path) as fh:
+            fh.write(row.to_line().encode())
             fh.flush()
 
     def drop_rows_from(self, start_round: int) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from edgepfl.atomic import make_dirs, open_for_append, write_bytes
 from edgepfl.config import AgentConfig, RunConfig, SecuritySpec
 from edgepfl.metrics import RoundMetrics
 from edgepfl.protocol.clock import simulated_time
@@ -98,14 +99,14 @@ def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str
     out = Path(out_dir)
     if fresh and out.exists():
         shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    make_dirs(out)
     intermittent = any(device.mean_online_s is not None for device in config.simulation.devices)
     config = prepare(config, agents, head_agents, rounds)
     if in_process is not None and intermittent:
         # devices that come and go are never all online at once: start with the config's min_agents
         config = config.model_copy(update={"min_agents": min(agents, original_min_agents)})
     shape = service_data_shape(config)
-    (out / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    write_bytes(out / "config.yaml", yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False).encode())
     ids = agent_ids(agents)
     if in_process is not None:
         if head_agents:
@@ -177,10 +178,9 @@ def spawn_agent(config: RunConfig, out: Path, url: str, agent_id: str, index: in
     ``security``: its keys (none: unsigned); ``pace``: a simulated device's (none: as fast as the host)."""
     cfg = agent_config(config, out, url, agent_id, index, tier, head, threads, security, pace)
     cfg_path = out / "agents" / f"{agent_id}.yaml"
-    cfg_path.parent.mkdir(parents=True, exist_ok=True)
-    cfg_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    write_bytes(cfg_path, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).encode())
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-    logf = open(out / "agents" / f"{agent_id}.log", "ab")
+    logf = open_for_append(out / "agents" / f"{agent_id}.log")
     return subprocess.Popen([sys.executable, "-m", "edgepfl.cli", "agent", "--config", str(cfg_path)],
                             stdout=logf, stderr=subprocess.STDOUT, env=env)
 

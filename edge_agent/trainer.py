@@ -222,8 +222,12 @@ class TrainerRuntime:
             raise self._refuse(meta, round, "unsupported_arch", f"this agent cannot build arch {run.model.arch!r} "
                                f"(it builds {', '.join(buildable_archs())})")
         torch.manual_seed(seed_for(run.seed, "init", self.agent_id))
+        # A task never names a file on this device: run.model.weights is the coordinator's
+        # path (its pretrained backbone reaches agents as the task's tensors). Opened here,
+        # any sender of a task could probe, or feed torch.load, any local path.
+        spec = run.model.model_copy(update={"weights": None})
         try:
-            model = method.build_model(run.model, run.data.input_shape, run.data.num_classes)
+            model = method.build_model(spec, run.data.input_shape, run.data.num_classes)
         except (OSError, ImportError, ValueError) as exc:  # a weights file missing here, an input it cannot take
             raise self._refuse(meta, round, "unsupported_arch", f"cannot build {run.model.model_dump()}: {exc}") from None
         model.to(self.device)

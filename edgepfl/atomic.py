@@ -1,14 +1,19 @@
-"""Crash-safe file writes: write a temp file in the same directory, fsync, rename.
+"""Crash-safe file writes (a temp file in the same directory, fsync, rename) and the modes
+files get.
 
 A written file gets the mode a plain ``open(path, "w")`` would give it (0666 less the
-process's umask), so releases, manifests and reports are readable where the umask says;
-``private=True`` (private keys) gives 0600 whatever the umask.
+process's umask), never writable by group or others whatever the umask (state that another
+local user could rewrite is not state): releases, manifests and reports are readable where
+the umask says. ``private=True`` (private keys) gives 0600 whatever the umask. Directories
+made here get 0755 less the umask, on the same rule. :func:`read_private` reads a secret
+(a password, a key) only from a file no one else may read.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -31,17 +36,60 @@ def current_umask() -> int:
     return mask
 
 
+#: never granted to group or others, whatever the umask
+NOT_SHARED_WRITE = stat.S_IWGRP | stat.S_IWOTH
+
+
+def make_dirs(path: str | Path) -> Path:
+    """``mkdir -p`` whose new directories get 0755 less the umask (never group/other-writable)."""
+    target = path = Path(path)
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, 0o777 & ~NOT_SHARED_WRITE)
+        except FileExistsError:  # made meanwhile by another writer
+            pass
+    return target
+
+
+def open_for_append(path: str | Path):
+    """``path`` opened to append bytes, created (with its directories) on the same mode rule
+    as :func:`write_bytes`: for logs and row files, which grow instead of being replaced."""
+    path = Path(path)
+    make_dirs(path.parent)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666 & ~NOT_SHARED_WRITE)
+    return os.fdopen(fd, "ab")
+
+
+def read_private(path: str | Path, what: str) -> bytes:
+    """The bytes of a secret file; ``ValueError`` (one line, naming ``what``) when it cannot
+    be read or group or others may read or write it (as ssh does with a private key)."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{what} {path}: {exc.strerror or exc}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ValueError(f"{what} {path} is accessible by others (mode {stat.S_IMODE(mode):o}); chmod 600 it")
+    return data
+
+
 def write_bytes(path: str | Path, data: bytes, *, private: bool = False) -> None:
     """Atomically replace ``path`` with ``data`` (readers see the old or the new file, never half).
 
-    The file's mode is 0666 less the umask, or 0600 when ``private`` (secrets).
+    The file's mode is 0666 less the umask and less group/other write, or 0600 when
+    ``private`` (secrets).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)
     # mkstemp creates 0600, which is right for the temp file and for secrets only
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, 0o600 if private else 0o666 & ~current_umask())
+        os.fchmod(fd, 0o600 if private else 0o666 & ~(current_umask() | NOT_SHARED_WRITE))
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import errno
 import sys
 from typing import NoReturn
 
@@ -63,6 +64,16 @@ _HINTS = {
     ExitCode.BROKER: "check the broker URL, that the broker is running and reachable, and the credentials",
     ExitCode.OTHER: "rerun with --debug for the traceback, and please report it",
 }
+
+
+#: a write that failed because of the disk, not the file: retrying once there is room helps
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+_STORAGE_HINT = ("free space (or remount read-write) and run the same command again: a coordinator resumes from "
+                 "its last checkpoint, written whole or not at all")
+
+
+def _out_of_storage(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in _STORAGE_ERRNOS
 
 
 def require(module: str, what: str) -> None:
@@ -115,6 +126,10 @@ def classify(exc: BaseException) -> tuple[ExitCode, str]:
         return ExitCode.DATA, str(exc)
     if type(exc).__module__.startswith(("onnxruntime", "onnx", "google.protobuf", "safetensors")):
         return ExitCode.DATA, f"cannot read a model file: {exc}"
+    if _out_of_storage(exc):
+        assert isinstance(exc, OSError)
+        name = f" {exc.filename}" if exc.filename else ""
+        return ExitCode.DATA, f"cannot write{name}: {exc.strerror or exc}"
     if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)):
         name = f": {exc.filename}" if exc.filename else ""
         return ExitCode.DATA, f"{exc.strerror or exc}{name}"
@@ -131,8 +146,9 @@ def report(exc: BaseException, command: str | None, debug: bool = False) -> int:
 
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     line = _one_line(message)
-    if code in _HINTS:
-        line = f"{line}; {_HINTS[code].format(command=command or '')}".replace("'edgepfl  --help'", "'edgepfl --help'")
+    hint = _STORAGE_HINT if _out_of_storage(exc) else _HINTS.get(code)
+    if hint is not None:
+        line = f"{line}; {hint.format(command=command or '')}".replace("'edgepfl  --help'", "'edgepfl --help'")
     print(f"edgepfl: {line}", file=sys.stderr)
     return int(code)
 

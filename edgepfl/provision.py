@@ -33,6 +33,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import pki
+from .atomic import make_dirs
 from .mosquitto import (
     COORDINATOR_USER,
     OPERATOR_USER,
@@ -75,7 +76,7 @@ class ProvisionError(ValueError):
 
 
 def _mkdir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
+    make_dirs(path)
     path.chmod(0o755)
     return path
 

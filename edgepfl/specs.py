@@ -8,10 +8,11 @@ that validates whole run configurations (:mod:`edgepfl.config`).
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .atomic import read_private
 
 
 class PathField:
@@ -177,9 +178,9 @@ class BrokerConfig(_Strict):
         """
         if self.password_file is not None:
             try:
-                lines = Path(self.password_file).read_text().splitlines()
-            except OSError as exc:
-                raise ValueError(f"broker.password_file {self.password_file}: {exc.strerror or exc}") from None
+                lines = read_private(self.password_file, "broker.password_file").decode().splitlines()
+            except UnicodeDecodeError:
+                raise ValueError(f"broker.password_file {self.password_file}: not UTF-8 text") from None
             if not lines or not lines[0].strip():
                 raise ValueError(f"broker.password_file {self.password_file} is empty")
             return lines[0].strip()

@@ -37,7 +37,7 @@ from typing import Any, cast
 import numpy as np
 
 from edgepfl import __version__
-from edgepfl.atomic import write_bytes, write_json, write_tensors
+from edgepfl.atomic import make_dirs, write_bytes, write_json, write_tensors
 from edgepfl.methods.training import recalibrate_batchnorm
 from edgepfl.protocol.manifest import (
     BatchNormOrigin,
@@ -140,7 +140,7 @@ def export_loaded(run: LoadedRun, out_dir: str | Path, *, quantize: list[str] | 
     import torch
 
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_dirs(out_dir)
     meta, method, model = run.meta, run.method, run.model
     encoder = method.encoder_module(model)
     prefix = _module_prefix(model, encoder)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from ..atomic import read_private
 from ..specs import BrokerConfig
 
 
@@ -80,6 +81,11 @@ class BrokerLogin:
             path = getattr(self, field)
             if path is not None and not Path(path).is_file():
                 raise BrokerUnreachable(FailureCause.CREDENTIALS, f"broker.{field} {path}: no such file")
+        if self.key_file is not None:
+            try:  # a client key others can read is a stolen device identity: refused, as the signing key is
+                read_private(self.key_file, "broker.key_file")
+            except ValueError as exc:
+                raise BrokerUnreachable(FailureCause.CREDENTIALS, str(exc)) from None
         context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca_file)
         if self.cert_file is not None:
             try:

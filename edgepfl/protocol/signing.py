@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..atomic import write_bytes
+from ..atomic import read_private, write_bytes
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -100,12 +99,9 @@ def load_signer(path: str | Path) -> Signer:
 
     path = Path(path)
     try:
-        mode = path.stat().st_mode
-        data = path.read_bytes()
-    except OSError as exc:
-        raise KeyFileError(f"signing key {path}: {exc.strerror or exc}") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise KeyFileError(f"signing key {path} is accessible by others (mode {stat.S_IMODE(mode):o}); chmod 600 it")
+        data = read_private(path, "signing key")
+    except ValueError as exc:
+        raise KeyFileError(str(exc)) from None
     try:
         private = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as exc:

@@ -25,6 +25,7 @@ from edgepfl.protocol.connection import (
 def test_password_comes_from_exactly_one_source(tmp_path, monkeypatch):
     secret = tmp_path / "pw"
     secret.write_text("from-file\n")
+    secret.chmod(0o600)
     assert BrokerConfig(password_file=str(secret)).read_password() == "from-file"
     monkeypatch.setenv("EDGEPFL_TEST_PW", "from-env")
     assert BrokerConfig(password_env="EDGEPFL_TEST_PW").read_password() == "from-env"
@@ -42,6 +43,24 @@ def test_password_comes_from_exactly_one_source(tmp_path, monkeypatch):
         BrokerLogin.from_config(BrokerConfig(password_file=str(tmp_path / "missing")))
     with pytest.raises(BrokerUnreachable, match="ca_file .* no such file"):
         BrokerLogin(ca_file=str(tmp_path / "ca.crt")).tls_context()
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620])
+def test_a_secret_file_others_may_read_or_write_is_refused_in_one_line(tmp_path, mode):
+    """A password or a TLS client key that another local user can read is a device identity
+    anyone on the box can take: refused as the signing key is, naming the file and the fix."""
+    secret = tmp_path / "secret"
+    secret.write_text("from-file\n")
+    secret.chmod(mode)
+    with pytest.raises(BrokerUnreachable, match=f"password_file .* accessible by others \\(mode {mode:o}\\); "
+                                                 "chmod 600 it") as err:
+        BrokerLogin.from_config(BrokerConfig(password_file=str(secret)))
+    assert err.value.cause is FailureCause.CREDENTIALS and "\n" not in str(err.value)
+    with pytest.raises(BrokerUnreachable, match="key_file .* accessible by others") as err:
+        BrokerLogin(cert_file=str(secret), key_file=str(secret)).tls_context()
+    assert err.value.cause is FailureCause.CREDENTIALS
+    secret.chmod(0o600)
+    assert BrokerConfig(password_file=str(secret)).read_password() == "from-file"
 
 
 def test_each_socket_error_has_its_own_cause_and_retry_policy():

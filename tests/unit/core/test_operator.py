@@ -3,6 +3,7 @@ and formats, file modes, the Jetson torch specifier, the config reference, the d
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import logging
@@ -170,6 +171,31 @@ def test_errors_map_to_documented_exit_codes():
     readme = (REPO / "README.md").read_text()
     for code in ExitCode:
         assert f"| {int(code)} |" in readme, f"exit code {int(code)} is not documented in the README"
+
+
+@pytest.mark.parametrize("number", [errno.ENOSPC, errno.EDQUOT, errno.EROFS])
+def test_a_full_or_read_only_disk_is_one_line_saying_what_to_do_not_an_internal_error(capsys, number):
+    from edgepfl.errors import report
+
+    exc = OSError(number, os.strerror(number), "runs/x/checkpoint/.state.json.tmp")
+    assert report(exc, "coordinator") == ExitCode.DATA
+    line = capsys.readouterr().err
+    assert line.count("\n") == 1 and "internal error" not in line
+    assert f"cannot write runs/x/checkpoint/.state.json.tmp: {os.strerror(number)}" in line
+    assert "free space" in line and "resumes from its last checkpoint" in line
+
+
+def test_a_real_write_to_a_full_device_is_classified_as_one(capsys):
+    from edgepfl.errors import report
+
+    try:
+        with open("/dev/full", "wb") as fh:  # every write: ENOSPC, as on a full disk
+            fh.write(b"x")
+    except OSError as exc:
+        assert report(exc, "coordinator") == ExitCode.DATA
+    else:
+        pytest.skip("no /dev/full here")
+    assert "No space left on device" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- files
