@@ -187,6 +187,7 @@ class Inbox:
             return self._reject(verdict)
         # Accepting needs a task, and tasks come only with an open round and its sink.
         assert self._sink is not None
+        self.registry.answered(incoming.agent_id)
         if isinstance(verdict, Refused):
             return self._on_refusal(verdict)
         try:

@@ -127,7 +127,8 @@ class Observer:
             seen = now_wall - (now_mono - life) if life is not None else info.last_seen
             agents.append(AgentView(id=info.agent_id, tier=info.tier if info.tier in TIERS else "trainer",
                                     online=info.online, last_seen=round(seen, 3), device=info.device,
-                                    num_train=info.num_train))
+                                    num_train=info.num_train, benched_until=self.registry.benched_until(info.agent_id),
+                                    excluded=self.registry.excluded(info.agent_id)))
         agents.sort(key=lambda a: (not a.online, a.id))
         return FleetView(
             federation=self.federation, method=self.method, updated=round(now_wall, 3), started=round(self.started, 3),

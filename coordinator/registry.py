@@ -37,6 +37,10 @@ class AgentInfo:
     capabilities: Capabilities | None = None
 
 
+#: the most rounds in a row a device that keeps missing its tasks sits out (then it is asked again)
+MAX_ROUNDS_BENCHED = 16
+
+
 class Registry:
     """Presence as last announced by each agent (status topic, retained, last will offline).
 
@@ -50,8 +54,13 @@ class Registry:
         self.clock = clock or WallClock()
         self.agents: dict[str, AgentInfo] = {}
         self._online_by_tier: Counter[str] = Counter()
-        self._unresponsive: set[str] = set()
+        #: agent id -> (tasks missed in a row, the last round it sits out)
+        self._benched: dict[str, tuple[int, int]] = {}
+        #: agents whose miss a reconnect excused (once per answer: a device that keeps
+        #: re-announcing itself and never answers is benched from its second miss on)
+        self._excused: set[str] = set()
         self._last_life: dict[str, float] = {}
+        self._last_status: dict[str, float] = {}
         #: bumped whenever an agent appears, goes on- or offline or changes tier: the fleet view's cue
         self.revision = 0
         # agent id -> (session, created) of the last status accepted with a session
@@ -136,6 +145,7 @@ class Registry:
             last = self._presence.get(agent_id)
             self._presence[agent_id] = (status.session, max(created, last[1]) if last else created)
         self.show_life(agent_id)
+        self._last_status[agent_id] = self.clock.now()
         was = self.agents.get(agent_id)
         online = status.state != "offline"
         self.agents[agent_id] = AgentInfo(
@@ -171,9 +181,14 @@ class Registry:
     def count_eligible(self) -> int:
         return len(self._eligible)
 
-    def responsive(self) -> list[str]:
-        """Eligible trainers that answered their last task or have shown life since, sorted."""
-        return [a for a in self.eligible() if a not in self._unresponsive]
+    def responsive(self, round: int) -> list[str]:
+        """Eligible trainers that do not sit out ``round`` (:meth:`missed`), sorted."""
+        return [a for a in self.eligible() if round > self._benched.get(a, (0, -1))[1]]
+
+    def benched_until(self, agent_id: str) -> int | None:
+        """The last round the agent sits out for the tasks it missed in a row (None: none missed)."""
+        entry = self._benched.get(agent_id)
+        return entry[1] if entry is not None else None
 
     def forget(self, agent_id: str) -> None:
         """Drop the agent from the registry (a status the coordinator refuses: it is not registered)."""
@@ -192,21 +207,32 @@ class Registry:
         info = self.agents.get(agent_id)
         return info.version if info is not None else None
 
-    def mark_unresponsive(self, agent_id: str, silent_since: float) -> None:
-        """An agent that let a task time out and sent nothing since ``silent_since``
-        (:attr:`clock` time): no tasks until it shows life. One that reconnected during
-        the round (its task lost with the old connection) has shown life and is not marked."""
-        if self._last_life.get(agent_id, float("-inf")) > silent_since or agent_id in self._unresponsive:
+    def missed(self, agent_id: str, round: int, silent_since: float) -> None:
+        """The agent let its task of ``round`` time out (it sent no answer since ``silent_since``,
+        :attr:`clock` time). It sits out the next ``2 ** (misses in a row - 1)`` rounds, at most
+        :data:`MAX_ROUNDS_BENCHED`, and is then sampled again: a device whose answer was lost
+        trains again two rounds later, one that never answers costs a round's deadline ever
+        more rarely, and no device is shut out for the run. A device that announced itself
+        again during the round (a reconnect loses the task with the connection) is excused
+        once per answer."""
+        if self._last_status.get(agent_id, float("-inf")) > silent_since and agent_id not in self._excused:
+            self._excused.add(agent_id)
             return
-        self._unresponsive.add(agent_id)
-        log.info("agent %s did not answer its task; no tasks until it shows life", agent_id)
+        misses = self._benched.get(agent_id, (0, 0))[0] + 1
+        until = round + min(2 ** (misses - 1), MAX_ROUNDS_BENCHED)
+        self._benched[agent_id] = (misses, until)
+        log.info("agent %s did not answer its task of round %d (%d in a row): no task before round %d",
+                 agent_id, round, misses, until + 1)
+
+    def answered(self, agent_id: str) -> None:
+        """An answer from the agent was accepted (an update, even late, or a refusal): it missed nothing."""
+        self._excused.discard(agent_id)
+        if self._benched.pop(agent_id, None) is not None:
+            log.info("agent %s answers again", agent_id)
 
     def show_life(self, agent_id: str) -> None:
-        """Any frame from the agent (a status, an answer even if late) proves it is there."""
+        """Any frame from the agent proves it is there (the fleet view's last seen)."""
         self._last_life[agent_id] = self.clock.now()
-        if agent_id in self._unresponsive:
-            self._unresponsive.discard(agent_id)
-            log.info("agent %s shows life again", agent_id)
 
     def last_life(self, agent_id: str) -> float | None:
         """The :attr:`clock` time of the agent's last frame of any kind (None: never)."""

@@ -216,7 +216,7 @@ class Coordinator:
         self.observer.enter("evaluating" if final else "training", r)
         self._collect(tasks, result, started)
         for agent_id in result.dropped:
-            self.registry.mark_unresponsive(agent_id, silent_since=started)
+            self.registry.missed(agent_id, r, silent_since=started)
         return self.close_round(tasks, result, started, final, quorum=self.config.quorum_of(len(sampled)))
 
     def close_round(self, tasks: RoundTasks, result: RoundResult, started: float, final: bool,
@@ -249,10 +249,10 @@ class Coordinator:
 
     def _sample(self, r: int, final: bool) -> tuple[list[str], list[str]]:
         """Who trains round ``r`` and who only evaluates (:func:`.sampling.choose_participants`).
-        Agents that let their last task time out are skipped until they show life (any
-        frame), so a dead agent does not cost every later round its timeout; if nobody is
-        left, every eligible one gets another chance."""
-        online = self.registry.responsive() or self.registry.eligible()
+        Agents that let their tasks time out sit out rounds (:meth:`.Registry.missed`), so a
+        dead agent does not cost every round its timeout; if nobody is left, and at the final
+        evaluation, every eligible one is asked."""
+        online = self.registry.eligible() if final else self.registry.responsive(r) or self.registry.eligible()
         return choose_participants(online, self.config, r, final)
 
     def _send_tasks(self, r: int, sampled: list[str], evaluators: list[str]) -> tuple[RoundTasks, RoundResult]:

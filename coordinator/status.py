@@ -102,8 +102,11 @@ def format_view(view: FleetView, *, now: float | None = None, max_agents: int = 
         f"{'agent':<24} {'tier':<8} {'state':<8} {'last seen':>12} {'samples':>8}  device",
     ]
     for a in view.agents[:max_agents]:
+        why = (f"  (refused: {a.excluded}, until it restarts)" if a.excluded else
+               f"  (missed its tasks: no task before round {a.benched_until + 1})" if a.benched_until is not None
+               else "")
         lines.append(f"{a.id:<24} {a.tier:<8} {'online' if a.online else 'offline':<8} "
-                     f"{_ago(now - a.last_seen):>12} {a.num_train:>8}  {a.device}")
+                     f"{_ago(now - a.last_seen):>12} {a.num_train:>8}  {a.device}{why}")
     hidden = len(view.agents) - min(len(view.agents), max_agents) + view.agents_left_out
     if hidden:
         lines.append(f"… and {hidden} more agents (--agents N or --json)")

@@ -44,6 +44,9 @@ class AgentView(_View):
     last_seen: float = Field(description="Unix time of the agent's last frame of any kind")
     device: str = ""
     num_train: int = Field(0, ge=0)
+    benched_until: int | None = Field(
+        None, description="the last round it sits out for tasks it let time out (it is asked again after it)")
+    excluded: str | None = Field(None, description="the refusal that keeps it out of this run until it restarts")
 
 
 class FleetView(_View):

@@ -169,7 +169,7 @@ def test_rejected_and_refused_tasks_do_not_cost_the_deadline_and_each_agent_is_t
     # five capable trainers: min_agents counts neither "incapable", "busy" nor "future"
     # unsigned: a rejected answer cannot prove it is the agent's, so it answers no task (PROTOCOL §7)
     # and the round runs to its deadline; a short one keeps the test short
-    coordinator, fleet, thread, box = run_coordinator(config(fed, min_agents=5, round_timeout_s=5), url,
+    coordinator, fleet, thread, box = run_coordinator(config(fed, min_agents=5, round_timeout_s=5, rounds=3), url,
                                                       tmp_path / "run")
     finish(thread, box, fleet, agents)
     rows = box["result"]
@@ -181,8 +181,9 @@ def test_rejected_and_refused_tasks_do_not_cost_the_deadline_and_each_agent_is_t
     assert first.rejected.get("wrong_shape") == 1 and first.rejected.get("malformed") == 1
     assert first.refused == {"bad_options": 1}
     # the refusal holds until the agent restarts: no further task, train or evaluate; the
-    # dropped agents showed life (their frames), so they are sampled again
-    assert rows[1].sampled == ["good-0", "good-1", "old", "shape"]
+    # dropped agents answered nothing that was accepted: they sit out round 1, then are asked again
+    assert rows[1].sampled == ["good-0", "good-1"]
+    assert rows[2].sampled == ["good-0", "good-1", "old", "shape"]
     assert [t.header.round for t in by_id["refuser"].tasks] == [0]
     assert rows[-1].final and rows[-1].evaluated == 4
 
