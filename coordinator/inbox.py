@@ -12,12 +12,12 @@ and, through the :class:`~.nack.Nacker`, a NACK to the agent whose frame it was.
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from edgepfl.aggregation import AggregationRejected
+from edgepfl.logs import LogLimiter
 from edgepfl.methods import ServerState
 from edgepfl.metrics import HeadReport
 from edgepfl.protocol import AgentChannel
@@ -53,6 +53,8 @@ POLL_S = 0.2
 # were not logged; every rejection is still counted.
 LOG_WINDOW_S = 60.0
 LOG_PER_WINDOW = 10
+#: head-tier reports kept per agent: its last this many releases (the current one and a few before)
+REPORTS_KEPT_PER_AGENT = 4
 
 
 class RoundSink(Protocol):
@@ -88,11 +90,14 @@ class Inbox:
         self.registry = registry
         self.gate = gate
         self.counters = counters
-        #: release id -> agent id -> the agent's report measured with that release
+        #: release id -> agent id -> the agent's report measured with that release; an agent's
+        #: reports on its last :data:`REPORTS_KEPT_PER_AGENT` releases only (a device naming a
+        #: fresh release id in every report would otherwise grow this without bound)
         self.reports_by_release: dict[str, dict[str, HeadReport]] = {}
+        self._releases_reported: dict[str, list[str]] = {}
         #: with a keyring, statuses and metrics must be signed by the sender's enrolled key
         self.keyring = keyring
-        self._log_window: dict[str, tuple[float, int]] = {}  # reason -> (window start, rejections in it)
+        self._log = LogLimiter(log, LOG_PER_WINDOW, LOG_WINDOW_S)  # per rejection reason
         self._awaited_reports: set[str] = set()
         self._awaited_release: str | None = None
         # The open round: before round 0 none (no tasks; rejections count in the run's
@@ -214,11 +219,25 @@ class Inbox:
         # the accuracy is the coordinator's, from the counts; the agent's values are only its own figures
         report = HeadReport(tier=m.tier, release_id=m.release_id, head=m.head, correct=m.eval_correct,
                             total=m.num_test, values=m.values)
-        self.reports_by_release.setdefault(m.release_id or "", {})[incoming.agent_id] = report
+        self._keep_report(incoming.agent_id, m.release_id or "", report)
         if m.release_id == self._awaited_release:
             self._awaited_reports.discard(incoming.agent_id)
         log.info("agent %s (%s tier) reported accuracy %.4f with head %s", incoming.agent_id, m.tier,
                  report.accuracy or float("nan"), m.head)
+
+    def _keep_report(self, agent_id: str, release_id: str, report: HeadReport) -> None:
+        """Keep ``report``, dropping the agent's report on its oldest release when it has more than allowed."""
+        self.reports_by_release.setdefault(release_id, {})[agent_id] = report
+        releases = self._releases_reported.setdefault(agent_id, [])
+        if release_id in releases:
+            releases.remove(release_id)
+        releases.append(release_id)
+        while len(releases) > REPORTS_KEPT_PER_AGENT:
+            oldest = releases.pop(0)
+            reports = self.reports_by_release[oldest]
+            del reports[agent_id]
+            if not reports:
+                del self.reports_by_release[oldest]
 
     def _shows_life(self, agent_id: str, verdict: object) -> None:
         """Any frame from the agent (an answer even if late) proves it is there; a forged one does not."""
@@ -233,15 +252,5 @@ class Inbox:
         self.counters.rejected[rejection.reason] += 1
         if self._sink is not None:
             self._sink.rejected[rejection.reason] += 1
-        now = time.monotonic()
-        start, seen = self._log_window.get(rejection.reason, (float("-inf"), 0))
-        if now - start >= LOG_WINDOW_S:
-            if seen > LOG_PER_WINDOW:
-                log.warning("%d more rejections for %s were not logged", seen - LOG_PER_WINDOW, rejection.reason)
-            start, seen = now, 0
-        self._log_window[rejection.reason] = (start, seen + 1)
-        if seen < LOG_PER_WINDOW:
-            log.warning("rejected message from %s: %s (%s)", rejection.agent_id or "?", rejection.reason,
-                        rejection.detail)
-        elif seen == LOG_PER_WINDOW:
-            log.warning("more %s rejections this minute are counted, not logged", rejection.reason)
+        self._log.warning(rejection.reason, "rejected message from %s: %s (%s)", rejection.agent_id or "?",
+                          rejection.reason, rejection.detail)

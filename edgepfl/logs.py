@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any, TextIO
 
@@ -71,3 +73,30 @@ def setup_logging(level: str = "warning", fmt: str = "text", stream: TextIO | No
     # wherever an application (or pytest) also configured the root logger
     logger.propagate = False
     return logger
+
+
+class LogLimiter:
+    """Per-message warnings that a flood cannot turn into a flood of lines: at most
+    ``per_window`` lines per key (a rejection reason, a topic's kind) every ``window_s``
+    seconds, then one line saying the rest are counted, not logged, and when the window
+    ends one line with how many were left out. Whatever is limited is still counted by
+    its caller; only the log is spared."""
+
+    def __init__(self, logger: logging.Logger, per_window: int = 10, window_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.logger, self.per_window, self.window_s, self.clock = logger, per_window, window_s, clock
+        self._windows: dict[str, tuple[float, int]] = {}  # key -> (window start, lines asked for in it)
+
+    def warning(self, key: str, message: str, *args: object) -> None:
+        """Log ``message % args`` at WARNING unless ``key`` has had its lines this window."""
+        now = self.clock()
+        start, seen = self._windows.get(key, (float("-inf"), 0))
+        if now - start >= self.window_s:
+            if seen > self.per_window:
+                self.logger.warning("%d more %s warnings were not logged", seen - self.per_window, key)
+            start, seen = now, 0
+        self._windows[key] = (start, seen + 1)
+        if seen < self.per_window:
+            self.logger.warning(message, *args)
+        elif seen == self.per_window:
+            self.logger.warning("more %s warnings this minute are counted, not logged", key)

@@ -67,7 +67,9 @@ def loads(data: bytes | bytearray | memoryview | str, *, max_depth: int = MAX_DE
         except UnicodeDecodeError as exc:
             raise BoundedJSONError(f"{what} is not UTF-8 ({exc.reason} at byte {exc.start})") from None
     try:
-        value = from_json(data, allow_inf_nan=False)
+        # keys only: pydantic-core would otherwise keep every short string value (message
+        # ids, release ids: a sender's choice) in its process-wide cache
+        value = from_json(data, allow_inf_nan=False, cache_strings="keys")
     except ValueError as exc:  # pydantic-core's own errors, its recursion limit among them
         raise BoundedJSONError(f"{what} is not JSON ({str(exc).splitlines()[0][:200]})") from None
     try:

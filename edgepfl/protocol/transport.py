@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ..broker import parse_broker_url
+from ..logs import LogLimiter
 from ..specs import BrokerConfig
 from .backpressure import BoundedInbox
 from .connection import (
@@ -128,6 +129,7 @@ class MqttTransport:
         self.sender = sender
         self.subscriptions = list(subscriptions)
         self.birth = birth
+        self._drop_log = LogLimiter(log)  # per reason: a flood of bad frames is not a flood of lines
         self.max_message_bytes = max_message_bytes  # what this side publishes: chunks of at most this
         #: the largest MQTT message accepted from peers (an agent raises it to the coordinator's announced M)
         self.accept_message_bytes = max_message_bytes
@@ -501,7 +503,7 @@ class MqttTransport:
         log.debug("release in %d parts: subscribed to %d more part topics, dropped %d", count, len(new), len(gone))
 
     def _reject(self, topic: str, reason: str, detail: str) -> None:
-        log.warning("dropped message on %s: %s (%s)", topic, reason, detail)
+        self._drop_log.warning(reason, "dropped message on %s: %s (%s)", topic, reason, detail)
         if self.on_reject:
             self.on_reject(topic, reason, detail)
 

@@ -380,3 +380,40 @@ def test_a_flood_of_rejections_is_counted_in_full_but_logged_a_few_times(caplog)
     lines = caplog.text.splitlines()
     assert sum("not_enrolled" in line for line in lines) == LOG_PER_WINDOW + 1  # + "counted, not logged"
     assert "rejected message from alice: malformed (bad)" in caplog.text
+
+
+def test_reports_naming_a_fresh_release_each_time_leave_the_coordinators_memory_flat():
+    """The red team's +1,444 MB: a head agent signing 1,500 metrics reports, each with a new
+    release_id. The coordinator keeps an agent's reports on its last few releases only."""
+    import tracemalloc
+
+    from edgepfl.coordinator.fleet import Incoming
+    from edgepfl.coordinator.inbox import REPORTS_KEPT_PER_AGENT, Inbox
+    from edgepfl.coordinator.result import RunCounters
+    from edgepfl.protocol import AgentChannel, MessageType, MetricsMeta, StatusMeta, encode
+
+    registry = Registry()
+    registry.update("pi-1", StatusMeta(state="online", tier="head", num_train=10, num_test=10))
+    registry.update("pi-2", StatusMeta(state="online", tier="head", num_train=10, num_test=10))
+    inbox = Inbox(None, registry, None, RunCounters())  # type: ignore[arg-type]  # only the metrics path is used
+
+    def report(agent_id: str, release_id: str) -> None:
+        frame = encode(MessageType.METRICS, federation="f", sender=agent_id, round=-1,
+                       meta=MetricsMeta(tier="head", release_id=release_id, head="lr", num_test=10, eval_correct=7,
+                                        values={"fit_seconds": 0.1}))
+        inbox._route(Incoming(agent_id, AgentChannel.METRICS, frame, len(frame)))
+
+    report("pi-2", "r-honest")
+    for i in range(100):
+        report("pi-1", f"fresh-{i:06d}")
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for i in range(100, 1500):
+        report("pi-1", f"fresh-{i:06d}")
+    # pydantic-core's string cache once held every id a report carried: keys only now
+    grown = sum(stat.size_diff for stat in tracemalloc.take_snapshot().compare_to(before, "filename"))
+    tracemalloc.stop()
+    kept = [r for r, reports in inbox.reports_by_release.items() if "pi-1" in reports]
+    assert kept == [f"fresh-{i:06d}" for i in range(1500 - REPORTS_KEPT_PER_AGENT, 1500)]
+    assert inbox.reports_by_release["r-honest"]["pi-2"].correct == 7  # another agent's report is untouched
+    assert grown < 16 * 1024, f"{grown} bytes kept for 1,400 reports"
