@@ -50,41 +50,55 @@ def password_line(username: str, password: str, *, salt: bytes | None = None,
     return f"{username}:$7${iterations}${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"
 
 
+#: what each role may read and write, as topic filters under ``edgepfl/v1/<federation>/``
+#: (``<id>``: the agent's own id); docs/SECURITY.md states the same table, and
+#: tests/integration/test_provision.py asserts it against a live Mosquitto
+AGENT_READS = ("agents/<id>/task", "coordinator", "release", "release/+")
+AGENT_WRITES = ("agents/<id>/status", "agents/<id>/update", "agents/<id>/metrics")
+COORDINATOR_READS = ("agents/+/status", "agents/+/update", "agents/+/metrics")
+COORDINATOR_WRITES = ("agents/+/task", "coordinator", "release", "release/+", "view")
+OPERATOR_READS = ("view",)
+
+
 def acl_text(federation: str) -> str:
-    """The ``acl_file`` confining every client of ``federation`` to its own side of each topic."""
+    """The ``acl_file`` confining every client of ``federation`` to its own side of each topic.
+
+    Mosquitto applies ``pattern`` lines to every user, the coordinator and the operator
+    included: their sections deny, topic by topic, what the agents' patterns would give
+    them beyond their role (exact topics or ``+``: a ``deny`` ending in ``#`` does not
+    hold in Mosquitto 2.0). The coordinator keeps reading what it writes itself (its
+    presence and the release).
+    """
     check_segment(federation, "federation")
     base = f"edgepfl/v1/{federation}"
+
+    def own(user: str) -> list[str]:  # the agents' patterns, with the user name for %u
+        return [f"{base}/{t.replace('<id>', user)}" for t in (*AGENT_WRITES, *AGENT_READS)]
+
+    coordinator_own = [t for t in own(COORDINATOR_USER) if "/agents/" in t]
     return "\n".join([
-        f"# edgepfl federation {federation}: who may read and write which topic (docs/PROTOCOL.md §2, §17).",
-        "# The MQTT user name is the agent id (password file) or the client certificate's CN",
-        "# (use_identity_as_username), so one pattern (%u) covers every agent, present and future.",
+        f"# edgepfl federation {federation}: who may read and write which topic (docs/PROTOCOL.md §2, §17;",
+        "# docs/SECURITY.md, 'Who reaches which topic'). The MQTT user name is the agent id (password file)",
+        "# or the client certificate's CN (use_identity_as_username), so one pattern (%u) covers every agent,",
+        "# present and future.",
         "",
         "# The coordinator: reads every agent's status/update/metrics; writes tasks, its presence, the release",
-        "# and the operators' fleet view.",
+        "# and the operators' fleet view; the agents' patterns below give it nothing of an agent's own.",
         f"user {COORDINATOR_USER}",
-        f"topic read {base}/agents/+/status",
-        f"topic read {base}/agents/+/update",
-        f"topic read {base}/agents/+/metrics",
-        f"topic write {base}/agents/+/task",
-        f"topic write {base}/coordinator",
-        f"topic write {base}/release",
-        f"topic write {base}/release/+",
-        f"topic write {base}/view",
+        *(f"topic read {base}/{t}" for t in COORDINATOR_READS),
+        *(f"topic write {base}/{t}" for t in COORDINATOR_WRITES),
+        *(f"topic deny {t}" for t in coordinator_own),
         "",
         "# Operators' tools (edgepfl status, dashboards): the fleet view only.",
         f"user {OPERATOR_USER}",
-        f"topic read {base}/view",
+        *(f"topic read {base}/{t}" for t in OPERATOR_READS),
+        *(f"topic deny {t}" for t in own(OPERATOR_USER)),
         "",
         "# Every agent: writes only its own status/update/metrics, reads only its own task,",
         "# the coordinator's presence and the release (whole, or its retained parts release/<i>).",
         "# Nothing else, and no '#'.",
-        f"pattern write {base}/agents/%u/status",
-        f"pattern write {base}/agents/%u/update",
-        f"pattern write {base}/agents/%u/metrics",
-        f"pattern read {base}/agents/%u/task",
-        f"pattern read {base}/coordinator",
-        f"pattern read {base}/release",
-        f"pattern read {base}/release/+",
+        *(f"pattern write {base}/{t.replace('<id>', '%u')}" for t in AGENT_WRITES),
+        *(f"pattern read {base}/{t.replace('<id>', '%u')}" for t in AGENT_READS),
         "",
     ])
 
@@ -129,7 +143,7 @@ def broker_sizing(agents: int, max_message_bytes: int, update_bytes: int) -> Bro
 
 
 def mosquitto_conf(*, federation: str, port: int, broker_dir: str, auth: AuthMode, sizing: BrokerSizing,
-                   max_message_bytes: int) -> str:
+                   max_message_bytes: int, bind: str = "127.0.0.1") -> str:
     """``mosquitto.conf`` for the federation: one TLS listener, authentication, the ACL and the limits.
 
     ``broker_dir`` is where ``ca.crt``, ``server.crt``, ``server.key``, ``passwd`` and
@@ -146,7 +160,8 @@ def mosquitto_conf(*, federation: str, port: int, broker_dir: str, auth: AuthMod
         "# Started as root, Mosquitto switches to the user 'mosquitto', which must be able to read",
         f"# {d}/ (server.key, acl, passwd): chown them to it, or start it as their owner.",
         "",
-        f"listener {port}",
+        f"# Listens on {bind} only (edgepfl provision --bind): never on an interface nobody chose.",
+        f"listener {port} {bind}",
         "# TLS with the federation's private CA; clients verify server.crt against ca.crt and the host name.",
         f"cafile {d}/ca.crt",
         f"certfile {d}/server.crt",

@@ -24,13 +24,14 @@ rounds (coordinator) before running.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import secrets
 import shutil
 import sys
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from . import pki
 from .atomic import make_dirs
@@ -62,6 +63,16 @@ class ProvisionRecord(BaseModel):
     update_bytes: int
     broker_dir: str
     absolute_paths: bool = False
+    #: the address the broker listens on (a record written before this field: every interface, as then)
+    bind: str = "0.0.0.0"
+
+    @field_validator("bind")
+    @classmethod
+    def _an_address(cls, value: str) -> str:
+        try:  # it goes into mosquitto.conf's listener line: an address, nothing else
+            return str(ipaddress.ip_address(value))
+        except ValueError:
+            raise ValueError(f"--bind {value!r} is not an IP address (127.0.0.1, 10.0.0.2, 0.0.0.0, ::)") from None
 
     @property
     def url(self) -> str:
@@ -177,7 +188,8 @@ def _broker_files(record: ProvisionRecord, out: Path, ca: pki.CA, passwords: dic
         users.update({user: password_line(user, pw) for user, pw in passwords.items()})
         pki.write_secret(folder / "passwd", ("\n".join(users.values()) + "\n").encode())
     sizing = broker_sizing(len(record.agents), record.max_message_bytes, record.update_bytes)
-    conf = mosquitto_conf(federation=record.federation, port=record.port, broker_dir=record.broker_dir,
+    conf = mosquitto_conf(federation=record.federation, port=record.port, bind=record.bind,
+                          broker_dir=record.broker_dir,
                           auth=record.auth, sizing=sizing, max_message_bytes=record.max_message_bytes)
     pki.write_public(folder / "mosquitto.conf", conf.encode())
 
@@ -224,6 +236,10 @@ def add_agents(out: Path, new_agents: list[str]) -> ProvisionRecord:
     return record
 
 
+#: addresses only this host reaches
+LOOPBACK = ("127.0.0.1", "::1")
+
+
 def _summary(record: ProvisionRecord, out: Path, added: list[str] | None = None) -> str:
     agents = added or record.agents
     first = agents[0] if agents else "AGENT"
@@ -237,7 +253,11 @@ def _summary(record: ProvisionRecord, out: Path, added: list[str] | None = None)
         f"  {out}/coordinator/   coordinator.yaml, credentials, signing key, enrolled/ ({len(record.agents)} agents)",
         f"  {out}/agents/<id>/   one bundle per device: " + ", ".join(agents[:5]) + (" ..." if len(agents) > 5 else ""),
         f"  {out}/operator/      read-only access to the fleet view, for edgepfl status and dashboards",
+        f"  the broker listens on {record.bind}:{record.port}"
+        + ("   (this host only: --bind ADDRESS for devices on other hosts)" if record.bind in LOOPBACK else ""),
         "next:",
+        f"  chown -R mosquitto: {record.broker_dir}   (as root: Mosquitto drops to its user 'mosquitto', which "
+        "must read server.key, acl" + (", passwd)" if record.auth != "cert" else ")"),
         f"  mosquitto -c {record.broker_dir}/mosquitto.conf"
         + ("   (already running: kill -HUP it to reload passwd)" if added else ""),
         f"  cd {out}/coordinator && edgepfl coordinator --config coordinator.yaml   (after adding method, data, rounds)",
@@ -260,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host name or IP the agents connect to (repeat or comma-separate for more names; "
                         "localhost and 127.0.0.1 are always in the certificate)")
     p.add_argument("--port", type=int, default=8883)
+    p.add_argument("--bind", default="127.0.0.1",
+                   help="the address the broker listens on (default 127.0.0.1: this host only; the address devices "
+                        "reach it on, or 0.0.0.0 for every interface)")
     p.add_argument("--auth", choices=["cert", "password", "both"], default="cert",
                    help="client certificates (default), passwords, or both")
     p.add_argument("--max-message-bytes", type=int, default=1_000_000, help="broker.max_message_bytes (MQTT message)")
@@ -302,10 +325,12 @@ def main_provision(argv: list[str]) -> int:
         record = ProvisionRecord(
             federation=args.federation, broker_hosts=_names(args.broker_host), port=args.port, auth=args.auth,
             agents=agents, max_message_bytes=args.max_message_bytes, update_bytes=int(args.update_mb * 2**20),
-            broker_dir=args.broker_dir or str(out / "broker"), absolute_paths=args.absolute_paths)
+            broker_dir=args.broker_dir or str(out / "broker"), absolute_paths=args.absolute_paths, bind=args.bind)
         provision(record, out)
         print(_summary(record, out))
         return 0
     except (ValueError, OSError) as exc:  # ProvisionError, bad names (TopicError), unreadable files
-        print(f"edgepfl provision: {exc}", file=sys.stderr)
+        # a ValidationError's message: the first problem's, without pydantic's framing
+        message = exc.errors()[0]["msg"].removeprefix("Value error, ") if isinstance(exc, ValidationError) else exc
+        print(f"edgepfl provision: {message}", file=sys.stderr)
         return 2

@@ -171,6 +171,78 @@ def test_the_operator_bundle_reads_the_fleet_view_and_nothing_else(tmp_path, aut
         assert "not an edgepfl fleet view" in capsys.readouterr().err  # it connected and read the retained payload
 
 
+def reach_table() -> dict[str, dict[str, list[str]]]:
+    """SECURITY.md's "Who reaches which topic": role -> {"reads": filters, "writes": filters}."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "SECURITY.md").read_text()
+    section = text.split("### Who reaches which topic", 1)[1]
+    table: dict[str, dict[str, list[str]]] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0] in ("coordinator", "agent", "operator"):
+            table[cells[0]] = {kind: [f.strip().strip("`") for f in cell.split(",") if f.strip() not in ("", "—")]
+                               for kind, cell in zip(("reads", "writes"), cells[1:])}
+    assert set(table) == {"coordinator", "agent", "operator"}, table
+    return table
+
+
+def _matches(topic: str, filters: list[str], agent_id: str) -> bool:
+    for pattern in filters:
+        parts, levels = pattern.replace("<id>", agent_id).split("/"), topic.split("/")
+        if len(parts) == len(levels) and all(p in ("+", t) for p, t in zip(parts, levels)):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("auth", ["cert", "password"])
+def test_each_roles_reach_is_exactly_the_table_of_security_md(tmp_path, auth):
+    """Every role of a provisioned federation, with its own credentials, tries to read and to
+    write each topic of the protocol (two agents' own topics, the reserved user names'
+    agent topics, the coordinator's presence, the release and a release part, the view):
+    what reaches is exactly what SECURITY.md's table says, no more, no less."""
+    require_mosquitto()
+    out = provision(tmp_path / "p", agents="pi-01,pi-02", auth=auth)
+    base = "edgepfl/v1/demo"
+    table = reach_table()
+    roles = {"coordinator": ("coordinator", out / "coordinator", "coordinator.yaml"),
+             "pi-01": ("agent", out / "agents" / "pi-01", "agent.yaml"),
+             "pi-02": ("agent", out / "agents" / "pi-02", "agent.yaml"),
+             "operator": ("operator", out / "operator", "operator.yaml")}
+    topics = [f"agents/{a}/{c}" for a in ("pi-01", "pi-02", "coordinator", "operator")
+              for c in ("status", "update", "metrics", "task")] + ["coordinator", "release", "release/0", "view"]
+
+    def may(role: str, kind: str, topic: str) -> bool:
+        return _matches(topic, table[roles[role][0]][kind], role)
+
+    with MosquittoBroker(conf=out / "broker" / "mosquitto.conf") as broker:
+        clients = {role: Attacker(broker.url, bundle_broker(folder, name), f"reach-{role}")
+                   for role, (_, folder, name) in roles.items()}
+        try:
+            for client in clients.values():
+                for topic in topics:
+                    client.client.subscribe(f"{base}/{topic}", qos=1)
+            time.sleep(0.5)
+            for role, client in clients.items():
+                for topic in topics:
+                    client.publish(f"{base}/{topic}", f"{role}>{topic}".encode())
+            expected = {(reader, f"{writer}>{topic}") for writer in roles for topic in topics
+                        if may(writer, "writes", topic) for reader in roles if may(reader, "reads", topic)}
+            got: set[tuple[str, str]] = set()
+            deadline = time.monotonic() + 20
+            while not expected <= got and time.monotonic() < deadline:
+                for reader, client in clients.items():
+                    got |= {(reader, payload.decode()) for _, payload in client.received(0.2)}
+            for reader, client in clients.items():  # anything a denied write or read let through comes by now
+                got |= {(reader, payload.decode()) for _, payload in client.received(0.5)}
+        finally:
+            for client in clients.values():
+                client.close()
+    assert not expected - got, f"denied what the table allows: {sorted(expected - got)}"
+    assert not got - expected, f"reached beyond the table: {sorted(got - expected)}"
+    # the probe exercised every role as a reader and every role with a grant as a writer
+    assert {reader for reader, _ in expected} == set(roles)
+    assert {payload.split(">")[0] for _, payload in expected} == {"coordinator", "pi-01", "pi-02"}
+
+
 def spawn_bundle_agent(bundle: Path, config: RunConfig, index: int) -> subprocess.Popen:
     """An ``edgepfl agent`` started in its bundle folder, as on a device, with this run's data added."""
     agent = yaml.safe_load((bundle / "agent.yaml").read_text())
