@@ -128,7 +128,8 @@ class Observer:
             agents.append(AgentView(id=info.agent_id, tier=info.tier if info.tier in TIERS else "trainer",
                                     online=info.online, last_seen=round(seen, 3), device=info.device,
                                     num_train=info.num_train, benched_until=self.registry.benched_until(info.agent_id),
-                                    excluded=self.registry.excluded(info.agent_id)))
+                                    excluded=self.registry.excluded(info.agent_id),
+                                    clock_offset_s=_rounded(self.registry.clock_offset(info.agent_id))))
         agents.sort(key=lambda a: (not a.online, a.id))
         return FleetView(
             federation=self.federation, method=self.method, updated=round(now_wall, 3), started=round(self.started, 3),
@@ -217,3 +218,7 @@ class PrometheusMetrics:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def _rounded(offset: float | None) -> float | None:
+    return round(offset, 1) if offset is not None else None

@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from edgepfl.protocol import Capabilities, StatusMeta
+from edgepfl.protocol.clock import wall_time
 
 from .clock import Clock, WallClock
 
@@ -37,6 +38,11 @@ class AgentInfo:
     capabilities: Capabilities | None = None
 
 
+#: how far ahead of this host's clock a device's status may set the order of its later ones
+#: (the protocol's tolerated clock skew, PROTOCOL §7)
+MAX_CLOCK_SKEW_S = 300.0
+#: a device clock this far off this host's is worth a warning (and shows in the fleet view)
+CLOCK_WARNING_S = 60.0
 #: the most rounds in a row a device that keeps missing its tasks sits out (then it is asked again)
 MAX_ROUNDS_BENCHED = 16
 
@@ -61,6 +67,8 @@ class Registry:
         self._excused: set[str] = set()
         self._last_life: dict[str, float] = {}
         self._last_status: dict[str, float] = {}
+        self._clock_offsets: dict[str, float] = {}
+        self._told_clock: set[str] = set()
         #: bumped whenever an agent appears, goes on- or offline or changes tier: the fleet view's cue
         self.revision = 0
         # agent id -> (session, created) of the last status accepted with a session
@@ -143,7 +151,13 @@ class Registry:
         agent was online before it."""
         if status.session is not None and created is not None:
             last = self._presence.get(agent_id)
-            self._presence[agent_id] = (status.session, max(created, last[1]) if last else created)
+            newest = max(created, last[1]) if last else created
+            # A device clock far ahead must not set the order for good: once corrected, its
+            # statuses would all be "older" (stale_presence) for the rest of the run. The mark
+            # never runs more than the tolerated skew ahead of this host's clock.
+            now = wall_time()
+            self._presence[agent_id] = (status.session, min(newest, now + MAX_CLOCK_SKEW_S))
+            self._note_clock(agent_id, created - now)
         self.show_life(agent_id)
         self._last_status[agent_id] = self.clock.now()
         was = self.agents.get(agent_id)
@@ -223,6 +237,22 @@ class Registry:
         self._benched[agent_id] = (misses, until)
         log.info("agent %s did not answer its task of round %d (%d in a row): no task before round %d",
                  agent_id, round, misses, until + 1)
+
+    def clock_offset(self, agent_id: str) -> float | None:
+        """How far the agent's clock was ahead of this host's (negative: behind) when its last
+        status arrived, transit included; None before one with a session."""
+        return self._clock_offsets.get(agent_id)
+
+    def _note_clock(self, agent_id: str, offset: float) -> None:
+        self._clock_offsets[agent_id] = offset
+        off = abs(offset) > CLOCK_WARNING_S
+        if off and agent_id not in self._told_clock:
+            self._told_clock.add(agent_id)  # once per agent until it is right again
+            log.warning("agent %s's clock is %.0f s %s of this coordinator's: beyond %.0f s it drops tasks as "
+                        "expired and its statuses may be refused (PROTOCOL §7); check its time synchronisation",
+                        agent_id, abs(offset), "ahead" if offset > 0 else "behind", MAX_CLOCK_SKEW_S)
+        elif not off:
+            self._told_clock.discard(agent_id)
 
     def answered(self, agent_id: str) -> None:
         """An answer from the agent was accepted (an update, even late, or a refusal): it missed nothing."""

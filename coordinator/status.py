@@ -102,7 +102,9 @@ def format_view(view: FleetView, *, now: float | None = None, max_agents: int = 
         f"{'agent':<24} {'tier':<8} {'state':<8} {'last seen':>12} {'samples':>8}  device",
     ]
     for a in view.agents[:max_agents]:
-        why = (f"  (refused: {a.excluded}, until it restarts)" if a.excluded else
+        clock = (f"  (clock {abs(a.clock_offset_s):.0f} s {'ahead' if a.clock_offset_s > 0 else 'behind'})"
+                 if a.clock_offset_s is not None and abs(a.clock_offset_s) > 60 else "")
+        why = clock + (f"  (refused: {a.excluded}, until it restarts)" if a.excluded else
                f"  (missed its tasks: no task before round {a.benched_until + 1})" if a.benched_until is not None
                else "")
         lines.append(f"{a.id:<24} {a.tier:<8} {'online' if a.online else 'offline':<8} "

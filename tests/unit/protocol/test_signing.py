@@ -417,3 +417,29 @@ def test_reports_naming_a_fresh_release_each_time_leave_the_coordinators_memory_
     assert kept == [f"fresh-{i:06d}" for i in range(1500 - REPORTS_KEPT_PER_AGENT, 1500)]
     assert inbox.reports_by_release["r-honest"]["pi-2"].correct == 7  # another agent's report is untouched
     assert grown < 16 * 1024, f"{grown} bytes kept for 1,400 reports"
+
+
+def test_a_device_clock_a_day_ahead_then_corrected_is_ordered_again_within_the_tolerated_skew(monkeypatch):
+    """The red team's lockout: statuses made with a clock a day (or ten years) ahead were
+    accepted and set the order, so once the clock was corrected every status was "older":
+    refused `stale_status` for the rest of the run. The order mark now stays within the
+    tolerated skew of the coordinator's clock: the corrected device is heard again once that
+    much time has passed, while a replay of its older statuses still is not."""
+    from edgepfl.coordinator import registry as registry_module
+
+    now = [1_800_000_000.0]
+    monkeypatch.setattr(registry_module, "wall_time", lambda: now[0])
+    registry = Registry()
+    skew = registry_module.MAX_CLOCK_SKEW_S
+    for ahead in (86_400.0, 10 * 365 * 86_400.0):
+        first = _with_created(status("alice", "online", session="3" * 32), now[0] + ahead)
+        accepted = admit_presence("alice", first, registry=registry)
+        assert isinstance(accepted, Presence)
+        registry.update("alice", accepted.meta, accepted.created)
+        replay = _with_created(status("alice", "offline", session="9" * 32), now[0] - 60)
+        now[0] += skew + 1  # the clock was corrected meanwhile; the device reconnects
+        corrected = _with_created(status("alice", "online", session="4" * 32), now[0])
+        admitted = admit_presence("alice", corrected, registry=registry)
+        assert isinstance(admitted, Presence), f"{ahead} s ahead: {admitted}"
+        registry.update("alice", admitted.meta, admitted.created)
+        assert reason(admit_presence("alice", replay, registry=registry)) == "stale_status"
