@@ -61,10 +61,6 @@ class RunCounters:
         self.refused.update(meta.refused_total)
 
 
-#: the most an update's weight is multiplied for its staleness (balanced weighting)
-MAX_STALENESS_WEIGHT = 16
-
-
 @dataclass
 class RoundResult:
     """What one round collected: its open aggregate, evaluations, rejections, traffic.
@@ -92,8 +88,6 @@ class RoundResult:
     staleness: Counter = field(default_factory=Counter)
     #: late agents -> the round their update was trained on
     trained_on: dict[str, int] = field(default_factory=dict)
-    #: weigh each update by 1 + its staleness (``stragglers.staleness_weighting: balanced``)
-    weigh_staleness: bool = False
 
     def record(self, accepted: Accepted, wire_bytes: int) -> None:
         """Count an answer the gate accepted; a training update is added to the round's
@@ -104,8 +98,7 @@ class RoundResult:
             assert self.aggregate is not None
             base = late.state.shared_params() if late is not None else None
             staleness = self.round - late.tasks.round if late is not None else 0
-            factor = min(1 + staleness, MAX_STALENESS_WEIGHT) if self.weigh_staleness else 1
-            if self.aggregate.add(accepted.update, base, late.discount if late is not None else 1.0, factor):
+            if self.aggregate.add(accepted.update, base, late.discount if late is not None else 1.0):
                 log.warning("round %d: the update from %s went past the update bound (aggregation.max_update_ratio, "
                             "max_mean_shift, max_variance_growth); clipped onto it", self.round, accepted.agent_id)
                 self.clipped.append(accepted.agent_id)

@@ -268,7 +268,7 @@ class Coordinator:
         c, state = self.config, self._server_state()
         tasks = RoundTasks(r, weight_cap([self.registry.announced_num_train(a) for a in sampled],
                                          c.aggregation.max_weight_ratio))
-        result = RoundResult(round=r, sampled=sampled, weigh_staleness=c.stragglers.staleness_weighting == "balanced")
+        result = RoundResult(round=r, sampled=sampled)
         if sampled:
             result.aggregate = self.method.open_round(state, c.aggregation.build(), c.aggregation.server_lr)
         windows = self._closed_rounds.windows(r, c.stragglers.staleness_exponent, self.method) if late else None

@@ -115,11 +115,6 @@ class StragglerSpec(_Strict):
     staleness_exponent: float = Field(
         0.5, ge=0, description="a late update's change counts (1 + staleness) ** -exponent, staleness in rounds "
                                "(FedBuff's discount; 0.5: 0.71 for one round late, 0.58 for two)")
-    staleness_weighting: Literal["none", "balanced"] = Field(
-        "none", description="balanced: an update's weight in the mean is also multiplied by 1 + its staleness "
-                            "(at most 16), so that a device whose updates arrive k states late, and so about every "
-                            "k-th state, weighs about as much per unit of time as one that answers every state "
-                            "(FedStaleWeight); none: by its sample count alone")
 
 
 class AsynchronySpec(_Strict):

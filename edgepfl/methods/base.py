@@ -171,16 +171,13 @@ class RoundAggregate:
         """Updates added so far."""
         return len(self.participants)
 
-    def add(self, update: ClientUpdate, base: Mapping[str, np.ndarray] | None = None, discount: float = 1.0,
-            weight_factor: int = 1) -> bool:
+    def add(self, update: ClientUpdate, base: Mapping[str, np.ndarray] | None = None, discount: float = 1.0) -> bool:
         """Fold in one update that passed :meth:`Method.check_update`; True when the rule's
         update bound clipped its shared parameters first.
 
         ``base``: the shared parameters the update was trained from when they are not this
         round's (a late update): its change from them, times ``discount``, is applied to
         this round's (:func:`~edgepfl.aggregation.rebase`). Only a streaming method takes one.
-        ``weight_factor``: the update's weight in the rule's mean is its
-        :meth:`Method.update_weight` times this.
 
         Raises :class:`~edgepfl.aggregation.AggregationRejected` (with a reason for the
         rejection counters) for an update the rule cannot take; the round then goes on
@@ -193,7 +190,7 @@ class RoundAggregate:
             shared = {k: v for k, v in update.tensors.items() if k in self.reference}
             if base is not None and set(shared) == set(self.reference):
                 shared = rebase(shared, base, self.reference, discount)
-            clipped = self.rule.add(shared, self.method.update_weight(update) * weight_factor)
+            clipped = self.rule.add(shared, self.method.update_weight(update))
         self.participants.append(update.agent_id)
         if not self.method.streaming:
             self.updates.append(update)
