@@ -106,6 +106,10 @@ def classify_socket_error(exc: BaseException, host: str, port: int) -> Failure:
             f"TLS verification of {where} failed ({why}): set broker.ca_file to the CA that signed "
             f"the broker's certificate (edgepfl provision writes ca.crt), and connect by a name the certificate lists"
         ), transient=False)
+    if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionResetError, BrokenPipeError)):
+        # closed mid-handshake without a TLS alert: what a broker at max_connections does (a
+        # rejected certificate comes with an alert, below); the next try may get in
+        return closed_before_connack(host, port, f"closed during the TLS handshake: {exc}")
     if isinstance(exc, ssl.SSLError):
         why = getattr(exc, "reason", None) or exc
         return Failure(FailureCause.TLS_CLIENT, (
@@ -169,5 +173,5 @@ def closed_before_connack(host: str, port: int, detail: str | None, *, presented
             "require_certificate closes on; otherwise " if not presented_certificate else "")
     return Failure(FailureCause.CLOSED, (
         f"MQTT broker {host}:{port} closed the connection before accepting it{said}: {hint}"
-        f"check the broker's log (connection limit, listener settings)"
+        f"the broker may be full (max_connections) or overloaded; retrying; its log says which"
     ), transient=True)

@@ -80,3 +80,33 @@ def test_each_socket_error_has_its_own_cause_and_retry_policy():
     assert refused.cause is FailureCause.AUTH and not refused.transient and "'pi-07'" in refused.message
     assert classify_connack("Server unavailable", 136, "h", 1, None).transient
     assert issubclass(BrokerUnreachable, ConnectionError)  # the CLI prints ConnectionError as one line
+
+
+def test_a_broker_that_closes_the_handshake_is_full_not_a_bad_certificate(tmp_path):
+    """A broker at max_connections (23 idle sockets filled the red team's) accepts the TCP
+    connection and closes it without a TLS alert. The agent used to exit 4 blaming its
+    client certificate; it is a transient failure that says the broker may be full."""
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def accept_and_close():
+        conn, _ = server.accept()
+        conn.close()  # no TLS alert: the broker is full
+
+    thread = threading.Thread(target=accept_and_close, daemon=True)
+    thread.start()
+    context = ssl.create_default_context()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+            context.wrap_socket(raw, server_hostname="localhost")
+    except (ssl.SSLError, OSError) as exc:  # the real exception this host's TLS stack raises
+        failure = classify_socket_error(exc, "127.0.0.1", port)
+    else:
+        pytest.fail("the handshake with a closed socket succeeded")
+    finally:
+        thread.join(10)
+        server.close()
+    assert failure.cause is FailureCause.CLOSED and failure.transient
+    assert "full" in failure.message and "certificate" not in failure.message
