@@ -123,6 +123,11 @@ def run_one(args: argparse.Namespace, method: str, mode: str, seed: int, budget:
             "host_wall_s": round(time.perf_counter() - w0, 1), "host_cpu_s": round(time.process_time() - c0, 1)}
 
 
+def buffered_variant(result: dict) -> str:
+    """How a result's buffered runs were set: the buffer and any buffered-only overrides."""
+    return " ".join([f"buffer {result['buffer']}", *result.get("buffered_set", [])])
+
+
 def markdown(result: dict) -> str:
     unit = "virtual s" if result["path"] == "in-process" else "wall s"
     lines = ["# Time to accuracy: buffered vs synchronous rounds", "",
@@ -142,11 +147,12 @@ def markdown(result: dict) -> str:
         lines.append(f"| {run['method']} | {run['seed']} | {run['mode']} | {run['rows']} | {run['updates']} | "
                      f"{run['mean_staleness']:.2f} | {'—' if t is None else f'{t:.1f}'} | "
                      f"{'—' if b is None else f'{b / 1e6:.1f}'} | {run['final_accuracy']:.2%} | {run['host_cpu_s']} |")
-    lines += ["", "| method | seed | target | speed-up to target (sync / buffered) | bytes to target (buffered / sync) | "
-              "final accuracy difference (points) |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| method | seed | buffered runs | target | speed-up to target (sync / buffered) | "
+              "bytes to target (buffered / sync) | final accuracy difference (points) |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
     for pair in result["pairs"]:
         speed, ratio = pair["speedup"], pair["bytes_ratio"]
-        lines.append(f"| {pair['method']} | {pair['seed']} | {pair['target']:.2%} | "
+        lines.append(f"| {pair['method']} | {pair['seed']} | {pair.get('buffered', '')} | {pair['target']:.2%} | "
                      f"{'—' if speed is None else f'{speed:.2f}x'} | "
                      f"{'—' if ratio is None else f'{ratio:.2f}'} | {pair['final_difference_points']:+.2f} |")
     return "\n".join(lines) + "\n"
@@ -179,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
         parts = [json.loads(Path(out).with_suffix(".json").read_text()) for out in args.merge]
         result = {**parts[0], "command": " && ".join(part["command"] for part in parts),
                   "runs": [r for part in parts for r in part["runs"]],
-                  "pairs": [pair for part in parts for pair in part["pairs"]]}
+                  "pairs": [{"buffered": buffered_variant(part), **pair} for part in parts for pair in part["pairs"]]}
         write_results(result, args.out, markdown)
         return result
     runs, pairs = [], []
@@ -202,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(method, seed, run["mode"], f"target {target:.4f}", run["time_to_target"],
                       run["final_accuracy"], flush=True)
             (ts, bs), (tb, bb) = (to_target(r["curve"], target) for r in (sync, buffered))
-            pairs.append({"method": method, "seed": seed, "target": target,
+            pairs.append({"method": method, "seed": seed, "target": target, "buffered": buffered_variant(result),
                           "speedup": ts / tb if ts and tb else None,
                           "bytes_ratio": bb / bs if bs and bb else None,
                           "final_difference_points": 100 * (buffered["final_accuracy"] - sync["final_accuracy"])})
