@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 from edgepfl import __version__
 from edgepfl.broker import exposure_warning
 from edgepfl.config import AgentConfig
+from edgepfl.logs import LogLimiter
 from edgepfl.protocol import (
     AgentChannel,
     CoordinatorMeta,
@@ -117,6 +118,7 @@ class Agent:
         #: frames dropped before reaching the tier, by reason
         self.rejected: Counter[str] = Counter()
         self._logged: dict[str, float] = {}
+        self._log = LogLimiter(log)  # per reason: a flood of bad frames on its topics is not a flood of lines
         self._births: deque[bytes] = deque(maxlen=4)  # the last births published, newest last
         self._birth_declares = False  # whether that birth carried capabilities
         self._reasserted = float("-inf")
@@ -187,7 +189,7 @@ class Agent:
                 try:
                     message = decode(inbound.frame, max_bytes=transport.max_payload_bytes)
                 except ProtocolError as exc:
-                    log.warning("dropped message on %s: %s", inbound.topic, exc)
+                    self._log.warning(exc.reason, "dropped message on %s: %s", inbound.topic, exc)
                     continue
                 self._dispatch(message)
         finally:
@@ -232,7 +234,8 @@ class Agent:
         if forged is not None:
             self._drop(message, *forged)
         elif message.header.federation != self.config.federation:
-            log.warning("ignored %s for federation %s", message.type.value, message.header.federation)
+            self._log.warning("wrong_federation", "ignored %s for federation %s", message.type.value,
+                              message.header.federation)
         elif message.type == MessageType.COORDINATOR:
             self._on_presence(message.meta_as(CoordinatorMeta))
         elif message.type == MessageType.NACK:
@@ -240,7 +243,8 @@ class Agent:
         elif self._foreign_version is not None:
             self._drop(message, "unsupported_version", f"the coordinator speaks protocol {self._foreign_version}")
         elif message.type != tier.accepts:
-            log.warning("ignored unexpected %s message from %s", message.type.value, message.header.sender)
+            self._log.warning("unexpected", "ignored unexpected %s message from %s", message.type.value,
+                              message.header.sender)
         else:
             reply = tier.handle(message)
             if reply is not None:

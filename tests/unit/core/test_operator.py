@@ -320,3 +320,22 @@ def test_notifier_sends_ready_watchdog_and_stopping_to_notify_socket(tmp_path, m
     assert not quiet.active
     quiet.ready()
     quiet.watchdog()  # no socket: nothing to do, no error
+
+
+def test_a_flood_of_one_warning_is_a_few_lines_and_then_a_count(caplog):
+    """Per-message warnings (a rejected frame, a dropped one) go through LogLimiter: ten lines
+    per reason a minute, one saying the rest are counted, then how many were left out."""
+    from edgepfl.logs import LogLimiter
+
+    now = [0.0]
+    limiter = LogLimiter(logging.getLogger("edgepfl.test"), per_window=10, window_s=60, clock=lambda: now[0])
+    with caplog.at_level("WARNING", logger="edgepfl.test"):
+        for i in range(1000):
+            limiter.warning("malformed", "dropped frame %d", i)
+        limiter.warning("expired", "dropped an expired task")  # another reason has its own lines
+        now[0] = 61
+        limiter.warning("malformed", "dropped frame %d", 1000)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[:10] == [f"dropped frame {i}" for i in range(10)]
+    assert lines[10:] == ["more malformed warnings this minute are counted, not logged", "dropped an expired task",
+                          "990 more malformed warnings were not logged", "dropped frame 1000"]
