@@ -67,8 +67,7 @@ class Registry:
         self._excused: set[str] = set()
         self._last_life: dict[str, float] = {}
         self._last_status: dict[str, float] = {}
-        self._clock_offsets: dict[str, float] = {}
-        self._told_clock: set[str] = set()
+        self._clock_ahead: dict[str, float] = {}
         #: bumped whenever an agent appears, goes on- or offline or changes tier: the fleet view's cue
         self.revision = 0
         # agent id -> (session, created) of the last status accepted with a session
@@ -238,21 +237,20 @@ class Registry:
         log.info("agent %s did not answer its task of round %d (%d in a row): no task before round %d",
                  agent_id, round, misses, until + 1)
 
-    def clock_offset(self, agent_id: str) -> float | None:
-        """How far the agent's clock was ahead of this host's (negative: behind) when its last
-        status arrived, transit included; None before one with a session."""
-        return self._clock_offsets.get(agent_id)
+    def clock_ahead(self, agent_id: str) -> float | None:
+        """How far ahead of this host's clock the agent's last status was made, when more than
+        :data:`CLOCK_WARNING_S` (else None). Only ahead: a status made earlier may simply have
+        been retained by the broker for a while, so a clock behind does not show this way."""
+        return self._clock_ahead.get(agent_id)
 
-    def _note_clock(self, agent_id: str, offset: float) -> None:
-        self._clock_offsets[agent_id] = offset
-        off = abs(offset) > CLOCK_WARNING_S
-        if off and agent_id not in self._told_clock:
-            self._told_clock.add(agent_id)  # once per agent until it is right again
-            log.warning("agent %s's clock is %.0f s %s of this coordinator's: beyond %.0f s it drops tasks as "
-                        "expired and its statuses may be refused (PROTOCOL §7); check its time synchronisation",
-                        agent_id, abs(offset), "ahead" if offset > 0 else "behind", MAX_CLOCK_SKEW_S)
-        elif not off:
-            self._told_clock.discard(agent_id)
+    def _note_clock(self, agent_id: str, ahead: float) -> None:
+        if ahead <= CLOCK_WARNING_S:
+            self._clock_ahead.pop(agent_id, None)
+            return
+        if agent_id not in self._clock_ahead:  # once per agent until its clock is right again
+            log.warning("agent %s's clock is %.0f s ahead of this coordinator's: beyond %.0f s it drops tasks as "
+                        "expired (PROTOCOL §7); check its time synchronisation", agent_id, ahead, MAX_CLOCK_SKEW_S)
+        self._clock_ahead[agent_id] = ahead
 
     def answered(self, agent_id: str) -> None:
         """An answer from the agent was accepted (an update, even late, or a refusal): it missed nothing."""

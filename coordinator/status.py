@@ -102,8 +102,7 @@ def format_view(view: FleetView, *, now: float | None = None, max_agents: int = 
         f"{'agent':<24} {'tier':<8} {'state':<8} {'last seen':>12} {'samples':>8}  device",
     ]
     for a in view.agents[:max_agents]:
-        clock = (f"  (clock {abs(a.clock_offset_s):.0f} s {'ahead' if a.clock_offset_s > 0 else 'behind'})"
-                 if a.clock_offset_s is not None and abs(a.clock_offset_s) > 60 else "")
+        clock = f"  (clock {a.clock_ahead_s:.0f} s ahead)" if a.clock_ahead_s is not None else ""
         why = clock + (f"  (refused: {a.excluded}, until it restarts)" if a.excluded else
                f"  (missed its tasks: no task before round {a.benched_until + 1})" if a.benched_until is not None
                else "")

@@ -47,8 +47,8 @@ class AgentView(_View):
     benched_until: int | None = Field(
         None, description="the last round it sits out for tasks it let time out (it is asked again after it)")
     excluded: str | None = Field(None, description="the refusal that keeps it out of this run until it restarts")
-    clock_offset_s: float | None = Field(
-        None, description="how far its clock was ahead of the coordinator's (negative: behind) at its last status")
+    clock_ahead_s: float | None = Field(
+        None, description="how far ahead of the coordinator's clock its last status was made, when over 60 s")
 
 
 class FleetView(_View):

@@ -436,10 +436,12 @@ def test_a_device_clock_a_day_ahead_then_corrected_is_ordered_again_within_the_t
         accepted = admit_presence("alice", first, registry=registry)
         assert isinstance(accepted, Presence)
         registry.update("alice", accepted.meta, accepted.created)
+        assert registry.clock_ahead("alice") == pytest.approx(ahead)  # the operator sees it (fleet view)
         replay = _with_created(status("alice", "offline", session="9" * 32), now[0] - 60)
         now[0] += skew + 1  # the clock was corrected meanwhile; the device reconnects
         corrected = _with_created(status("alice", "online", session="4" * 32), now[0])
         admitted = admit_presence("alice", corrected, registry=registry)
         assert isinstance(admitted, Presence), f"{ahead} s ahead: {admitted}"
         registry.update("alice", admitted.meta, admitted.created)
+        assert registry.clock_ahead("alice") is None
         assert reason(admit_presence("alice", replay, registry=registry)) == "stale_status"
