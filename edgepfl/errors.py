@@ -27,7 +27,7 @@ class ExitCode(enum.IntEnum):
     OK = 0
     OTHER = 1  #: a bug or an unexpected failure
     USAGE = 2  #: bad arguments or configuration: retrying cannot help
-    DATA = 3  #: a data set, model, release, run directory or other input file cannot be used
+    DATA = 3  #: a data set, model, release, run directory or other input file cannot be used; a full disk
     BROKER = 4  #: the MQTT broker cannot be reached, or refused us
     EXTRA = 5  #: an optional extra (torch, onnxruntime, ...) is not installed
     TERMINATED = 143  #: stopped by SIGTERM (128 + 15)
