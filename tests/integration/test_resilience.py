@@ -112,9 +112,9 @@ class Mallory:
 
     Round 0: frames that are rejected (unreadable, stale, oversized, an unknown agent's, a
     wrong shape): on this unsigned deployment none of them closes its task (PROTOCOL §7), so
-    the valid update after them is accepted and its second copy is a `duplicate`. Rounds 1
-    to 3: a truncated update, a non-finite one and one of another dtype, none of which
-    answers the task: mallory is dropped at each deadline."""
+    the valid update after them is accepted and its second copy is a `duplicate`. Every
+    later task: a truncated update, a non-finite one and one of another dtype, none of which
+    answers the task: mallory is dropped at the deadline, then sits out rounds (§10)."""
 
     def __init__(self, url: str, federation: str, agent_id: str = "mallory"):
         self.federation, self.agent_id = federation, agent_id
@@ -166,12 +166,10 @@ class Mallory:
             ]
             ghost = agent_topic(self.federation, "ghost", AgentChannel.UPDATE)
             self.publish(ghost, self._update(task, good, sender="ghost"))
-        elif task.header.round == 1:  # a readable header: the truncated body is this task's answer
-            frames = [("malformed", self._update(task, good)[:-100])]
-        elif task.header.round == 2:
-            frames = [("non_finite", self._update(task, dict(good, **{key: np.full_like(good[key], np.nan)})))]
-        else:
-            frames = [("wrong_shape", self._update(task, dict(good, **{key: good[key].astype(np.float64)})))]
+        else:  # a readable header with a truncated body, NaN tensors, another dtype
+            frames = [("malformed", self._update(task, good)[:-100]),
+                      ("non_finite", self._update(task, dict(good, **{key: np.full_like(good[key], np.nan)}))),
+                      ("wrong_shape", self._update(task, dict(good, **{key: good[key].astype(np.float64)})))]
         for _, frame in frames:
             self.publish(topic, frame)
         self.sent += [reason for reason, _ in frames]
@@ -182,7 +180,7 @@ class Mallory:
 
 
 def test_malformed_payloads_are_rejected_with_a_reason_and_the_round_completes(mosquitto, tmp_path, caplog):
-    timeout_s = 8  # rounds 1-3 run to their deadline: mallory's rejected frames answer nothing
+    timeout_s = 8  # rounds 1 and 3 run to their deadline: mallory's rejected frames answer nothing
     config = run_config(rounds=4, min_agents=3, broker={"max_payload_bytes": 4 * 2**20}, round_timeout_s=timeout_s)
     out = tmp_path / "run"
     with RunningFleet(config, out, mosquitto.url, 2) as fleet:
@@ -204,13 +202,16 @@ def test_malformed_payloads_are_rejected_with_a_reason_and_the_round_completes(m
     assert rejected.get("wrong_shape") == 1
     assert rejected.get("duplicate") == 1
     assert rejected.get("unknown_agent") == 1
-    assert rows[1].rejected.get("malformed") == 1 and rows[2].rejected.get("non_finite") == 1
-    assert rows[3].rejected.get("wrong_shape") == 1
+    for r in (1, 3):
+        assert rows[r].rejected == {"malformed": 1, "non_finite": 1, "wrong_shape": 1}, rows[r]
     # round 0 took mallory's valid update, sent after four rejected frames in its name
     assert rows[0].participants == ["agent-00", "agent-01", "mallory"] and rows[0].dropped == []
-    # every later round went on with the honest agents; mallory's rejected frames answered nothing
+    # later rounds went on with the honest agents; mallory's rejected frames answered nothing, so
+    # after missing round 1 it sat out round 2 and was asked again in round 3 (PROTOCOL §10)
     for row in rows[1:]:
-        assert row.participants == ["agent-00", "agent-01"] and row.dropped == ["mallory"], row
+        assert row.participants == ["agent-00", "agent-01"], row
+    assert [row.dropped for row in rows[1:]] == [["mallory"], [], ["mallory"]]
+    assert "mallory" not in rows[2].sampled
     # mallory was told, naming its frames (a 1.2 agent: its status announced the default version)
     reasons = [n.reason for n in mallory.nacks]
     assert {"wrong_shape", "non_finite", "stale", "malformed"} <= set(reasons) and "duplicate" not in reasons
