@@ -5,6 +5,8 @@
 #
 #   EDGEPFL_VENV=path   where the virtual environment goes (default: .venv)
 #   EDGEPFL_EXTRAS=...  which extras to install (default: all)
+#
+# Exits 3 when the disk has too little room for torch (see the check below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,6 +41,21 @@ if [[ "$EXTRAS" == *all* || "$EXTRAS" == *train* ]] && ! "$VENV/bin/python" -c "
   # The one exact pin: on x86_64 with Python 3.11 these wheels are the ones known to
   # install side by side (see README, "Installing"); elsewhere pyproject's ranges decide.
   if [ "$(uname -m)" = "x86_64" ] && "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+    # These are CUDA builds: about 5.6 GB in the venv, and where pip has to download them
+    # about 3 GB more under TMPDIR while it installs. Say so up front instead of failing
+    # half-way with pip's "No space left on device".
+    "$VENV/bin/python" - "$VENV" "${TMPDIR:-/tmp}" <<'PYCHECK' || exit 3
+import os, shutil, sys
+venv, tmp = sys.argv[1], sys.argv[2]
+need = {venv: 6.0, tmp: 3.0}
+if os.stat(venv).st_dev == os.stat(tmp).st_dev:
+    need = {venv: 9.0}
+for where, gib in need.items():
+    free = shutil.disk_usage(where).free / 2**30
+    if free < gib:
+        sys.exit(f"setup: torch needs about {gib:.0f} GiB free under {where}, and {free:.1f} GiB is; "
+                 f"free some space, or set EDGEPFL_VENV (and TMPDIR) to a bigger disk")
+PYCHECK
     echo "setup: installing torch 2.14.1 + torchvision 0.29.1" >&2
     "${PIP[@]}" "torch==2.14.1" "torchvision==0.29.1"
   fi
