@@ -10,7 +10,9 @@ Written by ``edgepfl provision`` and read by Mosquitto 2.x, so the formats are M
   and the release (whole or its retained parts ``release/+``); the coordinator reads the
   agents' side and writes tasks, its presence and the release; nothing reads ``#``;
 * :func:`broker_sizing` and :func:`mosquitto_conf` — the listener and its limits, sized
-  to the fleet and the message size, every number with a comment saying why.
+  to the fleet and the message size, every number with a comment saying why;
+* :func:`firewall_nft` — the nftables rules that cap connections per source address,
+  the one limit Mosquitto 2.x lacks.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import math
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,6 +208,41 @@ def mosquitto_conf(*, federation: str, port: int, broker_dir: str, auth: AuthMod
         "",
     ]
     return "\n".join(lines)
+
+
+def firewall_nft(*, federation: str, port: int, per_address: int) -> str:
+    """nftables rules for the broker host: at most ``per_address`` TCP connections to ``port``
+    from any one source address; one more is reset before it reaches Mosquitto.
+
+    Mosquitto counts every open TCP connection against ``max_connections``, handshake done
+    or not, and has no limit per address: without these rules a few dozen idle sockets from
+    one host, no credentials needed, fill the broker and every (re)connecting device is
+    refused. The file reloads idempotently (``nft -f``) and touches only its own table.
+    """
+    table = "edgepfl_" + re.sub(r"[^A-Za-z0-9_]", "_", federation)  # an nft identifier
+    rule = "tcp dport {port} ct state new add @{set} {{ {family} saddr ct count over {n} }} reject with tcp reset"
+    return "\n".join([
+        "#!/usr/sbin/nft -f",
+        f"# nftables rules for edgepfl federation {federation!r}, written by edgepfl provision.",
+        f"# At most {per_address} connections to port {port} from one address (edgepfl provision",
+        "# --connections-per-address): a device needs one, two while a reconnect overlaps; devices",
+        "# behind one NAT address share the limit. Mosquitto has no such limit of its own, and a",
+        "# socket that never finishes its TLS handshake holds one of its max_connections.",
+        f"# Load as root: nft -f firewall.nft (reloading replaces table inet {table} only);",
+        "# to keep it across reboots, include it from /etc/nftables.conf.",
+        f"table inet {table}",
+        f"delete table inet {table}",
+        f"table inet {table} {{",
+        "\tset per_address_v4 {\n\t\ttype ipv4_addr\n\t\tflags dynamic\n\t}",
+        "\tset per_address_v6 {\n\t\ttype ipv6_addr\n\t\tflags dynamic\n\t}",
+        "\tchain input {",
+        "\t\ttype filter hook input priority filter; policy accept;",
+        "\t\t" + rule.format(port=port, set="per_address_v4", family="ip", n=per_address),
+        "\t\t" + rule.format(port=port, set="per_address_v6", family="ip6", n=per_address),
+        "\t}",
+        "}",
+        "",
+    ])
 
 
 def check_agent_ids(agent_ids: list[str]) -> None:

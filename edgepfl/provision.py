@@ -42,6 +42,7 @@ from .mosquitto import (
     acl_text,
     broker_sizing,
     check_agent_ids,
+    firewall_nft,
     mosquitto_conf,
     password_line,
     read_password_users,
@@ -65,6 +66,8 @@ class ProvisionRecord(BaseModel):
     absolute_paths: bool = False
     #: the address the broker listens on (a record written before this field: every interface, as then)
     bind: str = "0.0.0.0"
+    #: TCP connections one source address may hold to the broker (broker/firewall.nft)
+    connections_per_address: int = Field(4, ge=2)
 
     @field_validator("bind")
     @classmethod
@@ -192,6 +195,8 @@ def _broker_files(record: ProvisionRecord, out: Path, ca: pki.CA, passwords: dic
                           broker_dir=record.broker_dir,
                           auth=record.auth, sizing=sizing, max_message_bytes=record.max_message_bytes)
     pki.write_public(folder / "mosquitto.conf", conf.encode())
+    rules = firewall_nft(federation=record.federation, port=record.port, per_address=record.connections_per_address)
+    pki.write_public(folder / "firewall.nft", rules.encode())
 
 
 # --------------------------------------------------------------------------- commands
@@ -248,7 +253,7 @@ def _summary(record: ProvisionRecord, out: Path, added: list[str] | None = None)
         f"edgepfl provision: federation {record.federation}, {len(record.agents)} agents"
         + (f" ({len(added)} added)" if added else "") + f", auth {record.auth}, broker {record.url}",
         f"  {out}/ca/            the CA; keep ca.key offline (needed only for --add)",
-        f"  {out}/broker/        mosquitto.conf, acl, certificates{', passwd' if record.auth != 'cert' else ''}"
+        f"  {out}/broker/        mosquitto.conf, firewall.nft, acl, certificates{', passwd' if record.auth != 'cert' else ''}"
         f" -> the broker host, at {record.broker_dir} (LimitNOFILE={sizing.open_files})",
         f"  {out}/coordinator/   coordinator.yaml, credentials, signing key, enrolled/ ({len(record.agents)} agents)",
         f"  {out}/agents/<id>/   one bundle per device: " + ", ".join(agents[:5]) + (" ..." if len(agents) > 5 else ""),
@@ -258,6 +263,8 @@ def _summary(record: ProvisionRecord, out: Path, added: list[str] | None = None)
         "next:",
         f"  chown -R mosquitto: {record.broker_dir}   (as root: Mosquitto drops to its user 'mosquitto', which "
         "must read server.key, acl" + (", passwd)" if record.auth != "cert" else ")"),
+        f"  nft -f {record.broker_dir}/firewall.nft   (as root on the broker host: at most "
+        f"{record.connections_per_address} connections per address; without it idle sockets can fill the broker)",
         f"  mosquitto -c {record.broker_dir}/mosquitto.conf"
         + ("   (already running: kill -HUP it to reload passwd)" if added else ""),
         f"  cd {out}/coordinator && edgepfl coordinator --config coordinator.yaml   (after adding method, data, rounds)",
@@ -283,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default="127.0.0.1",
                    help="the address the broker listens on (default 127.0.0.1: this host only; the address devices "
                         "reach it on, or 0.0.0.0 for every interface)")
+    p.add_argument("--connections-per-address", type=int, default=4,
+                   help="TCP connections one address may hold to the broker, in broker/firewall.nft (default 4: "
+                        "a device needs two while a reconnect overlaps; raise it for devices behind one NAT)")
     p.add_argument("--auth", choices=["cert", "password", "both"], default="cert",
                    help="client certificates (default), passwords, or both")
     p.add_argument("--max-message-bytes", type=int, default=1_000_000, help="broker.max_message_bytes (MQTT message)")
@@ -320,12 +330,15 @@ def main_provision(argv: list[str]) -> int:
                 raise ProvisionError(f"{out} exists and is not empty: pass --force to replace it, or --add to extend it")
             if (out / "provision.json").exists():
                 shutil.rmtree(out)
+        if args.connections_per_address < 2:
+            raise ProvisionError("--connections-per-address must be at least 2 (a device holds two while it reconnects)")
         if args.max_message_bytes < 16_384:
             raise ProvisionError("--max-message-bytes must be at least 16384")
         record = ProvisionRecord(
             federation=args.federation, broker_hosts=_names(args.broker_host), port=args.port, auth=args.auth,
             agents=agents, max_message_bytes=args.max_message_bytes, update_bytes=int(args.update_mb * 2**20),
-            broker_dir=args.broker_dir or str(out / "broker"), absolute_paths=args.absolute_paths, bind=args.bind)
+            broker_dir=args.broker_dir or str(out / "broker"), absolute_paths=args.absolute_paths, bind=args.bind,
+            connections_per_address=args.connections_per_address)
         provision(record, out)
         print(_summary(record, out))
         return 0

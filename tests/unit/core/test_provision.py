@@ -167,6 +167,24 @@ def test_the_broker_listens_where_the_operator_says_and_the_first_start_is_spell
         assert not (tmp_path / "c" / "broker" / "mosquitto.conf").exists()
 
 
+def test_firewall_rules_cap_connections_per_address_on_the_brokers_port(tmp_path, capsys):
+    out = provision(tmp_path / "p", "--port", "8884", "--connections-per-address", "6", federation="lab-2")
+    rules = (out / "broker" / "firewall.nft").read_text()
+    # loaded by the live test (tests/integration/test_idle_sockets.py); here: what it says
+    for family in ("ip", "ip6"):
+        assert f"tcp dport 8884 ct state new add @per_address_v{4 if family == 'ip' else 6} " \
+               f"{{ {family} saddr ct count over 6 }} reject with tcp reset" in rules
+    assert "delete table inet edgepfl_lab_2" in rules  # reloading replaces only its own table
+    assert "nft -f" in capsys.readouterr().out
+    assert main_provision(["--add", "pi-03", "--out", str(out)]) == 0  # the record keeps the limit
+    assert "ct count over 6 }" in (out / "broker" / "firewall.nft").read_text()
+    capsys.readouterr()
+    assert main_provision(["--federation", "f", "--agents", "a", "--broker-host", "h", "--out", str(tmp_path / "q"),
+                           "--connections-per-address", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--connections-per-address" in err and len(err.splitlines()) == 1
+
+
 def test_add_extends_the_federation_with_the_same_ca(tmp_path):
     out = provision(tmp_path / "p", auth="password")
     ca = (out / "ca" / "ca.crt").read_bytes()
