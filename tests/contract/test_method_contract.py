@@ -569,3 +569,58 @@ def test_a_server_learning_rate_moves_the_shared_parameters_that_share_of_the_wa
         np.testing.assert_allclose(quarter.shared_params()[key], want, rtol=1e-5, atol=1e-6, err_msg=f"{name}: {key}")
         moved += int(not np.array_equal(full.shared_params()[key], ref))
     assert moved, f"{name}: the round moved no shared parameter, so the test shows nothing"
+
+
+def _calibrated_round(run: RoundRun, state: ServerState, updates: list[ClientUpdate]) -> ServerState:
+    aggregate = run.method.open_round(state, Mean(), cached_calibration=True)
+    for update in updates:
+        aggregate.add(update)
+    return aggregate.close(0)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_cached_calibration_steps_by_every_devices_latest_change(name):
+    """``aggregation.cached_calibration`` (CA2FL): a state's step is the weighted mean of every
+    device's cached change plus, for the devices heard from, their new change minus their
+    cached one; with an empty cache it is the plain weighted mean. The cache is server state:
+    arrival order does not change it, and it survives a checkpoint's flattening bit for bit."""
+    run = run_round(name)
+    if not run.state0.shared_params() or not run.method.streaming:
+        pytest.skip(f"{name}: no streaming average of shared parameters to calibrate")
+    first, later = synthetic_updates(run, 3, seed=3), synthetic_updates(run, 1, seed=4)
+    reference = run.state0.shared_params()
+    floats = [k for k, v in reference.items() if v.dtype.kind == "f"]
+
+    state1 = _calibrated_round(run, run.state0, first)
+    plain = run.method.server_step(run.state0, first, 0)
+    for key in floats:  # empty cache: the plain weighted mean (BatchNorm statistics mixed the same way)
+        np.testing.assert_allclose(state1.shared_params()[key], plain.shared_params()[key], rtol=1e-5, atol=1e-6)
+    assert sorted(state1.update_cache) == [u.agent_id for u in first]
+
+    # the next round hears only from agent-00; agents 01 and 02 still count through their cached changes
+    reordered = [_calibrated_round(run, state1, later) for _ in range(2)]
+    cache, ref1 = state1.update_cache, state1.shared_params()
+    total = sum(c.weight for c in cache.values())
+    for key in floats:
+        mean = sum(c.weight * c.change[key].astype(np.float64) for c in cache.values()) / total
+        new = later[0].tensors[key].astype(np.float64) - ref1[key]
+        want = ref1[key] + mean + new - cache["agent-00"].change[key]
+        if key.endswith("running_var"):
+            want = np.maximum(want, 0.0)
+        np.testing.assert_allclose(reordered[0].shared_params()[key], want, rtol=1e-4, atol=1e-5, err_msg=key)
+    assert state_bytes(reordered[0]) == state_bytes(reordered[1])
+    assert sorted(reordered[0].update_cache) == sorted(cache)
+    assert reordered[0].update_cache["agent-01"] is cache["agent-01"]
+
+    orders = [_calibrated_round(run, run.state0, [first[i] for i in order]) for order in ([0, 1, 2], [2, 0, 1])]
+    assert state_bytes(orders[0]) == state_bytes(orders[1]), f"{name}: arrival order changed the calibrated state"
+    restored = ServerState.from_flat(orders[0].to_flat(), orders[0].extra)
+    assert state_bytes(restored) == state_bytes(orders[0])
+    assert {a: c.weight for a, c in restored.update_cache.items()} == {u.agent_id: run.method.update_weight(u)
+                                                                       for u in first}
+
+
+def test_cached_calibration_needs_the_weighted_mean():
+    with pytest.raises(ValidationError, match="cached_calibration"):
+        AggregationSpec(rule="median", cached_calibration=True)
+    assert AggregationSpec(cached_calibration=True).cached_calibration
