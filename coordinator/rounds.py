@@ -126,15 +126,7 @@ class Coordinator:
             return
         # rows a session wrote before its first checkpoint: that session left nothing to resume
         self.run_dir.drop_rows_from(0)
-        import torch
-
-        from edgepfl.config import ModelSpec
-
-        torch.manual_seed(seed_for(self.config.seed, "global-init"))
-        data = self.run_spec.data
-        model = self.method.build_model(ModelSpec(**self.config.model.model_dump()), data.input_shape, data.num_classes)
-        self.state = self.method.init_server(model)
-        self.start_round = 0
+        self.state, self.start_round = initial_state(self.config, self.method, self.run_spec), 0
 
     def _server_state(self) -> ServerState:
         """The global state, which :meth:`init_or_resume` sets (:meth:`run` calls it first)."""
@@ -362,3 +354,15 @@ class Coordinator:
         self.inbox.expect_reports(heads, next(reversed(self.releases)))
         self.inbox.pump_until(self.inbox.reports_complete, self.clock.now() + timeout)
         self.run_dir.write_head_reports(self.inbox.reports_by_release, self.releases)
+
+
+def initial_state(config: RunConfig, method: Method, run_spec: RunSpec) -> ServerState:
+    """Round 0's server state: the method's from a model seeded by the run's seed alone."""
+    import torch
+
+    from edgepfl.config import ModelSpec
+
+    torch.manual_seed(seed_for(config.seed, "global-init"))
+    data = run_spec.data
+    model = method.build_model(ModelSpec(**config.model.model_dump()), data.input_shape, data.num_classes)
+    return method.init_server(model)
