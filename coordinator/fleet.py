@@ -332,7 +332,9 @@ class LocalFleet(Fleet):
         message = decode(frame)
         reply = self.agents[agent_id].handle(message)
         if reply is not None:
-            answer = decode(reply.frame).header.meta  # the agent's own counts: in-process agents are ours
+            # Only the counts, to time the answer; whether the frame is admissible (finite, of a
+            # size the run allows) is the gate's to say, with a rejection, as for any agent's frame.
+            answer = decode(reply.frame, max_bytes=len(reply.frame), check_finite=False).header.meta
             samples = task_samples(str(message.header.meta.get("kind", "train")), int(answer.get("num_train", 0)),
                                    int(answer.get("num_test", 0)), self.epochs)
             at = self.timing[agent_id].answer_time(self.clock.now(), len(frame), samples, len(reply.frame))

@@ -836,3 +836,34 @@ def test_an_agent_that_refused_for_good_gets_no_task_until_it_restarts(tmp_path)
     assert rows[3].sampled == ["a", "b"] and rows[3].participants == ["a", "b"]  # a new session: eligible again
     assert rows[-1].final and rows[-1].evaluated == 2
     assert [agent for round, agent in tasks if round in (1, 2)] == ["a", "a"]  # nothing was sent to b meanwhile
+
+
+def test_an_in_process_agents_non_finite_update_is_one_rejection_and_the_round_goes_on(tmp_path):
+    """A diverged trainer (NaN in its upload) in the in-process fleet: the gate rejects its
+    frame ``non_finite`` like any agent's, and the others' round closes (the simulator read
+    the frame's counts with the tensors' finiteness check on, and crashed)."""
+    from edgepfl.coordinator.fleet import LocalFleet
+    from edgepfl.coordinator.simulate import agent_ids, data_shape, prepare
+    from edgepfl.data import load_client_data
+    from edgepfl.edge_agent.tiers import TrainerTier
+    from edgepfl.edge_agent.trainer import TrainerRuntime
+
+    from tests.fleet_helpers import run_config
+
+    class Diverged(TrainerRuntime):
+        def handle(self, task):
+            meta, upload = super().handle(task)
+            return meta, {k: np.full_like(v, np.nan) if v.dtype.kind == "f" else v for k, v in upload.items()}
+
+    config = prepare(run_config(rounds=2, model={"arch": "mlp", "feature_dim": 8}, device="cpu",
+                                data={"dataset": "digits", "samples_per_client": 60}), 3)
+    out = tmp_path / "run"
+    agents = {}
+    for i, agent in enumerate(agent_ids(3)):
+        data, state = load_client_data(config.data, i), out / "agents" / agent
+        agents[agent] = TrainerTier(agent, data, str(state), "cpu")
+        if i == 0:
+            agents[agent].runtime = Diverged(agent, data, state, "cpu")
+    rows = Coordinator(config, LocalFleet(agents, config.federation), out, progress=False, **data_shape(config)).run()
+    assert rows[0].rejected == {"non_finite": 1} and sorted(rows[0].participants) == ["agent-01", "agent-02"]
+    assert not rows[0].aborted and [r.round for r in rows] == [0, 1, 2]
