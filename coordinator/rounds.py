@@ -264,8 +264,7 @@ class Coordinator:
                                          c.aggregation.max_weight_ratio))
         result = RoundResult(round=r, sampled=sampled)
         if sampled:
-            a = c.aggregation
-            result.aggregate = self.method.open_round(state, a.build(), a.server_lr, a.cached_calibration)
+            result.aggregate = self.method.open_round(state, c.aggregation.build(), c.aggregation.server_lr)
         windows = self._closed_rounds.windows(r, c.stragglers.staleness_exponent, self.method) if late else None
         self.inbox.open_round(tasks, result, state, windows)
         self.observer.collecting(result)

@@ -41,11 +41,10 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 TensorDict = dict[str, np.ndarray]
 
@@ -122,22 +121,9 @@ class AggregationSpec(BaseModel):
                                      "carried to the rule's aggregate of the shared parameters (a server learning "
                                      "rate, FedBuff's eta_g); below 1 smooths a run whose rounds each hear from a "
                                      "different part of a non-IID fleet")
-    cached_calibration: bool = Field(
-        False, description="keep each device's latest change of the shared parameters on the server (CA2FL's cached "
-                           "update calibration): a new state steps by the mean of every device's cached change, this "
-                           "state's updates replacing their devices' entries, so each state also carries the devices "
-                           "that did not answer it (buffered rounds' slow devices, an unsampled fraction). rule mean "
-                           "only; memory and checkpoint: one copy of the shared parameters per device")
     rollback_after: int | None = Field(
         3, ge=1, description="after this many aborted rounds in a row (any reason, below quorum included), go "
                              "back to the last good state: the last one a round was adopted from; null: never")
-
-    @model_validator(mode="after")
-    def _calibration_averages(self) -> AggregationSpec:
-        if self.cached_calibration and self.rule != "mean":
-            raise ValueError(f"cached_calibration averages cached changes with the weighted mean; rule {self.rule!r} "
-                             "would be bypassed: use rule mean (the update bound still applies), or turn it off")
-        return self
 
     def build(self) -> Aggregator:
         """A new aggregator for this spec, with its update bound."""
@@ -353,8 +339,6 @@ class Aggregator(ABC):
         self.bound: UpdateBound | None = None
         #: updates of this round that the bound clipped
         self.bound_clipped_ = 0
-        #: the last update added, as the rule took it (after the bound)
-        self.last_added_: Mapping[str, np.ndarray] = {}
 
     def begin(self, reference: Mapping[str, np.ndarray]) -> None:
         """Start a round whose tasks carried ``reference`` (the keys to aggregate)."""
@@ -389,7 +373,6 @@ class Aggregator(ABC):
             self.bound_clipped_ += clipped
         self._add(params, int(weight))
         self.count_ += 1
-        self.last_added_ = params
         return clipped
 
     @abstractmethod
@@ -528,75 +511,6 @@ class NormClippedMean(Aggregator):
     def result(self) -> TensorDict:
         self._require_updates()
         return self.sum_.mean()
-
-
-@dataclass
-class CachedUpdate:
-    """One device's latest change of the shared parameters and its weight (:class:`CachedCalibration`)."""
-
-    weight: int
-    change: TensorDict
-
-
-class CachedCalibration:
-    """Cached update calibration for one round (CA2FL, Wang et al., ICLR 2024).
-
-    The server keeps every device's latest change of the shared parameters (``cache``,
-    from the state the round's tasks carried). The round's step is the weighted mean of
-    the cached changes plus, for each update of the round, its change minus the one cached
-    for its device (the cached mean, for a device seen for the first time), averaged over
-    the round's weights:
-
-        step = mean_j(h_j) + sum_i w_i (d_i - h_i) / sum_i w_i
-
-    so a state made of whichever devices answered first still carries the others' last
-    word, and with an empty cache the step is the round's plain weighted mean. The changes
-    are the ones the rule took (after the update bound and any rebase of a late update).
-    Every sum runs in agent-id order, so the result does not depend on arrival order.
-    """
-
-    def __init__(self, cache: Mapping[str, CachedUpdate], reference: Mapping[str, np.ndarray]):
-        self.reference = reference
-        self.floats = [k for k, v in reference.items() if v.dtype.kind == "f"]
-        self._before = cache
-        #: the next state's cache: the round's updates replace their devices' entries
-        self.cache_: dict[str, CachedUpdate] = dict(cache)
-        self._round: dict[str, CachedUpdate] = {}
-        self.cached_mean_ = self._mean(cache)
-
-    def _mean(self, cache: Mapping[str, CachedUpdate]) -> TensorDict:
-        mean = {k: np.zeros(self.reference[k].shape, np.float64) for k in self.floats}
-        total = sum(cache[a].weight for a in cache)
-        for agent in sorted(cache):
-            for k in self.floats:
-                mean[k] += cache[agent].weight * cache[agent].change[k].astype(np.float64)
-        return {k: v / total for k, v in mean.items()} if total else mean
-
-    def add(self, agent_id: str, params: Mapping[str, np.ndarray], weight: int) -> None:
-        """Record one update the rule took: ``params`` as it took them, with its ``weight``."""
-        change = {k: (np.asarray(params[k], np.float64) - self.reference[k].astype(np.float64)).astype(
-            self.reference[k].dtype) for k in self.floats}
-        self._round[agent_id] = self.cache_[agent_id] = CachedUpdate(weight, change)
-
-    def result(self, aggregate: Mapping[str, np.ndarray]) -> TensorDict:
-        """The rule's ``aggregate`` with its floating-point tensors replaced by the calibrated step."""
-        correction = {k: np.zeros(self.reference[k].shape, np.float64) for k in self.floats}
-        total = 0
-        for agent in sorted(self._round):
-            new = self._round[agent]
-            old = self._before[agent].change if agent in self._before else self.cached_mean_
-            for k in self.floats:
-                correction[k] += new.weight * (new.change[k].astype(np.float64) - old[k])
-            total += new.weight
-        variances = {layer + "running_var" for layer in _statistic_layers(self.reference)}
-        out = dict(aggregate)
-        for k in self.floats:
-            ref = self.reference[k]
-            value = ref.astype(np.float64) + self.cached_mean_[k] + correction[k] / total
-            if k in variances:
-                value = np.maximum(value, 0.0)
-            out[k] = value.astype(ref.dtype)
-        return out
 
 
 def _norm(arrays) -> float:

@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .aggregation import CachedUpdate
 from .atomic import tensors_bytes, tensors_from_bytes, write_bytes, write_json
 from .failpoints import failpoint
 from .protocol.run import RunSpec
@@ -33,26 +32,18 @@ from .specs import DataSpec
 TensorDict = dict[str, np.ndarray]
 
 
-#: the key under which a cached update's weight is flattened (no state_dict key has a slash first)
-CACHE_WEIGHT = "/weight"
-
-
 @dataclass
 class ServerState:
     """What the coordinator keeps between rounds (and checkpoints).
 
     ``global_tensors``: shared parameters (``state_dict`` keys) and ``server/`` extras
     sent to every agent. ``client_tensors``: per-agent tensors a method computes on
-    the server (FedPAC's combined heads). ``update_cache``: with
-    ``aggregation.cached_calibration``, each device's latest change of the shared
-    parameters, as it was folded in (never sent anywhere; see
-    :class:`~edgepfl.methods.base.RoundAggregate`). ``extra``: JSON-able scalars.
+    the server (FedPAC's combined heads). ``extra``: JSON-able scalars.
     """
 
     global_tensors: TensorDict
     client_tensors: dict[str, TensorDict] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
-    update_cache: dict[str, CachedUpdate] = field(default_factory=dict)
 
     def shared_params(self) -> TensorDict:
         return {k: v for k, v in self.global_tensors.items() if "/" not in k}
@@ -61,9 +52,6 @@ class ServerState:
         flat = {f"global::{k}": v for k, v in self.global_tensors.items()}
         for agent, tensors in self.client_tensors.items():
             flat.update({f"client::{agent}::{k}": v for k, v in tensors.items()})
-        for agent, cached in self.update_cache.items():
-            flat[f"cache::{agent}::{CACHE_WEIGHT}"] = np.array([cached.weight], dtype=np.int64)
-            flat.update({f"cache::{agent}::{k}": v for k, v in cached.change.items()})
         return flat
 
     @classmethod
@@ -75,12 +63,6 @@ class ServerState:
                 state.global_tensors[parts[1]] = value
             elif parts[0] == "client":
                 state.client_tensors.setdefault(parts[1], {})[parts[2]] = value
-            elif parts[0] == "cache":
-                cached = state.update_cache.setdefault(parts[1], CachedUpdate(0, {}))
-                if parts[2] == CACHE_WEIGHT:
-                    cached.weight = int(value[0])
-                else:
-                    cached.change[parts[2]] = value
         return state
 
 

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..aggregation import Aggregator, CachedCalibration, Mean, rebase
+from ..aggregation import Aggregator, Mean, rebase
 from ..heads import GENERIC_HEAD_KINDS
 from ..state import ServerState
 from .training import EvalResult, evaluate_logits, fit, make_optimizer, recalibrate_batchnorm
@@ -152,17 +152,13 @@ class RoundAggregate:
     :meth:`Method.finish_round`.
     """
 
-    def __init__(self, method: Method, state: ServerState, rule: Aggregator, server_lr: float = 1.0,
-                 cached_calibration: bool = False):
+    def __init__(self, method: Method, state: ServerState, rule: Aggregator, server_lr: float = 1.0):
         self.method = method
         self.state = state
         self.rule = rule
         #: the share of the way the shared parameters move from ``state`` to the rule's aggregate
         self.server_lr = server_lr
         self.reference = state.shared_params()
-        #: with ``aggregation.cached_calibration``: the step calibrated by every device's cached change
-        self.calibration = CachedCalibration(state.update_cache, self.reference) if (
-            cached_calibration and self.reference) else None
         #: agents whose update was added, in arrival order
         self.participants: list[str] = []
         #: every added update, only when the method is not streaming
@@ -194,10 +190,7 @@ class RoundAggregate:
             shared = {k: v for k, v in update.tensors.items() if k in self.reference}
             if base is not None and set(shared) == set(self.reference):
                 shared = rebase(shared, base, self.reference, discount)
-            weight = self.method.update_weight(update)
-            clipped = self.rule.add(shared, weight)
-            if self.calibration is not None:
-                self.calibration.add(update.agent_id, self.rule.last_added_, weight)
+            clipped = self.rule.add(shared, self.method.update_weight(update))
         self.participants.append(update.agent_id)
         if not self.method.streaming:
             self.updates.append(update)
@@ -208,15 +201,10 @@ class RoundAggregate:
         if not self.participants:
             raise RuntimeError("no update was added this round")
         shared = self.rule.result() if self.reference else {}
-        if self.calibration is not None:
-            shared = self.calibration.result(shared)
         if shared and self.server_lr != 1.0:
             shared = rebase(shared, self.reference, self.reference, self.server_lr)
         updates = sorted(self.updates, key=lambda u: u.agent_id)
-        state = self.method.finish_round(self.state, shared, updates, round)
-        if self.calibration is not None:
-            state.update_cache = self.calibration.cache_
-        return state
+        return self.method.finish_round(self.state, shared, updates, round)
 
 
 @dataclass
@@ -388,12 +376,10 @@ class Method:
         coordinator bounds by the count the agent announced)."""
         return update.num_samples
 
-    def open_round(self, state: ServerState, rule: Aggregator, server_lr: float = 1.0,
-                   cached_calibration: bool = False) -> RoundAggregate:
+    def open_round(self, state: ServerState, rule: Aggregator, server_lr: float = 1.0) -> RoundAggregate:
         """Start aggregating a round whose tasks carried ``state``, its shared parameters with
-        ``rule``; the next state's move ``server_lr`` of the way from ``state`` to the aggregate
-        (with ``cached_calibration``, to the calibrated step: :class:`~edgepfl.aggregation.CachedCalibration`)."""
-        return RoundAggregate(self, state, rule, server_lr, cached_calibration)
+        ``rule``; the next state's move ``server_lr`` of the way from ``state`` to the aggregate."""
+        return RoundAggregate(self, state, rule, server_lr)
 
     def finish_round(self, state: ServerState, shared: TensorDict, updates: list[ClientUpdate],
                      round: int) -> ServerState:

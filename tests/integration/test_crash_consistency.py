@@ -88,39 +88,3 @@ def test_a_coordinator_killed_at_a_write_point_resumes_to_the_uninterrupted_fina
     # nothing a crash left half-written stays behind once the run has checkpointed again
     files = {p.name for p in (out / "checkpoint").iterdir() if p.is_file()}
     assert files == {"state.json", next((out / "checkpoint").glob("state-*.safetensors")).name}, files
-
-
-def test_a_buffered_run_with_cached_calibration_resumes_with_its_cache(tmp_path):
-    """The calibration cache (every device's latest change) is server state: it is in the
-    checkpoint, and a restarted coordinator goes on from it. (A buffered run's tasks in
-    flight are lost with the process, so its later states are not the uninterrupted run's:
-    tests/integration/test_buffered_hostile.py.) Two devices, a state per update: each
-    state replaces one device's entry and must keep the other's as the checkpoint had it."""
-    config = run_config(model={"arch": "mlp", "feature_dim": 16}, data={"samples_per_client": 100}, rounds=4,
-                        asynchrony={"mode": "buffered", "buffer_size": 1}, aggregation={"cached_calibration": True})
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    out = tmp_path / "run"
-
-    def cache(tensors: dict) -> dict[str, dict]:
-        entries: dict[str, dict] = {}
-        for key, value in tensors.items():
-            if key.startswith("cache::"):
-                _, agent, name = key.split("::")
-                entries.setdefault(agent, {})[name] = value.tobytes()
-        return entries
-
-    assert simulate(path, out, failpoint="round.checkpointed:2").returncode == -signal.SIGKILL
-    saved = cache(checkpoint_tensors(out / "checkpoint"))
-    assert sorted(saved) == ["agent-00", "agent-01"]  # states 0 and 1, one device each
-    # the restarted coordinator, killed once its first state (2) is checkpointed
-    assert simulate(path, out, "--resume", failpoint="round.checkpointed:1").returncode == -signal.SIGKILL
-    state2 = read_rows(out)[2]
-    (heard,) = state2.participants + state2.late
-    after = cache(checkpoint_tensors(out / "checkpoint"))
-    (other,) = {"agent-00", "agent-01"} - {heard}
-    assert after[other] == saved[other], "the device not heard from lost its cached change across the restart"
-    assert after[heard] != saved[heard]
-    resumed = simulate(path, out, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert [r.round for r in read_rows(out) if not r.final] == list(range(4))
