@@ -604,5 +604,5 @@ class MultiKrum(_Buffered):
 __all__ = [
     "CHANGE_RANGE", "DEFAULT_MAX_WEIGHT_RATIO", "MAX_UPDATE_WEIGHT", "AggregationRejected", "AggregationSpec",
     "Aggregator", "CoordinateMedian", "Mean", "MultiKrum", "NormClippedMean", "STATISTIC_LEAVES", "TrimmedMean",
-    "UpdateBound", "CachedCalibration", "CachedUpdate", "capped_accuracy", "rebase", "staleness_weight", "weight_cap",
+    "UpdateBound", "capped_accuracy", "rebase", "staleness_weight", "weight_cap",
 ]

@@ -181,8 +181,8 @@ def _time_server_step(coord, timing: dict) -> None:
     method = coord.method
     open_round = method.open_round
 
-    def timed_open_round(state, rule):
-        aggregate = open_round(state, rule)
+    def timed_open_round(state, rule, *options):
+        aggregate = open_round(state, rule, *options)
         add, close = aggregate.add, aggregate.close
 
         def timed_add(update):
@@ -213,8 +213,8 @@ def _record_change_ratios(coord, changes: dict[str, list[float]]) -> None:
     method = coord.method
     open_round = method.open_round
 
-    def probing_open_round(state, rule):
-        aggregate = open_round(state, rule)
+    def probing_open_round(state, rule, *options):
+        aggregate = open_round(state, rule, *options)
         add = aggregate.add
         ref = state.shared_params()
         floats = [k for k, v in ref.items() if v.dtype.kind == "f"]
