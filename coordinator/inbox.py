@@ -49,11 +49,6 @@ log = logging.getLogger("edgepfl.coordinator")
 
 # How long one poll of the fleet may block: the granularity of deadlines.
 POLL_S = 0.2
-# A flood of rejections (Sybils, forged statuses) must not flood the log: at most
-# LOG_PER_WINDOW lines per reason per LOG_WINDOW_S seconds, then one line saying how many
-# were not logged; every rejection is still counted.
-LOG_WINDOW_S = 60.0
-LOG_PER_WINDOW = 10
 #: head-tier reports kept per agent: its last this many releases (the current one and a few before)
 REPORTS_KEPT_PER_AGENT = 4
 
@@ -100,7 +95,8 @@ class Inbox:
         self._releases_reported: dict[str, list[str]] = {}
         #: with a keyring, statuses and metrics must be signed by the sender's enrolled key
         self.keyring = keyring
-        self._log = LogLimiter(log, LOG_PER_WINDOW, LOG_WINDOW_S)  # per rejection reason
+        # a flood of rejections (Sybils, forged statuses) must not flood the log; each is still counted
+        self._log = LogLimiter(log)  # per rejection reason
         self._awaited_reports: set[str] = set()
         self._awaited_release: str | None = None
         # The open round: before round 0 none (no tasks; rejections count in the run's

@@ -75,6 +75,11 @@ def setup_logging(level: str = "warning", fmt: str = "text", stream: TextIO | No
     return logger
 
 
+#: a limited key's lines per window, and the window (seconds): LogLimiter's defaults
+LINES_PER_WINDOW = 10
+WINDOW_S = 60.0
+
+
 class LogLimiter:
     """Per-message warnings that a flood cannot turn into a flood of lines: at most
     ``per_window`` lines per key (a rejection reason, a topic's kind) every ``window_s``
@@ -82,7 +87,7 @@ class LogLimiter:
     ends one line with how many were left out. Whatever is limited is still counted by
     its caller; only the log is spared."""
 
-    def __init__(self, logger: logging.Logger, per_window: int = 10, window_s: float = 60.0,
+    def __init__(self, logger: logging.Logger, per_window: int = LINES_PER_WINDOW, window_s: float = WINDOW_S,
                  clock: Callable[[], float] = time.monotonic):
         self.logger, self.per_window, self.window_s, self.clock = logger, per_window, window_s, clock
         self._windows: dict[str, tuple[float, int]] = {}  # key -> (window start, lines asked for in it)

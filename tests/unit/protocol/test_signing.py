@@ -367,7 +367,8 @@ def test_exposure_warning_only_off_this_machine_without_tls_or_signatures():
 
 
 def test_a_flood_of_rejections_is_counted_in_full_but_logged_a_few_times(caplog):
-    from edgepfl.coordinator.inbox import LOG_PER_WINDOW, Inbox
+    from edgepfl.coordinator.inbox import Inbox
+    from edgepfl.logs import LINES_PER_WINDOW
     from edgepfl.coordinator.result import RunCounters
 
     counters = RunCounters()
@@ -378,7 +379,7 @@ def test_a_flood_of_rejections_is_counted_in_full_but_logged_a_few_times(caplog)
         inbox._reject(Rejection("alice", "malformed", "bad"))
     assert counters.rejected == {"not_enrolled": 1000, "malformed": 1}
     lines = caplog.text.splitlines()
-    assert sum("not_enrolled" in line for line in lines) == LOG_PER_WINDOW + 1  # + "counted, not logged"
+    assert sum("not_enrolled" in line for line in lines) == LINES_PER_WINDOW + 1  # + "counted, not logged"
     assert "rejected message from alice: malformed (bad)" in caplog.text
 
 
