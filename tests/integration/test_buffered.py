@@ -16,7 +16,7 @@ from edgepfl.coordinator.fleet import MqttFleet
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import simulate
 from edgepfl.edge_agent.tiers import local_trainers
-from edgepfl.protocol import AgentChannel, agent_topic
+from edgepfl.protocol import AgentChannel, agent_topic, decode
 from edgepfl.simulation import FleetTiming
 
 from tests.fleet_helpers import RunningFleet, read_rows, run_in_thread, wait_until
@@ -150,9 +150,24 @@ def test_a_device_that_restarts_mid_task_is_sent_a_fresh_one(mosquitto, broker_c
         fleet.procs[victim].send_signal(signal.SIGKILL)
         fleet.procs[victim].wait()
         wait_until(lambda: len(read_rows(out)) >= 3, 240, what="three states without it")
+        # The fast devices wait while the victim restarts: on a busy host its start (torch's
+        # import) outlasts the 17 states they would make meanwhile, and the run would end first.
+        fast = [fleet.procs[a] for a in fleet.ids if a != victim]
+        for proc in fast:
+            proc.send_signal(signal.SIGSTOP)
         restarted_after = len(read_rows(out))
+        status_topic = agent_topic(config.federation, victim, AgentChannel.STATUS)
+
+        def sessions() -> set[str | None]:
+            return {decode(p).meta.session for t, p in broker_capture.snapshot()
+                    if t == status_topic and decode(p).meta.state == "online"}
+
+        before = sessions()
         fleet.start_agent(fleet.ids.index(victim))
-        thread.join(timeout=400)
+        wait_until(lambda: sessions() - before, 240, what="the restarted victim's birth")
+        for proc in fast:
+            proc.send_signal(signal.SIGCONT)
+        thread.join(timeout=900)
         coordinator.fleet.close()
         assert not thread.is_alive() and "error" not in box, box.get("error")
     rows = [row for row in read_rows(out) if not row.final]
