@@ -368,8 +368,8 @@ def test_exposure_warning_only_off_this_machine_without_tls_or_signatures():
 
 def test_a_flood_of_rejections_is_counted_in_full_but_logged_a_few_times(caplog):
     from edgepfl.coordinator.inbox import Inbox
-    from edgepfl.logs import LINES_PER_WINDOW
     from edgepfl.coordinator.result import RunCounters
+    from edgepfl.logs import LINES_PER_WINDOW
 
     counters = RunCounters()
     inbox = Inbox(None, Registry(), None, counters)  # type: ignore[arg-type]  # only the rejection path is used
