@@ -97,7 +97,7 @@ class Coordinator:
         self.inbox = Inbox(fleet, self.registry, gate, self.counters, tick=self.observer.tick, keyring=keyring,
                            clock=self.clock, presence=PresenceWatch(self.registry, config.expected_agents),
                            nacks=Nacker(config.federation, fleet, self.registry, self.signer))
-        if fleet.loses_tasks and config.asynchrony.mode == "sync":  # buffered states outrun a copy's echo
+        if fleet.loses_tasks:
             self.inbox.resend = self._resend
         self.epoch = int(time.time() * 1000)  # a resumed run keeps its checkpoint's (init_or_resume)
         self.state: ServerState | None = None
