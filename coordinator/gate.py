@@ -188,8 +188,6 @@ class Task:
     announced: int | None = None
     #: the agent process's session when the task was sent (a copy goes only to that process)
     session: str | None = None
-    #: when it was sent, on the protocol's clock (its frame's ``created``)
-    sent_at: float = 0.0
 
 
 class RoundTasks:

@@ -190,22 +190,19 @@ class Inbox:
         if status.meta.state == "online" and not was_online:
             self.fleet.agent_online(incoming.agent_id, status.meta.tier)
         if status.meta.state == "online":
-            self._resend_open_task(incoming.agent_id, status.meta.session, status.created)
+            self._resend_open_task(incoming.agent_id, status.meta.session)
 
-    def _resend_open_task(self, agent_id: str, session: str | None, born: float) -> None:
+    def _resend_open_task(self, agent_id: str, session: str | None) -> None:
         """An agent announces itself (a birth: it connected) while its task of the open round
         is unanswered: the task may have been lost with the connection or a broker restart,
         so it goes again, same task id, once per round (a birth can also cross the task on its
         way: an agent that has it answers that id once all the same). Only to the process it
         was sent to: a restarted one (another session) lost it with its memory, and what a new
-        process gets is the round loop's to decide. Only for a birth made after the task was
-        sent (``born``, the status's ``created``): a roll-call answer that crossed the task is
-        not a reconnect (with a device clock behind, a real one is missed, and the round falls
-        back to its deadline, as before copies existed)."""
+        process gets is the round loop's to decide."""
         tasks = self._tasks
         task = tasks.get(agent_id)
         if (self.resend is None or tasks.closed or task is None or agent_id not in tasks.waiting
-                or agent_id in self._resent or task.session != session or born <= task.sent_at):
+                or agent_id in self._resent or task.session != session):
             return
         self._resent.add(agent_id)
         sent = self.resend(task, tasks.round)

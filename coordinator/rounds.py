@@ -42,7 +42,6 @@ from edgepfl.protocol import (
     RunSpec,
     seed_for,
 )
-from edgepfl.protocol.clock import wall_time
 from edgepfl.protocol.signing import Keyring, load_signer
 from edgepfl.state import CheckpointMeta
 
@@ -277,8 +276,7 @@ class Coordinator:
         task_id, frame = self.task_writer.frame(agent_id, kind)
         announced = self.registry.announced_num_train(agent_id) if kind == "train" else None
         known = self.registry.agents.get(agent_id)
-        session = known.session if known is not None else None
-        tasks.add(Task(agent_id, task_id, kind, announced, session, sent_at=wall_time()))
+        tasks.add(Task(agent_id, task_id, kind, announced, known.session if known is not None else None))
         result.bytes_down += self.fleet.send(agent_id, frame, tasks.round)
         if not self.fleet.send_ready():
             # Unacknowledged tasks wait in the transport: at 1,000 agents a round's worth

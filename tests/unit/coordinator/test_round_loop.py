@@ -888,7 +888,7 @@ def test_a_task_lost_with_the_connection_goes_again_once_when_its_agent_announce
         fleet = LossyFleet({"a": honest("a"), "b": honest("b"), "c": c})
 
         def on_send(agent_id: str, task: Message) -> None:
-            if agent_id == "c" and task.header.round == 0 and not copies:  # births made after the task went
+            if agent_id == "a" and task.header.round == 0:
                 fleet.events.extend([status("c", session=session), status("c", session=session)])
 
         fleet.on_send = on_send
@@ -898,22 +898,15 @@ def test_a_task_lost_with_the_connection_goes_again_once_when_its_agent_announce
     rows, copies = run(session=None)
     assert [m.meta.task_id for m in copies] == [copies[0].meta.task_id] * 2  # once again, the same task
     assert rows[0].participants == ["a", "b", "c"] and rows[0].dropped == []
-    # a birth made before the task went (a roll-call answer crossing it) brings no copy
-    fleet = LossyFleet({"a": honest("a"), "b": honest("b"), "c": honest("c")})
-    sends: list[str] = []
-    fleet.on_send = lambda agent_id, task: (sends.append(agent_id), fleet.events.append(crossing))
-    crossing = status("c")
-    rows = coordinator(fleet, tmp_path / "crossing", round_timeout_s=1.0).run()
-    assert sends.count("c") == 2 and rows[0].rejected == {}  # its training task and the final evaluation's
-    # a birth after the task that crossed a copy which did arrive: the agent answers both
-    # copies with one frame, and the echo is dropped uncounted
+    # a birth that crossed a task which did arrive: the agent answers both copies with one
+    # frame, and the echo is dropped uncounted (the demo's first run showed "duplicate: 1")
     answered: dict[str, list[bytes]] = {}
 
     def idempotent(task: Message) -> list[bytes]:  # a task id is answered once; a copy gets the same frame
         return answered.setdefault(task.meta.task_id, honest("c")(task))
 
     fleet = LossyFleet({"a": honest("a"), "b": honest("b"), "c": idempotent})
-    fleet.on_send = lambda agent_id, task: fleet.events.append(status("c")) if agent_id == "c" else None
+    fleet.on_send = lambda agent_id, task: fleet.events.append(status("c")) if agent_id == "a" else None
     rows = coordinator(fleet, tmp_path / "crossed", round_timeout_s=1.0).run()
     assert rows[0].participants == ["a", "b", "c"] and [row.rejected for row in rows] == [{}, {}]
     rows, copies = run(session="f" * 32)  # c restarted: its status names a new session
