@@ -109,14 +109,13 @@ class Inbox:
         #: fleet cannot lose a task (:attr:`~.fleet.Fleet.loses_tasks`)
         self.resend: Callable[[Task, int], int] | None = None
         self._resent: set[str] = set()  # agents whose task of the open round went again
-        self._resent_before: set[str] = set()  # ... of the round before
 
     def open_round(self, tasks: RoundTasks, sink: RoundSink, state: ServerState,
                    late: Mapping[int, LateWindow] | None = None) -> None:
         """Admit answers to ``tasks``, checked against ``state`` (what the tasks were built from), into ``sink``;
         with ``late``, also the training updates of agents those closed rounds dropped."""
         self._tasks, self._sink, self._state, self._late = tasks, sink, state, late
-        self._resent_before, self._resent = self._resent, set()
+        self._resent = set()
 
     @property
     def late_rounds(self) -> set[int]:
@@ -270,11 +269,6 @@ class Inbox:
             self.registry.show_life(agent_id)
 
     def _reject(self, rejection: Rejection) -> None:
-        if rejection.reason in ("duplicate", "stale") and rejection.agent_id in self._resent | self._resent_before:
-            # its answer to the copy of a task sent again (PROTOCOL.md §10), repeated from its
-            # cache, in the round or just after it: an echo the coordinator asked for
-            log.debug("%s answered the copy of its task too (%s)", rejection.agent_id, rejection.detail)
-            return
         if rejection.reason == "unsupported_version" and rejection.attributed is not None:
             self.registry.forget(rejection.agent_id or "")  # an agent of another major version is not registered
         if self.nacks is not None:
