@@ -186,8 +186,6 @@ class Task:
     #: the training samples the agent's status announced when the task was sent: an answer
     #: may claim no more (None: whatever the registry holds when the answer arrives)
     announced: int | None = None
-    #: the agent process's session when the task was sent (a copy goes only to that process)
-    session: str | None = None
 
 
 class RoundTasks:

@@ -183,27 +183,29 @@ class Inbox:
         if isinstance(status, Rejection):
             return self._reject(status)
         assert isinstance(status, Presence)
+        known = self.registry.agents.get(incoming.agent_id)
+        session = known.session if known is not None else None
         was_online = self.registry.update(incoming.agent_id, status.meta, status.created)
         capabilities = status.meta.capabilities
         self.fleet.agent_limits(incoming.agent_id, capabilities.max_message_bytes if capabilities else None)
         if status.meta.state == "online" and not was_online:
             self.fleet.agent_online(incoming.agent_id, status.meta.tier)
-        if status.meta.state == "online":
-            self._resend_open_task(incoming.agent_id, status.meta.session)
+        if status.meta.state == "online" and status.meta.session == session:
+            # the same process reconnected (a restarted one lost its task with its memory:
+            # the round loop decides what it gets next)
+            self._resend_open_task(incoming.agent_id)
 
-    def _resend_open_task(self, agent_id: str, session: str | None) -> None:
+    def _resend_open_task(self, agent_id: str) -> None:
         """An agent announces itself (a birth: it connected) while its task of the open round
         is unanswered: the task may have been lost with the connection or a broker restart,
         so it goes again, same task id, once per round (a birth can also cross the task on its
-        way: an agent that has it answers that id once all the same). Only to the process it
-        was sent to: a restarted one (another session) lost it with its memory, and what a new
-        process gets is the round loop's to decide."""
+        way: an agent that has it answers that id once all the same)."""
         tasks = self._tasks
-        task = tasks.get(agent_id)
-        if (self.resend is None or tasks.closed or task is None or agent_id not in tasks.waiting
-                or agent_id in self._resent or task.session != session):
+        if self.resend is None or tasks.closed or agent_id not in tasks.waiting or agent_id in self._resent:
             return
         self._resent.add(agent_id)
+        task = tasks.get(agent_id)
+        assert task is not None  # waiting: it was sent one
         sent = self.resend(task, tasks.round)
         if self._sink is not None:
             self._sink.bytes_down += sent

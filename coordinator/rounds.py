@@ -275,8 +275,7 @@ class Coordinator:
         """Send ``agent_id`` a ``kind`` task of the open round."""
         task_id, frame = self.task_writer.frame(agent_id, kind)
         announced = self.registry.announced_num_train(agent_id) if kind == "train" else None
-        known = self.registry.agents.get(agent_id)
-        tasks.add(Task(agent_id, task_id, kind, announced, known.session if known is not None else None))
+        tasks.add(Task(agent_id, task_id, kind, announced))
         result.bytes_down += self.fleet.send(agent_id, frame, tasks.round)
         if not self.fleet.send_ready():
             # Unacknowledged tasks wait in the transport: at 1,000 agents a round's worth

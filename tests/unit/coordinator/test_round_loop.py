@@ -867,36 +867,3 @@ def test_an_in_process_agents_non_finite_update_is_one_rejection_and_the_round_g
     rows = Coordinator(config, LocalFleet(agents, config.federation), out, progress=False, **data_shape(config)).run()
     assert rows[0].rejected == {"non_finite": 1} and sorted(rows[0].participants) == ["agent-01", "agent-02"]
     assert not rows[0].aborted and [r.round for r in rows] == [0, 1, 2]
-
-
-def test_a_task_lost_with_the_connection_goes_again_once_when_its_agent_announces_itself(tmp_path):
-    """PROTOCOL.md §10, on a fleet that can lose a task (MQTT): c's first copy is lost; its
-    birth (twice, same session) while the task is unanswered brings the same task back once,
-    and the round closes with c's answer. A restarted c (a new session) gets no copy: what
-    a new process is sent is the round loop's to decide."""
-
-    class LossyFleet(ScriptedFleet):
-        loses_tasks = True
-
-    def run(session: str | None) -> tuple[list, list[Message]]:
-        copies: list[Message] = []
-
-        def c(task: Message) -> list[bytes]:
-            copies.append(task)
-            return [] if len(copies) == 1 else honest("c")(task)  # the first copy never arrived
-
-        fleet = LossyFleet({"a": honest("a"), "b": honest("b"), "c": c})
-
-        def on_send(agent_id: str, task: Message) -> None:
-            if agent_id == "a" and task.header.round == 0:
-                fleet.events.extend([status("c", session=session), status("c", session=session)])
-
-        fleet.on_send = on_send
-        rows = coordinator(fleet, tmp_path / str(session), round_timeout_s=1.0, quorum=0.5).run()
-        return rows, [m for m in copies if m.header.round == 0]
-
-    rows, copies = run(session=None)
-    assert [m.meta.task_id for m in copies] == [copies[0].meta.task_id] * 2  # once again, the same task
-    assert rows[0].participants == ["a", "b", "c"] and rows[0].dropped == []
-    rows, copies = run(session="f" * 32)  # c restarted: its status names a new session
-    assert len(copies) == 1 and rows[0].dropped == ["c"]
