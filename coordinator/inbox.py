@@ -35,7 +35,6 @@ from .gate import (
     Refused,
     Rejection,
     RoundTasks,
-    Task,
     UpdateGate,
     admit_metrics,
     admit_presence,
@@ -59,8 +58,6 @@ class RoundSink(Protocol):
     rejected: Counter
     #: refused tasks by reason
     refused: Counter
-    #: bytes of tasks sent this round
-    bytes_down: int
 
     def record(self, accepted: Accepted, wire_bytes: int) -> None:
         """Take an accepted answer; raises :class:`AggregationRejected` for an update the
@@ -105,17 +102,12 @@ class Inbox:
         self._sink: RoundSink | None = None
         self._state: ServerState | None = None
         self._late: Mapping[int, LateWindow] | None = None
-        #: sends an open round's task again, same id (returns the bytes sent); None where the
-        #: fleet cannot lose a task (:attr:`~.fleet.Fleet.loses_tasks`)
-        self.resend: Callable[[Task, int], int] | None = None
-        self._resent: set[str] = set()  # agents whose task of the open round went again
 
     def open_round(self, tasks: RoundTasks, sink: RoundSink, state: ServerState,
                    late: Mapping[int, LateWindow] | None = None) -> None:
         """Admit answers to ``tasks``, checked against ``state`` (what the tasks were built from), into ``sink``;
         with ``late``, also the training updates of agents those closed rounds dropped."""
         self._tasks, self._sink, self._state, self._late = tasks, sink, state, late
-        self._resent = set()
 
     @property
     def late_rounds(self) -> set[int]:
@@ -183,33 +175,11 @@ class Inbox:
         if isinstance(status, Rejection):
             return self._reject(status)
         assert isinstance(status, Presence)
-        known = self.registry.agents.get(incoming.agent_id)
-        session = known.session if known is not None else None
         was_online = self.registry.update(incoming.agent_id, status.meta, status.created)
         capabilities = status.meta.capabilities
         self.fleet.agent_limits(incoming.agent_id, capabilities.max_message_bytes if capabilities else None)
         if status.meta.state == "online" and not was_online:
             self.fleet.agent_online(incoming.agent_id, status.meta.tier)
-        if status.meta.state == "online" and status.meta.session == session:
-            # the same process reconnected (a restarted one lost its task with its memory:
-            # the round loop decides what it gets next)
-            self._resend_open_task(incoming.agent_id)
-
-    def _resend_open_task(self, agent_id: str) -> None:
-        """An agent announces itself (a birth: it connected) while its task of the open round
-        is unanswered: the task may have been lost with the connection or a broker restart,
-        so it goes again, same task id, once per round (a birth can also cross the task on its
-        way: an agent that has it answers that id once all the same)."""
-        tasks = self._tasks
-        if self.resend is None or tasks.closed or agent_id not in tasks.waiting or agent_id in self._resent:
-            return
-        self._resent.add(agent_id)
-        task = tasks.get(agent_id)
-        assert task is not None  # waiting: it was sent one
-        sent = self.resend(task, tasks.round)
-        if self._sink is not None:
-            self._sink.bytes_down += sent
-        log.info("round %d: %s announced itself with its task unanswered; sent it again", tasks.round, agent_id)
 
     def _on_update(self, incoming: Incoming) -> None:
         verdict = self.gate.admit(incoming.agent_id, incoming.frame, self._tasks, self._state, self._late)

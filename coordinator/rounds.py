@@ -96,8 +96,6 @@ class Coordinator:
         self.inbox = Inbox(fleet, self.registry, gate, self.counters, tick=self.observer.tick, keyring=keyring,
                            clock=self.clock, presence=PresenceWatch(self.registry, config.expected_agents),
                            nacks=Nacker(config.federation, fleet, self.registry, self.signer))
-        if fleet.loses_tasks:
-            self.inbox.resend = self._resend
         self.epoch = int(time.time() * 1000)  # a resumed run keeps its checkpoint's (init_or_resume)
         self.state: ServerState | None = None
         self.start_round = 0
@@ -281,10 +279,6 @@ class Coordinator:
             # Unacknowledged tasks wait in the transport: at 1,000 agents a round's worth
             # is 1,000 x the model. Answers are admitted meanwhile (their tasks are added).
             self.inbox.pump_until(self.fleet.send_ready, self.clock.now() + self.config.round_timeout_s)
-
-    def _resend(self, task: Task, round: int) -> int:
-        _, frame = self.task_writer.frame(task.agent_id, task.kind, task_id=task.task_id)
-        return self.fleet.send(task.agent_id, frame, round)
 
     def _collect(self, tasks: RoundTasks, result: RoundResult, started: float) -> None:
         """Admit answers until every task is answered or, once a quorum of updates is in,
