@@ -3,24 +3,10 @@ a real tiny federation's checkpoint and agents' personal state, read both ways."
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
-
-RESEARCH = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(RESEARCH))  # as when the scripts run: they import each other from there
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, RESEARCH / f"{name}.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
+from script_loader import load_script as _script
 
 run_methods = _script("run_methods")
 final_state_eval = _script("final_state_eval")

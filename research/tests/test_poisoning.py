@@ -3,19 +3,11 @@ and what it announces, on scikit-learn's digits; and one short federation per ki
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+from script_loader import load_script
 
-_PATH = Path(__file__).resolve().parent.parent / "poisoning.py"
-_spec = importlib.util.spec_from_file_location("poisoning", _PATH)
-assert _spec and _spec.loader
-poisoning = importlib.util.module_from_spec(_spec)
-sys.modules["poisoning"] = poisoning
-_spec.loader.exec_module(poisoning)
+poisoning = load_script("poisoning")
 
 
 @pytest.fixture(scope="module")
