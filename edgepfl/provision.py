@@ -67,7 +67,14 @@ class ProvisionRecord(BaseModel):
     #: the address the broker listens on (a record written before this field: every interface, as then)
     bind: str = "0.0.0.0"
     #: TCP connections one source address may hold to the broker (broker/firewall.nft)
-    connections_per_address: int = Field(4, ge=2)
+    connections_per_address: int = 4
+
+    @field_validator("connections_per_address")
+    @classmethod
+    def _room_for_a_reconnect(cls, value: int) -> int:
+        if value < 2:
+            raise ValueError("--connections-per-address must be at least 2 (a device holds two while it reconnects)")
+        return value
 
     @field_validator("bind")
     @classmethod
@@ -330,8 +337,6 @@ def main_provision(argv: list[str]) -> int:
                 raise ProvisionError(f"{out} exists and is not empty: pass --force to replace it, or --add to extend it")
             if (out / "provision.json").exists():
                 shutil.rmtree(out)
-        if args.connections_per_address < 2:
-            raise ProvisionError("--connections-per-address must be at least 2 (a device holds two while it reconnects)")
         if args.max_message_bytes < 16_384:
             raise ProvisionError("--max-message-bytes must be at least 16384")
         record = ProvisionRecord(
