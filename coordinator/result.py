@@ -100,7 +100,8 @@ class RoundResult:
             staleness = self.round - late.tasks.round if late is not None else 0
             if self.aggregate.add(accepted.update, base, late.discount if late is not None else 1.0):
                 log.warning("round %d: the update from %s went past the update bound (aggregation.max_update_ratio, "
-                            "max_mean_shift, max_variance_growth); clipped onto it", self.round, accepted.agent_id)
+                            "max_update_vs_median, max_mean_shift, max_variance_growth); clipped onto it",
+                            self.round, accepted.agent_id)
                 self.clipped.append(accepted.agent_id)
             (self.late if late is not None else self.participants).append(accepted.agent_id)
             self.staleness[staleness] += 1

@@ -20,8 +20,11 @@ BatchNorm's running statistics per channel in their own geometry (a mean in refe
 standard deviations, ``max_mean_shift``; a variance's growth, ``max_variance_growth``),
 clamped onto them, never refused, so that a device whose data is unusual is not shut
 out. An update over the parameters' bound is refused (``out_of_range``) or clipped onto it
-(``on_large_update: clip``); either way the decision and the clipped tensors depend on
-that update and the reference alone.
+(``on_large_update: clip``). Within it, a change is also clipped (never refused) to
+``max_update_vs_median`` times the median change of the updates the reference was made
+from, so that one device's change weighs no more than a few honest devices' whatever
+the model's norm. Either way the decision and the clipped tensors depend on that update,
+the reference and the reference's own record alone, never on what else arrived.
 
 **Order independence.** Over MQTT updates arrive in any order; in-process they arrive
 sorted. Both must give the same bits, so the streaming rules do not add floats (whose
@@ -41,7 +44,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, NamedTuple
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -51,7 +54,15 @@ TensorDict = dict[str, np.ndarray]
 #: the most weight (sample count) one update may carry in a streaming rule
 MAX_UPDATE_WEIGHT = 2**24
 #: a device's count weighs at most this times the round's median count (``max_weight_ratio``)
-DEFAULT_MAX_WEIGHT_RATIO = 2.0
+DEFAULT_MAX_WEIGHT_RATIO = 1.0
+#: an update's change is clipped to this times the median change behind the reference
+#: (``max_update_vs_median``); honest non-IID fleets measured up to 3.9 (issue #37)
+DEFAULT_MAX_UPDATE_VS_MEDIAN = 5.0
+#: before the fleet has a record: a change is clipped to this times the parameters' norm
+#: (``max_first_update_ratio``); honest first updates measured up to 0.37 (issue #37)
+DEFAULT_MAX_FIRST_UPDATE_RATIO = 1.0
+#: ``ServerState.extra`` key: the median change norm of the updates a state was made from
+UPDATE_NORM_MEDIAN = "update_norm_median"
 #: a running mean may move this many reference standard deviations (``max_mean_shift``)
 DEFAULT_MAX_MEAN_SHIFT = 20.0
 #: a running variance may grow to this times its reference (``max_variance_growth``)
@@ -98,6 +109,16 @@ class AggregationSpec(BaseModel):
     max_update_ratio: float | None = Field(
         10.0, gt=0, description="any rule: one update may change the learned parameters by a norm of at most this "
                                "times the reference's (at least 1); null: no bound")
+    max_update_vs_median: float | None = Field(
+        DEFAULT_MAX_UPDATE_VS_MEDIAN, ge=1,
+        description="any rule: one update's change of the learned parameters is clipped (never refused) to at most "
+                    "this times the median change of the updates the round's state was made from (a state without "
+                    "that record: max_first_update_ratio); null: no bound relative to the fleet")
+    max_first_update_ratio: float | None = Field(
+        DEFAULT_MAX_FIRST_UPDATE_RATIO, gt=0,
+        description="with max_update_vs_median, for a state without the fleet's record (a run's first round, a state "
+                    "made by hand): one update's change of the learned parameters is clipped to at most this times "
+                    "max(1, their norm); null: max_update_ratio alone")
     max_mean_shift: float | None = Field(
         DEFAULT_MAX_MEAN_SHIFT, gt=0,
         description="any rule: a BatchNorm running mean an update sends is clamped to move at most this many "
@@ -128,9 +149,10 @@ class AggregationSpec(BaseModel):
     def build(self) -> Aggregator:
         """A new aggregator for this spec, with its update bound."""
         rule = self._build_rule()
-        if (self.max_update_ratio, self.max_mean_shift, self.max_variance_growth) != (None, None, None):
+        bounds = (self.max_update_ratio, self.max_update_vs_median, self.max_mean_shift, self.max_variance_growth)
+        if bounds != (None, None, None, None):
             rule.bound = UpdateBound(self.max_update_ratio, self.on_large_update, self.max_mean_shift,
-                                     self.max_variance_growth)
+                                     self.max_variance_growth, self.max_update_vs_median, self.max_first_update_ratio)
         return rule
 
     def _build_rule(self) -> Aggregator:
@@ -254,7 +276,20 @@ class UpdateBound:
       share. A negative variance is no estimate at all: :meth:`Aggregator.add` refuses it
       whatever the bound.
 
-    Neither moves past :func:`change_range` (what the streaming rules can sum exactly).
+    **Relative to the fleet** (``vs_median``): with ``typical_change``, the median change
+    norm of the updates the reference was made from (:attr:`Aggregator.change_norms_`,
+    kept in the state's record as :data:`UPDATE_NORM_MEDIAN`), a change over
+    ``vs_median * typical_change`` is clipped onto it, never refused. The norm bound above
+    is relative to the model, which an update rarely comes near; this one is relative to
+    what honest devices did one step before, so that an attacker's noise, scaled or
+    reversed change counts for at most ``vs_median`` honest devices' worth. An attacker
+    among mostly honest devices cannot raise the median; honest changes shrink as a run
+    converges, and the median follows them (measured: an honest non-IID device up to
+    3.9 times the previous median; one whose local training diverges, 4.6). A reference
+    without a record (a run's first round) has its changes clipped to ``first_ratio``
+    times max(1, its norm) instead (honest first changes measured up to 0.37 of it).
+
+    Neither statistic moves past :func:`change_range` (what the streaming rules can sum exactly).
     ``benchmarks/results/honest_update_geometry.md`` measures honest fleets against these
     bounds. A ``None`` bound is not checked. Integer tensors are neither measured nor
     scaled (a rule averages them as integers).
@@ -262,19 +297,32 @@ class UpdateBound:
 
     def __init__(self, ratio: float | None, action: Literal["reject", "clip"] = "reject",
                  mean_shift: float | None = DEFAULT_MAX_MEAN_SHIFT,
-                 variance_growth: float | None = DEFAULT_MAX_VARIANCE_GROWTH):
+                 variance_growth: float | None = DEFAULT_MAX_VARIANCE_GROWTH,
+                 vs_median: float | None = None, first_ratio: float | None = None):
         self.ratio = ratio
         self.action = action
         self.mean_shift = mean_shift
         self.variance_growth = variance_growth
+        self.vs_median = vs_median
+        self.first_ratio = first_ratio
 
-    def begin(self, reference: Mapping[str, np.ndarray]) -> None:
-        """Measure the reference once per round."""
+    def begin(self, reference: Mapping[str, np.ndarray], typical_change: float | None = None) -> None:
+        """Measure the reference once per round; ``typical_change``: the median change norm
+        of the updates it was made from (None: unknown, no bound relative to the fleet)."""
         self.reference_ = reference
         self.layers_ = _statistic_layers(reference)
         statistics = {layer + leaf for layer in self.layers_ for leaf in STATISTIC_LEAVES}
         self.parameters_ = [k for k, v in reference.items() if v.dtype.kind == "f" and k not in statistics]
-        self.limit_ = None if self.ratio is None else self.ratio * max(1.0, _norm(reference[k] for k in self.parameters_))
+        model_scale = max(1.0, _norm(reference[k] for k in self.parameters_))
+        self.limit_ = None if self.ratio is None else self.ratio * model_scale
+        #: the clip relative to the fleet this round (None: none); without a record, relative to
+        #: the model (``first_ratio``); a zero median (every change nothing) bounds nothing
+        #: rather than freezing the model
+        self.fleet_limit_: float | None = None
+        if self.vs_median is not None and typical_change is None:
+            self.fleet_limit_ = None if self.first_ratio is None else self.first_ratio * model_scale
+        elif self.vs_median is not None and typical_change is not None and typical_change > 0:
+            self.fleet_limit_ = self.vs_median * typical_change
         #: per layer: (reference mean, its largest move, the largest variance)
         self.statistic_limits_: dict[str, tuple[np.ndarray, np.ndarray | None, np.ndarray | None]] = {}
         for layer in self.layers_:
@@ -290,23 +338,27 @@ class UpdateBound:
                 None if self.variance_growth is None else np.minimum(self.variance_growth * scale,
                                                                      var + _INSIDE * change_range(var)))
 
-    def apply(self, params: Mapping[str, np.ndarray]) -> tuple[Mapping[str, np.ndarray], bool]:
-        """``params`` within the bound (the same mapping when nothing is over it) and whether
-        it was clipped; raises :class:`AggregationRejected` to refuse it. ``params`` must
-        already have the reference's shapes and finite values."""
+    def apply(self, params: Mapping[str, np.ndarray]) -> Bounded:
+        """``params`` within the bound (the same mapping when nothing is over it), whether it
+        was clipped, and the norm of its learned parameters' change as adopted; raises
+        :class:`AggregationRejected` to refuse it. ``params`` must already have the
+        reference's shapes and finite values."""
         clipped: dict[str, np.ndarray] = {}
-        if self.limit_ is not None and self.parameters_:
-            change = _norm(np.asarray(params[k], np.float64) - self.reference_[k] for k in self.parameters_)
-            if change > self.limit_:
-                if self.action == "reject":
-                    raise AggregationRejected(
-                        "out_of_range", f"the update changes the learned parameters by a norm of {change:.4g}, more "
-                                        f"than {self.ratio:g} x max(1, their norm) = {self.limit_:.4g}")
-                factor = self.limit_ / change
-                for key in self.parameters_:
-                    ref = self.reference_[key]
-                    ref64 = ref.astype(np.float64)
-                    clipped[key] = (ref64 + factor * (np.asarray(params[key], np.float64) - ref64)).astype(ref.dtype)
+        change = adopted = 0.0
+        if self.parameters_:
+            change = adopted = _norm(np.asarray(params[k], np.float64) - self.reference_[k] for k in self.parameters_)
+        if self.limit_ is not None and change > self.limit_ and self.action == "reject":
+            raise AggregationRejected(
+                "out_of_range", f"the update changes the learned parameters by a norm of {change:.4g}, more "
+                                f"than {self.ratio:g} x max(1, their norm) = {self.limit_:.4g}")
+        limits = [limit for limit in (self.limit_, self.fleet_limit_) if limit is not None]
+        if limits and change > min(limits):
+            adopted = min(limits)
+            factor = adopted / change
+            for key in self.parameters_:
+                ref = self.reference_[key]
+                ref64 = ref.astype(np.float64)
+                clipped[key] = (ref64 + factor * (np.asarray(params[key], np.float64) - ref64)).astype(ref.dtype)
         for layer in self.layers_:
             mean_ref, max_move, max_var = self.statistic_limits_[layer]
             mean_key, var_key = layer + "running_mean", layer + "running_var"
@@ -321,8 +373,19 @@ class UpdateBound:
                 if (var > max_var).any():
                     clipped[var_key] = np.minimum(var, max_var).astype(self.reference_[var_key].dtype)
         if not clipped:
-            return params, False
-        return {**params, **clipped}, True
+            return Bounded(params, False, adopted)
+        return Bounded({**params, **clipped}, True, adopted)
+
+
+class Bounded(NamedTuple):
+    """What :meth:`UpdateBound.apply` makes of one update."""
+
+    #: the update within the bound (the mapping given when nothing was over it)
+    params: Mapping[str, np.ndarray]
+    #: whether anything was clipped or clamped
+    clipped: bool
+    #: the norm of its learned parameters' change after clipping (0 without learned parameters)
+    change: float
 
 
 class Aggregator(ABC):
@@ -339,14 +402,27 @@ class Aggregator(ABC):
         self.bound: UpdateBound | None = None
         #: updates of this round that the bound clipped
         self.bound_clipped_ = 0
+        #: the change norm of each update added this round, as adopted (with a bound only)
+        self.change_norms_: list[float] = []
 
-    def begin(self, reference: Mapping[str, np.ndarray]) -> None:
-        """Start a round whose tasks carried ``reference`` (the keys to aggregate)."""
+    def begin(self, reference: Mapping[str, np.ndarray], typical_change: float | None = None) -> None:
+        """Start a round whose tasks carried ``reference`` (the keys to aggregate);
+        ``typical_change``: :meth:`median_change` of the round that made it, if known."""
         self.reference_ = {k: np.asarray(v) for k, v in reference.items()}
         self.count_ = 0
         self.bound_clipped_ = 0
+        self.change_norms_ = []
         if self.bound is not None:
-            self.bound.begin(self.reference_)
+            self.bound.begin(self.reference_, typical_change)
+
+    def median_change(self) -> float | None:
+        """The median change norm of this round's updates as adopted (the lower middle one
+        of an even number, a value some update had): the next round's ``typical_change``.
+        None without a bound (nothing measured) or updates."""
+        if not self.change_norms_:
+            return None
+        ordered = sorted(self.change_norms_)
+        return ordered[(len(ordered) - 1) // 2]
 
     def add(self, params: Mapping[str, np.ndarray], weight: int = 1) -> bool:
         """Fold in one accepted update (same keys, shapes and dtypes as the reference);
@@ -367,12 +443,14 @@ class Aggregator(ABC):
                 raise AggregationRejected("non_finite", f"{key} holds NaN or Inf")
             if key.endswith("running_var") and x.dtype.kind == "f" and (x < 0).any():
                 raise AggregationRejected("out_of_range", f"{key} holds a negative variance")
-        clipped = False
+        clipped, change = False, None
         if self.bound is not None:
-            params, clipped = self.bound.apply(params)
-            self.bound_clipped_ += clipped
+            params, clipped, change = self.bound.apply(params)
         self._add(params, int(weight))
         self.count_ += 1
+        self.bound_clipped_ += clipped
+        if change is not None:
+            self.change_norms_.append(change)
         return clipped
 
     @abstractmethod
@@ -469,8 +547,8 @@ class _ExactSum:
 class Mean(Aggregator):
     """Sample-weighted mean of the updates (FedAvg), folded in as they arrive."""
 
-    def begin(self, reference: Mapping[str, np.ndarray]) -> None:
-        super().begin(reference)
+    def begin(self, reference: Mapping[str, np.ndarray], typical_change: float | None = None) -> None:
+        super().begin(reference, typical_change)
         self.sum_ = _ExactSum(self.reference_)
 
     def _add(self, params: Mapping[str, np.ndarray], weight: int) -> None:
@@ -494,8 +572,8 @@ class NormClippedMean(Aggregator):
         super().__init__()
         self.clip_ratio = clip_ratio
 
-    def begin(self, reference: Mapping[str, np.ndarray]) -> None:
-        super().begin(reference)
+    def begin(self, reference: Mapping[str, np.ndarray], typical_change: float | None = None) -> None:
+        super().begin(reference, typical_change)
         self.sum_ = _ExactSum(self.reference_)
         self.clipped_ = 0
         self.bound_ = self.clip_ratio * _norm(self.reference_.values())
@@ -527,8 +605,8 @@ class _Buffered(Aggregator):
 
     streaming = False
 
-    def begin(self, reference: Mapping[str, np.ndarray]) -> None:
-        super().begin(reference)
+    def begin(self, reference: Mapping[str, np.ndarray], typical_change: float | None = None) -> None:
+        super().begin(reference, typical_change)
         self.updates_: list[tuple[bytes, TensorDict]] = []
 
     def _add(self, params: Mapping[str, np.ndarray], weight: int) -> None:

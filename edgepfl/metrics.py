@@ -80,8 +80,9 @@ class RoundMetrics(BaseModel):
     shared_bytes: int = Field(ge=0, description="size of the shared parameters after the round")
     seconds: float = Field(ge=0, description="wall time of the round")
     clipped: list[str] = Field(
-        default_factory=list, description="participants whose update moved past aggregation.max_update_ratio and "
-                                          "was clipped onto it (on_large_update: clip), sorted")
+        default_factory=list, description="participants whose update the update bound clipped or clamped "
+                                          "(aggregation: max_update_ratio with on_large_update: clip, "
+                                          "max_update_vs_median, max_mean_shift, max_variance_growth), sorted")
     refused: dict[str, int] = Field(
         default_factory=dict, description="tasks their agents refused this round, per reason (docs/PROTOCOL.md §7)")
 

@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..aggregation import Aggregator, Mean, rebase
+from ..aggregation import UPDATE_NORM_MEDIAN, Aggregator, Mean, rebase
 from ..heads import GENERIC_HEAD_KINDS
 from ..state import ServerState
 from .training import EvalResult, evaluate_logits, fit, make_optimizer, recalibrate_batchnorm
@@ -164,7 +164,8 @@ class RoundAggregate:
         #: every added update, only when the method is not streaming
         self.updates: list[ClientUpdate] = []
         if self.reference:
-            rule.begin(self.reference)
+            typical = state.extra.get(UPDATE_NORM_MEDIAN)
+            rule.begin(self.reference, float(typical) if isinstance(typical, (int, float)) else None)
 
     @property
     def count(self) -> int:
@@ -204,7 +205,13 @@ class RoundAggregate:
         if shared and self.server_lr != 1.0:
             shared = rebase(shared, self.reference, self.reference, self.server_lr)
         updates = sorted(self.updates, key=lambda u: u.agent_id)
-        return self.method.finish_round(self.state, shared, updates, round)
+        state = self.method.finish_round(self.state, shared, updates, round)
+        # the next round's bound relative to the fleet is measured on this one's updates
+        typical = self.rule.median_change() if self.reference else None
+        extra = {k: v for k, v in state.extra.items() if k != UPDATE_NORM_MEDIAN}
+        if typical is not None:
+            extra[UPDATE_NORM_MEDIAN] = typical
+        return replace(state, extra=extra)
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """A device that inflates its counts writes no more of the model, and no more of the
-federation's accuracy, than two honest devices (issue #37, second item).
+federation's accuracy, than one honest device (issue #37, second item).
 
 Three honest agent processes and Mallory: a plain paho client built from PROTOCOL.md's
 reference codec, on the default (unsigned) deployment, which announces 2^24 training
@@ -7,7 +7,8 @@ samples, answers its task with the round's parameters moved along a direction of
 choosing, ``D``, claiming all 2^24 of them, and answers every evaluation with
 ``num_test = eval_correct = 2^53``. After the round, the share of ``D`` in the global
 model's change is Mallory's effective weight: the red team's attack made it ~1 (the
-model is Mallory's); with the default ``max_weight_ratio`` of 2 it is 2 / (3 + 2).
+model is Mallory's); with the default ``max_weight_ratio`` of 1 it is 1 / (3 + 1), and
+with a cap of 2, 2 / (3 + 2).
 The same federation with ``max_weight_ratio: null`` shows the measurement can see it.
 """
 
@@ -21,7 +22,7 @@ import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
 
-from edgepfl.aggregation import STATISTIC_LEAVES
+from edgepfl.aggregation import DEFAULT_MAX_WEIGHT_RATIO, STATISTIC_LEAVES
 from edgepfl.broker import parse_broker_url
 from edgepfl.coordinator.fleet import MqttFleet
 from edgepfl.coordinator.rounds import Coordinator
@@ -104,8 +105,9 @@ class Mallory:
         self.client.disconnect()
 
 
-@pytest.mark.parametrize("max_weight_ratio", [2.0, None], ids=["default-cap", "no-cap"])
-def test_a_device_announcing_2_to_the_24_samples_writes_no_more_than_two_honest_devices_worth(
+@pytest.mark.parametrize("max_weight_ratio", [DEFAULT_MAX_WEIGHT_RATIO, 2.0, None],
+                         ids=["default-cap", "cap-2", "no-cap"])
+def test_a_device_announcing_2_to_the_24_samples_writes_no_more_than_the_cap_in_honest_devices(
         mosquitto, tmp_path, ref, max_weight_ratio):
     config = run_config(rounds=1, round_timeout_s=120, aggregation={"max_weight_ratio": max_weight_ratio})
     config = prepare(config, len(HONEST))
@@ -131,9 +133,10 @@ def test_a_device_announcing_2_to_the_24_samples_writes_no_more_than_two_honest_
             assert share > 0.99, share
             assert final.accuracy > 0.999, final.accuracy
         else:
-            # every agent announced the same count but Mallory: the cap is 2 honest devices
-            assert share == pytest.approx(2 / (len(HONEST) + 2), abs=0.03), share
-            assert final.accuracy == pytest.approx((sum(honest_acc) + 2 * 1.0) / (len(HONEST) + 2), abs=1e-9)
+            # every agent announced the same count but Mallory: the cap is max_weight_ratio honest devices
+            cap = max_weight_ratio
+            assert share == pytest.approx(cap / (len(HONEST) + cap), abs=0.03), share
+            assert final.accuracy == pytest.approx((sum(honest_acc) + cap * 1.0) / (len(HONEST) + cap), abs=1e-9)
     finally:
         mallory.close()
         fleet.close()

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+from edgepfl.aggregation import UPDATE_NORM_MEDIAN
 from edgepfl.config import RunConfig
 from edgepfl.coordinator.fleet import Fleet, Incoming
 from edgepfl.coordinator.gate import Rejection
@@ -469,6 +470,37 @@ def test_the_update_bound_refuses_or_clips_one_update_whatever_the_rule(tmp_path
         assert (0 < shift).all() and (shift <= 20 * np.sqrt(var + np.median(var)) / 3 + 0.001 + 1e-6).all()
 
 
+def test_a_change_far_past_the_fleets_is_clipped_to_five_medians_of_the_round_before_and_resume_keeps_the_record(
+        tmp_path):
+    """Round 0: three trainers each move every parameter by 0.01. Round 1: m moves them by
+    0.2, twenty times the others and far inside the bound relative to the model. The default
+    max_update_vs_median (5) clips m's change onto 5 x the median change of round 0, so each
+    parameter moves by (0.01 + 0.01 + 0.05) / 3. The median is the state's record: a
+    coordinator restarted after round 0 clips the same."""
+    def fleet() -> ScriptedFleet:
+        return ScriptedFleet({"a": shifted("a", 0.01), "b": shifted("b", 0.01),
+                              "m": shifted("m", lambda r: 0.2 if r == 1 else 0.01)})
+
+    coord = coordinator(fleet(), tmp_path / "once", rounds=2)
+    coord.init_or_resume()
+    before = global_tensors(coord)
+    learned = [k for k, v in before.items() if v.dtype.kind == "f"]
+    step = 0.01 * np.sqrt(sum(before[k].size for k in learned))  # one honest change's norm
+    rows = coord.run()
+    assert [r.rejected for r in rows[:2]] == [{}, {}] and [r.clipped for r in rows[:2]] == [[], ["m"]]
+    for key in learned:
+        np.testing.assert_allclose(coord.state.global_tensors[key], before[key] + 0.01 + 0.07 / 3, rtol=0, atol=1e-5)
+    meta = json.loads((tmp_path / "once" / "run" / "checkpoint" / "state.json").read_text())
+    # round 1's record: the median of a's, b's and m's clipped change, the honest one
+    assert meta["server_extra"][UPDATE_NORM_MEDIAN] == pytest.approx(step, rel=1e-4)
+
+    coordinator(fleet(), tmp_path / "twice", rounds=1).run()
+    resumed = coordinator(fleet(), tmp_path / "twice", rounds=2)
+    rows = resumed.run()
+    assert [r.clipped for r in rows if not r.final][-1] == ["m"]
+    assert same_tensors(global_tensors(resumed), global_tensors(coord))
+
+
 def test_a_non_finite_aggregate_is_not_adopted(tmp_path, caplog):
     coord = coordinator(ScriptedFleet({"a": honest("a"), "b": honest("b")}), tmp_path)
     coord.init_or_resume()
@@ -489,6 +521,10 @@ def test_a_non_finite_aggregate_is_not_adopted(tmp_path, caplog):
     assert "aggregate not adopted: non_finite" in caplog.text
 
 
+#: rollback after 2 aborted rounds, and no bound on one update's norm, so that an attacker's aggregate diverges
+UNBOUNDED_ROLLBACK = {"rollback_after": 2, "max_update_ratio": None, "max_update_vs_median": None}
+
+
 def test_rounds_that_keep_failing_roll_back_to_the_last_good_state_and_resume_keeps_it(tmp_path, caplog):
     """Round 0 is adopted (from the initial state S0); rounds 1 and 2 fail from its result
     S1; with rollback_after=2 the state goes back to S0, the last state a round was adopted
@@ -500,12 +536,12 @@ def test_rounds_that_keep_failing_roll_back_to_the_last_good_state_and_resume_ke
         return ScriptedFleet({"a": shifted("a", 0.01), "b": shifted("b", 0.01), "m": shifted("m", poison)})
 
     def run(out, rounds: int) -> tuple[Coordinator, list]:
-        coord = coordinator(fleet(), out, rounds=rounds, aggregation={"rollback_after": 2, "max_update_ratio": None})
+        coord = coordinator(fleet(), out, rounds=rounds, aggregation=UNBOUNDED_ROLLBACK)
         return coord, coord.run()
 
     sent: dict[int, dict] = {}
     coord = coordinator(fleet(), tmp_path / "once", rounds=4,
-                        aggregation={"rollback_after": 2, "max_update_ratio": None})
+                        aggregation=UNBOUNDED_ROLLBACK)
     coord.fleet.on_send = lambda agent, task: sent.setdefault(task.header.round, dict(task.tensors))  # type: ignore[attr-defined]
     coord.init_or_resume()
     s0 = global_tensors(coord)

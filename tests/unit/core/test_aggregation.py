@@ -274,6 +274,64 @@ def test_the_update_bound_keeps_arrival_order_free_with_attackers_clipped_or_ref
             assert got[key].tobytes() == want[key].tobytes(), (name, action, seed, key)
 
 
+def test_a_change_past_the_fleet_multiple_is_clipped_onto_it_never_refused_and_the_median_is_the_adopted_one():
+    rng = np.random.default_rng(21)
+    ref = reference(rng)
+    updates = honest(ref, rng, 5, spread=0.01)
+    norms = sorted(_change_norm(u, ref, PARAMETERS) for u in updates)
+    typical = norms[2]
+    # an attacker: an honest change x100, far inside the model-relative bound (ratio 10)
+    attacker = {k: (v if k in STATISTICS else ref[k] + 100 * (v - ref[k])).astype(v.dtype)
+                for k, v in updates[0].items()}
+    assert _change_norm(attacker, ref, PARAMETERS) < 10 * max(1.0, _norm_of(ref, PARAMETERS))
+    for action in ("reject", "clip"):
+        rule = AggregationSpec(on_large_update=action, max_update_vs_median=3).build()
+        rule.begin(ref, typical)
+        assert [rule.add(u, 100) for u in updates] == [False] * 5  # honest changes: within 3 x their median
+        assert rule.add(attacker, 100) is True  # clipped, not refused
+        assert rule.change_norms_[-1] == pytest.approx(3 * typical, rel=1e-12)
+        assert max(rule.change_norms_[:5]) < 3 * typical
+        # the median of what was adopted: the attacker, one of six, cannot move it past the honest ones
+        assert norms[2] <= rule.median_change() <= norms[3]
+        result = rule.result()
+        moved = _change_norm(result, ref, PARAMETERS)
+        assert moved <= (5 * norms[-1] + 3 * typical) / 6 + 1e-9
+
+
+def test_without_a_record_the_first_ratio_bounds_the_change_and_a_zero_median_bounds_nothing():
+    rng = np.random.default_rng(22)
+    ref = reference(rng)
+    update = honest(ref, rng, 1, spread=0.05)[0]
+    change = _change_norm(update, ref, PARAMETERS)
+    for typical, first_ratio in ((None, None), (0.0, 0.01)):
+        bound = UpdateBound(None, vs_median=2.0, first_ratio=first_ratio)
+        bound.begin(ref, typical)
+        out, clipped, adopted = bound.apply(update)
+        assert out is update and not clipped and adopted == pytest.approx(change)
+    first = 0.5 * change / max(1.0, _norm_of(ref, PARAMETERS))  # half the change, as a ratio of the model's norm
+    bound = UpdateBound(None, vs_median=2.0, first_ratio=first)
+    bound.begin(ref, None)
+    out, clipped, adopted = bound.apply(update)
+    assert clipped and adopted == pytest.approx(change / 2) == _change_norm(out, ref, PARAMETERS)
+    bound = UpdateBound(None, vs_median=2.0)
+    bound.begin(ref, change / 4)
+    out, clipped, adopted = bound.apply(update)
+    assert clipped and adopted == pytest.approx(change / 2) == _change_norm(out, ref, PARAMETERS)
+
+
+def test_an_update_a_rule_refuses_adds_no_norm_to_the_median():
+    rng = np.random.default_rng(23)
+    ref = reference(rng)
+    good = honest(ref, rng, 1)[0]
+    rule = AggregationSpec().build()
+    rule.begin(ref, None)
+    with pytest.raises(AggregationRejected):
+        rule.add(good, 2**30)  # over MAX_UPDATE_WEIGHT: refused by the exact sum, after the bound
+    assert rule.change_norms_ == [] and rule.median_change() is None
+    rule.add(good, 1)
+    assert rule.median_change() == pytest.approx(_change_norm(good, ref, PARAMETERS))
+
+
 STATISTICS = ["encoder.bn.running_mean", "encoder.bn.running_var"]
 
 
@@ -283,10 +341,10 @@ def test_a_clipped_update_moves_the_parameters_onto_their_bound_and_honest_ones_
     bound = UpdateBound(0.5, "clip")
     bound.begin(ref)
     calm = honest(ref, rng, 1, spread=1e-3)[0]
-    same, clipped = bound.apply(calm)
+    same, clipped, _ = bound.apply(calm)
     assert same is calm and not clipped
     huge = {k: (ref[k] + 1e6 * (v - ref[k])).astype(v.dtype) for k, v in calm.items()}
-    out, clipped = bound.apply(huge)
+    out, clipped, _ = bound.apply(huge)
     assert clipped
     limit = 0.5 * max(1.0, _norm_of(ref, PARAMETERS))
     assert _change_norm(out, ref, PARAMETERS) == pytest.approx(limit, rel=1e-5)
@@ -316,7 +374,7 @@ def test_running_statistics_of_a_skewed_honest_device_pass_untouched(action):
     bound = AggregationSpec(on_large_update=action).build().bound
     assert bound is not None
     bound.begin(ref)
-    assert bound.apply(update) == (update, False)
+    assert bound.apply(update)[:2] == (update, False)
 
 
 @pytest.mark.parametrize("action", ["reject", "clip"])
@@ -330,7 +388,7 @@ def test_a_running_mean_moved_past_its_bound_is_clamped_per_channel_never_refuse
     update["encoder.bn.running_mean"] = moved.astype(np.float32)
     bound = UpdateBound(10.0, action, mean_shift=20.0)
     bound.begin(ref)
-    out, clipped = bound.apply(update)
+    out, clipped, _ = bound.apply(update)
     assert clipped
     shift = (out["encoder.bn.running_mean"].astype(np.float64) - ref["encoder.bn.running_mean"]) / scale
     np.testing.assert_allclose(shift, np.where(np.arange(8) == 3, -20.0, 1.0), rtol=1e-5)
@@ -348,7 +406,7 @@ def test_a_running_variance_grown_past_its_bound_is_clamped_and_shrinking_is_fre
     update["encoder.bn.running_var"] = np.where(np.arange(8) == 5, 2 * limit, var * 1e-9).astype(np.float32)
     bound = UpdateBound(10.0, action, variance_growth=20.0)
     bound.begin(ref)
-    out, clipped = bound.apply(update)
+    out, clipped, _ = bound.apply(update)
     assert clipped
     np.testing.assert_allclose(out["encoder.bn.running_var"], np.where(np.arange(8) == 5, limit, var * 1e-9), rtol=1e-6)
     assert all(out[k].tobytes() == update[k].tobytes() for k in ref if k != "encoder.bn.running_var")
@@ -374,7 +432,8 @@ def test_a_negative_variance_is_refused_by_every_rule_even_without_a_bound():
     update = honest(ref, rng, 1, spread=1e-3)[0]
     update["encoder.bn.running_var"][2] = -1e-3
     for name in RULES:
-        rule = AggregationSpec(rule=name, max_update_ratio=None, max_mean_shift=None, max_variance_growth=None).build()
+        rule = AggregationSpec(rule=name, max_update_ratio=None, max_update_vs_median=None, max_mean_shift=None,
+                               max_variance_growth=None).build()
         assert rule.bound is None
         rule.begin(ref)
         with pytest.raises(AggregationRejected, match="negative variance") as err:
@@ -403,7 +462,7 @@ def test_integer_tensors_are_neither_measured_nor_scaled():
     bound = UpdateBound(0.1, "clip")
     bound.begin(ref)
     update = {k: (v * 1e3).astype(v.dtype) if v.dtype.kind == "f" else np.array(10**9, np.int64) for k, v in ref.items()}
-    out, clipped = bound.apply(update)
+    out, clipped, _ = bound.apply(update)
     assert clipped and int(out["encoder.bn.num_batches_tracked"]) == 10**9
 
 
@@ -413,7 +472,8 @@ def test_without_a_bound_the_robust_rules_take_a_huge_update_in_and_out_vote_it(
     good = honest(ref, rng, 6, spread=0.01)
     huge = {k: (v * 1e6).astype(v.dtype) for k, v in good[0].items()}
     for name in ("median", "trimmed_mean", "multi_krum"):
-        rule = AggregationSpec(rule=name, max_update_ratio=None, max_mean_shift=None, max_variance_growth=None).build()
+        rule = AggregationSpec(rule=name, max_update_ratio=None, max_update_vs_median=None, max_mean_shift=None,
+                               max_variance_growth=None).build()
         out = aggregate(rule, ref, good + [huge], [1] * 7)
         assert all(float(np.abs(out[k] - ref[k]).max()) < 0.1 for k in ref), name
 
@@ -425,8 +485,8 @@ def test_no_device_outweighs_ratio_times_the_lower_median_count():
     assert weight_cap([600, 2**24, 2**24], 2.0) == 2 * 2**24  # a majority moves it: nothing to be done
     assert weight_cap(honest, None) is None and weight_cap([], 2.0) is None
     assert weight_cap([0, 0, 1], 2.0) == 1  # never 0: every honest update keeps a weight
-    # an honest device with 3x the data of most keeps 2x (cut, never refused)
-    assert weight_cap([100, 100, 100, 300], DEFAULT_MAX_WEIGHT_RATIO) == 200
+    # an honest device with 3x the data of most keeps the default cap's worth (cut, never refused)
+    assert weight_cap([100, 100, 100, 300], DEFAULT_MAX_WEIGHT_RATIO) == DEFAULT_MAX_WEIGHT_RATIO * 100
 
 
 def test_a_device_reporting_2_to_the_53_correct_answers_cannot_set_the_federations_accuracy():
@@ -435,7 +495,8 @@ def test_a_device_reporting_2_to_the_53_correct_answers_cannot_set_the_federatio
     uncapped = sum(c for c, _ in inflated) / sum(t for _, t in inflated)
     assert uncapped == pytest.approx(1.0)  # what the red team saw: 100.0 %
     capped = capped_accuracy(inflated, DEFAULT_MAX_WEIGHT_RATIO)
-    assert capped == pytest.approx((45 + 50 + 55 + 200) / 500)  # the liar weighs 2 devices
+    cap = DEFAULT_MAX_WEIGHT_RATIO  # the liar weighs this many honest devices
+    assert capped == pytest.approx((45 + 50 + 55 + cap * 100) / (300 + cap * 100))
     assert capped_accuracy(honest, DEFAULT_MAX_WEIGHT_RATIO) == pytest.approx(0.5)
     assert capped_accuracy(honest, None) == pytest.approx(0.5)
     assert capped_accuracy([(0, 0)], 2.0) is None
