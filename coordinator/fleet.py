@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from edgepfl.broker import exposure_warning
 from edgepfl.config import BrokerConfig, SecuritySpec
@@ -68,6 +68,10 @@ class Fleet(ABC):
 
     #: the time every deadline of the round loop is read from (the wall clock but in simulation)
     clock: Clock = WallClock()
+    #: whether a task sent can be lost on the way (a broker that restarts forgets what it had
+    #: not delivered): then the round loop sends a task again to an agent that reconnected
+    #: while it was unanswered (PROTOCOL.md §10)
+    loses_tasks: ClassVar[bool] = False
 
     @abstractmethod
     def send(self, agent_id: str, frame: bytes, round: int) -> int:
@@ -131,6 +135,8 @@ class MqttFleet(Fleet):
     With ``security.signing_key`` the coordinator's presence, its last will included, is
     signed (tasks and releases are signed by the round loop, which builds them).
     """
+
+    loses_tasks = True
 
     def __init__(self, federation: str, broker: BrokerConfig, url: str | None = None,
                  security: SecuritySpec | None = None):

@@ -186,6 +186,20 @@ class Task:
     #: the training samples the agent's status announced when the task was sent: an answer
     #: may claim no more (None: whatever the registry holds when the answer arrives)
     announced: int | None = None
+    #: the agent's session and broker connection number when the task was last sent (its last
+    #: birth's, None: not announced): a birth of that session on a later connection means the
+    #: task may have been lost with the old one (PROTOCOL.md §10)
+    session: str | None = None
+    connection: int | None = None
+
+    def lost_with_connection(self, session: str | None, connection: int | None) -> bool:
+        """Whether a birth of ``session`` on connection ``connection`` came after a connection
+        this task may have been lost with (the same process, a later connection). A task sent
+        when the agent's status had no number (made before the agent heard a 1.3 coordinator)
+        went out on some connection: any but the first may be later than it."""
+        if self.session is None or connection is None or session != self.session:
+            return False
+        return connection > self.connection if self.connection is not None else connection >= 2
 
 
 class RoundTasks:

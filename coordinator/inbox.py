@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Protocol
 
 from edgepfl.aggregation import AggregationRejected
@@ -35,6 +36,7 @@ from .gate import (
     Refused,
     Rejection,
     RoundTasks,
+    Task,
     UpdateGate,
     admit_metrics,
     admit_presence,
@@ -58,6 +60,8 @@ class RoundSink(Protocol):
     rejected: Counter
     #: refused tasks by reason
     refused: Counter
+    #: bytes of tasks sent this round
+    bytes_down: int
 
     def record(self, accepted: Accepted, wire_bytes: int) -> None:
         """Take an accepted answer; raises :class:`AggregationRejected` for an update the
@@ -102,6 +106,9 @@ class Inbox:
         self._sink: RoundSink | None = None
         self._state: ServerState | None = None
         self._late: Mapping[int, LateWindow] | None = None
+        #: sends a task of the open round again, same id (returns the bytes sent); None where
+        #: the fleet cannot lose a task (:attr:`~.fleet.Fleet.loses_tasks`)
+        self.resend: Callable[[Task, int], int] | None = None
 
     def open_round(self, tasks: RoundTasks, sink: RoundSink, state: ServerState,
                    late: Mapping[int, LateWindow] | None = None) -> None:
@@ -180,6 +187,26 @@ class Inbox:
         self.fleet.agent_limits(incoming.agent_id, capabilities.max_message_bytes if capabilities else None)
         if status.meta.state == "online" and not was_online:
             self.fleet.agent_online(incoming.agent_id, status.meta.tier)
+        if status.meta.state == "online":
+            self._resend_lost_task(incoming.agent_id, status.meta.session, status.meta.connection)
+
+    def _resend_lost_task(self, agent_id: str, session: str | None, connection: int | None) -> None:
+        """An agent's birth on a later connection of the session its open task went to: the
+        task may have been lost with the old connection (a broker that restarted forgets what
+        it had not delivered), so it goes again, same task id, seed and payload (PROTOCOL.md
+        §10). A birth on the same connection (a roll call's answer, a re-announcement) brings
+        nothing; an agent that got the task after all answers it once."""
+        tasks = self._tasks
+        task = tasks.get(agent_id)
+        if (self.resend is None or tasks.closed or task is None or agent_id not in tasks.waiting
+                or not task.lost_with_connection(session, connection)):
+            return
+        tasks.add(replace(task, connection=connection))
+        sent = self.resend(task, tasks.round)
+        if self._sink is not None:
+            self._sink.bytes_down += sent
+        log.info("round %d: %s reconnected (connection %s) with its task unanswered; sent it again", tasks.round,
+                 agent_id, connection)
 
     def _on_update(self, incoming: Incoming) -> None:
         verdict = self.gate.admit(incoming.agent_id, incoming.frame, self._tasks, self._state, self._late)

@@ -36,6 +36,8 @@ class AgentInfo:
     state: str = "online"
     session: str | None = None
     capabilities: Capabilities | None = None
+    #: the broker connection number of the session its last status was made on (protocol 1.3)
+    connection: int | None = None
 
 
 #: how far ahead of this host's clock a device's status may set the order of its later ones
@@ -165,6 +167,7 @@ class Registry:
             agent_id=agent_id, tier=status.tier, device=status.device, num_train=status.num_train,
             num_test=status.num_test, online=online, version=status.version, platform=status.platform,
             state=status.state, session=status.session, capabilities=status.capabilities,
+            connection=status.connection,
         )
         excluded = self._excluded.get(agent_id)
         if excluded is not None and status.state != "offline" and status.session != excluded[0]:

@@ -96,6 +96,10 @@ class Coordinator:
         self.inbox = Inbox(fleet, self.registry, gate, self.counters, tick=self.observer.tick, keyring=keyring,
                            clock=self.clock, presence=PresenceWatch(self.registry, config.expected_agents),
                            nacks=Nacker(config.federation, fleet, self.registry, self.signer))
+        if fleet.loses_tasks and config.asynchrony.mode == "sync":
+            # a task lost with a connection goes again (buffered states move on without it)
+            self.inbox.resend = lambda task, r: fleet.send(
+                task.agent_id, self.task_writer.frame(task.agent_id, task.kind, task.task_id)[1], r)
         self.epoch = int(time.time() * 1000)  # a resumed run keeps its checkpoint's (init_or_resume)
         self.state: ServerState | None = None
         self.start_round = 0
@@ -273,7 +277,9 @@ class Coordinator:
         """Send ``agent_id`` a ``kind`` task of the open round."""
         task_id, frame = self.task_writer.frame(agent_id, kind)
         announced = self.registry.announced_num_train(agent_id) if kind == "train" else None
-        tasks.add(Task(agent_id, task_id, kind, announced))
+        info = self.registry.agents.get(agent_id)
+        tasks.add(Task(agent_id, task_id, kind, announced, session=info.session if info else None,
+                       connection=info.connection if info else None))
         result.bytes_down += self.fleet.send(agent_id, frame, tasks.round)
         if not self.fleet.send_ready():
             # Unacknowledged tasks wait in the transport: at 1,000 agents a round's worth

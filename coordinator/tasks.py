@@ -33,12 +33,13 @@ class TaskWriter:
         """The tasks that follow are round ``round``'s, built from ``state``, of the run begun at ``epoch``."""
         self._round, self._state, self._epoch, self._bodies = round, state, epoch, {}
 
-    def frame(self, agent_id: str, kind: str) -> tuple[str, bytes]:
-        """A new task for ``agent_id`` (``train`` or ``evaluate``): its id and its frame."""
+    def frame(self, agent_id: str, kind: str, task_id: str | None = None) -> tuple[str, bytes]:
+        """A new task for ``agent_id`` (``train`` or ``evaluate``): its id and its frame; with
+        ``task_id``, that task of the open round again (the same id, seed and payload)."""
         if self._state is None:
             raise RuntimeError("open() a round first")
         c = self.config
-        task_id = new_message_id()
+        task_id = task_id or new_message_id()
         meta = TaskMeta(task_id=task_id, kind=kind, run=self.run_spec, seed=seed_for(c.seed, self._round, agent_id),
                         deadline_s=c.round_timeout_s, epoch=self._epoch)
         payload = self.method.payload_for(self._state, agent_id)

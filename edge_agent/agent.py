@@ -87,6 +87,8 @@ LOG_EVERY_S = 60.0
 REASSERT_EVERY_S = 2.0
 #: the protocol version that added refusals, nacks and capabilities
 NEGOTIATED = (1, 2)
+#: the protocol version that added the connection number to statuses (a lost task sent again)
+CONNECTION_NUMBERS = (1, 3)
 
 
 @dataclass
@@ -252,7 +254,10 @@ class Agent:
 
     def speaks_1_2(self) -> bool:
         """Whether the coordinator's presence announced protocol 1.2 or later (of this major)."""
-        return self.coordinator is not None and supports(self.coordinator.version, NEGOTIATED)
+        return self._speaks(NEGOTIATED)
+
+    def _speaks(self, feature: tuple[int, int]) -> bool:
+        return self.coordinator is not None and supports(self.coordinator.version, feature)
 
     def _on_presence(self, presence: CoordinatorMeta) -> None:
         transport = self.transport
@@ -405,6 +410,9 @@ class Agent:
             # 1.2: only for a coordinator that reads them (left out of the frame otherwise)
             capabilities=tier.capabilities().model_copy(update={"max_message_bytes": c.broker.max_message_bytes})
             if self.speaks_1_2() else None,
+            # 1.3: a birth on a new connection tells the coordinator a task may have been lost
+            connection=self.transport.connect_count or None
+            if self.transport is not None and self._speaks(CONNECTION_NUMBERS) else None,
         )
         return encode(MessageType.STATUS, federation=c.federation, sender=c.agent_id, round=-1, meta=meta,
                       signer=self.signer)

@@ -91,6 +91,9 @@ CHECKS: dict[str, Check] = _catalog(
     # reconnect (scenario "reconnect")
     Check("reconnect.birth", "§10", "MUST", "1.0", "after a broker restart the agent reconnects and publishes its birth again"),
     Check("reconnect.resubscribe", "§10", "MUST", "1.0", "after the reconnect a new task is answered (subscriptions restored)"),
+    Check("reconnect.connection", "§5", "SHOULD", "1.3",
+          "the birth after a broker restart carries `connection` of at least 2 (a later connection of its session), "
+          "so that a task lost with the old one is sent again"),
     Check("reconnect.held_answer", "§10", "MUST", "1.2",
           "an answer finished while disconnected is published after reconnecting while its round is open"),
     Check("reconnect.held_answer_dropped", "§10", "MUST", "1.2",

@@ -455,6 +455,9 @@ class _Kit:
                            else "no status within 60 s of the restart")
         if birth is None:
             raise ScenarioAborted("the agent did not come back after the broker restart")
+        connection = birth.message.meta_as(StatusMeta).connection if birth.message else None
+        self.report.record("reconnect.connection", connection is not None and connection >= 2,
+                           f"the birth after the restart says connection {connection}")
         return meta, mark, early
 
     def run_done(self, s: _Scenario) -> None:

@@ -80,6 +80,10 @@ class StatusMeta(_Meta):
     session: str | None = Field(None, pattern=_ID)
     #: what the agent can run; the coordinator sends it no task outside them
     capabilities: Capabilities | None = Field(None, json_schema_extra=since("1.2"))
+    #: the how-manieth broker connection of this session the status was made on (from 1):
+    #: a birth with a higher number than when a task was sent tells the coordinator that the
+    #: task may have been lost with the old connection (PROTOCOL.md §10)
+    connection: int | None = Field(None, ge=1, le=2**31, json_schema_extra=since("1.3"))
 
 
 class TaskMeta(_Meta):

@@ -25,6 +25,7 @@ from edgepfl.protocol import (
     MessageType,
     NackMeta,
     StatusMeta,
+    TaskMeta,
     UpdateMeta,
     agent_topic,
     decode,
@@ -276,3 +277,66 @@ def test_transport_started_before_the_broker_connects_once_it_appears():
     finally:
         transport.stop()
         broker.stop()
+
+
+def test_a_task_lost_with_a_broker_restart_is_sent_again_when_its_agent_reconnects(tmp_path):
+    """PROTOCOL.md §10: a broker that crashed and came back (its retained statuses saved,
+    no agent's session queue) loses the task sent to an agent that has not reconnected yet.
+    The agent's birth on its next connection (``connection`` 2) brings the same task again,
+    once, and the round closes with its one answer instead of waiting out its deadline
+    (15 min here: the test would time out first)."""
+    from edgepfl.broker import free_port
+    from edgepfl.testing import MosquittoBroker, TrafficCapture
+
+    from tests.conftest import require_mosquitto
+
+    require_mosquitto()
+    port, store = free_port(), tmp_path / "mosquitto-store"
+    store.mkdir()
+    # retained births survive the crash (saved every second); an agent's session queue does not
+    keep = f"persistence true\npersistence_location {store}/\nautosave_interval 1\n"
+    config = run_config(rounds=1, round_timeout_s=900, model={"arch": "mlp", "feature_dim": 16},
+                        data={"samples_per_client": 100})
+    out = tmp_path / "run"
+    broker = MosquittoBroker(port, extra_config=keep)
+    url = broker.start()
+    capture = None
+    try:
+        with RunningFleet(config, out, url, 2) as fleet:
+            fed, victim = fleet.config.federation, "agent-01"
+            births = TrafficCapture(url, f"edgepfl/v1/{fed}/agents/+/status", include_retained=True).start()
+            wait_until(lambda: {t.split("/")[-2] for t, _ in births.snapshot()} >= set(fleet.ids), 240,
+                       what="both agents' births")
+            births.stop()
+            seen = time.time()
+            fleet.procs[victim].send_signal(signal.SIGSTOP)  # it cannot see the restart, nor resubscribe
+            saved = store / "mosquitto.db"
+            wait_until(lambda: saved.exists() and saved.stat().st_mtime > seen, 60, what="the births saved")
+            os.kill(broker.pid, signal.SIGKILL)  # a crash: no wills published, the births stay "online"
+            broker.stop()
+            broker = MosquittoBroker(port, extra_config=keep)
+            broker.start()
+            capture = TrafficCapture(url, f"edgepfl/v1/{fed}/agents/+/+").start()
+            coord, mfleet = _coordinator(fleet.config, url, out, fleet.shape())
+            thread, box = run_in_thread(coord.run)
+            victim_task = agent_topic(fed, victim, AgentChannel.TASK)
+            wait_until(lambda: any(t == victim_task for t, _ in capture.snapshot()), 240,
+                       what="round 0's task to the stopped agent, into the void")
+            fleet.procs[victim].send_signal(signal.SIGCONT)  # it reconnects: a birth on connection 2
+            thread.join(timeout=600)
+            mfleet.close()
+            assert not thread.is_alive() and "error" not in box, box.get("error")
+        traffic = capture.snapshot()
+    finally:
+        if capture is not None:
+            capture.stop()
+        broker.stop()
+    round0 = read_rows(out)[0]
+    assert sorted(round0.participants) == ["agent-00", "agent-01"] and not round0.dropped, round0
+    assert round0.rejected == {}, round0.rejected  # the copy was answered once: no duplicate
+    tasks = [decode(p) for t, p in traffic if t == victim_task]
+    training = [m.meta_as(TaskMeta) for m in tasks if m.header.round == 0 and m.meta_as(TaskMeta).kind == "train"]
+    assert len(training) == 2 and len({m.task_id for m in training}) == 1  # the same task, once again
+    births = [decode(p).meta_as(StatusMeta) for t, p in traffic
+              if t == agent_topic(fed, victim, AgentChannel.STATUS) and p]
+    assert max(b.connection or 0 for b in births) >= 2

@@ -22,7 +22,7 @@ import pytest
 from edgepfl.aggregation import UPDATE_NORM_MEDIAN
 from edgepfl.config import RunConfig
 from edgepfl.coordinator.fleet import Fleet, Incoming
-from edgepfl.coordinator.gate import Rejection
+from edgepfl.coordinator.gate import Rejection, Task
 from edgepfl.coordinator.registry import Registry
 from edgepfl.coordinator.result import RoundResult
 from edgepfl.coordinator.rounds import Coordinator
@@ -412,7 +412,8 @@ def test_an_aggregate_that_moves_too_far_is_not_adopted_and_a_robust_rule_outvot
     # +50 on every coordinate is within the rule's range (64 x max(1, |w|)): without the
     # update bound only the closed mean shows it, moving the model by ~17 per coordinate
     agents = {"a": shifted("a", 0.001), "b": shifted("b", 0.001), "m": shifted("m", 50.0)}
-    coord = coordinator(ScriptedFleet(agents), tmp_path / "mean", aggregation={"max_update_ratio": None})
+    unbounded = {"max_update_ratio": None, "max_update_vs_median": None}
+    coord = coordinator(ScriptedFleet(agents), tmp_path / "mean", aggregation=unbounded)
     coord.init_or_resume()
     before = global_tensors(coord)
     with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
@@ -423,7 +424,7 @@ def test_an_aggregate_that_moves_too_far_is_not_adopted_and_a_robust_rule_outvot
     assert "round 0: aggregate not adopted: diverged" in caplog.text
 
     robust = coordinator(ScriptedFleet(agents), tmp_path / "median",
-                         aggregation={"rule": "median", "max_update_ratio": None})
+                         aggregation={"rule": "median", **unbounded})
     rows = robust.run()
     assert not rows[0].aborted and rows[0].abort_reason is None
     after = global_tensors(robust)
@@ -704,6 +705,62 @@ def test_an_agent_whose_answer_was_lost_sits_out_one_round_and_trains_again_with
     assert sorted(sent_to[1]) == ["a", "b"] and rows[1].dropped == []  # not waited for again at once
     assert sorted(sent_to[2]) == ["a", "b", "c"] and rows[2].participants == ["a", "b", "c"]
     assert rows[3].participants == ["a", "b", "c"]
+
+
+class LossyFleet(ScriptedFleet):
+    """A fleet whose tasks can be lost on the way, as over a broker that restarts."""
+
+    loses_tasks = True
+
+
+def reconnecting(agent_id: str, fleet: ScriptedFleet, session: str) -> Responder:
+    """An agent whose first task is lost with its connection: it re-announces itself on the
+    same connection (as for a roll call), then reconnects (a birth on connection 2), and
+    answers whatever task it gets after that."""
+    calls = []
+
+    def answer(task: Message) -> list[bytes]:
+        calls.append(task)
+        if len(calls) > 1:
+            return honest(agent_id)(task)
+        fleet.events.append(status(agent_id, session=session, connection=1))
+        fleet.events.append(status(agent_id, session=session, connection=2))
+        return []
+    return answer
+
+
+@pytest.mark.parametrize("loses_tasks", [True, False], ids=["lossy-fleet", "fleet-that-loses-nothing"])
+def test_a_task_lost_with_a_connection_goes_again_once_on_the_agents_next_connection(tmp_path, loses_tasks):
+    """PROTOCOL.md §10: c's round-0 task is lost; its birth on the same connection brings
+    nothing, its birth on connection 2 brings the same task (id, seed, payload) once, and
+    the round closes with c's answer. A fleet that cannot lose a task sends no copy."""
+    fleet = (LossyFleet if loses_tasks else ScriptedFleet)({"a": honest("a"), "b": honest("b")})
+    fleet.agents["c"] = reconnecting("c", fleet, session="c" * 32)
+    fleet.events = deque(status(a, session=a * 32, connection=1) for a in ("a", "b", "c"))
+    sent: list[tuple[str, Message]] = []
+    fleet.on_send = lambda agent_id, task: sent.append((agent_id, task))
+    rows = coordinator(fleet, tmp_path, rounds=1, round_timeout_s=20 if loses_tasks else 1.5).run()
+    to_c = [task for agent, task in sent if agent == "c" and task.header.round == 0]
+    if not loses_tasks:
+        assert len(to_c) == 1 and rows[0].dropped == ["c"]
+        return
+    assert len(to_c) == 2 and to_c[0].meta.task_id == to_c[1].meta.task_id
+    assert to_c[0].meta.seed == to_c[1].meta.seed and to_c[0].header.message_id != to_c[1].header.message_id
+    assert all(np.array_equal(to_c[0].tensors[k], to_c[1].tensors[k]) for k in to_c[0].tensors)
+    assert sorted(rows[0].participants) == ["a", "b", "c"] and rows[0].dropped == [] and rows[0].rejected == {}
+
+
+def test_only_a_later_connection_of_the_same_session_means_a_task_may_be_lost():
+    task = Task("c", "t1", "train", 10, session="s1", connection=2)
+    assert task.lost_with_connection("s1", 3)
+    assert not task.lost_with_connection("s1", 2)  # a roll call's answer, a re-announcement
+    assert not task.lost_with_connection("s1", 1)  # an old birth
+    assert not task.lost_with_connection("s2", 9)  # another process: it gets what a new one gets
+    assert not task.lost_with_connection("s1", None)  # an agent before protocol 1.3
+    assert not Task("c", "t1", "train").lost_with_connection("s1", 3)  # sent before any birth was heard
+    # sent when its birth had no number (made before it heard a 1.3 coordinator): any later connection
+    unnumbered = Task("c", "t1", "train", 10, session="s1")
+    assert unnumbered.lost_with_connection("s1", 2) and not unnumbered.lost_with_connection("s1", 1)
 
 
 def test_a_present_agent_that_never_answers_costs_a_deadline_ever_more_rarely(tmp_path):
