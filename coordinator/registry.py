@@ -145,7 +145,8 @@ class Registry:
         if status.state == "offline" and status.session == session:
             return None
         return (f"{status.state} status of session {status.session[:8]}… made at {created:.3f}, not newer than "
-                f"the current session {session[:8]}…'s at {last_created:.3f} (replayed?)")
+                f"the current session {session[:8]}…'s at {last_created:.3f} (replayed, or the device's clock is "
+                f"{last_created - created:.0f}s behind the one it had)")
 
     def update(self, agent_id: str, status: StatusMeta, created: float | None = None) -> bool:
         """Record a status (made at ``created`` on the agent's clock); returns whether the

@@ -66,7 +66,9 @@ class TaskGuard:
         now = wall_time() if now is None else now
         late = now - (h.created + 2 * meta.deadline_s + MAX_CLOCK_SKEW_S)
         if late > 0:
-            return "expired", f"task of round {h.round} is {late:.0f}s past its deadline"
+            return "expired", (f"task of round {h.round} is {late:.0f}s past its deadline by this device's clock, "
+                               f"which reads {now - h.created:.0f}s after the task was made (a new task: the "
+                               "device's clock is that far ahead)")
         return None
 
     def accept(self, message: Message) -> None:

@@ -184,7 +184,9 @@ class TrainerTier:
         refused = self.guard.refusal(message)
         if refused is not None:
             log.warning("ignored task %s (round %d): %s (%s)", task_id, round, *refused)
-            return None
+            # past its deadline by this device's clock: not run, but told, so that a clock far
+            # ahead shows in the coordinator's row and log instead of only on the device
+            return self._refusal(message, *refused) if refused[0] == "expired" else None
         if task_id in self._answered:
             cached = self._answered[task_id]
             if cached is None:

@@ -30,6 +30,7 @@ REFUSAL_REASONS: dict[str, str] = {
     "normalization": "the agent cannot preprocess its data as run.data says",
     "busy": "the agent cannot take a task now (it stays eligible for later rounds)",
     "error": "the local update failed on the device (out of memory, a crash in training, ...)",
+    "expired": "the task is past its deadline by the agent's clock (since 1.3; the detail says by how much)",
 }
 
 

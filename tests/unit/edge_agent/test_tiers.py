@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,7 @@ from edgepfl.protocol import (
     encode,
     new_message_id,
 )
+from edgepfl.protocol.clock import SIMULATION_EPOCH
 from edgepfl.specs import ModelSpec, TrainConfig
 
 from tests.export_fixtures import NEW_CLIENT, client_data, export_dir
@@ -131,6 +133,32 @@ def test_a_local_update_that_raises_is_refused_as_error(trainer, caplog):
         reply = tier.handle(broken)
     assert reply.refusal and decode(reply.frame).meta_as(RefusalMeta).reason == "error"
     assert "failed" in caplog.text
+
+
+def test_a_pinned_trainer_whose_clock_is_20_minutes_ahead_refuses_a_new_task_as_expired_and_says_why(tmp_path):
+    """With a pinned coordinator key a task past its deadline by the device's clock is not
+    run; it is refused with reason ``expired`` (PROTOCOL §7), whose detail names how far
+    ahead the clock would be, so the operator sees it in the round's row. A task it is
+    told is older than one it ran (``stale``) stays silent: that is a replay."""
+    from edgepfl.protocol import RefusalMeta
+    from edgepfl.protocol.clock import simulated_time
+
+    tier = TrainerTier("t-1", client_data(0), str(tmp_path / "state"), device="cpu", pinned=True)
+    meta = TaskMeta(task_id=new_message_id(), kind="train", run=RUN, seed=1, deadline_s=60)
+    made = time.time()
+    fresh = decode(encode(MessageType.TASK, federation=FED, sender="coordinator", round=1, meta=meta,
+                          tensors={}, recipient="t-1"))
+    with simulated_time(lambda: made + 1200 - SIMULATION_EPOCH):  # this device's clock: 20 minutes ahead
+        reply = tier.handle(fresh)
+    assert reply is not None and reply.refusal and reply.task_id == meta.task_id
+    refusal = decode(reply.frame).meta_as(RefusalMeta)
+    assert refusal.reason == "expired" and "1200s after the task was made" in refusal.detail
+    assert "ahead" in refusal.detail
+
+    tier.guard.accept(fresh)  # round 1 of this run is the newest seen: round 0 is a replay
+    older = TaskMeta(task_id=new_message_id(), kind="train", run=RUN, seed=0, deadline_s=60)
+    assert tier.handle(decode(encode(MessageType.TASK, federation=FED, sender="coordinator", round=0, meta=older,
+                                     tensors={}, recipient="t-1"))) is None
 
 
 def test_a_task_the_coordinator_closed_is_not_answered_again(trainer):
