@@ -55,7 +55,7 @@ class MissingExtra(ImportError):
 EXTRA_OF_MODULE = {
     "torch": "train", "torchvision": "train", "onnxscript": "train", "scipy": "train", "matplotlib": "train",
     "amqtt": "train", "onnxruntime": "agent", "sklearn": "agent", "skl2onnx": "agent", "onnx": "agent",
-    "PIL": "agent", "sdnotify": "agent",
+    "PIL": "agent",
 }
 
 _HINTS = {

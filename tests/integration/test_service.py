@@ -12,7 +12,6 @@ import time
 import uuid
 from pathlib import Path
 
-import pytest
 import yaml
 
 from tests.fleet_helpers import wait_until
@@ -43,7 +42,6 @@ def _alive(pid: int) -> bool:
 
 
 def test_agent_tells_systemd_it_is_ready_and_alive(mosquitto, tmp_path):
-    pytest.importorskip("sdnotify")
     config = tmp_path / "agent.yaml"
     config.write_text(yaml.safe_dump({
         "agent_id": "pi-notify", "federation": f"n{uuid.uuid4().hex[:8]}", "tier": "head",

@@ -301,7 +301,6 @@ def test_demo_uses_digits_with_a_fitting_model_where_fmnist_is_absent(tmp_path, 
 
 
 def test_notifier_sends_ready_watchdog_and_stopping_to_notify_socket(tmp_path, monkeypatch):
-    pytest.importorskip("sdnotify")
     path = str(tmp_path / "notify")
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.bind(path)
@@ -315,6 +314,14 @@ def test_notifier_sends_ready_watchdog_and_stopping_to_notify_socket(tmp_path, m
         n.stopping()
         got = [sock.recv(256).decode() for _ in range(3)]
     assert got == ["READY=1\nSTATUS=up", "WATCHDOG=1", "STOPPING=1"]
+    # an abstract socket, as systemd may give: "@name" is "\0name"
+    name = f"edgepfl-test-{os.getpid()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind("\0" + name)
+        sock.settimeout(2)
+        monkeypatch.setenv("NOTIFY_SOCKET", "@" + name)
+        ServiceNotifier().ready()
+        assert sock.recv(256) == b"READY=1"
     monkeypatch.delenv("NOTIFY_SOCKET")
     quiet = ServiceNotifier()
     assert not quiet.active
