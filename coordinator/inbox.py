@@ -195,7 +195,8 @@ class Inbox:
         task may have been lost with the old connection (a broker that restarted forgets what
         it had not delivered), so it goes again, same task id, seed and payload (PROTOCOL.md
         §10). A birth on the same connection (a roll call's answer, a re-announcement) brings
-        nothing; an agent that got the task after all answers it once."""
+        nothing; an agent that got the task after all trains it once and answers the copy
+        from its cache, which is then counted ``duplicate``."""
         tasks = self._tasks
         task = tasks.get(agent_id)
         if (self.resend is None or tasks.closed or task is None or agent_id not in tasks.waiting
