@@ -176,6 +176,12 @@ class Accepted:
     late: LateWindow | None = None
 
 
+#: the most copies of one task a round sends (a lost task goes again on each reconnect up to
+#: this): statuses forged with ever higher connection numbers on an unsigned deployment
+#: cannot make the coordinator publish the model without bound
+MAX_TASK_COPIES = 2
+
+
 @dataclass(frozen=True)
 class Task:
     """One task sent this round."""
@@ -191,6 +197,8 @@ class Task:
     #: task may have been lost with the old one (PROTOCOL.md §10)
     session: str | None = None
     connection: int | None = None
+    #: how many times the task was sent again (at most :data:`MAX_TASK_COPIES`)
+    copies: int = 0
 
     def lost_with_connection(self, session: str | None, connection: int | None) -> bool:
         """Whether a birth of ``session`` on connection ``connection`` came after a connection

@@ -29,6 +29,7 @@ from .clock import Clock, WallClock
 from .fleet import Fleet, Incoming
 from .gate import (
     EXCLUDING_REFUSALS,
+    MAX_TASK_COPIES,
     Accepted,
     Attribution,
     LateWindow,
@@ -200,9 +201,9 @@ class Inbox:
         tasks = self._tasks
         task = tasks.get(agent_id)
         if (self.resend is None or tasks.closed or task is None or agent_id not in tasks.waiting
-                or not task.lost_with_connection(session, connection)):
+                or task.copies >= MAX_TASK_COPIES or not task.lost_with_connection(session, connection)):
             return
-        tasks.add(replace(task, connection=connection))
+        tasks.add(replace(task, connection=connection, copies=task.copies + 1))
         sent = self.resend(task, tasks.round)
         if self._sink is not None:
             self._sink.bytes_down += sent

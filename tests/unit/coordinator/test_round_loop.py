@@ -22,7 +22,7 @@ import pytest
 from edgepfl.aggregation import UPDATE_NORM_MEDIAN
 from edgepfl.config import RunConfig
 from edgepfl.coordinator.fleet import Fleet, Incoming
-from edgepfl.coordinator.gate import Rejection, Task
+from edgepfl.coordinator.gate import MAX_TASK_COPIES, Rejection, Task
 from edgepfl.coordinator.registry import Registry
 from edgepfl.coordinator.result import RoundResult
 from edgepfl.coordinator.rounds import Coordinator
@@ -748,6 +748,26 @@ def test_a_task_lost_with_a_connection_goes_again_once_on_the_agents_next_connec
     assert to_c[0].meta.seed == to_c[1].meta.seed and to_c[0].header.message_id != to_c[1].header.message_id
     assert all(np.array_equal(to_c[0].tensors[k], to_c[1].tensors[k]) for k in to_c[0].tensors)
     assert sorted(rows[0].participants) == ["a", "b", "c"] and rows[0].dropped == [] and rows[0].rejected == {}
+
+
+def test_statuses_with_ever_higher_connection_numbers_bring_at_most_max_copies_of_a_task(tmp_path):
+    """On an unsigned deployment anyone can publish c's status: a flood of them with rising
+    connection numbers while c's task is open makes the coordinator send that task at most
+    MAX_TASK_COPIES times more, not once per status (each copy is the whole model)."""
+    fleet = LossyFleet({"a": honest("a"), "b": honest("b")})
+    sent: list[str] = []
+
+    def flooded(task: Message) -> list[bytes]:
+        sent.append(task.meta.task_id)
+        if len(sent) == 1:
+            fleet.events.extend(status("c", session="c" * 32, connection=n) for n in range(2, 40))
+            return []
+        return []  # c never answers: the round closes at its deadline with a and b
+    fleet.agents["c"] = flooded
+    fleet.events = deque(status(a, session=a * 32, connection=1) for a in ("a", "b", "c"))
+    rows = coordinator(fleet, tmp_path, rounds=1, round_timeout_s=1.5).run()
+    assert sent.count(sent[0]) == 1 + MAX_TASK_COPIES  # round 0's task (the final evaluation sends another)
+    assert rows[0].dropped == ["c"]
 
 
 def test_only_a_later_connection_of_the_same_session_means_a_task_may_be_lost():
