@@ -202,12 +202,14 @@ class Task:
 
     def lost_with_connection(self, session: str | None, connection: int | None) -> bool:
         """Whether a birth of ``session`` on connection ``connection`` came after a connection
-        this task may have been lost with (the same process, a later connection). A task sent
-        when the agent's status had no number (made before the agent heard a 1.3 coordinator)
-        went out on some connection: any but the first may be later than it."""
-        if self.session is None or connection is None or session != self.session:
+        this task may have been lost with (the same process, a later connection). Only known
+        numbers are compared: a task sent when the agent's status had none (made before it
+        heard a 1.3 coordinator) may have gone out on the very connection its first numbered
+        status comes from (after a broker restart, every agent's), and a copy would only cost
+        it a download."""
+        if self.session is None or self.connection is None or connection is None or session != self.session:
             return False
-        return connection > self.connection if self.connection is not None else connection >= 2
+        return connection > self.connection
 
 
 class RoundTasks:

@@ -142,6 +142,13 @@ class Registry:
         session, last_created = last
         if created > last_created:
             return None
+        # The same status again while it still holds (the broker re-delivers retained statuses
+        # on every subscribe, e.g. after the coordinator reconnects) changes nothing: not
+        # stale. Once the agent went offline, its birth replayed is.
+        known = self.agents.get(agent_id)
+        if (created == last_created and status.session == session and known is not None
+                and known.state == status.state):
+            return None
         if status.state == "offline" and status.session == session:
             return None
         return (f"{status.state} status of session {status.session[:8]}… made at {created:.3f}, not newer than "

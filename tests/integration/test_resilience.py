@@ -280,11 +280,13 @@ def test_transport_started_before_the_broker_connects_once_it_appears():
 
 
 def test_a_task_lost_with_a_broker_restart_is_sent_again_when_its_agent_reconnects(tmp_path):
-    """PROTOCOL.md §10: a broker that crashed and came back (its retained statuses saved,
-    no agent's session queue) loses the task sent to an agent that has not reconnected yet.
-    The agent's birth on its next connection (``connection`` 2) brings the same task again,
-    once, and the round closes with its one answer instead of waiting out its deadline
-    (15 min here: the test would time out first)."""
+    """PROTOCOL.md §10: a federation whose coordinator the agents know (their births carry
+    `connection` 1) loses its broker: it crashes and comes back with its retained statuses
+    saved but no session. The coordinator and one agent reconnect (connection 2); a third
+    agent joins and round 0 opens while the victim is still away, so its task is lost. The
+    victim's birth on its connection 2 brings the same task again, once; the round closes
+    with every answer, no rejection and no copy to anyone else, instead of waiting out the
+    victim's deadline (15 min here: the test would time out first)."""
     from edgepfl.broker import free_port
     from edgepfl.testing import MosquittoBroker, TrafficCapture
 
@@ -295,48 +297,58 @@ def test_a_task_lost_with_a_broker_restart_is_sent_again_when_its_agent_reconnec
     store.mkdir()
     # retained births survive the crash (saved every second); an agent's session queue does not
     keep = f"persistence true\npersistence_location {store}/\nautosave_interval 1\n"
-    config = run_config(rounds=1, round_timeout_s=900, model={"arch": "mlp", "feature_dim": 16},
-                        data={"samples_per_client": 100})
+    config = run_config(rounds=1, round_timeout_s=900, wait_for_agents_s=600,
+                        model={"arch": "mlp", "feature_dim": 16}, data={"samples_per_client": 100})
     out = tmp_path / "run"
     broker = MosquittoBroker(port, extra_config=keep)
     url = broker.start()
     capture = None
+    fleet = RunningFleet(config, out, url, 3)
+    fed, victim = fleet.config.federation, "agent-01"
+    status_of = {a: agent_topic(fed, a, AgentChannel.STATUS) for a in fleet.ids}
+
+    def numbered(agent: str, at_least: int) -> bool:
+        return any(t == status_of[agent] and p and (decode(p).meta_as(StatusMeta).connection or 0) >= at_least
+                   for t, p in capture.snapshot())
     try:
-        with RunningFleet(config, out, url, 2) as fleet:
-            fed, victim = fleet.config.federation, "agent-01"
-            births = TrafficCapture(url, f"edgepfl/v1/{fed}/agents/+/status", include_retained=True).start()
-            wait_until(lambda: {t.split("/")[-2] for t, _ in births.snapshot()} >= set(fleet.ids), 240,
-                       what="both agents' births")
-            births.stop()
-            seen = time.time()
-            fleet.procs[victim].send_signal(signal.SIGSTOP)  # it cannot see the restart, nor resubscribe
-            saved = store / "mosquitto.db"
-            wait_until(lambda: saved.exists() and saved.stat().st_mtime > seen, 60, what="the births saved")
-            os.kill(broker.pid, signal.SIGKILL)  # a crash: no wills published, the births stay "online"
-            broker.stop()
-            broker = MosquittoBroker(port, extra_config=keep)
-            broker.start()
-            capture = TrafficCapture(url, f"edgepfl/v1/{fed}/agents/+/+").start()
-            coord, mfleet = _coordinator(fleet.config, url, out, fleet.shape())
-            thread, box = run_in_thread(coord.run)
-            victim_task = agent_topic(fed, victim, AgentChannel.TASK)
-            wait_until(lambda: any(t == victim_task for t, _ in capture.snapshot()), 240,
-                       what="round 0's task to the stopped agent, into the void")
-            fleet.procs[victim].send_signal(signal.SIGCONT)  # it reconnects: a birth on connection 2
-            thread.join(timeout=600)
-            mfleet.close()
-            assert not thread.is_alive() and "error" not in box, box.get("error")
+        capture = TrafficCapture(url, f"edgepfl/v1/{fed}/agents/+/+").start()
+        fleet.start_agent(0), fleet.start_agent(1)
+        coord, mfleet = _coordinator(fleet.config, url, out, fleet.shape())
+        thread, box = run_in_thread(coord.run)  # waits for its third agent
+        wait_until(lambda: numbered("agent-00", 1) and numbered(victim, 1), 240, what="births on connection 1")
+        seen = time.time()
+        fleet.procs[victim].send_signal(signal.SIGSTOP)  # it cannot see the crash, nor resubscribe
+        saved = store / "mosquitto.db"
+        wait_until(lambda: saved.exists() and saved.stat().st_mtime > seen, 60, what="the births saved")
+        capture.stop()
+        os.kill(broker.pid, signal.SIGKILL)  # a crash: no wills published, the births stay "online"
+        broker.stop()
+        broker = MosquittoBroker(port, extra_config=keep)
+        broker.start()
+        capture = TrafficCapture(url, f"edgepfl/v1/{fed}/agents/+/+").start()
+        wait_until(lambda: numbered("agent-00", 2), 240, what="agent-00 back on connection 2")
+        fleet.start_agent(2)  # round 0 opens with the victim still away
+        victim_task = agent_topic(fed, victim, AgentChannel.TASK)
+        wait_until(lambda: any(t == victim_task and p and decode(p).type == MessageType.TASK
+                               for t, p in capture.snapshot()), 240,
+                   what="round 0's task to the stopped agent, into the void")
+        fleet.procs[victim].send_signal(signal.SIGCONT)  # it reconnects: a birth on connection 2
+        thread.join(timeout=600)
+        mfleet.close()
+        assert not thread.is_alive() and "error" not in box, box.get("error")
         traffic = capture.snapshot()
     finally:
         if capture is not None:
             capture.stop()
+        fleet.__exit__()
         broker.stop()
     round0 = read_rows(out)[0]
-    assert sorted(round0.participants) == ["agent-00", "agent-01"] and not round0.dropped, round0
-    assert round0.rejected == {}, round0.rejected  # the copy was answered once: no duplicate
-    tasks = [decode(p) for t, p in traffic if t == victim_task]
-    training = [m.meta_as(TaskMeta) for m in tasks if m.header.round == 0 and m.meta_as(TaskMeta).kind == "train"]
-    assert len(training) == 2 and len({m.task_id for m in training}) == 1  # the same task, once again
-    births = [decode(p).meta_as(StatusMeta) for t, p in traffic
-              if t == agent_topic(fed, victim, AgentChannel.STATUS) and p]
-    assert max(b.connection or 0 for b in births) >= 2
+    assert sorted(round0.participants) == fleet.ids and not round0.dropped, round0
+    assert round0.rejected == {}, round0.rejected  # no copy crossed a delivered task: no duplicate
+    tasks = {a: [decode(p) for t, p in traffic if t == agent_topic(fed, a, AgentChannel.TASK) and p] for a in fleet.ids}
+    trained = {a: [m.meta_as(TaskMeta) for m in frames if m.type == MessageType.TASK and m.header.round == 0
+                   and m.meta_as(TaskMeta).kind == "train"] for a, frames in tasks.items()}
+    # a coordinator that re-reads the retained births after its reconnect finds nothing stale to NACK
+    assert not [m for frames in tasks.values() for m in frames if m.type == MessageType.NACK]
+    assert len(trained[victim]) == 2 and len({m.task_id for m in trained[victim]}) == 1  # the same task again
+    assert [len(trained[a]) for a in ("agent-00", "agent-02")] == [1, 1]  # nobody else got a copy
