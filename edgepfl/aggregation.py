@@ -178,10 +178,17 @@ def weight_cap(counts: Iterable[int], ratio: float | None) -> int | None:
     among honest devices (one of two included) is held to ``ratio`` honest devices' worth;
     an honest device with more data than most keeps all its weight up to the same bound.
     """
-    ordered = sorted(counts)
-    if ratio is None or not ordered:
+    middle = lower_median(counts)
+    if ratio is None or middle is None:
         return None
-    return max(1, math.floor(ratio * ordered[(len(ordered) - 1) // 2]))
+    return max(1, math.floor(ratio * middle))
+
+
+def lower_median(values: Iterable[float]) -> float | None:
+    """The lower middle value (of an even number, the smaller of the two: always a value
+    some sender had, and one that half of them or fewer cannot raise); None for none."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2] if ordered else None
 
 
 def capped_accuracy(results: Iterable[tuple[int, int]], ratio: float | None) -> float | None:
@@ -419,10 +426,7 @@ class Aggregator(ABC):
         """The median change norm of this round's updates as adopted (the lower middle one
         of an even number, a value some update had): the next round's ``typical_change``.
         None without a bound (nothing measured) or updates."""
-        if not self.change_norms_:
-            return None
-        ordered = sorted(self.change_norms_)
-        return ordered[(len(ordered) - 1) // 2]
+        return lower_median(self.change_norms_)
 
     def add(self, params: Mapping[str, np.ndarray], weight: int = 1) -> bool:
         """Fold in one accepted update (same keys, shapes and dtypes as the reference);
