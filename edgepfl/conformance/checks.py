@@ -56,8 +56,17 @@ CHECKS: dict[str, Check] = _catalog(
     Check("update.tensors", "§6", "MUST", "1.0",
           "a train update carries exactly the task's shared keys, same shapes and dtypes, all finite"),
     Check("task.evaluate", "§5", "MUST", "1.0", "an `evaluate` task is answered with kind `evaluate` and no tensors"),
+    Check("task.preprocessing", "§5", "MUST", "1.0",
+          "inputs are preprocessed as the task's `run.data` says: an evaluate task of a model the kit trained under "
+          "a normalization of its own (not the data file's) scores >= 90 % held out (the model scores 100 % on "
+          "every sample; x / 255 alone, or the file's normalization, scores near chance)"),
+    Check("task.class_order", "§5", "MUST", "1.0",
+          "local labels are mapped onto the run's class order: the same model with the run's class names and the "
+          "head's rows permuted alike scores >= 90 % held out (local numbers taken for the run's score near 0)"),
     Check("idempotency.redelivery", "§9", "MUST", "1.0",
           "a task delivered again is answered with the cached update frame (same message_id)"),
+    Check("frames.body_hash", "§7", "MUST", "1.0",
+          "a task whose body does not match its header's `body_sha256` gets no answer; the next task is answered"),
     Check("frames.valid", "§7", "MUST", "1.0",
           "every frame the agent publishes passes the receiver's checks (§7 1-9) and names the topic's agent"),
     # chunking and limits
@@ -109,12 +118,19 @@ CHECKS: dict[str, Check] = _catalog(
     Check("signing.wrong_recipient", "§4", "MUST", "1.1", "a signed task whose `recipient` is another agent is ignored"),
     Check("signing.stale", "§7", "MUST", "1.1",
           "a signed task older by (epoch, round) than the newest acted on is ignored"),
+    Check("signing.expired_task", "§7", "MUST", "1.1",
+          "a signed task past `created + 2 × deadline_s + 300 s` by the agent's clock is not run (no update; "
+          "since 1.3 a `refusal` `expired` may say so)"),
     # the head tier (scenario "head"): releases, with a pinned coordinator key
     Check("release.install", "§12", "MUST", "1.0",
           "a release retained whole before the head agent started is installed: `metrics` (tier head, its "
           "release_id, round = the release's)"),
     Check("release.sha256", "§12", "MUST", "1.0",
           "a release whose artifact does not match its sha256 is refused (no metrics; the installed one is kept)"),
+    Check("release.signature", "§7", "MUST", "1.1",
+          "with a pinned coordinator key, an unsigned release and a release signed by another key are refused"),
+    Check("release.unsequenced", "§7", "MUST", "1.1",
+          "with a pinned coordinator key, a signed release without `sequence` and `expires` is refused"),
     Check("release.rollback", "§12", "MUST", "1.1",
           "with a pinned coordinator key, a release whose `sequence` is below the installed one's is refused"),
     Check("release.expired", "§12", "MUST", "1.1",

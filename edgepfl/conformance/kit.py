@@ -174,14 +174,7 @@ class _Kit:
         #: the run's epoch (Unix ms), as a coordinator's
         self.epoch = int(time.time() * 1000)
         self.normalization = write_dataset(workdir / "data.npz")
-        self.run = RunSpec(
-            method=MethodChoice(name="fedavg"),
-            model=ModelSpec(arch="mlp", feature_dim=32, norm="batch"),
-            train=TrainConfig(epochs=1, batch_size=16, lr=0.05),
-            seed=0,
-            data=DataShape(input_shape=INPUT_SHAPE, num_classes=len(CLASS_NAMES), class_names=list(CLASS_NAMES),
-                           normalization=Normalization(**self.normalization)),
-        )
+        self.run = self.run_spec(self.normalization)
         self._payloads: dict[str, dict[str, np.ndarray]] = {}
         self.wires: list[Wire] = []
         self.agents: list[AgentProcess] = []
@@ -189,6 +182,18 @@ class _Kit:
         self.frame_problems: list[str] = []
         self.frames_checked = 0
         self._export: subprocess.Popen | None = None
+
+    @staticmethod
+    def run_spec(normalization: dict[str, list[float]]) -> RunSpec:
+        """Every task's run: fedavg on the MLP of docs/MODELS.md over the kit's data (``write_dataset``)."""
+        return RunSpec(
+            method=MethodChoice(name="fedavg"),
+            model=ModelSpec(arch="mlp", feature_dim=32, norm="batch"),
+            train=TrainConfig(epochs=1, batch_size=16, lr=0.05),
+            seed=0,
+            data=DataShape(input_shape=INPUT_SHAPE, num_classes=len(CLASS_NAMES), class_names=list(CLASS_NAMES),
+                           normalization=Normalization(**normalization)),
+        )
 
     # ------------------------------------------------------------------ set-up
     def close(self) -> None:
@@ -352,6 +357,7 @@ class _Kit:
                                           f"{len(update.message.tensors)} tensors")
         else:
             r.record("task.evaluate", False, "no answer to an evaluate task")
+        self.probe(s)
 
         task, meta = s.task(2)
         update = s.ask(_with_unknown_fields(task), meta)
@@ -376,6 +382,8 @@ class _Kit:
                             task_id=last.message.meta_as(UpdateMeta).task_id)
             s.send(encode(MessageType.NACK, federation=s.federation, sender="coordinator", round=3, meta=nack))
         s.send(_retyped(s.task(4)[0], "x_future_type"))
+        tampered_task, tampered_meta = s.task(4)
+        s.send(_tampered(tampered_task))
         wrong = self.run.model_copy(update={"data": self.run.data.model_copy(update={"input_shape": (1, 9, 9)})})
         shape_task, shape_meta = s.task(5, run=wrong)
         s.send(shape_task)
@@ -396,6 +404,11 @@ class _Kit:
                    if not r.required("nack.keeps_going") else "no update to NACK")
         r.record("evolution.unknown_type", True, "the task after an `x_future_type` frame was answered")
         time.sleep(self.options.quiet_s)
+        answer = s.answer_to(tampered_meta.task_id, mark)
+        r.record("frames.body_hash", answer is None,
+                 "a task with one body byte changed got no answer; the next task was answered" if answer is None else
+                 f"a task with one body byte changed was answered with a "
+                 f"{answer.message.type.value if answer.message else 'broken'} frame")
         s.check_refusal(mark, shape_meta, "data_mismatch", "refusal.data_mismatch")
         s.check_refusal(mark, method_meta, "unsupported_method", "refusal.unsupported_method")
 
@@ -434,6 +447,33 @@ class _Kit:
         self.run_done(s)
         s.clean_stop()
         s.account_frames()
+
+    def probe(self, s: _Scenario) -> None:
+        """``task.preprocessing`` and ``task.class_order``: evaluate tasks of a model the kit
+        trained, whose held-out accuracy shows what the agent computed (:mod:`.probes`)."""
+        from .probes import MIN_ACCURACY, build_probes
+
+        plain, order = build_probes(self.run, self.workdir / "data.npz")
+        for check_id, probe, how in (
+                ("task.preprocessing", plain, f"normalization {probe_norm(plain.run)} (the data file's is "
+                                              f"{probe_norm(self.run)})"),
+                ("task.class_order", order, f"class names {order.run.data.class_names} (local "
+                                            f"{list(self.run.data.class_names)})")):
+            first = self.report.results.get("task.preprocessing")
+            if check_id == "task.class_order" and (first is None or first.verdict != "pass"):
+                self.report.skip(check_id, "the class order is measured through the accuracy, which needs "
+                                           "task.preprocessing to pass first")
+                continue
+            task, meta = s.task(1, kind="evaluate", run=probe.run, tensors=probe.payload)
+            answer = s.ask(task, meta)
+            if answer is None or answer.message is None or answer.message.type != MessageType.UPDATE:
+                self.report.record(check_id, False, f"no update answered the evaluate task ({how})")
+                continue
+            u = answer.message.meta_as(UpdateMeta)
+            scored = u.eval_correct / u.num_test if u.num_test else 0.0
+            self.report.record(check_id, u.num_test > 0 and scored >= MIN_ACCURACY,
+                               f"{u.eval_correct}/{u.num_test} held-out correct ({scored:.0%}; at least "
+                               f"{MIN_ACCURACY:.0%} required, the kit's model scores 100 % on every sample) with {how}")
 
     def outage(self, s: _Scenario, round: int, epochs: int, per_epoch: float, *,
                back_in_round: int) -> tuple[TaskMeta, int, Frame | None]:
@@ -550,9 +590,13 @@ class _Kit:
                  else f"birth status: {reason}")
         mark = s.wire.mark()
         bad = {
-            "signing.unsigned_task": s.task(1, signer=None),
+            # addressed to the agent: only the missing signature may stop it
+            "signing.unsigned_task": s.task(1, signer=None, recipient=s.agent_id),
             "signing.foreign_key": s.task(1, signer=s.foreign),
             "signing.wrong_recipient": s.task(1, recipient="someone-else"),
+            # past created + 2 x deadline_s + 300 s by an hour
+            "signing.expired_task": s.task(1, created=time.time() - 2 * max(60.0, self.options.answer_timeout_s)
+                                           - 300 - 3600),
         }
         for frame, _ in bad.values():
             s.send(frame)
@@ -572,6 +616,10 @@ class _Kit:
         time.sleep(self.options.quiet_s)
         for check_id, (_, bad_meta) in {**bad, "signing.stale": (stale_task, stale_meta)}.items():
             answer = s.answer_to(bad_meta.task_id, mark)
+            if check_id == "signing.expired_task" and answer is not None and answer.message is not None \
+                    and answer.message.type == MessageType.REFUSAL:
+                r.record(check_id, True, f"refused: {answer.message.meta_as(RefusalMeta).reason}")
+                continue
             r.record(check_id, answer is None, "ignored" if answer is None else
                      f"answered with a {answer.message.type.value if answer.message else 'broken'} frame")
         s.clean_stop(record=False)
@@ -583,14 +631,18 @@ class _Kit:
         r = self.report
         sequence, now = int(time.time() * 1000), time.time()
 
-        def release(name: str, *, seq: int, expires: float = now + 3600, body: bytes = artifact) -> tuple[bytes, str]:
-            """A signed release of the export under its own release id; ``body`` the artifact it carries."""
+        def release(name: str, *, seq: int | None, expires: float | None = now + 3600, body: bytes = artifact,
+                    signer: Signer | None | object = _COORDINATOR_KEY) -> tuple[bytes, str]:
+            """A release of the export under its own release id, signed with the coordinator's key
+            unless ``signer`` says otherwise; ``body`` the artifact it carries."""
             release_id = f"conformance-{name}-{manifest.encoder.sha256[:12]}"
             meta = ReleaseMeta(release_id=release_id, manifest=manifest.model_copy(update={"release_id": release_id}),
                                sha256=hashlib.sha256(artifact).hexdigest(), size_bytes=len(artifact), sequence=seq,
                                expires=expires)
+            key = s.coordinator if signer is _COORDINATOR_KEY else signer
             return encode(MessageType.RELEASE, federation=s.federation, sender="coordinator", round=manifest.round,
-                          meta=meta, tensors=release_tensors(body, global_heads), signer=s.coordinator), release_id
+                          meta=meta, tensors=release_tensors(body, global_heads),
+                          signer=key), release_id  # type: ignore[arg-type]
 
         release_topic = federation_topic(s.federation, FederationChannel.RELEASE)
         s.presence(session=uuid.uuid4().hex, m=LARGE_M)
@@ -603,31 +655,43 @@ class _Kit:
         if got is None:
             raise ScenarioAborted("the head agent installed no release")
 
-        # three releases it must refuse, on its task topic, then the installed one again
-        corrupt = bytearray(artifact)
-        corrupt[len(corrupt) // 2] ^= 0xFF
-        bad = {"release.sha256": release("corrupt", seq=sequence + 10, body=bytes(corrupt)),
-               "release.rollback": release("rollback", seq=sequence - 1),
-               "release.expired": release("expired", seq=sequence + 20, expires=now - 3600)}
+        # the installed release again on the task topic, then six it must refuse and a good one
+        # after them: each refusal is its own check, and a release wrongly installed cannot fail
+        # another check
         mark = s.wire.mark()
-        for frame, _ in bad.values():
-            s.send(frame)
         s.send(whole)
         again = s.wait_metrics(whole_id, mark, self.options.answer_timeout_s)
         r.record("release.task_topic", s.metrics_ok(again, manifest.round),
                  s.metrics_evidence(again, "sent again on the task topic", whole_id))
         if again is None:
             raise ScenarioAborted("the head agent did not answer its installed release sent again")
+        corrupt = bytearray(artifact)
+        corrupt[len(corrupt) // 2] ^= 0xFF
+        bad = {"release.sha256": [release("corrupt", seq=sequence + 10, body=bytes(corrupt))],
+               "release.rollback": [release("rollback", seq=sequence - 1)],
+               "release.expired": [release("expired", seq=sequence + 20, expires=now - 3600)],
+               "release.signature": [release("unsigned", seq=sequence + 30, signer=None),
+                                     release("foreign", seq=sequence + 40, signer=s.foreign)],
+               "release.unsequenced": [release("unsequenced", seq=None, expires=None)]}
+        sentinel, sentinel_id = release("sentinel", seq=sequence + 60)  # above every bad one: it must be installed
+        mark = s.wire.mark()
+        for frames in bad.values():
+            for frame, _ in frames:
+                s.send(frame)
+        s.send(sentinel)
+        if s.wait_metrics(sentinel_id, mark, self.options.answer_timeout_s) is None:
+            raise ScenarioAborted(f"the head agent did not install a good release sent after six bad ones; agent "
+                                  f"log: {s.agent.log_tail(3)}")
         time.sleep(self.options.quiet_s)
-        for check_id, (_, release_id) in bad.items():
-            installed = s.wait_metrics(release_id, mark, 0.0)
-            r.record(check_id, installed is None, "refused: no metrics" if installed is None else
-                     f"installed: metrics for {release_id}")
+        for check_id, frames in bad.items():
+            installed = [release_id for _, release_id in frames if s.wait_metrics(release_id, mark, 0.0) is not None]
+            r.record(check_id, not installed, "refused: no metrics" if not installed else
+                     f"installed: metrics for {', '.join(installed)}")
 
         # a late joiner again, the release retained in parts of at most the announced M
         s.clean_stop(record=False)
         s.presence(session=s.session, m=SMALL_M)
-        parted, parted_id = release("parts", seq=sequence + 30)
+        parted, parted_id = release("parts", seq=sequence + 100)  # above every release sent before
         parts = split_frame(parted, SMALL_M, federation=s.federation, sender="coordinator", round=manifest.round)
         for index in reversed(range(len(parts))):  # chunk 0 last (§12)
             s.wire.publish(release_part_topic(s.federation, index), parts[index], retain=True)
@@ -670,15 +734,19 @@ class _Scenario:
                                 round=round, meta=meta, signer=self.coordinator), now=now)
 
     def task(self, round: int, *, kind: str = "train", run: RunSpec | None = None, payload: RunSpec | None = None,
-             signer: Signer | None | object = _COORDINATOR_KEY, recipient: str | None = None) -> tuple[bytes, TaskMeta]:
-        """A task frame for this agent (signed with the coordinator's key in the signed scenario)."""
+             signer: Signer | None | object = _COORDINATOR_KEY, recipient: str | None = None,
+             tensors: dict[str, np.ndarray] | None = None, created: float | None = None) -> tuple[bytes, TaskMeta]:
+        """A task frame for this agent (signed with the coordinator's key in the signed scenario);
+        its body the initial model of ``payload`` (default ``run``), or ``tensors``; ``created``
+        backdates it."""
         run = run or self.kit.run
         meta = TaskMeta(task_id=new_message_id(), kind=kind, run=run, seed=seed_for(run.seed, round, self.agent_id),
                         deadline_s=max(60.0, self.kit.options.answer_timeout_s), epoch=self.kit.epoch)
         key = self.coordinator if signer is _COORDINATOR_KEY else signer
         frame = encode(MessageType.TASK, federation=self.federation, sender="coordinator", round=round, meta=meta,
-                       tensors=self.kit.payload(payload or run), signer=key,  # type: ignore[arg-type]
-                       recipient=(recipient or self.agent_id) if key is not None else None)
+                       tensors=tensors if tensors is not None else self.kit.payload(payload or run),
+                       signer=key,  # type: ignore[arg-type]
+                       recipient=(recipient or self.agent_id) if key is not None else recipient, created=created)
         return frame, meta
 
     def send(self, frame: bytes, chunk_to: int | None = None) -> None:
@@ -921,6 +989,16 @@ def _with_unknown_fields(frame: bytes) -> bytes:
     header["meta"]["run"]["x_schedule"] = {"warmup": 1}
     header["meta"]["run"]["data"]["x_augment"] = False
     return _pack(header, rest)
+
+
+def probe_norm(run: RunSpec) -> str:
+    norm = run.data.normalization
+    return "null" if norm is None else f"mean {[round(v, 3) for v in norm.mean]}, std {[round(v, 3) for v in norm.std]}"
+
+
+def _tampered(frame: bytes) -> bytes:
+    """``frame`` (unsigned) with its body's last byte changed: the header's ``body_sha256`` no longer matches."""
+    return frame[:-1] + bytes([frame[-1] ^ 0xFF])
 
 
 def _retyped(frame: bytes, type_name: str) -> bytes:

@@ -146,6 +146,7 @@ def encode(
     body: Body | None = None,
     signer: Signer | None = None,
     recipient: str | None = None,
+    created: float | None = None,
 ) -> bytes:
     """Build one frame. ``meta`` must be the meta model registered for ``type``.
 
@@ -154,7 +155,8 @@ def encode(
     which are then serialized and hashed once per round instead of once per agent.
     With ``signer`` the frame is signed (the signature covers prefix and header, and
     through ``body_sha256`` the body, which is not hashed again); ``recipient`` names
-    the one agent the message is for.
+    the one agent the message is for; ``created`` (Unix s) backdates the frame (the
+    conformance kit's expired tasks; default: now).
     """
     mtype = MessageType(type)
     if not isinstance(meta, META_TYPES[mtype]):
@@ -170,7 +172,7 @@ def encode(
         sender=sender,
         round=round,
         message_id=message_id or new_message_id(),
-        created=wall_time(),
+        created=wall_time() if created is None else created,
         body_sha256=body.sha256,
         body_bytes=len(body.data),
         tensors=list(body.tensors),

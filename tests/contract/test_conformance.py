@@ -45,3 +45,18 @@ def test_cli_registers_the_command():
     from edgepfl.cli import DELEGATES
 
     assert ("conformance", "edgepfl.conformance.cli:main_conformance") in [(n, t) for n, t, _ in DELEGATES]
+
+
+def test_the_probes_score_everything_for_a_right_agent_and_near_chance_for_each_break(tmp_path):
+    """task.preprocessing and task.class_order tell breaks apart only if the kit's trained
+    model is right on every sample and far below MIN_ACCURACY under each break."""
+    from edgepfl.conformance.kit import _Kit
+    from edgepfl.conformance.probes import MIN_ACCURACY, discrimination
+    from edgepfl.conformance.wire import write_dataset
+
+    data = tmp_path / "data.npz"
+    run = _Kit.run_spec(write_dataset(data))
+    scored = discrimination(run, data)
+    assert scored["right"] == 1.0 and scored["class order, mapped"] == 1.0
+    for broken in ("x / 255 only", "the file's normalization", "class order, local numbers"):
+        assert scored[broken] <= MIN_ACCURACY - 0.4, (broken, scored)

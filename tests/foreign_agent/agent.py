@@ -12,7 +12,9 @@ It imports nothing of edgepfl: everything it does is specified in
 
 It is a test fixture and an example for device makers: one file, readable top to
 bottom. Its local data is an ``.npz`` of raw 8-bit images (``x_train``, ``x_test``:
-uint8 N×C×H×W), integer labels (``y_train``, ``y_test``) and ``num_classes``; or, with
+uint8 N×C×H×W), integer labels (``y_train``, ``y_test``), ``num_classes`` and
+``class_names`` (label j is ``class_names[j]``; mapped onto a run's class order, §5
+Labels; "0", "1", … when absent); or, with
 ``--test-fraction F``, pooled ``x`` and ``y`` (the conformance kit's data, docs/CONFORMANCE.md),
 split per class in file order: the last round(F · n) of a class's n samples are held out.
 
@@ -360,6 +362,8 @@ class Trainer:
             raise ValueError(f"{data}: x_train and x_test must be uint8 (N, C, H, W)")
         self.labels = {s: torch.as_tensor(raw[f"y_{s}"], dtype=torch.long) for s in ("train", "test")}
         self.num_classes = int(raw["num_classes"]) if "num_classes" in raw else int(raw["y"].max()) + 1
+        self.class_names = ([str(n) for n in raw["class_names"]] if "class_names" in raw
+                            else [str(i) for i in range(self.num_classes)])
         self.state_dir = state_dir
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._model_key: str | None = None
@@ -373,6 +377,14 @@ class Trainer:
     @property
     def num_test(self) -> int:
         return len(self.labels["test"])
+
+    def labels_for(self, run_names: list[str]) -> dict[str, torch.Tensor]:
+        """The local labels in the run's numbering (PROTOCOL §5, Labels): local label j is the
+        run's index of local name j; another set of names is not this agent's data."""
+        if sorted(run_names) != sorted(self.class_names):
+            raise ValueError(f"the run's classes {run_names} are not this agent's {self.class_names}")
+        index = torch.tensor([run_names.index(name) for name in self.class_names], dtype=torch.long)
+        return {split: index[labels] for split, labels in self.labels.items()}
 
     def inputs(self, data: dict) -> dict[str, torch.Tensor]:
         """The local images preprocessed as `run.data` says (PROTOCOL §5):
@@ -439,6 +451,7 @@ class Trainer:
             raise ValueError(f"the run's data ({run['data']['input_shape']}, {run['data']['num_classes']} classes) "
                              f"is not this agent's ({shape}, {self.num_classes} classes)")
         x = self.inputs(run["data"])
+        labels = self.labels_for(run["data"]["class_names"])
         started = time.perf_counter()
         model = self.model_for(run, method, options)
         keys = shared_keys(method, model)
@@ -448,14 +461,14 @@ class Trainer:
             state = model.state_dict()
             for name, value in payload.items():
                 state[name].copy_(torch.from_numpy(value.copy()))
-        correct, eval_loss = evaluate(model, x["test"], self.labels["test"])
+        correct, eval_loss = evaluate(model, x["test"], labels["test"])
         meta = {"num_train": self.num_train, "num_test": self.num_test, "eval_correct": correct,
                 "eval_loss": eval_loss, "train_loss": None}
         upload: dict[str, np.ndarray] = {}
         if task["kind"] == "train":
             generator = torch.Generator().manual_seed(task["seed"])
             torch.manual_seed(task["seed"])
-            loss = local_update(method, options, model, x["train"], self.labels["train"], run["train"], generator)
+            loss = local_update(method, options, model, x["train"], labels["train"], run["train"], generator)
             meta["train_loss"] = None if math.isnan(loss) else loss
             self.save_personal(method)
             state = model.state_dict()

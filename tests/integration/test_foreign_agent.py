@@ -59,7 +59,7 @@ def write_client_npz(config, client: int, path: Path) -> None:
     assert pool.pixels.dtype == np.uint8
     train, test = client_indices(config.data, client)
     np.savez(path, x_train=pool.pixels[train], y_train=pool.y[train], x_test=pool.pixels[test],
-             y_test=pool.y[test], num_classes=pool.num_classes)
+             y_test=pool.y[test], num_classes=pool.num_classes, class_names=np.array(pool.class_names))
 
 
 FOREIGN = "foreign-01"

@@ -1,0 +1,138 @@
+"""Evaluate tasks whose right answer depends on what the agent computes.
+
+An agent can answer every task on time, with well-formed frames, and still compute the
+wrong thing: inputs scaled by 1/255 and nothing more, its own data file's normalization
+instead of the task's, or its local label numbers taken for the run's. Nothing in a frame
+shows that; the accuracy does. So the kit trains, itself, a payload that classifies every
+sample of the agent's data correctly under a normalization of its choosing (not the data
+file's), and sends it in an ``evaluate`` task:
+
+* ``task.preprocessing``: the task says that normalization; an agent that preprocesses as
+  ``run.data`` says scores about 100 % on any held-out split, one that does not scores
+  near chance (:func:`discrimination` measures both on the kit's own model);
+* ``task.class_order``: the same payload with the run's class names in another order and
+  the head's rows permuted to match: an agent that maps its local labels onto the run's
+  order (PROTOCOL §5, Labels) scores the same, one that takes its local numbers for the
+  run's scores near 0 (the permutation moves every class).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edgepfl.protocol import Normalization, RunSpec
+
+#: the normalization the probes' tasks announce: 15 times narrower than the data file's (std ~0.3),
+#: so that neither x / 255 alone nor the file's own normalization feeds the model what it was trained on
+PROBE_NORMALIZATION = Normalization(mean=[0.5], std=[0.02])
+#: run index i is local class PERMUTATION[i]: every class moves (a derangement of 4)
+PERMUTATION = (1, 2, 3, 0)
+#: an answer's accuracy at or above this passes (the kit's model scores 100 % on every sample)
+MIN_ACCURACY = 0.9
+#: probe training: full-batch Adam steps on the whole data set
+_STEPS, _LR = 150, 0.01
+
+
+@dataclass(frozen=True)
+class Probe:
+    """An evaluate task's run spec and payload, and the accuracy an agent must reach."""
+
+    run: RunSpec
+    payload: dict[str, np.ndarray]
+
+
+def read_data(path: Path) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """(raw uint8 images N×C×H×W, labels, class names) of the kit's data file."""
+    with np.load(path) as data:
+        return data["x"], data["y"].astype(np.int64), [str(n) for n in data["class_names"]]
+
+
+def preprocess(pixels: np.ndarray, normalization: Normalization, pixel_scale: float = 1 / 255) -> np.ndarray:
+    """``(p · pixel_scale − mean[c]) / std[c]`` per channel, float32 (PROTOCOL §5, Preprocessing)."""
+    mean = np.asarray(normalization.mean, np.float64).reshape(1, -1, 1, 1)
+    std = np.asarray(normalization.std, np.float64).reshape(1, -1, 1, 1)
+    return ((pixels.astype(np.float64) * pixel_scale - mean) / std).astype(np.float32)
+
+
+def build_probes(run: RunSpec, data_path: Path) -> tuple[Probe, Probe]:
+    """(the preprocessing probe, the class-order probe) for ``run``'s method and model."""
+    from edgepfl._torch import torch
+    from edgepfl.methods import create_method
+    from edgepfl.methods.base import load_tensors
+
+    pixels, labels, names = read_data(data_path)
+    probe_run = run.model_copy(update={"data": run.data.model_copy(update={"normalization": PROBE_NORMALIZATION})})
+    torch.manual_seed(1)
+    method = create_method(run.method.name, run.method.options)
+    model = method.build_model(run.model, run.data.input_shape, run.data.num_classes)
+    shared = set(method.payload_for(method.init_server(model), "probe"))
+    x = torch.from_numpy(preprocess(pixels, PROBE_NORMALIZATION, run.data.pixel_scale))
+    y = torch.from_numpy(labels)
+    optimizer = torch.optim.Adam(model.parameters(), lr=_LR)
+    model.train()
+    for _ in range(_STEPS):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(method.logits(model, x), y).backward()
+        optimizer.step()
+    model.eval()
+    payload = {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items() if k in shared}
+    load_tensors(model, payload)
+    with torch.no_grad():
+        scored = float((method.logits(model, x).argmax(1) == y).float().mean())
+    if scored < 1.0:
+        raise RuntimeError(f"the kit's probe model scores {scored:.2%} on the data it was trained on, not 100 %")
+    plain = Probe(probe_run, payload)
+    return plain, permuted(plain, names)
+
+
+def permuted(probe: Probe, names: list[str]) -> Probe:
+    """``probe`` with the run's class names in :data:`PERMUTATION` order and every tensor
+    indexed by class (first axis of length ``num_classes`` under ``head.``) permuted alike:
+    output i of the new model is output PERMUTATION[i] of the old, the class now named i."""
+    classes = probe.run.data.num_classes
+    order = list(PERMUTATION)
+    run = probe.run.model_copy(update={"data": probe.run.data.model_copy(
+        update={"class_names": [names[j] for j in order]})})
+    payload = {k: (v[order].copy() if k.startswith("head.") and v.ndim >= 1 and v.shape[0] == classes else v)
+               for k, v in probe.payload.items()}
+    return Probe(run, payload)
+
+
+def accuracy(probe: Probe, pixels: np.ndarray, labels: np.ndarray, names: list[str],
+             normalization: Normalization | None = None, map_labels: bool = True) -> float:
+    """What an agent holding ``pixels``/``labels`` scores on ``probe``: preprocessed with
+    ``normalization`` (default: the task's), labels mapped onto the run's order unless
+    ``map_labels`` is false (the break :func:`discrimination` measures)."""
+    from edgepfl._torch import torch
+    from edgepfl.methods import create_method
+    from edgepfl.methods.base import load_tensors
+
+    run = probe.run
+    method = create_method(run.method.name, run.method.options)
+    model = method.build_model(run.model, run.data.input_shape, run.data.num_classes)
+    load_tensors(model, probe.payload)
+    model.eval()
+    x = preprocess(pixels, normalization or run.data.normalization or PROBE_NORMALIZATION, run.data.pixel_scale)
+    if map_labels:
+        index = {name: i for i, name in enumerate(run.data.class_names)}
+        labels = np.array([index[names[j]] for j in labels], dtype=np.int64)
+    with torch.no_grad():
+        predicted = method.logits(model, torch.from_numpy(x)).argmax(1).numpy()
+    return float((predicted == labels).mean())
+
+
+def discrimination(run: RunSpec, data_path: Path) -> dict[str, float]:
+    """The probes' accuracy for a right agent and for each break they are built to catch."""
+    pixels, labels, names = read_data(data_path)
+    plain, order = build_probes(run, data_path)
+    file_norm = run.data.normalization
+    return {
+        "right": accuracy(plain, pixels, labels, names),
+        "x / 255 only": accuracy(plain, pixels, labels, names, Normalization(mean=[0.0], std=[1.0])),
+        "the file's normalization": accuracy(plain, pixels, labels, names, file_norm),
+        "class order, mapped": accuracy(order, pixels, labels, names),
+        "class order, local numbers": accuracy(order, pixels, labels, names, map_labels=False),
+    }

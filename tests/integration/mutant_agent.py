@@ -1,0 +1,221 @@
+"""edgepfl's agent with one deliberate break: the conformance kit's mutation suite
+(tests/integration/test_conformance_mutants.py) runs the kit against each and expects it
+NOT CONFORMANT under the check that names the break.
+
+    python tests/integration/mutant_agent.py NAME CONFIG
+
+Each break is the smallest change to the project's own agent that an implementer could
+plausibly make (a forgotten check, a shortcut in preprocessing); the agent is otherwise
+the real one, so everything the break does not touch still passes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import sys
+from collections.abc import Callable
+
+import numpy as np
+
+MUTANTS: dict[str, Callable[[], None]] = {}
+
+
+def mutant(function: Callable[[], None]) -> Callable[[], None]:
+    MUTANTS[function.__name__] = function
+    return function
+
+
+# ----------------------------------------------------------------------- what the trainer computes
+@mutant
+def pixels_over_255_only() -> None:
+    """Feeds the model p / 255: no normalization at all (the Node agent's first break)."""
+    from edgepfl.data.preprocess import ChannelAffine
+    from edgepfl.edge_agent import trainer
+
+    # the local data is (p/255 - m_l) / s_l: times s_l plus m_l is p/255
+    trainer.conversion = lambda local, target: ChannelAffine(np.asarray(local["std"], np.float32),
+                                                             np.asarray(local["mean"], np.float32))
+
+
+@mutant
+def its_own_normalization() -> None:
+    """Normalizes with its data file's mean and std, not the task's."""
+    from edgepfl.edge_agent import trainer
+
+    trainer.conversion = lambda local, target: None
+
+
+@mutant
+def local_label_numbers() -> None:
+    """Takes its local label numbers for the run's class order."""
+    from edgepfl.edge_agent import trainer
+
+    trainer.run_label_index = lambda local, run: None
+
+
+# ----------------------------------------------------------------------- frames
+@mutant
+def no_body_hash_check() -> None:
+    """Decodes a frame without comparing its body with the header's body_sha256 (§7 check 6)."""
+    from edgepfl.edge_agent import agent
+
+    decode = agent.decode
+
+    def trusting(frame: bytes, **kwargs):
+        (length,) = struct.unpack(">I", frame[4:8])
+        header = json.loads(frame[8:8 + length])
+        body = frame[8 + length:8 + length + int(header.get("body_bytes", 0))]
+        header["body_sha256"] = hashlib.sha256(body).hexdigest()
+        head = json.dumps(header).encode()
+        return decode(frame[:4] + struct.pack(">I", len(head)) + head + frame[8 + length:], **kwargs)
+
+    agent.decode = trusting
+
+
+@mutant
+def ignores_announced_m() -> None:
+    """Sends whole updates whatever M the coordinator announced."""
+    from edgepfl.edge_agent import agent
+
+    agent.Agent.adopt_limits = lambda self, presence: self.transport.max_message_bytes
+
+
+@mutant
+def retrains_a_redelivered_task() -> None:
+    """Trains again on a task delivered twice instead of re-sending its answer (§9)."""
+    from edgepfl.edge_agent import tiers
+
+    handle = tiers.TrainerTier.handle
+
+    def forgetful(self, message):
+        self._answered.clear()
+        return handle(self, message)
+
+    tiers.TrainerTier.handle = forgetful
+
+
+@mutant
+def any_major_version() -> None:
+    """Takes every coordinator for one of its own major version (§16)."""
+    from edgepfl.edge_agent import agent
+
+    agent.parse_version = lambda version: (1, 2)
+
+
+@mutant
+def no_roll_call() -> None:
+    """Never answers a new coordinator session with a fresh status (§11)."""
+    from edgepfl.protocol.presence import RollCall
+
+    RollCall.due = lambda self, presence: False
+
+
+# ----------------------------------------------------------------------- signed tasks
+def _task_guard_without(reason: str) -> None:
+    from edgepfl.edge_agent import task_guard
+
+    refusal = task_guard.TaskGuard.refusal
+
+    def lenient(self, message, now=None):
+        refused = refusal(self, message, now)
+        return None if refused is not None and refused[0] == reason else refused
+
+    task_guard.TaskGuard.refusal = lenient
+
+
+@mutant
+def runs_expired_tasks() -> None:
+    """Runs a signed task however long past its deadline."""
+    _task_guard_without("expired")
+
+
+@mutant
+def runs_stale_tasks() -> None:
+    """Runs a signed task older than the newest it acted on."""
+    _task_guard_without("stale")
+
+
+@mutant
+def runs_tasks_for_others() -> None:
+    """Runs a task addressed to another agent."""
+    from edgepfl.edge_agent import task_guard
+
+    task_guard.recipient_refusal = lambda message, agent_id, strict: None
+
+
+@mutant
+def runs_unsigned_tasks() -> None:
+    """Runs an unsigned task although it pins the coordinator's key."""
+    from edgepfl.edge_agent import agent
+    from edgepfl.protocol import MessageType
+
+    verify = agent.verify
+    agent.verify = lambda message, key: (None if message.type == MessageType.TASK and message.header.signer is None
+                                         else verify(message, key))
+
+
+# ----------------------------------------------------------------------- releases
+@mutant
+def no_release_signature_check() -> None:
+    """Installs a release whatever key signed it."""
+    from edgepfl.edge_agent import agent
+    from edgepfl.protocol import MessageType
+
+    verify = agent.verify
+    agent.verify = lambda message, key: None if message.type == MessageType.RELEASE else verify(message, key)
+
+
+@mutant
+def no_release_hash_check() -> None:
+    """Installs a release without comparing its artifact with the sha256 it carries."""
+    from edgepfl.edge_agent import head_tier
+
+    install = head_tier.HeadRuntime.install_release
+
+    def trusting(self, manifest, artifact, expected_sha256, **kwargs):
+        digest = hashlib.sha256(artifact).hexdigest()
+        manifest = manifest.model_copy(update={"encoder": manifest.encoder.model_copy(update={"sha256": digest})})
+        return install(self, manifest, artifact, digest, **kwargs)
+
+    head_tier.HeadRuntime.install_release = trusting
+
+
+def _release_refusal_without(word: str) -> None:
+    from edgepfl.edge_agent import head_tier
+
+    refusal = head_tier.HeadRuntime._release_refusal
+
+    def lenient(self, sequence, expires, digest):
+        why = refusal(self, sequence, expires, digest)
+        return None if why is not None and why.startswith(word) else why
+
+    head_tier.HeadRuntime._release_refusal = lenient
+
+
+@mutant
+def installs_rollbacks() -> None:
+    """Installs a release whose sequence is below the installed one's."""
+    _release_refusal_without("rollback")
+
+
+@mutant
+def installs_expired_releases() -> None:
+    """Installs a release past its expiry."""
+    _release_refusal_without("expired")
+
+
+@mutant
+def installs_unsequenced_releases() -> None:
+    """Installs a signed release that carries no sequence and no expiry."""
+    _release_refusal_without("unsequenced")
+
+
+if __name__ == "__main__":
+    name, config = sys.argv[1], sys.argv[2]
+    MUTANTS[name]()
+    from edgepfl.config import load_agent_config
+    from edgepfl.edge_agent import agent as agent_module
+
+    agent_module.run_agent(load_agent_config(config, []))
