@@ -25,6 +25,12 @@ def build_parser() -> OneLineParser:
                    help=f"leave a scenario out (repeatable): {', '.join(SCENARIOS)}")
     p.add_argument("--workdir", metavar="DIR", help="keep agents' inputs, state and logs here (default: a "
                                                     "temporary directory, removed afterwards)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--port", type=int, metavar="N", help="run the kit's Mosquitto on this loopback port (default: a "
+                                                           "free one the OS picks)")
+    where.add_argument("--broker", metavar="URL", help="use this broker (mqtt://HOST:PORT) instead of starting one; "
+                                                      "the `reconnect` scenario, which restarts the broker, is then "
+                                                      "reported skipped")
     p.add_argument("--answer-timeout", type=float, default=60.0, metavar="S", help="seconds per task answer")
     p.add_argument("--start-timeout", type=float, default=120.0, metavar="S",
                    help="seconds from the agent's start to its first status")
@@ -33,11 +39,18 @@ def build_parser() -> OneLineParser:
 
 def main_conformance(argv: list[str]) -> int:
     """``edgepfl conformance ...``; returns the exit code."""
-    from .kit import KitOptions, run_kit
+    from .kit import ExternalBroker, KitOptions, run_kit
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.broker:
+        try:
+            ExternalBroker(args.broker)
+        except ValueError as exc:
+            parser.error(str(exc))
     options = KitOptions(agent_cmd=args.agent_cmd, head_agent_cmd=args.head_agent_cmd,
-                         scenarios=tuple(s for s in SCENARIOS if s not in args.skip),
+                         scenarios=tuple(s for s in SCENARIOS if s not in args.skip), port=args.port,
+                         broker_url=args.broker,
                          workdir=Path(args.workdir).resolve() if args.workdir else None,
                          answer_timeout_s=args.answer_timeout, start_timeout_s=args.start_timeout)
     report = run_kit(options)

@@ -38,6 +38,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 import yaml
@@ -121,11 +122,32 @@ class KitOptions:
     quiet_s: float = 1.0
     #: the agent's own M in the config the kit writes for edgepfl's agent
     agent_max_message_bytes: int = LARGE_M
+    #: the port of the kit's Mosquitto (default: one the OS picks)
+    port: int | None = None
+    #: a broker the kit does not start (``mqtt://host:port``): the agent must reach it; the
+    #: ``reconnect`` scenario, which restarts the broker, cannot run on it
+    broker_url: str | None = None
     progress: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr))
 
 
 #: ``signer`` left out: the scenario's coordinator key (None in the unsigned scenarios)
 _COORDINATOR_KEY = object()
+
+
+class ExternalBroker:
+    """A broker the kit uses but does not run (``--broker``): nothing to start or stop."""
+
+    def __init__(self, url: str):
+        parsed = urlsplit(url)
+        if parsed.scheme != "mqtt" or not parsed.hostname:
+            raise ValueError(f"--broker {url!r}: expected mqtt://HOST:PORT")
+        self.url, self.host, self.port = url, parsed.hostname, parsed.port or 1883
+
+    def start(self) -> str:
+        return self.url
+
+    def stop(self) -> None:
+        """Not the kit's to stop."""
 
 
 class ScenarioAborted(Exception):
@@ -140,7 +162,8 @@ def run_kit(options: KitOptions) -> Report:
     report = Report(agent_cmd=options.agent_cmd, protocol=PROTOCOL_VERSION)
     own_dir = options.workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="edgepfl-conformance-")) if own_dir else Path(options.workdir)  # type: ignore[arg-type]
-    broker = MosquittoBroker()
+    broker: MosquittoBroker | ExternalBroker = (ExternalBroker(options.broker_url) if options.broker_url
+                                                else MosquittoBroker(port=options.port))
     broker.start()
     kit = _Kit(options, report, broker, workdir)
     try:
@@ -166,7 +189,8 @@ def run_kit(options: KitOptions) -> Report:
 
 
 class _Kit:
-    def __init__(self, options: KitOptions, report: Report, broker: MosquittoBroker, workdir: Path):
+    def __init__(self, options: KitOptions, report: Report, broker: MosquittoBroker | ExternalBroker,
+                 workdir: Path):
         self.options = options
         self.report = report
         self.broker = broker
@@ -288,6 +312,8 @@ class _Kit:
 
     def restart_broker(self, down_s: float) -> None:
         """Stop Mosquitto, wait ``down_s`` seconds, start it again on the same port."""
+        if isinstance(self.broker, ExternalBroker):
+            raise ScenarioAborted(f"the kit cannot restart {self.broker.url}, a broker it did not start (--broker)")
         port = self.broker.port
         self.broker.stop()
         time.sleep(down_s)

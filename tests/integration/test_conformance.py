@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from edgepfl.conformance import CHECKS
+from edgepfl.conformance import CHECKS, SCENARIOS
 from edgepfl.conformance.cli import main_conformance
 
 from tests.conftest import require_mosquitto
@@ -35,9 +35,9 @@ def _param(check_id: str):
     return check_id
 
 
-def _run(tmp: Path, agent_cmd: str, *skip: str) -> tuple[int, dict]:
+def _run(tmp: Path, agent_cmd: str, *skip: str, extra: list[str] | None = None) -> tuple[int, dict]:
     out = tmp / "report.json"
-    argv = ["--agent-cmd", agent_cmd, "--workdir", str(tmp / "work"), "--json", str(out)]
+    argv = ["--agent-cmd", agent_cmd, "--workdir", str(tmp / "work"), "--json", str(out), *(extra or [])]
     for scenario in skip:
         argv += ["--skip", scenario]
     code = main_conformance(argv)
@@ -72,3 +72,24 @@ def test_exit_code_says_whether_every_must_passed(project_report):
     assert report["conformant"] == (not any(c["verdict"] == "fail" and c["level"] == "MUST"
                                             for c in report["checks"]))
     assert set(_verdicts(report)) == set(CHECKS)  # every check has a verdict, skipped ones with a reason
+
+
+def test_the_kit_runs_its_broker_on_a_chosen_port_or_uses_a_given_one(mosquitto, tmp_path):
+    """--port: the kit's own Mosquitto listens there (the agent's config names it). --broker:
+    the kit starts no broker and the agent talks to the given one; the reconnect scenario,
+    which must restart the broker, is reported skipped with the reason, not failed."""
+    from edgepfl.broker import free_port
+
+    port = free_port("127.0.0.1")
+    code, report = _run(tmp_path / "port", AGENT_CMD, "session", "reconnect", "head",
+                        extra=["--port", str(port)])
+    assert code == 0 and report["conformant"]
+    assert f"127.0.0.1:{port}" in (tmp_path / "port" / "work" / "signatures" / "agent.yaml").read_text()
+
+    code, report = _run(tmp_path / "given", AGENT_CMD, "session", "head", extra=["--broker", mosquitto.url])
+    verdicts = _verdicts(report)
+    assert code == 0 and report["conformant"]
+    assert mosquitto.url in (tmp_path / "given" / "work" / "signatures" / "agent.yaml").read_text()
+    assert all(verdicts[c]["verdict"] == "pass" for c in SCENARIOS["signatures"])
+    for check_id in SCENARIOS["reconnect"]:
+        assert verdicts[check_id]["verdict"] == "skip" and "--broker" in verdicts[check_id]["evidence"]
