@@ -4,7 +4,7 @@ agent implementation over a real broker and checks the MUSTs of docs/PROTOCOL.md
 See docs/CONFORMANCE.md: the agent-command contract, its placeholders and every check.
 """
 
-from .checks import CHECKS, SCENARIOS, Check, Report, Result
+from .checks import CHECKS, PROFILES, SCENARIOS, Check, Report, Result
 from .kit import KitOptions, run_kit
 
-__all__ = ["CHECKS", "SCENARIOS", "Check", "KitOptions", "Report", "Result", "run_kit"]
+__all__ = ["CHECKS", "PROFILES", "SCENARIOS", "Check", "KitOptions", "Report", "Result", "run_kit"]

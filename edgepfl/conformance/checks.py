@@ -140,15 +140,36 @@ CHECKS: dict[str, Check] = _catalog(
     Check("release.parts", "§12", "MUST", "1.2",
           "a release retained in chunks of <= M on `release/<i>` before the agent started is reassembled and "
           "installed"),
+    # the head agent's own life cycle (scenario "head"): what presence, reconnect and signatures
+    # check of a trainer, so that a head-only device is certified on all of it (--profile head)
+    Check("head.birth", "§10", "MUST", "1.0",
+          "on connect: a retained, QoS 1 `online` status of the head agent (tier `head`, round -1, no tensors)"),
+    Check("head.signing", "§3a", "MUST", "1.1",
+          "with a signing key the head agent signs its status and its metrics (both verify with its key)"),
+    Check("head.reconnect", "§10", "MUST", "1.0",
+          "after a broker restart the head agent publishes its birth again and answers its installed release, "
+          "sent again on its task topic, with metrics (still installed, subscriptions restored)"),
+    Check("head.clean_stop", "§10", "MUST", "1.0",
+          "a clean stop (SIGTERM) of the head agent leaves a retained `offline` status of the same session"),
+    Check("head.will", "§11", "MUST", "1.0",
+          "on kill -9 of the head agent the broker publishes its last will: a retained `offline` status of the "
+          "same session"),
 )
 
 #: scenario name -> the checks it records (the CLI's --skip takes these names)
 SCENARIOS: dict[str, tuple[str, ...]] = {
-    "session": tuple(k for k in CHECKS if not k.startswith(("reconnect.", "signing.", "release."))
+    "session": tuple(k for k in CHECKS if not k.startswith(("reconnect.", "signing.", "release.", "head."))
                      and k != "presence.will"),
     "reconnect": (*(k for k in CHECKS if k.startswith("reconnect.")), "presence.will"),
     "signatures": tuple(k for k in CHECKS if k.startswith("signing.")),
-    "head": tuple(k for k in CHECKS if k.startswith("release.")),
+    "head": tuple(k for k in CHECKS if k.startswith(("release.", "head."))),
+}
+
+#: what an implementation is certified as: a trainer, a head agent, or both tiers (``--profile``)
+PROFILES: dict[str, tuple[str, ...]] = {
+    "both": tuple(SCENARIOS),
+    "trainer": ("session", "reconnect", "signatures"),
+    "head": ("head",),
 }
 
 
@@ -171,6 +192,8 @@ class Report:
 
     agent_cmd: str
     protocol: str
+    #: what the agent is certified as (:data:`PROFILES`)
+    profile: str = "both"
     #: the version the agent announced in its first status ("" before one arrived)
     agent_version: str = ""
     results: dict[str, Result] = field(default_factory=dict)
@@ -219,7 +242,7 @@ class Report:
         """The report as a plain-text table, one line per check, evidence wrapped beneath."""
         import textwrap
 
-        lines = [f"edgepfl conformance (protocol {self.protocol}) — agent: {self.agent_cmd}",
+        lines = [f"edgepfl conformance (protocol {self.protocol}, profile {self.profile}) — agent: {self.agent_cmd}",
                  f"agent announced version {self.agent_version or '(none)'}", "",
                  f"{'verdict':7}  {'level':6}  {'section':7}  check"]
         for r in self.ordered():
@@ -229,11 +252,11 @@ class Report:
         counts = {v: sum(r.verdict == v for r in self.results.values()) for v in ("pass", "fail", "skip")}
         must_failed = sum(r.level == "MUST" for r in self.failed)
         lines += ["", f"{counts['pass']} passed, {counts['fail']} failed ({must_failed} MUST), {counts['skip']} "
-                      f"skipped: {'CONFORMANT' if self.conformant else 'NOT CONFORMANT'}"]
+                      f"skipped: {'CONFORMANT' if self.conformant else 'NOT CONFORMANT'} as {self.profile}"]
         return "\n".join(lines)
 
     def to_json(self) -> str:
-        return json.dumps({"agent_cmd": self.agent_cmd, "protocol": self.protocol,
+        return json.dumps({"agent_cmd": self.agent_cmd, "protocol": self.protocol, "profile": self.profile,
                            "agent_version": self.agent_version, "conformant": self.conformant,
                            "checks": [asdict(r) for r in self.ordered()]}, indent=2)
 

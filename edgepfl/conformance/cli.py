@@ -6,7 +6,7 @@ from pathlib import Path
 
 from edgepfl.errors import ExitCode, OneLineParser
 
-from .checks import SCENARIOS
+from .checks import PROFILES, SCENARIOS
 
 
 def build_parser() -> OneLineParser:
@@ -20,6 +20,10 @@ def build_parser() -> OneLineParser:
     p.add_argument("--head-agent-cmd", metavar="TEMPLATE",
                    help="the head agent's command line for the `head` scenario (default: --agent-cmd; the "
                         "{tier} and {head} placeholders tell one command which tier to run)")
+    p.add_argument("--profile", choices=list(PROFILES), default="both",
+                   help="what the implementation is certified as: a trainer (scenarios session, reconnect, "
+                        "signatures), a head agent (scenario head: releases and the head agent's own presence, "
+                        "reconnect and signatures; --agent-cmd is the head agent) or both (default)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     p.add_argument("--skip", action="append", default=[], choices=list(SCENARIOS),
                    help=f"leave a scenario out (repeatable): {', '.join(SCENARIOS)}")
@@ -49,7 +53,8 @@ def main_conformance(argv: list[str]) -> int:
         except ValueError as exc:
             parser.error(str(exc))
     options = KitOptions(agent_cmd=args.agent_cmd, head_agent_cmd=args.head_agent_cmd,
-                         scenarios=tuple(s for s in SCENARIOS if s not in args.skip), port=args.port,
+                         scenarios=tuple(s for s in SCENARIOS if s not in args.skip), profile=args.profile,
+                         port=args.port,
                          broker_url=args.broker,
                          workdir=Path(args.workdir).resolve() if args.workdir else None,
                          answer_timeout_s=args.answer_timeout, start_timeout_s=args.start_timeout)

@@ -78,7 +78,7 @@ from edgepfl.protocol.signing import Signer, generate_keypair, load_public_key, 
 from edgepfl.specs import ModelSpec, TrainConfig
 from edgepfl.testing import MosquittoBroker
 
-from .checks import SCENARIOS, Report
+from .checks import PROFILES, SCENARIOS, Report
 from .wire import (
     CLASS_NAMES,
     HEAD_KIND,
@@ -122,6 +122,8 @@ class KitOptions:
     quiet_s: float = 1.0
     #: the agent's own M in the config the kit writes for edgepfl's agent
     agent_max_message_bytes: int = LARGE_M
+    #: what the implementation is certified as (:data:`~.checks.PROFILES`): ``trainer``, ``head`` or ``both``
+    profile: str = "both"
     #: the port of the kit's Mosquitto (default: one the OS picks)
     port: int | None = None
     #: a broker the kit does not start (``mqtt://host:port``): the agent must reach it; the
@@ -159,7 +161,7 @@ def run_kit(options: KitOptions) -> Report:
     from edgepfl.errors import require
 
     require("torch", "edgepfl conformance (it builds the tasks' model payload)")
-    report = Report(agent_cmd=options.agent_cmd, protocol=PROTOCOL_VERSION)
+    report = Report(agent_cmd=options.agent_cmd, protocol=PROTOCOL_VERSION, profile=options.profile)
     own_dir = options.workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="edgepfl-conformance-")) if own_dir else Path(options.workdir)  # type: ignore[arg-type]
     broker: MosquittoBroker | ExternalBroker = (ExternalBroker(options.broker_url) if options.broker_url
@@ -167,9 +169,12 @@ def run_kit(options: KitOptions) -> Report:
     broker.start()
     kit = _Kit(options, report, broker, workdir)
     try:
-        if "head" in options.scenarios:
+        if "head" in options.scenarios and "head" in PROFILES[options.profile]:
             kit.start_export()  # beside the first scenarios: it takes seconds
         for name in SCENARIOS:
+            if name not in PROFILES[options.profile]:
+                report.skip_unrecorded(SCENARIOS[name], f"not in profile {options.profile!r}")
+                continue
             if name not in options.scenarios:
                 report.skip_unrecorded(SCENARIOS[name], f"scenario {name!r} not run (--skip)")
                 continue
@@ -598,12 +603,7 @@ class _Kit:
                      "the round-2 answer was not published: the presence after the reconnect said round 3"
                      if late is None else "the round-2 answer was published although the presence said round 3")
 
-        mark = s.wire.mark()
-        s.agent.signal(signal.SIGKILL)
-        will = s.wire.wait(lambda f: s.is_status(f, "offline"), 30.0, mark)
-        retained = read_retained(self.broker.url, s.status_topic)
-        ok, evidence = s.offline_evidence(will, retained, "will")
-        r.record("presence.will", ok, evidence)
+        s.kill("presence.will")
         s.account_frames()
 
     def scenario_signatures(self) -> None:
@@ -675,11 +675,15 @@ class _Kit:
         whole, whole_id = release("whole", seq=sequence)
         s.wire.publish(release_topic, whole, retain=True)
         mark = s.wire.mark()
-        s.start()
+        birth = s.start(birth_check="head.birth")
         got = s.wait_metrics(whole_id, mark, self.options.start_timeout_s)
         r.record("release.install", s.metrics_ok(got, manifest.round), s.metrics_evidence(got, "retained whole", whole_id))
-        if got is None:
+        if got is None or got.message is None:
             raise ScenarioAborted("the head agent installed no release")
+        unsigned = [f"{what}: {why}" for what, why in (("status", verify(birth, s.agent_key)),
+                                                       ("metrics", verify(got.message, s.agent_key))) if why]
+        r.record("head.signing", not unsigned, "; ".join(unsigned) or "its birth status and its metrics verify with "
+                                                                       "the agent's key")
 
         # the installed release again on the task topic, then six it must refuse and a good one
         # after them: each refusal is its own check, and a release wrongly installed cannot fail
@@ -714,8 +718,9 @@ class _Kit:
             r.record(check_id, not installed, "refused: no metrics" if not installed else
                      f"installed: metrics for {', '.join(installed)}")
 
+        self.head_reconnect(s, sentinel, sentinel_id, manifest.round)
         # a late joiner again, the release retained in parts of at most the announced M
-        s.clean_stop(record=False)
+        s.clean_stop(check_id="head.clean_stop")
         s.presence(session=s.session, m=SMALL_M)
         parted, parted_id = release("parts", seq=sequence + 100)  # above every release sent before
         parts = split_frame(parted, SMALL_M, federation=s.federation, sender="coordinator", round=manifest.round)
@@ -727,8 +732,28 @@ class _Kit:
         got = s.wait_metrics(parted_id, mark, self.options.answer_timeout_s)
         r.record("release.parts", s.metrics_ok(got, manifest.round),
                  s.metrics_evidence(got, f"retained in {len(parts)} parts of <= {SMALL_M} bytes", parted_id))
-        s.clean_stop(record=False)
+        s.kill("head.will")
         s.account_frames()
+
+    def head_reconnect(self, s: _Scenario, installed: bytes, installed_id: str, round: int) -> None:
+        """``head.reconnect``: the broker restarts (its retained messages gone, the kit's presence
+        published again); the head agent's birth, then its installed release on its task topic."""
+        if isinstance(self.broker, ExternalBroker):
+            self.report.skip("head.reconnect", f"the kit cannot restart {self.broker.url}, a broker it did not "
+                                               "start (--broker)")
+            return
+        mark = s.wire.mark()
+        s.presence(session=s.session, m=LARGE_M, now=False)
+        self.restart_broker(down_s=1.0)
+        birth = s.wire.wait(lambda f: s.is_status(f, "online"), 60.0, mark)
+        if birth is None:
+            self.report.record("head.reconnect", False, "no birth status within 60 s of the broker restart")
+            raise ScenarioAborted("the head agent did not come back after the broker restart")
+        mark = s.wire.mark()
+        s.send(installed)
+        again = s.wait_metrics(installed_id, mark, self.options.answer_timeout_s)
+        self.report.record("head.reconnect", s.metrics_ok(again, round),
+                           s.metrics_evidence(again, "installed, sent again after a broker restart", installed_id))
 
 
 class _Scenario:
@@ -840,14 +865,14 @@ class _Scenario:
             raise ScenarioAborted(f"no birth status after restarting the agent; agent log: {self.agent.log_tail(5)}")
         self.status = birth.message.meta_as(StatusMeta)
 
-    def start(self) -> Message:
-        """Start the agent; its birth status (recorded as ``presence.birth``)."""
+    def start(self, birth_check: str = "presence.birth") -> Message:
+        """Start the agent; its birth status (recorded as ``birth_check``)."""
         r = self.report
         mark = self.wire.mark()
         try:
             self.agent.start()
         except (OSError, ValueError) as exc:
-            r.record("presence.birth", False, f"the agent command did not start: {exc}")
+            r.record(birth_check, False, f"the agent command did not start: {exc}")
             raise ScenarioAborted(str(exc)) from None
         deadline = time.monotonic() + self.kit.options.start_timeout_s
         birth = None
@@ -857,7 +882,7 @@ class _Scenario:
         if birth is None or birth.message is None:
             why = f"a broken status: {birth.error}" if birth else f"no status within {self.kit.options.start_timeout_s:.0f} s"
             exited = "" if self.agent.running else f" (the agent exited with {self.agent.proc.returncode if self.agent.proc else '?'})"
-            r.record("presence.birth", False, f"{why}{exited}; agent log: {self.agent.log_tail(8)}")
+            r.record(birth_check, False, f"{why}{exited}; agent log: {self.agent.log_tail(8)}")
             raise ScenarioAborted("no birth status")
         self.birth_frame = birth
         self.birth_index = self.wire.frames.index(birth)
@@ -871,8 +896,9 @@ class _Scenario:
         problems = [p for p, bad in (
             ("not retained", not kept), (f"QoS {birth.parts[0].qos}", birth.parts[0].qos != 1),
             (f"round {h.round}", h.round != -1), ("tensors", bool(message.tensors)),
+            (f"tier {status.tier}", birth_check == "head.birth" and status.tier != "head"),
             (f"num_train {status.num_train}", status.num_train <= 0)) if bad]
-        r.record("presence.birth", not problems,
+        r.record(birth_check, not problems,
                  f"online, tier {status.tier}, {status.num_train} train / {status.num_test} test"
                  + (f"; problems: {', '.join(problems)}" if problems else "; retained, QoS 1"))
         return message
@@ -935,7 +961,7 @@ class _Scenario:
                            "; ".join(problems) or f"a {len(frame.data)}-byte update in {len(frame.parts)} chunks "
                                                   f"of <= {max(len(p.payload) for p in frame.parts)} bytes")
 
-    def clean_stop(self, record: bool = True) -> None:
+    def clean_stop(self, record: bool = True, check_id: str = "presence.clean_stop") -> None:
         mark = self.wire.mark()
         self.agent.signal(signal.SIGTERM)
         offline = self.wire.wait(lambda f: self.is_status(f, "offline"), 30.0, mark)
@@ -944,7 +970,16 @@ class _Scenario:
             return
         retained = read_retained(self.kit.broker.url, self.status_topic)
         ok, evidence = self.offline_evidence(offline, retained, "clean stop")
-        self.report.record("presence.clean_stop", ok, evidence)
+        self.report.record(check_id, ok, evidence)
+
+    def kill(self, check_id: str) -> None:
+        """kill -9 the agent; record whether the broker published its will (retained, same session)."""
+        mark = self.wire.mark()
+        self.agent.signal(signal.SIGKILL)
+        will = self.wire.wait(lambda f: self.is_status(f, "offline"), 30.0, mark)
+        retained = read_retained(self.kit.broker.url, self.status_topic)
+        ok, evidence = self.offline_evidence(will, retained, "will")
+        self.report.record(check_id, ok, evidence)
 
     def offline_evidence(self, frame: Frame | None, retained: bytes | None, what: str) -> tuple[bool, str]:
         kept = _decoded_status(retained) if retained is not None else None

@@ -212,6 +212,17 @@ def installs_unsequenced_releases() -> None:
     _release_refusal_without("unsequenced")
 
 
+@mutant
+def unsigned_head_metrics() -> None:
+    """Signs its status but not the metrics it reports on a release."""
+    from edgepfl.edge_agent import tiers
+    from edgepfl.protocol import MessageType
+
+    encode = tiers.encode
+    tiers.encode = lambda type, **kwargs: encode(type, **{**kwargs, "signer": None} if type == MessageType.METRICS
+                                                 else kwargs)
+
+
 if __name__ == "__main__":
     name, config = sys.argv[1], sys.argv[2]
     MUTANTS[name]()

@@ -93,3 +93,18 @@ def test_the_kit_runs_its_broker_on_a_chosen_port_or_uses_a_given_one(mosquitto,
     assert all(verdicts[c]["verdict"] == "pass" for c in SCENARIOS["signatures"])
     for check_id in SCENARIOS["reconnect"]:
         assert verdicts[check_id]["verdict"] == "skip" and "--broker" in verdicts[check_id]["evidence"]
+
+
+def test_a_head_only_device_is_certified_under_the_head_profile(tmp_path):
+    """--profile head: the project's head agent, with no trainer anywhere, is CONFORMANT on
+    every head check (releases, and its own birth, signatures, reconnect, stop and will);
+    the trainer's checks are outside the profile, not failures. (The head mutants of
+    test_conformance_mutants.py show the profile failing for each broken head check.)"""
+    require_mosquitto()
+    code, report = _run(tmp_path, AGENT_CMD, extra=["--profile", "head"])
+    verdicts = _verdicts(report)
+    assert code == 0 and report["conformant"] and report["profile"] == "head"
+    for check_id in SCENARIOS["head"]:
+        assert verdicts[check_id]["verdict"] == "pass", (check_id, verdicts[check_id]["evidence"])
+    outside = [c for c in CHECKS if c not in SCENARIOS["head"]]
+    assert all(verdicts[c]["verdict"] == "skip" and "profile" in verdicts[c]["evidence"] for c in outside)

@@ -8,8 +8,9 @@ against each, in the scenario that exercises the break, and must say NOT CONFORM
 exactly the checks that name the break failed: a break blamed on another check, or a
 check failed by a break it does not name, fails the test.
 
-The kit runs are subprocesses (``edgepfl conformance``), three at a time; each starts its
-own Mosquitto and agent processes.
+A head mutant runs under ``--profile head``, as a head-only device is certified: the
+profile fails it for a broken head check. The kit runs are subprocesses (``edgepfl
+conformance``), three at a time; each starts its own Mosquitto and agent processes.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "installs_rollbacks": ("head", {"release.rollback"}),
     "installs_expired_releases": ("head", {"release.expired"}),
     "installs_unsequenced_releases": ("head", {"release.unsequenced"}),
+    "unsigned_head_metrics": ("head", {"head.signing"}),
 }
 SCENARIOS = ("session", "reconnect", "signatures", "head")
 
@@ -62,7 +64,9 @@ def _run_kit(name: str, root: Path) -> tuple[int, dict, str]:
     command = f"{{python}} {MUTANT_AGENT} {name} {{config}}"
     argv = [sys.executable, "-m", "edgepfl", "conformance", "--workdir", str(work / "kit"),
             "--json", str(work / "report.json"), "--agent-cmd", command, "--head-agent-cmd", command]
-    argv += [arg for other in SCENARIOS if other != scenario for arg in ("--skip", other)]
+    # a head mutant is certified as a head agent (--profile head), a trainer one in its scenario alone
+    argv += ["--profile", "head"] if scenario == "head" else [
+        arg for other in SCENARIOS if other != scenario for arg in ("--skip", other)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[2])
     report = json.loads((work / "report.json").read_text()) if (work / "report.json").exists() else {}
     return proc.returncode, report, proc.stdout[-3000:] + proc.stderr[-2000:]
