@@ -122,7 +122,7 @@ class _LinearHead(SklearnHead):
     """A linear classifier with inverse regularization ``C`` (LR and SVM share these parameters).
 
     ``C=None`` chooses it on the training rows: ``cv``-fold stratified cross-validation
-    (folds shuffled with ``random_state``) over ``C_grid``, the highest mean fold
+    (:func:`stratified_folds`, no shuffling) over ``C_grid``, the highest mean fold
     accuracy winning and ties going to the earlier grid value (the default grid lists the
 most regularized first); then one fit on all
     rows. A rule a device runs on its own data, so it needs no validation split of its
@@ -159,19 +159,15 @@ most regularized first); then one fit on all
         return super().fit(X, y)
 
     def _select_C(self, X: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray | None]:
-        from sklearn.model_selection import StratifiedKFold
-
         counts = np.unique(y, return_counts=True)[1]
         folds = min(self.cv, int(counts.max()))
         if folds < 2 or len(self.C_grid) == 0:
             return FALLBACK_C, None
-        splitter = StratifiedKFold(n_splits=folds, shuffle=True, random_state=self.random_state)
+        fold = stratified_folds(y, folds)
+        # a class with fewer rows than folds is normal on a device: it is in some folds' test
+        # parts only, which the mean over folds accounts for
+        splits = [(np.flatnonzero(fold != k), np.flatnonzero(fold == k)) for k in range(folds)]
         scores = np.zeros(len(self.C_grid))
-        with warnings.catch_warnings():
-            # a class with fewer members than folds is normal on a device; it is kept
-            # out of some folds' test parts, which the mean over folds accounts for
-            warnings.simplefilter("ignore", UserWarning)
-            splits = list(splitter.split(X, y))
         for train, test in splits:
             classes = np.unique(y[train])
             for i, C in enumerate(self.C_grid):
@@ -183,6 +179,18 @@ most regularized first); then one fit on all
         scores /= len(splits)
         # argmax takes the first best: grid order decides ties
         return float(self.C_grid[int(np.argmax(scores))]), scores
+
+
+def stratified_folds(y: np.ndarray, k: int) -> np.ndarray:
+    """The fold of each row: the i-th row of a class (in the rows' order) goes to fold ``i mod k``.
+
+    No random numbers, so an implementation in any language assigns the same folds
+    (docs/METHODS.md, "Head estimators")."""
+    fold = np.empty(len(y), dtype=np.int64)
+    for label in np.unique(y):
+        rows = np.flatnonzero(y == label)
+        fold[rows] = np.arange(len(rows)) % k
+    return fold
 
 
 class LRHead(_LinearHead):
