@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from edgepfl.protocol import Capabilities, StatusMeta
@@ -43,6 +43,9 @@ class AgentInfo:
 #: how far ahead of this host's clock a device's status may set the order of its later ones
 #: (the protocol's tolerated clock skew, PROTOCOL §7)
 MAX_CLOCK_SKEW_S = 300.0
+#: sessions (processes) of one agent whose statuses the registry remembers: a birth of a
+#: session not among them is a new process and is heard whatever its clock says
+SESSIONS_KEPT = 64
 #: a device clock this far off this host's is worth a warning (and shows in the fleet view)
 CLOCK_WARNING_S = 60.0
 #: the most rounds in a row a device that keeps missing its tasks sits out (then it is asked again)
@@ -74,6 +77,8 @@ class Registry:
         self.revision = 0
         # agent id -> (session, created) of the last status accepted with a session
         self._presence: dict[str, tuple[str, float]] = {}
+        # agent id -> the sessions whose statuses were accepted, oldest first (SESSIONS_KEPT at most)
+        self._sessions: dict[str, deque[str]] = {}
         # what this run needs of a trainer (require()); None: anything
         self._method: str | None = None
         self._arch: str | None = None
@@ -140,6 +145,12 @@ class Registry:
         if status.session is None or last is None:
             return None
         session, last_created = last
+        heard = self._sessions.get(agent_id, ())
+        if status.session != session and status.session in heard:
+            # an earlier process of this agent: it does not come back, so this is a replay
+            # (whatever its clock says: a device restarted with its clock set back makes the
+            # earlier process's statuses look newer)
+            return self._stale(status, created, session, last_created)
         if created > last_created:
             return None
         # The same status again while it still holds (the broker re-delivers retained statuses
@@ -151,6 +162,16 @@ class Registry:
             return None
         if status.state == "offline" and status.session == session:
             return None
+        if status.state == "online" and status.session not in heard:
+            # a process this run has not heard before, on a clock behind the last one's (a
+            # device restarted with its clock set back): heard, and its clock noted. A replay
+            # of a birth is of a session already heard, and stays stale.
+            return None
+        return self._stale(status, created, session, last_created)
+
+    @staticmethod
+    def _stale(status: StatusMeta, created: float, session: str, last_created: float) -> str:
+        assert status.session is not None
         return (f"{status.state} status of session {status.session[:8]}… made at {created:.3f}, not newer than "
                 f"the current session {session[:8]}…'s at {last_created:.3f} (replayed, or the device's clock is "
                 f"{last_created - created:.0f}s behind the one it had)")
@@ -160,7 +181,12 @@ class Registry:
         agent was online before it."""
         if status.session is not None and created is not None:
             last = self._presence.get(agent_id)
-            newest = max(created, last[1]) if last else created
+            heard = self._sessions.setdefault(agent_id, deque(maxlen=SESSIONS_KEPT))
+            # a new process's birth starts the order afresh: its clock, not an earlier process's
+            fresh = status.state == "online" and status.session not in heard
+            newest = created if fresh or last is None else max(created, last[1])
+            if status.session not in heard:
+                heard.append(status.session)
             # A device clock far ahead must not set the order for good: once corrected, its
             # statuses would all be "older" (stale_presence) for the rest of the run. The mark
             # never runs more than the tolerated skew ahead of this host's clock.

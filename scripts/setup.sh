@@ -20,6 +20,7 @@ command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need_apt+=
 [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || command -v rabbitmq-server >/dev/null 2>&1 || need_apt+=(rabbitmq-server)
 # nftables: the idle-socket test (tests/integration/test_idle_sockets.py) loads provision's firewall.nft.
 command -v nft >/dev/null 2>&1 || [ -x /usr/sbin/nft ] || need_apt+=(nftables)
+command -v faketime >/dev/null 2>&1 || need_apt+=(faketime)  # tests/integration/test_clock_skew.py
 [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || need_apt+=(dataset-fashion-mnist)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then

@@ -435,17 +435,42 @@ def test_a_device_clock_a_day_ahead_then_corrected_is_ordered_again_within_the_t
     monkeypatch.setattr(registry_module, "wall_time", lambda: now[0])
     registry = Registry()
     skew = registry_module.MAX_CLOCK_SKEW_S
-    for ahead in (86_400.0, 10 * 365 * 86_400.0):
-        first = _with_created(status("alice", "online", session="3" * 32), now[0] + ahead)
+    for ahead, (ahead_session, corrected_session) in ((86_400.0, "34"), (10 * 365 * 86_400.0, "78")):
+        # each process has its own session (an earlier process's status again is a replay)
+        first = _with_created(status("alice", "online", session=ahead_session * 32), now[0] + ahead)
         accepted = admit_presence("alice", first, registry=registry)
         assert isinstance(accepted, Presence)
         registry.update("alice", accepted.meta, accepted.created)
         assert registry.clock_ahead("alice") == pytest.approx(ahead)  # the operator sees it (fleet view)
         replay = _with_created(status("alice", "offline", session="9" * 32), now[0] - 60)
         now[0] += skew + 1  # the clock was corrected meanwhile; the device reconnects
-        corrected = _with_created(status("alice", "online", session="4" * 32), now[0])
+        corrected = _with_created(status("alice", "online", session=corrected_session * 32), now[0])
         admitted = admit_presence("alice", corrected, registry=registry)
         assert isinstance(admitted, Presence), f"{ahead} s ahead: {admitted}"
         registry.update("alice", admitted.meta, admitted.created)
         assert registry.clock_ahead("alice") is None
         assert reason(admit_presence("alice", replay, registry=registry)) == "stale_status"
+
+
+def test_a_device_restarted_with_its_clock_20_minutes_behind_is_heard_and_a_replay_is_not(monkeypatch):
+    """Its new process's birth is older, by its clock, than the statuses its last process sent.
+    It was refused `stale_status` and the device was never sampled again; a session the run
+    has not heard is a new process and is heard, and its later statuses are ordered by its own
+    clock. A replay of the old process's birth (a session already heard) stays stale."""
+    from edgepfl.coordinator import registry as registry_module
+
+    now = [1_800_000_000.0]
+    monkeypatch.setattr(registry_module, "wall_time", lambda: now[0])
+    registry = Registry()
+    old_birth = _with_created(status("alice", "online", session="5" * 32), now[0])
+    registry.update("alice", admit_presence("alice", old_birth, registry=registry).meta, now[0])
+    now[0] += 60  # the device restarts with its clock set 20 minutes back
+    behind = now[0] - 1200
+    birth = _with_created(status("alice", "online", session="6" * 32), behind)
+    admitted = admit_presence("alice", birth, registry=registry)
+    assert isinstance(admitted, Presence), admitted
+    registry.update("alice", admitted.meta, admitted.created)
+    assert registry.is_online("alice")
+    later = _with_created(status("alice", "online", session="6" * 32), behind + 30)  # a roll-call answer
+    assert isinstance(admit_presence("alice", later, registry=registry), Presence)
+    assert reason(admit_presence("alice", old_birth, registry=registry)) == "stale_status"
