@@ -4,16 +4,20 @@ Three scenarios, each with its own federation and agent process, on one real Mos
 the kit starts on a free loopback port (:class:`edgepfl.testing.MosquittoBroker`):
 
 * ``session`` — presence, roll call, train / evaluate tasks and their updates, redelivery,
-  chunking both ways, the announced M, unknown fields and types, a NACK, tasks the agent
-  must not run (wrong data shape, a method it cannot run), a clean stop;
+  two evaluate tasks whose accuracy shows the preprocessing and the class order
+  (:mod:`.probes`), chunking both ways, the announced M, unknown fields and types, a
+  NACK, tasks the agent must not run (a changed body, wrong data shape, a method it
+  cannot run), a clean stop;
 * ``reconnect`` — a broker restart (birth again, an answer held over the outage, a task
   after it) and the last will on ``kill -9``;
 * ``signatures`` — a pinned coordinator key and an agent key: signed status and update,
-  unsigned / foreign-key / wrongly addressed / stale tasks ignored;
+  unsigned / foreign-key / wrongly addressed / expired / stale tasks ignored;
 * ``head`` — a head agent (its own command, ``--head-agent-cmd``) joining late: releases
-  retained whole and in parts, a corrupt, a rolled-back and an expired release, a release
-  sent again on its task topic. The release is a real export (``edgepfl export`` run as a
-  command, the core imports no app) of the task model's initial state.
+  retained whole and in parts, a release sent again on its task topic, six it must refuse
+  (corrupt, rolled back, expired, unsigned, foreign-signed, unsequenced), and the head
+  agent's own birth, signatures, reconnect, clean stop and will (``--profile head``
+  certifies a head-only device on these alone). The release is a real export (``edgepfl
+  export`` run as a command, the core imports no app) of the task model's initial state.
 
 The kit builds tasks with :mod:`edgepfl.protocol` exactly as the coordinator does; the
 payload is FedAvg's initial shared parameters of the MLP of docs/MODELS.md, built by
