@@ -41,3 +41,52 @@ def test_the_agent_extra_resolves_to_aarch64_wheels_only_without_torch(python, t
     installed = {item["metadata"]["name"].lower().replace("_", "-") for item in json.loads(report.read_text())["install"]}
     assert {"onnxruntime", "scikit-learn", "numpy", "paho-mqtt", "cryptography"} <= installed
     assert not {"torch", "torchvision"} & installed, "the head tier must not pull torch"
+
+
+#: what JetPack 6 ships: NVIDIA's torch and the torchvision built against it (pre-release local versions)
+NVIDIA_TORCH, NVIDIA_TORCHVISION = "2.3.0a0+ebedce2.nv24.2", "0.18.0a0+6043bc2"
+
+
+def _metadata_only_wheel(folder: Path, name: str, version: str, requires: list[str]) -> Path:
+    """A wheel that is metadata and nothing else: enough for pip's resolver, which is all the
+    test asks of it (the real ones are NVIDIA's, for the Jetson only)."""
+    import zipfile
+
+    dist = f"{name}-{version}.dist-info"
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    files = {
+        f"{dist}/METADATA": "\n".join(["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}",
+                                       *(f"Requires-Dist: {r}" for r in requires)]) + "\n",
+        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: edgepfl-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{dist}/RECORD"] = "".join(f"{f},,\n" for f in files) + f"{dist}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as wheel:
+        for member, text in files.items():
+            wheel.writestr(member, text)
+    return path
+
+
+def test_a_jetson_keeps_nvidias_torch_when_its_torchvision_is_there_too(tmp_path):
+    """README, "Jetson": with NVIDIA's torch and torchvision in place, pip resolves
+    ``edgepfl[train]`` (read from pyproject.toml) for aarch64 / CPython 3.10 keeping both, and
+    pulls no CUDA wheels of PyPI's torch. The torch pair are metadata-only stand-ins with
+    NVIDIA's version strings, offered through --find-links; the rest comes from the index."""
+    wheels = tmp_path / "jetpack"
+    wheels.mkdir()
+    _metadata_only_wheel(wheels, "torch", NVIDIA_TORCH, [])
+    _metadata_only_wheel(wheels, "torchvision", NVIDIA_TORCHVISION, [f"torch=={NVIDIA_TORCH}"])
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    report = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+         "--report", str(report), "--target", str(tmp_path / "target"), "--find-links", str(wheels),
+         "--platform", "manylinux2014_aarch64", "--python-version", "3.10", "--implementation", "cp",
+         "--only-binary", ":all:", *project["dependencies"], *project["optional-dependencies"]["train"],
+         f"torch=={NVIDIA_TORCH}", f"torchvision=={NVIDIA_TORCHVISION}"],
+        capture_output=True, text=True, timeout=600)
+    errors = [line for line in proc.stderr.splitlines() if "ERROR" in line]
+    assert proc.returncode == 0, "\n".join(errors) or proc.stderr[-2000:]
+    versions = {item["metadata"]["name"].lower(): item["metadata"]["version"]
+                for item in json.loads(report.read_text())["install"]}
+    assert versions["torch"] == NVIDIA_TORCH and versions["torchvision"] == NVIDIA_TORCHVISION
+    assert not [name for name in versions if name.startswith("nvidia-") or name == "triton"], sorted(versions)
