@@ -174,10 +174,19 @@ class Agent:
             not_resent=lambda topic: topic in (status_topic, self._topic(AgentChannel.UPDATE),
                                                self._topic(AgentChannel.METRICS)),
         )
-        transport.start(timeout=120)
+        service = notifier()
+        if service.active:
+            # Under systemd the agent waits for its broker as long as it takes (a board that
+            # boots before its network, a broker down for a while): ready, saying so, with the
+            # watchdog pinged, rather than a start that times out and restarts until the unit's
+            # start limit leaves it failed. Run by hand, it gives up after 120 s with the cause.
+            service.ready(f"agent {c.agent_id} ({c.tier} tier) waiting for the broker at {c.broker.url}")
+        if transport.start(timeout=None if service.active else 120, stop=self._stop, tick=service.watchdog) is None:
+            log.info("agent %s stopped before its broker connection was up", c.agent_id)
+            transport.stop()
+            return
         log.info("agent %s (%s tier) online: %d train / %d test samples", c.agent_id, c.tier,
                  data.num_train, data.num_test)
-        service = notifier()
         service.ready(f"agent {c.agent_id} ({c.tier} tier) connected to {c.broker.url}")
         try:
             while not self._stop.is_set():

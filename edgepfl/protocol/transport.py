@@ -80,6 +80,24 @@ class Inbound:
     wire_bytes: int
 
 
+#: how long one connection attempt waits for the broker's CONNACK when the start has no deadline
+CONNACK_WAIT_S = 30.0
+
+
+def _interruptible_wait(seconds: float, stop: threading.Event | None, tick: Callable[[], None] | None) -> bool:
+    """Sleep ``seconds`` in steps of at most one, calling ``tick`` after each; True when ``stop`` was set."""
+    until = time.monotonic() + seconds
+    while (now := time.monotonic()) < until:
+        if stop is not None:
+            if stop.wait(min(1.0, until - now)):
+                return True
+        else:
+            time.sleep(min(1.0, until - now))
+        if tick is not None:
+            tick()
+    return stop is not None and stop.is_set()
+
+
 class MqttTransport:
     """A connected MQTT client speaking edgepfl frames.
 
@@ -195,37 +213,48 @@ class MqttTransport:
         self._client.on_publish = self._on_publish
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, timeout: float = 30.0) -> MqttTransport:
+    def start(self, timeout: float | None = 30.0, *, stop: threading.Event | None = None,
+              tick: Callable[[], None] | None = None) -> MqttTransport | None:
         """Connect and wait until the first connection is up; afterwards paho reconnects by itself.
 
         A cause that retrying cannot fix (TLS verification, refused credentials) raises
         :class:`BrokerUnreachable` at once; a transient one (refused, unreachable, DNS) is
-        logged and retried with backoff (1 s doubling to 30 s) until ``timeout``, then
-        raised with the last cause.
+        logged and retried with backoff (1 s doubling to 30 s) until ``timeout`` (None: for
+        as long as it takes, a supervised service's way), then raised with the last cause.
+        ``stop`` set (a SIGTERM) ends the wait within a second: returns None, not connected.
+        ``tick`` is called about once a second meanwhile (a service's watchdog ping).
         """
-        deadline = time.monotonic() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         delay = 1.0
+
+        def left() -> float:
+            return CONNACK_WAIT_S if deadline is None else deadline - time.monotonic()
+
         while True:
-            failure = self._connect_once(max(1.0, deadline - time.monotonic()))
+            failure = self._connect_once(max(1.0, left()), stop, tick)
+            if stop is not None and stop.is_set():
+                self._client.loop_stop()
+                return None
             if failure is None:
                 # "started" means receiving: a message sent to our topics after start() returns
                 # is not lost to a SUBSCRIBE the broker has not processed yet
-                if not self.subscribed.wait(max(1.0, deadline - time.monotonic())):
+                if not self.subscribed.wait(max(1.0, left())):
                     log.warning("the broker at %s:%d did not acknowledge the subscriptions within %.0fs",
-                                self.host, self.port, timeout)
+                                self.host, self.port, max(1.0, left()))
                 return self
             if not failure.transient:
                 raise BrokerUnreachable(failure.cause, failure.message)
-            left = deadline - time.monotonic()
-            if left <= 0:
+            if left() <= 0:
                 raise BrokerUnreachable(failure.cause, f"could not reach MQTT broker at {self.host}:{self.port} "
                                                        f"within {timeout:.0f}s: {failure.message}")
-            wait = min(delay, left)
+            wait = min(delay, left())
             log.warning("%s; retrying in %.0fs", failure.message, wait)
-            time.sleep(wait)
+            if _interruptible_wait(wait, stop, tick):
+                return None
             delay = min(delay * 2, 30.0)
 
-    def _connect_once(self, wait_s: float) -> Failure | None:
+    def _connect_once(self, wait_s: float, stop: threading.Event | None = None,
+                      tick: Callable[[], None] | None = None) -> Failure | None:
         """One connection attempt: None once connected, else why not (paho's loop stopped again)."""
         self._connack.clear()
         self._refusal = self._socket_error = None
@@ -235,7 +264,12 @@ class MqttTransport:
             return classify_socket_error(exc, self.host, self.port)
         self._client.on_log = self._on_log  # only until the CONNACK: it formats every packet's log line
         self._client.loop_start()
-        answered = self._connack.wait(wait_s)
+        answered = self._connack.is_set()
+        until = time.monotonic() + wait_s
+        while not answered and time.monotonic() < until and not (stop is not None and stop.is_set()):
+            answered = self._connack.wait(min(1.0, max(0.0, until - time.monotonic())))
+            if tick is not None:
+                tick()
         self._client.on_log = None
         if self.connected.is_set():
             return None

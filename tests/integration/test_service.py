@@ -56,8 +56,11 @@ def test_agent_tells_systemd_it_is_ready_and_alive(mosquitto, tmp_path):
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             first = sock.recv(512).decode()
-            assert first.startswith("READY=1") and "connected to" in first
-            # READY only once the broker connection is up: the agent's retained status is there
+            # supervised, the agent is ready at once, saying it waits for its broker, then says connected
+            assert first.startswith("READY=1") and "waiting for the broker" in first
+            while "connected to" not in (message := sock.recv(512).decode()):
+                assert message == "WATCHDOG=1", message
+            assert message.startswith("READY=1")
             assert sock.recv(64).decode() == "WATCHDOG=1"
             started = time.monotonic()
             assert sock.recv(64).decode() == "WATCHDOG=1"
@@ -102,3 +105,71 @@ def test_sigterm_to_simulate_stops_its_agent_processes(mosquitto, tmp_path):
         for pid in agents:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _agent_config(tmp_path: Path, url: str) -> Path:
+    config = tmp_path / "agent.yaml"
+    config.write_text(yaml.safe_dump({
+        "agent_id": "pi-boot", "federation": f"b{uuid.uuid4().hex[:8]}", "tier": "head",
+        "broker": {"url": url}, "data": {"dataset": "digits", "num_clients": 4}, "state_dir": "state",
+    }))
+    return config
+
+
+def test_an_agent_whose_broker_is_down_stops_at_sigterm_while_it_retries(tmp_path):
+    """Run by hand with its broker down, the agent retries; SIGTERM ends the retries and the
+    process (exit 0), instead of being ignored until the 120 s connection timeout."""
+    from edgepfl.broker import free_port
+
+    config = _agent_config(tmp_path, f"mqtt://127.0.0.1:{free_port()}")
+    log = tmp_path / "agent.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "edgepfl", "agent", "--config", str(config)],
+                                env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: "retrying in" in log.read_text(), timeout=120, what="the agent retrying its broker")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-2000:]
+        assert "stopped before its broker connection was up" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_supervised_agent_waits_for_its_broker_and_comes_online_when_it_appears(tmp_path):
+    """Under systemd (a real NOTIFY_SOCKET) a board that boots before its broker is up: the
+    agent is ready, waiting, pings the watchdog while it retries, connects by itself when a
+    broker appears on its port, and stops cleanly."""
+    from edgepfl.broker import free_port
+    from edgepfl.testing import MosquittoBroker
+
+    from tests.conftest import require_mosquitto
+
+    require_mosquitto()
+    port = free_port()
+    config = _agent_config(tmp_path, f"mqtt://127.0.0.1:{port}")
+    notify = str(tmp_path / "notify.sock")
+    broker = MosquittoBroker(port=port)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(notify)
+        sock.settimeout(120)
+        env = dict(os.environ, NOTIFY_SOCKET=notify, WATCHDOG_USEC="2000000", OMP_NUM_THREADS="1")
+        proc = subprocess.Popen([sys.executable, "-m", "edgepfl", "agent", "--config", str(config)],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            first = sock.recv(512).decode()
+            assert first.startswith("READY=1") and "waiting for the broker" in first
+            assert sock.recv(64).decode() == "WATCHDOG=1"  # alive while it retries
+            broker.start()
+            while "connected to" not in (message := sock.recv(512).decode()):
+                assert message == "WATCHDOG=1", message
+            proc.send_signal(signal.SIGTERM)
+            while "STOPPING=1" not in sock.recv(64).decode():
+                pass
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            broker.stop()
