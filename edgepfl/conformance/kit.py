@@ -1,7 +1,8 @@
 """The kit: plays the coordinator against one agent implementation and records verdicts.
 
-Three scenarios, each with its own federation and agent process, on one real Mosquitto
-the kit starts on a free loopback port (:class:`edgepfl.testing.MosquittoBroker`):
+Four scenarios, each with its own federation and agent process, on one real Mosquitto
+the kit starts on a loopback port (:class:`edgepfl.testing.MosquittoBroker`; ``--port``
+chooses it, ``--broker`` names a broker the kit does not start):
 
 * ``session`` — presence, roll call, train / evaluate tasks and their updates, redelivery,
   two evaluate tasks whose accuracy shows the preprocessing and the class order
