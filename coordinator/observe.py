@@ -53,6 +53,7 @@ class Observer:
         self._seen_updates = 0
         self.last_accuracy: float | None = None
         self.last_accuracy_round: int | None = None
+        self.last_accuracy_final = False
         self.release: str | None = None
         self._seen_revision = -1
         self._seen_rejections = -1
@@ -87,6 +88,7 @@ class Observer:
             self.rounds_completed = row.round + 1
         if row.accuracy is not None:
             self.last_accuracy, self.last_accuracy_round = row.accuracy, row.round
+            self.last_accuracy_final = row.final
         if self.metrics is not None:
             self.metrics.round_done(row)
         self._dirty = True
@@ -137,7 +139,8 @@ class Observer:
             rounds_completed=self.rounds_completed, updates=self._updates(), buffer_size=self.buffer_size,
             staleness={str(k): n for k, n in sorted(self._collecting.staleness.items())} if self._collecting else {},
             last_accuracy=self.last_accuracy,
-            last_accuracy_round=self.last_accuracy_round, release=self.release,
+            last_accuracy_round=self.last_accuracy_round, last_accuracy_final=self.last_accuracy_final,
+            release=self.release,
             online={tier: self.registry.count_online(tier) for tier in TIERS},
             rejected=dict(sorted(self.counters.rejected.items())), refused=dict(sorted(self.counters.refused.items())),
             agents=agents,
@@ -167,8 +170,9 @@ class PrometheusMetrics:
         self.rounds_completed = Counter("edgepfl_rounds_completed", "Training rounds completed by this process",
                                         **labels)
         self.round = Gauge("edgepfl_round", "The round in progress (0-based, as metrics.jsonl)", **labels)
-        self.accuracy = Gauge("edgepfl_accuracy", "Sample-weighted personalized accuracy of the last evaluated round",
-                              **labels)
+        self.accuracy = Gauge("edgepfl_accuracy", "Sample-weighted personalized accuracy of the last evaluated round "
+                              "(NaN before the first evaluation)", **labels)
+        self.accuracy.set(float("nan"))  # not 0: nothing was measured yet
         self.online = Gauge("edgepfl_agents_online", "Agents online", ["tier"], **labels)
         self.rejected = Counter("edgepfl_rejected_messages", "Messages rejected, by reason (docs/PROTOCOL.md §7)",
                                 ["reason"], **labels)

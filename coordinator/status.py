@@ -82,13 +82,21 @@ def _ago(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h ago"
 
 
+#: phases that come after training: the final evaluation and done (a release may come mid-run)
+FINAL_PHASES = ("evaluating", "done")
+
+
 def format_view(view: FleetView, *, now: float | None = None, max_agents: int = 50) -> str:
     """The view as a terminal table: the run, then one line per agent (online first)."""
     now = time.time() if now is None else now
-    acc = "-" if view.last_accuracy is None else f"{view.last_accuracy:.2%} (round {view.last_accuracy_round})"
+    acc = "-" if view.last_accuracy is None else f"{view.last_accuracy:.2%} " + (
+        "(final evaluation)" if view.last_accuracy_final else f"(round {view.last_accuracy_round})")
+    # the final evaluation (and what follows it) is not a round: it evaluates the last round's state
+    where = (f"after the last training round ({view.rounds_completed - 1})" if view.phase in FINAL_PHASES
+             else f"round {view.round}")
     lines = [
         f"federation {view.federation} — {view.method}; view updated {_ago(now - view.updated)}",
-        f"phase      {view.phase}, round {view.round} of 0..{view.rounds - 1} ({view.rounds_completed} completed)"
+        f"phase      {view.phase}, {where} of 0..{view.rounds - 1} ({view.rounds_completed} completed)"
         + (f"; resumed after round {view.resumed_from}" if view.resumed_from is not None else ""),
         (f"updates    {view.updates} of {view.buffer_size} in the open state's buffer" if view.buffer_size
          else f"updates    {view.updates} in this round")

@@ -72,6 +72,8 @@ class FleetView(_View):
                                                                          "by staleness (states behind)")
     last_accuracy: float | None = Field(None, description="sample-weighted accuracy of the last evaluated round")
     last_accuracy_round: int | None = None
+    last_accuracy_final: bool = Field(False, description="the last accuracy is the run's final evaluation (of the "
+                                                         "state the last training round made), not a round's")
     release: str | None = Field(None, description="the current encoder release id")
     online: dict[str, int] = Field(default_factory=dict, description="tier -> agents online")
     rejected: dict[str, int] = Field(default_factory=dict, description="run total of rejected messages by reason")

@@ -9,6 +9,7 @@ tests/unit/coordinator/test_liveview.py).
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -100,6 +101,7 @@ def test_live_view_status_and_metrics_of_a_running_federation(mosquitto, tmp_pat
         assert metrics[("edgepfl_agents_online", (("tier", "trainer"),))] == 2
         assert metrics[("edgepfl_rejected_messages_total", (("reason", "malformed"),))] == 1
         assert metrics[("edgepfl_phase", (("edgepfl_phase", "waiting"),))] == 1
+        assert math.isnan(metrics[("edgepfl_accuracy", ())])  # nothing evaluated yet: not 0
         # the round loop keeps up with two agents: nothing held back at the broker
         assert metrics[("edgepfl_inbox_held_acks", ())] == 0 and ("edgepfl_inbox_queued_bytes", ()) in metrics
 
@@ -138,6 +140,6 @@ def test_live_view_status_and_metrics_of_a_running_federation(mosquitto, tmp_pat
         assert steps.index(("training", r)) < steps.index(("aggregating", r))
     final = views[-1]
     rows = read_rows(out)
-    assert final["rounds_completed"] == 3 and final["last_accuracy_round"] == 3
+    assert final["rounds_completed"] == 3 and final["last_accuracy_round"] == 3 and final["last_accuracy_final"]
     assert final["last_accuracy"] == pytest.approx(rows[-1].accuracy)
     assert final["online"]["trainer"] == 3 and final["rejected"] == {"malformed": 1}

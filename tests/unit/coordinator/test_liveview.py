@@ -175,3 +175,16 @@ def test_a_view_from_a_newer_coordinator_still_reads():
                      rounds_completed=3)
     newer = dict(json.loads(view.model_dump_json()), a_field_of_view_2=[1, 2])
     assert parse_view(json.dumps(newer)) == view
+
+
+def test_the_final_evaluation_is_not_shown_as_one_round_more():
+    """A 4-round run's final evaluation evaluates round 3's state: the table said "round 4 of
+    0..3" and "accuracy 78.33% (round 4)"; it names the final evaluation instead."""
+    view = FleetView(federation="demo", method="fedavg", updated=100.0, started=10.0, phase="evaluating", round=4,
+                     rounds=4, rounds_completed=4, last_accuracy=0.7833, last_accuracy_round=4,
+                     last_accuracy_final=True)
+    table = format_view(view, now=100.0)
+    assert "phase      evaluating, after the last training round (3) of 0..3 (4 completed)" in table
+    assert "78.33% (final evaluation)" in table and "round 4" not in table
+    done = format_view(view.model_copy(update={"phase": "done"}), now=100.0)
+    assert "phase      done, after the last training round (3)" in done
