@@ -140,6 +140,7 @@ class Observer:
             staleness={str(k): n for k, n in sorted(self._collecting.staleness.items())} if self._collecting else {},
             last_accuracy=self.last_accuracy,
             last_accuracy_round=self.last_accuracy_round, last_accuracy_final=self.last_accuracy_final,
+            heartbeat_s=self.spec.view_heartbeat_s,
             release=self.release,
             online={tier: self.registry.count_online(tier) for tier in TIERS},
             rejected=dict(sorted(self.counters.rejected.items())), refused=dict(sorted(self.counters.refused.items())),

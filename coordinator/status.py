@@ -82,6 +82,8 @@ def _ago(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h ago"
 
 
+#: a view not republished for this many of its heartbeats is a stopped coordinator's
+STALE_HEARTBEATS = 3
 #: phases that come after training: the final evaluation and done (a release may come mid-run)
 FINAL_PHASES = ("evaluating", "done")
 
@@ -94,8 +96,14 @@ def format_view(view: FleetView, *, now: float | None = None, max_agents: int = 
     # the final evaluation (and what follows it) is not a round: it evaluates the last round's state
     where = (f"after the last training round ({view.rounds_completed - 1})" if view.phase in FINAL_PHASES
              else f"round {view.round}")
+    # a view of a run that ended, or one its coordinator stopped republishing (killed, host down),
+    # says what the agents were, not what they are
+    silent = view.heartbeat_s is not None and now - view.updated > STALE_HEARTBEATS * view.heartbeat_s
+    past = view.phase == "done" or silent
     lines = [
         f"federation {view.federation} — {view.method}; view updated {_ago(now - view.updated)}",
+        *([f"note       {'the run is over' if view.phase == 'done' else 'the coordinator stopped updating this view'}"
+           f": agent states are as of {_ago(now - view.updated)}, not now"] if past else []),
         f"phase      {view.phase}, {where} of 0..{view.rounds - 1} ({view.rounds_completed} completed)"
         + (f"; resumed after round {view.resumed_from}" if view.resumed_from is not None else ""),
         (f"updates    {view.updates} of {view.buffer_size} in the open state's buffer" if view.buffer_size
@@ -107,14 +115,15 @@ def format_view(view: FleetView, *, now: float | None = None, max_agents: int = 
         "rejected   " + (", ".join(f"{reason} {n}" for reason, n in view.rejected.items()) or "none"),
         "refused    " + (", ".join(f"{reason} {n}" for reason, n in view.refused.items()) or "none"),
         "",
-        f"{'agent':<24} {'tier':<8} {'state':<8} {'last seen':>12} {'samples':>8}  device",
+        f"{'agent':<24} {'tier':<8} {'state':<10} {'last seen':>12} {'samples':>8}  device",
     ]
     for a in view.agents[:max_agents]:
         clock = f"  (clock {a.clock_ahead_s:.0f} s ahead)" if a.clock_ahead_s is not None else ""
         why = clock + (f"  (refused: {a.excluded}, until it restarts)" if a.excluded else
                f"  (missed its tasks: no task before round {a.benched_until + 1})" if a.benched_until is not None
                else "")
-        lines.append(f"{a.id:<24} {a.tier:<8} {'online' if a.online else 'offline':<8} "
+        state = ("was online" if past else "online") if a.online else "offline"
+        lines.append(f"{a.id:<24} {a.tier:<8} {state:<10} "
                      f"{_ago(now - a.last_seen):>12} {a.num_train:>8}  {a.device}{why}")
     hidden = len(view.agents) - min(len(view.agents), max_agents) + view.agents_left_out
     if hidden:

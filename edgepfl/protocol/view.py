@@ -59,6 +59,8 @@ class FleetView(_View):
     method: str
     updated: float
     started: float = Field(description="Unix time the coordinator started this run (this process)")
+    heartbeat_s: float | None = Field(None, description="while it runs, the coordinator republishes the view at "
+                                                        "least this often: a view much older is a stopped one's")
     resumed_from: int | None = Field(None, description="the run resumed after this round's checkpoint")
     phase: Phase
     round: int = Field(ge=-1, description="the round in progress (0-based, as metrics.jsonl); -1 before round 0")

@@ -188,3 +188,21 @@ def test_the_final_evaluation_is_not_shown_as_one_round_more():
     assert "78.33% (final evaluation)" in table and "round 4" not in table
     done = format_view(view.model_copy(update={"phase": "done"}), now=100.0)
     assert "phase      done, after the last training round (3)" in done
+
+
+def test_a_view_left_by_a_stopped_coordinator_does_not_call_its_agents_online():
+    """After the coordinator exits its retained view stays: `edgepfl status` showed agents stopped
+    54 minutes before as online. A finished run's view, or one not republished for three of its
+    heartbeats, says the states are as of then."""
+    agent = AgentView(id="jetson-01", tier="trainer", online=True, last_seen=100.0, device="cuda", num_train=600)
+    running = FleetView(federation="demo", method="fedavg", updated=100.0, started=10.0, phase="training", round=2,
+                        rounds=4, rounds_completed=2, heartbeat_s=30.0, agents=[agent])
+    assert "note" not in format_view(running, now=110.0)
+    assert next(line for line in format_view(running, now=110.0).splitlines()
+                if line.startswith("jetson-01")).split()[2] == "online"
+    for view, now, why in ((running, 100.0 + 3300, "the coordinator stopped updating this view"),
+                           (running.model_copy(update={"phase": "done"}), 110.0, "the run is over")):
+        table = format_view(view, now=now)
+        assert why in table and "agent states are as of" in table
+        row = next(line for line in table.splitlines() if line.startswith("jetson-01"))
+        assert "was online" in row
