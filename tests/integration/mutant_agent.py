@@ -16,6 +16,7 @@ import json
 import struct
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -113,16 +114,22 @@ def no_roll_call() -> None:
 
 
 # ----------------------------------------------------------------------- signed tasks
+def _forgetting(owner: type, method: str, forgets: Callable[[Any], bool]) -> None:
+    """``owner.method`` answers None where it gave a refusal that ``forgets`` matches: the check
+    that made that refusal is gone."""
+    check = getattr(owner, method)
+
+    def lenient(self, *args, **kwargs):
+        why = check(self, *args, **kwargs)
+        return None if why is not None and forgets(why) else why
+
+    setattr(owner, method, lenient)
+
+
 def _task_guard_without(reason: str) -> None:
     from edgepfl.edge_agent import task_guard
 
-    refusal = task_guard.TaskGuard.refusal
-
-    def lenient(self, message, now=None):
-        refused = refusal(self, message, now)
-        return None if refused is not None and refused[0] == reason else refused
-
-    task_guard.TaskGuard.refusal = lenient
+    _forgetting(task_guard.TaskGuard, "refusal", lambda refused: refused[0] == reason)
 
 
 @mutant
@@ -185,13 +192,7 @@ def no_release_hash_check() -> None:
 def _release_refusal_without(word: str) -> None:
     from edgepfl.edge_agent import head_tier
 
-    refusal = head_tier.HeadRuntime._release_refusal
-
-    def lenient(self, sequence, expires, digest):
-        why = refusal(self, sequence, expires, digest)
-        return None if why is not None and why.startswith(word) else why
-
-    head_tier.HeadRuntime._release_refusal = lenient
+    _forgetting(head_tier.HeadRuntime, "_release_refusal", lambda why: why.startswith(word))
 
 
 @mutant
