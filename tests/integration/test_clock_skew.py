@@ -2,8 +2,8 @@
 either works or is told why (issue 32, "Clocks").
 
 A real coordinator (its own signing key, every agent enrolled) and three real agent
-processes that pin its key, on the test Mosquitto. Two run under libfaketime (`faketime`,
-LD_PRELOAD: the process's whole clock is shifted, not a patched function):
+processes that pin its key, on the test Mosquitto. Two run with libfaketime preloaded
+(Debian's `faketime`: the process's whole clock is shifted, not a patched function):
 
 * agent-01, 20 minutes **ahead**: every signed task is past its deadline by its clock. It
   runs none and answers each with a refusal `expired` whose detail says how far ahead its
@@ -20,8 +20,8 @@ agent-00 keeps the right clock throughout.
 
 from __future__ import annotations
 
+import glob
 import os
-import shutil
 import subprocess
 import sys
 
@@ -39,16 +39,24 @@ from tests.fleet_helpers import read_rows, run_config, run_in_thread, wait_until
 AGENTS = ("agent-00", "agent-01", "agent-02")
 
 
+def libfaketime() -> str:
+    """The preload library of Debian's ``faketime`` package."""
+    found = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1")) + sorted(glob.glob("/usr/lib/faketime/libfaketime.so.1"))
+    return _require(found[0] if found else None, "libfaketime is not installed: apt-get install faketime")
+
+
 def spawn_skewed(config, out, url, agent_id: str, index: int, security, offset: str) -> subprocess.Popen:
-    """``edgepfl agent`` under ``faketime -f offset`` (e.g. "+20m"), as spawn_agent starts it."""
-    faketime = _require(shutil.which("faketime"), "faketime is not installed: apt-get install faketime")
+    """``edgepfl agent`` with its clock shifted by ``offset`` (e.g. "+20m"), as spawn_agent starts it.
+    The library is preloaded into the agent itself (what ``faketime -f`` does, without the
+    ``faketime`` process in between, which would not pass SIGTERM on and leave the agent running)."""
     cfg = agent_config(config, out, url, agent_id, index, "trainer", "lr", 1, security)
     path = out / "agents" / f"{agent_id}-skewed.yaml"
     write_bytes(path, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).encode())
     log = open(out / "agents" / f"{agent_id}.log", "ab")
-    return subprocess.Popen([faketime, "-f", offset, sys.executable, "-m", "edgepfl.cli", "agent", "--config", str(path)],
+    return subprocess.Popen([sys.executable, "-m", "edgepfl.cli", "agent", "--config", str(path)],
                             stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", LD_PRELOAD=libfaketime(),
+                                     FAKETIME=offset, FAKETIME_DONT_RESET="1"))
 
 
 def test_a_clock_20_minutes_ahead_is_told_why_and_one_20_minutes_behind_after_a_restart_works(mosquitto, tmp_path):
@@ -79,6 +87,7 @@ def test_a_clock_20_minutes_ahead_is_told_why_and_one_20_minutes_behind_after_a_
     finally:
         stop_agents(list(procs.values()))
         fleet.close()
+    assert all(proc.poll() is not None for proc in procs.values())  # no agent outlives the test
     rows = read_rows(out)
     training = [row for row in rows if not row.final]
     assert len(training) == 8
