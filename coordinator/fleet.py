@@ -18,11 +18,13 @@ from typing import ClassVar, Protocol
 from edgepfl.broker import exposure_warning
 from edgepfl.config import BrokerConfig, SecuritySpec
 from edgepfl.protocol import (
+    RELEASE_REFS,
     AgentChannel,
     CoordinatorMeta,
     FederationChannel,
     Message,
     MessageType,
+    ReleaseRef,
     StatusMeta,
     TopicError,
     agent_topic,
@@ -33,6 +35,7 @@ from edgepfl.protocol import (
     parse_topic,
     release_part_topic,
     split_frame,
+    supports,
 )
 from edgepfl.protocol.backpressure import BoundedInbox
 from edgepfl.protocol.signing import Signer, load_signer
@@ -104,17 +107,25 @@ class Fleet(ABC):
         """The next inbound event, or None when nothing came within ``timeout`` seconds."""
 
     @abstractmethod
-    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0) -> int:
+    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref: ReleaseRef | None = None) -> int:
         """Make an encoder release available to head-tier agents, late joiners included.
 
         ``earlier_parts``: how many retained part topics an earlier release left (0: it was
-        whole or there was none), so those this one does not overwrite are cleared. Returns
-        the part topics now holding this release (0: it is retained whole).
+        whole or there was none), so those this one does not overwrite are cleared; ``ref``:
+        the release by reference, announced in the presence. Returns the part topics now
+        holding this release (0: it is retained whole).
         """
 
+    def resume_release(self, frame: bytes, round: int, ref: ReleaseRef) -> None:
+        """A resumed coordinator's current release, published before it restarted (and still
+        retained): named in its presence from now on and sent to head agents that lack it.
+        A fleet without head agents has nothing to do."""
+        return None
+
     @abstractmethod
-    def agent_online(self, agent_id: str, tier: str) -> None:
-        """Told by the round loop when an agent announces itself online after being offline or unknown."""
+    def agent_status(self, agent_id: str, status: StatusMeta, came_online: bool) -> None:
+        """Told by the round loop of every status it accepted; ``came_online``: the agent was
+        offline or unknown before it."""
 
     @abstractmethod
     def announce(self, meta: CoordinatorMeta) -> None:
@@ -150,6 +161,10 @@ class MqttFleet(Fleet):
         self._presence = federation_topic(federation, FederationChannel.COORDINATOR)
         self._meta = CoordinatorMeta(state="online")
         self._release: tuple[bytes, int] | None = None  # the last release, for late head agents
+        #: head agents online that speak 1.4 (they fetch no retained copy while this coordinator
+        #: is online): their last status, and (release id, session, connection) last sent to them
+        self._heads: dict[str, StatusMeta] = {}
+        self._addressed: dict[str, tuple[str, str | None, int | None]] = {}
         self._limits: dict[str, int] = {}  # agent id -> the max message size it declared, where below ours
         self._dropped: deque[Rejection] = deque()
         #: (max_message_bytes, max_payload_bytes) announced in every presence frame
@@ -194,7 +209,8 @@ class MqttFleet(Fleet):
         return self._presence, self._frame(self._meta), True
 
     def announce(self, meta: CoordinatorMeta) -> None:
-        self._meta = meta.model_copy(update={"session": self._meta.session})
+        # the session of this connection and the current release stay in every presence
+        self._meta = meta.model_copy(update={"session": self._meta.session, "release": self._meta.release})
         self.transport.publish(self._presence, self._frame(self._meta), retain=True)
 
     def send(self, agent_id: str, frame: bytes, round: int) -> int:
@@ -218,12 +234,14 @@ class MqttFleet(Fleet):
     def send_ready(self) -> bool:
         return self.transport.send_ready()
 
-    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0) -> int:
+    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref: ReleaseRef | None = None) -> int:
         """Retained on the release topic when it fits one MQTT message, else as retained parts
         on ``release/<i>`` (PROTOCOL.md §12), so a head agent that joins after this
         coordinator exited still gets it; each head agent that comes online while it runs
         gets it on its own task topic too. Clears what an earlier release left retained and
-        this one does not overwrite: its extra parts, or the whole-frame topic."""
+        this one does not overwrite: its extra parts, or the whole-frame topic. Then the
+        presence names it (``ref``), and each 1.4 head agent online that lacks it is sent it
+        on its task topic (it fetches no retained copy while the coordinator is online)."""
         self._release = (frame, round)
         topic = federation_topic(self.federation, FederationChannel.RELEASE)
         if len(frame) <= self.transport.max_message_bytes:
@@ -237,19 +255,54 @@ class MqttFleet(Fleet):
         stale = range(parts, earlier_parts)
         if stale:
             self.transport.clear_retained(release_part_topic(self.federation, i) for i in stale)
+        if ref is not None:
+            self._meta = self._meta.model_copy(update={"release": ref})
+            self.transport.publish(self._presence, self._frame(self._meta), retain=True)
+        for agent_id, status in list(self._heads.items()):
+            self._offer_release(agent_id, status)
         return parts
 
     def publish_view(self, payload: bytes) -> None:
         self.transport.publish(federation_topic(self.federation, FederationChannel.VIEW), payload, retain=True)
 
-    def agent_online(self, agent_id: str, tier: str) -> None:
+    def resume_release(self, frame: bytes, round: int, ref: ReleaseRef) -> None:
+        self._release = (frame, round)
+        self._meta = self._meta.model_copy(update={"release": ref})
+
+    def agent_status(self, agent_id: str, status: StatusMeta, came_online: bool) -> None:
         # The retained release cannot be relied on to reach a late joiner: RabbitMQ keeps
         # retained messages on one cluster node only. So the current release goes to each
-        # head agent that comes online, addressed to it alone (PROTOCOL.md §12); one that
-        # already has it just reports again.
-        if tier == "head" and self._release is not None:
+        # head agent that comes online, addressed to it alone (PROTOCOL.md §12). An agent
+        # of 1.4 or later says which release it has, and is sent the current one only when
+        # that is another; an older one gets it whenever it comes online and, when it has
+        # it already, just reports again.
+        if status.tier != "head" or status.state != "online":
+            self._heads.pop(agent_id, None)
+            self._addressed.pop(agent_id, None)
+        elif supports(status.version, RELEASE_REFS):
+            self._heads[agent_id] = status
+            self._offer_release(agent_id, status)
+        elif came_online and self._release is not None:
             frame, round = self._release
             self.send(agent_id, frame, round)  # chunked to what the agent declared it accepts
+
+    def _offer_release(self, agent_id: str, status: StatusMeta) -> None:
+        """Send the current release to a 1.4 head agent whose status names another, once per
+        connection of its session. A status without capabilities was made before the agent
+        read this coordinator's presence: it says nothing yet of what the agent has, and the
+        agent answers the presence with one that does (PROTOCOL.md §11)."""
+        if self._release is None or self._meta.release is None or status.capabilities is None:
+            return
+        if status.release == self._meta.release:
+            return
+        sent = (self._meta.release.release_id, status.session, status.connection)
+        if self._addressed.get(agent_id) == sent:
+            return  # it has it on the way, or is installing it
+        self._addressed[agent_id] = sent
+        frame, round = self._release
+        log.info("sending release %s to head agent %s (it has %s)", sent[0], agent_id,
+                 status.release.release_id if status.release else "none")
+        self.send(agent_id, frame, round)
 
     def poll(self, timeout: float) -> Incoming | Rejection | None:
         if not self._dropped:
@@ -268,8 +321,8 @@ class MqttFleet(Fleet):
         return Incoming(agent_id, channel, inbound.frame, inbound.wire_bytes)
 
     def close(self) -> None:
-        self.transport.stop(final=(self._presence, self._frame(CoordinatorMeta(state="done", round=self._meta.round,
-                                                                               method=self._meta.method))))
+        done = CoordinatorMeta(state="done", round=self._meta.round, method=self._meta.method, release=self._meta.release)
+        self.transport.stop(final=(self._presence, self._frame(done)))
 
 
 class LocalReply(Protocol):
@@ -360,10 +413,10 @@ class LocalFleet(Fleet):
         self._push(availability.next_change(at), agent_id)
         return self._status(agent_id, availability.online_at(at))
 
-    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0) -> int:
+    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref: ReleaseRef | None = None) -> int:
         return 0  # in-process agents are all trainers: nobody installs releases
 
-    def agent_online(self, agent_id: str, tier: str) -> None:
+    def agent_status(self, agent_id: str, status: StatusMeta, came_online: bool) -> None:
         """Nothing to do: an in-process agent's tasks reach it whenever it is online."""
 
     def announce(self, meta: CoordinatorMeta) -> None:

@@ -186,8 +186,7 @@ class Inbox:
         was_online = self.registry.update(incoming.agent_id, status.meta, status.created)
         capabilities = status.meta.capabilities
         self.fleet.agent_limits(incoming.agent_id, capabilities.max_message_bytes if capabilities else None)
-        if status.meta.state == "online" and not was_online:
-            self.fleet.agent_online(incoming.agent_id, status.meta.tier)
+        self.fleet.agent_status(incoming.agent_id, status.meta, came_online=status.meta.state == "online" and not was_online)
         if status.meta.state == "online":
             self._resend_lost_task(incoming.agent_id, status.meta.session, status.meta.connection)
 

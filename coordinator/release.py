@@ -7,20 +7,25 @@ and publish it so that agents joining later, after this coordinator exited too, 
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from pathlib import Path
 
-from edgepfl.atomic import write_json
+from edgepfl.atomic import write_bytes, write_json
 from edgepfl.config import RunConfig
 from edgepfl.methods import ServerState
-from edgepfl.protocol import MessageType, ReleaseMeta, bounded_json, encode
+from edgepfl.protocol import MessageType, ReleaseMeta, ReleaseRef, bounded_json, decode, encode
 from edgepfl.protocol.manifest import release_tensors
 from edgepfl.protocol.signing import Signer
 from edgepfl.state import CheckpointMeta
 
 from .fleet import SENDER, Fleet
 
+log = logging.getLogger("edgepfl.coordinator")
+
 SEQUENCE_FILE = "sequence.json"
+#: the frame of the last release published (what a resumed coordinator names and sends again)
+CURRENT_FILE = "current.frame"
 #: how many retained part topics the last published release occupies (0: retained whole)
 PUBLISHED_FILE = "published.json"
 
@@ -60,14 +65,32 @@ def build_release(state: ServerState, meta: CheckpointMeta, releases_dir: Path, 
 
 
 def publish_release(fleet: Fleet, frame: bytes, round: int, releases_dir: Path) -> int:
-    """Publish a release frame through ``fleet``; returns the retained part topics it occupies.
+    """Publish a release frame through ``fleet``, named by reference in the coordinator's
+    presence; returns the retained part topics it occupies.
 
-    The count is recorded in ``releases_dir`` (atomically, after publishing), so the next
-    release, of this session or of a restarted coordinator of the run, clears the parts
-    it does not overwrite.
+    The frame and the count are recorded in ``releases_dir`` (atomically, after
+    publishing): the next release, of this session or of a restarted coordinator of the
+    run, clears the parts it does not overwrite, and a resumed coordinator names the
+    release again (:func:`resume_release`).
     """
     path = Path(releases_dir) / PUBLISHED_FILE
     earlier = int(bounded_json.loads(path.read_text())["parts"]) if path.is_file() else 0
-    parts = fleet.publish_release(frame, round, earlier_parts=earlier)
-    write_json(path, {"parts": parts})
+    ref = decode(frame).meta_as(ReleaseMeta).ref()  # named in the presence (PROTOCOL.md §12)
+    parts = fleet.publish_release(frame, round, earlier_parts=earlier, ref=ref)
+    write_bytes(Path(releases_dir) / CURRENT_FILE, frame)
+    write_json(path, {"parts": parts, "round": round})
     return parts
+
+
+def resume_release(fleet: Fleet, releases_dir: Path) -> ReleaseRef | None:
+    """Give a resumed coordinator's ``fleet`` the run's current release, as published
+    before the restart (still retained at the broker): its presence names it again, and it
+    goes to the head agents that lack it. None when the run has published none."""
+    path, frame_path = Path(releases_dir) / PUBLISHED_FILE, Path(releases_dir) / CURRENT_FILE
+    if not (path.is_file() and frame_path.is_file()):
+        return None
+    frame = frame_path.read_bytes()
+    ref = decode(frame).meta_as(ReleaseMeta).ref()
+    fleet.resume_release(frame, int(bounded_json.loads(path.read_text()).get("round", -1)), ref)
+    log.info("the run's current release is %s (published before the restart)", ref.release_id)
+    return ref

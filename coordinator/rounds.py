@@ -54,6 +54,7 @@ from .observe import Observer
 from .presence import PresenceWatch
 from .progress import Progress
 from .registry import Registry
+from .release import resume_release
 from .result import RoundResult, RunCounters
 from .rollback import RollbackPolicy
 from .run_dir import RunDirectory
@@ -126,6 +127,7 @@ class Coordinator:
             self.rollback.restore(meta)
             self.epoch = meta.epoch if meta.epoch is not None else self.epoch
             log.info("resuming from checkpoint after round %d", meta.round)
+            resume_release(self.fleet, self.run_dir.releases_dir)  # named in the presence again, sent to who lacks it
             self.run_dir.drop_rows_from(self.start_round)
             return
         # rows a session wrote before its first checkpoint: that session left nothing to resume
@@ -353,8 +355,7 @@ class Coordinator:
 
     def _collect_head_reports(self, timeout: float) -> None:
         """Wait up to ``timeout`` for a report from every online head agent; write what came."""
-        heads = self.registry.online("head")
-        if not heads or not self.releases:
+        if not (heads := self.registry.online("head")) or not self.releases:
             return
         self.inbox.expect_reports(heads, next(reversed(self.releases)))
         self.inbox.pump_until(self.inbox.reports_complete, self.clock.now() + timeout)

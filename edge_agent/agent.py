@@ -50,6 +50,7 @@ from edgepfl.broker import exposure_warning
 from edgepfl.config import AgentConfig
 from edgepfl.logs import LogLimiter
 from edgepfl.protocol import (
+    RELEASE_REFS,
     AgentChannel,
     CoordinatorMeta,
     FederationChannel,
@@ -72,6 +73,7 @@ from edgepfl.protocol.signing import load_public_key, load_signer, verify
 from edgepfl.protocol.transport import MqttTransport
 from edgepfl.service import notifier
 
+from .release_fetch import RetainedReleases
 from .task_guard import recipient_refusal
 from .tiers import ANSWERED_TASKS, Reply, TierRuntime, create_tier
 
@@ -130,6 +132,8 @@ class Agent:
         #: nack frames received, by reason
         self.nacks: Counter[str] = Counter()
         self._answers: OrderedDict[str, HeldAnswer] = OrderedDict()
+        #: a head agent's retained release topics, taken on a connection only when needed
+        self._retained: RetainedReleases | None = None
 
     # ---------------------------------------------------------------- lifecycle
     def setup(self) -> None:
@@ -140,6 +144,8 @@ class Agent:
         self.data = load_client_data(c.data, c.client_index)
         self.tier = create_tier(c, self.data, self.signer, self.coordinator_key)
         self.tier.restore()
+        topics = self.tier.release_topics(c.federation)
+        self._retained = RetainedReleases(topics, self.tier.installed_release) if topics else None
 
     def _ready(self) -> tuple[TierRuntime, ClientData]:
         """The tier and the local data that :meth:`setup` loaded."""
@@ -191,6 +197,8 @@ class Agent:
         try:
             while not self._stop.is_set():
                 service.watchdog()
+                if self._retained is not None:
+                    self._retained.tick(transport)
                 inbound = transport.receive(timeout=0.5)
                 if inbound is None:
                     continue
@@ -285,7 +293,23 @@ class Agent:
         due = self._roll_call.due(presence) or self._birth_declares != self.speaks_1_2()
         if due and transport.connected.is_set():  # else the birth of the reconnect is the fresh one
             transport.publish(self._topic(AgentChannel.STATUS), self._new_birth(), retain=True)
+        if self._retained is not None:
+            self._retained.on_presence(transport, presence)
+            self._report_installed(presence)
         self._settle_answers(presence)
+
+    def _report_installed(self, presence: CoordinatorMeta) -> None:
+        """A coordinator online that names this head agent's installed release as current
+        sends it nothing (PROTOCOL.md §12, releases by reference): the agent reports its
+        metrics on it unasked, held like any report (once per connection and session)."""
+        tier = self.tier
+        assert tier is not None
+        installed = tier.installed_release()
+        if presence.state != "online" or installed is None or presence.release != installed:
+            return
+        reply = tier.installed_report(self.config.federation)
+        if reply is not None and reply.held_as not in self._answers:
+            self._send(reply)
 
     def _send(self, reply: Reply) -> None:
         """Publish a tier's reply; a task's answer or a metrics report is held as well (the
@@ -422,6 +446,8 @@ class Agent:
             # 1.3: a birth on a new connection tells the coordinator a task may have been lost
             connection=self.transport.connect_count or None
             if self.transport is not None and self._speaks(CONNECTION_NUMBERS) else None,
+            # 1.4: the release a head agent has, which a coordinator that has it too does not send
+            release=tier.installed_release() if self._speaks(RELEASE_REFS) else None,
         )
         return encode(MessageType.STATUS, federation=c.federation, sender=c.agent_id, round=-1, meta=meta,
                       signer=self.signer)

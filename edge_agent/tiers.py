@@ -31,6 +31,7 @@ from edgepfl.protocol import (
     MessageType,
     MetricsMeta,
     ReleaseMeta,
+    ReleaseRef,
     StatusMeta,
     TaskMeta,
     agent_topic,
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
 
     from edgepfl.data import ClientData
     from edgepfl.protocol.signing import Signer
+
+    from .head_tier import HeadFit
 
 log = logging.getLogger("edgepfl.agent")
 
@@ -103,6 +106,20 @@ class TierRuntime(Protocol):
         """Topics to (re)subscribe on every connect."""
         ...
 
+    def release_topics(self, federation: str) -> list[str]:
+        """The retained release topics, subscribed on a connection only when the tier needs
+        them (:mod:`.release_fetch`); none for a tier that installs no releases."""
+        ...
+
+    def installed_release(self) -> ReleaseRef | None:
+        """The release installed and usable (None: none, or a tier without releases)."""
+        ...
+
+    def installed_report(self, federation: str) -> Reply | None:
+        """A metrics report of the installed release, for a coordinator that names it as
+        current (the agent then downloads nothing to report on it); None without one."""
+        ...
+
     def restore(self) -> None:
         """Reload what a previous run of this agent left on disk, if anything (before connecting)."""
         ...
@@ -153,6 +170,15 @@ class TrainerTier:
 
     def subscriptions(self, federation: str, agent_id: str) -> list[str]:
         return [agent_topic(federation, agent_id, AgentChannel.TASK)]
+
+    def release_topics(self, federation: str) -> list[str]:
+        return []
+
+    def installed_release(self) -> ReleaseRef | None:
+        return None
+
+    def installed_report(self, federation: str) -> Reply | None:
+        return None
 
     def capabilities(self) -> Capabilities:
         from .trainer import buildable_archs, trainable_methods
@@ -252,10 +278,24 @@ class HeadTier:
                    coordinator_key=coordinator_key)
 
     def subscriptions(self, federation: str, agent_id: str) -> list[str]:
-        # The task topic too, as the protocol has every agent do; a head agent ignores tasks.
+        # The task topic, as the protocol has every agent do: a head agent ignores tasks, and
+        # gets releases there from a coordinator that is online.
+        return [agent_topic(federation, agent_id, AgentChannel.TASK)]
+
+    def release_topics(self, federation: str) -> list[str]:
         # Part 0 of a release in parts: the transport follows its other parts (PROTOCOL.md §12).
-        return [agent_topic(federation, agent_id, AgentChannel.TASK),
-                federation_topic(federation, FederationChannel.RELEASE), release_part_topic(federation, 0)]
+        return [federation_topic(federation, FederationChannel.RELEASE), release_part_topic(federation, 0)]
+
+    def installed_release(self) -> ReleaseRef | None:
+        record = self.runtime.record
+        return ReleaseRef(release_id=record.release_id, sequence=record.sequence) \
+            if record is not None and self.runtime.ready else None
+
+    def installed_report(self, federation: str) -> Reply | None:
+        record = self.runtime.record
+        if record is None or not self.runtime.ready:
+            return None
+        return self._report(record.release_id, record.metrics, federation, record.manifest.round)
 
     def capabilities(self) -> Capabilities:
         from importlib.util import find_spec
@@ -302,11 +342,14 @@ class HeadTier:
         except Exception as exc:
             log.error("release %s refused: %s", meta.release_id, exc)
             return None
-        metrics = MetricsMeta(tier="head", release_id=meta.release_id, head=result.head, num_train=result.num_train,
+        return self._report(meta.release_id, result, message.header.federation, message.header.round)
+
+    def _report(self, release_id: str, result: HeadFit, federation: str, round: int) -> Reply:
+        metrics = MetricsMeta(tier="head", release_id=release_id, head=result.head, num_train=result.num_train,
                               num_test=result.num_test, eval_correct=result.eval_correct, values=result.values())
-        frame = encode(MessageType.METRICS, federation=message.header.federation, sender=self.agent_id,
-                       round=message.header.round, meta=metrics, signer=self.signer)
-        return Reply(AgentChannel.METRICS, frame, message.header.round, release_id=meta.release_id)
+        frame = encode(MessageType.METRICS, federation=federation, sender=self.agent_id, round=round, meta=metrics,
+                       signer=self.signer)
+        return Reply(AgentChannel.METRICS, frame, round, release_id=release_id)
 
 
 #: tier name (``AgentConfig.tier``) -> how to build it

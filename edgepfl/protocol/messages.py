@@ -65,6 +65,20 @@ class Capabilities(_Meta):
     max_message_bytes: int | None = Field(None, ge=16_384)
 
 
+#: the protocol version that names releases in presences and statuses (a head agent that
+#: has the current release downloads nothing)
+RELEASE_REFS = (1, 4)
+
+
+class ReleaseRef(_Meta):
+    """Names a release without carrying it (since 1.4): in the coordinator's presence, the
+    current release; in a head agent's status, the release it has installed. Two refs are
+    the same release when both fields are equal."""
+
+    release_id: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    sequence: int | None = Field(None, ge=0)
+
+
 class StatusMeta(_Meta):
     """Agent presence (retained). The broker publishes the ``offline`` form as last will."""
 
@@ -85,6 +99,9 @@ class StatusMeta(_Meta):
     #: a birth with a higher number than when a task was sent tells the coordinator that the
     #: task may have been lost with the old connection (PROTOCOL.md §10)
     connection: int | None = Field(None, ge=1, le=2**31, json_schema_extra=since("1.3"))
+    #: a head agent's installed release: a coordinator that has the same current release
+    #: does not send it again (PROTOCOL.md §12, releases by reference)
+    release: ReleaseRef | None = Field(None, json_schema_extra=since("1.4"))
 
 
 class TaskMeta(_Meta):
@@ -153,6 +170,9 @@ class CoordinatorMeta(_Meta):
     max_message_bytes: int | None = Field(None, ge=16_384)
     max_payload_bytes: int | None = Field(None, ge=16_384)
     session: str = Field("", pattern=r"^([0-9a-f]{32})?$")
+    #: the current release (since 1.4; never in the last will): a head agent that has it
+    #: installed downloads nothing (PROTOCOL.md §12, releases by reference)
+    release: ReleaseRef | None = Field(None, json_schema_extra=since("1.4"))
 
 
 class ReleaseMeta(_Meta):
@@ -170,6 +190,10 @@ class ReleaseMeta(_Meta):
     sequence: int | None = Field(None, ge=0)
     #: Unix time after which a head agent refuses to install this release
     expires: float | None = None
+
+    def ref(self) -> ReleaseRef:
+        """This release by reference."""
+        return ReleaseRef(release_id=self.release_id, sequence=self.sequence)
 
 
 class ChunkMeta(_Meta):

@@ -146,6 +146,9 @@ class MqttTransport:
         self.federation = federation
         self.sender = sender
         self.subscriptions = list(subscriptions)
+        #: subscribed at the owner's request on the current connection only (:meth:`subscribe`):
+        #: a reconnect does not restore them, so the owner decides again on each connection
+        self.connection_subscriptions: list[str] = []
         self.birth = birth
         self._drop_log = LogLimiter(log)  # per reason: a flood of bad frames is not a flood of lines
         self.max_message_bytes = max_message_bytes  # what this side publishes: chunks of at most this
@@ -310,6 +313,7 @@ class MqttTransport:
         if self.connect_count > 1 and self.not_resent is not None:
             self._forget_unacked(client, self.not_resent)
         self.subscribed.clear()
+        self.connection_subscriptions = []
         if self.subscriptions:
             _, self._last_subscribe_mid = client.subscribe([(topic, 1) for topic in self.subscriptions])
         else:
@@ -506,8 +510,10 @@ class MqttTransport:
                 meta = chunk.meta_as(ChunkMeta)
                 if parsed.part is not None and meta.index != parsed.part:
                     raise ProtocolError("malformed", f"chunk {meta.index} on the topic of part {parsed.part}")
-                if parsed.part == 0 and topic in self.subscriptions:
-                    self._follow_parts(parsed.federation, meta.count)
+                if parsed.part == 0:
+                    for held in (self.subscriptions, self.connection_subscriptions):
+                        if topic in held:
+                            self._follow_parts(parsed.federation, meta.count, held)
                 whole = self.reassembler.add(source, chunk)
             except ProtocolError as exc:
                 self._reject(topic, exc.reason, exc.detail)
@@ -519,17 +525,34 @@ class MqttTransport:
             return Inbound(parsed, whole, meta.total_bytes)
         return Inbound(parsed, payload, len(payload))
 
-    def _follow_parts(self, federation: str, count: int) -> None:
+    def subscribe(self, topics: list[str]) -> None:
+        """Subscribe to ``topics`` on the current connection only (kept in
+        :attr:`connection_subscriptions`, not restored by a reconnect)."""
+        new = [t for t in topics if t not in self.subscriptions and t not in self.connection_subscriptions]
+        if new:
+            self.connection_subscriptions.extend(new)
+            self._client.subscribe([(t, 1) for t in new])
+
+    def drop_connection_subscriptions(self) -> list[str]:
+        """Unsubscribe from every topic :meth:`subscribe` added on this connection (the release
+        parts followed from them too); returns them."""
+        gone, self.connection_subscriptions = self.connection_subscriptions, []
+        if gone:
+            self._client.unsubscribe(gone)
+        return gone
+
+    def _follow_parts(self, federation: str, count: int, subscriptions: list[str]) -> None:
         """Subscribe to exactly the release part topics 1..count-1 that chunk 0 announces
         (exact topics: RabbitMQ sends no retained message on a wildcard), dropping any of a
-        longer earlier release; kept in :attr:`subscriptions`, so a reconnect restores them."""
+        longer earlier release; kept in ``subscriptions`` (where part 0 is: :attr:`subscriptions`,
+        restored by a reconnect, or :attr:`connection_subscriptions`), updated in place."""
         wanted = [release_part_topic(federation, i) for i in range(1, count)]
-        held = [t for t in self.subscriptions if _part_index(t, federation) not in (None, 0)]
-        new = [t for t in wanted if t not in self.subscriptions]
+        held = [t for t in subscriptions if _part_index(t, federation) not in (None, 0)]
+        new = [t for t in wanted if t not in subscriptions]
         gone = [t for t in held if t not in set(wanted)]
         if not new and not gone:
             return
-        self.subscriptions = [t for t in self.subscriptions if t not in set(gone)] + new
+        subscriptions[:] = [t for t in subscriptions if t not in set(gone)] + new
         if gone:
             self._client.unsubscribe(gone)
         if new:

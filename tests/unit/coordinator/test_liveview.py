@@ -38,10 +38,10 @@ class RecordingFleet(Fleet):
     def poll(self, timeout):
         return None
 
-    def publish_release(self, frame, round, earlier_parts=0):
+    def publish_release(self, frame, round, earlier_parts=0, ref=None):
         return 0
 
-    def agent_online(self, agent_id, tier):
+    def agent_status(self, agent_id, status, came_online):
         pass
 
     def announce(self, meta):

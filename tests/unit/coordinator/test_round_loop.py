@@ -95,11 +95,12 @@ class ScriptedFleet(Fleet):
         time.sleep(min(timeout, 0.01))
         return None
 
-    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0) -> int:
+    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref=None) -> int:
         return 0
 
-    def agent_online(self, agent_id: str, tier: str) -> None:
-        self.online_calls.append((agent_id, tier))
+    def agent_status(self, agent_id: str, status: StatusMeta, came_online: bool) -> None:
+        if came_online:
+            self.online_calls.append((agent_id, status.tier))
 
     def announce(self, meta: CoordinatorMeta) -> None:
         """Presence is not scripted."""
@@ -295,7 +296,7 @@ class HeadFleet(ScriptedFleet):
         self.events += [status("pi-1", tier="head"), status("pi-2", tier="head")]
         self.releases: list[int] = []
 
-    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0) -> int:
+    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref=None) -> int:
         self.releases.append(round)
         release_id = decode(frame).meta.release_id
         for agent_id, correct in (("pi-1", 7), ("pi-2", 9)):

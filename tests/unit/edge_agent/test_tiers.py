@@ -26,6 +26,7 @@ from edgepfl.protocol import (
     MethodChoice,
     RefusalMeta,
     ReleaseMeta,
+    ReleaseRef,
     RunSpec,
     TaskMeta,
     UpdateMeta,
@@ -206,8 +207,10 @@ def test_the_head_tier_answers_a_release_with_metrics(release, tmp_path):
     tier = HeadTier("pi", client_data(NEW_CLIENT), str(tmp_path / "pi"), "lr")
     tier.restore()  # nothing saved yet: logged, not raised
     assert tier.accepts == MessageType.RELEASE and tier.device == "cpu-onnxruntime"
-    assert tier.subscriptions(FED, "pi") == [f"edgepfl/v1/{FED}/agents/pi/task", f"edgepfl/v1/{FED}/release",
-                                             f"edgepfl/v1/{FED}/release/0"]  # part 0 of a release in parts
+    assert tier.subscriptions(FED, "pi") == [f"edgepfl/v1/{FED}/agents/pi/task"]
+    # taken on a connection only when needed (edge_agent/release_fetch.py); part 0 of a release in parts
+    assert tier.release_topics(FED) == [f"edgepfl/v1/{FED}/release", f"edgepfl/v1/{FED}/release/0"]
+    assert tier.installed_release() is None and tier.installed_report(FED) is None
     reply = tier.handle(decode(release))
     assert reply.channel == AgentChannel.METRICS and reply.round == 0
     report = decode(reply.frame)
@@ -217,6 +220,11 @@ def test_the_head_tier_answers_a_release_with_metrics(release, tmp_path):
     restarted = HeadTier("pi", client_data(NEW_CLIENT), str(tmp_path / "pi"), "lr")
     restarted.restore()
     assert restarted.runtime.ready
+    meta = decode(release).meta
+    assert restarted.installed_release() == ReleaseRef(release_id=meta.release_id, sequence=meta.sequence)
+    # what it reports unasked when the coordinator names its release as current: the same figures
+    again = decode(restarted.installed_report(FED).frame).meta
+    assert again.model_dump() == report.meta.model_dump()
 
 
 def test_the_head_tier_refuses_a_release_without_or_with_a_wrong_artifact(release, tmp_path):
