@@ -43,7 +43,7 @@ from edgepfl.protocol.transport import Inbound, MqttTransport
 from edgepfl.simulation import FleetTiming, SimulationSpec, task_samples
 
 from .clock import Clock, VirtualClock, WallClock
-from .gate import Rejection
+from .gate import Refused, Rejection
 
 log = logging.getLogger("edgepfl.coordinator")
 SENDER = "coordinator"
@@ -96,15 +96,18 @@ class Fleet(ABC):
         frames) drops it."""
         return 0
 
-    def agent_limits(self, agent_id: str, max_message_bytes: int | None) -> None:
-        """The largest MQTT message the agent declared it accepts (None: not declared): what
-        is sent to it is chunked to at most that and the fleet's own limit. A fleet without
-        a broker has no message size to mind."""
+    def agent_limits(self, agent_id: str, max_message_bytes: int | None, max_payload_bytes: int | None = None) -> None:
+        """The largest MQTT message and the largest whole frame the agent declared it accepts
+        (None: not declared): what is sent to it is chunked to at most that message size and
+        the fleet's own, and a frame larger than the whole-frame limit is not sent at all. A
+        fleet without a broker has no sizes to mind."""
         return None  # not abstract: only a fleet with a broker overrides it
 
     @abstractmethod
-    def poll(self, timeout: float) -> Incoming | Rejection | None:
-        """The next inbound event, or None when nothing came within ``timeout`` seconds."""
+    def poll(self, timeout: float) -> Incoming | Rejection | Refused | None:
+        """The next inbound event, or None when nothing came within ``timeout`` seconds. A
+        :class:`~edgepfl.coordinator.gate.Refused` is a task the fleet did not send, because
+        the agent declared it takes no frame that large: answered as the agent would."""
 
     @abstractmethod
     def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref: ReleaseRef | None = None) -> int:
@@ -165,8 +168,13 @@ class MqttFleet(Fleet):
         #: is online): their last status, and (release id, session, connection) last sent to them
         self._heads: dict[str, StatusMeta] = {}
         self._addressed: dict[str, tuple[str, str | None, int | None]] = {}
+        #: of those, the ones that said they have no release while this coordinator named none:
+        #: they take the retained copies (PROTOCOL.md §12), so the first release is not sent to them
+        self._taking_retained: set[str] = set()
         self._limits: dict[str, int] = {}  # agent id -> the max message size it declared, where below ours
-        self._dropped: deque[Rejection] = deque()
+        self._payload_limits: dict[str, int] = {}  # agent id -> the largest whole frame it declared it accepts
+        self._told_too_large: set[tuple[str, int]] = set()  # (agent, frame size) logged once
+        self._dropped: deque[Rejection | Refused] = deque()  # made by the fleet itself, handed out by poll()
         #: (max_message_bytes, max_payload_bytes) announced in every presence frame
         self.transport_limits = (broker.max_message_bytes, broker.max_payload_bytes)
         self.transport = MqttTransport.from_config(
@@ -214,7 +222,25 @@ class MqttFleet(Fleet):
         self.transport.publish(self._presence, self._frame(self._meta), retain=True)
 
     def send(self, agent_id: str, frame: bytes, round: int) -> int:
+        sent = self._deliver(agent_id, frame, round)
+        if sent is None:  # the agent would refuse it: the round hears so now instead of waiting
+            detail = f"a {len(frame)}-byte task, above its max_payload_bytes {self._payload_limits[agent_id]}: not sent"
+            self._dropped.append(Refused(agent_id, "too_large", detail, message_id=""))
+            return 0
+        return sent
+
+    def _deliver(self, agent_id: str, frame: bytes, round: int) -> int | None:
+        """Publish ``frame`` on the agent's task topic, chunked to its message size; returns the
+        bytes put on the wire, or None when it is larger than the agent accepts (not sent)."""
         topic = agent_topic(self.federation, agent_id, AgentChannel.TASK)
+        largest = self._payload_limits.get(agent_id)
+        if largest is not None and len(frame) > largest:
+            # it would drop the frame as oversized after downloading it: the bytes are not spent
+            if (agent_id, len(frame)) not in self._told_too_large:
+                self._told_too_large.add((agent_id, len(frame)))
+                log.warning("not sending agent %s a %d-byte frame: it accepts frames of at most %d bytes "
+                            "(its max_payload_bytes)", agent_id, len(frame), largest)
+            return None
         limit = self._limits.get(agent_id)
         if limit is None or len(frame) <= limit:
             return self.transport.publish(topic, frame, round=round)
@@ -223,13 +249,17 @@ class MqttFleet(Fleet):
         return sum(self.transport.publish(topic, part, round=round) for part in parts)
 
     def tell(self, agent_id: str, frame: bytes) -> int:
-        return self.send(agent_id, frame, -1)
+        return self._deliver(agent_id, frame, -1) or 0
 
-    def agent_limits(self, agent_id: str, max_message_bytes: int | None) -> None:
+    def agent_limits(self, agent_id: str, max_message_bytes: int | None, max_payload_bytes: int | None = None) -> None:
         if max_message_bytes is not None and max_message_bytes < self.transport.max_message_bytes:
             self._limits[agent_id] = max_message_bytes
         else:
             self._limits.pop(agent_id, None)
+        if max_payload_bytes is not None:
+            self._payload_limits[agent_id] = max_payload_bytes
+        else:
+            self._payload_limits.pop(agent_id, None)
 
     def send_ready(self) -> bool:
         return self.transport.send_ready()
@@ -259,7 +289,9 @@ class MqttFleet(Fleet):
             self._meta = self._meta.model_copy(update={"release": ref})
             self.transport.publish(self._presence, self._frame(self._meta), retain=True)
         for agent_id, status in list(self._heads.items()):
-            self._offer_release(agent_id, status)
+            if agent_id not in self._taking_retained:
+                self._offer_release(agent_id, status)
+        self._taking_retained.clear()  # the presence names a release now: they drop those subscriptions
         return parts
 
     def publish_view(self, payload: bytes) -> None:
@@ -279,12 +311,17 @@ class MqttFleet(Fleet):
         if status.tier != "head" or status.state != "online":
             self._heads.pop(agent_id, None)
             self._addressed.pop(agent_id, None)
+            self._taking_retained.discard(agent_id)
         elif supports(status.version, RELEASE_REFS):
             self._heads[agent_id] = status
+            if status.capabilities is not None and status.release is None and self._meta.release is None:
+                self._taking_retained.add(agent_id)
+            else:
+                self._taking_retained.discard(agent_id)
             self._offer_release(agent_id, status)
         elif came_online and self._release is not None:
             frame, round = self._release
-            self.send(agent_id, frame, round)  # chunked to what the agent declared it accepts
+            self._deliver(agent_id, frame, round)  # chunked to what the agent declared it accepts
 
     def _offer_release(self, agent_id: str, status: StatusMeta) -> None:
         """Send the current release to a 1.4 head agent whose status names another, once per
@@ -302,9 +339,9 @@ class MqttFleet(Fleet):
         frame, round = self._release
         log.info("sending release %s to head agent %s (it has %s)", sent[0], agent_id,
                  status.release.release_id if status.release else "none")
-        self.send(agent_id, frame, round)
+        self._deliver(agent_id, frame, round)
 
-    def poll(self, timeout: float) -> Incoming | Rejection | None:
+    def poll(self, timeout: float) -> Incoming | Rejection | Refused | None:
         if not self._dropped:
             inbound = self.transport.receive(timeout)
             if inbound is not None:

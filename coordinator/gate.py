@@ -56,7 +56,7 @@ MAX_SAMPLES = 2**53
 NEVER_ENDS_WAIT = frozenset({"stale", "unexpected", "duplicate", "unknown_agent"})
 #: refusal reasons that hold until the agent restarts: it gets no further task of this run
 EXCLUDING_REFUSALS = frozenset({"unsupported_method", "unsupported_arch", "unsupported_version", "bad_options",
-                                "data_mismatch", "normalization"})
+                                "data_mismatch", "normalization", "too_large"})
 _ID = re.compile(r"^[0-9a-f]{32}$")
 _TAG = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 

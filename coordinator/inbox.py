@@ -164,11 +164,14 @@ class Inbox:
         return True
 
     # ---------------------------------------------------------------- routing
-    def _route(self, event: Incoming | Rejection | None) -> None:
+    def _route(self, event: Incoming | Rejection | Refused | None) -> None:
         if event is None:
             return
         if isinstance(event, Rejection):
             self._reject(event)
+            return
+        if isinstance(event, Refused):
+            self._undelivered(event)
             return
         if event.channel == AgentChannel.STATUS:
             self._on_status(event)
@@ -185,7 +188,8 @@ class Inbox:
         assert isinstance(status, Presence)
         was_online = self.registry.update(incoming.agent_id, status.meta, status.created)
         capabilities = status.meta.capabilities
-        self.fleet.agent_limits(incoming.agent_id, capabilities.max_message_bytes if capabilities else None)
+        self.fleet.agent_limits(incoming.agent_id, capabilities.max_message_bytes if capabilities else None,
+                                capabilities.max_payload_bytes if capabilities else None)
         self.fleet.agent_status(incoming.agent_id, status.meta, came_online=status.meta.state == "online" and not was_online)
         if status.meta.state == "online":
             self._resend_lost_task(incoming.agent_id, status.meta.session, status.meta.connection)
@@ -225,6 +229,14 @@ class Inbox:
             update = verdict.meta
             self._reject(Rejection(incoming.agent_id, exc.reason, str(exc), Attribution(
                 verdict.message_id, "update", self._tasks.round, update.task_id, verified=self.keyring is not None)))
+
+    def _undelivered(self, refused: Refused) -> None:
+        """A task of the open round the fleet did not send (larger than the agent accepts): it
+        answers the task as the agent's refusal would, so the round does not wait for it."""
+        if self._sink is None or refused.agent_id not in self._tasks.waiting:
+            return
+        self._tasks.mark_answered(refused.agent_id)
+        self._on_refusal(refused)
 
     def _on_refusal(self, refused: Refused) -> None:
         assert self._sink is not None

@@ -82,15 +82,18 @@ class Registry:
         # what this run needs of a trainer (require()); None: anything
         self._method: str | None = None
         self._arch: str | None = None
+        self._task_bytes: int | None = None
         # trainers that may be sent a task now (online, capable, not excluded): kept up to date per status
         self._eligible: set[str] = set()
         # agent id -> (session, reason) of a refusal that keeps it out of this run until another session
         self._excluded: dict[str, tuple[str | None, str]] = {}
         self._told_incapable: set[str] = set()
 
-    def require(self, method: str, arch: str) -> None:
-        """The run's method and architecture: a trainer whose capabilities exclude either gets no task."""
-        self._method, self._arch = method, arch
+    def require(self, method: str, arch: str, task_bytes: int | None = None) -> None:
+        """The run's method and architecture, and how large its task frames are (None: not yet
+        known): a trainer whose capabilities exclude either, or that accepts smaller frames,
+        gets no task."""
+        self._method, self._arch, self._task_bytes = method, arch, task_bytes
         for agent_id in self.agents:
             self._refresh(agent_id)
 
@@ -103,6 +106,9 @@ class Registry:
             return f"its capabilities do not include method {self._method}"
         if self._arch is not None and capabilities.archs is not None and self._arch not in capabilities.archs:
             return f"its capabilities do not include arch {self._arch}"
+        largest = capabilities.max_payload_bytes
+        if self._task_bytes is not None and largest is not None and self._task_bytes > largest:
+            return f"this run's tasks are {self._task_bytes} bytes, above the {largest} it accepts (max_payload_bytes)"
         return None
 
     def exclude(self, agent_id: str, reason: str) -> None:

@@ -165,6 +165,8 @@ class Coordinator:
 
     def _run_all(self) -> list[RoundMetrics]:
         c = self.config
+        # an agent that announced a smaller largest frame than this run's tasks is sent none (PROTOCOL.md §15)
+        self.registry.require(c.method.name, c.model.arch, self.task_writer.task_bytes(self._server_state()))
         self._wait_for_agents()
         rows = []
         buffered = BufferedRounds(self) if c.asynchrony.mode == "buffered" else None

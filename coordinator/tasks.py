@@ -33,6 +33,18 @@ class TaskWriter:
         """The tasks that follow are round ``round``'s, built from ``state``, of the run begun at ``epoch``."""
         self._round, self._state, self._epoch, self._bodies = round, state, epoch, {}
 
+    def task_bytes(self, state: ServerState) -> int:
+        """How large a task frame of this run built from ``state`` is, at least: one carrying
+        the global tensors every agent gets. A run's payloads keep their shapes from round to
+        round; the tensors a method adds per agent (FedPAC's) are small, and an agent that
+        then refuses a task as ``too_large`` is left out of the run like any other."""
+        c = self.config
+        meta = TaskMeta(task_id=new_message_id(), kind="train", run=self.run_spec, seed=0, deadline_s=c.round_timeout_s,
+                        epoch=self._epoch)
+        return len(encode(MessageType.TASK, federation=c.federation, sender=SENDER, round=0, meta=meta,
+                          tensors=dict(state.global_tensors), signer=self.signer,
+                          recipient="size-probe" if self.signer is not None else None))
+
     def frame(self, agent_id: str, kind: str, task_id: str | None = None) -> tuple[str, bytes]:
         """A new task for ``agent_id`` (``train`` or ``evaluate``): its id and its frame; with
         ``task_id``, that task of the open round again (the same id, seed and payload)."""

@@ -7,7 +7,9 @@ network thread only queues bytes. What a message means is the tier's business
 (:mod:`.tiers`):
 
 * trainer tier: task -> :class:`edgepfl.edge_agent.trainer.TrainerRuntime` -> update;
-* head tier: release -> :class:`edgepfl.edge_agent.head_tier.HeadRuntime` -> metrics.
+* head tier: release -> :class:`edgepfl.edge_agent.head_tier.HeadRuntime` -> metrics. A
+  head agent takes the broker's retained release only when nobody else brings what it
+  lacks (:mod:`.release_fetch`, protocol 1.4), so a restart downloads nothing.
 
 With ``security.coordinator_key`` the agent acts only on frames the coordinator signed
 (others are logged with their reason, counted in :attr:`Agent.rejected` and dropped);
@@ -58,6 +60,7 @@ from edgepfl.protocol import (
     MessageType,
     NackMeta,
     ProtocolError,
+    RefusalMeta,
     RollCall,
     StatusMeta,
     agent_topic,
@@ -209,6 +212,8 @@ class Agent:
                     message = decode(inbound.frame, max_bytes=transport.max_payload_bytes)
                 except ProtocolError as exc:
                     self._log.warning(exc.reason, "dropped message on %s: %s", inbound.topic, exc)
+                    if exc.reason == "oversized" and inbound.topic.channel == AgentChannel.TASK:
+                        self._refuse_oversized(inbound.frame)
                     continue
                 self._dispatch(message)
         finally:
@@ -391,6 +396,29 @@ class Agent:
             self._answers.pop(nack.task_id, None)
             tier.close(nack.task_id)
 
+    def _refuse_oversized(self, frame: bytes) -> None:
+        """A task larger than this agent takes (a coordinator that had not yet read its
+        ``max_payload_bytes``, sent before its birth that declares it): answered with a
+        refusal ``too_large`` built from the header alone, so the round does not wait for an
+        answer that cannot come (PROTOCOL.md §5). Only to a 1.4 coordinator, which excludes
+        it from the run; an unreadable header or a frame that is not a task gets nothing."""
+        header = peek_header(frame)
+        meta = header.get("meta") if header else None
+        if not (header and isinstance(meta, dict) and header.get("type") == MessageType.TASK.value
+                and header.get("federation") == self.config.federation and self._speaks(RELEASE_REFS)):
+            return
+        try:
+            refusal = RefusalMeta(task_id=meta.get("task_id"), reason="too_large",
+                                  detail=f"{len(frame)} bytes, above this agent's max_payload_bytes "
+                                         f"{self.config.broker.max_payload_bytes}")
+            round = int(header["round"])
+        except (ValueError, TypeError, KeyError):
+            return
+        log.warning("refused task %s (round %d): too_large (%d bytes)", refusal.task_id, round, len(frame))
+        frame = encode(MessageType.REFUSAL, federation=self.config.federation, sender=self.config.agent_id,
+                       round=round, meta=refusal, signer=self.signer)
+        self._send(Reply(AgentChannel.UPDATE, frame, round, refusal.task_id, refusal=True))
+
     def _new_birth(self) -> bytes:
         self._birth_declares = self.speaks_1_2()
         self._births.append(self._status_frame("online"))
@@ -441,8 +469,11 @@ class Agent:
             platform=f"{platform.system()} {platform.machine()} py{platform.python_version()}",
             session=self.session,
             # 1.2: only for a coordinator that reads them (left out of the frame otherwise)
-            capabilities=tier.capabilities().model_copy(update={"max_message_bytes": c.broker.max_message_bytes})
-            if self.speaks_1_2() else None,
+            capabilities=tier.capabilities().model_copy(update={
+                "max_message_bytes": c.broker.max_message_bytes,
+                # 1.4: the largest frame its reassembler takes; nothing larger is sent to it
+                "max_payload_bytes": c.broker.max_payload_bytes if self._speaks(RELEASE_REFS) else None,
+            }) if self.speaks_1_2() else None,
             # 1.3: a birth on a new connection tells the coordinator a task may have been lost
             connection=self.transport.connect_count or None
             if self.transport is not None and self._speaks(CONNECTION_NUMBERS) else None,

@@ -269,9 +269,12 @@ class HeadRuntime:
                          f"{heads_entry.sha256[:16]}…")
         if self.coordinator_key is not None and proof is None:
             raise refuse("unsigned")
-        if self.record and self.record.encoder_sha256 == digest and self.ready:
-            log.info("release %s already installed", release_id)
-            return self.record.metrics
+        if self.record and self.record.encoder_sha256 == digest and self.ready and \
+                self.record.global_heads_sha256 == (_sha(global_heads) if global_heads is not None else None):
+            if (release_id, sequence) == (self.record.release_id, self.record.sequence):
+                log.info("release %s already installed", release_id)
+                return self.record.metrics
+            return self._adopt(manifest, sequence, proof)
         want = list(self.data.input_shape)
         got = list(manifest.run.data.input_shape)
         if got != want:
@@ -326,15 +329,13 @@ class HeadRuntime:
         enc_name = f"encoder-{digest[:16]}.onnx"
         write_bytes(self.state_dir / enc_name, artifact)
         old = self.record
-        proof_file = f"release-{digest[:16]}.proof" if proof is not None else None
+        proof_file = self._keep_proof(proof)
         record = InstalledRelease(
             release_id=release_id, manifest=manifest, encoder_file=enc_name, encoder_sha256=digest,
             head_file=head_path.name, head_sha256=_sha(head_bytes), metrics=metrics,
             global_heads_file=heads_path.name if heads_path is not None else None,
             global_heads_sha256=_sha(global_heads) if global_heads is not None else None,
             installed=time.time(), sequence=sequence, proof_file=proof_file)
-        if proof is not None and proof_file is not None:
-            write_bytes(self.state_dir / proof_file, proof)
         # for `edgepfl predict --encoder <state>/encoder-….onnx`, which reads the manifest beside it
         write_json(self.state_dir / "manifest.json", manifest.model_dump(mode="json"))
         write_json(self.state_dir / STATE_FILE, record.model_dump(mode="json"))  # the switch: written last
@@ -342,6 +343,33 @@ class HeadRuntime:
         self._remove_old(old, record)
         log.info("release %s installed: %s head, held-out accuracy %.4f (%d/%d), fit %.2f s", release_id, head_name,
                  metrics.accuracy, correct, self.data.num_test, fit_seconds)
+        return metrics
+
+    def _keep_proof(self, proof: bytes | None) -> str | None:
+        """Write a release's proof (named by its content, so a crash before the record switch
+        leaves the installed release's own proof in place); its file name."""
+        if proof is None:
+            return None
+        name = f"release-{_sha(proof)[:16]}.proof"
+        write_bytes(self.state_dir / name, proof)
+        return name
+
+    def _adopt(self, manifest: ReleaseManifest, sequence: int | None, proof: bytes | None) -> HeadFit:
+        """The installed encoder and global heads again, in a newer release (a coordinator that
+        released an unchanged state): recorded under the new release, the head kept as fitted,
+        so that the agent names the release it has as the coordinator does (PROTOCOL.md §12)."""
+        old = self.record
+        assert old is not None  # only called with a release installed
+        metrics = old.metrics.model_copy(update={"release_id": manifest.release_id})
+        record = old.model_copy(update={"release_id": manifest.release_id, "manifest": manifest, "sequence": sequence,
+                                        "metrics": metrics, "installed": time.time(),
+                                        "proof_file": self._keep_proof(proof)})
+        write_json(self.state_dir / "manifest.json", manifest.model_dump(mode="json"))
+        write_json(self.state_dir / STATE_FILE, record.model_dump(mode="json"))  # the switch: written last
+        self.record = record
+        self._remove_old(old, record)
+        log.info("release %s carries the installed encoder of %s: recorded under it, head kept", manifest.release_id,
+                 old.release_id)
         return metrics
 
     def new_head(self, release: HeadRelease) -> HeadEstimator:

@@ -7,9 +7,12 @@ release again after every restart and every broker reconnect, although it had it
 installed. So a 1.4 head agent subscribes to them only when it needs them, decided on
 each connection by the coordinator's presence, which names the current release:
 
-* a coordinator of 1.4 or later **online**: never. It sends the current release on the
-  agent's task topic when the agent's status names another (or none), and every new
-  release to each head agent online; taking the retained copy too would download it twice;
+* a coordinator of 1.4 or later **online** that names a release: never. It sends its
+  current release on the agent's task topic when the agent's status names another (or
+  none), and every new release to each head agent online; taking the retained copy too
+  would download it twice. One that names none (it has published none yet): only when the
+  agent has no release at all (an earlier run's may be retained); the coordinator does
+  not send its first release to an agent that told it so, which takes the retained copy;
 * a **done** presence that names a release: only when it is not the installed one;
 * otherwise (the coordinator's last will, an older coordinator, a presence without a
   release, or none within :data:`PRESENCE_WAIT_S` of connecting): unless the release
@@ -42,7 +45,7 @@ def wants_retained(presence: CoordinatorMeta | None, installed: ReleaseRef | Non
     the release the last presence of this process named."""
     if presence is not None and supports(presence.version, RELEASE_REFS):
         if presence.state == "online":
-            return False
+            return presence.release is None and installed is None
         if presence.release is not None:
             return presence.release != installed
     return installed is None or installed != known
@@ -91,7 +94,7 @@ class RetainedReleases:
                 log.info("taking the retained release (installed: %s)", _name(installed))
                 transport.subscribe(self.topics)
             return
-        if self._subscribed and presence is not None and presence.state == "online":
+        if self._subscribed and presence is not None and presence.state == "online" and presence.release is not None:
             # subscribed before this coordinator came online (a head agent that started first):
             # it sends what this agent lacks, so the retained copies would come twice
             self._subscribed = False

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import socket
 import threading
 import time
@@ -77,8 +78,24 @@ def parse_broker_url(url: str) -> tuple[str, int, bool]:
     return host, port, scheme == "mqtts"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (callers retry if someone takes it first)."""
+#: where a broker that may restart on its port listens: below the ephemeral ports that
+#: outgoing connections take (Linux 32768-60999, Windows and macOS 49152-65535), so that no
+#: client's connection holds its port while it is down
+LISTEN_PORTS = range(20_000, 32_768)
+
+
+def free_port(host: str = "127.0.0.1", *, restartable: bool = False) -> int:
+    """A TCP port that was free a moment ago (callers retry if someone takes it first);
+    ``restartable``: one of :data:`LISTEN_PORTS`, for a listener that stops and starts again
+    on the same port (an ephemeral one can be taken meanwhile by any outgoing connection)."""
+    if restartable:
+        for port in random.sample(LISTEN_PORTS, 200):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

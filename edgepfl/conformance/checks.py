@@ -137,9 +137,12 @@ CHECKS: dict[str, Check] = _catalog(
           "with a pinned coordinator key, a release past `expires` is refused"),
     Check("release.task_topic", "§12", "MUST", "1.0",
           "the installed release sent again on the agent's task topic is answered with `metrics` again"),
+    Check("release.by_reference", "§12", "SHOULD", "1.4",
+          "restarted with its release installed under a presence naming it, the agent's status names the release "
+          "and it reports its metrics on it unasked, downloading nothing"),
     Check("release.parts", "§12", "MUST", "1.2",
-          "a release retained in chunks of <= M on `release/<i>` before the agent started is reassembled and "
-          "installed"),
+          "a release retained in chunks of <= M on `release/<i>` before the agent started, named by the `done` "
+          "presence of a coordinator that exited, is reassembled and installed"),
     # the head agent's own life cycle (scenario "head"): what presence, reconnect and signatures
     # check of a trainer, so that a head-only device is certified on all of it (--profile head)
     Check("head.birth", "§10", "MUST", "1.0",

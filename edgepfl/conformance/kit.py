@@ -62,6 +62,7 @@ from edgepfl.protocol import (
     Normalization,
     RefusalMeta,
     ReleaseMeta,
+    ReleaseRef,
     RunSpec,
     StatusMeta,
     TaskMeta,
@@ -724,10 +725,13 @@ class _Kit:
                      f"installed: metrics for {', '.join(installed)}")
 
         self.head_reconnect(s, sentinel, sentinel_id, manifest.round)
-        # a late joiner again, the release retained in parts of at most the announced M
         s.clean_stop(check_id="head.clean_stop")
-        s.presence(session=s.session, m=SMALL_M)
+        self.head_by_reference(s, ReleaseRef(release_id=sentinel_id, sequence=sequence + 60), manifest.round)
+        # a late joiner again, after the coordinator exited: its `done` presence names a release
+        # retained in parts of at most the announced M
         parted, parted_id = release("parts", seq=sequence + 100)  # above every release sent before
+        s.presence(session=s.session, m=SMALL_M, state="done", release=ReleaseRef(release_id=parted_id,
+                                                                                   sequence=sequence + 100))
         parts = split_frame(parted, SMALL_M, federation=s.federation, sender="coordinator", round=manifest.round)
         for index in reversed(range(len(parts))):  # chunk 0 last (§12)
             s.wire.publish(release_part_topic(s.federation, index), parts[index], retain=True)
@@ -739,6 +743,24 @@ class _Kit:
                  s.metrics_evidence(got, f"retained in {len(parts)} parts of <= {SMALL_M} bytes", parted_id))
         s.kill("head.will")
         s.account_frames()
+
+    def head_by_reference(self, s: _Scenario, installed: ReleaseRef, round: int) -> None:
+        """``release.by_reference`` (1.4): restarted with its release installed, under a presence
+        that names that release, the agent names it in its status and reports its metrics on it
+        unasked; the kit sends it nothing. Leaves the agent stopped."""
+        mark = s.wire.mark()
+        s.presence(session=uuid.uuid4().hex, m=LARGE_M, release=installed)
+        s.restart()
+        named = s.wire.wait(lambda f: s.is_status(f, "online") and f.message is not None
+                            and f.message.meta_as(StatusMeta).release == installed, self.options.answer_timeout_s, mark)
+        got = s.wait_metrics(installed.release_id, mark, self.options.answer_timeout_s)
+        self.report.record("release.by_reference", named is not None and s.metrics_ok(got, round),
+                           "its status names the installed release and it reported on it unasked"
+                           if named is not None and got is not None else
+                           f"{'no status naming ' + installed.release_id if named is None else 'status names it'}; "
+                           f"{'metrics came' if got is not None else 'no metrics'} within "
+                           f"{self.options.answer_timeout_s:.0f} s")
+        s.clean_stop(record=False)
 
     def head_reconnect(self, s: _Scenario, installed: bytes, installed_id: str, round: int) -> None:
         """``head.reconnect``: the broker restarts (its retained messages gone, the kit's presence
@@ -780,11 +802,12 @@ class _Scenario:
 
     # ------------------------------------------------------------------ frames the kit sends
     def presence(self, *, session: str, m: int, round: int = 0, state: str = "online",
-                 version: str = PROTOCOL_VERSION, now: bool = True) -> None:
-        """The kit's retained presence; ``now`` false: only once the broker is back (a restart)."""
+                 version: str = PROTOCOL_VERSION, now: bool = True, release: ReleaseRef | None = None) -> None:
+        """The kit's retained presence; ``now`` false: only once the broker is back (a restart);
+        ``release``: the current release it names (1.4)."""
         self.session = session
         meta = CoordinatorMeta(state=state, method=self.kit.run.method.name, round=round, version=version,
-                               max_message_bytes=m, max_payload_bytes=256 * 2**20, session=session)
+                               max_message_bytes=m, max_payload_bytes=256 * 2**20, session=session, release=release)
         self.wire.retain(federation_topic(self.federation, FederationChannel.COORDINATOR),
                          encode(MessageType.COORDINATOR, federation=self.federation, sender="coordinator",
                                 round=round, meta=meta, signer=self.coordinator), now=now)

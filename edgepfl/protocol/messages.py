@@ -31,6 +31,7 @@ REFUSAL_REASONS: dict[str, str] = {
     "busy": "the agent cannot take a task now (it stays eligible for later rounds)",
     "error": "the local update failed on the device (out of memory, a crash in training, ...)",
     "expired": "the task is past its deadline by the agent's clock (since 1.3; the detail says by how much)",
+    "too_large": "the task frame is larger than the agent's max_payload_bytes (since 1.4)",
 }
 
 
@@ -63,10 +64,13 @@ class Capabilities(_Meta):
     #: the largest MQTT message it accepts: the coordinator chunks what it sends this
     #: agent to at most min(this, its own M)
     max_message_bytes: int | None = Field(None, ge=16_384)
+    #: the largest whole frame (after reassembly) it accepts: the coordinator sends it no
+    #: larger frame, and no task of a run whose tasks are larger (PROTOCOL.md §15)
+    max_payload_bytes: int | None = Field(None, ge=16_384, json_schema_extra=since("1.4"))
 
 
 #: the protocol version that names releases in presences and statuses (a head agent that
-#: has the current release downloads nothing)
+#: has the current release downloads nothing) and lets an agent announce its largest frame
 RELEASE_REFS = (1, 4)
 
 

@@ -136,7 +136,7 @@ class MosquittoBroker:
         requested = self.port  # _start_on sets self.port to each port it tries
         last = ""
         for _ in range(1 if requested is not None else 5):
-            port = requested if requested is not None else free_port(self.host)
+            port = requested if requested is not None else free_port(self.host, restartable=True)
             if self._start_on(executable, port):
                 break
             last = self.log_text()[-2000:]

@@ -80,7 +80,7 @@ def test_the_kit_runs_its_broker_on_a_chosen_port_or_uses_a_given_one(mosquitto,
     which must restart the broker, is reported skipped with the reason, not failed."""
     from edgepfl.broker import free_port
 
-    port = free_port("127.0.0.1")
+    port = free_port("127.0.0.1", restartable=True)  # the kit restarts its broker on it
     code, report = _run(tmp_path / "port", AGENT_CMD, "session", "reconnect", "head",
                         extra=["--port", str(port)])
     assert code == 0 and report["conformant"]

@@ -1,11 +1,14 @@
-"""A head agent downloads a release once (PROTOCOL.md §12, "Releases by reference", 1.4).
+"""A head agent downloads each release once (PROTOCOL.md §12, "Releases by reference", 1.4).
 
-Real Mosquitto, real trainer and head agent processes, a real coordinator. The head
-agent reaches the broker through :class:`~edgepfl.testing.relay.CountingRelay`, so every
-byte on its link is counted, retained replays and MQTT framing included:
+Real Mosquitto, real trainer and head agent processes, a real coordinator. Each head
+agent reaches the broker through its own :class:`~edgepfl.testing.relay.CountingRelay`,
+so every byte on its link is counted, retained replays and MQTT framing included:
 
-* while it has nothing, the release reaches it once (not also as the retained copy);
-* restarted with the release installed, against the coordinator online and then after the
+* joined before the run's first release, it takes the retained copy, and the coordinator
+  does not send it a second one;
+* joined while the coordinator is online with a release, it is sent that release once;
+* a new release reaches a head agent online once, sent by the coordinator;
+* restarted with the release installed, against the coordinator online and after the
   coordinator exited, it downloads under 5 % of the release's bytes, and the online
   coordinator still gets its metrics (reported unasked).
 """
@@ -13,8 +16,10 @@ byte on its link is counted, retained replays and MQTT framing included:
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from edgepfl.coordinator.fleet import MqttFleet
+from edgepfl.coordinator.release import CURRENT_FILE
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import data_shape, prepare, spawn_agent, stop_agents
 from edgepfl.protocol import CoordinatorMeta
@@ -23,58 +28,83 @@ from edgepfl.testing.relay import CountingRelay
 from tests.fleet_helpers import run_config, wait_until
 
 TRAINERS = 2
-HEAD = "device-02"
+EARLY, LATE = "device-02", "device-03"  # a head agent there from the start, and one that joins later
 
 
-def agent_log(out, agent: str) -> str:
+def agent_log(out: Path, agent: str) -> str:
     path = out / "agents" / f"{agent}.log"
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def test_a_head_agent_downloads_a_release_once_and_never_again_after_a_restart(mosquitto, tmp_path):
-    config = prepare(run_config(rounds=1), TRAINERS, head_agents=1)
+def test_a_head_agent_downloads_each_release_once_and_nothing_after_a_restart(mosquitto, tmp_path):
+    config = prepare(run_config(rounds=1), TRAINERS, head_agents=2)
     out, url = tmp_path / "run", mosquitto.url
     trainers = [spawn_agent(config, out, url, f"agent-{i:02d}", i) for i in range(TRAINERS)]
-    with CountingRelay(mosquitto.host, mosquitto.port) as relay:
-        head = spawn_agent(config, out, relay.url, HEAD, TRAINERS, tier="head")
+    early_link, late_link = CountingRelay(mosquitto.host, mosquitto.port), CountingRelay(mosquitto.host, mosquitto.port)
+    with early_link, late_link:
+        def head(agent: str):
+            link, index = (early_link, TRAINERS) if agent == EARLY else (late_link, TRAINERS + 1)
+            return spawn_agent(config, out, link.url, agent, index, tier="head")
+
+        early = head(EARLY)
         fleet = MqttFleet(config.federation, config.broker, url=url)
+        late = None
         try:
             coordinator = Coordinator(config, fleet, out, progress=False, **data_shape(config))
-            coordinator.run()  # one round, the final evaluation, the release, the head agent's report
-            release_id = next(reversed(coordinator.releases))
-            assert HEAD in coordinator.head_reports
-            size = len((out / "releases" / "current.frame").read_bytes())
-            first = relay.down_bytes
-            # one copy: sent to it by the coordinator, and not also the retained copy
-            assert size <= first < 1.5 * size, (first, size)
+            reports = coordinator.inbox.reports_by_release
 
-            # restarted with the release installed, the coordinator online in a round of the run
-            stop_agents([head])
-            coordinator.inbox.reports_by_release.clear()
+            def report_from(agent: str, release_id: str):
+                coordinator.inbox.pump_until(lambda: agent in reports.get(release_id, {}),
+                                             coordinator.clock.now() + 120)
+                return reports[release_id][agent]
+
+            coordinator.run()  # one round, the final evaluation, the release, the head agent's report
+            first = next(reversed(coordinator.releases))
+            size = len((out / "releases" / CURRENT_FILE).read_bytes())
+            assert EARLY in coordinator.head_reports
+            # joined before the first release: the retained copy, not also the coordinator's
+            assert size <= early_link.down_bytes < 1.5 * size, (early_link.down_bytes, size)
+
+            # the coordinator online with its release (a round of a run): a late joiner is sent it once
             fleet.announce(CoordinatorMeta(state="online", method=config.method.name, round=1))
-            relay.reset()
-            head = spawn_agent(config, out, relay.url, HEAD, TRAINERS, tier="head")
-            coordinator.inbox.pump_until(lambda: HEAD in coordinator.inbox.reports_by_release.get(release_id, {}),
-                                         coordinator.clock.now() + 120)
-            report = coordinator.inbox.reports_by_release[release_id][HEAD]  # reported unasked
-            installed = json.loads((out / "agents" / HEAD / "release.json").read_text())
-            assert report.accuracy == installed["metrics"]["accuracy"]
-            assert relay.down_bytes < 0.05 * size, (relay.down_bytes, size)
+            late = head(LATE)
+            report_from(LATE, first)
+            assert size <= late_link.down_bytes < 1.5 * size, (late_link.down_bytes, size)
+
+            # a new release reaches each head agent online once
+            early_link.reset()
+            late_link.reset()
+            second = coordinator.release(1)
+            assert second is not None and second != first
+            report_from(EARLY, second)
+            report_from(LATE, second)
+            for link in (early_link, late_link):
+                assert size <= link.down_bytes < 1.5 * size, (link.down_bytes, size)
+
+            # restarted with it installed, the coordinator online: nothing downloaded, metrics reported unasked
+            stop_agents([early])
+            reports.clear()
+            early_link.reset()
+            early = head(EARLY)
+            report = report_from(EARLY, second)
+            installed = json.loads((out / "agents" / EARLY / "release.json").read_text())
+            assert installed["release_id"] == second and report.accuracy == installed["metrics"]["accuracy"]
+            assert early_link.down_bytes < 0.05 * size, (early_link.down_bytes, size)
         finally:
             fleet.close()  # presence `done`, naming the release
-            stop_agents(trainers)
-        stop_agents([head])
+            stop_agents([*trainers, *([late] if late else [])])
+        stop_agents([early])
 
-        # restarted after the coordinator exited: the retained `done` presence names the release
-        relay.reset()
-        before = len(agent_log(out, HEAD))
-        head = spawn_agent(config, out, relay.url, HEAD, TRAINERS, tier="head")
+        # restarted after the coordinator exited: the retained `done` presence names its release
+        early_link.reset()
+        before = len(agent_log(out, EARLY))
+        early = head(EARLY)
         try:
-            wait_until(lambda: "nothing to download" in agent_log(out, HEAD)[before:], 120, interval=0.5,
-                       what="the second restart deciding")
-            assert relay.down_bytes > 0  # it is connected through the relay
-            assert relay.down_bytes < 0.05 * size, (relay.down_bytes, size)
+            wait_until(lambda: "nothing to download" in agent_log(out, EARLY)[before:], 120, interval=0.5,
+                       what="the restarted head agent deciding")
+            assert 0 < early_link.down_bytes < 0.05 * size, (early_link.down_bytes, size)
         finally:
-            stop_agents([head])
-    log = agent_log(out, HEAD)
-    assert "Traceback" not in log and "refused" not in log, log[-3000:]
+            stop_agents([early])
+    for agent in (EARLY, LATE):
+        log = agent_log(out, agent)
+        assert "Traceback" not in log and "refused" not in log, log[-3000:]

@@ -262,7 +262,7 @@ def test_transport_started_before_the_broker_connects_once_it_appears():
     from tests.conftest import require_mosquitto
 
     require_mosquitto()
-    port = free_port()
+    port = free_port(restartable=True)  # a broker starts on it later
     transport = MqttTransport(f"mqtt://127.0.0.1:{port}", client_id="early-bird", federation="early",
                               sender="bird", subscriptions=[agent_topic("early", "bird", AgentChannel.TASK)])
     thread, box = run_in_thread(lambda: transport.start(timeout=60))

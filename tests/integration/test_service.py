@@ -147,7 +147,7 @@ def test_a_supervised_agent_waits_for_its_broker_and_comes_online_when_it_appear
     from tests.conftest import require_mosquitto
 
     require_mosquitto()
-    port = free_port()
+    port = free_port(restartable=True)  # a broker starts on it later
     config = _agent_config(tmp_path, f"mqtt://127.0.0.1:{port}")
     notify = str(tmp_path / "notify.sock")
     broker = MosquittoBroker(port=port)

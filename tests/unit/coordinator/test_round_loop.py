@@ -236,11 +236,13 @@ def test_a_refused_task_is_answered_counted_by_reason_and_keeps_the_agent_eligib
 
 
 def test_agents_whose_capabilities_exclude_the_run_and_busy_agents_get_no_task(tmp_path, caplog):
-    agents = {a: honest(a) for a in ("a", "b", "cnn_only", "no_fedavg", "busy")}
+    agents = {a: honest(a) for a in ("a", "b", "cnn_only", "no_fedavg", "busy", "small_frames")}
     fleet = ScriptedFleet(agents)
     fleet.events = deque([
         status("a", capabilities=Capabilities(methods=["fedavg", "fedrep"], archs=["mlp", "cnn"])),
         status("cnn_only", capabilities=Capabilities(archs=["cnn"])),
+        # 1.4: it takes no frame as large as this run's tasks (an MLP's, a few kB)
+        status("small_frames", capabilities=Capabilities(max_payload_bytes=16_384)),
         status("no_fedavg", capabilities=Capabilities(methods=["fedrep"])),
         status("busy", state="busy"),
         status("b"),  # 1.1-like: nothing declared, so anything
@@ -254,7 +256,8 @@ def test_agents_whose_capabilities_exclude_the_run_and_busy_agents_get_no_task(t
     assert "cnn_only gets no task" in caplog.text and "arch mlp" in caplog.text
     assert "no_fedavg gets no task" in caplog.text and "method fedavg" in caplog.text
     assert caplog.text.count("cnn_only gets no task") == 1
-    assert coord.registry.online("trainer") == ["a", "b", "busy", "cnn_only", "no_fedavg"]  # registered, online
+    assert "small_frames gets no task" in caplog.text and "above the 16384 it accepts" in caplog.text
+    assert coord.registry.online("trainer") == ["a", "b", "busy", "cnn_only", "no_fedavg", "small_frames"]
 
 
 def test_min_agents_counts_capable_trainers_only(tmp_path):
@@ -982,3 +985,23 @@ def test_an_in_process_agents_non_finite_update_is_one_rejection_and_the_round_g
     rows = Coordinator(config, LocalFleet(agents, config.federation), out, progress=False, **data_shape(config)).run()
     assert rows[0].rejected == {"non_finite": 1} and sorted(rows[0].participants) == ["agent-01", "agent-02"]
     assert not rows[0].aborted and [r.round for r in rows] == [0, 1, 2]
+
+
+def test_a_task_the_fleet_could_not_deliver_answers_it_as_a_refusal_and_the_round_does_not_wait(tmp_path):
+    """A fleet that holds back a task larger than the agent declared it takes hands the round
+    a refusal ``too_large`` in its place: counted, the agent left out of the run, no wait."""
+    from edgepfl.coordinator.gate import Refused
+
+    class HoldsBack(ScriptedFleet):
+        def send(self, agent_id: str, frame: bytes, round: int) -> int:
+            if agent_id == "small":
+                self.events.append(Refused(agent_id, "too_large", "a task above its max_payload_bytes", ""))
+                return 0
+            return super().send(agent_id, frame, round)
+
+    fleet = HoldsBack({a: honest(a) for a in ("a", "b", "small")})
+    rows = coordinator(fleet, tmp_path, rounds=3, round_timeout_s=60, min_agents=2).run()
+    assert max(r.seconds for r in rows) < 20 and not any(r.dropped for r in rows)  # not the 60 s timeout
+    refused = next(i for i, r in enumerate(rows) if r.refused)  # the first round that sampled it
+    assert rows[refused].refused == {"too_large": 1} and rows[refused].participants == ["a", "b"]
+    assert all("small" not in r.sampled and not r.refused for r in rows[refused + 1:])  # left out of the run

@@ -224,3 +224,47 @@ def test_installed_files_work_with_the_predict_cli(releases, data, tmp_path, cap
     rows = [json.loads(s) for s in capsys.readouterr().out.splitlines()]
     assert rc == 0
     np.testing.assert_array_equal([r["predictions"][0]["index"] for r in rows], rt.predict(data.x_test[:6]))
+
+
+def test_the_installed_encoder_in_a_newer_release_is_recorded_under_it_and_reverified_on_restart(
+        releases, data, tmp_path):
+    """A coordinator that releases an unchanged state publishes the same encoder under a new
+    release id and sequence: the agent keeps its head (no refit) but records the new release,
+    so that it names what it has as the coordinator does (PROTOCOL.md §12, releases by
+    reference); with a pinned key the new proof re-verifies on restart."""
+    from edgepfl.protocol import MessageType, ReleaseMeta, decode, encode
+    from edgepfl.protocol.manifest import release_tensors
+    from edgepfl.protocol.signing import generate_keypair, load_public_key, load_signer
+
+    generate_keypair(tmp_path / "c.key", tmp_path / "c.pub")
+    signer, key = load_signer(tmp_path / "c.key"), load_public_key(tmp_path / "c.pub")
+    manifest, artifact = read_release(releases[0])
+
+    def signed(release_id: str, sequence: int):
+        meta = ReleaseMeta(release_id=release_id, manifest=manifest.model_copy(update={"release_id": release_id}),
+                           sha256=manifest.encoder.sha256, size_bytes=len(artifact), sequence=sequence,
+                           expires=4e9)
+        message = decode(encode(MessageType.RELEASE, federation="f", sender="coordinator", round=0, meta=meta,
+                                tensors=release_tensors(artifact, None), signer=signer))
+        return message.meta, message.signed_part + message.signature
+
+    def install(rt, release_id, sequence):
+        meta, proof = signed(release_id, sequence)
+        return rt.install_release(meta.manifest, artifact, meta.sha256, sequence=sequence, expires=meta.expires,
+                                  proof=proof)
+
+    state = tmp_path / "state"
+    rt = HeadRuntime(state, "lr", data, coordinator_key=key)
+    first = install(rt, "fedavg-r0-same", 10)
+    head_file = rt.record.head_file
+    head_written = (state / head_file).stat().st_mtime_ns
+    again = install(rt, "fedavg-r1-same", 11)
+    assert again.release_id == "fedavg-r1-same" and again.accuracy == first.accuracy
+    assert (rt.record.release_id, rt.record.sequence) == ("fedavg-r1-same", 11)
+    assert rt.record.head_file == head_file and (state / head_file).stat().st_mtime_ns == head_written  # not refitted
+    assert len(list(state.glob("*.proof"))) == 1  # the earlier release's proof is gone
+
+    restarted = HeadRuntime(state, "lr", data, coordinator_key=key)
+    assert restarted.load().release_id == "fedavg-r1-same" and restarted.record.sequence == 11
+    with pytest.raises(ReleaseRefused, match="rollback"):  # the earlier release is a rollback now
+        install(restarted, "fedavg-r0-same", 10)

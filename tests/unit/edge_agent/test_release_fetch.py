@@ -18,10 +18,14 @@ def presence(state="online", release=None, version="1.4") -> CoordinatorMeta:
 
 
 @pytest.mark.parametrize("coordinator, installed, known, takes", [
-    # online, 1.4: it sends what the agent lacks, so the retained copy would come twice
+    # online, 1.4, naming a release: it sends what the agent lacks, so the retained copy would come twice
     (presence(release=R2), R1, None, False),
     (presence(release=R1), R1, None, False),
-    (presence(release=None), None, None, False),
+    (presence(release=R2), None, None, False),
+    # online, 1.4, naming none (it published none yet): only an agent without any release takes
+    # what may be retained from an earlier run; the coordinator does not send it its first release
+    (presence(release=None), None, None, True),
+    (presence(release=None), R1, None, False),
     # done, naming a release: only when that is not the installed one
     (presence("done", R1), R1, R1, False),
     (presence("done", R2), R1, R1, True),
