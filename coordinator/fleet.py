@@ -47,6 +47,9 @@ from .gate import Refused, Rejection
 
 log = logging.getLogger("edgepfl.coordinator")
 SENDER = "coordinator"
+#: how many times one release is sent to one session of a head agent (once per connection it
+#: reports lacking it on): a broker that restarts twice, not a forger's flood of statuses
+MAX_RELEASE_COPIES = 3
 
 
 @dataclass(frozen=True)
@@ -165,9 +168,9 @@ class MqttFleet(Fleet):
         self._meta = CoordinatorMeta(state="online")
         self._release: tuple[bytes, int] | None = None  # the last release, for late head agents
         #: head agents online that speak 1.4 (they fetch no retained copy while this coordinator
-        #: is online): their last status, and (release id, session, connection) last sent to them
+        #: is online): their last status, and (release id, session, connection, copies) last sent to them
         self._heads: dict[str, StatusMeta] = {}
-        self._addressed: dict[str, tuple[str, str | None, int | None]] = {}
+        self._addressed: dict[str, tuple[str, str | None, int | None, int]] = {}  # ... and how many times
         #: of those, the ones that said they have no release while this coordinator named none:
         #: they take the retained copies (PROTOCOL.md §12), so the first release is not sent to them
         self._taking_retained: set[str] = set()
@@ -332,12 +335,21 @@ class MqttFleet(Fleet):
             return
         if status.release == self._meta.release:
             return
-        sent = (self._meta.release.release_id, status.session, status.connection)
-        if self._addressed.get(agent_id) == sent:
-            return  # it has it on the way, or is installing it
-        self._addressed[agent_id] = sent
+        release_id = self._meta.release.release_id
+        earlier = self._addressed.get(agent_id)
+        if earlier is not None and earlier[:2] == (release_id, status.session):
+            if earlier[2] == status.connection:
+                return  # it has it on the way, or is installing it
+            if earlier[3] >= MAX_RELEASE_COPIES:
+                # a status forged with ever higher connection numbers must not make the coordinator
+                # publish the release again and again (SECURITY.md); a restart is a new session
+                log.warning("not sending release %s to %s again: sent %d times to this session already",
+                            release_id, agent_id, earlier[3])
+                return
+        copies = earlier[3] + 1 if earlier is not None and earlier[:2] == (release_id, status.session) else 1
+        self._addressed[agent_id] = (release_id, status.session, status.connection, copies)
         frame, round = self._release
-        log.info("sending release %s to head agent %s (it has %s)", sent[0], agent_id,
+        log.info("sending release %s to head agent %s (it has %s)", release_id, agent_id,
                  status.release.release_id if status.release else "none")
         self._deliver(agent_id, frame, round)
 

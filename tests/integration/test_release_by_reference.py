@@ -8,9 +8,10 @@ so every byte on its link is counted, retained replays and MQTT framing included
   does not send it a second one;
 * joined while the coordinator is online with a release, it is sent that release once;
 * a new release reaches a head agent online once, sent by the coordinator;
-* restarted with the release installed, against the coordinator online and after the
-  coordinator exited, it downloads under 5 % of the release's bytes, and the online
-  coordinator still gets its metrics (reported unasked).
+* restarted with the release installed — against the coordinator online, after the
+  coordinator exited, and against a coordinator that resumed the run — it downloads under
+  5 % of the release's bytes, and an online coordinator still gets its metrics (reported
+  unasked).
 """
 
 from __future__ import annotations
@@ -105,6 +106,51 @@ def test_a_head_agent_downloads_each_release_once_and_nothing_after_a_restart(mo
             assert 0 < early_link.down_bytes < 0.05 * size, (early_link.down_bytes, size)
         finally:
             stop_agents([early])
+
+        # a coordinator that resumes the run names the run's release again: a restarted head agent
+        # downloads nothing and reports on it
+        fleet = MqttFleet(config.federation, config.broker, url=url)
+        try:
+            resumed = Coordinator(config, fleet, out, progress=False, **data_shape(config))
+            resumed.init_or_resume()  # from the run's checkpoint: its release from releases/current.frame
+            fleet.announce(CoordinatorMeta(state="online", method=config.method.name, round=resumed.start_round))
+            early_link.reset()
+            early = head(EARLY)
+            resumed.inbox.pump_until(lambda: EARLY in resumed.inbox.reports_by_release.get(second, {}),
+                                     resumed.clock.now() + 120)
+            assert EARLY in resumed.inbox.reports_by_release.get(second, {})
+            assert early_link.down_bytes < 0.05 * size, (early_link.down_bytes, size)
+        finally:
+            fleet.close()
+            stop_agents([early])
     for agent in (EARLY, LATE):
         log = agent_log(out, agent)
         assert "Traceback" not in log and "refused" not in log, log[-3000:]
+
+
+def test_statuses_forged_with_ever_higher_connection_numbers_get_a_release_at_most_three_times(
+        mosquitto, broker_capture):
+    """An unsigned deployment lets anyone publish an agent's status: 30 statuses of one head
+    agent's session, each on a "new connection" and naming no release, make the coordinator
+    publish its release MAX_RELEASE_COPIES times, not 30 (SECURITY.md). A restarted agent (a
+    new session) gets it again."""
+    from edgepfl.config import BrokerConfig
+    from edgepfl.coordinator.fleet import MAX_RELEASE_COPIES
+    from edgepfl.protocol import Capabilities, ReleaseRef, StatusMeta, agent_topic
+
+    fleet = MqttFleet("forged", BrokerConfig(), url=mosquitto.url)
+    ref = ReleaseRef(release_id="fedavg-r3-aaaaaaaaaaaa", sequence=7)
+    frame = b"a release frame"  # the fleet only forwards it
+    topic = agent_topic("forged", "pi", "task")
+    try:
+        fleet.publish_release(frame, 3, ref=ref)
+        for connection in range(1, 31):
+            fleet.agent_status("pi", StatusMeta(state="online", tier="head", session="a" * 32, connection=connection,
+                                                capabilities=Capabilities()), came_online=connection == 1)
+        fleet.agent_status("pi", StatusMeta(state="online", tier="head", session="b" * 32, connection=1,
+                                            capabilities=Capabilities()), came_online=False)
+        fleet.tell("pi", b"end")  # after every copy, in order on the same topic
+        wait_until(lambda: (topic, b"end") in broker_capture.snapshot(), 30, what="the end marker")
+    finally:
+        fleet.close()
+    assert [p for t, p in broker_capture.snapshot() if t == topic] == [frame] * (MAX_RELEASE_COPIES + 1) + [b"end"]

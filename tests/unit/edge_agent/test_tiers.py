@@ -291,6 +291,27 @@ def test_the_agent_hands_its_tier_only_the_messages_it_accepts_and_publishes_the
     assert "ignored task for federation other" in caplog.text and "ignored unexpected release" in caplog.text
 
 
+def test_a_pinned_agent_takes_no_presence_the_coordinator_did_not_sign(tmp_path):
+    """A forged presence naming the agent's installed release (1.4) would keep it from a new
+    release: with a pinned coordinator key only a signed one counts (SECURITY.md)."""
+    from edgepfl.protocol import CoordinatorMeta
+    from edgepfl.protocol.signing import generate_keypair, load_signer
+
+    generate_keypair(tmp_path / "c.key", tmp_path / "c.pub")
+    generate_keypair(tmp_path / "x.key", tmp_path / "x.pub")
+    agent = Agent(AgentConfig(agent_id="t-1", federation=FED, security={"coordinator_key": str(tmp_path / "c.pub")}))
+    agent.tier, agent.transport = FakeTier(), FakeTransport()
+    meta = CoordinatorMeta(state="online", release=ReleaseRef(release_id="fedavg-r1-aaaaaaaaaaaa", sequence=1))
+    for signer in (None, load_signer(tmp_path / "x.key")):
+        agent._dispatch(decode(encode(MessageType.COORDINATOR, federation=FED, sender="coordinator", round=1,
+                                      meta=meta, signer=signer)))
+    assert agent.coordinator is None and agent.rejected == {"unsigned": 1, "bad_signature": 1}
+    agent.transport.connected.clear()  # taken, without the fresh birth a connected agent answers it with
+    agent._dispatch(decode(encode(MessageType.COORDINATOR, federation=FED, sender="coordinator", round=1, meta=meta,
+                                  signer=load_signer(tmp_path / "c.key"))))
+    assert agent.coordinator is not None and agent.coordinator.release == meta.release
+
+
 def test_create_tier_builds_the_configured_tier(tmp_path):
     config = AgentConfig(agent_id="t-1", federation=FED, state_dir=str(tmp_path), device="cpu")
     assert isinstance(create_tier(config, client_data(0)), TrainerTier)
