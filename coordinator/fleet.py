@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections import deque
@@ -50,6 +51,11 @@ SENDER = "coordinator"
 #: how many times one release is sent to one session of a head agent (once per connection it
 #: reports lacking it on): a broker that restarts twice, not a forger's flood of statuses
 MAX_RELEASE_COPIES = 3
+#: the protocol version whose agents declare capabilities once they have read the presence
+CAPABILITIES = (1, 2)
+#: an agent whose status still declares no capabilities this long after its birth did not read
+#: the retained presence: it is published again (at most this often)
+MISSED_PRESENCE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -174,6 +180,8 @@ class MqttFleet(Fleet):
         #: of those, the ones that said they have no release while this coordinator named none:
         #: they take the retained copies (PROTOCOL.md §12), so the first release is not sent to them
         self._taking_retained: set[str] = set()
+        self._presence_sent = float("-inf")  # monotonic time of the last presence published (not the birth)
+        self._uninformed: dict[str, float] = {}  # agent id -> when its status without capabilities came
         self._limits: dict[str, int] = {}  # agent id -> the max message size it declared, where below ours
         self._payload_limits: dict[str, int] = {}  # agent id -> the largest whole frame it declared it accepts
         self._told_too_large: set[tuple[str, int]] = set()  # (agent, frame size) logged once
@@ -222,7 +230,12 @@ class MqttFleet(Fleet):
     def announce(self, meta: CoordinatorMeta) -> None:
         # the session of this connection and the current release stay in every presence
         self._meta = meta.model_copy(update={"session": self._meta.session, "release": self._meta.release})
+        self._publish_presence()
+
+    def _publish_presence(self) -> None:
+        self._presence_sent = time.monotonic()
         self.transport.publish(self._presence, self._frame(self._meta), retain=True)
+
 
     def send(self, agent_id: str, frame: bytes, round: int) -> int:
         sent = self._deliver(agent_id, frame, round)
@@ -290,7 +303,7 @@ class MqttFleet(Fleet):
             self.transport.clear_retained(release_part_topic(self.federation, i) for i in stale)
         if ref is not None:
             self._meta = self._meta.model_copy(update={"release": ref})
-            self.transport.publish(self._presence, self._frame(self._meta), retain=True)
+            self._publish_presence()
         for agent_id, status in list(self._heads.items()):
             if agent_id not in self._taking_retained:
                 self._offer_release(agent_id, status)
@@ -311,6 +324,16 @@ class MqttFleet(Fleet):
         # of 1.4 or later says which release it has, and is sent the current one only when
         # that is another; an older one gets it whenever it comes online and, when it has
         # it already, just reports again.
+        # An agent of 1.2 or later announces itself once without capabilities, before it read
+        # this coordinator's presence, and again with them once it has. One that has not within
+        # MISSED_PRESENCE_S did not get the retained presence (RabbitMQ keeps retained messages
+        # on one cluster node): the presence goes out again live, at most once per that time
+        # however many agents missed it (PROTOCOL.md §11), so it learns what this coordinator
+        # speaks (and, a head agent, which release is current).
+        if status.state == "online" and status.capabilities is None and supports(status.version, CAPABILITIES):
+            self._uninformed.setdefault(agent_id, time.monotonic())
+        else:
+            self._uninformed.pop(agent_id, None)
         if status.tier != "head" or status.state != "online":
             self._heads.pop(agent_id, None)
             self._addressed.pop(agent_id, None)
@@ -354,6 +377,12 @@ class MqttFleet(Fleet):
         self._deliver(agent_id, frame, round)
 
     def poll(self, timeout: float) -> Incoming | Rejection | Refused | None:
+        if self._uninformed and time.monotonic() >= min(self._uninformed.values()) + MISSED_PRESENCE_S \
+                and time.monotonic() >= self._presence_sent + MISSED_PRESENCE_S:
+            log.info("%d agents announced themselves without having read the presence: publishing it again",
+                     len(self._uninformed))
+            self._uninformed.clear()
+            self._publish_presence()
         if not self._dropped:
             inbound = self.transport.receive(timeout)
             if inbound is not None:

@@ -20,7 +20,8 @@ What the text states, and this module does:
   * nn.Linear's default initialization (uniform ±1/√fan_in, weights and bias), BatchNorm weight 1, bias 0.
   * prediction: argmax of h_p(g(z)) + h_s(z), raw logits summed.
 
-Where the text was not enough (each a guess, made as stated here):
+Where the text was not enough (each a guess, made as stated here; every one agreed with edgepfl,
+and docs/METHODS.md now states them, under the device-head paragraph):
   1. Which tensors of `global_heads.safetensors` are h_s. The manifest lists `tensors: {name: shape}`
      but no document names DualFed's h_s tensors, their layout, or whether h_s has a bias. Taken:
      the unique 2-D tensor of shape [num_classes, k] is the weight (PyTorch Linear layout,
