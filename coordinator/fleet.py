@@ -19,7 +19,6 @@ from typing import ClassVar, Protocol
 from edgepfl.broker import exposure_warning
 from edgepfl.config import BrokerConfig, SecuritySpec
 from edgepfl.protocol import (
-    RELEASE_REFS,
     AgentChannel,
     CoordinatorMeta,
     FederationChannel,
@@ -45,12 +44,10 @@ from edgepfl.simulation import FleetTiming, SimulationSpec, task_samples
 
 from .clock import Clock, VirtualClock, WallClock
 from .gate import Refused, Rejection
+from .head_releases import HeadReleases
 
 log = logging.getLogger("edgepfl.coordinator")
 SENDER = "coordinator"
-#: how many times one release is sent to one session of a head agent (once per connection it
-#: reports lacking it on): a broker that restarts twice, not a forger's flood of statuses
-MAX_RELEASE_COPIES = 3
 #: the protocol version whose agents declare capabilities once they have read the presence
 CAPABILITIES = (1, 2)
 #: an agent whose status still declares no capabilities this long after its birth did not read
@@ -172,14 +169,8 @@ class MqttFleet(Fleet):
         self.federation = federation
         self._presence = federation_topic(federation, FederationChannel.COORDINATOR)
         self._meta = CoordinatorMeta(state="online")
-        self._release: tuple[bytes, int] | None = None  # the last release, for late head agents
-        #: head agents online that speak 1.4 (they fetch no retained copy while this coordinator
-        #: is online): their last status, and (release id, session, connection, copies) last sent to them
-        self._heads: dict[str, StatusMeta] = {}
-        self._addressed: dict[str, tuple[str, str | None, int | None, int]] = {}  # ... and how many times
-        #: of those, the ones that said they have no release while this coordinator named none:
-        #: they take the retained copies (PROTOCOL.md §12), so the first release is not sent to them
-        self._taking_retained: set[str] = set()
+        #: who is sent the current release on their task topic (PROTOCOL.md §12)
+        self.head_releases = HeadReleases(self._deliver)
         self._presence_sent = float("-inf")  # monotonic time of the last presence published (not the birth)
         self._uninformed: dict[str, float] = {}  # agent id -> when its status without capabilities came
         self._limits: dict[str, int] = {}  # agent id -> the max message size it declared, where below ours
@@ -236,7 +227,6 @@ class MqttFleet(Fleet):
         self._presence_sent = time.monotonic()
         self.transport.publish(self._presence, self._frame(self._meta), retain=True)
 
-
     def send(self, agent_id: str, frame: bytes, round: int) -> int:
         sent = self._deliver(agent_id, frame, round)
         if sent is None:  # the agent would refuse it: the round hears so now instead of waiting
@@ -287,8 +277,8 @@ class MqttFleet(Fleet):
         gets it on its own task topic too. Clears what an earlier release left retained and
         this one does not overwrite: its extra parts, or the whole-frame topic. Then the
         presence names it (``ref``), and each 1.4 head agent online that lacks it is sent it
-        on its task topic (it fetches no retained copy while the coordinator is online)."""
-        self._release = (frame, round)
+        on its task topic (:class:`~.head_releases.HeadReleases`); without ``ref`` it is only
+        retained."""
         topic = federation_topic(self.federation, FederationChannel.RELEASE)
         if len(frame) <= self.transport.max_message_bytes:
             self.transport.publish(topic, frame, retain=True, round=round, wait=True)
@@ -304,26 +294,17 @@ class MqttFleet(Fleet):
         if ref is not None:
             self._meta = self._meta.model_copy(update={"release": ref})
             self._publish_presence()
-        for agent_id, status in list(self._heads.items()):
-            if agent_id not in self._taking_retained:
-                self._offer_release(agent_id, status)
-        self._taking_retained.clear()  # the presence names a release now: they drop those subscriptions
+            self.head_releases.published(frame, round, ref)
         return parts
 
     def publish_view(self, payload: bytes) -> None:
         self.transport.publish(federation_topic(self.federation, FederationChannel.VIEW), payload, retain=True)
 
     def resume_release(self, frame: bytes, round: int, ref: ReleaseRef) -> None:
-        self._release = (frame, round)
         self._meta = self._meta.model_copy(update={"release": ref})
+        self.head_releases.resumed(frame, round, ref)
 
     def agent_status(self, agent_id: str, status: StatusMeta, came_online: bool) -> None:
-        # The retained release cannot be relied on to reach a late joiner: RabbitMQ keeps
-        # retained messages on one cluster node only. So the current release goes to each
-        # head agent that comes online, addressed to it alone (PROTOCOL.md §12). An agent
-        # of 1.4 or later says which release it has, and is sent the current one only when
-        # that is another; an older one gets it whenever it comes online and, when it has
-        # it already, just reports again.
         # An agent of 1.2 or later announces itself once without capabilities, before it read
         # this coordinator's presence, and again with them once it has. One that has not within
         # MISSED_PRESENCE_S did not get the retained presence (RabbitMQ keeps retained messages
@@ -334,47 +315,7 @@ class MqttFleet(Fleet):
             self._uninformed.setdefault(agent_id, time.monotonic())
         else:
             self._uninformed.pop(agent_id, None)
-        if status.tier != "head" or status.state != "online":
-            self._heads.pop(agent_id, None)
-            self._addressed.pop(agent_id, None)
-            self._taking_retained.discard(agent_id)
-        elif supports(status.version, RELEASE_REFS):
-            self._heads[agent_id] = status
-            if status.capabilities is not None and status.release is None and self._meta.release is None:
-                self._taking_retained.add(agent_id)
-            else:
-                self._taking_retained.discard(agent_id)
-            self._offer_release(agent_id, status)
-        elif came_online and self._release is not None:
-            frame, round = self._release
-            self._deliver(agent_id, frame, round)  # chunked to what the agent declared it accepts
-
-    def _offer_release(self, agent_id: str, status: StatusMeta) -> None:
-        """Send the current release to a 1.4 head agent whose status names another, once per
-        connection of its session. A status without capabilities was made before the agent
-        read this coordinator's presence: it says nothing yet of what the agent has, and the
-        agent answers the presence with one that does (PROTOCOL.md §11)."""
-        if self._release is None or self._meta.release is None or status.capabilities is None:
-            return
-        if status.release == self._meta.release:
-            return
-        release_id = self._meta.release.release_id
-        earlier = self._addressed.get(agent_id)
-        if earlier is not None and earlier[:2] == (release_id, status.session):
-            if earlier[2] == status.connection:
-                return  # it has it on the way, or is installing it
-            if earlier[3] >= MAX_RELEASE_COPIES:
-                # a status forged with ever higher connection numbers must not make the coordinator
-                # publish the release again and again (SECURITY.md); a restart is a new session
-                log.warning("not sending release %s to %s again: sent %d times to this session already",
-                            release_id, agent_id, earlier[3])
-                return
-        copies = earlier[3] + 1 if earlier is not None and earlier[:2] == (release_id, status.session) else 1
-        self._addressed[agent_id] = (release_id, status.session, status.connection, copies)
-        frame, round = self._release
-        log.info("sending release %s to head agent %s (it has %s)", release_id, agent_id,
-                 status.release.release_id if status.release else "none")
-        self._deliver(agent_id, frame, round)
+        self.head_releases.status(agent_id, status, came_online)
 
     def poll(self, timeout: float) -> Incoming | Rejection | Refused | None:
         if self._uninformed and time.monotonic() >= min(self._uninformed.values()) + MISSED_PRESENCE_S \

@@ -135,7 +135,7 @@ def test_statuses_forged_with_ever_higher_connection_numbers_get_a_release_at_mo
     publish its release MAX_RELEASE_COPIES times, not 30 (SECURITY.md). A restarted agent (a
     new session) gets it again."""
     from edgepfl.config import BrokerConfig
-    from edgepfl.coordinator.fleet import MAX_RELEASE_COPIES
+    from edgepfl.coordinator.head_releases import MAX_RELEASE_COPIES
     from edgepfl.protocol import Capabilities, ReleaseRef, StatusMeta, agent_topic
 
     fleet = MqttFleet("forged", BrokerConfig(), url=mosquitto.url)
