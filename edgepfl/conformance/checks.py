@@ -43,6 +43,8 @@ CHECKS: dict[str, Check] = _catalog(
     Check("presence.version", "§16", "MUST", "1.0", "the status announces a `major.minor` version of major 1"),
     Check("presence.capabilities", "§5", "SHOULD", "1.2",
           "the status declares `capabilities` (methods, archs, max_message_bytes)"),
+    Check("presence.max_payload", "§5", "SHOULD", "1.4",
+          "the status's `capabilities` declare `max_payload_bytes`, the largest frame the agent accepts"),
     Check("presence.roll_call", "§11", "MUST", "1.0",
           "a coordinator presence with a new `session` is answered with a fresh `online` status"),
     # tasks and updates

@@ -365,6 +365,8 @@ class _Kit:
         caps = latest.capabilities
         r.record("presence.capabilities", caps is not None and caps.methods is not None,
                  f"capabilities {caps.model_dump(exclude_none=True) if caps else None}")
+        r.record("presence.max_payload", caps is not None and caps.max_payload_bytes is not None,
+                 f"max_payload_bytes {caps.max_payload_bytes if caps else None}")
 
         # a train task and its update
         task, meta = s.task(0)
