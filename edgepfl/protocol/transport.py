@@ -84,18 +84,21 @@ class Inbound:
 CONNACK_WAIT_S = 30.0
 
 
-def _interruptible_wait(seconds: float, stop: threading.Event | None, tick: Callable[[], None] | None) -> bool:
-    """Sleep ``seconds`` in steps of at most one, calling ``tick`` after each; True when ``stop`` was set."""
+def _wait_in_slices(seconds: float, wait: Callable[[float], bool], tick: Callable[[], None] | None) -> bool:
+    """Call ``wait(s)`` with ``s`` of at most a second, ``tick`` after each, until it returns True
+    (what it waits for happened: returns True) or ``seconds`` have passed (returns False)."""
     until = time.monotonic() + seconds
     while (now := time.monotonic()) < until:
-        if stop is not None:
-            if stop.wait(min(1.0, until - now)):
-                return True
-        else:
-            time.sleep(min(1.0, until - now))
+        if wait(min(1.0, until - now)):
+            return True
         if tick is not None:
             tick()
-    return stop is not None and stop.is_set()
+    return False
+
+
+def _interruptible_wait(seconds: float, stop: threading.Event | None, tick: Callable[[], None] | None) -> bool:
+    """Sleep ``seconds`` in steps of at most one, calling ``tick`` after each; True when ``stop`` was set."""
+    return _wait_in_slices(seconds, (stop or threading.Event()).wait, tick) or (stop is not None and stop.is_set())
 
 
 class MqttTransport:
@@ -267,12 +270,9 @@ class MqttTransport:
             return classify_socket_error(exc, self.host, self.port)
         self._client.on_log = self._on_log  # only until the CONNACK: it formats every packet's log line
         self._client.loop_start()
+        # the CONNACK, or a stop (a SIGTERM ends the wait within a second)
+        _wait_in_slices(wait_s, lambda s: self._connack.wait(s) or (stop is not None and stop.is_set()), tick)
         answered = self._connack.is_set()
-        until = time.monotonic() + wait_s
-        while not answered and time.monotonic() < until and not (stop is not None and stop.is_set()):
-            answered = self._connack.wait(min(1.0, max(0.0, until - time.monotonic())))
-            if tick is not None:
-                tick()
         self._client.on_log = None
         if self.connected.is_set():
             return None
