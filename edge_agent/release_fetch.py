@@ -19,7 +19,8 @@ each connection by the coordinator's presence, which names the current release:
   installed is the one the last presence of this process named.
 
 Once subscribed on a connection the agent stays subscribed until it reconnects, or until
-a coordinator of 1.4 or later comes online (which then sends what the agent lacks).
+an ``online`` presence of 1.4 or later names a release (that coordinator then sends what
+the agent lacks).
 """
 
 from __future__ import annotations
