@@ -60,7 +60,6 @@ from edgepfl.protocol import (
     MessageType,
     NackMeta,
     ProtocolError,
-    RefusalMeta,
     RollCall,
     StatusMeta,
     agent_topic,
@@ -70,7 +69,7 @@ from edgepfl.protocol import (
     parse_version,
     supports,
 )
-from edgepfl.protocol.envelope import peek_header
+from edgepfl.protocol.envelope import peek_header, refusal_frame
 from edgepfl.protocol.evolution import MAJOR
 from edgepfl.protocol.signing import load_public_key, load_signer, verify
 from edgepfl.protocol.transport import MqttTransport
@@ -407,17 +406,17 @@ class Agent:
         if not (header and isinstance(meta, dict) and header.get("type") == MessageType.TASK.value
                 and header.get("federation") == self.config.federation and self._speaks(RELEASE_REFS)):
             return
+        task_id, size = str(meta.get("task_id")), len(frame)  # a malformed id fails the refusal's own check
         try:
-            refusal = RefusalMeta(task_id=meta.get("task_id"), reason="too_large",
-                                  detail=f"{len(frame)} bytes, above this agent's max_payload_bytes "
-                                         f"{self.config.broker.max_payload_bytes}")
             round = int(header["round"])
+            frame = refusal_frame(self.config.federation, round, task_id, sender=self.config.agent_id,
+                                  reason="too_large", signer=self.signer,
+                                  detail=f"{size} bytes, above this agent's max_payload_bytes "
+                                         f"{self.config.broker.max_payload_bytes}")
         except (ValueError, TypeError, KeyError):
             return
-        log.warning("refused task %s (round %d): too_large (%d bytes)", refusal.task_id, round, len(frame))
-        frame = encode(MessageType.REFUSAL, federation=self.config.federation, sender=self.config.agent_id,
-                       round=round, meta=refusal, signer=self.signer)
-        self._send(Reply(AgentChannel.UPDATE, frame, round, refusal.task_id, refusal=True))
+        log.warning("refused task %s (round %d): too_large (%d bytes)", task_id, round, size)
+        self._send(Reply(AgentChannel.UPDATE, frame, round, task_id, refusal=True))
 
     def _new_birth(self) -> bytes:
         self._birth_declares = self.speaks_1_2()

@@ -193,11 +193,20 @@ def encode(
 def encode_refusal(task: Message, *, sender: str, reason: str, detail: str, signer: Signer | None = None) -> bytes:
     """The ``refusal`` frame answering ``task`` (docs/PROTOCOL.md §5): the agent will not
     run it, for ``reason`` (one of :data:`~edgepfl.protocol.messages.REFUSAL_REASONS`)."""
-    from .messages import RefusalMeta, TaskMeta
+    from .messages import TaskMeta
 
-    meta = RefusalMeta(task_id=task.meta_as(TaskMeta).task_id, reason=reason, detail=detail[:300])
-    return encode(MessageType.REFUSAL, federation=task.header.federation, sender=sender, round=task.header.round,
-                  meta=meta, signer=signer)
+    return refusal_frame(task.header.federation, task.header.round, task.meta_as(TaskMeta).task_id, sender=sender,
+                         reason=reason, detail=detail, signer=signer)
+
+
+def refusal_frame(federation: str, round: int, task_id: str, *, sender: str, reason: str, detail: str,
+                  signer: Signer | None = None) -> bytes:
+    """The ``refusal`` frame of task ``task_id`` of ``round``, where only the task's header
+    could be read (a task too large to decode); raises ValueError for a malformed task id."""
+    from .messages import RefusalMeta
+
+    meta = RefusalMeta(task_id=task_id, reason=reason, detail=detail[:300])
+    return encode(MessageType.REFUSAL, federation=federation, sender=sender, round=round, meta=meta, signer=signer)
 
 
 @dataclass(frozen=True)
