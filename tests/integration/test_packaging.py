@@ -12,8 +12,10 @@ registries).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -90,3 +92,21 @@ def test_a_jetson_keeps_nvidias_torch_when_its_torchvision_is_there_too(tmp_path
                 for item in json.loads(report.read_text())["install"]}
     assert versions["torch"] == NVIDIA_TORCH and versions["torchvision"] == NVIDIA_TORCHVISION
     assert not [name for name in versions if name.startswith("nvidia-") or name == "triton"], sorted(versions)
+
+
+def test_the_release_script_builds_an_sdist_and_a_wheel_that_twine_accepts_and_that_start(tmp_path):
+    """scripts/release.sh, the release workflow (README, "Installing"): the sdist, the wheel
+    built from it, ``twine check --strict`` on both, the wheel's contents, and the wheel
+    alone importing its apps. The build's isolated environment comes from the index."""
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "release.sh"), str(tmp_path / "dist")],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    sdist, wheel = (Path(line) for line in proc.stdout.split())
+    assert (sdist.name, wheel.name) == (f"edgepfl-{version}.tar.gz", f"edgepfl-{version}-py3-none-any.whl")
+    assert proc.stderr.count("PASSED") == 2  # twine, one line per artifact
+    with tarfile.open(sdist) as archive:
+        members = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    assert {"pyproject.toml", "README.md", "edgepfl/__init__.py", "coordinator/__init__.py",
+            "edge_agent/__init__.py", "export/__init__.py"} <= members
