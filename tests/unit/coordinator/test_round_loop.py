@@ -573,6 +573,69 @@ def test_rounds_that_keep_failing_roll_back_to_the_last_good_state_and_resume_ke
     assert same_tensors(global_tensors(resumed), global_tensors(coord))
 
 
+def replacing(agent_id: str, step: float, attack_rounds: range) -> Responder:
+    """Model replacement (Bagdasaryan et al.): in ``attack_rounds`` the device drags every
+    parameter by ``step`` towards its own target and announces 2^24 samples, so that an
+    uncapped mean takes its state whole; later it answers 10^6 x the task, which every
+    rule refuses."""
+    def answer(task: Message) -> list[bytes]:
+        if task.meta.kind != "train":
+            return honest(agent_id)(task)
+        r = task.header.round
+        tensors = {k: ((v + step) if r in attack_rounds else v * 1e6).astype(v.dtype) if v.dtype.kind == "f" else v
+                   for k, v in task.tensors.items()}
+        meta = UpdateMeta(task_id=task.meta.task_id, kind="train", num_train=2**24, num_test=5, eval_correct=2)
+        return [encode(MessageType.UPDATE, federation=FED, sender=agent_id, round=r, meta=meta, tensors=tensors)]
+    return answer
+
+
+def test_a_rollback_restores_a_state_one_inflated_device_moved_by_at_most_its_clipped_share(tmp_path):
+    """The red team's row: a device announcing 2^24 samples shaped the adopted states, and a
+    rollback then restored one of them. Rounds 0-2: a, b and c move every parameter by 0.01,
+    m drags it by 0.3 announcing 2^24. Rounds 3-4: every update is 10^6 x its task (each
+    refused), the rounds abort, and with rollback_after=2 the state goes back to the last
+    good one (the state round 2 was adopted from). With the defaults m weighs one device
+    (max_weight_ratio 1) and its change is clipped to 5 medians of the round before
+    (round 0: to 1 x the parameters' norm), so the restored state is within those shares of
+    the honest path; with both bounds off, m's 0.3 per round is the state."""
+    def fleet(attack: float) -> ScriptedFleet:
+        def broken(agent_id: str) -> Responder:
+            return lambda task: (shifted(agent_id, 0.01) if task.header.round < 3 else scaled(agent_id, 1e6))(task)
+        scripted = ScriptedFleet({"a": broken("a"), "b": broken("b"), "c": broken("c"),
+                                  "m": replacing("m", attack, range(3))})
+        scripted.events = deque(status(a, num_train=2**24 if a == "m" else 10) for a in scripted.agents)
+        return scripted
+
+    def run(out, aggregation: dict) -> tuple[Coordinator, list, dict]:
+        coord = coordinator(fleet(0.3), out, rounds=5, aggregation={"rollback_after": 2, **aggregation})
+        coord.init_or_resume()
+        s0 = global_tensors(coord)
+        return coord, coord.run(), s0
+
+    coord, rows, s0 = run(tmp_path / "defaults", {})
+    assert [r.abort_reason is not None for r in rows[:5]] == [False, False, False, True, True]
+    assert rows[4].rolled_back_to == 1 and [r.clipped for r in rows[:3]] == [["m"], ["m"], ["m"]]
+    learned = [k for k, v in s0.items() if v.dtype.kind == "f"]
+    size = sum(s0[k].size for k in learned)
+    norm = np.sqrt(sum(float(np.sum(s0[k].astype(np.float64) ** 2)) for k in learned))
+    honest_step = 0.01 * np.sqrt(size)  # one honest change's norm, the median of every round
+
+    def off_the_honest_path(state: dict, rounds: int) -> float:  # norm of state - (s0 + 0.01 per round)
+        return float(np.sqrt(sum(float(np.sum((state[k].astype(np.float64) - s0[k] - 0.01 * rounds) ** 2))
+                                 for k in learned)))
+
+    # the restored state is the one after round 1: m's share of round 0 (clipped to the norm) and round 1
+    restored = global_tensors(coord)  # round 4 aborted too: the state is the restored one
+    bound = (max(1.0, norm) + 5 * honest_step) / 4
+    assert 0 < off_the_honest_path(restored, 2) <= bound * (1 + 1e-4)
+
+    unbounded, rows, _ = run(tmp_path / "unbounded", {"max_weight_ratio": None, "max_update_vs_median": None})
+    assert rows[4].rolled_back_to == 1
+    taken = global_tensors(unbounded)
+    for key in learned:  # m's count took both rounds: 0.3 each, the honest 0.01s weigh 30 / 2^24
+        np.testing.assert_allclose(taken[key], s0[key] + 0.6, rtol=0, atol=1e-4)
+
+
 def reachable_arrays(root: object) -> dict[int, int]:
     """Every numpy buffer reachable from ``root`` through attributes and containers: base id -> bytes."""
     seen: set[int] = set()
