@@ -29,7 +29,7 @@ from typing import Any
 
 from . import __version__
 from .config import ConfigError, RunConfig, load_agent_config, load_run_config, parse_config
-from .errors import ExitCode, OneLineParser, UsageError, report, require
+from .errors import ExitCode, OneLineParser, UsageError, report, require, require_installed
 from .logs import FORMATS, LEVELS, setup_logging
 from .specs import EMBEDDED_BROKER
 
@@ -114,10 +114,20 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def _require_release_tools(config: RunConfig, head_agents: int = 0) -> None:
+def _require_release_tools(config: RunConfig, head_agents: int = 0, head: str = "lr") -> None:
     if config.release_every or config.release_at_end or head_agents:
         for module in ("onnx", "onnxruntime"):
             require(module, "publishing encoder releases (release_every / release_at_end / --head-agents)")
+    if head_agents:
+        _require_head_fitting(head, "--head-agents")
+
+
+def _require_head_fitting(head: str, what: str) -> None:
+    """Before any work: what fitting a ``head`` kind on a device needs, named with its extra."""
+    from .heads import fitting_modules
+
+    for module in fitting_modules(head):
+        require_installed(module, f"{what} fitting a {head!r} head")
 
 
 def cmd_simulate(args) -> int:
@@ -139,7 +149,7 @@ def cmd_simulate(args) -> int:
                          "that need a broker")
     if args.head_agents:
         parse_config(AgentConfig, {"agent_id": "check", "tier": "head", "head": args.head}, "--head")
-    _require_release_tools(config, args.head_agents)
+    _require_release_tools(config, args.head_agents, args.head)
     out = Path(args.out or f"runs/{config.federation}-{config.method.name}")
     from edgepfl.edge_agent.tiers import local_trainers
 
@@ -197,6 +207,7 @@ def cmd_agent(args) -> int:
         require("torch", "a trainer-tier agent")
     else:
         require("onnxruntime", "a head-tier agent")
+        _require_head_fitting(config.head, "a head-tier agent")
     if args.reset_state:
         from edgepfl.edge_agent.agent import reset_state
 

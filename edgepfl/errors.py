@@ -87,6 +87,17 @@ def require(module: str, what: str) -> None:
         raise MissingExtra(what, top, EXTRA_OF_MODULE.get(top, "all")) from None
 
 
+def require_installed(module: str, what: str) -> None:
+    """Raise :class:`MissingExtra` unless ``module`` is installed, without importing it: for
+    a check before work starts whose module is imported later, only if it is needed (a head
+    agent's fitting libraries cost it memory it must not hold while idle)."""
+    import importlib.util
+
+    top = module.split(".")[0]
+    if importlib.util.find_spec(top) is None:
+        raise MissingExtra(what, top, EXTRA_OF_MODULE.get(top, "all"))
+
+
 def _one_line(text: str) -> str:
     parts = [p.strip() for p in str(text).splitlines() if p.strip()]
     return "; ".join(parts).replace(":;", ":").rstrip(".")

@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from edgepfl.errors import InputError, MissingExtra, OneLineParser
+from edgepfl.errors import EXTRA_OF_MODULE, InputError, MissingExtra, OneLineParser, require_installed
 from edgepfl.errors import report as report_error
-from edgepfl.heads import HeadRelease
+from edgepfl.heads import HeadRelease, fitting_modules
 from edgepfl.heads.labels import FEDERATION, LOCAL, LabelSpace
 from edgepfl.methods import available_head_kinds, create_method
 
@@ -154,6 +154,11 @@ def main_fit_head(args: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     ns = parser.parse_args(args)
     try:
+        for module in fitting_modules(ns.head):  # before any work: the extra that is missing, by name
+            require_installed(module, f"fitting a {ns.head} head")
+    except MissingExtra as exc:
+        return report_error(exc, "fit-head")
+    try:
         params = dict(_parse_param(s) for s in ns.set)
         encoder = OnnxEncoder.from_path(ns.encoder)
         data = load_dataset(ns.data, encoder, val_fraction=ns.val_fraction, seed=ns.seed)
@@ -161,8 +166,9 @@ def main_fit_head(args: list[str]) -> int:
         head_to_onnx(head, encoder.feature_dim, ns.out, labels=data.labels, metadata={META_ENCODER_SHA: encoder.sha256})
         if ns.fused:
             fuse(ns.encoder, ns.out, ns.fused)
-    except ImportError as exc:  # the method's own heads (dualfed, fedpick) are torch modules
-        return report_error(MissingExtra(f"a {ns.head} head", exc.name or "torch", "train"), "fit-head")
+    except ImportError as exc:  # a module the check above does not know of, named with its extra
+        top = (exc.name or "torch").split(".")[0]
+        return report_error(MissingExtra(f"a {ns.head} head", top, EXTRA_OF_MODULE.get(top, "all")), "fit-head")
     except (ValueError, OSError, KeyError) as exc:
         return report_error(InputError(str(exc)), "fit-head")
     if ns.json:

@@ -41,6 +41,15 @@ GENERIC_HEAD_KINDS: tuple[str, ...] = ("lr", "svm", "mlp")
 #: a head fitted offline for exactly the installed encoder, run from its ONNX file
 OFFLINE_HEAD_KIND = "onnx"
 
+
+def fitting_modules(kind: str) -> tuple[str, ...]:
+    """The third-party modules fitting and exporting a ``kind`` head needs: scikit-learn and
+    skl2onnx for the generic heads, torch for a method's own (DualFed's, FedPick's), none
+    for an offline head (run as it is)."""
+    if kind == OFFLINE_HEAD_KIND:
+        return ()
+    return ("sklearn", "skl2onnx", "onnx") if kind in GENERIC_HEAD_KINDS else ("torch", "onnx")
+
 # The one set of defaults of the generic heads; RepPer's options (``head_C``,
 # ``head_hidden``, ...) default to these too. Issue 13 replaced the fixed C = 1 by a C
 # chosen by cross-validation (docs/METHODS.md, "RepPer": measured effect and reasoning).
@@ -101,6 +110,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "DEFAULT_C", "DEFAULT_CV_FOLDS", "DEFAULT_C_GRID", "DEFAULT_HIDDEN", "DEFAULT_MAX_ITER", "DEFAULT_NORMALIZE",
-    "FALLBACK_C", "GENERIC_HEAD_KINDS", "OFFLINE_HEAD_KIND",
+    "FALLBACK_C", "GENERIC_HEAD_KINDS", "OFFLINE_HEAD_KIND", "fitting_modules",
     "HeadRelease", *sorted(_LAZY),
 ]

@@ -7,6 +7,7 @@ tests/integration/test_cli_errors.py runs the whole matrix, each case as a subpr
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -172,3 +173,26 @@ def test_debug_shows_the_traceback(files, capsys, monkeypatch):
     monkeypatch.setenv("EDGEPFL_DEBUG", "1")
     assert main(["coordinator", "--config", "list.yaml"]) == USAGE
     assert "Traceback" in capsys.readouterr().err
+
+
+EXTRA = int(ExitCode.EXTRA)
+
+
+@pytest.mark.parametrize("args", [
+    ["simulate", "--config", "good.yaml", "--agents", "1", "--head-agents", "1", "--head", "svm", "--out", "run"],
+    ["agent", "--config", "head.yaml", "--broker", "mqtt://127.0.0.1:1"],
+    ["fit-head", "--encoder", "none.onnx", "--data", "none", "--head", "svm", "--out", "head.onnx"],
+], ids=["simulate --head-agents", "head agent", "fit-head"])
+def test_a_missing_fitting_library_is_named_with_its_extra_before_any_work(args, files, capsys, monkeypatch):
+    """Issue #33: skl2onnx absent (a None entry in sys.modules is how Python spells "cannot
+    be imported"). Each command that would fit a generic head on a device says so in one
+    line, naming the extra that installs it, before it loads data, starts a broker or
+    opens a file: no run directory, no connection attempt (the broker URL is closed)."""
+    monkeypatch.setitem(sys.modules, "skl2onnx", None)
+    monkeypatch.chdir(files)
+    (files / "head.yaml").write_text(yaml.safe_dump({"agent_id": "pi", "tier": "head", "head": "svm"}))
+    code = main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == EXTRA and len(err) == 1, err
+    assert "skl2onnx, which is not installed; pip install 'edgepfl[agent]'" in err[0] and "svm" in err[0]
+    assert not (files / "run").exists()

@@ -231,6 +231,25 @@ def test_torch_specifier_accepts_nvidia_jetpack_builds():
     assert spec["torchvision"].contains("0.16.0a0+fbb4cc5") and not spec["torchvision"].contains("0.15.2")
 
 
+def test_both_device_extras_install_what_fitting_a_generic_head_needs():
+    """README, "Installing": ``[agent]`` runs the head tier, and ``[train]`` runs everything a
+    coordinator's machine does, head agents of ``simulate --head-agents``, ``fit-head`` and the
+    kit's head profile included (issue #33: skl2onnx was only in ``[agent]``, so a ``[train]``
+    install exited 0 with no head-tier result)."""
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+
+    from edgepfl.heads import GENERIC_HEAD_KINDS, fitting_modules
+
+    distribution = {"sklearn": "scikit-learn", "skl2onnx": "skl2onnx", "onnx": "onnx"}
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra in ("agent", "train"):
+        names = {Requirement(r).name for r in extras[extra]}
+        for kind in GENERIC_HEAD_KINDS:
+            missing = {distribution[m] for m in fitting_modules(kind)} - names
+            assert not missing, f"[{extra}] lacks {missing} for a {kind} head"
+
+
 # ----------------------------------------------------------------------------- config reference
 
 
