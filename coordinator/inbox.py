@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Protocol
 
@@ -122,13 +122,19 @@ class Inbox:
         """The closed rounds whose late updates the open round takes."""
         return set(self._late or ())
 
-    def expect_reports(self, agents: Iterable[str], release_id: str) -> None:
-        """Wait for a report on ``release_id`` from each of ``agents`` (those that have not sent one already)."""
+    def collect_reports(self, release_id: str, timeout: float, heads: int = 0, wait_s: float = 0.0) -> bool:
+        """Route inbound traffic until every head agent online has reported on ``release_id``
+        (installed or refused), or ``timeout`` passes. First, up to ``wait_s`` for ``heads``
+        head agents to be online (the ones a simulated fleet started, which may come up after
+        a short run's release: they get it late). False: no head agent is online."""
+        if heads:
+            self.pump_until(lambda: self.registry.count_online("head") >= heads, self.clock.now() + wait_s)
+        if not (online := self.registry.online("head")):
+            return False
         self._awaited_release = release_id
-        self._awaited_reports = set(agents) - self.reports_by_release.get(release_id, {}).keys()
-
-    def reports_complete(self) -> bool:
-        return not self._awaited_reports
+        self._awaited_reports = set(online) - self.reports_by_release.get(release_id, {}).keys()
+        self.pump_until(lambda: not self._awaited_reports, self.clock.now() + timeout)
+        return True
 
     def wait_for_trainers(self, need: int, deadline: float, note: Callable[[str], None]) -> int:
         """Route inbound traffic until ``need`` trainers that may be sent this run's tasks are
@@ -253,13 +259,20 @@ class Inbox:
         if isinstance(m, Rejection):
             return self._reject(m)
         # the accuracy is the coordinator's, from the counts; the agent's values are only its own figures
-        report = HeadReport(tier=m.tier, release_id=m.release_id, head=m.head, correct=m.eval_correct,
-                            total=m.num_test, values=m.values)
+        refused = m.refused if m.tier == "head" else None
+        report = HeadReport(tier=m.tier, release_id=m.release_id, head=m.head, correct=0 if refused else m.eval_correct,
+                            total=0 if refused else m.num_test, values=m.values, refused=refused)
         self._keep_report(incoming.agent_id, m.release_id or "", report)
         if m.release_id == self._awaited_release:
-            self._awaited_reports.discard(incoming.agent_id)
-        log.info("agent %s (%s tier) reported accuracy %.4f with head %s", incoming.agent_id, m.tier,
-                 report.accuracy or float("nan"), m.head)
+            self._awaited_reports.discard(incoming.agent_id)  # a refusal is its answer too: nothing to wait for
+        if m.tier == "head":
+            self.registry.release_report(incoming.agent_id, m.release_id, refused)
+        if refused:
+            self._log.warning("release_refused", "head agent %s did not install release %s: %s",
+                              incoming.agent_id, m.release_id, refused)
+        else:
+            log.info("agent %s (%s tier) reported accuracy %.4f with head %s", incoming.agent_id, m.tier,
+                     report.accuracy or float("nan"), m.head)
 
     def _keep_report(self, agent_id: str, release_id: str, report: HeadReport) -> None:
         """Keep ``report``, dropping the agent's report on its oldest release when it has more than allowed."""

@@ -38,6 +38,8 @@ class AgentInfo:
     capabilities: Capabilities | None = None
     #: the broker connection number of the session its last status was made on (protocol 1.3)
     connection: int | None = None
+    #: head tier: the release its last status named as installed (protocol 1.4)
+    release: str | None = None
 
 
 #: how far ahead of this host's clock a device's status may set the order of its later ones
@@ -88,6 +90,8 @@ class Registry:
         # agent id -> (session, reason) of a refusal that keeps it out of this run until another session
         self._excluded: dict[str, tuple[str | None, str]] = {}
         self._told_incapable: set[str] = set()
+        # head agent id -> the last release it refused, and why (one line; one per agent)
+        self._release_refused: dict[str, str] = {}
 
     def require(self, method: str, arch: str, task_bytes: int | None = None) -> None:
         """The run's method and architecture, and how large its task frames are (None: not yet
@@ -207,7 +211,7 @@ class Registry:
             agent_id=agent_id, tier=status.tier, device=status.device, num_train=status.num_train,
             num_test=status.num_test, online=online, version=status.version, platform=status.platform,
             state=status.state, session=status.session, capabilities=status.capabilities,
-            connection=status.connection,
+            connection=status.connection, release=status.release.release_id if status.release else None,
         )
         excluded = self._excluded.get(agent_id)
         if excluded is not None and status.state != "offline" and status.session != excluded[0]:
@@ -257,6 +261,23 @@ class Registry:
         self._presence.pop(agent_id, None)
         self.revision += 1
         log.info("agent %s removed from the registry", agent_id)
+
+    def release_report(self, agent_id: str, release_id: str | None, refused: str | None) -> None:
+        """A head agent reported on ``release_id``: installed (``refused`` None), or not and why.
+        One entry per known agent, so a flood of reports cannot grow it."""
+        if agent_id not in self.agents:
+            return
+        if refused is not None:
+            entry = f"{release_id}: {refused}"
+            if self._release_refused.get(agent_id) != entry:
+                self._release_refused[agent_id] = entry
+                self.revision += 1
+        elif self._release_refused.pop(agent_id, None) is not None:
+            self.revision += 1
+
+    def release_refused(self, agent_id: str) -> str | None:
+        """The last release the head agent refused and why, until it reports one installed."""
+        return self._release_refused.get(agent_id)
 
     def version(self, agent_id: str) -> str | None:
         """The protocol version the agent's last accepted status announced (None: unknown agent)."""

@@ -120,6 +120,8 @@ def format_table(rows: list[RoundMetrics], summary: dict, method: str = "") -> s
                      + (f": {acc:.2%} overall; " if acc is not None else ": ") + ", ".join(
                          f"{a} ({r.get('head')}) {r['accuracy']:.1%}" for a, r in sorted(head["agents"].items())
                          if r.get("accuracy") is not None))
+        lines.extend(f"  {a} did not install release {r.get('release_id')}: {r['refused']}"
+                     for a, r in sorted(head["agents"].items()) if r.get("refused"))
     if summary.get("rejected"):
         lines.append(f"rejected messages: {summary['rejected']}")
     if summary.get("refused"):

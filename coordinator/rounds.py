@@ -356,12 +356,12 @@ class Coordinator:
         return release_id
 
     def _collect_head_reports(self, timeout: float) -> None:
-        """Wait up to ``timeout`` for a report from every online head agent; write what came."""
-        if not (heads := self.registry.online("head")) or not self.releases:
-            return
-        self.inbox.expect_reports(heads, next(reversed(self.releases)))
-        self.inbox.pump_until(self.inbox.reports_complete, self.clock.now() + timeout)
-        self.run_dir.write_head_reports(self.inbox.reports_by_release, self.releases)
+        """Wait up to ``timeout`` for a report from every online head agent (first, for
+        ``min_head_agents`` of them to be online); write what came."""
+        c = self.config
+        if self.releases and self.inbox.collect_reports(next(reversed(self.releases)), timeout, c.min_head_agents,
+                                                        c.wait_for_agents_s):
+            self.run_dir.write_head_reports(self.inbox.reports_by_release, self.releases)
 
 
 def initial_state(config: RunConfig, method: Method, run_spec: RunSpec) -> ServerState:

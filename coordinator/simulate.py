@@ -71,6 +71,7 @@ def prepare(config: RunConfig, agents: int, head_agents: int = 0, rounds: int | 
         update["rounds"] = rounds
     if head_agents:
         update["release_at_end"] = True
+        update["min_head_agents"] = head_agents
     update["min_agents"] = agents
     return config.model_copy(update=update)
 

@@ -329,6 +329,10 @@ class Agent:
             log.info("refusal of task %s not sent: the coordinator (protocol %s) does not take refusals",
                      reply.task_id, self.coordinator.version if self.coordinator else "unknown")
             return
+        if reply.since is not None and not self._speaks(reply.since):
+            log.info("the %s is not sent: the coordinator (protocol %s) does not read it", key,
+                     self.coordinator.version if self.coordinator else "unknown")
+            return
         held = self._answers[key] = HeldAnswer(reply)
         self._answers.move_to_end(key)
         while len(self._answers) > ANSWERED_TASKS:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from edgepfl.config import AgentConfig, RunConfig
 from edgepfl.protocol import (
+    RELEASE_REFUSALS,
     AgentChannel,
     Capabilities,
     FederationChannel,
@@ -64,7 +65,8 @@ class Reply:
     until the task's round is over (docs/PROTOCOL.md §10, held answers); ``release_id``:
     the release a ``metrics`` report measured, which the agent holds until the run is
     done; ``refusal``: a ``refusal`` frame, which only a coordinator of protocol 1.2 or
-    later is sent."""
+    later is sent; ``since``: the protocol revision the frame needs of the coordinator (a
+    report of a refused release: 1.5), not sent to an older one."""
 
     channel: AgentChannel
     frame: bytes
@@ -72,6 +74,7 @@ class Reply:
     task_id: str | None = None
     refusal: bool = False
     release_id: str | None = None
+    since: tuple[int, int] | None = None
 
     @property
     def held_as(self) -> str | None:
@@ -331,18 +334,29 @@ class HeadTier:
         artifact, global_heads = message.tensors.get("artifact"), message.tensors.get("global_heads")
         if artifact is None:
             log.error("release %s carries no artifact; refused", meta.release_id)
-            return None
+            return self._refusal_report(meta.release_id, f"release {meta.release_id} carries no artifact", message)
         try:
             result = self.runtime.install_release(
                 meta.manifest, artifact.tobytes(), meta.sha256, sequence=meta.sequence, expires=meta.expires,
                 proof=message.signed_part + message.signature if message.signature is not None else None,
                 global_heads=global_heads.tobytes() if global_heads is not None else None)
-        except ReleaseRefused:  # logged, with the release kept, where it was refused
-            return None
+        except ReleaseRefused as exc:  # logged, with the release kept, where it was refused
+            return self._refusal_report(meta.release_id, str(exc), message)
         except Exception as exc:
             log.error("release %s refused: %s", meta.release_id, exc)
-            return None
+            return self._refusal_report(meta.release_id, f"release {meta.release_id} refused: {exc}", message)
         return self._report(meta.release_id, result, message.header.federation, message.header.round)
+
+    def _refusal_report(self, release_id: str, why: str, message: Message) -> Reply:
+        """What the coordinator is told of a release this agent did not install (since 1.5):
+        a metrics report naming it, with the reason and no counts, so that the operator sees
+        it in the head report, the fleet view and the coordinator's log."""
+        line = " ".join(why.split())
+        metrics = MetricsMeta(tier="head", release_id=release_id, head=self.head,
+                              refused=line if len(line) <= 300 else line[:299] + "…")
+        frame = encode(MessageType.METRICS, federation=message.header.federation, sender=self.agent_id,
+                       round=message.header.round, meta=metrics, signer=self.signer)
+        return Reply(AgentChannel.METRICS, frame, message.header.round, release_id=release_id, since=RELEASE_REFUSALS)
 
     def _report(self, release_id: str, result: HeadFit, federation: str, round: int) -> Reply:
         metrics = MetricsMeta(tier="head", release_id=release_id, head=result.head, num_train=result.num_train,

@@ -148,6 +148,7 @@ class HeadReport(BaseModel):
     correct: int = Field(ge=0, description="held-out samples predicted right")
     total: int = Field(ge=0, description="held-out samples evaluated")
     values: dict[str, float] = Field(default_factory=dict, description="the agent's own figures (fit time, ...)")
+    refused: str | None = Field(None, description="the agent did not install the release, and why (its counts are 0)")
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -181,7 +182,8 @@ class ReleaseReports(BaseModel):
     def accuracy(self) -> float | None:
         """Sample-weighted held-out accuracy over the agents that reported, each agent's count
         capped as a round's are (:func:`edgepfl.aggregation.capped_accuracy`)."""
-        return capped_accuracy(((r.correct, r.total) for r in self.reports.values()), DEFAULT_MAX_WEIGHT_RATIO)
+        return capped_accuracy(((r.correct, r.total) for r in self.reports.values() if r.refused is None),
+                               DEFAULT_MAX_WEIGHT_RATIO)
 
 
 def read_head_metrics(path: str | Path) -> dict[str, ReleaseReports]:

@@ -72,6 +72,8 @@ class Capabilities(_Meta):
 #: the protocol version that names releases in presences and statuses (a head agent that
 #: has the current release downloads nothing) and lets an agent announce its largest frame
 RELEASE_REFS = (1, 4)
+#: the protocol version whose head agents report a release they refused (``MetricsMeta.refused``)
+RELEASE_REFUSALS = (1, 5)
 
 
 class ReleaseRef(_Meta):
@@ -142,7 +144,11 @@ class UpdateMeta(_Meta):
 
 
 class MetricsMeta(_Meta):
-    """Agent -> coordinator: out-of-band report (head tier evaluations, serving stats)."""
+    """Agent -> coordinator: out-of-band report (head tier evaluations, serving stats).
+
+    ``refused`` (since 1.5): the head agent did not install release ``release_id``, and
+    why, in one line; its counts are then zero and it keeps the release it had. Sent only
+    to a coordinator whose presence announced 1.5 or later (PROTOCOL.md §12)."""
 
     tier: Literal["trainer", "head"]
     release_id: str | None = None
@@ -151,6 +157,7 @@ class MetricsMeta(_Meta):
     num_test: int = Field(0, ge=0)
     eval_correct: int = Field(0, ge=0)
     values: dict[str, float] = Field(default_factory=dict)
+    refused: str | None = Field(None, min_length=1, max_length=300, json_schema_extra=since("1.5"))
 
 
 class CoordinatorMeta(_Meta):

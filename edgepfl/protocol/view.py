@@ -49,6 +49,9 @@ class AgentView(_View):
     excluded: str | None = Field(None, description="the refusal that keeps it out of this run until it restarts")
     clock_ahead_s: float | None = Field(
         None, description="how far ahead of the coordinator's clock its last status was made, when over 60 s")
+    release: str | None = Field(None, description="head tier: the release installed, as its last status named it")
+    release_refused: str | None = Field(
+        None, description="head tier: the last release it did not install, and why (until it reports one installed)")
 
 
 class FleetView(_View):

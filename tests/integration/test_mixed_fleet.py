@@ -69,3 +69,20 @@ def assert_every_channel_has_one_direction(frames: list[tuple[str, bytes]], fede
         assert header.type in allowed, (topic, header.type)
     # this run exercised every channel, so the check above covered both directions of each
     assert seen == {*AgentChannel, *FederationChannel}
+
+
+def test_a_head_agent_that_cannot_install_the_release_tells_the_coordinator_why(mosquitto, tmp_path, caplog):
+    """Issue #33: a FedAvg federation whose head agent is set up for FedPick's own head. It
+    refuses every FedAvg release ("no fedpick head"), and says so to the coordinator
+    (protocol 1.5): the refusal is that agent's report on the release, in head_metrics.json,
+    the results table and the coordinator's log, instead of a report that never comes."""
+    config = run_config(method={"name": "fedavg"}, rounds=1, data={"samples_per_client": 200})
+    out = tmp_path / "run"
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        simulate(config, 2, out, broker=mosquitto.url, head_agents=1, head="fedpick", progress=False)
+    (release_id, entry), = json.loads((out / "head_metrics.json").read_text()).items()
+    report = entry["reports"]["device-00"]
+    assert report["refused"].startswith(f"release {release_id} refused: no fedpick head for this fedavg release")
+    assert report["total"] == 0 and report["accuracy"] is None
+    assert f"device-00 did not install release {release_id}: " in (out / "results.txt").read_text()
+    assert f"head agent device-00 did not install release {release_id}" in caplog.text

@@ -24,6 +24,7 @@ from edgepfl.config import RunConfig
 from edgepfl.coordinator.fleet import Fleet, Incoming
 from edgepfl.coordinator.gate import MAX_TASK_COPIES, Rejection, Task
 from edgepfl.coordinator.registry import Registry
+from edgepfl.coordinator.report import write_report
 from edgepfl.coordinator.result import RoundResult
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.metrics import MetricsError, read_head_metrics, read_metrics
@@ -292,20 +293,24 @@ def test_statuses_keep_the_registry_and_tell_the_fleet_who_came_online(tmp_path)
 
 
 class HeadFleet(ScriptedFleet):
-    """Two head agents that report as soon as a release is published."""
+    """Two head agents that report as soon as a release is published; ``refusing`` ones
+    report that they did not install it (protocol 1.5)."""
 
-    def __init__(self, agents: dict[str, Responder]):
+    def __init__(self, agents: dict[str, Responder], refusing: tuple[str, ...] = ()):
         super().__init__(agents)
         self.events += [status("pi-1", tier="head"), status("pi-2", tier="head")]
         self.releases: list[int] = []
+        self.refusing = refusing
 
     def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref=None) -> int:
         self.releases.append(round)
         release_id = decode(frame).meta.release_id
         for agent_id, correct in (("pi-1", 7), ("pi-2", 9)):
-            report = encode(MessageType.METRICS, federation=FED, sender=agent_id, round=round,
-                            meta=MetricsMeta(tier="head", release_id=release_id, head="lr", num_test=10,
-                                             eval_correct=correct))
+            meta = MetricsMeta(tier="head", release_id=release_id, head="lr", num_test=10, eval_correct=correct)
+            if agent_id in self.refusing:
+                meta = MetricsMeta(tier="head", release_id=release_id, head="lr",
+                                   refused=f"release {release_id} refused: input shape mismatch")
+            report = encode(MessageType.METRICS, federation=FED, sender=agent_id, round=round, meta=meta)
             self.events.append(Incoming(agent_id, AgentChannel.METRICS, report, len(report)))
         return len(frame)
 
@@ -320,6 +325,28 @@ def test_head_reports_are_collected_until_every_online_head_reported(tmp_path):
     assert {a: r.accuracy for a, r in coord.head_reports.items()} == {"pi-1": 0.7, "pi-2": 0.9}
     (release_id, entry), = read_head_metrics(tmp_path / "run").items()  # keyed by release
     assert release_id in coord.releases and entry.round == 0 and entry.accuracy() == pytest.approx(0.8)
+
+
+def test_a_release_a_head_agent_refused_shows_in_the_report_the_view_and_the_log_and_ends_the_wait(tmp_path, caplog):
+    """Issue #33: a head agent that cannot install a release tells the coordinator why. The
+    refusal answers the wait for reports (no timeout), is kept as that agent's report on the
+    release (no counts, out of the accuracy), is logged, and shows in the fleet view."""
+    fleet = HeadFleet({"a": honest("a"), "b": honest("b")}, refusing=("pi-2",))
+    coord = coordinator(fleet, tmp_path, round_timeout_s=20, release_at_end=True)
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        coord.run()
+    assert time.monotonic() - started < 20
+    (release_id, entry), = read_head_metrics(tmp_path / "run").items()
+    refused = entry.reports["pi-2"]
+    assert refused.refused == f"release {release_id} refused: input shape mismatch" and refused.accuracy is None
+    assert entry.accuracy() == pytest.approx(0.7)  # pi-1's alone
+    assert f"head agent pi-2 did not install release {release_id}: release {release_id} refused" in caplog.text
+    view = {a.id: a for a in coord.observer.view().agents}
+    assert view["pi-2"].release_refused == f"{release_id}: release {release_id} refused: input shape mismatch"
+    assert view["pi-1"].release_refused is None
+    table, summary = write_report(tmp_path / "run", "fedavg")  # what simulate and `edgepfl report` print
+    assert summary["head_tier"]["agents"]["pi-2"]["refused"] and f"pi-2 did not install release {release_id}" in table
 
 
 def test_a_round_of_1000_agents_costs_time_proportional_to_its_messages(tmp_path, monkeypatch):

@@ -20,10 +20,12 @@ from edgepfl.config import AgentConfig
 from edgepfl.edge_agent.agent import Agent
 from edgepfl.edge_agent.tiers import ANSWERED_TASKS, TIERS, HeadTier, Reply, TrainerTier, create_tier
 from edgepfl.protocol import (
+    RELEASE_REFUSALS,
     AgentChannel,
     DataShape,
     MessageType,
     MethodChoice,
+    MetricsMeta,
     RefusalMeta,
     ReleaseMeta,
     ReleaseRef,
@@ -227,14 +229,22 @@ def test_the_head_tier_answers_a_release_with_metrics(release, tmp_path):
     assert again.model_dump() == report.meta.model_dump()
 
 
-def test_the_head_tier_refuses_a_release_without_or_with_a_wrong_artifact(release, tmp_path):
+def test_the_head_tier_refuses_a_release_without_or_with_a_wrong_artifact_and_reports_why(release, tmp_path):
+    """Issue #33: a release the device does not install is reported to the coordinator (a
+    metrics report naming it, ``refused`` saying why, no counts; only to a coordinator of
+    1.5, the reply's ``since``), not only logged on the device."""
     tier = HeadTier("pi", client_data(NEW_CLIENT), str(tmp_path / "pi"), "lr")
     good = decode(release)
     empty = encode(MessageType.RELEASE, federation=FED, sender="coordinator", round=0, meta=good.meta)
-    assert tier.handle(decode(empty)) is None
     corrupt = encode(MessageType.RELEASE, federation=FED, sender="coordinator", round=0, meta=good.meta,
                      tensors={"artifact": good.tensors["artifact"][:-1]})
-    assert tier.handle(decode(corrupt)) is None and not tier.runtime.ready
+    for frame, why in ((empty, "carries no artifact"), (corrupt, "sha256 mismatch")):
+        reply = tier.handle(decode(frame))
+        assert reply is not None and reply.channel == AgentChannel.METRICS and reply.since == RELEASE_REFUSALS
+        assert reply.release_id == good.meta.release_id and not tier.runtime.ready
+        report = decode(reply.frame).meta_as(MetricsMeta)
+        assert report.release_id == good.meta.release_id and report.tier == "head" and report.head == "lr"
+        assert why in report.refused and (report.num_test, report.eval_correct) == (0, 0)
 
 
 def test_every_configurable_tier_has_a_runtime():
