@@ -128,7 +128,8 @@ CHECKS: dict[str, Check] = _catalog(
           "a release retained whole before the head agent started is installed: `metrics` (tier head, its "
           "release_id, round = the release's)"),
     Check("release.sha256", "§12", "MUST", "1.0",
-          "a release whose artifact does not match its sha256 is refused (no metrics; the installed one is kept)"),
+          "a release whose artifact does not match its sha256 is refused (no metrics of it installed; the installed one "
+          "is kept)"),
     Check("release.signature", "§7", "MUST", "1.1",
           "with a pinned coordinator key, an unsigned release and a release signed by another key are refused"),
     Check("release.unsequenced", "§7", "MUST", "1.1",
@@ -137,6 +138,9 @@ CHECKS: dict[str, Check] = _catalog(
           "with a pinned coordinator key, a release whose `sequence` is below the installed one's is refused"),
     Check("release.expired", "§12", "MUST", "1.1",
           "with a pinned coordinator key, a release past `expires` is refused"),
+    Check("release.refusal_reported", "§12", "SHOULD", "1.5",
+          "each refused release the coordinator signed (corrupt, rolled back, expired, unsequenced) is reported to it: "
+          "`metrics` naming it, with `refused` (the reason) and no counts; a forged one is dropped unanswered"),
     Check("release.task_topic", "§12", "MUST", "1.0",
           "the installed release sent again on the agent's task topic is answered with `metrics` again"),
     Check("release.by_reference", "§12", "SHOULD", "1.4",

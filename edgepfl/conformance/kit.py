@@ -723,8 +723,14 @@ class _Kit:
         time.sleep(self.options.quiet_s)
         for check_id, frames in bad.items():
             installed = [release_id for _, release_id in frames if s.wait_metrics(release_id, mark, 0.0) is not None]
-            r.record(check_id, not installed, "refused: no metrics" if not installed else
+            r.record(check_id, not installed, "refused: no metrics of it installed" if not installed else
                      f"installed: metrics for {', '.join(installed)}")
+        # a forged release (release.signature) is not the coordinator's: dropped, never answered
+        unreported = [release_id for check_id, frames in bad.items() if check_id != "release.signature"
+                      for _, release_id in frames if s.wait_metrics(release_id, mark, 0.0, refused=True) is None]
+        r.record("release.refusal_reported", not unreported,
+                 "each refused release was reported with `refused`" if not unreported else
+                 f"no report of {', '.join(unreported)} refused")
 
         self.head_reconnect(s, sentinel, sentinel_id, manifest.round)
         s.clean_stop(check_id="head.clean_stop")
@@ -860,12 +866,14 @@ class _Scenario:
     def answer_to(self, task_id: str, since: int) -> Frame | None:
         return next((f for f in self.wire.since(since) if self.is_answer(f, task_id)), None)
 
-    def wait_metrics(self, release_id: str, since: int, timeout: float) -> Frame | None:
-        """The agent's ``metrics`` frame for ``release_id`` from ``since`` on, or None after ``timeout`` s."""
+    def wait_metrics(self, release_id: str, since: int, timeout: float, refused: bool = False) -> Frame | None:
+        """The agent's ``metrics`` frame for ``release_id`` from ``since`` on, or None after
+        ``timeout`` s: a report of the release installed, or (``refused``) of it refused (1.5)."""
         def measured(f: Frame) -> bool:
             m = f.message
             return (f.agent == self.agent_id and f.channel == "metrics" and m is not None
-                    and m.type == MessageType.METRICS and m.meta_as(MetricsMeta).release_id == release_id)
+                    and m.type == MessageType.METRICS and m.meta_as(MetricsMeta).release_id == release_id
+                    and (m.meta_as(MetricsMeta).refused is not None) == refused)
 
         return self.wire.wait(measured, timeout, since)
 
