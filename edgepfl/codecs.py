@@ -440,7 +440,8 @@ def _changes(encoded: Encoded) -> Iterator[tuple[str, np.ndarray]]:
         if (codes == 0).any():
             raise CodecError("malformed", f"{t.name}: code 0 is no level")
         step_of_value = np.repeat(steps, header.block)[:values]
-        sent = (codes.astype(np.int64) - middle).astype(np.float32) * step_of_value
+        with np.errstate(over="ignore"):  # a step too large for its levels: decode() refuses the Inf
+            sent = (codes.astype(np.int64) - middle).astype(np.float32) * step_of_value
         if t.kept is None:
             change = sent
         else:

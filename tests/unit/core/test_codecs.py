@@ -1,0 +1,463 @@
+"""Update codecs: each value within one step of its change, unbiased rounding, exact
+tensors bit for bit, error feedback that loses nothing over rounds, refusal of malformed
+frames, bit-identical aggregation in any arrival order, and the byte ratios issue #34 asks for."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from edgepfl.aggregation import AggregationSpec, Mean
+from edgepfl.codecs import (
+    CODEC_NAMES,
+    INDEX,
+    PAYLOAD,
+    SCALES,
+    CodecError,
+    CodecSpec,
+    Encoded,
+    ErrorFeedback,
+    decode,
+    dequantize,
+    encode,
+    exact_names,
+)
+
+LOSSY = [name for name in CODEC_NAMES if name != "none"]
+
+#: the default model's shared state: SmallCNN (32 and 64 channels, BatchNorm, feature 128)
+#: on 28x28 grey images, and its 10-class linear head
+CNN_SHAPES: dict[str, tuple[int, ...]] = {
+    "encoder.conv.0.weight": (32, 1, 5, 5), "encoder.conv.0.bias": (32,),
+    "encoder.conv.1.weight": (32,), "encoder.conv.1.bias": (32,),
+    "encoder.conv.1.running_mean": (32,), "encoder.conv.1.running_var": (32,),
+    "encoder.conv.4.weight": (64, 32, 5, 5), "encoder.conv.4.bias": (64,),
+    "encoder.conv.5.weight": (64,), "encoder.conv.5.bias": (64,),
+    "encoder.conv.5.running_mean": (64,), "encoder.conv.5.running_var": (64,),
+    "encoder.fc.0.weight": (128, 1024), "encoder.fc.0.bias": (128,),
+    "head.weight": (10, 128), "head.bias": (10,),
+}
+
+
+#: the same layers, narrower: for tests that aggregate many updates
+NARROW_SHAPES = {**CNN_SHAPES, "encoder.conv.4.weight": (64, 4, 3, 3), "encoder.fc.0.weight": (128, 40)}
+
+
+def cnn_state(rng: np.random.Generator, shapes: dict[str, tuple[int, ...]] = CNN_SHAPES) -> dict[str, np.ndarray]:
+    state = {name: rng.normal(0, 0.1, shape).astype(np.float32) for name, shape in shapes.items()}
+    for layer in ("encoder.conv.1.", "encoder.conv.5."):
+        state[layer + "running_var"] = np.abs(state[layer + "running_var"]) + np.float32(0.5)
+        state[layer + "num_batches_tracked"] = np.array(600, np.int64)
+    return state
+
+
+def trained(reference: dict[str, np.ndarray], rng: np.random.Generator, spread: float = 0.01) -> dict[str, np.ndarray]:
+    """An update one round of local training might send: every float moved a little."""
+    out = {}
+    for name, value in reference.items():
+        if value.dtype.kind == "f":
+            moved = value + rng.normal(0, spread, value.shape)
+            out[name] = (np.abs(moved) if name.endswith("running_var") else moved).astype(value.dtype)
+        else:
+            out[name] = value + 12
+    return out
+
+
+def sent_steps(encoded: Encoded) -> dict[str, np.ndarray]:
+    """Per compressed tensor, the step of each value it sent (in the order sent)."""
+    out, at = {}, 0
+    for tensor in encoded.header.tensors:
+        values = math.prod(tensor.shape) if tensor.kept is None else tensor.kept
+        blocks = -(-values // encoded.header.block)
+        out[tensor.name] = np.repeat(encoded.scales[at: at + blocks].astype(np.float64), encoded.header.block)[:values]
+        at += blocks
+    return out
+
+
+def kept_positions(change: np.ndarray, keep: float) -> np.ndarray:
+    flat = change.reshape(-1)
+    k = max(1, math.ceil(keep * flat.size)) if flat.size else 0
+    return np.sort(np.argsort(-np.abs(flat), kind="stable")[:k])
+
+
+def assert_within_one_step(encoded: Encoded, update, reference, keep: float | None) -> None:
+    """Each sent value decodes within one step of its change (plus float32's rounding of
+    ``level * step``); top-k's unsent values decode to exactly no change."""
+    changes, steps = dequantize(encoded), sent_steps(encoded)
+    for name, got in changes.items():
+        true = (np.asarray(update[name], np.float64) - reference[name]).reshape(-1)
+        got = got.astype(np.float64).reshape(-1)
+        sent = np.arange(true.size) if keep is None else kept_positions(true, keep)
+        assert (np.abs(got[sent] - true[sent]) <= steps[name] * (1 + 2**-20)).all(), name
+        unsent = np.setdiff1d(np.arange(true.size), sent)
+        assert (got[unsent] == 0).all(), name
+
+
+# --------------------------------------------------------------------------- quantization
+@pytest.mark.parametrize("name", LOSSY)
+def test_each_value_decodes_within_one_step_of_its_change(name):
+    rng = np.random.default_rng(3)
+    reference = cnn_state(rng)
+    update = trained(reference, rng)
+    spec = CodecSpec.from_name(name, block=64)
+    encoded = encode(update, reference, spec, np.random.default_rng(4))
+    assert_within_one_step(encoded, update, reference, spec.keep)
+    levels = 2 ** (spec.bits - 1) - 1 if spec.bits else 0
+    steps = sent_steps(encoded)
+    for tensor in encoded.header.tensors:  # a step is the block's largest magnitude / levels, rounded up
+        true = (update[tensor.name].astype(np.float64) - reference[tensor.name]).reshape(-1)
+        if spec.keep is not None:
+            true = true[kept_positions(true, spec.keep)]
+        padded = np.zeros(steps[tensor.name].size + -true.size % spec.block)
+        padded[: true.size] = np.abs(true)
+        largest = np.repeat(padded.reshape(-1, spec.block).max(axis=1), spec.block)[: true.size]
+        assert (steps[tensor.name] * levels >= largest).all()
+        assert (steps[tensor.name] * levels <= largest * (1 + 2**-22)).all()
+
+
+@pytest.mark.parametrize("name", ["q8", "q4"])
+def test_stochastic_rounding_is_unbiased(name):
+    """The mean of 400 encodes (fixed seeds) is within six standard errors of the change
+    everywhere: a level is at most one step from the value, so the rounding's standard
+    deviation is at most step / 2 and the mean's at most step / 40. Rounding to the
+    nearest level instead is off by up to half a step, the same way every time."""
+    rng = np.random.default_rng(5)
+    reference = {"w": rng.normal(0, 1, 1000).astype(np.float32)}
+    update = {"w": (reference["w"] + rng.normal(0, 0.05, 1000)).astype(np.float32)}
+    spec = CodecSpec.from_name(name, block=100)
+    draws = [encode(update, reference, spec, np.random.default_rng(seed)) for seed in range(400)]
+    mean = np.mean([dequantize(e)["w"].astype(np.float64) for e in draws], axis=0)
+    true = update["w"].astype(np.float64) - reference["w"]
+    step = sent_steps(draws[0])["w"]
+    assert (np.abs(mean - true) <= 6 * step / (2 * math.sqrt(len(draws))) + 1e-9).all()
+
+
+def test_the_same_seed_encodes_the_same_bytes_and_another_seed_does_not():
+    rng = np.random.default_rng(6)
+    reference = cnn_state(rng)
+    update = trained(reference, rng)
+    spec = CodecSpec.from_name("topk+q4")
+    first, again = (encode(update, reference, spec, np.random.default_rng(7)) for _ in range(2))
+    other = encode(update, reference, spec, np.random.default_rng(8))
+    assert first.header == again.header
+    assert all(first.arrays()[k].tobytes() == again.arrays()[k].tobytes() for k in first.arrays())
+    assert first.payload.tobytes() != other.payload.tobytes()
+
+
+# --------------------------------------------------------------------------- exact tensors
+def test_statistics_integers_other_floats_and_marked_tensors_go_bit_for_bit():
+    rng = np.random.default_rng(9)
+    reference = cnn_state(rng)
+    reference["encoder.scale"] = rng.normal(0, 1, 7)  # float64: never compressed
+    update = trained(reference, rng)
+    odd = np.array([-0.0, 1e-45, 3.0e38, -2.5e-39, 1 / 3] * 6 + [0.0, 7.0], np.float32)
+    update["encoder.conv.1.running_mean"] = odd
+    marked = {"head.bias"}
+    encoded = encode(update, reference, CodecSpec.from_name("q4"), np.random.default_rng(10), exact=marked)
+    decoded = decode(Encoded.from_arrays(encoded.header_fields(), encoded.arrays()), reference)
+    want = {"encoder.conv.1.running_mean", "encoder.conv.1.running_var", "encoder.conv.1.num_batches_tracked",
+            "encoder.conv.5.running_mean", "encoder.conv.5.running_var", "encoder.conv.5.num_batches_tracked",
+            "encoder.scale", "head.bias"}
+    assert set(encoded.header.exact) == want == exact_names(reference, marked)
+    assert not want & {t.name for t in encoded.header.tensors}
+    for name in want:
+        assert decoded[name].dtype == update[name].dtype
+        assert decoded[name].tobytes() == update[name].tobytes(), name
+
+
+def test_codec_none_sends_every_tensor_as_it_is():
+    rng = np.random.default_rng(11)
+    reference = cnn_state(rng)
+    update = trained(reference, rng)
+    encoded = encode(update, reference, CodecSpec.from_name("none"), np.random.default_rng(0))
+    assert set(encoded.arrays()) == set(update) and not encoded.header.tensors
+    decoded = decode(encoded, reference)
+    assert all(decoded[k].tobytes() == update[k].tobytes() for k in update)
+
+
+@pytest.mark.parametrize("where", ["update", "reference"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nan_and_inf_are_refused_with_the_tensors_name(where, bad):
+    rng = np.random.default_rng(12)
+    reference = cnn_state(rng)
+    update = trained(reference, rng)
+    target = update if where == "update" else reference
+    target["head.weight"] = target["head.weight"].copy()
+    target["head.weight"][3, 4] = bad
+    with pytest.raises(ValueError, match=r"'head\.weight' holds NaN or Inf"):
+        encode(update, reference, CodecSpec.from_name("q8"), np.random.default_rng(0))
+    with pytest.raises(ValueError, match=r"'head\.weight' holds NaN or Inf"):
+        ErrorFeedback().encode(update, reference, CodecSpec.from_name("q8"), np.random.default_rng(0))
+
+
+# --------------------------------------------------------------------------- property tests
+floats32 = st.floats(min_value=-2.0**123, max_value=2.0**123, width=32, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def update_pairs(draw):
+    shape = draw(hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=9))
+    values = st.one_of(floats32, st.just(0.0), st.floats(-2.0**-126, 2.0**-126, width=32), st.floats(-1024, 1024, width=32))
+    reference = draw(hnp.arrays(np.float32, shape, elements=values))
+    update = draw(hnp.arrays(np.float32, shape, elements=values))
+    return {"t": reference, "u": update}
+
+
+@settings(max_examples=150, deadline=None)
+@given(pair=update_pairs(), name=st.sampled_from(LOSSY), block=st.sampled_from([1, 3, 8, 256]),
+       keep=st.sampled_from([0.01, 0.3]), seed=st.integers(0, 2**32 - 1))
+def test_any_finite_update_round_trips_within_one_step(pair, name, block, keep, seed):
+    reference, update = {"t": pair["t"]}, {"t": pair["u"]}
+    spec = CodecSpec.from_name(name, block=block, keep=keep)
+    encoded = encode(update, reference, spec, np.random.default_rng(seed))
+    assert_within_one_step(encoded, update, reference, spec.keep)
+    received = Encoded.from_arrays(json.loads(json.dumps(encoded.header_fields())), encoded.arrays())
+    decoded = decode(received, reference)["t"]
+    assert decoded.dtype == np.float32 and np.isfinite(decoded).all()
+    assert decoded.tobytes() == (reference["t"] + dequantize(encoded)["t"]).tobytes()
+
+
+# --------------------------------------------------------------------------- error feedback
+@pytest.mark.parametrize("name", ["q8", "q4"])
+def test_error_feedback_keeps_the_sum_of_decoded_changes_within_one_step(name):
+    """Over 40 rounds, each from a new reference, the decoded changes add up to the true
+    ones to within the last round's step; without feedback the rounding errors add up."""
+    rng = np.random.default_rng(13)
+    spec = CodecSpec.from_name(name, block=32)
+    reference = {"w": rng.normal(0, 1, 500).astype(np.float32)}
+    feedback = ErrorFeedback()
+    true_sum = np.zeros(500)
+    sent_sum = np.zeros(500)
+    plain_sum = np.zeros(500)
+    for round_ in range(40):
+        update = {"w": (reference["w"] + rng.normal(0, 0.01, 500)).astype(np.float32)}
+        encoded = feedback.encode(update, reference, spec, np.random.default_rng(round_))
+        true_sum += update["w"].astype(np.float64) - reference["w"]
+        sent_sum += decode(encoded, reference)["w"].astype(np.float64) - reference["w"]
+        plain = encode(update, reference, spec, np.random.default_rng(round_))
+        plain_sum += decode(plain, reference)["w"].astype(np.float64) - reference["w"]
+        reference = {"w": (reference["w"] + rng.normal(0, 0.02, 500)).astype(np.float32)}
+    last_step = sent_steps(encoded)["w"]
+    assert (np.abs(true_sum - sent_sum) <= last_step * (1 + 1e-4)).all()
+    np.testing.assert_allclose(true_sum - sent_sum, feedback.residual["w"], rtol=0, atol=1e-6 * last_step.max())
+    assert np.abs(true_sum - plain_sum).max() > 2 * last_step.max()
+
+
+def test_error_feedback_sends_what_top_k_left_out_in_later_rounds():
+    """Top-k alone never sends 90 % of a steady change; with feedback, what is left out
+    waits in the residual and the sum sent trails the true sum by that residual only."""
+    rng = np.random.default_rng(14)
+    spec = CodecSpec.from_name("topk+q8", block=64, keep=0.1)
+    reference = {"w": rng.normal(0, 1, 400).astype(np.float32)}
+    drift = rng.normal(0, 0.01, 400)
+    feedback = ErrorFeedback()
+    true_sum, sent_sum, plain_sum = np.zeros(400), np.zeros(400), np.zeros(400)
+    for round_ in range(60):
+        update = {"w": (reference["w"] + drift).astype(np.float32)}
+        encoded = feedback.encode(update, reference, spec, np.random.default_rng(round_))
+        true_sum += update["w"].astype(np.float64) - reference["w"]
+        sent_sum += decode(encoded, reference)["w"].astype(np.float64) - reference["w"]
+        plain_sum += decode(encode(update, reference, spec, np.random.default_rng(round_)), reference)["w"] - reference["w"]
+    np.testing.assert_allclose(true_sum - sent_sum, feedback.residual["w"], rtol=0, atol=1e-6)
+    with_feedback, without = np.linalg.norm(true_sum - sent_sum), np.linalg.norm(true_sum - plain_sum)
+    assert with_feedback < 0.1 * without
+
+
+def test_error_feedback_state_survives_a_restart():
+    rng = np.random.default_rng(15)
+    reference = cnn_state(rng)
+    spec = CodecSpec.from_name("q4")
+    before = ErrorFeedback()
+    for round_ in range(3):
+        before.encode(trained(reference, rng), reference, spec, np.random.default_rng(round_))
+    state = before.state_dict()
+    assert set(state) == {t for t in CNN_SHAPES if t not in exact_names(reference)}
+    assert all(v.dtype == np.float32 and v.any() for v in state.values())
+    after = ErrorFeedback()
+    after.load_state_dict(state)
+    update = trained(reference, rng)
+    one, two = (fb.encode(update, reference, spec, np.random.default_rng(99)) for fb in (before, after))
+    assert one.payload.tobytes() == two.payload.tobytes() and one.scales.tobytes() == two.scales.tobytes()
+    with pytest.raises(ValueError, match="'head.bias' holds NaN or Inf"):
+        after.load_state_dict({**state, "head.bias": np.full(10, np.nan, np.float32)})
+
+
+def test_error_feedback_resets_when_the_model_changes():
+    rng = np.random.default_rng(16)
+    spec = CodecSpec.from_name("q4")
+    feedback = ErrorFeedback()
+    small = {"w": rng.normal(0, 1, 50).astype(np.float32)}
+    feedback.encode({"w": small["w"] + np.float32(0.3)}, small, spec, np.random.default_rng(0))
+    assert feedback.residual["w"].any()
+    other = {"w": rng.normal(0, 1, (5, 5)).astype(np.float32)}
+    update = {"w": (other["w"] + rng.normal(0, 0.1, (5, 5))).astype(np.float32)}
+    got = feedback.encode(update, other, spec, np.random.default_rng(1))
+    fresh = ErrorFeedback().encode(update, other, spec, np.random.default_rng(1))
+    assert got.payload.tobytes() == fresh.payload.tobytes()
+    assert feedback.residual["w"].shape == (5, 5)
+
+
+# --------------------------------------------------------------------------- malformed frames
+def frame(name: str, values: int = 37, block: int = 16) -> tuple[dict, dict, dict]:
+    rng = np.random.default_rng(17)
+    reference = {"w": rng.normal(0, 1, values).astype(np.float32), "n": np.array(3, np.int64)}
+    update = {"w": (reference["w"] + rng.normal(0, 0.1, values)).astype(np.float32), "n": np.array(4, np.int64)}
+    encoded = encode(update, reference, CodecSpec.from_name(name, block=block, keep=0.5), np.random.default_rng(0))
+    return encoded.header_fields(), dict(encoded.arrays()), reference
+
+
+def _with(arrays, name, value):
+    return {**arrays, name: value}
+
+
+MALFORMED = {
+    "payload short": ("q8", lambda h, a: (h, _with(a, PAYLOAD, a[PAYLOAD][:-1])), "ends early"),
+    "payload long": ("q8", lambda h, a: (h, _with(a, PAYLOAD, np.append(a[PAYLOAD], np.uint8(128)))), "longer"),
+    "code 0": ("q8", lambda h, a: (h, _with(a, PAYLOAD, np.where(np.arange(37) == 5, 0, a[PAYLOAD]).astype(np.uint8))),
+               "code 0 is no level"),
+    "padding nibble": ("q4", lambda h, a: (h, _with(a, PAYLOAD, np.append(a[PAYLOAD][:-1], a[PAYLOAD][-1] | 0x10))),
+                       "padding nibble"),
+    "NaN step": ("q4", lambda h, a: (h, _with(a, SCALES, np.append(a[SCALES][:-1], np.float32(np.nan)))), "step"),
+    "negative step": ("q8", lambda h, a: (h, _with(a, SCALES, -a[SCALES])), "step is negative"),
+    "bitmap count": ("topk+q8", lambda h, a: (h, _with(a, INDEX, a[INDEX] ^ np.uint8(1))), "bitmap marks"),
+    "bitmap padding": ("topk+q8", lambda h, a: (h, _with(a, INDEX, np.append(a[INDEX][:-1], a[INDEX][-1] | 0x80))),
+                       "padding bits"),
+    "kept too many": ("topk+q8", lambda h, a: ({**h, "tensors": [{**h["tensors"][0], "kept": 38}]}, a), "kept 38 of 37"),
+    "unknown codec": ("q8", lambda h, a: ({**h, "codec": "q2"}, a), "codec"),
+    "missing stream": ("q8", lambda h, a: (h, {k: v for k, v in a.items() if k != SCALES}), "not the header's"),
+    "stream dtype": ("q8", lambda h, a: (h, _with(a, SCALES, a[SCALES].astype(np.float64))), "not a flat float32"),
+    "dense kept": ("q8", lambda h, a: ({**h, "tensors": [{**h["tensors"][0], "kept": 3}]}, a), "kept and index"),
+    "reserved name": ("q8", lambda h, a: ({**h, "exact": ["codec:x"]}, {**a, "codec:x": a["n"]}), "codec:"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_a_malformed_frame_is_refused_with_its_reason(case):
+    name, mutate, message = MALFORMED[case]
+    header, arrays, reference = frame(name)
+    decode(Encoded.from_arrays(header, arrays), reference)  # unmutated: fine
+    header, arrays = mutate(header, arrays)
+    with pytest.raises(CodecError, match=message) as caught:
+        decode(Encoded.from_arrays(header, arrays), reference)
+    assert caught.value.reason == "malformed"
+
+
+def gap_frame() -> tuple[dict, dict, dict]:
+    """A top-k frame whose index is gap varints: 3 of 3000 values kept."""
+    reference = {"w": np.zeros(3000, np.float32)}
+    update = {"w": np.zeros(3000, np.float32)}
+    update["w"][[5, 300, 2999]] = [1.0, -2.0, 3.0]
+    spec = CodecSpec.from_name("topk+q8", keep=0.001)
+    encoded = encode(update, reference, spec, np.random.default_rng(0))
+    assert encoded.header.tensors[0].index == "gaps"
+    assert encoded.index.tolist() == [5, 166, 2, 138, 21]  # gaps 5, 294 (0xA6 0x02), 2698 (0x8A 0x15)
+    return encoded.header_fields(), dict(encoded.arrays()), reference
+
+
+@pytest.mark.parametrize(("index", "message"), [
+    ([5, 166, 2, 138], "ends early"),
+    ([5, 166, 2, 138, 21, 0], "longer"),
+    ([5, 166, 2, 139, 21], "past the tensor"),
+    ([5, 166, 130, 0, 138, 21], "minimal LEB128"),
+])
+def test_a_malformed_gap_index_is_refused(index, message):
+    header, arrays, reference = gap_frame()
+    assert np.flatnonzero(decode(Encoded.from_arrays(header, arrays), reference)["w"]).tolist() == [5, 300, 2999]
+    with pytest.raises(CodecError, match=message):
+        decode(Encoded.from_arrays(header, _with(arrays, INDEX, np.array(index, np.uint8))), reference)
+
+
+def test_a_frame_for_another_model_or_past_float32_is_refused():
+    header, arrays, reference = frame("q8")
+    with pytest.raises(CodecError, match="differ from the reference") as caught:
+        decode(Encoded.from_arrays(header, arrays), {**reference, "extra": np.zeros(1, np.float32)})
+    assert caught.value.reason == "wrong_tensors"
+    with pytest.raises(CodecError, match="reference is float32") as caught:
+        decode(Encoded.from_arrays(header, arrays), {**reference, "w": np.zeros(36, np.float32)})
+    assert caught.value.reason == "wrong_shape"
+    huge = _with(arrays, SCALES, np.full_like(arrays[SCALES], 3e36))
+    with pytest.raises(CodecError, match="past float32's range") as caught:
+        decode(Encoded.from_arrays(header, huge), reference)
+    assert caught.value.reason == "non_finite"
+
+
+# --------------------------------------------------------------------------- aggregation
+@pytest.mark.parametrize("name", LOSSY)
+def test_decoded_updates_aggregate_to_the_same_bits_in_any_arrival_order(name):
+    """Six agents' frames, decoded afresh for each of 24 arrival orders, under the plain
+    mean and the default rule with its update bound."""
+    rng = np.random.default_rng(18)
+    reference = cnn_state(rng, NARROW_SHAPES)
+    spec = CodecSpec.from_name(name)
+    frames = []
+    for agent in range(6):
+        encoded = ErrorFeedback().encode(trained(reference, rng), reference, spec, np.random.default_rng(agent))
+        frames.append((encoded.header_fields(), encoded.arrays()))
+    weights = [600, 35, 1200, 7, 600, 90]
+    for rule in (Mean, lambda: AggregationSpec(max_weight_ratio=None).build()):
+        results = []
+        for seed in range(24):
+            order = np.random.default_rng(seed).permutation(6)
+            aggregator = rule()
+            aggregator.begin(reference)
+            for i in order:
+                aggregator.add(decode(Encoded.from_arrays(*frames[i]), reference), weights[i])
+            results.append(aggregator.result())
+        for result in results[1:]:
+            for key in reference:
+                assert result[key].dtype == reference[key].dtype
+                assert result[key].tobytes() == results[0][key].tobytes(), (name, key)
+
+
+# --------------------------------------------------------------------------- bytes
+def test_sizes_count_every_byte_of_the_streams_and_the_header():
+    rng = np.random.default_rng(19)
+    reference = cnn_state(rng)
+    update = trained(reference, rng)
+    for name in CODEC_NAMES:
+        encoded = encode(update, reference, CodecSpec.from_name(name), np.random.default_rng(0))
+        sizes = encoded.sizes()
+        assert sizes.encoded == sum(a.nbytes for a in encoded.arrays().values()) + len(
+            json.dumps(encoded.header_fields(), separators=(",", ":")))
+        assert sizes.uncompressed == sum(v.nbytes for v in update.values())
+    one = {"w": np.zeros(999, np.float32)}
+    moved = {"w": np.ones(999, np.float32)}
+    for name, payload in (("q8", 999), ("q4", 500)):  # 4 blocks of 256: 16 bytes of steps
+        sizes = encode(moved, one, CodecSpec.from_name(name), np.random.default_rng(0)).sizes()
+        assert sizes.per_tensor["w"] == (payload + 16, 3996)
+
+
+@pytest.mark.parametrize(("keep", "form"), [(0.5, "bitmap"), (0.2, "bitmap"), (0.05, "gaps"), (0.01, "gaps")])
+def test_top_k_writes_the_smaller_index(keep, form):
+    rng = np.random.default_rng(20)
+    reference = {"w": np.zeros(20000, np.float32)}
+    update = {"w": rng.normal(0, 1, 20000).astype(np.float32)}
+    encoded = encode(update, reference, CodecSpec.from_name("topk+q8", keep=keep), np.random.default_rng(0))
+    gaps = np.diff(kept_positions(update["w"], keep), prepend=-1) - 1
+    varint_bytes = int(sum(max(1, math.ceil(int(g).bit_length() / 7)) for g in gaps))
+    assert encoded.header.tensors[0].index == form
+    assert encoded.index.size == min(20000 // 8, varint_bytes)
+
+
+@pytest.mark.parametrize(("name", "most"), [("q8", 0.26), ("q4", 0.15)])
+def test_the_default_cnn_meets_issue_34s_byte_targets(name, most):
+    rng = np.random.default_rng(21)
+    reference = cnn_state(rng)
+    sizes = encode(trained(reference, rng), reference, CodecSpec.from_name(name), np.random.default_rng(0)).sizes()
+    assert sizes.ratio <= most
+
+
+def test_spec_names_and_their_parameters():
+    assert [CodecSpec.from_name(n).name for n in CODEC_NAMES] == list(CODEC_NAMES)
+    assert CodecSpec.from_name("topk+q4", keep=0.05) == CodecSpec(bits=4, keep=0.05)
+    assert CodecSpec.from_name("q8", keep=0.05).keep is None
+    with pytest.raises(ValueError, match="unknown codec 'q2'"):
+        CodecSpec.from_name("q2")
+    with pytest.raises(ValueError, match="top-k needs a quantizer"):
+        CodecSpec(bits=None, keep=0.1)
