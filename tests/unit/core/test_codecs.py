@@ -461,3 +461,33 @@ def test_spec_names_and_their_parameters():
         CodecSpec.from_name("q2")
     with pytest.raises(ValueError, match="top-k needs a quantizer"):
         CodecSpec(bits=None, keep=0.1)
+
+
+# --------------------------------------------------------------------------- docs/COMPRESSION.md
+def test_the_worked_examples_of_the_compression_doc():
+    """The bytes docs/COMPRESSION.md shows, from the same encoder and seed, and decoded
+    from those literal bytes to the values it shows."""
+    reference = {"w": np.array([0.5, -0.25, 0, 1, 2], np.float32), "bn.num_batches_tracked": np.array(4, np.int64)}
+    update = {"w": np.array([1.375, -0.6875, 0, 1.125, 1.9375], np.float32),
+              "bn.num_batches_tracked": np.array(5, np.int64)}
+    encoded = encode(update, reference, CodecSpec(bits=4, block=4), np.random.default_rng(0))
+    header = {"codec": "q4", "block": 4, "tensors": [{"name": "w", "shape": [5], "dtype": "float32"}],
+              "exact": ["bn.num_batches_tracked"]}
+    assert encoded.header_fields() == header and encoded.sizes().header == 114
+    assert encoded.payload.tobytes().hex(" ") == "5f 98 01"
+    assert encoded.scales.tobytes().hex(" ") == "00 00 00 3e 25 49 12 3c"
+    literal = {PAYLOAD: np.frombuffer(bytes.fromhex("5f9801"), np.uint8),
+               SCALES: np.frombuffer(bytes.fromhex("00 00 00 3e 25 49 12 3c"), "<f4"),
+               "bn.num_batches_tracked": np.array(5, np.int64)}
+    decoded = decode(Encoded.from_arrays(header, literal), reference)
+    assert decoded["w"].tolist() == [1.375, -0.625, 0, 1.125, 1.9375]
+
+    reference = {"v": np.zeros((2, 8), np.float32)}
+    change = np.array([[0.01, -3.0, 0.2, 0, 0, 0.5, 0, 0], [0, 0, 0, 1.5, 0, 0, -0.75, 0.02]], np.float32)
+    encoded = encode({"v": change}, reference, CodecSpec(bits=8, keep=0.25), np.random.default_rng(0))
+    assert encoded.header.tensors[0].index == "bitmap"
+    assert [encoded.arrays()[k].tobytes().hex(" ") for k in (PAYLOAD, SCALES, INDEX)] == [
+        "01 95 c0 61", "07 83 c1 3c", "22 48"]
+    got = dequantize(encoded)["v"].reshape(-1)
+    assert np.flatnonzero(got).tolist() == [1, 5, 11, 14]
+    np.testing.assert_allclose(got[[1, 5, 11, 14]], [-3.0000002, 0.496063, 1.511811, -0.7322835], rtol=1e-6)
