@@ -42,7 +42,7 @@ import json
 import math
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -118,7 +118,7 @@ class CompressedTensor(BaseModel):
 
     name: str = Field(min_length=1, max_length=256)
     #: the tensor's shape; its values are C-order flat positions 0..prod(shape)-1
-    shape: tuple[int, ...] = Field(max_length=8)
+    shape: tuple[Annotated[int, Field(ge=0)], ...] = Field(max_length=8)
     #: the decoded tensor's dtype (float32: the only one compressed)
     dtype: Literal["float32"] = "float32"
     #: top-k: how many positions were sent, and how their positions are written
@@ -196,13 +196,14 @@ class Encoded:
         if set(arrays) != set(head.exact) | set(streams):
             raise CodecError("malformed", f"the arrays {sorted(arrays)} are not the header's "
                                           f"{sorted(set(head.exact) | set(streams))}")
+        given = {name: np.asarray(value) for name, value in arrays.items()}
         for name, dtype in streams.items():
-            if arrays[name].dtype != dtype or arrays[name].ndim != 1:
-                raise CodecError("malformed", f"{name} is {arrays[name].dtype}{list(arrays[name].shape)}, "
+            if given[name].dtype != dtype or given[name].ndim != 1:
+                raise CodecError("malformed", f"{name} is {given[name].dtype}{list(given[name].shape)}, "
                                               f"not a flat {np.dtype(dtype)} array")
         empty_u8, empty_f32 = np.zeros(0, np.uint8), np.zeros(0, np.float32)
-        return cls(head, arrays.get(PAYLOAD, empty_u8), arrays.get(SCALES, empty_f32), arrays.get(INDEX, empty_u8),
-                   {name: arrays[name] for name in head.exact})
+        return cls(head, given.get(PAYLOAD, empty_u8), given.get(SCALES, empty_f32), given.get(INDEX, empty_u8),
+                   {name: given[name] for name in head.exact})
 
     def sizes(self) -> ByteCount:
         """Bytes of each tensor as encoded and as float32 (:class:`ByteCount`)."""
@@ -219,8 +220,7 @@ class Encoded:
             encoded = _payload_bytes(values, bits) + 4 * _blocks(values, self.header.block) + index_bytes
             per_tensor[t.name] = (encoded, 4 * count)
         for name, value in self.exact.items():
-            # an exact tensor costs the same either way; float32 is what it would be uncompressed
-            per_tensor[name] = (value.nbytes, value.nbytes)
+            per_tensor[name] = (value.nbytes, value.nbytes)  # the same bytes either way
         return ByteCount(per_tensor, len(json.dumps(self.header_fields(), separators=(",", ":"))))
 
     def header_fields(self) -> dict:
@@ -285,16 +285,20 @@ def encode_changes(changes: Mapping[str, np.ndarray], exact: Mapping[str, np.nda
                    rng: np.random.Generator) -> Encoded:
     """Compress ``changes`` (finite; float64 keeps a change with error feedback's residual
     unrounded) and send ``exact`` as they are: the step under :func:`encode`."""
-    if spec.bits is None and changes:
-        raise ValueError("codec none compresses nothing: send every tensor exact")
     for name, value in (*changes.items(), *exact.items()):
         if name.startswith("codec:"):
             raise ValueError(f"{name!r}: tensor names starting with 'codec:' are the codec's own")
         value = np.asarray(value)
         if value.dtype.kind == "f" and not np.isfinite(value).all():
             raise ValueError(f"{name!r} holds NaN or Inf: a codec encodes finite values only")
-    bits = spec.bits or 8
-    levels = 2 ** (bits - 1) - 1
+    exact = {name: np.asarray(value) for name, value in exact.items()}
+    empty_u8, empty_f32 = np.zeros(0, np.uint8), np.zeros(0, np.float32)
+    if spec.bits is None:
+        if changes:
+            raise ValueError("codec none compresses nothing: send every tensor exact")
+        return Encoded(CodecHeader(codec="none", block=spec.block, exact=tuple(exact)), empty_u8, empty_f32,
+                       empty_u8, exact)
+    bits, middle = spec.bits, 2 ** (spec.bits - 1)
     payloads, scales, indexes, entries = [], [], [], []
     for name, change in changes.items():
         flat = np.asarray(change, np.float64).reshape(-1)
@@ -304,15 +308,15 @@ def encode_changes(changes: Mapping[str, np.ndarray], exact: Mapping[str, np.nda
             index_bytes, index = _write_index(positions, flat.size)
             indexes.append(index_bytes)
             kept, flat = len(positions), flat[positions]
-        codes, steps = _quantize(flat, spec.block, levels, rng)
+        codes, steps = _quantize(flat, spec.block, middle - 1, rng)
         if not np.isfinite(steps).all():
             raise ValueError(f"{name!r}: a change this large has no float32 step")
-        payloads.append(_pack(codes + levels + 1, bits))
+        payloads.append(_pack(codes + middle, bits))
         scales.append(steps)
         entries.append(CompressedTensor(name=name, shape=np.shape(change), kept=kept, index=index))
     header = CodecHeader(codec=spec.name, block=spec.block, tensors=tuple(entries), exact=tuple(exact))
     return Encoded(header, _concat(payloads, np.uint8), _concat(scales, np.float32), _concat(indexes, np.uint8),
-                   {name: np.asarray(value) for name, value in exact.items()})
+                   exact)
 
 
 def _quantize(values: np.ndarray, block: int, levels: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -403,11 +407,13 @@ def decode(encoded: Encoded, reference: Mapping[str, np.ndarray]) -> TensorDict:
             raise CodecError("wrong_shape", f"{name}: {value.dtype}{list(value.shape)}, the reference is "
                                             f"{ref.dtype}{list(ref.shape)}")
         out[name] = value
+    for name, tensor in compressed.items():  # before dequantizing: a header's shape sizes what is allocated
+        ref = np.asarray(reference[name])
+        if ref.dtype != np.float32 or ref.shape != tensor.shape:
+            raise CodecError("wrong_shape", f"{name}: float32{list(tensor.shape)}, the reference is "
+                                            f"{ref.dtype}{list(ref.shape)}")
     for name, change in _changes(encoded):
         ref = np.asarray(reference[name])
-        if ref.dtype != np.float32 or ref.shape != change.shape:
-            raise CodecError("wrong_shape", f"{name}: float32{list(change.shape)}, the reference is "
-                                            f"{ref.dtype}{list(ref.shape)}")
         with np.errstate(over="ignore"):
             value = ref + change
         if not np.isfinite(value).all():
@@ -439,7 +445,7 @@ def _changes(encoded: Encoded) -> Iterator[tuple[str, np.ndarray]]:
         codes = _unpack(payload, values, bits, t.name)
         if (codes == 0).any():
             raise CodecError("malformed", f"{t.name}: code 0 is no level")
-        step_of_value = np.repeat(steps, header.block)[:values]
+        step_of_value = steps[np.arange(values) // header.block]
         with np.errstate(over="ignore"):  # a step too large for its levels: decode() refuses the Inf
             sent = (codes.astype(np.int64) - middle).astype(np.float32) * step_of_value
         if t.kept is None:

@@ -4,6 +4,7 @@ frames, bit-identical aggregation in any arrival order, and the byte ratios issu
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -209,7 +210,7 @@ def update_pairs(draw):
     return {"t": reference, "u": update}
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(pair=update_pairs(), name=st.sampled_from(LOSSY), block=st.sampled_from([1, 3, 8, 256]),
        keep=st.sampled_from([0.01, 0.3]), seed=st.integers(0, 2**32 - 1))
 def test_any_finite_update_round_trips_within_one_step(pair, name, block, keep, seed):
@@ -333,6 +334,8 @@ MALFORMED = {
     "missing stream": ("q8", lambda h, a: (h, {k: v for k, v in a.items() if k != SCALES}), "not the header's"),
     "stream dtype": ("q8", lambda h, a: (h, _with(a, SCALES, a[SCALES].astype(np.float64))), "not a flat float32"),
     "dense kept": ("q8", lambda h, a: ({**h, "tensors": [{**h["tensors"][0], "kept": 3}]}, a), "kept and index"),
+    "negative dimension": ("q8", lambda h, a: ({**h, "tensors": [{**h["tensors"][0], "shape": [-37]}]}, a),
+                           "greater than or equal to 0"),
     "reserved name": ("q8", lambda h, a: ({**h, "exact": ["codec:x"]}, {**a, "codec:x": a["n"]}), "codec:"),
 }
 
@@ -381,6 +384,10 @@ def test_a_frame_for_another_model_or_past_float32_is_refused():
     with pytest.raises(CodecError, match="reference is float32") as caught:
         decode(Encoded.from_arrays(header, arrays), {**reference, "w": np.zeros(36, np.float32)})
     assert caught.value.reason == "wrong_shape"
+    vast = {**header, "tensors": [{**header["tensors"][0], "shape": [2**31, 2**31]}]}  # refused before allocating
+    with pytest.raises(CodecError, match="reference is float32") as caught:
+        decode(Encoded.from_arrays(vast, arrays), reference)
+    assert caught.value.reason == "wrong_shape"
     huge = _with(arrays, SCALES, np.full_like(arrays[SCALES], 3e36))
     with pytest.raises(CodecError, match="past float32's range") as caught:
         decode(Encoded.from_arrays(header, huge), reference)
@@ -390,7 +397,7 @@ def test_a_frame_for_another_model_or_past_float32_is_refused():
 # --------------------------------------------------------------------------- aggregation
 @pytest.mark.parametrize("name", LOSSY)
 def test_decoded_updates_aggregate_to_the_same_bits_in_any_arrival_order(name):
-    """Six agents' frames, decoded afresh for each of 24 arrival orders, under the plain
+    """Six agents' frames, decoded afresh for each of 20 arrival orders, under the plain
     mean and the default rule with its update bound."""
     rng = np.random.default_rng(18)
     reference = cnn_state(rng, NARROW_SHAPES)
@@ -402,8 +409,7 @@ def test_decoded_updates_aggregate_to_the_same_bits_in_any_arrival_order(name):
     weights = [600, 35, 1200, 7, 600, 90]
     for rule in (Mean, lambda: AggregationSpec(max_weight_ratio=None).build()):
         results = []
-        for seed in range(24):
-            order = np.random.default_rng(seed).permutation(6)
+        for order in list(itertools.permutations(range(6)))[::36]:  # 20 distinct orders
             aggregator = rule()
             aggregator.begin(reference)
             for i in order:
