@@ -256,29 +256,30 @@ class ByteCount:
 
 
 # --------------------------------------------------------------------------- encode
-def exact_names(reference: Mapping[str, np.ndarray], marked: Collection[str] = ()) -> set[str]:
-    """The tensors of ``reference`` no codec compresses: those ``marked`` exact, every
-    tensor that is not float32 (integers, float16, float64), and BatchNorm's running
-    statistics and counter (:data:`EXACT_LEAVES`)."""
-    return {name for name, value in reference.items()
-            if name in marked or np.asarray(value).dtype != np.float32 or name.rsplit(".", 1)[-1] in EXACT_LEAVES}
+def exact_names(update: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray],
+                marked: Collection[str] = ()) -> set[str]:
+    """The tensors of ``update`` no codec compresses: those ``marked`` exact, those
+    ``reference`` has not (a method's statistics, a personal part it uploads: there is no
+    change to take), every tensor that is not float32 (integers, float16, float64), and
+    BatchNorm's running statistics and counter (:data:`EXACT_LEAVES`)."""
+    return {name for name, value in update.items()
+            if name in marked or name not in reference or np.asarray(value).dtype != np.float32
+            or name.rsplit(".", 1)[-1] in EXACT_LEAVES}
 
 
 def encode(update: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], spec: CodecSpec,
            rng: np.random.Generator, *, exact: Collection[str] = ()) -> Encoded:
-    """Encode ``update`` as its change from ``reference`` (same keys, shapes, dtypes).
+    """Encode ``update`` as its changes from ``reference``, the tensors its task carried.
 
     The tensors of :func:`exact_names` (``exact``: more names the caller's method keeps
     exact) go as the update's own values; the others as ``update - reference``,
     compressed by ``spec`` with randomness from ``rng``. Without error feedback: an agent
-    uses :meth:`ErrorFeedback.encode`. Raises ValueError for NaN or Inf and for keys,
-    shapes or dtypes that differ from the reference's."""
-    _check_alike(update, reference, "update")
-    exact_set = exact_names(reference, exact) if spec.bits is not None else set(reference)
+    uses :meth:`ErrorFeedback.encode`. Raises ValueError for NaN or Inf and for a tensor
+    whose shape or dtype differs from the reference's."""
+    lossy, exact_values = _partition(update, reference, spec, exact)
     changes = {name: np.asarray(update[name], np.float64) - np.asarray(reference[name], np.float64)
-               for name in reference if name not in exact_set}
-    return encode_changes(changes, {name: np.asarray(update[name]) for name in reference if name in exact_set},
-                          spec, rng)
+               for name in lossy}
+    return encode_changes(changes, exact_values, spec, rng)
 
 
 def encode_changes(changes: Mapping[str, np.ndarray], exact: Mapping[str, np.ndarray], spec: CodecSpec,
@@ -392,26 +393,22 @@ def dequantize(encoded: Encoded) -> TensorDict:
 
 def decode(encoded: Encoded, reference: Mapping[str, np.ndarray]) -> TensorDict:
     """The update ``encoded`` stands for: ``float32(reference + change)`` for each
-    compressed tensor, the exact tensors as sent. Deterministic, so that the same frame
-    gives the same bits at every coordinator; raises :class:`CodecError` when the frame
-    is malformed or does not fit ``reference`` (names, shapes, dtypes) or decodes to a
-    value float32 cannot hold."""
+    compressed tensor, then the exact tensors as sent. Deterministic, so that the same
+    frame gives the same bits at every coordinator. Raises :class:`CodecError` when the
+    frame is malformed, compresses a tensor ``reference`` has not or of another shape, or
+    decodes to a value float32 cannot hold; which tensors an update must have is the
+    method's to check, as for any update."""
     header = encoded.header
     compressed = {t.name: t for t in header.tensors}
-    if set(compressed) | set(header.exact) != set(reference):
-        raise CodecError("wrong_tensors", "the frame's tensors differ from the reference's")
-    out: TensorDict = {}
-    for name in header.exact:
-        value, ref = np.asarray(encoded.exact[name]), np.asarray(reference[name])
-        if value.shape != ref.shape or value.dtype != ref.dtype:
-            raise CodecError("wrong_shape", f"{name}: {value.dtype}{list(value.shape)}, the reference is "
-                                            f"{ref.dtype}{list(ref.shape)}")
-        out[name] = value
+    if not set(compressed) <= set(reference):
+        raise CodecError("wrong_tensors", f"the frame compresses {sorted(set(compressed) - set(reference))[:3]}, "
+                                          "which the reference has not")
     for name, tensor in compressed.items():  # before dequantizing: a header's shape sizes what is allocated
         ref = np.asarray(reference[name])
         if ref.dtype != np.float32 or ref.shape != tensor.shape:
             raise CodecError("wrong_shape", f"{name}: float32{list(tensor.shape)}, the reference is "
                                             f"{ref.dtype}{list(ref.shape)}")
+    out: TensorDict = {}
     for name, change in _changes(encoded):
         ref = np.asarray(reference[name])
         with np.errstate(over="ignore"):
@@ -419,7 +416,8 @@ def decode(encoded: Encoded, reference: Mapping[str, np.ndarray]) -> TensorDict:
         if not np.isfinite(value).all():
             raise CodecError("non_finite", f"{name} decodes past float32's range")
         out[name] = value
-    return {name: out[name] for name in reference}
+    out.update((name, np.asarray(encoded.exact[name])) for name in header.exact)
+    return out
 
 
 def _changes(encoded: Encoded) -> Iterator[tuple[str, np.ndarray]]:
@@ -524,15 +522,12 @@ class ErrorFeedback:
     def encode(self, update: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], spec: CodecSpec,
                rng: np.random.Generator, *, exact: Collection[str] = ()) -> Encoded:
         """:func:`encode` with the residual added before compression and updated after."""
-        _check_alike(update, reference, "update")
-        exact_set = exact_names(reference, exact) if spec.bits is not None else set(reference)
-        lossy = [name for name in reference if name not in exact_set]
+        lossy, exact_values = _partition(update, reference, spec, exact)
         if {k: v.shape for k, v in self.residual.items()} != {k: np.shape(reference[k]) for k in lossy}:
             self.residual = {name: np.zeros(np.shape(reference[name]), np.float32) for name in lossy}
         targets = {name: np.asarray(update[name], np.float64) - np.asarray(reference[name], np.float64)
                    + self.residual[name] for name in lossy}
-        encoded = encode_changes(targets, {name: np.asarray(update[name]) for name in reference if name in exact_set},
-                                 spec, rng)
+        encoded = encode_changes(targets, exact_values, spec, rng)
         decoded = decode(encoded, reference)
         self.residual = {name: (targets[name] - (decoded[name].astype(np.float64) - reference[name])).astype(np.float32)
                          for name in lossy}
@@ -574,17 +569,20 @@ def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
     return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
 
 
-def _check_alike(update: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], what: str) -> None:
-    if set(update) != set(reference):
-        raise ValueError(f"the {what}'s tensors differ from the reference's: "
-                         f"{sorted(set(update) ^ set(reference))}")
-    for name, ref in reference.items():
-        value, ref = np.asarray(update[name]), np.asarray(ref)
+def _partition(update: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], spec: CodecSpec,
+               marked: Collection[str]) -> tuple[list[str], TensorDict]:
+    """The names of ``update`` to compress, and the tensors to send exact (every one under
+    codec ``none``); raises ValueError for a tensor of another shape or dtype than the
+    reference's (finiteness is :func:`encode_changes`'s to check, on the changes)."""
+    for name, value in update.items():
+        value = np.asarray(value)
+        ref = np.asarray(reference.get(name, value))
         if value.shape != ref.shape or value.dtype != ref.dtype:
-            raise ValueError(f"{name}: the {what} is {value.dtype}{list(value.shape)}, the reference "
+            raise ValueError(f"{name}: the update is {value.dtype}{list(value.shape)}, the reference "
                              f"{ref.dtype}{list(ref.shape)}")
-        if value.dtype.kind == "f" and not (np.isfinite(value).all() and np.isfinite(ref).all()):
-            raise ValueError(f"{name!r} holds NaN or Inf: a codec encodes finite values only")
+    exact = set(update) if spec.bits is None else exact_names(update, reference, marked)
+    return ([name for name in update if name not in exact],
+            {name: np.asarray(update[name]) for name in update if name in exact})
 
 
 __all__ = [

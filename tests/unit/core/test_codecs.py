@@ -152,11 +152,12 @@ def test_the_same_seed_encodes_the_same_bytes_and_another_seed_does_not():
 
 
 # --------------------------------------------------------------------------- exact tensors
-def test_statistics_integers_other_floats_and_marked_tensors_go_bit_for_bit():
+def test_statistics_integers_other_floats_unreferenced_and_marked_tensors_go_bit_for_bit():
     rng = np.random.default_rng(9)
     reference = cnn_state(rng)
     reference["encoder.scale"] = rng.normal(0, 1, 7)  # float64: never compressed
     update = trained(reference, rng)
+    update["stat/prototypes"] = rng.normal(0, 1, (10, 128)).astype(np.float32)  # no reference: no change to take
     odd = np.array([-0.0, 1e-45, 3.0e38, -2.5e-39, 1 / 3] * 6 + [0.0, 7.0], np.float32)
     update["encoder.conv.1.running_mean"] = odd
     marked = {"head.bias"}
@@ -164,9 +165,10 @@ def test_statistics_integers_other_floats_and_marked_tensors_go_bit_for_bit():
     decoded = decode(Encoded.from_arrays(encoded.header_fields(), encoded.arrays()), reference)
     want = {"encoder.conv.1.running_mean", "encoder.conv.1.running_var", "encoder.conv.1.num_batches_tracked",
             "encoder.conv.5.running_mean", "encoder.conv.5.running_var", "encoder.conv.5.num_batches_tracked",
-            "encoder.scale", "head.bias"}
-    assert set(encoded.header.exact) == want == exact_names(reference, marked)
+            "encoder.scale", "head.bias", "stat/prototypes"}
+    assert set(encoded.header.exact) == want == exact_names(update, reference, marked)
     assert not want & {t.name for t in encoded.header.tensors}
+    assert list(encoded.header.exact) == [name for name in update if name in want]  # the update's order: reproducible
     for name in want:
         assert decoded[name].dtype == update[name].dtype
         assert decoded[name].tobytes() == update[name].tobytes(), name
@@ -278,7 +280,7 @@ def test_error_feedback_state_survives_a_restart():
     for round_ in range(3):
         before.encode(trained(reference, rng), reference, spec, np.random.default_rng(round_))
     state = before.state_dict()
-    assert set(state) == {t for t in CNN_SHAPES if t not in exact_names(reference)}
+    assert set(state) == {t for t in CNN_SHAPES if t not in exact_names(reference, reference)}
     assert all(v.dtype == np.float32 and v.any() for v in state.values())
     after = ErrorFeedback()
     after.load_state_dict(state)
@@ -378,8 +380,8 @@ def test_a_malformed_gap_index_is_refused(index, message):
 
 def test_a_frame_for_another_model_or_past_float32_is_refused():
     header, arrays, reference = frame("q8")
-    with pytest.raises(CodecError, match="differ from the reference") as caught:
-        decode(Encoded.from_arrays(header, arrays), {**reference, "extra": np.zeros(1, np.float32)})
+    with pytest.raises(CodecError, match=r"compresses \['w'\], which the reference has not") as caught:
+        decode(Encoded.from_arrays(header, arrays), {"n": reference["n"]})
     assert caught.value.reason == "wrong_tensors"
     with pytest.raises(CodecError, match="reference is float32") as caught:
         decode(Encoded.from_arrays(header, arrays), {**reference, "w": np.zeros(36, np.float32)})
