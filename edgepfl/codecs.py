@@ -15,8 +15,9 @@ deterministic, so the sums stay bit-identical in any arrival order.
   into the next round, so nothing is lost over rounds.
 * **Exact where it must be.** BatchNorm running statistics (estimates of the device's
   data, which the coordinator bounds in their own geometry), integer tensors such as
-  ``num_batches_tracked``, any floating tensor other than float32, and any name the
-  caller marks exact go as they are, bit for bit.
+  ``num_batches_tracked``, any floating tensor other than float32, any tensor the
+  reference has not (a method's statistics) and any name the caller marks exact go as
+  they are, bit for bit.
 * **Nothing executable on the wire.** An :class:`Encoded` is a small JSON-able header
   (:class:`CodecHeader`) and a few flat arrays (uint8 and float32, the envelope's own
   dtypes); docs/COMPRESSION.md describes them byte by byte for other implementations.
@@ -29,7 +30,8 @@ byte boundary:
   so 8-bit codes are 1..255 and 4-bit codes 1..15; 0 is never a level). Two 4-bit codes
   share a byte, the first in the low nibble; an odd count ends with a zero nibble.
 * ``codec:scales`` (float32): per block, the step between levels; a value decodes to
-  ``(code - 2**(bits-1)) * step`` and the block's largest magnitude is ``levels * step``.
+  ``(code - 2**(bits-1)) * step``, and the block's largest magnitude is at most
+  ``(2**(bits-1) - 1) * step``.
 * ``codec:index`` (uint8, top-k only): which flat positions (C order) were kept, per
   tensor the smaller of a bitmap (one bit per position, least significant bit first)
   and LEB128 varints of the gaps between kept positions (``position - previous - 1``,
