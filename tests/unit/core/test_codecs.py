@@ -396,6 +396,26 @@ def test_a_frame_for_another_model_or_past_float32_is_refused():
     assert caught.value.reason == "non_finite"
 
 
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_the_arrays_travel_in_todays_envelope(name):
+    """The streams' dtypes and names are ones an edgepfl frame carries: the body decodes
+    to the same update (the header will ride in the update's meta with protocol 1.6)."""
+    from edgepfl.protocol import MessageType, UpdateMeta
+    from edgepfl.protocol import decode as decode_frame
+    from edgepfl.protocol import encode as encode_frame
+
+    rng = np.random.default_rng(22)
+    reference = cnn_state(rng, NARROW_SHAPES)
+    encoded = encode(trained(reference, rng), reference, CodecSpec.from_name(name), np.random.default_rng(0))
+    meta = UpdateMeta(task_id="a" * 32, kind="train", num_train=600, num_test=200, eval_correct=150)
+    frame = encode_frame(MessageType.UPDATE, federation="f", sender="agent-00", round=3, meta=meta,
+                         tensors=encoded.arrays())
+    received = decode_frame(frame).tensors
+    got = decode(Encoded.from_arrays(json.loads(json.dumps(encoded.header_fields())), received), reference)
+    want = decode(encoded, reference)
+    assert got.keys() == want.keys() and all(got[k].tobytes() == want[k].tobytes() for k in want)
+
+
 # --------------------------------------------------------------------------- aggregation
 @pytest.mark.parametrize("name", LOSSY)
 def test_decoded_updates_aggregate_to_the_same_bits_in_any_arrival_order(name):
