@@ -57,8 +57,9 @@ def trained_change(steps: int, seed: int) -> tuple[dict[str, np.ndarray], dict[s
 
 def frame_bytes(tensors: dict[str, np.ndarray]) -> int:
     meta = UpdateMeta(task_id="a" * 32, kind="train", num_train=600, num_test=200, eval_correct=150)
+    # a fixed creation time: the header's timestamp would otherwise vary the length by a byte
     return len(encode_frame(MessageType.UPDATE, federation="bench", sender="agent-00", round=7, meta=meta,
-                            tensors=tensors))
+                            tensors=tensors, created=1_790_000_000.0))
 
 
 def measure(reference: dict[str, np.ndarray], update: dict[str, np.ndarray], keep: float) -> list[dict]:
