@@ -138,7 +138,7 @@ class Registry:
             self._told_incapable.add(agent_id)  # once per agent: it re-announces on every connect
             log.warning("agent %s gets no task of this %s run: %s", agent_id, self._method or "", why)
 
-    def stale_presence(self, agent_id: str, status: StatusMeta, created: float) -> str | None:
+    def stale_presence(self, agent_id: str, status: StatusMeta, created: float, signed: bool = True) -> str | None:
         """Why a status with a ``session`` must not change the agent's presence, or None.
 
         ``created`` is the status's (signed) creation time on the agent's clock. An
@@ -146,9 +146,18 @@ class Registry:
         the agent's current session (its will is made before its births, so it is older)
         or newer than the last status accepted (the will of a process whose birth was
         lost). A replayed old ``offline`` fails both. A status without a session (a
-        protocol 1.0 agent) is not ordered."""
+        protocol 1.0 agent) is not ordered.
+
+        Unless ``signed`` (the status was verified against the agent's enrolled key), an
+        ``online`` is never stale: on an unsigned deployment anyone may write any status,
+        session and date, so ordering cannot stop a forger, and it must not let one forged
+        status (an ``offline`` of a made-up session dated years ahead, issue #37) make the
+        real agent's births "older" for the rest of the run. The agent answers a status it
+        did not publish with a birth; that birth is always heard."""
         last = self._presence.get(agent_id)
         if status.session is None or last is None:
+            return None
+        if not signed and status.state != "offline":
             return None
         session, last_created = last
         heard = self._sessions.get(agent_id, ())
