@@ -79,6 +79,8 @@ class Registry:
         self._presence: dict[str, tuple[str, float]] = {}
         # agent id -> the sessions whose statuses were accepted, oldest first (SESSIONS_KEPT at most)
         self._sessions: dict[str, deque[str]] = {}
+        # agent id -> (session, the highest broker connection number its statuses were accepted with)
+        self._connections: dict[str, tuple[str, int]] = {}
         # what this run needs of a trainer (require()); None: anything
         self._method: str | None = None
         self._arch: str | None = None
@@ -168,6 +170,15 @@ class Registry:
             return self._stale(status, created, session, last_created)
         if created > last_created:
             return None
+        newest_connection = self._connections.get(agent_id)
+        if (status.state == "online" and status.session == session and status.connection is not None
+                and newest_connection is not None and newest_connection[0] == session
+                and status.connection > newest_connection[1]):
+            # a birth on a later broker connection of the current process (protocol 1.3) is newer
+            # whatever the device's clock says: a device whose clock ran ahead and was corrected,
+            # then reconnected, was otherwise offline until its clock passed the order mark
+            # (up to MAX_CLOCK_SKEW_S), and nothing made it announce itself after that (issue #37)
+            return None
         # The same status again while it still holds (the broker re-delivers retained statuses
         # on every subscribe, e.g. after the coordinator reconnects) changes nothing: not
         # stale. Once the agent went offline, its birth replayed is.
@@ -207,6 +218,10 @@ class Registry:
             # never runs more than the tolerated skew ahead of this host's clock.
             now = wall_time()
             self._presence[agent_id] = (status.session, min(newest, now + MAX_CLOCK_SKEW_S))
+            known = self._connections.get(agent_id)
+            if status.connection is not None and (known is None or known[0] != status.session
+                                                  or status.connection > known[1]):
+                self._connections[agent_id] = (status.session, status.connection)
             self._note_clock(agent_id, created - now)
         self.show_life(agent_id)
         self._last_status[agent_id] = self.clock.now()
@@ -264,6 +279,7 @@ class Registry:
             self._online_by_tier[info.tier] -= 1
         self._eligible.discard(agent_id)
         self._presence.pop(agent_id, None)
+        self._connections.pop(agent_id, None)
         self.revision += 1
         log.info("agent %s removed from the registry", agent_id)
 

@@ -501,6 +501,40 @@ def test_on_an_unsigned_deployment_one_forged_status_or_refusal_cannot_keep_an_a
         assert isinstance(verdict, Refused) and verdict.may_exclude is excludes
 
 
+def test_a_device_whose_clock_was_corrected_and_that_reconnected_at_once_is_heard_at_once(monkeypatch, keyring):
+    """The tolerated skew bounds the order mark (the test above), but a device whose clock was
+    corrected and whose connection dropped within that window announced itself only then:
+    its will (offline, its own session) was taken, its birth on the new connection was "older"
+    than the mark, and nothing made it announce itself again: offline for the rest of the run.
+    A birth on a later broker connection of the same process (protocol 1.3's ``connection``)
+    is newer whatever the clock says; a replayed birth is not."""
+    from edgepfl.coordinator import registry as registry_module
+
+    def status_at(state: str, created: float, connection: int | None) -> bytes:
+        return encode(MessageType.STATUS, federation=FED, sender="alice", round=-1, signer=ALICE, created=created,
+                      meta=StatusMeta(state=state, num_train=10, num_test=5, session="d" * 32, connection=connection))
+
+    def feed(frame: bytes) -> str | None:
+        verdict = admit_presence("alice", frame, keyring, registry=registry)
+        if isinstance(verdict, Presence):
+            registry.update("alice", verdict.meta, verdict.created)
+        return reason(verdict)
+
+    now = [1_800_000_000.0]
+    monkeypatch.setattr(registry_module, "wall_time", lambda: now[0])
+    registry = Registry()
+    will = status_at("offline", now[0] + 86_400 - 5, None)  # made at its start, before its births
+    first_birth = status_at("online", now[0] + 86_400, 1)  # a day ahead
+    assert feed(first_birth) is None
+    now[0] += 60  # the clock is corrected; the connection drops with it
+    assert feed(will) is None and not registry.is_online("alice")  # its own session's will
+    second_birth = status_at("online", now[0], 2)
+    assert feed(second_birth) is None  # the birth on connection 2: heard
+    assert registry.is_online("alice")
+    assert feed(status_at("offline", now[0] + 1, None)) is None  # its will again (connection 2 lost)
+    assert feed(second_birth) == "stale_status"  # replayed: no later connection, not newer
+
+
 def test_a_device_restarted_with_its_clock_20_minutes_behind_is_heard_and_a_replay_is_not(monkeypatch, keyring):
     """Its new process's birth is older, by its clock, than the statuses its last process sent.
     It was refused `stale_status` and the device was never sampled again; a session the run
