@@ -81,6 +81,10 @@ class Fleet(ABC):
     #: not delivered): then the round loop sends a task again to an agent that reconnected
     #: while it was unanswered (PROTOCOL.md §10)
     loses_tasks: ClassVar[bool] = False
+    #: whether every frame that comes out of :meth:`poll` on an agent's channel is provably that
+    #: agent's own without a signature (agents in this process): then an unsigned refusal for
+    #: good may keep the agent out of the run, as a signed one does (Inbox._on_refusal)
+    own_frames: ClassVar[bool] = False
 
     @abstractmethod
     def send(self, agent_id: str, frame: bytes, round: int) -> int:
@@ -379,6 +383,8 @@ class LocalFleet(Fleet):
     nothing. The frames are the ones an MQTT fleet carries, so with devices that answer
     within the round's deadline a run here matches one over MQTT bit for bit.
     """
+
+    own_frames = True  # its agents live in this process: nobody else can write in their name
 
     def __init__(self, agents: Mapping[str, LocalAgent], federation: str, timing: FleetTiming | None = None,
                  epochs: int = 1):

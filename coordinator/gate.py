@@ -97,6 +97,12 @@ class Refused:
     reason: str
     detail: str
     message_id: str
+    #: whether the refusal may keep the agent out of the run (:data:`EXCLUDING_REFUSALS`):
+    #: only when it is provably the agent's own (signed by its enrolled key) or the
+    #: coordinator's own finding. On an unsigned deployment anyone can publish a refusal
+    #: naming the agent's task (it is on the task topic): it costs the agent that task, as
+    #: a forged update would, but never the rest of the run (issue #37)
+    may_exclude: bool = True
 
 
 @dataclass(frozen=True)
@@ -389,7 +395,7 @@ class UpdateGate:
             return reject("duplicate", f"task {task.task_id} already answered")
         if isinstance(answer, RefusalMeta):
             reason = answer.reason if answer.reason in REFUSAL_REASONS else "error"
-            return Refused(agent_id, reason, answer.detail, h.message_id)
+            return Refused(agent_id, reason, answer.detail, h.message_id, may_exclude=self.keyring is not None)
         meta = answer
         if meta.kind != task.kind:
             return reject("malformed", f"answered a {task.kind} task with {meta.kind}")
@@ -463,7 +469,7 @@ def admit_presence(agent_id: str, frame: bytes, keyring: Keyring | None = None,
     if meta.num_train > MAX_SAMPLES or meta.num_test > MAX_SAMPLES:
         return Rejection(agent_id, "malformed", f"status announces more than {MAX_SAMPLES} samples", attributed)
     if registry is not None:
-        stale = registry.stale_presence(agent_id, meta, message.header.created)
+        stale = registry.stale_presence(agent_id, meta, message.header.created, signed=keyring is not None)
         if stale is not None:
             return Rejection(agent_id, "stale_status", stale, attributed)
     return Presence(meta, message.header.created)

@@ -250,7 +250,7 @@ class Inbox:
         self.counters.refused[refused.reason] += 1
         log.info("round %d: agent %s refused its task: %s (%s)", self._tasks.round, refused.agent_id, refused.reason,
                  refused.detail)
-        if refused.reason in EXCLUDING_REFUSALS:
+        if refused.reason in EXCLUDING_REFUSALS and (refused.may_exclude or self.fleet.own_frames):
             self.registry.exclude(refused.agent_id, refused.reason)
 
     def _on_metrics(self, incoming: Incoming) -> None:

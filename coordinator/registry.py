@@ -81,6 +81,8 @@ class Registry:
         self._presence: dict[str, tuple[str, float]] = {}
         # agent id -> the sessions whose statuses were accepted, oldest first (SESSIONS_KEPT at most)
         self._sessions: dict[str, deque[str]] = {}
+        # agent id -> (session, the highest broker connection number its statuses were accepted with)
+        self._connections: dict[str, tuple[str, int]] = {}
         # what this run needs of a trainer (require()); None: anything
         self._method: str | None = None
         self._arch: str | None = None
@@ -142,7 +144,7 @@ class Registry:
             self._told_incapable.add(agent_id)  # once per agent: it re-announces on every connect
             log.warning("agent %s gets no task of this %s run: %s", agent_id, self._method or "", why)
 
-    def stale_presence(self, agent_id: str, status: StatusMeta, created: float) -> str | None:
+    def stale_presence(self, agent_id: str, status: StatusMeta, created: float, signed: bool = True) -> str | None:
         """Why a status with a ``session`` must not change the agent's presence, or None.
 
         ``created`` is the status's (signed) creation time on the agent's clock. An
@@ -150,9 +152,18 @@ class Registry:
         the agent's current session (its will is made before its births, so it is older)
         or newer than the last status accepted (the will of a process whose birth was
         lost). A replayed old ``offline`` fails both. A status without a session (a
-        protocol 1.0 agent) is not ordered."""
+        protocol 1.0 agent) is not ordered.
+
+        Unless ``signed`` (the status was verified against the agent's enrolled key), an
+        ``online`` is never stale: on an unsigned deployment anyone may write any status,
+        session and date, so ordering cannot stop a forger, and it must not let one forged
+        status (an ``offline`` of a made-up session dated years ahead, issue #37) make the
+        real agent's births "older" for the rest of the run. The agent answers a status it
+        did not publish with a birth; that birth is always heard."""
         last = self._presence.get(agent_id)
         if status.session is None or last is None:
+            return None
+        if not signed and status.state != "offline":
             return None
         session, last_created = last
         heard = self._sessions.get(agent_id, ())
@@ -162,6 +173,15 @@ class Registry:
             # earlier process's statuses look newer)
             return self._stale(status, created, session, last_created)
         if created > last_created:
+            return None
+        newest_connection = self._connections.get(agent_id)
+        if (status.state == "online" and status.session == session and status.connection is not None
+                and newest_connection is not None and newest_connection[0] == session
+                and status.connection > newest_connection[1]):
+            # a birth on a later broker connection of the current process (protocol 1.3) is newer
+            # whatever the device's clock says: a device whose clock ran ahead and was corrected,
+            # then reconnected, was otherwise offline until its clock passed the order mark
+            # (up to MAX_CLOCK_SKEW_S), and nothing made it announce itself after that (issue #37)
             return None
         # The same status again while it still holds (the broker re-delivers retained statuses
         # on every subscribe, e.g. after the coordinator reconnects) changes nothing: not
@@ -202,6 +222,10 @@ class Registry:
             # never runs more than the tolerated skew ahead of this host's clock.
             now = wall_time()
             self._presence[agent_id] = (status.session, min(newest, now + MAX_CLOCK_SKEW_S))
+            known = self._connections.get(agent_id)
+            if status.connection is not None and (known is None or known[0] != status.session
+                                                  or status.connection > known[1]):
+                self._connections[agent_id] = (status.session, status.connection)
             self._note_clock(agent_id, created - now)
         self.show_life(agent_id)
         self._last_status[agent_id] = self.clock.now()
@@ -259,6 +283,7 @@ class Registry:
             self._online_by_tier[info.tier] -= 1
         self._eligible.discard(agent_id)
         self._presence.pop(agent_id, None)
+        self._connections.pop(agent_id, None)
         self.revision += 1
         log.info("agent %s removed from the registry", agent_id)
 

@@ -21,7 +21,7 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
-from edgepfl.atomic import make_dirs, open_for_append, write_bytes, write_json
+from edgepfl.atomic import make_dirs, naming_errors, open_for_append, write_bytes, write_json
 from edgepfl.failpoints import failpoint
 from edgepfl.methods import ServerState
 from edgepfl.metrics import (
@@ -101,7 +101,7 @@ class RunDirectory:
 
     # ---------------------------------------------------------------- metrics rows
     def append_row(self, row: RoundMetrics) -> None:
-        with open_for_append(self.metrics_path) as fh:
+        with naming_errors(self.metrics_path), open_for_append(self.metrics_path) as fh:
             fh.write(row.to_line().encode())
             fh.flush()
 

@@ -15,6 +15,8 @@ import json
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,24 @@ def make_dirs(path: str | Path) -> Path:
         except FileExistsError:  # made meanwhile by another writer
             pass
     return target
+
+
+def _naming(exc: OSError, path: Path) -> OSError:
+    """``exc`` naming ``path``. A write, flush or fsync raises an OSError that names no file: a
+    full disk said only "cannot write: No space left on device" (issue #37); the error the
+    operator sees names the file it concerns."""
+    return OSError(exc.errno, exc.strerror, str(path))
+
+
+@contextmanager
+def naming_errors(path: str | Path) -> Iterator[None]:
+    """Re-raise an OSError of the block that names no file as one naming ``path``."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None:
+            raise _naming(exc, Path(path)) from exc
+        raise
 
 
 def open_for_append(path: str | Path):
@@ -96,11 +116,13 @@ def write_bytes(path: str | Path, data: bytes, *, private: bool = False) -> None
             os.fsync(fh.fileno())
         failpoint("atomic.written")
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError) and exc.filename is None:
+            raise _naming(exc, path) from exc
         raise
     failpoint("atomic.renamed")
     try:  # make the rename itself durable

@@ -131,6 +131,54 @@ def test_agent_process_prints_one_line_naming_the_cause(tmp_path):
     assert took < 40  # data loading and imports included; the connection itself fails at once
 
 
+@pytest.mark.timeout(300)
+def test_an_agent_that_finds_its_broker_full_says_so_keeps_trying_and_gets_in_once_there_is_room(tmp_path):
+    """The red team filled a provisioned broker's ``max_connections`` with idle TCP sockets (no
+    credentials) and started an agent: it exited 4 blaming its client certificate. Here the
+    same, live: a Mosquitto from ``provision``'s ``mosquitto.conf`` (20 connections for one
+    device), one idle socket more than that from this host, then ``edgepfl agent`` from its
+    bundle. It must say the broker may be full, keep running, and connect once the idle
+    sockets are gone. (What keeps them out in the first place: test_idle_sockets.py.)"""
+    import re
+    import socket
+
+    require_mosquitto()
+    out = _provisioned(tmp_path, "full", "cert")
+    limit = int(re.search(r"^max_connections (\d+)", (out / "broker" / "mosquitto.conf").read_text(), re.M).group(1))
+    with MosquittoBroker(conf=out / "broker" / "mosquitto.conf") as broker:
+        idle = [socket.create_connection(("127.0.0.1", broker.port), timeout=10) for _ in range(limit + 1)]
+        proc = None
+        log = tmp_path / "agent.log"
+        try:
+            bundle = out / "agents" / "pi-01"
+            agent = yaml.safe_load((bundle / "agent.yaml").read_text())
+            agent["broker"]["url"] = broker.url
+            agent["data"] = {"dataset": "auto", "samples_per_client": 50, "num_clients": 2}
+            (bundle / "agent.yaml").write_text(yaml.safe_dump(agent))
+            with open(log, "wb") as sink:
+                proc = subprocess.Popen([sys.executable, "-m", "edgepfl.cli", "--log-level", "info", "agent",
+                                         "--config", "agent.yaml"], cwd=bundle, stdout=sink, stderr=subprocess.STDOUT,
+                                        env=dict(os.environ, OMP_NUM_THREADS="1"))
+            # no deadline of ours: run by hand, the agent gives up after 120 s (an exit the loops catch)
+            while "may be full (max_connections)" not in log.read_text(errors="replace"):
+                assert proc.poll() is None, f"the agent exited {proc.returncode}:\n{log.read_text()[-2000:]}"
+                time.sleep(0.2)
+            assert proc.poll() is None, log.read_text()[-2000:]  # retrying, not exit 4
+            assert "rejected this client's TLS certificate" not in log.read_text(errors="replace")
+            for sock in idle:
+                sock.close()
+            idle = []
+            while "(trainer tier) online" not in log.read_text(errors="replace"):
+                assert proc.poll() is None, f"the agent exited {proc.returncode}:\n{log.read_text()[-2000:]}"
+                time.sleep(0.2)
+        finally:
+            for sock in idle:
+                sock.close()
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+
+
 # --------------------------------------------------------------------------- a broker that stops
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 
 import numpy as np
@@ -18,6 +19,7 @@ import pytest
 
 from edgepfl.coordinator.fleet import MqttFleet
 from edgepfl.coordinator.rounds import Coordinator
+from edgepfl.logs import LINES_PER_WINDOW, WINDOW_S
 from edgepfl.protocol import AgentChannel, ChunkMeta, MessageType, agent_topic, encode
 
 from tests.fleet_helpers import RunningFleet, run_config
@@ -74,7 +76,9 @@ def test_a_chunk_flood_on_one_topic_evicts_no_other_agents_update(mosquitto, tmp
             shared = sum(v.nbytes for v in coord.state.shared_params().values())
             assert shared > 10 * 16_384  # every update travels in ten chunks or more
             with caplog.at_level(logging.WARNING):
+                started = time.monotonic()
                 rows = coord.run()
+                windows = int((time.monotonic() - started) // WINDOW_S) + 1  # the log limiter's windows begun
         finally:
             flood.close()
             mfleet.close()
@@ -90,3 +94,10 @@ def test_a_chunk_flood_on_one_topic_evicts_no_other_agents_update(mosquitto, tmp
     assert coord.counters.rejected["evicted"] >= evicted
     assert "dropped message on edgepfl/v1/" in caplog.text and "/intruder/update: evicted" in caplog.text
     assert "/agent-00/update: evicted" not in caplog.text and "/agent-01/update: evicted" not in caplog.text
+    # one WARNING per eviction was 8,281 lines in 37 s for the red team: now at most LINES_PER_WINDOW
+    # per window begun (an upper bound that a slower run only raises), the rest counted, not logged
+    lines = [r for r in caplog.records if r.levelno == logging.WARNING and r.getMessage().startswith("dropped message on")
+             and ": evicted" in r.getMessage()]
+    assert len(lines) <= LINES_PER_WINDOW * windows, f"{len(lines)} eviction lines for {evicted} evictions"
+    if evicted > LINES_PER_WINDOW * windows:
+        assert "more evicted warnings this minute are counted, not logged" in caplog.text

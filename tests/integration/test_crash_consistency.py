@@ -88,3 +88,28 @@ def test_a_coordinator_killed_at_a_write_point_resumes_to_the_uninterrupted_fina
     # nothing a crash left half-written stays behind once the run has checkpointed again
     files = {p.name for p in (out / "checkpoint").iterdir() if p.is_file()}
     assert files == {"state.json", next((out / "checkpoint").glob("state-*.safetensors")).name}, files
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_full_disk_is_one_line_naming_the_file_and_the_cure_not_an_internal_error(config_path, tmp_path):
+    """The red team filled the disk under a running coordinator: it ended with "internal
+    error". Here a real run writes into a 16 KiB tmpfs, which fills during round 0. The
+    process must exit with the data code (3) and end with one ``edgepfl:`` line naming the
+    file it could not write, the cause and what to do; no "internal error"."""
+    import shutil
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        done = simulate(config_path, disk / "run")
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+        shutil.rmtree(disk, ignore_errors=True)
+    assert done.returncode == 3, done.stderr[-3000:]  # ExitCode.DATA (README, exit codes)
+    last = done.stderr.strip().splitlines()[-1]
+    assert "internal error" not in done.stderr, done.stderr[-3000:]
+    assert last.startswith(f"edgepfl: cannot write {disk / 'run'}/") and "No space left on device" in last, last
+    assert "free space" in last and "resumes from its last checkpoint" in last, last

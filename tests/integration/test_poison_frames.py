@@ -12,10 +12,13 @@ the agents' topics. The conformance kit's network thread gets the same corpus.
 
 from __future__ import annotations
 
+import json
+import struct
 import subprocess
 import sys
 import threading
 import time
+import uuid
 
 import numpy as np
 
@@ -167,6 +170,70 @@ def test_forged_frames_ahead_of_every_real_update_cost_no_agent_its_task(mosquit
             assert "stays open" in agent_log(out, agent)  # the NACKs named frames it never sent
             assert "is closed" not in agent_log(out, agent)
     finally:
+        attacker.close()
+        if fleet is not None:
+            fleet.close()
+        stop_agents(procs)
+
+
+def test_one_forged_refusal_or_status_dated_ten_years_ahead_costs_an_agent_one_round_at_most(mosquitto, tmp_path, ref):
+    """Unsigned deployment, the red team's two one-message lockouts (issue #37). When
+    agent-00's first training task goes out, the attacker answers it with a refusal
+    ``unsupported_method`` in agent-00's name (it read the task id off the task topic): that
+    excluded agent-00 for the rest of the run. When agent-01's first task goes out, the
+    attacker replays agent-01's birth as an ``offline`` of a session it never had, dated ten
+    years ahead, retained: agent-01's own births were "older" for the rest of the run. Either
+    costs at most the round it lands in: both agents train again in every later round."""
+    config = prepare(run_config(rounds=3, round_timeout_s=120), len(TRAINERS))
+    fed, out, url = config.federation, tmp_path / "run", mosquitto.url
+    attacker = Attacker(url, fed)
+    procs = [spawn_agent(config, out, url, agent, i) for i, agent in enumerate(TRAINERS)]
+    forged: dict[str, str] = {}
+
+    def forge(agent: str, task_frame: bytes) -> None:
+        header, _ = ref["decode_frame"](task_frame)
+        if header["type"] != "task" or header["meta"].get("kind") != "train" or agent in forged:
+            return
+        forged[agent] = header["meta"]["task_id"]
+        if agent == "agent-00":
+            meta = {"task_id": header["meta"]["task_id"], "reason": "unsupported_method", "detail": "no such method"}
+            attacker.publish("agents/agent-00/update", ref["encode_frame"]("refusal", fed, agent, header["round"], meta))
+            return
+        birth, _ = ref["decode_frame"](attacker.frames(f"agents/{agent}/status")[-1])
+        meta = {**birth["meta"], "state": "offline", "session": uuid.uuid4().hex}
+        frame = ref["encode_frame"]("status", fed, agent, -1, meta)
+        head_len = struct.unpack(">I", frame[4:8])[0]
+        head = json.loads(frame[8:8 + head_len])
+        head["created"] += 10 * 365 * 86_400  # the header's time, as the protocol spells it
+        head_bytes = json.dumps(head).encode()
+        attacker.publish(f"agents/{agent}/status", frame[:4] + struct.pack(">I", len(head_bytes)) + head_bytes,
+                         retain=True)
+
+    def on_message(client, userdata, msg) -> None:
+        attacker.seen.put((msg.topic, bytes(msg.payload)))
+        parts = msg.topic.split("/")
+        if len(parts) == 6 and parts[5] == "task" and msg.payload:
+            threading.Thread(target=forge, args=(parts[4], bytes(msg.payload)), daemon=True).start()
+
+    attacker.client.on_message = on_message
+    fleet = None
+    try:
+        wait_until(lambda: all(attacker.frames(f"agents/{a}/status") for a in TRAINERS), 180, what="agents' births")
+        fleet = MqttFleet(fed, config.broker, url=url)
+        coordinator = Coordinator(config, fleet, out, progress=False, **data_shape(config))
+        thread, box = run_in_thread(coordinator.run)
+        thread.join(timeout=900)
+        assert not thread.is_alive() and "error" not in box, box.get("error")
+        assert set(forged) == set(TRAINERS)  # both attacks went out in round 0
+        rows = read_rows(out)
+        assert len(rows) == config.rounds + 1 and rows[-1].final
+        assert rows[0].refused.get("unsupported_method") == 1  # the forged refusal cost agent-00 round 0's task
+        for row in rows[1:-1]:
+            assert set(row.participants) == set(TRAINERS), row
+        assert set(rows[-1].per_client) == set(TRAINERS), rows[-1]  # the final evaluation hears both
+        assert "announcing itself again" in agent_log(out, "agent-01")  # it answered the foreign status
+    finally:
+        attacker.client.publish(f"edgepfl/v1/{fed}/agents/agent-01/status", b"", qos=1, retain=True)
         attacker.close()
         if fleet is not None:
             fleet.close()

@@ -296,3 +296,72 @@ def test_federation_runs_over_mqtts_from_the_bundles_and_a_client_id_hijack_chan
             assert row.participants == ["pi-01", "pi-02"] and not row.aborted and row.rejected == {}
         assert fleet.transport.connect_count == 1
         assert (out / "agents" / "pi-01" / "state").is_dir()  # relative state_dir resolved in the bundle
+
+
+def _listening(port: int) -> list[str]:
+    """The local addresses (kernel hex, e.g. ``0100007F`` for 127.0.0.1) with a TCP socket
+    listening on ``port``, IPv4 and IPv6, as /proc/net/tcp{,6} show them."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not os.path.exists(table):
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.rsplit(":", 1)
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: TCP_LISTEN
+                found.append(address)
+    return found
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="the first start as root needs root")
+def test_the_printed_first_start_works_as_root_and_listens_on_loopback_only(capsys):
+    """The red team, as root, ran the command ``provision`` printed (``mosquitto -c …``):
+    Mosquitto dropped to its user and could not read ``server.key``; and the generated
+    ``listener <port>`` bound every interface. Here the summary's own ``chown`` and
+    ``mosquitto`` lines are run as printed (the test fixture's ``user root`` is not used), the
+    broker must listen on 127.0.0.1 only (the kernel's listening sockets), and a device's
+    bundle must connect over TLS with its certificate."""
+    import shlex
+    import tempfile
+
+    from edgepfl.broker import free_port
+    from edgepfl.testing.brokers import find_mosquitto
+
+    require_mosquitto()
+    try:
+        import pwd
+
+        pwd.getpwnam("mosquitto")
+    except KeyError:
+        pytest.skip("no 'mosquitto' user to drop to")
+    port = free_port()
+    # the broker host's directory: its parents must be traversable by 'mosquitto' (pytest's tmp_path is not)
+    root = Path(tempfile.mkdtemp(prefix="edgepfl-first-start-"))
+    proc = None
+    try:
+        root.chmod(0o755)
+        out, broker_dir = root / "out", root / "etc"
+        provision(out, "--broker-dir", str(broker_dir), "--port", str(port), agents="pi-01")
+        said = capsys.readouterr().out
+        shutil.copytree(out / "broker", broker_dir)  # step 2: the broker files to the broker host
+        steps = [line.split("   (")[0].strip() for line in said.split("next:", 1)[1].splitlines()]
+        chown = next(s for s in steps if s.startswith("chown "))
+        start = next(s for s in steps if s.startswith("mosquitto "))
+        subprocess.run(shlex.split(chown), check=True, timeout=30)
+        command = shlex.split(start)
+        proc = subprocess.Popen([find_mosquitto(), *command[1:]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        while not _listening(port):
+            assert proc.poll() is None, f"{start} exited {proc.returncode}: {proc.stdout.read().decode()[-2000:]}"
+            time.sleep(0.1)
+        assert _listening(port) == ["0100007F"], _listening(port)  # 127.0.0.1, no wildcard, no IPv6
+        bundle = out / "agents" / "pi-01"
+        device = Attacker(f"mqtts://localhost:{port}", bundle_broker(bundle, "agent.yaml"), client_id="pi-01")
+        try:
+            assert device.client.is_connected(), "the device's CONNACK was a refusal"
+        finally:
+            device.close()
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
+        shutil.rmtree(root, ignore_errors=True)

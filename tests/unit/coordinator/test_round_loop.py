@@ -1024,26 +1024,60 @@ def test_a_row_cut_short_by_a_crash_is_dropped_on_resume_and_written_again(tmp_p
                                                                    (4, True)]
 
 
-def test_an_agent_that_refused_for_good_gets_no_task_until_it_restarts(tmp_path):
+def resign(frame: bytes, signer) -> bytes:
+    """``frame`` as its sender would have signed it (same id, time, meta and tensors)."""
+    m = decode(frame)
+    return encode(m.type, federation=m.header.federation, sender=m.header.sender, round=m.header.round, meta=m.meta,
+                  tensors=dict(m.tensors), message_id=m.header.message_id, created=m.header.created, signer=signer)
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_an_agent_that_refused_for_good_gets_no_task_until_it_restarts_when_the_refusal_is_provably_its_own(
+        tmp_path, signed):
+    """Signed by its enrolled key, a refusal for good (``unsupported_method``) keeps the agent
+    out of the run until a new session (a restart). Unsigned, anyone who read the task topic
+    could have written it (the red team excluded an agent for the run with one such frame,
+    issue #37): it answers that one task, and the agent is asked again the next round."""
+    from edgepfl.protocol.signing import generate_keypair, load_signer
+
     first, second = "a" * 32, "b" * 32
-    fleet = ScriptedFleet({"a": honest("a"), "b": refuses("b", "unsupported_method", then=honest("b"))})
-    fleet.events = deque([status("a"), status("b", session=first)])
+    responders = {"a": honest("a"), "b": refuses("b", "unsupported_method", then=honest("b"))}
+    statuses = [status("a"), status("b", session=first)]
+    security = {}
+    if signed:
+        (tmp_path / "enrolled").mkdir()
+        signers = {}
+        for agent in responders:
+            generate_keypair(tmp_path / f"{agent}.key", tmp_path / "enrolled" / f"{agent}.pub")
+            signers[agent] = load_signer(tmp_path / f"{agent}.key")
+        responders = {agent: (lambda task, r=r, s=signers[agent]: [resign(f, s) for f in r(task)])
+                      for agent, r in responders.items()}
+        statuses = [Incoming(i.agent_id, i.channel, f := resign(i.frame, signers[i.agent_id]), len(f))
+                    for i in statuses]
+        security = {"security": {"enrolled_dir": str(tmp_path / "enrolled")}}
+    fleet = ScriptedFleet(responders)
+    fleet.events = deque(statuses)
     tasks: list[tuple[int, str]] = []
 
     def restart_b_after_round_1(agent: str, task: Message) -> None:
         tasks.append((task.header.round, agent))
         if agent == "a" and task.header.round == 2:
-            fleet.events.append(status("b", session=second))
+            restart = status("b", session=second)
+            fleet.events.append(restart if not signed else
+                                Incoming("b", AgentChannel.STATUS, f := resign(restart.frame, signers["b"]), len(f)))
 
     fleet.on_send = restart_b_after_round_1
     # between rounds the coordinator waits up to one round timeout for min_agents (b is excluded): 2 s, not 30
-    coord = coordinator(fleet, tmp_path, rounds=4, round_timeout_s=2.0)
+    coord = coordinator(fleet, tmp_path, rounds=4, round_timeout_s=2.0, **security)
     rows = coord.run()
     assert rows[0].refused == {"unsupported_method": 1} and rows[0].participants == ["a"]
-    assert [r.sampled for r in rows[1:3]] == [["a"], ["a"]]  # excluded, and no restart yet
+    if signed:
+        assert [r.sampled for r in rows[1:3]] == [["a"], ["a"]]  # excluded, and no restart yet
+        assert [agent for round, agent in tasks if round in (1, 2)] == ["a", "a"]  # nothing was sent to b meanwhile
+    else:
+        assert [r.participants for r in rows[1:3]] == [["a", "b"], ["a", "b"]]  # asked again at once
     assert rows[3].sampled == ["a", "b"] and rows[3].participants == ["a", "b"]  # a new session: eligible again
     assert rows[-1].final and rows[-1].evaluated == 2
-    assert [agent for round, agent in tasks if round in (1, 2)] == ["a", "a"]  # nothing was sent to b meanwhile
 
 
 def test_an_in_process_agents_non_finite_update_is_one_rejection_and_the_round_goes_on(tmp_path):

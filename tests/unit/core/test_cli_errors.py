@@ -59,6 +59,11 @@ def files(tmp_path_factory) -> Path:
     yml("agent_no_data.yaml", {"agent_id": "pi-1", "tier": "head", "broker": {"url": "mqtt://127.0.0.1:1"},
                                "data": {"dataset": "imagefolder", "root": "photos-missing"}})
     (d / "corrupt.onnx").write_bytes(b"\x08\x07garbage, not a protobuf" * 10)
+    # the red team's frame as files (issue #37): JSON / YAML nested 200,000 / 100,000 deep
+    yml("nested.yaml", "a: " + "[" * 100_000 + "]" * 100_000)
+    (d / "nested_release").mkdir()
+    (d / "nested_release" / "manifest.json").write_text("[" * 200_000 + "]" * 200_000)
+    (d / "nested_release" / "encoder.onnx").write_bytes(b"\x08\x07garbage, not a protobuf" * 10)
     (d / "run_without_checkpoint").mkdir()
     (d / "run_without_checkpoint" / "metrics.jsonl").write_text("")
     (d / "not_a_run").mkdir()
@@ -91,6 +96,7 @@ def cases(d: Path) -> list[Case]:
         Case("bad fields", ["simulate", "--config", str(d / "bad_fields.yaml"), "--agents", "2"], USAGE,
              "fraction", fast=True),
         Case("bad yaml", ["coordinator", "--config", str(d / "bad_yaml.yaml")], USAGE, "invalid YAML", fast=True),
+        Case("nested yaml", ["agent", "--config", str(d / "nested.yaml")], USAGE, "nest more than", fast=True),
         Case("yaml list", ["coordinator", "--config", str(d / "list.yaml")], USAGE, "mapping", fast=True),
         Case("unknown method", ["simulate", "--config", str(d / "bad_method.yaml"), "--agents", "2"], USAGE,
              "fedmagic", fast=True),
@@ -128,6 +134,11 @@ def cases(d: Path) -> list[Case]:
                                       str(d / "x.npy")], DATA, ""),
         Case("predict missing encoder", ["predict", "--encoder", str(d / "none.onnx"), "--head", str(d / "none.onnx"),
                                          str(d / "x.npy")], DATA, "none"),
+        Case("predict nested manifest", ["predict", "--encoder", str(d / "nested_release" / "encoder.onnx"), "--head",
+                                         str(d / "corrupt.onnx"), str(d / "x.npy")], DATA, "manifest.json"),
+        Case("fit-head nested manifest", ["fit-head", "--encoder", str(d / "nested_release" / "encoder.onnx"), "--data",
+                                          str(d / "x.npy"), "--head", "lr", "--out", str(d / "h.onnx")], DATA,
+             "manifest.json"),
         Case("predict no inputs", ["predict", "--encoder", str(d / "none.onnx")], USAGE, "required"),
         Case("fit-head corrupt encoder", ["fit-head", "--encoder", str(d / "corrupt.onnx"), "--data", str(d / "x.npy"),
                                           "--head", "lr", "--out", str(d / "h.onnx")], DATA, ""),

@@ -221,27 +221,30 @@ def _with_created(frame: bytes, created: float) -> bytes:
     return frame[:4] + struct.pack(">I", len(head)) + head + frame[8 + head_len:]
 
 
-def test_a_replayed_offline_of_an_old_session_cannot_take_an_agent_offline():
+def test_a_replayed_offline_of_an_old_session_cannot_take_an_agent_offline(keyring):
+    # a replay is a genuine status sent again: only signatures tell one from a forgery (unsigned,
+    # anyone may write any status, and the agent's own birth is always heard: the test above)
     registry = Registry()
-    old_will = status("alice", "offline", session="1" * 32)  # recorded from the agent's previous process
+    old_will = status("alice", "offline", session="1" * 32, signer=ALICE)  # recorded from the agent's previous process
     time.sleep(0.01)
-    birth = status("alice", "online", session="2" * 32)
-    accepted = admit_presence("alice", birth, registry=registry)
+    birth = status("alice", "online", session="2" * 32, signer=ALICE)
+    accepted = admit_presence("alice", birth, keyring, registry=registry)
     registry.update("alice", accepted.meta, accepted.created)
-    assert reason(admit_presence("alice", old_will, registry=registry)) == "stale_status"
+    assert reason(admit_presence("alice", old_will, keyring, registry=registry)) == "stale_status"
     # the current birth again while it holds (a broker re-delivers retained statuses on every
     # subscribe): nothing new, nothing stale
-    assert isinstance(admit_presence("alice", birth, registry=registry), Presence)
+    assert isinstance(admit_presence("alice", birth, keyring, registry=registry), Presence)
     assert registry.is_online("alice")
     # its own session's will (made before its births) is taken
     own_will = decode(birth).meta.model_copy(update={"state": "offline"})
-    will = _with_created(encode(MessageType.STATUS, federation=FED, sender="alice", round=-1, meta=own_will),
-                         decode(birth).header.created - 1)
-    admitted = admit_presence("alice", will, registry=registry)
+    will = encode(MessageType.STATUS, federation=FED, sender="alice", round=-1, meta=own_will, signer=ALICE,
+                  created=decode(birth).header.created - 1)
+    admitted = admit_presence("alice", will, keyring, registry=registry)
     assert isinstance(admitted, Presence)
     registry.update("alice", admitted.meta, admitted.created)
     assert not registry.is_online("alice")
-    assert reason(admit_presence("alice", birth, registry=registry)) == "stale_status"  # replayed online after its will
+    # replayed online after its will
+    assert reason(admit_presence("alice", birth, keyring, registry=registry)) == "stale_status"
 
 
 def test_metrics_only_from_known_agents_with_consistent_counts(keyring):
@@ -452,25 +455,124 @@ def test_a_device_clock_a_day_ahead_then_corrected_is_ordered_again_within_the_t
         assert reason(admit_presence("alice", replay, registry=registry)) == "stale_status"
 
 
-def test_a_device_restarted_with_its_clock_20_minutes_behind_is_heard_and_a_replay_is_not(monkeypatch):
-    """Its new process's birth is older, by its clock, than the statuses its last process sent.
-    It was refused `stale_status` and the device was never sampled again; a session the run
-    has not heard is a new process and is heard, and its later statuses are ordered by its own
-    clock. A replay of the old process's birth (a session already heard) stays stale."""
+def test_on_an_unsigned_deployment_one_forged_status_or_refusal_cannot_keep_an_agent_out(keyring):
+    """The red team's default-deployment lockouts (issue #37), with no key at all: a status
+    in alice's name of a session she never had, ``offline`` and dated ten years ahead, made
+    her real births "an earlier process" (stale) for the rest of the run; a refusal
+    ``unsupported_method`` naming her task (read off the task topic) excluded her until she
+    restarted. Unsigned, anyone could have written either: her own birth is heard again and
+    a refusal costs her the one task, never the run. Signed, both rules hold as before."""
+    from edgepfl.coordinator.gate import Refused, RoundTasks, Task, UpdateGate
+    from edgepfl.methods import create_method
+    from edgepfl.protocol.envelope import refusal_frame
+
+    def status_at(state: str, session: str, created: float, signer: Signer | None = None) -> bytes:
+        return encode(MessageType.STATUS, federation=FED, sender="alice", round=-1, signer=signer, created=created,
+                      meta=StatusMeta(state=state, num_train=10, num_test=5, session=session))
+
+    def feed(registry: Registry, frame: bytes, ring: Keyring | None) -> str | None:
+        verdict = admit_presence("alice", frame, ring, registry=registry)
+        if isinstance(verdict, Presence):
+            registry.update("alice", verdict.meta, verdict.created)
+        return reason(verdict)
+
+    now = time.time()
+    for ring, signer in ((None, None), (keyring, ALICE)):
+        registry = Registry()
+        assert feed(registry, status_at("online", "a" * 32, now, signer), ring) is None
+        # the forger's status: unsigned it gets in (anyone's), signed only a key holder's would
+        forged = feed(registry, status_at("offline", "f" * 32, now + 10 * 365 * 86_400.0), ring)
+        if ring is None:
+            assert forged is None and not registry.is_online("alice")
+            # her answer to the foreign status: heard, she is back
+            assert feed(registry, status_at("online", "a" * 32, now + 1), ring) is None
+            assert registry.is_online("alice")
+        else:
+            assert forged == "unsigned" and registry.is_online("alice")
+
+    for ring, signer, excludes in ((None, None, False), (keyring, ALICE, True)):
+        registry = Registry()
+        registry.update("alice", StatusMeta(state="online", num_train=10))
+        gate = UpdateGate(FED, create_method("fedavg", {}), registry, max_bytes=2**20, keyring=ring)
+        tasks = RoundTasks(0)
+        tasks.add(Task("alice", "c" * 32, "train"))
+        refusal = refusal_frame(FED, 0, "c" * 32, sender="alice", reason="unsupported_method", detail="", signer=signer)
+        verdict = gate.admit("alice", refusal, tasks, None)
+        assert isinstance(verdict, Refused) and verdict.may_exclude is excludes
+
+
+def test_a_device_whose_clock_was_corrected_and_that_reconnected_at_once_is_heard_at_once(monkeypatch, keyring):
+    """The tolerated skew bounds the order mark (the test above), but a device whose clock was
+    corrected and whose connection dropped within that window announced itself only then:
+    its will (offline, its own session) was taken, its birth on the new connection was "older"
+    than the mark, and nothing made it announce itself again: offline for the rest of the run.
+    A birth on a later broker connection of the same process (protocol 1.3's ``connection``)
+    is newer whatever the clock says; a replayed birth is not."""
     from edgepfl.coordinator import registry as registry_module
+
+    def status_at(state: str, created: float, connection: int | None) -> bytes:
+        return encode(MessageType.STATUS, federation=FED, sender="alice", round=-1, signer=ALICE, created=created,
+                      meta=StatusMeta(state=state, num_train=10, num_test=5, session="d" * 32, connection=connection))
+
+    def feed(frame: bytes) -> str | None:
+        verdict = admit_presence("alice", frame, keyring, registry=registry)
+        if isinstance(verdict, Presence):
+            registry.update("alice", verdict.meta, verdict.created)
+        return reason(verdict)
 
     now = [1_800_000_000.0]
     monkeypatch.setattr(registry_module, "wall_time", lambda: now[0])
     registry = Registry()
-    old_birth = _with_created(status("alice", "online", session="5" * 32), now[0])
-    registry.update("alice", admit_presence("alice", old_birth, registry=registry).meta, now[0])
+    will = status_at("offline", now[0] + 86_400 - 5, None)  # made at its start, before its births
+    first_birth = status_at("online", now[0] + 86_400, 1)  # a day ahead
+    assert feed(first_birth) is None
+    now[0] += 60  # the clock is corrected; the connection drops with it
+    assert feed(will) is None and not registry.is_online("alice")  # its own session's will
+    second_birth = status_at("online", now[0], 2)
+    assert feed(second_birth) is None  # the birth on connection 2: heard
+    assert registry.is_online("alice")
+    assert feed(status_at("offline", now[0] + 1, None)) is None  # its will again (connection 2 lost)
+    assert feed(second_birth) == "stale_status"  # replayed: no later connection, not newer
+
+
+def test_a_device_restarted_with_its_clock_20_minutes_behind_is_heard_and_a_replay_is_not(monkeypatch, keyring):
+    """Its new process's birth is older, by its clock, than the statuses its last process sent.
+    It was refused `stale_status` and the device was never sampled again; a session the run
+    has not heard is a new process and is heard, and its later statuses are ordered by its own
+    clock. A replay of the old process's birth (a session already heard) stays stale (signed:
+    unsigned, a replay cannot be told from a forgery, see the test above)."""
+    from edgepfl.coordinator import registry as registry_module
+
+    def birth_at(session: str, created: float) -> bytes:
+        return encode(MessageType.STATUS, federation=FED, sender="alice", round=-1, signer=ALICE, created=created,
+                      meta=StatusMeta(state="online", num_train=10, num_test=5, session=session))
+
+    now = [1_800_000_000.0]
+    monkeypatch.setattr(registry_module, "wall_time", lambda: now[0])
+    registry = Registry()
+    old_birth = birth_at("5" * 32, now[0])
+    registry.update("alice", admit_presence("alice", old_birth, keyring, registry=registry).meta, now[0])
     now[0] += 60  # the device restarts with its clock set 20 minutes back
     behind = now[0] - 1200
-    birth = _with_created(status("alice", "online", session="6" * 32), behind)
-    admitted = admit_presence("alice", birth, registry=registry)
+    admitted = admit_presence("alice", birth_at("6" * 32, behind), keyring, registry=registry)
     assert isinstance(admitted, Presence), admitted
     registry.update("alice", admitted.meta, admitted.created)
     assert registry.is_online("alice")
-    later = _with_created(status("alice", "online", session="6" * 32), behind + 30)  # a roll-call answer
-    assert isinstance(admit_presence("alice", later, registry=registry), Presence)
-    assert reason(admit_presence("alice", old_birth, registry=registry)) == "stale_status"
+    later = birth_at("6" * 32, behind + 30)  # a roll-call answer
+    assert isinstance(admit_presence("alice", later, keyring, registry=registry), Presence)
+    assert reason(admit_presence("alice", old_birth, keyring, registry=registry)) == "stale_status"
+
+
+def test_every_test_security_md_names_exists():
+    """docs/SECURITY.md sends readers to the test that holds each claim (the threat model, the
+    red team's findings): a test renamed or removed must not leave the doc pointing nowhere."""
+    import re
+
+    text = (REPO / "docs" / "SECURITY.md").read_text()
+    named = re.findall(r"`(tests/[\w/]+\.py)(?:::(\w+))?", text)
+    assert len(named) > 30, named
+    for path, test in named:
+        source = REPO / path
+        assert source.is_file(), f"SECURITY.md names {path}, which does not exist"
+        if test:
+            assert re.search(rf"^def {test}\(", source.read_text(), re.M), f"SECURITY.md names {path}::{test}"
