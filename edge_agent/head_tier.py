@@ -19,8 +19,13 @@ whose sub-folders sort in another order, say) is fitted in the federation's numb
 other data is a new task in its own. Either way the head file records the name of each
 class (:mod:`edgepfl.heads.labels`), so ``edgepfl predict`` prints the right names.
 
-Only numpy, onnxruntime and scikit-learn are imported here (and skl2onnx to save a
-fitted head); a test asserts torch never is for the generic heads. A method's own head
+Only numpy and onnxruntime are imported here: the head is fitted and exported in a short
+child process (:mod:`.head_fit`), so the agent never holds scikit-learn, scipy or skl2onnx
+(tests assert it, and that torch never is loaded for the generic heads). Out of memory —
+while restoring, opening the encoder, computing features or fitting — raises
+:class:`~edgepfl.errors.OutOfMemory`, never a refusal: the release is good and is tried
+again when memory allows (the agent exits with its own code and its service restarts it).
+A method's own head
 (``dualfed``, ``fedpick``) is trained with torch around the federation's global heads,
 which a release carries beside the encoder (checked against the manifest's sha256 and kept
 with the installed release): a device with torch fits it on receipt, a device without
@@ -29,7 +34,6 @@ torch fits it elsewhere (``edgepfl fit-head``) and installs it as an offline hea
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import math
@@ -44,16 +48,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from edgepfl.atomic import write_bytes, write_json
 from edgepfl.data.client import ClientData
 from edgepfl.data.preprocess import ChannelAffine, conversion
-from edgepfl.export.heads import META_ENCODER_SHA, OnnxHead, head_to_onnx
+from edgepfl.errors import OutOfMemory, out_of_memory
+from edgepfl.export.heads import OnnxHead
 from edgepfl.export.predict import OnnxEncoder
 from edgepfl.heads import OFFLINE_HEAD_KIND, HeadRelease
 from edgepfl.heads.labels import FEDERATION, LabelSpace, label_space_for
-from edgepfl.methods import create_method
 from edgepfl.protocol.envelope import Header, encode_body
 from edgepfl.protocol.manifest import ReleaseManifest, release_tensors
 from edgepfl.protocol.messages import ReleaseMeta
 from edgepfl.protocol.signing import SIGNATURE_BYTES, verify_signed_part
 from edgepfl.protocol.validation import first_validation_error
+
+from . import head_fit
 
 if TYPE_CHECKING:  # pragma: no cover
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -282,6 +288,8 @@ class HeadRuntime:
         try:
             encoder = OnnxEncoder(artifact, manifest, threads=self.threads, expected_sha256=digest)
         except Exception as exc:  # onnxruntime raises its own types for a corrupt graph
+            if out_of_memory(exc):
+                raise OutOfMemory(f"opening the encoder of release {release_id}", exc) from exc
             raise refuse(f"not a loadable ONNX encoder ({type(exc).__name__}: {str(exc)[:200]})") from None
 
         adapt = _renormalization(self.data.normalization, manifest)
@@ -294,6 +302,8 @@ class HeadRuntime:
             f_test = encoder.features(_apply(adapt, self.data.x_test))
             feature_seconds = time.perf_counter() - start
         except Exception as exc:
+            if out_of_memory(exc):
+                raise OutOfMemory(f"computing features with the encoder of release {release_id}", exc) from exc
             raise refuse(f"encoder failed on local data ({type(exc).__name__}: {str(exc)[:200]})") from None
         if not (np.isfinite(f_train).all() and np.isfinite(f_test).all()):
             raise refuse("encoder produced NaN or Inf features on local data")
@@ -309,7 +319,7 @@ class HeadRuntime:
         start = time.perf_counter()
         try:
             head_bytes, head_name = self._head_for(manifest, digest, f_train, y_train, labels, refuse, heads_path)
-        except ReleaseRefused:
+        except (ReleaseRefused, MemoryError):  # MemoryError: OutOfMemory, the release is tried again
             if heads_path is not None and heads_path.name != keep:
                 heads_path.unlink(missing_ok=True)
             raise
@@ -373,13 +383,13 @@ class HeadRuntime:
         return metrics
 
     def new_head(self, release: HeadRelease) -> HeadEstimator:
-        """The unfitted head this device fits on an encoder ``release``, from the release's method.
+        """The unfitted head this device fits on an encoder ``release``, from the release's method
+        (:func:`.head_fit.new_head`; the agent fits it in a child process, :meth:`_head_for`).
 
         Raises ``ValueError`` (or ``KeyError`` for an unknown method) when the method
         offers no head of this device's kind or cannot build it here.
         """
-        method = create_method(release.method, release.method_options)
-        return method.make_head(self.head_kind, release, **self.head_params)
+        return head_fit.new_head(release, self.head_kind, self.head_params)
 
     def _head_for(self, manifest: ReleaseManifest, encoder_sha: str, f_train: np.ndarray, y_train: np.ndarray,
                   labels: LabelSpace, refuse: Callable[[str], ReleaseRefused],
@@ -406,18 +416,15 @@ class HeadRuntime:
         if self.head_kind == OFFLINE_HEAD_KIND:
             raise refuse(f"head kind {OFFLINE_HEAD_KIND!r} needs {offline} fitted for encoder {encoder_sha[:12]} "
                          "(edgepfl fit-head --encoder … --out head.onnx)")
-        release = dataclasses.replace(HeadRelease.from_manifest(manifest), global_heads=global_heads)
-        try:
-            head = self.new_head(release)
-        except KeyError as exc:  # a method this installation does not know
-            raise refuse(f"no {self.head_kind} head for this release: {exc.args[0]}") from None
-        except (ValueError, ImportError) as exc:  # not offered, bad options, or it needs torch
-            raise refuse(f"no {self.head_kind} head for this {release.method} release: {exc}") from None
-        try:
-            head.fit(f_train, y_train)
-            data = head_to_onnx(head, f_train.shape[1], labels=labels, metadata={META_ENCODER_SHA: encoder_sha})
-        except (ValueError, ImportError) as exc:  # ImportError: a method's own head needs torch
-            raise refuse(f"cannot fit a {self.head_kind} head on local data: {exc}") from None
+        release = HeadRelease.from_manifest(manifest)
+        request = head_fit.FitRequest(
+            method=release.method, method_options=dict(release.method_options), head_kind=self.head_kind,
+            head_params=self.head_params, label_names=list(labels.names), label_kind=labels.kind,
+            encoder_sha256=encoder_sha, global_heads=str(global_heads) if global_heads is not None else None)
+        try:  # in a child process: the fitting libraries never stay in this one (the module's docstring)
+            data = head_fit.fit_in_child(request, f_train, y_train, self.state_dir)
+        except head_fit.FitRefused as exc:
+            raise refuse(str(exc)) from None
         return data, self.head_kind
 
     def _remove_old(self, old: InstalledRelease | None, current: InstalledRelease) -> None:

@@ -6,7 +6,8 @@ through :class:`TierRuntime`:
 * :class:`TrainerTier` — tasks in, updates out, through
   :class:`edgepfl.edge_agent.trainer.TrainerRuntime` (torch);
 * :class:`HeadTier` — encoder releases in, metrics out, through
-  :class:`edgepfl.edge_agent.head_tier.HeadRuntime` (onnxruntime + scikit-learn).
+  :class:`edgepfl.edge_agent.head_tier.HeadRuntime` (onnxruntime; scikit-learn only in the
+  child process that fits a head, :mod:`edgepfl.edge_agent.head_fit`).
 
 This module imports neither runtime at import time: a head agent must never import
 torch, and a trainer agent need not have onnxruntime.
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from edgepfl.config import AgentConfig, RunConfig
+from edgepfl.errors import OutOfMemory, out_of_memory
 from edgepfl.protocol import (
     RELEASE_REFUSALS,
     AgentChannel,
@@ -128,7 +130,9 @@ class TierRuntime(Protocol):
         ...
 
     def handle(self, message: Message) -> Reply | None:
-        """Act on one message of type ``accepts``; what to publish back, if anything. Never raises."""
+        """Act on one message of type ``accepts``; what to publish back, if anything. Never raises,
+        except :class:`~edgepfl.errors.OutOfMemory`: nothing was wrong with the message, so it is
+        not refused; the agent ends with its own exit code, and its service restarts it."""
         ...
 
 
@@ -267,7 +271,7 @@ class HeadTier:
 
     def __init__(self, agent_id: str, data: ClientData, state_dir: str, head: str, threads: int | None = None, *,
                  signer: Signer | None = None, coordinator_key: Ed25519PublicKey | None = None):
-        from .head_tier import HeadRuntime  # onnxruntime and scikit-learn only on this path
+        from .head_tier import HeadRuntime  # onnxruntime only on this path
 
         self.agent_id = agent_id
         self.head = head
@@ -325,6 +329,8 @@ class HeadTier:
         try:
             self.runtime.load()
         except Exception as exc:  # nothing saved yet, or unusable: wait for a release
+            if out_of_memory(exc):  # the saved release is fine: not a reason to download it again
+                raise OutOfMemory("restoring the installed release", exc) from exc
             log.info("no usable saved head yet (%s)", exc)
 
     def handle(self, message: Message) -> Reply | None:
@@ -343,6 +349,12 @@ class HeadTier:
         except ReleaseRefused as exc:  # logged, with the release kept, where it was refused
             return self._refusal_report(meta.release_id, str(exc), message)
         except Exception as exc:
+            if out_of_memory(exc):  # a good release: installed again when memory allows, never refused
+                log.error("release %s not installed: out of memory; the agent exits to be restarted and tries it "
+                          "again", meta.release_id)
+                if isinstance(exc, OutOfMemory):
+                    raise
+                raise OutOfMemory(f"installing release {meta.release_id}", exc) from exc
             log.error("release %s refused: %s", meta.release_id, exc)
             return self._refusal_report(meta.release_id, f"release {meta.release_id} refused: {exc}", message)
         return self._report(meta.release_id, result, message.header.federation, message.header.round)

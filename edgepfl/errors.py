@@ -1,7 +1,7 @@
 """What the command line does with an error: one line on stderr and a documented exit code.
 
 Every user error — a bad argument or config, unusable data or input file, an unreachable
-broker, a missing optional extra — ends as one line
+broker, a missing optional extra, too little memory — ends as one line
 
     edgepfl: <what happened, where>; <what to do>
 
@@ -22,7 +22,8 @@ from pydantic import ValidationError
 
 
 class ExitCode(enum.IntEnum):
-    """The ``edgepfl`` command's exit codes; systemd units refuse to restart on USAGE and EXTRA."""
+    """The ``edgepfl`` command's exit codes; systemd units refuse to restart on USAGE and EXTRA
+    (and do restart on MEMORY: memory is often free again a little later)."""
 
     OK = 0
     OTHER = 1  #: a bug or an unexpected failure
@@ -30,6 +31,7 @@ class ExitCode(enum.IntEnum):
     DATA = 3  #: a data set, model, release, run directory or other input file cannot be used; a full disk
     BROKER = 4  #: the MQTT broker cannot be reached, or refused us
     EXTRA = 5  #: an optional extra (torch, onnxruntime, ...) is not installed
+    MEMORY = 6  #: out of memory (an allocation, or a library that could not be mapped): retrying may help
     TERMINATED = 143  #: stopped by SIGTERM (128 + 15)
     INTERRUPTED = 130  #: stopped by SIGINT / Ctrl-C (128 + 2)
 
@@ -51,6 +53,51 @@ class MissingExtra(ImportError):
         self.extra = extra
 
 
+class OutOfMemory(MemoryError):
+    """Work that failed for lack of memory, named as such: never a missing extra, never a bad
+    input or release (retrying with more memory free may succeed)."""
+
+    def __init__(self, what: str, cause: BaseException | str | None = None):
+        detail = f" ({_cause_line(cause)})" if cause is not None else ""
+        super().__init__(f"out of memory {what}{detail}")
+
+
+# What the C library, the dynamic loader and the native runtimes say when an allocation or
+# a mapping fails. An ImportError under an address-space limit reads "failed to map segment
+# from shared object" (glibc's loader), not "No module named …".
+_MEMORY_MESSAGES = ("failed to map segment", "cannot allocate memory", "bad_alloc", "unable to allocate",
+                    "out of memory", "memoryerror")
+
+
+def memory_message(text: str) -> bool:
+    """Whether ``text`` (an error message, a child process's stderr) says memory ran out."""
+    lowered = text.lower()
+    return any(m in lowered for m in _MEMORY_MESSAGES)
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` — or an exception it was raised from — is a failure for lack of memory:
+    a :class:`MemoryError`, an ``OSError`` with ``ENOMEM``, or an ImportError or a native
+    runtime's error (onnxruntime's) whose message says so."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, MemoryError) or (isinstance(current, OSError) and current.errno == errno.ENOMEM):
+            return True
+        if memory_message(str(current)):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _cause_line(cause: BaseException | str) -> str:
+    if isinstance(cause, BaseException):
+        text = str(cause) or type(cause).__name__
+        cause = text if type(cause).__name__ in text else f"{type(cause).__name__}: {text}"
+    return " ".join(cause.split())[:300]
+
+
 #: third-party import name -> the extra that installs it
 EXTRA_OF_MODULE = {
     "torch": "train", "torchvision": "train", "onnxscript": "train", "scipy": "train", "matplotlib": "train",
@@ -63,6 +110,8 @@ _HINTS = {
     ExitCode.DATA: "check the file or folder it names (docs/CONFIG.md: data.*)",
     ExitCode.BROKER: "check the broker URL, that the broker is running and reachable, and the credentials",
     ExitCode.OTHER: "rerun with --debug for the traceback, and please report it",
+    ExitCode.MEMORY: ("free memory (other programs, a lower threads setting or less local data) and run it again; "
+                      "the example units restart it"),
 }
 
 
@@ -77,12 +126,15 @@ def _out_of_storage(exc: BaseException) -> bool:
 
 
 def require(module: str, what: str) -> None:
-    """Import ``module`` or raise :class:`MissingExtra` naming the extra that installs it."""
+    """Import ``module`` or raise :class:`MissingExtra` naming the extra that installs it
+    (:class:`OutOfMemory` when it is installed but could not be loaded for lack of memory)."""
     import importlib
 
     try:
         importlib.import_module(module)
-    except ImportError:
+    except (ImportError, MemoryError) as exc:
+        if out_of_memory(exc):
+            raise OutOfMemory(f"loading {module} for {what}", exc) from exc
         top = module.split(".")[0]
         raise MissingExtra(what, top, EXTRA_OF_MODULE.get(top, "all")) from None
 
@@ -120,6 +172,10 @@ def classify(exc: BaseException) -> tuple[ExitCode, str]:
 
     if isinstance(exc, MissingExtra):
         return ExitCode.EXTRA, str(exc)
+    if isinstance(exc, OutOfMemory):
+        return ExitCode.MEMORY, str(exc)
+    if out_of_memory(exc):  # before the import and model-file rules: a library that could not be mapped
+        return ExitCode.MEMORY, f"out of memory ({_cause_line(exc)})"
     if isinstance(exc, ModuleNotFoundError) and exc.name:
         top = exc.name.split(".")[0]
         if top in EXTRA_OF_MODULE:

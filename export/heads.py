@@ -17,11 +17,17 @@ one ONNX contract, so a device runs them all the same way:
 * :func:`head_to_onnx` — generic heads through skl2onnx (the SVM with a softmax over its
   decision scores appended), a method's own head as the method's
   :meth:`~edgepfl.methods.Method.device_head` through ``torch.onnx``;
-* :class:`OnnxHead` — any head ``.onnx`` run with onnxruntime only: what a device without
-  torch runs;
+* :class:`OnnxHead` — any head ``.onnx`` run with onnxruntime only: what a device runs, and
+  what ``edgepfl predict`` runs;
 * :func:`fuse` — encoder and head as one graph; :func:`make_session` — an onnxruntime session.
 
-This module imports neither torch nor skl2onnx at import time.
+Importing this module imports numpy only: scikit-learn, scipy, onnx, skl2onnx and torch are
+imported by the functions that export a head, onnxruntime by :func:`make_session`. So
+inference (:class:`OnnxHead`, ``edgepfl predict``, a head agent that is not fitting) never
+loads scikit-learn or scipy, 80 MB and most of a second of imports on a Pi (issue #33;
+``tests/integration/test_light_runtime.py`` holds it to that). :class:`OnnxHead` is therefore
+not a scikit-learn estimator, only shaped like one (``fit``, ``predict``, ``predict_proba``,
+``classes_``, ``n_features_in_``).
 """
 
 from __future__ import annotations
@@ -30,16 +36,16 @@ import io
 import json
 import warnings
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
-from sklearn.utils.validation import check_array, check_is_fitted
 
 from edgepfl.heads import OFFLINE_HEAD_KIND
-from edgepfl.heads.estimators import HeadEstimator, SklearnHead, SVMHead
 from edgepfl.heads.labels import LabelSpace
-from edgepfl.methods.device_head import TorchDeviceHead
 from edgepfl.protocol import bounded_json
+
+if TYPE_CHECKING:
+    from edgepfl.heads.estimators import HeadEstimator, SklearnHead, SVMHead
 
 HEAD_INPUT = "features"
 OUT_LABEL = "label"
@@ -56,7 +62,7 @@ META_LABEL_SPACE = "edgepfl.label_space"
 
 
 # --------------------------------------------------------------------------- export
-def head_model(head: HeadEstimator, feature_dim: int, *, labels: LabelSpace | None = None,
+def head_model(head: HeadEstimator | OnnxHead, feature_dim: int, *, labels: LabelSpace | None = None,
                metadata: dict[str, str] | None = None):
     """A fitted head as an ``onnx.ModelProto`` following the module's contract.
 
@@ -66,15 +72,24 @@ def head_model(head: HeadEstimator, feature_dim: int, *, labels: LabelSpace | No
     """
     import onnx
 
-    check_is_fitted(head)
     props = dict(metadata or {})
-    if labels is not None:
-        props.update(label_metadata(labels, head.classes_))
     if isinstance(head, OnnxHead):
+        head.check_opened()
+        if labels is not None:
+            props.update(label_metadata(labels, head.classes_))
         model = onnx.load(str(head.path))
         if props:
             _set_metadata(model, props)
         return model
+    # the estimators (and with them scikit-learn) only where a head is exported
+    from sklearn.utils.validation import check_is_fitted
+
+    from edgepfl.heads.estimators import SklearnHead, SVMHead
+    from edgepfl.methods.device_head import TorchDeviceHead
+
+    check_is_fitted(head)
+    if labels is not None:
+        props.update(label_metadata(labels, head.classes_))
     if feature_dim != head.n_features_in_:
         raise ValueError(f"head was fitted on {head.n_features_in_} features, not {feature_dim}")
     if isinstance(head, SVMHead):
@@ -97,7 +112,7 @@ def head_model(head: HeadEstimator, feature_dim: int, *, labels: LabelSpace | No
     return model
 
 
-def head_to_onnx(head: HeadEstimator, feature_dim: int, path: str | Path | None = None, *,
+def head_to_onnx(head: HeadEstimator | OnnxHead, feature_dim: int, path: str | Path | None = None, *,
                  labels: LabelSpace | None = None, metadata: dict[str, str] | None = None) -> bytes:
     """Export a fitted head to ONNX (written atomically to ``path`` when given); returns the bytes."""
     data = head_model(head, feature_dim, labels=labels, metadata=metadata).SerializeToString()
@@ -189,14 +204,19 @@ def _py(value):
 
 
 # --------------------------------------------------------------------------- runtime
-class OnnxHead(HeadEstimator):
-    """A head ``.onnx`` run with onnxruntime only (no torch, no skl2onnx): what a device runs.
+class OnnxHead:
+    """A head ``.onnx`` run with onnxruntime only (no scikit-learn, no torch): what a device runs.
 
     ``OnnxHead(path).fit()`` (or :meth:`load`) opens the file; there is nothing to learn,
-    ``fit`` ignores ``X``/``y`` and exists so the object is a regular estimator.
+    ``fit`` ignores ``X``/``y``. Shaped like the estimators it was exported from (``fit``,
+    ``predict``, ``predict_proba``, ``classes_``, ``n_features_in_``) without being one:
+    a scikit-learn base class would import scikit-learn and scipy into every process that
+    only predicts.
     """
 
     kind = OFFLINE_HEAD_KIND
+    #: like a generic head, an offline head may predict any label space (its file names it)
+    federation_classes_only = False
 
     def __init__(self, path: str | Path | None = None, threads: int | None = None):
         self.path = path
@@ -206,7 +226,7 @@ class OnnxHead(HeadEstimator):
     def load(cls, path: str | Path, threads: int | None = None) -> OnnxHead:
         return cls(path, threads).fit()
 
-    def fit(self, X=None, y=None):
+    def fit(self, X=None, y=None) -> OnnxHead:
         """Open the ONNX file and read its classes and feature size from the metadata."""
         if self.path is None:
             raise ValueError("OnnxHead needs a path")
@@ -231,11 +251,28 @@ class OnnxHead(HeadEstimator):
             raise ValueError(f"{self.path}: expected input {HEAD_INPUT!r} and output {OUT_PROBA!r}, got {names}")
         return self
 
+    def check_opened(self) -> None:
+        """Raise ``ValueError`` unless :meth:`fit` (or :meth:`load`) opened the file."""
+        if not hasattr(self, "session_"):
+            raise ValueError(f"this OnnxHead is not opened yet: call fit() or OnnxHead.load({self.path!r})")
+
     def predict_proba(self, X) -> np.ndarray:
-        """Class probabilities (N, len(classes_)) from the graph's ``probabilities`` output."""
-        check_is_fitted(self)
-        X = np.ascontiguousarray(check_array(X, dtype=np.float32))
+        """Class probabilities (N, len(classes_)) from the graph's ``probabilities`` output.
+
+        ``X``: feature rows (N, ``n_features_in_``), refused (``ValueError``) when of another
+        shape or not finite, as the estimators' own input check refuses them.
+        """
+        self.check_opened()
+        X = np.ascontiguousarray(X, dtype=np.float32)
+        if X.ndim != 2 or X.shape[1] != self.n_features_in_:
+            raise ValueError(f"expected features of shape (N, {self.n_features_in_}), got {X.shape}")
+        if not np.isfinite(X).all():
+            raise ValueError("features contain NaN or infinity")
         return self.session_.run([OUT_PROBA], {HEAD_INPUT: X})[0]
+
+    def predict(self, X) -> np.ndarray:
+        """Most probable class label per row."""
+        return self.classes_[self.predict_proba(X).argmax(axis=1)]
 
 
 def make_session(model: bytes | str | Path, threads: int | None = None):

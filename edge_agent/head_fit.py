@@ -1,0 +1,150 @@
+"""A head agent fits its personal head in a short child process: ``python -m edgepfl.edge_agent.head_fit DIR``.
+
+Fitting needs scikit-learn, scipy and skl2onnx (torch for a method's own head): 80 MB and
+most of a second of imports on a Pi before the first row is fitted, and a long-running
+process never gives memory it has touched back. So the agent computes the features itself
+(onnxruntime, which it holds anyway), hands them to a child that imports the fitting
+libraries, fits the release's method's head, exports it to ONNX and exits; the agent
+evaluates and serves the exported head with onnxruntime alone (issue #33, the head tier's
+memory). The child runs exactly the code an in-process fit ran (:func:`fit_head`: the
+method's ``make_head``, ``fit``, :func:`edgepfl.export.heads.head_to_onnx`) on the same
+float32 features, so the head chosen and its predictions do not change.
+
+The exchange is a private directory the agent creates and removes: it writes
+``request.json`` (:class:`FitRequest`), ``features.npy`` and ``labels.npy``; the child
+writes ``head.onnx`` and exits 0, or writes ``refused.txt`` (why there is no head, as the
+agent reports it) and exits :attr:`~edgepfl.errors.ExitCode.DATA`, or exits
+:attr:`~edgepfl.errors.ExitCode.MEMORY` when memory ran out. A child the kernel killed
+(SIGKILL: the OOM killer) or whose stderr says memory ran out is out of memory too: the
+agent raises :class:`~edgepfl.errors.OutOfMemory`, never a refusal of a good release.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from edgepfl.errors import ExitCode, OutOfMemory, memory_message, out_of_memory
+from edgepfl.heads import HeadRelease
+from edgepfl.heads.labels import LabelSpace
+
+if TYPE_CHECKING:  # pragma: no cover
+    from edgepfl.heads.estimators import HeadEstimator
+
+CHILD_MODULE = "edgepfl.edge_agent.head_fit"
+REQUEST, FEATURES, LABELS, HEAD, REFUSED = "request.json", "features.npy", "labels.npy", "head.onnx", "refused.txt"
+
+
+class FitRefused(ValueError):
+    """No head of the asked kind can be fitted on this release and these features; the
+    message says why, in the words the agent's refusal of the release uses."""
+
+
+class FitRequest(BaseModel):
+    """What fitting a device's head needs besides the features: the release's method, the
+    device's head kind and parameters, what its labels mean, and the encoder it is for."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: str
+    method_options: dict[str, Any]
+    head_kind: str
+    head_params: dict[str, Any]
+    label_names: list[str]
+    label_kind: Literal["federation", "local"]
+    encoder_sha256: str
+    #: the release's global heads file, for a method's own head (None: the release carried none)
+    global_heads: str | None = None
+
+    def release(self) -> HeadRelease:
+        return HeadRelease(self.method, self.method_options, Path(self.global_heads) if self.global_heads else None)
+
+
+def new_head(release: HeadRelease, head_kind: str, head_params: dict[str, Any]) -> HeadEstimator:
+    """The unfitted head of ``head_kind`` that ``release``'s method builds (with ``head_params``
+    overriding its parameters). Raises ``KeyError`` for a method this installation does not
+    know, ``ValueError`` or ``ImportError`` when the method offers no such head here."""
+    from edgepfl.methods import create_method
+
+    return create_method(release.method, release.method_options).make_head(head_kind, release, **head_params)
+
+
+def fit_head(request: FitRequest, features: np.ndarray, labels: np.ndarray) -> bytes:
+    """Fit the head ``request`` names on feature rows and labels; its ONNX bytes (the
+    encoder's sha256 and the labels' names in its metadata). Raises :class:`FitRefused`."""
+    from edgepfl.export.heads import META_ENCODER_SHA, head_to_onnx
+
+    release = request.release()
+    kind = request.head_kind
+    try:
+        head = new_head(release, kind, request.head_params)
+    except KeyError as exc:  # a method this installation does not know
+        raise FitRefused(f"no {kind} head for this release: {exc.args[0]}") from None
+    except (ValueError, ImportError) as exc:  # not offered, bad options, or it needs torch
+        if out_of_memory(exc):
+            raise
+        raise FitRefused(f"no {kind} head for this {release.method} release: {exc}") from None
+    space = LabelSpace(tuple(request.label_names), request.label_kind)
+    try:
+        head.fit(features, labels)
+        return head_to_onnx(head, features.shape[1], labels=space,
+                            metadata={META_ENCODER_SHA: request.encoder_sha256})
+    except (ValueError, ImportError) as exc:  # ImportError: a method's own head needs torch
+        if out_of_memory(exc):
+            raise
+        raise FitRefused(f"cannot fit a {kind} head on local data: {exc}") from None
+
+
+def fit_in_child(request: FitRequest, features: np.ndarray, labels: np.ndarray, scratch: str | Path) -> bytes:
+    """:func:`fit_head` in a child process (the module's protocol), its exchange directory
+    created in ``scratch`` and removed again. Raises :class:`FitRefused`,
+    :class:`~edgepfl.errors.OutOfMemory`, or ``RuntimeError`` for anything else the child
+    died of (its last stderr line). An exception while waiting (a stop) kills the child."""
+    Path(scratch).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".head-fit-", dir=scratch) as tmp:
+        work = Path(tmp)
+        (work / REQUEST).write_text(request.model_dump_json())
+        np.save(work / FEATURES, np.ascontiguousarray(features, dtype=np.float32), allow_pickle=False)
+        np.save(work / LABELS, np.asarray(labels), allow_pickle=False)
+        proc = subprocess.run([sys.executable, "-m", CHILD_MODULE, str(work)], stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, check=False)
+        if proc.returncode == 0:
+            return (work / HEAD).read_bytes()
+        stderr = proc.stderr.strip()
+        last = stderr.splitlines()[-1] if stderr else f"exit status {proc.returncode}"
+        if proc.returncode == ExitCode.DATA and (work / REFUSED).is_file():
+            raise FitRefused((work / REFUSED).read_text())
+        if proc.returncode in (ExitCode.MEMORY, -signal.SIGKILL) or memory_message(stderr):
+            why = "killed (SIGKILL, the kernel's OOM killer)" if proc.returncode == -signal.SIGKILL else last
+            raise OutOfMemory(f"fitting a {request.head_kind} head", why)
+        raise RuntimeError(f"the head-fitting process failed: {last}")
+
+
+def main(argv: list[str]) -> int:
+    """The child: fit what ``DIR/request.json`` asks on ``DIR``'s features; the module's exit codes."""
+    work = Path(argv[0])
+    try:
+        request = FitRequest.model_validate_json((work / REQUEST).read_text())
+        features = np.load(work / FEATURES, allow_pickle=False)
+        labels = np.load(work / LABELS, allow_pickle=False)
+        (work / HEAD).write_bytes(fit_head(request, features, labels))
+    except FitRefused as exc:
+        (work / REFUSED).write_text(str(exc))
+        return int(ExitCode.DATA)
+    except Exception as exc:  # MemoryError too: it is an Exception
+        if not out_of_memory(exc):
+            raise
+        print(f"out of memory: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return int(ExitCode.MEMORY)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
