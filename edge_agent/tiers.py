@@ -323,6 +323,7 @@ class HeadTier:
             self.runtime.load()
         except Exception as exc:  # nothing saved yet, or unusable: wait for a release
             log.info("no usable saved head yet (%s)", exc)
+        self.runtime.remove_strays()  # an install a stop or a crash cut short left them
 
     def handle(self, message: Message) -> Reply | None:
         from .head_tier import ReleaseRefused

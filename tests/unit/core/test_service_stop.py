@@ -1,0 +1,62 @@
+"""A stop request (a real SIGTERM to this process) ends an interruptible step at once, waits
+for the end of an uninterruptible section, and outside both only sets the loop's flag."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from edgepfl.service import Stopped, interruptible, request_stop, uninterruptible
+
+
+@pytest.fixture
+def sigterm():
+    """SIGTERM sets ``flag`` and calls request_stop, as the agent's handler does."""
+    flag = threading.Event()
+
+    def handler(*_):
+        flag.set()
+        request_stop()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    yield flag
+    signal.signal(signal.SIGTERM, previous)
+
+
+def _term() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_ends_an_interruptible_step_at_once(sigterm):
+    steps = []
+    with pytest.raises(Stopped), interruptible():
+        for i in range(1000):  # a long loop of Python steps, as an install's solver iterations
+            steps.append(i)
+            if i == 3:
+                _term()
+            time.sleep(0.001)
+    assert steps == [0, 1, 2, 3] and sigterm.is_set()
+
+
+def test_sigterm_during_an_uninterruptible_section_takes_effect_at_its_end(sigterm):
+    written = []
+    with pytest.raises(Stopped), interruptible():
+        with uninterruptible():
+            written.append("manifest")
+            _term()
+            written.append("record")  # the switch is never cut in two
+        written.append("after")  # not reached: the stop takes effect as the section ends
+    assert written == ["manifest", "record"]
+
+
+def test_outside_an_interruptible_step_sigterm_only_sets_the_flag(sigterm):
+    _term()
+    assert sigterm.is_set()  # the handler ran and raised nothing: the loop sees its flag
+    with uninterruptible():  # a section outside a step raises nothing either
+        pass
+    with interruptible():  # nor does a later step: the stop was not pending
+        pass
