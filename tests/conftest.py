@@ -74,6 +74,15 @@ def require_rabbitmq() -> str:
                                      "(or set EDGEPFL_RABBITMQ_BIN)")
 
 
+def require_nspawn() -> str:
+    """Path of systemd-nspawn, for a test run as root that boots a container under a real
+    systemd; under CI their absence fails the test, elsewhere it skips."""
+    import shutil
+
+    nspawn = shutil.which("systemd-nspawn") if os.geteuid() == 0 else None
+    return _require(nspawn, "needs root and systemd-nspawn (apt-get install systemd-container)")
+
+
 @pytest.fixture(scope="session")
 def mosquitto():
     """A running :class:`MosquittoBroker` on a free loopback port, shared by the session.
