@@ -121,12 +121,16 @@ def _edgepfl_logging_restored():
     file ("--- Logging error ---") and caplog misses their records; restore the logger."""
     import logging
 
-    logger = logging.getLogger("edgepfl")
+    logger, root = logging.getLogger("edgepfl"), logging.getLogger()
     handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
     yield
     logger.handlers[:] = handlers
     logger.setLevel(level)  # not `.level =`: setLevel also clears the loggers' cached levels
     logger.propagate = propagate
+    # --log-format json also puts a handler on the root logger and captures warnings there
+    for handler in [h for h in root.handlers if getattr(h, "_edgepfl", False)]:
+        root.removeHandler(handler)
+    logging.captureWarnings(False)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.fleet_helpers import wait_until
+from tests.fleet_helpers import release_frame, retained_state, wait_until
 
 
 def _children(pid: int) -> set[int]:
@@ -190,37 +190,6 @@ def _big_digits(path: Path, samples: int) -> Path:
     return path
 
 
-def _release_frame(federation: str, release_dir: Path, round: int) -> bytes:
-    import hashlib
-
-    import numpy as np
-
-    from edgepfl.export.onnx_export import read_release
-    from edgepfl.protocol import MessageType, ReleaseMeta, encode
-
-    manifest, artifact = read_release(release_dir)
-    meta = ReleaseMeta(release_id=manifest.release_id, manifest=manifest, sha256=hashlib.sha256(artifact).hexdigest(),
-                       size_bytes=len(artifact))
-    return encode(MessageType.RELEASE, federation=federation, sender="coordinator", round=round, meta=meta,
-                  tensors={"artifact": np.frombuffer(artifact, dtype=np.uint8)})
-
-
-def _retained_state(url: str, topic: str) -> str | None:
-    """The ``state`` of the status retained on ``topic`` (None: nothing retained)."""
-    from edgepfl.protocol import StatusMeta, decode
-    from edgepfl.testing import TrafficCapture
-
-    capture = TrafficCapture(url, topic, include_retained=True).start()
-    try:
-        try:
-            messages = capture.wait_for(lambda m: m, timeout=2)
-        except TimeoutError:
-            return None
-        return decode(messages[-1][1]).meta_as(StatusMeta).state
-    finally:
-        capture.stop()
-
-
 def test_sigterm_during_a_release_install_stops_at_once_and_keeps_the_installed_release(mosquitto, tmp_path):
     """A head agent with much data of its own installs a new release (minutes on a Pi, tens of
     seconds here); SIGTERM in the middle ends the install and the process at once (exit 0,
@@ -265,7 +234,7 @@ def test_sigterm_during_a_release_install_stops_at_once_and_keeps_the_installed_
         wait_until(lambda: "online" in log.read_text(), timeout=120, what="the agent online")
         assert f"restored release {old.release_id}" in log.read_text()
         new_id = read_release(second)[0].release_id
-        publish.single(agent_topic(federation, "pi-slow", AgentChannel.TASK), _release_frame(federation, second, 2),
+        publish.single(agent_topic(federation, "pi-slow", AgentChannel.TASK), release_frame(federation, second, 2),
                        qos=1, hostname=mosquitto.host, port=mosquitto.port)
         wait_until(lambda: f"installing release {new_id}" in log.read_text(), timeout=60, what="the install begun")
         proc.send_signal(signal.SIGTERM)
@@ -273,7 +242,7 @@ def test_sigterm_during_a_release_install_stops_at_once_and_keeps_the_installed_
         text = log.read_text()
         assert "stopped during the release of round 2" in text, text[-3000:]
         assert f"release {new_id} installed" not in text
-        assert _retained_state(mosquitto.url, status) == "offline"
+        assert retained_state(mosquitto.url, status) == "offline"
         # the switch was never made: the old release is the installed one, whole
         record = json.loads((state / STATE_FILE).read_text())
         assert record["release_id"] == old.release_id
@@ -285,7 +254,7 @@ def test_sigterm_during_a_release_install_stops_at_once_and_keeps_the_installed_
         assert f"restored release {old.release_id}" in again, again
         assert sorted(p.name for p in state.iterdir() if p.name.startswith(("encoder-", "head-"))) == \
             sorted([record["encoder_file"], record["head_file"]])
-        wait_until(lambda: _retained_state(mosquitto.url, status) == "online", timeout=30, what="status online")
+        wait_until(lambda: retained_state(mosquitto.url, status) == "online", timeout=30, what="status online")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:

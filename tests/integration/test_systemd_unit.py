@@ -8,8 +8,8 @@ where the interpreter is. Mosquitto runs on the host, on a port nothing listens 
 * started with its broker down, the unit is active (waiting); ``systemctl stop`` stops it
   within 10 s, with a clean result and exit status 0;
 * started again with the broker down, it comes online by itself when the broker appears
-  (its retained status says ``online``, ``systemctl is-active`` says active), and a stop
-  leaves its retained status ``offline``;
+  (its retained status says ``online``, ``systemctl is-active`` says active), installs a
+  release sent to it, and a stop leaves its retained status ``offline``;
 * its journal has only JSON lines (``--log-format json``): nothing that onnxruntime or
   anything else printed outside the logger.
 
@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from tests.conftest import require_mosquitto, require_nspawn
-from tests.fleet_helpers import wait_until
+from tests.fleet_helpers import release_frame, retained_state, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 UNIT = "edgepfl-agent.service"
@@ -160,28 +160,22 @@ class Container:
             shutil.rmtree(f"/run/systemd/nspawn/propagate/{self.machine}", ignore_errors=True)
 
 
-def _retained_state(url: str) -> str | None:
-    from edgepfl.protocol import AgentChannel, StatusMeta, agent_topic, decode
-    from edgepfl.testing import TrafficCapture
-
-    capture = TrafficCapture(url, agent_topic(FEDERATION, AGENT, AgentChannel.STATUS), include_retained=True).start()
-    try:
-        try:
-            messages = capture.wait_for(lambda m: m, timeout=2)
-        except TimeoutError:
-            return None
-        return decode(messages[-1][1]).meta_as(StatusMeta).state
-    finally:
-        capture.stop()
-
-
 def test_the_agent_unit_stops_at_once_and_comes_online_by_itself_under_systemd(tmp_path):
+    import paho.mqtt.publish as publish
+
     from edgepfl.broker import free_port
+    from edgepfl.protocol import AgentChannel, agent_topic
     from edgepfl.testing import MosquittoBroker
+
+    from tests.export_fixtures import export_dir
 
     nspawn = require_nspawn()
     require_mosquitto()
     began = time.monotonic()
+    exported = export_dir(tmp_path / "release", "fedavg", rounds=1)
+    release = release_frame(FEDERATION, exported, 1)
+    release_id = json.loads((exported / "manifest.json").read_text())["release_id"]
+    status = agent_topic(FEDERATION, AGENT, AgentChannel.STATUS)
     port = free_port(restartable=True)  # nothing listens there until the broker starts
     broker = MosquittoBroker(port=port)
     binds, unit_text = _container_tree(tmp_path / "tree", f"mqtt://127.0.0.1:{port}")
@@ -214,13 +208,19 @@ def test_the_agent_unit_stops_at_once_and_comes_online_by_itself_under_systemd(t
         container.run("systemctl", "start", UNIT, timeout=330)
         wait_until(lambda: retrying(seen), timeout=60, interval=0.5, what="the agent retrying its broker again")
         broker.start()
-        wait_until(lambda: _retained_state(broker.url) == "online", timeout=90, interval=1,
+        wait_until(lambda: retained_state(broker.url, status) == "online", timeout=90, interval=1,
                    what="the agent's retained status online")
         assert container.run("systemctl", "is-active", UNIT, check=False).stdout.strip() == "active"
         assert "connected to" in container.show(UNIT, "StatusText")["StatusText"]
+        # a release installs under the shipped hardening (onnxruntime, the head fit, the state
+        # directory), and its log lines are JSON too (checked below)
+        publish.single(agent_topic(FEDERATION, AGENT, AgentChannel.TASK), release, qos=1, hostname=broker.host,
+                       port=broker.port)
+        wait_until(lambda: any(f"release {release_id} installed" in line for line in container.journal(UNIT)),
+                   timeout=120, interval=1, what="the release installed")
         container.run("systemctl", "stop", UNIT, timeout=60)
         assert container.show(UNIT, "Result")["Result"] == "success"
-        assert _retained_state(broker.url) == "offline"
+        assert retained_state(broker.url, status) == "offline"
 
         # 3. JSON logs: every line the unit's processes wrote is one JSON object
         lines = container.journal(UNIT)

@@ -9,6 +9,7 @@ interface and publishes what comes back.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 from pathlib import Path
@@ -363,3 +364,17 @@ print(before, "torch._dynamo" in sys.modules)
                          cwd=str(Path(__file__).resolve().parents[3]))
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "True"]
+
+
+def test_a_head_agent_always_names_its_onnxruntime_threads(monkeypatch):
+    """Left to choose, onnxruntime pins its threads to cores, which the hardened unit forbids
+    (and onnxruntime then prints an error line per thread into the JSON journal)."""
+    from edgepfl.edge_agent.tiers import onnx_threads
+
+    assert onnx_threads(3) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # what the example unit sets
+    assert onnx_threads(None) == 2
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert onnx_threads(None) == len(os.sched_getaffinity(0))
+    tier = HeadTier.from_config(AgentConfig(agent_id="pi", tier="head"), client_data(NEW_CLIENT))
+    assert tier.runtime.threads == len(os.sched_getaffinity(0))
