@@ -378,3 +378,29 @@ def test_a_head_agent_always_names_its_onnxruntime_threads(monkeypatch):
     assert onnx_threads(None) == len(os.sched_getaffinity(0))
     tier = HeadTier.from_config(AgentConfig(agent_id="pi", tier="head"), client_data(NEW_CLIENT))
     assert tier.runtime.threads == len(os.sched_getaffinity(0))
+
+
+def test_sigterm_during_a_training_task_ends_it_at_once_unanswered(tmp_path):
+    """The agent's SIGTERM handler (Agent.terminate) in the middle of a long local training
+    (thousands of epochs): the training stops at its next step (Stopped), and the task has no
+    answer, cached or sent. Unstopped, the training would finish and answer."""
+    import signal
+
+    from edgepfl.service import Stopped, interruptible
+
+    tier = TrainerTier("t-1", client_data(0), str(tmp_path / "state"), device="cpu")
+    tier.restore()
+    long_run = RUN.model_copy(update={"train": TrainConfig(epochs=3000, batch_size=8, lr=0.05)})
+    meta = TaskMeta(task_id=new_message_id(), kind="train", run=long_run, seed=0, deadline_s=600)
+    message = decode(encode(MessageType.TASK, federation=FED, sender="coordinator", round=0, meta=meta))
+    agent = Agent(AgentConfig(agent_id="t-1"))
+    previous = signal.signal(signal.SIGTERM, agent.terminate)
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))  # delivered to the main thread
+    try:
+        with pytest.raises(Stopped), interruptible():
+            timer.start()
+            tier.handle(message)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGTERM, previous)
+    assert agent._stop.is_set() and meta.task_id not in tier._answered
