@@ -422,7 +422,8 @@ class HeadRuntime:
         except (ValueError, ImportError) as exc:  # not offered, bad options, or it needs torch
             raise refuse(f"no {self.head_kind} head for this {release.method} release: {exc}") from None
         try:
-            head.fit(f_train, y_train)
+            with notifier().fed_while_computing():  # one library call, without progress points of its own
+                head.fit(f_train, y_train)
             data = head_to_onnx(head, f_train.shape[1], labels=labels, metadata={META_ENCODER_SHA: encoder_sha})
         except (ValueError, ImportError) as exc:  # ImportError: a method's own head needs torch
             raise refuse(f"cannot fit a {self.head_kind} head on local data: {exc}") from None

@@ -41,6 +41,7 @@ from edgepfl.protocol import (
     federation_topic,
     release_part_topic,
 )
+from edgepfl.service import notifier
 from edgepfl.simulation import DevicePace, task_samples
 
 if TYPE_CHECKING:
@@ -223,7 +224,9 @@ class TrainerTier:
             self.guard.accept(message)
         received = time.monotonic()
         try:
-            reply = Reply(AgentChannel.UPDATE, self.runtime.answer(message), round, task_id)
+            with notifier().fed_while_computing():  # a local training round: one long step
+                frame = self.runtime.answer(message)
+            reply = Reply(AgentChannel.UPDATE, frame, round, task_id)
             if self.pace is not None:
                 self._keep_pace(message, meta, received, len(reply.frame))
             log.info("round %d: %s task answered", round, meta.kind)

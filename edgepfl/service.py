@@ -31,6 +31,10 @@ from contextlib import contextmanager
 
 log = logging.getLogger("edgepfl.service")
 
+#: the share of the time a computation must spend on the CPU to count as advancing
+#: (:meth:`ServiceNotifier.fed_while_computing`); a step waiting on a lock or I/O spends none
+MIN_CPU_SHARE = 0.1
+
 
 class ServiceNotifier:
     """Sends ``READY=1``, ``WATCHDOG=1``, ``STATUS=…`` and ``STOPPING=1`` to systemd, if it listens."""
@@ -80,6 +84,37 @@ class ServiceNotifier:
     def stopping(self) -> None:
         """The service is shutting down."""
         self._send("STOPPING=1")
+
+    @contextmanager
+    def fed_while_computing(self) -> Iterator[None]:
+        """Around one long computation with no progress points of its own (a head fit: one
+        library call; a local training round): a helper thread pings the watchdog while the
+        calling thread's own CPU clock advances — it computes — and not while it does not
+        (blocked, deadlocked), so that systemd still restarts a step that hangs. The residual
+        blind spot is a step that computes forever."""
+        if self.watchdog_interval_s is None or self._address is None:
+            yield
+            return
+        interval = self.watchdog_interval_s
+        clock = time.pthread_getcpuclockid(threading.get_ident())
+        done = threading.Event()
+
+        def feed() -> None:
+            last = time.clock_gettime(clock)
+            while not done.wait(interval):
+                now = time.clock_gettime(clock)
+                if now - last >= MIN_CPU_SHARE * interval:
+                    self._last_ping = time.monotonic()
+                    self._send("WATCHDOG=1")
+                last = now
+
+        helper = threading.Thread(target=feed, name="edgepfl-watchdog-feed", daemon=True)
+        helper.start()
+        try:
+            yield
+        finally:
+            done.set()
+            helper.join()
 
 
 _notifier: ServiceNotifier | None = None

@@ -224,12 +224,16 @@ def test_sigterm_during_a_release_install_stops_at_once_and_keeps_the_installed_
     status = agent_topic(federation, "pi-slow", AgentChannel.STATUS)
     log = tmp_path / "agent.log"
 
-    def start() -> subprocess.Popen:
+    def start(**env: str) -> subprocess.Popen:
         with open(log, "a") as out:
             return subprocess.Popen([sys.executable, "-m", "edgepfl", "agent", "--config", str(config)],
-                                    env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=out, stderr=subprocess.STDOUT)
+                                    env=dict(os.environ, OMP_NUM_THREADS="1", **env), stdout=out,
+                                    stderr=subprocess.STDOUT)
 
-    proc = start()
+    # supervised as by systemd with WatchdogSec=2: the install, longer than that, must keep it fed
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    proc = start(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), WATCHDOG_USEC="2000000")
     try:
         wait_until(lambda: "online" in log.read_text(), timeout=120, what="the agent online")
         assert f"restored release {old.release_id}" in log.read_text()
@@ -237,6 +241,16 @@ def test_sigterm_during_a_release_install_stops_at_once_and_keeps_the_installed_
         publish.single(agent_topic(federation, "pi-slow", AgentChannel.TASK), release_frame(federation, second, 2),
                        qos=1, hostname=mosquitto.host, port=mosquitto.port)
         wait_until(lambda: f"installing release {new_id}" in log.read_text(), timeout=60, what="the install begun")
+        notify.setblocking(False)
+        while True:  # what the message loop sent before the install
+            try:
+                notify.recv(512)
+            except BlockingIOError:
+                break
+        notify.settimeout(30)
+        # three pings (each due after a second) from inside the install: its feature steps, its fit
+        assert [notify.recv(512) for _ in range(3)] == [b"WATCHDOG=1"] * 3
+        assert f"release {new_id} installed" not in log.read_text()  # still installing: it was fed
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
         text = log.read_text()
@@ -258,6 +272,7 @@ def test_sigterm_during_a_release_install_stops_at_once_and_keeps_the_installed_
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:
+        notify.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait()

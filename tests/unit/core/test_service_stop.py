@@ -60,3 +60,39 @@ def test_outside_an_interruptible_step_sigterm_only_sets_the_flag(sigterm):
         pass
     with interruptible():  # nor does a later step: the stop was not pending
         pass
+
+
+def test_a_long_computation_feeds_the_watchdog_while_it_computes_and_not_while_it_hangs(monkeypatch, tmp_path):
+    """fed_while_computing: pings while the calling thread's own CPU clock advances (a head fit,
+    a training round), none while it is blocked (a step that hangs: systemd must see it)."""
+    import socket
+
+    from edgepfl.service import ServiceNotifier
+
+    path = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(path)
+        sock.setblocking(False)
+        monkeypatch.setenv("NOTIFY_SOCKET", path)
+        monkeypatch.setenv("WATCHDOG_USEC", "200000")  # a ping due every 0.1 s
+        notifier = ServiceNotifier()
+
+        def pings() -> int:
+            count = 0
+            while True:
+                try:
+                    assert sock.recv(64) == b"WATCHDOG=1"
+                except BlockingIOError:
+                    return count
+                count += 1
+
+        with notifier.fed_while_computing():
+            received, spins, deadline = 0, 0, time.monotonic() + 60
+            while received < 3:  # compute until the helper has pinged three times
+                assert time.monotonic() < deadline, f"{received} pings while computing"
+                spins += sum(i * i for i in range(20_000))
+                received += pings()
+        pings()  # a last one in flight at the end
+        with notifier.fed_while_computing():
+            time.sleep(1.0)  # blocked for ten ping intervals: no CPU spent, so no ping
+        assert pings() == 0
