@@ -41,7 +41,6 @@ class ServiceNotifier:
 
     def __init__(self) -> None:
         env = os.environ
-        self._lock = threading.Lock()
         self._last_ping = 0.0
         usec = env.get("WATCHDOG_USEC", "")
         # ping at twice the rate systemd requires, as sd_watchdog_enabled(3) advises
@@ -58,7 +57,9 @@ class ServiceNotifier:
     def _send(self, state: str) -> None:
         if self._address is None:
             return
-        with self._lock, socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        # a socket per datagram and no lock: a stop raised in the main thread (request_stop)
+        # can leave no lock held that the goodbye (STOPPING=1) or the watchdog thread then waits on
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
             try:
                 sock.sendto(state.encode(), self._address)
             except OSError as exc:  # the manager went away: the service itself goes on
