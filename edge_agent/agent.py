@@ -32,6 +32,14 @@ the coordinator already has is dropped there as ``duplicate``. A head agent's ``
 report is held the same way, except that it is wanted in any round: it is published
 again on every connection (or coordinator session) with the coordinator online that it
 has not gone out on yet, and dropped only once the run is ``done``.
+
+**Stopping.** SIGTERM (or SIGINT) is honoured at any point within a few seconds: while
+the agent waits for its broker (the wait looks at the stop flag every second), between
+messages, and in the middle of a long step — loading its state, installing a release,
+training a task — which :func:`edgepfl.service.interruptible` ends at once (the step's
+work is dropped; files are written atomically, and a release's switch is never cut in
+two). Either way the agent publishes its retained ``offline`` status when it is
+connected, and the process exits 0.
 """
 
 from __future__ import annotations
@@ -73,7 +81,7 @@ from edgepfl.protocol.envelope import peek_header, refusal_frame
 from edgepfl.protocol.evolution import MAJOR
 from edgepfl.protocol.signing import load_public_key, load_signer, verify
 from edgepfl.protocol.transport import MqttTransport
-from edgepfl.service import notifier
+from edgepfl.service import Stopped, interruptible, notifier, request_stop
 
 from .release_fetch import RetainedReleases
 from .task_guard import recipient_refusal
@@ -136,6 +144,7 @@ class Agent:
         self._answers: OrderedDict[str, HeldAnswer] = OrderedDict()
         #: a head agent's retained release topics, taken on a connection only when needed
         self._retained: RetainedReleases | None = None
+        self._step: str | None = None  # the long step under way (a message being handled), for the log
 
     # ---------------------------------------------------------------- lifecycle
     def setup(self) -> None:
@@ -215,13 +224,21 @@ class Agent:
                         self._refuse_oversized(inbound.frame)
                     continue
                 self._dispatch(message)
+        except Stopped:
+            log.info("agent %s stopped during %s; that work is dropped", c.agent_id, self._step or "a long step")
         finally:
             service.stopping()
             transport.stop(final=(status_topic, self._status_frame("offline")))
 
     def stop(self, *_args) -> None:
-        """Ask :meth:`run` to return (safe from a signal handler)."""
+        """Ask :meth:`run` to return (safe from any thread and from a signal handler)."""
         self._stop.set()
+
+    def terminate(self, *_args) -> None:
+        """The SIGTERM / SIGINT handler: :meth:`stop`, and end a long step under way at once
+        (:func:`edgepfl.service.request_stop`) instead of after it."""
+        self._stop.set()
+        request_stop()
 
     # ---------------------------------------------------------------- messages
     def adopt_limits(self, presence: CoordinatorMeta) -> int:
@@ -269,7 +286,10 @@ class Agent:
             self._log.warning("unexpected", "ignored unexpected %s message from %s", message.type.value,
                               message.header.sender)
         else:
-            reply = tier.handle(message)
+            self._step = f"the {message.type.value} of round {message.header.round}"
+            with interruptible():  # a SIGTERM ends an install or a training at once (module docstring)
+                reply = tier.handle(message)
+            self._step = None
             if reply is not None:
                 self._send(reply)
 
@@ -509,11 +529,16 @@ def reset_state(state_dir: str | Path) -> list[str]:
 
 
 def run_agent(config: AgentConfig) -> None:
-    """Run an agent until SIGINT / SIGTERM."""
+    """Run an agent until SIGINT / SIGTERM (then it returns: the command exits 0)."""
     agent = Agent(config)
-    signal.signal(signal.SIGTERM, agent.stop)
-    signal.signal(signal.SIGINT, agent.stop)
-    agent.setup()
+    signal.signal(signal.SIGTERM, agent.terminate)
+    signal.signal(signal.SIGINT, agent.terminate)
+    try:
+        with interruptible():  # loading the data and restoring a release take seconds on a Pi
+            agent.setup()
+    except Stopped:
+        log.info("agent %s stopped while loading its data and state", config.agent_id)
+        return
     agent.run()
 
 

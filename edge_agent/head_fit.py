@@ -40,6 +40,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 CHILD_MODULE = "edgepfl.edge_agent.head_fit"
 REQUEST, FEATURES, LABELS, HEAD, REFUSED = "request.json", "features.npy", "labels.npy", "head.onnx", "refused.txt"
+#: the child's stderr, kept in the exchange directory (a pipe could fill while the agent waits)
+STDERR = "stderr.txt"
+#: how often the agent looks at the child while it waits (well inside any WatchdogSec=)
+WATCH_S = 1.0
 
 
 class FitRefused(ValueError):
@@ -113,11 +117,18 @@ def fit_in_child(request: FitRequest, features: np.ndarray, labels: np.ndarray, 
         (work / REQUEST).write_text(request.model_dump_json())
         np.save(work / FEATURES, np.ascontiguousarray(features, dtype=np.float32), allow_pickle=False)
         np.save(work / LABELS, np.asarray(labels), allow_pickle=False)
-        proc = subprocess.run([sys.executable, "-m", CHILD_MODULE, str(work)], stdin=subprocess.DEVNULL,
-                              capture_output=True, text=True, check=False)
+        with open(work / STDERR, "w") as err:
+            proc = subprocess.Popen([sys.executable, "-m", CHILD_MODULE, str(work)], stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=err)
+            try:
+                _wait_feeding_watchdog(proc)
+            except BaseException:  # a stop (service.Stopped) or anything else: the child goes too
+                proc.kill()
+                proc.wait()
+                raise
         if proc.returncode == 0:
             return (work / HEAD).read_bytes()
-        stderr = proc.stderr.strip()
+        stderr = (work / STDERR).read_text(errors="replace").strip()
         last = stderr.splitlines()[-1] if stderr else f"exit status {proc.returncode}"
         if proc.returncode == ExitCode.DATA and (work / REFUSED).is_file():
             raise FitRefused((work / REFUSED).read_text())
@@ -125,6 +136,34 @@ def fit_in_child(request: FitRequest, features: np.ndarray, labels: np.ndarray, 
             why = "killed (SIGKILL, the kernel's OOM killer)" if proc.returncode == -signal.SIGKILL else last
             raise OutOfMemory(f"fitting a {request.head_kind} head", why)
         raise RuntimeError(f"the head-fitting process failed: {last}")
+
+
+def _wait_feeding_watchdog(proc: subprocess.Popen) -> None:
+    """Wait for the child, feeding systemd's watchdog while it computes (its CPU time, from
+    /proc, advances) and not while it does not (hung): the agent's main thread is blocked
+    here, so :meth:`~edgepfl.service.ServiceNotifier.fed_while_computing` would see no work
+    of its own. A long fit on a slow board is progress; a child stuck forever is not."""
+    from edgepfl.service import notifier
+
+    last = _cpu_ticks(proc.pid)
+    while True:
+        try:
+            proc.wait(timeout=WATCH_S)
+            return
+        except subprocess.TimeoutExpired:
+            now = _cpu_ticks(proc.pid)
+            if now is None or last is None or now > last:
+                notifier().watchdog()
+            last = now
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    """User + system CPU time of ``pid`` in clock ticks (None: not readable here)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat(5)
 
 
 def main(argv: list[str]) -> int:

@@ -58,6 +58,7 @@ from edgepfl.protocol.manifest import ReleaseManifest, release_tensors
 from edgepfl.protocol.messages import ReleaseMeta
 from edgepfl.protocol.signing import SIGNATURE_BYTES, verify_signed_part
 from edgepfl.protocol.validation import first_validation_error
+from edgepfl.service import notifier, uninterruptible
 
 from . import head_fit
 
@@ -70,6 +71,8 @@ log = logging.getLogger("edgepfl.agent.head")
 
 STATE_FILE = "release.json"
 OFFLINE_HEAD = "head.offline.onnx"
+#: the files an install writes before its record (named by content); :meth:`HeadRuntime.remove_strays`
+STRAY_PATTERNS = ("encoder-*.onnx", "head-*.onnx", "global-heads-*.safetensors", "release-*.proof")
 #: how far the device clock may lag before a release is wrongly taken as unexpired, or lead before
 #: a fresh one is wrongly taken as expired
 MAX_CLOCK_SKEW_S = 300.0
@@ -296,10 +299,12 @@ class HeadRuntime:
         if adapt is not None:
             log.info("local data normalized with %s, the encoder expects %s: converting", self.data.normalization,
                      manifest.run.data.normalization)
+        log.info("installing release %s: features of %d + %d local samples, then a %s head", release_id,
+                 self.data.num_train, self.data.num_test, self.head_kind)
         try:
             start = time.perf_counter()
-            f_train = encoder.features(_apply(adapt, self.data.x_train))
-            f_test = encoder.features(_apply(adapt, self.data.x_test))
+            f_train = _features(encoder, _apply(adapt, self.data.x_train))
+            f_test = _features(encoder, _apply(adapt, self.data.x_test))
             feature_seconds = time.perf_counter() - start
         except Exception as exc:
             if out_of_memory(exc):
@@ -327,6 +332,7 @@ class HeadRuntime:
         write_bytes(head_path, head_bytes)
         head = OnnxHead(head_path, self.threads).fit()
         fit_seconds = time.perf_counter() - start
+        notifier().watchdog()  # the fit is done: progress (the fit itself is one library call)
 
         pred_train = head.predict(f_train)
         pred_test = head.predict(f_test)
@@ -346,11 +352,12 @@ class HeadRuntime:
             global_heads_file=heads_path.name if heads_path is not None else None,
             global_heads_sha256=_sha(global_heads) if global_heads is not None else None,
             installed=time.time(), sequence=sequence, proof_file=proof_file)
-        # for `edgepfl predict --encoder <state>/encoder-….onnx`, which reads the manifest beside it
-        write_json(self.state_dir / "manifest.json", manifest.model_dump(mode="json"))
-        write_json(self.state_dir / STATE_FILE, record.model_dump(mode="json"))  # the switch: written last
-        self.encoder, self.head, self.record, self._adapt = encoder, head, record, adapt
-        self._remove_old(old, record)
+        with uninterruptible():  # a stop (SIGTERM) waits for the switch: manifest and record agree
+            # for `edgepfl predict --encoder <state>/encoder-….onnx`, which reads the manifest beside it
+            write_json(self.state_dir / "manifest.json", manifest.model_dump(mode="json"))
+            write_json(self.state_dir / STATE_FILE, record.model_dump(mode="json"))  # the switch: written last
+            self.encoder, self.head, self.record, self._adapt = encoder, head, record, adapt
+            self._remove_old(old, record)
         log.info("release %s installed: %s head, held-out accuracy %.4f (%d/%d), fit %.2f s", release_id, head_name,
                  metrics.accuracy, correct, self.data.num_test, fit_seconds)
         return metrics
@@ -374,10 +381,11 @@ class HeadRuntime:
         record = old.model_copy(update={"release_id": manifest.release_id, "manifest": manifest, "sequence": sequence,
                                         "metrics": metrics, "installed": time.time(),
                                         "proof_file": self._keep_proof(proof)})
-        write_json(self.state_dir / "manifest.json", manifest.model_dump(mode="json"))
-        write_json(self.state_dir / STATE_FILE, record.model_dump(mode="json"))  # the switch: written last
-        self.record = record
-        self._remove_old(old, record)
+        with uninterruptible():
+            write_json(self.state_dir / "manifest.json", manifest.model_dump(mode="json"))
+            write_json(self.state_dir / STATE_FILE, record.model_dump(mode="json"))  # the switch: written last
+            self.record = record
+            self._remove_old(old, record)
         log.info("release %s carries the installed encoder of %s: recorded under it, head kept", manifest.release_id,
                  old.release_id)
         return metrics
@@ -426,6 +434,24 @@ class HeadRuntime:
         except head_fit.FitRefused as exc:
             raise refuse(str(exc)) from None
         return data, self.head_kind
+
+    def remove_strays(self) -> list[str]:
+        """Delete the release files no installed release uses: those of an install that a
+        stop or a crash cut short (its record was never written, so it is not installed).
+        Nothing when a record is there but was not loaded (unusable: left for the operator).
+        Returns the names removed."""
+        if self.record is None and (self.state_dir / STATE_FILE).exists():
+            return []
+        keep = self.record.files() if self.record else set()
+        removed = []
+        for pattern in STRAY_PATTERNS:
+            for path in sorted(self.state_dir.glob(pattern)):
+                if path.name not in keep and path.is_file():
+                    path.unlink()
+                    removed.append(path.name)
+        if removed:
+            log.info("removed %d files of an install that did not finish: %s", len(removed), ", ".join(removed))
+        return removed
 
     def _remove_old(self, old: InstalledRelease | None, current: InstalledRelease) -> None:
         """Delete the files of the ``old`` record that the ``current`` one does not use."""
@@ -494,6 +520,24 @@ def _renormalization(local: dict[str, Any], manifest: ReleaseManifest) -> Channe
 
 def _apply(adapt: ChannelAffine | None, x: np.ndarray) -> np.ndarray:
     return x if adapt is None else adapt.apply(x)
+
+
+#: samples per step of an install's feature pass; each step done feeds systemd's watchdog
+FEATURE_STEP = 1024
+
+
+def _features(encoder: OnnxEncoder, x: np.ndarray) -> np.ndarray:
+    """``encoder.features(x)`` in steps, feeding the service watchdog after each: an install
+    that takes minutes on a slow board is alive while it advances, and one that hangs is not."""
+    if len(x) <= FEATURE_STEP:
+        features = encoder.features(x)
+        notifier().watchdog()
+        return features
+    parts = []
+    for i in range(0, len(x), FEATURE_STEP):
+        parts.append(encoder.features(x[i : i + FEATURE_STEP]))
+        notifier().watchdog()
+    return np.concatenate(parts)
 
 
 def _sha(data: bytes) -> str:

@@ -16,6 +16,7 @@ torch, and a trainer agent need not have onnxruntime.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -43,6 +44,7 @@ from edgepfl.protocol import (
     federation_topic,
     release_part_topic,
 )
+from edgepfl.service import notifier
 from edgepfl.simulation import DevicePace, task_samples
 
 if TYPE_CHECKING:
@@ -229,7 +231,9 @@ class TrainerTier:
             self.guard.accept(message)
         received = time.monotonic()
         try:
-            reply = Reply(AgentChannel.UPDATE, self.runtime.answer(message), round, task_id)
+            with notifier().fed_while_computing():  # a local training round: one long step
+                frame = self.runtime.answer(message)
+            reply = Reply(AgentChannel.UPDATE, frame, round, task_id)
             if self.pace is not None:
                 self._keep_pace(message, meta, received, len(reply.frame))
             log.info("round %d: %s task answered", round, meta.kind)
@@ -281,8 +285,8 @@ class HeadTier:
     @classmethod
     def from_config(cls, config: AgentConfig, data: ClientData, signer: Signer | None = None,
                     coordinator_key: Ed25519PublicKey | None = None) -> HeadTier:
-        return cls(config.agent_id, data, config.state_dir, config.head, threads=config.threads, signer=signer,
-                   coordinator_key=coordinator_key)
+        return cls(config.agent_id, data, config.state_dir, config.head, threads=onnx_threads(config.threads),
+                   signer=signer, coordinator_key=coordinator_key)
 
     def subscriptions(self, federation: str, agent_id: str) -> list[str]:
         # The task topic, as the protocol has every agent do: a head agent ignores tasks, and
@@ -332,6 +336,7 @@ class HeadTier:
             if out_of_memory(exc):  # the saved release is fine: not a reason to download it again
                 raise OutOfMemory("restoring the installed release", exc) from exc
             log.info("no usable saved head yet (%s)", exc)
+        self.runtime.remove_strays()  # an install a stop or a crash cut short left them
 
     def handle(self, message: Message) -> Reply | None:
         from .head_tier import ReleaseRefused
@@ -376,6 +381,23 @@ class HeadTier:
         frame = encode(MessageType.METRICS, federation=federation, sender=self.agent_id, round=round, meta=metrics,
                        signer=self.signer)
         return Reply(AgentChannel.METRICS, frame, round, release_id=release_id)
+
+
+def onnx_threads(configured: int | None) -> int:
+    """onnxruntime's intra-op threads for a head agent: ``configured`` (``threads`` in its
+    config), else ``OMP_NUM_THREADS`` (the example unit sets it), else the cores this process
+    may run on. Always a number: left to choose, onnxruntime pins each of its threads to a
+    core (sched_setaffinity), which a hardened unit forbids (``SystemCallFilter=~@resources``)
+    and which it then reports on stderr, one non-JSON line per thread."""
+    if configured:
+        return configured
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux, or the call is filtered
+        return max(1, os.cpu_count() or 1)
 
 
 #: tier name (``AgentConfig.tier``) -> how to build it

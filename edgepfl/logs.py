@@ -8,6 +8,9 @@ still reach stderr through it).
 ``--log-format json`` writes one JSON object per line — ``time`` (ISO 8601, UTC),
 ``level``, ``logger``, ``message``, and any extras a call passed
 (``log.info(..., extra={"round": 3, "agent": "pi-1"})``) — for journald or a log shipper.
+Nothing else goes to stderr as text then: Python warnings (a solver's ConvergenceWarning,
+say) and other libraries' warnings and errors become JSON lines too (loggers ``py.warnings``
+and theirs), so a journal read as JSON has no line that does not parse.
 """
 
 from __future__ import annotations
@@ -62,12 +65,22 @@ def setup_logging(level: str = "warning", fmt: str = "text", stream: TextIO | No
     if fmt not in FORMATS:
         raise ValueError(f"unknown log format {fmt!r}; choose from {', '.join(FORMATS)}")
     logger = logging.getLogger(ROOT)
-    for handler in [h for h in logger.handlers if getattr(h, "_edgepfl", False)]:
-        logger.removeHandler(handler)
+    others = logging.getLogger()  # other libraries' records, and Python warnings through py.warnings
+    for owner in (logger, others):
+        for handler in [h for h in owner.handlers if getattr(h, "_edgepfl", False)]:
+            owner.removeHandler(handler)
     handler = logging.StreamHandler(stream or sys.stderr)
     handler._edgepfl = True  # type: ignore[attr-defined]  # marks the handler this function owns
     handler.setFormatter(JsonFormatter() if fmt == "json" else _text_formatter())
     logger.addHandler(handler)
+    if fmt == "json":
+        # otherwise printed as text: warnings.warn's two lines, logging's last-resort handler
+        outside = logging.StreamHandler(stream or sys.stderr)
+        outside._edgepfl = True  # type: ignore[attr-defined]
+        outside.setLevel(logging.WARNING)
+        outside.setFormatter(JsonFormatter())
+        others.addHandler(outside)
+    logging.captureWarnings(fmt == "json")
     logger.setLevel(level.upper())
     # our records are handled here; passing them on to the root would print them twice
     # wherever an application (or pytest) also configured the root logger

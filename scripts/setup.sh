@@ -21,6 +21,8 @@ command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need_apt+=
 # nftables: the idle-socket test (tests/integration/test_idle_sockets.py) loads provision's firewall.nft.
 command -v nft >/dev/null 2>&1 || [ -x /usr/sbin/nft ] || need_apt+=(nftables)
 command -v faketime >/dev/null 2>&1 || need_apt+=(faketime)  # tests/integration/test_clock_skew.py
+# systemd-nspawn: tests/integration/test_systemd_unit.py boots this OS under a real systemd
+command -v systemd-nspawn >/dev/null 2>&1 || need_apt+=(systemd-container)
 [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || need_apt+=(dataset-fashion-mnist)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then

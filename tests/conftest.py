@@ -74,6 +74,15 @@ def require_rabbitmq() -> str:
                                      "(or set EDGEPFL_RABBITMQ_BIN)")
 
 
+def require_nspawn() -> str:
+    """Path of systemd-nspawn, for a test run as root that boots a container under a real
+    systemd; under CI their absence fails the test, elsewhere it skips."""
+    import shutil
+
+    nspawn = shutil.which("systemd-nspawn") if os.geteuid() == 0 else None
+    return _require(nspawn, "needs root and systemd-nspawn (apt-get install systemd-container)")
+
+
 @pytest.fixture(scope="session")
 def mosquitto():
     """A running :class:`MosquittoBroker` on a free loopback port, shared by the session.
@@ -112,12 +121,16 @@ def _edgepfl_logging_restored():
     file ("--- Logging error ---") and caplog misses their records; restore the logger."""
     import logging
 
-    logger = logging.getLogger("edgepfl")
+    logger, root = logging.getLogger("edgepfl"), logging.getLogger()
     handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
     yield
     logger.handlers[:] = handlers
     logger.setLevel(level)  # not `.level =`: setLevel also clears the loggers' cached levels
     logger.propagate = propagate
+    # --log-format json also puts a handler on the root logger and captures warnings there
+    for handler in [h for h in root.handlers if getattr(h, "_edgepfl", False)]:
+        root.removeHandler(handler)
+    logging.captureWarnings(False)
 
 
 @pytest.fixture(scope="module")

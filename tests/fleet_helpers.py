@@ -102,3 +102,36 @@ def checkpoint_tensors(directory: Path) -> dict:
     found = load_checkpoint(directory)
     assert found is not None, f"no checkpoint in {directory}"
     return found[0].to_flat()
+
+
+def release_frame(federation: str, release_dir: Path, round: int) -> bytes:
+    """A release frame of an exported encoder (``export_dir``), as a coordinator sends it on an
+    agent's task topic (unsigned, no sequence)."""
+    import hashlib
+
+    import numpy as np
+
+    from edgepfl.export.onnx_export import read_release
+    from edgepfl.protocol import MessageType, ReleaseMeta, encode
+
+    manifest, artifact = read_release(release_dir)
+    meta = ReleaseMeta(release_id=manifest.release_id, manifest=manifest, sha256=hashlib.sha256(artifact).hexdigest(),
+                       size_bytes=len(artifact))
+    return encode(MessageType.RELEASE, federation=federation, sender="coordinator", round=round, meta=meta,
+                  tensors={"artifact": np.frombuffer(artifact, dtype=np.uint8)})
+
+
+def retained_state(url: str, topic: str) -> str | None:
+    """The ``state`` of the status retained on ``topic`` (None: nothing retained)."""
+    from edgepfl.protocol import StatusMeta, decode
+    from edgepfl.testing import TrafficCapture
+
+    capture = TrafficCapture(url, topic, include_retained=True).start()
+    try:
+        try:
+            messages = capture.wait_for(lambda m: m, timeout=2)
+        except TimeoutError:
+            return None
+        return decode(messages[-1][1]).meta_as(StatusMeta).state
+    finally:
+        capture.stop()

@@ -3,6 +3,7 @@ NOTIFY_SOCKET, and a SIGTERM to ``simulate`` that leaves no agent process behind
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.fleet_helpers import wait_until
+from tests.fleet_helpers import release_frame, retained_state, wait_until
 
 
 def _children(pid: int) -> set[int]:
@@ -173,3 +174,105 @@ def test_a_supervised_agent_waits_for_its_broker_and_comes_online_when_it_appear
                 proc.kill()
                 proc.wait()
             broker.stop()
+
+
+def _big_digits(path: Path, samples: int) -> Path:
+    """An npz of ``samples`` noisy digits (8x8): a device with that much data of its own,
+    which makes a head fit on it take tens of seconds, as a release install on a slow board does."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, len(digits.images), samples)
+    x = np.clip(digits.images[idx] * 15 + rng.integers(0, 16, (samples, 8, 8)), 0, 255).astype(np.uint8)
+    np.savez(path, x=x, y=digits.target[idx])
+    return path
+
+
+def test_sigterm_during_a_release_install_stops_at_once_and_keeps_the_installed_release(mosquitto, tmp_path):
+    """A head agent with much data of its own installs a new release (minutes on a Pi, tens of
+    seconds here); SIGTERM in the middle ends the install and the process at once (exit 0,
+    the retained status 'offline'), the release installed before stays installed (never half of
+    the new one), and on restart the agent restores it, drops what the cut install left, and
+    comes online."""
+    import paho.mqtt.publish as publish
+
+    from edgepfl.config import DataSpec
+    from edgepfl.data import load_client_data
+    from edgepfl.edge_agent.head_tier import STATE_FILE, HeadRuntime
+    from edgepfl.export.onnx_export import read_release
+    from edgepfl.protocol import AgentChannel, agent_topic
+
+    from tests.export_fixtures import export_dir
+
+    first, second = export_dir(tmp_path / "a", "fedavg", rounds=1), export_dir(tmp_path / "b", "fedavg", rounds=2)
+    data = _big_digits(tmp_path / "device.npz", 100_000)
+    state = tmp_path / "state"
+    # the release installed before: fitted on a slice of the device's data, quickly
+    spec = DataSpec(dataset="npz", root=str(data), num_clients=40)
+    manifest, artifact = read_release(first)
+    old = HeadRuntime(state, "lr", load_client_data(spec, 0)).install_release(manifest, artifact,
+                                                                               manifest.encoder.sha256)
+    federation = f"t{uuid.uuid4().hex[:8]}"
+    config = tmp_path / "agent.yaml"
+    config.write_text(yaml.safe_dump({
+        "agent_id": "pi-slow", "federation": federation, "tier": "head", "head": "lr",
+        "broker": {"url": mosquitto.url}, "data": {"dataset": "npz", "root": str(data), "num_clients": 1},
+        "state_dir": str(state),
+    }))
+    status = agent_topic(federation, "pi-slow", AgentChannel.STATUS)
+    log = tmp_path / "agent.log"
+
+    def start(**env: str) -> subprocess.Popen:
+        with open(log, "a") as out:
+            return subprocess.Popen([sys.executable, "-m", "edgepfl", "agent", "--config", str(config)],
+                                    env=dict(os.environ, OMP_NUM_THREADS="1", **env), stdout=out,
+                                    stderr=subprocess.STDOUT)
+
+    # supervised as by systemd with WatchdogSec=2: the install, longer than that, must keep it fed
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    proc = start(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), WATCHDOG_USEC="2000000")
+    try:
+        wait_until(lambda: "online" in log.read_text(), timeout=120, what="the agent online")
+        assert f"restored release {old.release_id}" in log.read_text()
+        new_id = read_release(second)[0].release_id
+        publish.single(agent_topic(federation, "pi-slow", AgentChannel.TASK), release_frame(federation, second, 2),
+                       qos=1, hostname=mosquitto.host, port=mosquitto.port)
+        wait_until(lambda: f"installing release {new_id}" in log.read_text(), timeout=60, what="the install begun")
+        notify.setblocking(False)
+        while True:  # what the message loop sent before the install
+            try:
+                notify.recv(512)
+            except BlockingIOError:
+                break
+        notify.settimeout(30)
+        # three pings (each due after a second) from inside the install: its feature steps, its fit
+        assert [notify.recv(512) for _ in range(3)] == [b"WATCHDOG=1"] * 3
+        assert f"release {new_id} installed" not in log.read_text()  # still installing: it was fed
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+        text = log.read_text()
+        assert "stopped during the release of round 2" in text, text[-3000:]
+        assert f"release {new_id} installed" not in text
+        assert retained_state(mosquitto.url, status) == "offline"
+        # the switch was never made: the old release is the installed one, whole
+        record = json.loads((state / STATE_FILE).read_text())
+        assert record["release_id"] == old.release_id
+
+        proc = start()
+        wait_until(lambda: text.count("online") < log.read_text().count("online"), timeout=120,
+                   what="the restarted agent online")
+        again = log.read_text()[len(text):]
+        assert f"restored release {old.release_id}" in again, again
+        assert sorted(p.name for p in state.iterdir() if p.name.startswith(("encoder-", "head-"))) == \
+            sorted([record["encoder_file"], record["head_file"]])
+        wait_until(lambda: retained_state(mosquitto.url, status) == "online", timeout=30, what="status online")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        notify.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -127,6 +127,28 @@ def test_json_log_lines_carry_time_level_logger_message_and_extras():
     assert second["level"] == "error" and "RuntimeError: boom" in second["exception"]
 
 
+def test_json_logs_carry_python_warnings_and_other_libraries_records_as_json_too():
+    """Under --log-format json nothing reaches stderr as text: a library's warnings.warn (a
+    solver's ConvergenceWarning on a device) and another library's logged error are JSON lines."""
+    import warnings
+
+    stream = io.StringIO()
+    try:
+        setup_logging("info", "json", stream=stream)
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("lbfgs failed to converge", UserWarning, stacklevel=1)
+        logging.getLogger("some.library").error("it broke")
+        logging.getLogger("some.library").info("chatter")  # below warning: not ours to show
+    finally:
+        setup_logging("warning")
+    lines = stream.getvalue().splitlines()
+    records = [json.loads(line) for line in lines]  # every line parses
+    assert [r["logger"] for r in records] == ["py.warnings", "some.library"], lines
+    assert "lbfgs failed to converge" in records[0]["message"] and records[1]["level"] == "error"
+    assert not any(getattr(h, "_edgepfl", False) for h in logging.getLogger().handlers)  # text mode again
+
+
 def test_every_module_logs_under_the_edgepfl_tree():
     import importlib
     import pkgutil

@@ -9,6 +9,7 @@ interface and publishes what comes back.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 from pathlib import Path
@@ -373,3 +374,43 @@ print(before, "torch._dynamo" in sys.modules)
                          cwd=str(Path(__file__).resolve().parents[3]))
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "True"]
+
+
+def test_a_head_agent_always_names_its_onnxruntime_threads(monkeypatch):
+    """Left to choose, onnxruntime pins its threads to cores, which the hardened unit forbids
+    (and onnxruntime then prints an error line per thread into the JSON journal)."""
+    from edgepfl.edge_agent.tiers import onnx_threads
+
+    assert onnx_threads(3) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # what the example unit sets
+    assert onnx_threads(None) == 2
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert onnx_threads(None) == len(os.sched_getaffinity(0))
+    tier = HeadTier.from_config(AgentConfig(agent_id="pi", tier="head"), client_data(NEW_CLIENT))
+    assert tier.runtime.threads == len(os.sched_getaffinity(0))
+
+
+def test_sigterm_during_a_training_task_ends_it_at_once_unanswered(tmp_path):
+    """The agent's SIGTERM handler (Agent.terminate) in the middle of a long local training
+    (thousands of epochs): the training stops at its next step (Stopped), and the task has no
+    answer, cached or sent. Unstopped, the training would finish and answer."""
+    import signal
+
+    from edgepfl.service import Stopped, interruptible
+
+    tier = TrainerTier("t-1", client_data(0), str(tmp_path / "state"), device="cpu")
+    tier.restore()
+    long_run = RUN.model_copy(update={"train": TrainConfig(epochs=3000, batch_size=8, lr=0.05)})
+    meta = TaskMeta(task_id=new_message_id(), kind="train", run=long_run, seed=0, deadline_s=600)
+    message = decode(encode(MessageType.TASK, federation=FED, sender="coordinator", round=0, meta=meta))
+    agent = Agent(AgentConfig(agent_id="t-1"))
+    previous = signal.signal(signal.SIGTERM, agent.terminate)
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))  # delivered to the main thread
+    try:
+        with pytest.raises(Stopped), interruptible():
+            timer.start()
+            tier.handle(message)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGTERM, previous)
+    assert agent._stop.is_set() and meta.task_id not in tier._answered

@@ -1,0 +1,98 @@
+"""A stop request (a real SIGTERM to this process) ends an interruptible step at once, waits
+for the end of an uninterruptible section, and outside both only sets the loop's flag."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from edgepfl.service import Stopped, interruptible, request_stop, uninterruptible
+
+
+@pytest.fixture
+def sigterm():
+    """SIGTERM sets ``flag`` and calls request_stop, as the agent's handler does."""
+    flag = threading.Event()
+
+    def handler(*_):
+        flag.set()
+        request_stop()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    yield flag
+    signal.signal(signal.SIGTERM, previous)
+
+
+def _term() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_ends_an_interruptible_step_at_once(sigterm):
+    steps = []
+    with pytest.raises(Stopped), interruptible():
+        for i in range(1000):  # a long loop of Python steps, as an install's solver iterations
+            steps.append(i)
+            if i == 3:
+                _term()
+            time.sleep(0.001)
+    assert steps == [0, 1, 2, 3] and sigterm.is_set()
+
+
+def test_sigterm_during_an_uninterruptible_section_takes_effect_at_its_end(sigterm):
+    written = []
+    with pytest.raises(Stopped), interruptible():
+        with uninterruptible():
+            written.append("manifest")
+            _term()
+            written.append("record")  # the switch is never cut in two
+        written.append("after")  # not reached: the stop takes effect as the section ends
+    assert written == ["manifest", "record"]
+
+
+def test_outside_an_interruptible_step_sigterm_only_sets_the_flag(sigterm):
+    _term()
+    assert sigterm.is_set()  # the handler ran and raised nothing: the loop sees its flag
+    with uninterruptible():  # a section outside a step raises nothing either
+        pass
+    with interruptible():  # nor does a later step: the stop was not pending
+        pass
+
+
+def test_a_long_computation_feeds_the_watchdog_while_it_computes_and_not_while_it_hangs(monkeypatch, tmp_path):
+    """fed_while_computing: pings while the calling thread's own CPU clock advances (a head fit,
+    a training round), none while it is blocked (a step that hangs: systemd must see it)."""
+    import socket
+
+    from edgepfl.service import ServiceNotifier
+
+    path = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(path)
+        sock.setblocking(False)
+        monkeypatch.setenv("NOTIFY_SOCKET", path)
+        monkeypatch.setenv("WATCHDOG_USEC", "200000")  # a ping due every 0.1 s
+        notifier = ServiceNotifier()
+
+        def pings() -> int:
+            count = 0
+            while True:
+                try:
+                    assert sock.recv(64) == b"WATCHDOG=1"
+                except BlockingIOError:
+                    return count
+                count += 1
+
+        with notifier.fed_while_computing():
+            received, spins, deadline = 0, 0, time.monotonic() + 60
+            while received < 3:  # compute until the helper has pinged three times
+                assert time.monotonic() < deadline, f"{received} pings while computing"
+                spins += sum(i * i for i in range(20_000))
+                received += pings()
+        pings()  # a last one in flight at the end
+        with notifier.fed_while_computing():
+            time.sleep(1.0)  # blocked for ten ping intervals: no CPU spent, so no ping
+        assert pings() == 0
