@@ -332,7 +332,7 @@ class HeadRuntime:
         write_bytes(head_path, head_bytes)
         head = OnnxHead(head_path, self.threads).fit()
         fit_seconds = time.perf_counter() - start
-        notifier().watchdog()  # the fit is done: progress (the fit itself is one library call)
+        notifier().watchdog()  # the head is fitted and saved: progress
 
         pred_train = head.predict(f_train)
         pred_test = head.predict(f_test)

@@ -251,8 +251,10 @@ def test_sigterm_during_a_release_install_stops_at_once_and_keeps_the_installed_
         # three pings (each due after a second) from inside the install: its feature steps, its fit
         assert [notify.recv(512) for _ in range(3)] == [b"WATCHDOG=1"] * 3
         assert f"release {new_id} installed" not in log.read_text()  # still installing: it was fed
+        stopping = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+        print(f"SIGTERM during a release install: exited after {time.monotonic() - stopping:.2f} s")
         text = log.read_text()
         assert "stopped during the release of round 2" in text, text[-3000:]
         assert f"release {new_id} installed" not in text
