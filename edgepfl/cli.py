@@ -25,13 +25,18 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
-from .config import ConfigError, RunConfig, load_agent_config, load_run_config, parse_config
 from .errors import ExitCode, OneLineParser, UsageError, report, require, require_installed
 from .logs import FORMATS, LEVELS, setup_logging
-from .specs import EMBEDDED_BROKER
+
+if TYPE_CHECKING:
+    from .config import RunConfig
+
+# The configs and specs (and with them numpy, the methods and the protocol's models) are imported by
+# the commands that read one: `edgepfl predict` needs none of it, and an import that fails
+# for lack of memory then happens inside main(), which reports it as such (exit code 6).
 
 DEMO = {
     "federation": "demo",
@@ -91,6 +96,7 @@ def _count(text: str) -> int:
 
 def demo_config(rounds: int) -> RunConfig:
     """The demo's run config: Fashion-MNIST with the CNN where it is installed, else digits with an MLP."""
+    from .config import RunConfig, parse_config
     from .data import fmnist_available
 
     data: dict[str, Any] = dict(DEMO, rounds=rounds)
@@ -102,6 +108,7 @@ def demo_config(rounds: int) -> RunConfig:
 def cmd_demo(args) -> int:
     require("torch", "edgepfl demo")
     from .coordinator.simulate import simulate
+    from .specs import EMBEDDED_BROKER
 
     config = demo_config(args.rounds)
     out = Path(args.out)
@@ -132,7 +139,7 @@ def _require_head_fitting(head: str, what: str) -> None:
 
 def cmd_simulate(args) -> int:
     require("torch", "edgepfl simulate")
-    from .config import AgentConfig
+    from .config import AgentConfig, load_run_config, parse_config
     from .coordinator.simulate import simulate
 
     config = load_run_config(args.config, args.set)
@@ -166,7 +173,9 @@ def cmd_coordinator(args) -> int:
     from edgepfl.coordinator.report import write_report
     from edgepfl.coordinator.rounds import Coordinator
 
+    from .config import ConfigError, load_run_config
     from .service import notifier
+    from .specs import EMBEDDED_BROKER
 
     config = load_run_config(args.config, args.set)
     url = args.broker or config.broker.url
@@ -192,6 +201,8 @@ def cmd_coordinator(args) -> int:
 
 def cmd_agent(args) -> int:
     from edgepfl.edge_agent import run_agent
+
+    from .config import ConfigError, load_agent_config
 
     overrides: dict[str, Any] = {}
     if args.agent_id:

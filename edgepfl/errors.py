@@ -79,20 +79,27 @@ def out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` — or an exception it was raised from — is a failure for lack of memory:
     a :class:`MemoryError`, an ``OSError`` with ``ENOMEM``, or an ImportError or a native
     runtime's error (onnxruntime's) whose message says so."""
+    return _memory_cause(exc) is not None
+
+
+def _memory_cause(exc: BaseException) -> BaseException | None:
+    """The innermost exception of ``exc``'s chain that says memory ran out (numpy's ImportError
+    wraps the loader's one-line reason in a page of advice), or None."""
+    found = None
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, MemoryError) or (isinstance(current, OSError) and current.errno == errno.ENOMEM):
-            return True
-        if memory_message(str(current)):
-            return True
+        if isinstance(current, MemoryError) or (isinstance(current, OSError) and current.errno == errno.ENOMEM) \
+                or memory_message(str(current)):
+            found = current
         current = current.__cause__ or current.__context__
-    return False
+    return found
 
 
 def _cause_line(cause: BaseException | str) -> str:
     if isinstance(cause, BaseException):
+        cause = _memory_cause(cause) or cause
         text = str(cause) or type(cause).__name__
         cause = text if type(cause).__name__ in text else f"{type(cause).__name__}: {text}"
     return " ".join(cause.split())[:300]
@@ -162,6 +169,14 @@ def _validation(exc: ValidationError) -> str:
 
 def classify(exc: BaseException) -> tuple[ExitCode, str]:
     """The exit code of ``exc`` and its message (not yet one line, without the hint)."""
+    if isinstance(exc, MissingExtra):
+        return ExitCode.EXTRA, str(exc)
+    if isinstance(exc, OutOfMemory):
+        return ExitCode.MEMORY, str(exc)
+    # before the import and model-file rules (a library that could not be mapped), and before
+    # the imports below, which would run out of memory themselves
+    if out_of_memory(exc):
+        return ExitCode.MEMORY, f"out of memory ({_cause_line(exc)})"
     # imported here: the core's error types live in modules that import much more
     from .broker import BrokerError
     from .config import ConfigError
@@ -170,12 +185,6 @@ def classify(exc: BaseException) -> tuple[ExitCode, str]:
     from .protocol.signing import KeyFileError
     from .state import CheckpointError
 
-    if isinstance(exc, MissingExtra):
-        return ExitCode.EXTRA, str(exc)
-    if isinstance(exc, OutOfMemory):
-        return ExitCode.MEMORY, str(exc)
-    if out_of_memory(exc):  # before the import and model-file rules: a library that could not be mapped
-        return ExitCode.MEMORY, f"out of memory ({_cause_line(exc)})"
     if isinstance(exc, ModuleNotFoundError) and exc.name:
         top = exc.name.split(".")[0]
         if top in EXTRA_OF_MODULE:

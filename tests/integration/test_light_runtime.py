@@ -1,0 +1,148 @@
+"""Issue #33, a head tier that fits: inference never loads scikit-learn, scipy or torch, and
+out of memory is reported as out of memory (exit code 6), never as a missing extra (5).
+
+Real exported encoder and head files, run by onnxruntime in fresh interpreters; the memory
+failures are real too, under an address-space limit (``RLIMIT_AS``) low enough to fail.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from edgepfl.export.heads import META_ENCODER_SHA, head_to_onnx
+from edgepfl.export.predict import OnnxEncoder
+from edgepfl.heads.estimators import generic_head
+from edgepfl.heads.labels import LabelSpace
+
+from tests.export_fixtures import NEW_CLIENT, REPO_ROOT_HINT, client_data, client_pixels, export_dir
+
+HEAVY = ("sklearn", "scipy", "torch", "skl2onnx")
+MiB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A real encoder release, an lr head fitted on a new client's features, and its raw pixels."""
+    tmp = tmp_path_factory.mktemp("light")
+    release = export_dir(tmp, "fedavg", rounds=1)
+    encoder = OnnxEncoder.from_dir(release)
+    data = client_data(NEW_CLIENT)
+    head = generic_head("lr").fit(encoder.features(data.x_train), data.y_train)
+    head_path = tmp / "head.onnx"
+    head_to_onnx(head, encoder.feature_dim, head_path, labels=LabelSpace(tuple(data.class_names), "federation"),
+                 metadata={META_ENCODER_SHA: encoder.sha256})
+    pixels, _, _ = client_pixels(NEW_CLIENT)
+    np.save(tmp / "pixels.npy", pixels[:16])
+    expected = [data.class_names[c] for c in head.predict(encoder.features(encoder.preprocess(pixels[:16])))]
+    return {"encoder": release / "encoder.onnx", "head": head_path, "pixels": tmp / "pixels.npy",
+            "expected": expected, "tmp": tmp}
+
+
+def _limited(limit_bytes: int):
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
+    return apply
+
+
+def _predict_args(exported) -> list[str]:
+    return ["predict", "--encoder", str(exported["encoder"]), "--head", str(exported["head"]), str(exported["pixels"]),
+            "--json"]
+
+
+def test_predict_loads_neither_scikit_learn_scipy_nor_torch(exported):
+    script = textwrap.dedent(f"""
+        import json, sys
+        from edgepfl.cli import main
+        rc = main({_predict_args(exported)!r})
+        heavy = sorted({{k.split(".")[0] for k in sys.modules}} & set({HEAVY!r}))
+        print(json.dumps({{"rc": rc, "heavy": heavy}}), file=sys.stderr)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=REPO_ROOT_HINT)
+    result = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert result == {"rc": 0, "heavy": []}, proc.stderr
+    predicted = [json.loads(line)["predictions"][0]["class"] for line in proc.stdout.splitlines()]
+    assert predicted == exported["expected"]  # the same classes the scikit-learn head predicts
+
+
+def test_predict_out_of_memory_is_reported_as_out_of_memory_not_a_missing_extra(exported):
+    """Under an address-space limit a library cannot be mapped (an ImportError, "failed to map
+    segment"), or an allocation fails (MemoryError): either is exit code 6 and one line that
+    says out of memory. Limits just below what predict needs here (about 200 MB of address
+    space); which step fails first depends on the platform, so several are tried."""
+    codes = {}
+    for mb in (130, 150, 170):
+        proc = subprocess.run([sys.executable, "-m", "edgepfl", *_predict_args(exported)], capture_output=True,
+                              text=True, timeout=120, cwd=REPO_ROOT_HINT, preexec_fn=_limited(mb * MiB))
+        codes[mb] = proc.returncode
+        assert "not installed" not in proc.stderr and "pip install" not in proc.stderr, proc.stderr
+        if proc.returncode != 0:
+            assert proc.returncode == 6, (mb, proc.stderr[-2000:])
+            last = proc.stderr.strip().splitlines()[-1]
+            assert last.startswith("edgepfl: out of memory") and "run it again" in last, last
+    assert 6 in codes.values(), codes
+
+
+def test_a_head_agent_that_cannot_load_onnxruntime_for_lack_of_memory_exits_6_not_5(exported, tmp_path):
+    """What issue #33 saw: "needs onnxruntime, which is not installed" (exit 5, which the
+    example unit never restarts) for a library that could not be mapped."""
+    pixels, y, names = client_pixels(NEW_CLIENT)
+    np.savez(tmp_path / "own.npz", x=pixels, y=y, class_names=np.asarray(names))
+    config = {"agent_id": "pi", "federation": "memory", "tier": "head", "head": "lr",
+              "broker": {"url": "mqtt://127.0.0.1:9"}, "data": {"dataset": "npz", "root": str(tmp_path / "own.npz"),
+                                                                "num_clients": 1},
+              "state_dir": str(tmp_path / "state")}
+    (tmp_path / "agent.yaml").write_text(yaml.safe_dump(config))
+    proc = subprocess.run([sys.executable, "-m", "edgepfl", "agent", "--config", str(tmp_path / "agent.yaml")],
+                          capture_output=True, text=True, timeout=120, cwd=REPO_ROOT_HINT,
+                          preexec_fn=_limited(150 * MiB))
+    assert proc.returncode == 6, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("edgepfl: out of memory") and "not installed" not in last, last
+
+
+def test_the_fitting_child_is_where_scikit_learn_goes(exported, tmp_path):
+    """A head agent's fit runs in a child process (edge_agent/head_fit.py): the parent that
+    installs a release, evaluates and predicts never holds the fitting libraries."""
+    from edgepfl.export.onnx_export import read_release
+
+    manifest, artifact = read_release(Path(exported["encoder"]).parent)
+    (tmp_path / "encoder.onnx").write_bytes(artifact)
+    (tmp_path / "manifest.json").write_text(manifest.model_dump_json())
+    data = client_data(NEW_CLIENT)  # digits come from scikit-learn: the child gets the arrays
+    np.savez(tmp_path / "data.npz", x_train=data.x_train, y_train=data.y_train, x_test=data.x_test,
+             y_test=data.y_test)
+    script = textwrap.dedent(f"""
+        import json, sys
+        from pathlib import Path
+        import numpy as np
+        from edgepfl.data.client import ClientData
+        from edgepfl.edge_agent.head_tier import HeadRuntime
+        from edgepfl.protocol import read_manifest
+
+        tmp = Path({str(tmp_path)!r})
+        arrays = np.load(tmp / "data.npz")
+        data = ClientData(arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"], 10)
+        manifest = read_manifest(tmp / "manifest.json")
+        rt = HeadRuntime(tmp / "state", "lr", data)
+        m = rt.install_release(manifest, (tmp / "encoder.onnx").read_bytes(), manifest.encoder.sha256)
+        again = HeadRuntime(tmp / "state", "lr", data)
+        again.load()
+        same = bool((again.predict(data.x_test) == rt.predict(data.x_test)).all())
+        new = sorted({{k.split(".")[0] for k in sys.modules}} & set({HEAVY!r}))
+        print(json.dumps({{"accuracy": m.accuracy, "same": same, "new_heavy": new}}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=REPO_ROOT_HINT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["new_heavy"] == [] and result["same"] and result["accuracy"] > 0.5, result
