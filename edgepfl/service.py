@@ -32,8 +32,9 @@ from contextlib import contextmanager
 log = logging.getLogger("edgepfl.service")
 
 #: the share of the time a computation must spend on the CPU to count as advancing
-#: (:meth:`ServiceNotifier.fed_while_computing`); a step waiting on a lock or I/O spends none
-MIN_CPU_SHARE = 0.1
+#: (:meth:`ServiceNotifier.fed_while_computing`); a step waiting on a lock or I/O spends none,
+#: while a fit on a board loaded by other work may get only a few percent of a core
+MIN_CPU_SHARE = 0.01
 
 
 class ServiceNotifier:

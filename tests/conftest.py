@@ -114,23 +114,45 @@ def broker_capture(mosquitto):
         cap.stop()
 
 
-@pytest.fixture(autouse=True)
-def _edgepfl_logging_restored():
-    """An in-process CLI call points the ``edgepfl`` logger at the sys.stderr of that moment —
-    pytest's capture file for that test, closed after it. Later tests then log into a closed
-    file ("--- Logging error ---") and caplog misses their records; restore the logger."""
+def _pristine_logging() -> tuple[list, int, bool]:
+    import logging
+
+    logger = logging.getLogger("edgepfl")
+    return list(logger.handlers), logger.level, logger.propagate
+
+
+#: the ``edgepfl`` logger as the test session found it, before any CLI call configured it
+_PRISTINE_LOGGING = _pristine_logging()
+
+
+def _reset_edgepfl_logging() -> None:
     import logging
 
     logger, root = logging.getLogger("edgepfl"), logging.getLogger()
-    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
-    yield
+    handlers, level, propagate = _PRISTINE_LOGGING
     logger.handlers[:] = handlers
     logger.setLevel(level)  # not `.level =`: setLevel also clears the loggers' cached levels
     logger.propagate = propagate
+    for name, child in logging.Logger.manager.loggerDict.items():  # a dictConfig may disable them
+        if name.startswith("edgepfl.") and isinstance(child, logging.Logger):
+            child.disabled = False
     # --log-format json also puts a handler on the root logger and captures warnings there
     for handler in [h for h in root.handlers if getattr(h, "_edgepfl", False)]:
         root.removeHandler(handler)
     logging.captureWarnings(False)
+
+
+@pytest.fixture(autouse=True)
+def _edgepfl_logging_restored():
+    """An in-process CLI call points the ``edgepfl`` logger at the sys.stderr of that moment —
+    pytest's capture file for that test, closed after it — and stops its propagation. Later
+    tests then log into a closed file ("--- Logging error ---") and caplog misses their
+    records. Reset to the session's pristine logger before and after every test: restoring a
+    snapshot taken at the test's start is not enough, since a module-scoped fixture may have
+    called the CLI before that snapshot."""
+    _reset_edgepfl_logging()
+    yield
+    _reset_edgepfl_logging()
 
 
 @pytest.fixture(scope="module")

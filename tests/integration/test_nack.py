@@ -180,11 +180,14 @@ def test_rejected_and_refused_tasks_do_not_cost_the_deadline_and_each_agent_is_t
     assert first.participants == ["good-0", "good-1"] and first.dropped == ["old", "shape"]
     assert first.rejected.get("wrong_shape") == 1 and first.rejected.get("malformed") == 1
     assert first.refused == {"bad_options": 1}
-    # the refusal holds until the agent restarts: no further task, train or evaluate; the
+    # unsigned, a refusal cannot prove it is the agent's (anyone may write it, PROTOCOL §7), so
+    # it does not keep the agent out of the run: the refuser is asked again every round, and
+    # every refusal answers its task at once (a signed refusal excludes: test_signing.py). The
     # dropped agents answered nothing that was accepted: they sit out round 1, then are asked again
-    assert rows[1].sampled == ["good-0", "good-1"]
-    assert rows[2].sampled == ["good-0", "good-1", "old", "shape"]
-    assert [t.header.round for t in by_id["refuser"].tasks] == [0]
+    assert rows[1].sampled == ["good-0", "good-1", "refuser"] and rows[1].refused == {"bad_options": 1}
+    assert rows[2].sampled == ["good-0", "good-1", "old", "refuser", "shape"]
+    assert all(not r.dropped or r.dropped == ["old", "shape"] for r in rows)  # the refuser never waited for
+    assert [t.header.round for t in by_id["refuser"].tasks][:3] == [0, 1, 2]
     assert rows[-1].final and rows[-1].evaluated == 4
 
     # (a) a 1.2 agent is told, on its task topic, which frame was rejected and why
