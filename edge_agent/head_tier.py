@@ -39,6 +39,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -169,61 +170,15 @@ class HeadRuntime:
         Raises ``FileNotFoundError`` when nothing was installed yet and ``ValueError``
         when the files on disk do not match their record.
         """
-        path = self.state_dir / STATE_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"no release installed in {self.state_dir}")
-        try:  # pydantic-core's parser: bounded nesting, like every reader of bytes we did not just write
-            record = InstalledRelease.model_validate_json(path.read_bytes())
-        except ValidationError as exc:
-            raise ValueError(f"{path}: {first_validation_error(exc)}") from None
-        manifest = record.manifest
-        enc_bytes = (self.state_dir / record.encoder_file).read_bytes()
-        head_bytes = (self.state_dir / record.head_file).read_bytes()
-        if _sha(head_bytes) != record.head_sha256:
-            raise ValueError(f"{record.head_file} does not match {STATE_FILE}")
-        if self.coordinator_key is not None:
-            self._check_proof(record, enc_bytes, self.coordinator_key)
-        encoder = OnnxEncoder(enc_bytes, manifest, threads=self.threads, expected_sha256=record.encoder_sha256)
-        head = OnnxHead(self.state_dir / record.head_file, self.threads).fit()
-        self.encoder, self.head, self.record = encoder, head, record
-        self._adapt = _renormalization(self.data.normalization, manifest)
+        installed = open_installed(self.state_dir, threads=self.threads, coordinator_key=self.coordinator_key)
+        record = installed.record
+        self.encoder, self.head, self.record = installed.encoder, installed.head, record
+        self._adapt = _renormalization(self.data.normalization, record.manifest)
         log.info("restored release %s with a %s head (accuracy %.4f)", record.release_id, record.metrics.head,
                  record.metrics.accuracy)
         return record.metrics
 
     # ---------------------------------------------------------------- releases
-    def _check_proof(self, record: InstalledRelease, encoder: bytes, key: Ed25519PublicKey) -> None:
-        """Re-verify the installed release as received: the coordinator's signature over its
-        header, which binds the encoder bytes (through the body's sha256) and the sequence."""
-        name = record.proof_file
-        path = self.state_dir / name if name else None
-        if path is None or not path.is_file():
-            raise ValueError("no proof file: the installed release cannot be verified against the coordinator key")
-        proof = path.read_bytes()
-        signed, signature = proof[:-SIGNATURE_BYTES], proof[-SIGNATURE_BYTES:]
-        try:
-            header = Header.model_validate_json(signed[8:])
-            meta = ReleaseMeta.model_validate(header.meta)
-        except ValueError as exc:
-            raise ValueError(f"{path.name} is not a release header ({exc})") from None
-        reason = verify_signed_part(signed, signature, header.signer, key)
-        if reason is not None:
-            raise ValueError(f"installed release fails its signature check: {reason}")
-        body = encode_body(release_tensors(encoder, self._stored_global_heads(record)))
-        if body.sha256 != header.body_sha256 or meta.sha256 != record.encoder_sha256 \
-                or meta.sequence != record.sequence:
-            raise ValueError("installed encoder or sequence differs from the signed release")
-
-    def _stored_global_heads(self, record: InstalledRelease) -> bytes | None:
-        """The installed release's global heads bytes, checked against their record, or None."""
-        name = record.global_heads_file
-        if not name:
-            return None
-        data = (self.state_dir / name).read_bytes()
-        if _sha(data) != record.global_heads_sha256:
-            raise ValueError(f"{name} does not match {STATE_FILE}")
-        return data
-
     def _release_refusal(self, sequence: int | None, expires: float | None, digest: str) -> str | None:
         """Why a release with this ``sequence`` and ``expires`` must not replace the installed one
         (a rollback, expired, unsequenced where a coordinator key is pinned), or None."""
@@ -494,6 +449,86 @@ class HeadRuntime:
         return list(head.class_names_ or [str(c) for c in head.classes_])
 
 
+@dataclass(frozen=True)
+class InstalledModel:
+    """The installed release opened for inference: its record, encoder and head."""
+
+    record: InstalledRelease
+    encoder: OnnxEncoder
+    head: OnnxHead
+
+
+def read_installed(state_dir: str | Path) -> InstalledRelease:
+    """The installed release's record (``release.json``) in a head agent's state directory.
+
+    Raises ``FileNotFoundError`` when nothing was installed yet and ``ValueError`` when
+    the record is not one.
+    """
+    path = Path(state_dir) / STATE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no release installed in {state_dir}")
+    try:  # pydantic-core's parser: bounded nesting, like every reader of bytes we did not just write
+        return InstalledRelease.model_validate_json(path.read_bytes())
+    except ValidationError as exc:
+        raise ValueError(f"{path}: {first_validation_error(exc)}") from None
+
+
+def open_installed(state_dir: str | Path, *, threads: int | None = None,
+                   coordinator_key: Ed25519PublicKey | None = None) -> InstalledModel:
+    """Open the release installed in ``state_dir`` (the head agent's, or ``edgepfl serve``'s
+    view of it): encoder and head checked against the sha256s their record names, and, with
+    ``coordinator_key``, the release re-verified against the coordinator's signature.
+
+    Raises ``FileNotFoundError`` when nothing was installed yet (or a file the record names
+    is gone: a newer install removed it) and ``ValueError`` when a file does not match it.
+    """
+    state_dir = Path(state_dir)
+    record = read_installed(state_dir)
+    enc_bytes = (state_dir / record.encoder_file).read_bytes()
+    head_bytes = (state_dir / record.head_file).read_bytes()
+    if _sha(head_bytes) != record.head_sha256:
+        raise ValueError(f"{record.head_file} does not match {STATE_FILE}")
+    if coordinator_key is not None:
+        _check_proof(state_dir, record, enc_bytes, coordinator_key)
+    encoder = OnnxEncoder(enc_bytes, record.manifest, threads=threads, expected_sha256=record.encoder_sha256)
+    head = OnnxHead(state_dir / record.head_file, threads).fit()  # named by content: the bytes checked
+    return InstalledModel(record, encoder, head)
+
+
+def _check_proof(state_dir: Path, record: InstalledRelease, encoder: bytes, key: Ed25519PublicKey) -> None:
+    """Re-verify the installed release as received: the coordinator's signature over its
+    header, which binds the encoder bytes (through the body's sha256) and the sequence."""
+    name = record.proof_file
+    path = state_dir / name if name else None
+    if path is None or not path.is_file():
+        raise ValueError("no proof file: the installed release cannot be verified against the coordinator key")
+    proof = path.read_bytes()
+    signed, signature = proof[:-SIGNATURE_BYTES], proof[-SIGNATURE_BYTES:]
+    try:
+        header = Header.model_validate_json(signed[8:])
+        meta = ReleaseMeta.model_validate(header.meta)
+    except ValueError as exc:
+        raise ValueError(f"{path.name} is not a release header ({exc})") from None
+    reason = verify_signed_part(signed, signature, header.signer, key)
+    if reason is not None:
+        raise ValueError(f"installed release fails its signature check: {reason}")
+    body = encode_body(release_tensors(encoder, _stored_global_heads(state_dir, record)))
+    if body.sha256 != header.body_sha256 or meta.sha256 != record.encoder_sha256 \
+            or meta.sequence != record.sequence:
+        raise ValueError("installed encoder or sequence differs from the signed release")
+
+
+def _stored_global_heads(state_dir: Path, record: InstalledRelease) -> bytes | None:
+    """The installed release's global heads bytes, checked against their record, or None."""
+    name = record.global_heads_file
+    if not name:
+        return None
+    data = (state_dir / name).read_bytes()
+    if _sha(data) != record.global_heads_sha256:
+        raise ValueError(f"{name} does not match {STATE_FILE}")
+    return data
+
+
 def _names_agree(head: OnnxHead, labels: LabelSpace) -> bool:
     """Whether an offline head's labels mean what this device's labels mean.
 
@@ -544,4 +579,4 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-__all__ = ["HeadRuntime", "ReleaseRefused"]
+__all__ = ["HeadRuntime", "InstalledModel", "InstalledRelease", "ReleaseRefused", "open_installed", "read_installed"]

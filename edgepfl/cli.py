@@ -6,6 +6,7 @@
     edgepfl agent --config F [--broker URL]       an edge agent (trainer or head tier)
     edgepfl export --run DIR --out DIR            frozen encoder -> ONNX + manifest
     edgepfl fit-head ... / edgepfl predict ...    offline heads for new clients
+    edgepfl serve --state DIR [--watch FOLDER]    a device's model, kept loaded, following its releases
     edgepfl report --run DIR                      table + plots from a run directory
     edgepfl status --broker URL --federation F    live view of a running federation (--json)
     edgepfl conformance --agent-cmd "CMD"         check an agent implementation against the protocol
@@ -61,6 +62,8 @@ DEMO_DIGITS_CHANGES = {
 DELEGATES = (
     ("fit-head", "edgepfl.export.fit_head:main_fit_head", "fit a personal head on an exported encoder"),
     ("predict", "edgepfl.export.predict:main_predict", "predict with an exported encoder and a head"),
+    ("serve", "edgepfl.edge_agent.serve:main_serve",
+     "answer images with a head agent's installed model, following its releases"),
     ("status", "edgepfl.coordinator.status:main_status", "live view of a running federation"),
     ("provision", "edgepfl.provision:main_provision", "CA, broker config and ACL, per-agent bundles and keys"),
     ("conformance", "edgepfl.conformance.cli:main_conformance",
@@ -391,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, or a usage error already printed as one line
         return int(exc.code or 0) if isinstance(exc.code, int) else int(ExitCode.USAGE)
     debug = bool(args.debug or os.environ.get("EDGEPFL_DEBUG", "").lower() in ("1", "true", "yes"))
-    service = args.command in ("agent", "coordinator")
+    service = args.command in ("agent", "coordinator", "serve")
     setup_logging(args.log_level or ("info" if service else "warning"), args.log_format)
     previous = _signals(args.command)
     try:

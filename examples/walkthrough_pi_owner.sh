@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Raspberry Pi owner's day: a torch-free head agent joins a federation, receives its
 # encoder release, fits a personal head on the owner's own labelled photos, and
-# `edgepfl predict` names new photos with the owner's class names.
+# `edgepfl predict` names new photos with the owner's class names; `edgepfl serve` answers
+# them again from the model kept loaded.
 #
 #   bash examples/walkthrough_pi_owner.sh [WORK_DIR] [PORT]
 #
@@ -141,4 +142,21 @@ awk -F'\t' '{ n = split($1, p, "/"); truth = p[n]; sub(/-[0-9]+\.png$/, "", trut
               split($2, top, " "); total++; if (top[1] == truth) right++ }
             END { printf "== right: %d of %d (%.0f%%)\n", right, total, 100 * right / total;
                   exit (total == 0 || right < 0.8 * total) }' "$WORK/predictions.tsv"
+
+# --------------------------------------------------------------------------------------
+# 5. Serve: the model kept loaded, one JSON answer per request line, following the
+#    agent's next release without a restart (on the Pi, as the owner's own user in group
+#    edgepfl: examples/README.md). The same photos, as one request.
+# --------------------------------------------------------------------------------------
+echo "== echo to-classify/ | edgepfl serve --state pi/state"
+echo "$WORK/to-classify" | "$EDGEPFL" serve --state "$WORK/pi/state" > "$WORK/served.jsonl"
+"$PYTHON" - "$WORK/served.jsonl" "$WORK/predictions.tsv" "$WORK/pi/state/release.json" <<'PY'
+import json, sys
+answer = json.loads(open(sys.argv[1]).read())
+predicted = [line.split("\t")[1].split(" ")[0] for line in open(sys.argv[2]).read().splitlines()]
+served = [r["predictions"][0]["class"] for r in answer["results"]]
+assert answer["release_id"] == json.load(open(sys.argv[3]))["release_id"], answer.get("error", answer)
+assert served == predicted, "serve and predict disagree"
+print(f"== served {len(served)} photos in {answer['ms']:.0f} ms with release {answer['release_id'][:12]}, as predict named them")
+PY
 echo "== the Pi owner's walk-through completed"

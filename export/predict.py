@@ -248,14 +248,22 @@ def main_predict(args: list[str]) -> int:
     except (ValueError, OSError, KeyError) as exc:
         return report(InputError(str(exc)), "predict")
     for name, row in zip(names, proba):
-        order = np.argsort(-row)[: max(1, ns.top)]
+        ranked = top_predictions(row, head.classes_, labels, ns.top)
         if ns.json:
-            print(json.dumps({"input": name, "predictions": [
-                {"class": labels[i], "index": int(head.classes_[i]), "probability": round(float(row[i]), 6)}
-                for i in order]}))
+            print(json.dumps({"input": name, "predictions": ranked}))
         else:
-            print(name + "\t" + "\t".join(f"{labels[i]} {row[i]:.3f}" for i in order))
+            print(name + "\t" + "\t".join(f"{p['class']} {p['probability']:.3f}" for p in ranked))
     return 0
 
 
-__all__ = ["OnnxEncoder", "collect_inputs", "load_images", "main_predict", "preprocess_pixels"]
+def top_predictions(probabilities: np.ndarray, classes: np.ndarray, labels: list[str], top: int = 1) -> list[dict]:
+    """The ``top`` most probable classes of one input, most probable first: each its name
+    (``class``), the head's label (``index``) and its probability (6 decimals) — the records
+    ``predict --json`` and ``serve`` print."""
+    order = np.argsort(-probabilities, kind="stable")[: max(1, top)]
+    return [{"class": labels[i], "index": int(classes[i]), "probability": round(float(probabilities[i]), 6)}
+            for i in order]
+
+
+__all__ = ["OnnxEncoder", "collect_inputs", "head_class_names", "load_images", "main_predict", "preprocess_pixels",
+           "top_predictions"]

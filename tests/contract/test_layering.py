@@ -96,14 +96,16 @@ def test_the_core_imports_no_app_package():
 
 #: the only imports from one app into another (docs/ARCHITECTURE.md): the coordinator exports
 #: its releases with the export app's ONNX exporter; the head agent runs the exported encoder
-#: and heads, and fits a release's heads in a child process (``head_fit``) that uses them.
+#: and heads (and ``serve`` runs them for the device's owner), and fits a release's heads in a
+#: child process (``head_fit``).
 #: Everything else between apps goes through the protocol, or is wired together by an entry point
 #: (``edgepfl simulate --in-process`` hands the coordinator the agent app's in-process trainers).
 ALLOWED_APP_EDGES = {
     ("edgepfl.coordinator", "edgepfl.export"): {"edgepfl.coordinator.release -> edgepfl.export.onnx_export"},
     ("edgepfl.edge_agent", "edgepfl.export"): {"edgepfl.edge_agent.head_fit -> edgepfl.export.heads",
                                                "edgepfl.edge_agent.head_tier -> edgepfl.export.heads",
-                                               "edgepfl.edge_agent.head_tier -> edgepfl.export.predict"},
+                                               "edgepfl.edge_agent.head_tier -> edgepfl.export.predict",
+                                               "edgepfl.edge_agent.serve -> edgepfl.export.predict"},
 }
 
 

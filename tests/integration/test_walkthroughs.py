@@ -102,3 +102,8 @@ def test_pi_owners_walkthrough_predicts_the_owners_class_names(tmp_path):
     right = sum(name.split("-")[0] == cls for name, cls in printed.items())
     assert right / len(printed) >= 0.8, printed
     assert f"== right: {right} of 60" in output
+
+    # serve answered the same photos with the same names, from the installed release
+    served = json.loads((work / "served.jsonl").read_text())
+    assert served["release_id"] == record["release_id"]
+    assert {Path(r["input"]).name: r["predictions"][0]["class"] for r in served["results"]} == printed
