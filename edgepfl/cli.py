@@ -159,6 +159,12 @@ def cmd_simulate(args) -> int:
                          "that need a broker")
     if args.head_agents:
         parse_config(AgentConfig, {"agent_id": "check", "tier": "head", "head": args.head}, "--head")
+        from .methods import get_method_class
+
+        kinds = get_method_class(config.method.name).head_kinds
+        if args.head not in kinds:  # before any training: the head agents would refuse every release
+            raise UsageError(f"--head {args.head}: a {config.method.name} release has no such head; "
+                             f"choose from {', '.join(kinds)}")
     _require_release_tools(config, args.head_agents, args.head)
     out = Path(args.out or f"runs/{config.federation}-{config.method.name}")
     from edgepfl.edge_agent.tiers import local_trainers

@@ -146,3 +146,62 @@ def test_the_fitting_child_is_where_scikit_learn_goes(exported, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["new_heavy"] == [] and result["same"] and result["accuracy"] > 0.5, result
+
+
+def test_out_of_memory_during_an_install_keeps_the_release_to_install_again_not_refused(exported, tmp_path):
+    """What issue #33 saw: a good release refused as bad (never retried) when memory ran out
+    while it was installed. Here the address space is capped just above what the agent holds
+    once it is up (the fit child inherits the cap): the install fails as OutOfMemory — never a
+    refusal, nothing installed — and the same release installs once memory is back."""
+    from edgepfl.export.onnx_export import read_release
+
+    manifest, artifact = read_release(Path(exported["encoder"]).parent)
+    (tmp_path / "encoder.onnx").write_bytes(artifact)
+    (tmp_path / "manifest.json").write_text(manifest.model_dump_json())
+    data = client_data(NEW_CLIENT)
+    np.savez(tmp_path / "data.npz", x_train=data.x_train, y_train=data.y_train, x_test=data.x_test,
+             y_test=data.y_test)
+    script = textwrap.dedent(f"""
+        import json, resource
+        from pathlib import Path
+        import numpy as np
+        from edgepfl.data.client import ClientData
+        from edgepfl.edge_agent.head_tier import HeadRuntime, ReleaseRefused
+        from edgepfl.errors import OutOfMemory
+        from edgepfl.protocol import read_manifest
+
+        tmp = Path({str(tmp_path)!r})
+        arrays = np.load(tmp / "data.npz")
+        data = ClientData(arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"], 10)
+        manifest = read_manifest(tmp / "manifest.json")
+        artifact = (tmp / "encoder.onnx").read_bytes()
+        rt = HeadRuntime(tmp / "state", "lr", data)
+        held = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize"))
+        outcomes = []
+        for margin_mb in (4, 32, 128):
+            resource.setrlimit(resource.RLIMIT_AS, (held + margin_mb * 2**20, resource.RLIM_INFINITY))
+            try:
+                rt.install_release(manifest, artifact, manifest.encoder.sha256)
+                outcomes.append("installed")
+            except OutOfMemory:  # and the previous state kept: here, nothing installed
+                installed = (tmp / "state" / "release.json").exists() or rt.release_id is not None
+                outcomes.append("out_of_memory, yet installed" if installed else "out_of_memory")
+            except ReleaseRefused as exc:
+                outcomes.append("refused: " + str(exc))
+            finally:
+                resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+            if outcomes[-1] != "out_of_memory":
+                break
+        if outcomes[-1] == "out_of_memory":
+            rt.install_release(manifest, artifact, manifest.encoder.sha256)  # memory is back: the same release
+            outcomes.append("installed")
+        print(json.dumps({{"outcomes": outcomes, "installed": rt.release_id == manifest.release_id}}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=REPO_ROOT_HINT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    outcomes = result["outcomes"]
+    assert outcomes[0] == "out_of_memory", result  # the cap bit: this test measures something
+    assert all(o in ("out_of_memory", "installed") for o in outcomes), result  # never refused
+    assert outcomes[-1] == "installed" and result["installed"], result

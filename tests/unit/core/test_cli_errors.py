@@ -88,6 +88,9 @@ def cases(d: Path) -> list[Case]:
                                         "--head-agents", "1"], USAGE, "--in-process", fast=True),
         Case("head knn", ["simulate", "--config", str(d / "good.yaml"), "--agents", "2", "--head-agents", "1",
                           "--head", "knn"], USAGE, "knn", fast=True),
+        # a head the run's method does not release: refused before any training, not by every head agent after it
+        Case("head the method lacks", ["simulate", "--config", str(d / "good.yaml"), "--agents", "2", "--head-agents",
+                                       "1", "--head", "dualfed"], USAGE, "a fedavg release has no such head", fast=True),
         Case("report needs --run", ["report"], USAGE, "--run", fast=True),
         Case("config template kind", ["config", "--template", "fleet"], USAGE, "fleet", fast=True),
         # configs
