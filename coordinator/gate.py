@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from edgepfl import codecs
 from edgepfl.aggregation import staleness_weight
 from edgepfl.methods import ClientUpdate, Method, ServerState, UpdateRejected
 from edgepfl.protocol import (
@@ -36,6 +37,7 @@ from edgepfl.protocol import (
     RefusalMeta,
     StatusMeta,
     UpdateMeta,
+    UplinkSpec,
     decode,
     parse_version,
 )
@@ -205,6 +207,8 @@ class Task:
     connection: int | None = None
     #: how many times the task was sent again (at most :data:`MAX_TASK_COPIES`)
     copies: int = 0
+    #: the codec the task asked the update's change to be compressed with (None: uncompressed)
+    uplink: UplinkSpec | None = None
 
     def lost_with_connection(self, session: str | None, connection: int | None) -> bool:
         """Whether a birth of ``session`` on connection ``connection`` came after a connection
@@ -439,12 +443,41 @@ class UpdateGate:
             return reject("malformed", f"num_train exceeds the {announced} samples its status announced")
         # What the device says it trained on, up to the round's cap: its weight (never a rejection)
         weight = meta.num_train if tasks.weight_cap is None else min(meta.num_train, tasks.weight_cap)
-        update = ClientUpdate(agent_id, weight, message.tensors)
+        tensors = message.tensors
+        if meta.codec is not None:
+            decoded = self._decompressed(agent_id, message, task, state)
+            if isinstance(decoded, tuple):
+                return reject(*decoded)
+            tensors = decoded
+        update = ClientUpdate(agent_id, weight, tensors)
         try:
             self.method.check_update(state, update)
         except UpdateRejected as exc:
             return reject(exc.reason, str(exc))
         return Accepted(agent_id, meta, update, message.header.message_id)
+
+
+    def _decompressed(self, agent_id: str, message: Message, task: Task,
+                      state: ServerState) -> dict[str, np.ndarray] | tuple[str, str]:
+        """A compressed update as the tensors it stands for (docs/COMPRESSION.md): its changes
+        decoded onto the payload its task carried, built again from the task's state; or the
+        (reason, detail) of its rejection. Only the codec the task asked for is accepted, and
+        none of the tensors the method keeps exact may come compressed. The bounds, robust
+        rules and exact sums that follow see an ordinary update."""
+        header = message.meta_as(UpdateMeta).codec
+        assert header is not None  # the caller's condition
+        asked = task.uplink
+        if asked is None or header.codec not in ("none", asked.codec) or header.block != asked.block:
+            return "malformed", (f"update encoded {header.codec} (block {header.block}); its task asked for "
+                                 + (f"{asked.codec} (block {asked.block})" if asked else "no codec"))
+        rounded = [t.name for t in header.tensors if asked.is_exact(t.name)]
+        if rounded:
+            return "malformed", f"{rounded[0]} is one the method keeps exact, sent compressed"
+        try:
+            encoded = codecs.Encoded.from_arrays(header, message.tensors)
+            return codecs.decode(encoded, self.method.payload_for(state, agent_id))
+        except codecs.CodecError as exc:
+            return exc.reason, exc.detail
 
 
 def admit_presence(agent_id: str, frame: bytes, keyring: Keyring | None = None,

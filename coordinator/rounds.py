@@ -100,7 +100,7 @@ class Coordinator:
         if fleet.loses_tasks and config.asynchrony.mode == "sync":
             # a task lost with a connection goes again (buffered states move on without it)
             self.inbox.resend = lambda task, r: fleet.send(
-                task.agent_id, self.task_writer.frame(task.agent_id, task.kind, task.task_id)[1], r)
+                task.agent_id, self.task_writer.frame(task.agent_id, task.kind, task.task_id, task.uplink)[1], r)
         self.epoch = int(time.time() * 1000)  # a resumed run keeps its checkpoint's (init_or_resume)
         self.state: ServerState | None = None
         self.start_round = 0
@@ -279,11 +279,12 @@ class Coordinator:
 
     def send_task(self, tasks: RoundTasks, result: RoundResult, agent_id: str, kind: str) -> None:
         """Send ``agent_id`` a ``kind`` task of the open round."""
-        task_id, frame = self.task_writer.frame(agent_id, kind)
-        announced = self.registry.announced_num_train(agent_id) if kind == "train" else None
         info = self.registry.agents.get(agent_id)
+        uplink = self.task_writer.uplink_for(info.capabilities if info else None) if kind == "train" else None
+        task_id, frame = self.task_writer.frame(agent_id, kind, uplink=uplink)
+        announced = self.registry.announced_num_train(agent_id) if kind == "train" else None
         tasks.add(Task(agent_id, task_id, kind, announced, session=info.session if info else None,
-                       connection=info.connection if info else None))
+                       connection=info.connection if info else None, uplink=uplink))
         result.bytes_down += self.fleet.send(agent_id, frame, tasks.round)
         if not self.fleet.send_ready():
             # Unacknowledged tasks wait in the transport: at 1,000 agents a round's worth

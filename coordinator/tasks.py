@@ -8,7 +8,18 @@ from __future__ import annotations
 
 from edgepfl.config import RunConfig
 from edgepfl.methods import Method, ServerState
-from edgepfl.protocol import Body, MessageType, RunSpec, TaskMeta, encode, encode_body, new_message_id, seed_for
+from edgepfl.protocol import (
+    Body,
+    Capabilities,
+    MessageType,
+    RunSpec,
+    TaskMeta,
+    UplinkSpec,
+    encode,
+    encode_body,
+    new_message_id,
+    seed_for,
+)
 from edgepfl.protocol.signing import Signer
 
 from .fleet import SENDER
@@ -28,6 +39,15 @@ class TaskWriter:
         # The payload is held with its body so that its arrays' ids cannot be reused by
         # another agent's payload while the round's tasks are written.
         self._bodies: dict[tuple[tuple[str, int], ...], tuple[dict, Body]] = {}
+        self._uplink = config.compression.uplink_spec(type(method).exact_uploads)
+
+    def uplink_for(self, capabilities: Capabilities | None) -> UplinkSpec | None:
+        """What a training task asks an agent with these capabilities to compress its update
+        with: the run's codec, if the agent announced it (None: uncompressed)."""
+        uplink = self._uplink
+        if uplink is None or capabilities is None or uplink.codec not in (capabilities.codecs or ()):
+            return None
+        return uplink
 
     def open(self, round: int, state: ServerState, epoch: int) -> None:
         """The tasks that follow are round ``round``'s, built from ``state``, of the run begun at ``epoch``."""
@@ -45,15 +65,17 @@ class TaskWriter:
                           tensors=dict(state.global_tensors), signer=self.signer,
                           recipient="size-probe" if self.signer is not None else None))
 
-    def frame(self, agent_id: str, kind: str, task_id: str | None = None) -> tuple[str, bytes]:
+    def frame(self, agent_id: str, kind: str, task_id: str | None = None,
+              uplink: UplinkSpec | None = None) -> tuple[str, bytes]:
         """A new task for ``agent_id`` (``train`` or ``evaluate``): its id and its frame; with
-        ``task_id``, that task of the open round again (the same id, seed and payload)."""
+        ``task_id``, that task of the open round again (the same id, seed and payload).
+        ``uplink``: the codec its update's change is to be compressed with (protocol 1.6)."""
         if self._state is None:
             raise RuntimeError("open() a round first")
         c = self.config
         task_id = task_id or new_message_id()
         meta = TaskMeta(task_id=task_id, kind=kind, run=self.run_spec, seed=seed_for(c.seed, self._round, agent_id),
-                        deadline_s=c.round_timeout_s, epoch=self._epoch)
+                        deadline_s=c.round_timeout_s, epoch=self._epoch, uplink=uplink)
         payload = self.method.payload_for(self._state, agent_id)
         key = tuple((name, id(array)) for name, array in payload.items())
         if key not in self._bodies:

@@ -60,6 +60,7 @@ from edgepfl.broker import exposure_warning
 from edgepfl.config import AgentConfig
 from edgepfl.logs import LogLimiter
 from edgepfl.protocol import (
+    CODECS,
     RELEASE_REFS,
     AgentChannel,
     CoordinatorMeta,
@@ -496,6 +497,8 @@ class Agent:
                 "max_message_bytes": c.broker.max_message_bytes,
                 # 1.4: the largest frame its reassembler takes; nothing larger is sent to it
                 "max_payload_bytes": c.broker.max_payload_bytes if self._speaks(RELEASE_REFS) else None,
+                # 1.6: the update codecs it encodes, for a coordinator that may ask for one
+                "codecs": tier.capabilities().codecs if self._speaks(CODECS) else None,
             }) if self.speaks_1_2() else None,
             # 1.3: a birth on a new connection tells the coordinator a task may have been lost
             connection=self.transport.connect_count or None

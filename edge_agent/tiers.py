@@ -44,6 +44,7 @@ from edgepfl.protocol import (
     federation_topic,
     release_part_topic,
 )
+from edgepfl.protocol.codec import CODEC_NAMES
 from edgepfl.service import notifier
 from edgepfl.simulation import DevicePace, task_samples
 
@@ -193,15 +194,18 @@ class TrainerTier:
         from .trainer import buildable_archs, trainable_methods
 
         if self._capabilities is None:  # imports every method module once
-            self._capabilities = Capabilities(methods=trainable_methods(), archs=buildable_archs())
+            self._capabilities = Capabilities(methods=trainable_methods(), archs=buildable_archs(),
+                                              codecs=list(CODEC_NAMES))
         return self._capabilities
 
     def status(self) -> StatusMeta:
         """Its presence in an in-process fleet (:class:`edgepfl.coordinator.fleet.LocalAgent`);
         the agent loop's birth adds session, limits and capabilities."""
         data = self.runtime.data
+        # the codecs, so that an in-process fleet compresses as the MQTT one does; methods and
+        # archs undeclared: the simulator builds its agents for the run
         return StatusMeta(state="online", tier=self.tier, device=self.device, num_train=data.num_train,
-                          num_test=data.num_test)
+                          num_test=data.num_test, capabilities=Capabilities(codecs=list(CODEC_NAMES)))
 
     def restore(self) -> None:
         """Get ready for tasks (:meth:`TrainerRuntime.warm_up`). Personal state is restored by

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from edgepfl._torch import nn, torch
 from edgepfl.atomic import read_tensors, write_json, write_tensors
+from edgepfl.codecs import CodecHeader, CodecSpec, ErrorFeedback
 from edgepfl.data import ClientData, ClientTensors
 from edgepfl.data.preprocess import conversion
 from edgepfl.heads.labels import LabelMismatch, run_label_index
@@ -43,6 +44,16 @@ from edgepfl.specs import ModelSpec
 log = logging.getLogger(__name__)
 
 PERSONAL_FILE = "personal.safetensors"  # protocol 1.0 agents' one file; read, never written
+
+
+#: the seed stream of an update's stochastic rounding, beside the task's seed
+UPLINK_STREAM = 0xC0DEC
+
+
+def feedback_file(signature: str) -> str:
+    """The file of the error-feedback residual of runs with ``signature`` (compressed updates):
+    what rounding and top-k left out of the last update, added to the next one."""
+    return f"feedback-{signature}.safetensors"
 
 
 def personal_files(signature: str) -> tuple[str, str]:
@@ -126,6 +137,8 @@ class TrainerRuntime:
         # Built by the first task (_ensure_model), rebuilt when a task's run has another signature.
         self.method: Method | None = None
         self.model: nn.Module | None = None
+        # what compressed updates of the current run left out (docs/COMPRESSION.md)
+        self._feedback = ErrorFeedback()
 
     def warm_up(self) -> None:
         """Pay torch's one-time costs before the agent announces itself, not inside its first
@@ -233,6 +246,7 @@ class TrainerRuntime:
         model.to(self.device)
         restored = self._load_personal(method, model, signature)
         self.method, self.model, self._signature = method, model, signature
+        self._feedback = self._load_feedback(signature)
         log.info("%s: built %s model (%s)", self.agent_id, method.name, "restored personal state" if restored else "fresh")
         return method, model
 
@@ -259,6 +273,36 @@ class TrainerRuntime:
             return False
         load_tensors(model, tensors)
         return True
+
+    def _load_feedback(self, signature: str) -> ErrorFeedback:
+        """The run's saved residual, or an empty one (none saved, or unreadable: a residual
+        only refines later updates, so starting without one loses nothing that matters)."""
+        feedback = ErrorFeedback()
+        path = self.state_dir / feedback_file(signature)
+        if path.exists():
+            try:
+                feedback.load_state_dict(read_tensors(path))
+            except (OSError, ValueError) as exc:
+                log.warning("%s: %s is unreadable (%s); error feedback starts again", self.agent_id, path.name, exc)
+        return feedback
+
+    def _compressed(self, meta: TaskMeta, reference: dict[str, np.ndarray],
+                    upload: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], CodecHeader | None]:
+        """The upload as the task's ``uplink`` asks (its change from ``reference``, encoded,
+        with this run's error feedback), or as it is without one."""
+        uplink = meta.uplink
+        if uplink is None or not upload:
+            return upload, None
+        assert self._signature is not None
+        rng = np.random.default_rng([meta.seed, UPLINK_STREAM])  # reproducible, apart from training's draws
+        try:
+            encoded = self._feedback.encode(upload, reference, CodecSpec.from_uplink(uplink), rng,
+                                            exact=[name for name in upload if uplink.is_exact(name)])
+        except ValueError as exc:  # a non-finite update: sent as it is, for the coordinator to judge
+            log.warning("%s: update not compressed (%s)", self.agent_id, exc)
+            return upload, None
+        write_tensors(self.state_dir / feedback_file(self._signature), self._feedback.state_dict())
+        return encoded.arrays(), encoded.header
 
     def _save_personal(self, method: Method, model: nn.Module, round: int) -> None:
         assert self._signature is not None  # set by _ensure_model, which every task goes through first
@@ -297,9 +341,10 @@ class TrainerRuntime:
         upload: dict[str, np.ndarray] = {}
         train_loss = None
         extra: dict[str, float] = {}
+        codec = None
         if meta.kind == "train":
             result = method.local_update(model, inputs, ctx)
-            upload = result.upload
+            upload, codec = self._compressed(meta, task.tensors, result.upload)
             train_loss = None if np.isnan(result.train_loss) else float(result.train_loss)
             extra = {k: float(v) for k, v in result.metrics.items()}
             self._save_personal(method, model, task.header.round)
@@ -313,6 +358,7 @@ class TrainerRuntime:
             train_loss=train_loss,
             train_seconds=stopwatch() - started,
             extra=extra,
+            codec=codec,
         )
         return update, upload
 

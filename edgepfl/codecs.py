@@ -44,20 +44,18 @@ import json
 import math
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .aggregation import STATISTIC_LEAVES
+from .protocol.codec import CODEC_NAMES, DEFAULT_BLOCK, CodecHeader, CompressedTensor, UplinkSpec
 
 TensorDict = dict[str, np.ndarray]
 
-#: the codec families an agent may announce; parameters (block, keep) travel in each frame
-CODEC_NAMES = ("none", "q8", "q4", "topk+q8", "topk+q4")
 #: array names of the codec's own streams; a state_dict key never contains ":"
 PAYLOAD, SCALES, INDEX = "codec:payload", "codec:scales", "codec:index"
-DEFAULT_BLOCK = 256
 #: leaves sent exactly whatever the codec: BatchNorm's running statistics and its counter
 EXACT_LEAVES = (*STATISTIC_LEAVES, "num_batches_tracked")
 _MAX_VARINT_BYTES = 5  # a gap below 2**32 needs at most five 7-bit groups
@@ -112,50 +110,10 @@ class CodecSpec(BaseModel):
             return cls(bits=None, block=block)
         return cls(bits=_bits_of(name), block=block, keep=keep if name.startswith("topk+") else None)
 
-
-class CompressedTensor(BaseModel):
-    """One compressed tensor in a frame's header."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(min_length=1, max_length=256)
-    #: the tensor's shape; its values are C-order flat positions 0..prod(shape)-1
-    shape: tuple[Annotated[int, Field(ge=0)], ...] = Field(max_length=8)
-    #: the decoded tensor's dtype (float32: the only one compressed)
-    dtype: Literal["float32"] = "float32"
-    #: top-k: how many positions were sent, and how their positions are written
-    kept: int | None = Field(None, ge=0)
-    index: Literal["bitmap", "gaps"] | None = None
-
-
-class CodecHeader(BaseModel):
-    """Everything besides the arrays a decoder needs (JSON, a few hundred bytes)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    codec: Literal["none", "q8", "q4", "topk+q8", "topk+q4"]
-    block: int = Field(ge=1, le=2**20)
-    #: compressed tensors, in the order their parts follow each other in the streams
-    tensors: tuple[CompressedTensor, ...] = ()
-    #: tensors sent as they are, each an array of its own name
-    exact: tuple[str, ...] = ()
-
-    @model_validator(mode="after")
-    def _consistent(self) -> CodecHeader:
-        sparse = self.codec.startswith("topk+")
-        names = [t.name for t in self.tensors] + list(self.exact)
-        if len(set(names)) != len(names):
-            raise ValueError("a tensor is named twice")
-        if any(name.startswith("codec:") for name in names):
-            raise ValueError("tensor names starting with 'codec:' are the codec's own")
-        if self.codec == "none" and self.tensors:
-            raise ValueError("codec none compresses no tensor")
-        for t in self.tensors:
-            if sparse != (t.kept is not None) or sparse != (t.index is not None):
-                raise ValueError(f"{t.name}: kept and index go with a top-k codec, and only with one")
-            if t.kept is not None and t.kept > math.prod(t.shape):
-                raise ValueError(f"{t.name}: kept {t.kept} of {math.prod(t.shape)} values")
-        return self
+    @classmethod
+    def from_uplink(cls, uplink: UplinkSpec) -> CodecSpec:
+        """The spec a task's ``uplink`` asks for."""
+        return cls.from_name(uplink.codec, block=uplink.block, keep=uplink.keep if uplink.keep is not None else 0.1)
 
 
 @dataclass(frozen=True)
@@ -589,6 +547,6 @@ def _partition(update: Mapping[str, np.ndarray], reference: Mapping[str, np.ndar
 
 __all__ = [
     "CODEC_NAMES", "DEFAULT_BLOCK", "EXACT_LEAVES", "INDEX", "PAYLOAD", "SCALES", "ByteCount", "CodecError",
-    "CodecHeader", "CodecSpec", "CompressedTensor", "Encoded", "ErrorFeedback", "decode", "dequantize", "encode",
-    "encode_changes", "exact_names",
+    "CodecHeader", "CodecSpec", "CompressedTensor", "Encoded", "ErrorFeedback", "UplinkSpec", "decode", "dequantize",
+    "encode", "encode_changes", "exact_names",
 ]

@@ -21,6 +21,7 @@ from .aggregation import AggregationSpec
 from .heads import OFFLINE_HEAD_KIND
 from .methods import Method, available_head_kinds, get_method
 from .protocol.bounded_json import MAX_DEPTH
+from .protocol.codec import DEFAULT_BLOCK, CodecName, UplinkSpec
 from .protocol.run import DataShape, MethodChoice, Normalization, RunSpec
 from .protocol.topics import check_segment
 from .simulation import DevicePace, SimulationSpec
@@ -130,6 +131,27 @@ class AsynchronySpec(_Strict):
                                                      "trainers (a state short of it closes at round_timeout_s)")
 
 
+class CompressionSpec(_Strict):
+    """Fewer bytes on the uplink: each trainer's update change compressed (docs/COMPRESSION.md)."""
+
+    uplink: CodecName = Field(
+        "none", description="the codec each training update's change is sent with, by every agent that announces it "
+                            "(others send theirs uncompressed): q8 / q4 (stochastic 8- or 4-bit levels, one float32 "
+                            "step per block), topk+q8 / topk+q4 (only the keep share of largest changes, quantized); "
+                            "the device keeps what rounding and top-k leave out for its next update (error "
+                            "feedback), and BatchNorm statistics go exact")
+    block: int = Field(DEFAULT_BLOCK, ge=1, le=2**20, description="values sharing one float32 step (256: 1.6 % of "
+                                                                      "an 8-bit payload)")
+    keep: float = Field(0.1, gt=0, lt=1, description="top-k codecs: the share of each tensor's values sent")
+
+    def uplink_spec(self, exact: tuple[str, ...] = ()) -> UplinkSpec | None:
+        """What a task asks a codec-capable agent for, or None when uplink is none."""
+        if self.uplink == "none":
+            return None
+        return UplinkSpec(codec=self.uplink, block=self.block, keep=self.keep if self.uplink.startswith("topk+")
+                          else None, exact=exact)
+
+
 class RunConfig(_Strict):
     """Everything the coordinator needs to run a federation."""
 
@@ -187,6 +209,8 @@ class RunConfig(_Strict):
                                        description="synchronous rounds, or buffered asynchronous ones (FedBuff)")
     stragglers: StragglerSpec = Field(default_factory=StragglerSpec,
                                       description="what happens to an update that arrives after its round closed")
+    compression: CompressionSpec = Field(default_factory=CompressionSpec,
+                                         description="update compression on the uplink (protocol 1.6)")
     simulation: SimulationSpec = Field(
         default_factory=SimulationSpec, description="simulate --in-process: how the devices differ (compute, links, "
                                                     "availability); time there is virtual")

@@ -264,6 +264,9 @@ class Method:
     #: personal prefixes that are nevertheless uploaded for a server computation
     #: (FedPAC's heads); listed so the contract tests can tell them from leaks
     upload_personal: ClassVar[tuple[str, ...]] = ()
+    #: module-name prefixes whose uploaded tensors a compressed update must send exactly
+    #: (docs/COMPRESSION.md): what the server computes with beyond averaging (FedPAC's heads)
+    exact_uploads: ClassVar[tuple[str, ...]] = ()
     #: False when the server step needs every update of the round at once (FedPAC's
     #: weights over clients' statistics): :meth:`finish_round` then gets them all. True:
     #: an update is folded in when it arrives and then dropped (memory O(model)).

@@ -201,6 +201,7 @@ class FedPAC(Method):
     config: FedPACConfig
     shared_parts = ("encoder",)
     upload_personal = ("head",)
+    exact_uploads = ("head",)  # the server weighs the heads against each other: no rounding
     streaming = False  # the QP / prototype weights and the centroids need every update of the round
 
     # -------------------------------------------------------------- agent side

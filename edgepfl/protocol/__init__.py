@@ -4,6 +4,7 @@ binary envelope (:mod:`.envelope`), chunk reassembly (:mod:`.reassembly`) and th
 transport (:mod:`.transport`).
 See ``docs/PROTOCOL.md``."""
 
+from .codec import UplinkSpec
 from .envelope import (
     Body,
     Message,
@@ -27,6 +28,7 @@ from .manifest import (
     read_manifest,
 )
 from .messages import (
+    CODECS,
     PROTOCOL_VERSION,
     REFUSAL_REASONS,
     RELEASE_REFS,
@@ -59,7 +61,7 @@ from .topics import (
 )
 
 __all__ = [
-    "seed_for",
+    "seed_for", "CODECS", "UplinkSpec",
     "Body", "encode_body",
     "MANIFEST_FORMAT", "PIXEL_SCALE", "PROTOCOL_VERSION", "AgentChannel", "BatchNormOrigin", "ChunkMeta",
     "CoordinatorMeta", "DataShape", "FederationChannel", "FileEntry", "GlobalHeadsEntry", "ManifestError", "Message",

@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .codec import CodecHeader, CodecName, UplinkSpec
 from .evolution import PROTOCOL_VERSION, VERSION_PATTERN, since
 from .manifest import ReleaseManifest
 from .run import RunSpec
@@ -67,6 +68,9 @@ class Capabilities(_Meta):
     #: the largest whole frame (after reassembly) it accepts: the coordinator sends it no
     #: larger frame, and no task of a run whose tasks are larger (PROTOCOL.md §15)
     max_payload_bytes: int | None = Field(None, ge=16_384, json_schema_extra=since("1.4"))
+    #: the update codecs it can encode (docs/COMPRESSION.md): a task asks it for one of these
+    #: only; None or absent: none, every update is sent uncompressed
+    codecs: list[CodecName] | None = Field(None, max_length=16, json_schema_extra=since("1.6"))
 
 
 #: the protocol version that names releases in presences and statuses (a head agent that
@@ -74,6 +78,8 @@ class Capabilities(_Meta):
 RELEASE_REFS = (1, 4)
 #: the protocol version whose head agents report a release they refused (``MetricsMeta.refused``)
 RELEASE_REFUSALS = (1, 5)
+#: the protocol version of compressed updates (``capabilities.codecs``, ``task.uplink``, ``update.codec``)
+CODECS = (1, 6)
 
 
 class ReleaseRef(_Meta):
@@ -127,6 +133,9 @@ class TaskMeta(_Meta):
     #: when the coordinator's run began (Unix ms; kept across a resume): agents order
     #: tasks by (epoch, round) and refuse older ones, so a fresh run is newer than any old one
     epoch: int = Field(0, ge=0)
+    #: compress this training update's change so (since 1.6; docs/COMPRESSION.md); None: send
+    #: it uncompressed. Only for an agent that announced the codec in its capabilities
+    uplink: UplinkSpec | None = Field(None, json_schema_extra=since("1.6"))
 
 
 class UpdateMeta(_Meta):
@@ -141,6 +150,9 @@ class UpdateMeta(_Meta):
     train_loss: float | None = None
     train_seconds: float = Field(0.0, ge=0)
     extra: dict[str, float] = Field(default_factory=dict)
+    #: the body is the update encoded so (since 1.6): its change from the task's tensors,
+    #: with the codec the task's ``uplink`` asked for; None: the tensors as they are
+    codec: CodecHeader | None = Field(None, json_schema_extra=since("1.6"))
 
 
 class MetricsMeta(_Meta):

@@ -435,3 +435,87 @@ def test_an_update_weighs_at_most_the_rounds_cap_and_what_was_announced_when_its
     rnd.tasks.add(Task("alice", new_message_id(), "train", announced=ANNOUNCED))
     verdict = rnd.admit(rnd.frame(num_train=2**24))
     assert reason(verdict) == "malformed" and f"the {ANNOUNCED} samples" in verdict.detail
+
+
+# --------------------------------------------------------------------------- compressed updates (1.6)
+def _compressed_round(method_and_state, codec="q8"):
+    from edgepfl.protocol import UplinkSpec
+
+    rnd = Round(*method_and_state)
+    uplink = UplinkSpec(codec=codec, block=16, keep=0.5 if codec.startswith("topk+") else None)
+    rnd.tasks.add(Task("alice", new_message_id(), "train", uplink=uplink))
+    return rnd, uplink
+
+
+def _encoded(rnd, uplink, *, shift=0.01, seed=0):
+    from edgepfl import codecs
+
+    reference = rnd.tensors()
+    update = {k: (v + np.float32(shift)).astype(v.dtype) if v.dtype == np.float32 else v for k, v in reference.items()}
+    encoded = codecs.encode(update, reference, codecs.CodecSpec.from_uplink(uplink), np.random.default_rng(seed))
+    return update, encoded
+
+
+@pytest.mark.parametrize("codec", ["q8", "q4", "topk+q8"])
+def test_a_compressed_update_is_decoded_onto_its_tasks_payload(method_and_state, codec):
+    rnd, uplink = _compressed_round(method_and_state, codec)
+    update, encoded = _encoded(rnd, uplink)
+    verdict = rnd.admit(rnd.frame(tensors=encoded.arrays(), codec=encoded.header))
+    assert isinstance(verdict, Accepted), verdict
+    got = verdict.update.tensors
+    assert set(got) == set(update)
+    worst = max(float(np.abs(got[k] - update[k]).max()) for k in update)
+    assert worst <= 0.011  # within one quantization step of the change (top-k: the change itself)
+
+
+def test_a_codec_its_task_did_not_ask_for_is_rejected(method_and_state):
+    rnd, uplink = _compressed_round(method_and_state, "q8")
+    _, encoded = _encoded(rnd, uplink.model_copy(update={"codec": "q4"}))
+    assert reason(rnd.admit(rnd.frame(tensors=encoded.arrays(), codec=encoded.header))) == "malformed"
+    plain = Round(*method_and_state)  # a task that asked for none
+    _, encoded = _encoded(plain, uplink)
+    verdict = plain.admit(plain.frame(tensors=encoded.arrays(), codec=encoded.header))
+    assert reason(verdict) == "malformed" and "asked for no codec" in verdict.detail
+
+
+def test_an_uncompressed_answer_to_a_compressing_task_is_accepted(method_and_state):
+    """The codec saves bytes; an agent that sends the plain update loses nothing by it."""
+    rnd, _ = _compressed_round(method_and_state)
+    assert isinstance(rnd.admit(rnd.frame()), Accepted)
+
+
+def test_compressed_frames_that_do_not_add_up_are_rejected_with_their_reason(method_and_state):
+    from edgepfl.codecs import PAYLOAD, SCALES
+
+    rnd, uplink = _compressed_round(method_and_state)
+    _, encoded = _encoded(rnd, uplink)
+    arrays = encoded.arrays()
+    cases = {
+        "payload cut short": ({**arrays, PAYLOAD: arrays[PAYLOAD][:-3]}, encoded.header, "malformed"),
+        "scales of another dtype": ({**arrays, SCALES: arrays[SCALES].astype(np.float64)}, encoded.header,
+                                    "malformed"),
+        "a stream missing": ({k: v for k, v in arrays.items() if k != SCALES}, encoded.header, "malformed"),
+        "a shape the payload has not": (arrays, encoded.header.model_copy(update={"tensors": tuple(
+            t.model_copy(update={"shape": (t.shape[0] + 1, *t.shape[1:])}) if i == 0 else t
+            for i, t in enumerate(encoded.header.tensors))}), "wrong_shape"),
+        "a tensor the payload has not": (arrays, encoded.header.model_copy(update={"tensors": tuple(
+            t.model_copy(update={"name": "ghost.weight"}) if i == 0 else t
+            for i, t in enumerate(encoded.header.tensors))}), "wrong_tensors"),
+        "a step past float32": ({**arrays, SCALES: np.full_like(arrays[SCALES], 3e38)}, encoded.header,
+                                "non_finite"),
+    }
+    for case, (tensors, header, want) in cases.items():
+        rnd.reopen()
+        rnd.tasks.add(Task("alice", rnd.tasks.get("alice").task_id, "train", uplink=uplink))
+        verdict = rnd.admit(rnd.frame(tensors=tensors, codec=header))
+        assert isinstance(verdict, Rejection) and verdict.reason == want, (case, verdict)
+
+
+def test_a_tensor_the_method_keeps_exact_may_not_come_compressed(method_and_state):
+    rnd, uplink = _compressed_round(method_and_state)
+    first = next(iter(rnd.tensors()))
+    exact_uplink = uplink.model_copy(update={"exact": (first.split(".")[0],)})
+    rnd.tasks.add(Task("alice", rnd.tasks.get("alice").task_id, "train", uplink=exact_uplink))
+    _, encoded = _encoded(rnd, uplink)  # compressed everything, the exact prefix too
+    verdict = rnd.admit(rnd.frame(tensors=encoded.arrays(), codec=encoded.header))
+    assert reason(verdict) == "malformed" and "keeps exact" in verdict.detail

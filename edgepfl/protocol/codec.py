@@ -1,0 +1,90 @@
+"""The codec fields of the wire (since protocol 1.6): what a task asks an agent's update
+to be compressed with (:class:`UplinkSpec`), and the header an encoded update carries
+(:class:`CodecHeader`). The codecs themselves — encoding, decoding, error feedback — are
+:mod:`edgepfl.codecs`; docs/COMPRESSION.md describes the frames byte by byte."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+#: the codec families an agent may announce (``capabilities.codecs``); parameters (block,
+#: keep) travel in each task and frame
+CODEC_NAMES = ("none", "q8", "q4", "topk+q8", "topk+q4")
+CodecName = Literal["none", "q8", "q4", "topk+q8", "topk+q4"]
+#: values sharing one float32 step, unless a task says otherwise
+DEFAULT_BLOCK = 256
+
+
+class UplinkSpec(BaseModel):
+    """A task's request: compress this update's change with ``codec`` (blocks of ``block``
+    values; with top-k, ``keep`` of each tensor's values) and send the tensors under the
+    module prefixes of ``exact`` as they are (``head`` covers ``head.weight``). Sent only to
+    an agent whose ``capabilities.codecs`` has ``codec``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    codec: CodecName
+    block: int = Field(DEFAULT_BLOCK, ge=1, le=2**20)
+    keep: float | None = Field(None, gt=0, lt=1)
+    exact: tuple[Annotated[str, Field(min_length=1, max_length=256)], ...] = Field((), max_length=4096)
+
+    def is_exact(self, name: str) -> bool:
+        """Whether tensor ``name`` falls under one of the :attr:`exact` prefixes."""
+        return any(name == p or name.startswith(p + ".") for p in self.exact)
+
+    @model_validator(mode="after")
+    def _keep_with_top_k(self) -> UplinkSpec:
+        if (self.keep is not None) != self.codec.startswith("topk+"):
+            raise ValueError("keep goes with a top-k codec, and only with one")
+        return self
+
+
+class CompressedTensor(BaseModel):
+    """One compressed tensor in a frame's header."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=256)
+    #: the tensor's shape; its values are C-order flat positions 0..prod(shape)-1
+    shape: tuple[Annotated[int, Field(ge=0)], ...] = Field(max_length=8)
+    #: the decoded tensor's dtype (float32: the only one compressed)
+    dtype: Literal["float32"] = "float32"
+    #: top-k: how many positions were sent, and how their positions are written
+    kept: int | None = Field(None, ge=0)
+    index: Literal["bitmap", "gaps"] | None = None
+
+
+class CodecHeader(BaseModel):
+    """Everything besides the arrays a decoder needs (JSON, a few hundred bytes)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    codec: CodecName
+    block: int = Field(ge=1, le=2**20)
+    #: compressed tensors, in the order their parts follow each other in the streams
+    tensors: tuple[CompressedTensor, ...] = ()
+    #: tensors sent as they are, each an array of its own name
+    exact: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CodecHeader:
+        sparse = self.codec.startswith("topk+")
+        names = [t.name for t in self.tensors] + list(self.exact)
+        if len(set(names)) != len(names):
+            raise ValueError("a tensor is named twice")
+        if any(name.startswith("codec:") for name in names):
+            raise ValueError("tensor names starting with 'codec:' are the codec's own")
+        if self.codec == "none" and self.tensors:
+            raise ValueError("codec none compresses no tensor")
+        for t in self.tensors:
+            if sparse != (t.kept is not None) or sparse != (t.index is not None):
+                raise ValueError(f"{t.name}: kept and index go with a top-k codec, and only with one")
+            if t.kept is not None and t.kept > math.prod(t.shape):
+                raise ValueError(f"{t.name}: kept {t.kept} of {math.prod(t.shape)} values")
+        return self
+
+
+__all__ = ["CODEC_NAMES", "DEFAULT_BLOCK", "CodecHeader", "CodecName", "CompressedTensor", "UplinkSpec"]
