@@ -79,6 +79,8 @@ class RoundResult:
     #: tasks refused by their agents, by reason
     refused: Counter = field(default_factory=Counter)
     bytes_up: int = 0
+    #: the training updates' bytes, by codec ("uncompressed": none asked or sent)
+    update_bytes: Counter = field(default_factory=Counter)
     bytes_down: int = 0
     dropped: list[str] = field(default_factory=list)
     sampled: list[str] = field(default_factory=list)
@@ -107,6 +109,8 @@ class RoundResult:
             self.staleness[staleness] += 1
             if late is not None:
                 self.trained_on[accepted.agent_id] = late.tasks.round
+            codec = accepted.meta.codec
+            self.update_bytes[codec.codec if codec is not None else "uncompressed"] += wire_bytes
         self.bytes_up += wire_bytes
         # a late answer's held-out counts are of the state it was sent: the row says how stale (staleness)
         self.evaluations[accepted.agent_id] = Evaluation.of(accepted.meta)
@@ -137,6 +141,7 @@ class RoundResult:
             rolled_back_to=rolled_back,
             train_loss=float(np.mean(losses)) if losses else None,
             bytes_up=self.bytes_up,
+            update_bytes=dict(sorted(self.update_bytes.items())),
             bytes_down=self.bytes_down,
             shared_bytes=shared_bytes,
             seconds=round(seconds, 4),

@@ -35,7 +35,7 @@ class MetricsError(ValueError):
 
 
 #: fields rows gained after their first format; written only when they hold something
-_LATER_FIELDS = ("late", "staleness", "trained_on")
+_LATER_FIELDS = ("late", "staleness", "trained_on", "update_bytes")
 
 
 class RoundMetrics(BaseModel):
@@ -77,6 +77,9 @@ class RoundMetrics(BaseModel):
     train_loss: float | None = Field(description="mean local training loss of the participants")
     bytes_up: int = Field(ge=0, description="agent -> coordinator bytes of the answers counted")
     bytes_down: int = Field(ge=0, description="coordinator -> agent bytes of the tasks sent")
+    update_bytes: dict[str, int] = Field(
+        default_factory=dict, description="the training updates' share of bytes_up, by codec (docs/COMPRESSION.md: "
+                                          "q8, q4, topk+q8, topk+q4, none) or 'uncompressed'")
     shared_bytes: int = Field(ge=0, description="size of the shared parameters after the round")
     seconds: float = Field(ge=0, description="wall time of the round")
     clipped: list[str] = Field(
