@@ -1,0 +1,175 @@
+"""Uplink bytes and accuracy with compressed updates (issue #34): q8 and q4 against float32.
+
+Per seed, per method, the same federation three times — ``compression.uplink`` none, q8
+and q4 — interleaved (seed by seed, the codecs of one method back to back) so that load
+from other processes hits them alike. ``edgepfl simulate --in-process`` on the virtual
+clock: every device trains every round, the update bytes are those of the frames as they
+would cross the broker (envelope, codec header and streams; ``metrics.jsonl``'s
+``update_bytes``), and the accuracy is the run's final evaluation (every device, the last
+state). Reported per method and codec, over seeds:
+
+* **uplink ratio**: the run's training-update bytes over the uncompressed run's;
+* **final accuracy**, and its paired difference from the uncompressed run of the same seed;
+* **bytes to target**: the update bytes sent until the round-by-round accuracy first
+  reaches ``--target`` × the uncompressed run's final accuracy (same seed), and rounds;
+* **downlink per round** (full-state tasks: the downlink is not compressed yet);
+* CPU seconds and wall seconds of each run (this process's rusage).
+
+Sized for a 2-core box: Fashion-MNIST, the default CNN (feature 64), ``--clients``
+devices of ``--samples`` images (Dirichlet 0.5), ``--rounds`` rounds of one epoch::
+
+    .venv/bin/python benchmarks/compression_accuracy.py --methods fedavg fedrep dualfed --seeds 0 1 2
+
+Writes ``benchmarks/results/compression_accuracy.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from results_io import write_results  # noqa: E402
+
+CODECS = ("none", "q8", "q4")
+
+
+def run_config(method: str, codec: str, seed: int, ns: argparse.Namespace):
+    from edgepfl.config import RunConfig, parse_config
+
+    return parse_config(RunConfig, {
+        "federation": f"cmp-{method}-{codec}-{seed}",
+        "method": {"name": method},
+        "model": {"arch": "cnn", "feature_dim": 64},
+        "train": {"epochs": 1, "batch_size": 32, "lr": 0.05, "momentum": 0.5},
+        "data": {"dataset": ns.dataset, "samples_per_client": ns.samples, "num_clients": ns.clients,
+                 "partition": {"kind": "dirichlet", "alpha": 0.5}, "seed": seed},
+        "rounds": ns.rounds, "seed": seed, "device": "cpu", "quorum": 1.0,
+        "compression": {"uplink": codec},
+    }, "benchmark config")
+
+
+def one_run(method: str, codec: str, seed: int, ns: argparse.Namespace, tmp: Path) -> dict:
+    from edgepfl.coordinator.simulate import simulate
+    from edgepfl.edge_agent.tiers import local_trainers
+
+    config = run_config(method, codec, seed, ns)
+    before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    rows, _ = simulate(config, ns.clients, tmp / f"{method}-{codec}-{seed}", in_process=local_trainers,
+                       progress=False)
+    after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - t0
+    training = [r for r in rows if not r.final]
+    return {
+        "method": method, "codec": codec, "seed": seed,
+        "final_accuracy": rows[-1].accuracy,
+        "accuracy_by_round": [r.accuracy for r in training],
+        "update_bytes_by_round": [sum(r.update_bytes.values()) for r in training],
+        "update_bytes_by_codec": {k: sum(r.update_bytes.get(k, 0) for r in training)
+                                  for k in sorted({k for r in training for k in r.update_bytes})},
+        "bytes_down_by_round": [r.bytes_down for r in training],
+        "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 2),
+        "wall_s": round(wall, 2),
+    }
+
+
+def to_target(run: dict, target: float) -> tuple[int | None, int | None]:
+    """(update bytes, rounds) until the round-by-round accuracy first reaches ``target``."""
+    sent = 0
+    for i, (accuracy, spent) in enumerate(zip(run["accuracy_by_round"], run["update_bytes_by_round"])):
+        sent += spent
+        if accuracy >= target:
+            return sent, i + 1
+    return None, None
+
+
+def summarize(runs: list[dict], target: float) -> list[dict]:
+    plain = {(r["method"], r["seed"]): r for r in runs if r["codec"] == "none"}
+    rows = []
+    for method in dict.fromkeys(r["method"] for r in runs):
+        for codec in CODECS:
+            mine = [r for r in runs if r["method"] == method and r["codec"] == codec]
+            if not mine:
+                continue
+            ratios, deltas, to_bytes, to_rounds = [], [], [], []
+            for r in mine:
+                base = plain[(method, r["seed"])]
+                ratios.append(sum(r["update_bytes_by_round"]) / sum(base["update_bytes_by_round"]))
+                deltas.append(100 * (r["final_accuracy"] - base["final_accuracy"]))
+                b, n = to_target(r, target * base["final_accuracy"])
+                to_bytes.append(b)
+                to_rounds.append(n)
+            reached = [b for b in to_bytes if b is not None]
+            rows.append({
+                "method": method, "codec": codec, "seeds": len(mine),
+                "uplink_ratio": round(statistics.mean(ratios), 4), "uplink_ratio_max": round(max(ratios), 4),
+                "final_accuracy": round(100 * statistics.mean(r["final_accuracy"] for r in mine), 2),
+                "delta_points": round(statistics.mean(deltas), 2),
+                "delta_points_worst": round(min(deltas), 2),
+                "bytes_to_target": round(statistics.mean(reached)) if len(reached) == len(mine) else None,
+                "rounds_to_target": [n for n in to_rounds],
+                "downlink_per_round": round(statistics.mean(statistics.mean(r["bytes_down_by_round"]) for r in mine)),
+                "cpu_s": round(statistics.mean(r["cpu_s"] for r in mine), 1),
+                "wall_s": round(statistics.mean(r["wall_s"] for r in mine), 1),
+            })
+    return rows
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# Compressed uplink: bytes and accuracy ({result['machine']})", "",
+             f"`{result['command']}`", "",
+             f"{result['setup']} Ratio: training-update bytes over the uncompressed run's (mean, max over "
+             f"seeds). Δ: final accuracy minus the uncompressed run's, same seed (mean, worst). To target: update "
+             f"bytes until the accuracy first reaches {result['target']} × the uncompressed run's final accuracy "
+             "(mean over seeds; rounds per seed). Downlink: full-state tasks per round (not compressed).", "",
+             "| method | codec | uplink ratio (max) | final acc % | Δ points (worst) | bytes to target | rounds | "
+             "downlink B/round | CPU-s | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        to_target_bytes = f"{r['bytes_to_target']:,}" if r["bytes_to_target"] is not None else "not reached"
+        lines.append(f"| {r['method']} | {r['codec']} | {r['uplink_ratio']:.3f} ({r['uplink_ratio_max']:.3f}) | "
+                     f"{r['final_accuracy']:.2f} | {r['delta_points']:+.2f} ({r['delta_points_worst']:+.2f}) | "
+                     f"{to_target_bytes} | {r['rounds_to_target']} | {r['downlink_per_round']:,} | "
+                     f"{r['cpu_s']} | {r['wall_s']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", nargs="+", default=["fedavg", "fedrep", "dualfed"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--clients", type=int, default=6)
+    parser.add_argument("--samples", type=int, default=300)
+    parser.add_argument("--dataset", default="fmnist")
+    parser.add_argument("--target", type=float, default=0.95)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compression_accuracy"))
+    ns = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="edgepfl-compression-") as tmp:
+        # not measured: the first run of a process pays the imports and torch's first steps
+        one_run(ns.methods[0], "none", 0, argparse.Namespace(**{**vars(ns), "rounds": 1}), Path(tmp) / "warm-up")
+        for seed in ns.seeds:
+            for method in ns.methods:
+                for codec in CODECS:
+                    print(f"seed {seed} {method} {codec}", file=sys.stderr, flush=True)
+                    runs.append(one_run(method, codec, seed, ns, Path(tmp)))
+    command = "benchmarks/compression_accuracy.py " + " ".join(sys.argv[1:])
+    setup = (f"{ns.dataset}, CNN (feature 64), {ns.clients} devices × {ns.samples} images (Dirichlet 0.5), "
+             f"{ns.rounds} rounds of one epoch, every device every round, in-process on the virtual clock, seeds "
+             f"{', '.join(map(str, ns.seeds))}.")
+    write_results({"command": command.strip(), "setup": setup, "target": ns.target,
+                   "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+                   "rows": summarize(runs, ns.target), "runs": runs}, ns.out, markdown)
+
+
+if __name__ == "__main__":
+    main()
