@@ -57,6 +57,10 @@ CHECKS: dict[str, Check] = _catalog(
           "eval_loss is a finite number >= 0 when num_test > 0; a train answer reports train_loss"),
     Check("update.tensors", "§6", "MUST", "1.0",
           "a train update carries exactly the task's shared keys, same shapes and dtypes, all finite"),
+    Check("update.compressed", "§5", "MUST", "1.6",
+          "an agent that declares `capabilities.codecs` answers a train task whose `uplink` asks for one of them "
+          "with an update that decodes onto the task's tensors (docs/COMPRESSION.md): the asked codec and block, "
+          "the task's tensor names and shapes, finite values (or an uncompressed update, which is also accepted)"),
     Check("task.evaluate", "§5", "MUST", "1.0", "an `evaluate` task is answered with kind `evaluate` and no tensors"),
     Check("task.preprocessing", "§5", "MUST", "1.0",
           "inputs are preprocessed as the task's `run.data` says: an evaluate task of a model the kit trained under "

@@ -67,6 +67,7 @@ from edgepfl.protocol import (
     StatusMeta,
     TaskMeta,
     UpdateMeta,
+    UplinkSpec,
     agent_topic,
     bounded_json,
     encode,
@@ -404,11 +405,20 @@ class _Kit:
                  "answered" if update else "no answer to a task carrying header, meta, run and run.data keys "
                                            "of a newer minor version")
 
-        task, meta = s.task(3)
+        # the chunked task asks for a compressed update where the agent declared a codec (1.6)
+        codec = next((c for c in ("q8", "q4", "topk+q8", "topk+q4") if caps and c in (caps.codecs or ())), None)
+        uplink = UplinkSpec(codec=codec, block=64, keep=0.25 if codec.startswith("topk+") else None) if codec else None
+        task, meta = s.task(3, uplink=uplink)
         update = s.ask(task, meta, chunk_to=SMALL_M)
         r.record("chunking.receive", update is not None,
                  f"a {len(task)}-byte task in {math.ceil(len(task) / (SMALL_M - 2048))} chunks of <= {SMALL_M} bytes: "
                  + ("answered" if update else "no answer"))
+        if uplink is None:
+            r.skip("update.compressed", "the agent declared no codecs (capabilities.codecs)")
+        elif update is None or update.message is None or update.message.type != MessageType.UPDATE:
+            r.record("update.compressed", False, f"no update to a task asking for {uplink.codec}")
+        else:
+            r.record("update.compressed", *self.decodes(update.message, meta, uplink))
         last = update or s.last_update
 
         # a NACK, an unknown message type, then tasks the agent must not run, then a sentinel task
@@ -486,6 +496,27 @@ class _Kit:
         self.run_done(s)
         s.clean_stop()
         s.account_frames()
+
+    def decodes(self, message: Message, task: TaskMeta, uplink: UplinkSpec) -> tuple[bool, str]:
+        """Whether an answer to a task asking for ``uplink`` decodes as docs/COMPRESSION.md says."""
+        from edgepfl import codecs
+
+        header = message.meta_as(UpdateMeta).codec
+        reference = self.payload(task.run)
+        if header is None:
+            return True, f"answered uncompressed ({len(message.tensors)} tensors), which is accepted"
+        if (header.codec, header.block) != (uplink.codec, uplink.block):
+            return False, f"encoded {header.codec} block {header.block}; asked {uplink.codec} block {uplink.block}"
+        try:
+            decoded = codecs.decode(codecs.Encoded.from_arrays(header, message.tensors), reference)
+        except codecs.CodecError as exc:
+            return False, f"does not decode: {exc}"
+        wrong = sorted(k for k in set(reference) | set(decoded)
+                       if k not in decoded or k not in reference or decoded[k].shape != reference[k].shape)
+        if wrong:
+            return False, f"decodes to other tensors than the task's: {wrong[:4]}"
+        return True, (f"{header.codec}: {len(header.tensors)} tensors compressed, {len(header.exact)} exact, "
+                      f"{sum(v.nbytes for v in message.tensors.values())} body bytes decode onto the task's")
 
     def probe(self, s: _Scenario) -> None:
         """``task.preprocessing`` and ``task.class_order``: evaluate tasks of a model the kit
@@ -822,13 +853,14 @@ class _Scenario:
 
     def task(self, round: int, *, kind: str = "train", run: RunSpec | None = None, payload: RunSpec | None = None,
              signer: Signer | None | object = _COORDINATOR_KEY, recipient: str | None = None,
-             tensors: dict[str, np.ndarray] | None = None, created: float | None = None) -> tuple[bytes, TaskMeta]:
+             tensors: dict[str, np.ndarray] | None = None, created: float | None = None,
+             uplink: UplinkSpec | None = None) -> tuple[bytes, TaskMeta]:
         """A task frame for this agent (signed with the coordinator's key in the signed scenario);
         its body the initial model of ``payload`` (default ``run``), or ``tensors``; ``created``
-        backdates it."""
+        backdates it; ``uplink`` asks for a compressed update."""
         run = run or self.kit.run
         meta = TaskMeta(task_id=new_message_id(), kind=kind, run=run, seed=seed_for(run.seed, round, self.agent_id),
-                        deadline_s=max(60.0, self.kit.options.answer_timeout_s), epoch=self.kit.epoch)
+                        deadline_s=max(60.0, self.kit.options.answer_timeout_s), epoch=self.kit.epoch, uplink=uplink)
         key = self.coordinator if signer is _COORDINATOR_KEY else signer
         frame = encode(MessageType.TASK, federation=self.federation, sender="coordinator", round=round, meta=meta,
                        tensors=tensors if tensors is not None else self.kit.payload(payload or run),
