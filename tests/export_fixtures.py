@@ -91,3 +91,29 @@ def export_dir(tmp: Path, method_name: str, **kwargs) -> Path:
 
 #: repository root, the working directory for subprocesses that import this checkout
 REPO_ROOT_HINT = str(Path(__file__).resolve().parent.parent)
+
+
+def write_device_files(tmp: Path, manifest, artifact: bytes, data) -> None:
+    """What a fresh interpreter needs to play a head device (:data:`DEVICE_PREAMBLE`): the
+    release's encoder and manifest, and the device's data as arrays (digits come from
+    scikit-learn, which the device's process must not import)."""
+    (tmp / "encoder.onnx").write_bytes(artifact)
+    (tmp / "manifest.json").write_text(manifest.model_dump_json())
+    np.savez(tmp / "data.npz", x_train=data.x_train, y_train=data.y_train, x_test=data.x_test, y_test=data.y_test)
+
+
+#: the opening of a head device's script (``{tmp}``: the folder of :func:`write_device_files`):
+#: ``data``, ``manifest`` and ``artifact`` loaded without scikit-learn or torch
+DEVICE_PREAMBLE = """
+import json, sys
+from pathlib import Path
+import numpy as np
+from edgepfl.data.client import ClientData
+from edgepfl.protocol import read_manifest
+
+tmp = Path({tmp!r})
+arrays = np.load(tmp / "data.npz")
+data = ClientData(arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"], 10)
+manifest = read_manifest(tmp / "manifest.json")
+artifact = (tmp / "encoder.onnx").read_bytes()
+"""

@@ -23,7 +23,15 @@ from edgepfl.export.predict import OnnxEncoder
 from edgepfl.heads.estimators import generic_head
 from edgepfl.heads.labels import LabelSpace
 
-from tests.export_fixtures import NEW_CLIENT, REPO_ROOT_HINT, client_data, client_pixels, export_dir
+from tests.export_fixtures import (
+    DEVICE_PREAMBLE,
+    NEW_CLIENT,
+    REPO_ROOT_HINT,
+    client_data,
+    client_pixels,
+    export_dir,
+    write_device_files,
+)
 
 HEAVY = ("sklearn", "scipy", "torch", "skl2onnx")
 MiB = 1024 * 1024
@@ -116,25 +124,12 @@ def test_the_fitting_child_is_where_scikit_learn_goes(exported, tmp_path):
     from edgepfl.export.onnx_export import read_release
 
     manifest, artifact = read_release(Path(exported["encoder"]).parent)
-    (tmp_path / "encoder.onnx").write_bytes(artifact)
-    (tmp_path / "manifest.json").write_text(manifest.model_dump_json())
-    data = client_data(NEW_CLIENT)  # digits come from scikit-learn: the child gets the arrays
-    np.savez(tmp_path / "data.npz", x_train=data.x_train, y_train=data.y_train, x_test=data.x_test,
-             y_test=data.y_test)
-    script = textwrap.dedent(f"""
-        import json, sys
-        from pathlib import Path
-        import numpy as np
-        from edgepfl.data.client import ClientData
+    write_device_files(tmp_path, manifest, artifact, client_data(NEW_CLIENT))
+    script = DEVICE_PREAMBLE.format(tmp=str(tmp_path)) + textwrap.dedent(f"""
         from edgepfl.edge_agent.head_tier import HeadRuntime
-        from edgepfl.protocol import read_manifest
 
-        tmp = Path({str(tmp_path)!r})
-        arrays = np.load(tmp / "data.npz")
-        data = ClientData(arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"], 10)
-        manifest = read_manifest(tmp / "manifest.json")
         rt = HeadRuntime(tmp / "state", "lr", data)
-        m = rt.install_release(manifest, (tmp / "encoder.onnx").read_bytes(), manifest.encoder.sha256)
+        m = rt.install_release(manifest, artifact, manifest.encoder.sha256)
         again = HeadRuntime(tmp / "state", "lr", data)
         again.load()
         same = bool((again.predict(data.x_test) == rt.predict(data.x_test)).all())
@@ -156,25 +151,12 @@ def test_out_of_memory_during_an_install_keeps_the_release_to_install_again_not_
     from edgepfl.export.onnx_export import read_release
 
     manifest, artifact = read_release(Path(exported["encoder"]).parent)
-    (tmp_path / "encoder.onnx").write_bytes(artifact)
-    (tmp_path / "manifest.json").write_text(manifest.model_dump_json())
-    data = client_data(NEW_CLIENT)
-    np.savez(tmp_path / "data.npz", x_train=data.x_train, y_train=data.y_train, x_test=data.x_test,
-             y_test=data.y_test)
-    script = textwrap.dedent(f"""
-        import json, resource
-        from pathlib import Path
-        import numpy as np
-        from edgepfl.data.client import ClientData
+    write_device_files(tmp_path, manifest, artifact, client_data(NEW_CLIENT))
+    script = DEVICE_PREAMBLE.format(tmp=str(tmp_path)) + textwrap.dedent("""
+        import resource
         from edgepfl.edge_agent.head_tier import HeadRuntime, ReleaseRefused
         from edgepfl.errors import OutOfMemory
-        from edgepfl.protocol import read_manifest
 
-        tmp = Path({str(tmp_path)!r})
-        arrays = np.load(tmp / "data.npz")
-        data = ClientData(arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"], 10)
-        manifest = read_manifest(tmp / "manifest.json")
-        artifact = (tmp / "encoder.onnx").read_bytes()
         rt = HeadRuntime(tmp / "state", "lr", data)
         held = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize"))
         outcomes = []
@@ -195,7 +177,7 @@ def test_out_of_memory_during_an_install_keeps_the_release_to_install_again_not_
         if outcomes[-1] == "out_of_memory":
             rt.install_release(manifest, artifact, manifest.encoder.sha256)  # memory is back: the same release
             outcomes.append("installed")
-        print(json.dumps({{"outcomes": outcomes, "installed": rt.release_id == manifest.release_id}}))
+        print(json.dumps({"outcomes": outcomes, "installed": rt.release_id == manifest.release_id}))
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           cwd=REPO_ROOT_HINT)
