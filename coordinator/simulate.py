@@ -71,7 +71,6 @@ def prepare(config: RunConfig, agents: int, head_agents: int = 0, rounds: int | 
         update["rounds"] = rounds
     if head_agents:
         update["release_at_end"] = True
-        update["min_head_agents"] = head_agents
     update["min_agents"] = agents
     return config.model_copy(update=update)
 
@@ -103,6 +102,8 @@ def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str
     make_dirs(out)
     intermittent = any(device.mean_online_s is not None for device in config.simulation.devices)
     config = prepare(config, agents, head_agents, rounds)
+    if head_agents:  # it starts them: the run's end waits for their reports on the last release
+        config = config.model_copy(update={"min_head_agents": head_agents})
     if in_process is not None and intermittent:
         # devices that come and go are never all online at once: start with the config's min_agents
         config = config.model_copy(update={"min_agents": min(agents, original_min_agents)})
