@@ -61,7 +61,7 @@ def spawn_skewed(config, out, url, agent_id: str, index: int, security, offset: 
 
 def test_a_clock_20_minutes_ahead_is_told_why_and_one_20_minutes_behind_after_a_restart_works(mosquitto, tmp_path):
     coordinator_security, agent_security = signed_fleet(tmp_path / "keys", AGENTS)
-    config = run_config(rounds=8, round_timeout_s=60, security=coordinator_security,
+    config = run_config(rounds=8, round_timeout_s=30, security=coordinator_security,
                         model={"arch": "mlp", "feature_dim": 16}, data={"dataset": "digits"})
     config = prepare(config, len(AGENTS))  # min_agents = 3
     out, url = tmp_path / "run", mosquitto.url
