@@ -194,7 +194,10 @@ def serve_folder(server: ModelServer, folder: Path, out: TextIO, stop: threading
             continue
         for start in range(0, len(images), batch):
             for answer, image in _answer_images(server, images[start : start + batch]):
-                image.replace(folder / (DONE if answer.error is None else FAILED) / image.name)
+                try:
+                    image.replace(folder / (DONE if answer.error is None else FAILED) / image.name)
+                except OSError as exc:  # taken away meanwhile: answered all the same
+                    log.warning("%s could not be moved out of the watch folder: %s", image.name, exc)
                 out.write(answer.json() + "\n")
                 out.flush()
                 yield answer
