@@ -187,8 +187,9 @@ def serve_folder(server: ModelServer, folder: Path, out: TextIO, stop: threading
     ``done/`` once answered or ``failed/`` when it cannot be read; yields each answer."""
     (folder / DONE).mkdir(exist_ok=True)
     (folder / FAILED).mkdir(exist_ok=True)
+    unmovable: set[str] = set()  # answered, but could not be moved: not answered again
     while not stop.is_set():
-        images = waiting_images(folder)
+        images = [p for p in waiting_images(folder) if p.name not in unmovable]
         if not images or server.refresh() is None:
             stop.wait(poll_s)
             continue
@@ -196,7 +197,8 @@ def serve_folder(server: ModelServer, folder: Path, out: TextIO, stop: threading
             for answer, image in _answer_images(server, images[start : start + batch]):
                 try:
                     image.replace(folder / (DONE if answer.error is None else FAILED) / image.name)
-                except OSError as exc:  # taken away meanwhile: answered all the same
+                except OSError as exc:  # taken away meanwhile, or a folder we may not write
+                    unmovable.add(image.name)
                     log.warning("%s could not be moved out of the watch folder: %s", image.name, exc)
                 out.write(answer.json() + "\n")
                 out.flush()
