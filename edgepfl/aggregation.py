@@ -92,7 +92,7 @@ class AggregationSpec(BaseModel):
     last good state.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     rule: Literal["mean", "clipped_mean", "median", "trimmed_mean", "multi_krum"] = Field(
         "mean", description="mean (FedAvg; DualFed: unweighted), clipped_mean, or a robust rule: "

@@ -11,15 +11,17 @@ Test brokers (a real Mosquitto, traffic capture) live in :mod:`edgepfl.testing`.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:  # pragma: no cover
+    import asyncio
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +253,8 @@ class EmbeddedBroker:
         }
 
     def _serve(self) -> None:
+        import asyncio  # here, not at the top: a device that never embeds a broker never pays for asyncio
+
         loop = asyncio.new_event_loop()
         self._loop = loop
         asyncio.set_event_loop(loop)
@@ -285,6 +289,8 @@ class EmbeddedBroker:
         if thread is None or loop is None:
             return
         if thread.is_alive() and self._broker is not None and not loop.is_closed():
+            import asyncio
+
             fut = asyncio.run_coroutine_threadsafe(self._broker.shutdown(), loop)
             try:
                 fut.result(timeout)

@@ -35,6 +35,11 @@ from .logs import FORMATS, LEVELS, setup_logging
 if TYPE_CHECKING:
     from .config import RunConfig
 
+# No pydantic plugins are used here: without this, building the first model scans the entry
+# points of every installed distribution (about 30 ms of a head agent's start on a full venv).
+# A user's own setting wins. (Nothing imported above builds a model yet.)
+os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
+
 # The configs and specs (and with them numpy, the methods and the protocol's models) are imported by
 # the commands that read one: `edgepfl predict` needs none of it, and an import that fails
 # for lack of memory then happens inside main(), which reports it as such (exit code 6).

@@ -82,7 +82,7 @@ class CodecSpec(BaseModel):
     ``keep``: with top-k, the share of each tensor's values sent (at least one).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(defer_build=True, extra="forbid", frozen=True)
 
     bits: Literal[8, 4] | None = 8
     block: int = Field(DEFAULT_BLOCK, ge=1, le=2**20)

@@ -12,19 +12,22 @@ import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .aggregation import AggregationSpec
-from .heads import OFFLINE_HEAD_KIND
-from .methods import Method, available_head_kinds, get_method
+from .heads import GENERIC_HEAD_KINDS, OFFLINE_HEAD_KIND
 from .protocol.bounded_json import MAX_DEPTH
 from .protocol.codec import DEFAULT_BLOCK, CodecName, UplinkSpec
 from .protocol.run import DataShape, MethodChoice, Normalization, RunSpec
 from .protocol.topics import check_segment
 from .simulation import DevicePace, SimulationSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .methods import Method
+
 from .specs import (
     BrokerConfig,
     ConfigPath,
@@ -45,6 +48,15 @@ __all__ = [
 ]
 
 
+def get_method(name: str) -> type[Method]:
+    """The registered method ``name`` (:func:`edgepfl.methods.get_method`), imported on first
+    use: the registry imports every method module, which a head agent reading its own config
+    never needs."""
+    from .methods import get_method as registered
+
+    return registered(name)
+
+
 class ConfigError(ValueError):
     """A configuration that cannot be used; the message names file and field."""
 
@@ -52,7 +64,7 @@ class ConfigError(ValueError):
 class MethodSpec(BaseModel):
     """``name`` plus that method's options, validated against the method's config class."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(defer_build=True, extra="allow")
     name: str = Field("fedavg", description="a registered method (edgepfl methods)")
 
     # Validated here rather than on RunConfig so that errors are located at
@@ -296,8 +308,10 @@ class AgentConfig(_Strict):
         # the base kinds are offered by every method that keeps Method's default (FedAvg
         # does), so they need no look-up; the registry imports every method module, which
         # imports torch where it is installed — a head-tier device should not pay that
-        if head == OFFLINE_HEAD_KIND or head in Method.head_kinds:
+        if head == OFFLINE_HEAD_KIND or head in GENERIC_HEAD_KINDS:
             return head
+        from .methods import available_head_kinds
+
         kinds = available_head_kinds()
         if head not in kinds:
             raise ValueError(f"unknown head kind {head!r}; choose from {', '.join([*kinds, OFFLINE_HEAD_KIND])}")

@@ -45,7 +45,7 @@ class RoundMetrics(BaseModel):
     before it trains; the ``final`` row evaluates after the last round.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     round: int = Field(ge=0, description="the round; for the final row, the number of rounds")
     final: bool = Field(description="the evaluation after the last round (no training)")
@@ -143,7 +143,7 @@ class HeadReport(BaseModel):
     accuracy the coordinator computed from the counts (the agent's ``values`` cannot
     overwrite it)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     tier: str = Field(description="the reporting agent's tier (head)")
     release_id: str | None = Field(None, description="the release the head was fitted and measured on")
@@ -177,7 +177,7 @@ class HeadReport(BaseModel):
 class ReleaseReports(BaseModel):
     """The head-tier reports measured with one encoder release (``head_metrics.json``, one entry)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     round: int | None = Field(None, description="the last training round the released encoder includes")
     reports: dict[str, HeadReport] = Field(default_factory=dict, description="agent id -> its report")
@@ -213,7 +213,7 @@ def latest_release(head: dict[str, ReleaseReports]) -> tuple[str, ReleaseReports
 class RunSession(BaseModel):
     """One coordinator process's part of a run (a resumed run has several)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     started: float = Field(description="Unix time the session began")
     finished: float | None = Field(None, description="Unix time it ended; None: it crashed or still runs")
@@ -225,7 +225,7 @@ class RunSession(BaseModel):
 class RunTimes(BaseModel):
     """``run_times.json``: the real elapsed time of a run, session by session."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     sessions: list[RunSession] = Field(default_factory=list)
 

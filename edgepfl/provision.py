@@ -54,7 +54,7 @@ from .protocol.topics import check_segment
 class ProvisionRecord(BaseModel):
     """What a provision run produced; ``--add`` reads it to extend the federation with the same CA."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
     federation: str
     broker_hosts: list[str] = Field(min_length=1)
     port: int = Field(ge=1, lt=65536)

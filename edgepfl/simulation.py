@@ -33,7 +33,7 @@ EVAL_COST = 1.0 / 3.0
 class DeviceClass(BaseModel):
     """One kind of device in a simulated fleet."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     name: str = Field("device", description="a label for the class (shown in the run's device table)")
     share: float = Field(1.0, gt=0, description="this class's share of the fleet, relative to the other classes'")
@@ -60,7 +60,7 @@ class DeviceClass(BaseModel):
 class SimulationSpec(BaseModel):
     """How the devices of a simulated fleet differ (``edgepfl simulate``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     devices: list[DeviceClass] = Field(
         default_factory=lambda: [DeviceClass()], min_length=1,
@@ -75,7 +75,7 @@ class DevicePace(BaseModel):
     """One device's pace: what its work and its messages take (its class's, speed spread
     applied). The virtual clock computes with it; a paced agent process sleeps to it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     seconds_per_sample: float = Field(ge=0, description="seconds one training sample takes, for one epoch")
     downlink_mbps: float = Field(gt=0, description="megabits per second towards the device")

@@ -30,7 +30,7 @@ ConfigPath = Annotated[str, PathField()]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(defer_build=True, extra="forbid", protected_namespaces=())
 
 
 class ModelSpec(_Strict):

@@ -73,7 +73,7 @@ class CheckpointError(RuntimeError):
 class CheckpointMeta(BaseModel):
     """What a checkpoint records about its run besides the tensors."""
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(defer_build=True, extra="forbid", protected_namespaces=())
 
     round: int = Field(ge=-1, description="last completed round; -1: an untrained model")
     run: RunSpec

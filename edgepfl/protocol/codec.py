@@ -24,7 +24,7 @@ class UplinkSpec(BaseModel):
     module prefixes of ``exact`` as they are (``head`` covers ``head.weight``). Sent only to
     an agent whose ``capabilities.codecs`` has ``codec``."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(defer_build=True, extra="forbid", frozen=True)
 
     codec: CodecName
     block: int = Field(DEFAULT_BLOCK, ge=1, le=2**20)
@@ -45,7 +45,7 @@ class UplinkSpec(BaseModel):
 class CompressedTensor(BaseModel):
     """One compressed tensor in a frame's header."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(defer_build=True, extra="forbid", frozen=True)
 
     name: str = Field(min_length=1, max_length=256)
     #: the tensor's shape; its values are C-order flat positions 0..prod(shape)-1
@@ -60,7 +60,7 @@ class CompressedTensor(BaseModel):
 class CodecHeader(BaseModel):
     """Everything besides the arrays a decoder needs (JSON, a few hundred bytes)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(defer_build=True, extra="forbid", frozen=True)
 
     codec: CodecName
     block: int = Field(ge=1, le=2**20)

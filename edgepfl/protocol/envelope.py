@@ -66,14 +66,14 @@ class ProtocolError(ValueError):
 
 
 class TensorInfo(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
     name: str = Field(min_length=1, max_length=256)
     dtype: DType
     shape: list[int] = Field(max_length=8)
 
 
 class Header(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
     schema_version: Literal[1] = SCHEMA_VERSION
     type: MessageType
     federation: str = Field(pattern=NAME_PATTERN)

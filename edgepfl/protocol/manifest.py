@@ -36,7 +36,7 @@ _SHA256 = r"^[0-9a-f]{64}$"
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(defer_build=True, extra="forbid", protected_namespaces=())
 
 
 class ManifestError(ValueError):

@@ -49,7 +49,7 @@ class MessageType(str, Enum):
 
 
 class _Meta(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(defer_build=True, extra="forbid", protected_namespaces=())
 
 
 class Capabilities(_Meta):

@@ -26,7 +26,7 @@ PIXEL_SCALE = 1 / 255
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(defer_build=True, extra="forbid", protected_namespaces=())
 
 
 class MethodChoice(_Spec):

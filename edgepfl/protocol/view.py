@@ -32,7 +32,7 @@ Phase = Literal["waiting", "training", "aggregating", "evaluating", "releasing",
 class _View(BaseModel):
     # A reader ignores fields it does not know: a newer coordinator's view still reads
     # (the same rule as a frame's meta, docs/PROTOCOL.md §16).
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(defer_build=True, extra="ignore")
 
 
 class AgentView(_View):

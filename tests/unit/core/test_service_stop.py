@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from edgepfl.service import Stopped, interruptible, request_stop, uninterruptible
@@ -86,13 +87,16 @@ def test_a_long_computation_feeds_the_watchdog_while_it_computes_and_not_while_i
                     return count
                 count += 1
 
+        a = np.random.default_rng(0).random((256, 256))
         with notifier.fed_while_computing():
             # compute until the helper has pinged three times; bounded by this thread's own CPU
-            # time, not the wall clock: on a loaded box the same work takes longer, not more CPU
-            received, spins, started = 0, 0, time.thread_time()
+            # time, not the wall clock: on a loaded box the same work takes longer, not more CPU.
+            # Matrix products, as a training step computes: like torch's kernels, they leave the
+            # interpreter to the helper while they run
+            received, started = 0, time.thread_time()
             while received < 3:
                 assert time.thread_time() - started < 30, f"{received} pings in 30 CPU-s of computing"
-                spins += sum(i * i for i in range(20_000))
+                a = np.tanh(a @ a.T / 256)
                 received += pings()
         pings()  # a last one in flight at the end
         with notifier.fed_while_computing():
