@@ -19,6 +19,8 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -35,6 +37,27 @@ from tests.unit.protocol.test_bounded_json import POISON_FRAMES, POISON_JSON
 TRAINERS = ("agent-00", "agent-01")
 HEAD = "device-00"
 RETAINED_BEFORE_START = ("coordinator", "release", "release/0", "view", "agents/ghost/status")
+
+
+def run_while_forging(attacker, forge: Callable[[str, bytes], None], config, url: str, out: Path,
+                      fleets: list[MqttFleet]) -> None:
+    """Run the federation to its end with a real coordinator while every task it sends is
+    handed to ``forge(agent_id, task frame)`` on a thread of its own, as the attacker reads
+    it off the broker (the fleet goes into ``fleets``, for the caller to close)."""
+    def on_message(client, userdata, msg) -> None:
+        attacker.seen.put((msg.topic, bytes(msg.payload)))
+        parts = msg.topic.split("/")
+        if len(parts) == 6 and parts[5] == "task" and msg.payload:
+            threading.Thread(target=forge, args=(parts[4], bytes(msg.payload)), daemon=True).start()
+
+    attacker.client.on_message = on_message
+    wait_until(lambda: all(attacker.frames(f"agents/{a}/status") for a in TRAINERS), 180, what="agents' births")
+    fleet = MqttFleet(config.federation, config.broker, url=url)
+    fleets.append(fleet)
+    coordinator = Coordinator(config, fleet, out, progress=False, **data_shape(config))
+    thread, box = run_in_thread(coordinator.run)
+    thread.join(timeout=900)
+    assert not thread.is_alive() and "error" not in box, box.get("error")
 
 
 def test_poison_on_every_topic_kills_nothing_and_each_frame_is_one_rejection(mosquitto, tmp_path):
@@ -146,21 +169,9 @@ def test_forged_frames_ahead_of_every_real_update_cost_no_agent_its_task(mosquit
             attacker.publish(f"agents/{agent}/update", frame)
         forged_per_task[meta["task_id"]] = 3
 
-    def on_message(client, userdata, msg) -> None:
-        attacker.seen.put((msg.topic, bytes(msg.payload)))
-        parts = msg.topic.split("/")
-        if len(parts) == 6 and parts[5] == "task" and msg.payload:
-            threading.Thread(target=forge, args=(parts[4], bytes(msg.payload)), daemon=True).start()
-
-    attacker.client.on_message = on_message
-    fleet = None
+    fleets: list[MqttFleet] = []
     try:
-        wait_until(lambda: all(attacker.frames(f"agents/{a}/status") for a in TRAINERS), 180, what="agents' births")
-        fleet = MqttFleet(fed, config.broker, url=url)
-        coordinator = Coordinator(config, fleet, out, progress=False, **data_shape(config))
-        thread, box = run_in_thread(coordinator.run)
-        thread.join(timeout=900)
-        assert not thread.is_alive() and "error" not in box, box.get("error")
+        run_while_forging(attacker, forge, config, url, out, fleets)
         rows = read_rows(out)
         assert len(forged_per_task) == len(TRAINERS) * config.rounds  # every train task was raced
         for row in rows[:-1]:
@@ -171,7 +182,7 @@ def test_forged_frames_ahead_of_every_real_update_cost_no_agent_its_task(mosquit
             assert "is closed" not in agent_log(out, agent)
     finally:
         attacker.close()
-        if fleet is not None:
+        for fleet in fleets:
             fleet.close()
         stop_agents(procs)
 
@@ -209,21 +220,9 @@ def test_one_forged_refusal_or_status_dated_ten_years_ahead_costs_an_agent_one_r
         attacker.publish(f"agents/{agent}/status", frame[:4] + struct.pack(">I", len(head_bytes)) + head_bytes,
                          retain=True)
 
-    def on_message(client, userdata, msg) -> None:
-        attacker.seen.put((msg.topic, bytes(msg.payload)))
-        parts = msg.topic.split("/")
-        if len(parts) == 6 and parts[5] == "task" and msg.payload:
-            threading.Thread(target=forge, args=(parts[4], bytes(msg.payload)), daemon=True).start()
-
-    attacker.client.on_message = on_message
-    fleet = None
+    fleets: list[MqttFleet] = []
     try:
-        wait_until(lambda: all(attacker.frames(f"agents/{a}/status") for a in TRAINERS), 180, what="agents' births")
-        fleet = MqttFleet(fed, config.broker, url=url)
-        coordinator = Coordinator(config, fleet, out, progress=False, **data_shape(config))
-        thread, box = run_in_thread(coordinator.run)
-        thread.join(timeout=900)
-        assert not thread.is_alive() and "error" not in box, box.get("error")
+        run_while_forging(attacker, forge, config, url, out, fleets)
         assert set(forged) == set(TRAINERS)  # both attacks went out in round 0
         rows = read_rows(out)
         assert len(rows) == config.rounds + 1 and rows[-1].final
@@ -235,6 +234,6 @@ def test_one_forged_refusal_or_status_dated_ten_years_ahead_costs_an_agent_one_r
     finally:
         attacker.client.publish(f"edgepfl/v1/{fed}/agents/agent-01/status", b"", qos=1, retain=True)
         attacker.close()
-        if fleet is not None:
+        for fleet in fleets:
             fleet.close()
         stop_agents(procs)
