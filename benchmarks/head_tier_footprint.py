@@ -10,8 +10,11 @@ The paths, interleaved over ``--repeats`` rounds so a busy machine slows them al
   (``sklearn.utils.validation`` and ``edgepfl.heads.estimators``, the base of the old
   ``OnnxHead``; and ``edgepfl.config``, which the old ``edgepfl.cli`` imported);
 * ``agent imports new`` / ``old``: what a head agent imports before it connects
-  (``edgepfl.cli``, ``edgepfl.config``, the agent loop, ``HeadRuntime``, onnxruntime), the
+  (``edgepfl.cli``, ``edgepfl.agent_config``, the agent loop, ``HeadRuntime``, onnxruntime), the
   old path with scikit-learn's estimator base as the old ``export/heads.py`` imported it;
+* ``agent imports + run config``: the new path plus ``edgepfl.config`` (the run's config, with
+  the aggregation and simulation models), which it imported until the agent's config moved to
+  ``edgepfl.agent_config``;
 * ``agent install new``: ``HeadRuntime.install_release`` + ``predict`` in a fresh process
   (its own peak; the fit child's is the next row);
 * ``fit child``: the child process the agent now fits a head in (``python -m
@@ -87,6 +90,8 @@ CHILD = textwrap.dedent(r"""
     t0 = time.process_time()
     if what.endswith("old"):
         import sklearn.utils.validation, edgepfl.heads.estimators, edgepfl.config  # the old import path's extra
+    if what == "agent imports + run config":
+        import edgepfl.config  # what the agent imported until the agent's config had its own module
     if what == "agent install new":
         import numpy as np
         from edgepfl.data.client import ClientData
@@ -105,7 +110,7 @@ CHILD = textwrap.dedent(r"""
                           "self_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
         sys.exit(0)
     if what.startswith("agent"):
-        import edgepfl.cli, edgepfl.config, onnxruntime
+        import edgepfl.cli, edgepfl.agent_config, edgepfl.config_loading, onnxruntime
         from edgepfl.edge_agent.agent import run_agent
         from edgepfl.edge_agent.head_tier import HeadRuntime
         rc = 0
@@ -190,7 +195,8 @@ def main() -> None:
                            "pixels": str(work / "pixels.npy"), "heavy": list(HEAVY), "data": str(work / "data.npz"),
                            "state": str(work / "state")})
         paths = {name: [env_python, "-c", CHILD, name, args]
-                 for name in ("predict new", "predict old", "agent imports new", "agent imports old",
+                 for name in ("predict new", "predict old", "agent imports new", "agent imports + run config",
+                              "agent imports old",
                               "agent install new")}
         paths["fit child (lr)"] = [env_python, "-m", "edgepfl.edge_agent.head_fit", str(work / "fit")]
         for _ in range(ns.repeats):

@@ -56,8 +56,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edgepfl import __version__
+from edgepfl.agent_config import AgentConfig
 from edgepfl.broker import exposure_warning
-from edgepfl.config import AgentConfig
 from edgepfl.logs import LogLimiter
 from edgepfl.protocol import (
     CODECS,

@@ -55,7 +55,7 @@ class FitRequest(BaseModel):
     """What fitting a device's head needs besides the features: the release's method, the
     device's head kind and parameters, what its labels mean, and the encoder it is for."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     method: str
     method_options: dict[str, Any]

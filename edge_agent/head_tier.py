@@ -86,7 +86,7 @@ class ReleaseRefused(ValueError):
 class HeadFit(BaseModel):
     """What fitting the personal head on a release measured on this device's own data."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     release_id: str
     head: str = Field(description="the head kind fitted (or the offline head's)")
@@ -108,7 +108,7 @@ class InstalledRelease(BaseModel):
     """``release.json``: the installed release and the files it is made of, written last
     (the switch from the previous release) and re-verified on restart."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     release_id: str
     manifest: ReleaseManifest

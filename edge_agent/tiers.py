@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
-from edgepfl.config import AgentConfig, RunConfig
+from edgepfl.agent_config import AgentConfig
 from edgepfl.errors import OutOfMemory, out_of_memory
 from edgepfl.protocol import (
     RELEASE_REFUSALS,
@@ -51,6 +51,7 @@ from edgepfl.simulation import DevicePace, task_samples
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+    from edgepfl.config import RunConfig
     from edgepfl.data import ClientData
     from edgepfl.protocol.signing import Signer
 

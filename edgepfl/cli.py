@@ -216,7 +216,8 @@ def cmd_coordinator(args) -> int:
 def cmd_agent(args) -> int:
     from edgepfl.edge_agent import run_agent
 
-    from .config import ConfigError, load_agent_config
+    from .agent_config import load_agent_config
+    from .config_loading import ConfigError
 
     overrides: dict[str, Any] = {}
     if args.agent_id:

@@ -16,7 +16,8 @@ import yaml
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined, to_jsonable_python
 
-from .config import AgentConfig, MethodSpec, RunConfig, _is_path, _unwrap
+from .config import AgentConfig, MethodSpec, RunConfig
+from .config_loading import _is_path, _unwrap
 from .methods import available_methods, get_method
 
 Kind = Literal["run", "agent"]

@@ -82,6 +82,29 @@ def test_predict_loads_neither_scikit_learn_scipy_nor_torch(exported):
     assert predicted == exported["expected"]  # the same classes the scikit-learn head predicts
 
 
+def test_a_head_agent_imports_no_run_side_module():
+    """What a head agent imports before it connects (the ``agent`` command's imports, the
+    agent loop, the head runtime) holds no run config, aggregation, simulation of a fleet's
+    rounds or method registry: on a Pi each costs start-up time and memory for nothing
+    (issue #33's import budget)."""
+    script = textwrap.dedent("""
+        import json, sys
+        import edgepfl.cli
+        from edgepfl.agent_config import load_agent_config
+        from edgepfl.config_loading import ConfigError
+        from edgepfl.edge_agent import run_agent
+        from edgepfl.edge_agent.head_tier import HeadRuntime
+        print(json.dumps(sorted(k for k in sys.modules if k.startswith("edgepfl"))))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=REPO_ROOT_HINT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    loaded = set(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert "edgepfl.edge_agent.head_tier" in loaded  # the script imported what it says it did
+    run_side = {"edgepfl.config", "edgepfl.aggregation", "edgepfl.methods", "edgepfl.coordinator"}
+    assert not loaded & run_side, sorted(loaded & run_side)
+
+
 def test_predict_out_of_memory_is_reported_as_out_of_memory_not_a_missing_extra(exported):
     """Under an address-space limit a library cannot be mapped (an ImportError, "failed to map
     segment"), or an allocation fails (MemoryError): either is exit code 6 and one line that

@@ -80,8 +80,8 @@ def test_paths_in_a_yaml_resolve_against_its_folder(tmp_path, monkeypatch):
 
 def test_every_path_field_is_a_config_path():
     """Fields whose name says path are marked, so the loaders resolve them (new fields too)."""
-    from edgepfl.config import _is_path
     from edgepfl.config_docs import _hints, _models
+    from edgepfl.config_loading import _is_path
 
     names = ("root", "weights", "dir", "key", "file", "path")
     for root in (RunConfig, AgentConfig):
