@@ -44,7 +44,7 @@ from edgepfl.simulation import FleetTiming, SimulationSpec, task_samples
 
 from .clock import Clock, VirtualClock, WallClock
 from .gate import Refused, Rejection
-from .head_releases import HeadReleases
+from .head_releases import DeltaRelease, HeadReleases
 
 log = logging.getLogger("edgepfl.coordinator")
 SENDER = "coordinator"
@@ -120,14 +120,21 @@ class Fleet(ABC):
         the agent declared it takes no frame that large: answered as the agent would."""
 
     @abstractmethod
-    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref: ReleaseRef | None = None) -> int:
+    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref: ReleaseRef | None = None,
+                        delta: DeltaRelease | None = None) -> int:
         """Make an encoder release available to head-tier agents, late joiners included.
 
         ``earlier_parts``: how many retained part topics an earlier release left (0: it was
         whole or there was none), so those this one does not overwrite are cleared; ``ref``:
-        the release by reference, announced in the presence. Returns the part topics now
-        holding this release (0: it is retained whole).
+        the release by reference, announced in the presence; ``delta``: the release as a
+        delta against the previous one, for the head agents that have that one. Returns the
+        part topics now holding this release (0: it is retained whole).
         """
+
+    def head_report(self, agent_id: str, release_id: str | None, refused: bool) -> None:
+        """Told by the round loop of every head agent's report on a release: installed, or
+        ``refused``. A fleet without head agents has nothing to do."""
+        return None
 
     def resume_release(self, frame: bytes, round: int, ref: ReleaseRef) -> None:
         """A resumed coordinator's current release, published before it restarted (and still
@@ -274,7 +281,8 @@ class MqttFleet(Fleet):
     def send_ready(self) -> bool:
         return self.transport.send_ready()
 
-    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref: ReleaseRef | None = None) -> int:
+    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref: ReleaseRef | None = None,
+                        delta: DeltaRelease | None = None) -> int:
         """Retained on the release topic when it fits one MQTT message, else as retained parts
         on ``release/<i>`` (PROTOCOL.md §12), so a head agent that joins after this
         coordinator exited still gets it; each head agent that comes online while it runs
@@ -298,7 +306,7 @@ class MqttFleet(Fleet):
         if ref is not None:
             self._meta = self._meta.model_copy(update={"release": ref})
             self._publish_presence()
-            self.head_releases.published(frame, round, ref)
+            self.head_releases.published(frame, round, ref, delta)
         return parts
 
     def publish_view(self, payload: bytes) -> None:
@@ -320,6 +328,9 @@ class MqttFleet(Fleet):
         else:
             self._uninformed.pop(agent_id, None)
         self.head_releases.status(agent_id, status, came_online)
+
+    def head_report(self, agent_id: str, release_id: str | None, refused: bool) -> None:
+        self.head_releases.reported(agent_id, release_id, refused)
 
     def poll(self, timeout: float) -> Incoming | Rejection | Refused | None:
         if self._uninformed and time.monotonic() >= min(self._uninformed.values()) + MISSED_PRESENCE_S \
@@ -438,7 +449,8 @@ class LocalFleet(Fleet):
         self._push(availability.next_change(at), agent_id)
         return self._status(agent_id, availability.online_at(at))
 
-    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref: ReleaseRef | None = None) -> int:
+    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref: ReleaseRef | None = None,
+                        delta: DeltaRelease | None = None) -> int:
         return 0  # in-process agents are all trainers: nobody installs releases
 
     def agent_status(self, agent_id: str, status: StatusMeta, came_online: bool) -> None:

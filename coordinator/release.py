@@ -2,24 +2,41 @@
 it in a ``release`` message (manifest + sha256 + the ONNX bytes and, when the method
 shares parameters outside the encoder, the global heads file's bytes; a sequence number
 and an expiry; signed with the coordinator's key when it has one) for head-tier agents,
-and publish it so that agents joining later, after this coordinator exited too, get it."""
+and publish it so that agents joining later, after this coordinator exited too, get it.
+From the second release of a run on, the same release also goes out as a delta against the
+previous one (protocol 1.7) to the head agents that have that one installed."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from edgepfl.atomic import write_bytes, write_json
+from edgepfl.codecs import CodecSpec
 from edgepfl.config import RunConfig
 from edgepfl.methods import ServerState
-from edgepfl.protocol import MessageType, ReleaseMeta, ReleaseRef, bounded_json, decode, encode
+from edgepfl.protocol import (
+    MessageType,
+    ProtocolError,
+    ReleaseDelta,
+    ReleaseMeta,
+    ReleaseRef,
+    bounded_json,
+    decode,
+    encode,
+)
 from edgepfl.protocol.manifest import release_tensors
 from edgepfl.protocol.signing import Signer
+from edgepfl.release_delta import ReleaseDeltaParts, make_release_delta
 from edgepfl.state import CheckpointMeta
 
 from .fleet import SENDER, Fleet
+from .head_releases import DeltaRelease
 
 log = logging.getLogger("edgepfl.coordinator")
 
@@ -28,6 +45,8 @@ SEQUENCE_FILE = "sequence.json"
 CURRENT_FILE = "current.frame"
 #: how many retained part topics the last published release occupies (0: retained whole)
 PUBLISHED_FILE = "published.json"
+#: the random stream of a release delta's stochastic rounding (with the run's seed and the round)
+RELEASE_DELTA_STREAM = 0x5E1EA5E
 
 
 def next_sequence(releases_dir: Path, now: float | None = None) -> int:
@@ -45,13 +64,47 @@ def next_sequence(releases_dir: Path, now: float | None = None) -> int:
     return sequence
 
 
+@dataclass(frozen=True)
+class BuiltRelease:
+    """A release ready to publish."""
+
+    release_id: str
+    #: the whole release: retained, and sent to head agents without its delta's base
+    frame: bytes
+    #: the same release as a delta against the previous one, for head agents that have it
+    delta: DeltaRelease | None = None
+
+
 def build_release(state: ServerState, meta: CheckpointMeta, releases_dir: Path, config: RunConfig,
-                  signer: Signer | None = None) -> tuple[str, bytes]:
-    """Export to ``releases_dir/<round>/`` and return (release id, release frame)."""
+                  signer: Signer | None = None) -> BuiltRelease:
+    """Export to ``releases_dir/<round>/`` and build the release's frames.
+
+    After the first release of a run directory, with ``compression.release_delta`` set, what
+    is released is the previous release plus the exported encoder's weight changes,
+    quantized (:mod:`edgepfl.release_delta`), and :attr:`BuiltRelease.delta` carries it as a
+    delta against the previous release; the whole frame carries the same artifact."""
     from edgepfl.export.onnx_export import export_state, read_global_heads, read_release
 
     out = Path(releases_dir) / f"round-{meta.round:04d}"
-    export_state(state, meta, out)
+    previous = published_release(releases_dir)
+    made: list[ReleaseDeltaParts] = []
+    rebase = None
+    codec = config.compression.release_delta
+    if previous is not None and codec != "none":
+        base_meta, base_artifact = previous
+        spec = CodecSpec.from_name(codec, block=config.compression.block)
+        rng = np.random.default_rng([config.seed, max(meta.round, 0), RELEASE_DELTA_STREAM])
+
+        def rebase(exported: bytes) -> bytes:
+            parts = make_release_delta(base_artifact, exported, spec, rng)
+            if parts is None:
+                log.info("round %d's encoder differs from release %s outside its weights: released whole",
+                         meta.round, base_meta.release_id)
+                return exported
+            made.append(parts)
+            return parts.artifact
+
+    export_state(state, meta, out, rebase=rebase)
     manifest, artifact = read_release(out)
     # the global heads: what a DualFed / FedPick head is fitted around (PROTOCOL.md §12)
     tensors = release_tensors(artifact, read_global_heads(out, manifest))
@@ -61,23 +114,48 @@ def build_release(state: ServerState, meta: CheckpointMeta, releases_dir: Path, 
                            sequence=next_sequence(Path(releases_dir), now), expires=now + config.release_ttl_s)
     frame = encode(MessageType.RELEASE, federation=config.federation, sender=SENDER, round=meta.round,
                    meta=meta_msg, tensors=tensors, signer=signer)
-    return manifest.release_id, frame
+    if not made or previous is None:
+        return BuiltRelease(manifest.release_id, frame)
+    parts, base_meta = made[0], previous[0]
+    delta_meta = meta_msg.model_copy(update={"delta": ReleaseDelta(
+        base=base_meta.ref(), base_sha256=base_meta.sha256, runs=list(parts.runs), codec=parts.encoded.header)})
+    delta_tensors = {**parts.encoded.arrays(), **{k: v for k, v in tensors.items() if k == "global_heads"}}
+    delta_frame = encode(MessageType.RELEASE, federation=config.federation, sender=SENDER, round=meta.round,
+                         meta=delta_meta, tensors=delta_tensors, signer=signer)
+    log.info("release %s: %d bytes whole, %d as a %s delta against %s (%.1f %%)", manifest.release_id, len(frame),
+             len(delta_frame), codec, base_meta.release_id, 100 * len(delta_frame) / len(frame))
+    return BuiltRelease(manifest.release_id, frame, DeltaRelease(base_meta.ref(), delta_frame, codec))
 
 
-def publish_release(fleet: Fleet, frame: bytes, round: int, releases_dir: Path) -> int:
-    """Publish a release frame through ``fleet``, named by reference in the coordinator's
+def published_release(releases_dir: Path) -> tuple[ReleaseMeta, bytes] | None:
+    """The meta and artifact of the last release published from ``releases_dir`` (None: none,
+    or a record that does not decode)."""
+    path = Path(releases_dir) / CURRENT_FILE
+    if not path.is_file():
+        return None
+    try:
+        message = decode(path.read_bytes())
+        artifact = message.tensors["artifact"]
+        return message.meta_as(ReleaseMeta), artifact.tobytes()
+    except (ProtocolError, KeyError, ValueError) as exc:
+        log.warning("the last release's record %s is unreadable (%s): the next release is sent whole", path, exc)
+        return None
+
+
+def publish_release(fleet: Fleet, release: BuiltRelease, round: int, releases_dir: Path) -> int:
+    """Publish a release through ``fleet``, named by reference in the coordinator's
     presence; returns the retained part topics it occupies.
 
-    The frame and the count are recorded in ``releases_dir`` (atomically, after
+    The whole frame and the count are recorded in ``releases_dir`` (atomically, after
     publishing): the next release, of this session or of a restarted coordinator of the
-    run, clears the parts it does not overwrite, and a resumed coordinator names the
-    release again (:func:`resume_release`).
+    run, clears the parts it does not overwrite and is made a delta against it, and a
+    resumed coordinator names the release again (:func:`resume_release`).
     """
     path = Path(releases_dir) / PUBLISHED_FILE
     earlier = int(bounded_json.loads(path.read_text())["parts"]) if path.is_file() else 0
-    ref = decode(frame).meta_as(ReleaseMeta).ref()  # named in the presence (PROTOCOL.md §12)
-    parts = fleet.publish_release(frame, round, earlier_parts=earlier, ref=ref)
-    write_bytes(Path(releases_dir) / CURRENT_FILE, frame)
+    ref = decode(release.frame).meta_as(ReleaseMeta).ref()  # named in the presence (PROTOCOL.md §12)
+    parts = fleet.publish_release(release.frame, round, earlier_parts=earlier, ref=ref, delta=release.delta)
+    write_bytes(Path(releases_dir) / CURRENT_FILE, release.frame)
     write_json(path, {"parts": parts, "round": round})
     return parts
 

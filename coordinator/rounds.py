@@ -348,13 +348,15 @@ class Coordinator:
         from .release import build_release, publish_release
 
         self.observer.enter("releasing", round)
-        release_id, frame = build_release(self._server_state(), self.checkpoint_meta(round), self.run_dir.releases_dir,
-                                          self.config, signer=self.signer)
-        publish_release(self.fleet, frame, round, self.run_dir.releases_dir)
-        self.releases[release_id] = round
-        self.observer.released(release_id)
-        self.progress.note(f"released encoder {release_id} ({len(frame) / 1e6:.2f} MB) to head-tier agents")
-        return release_id
+        built = build_release(self._server_state(), self.checkpoint_meta(round), self.run_dir.releases_dir,
+                              self.config, signer=self.signer)
+        publish_release(self.fleet, built, round, self.run_dir.releases_dir)
+        self.releases[built.release_id] = round
+        self.observer.released(built.release_id)
+        as_delta = f", {len(built.delta.frame) / 1e6:.2f} MB as a delta" if built.delta is not None else ""
+        self.progress.note(f"released encoder {built.release_id} ({len(built.frame) / 1e6:.2f} MB{as_delta}) to "
+                           "head-tier agents")
+        return built.release_id
 
     def _collect_head_reports(self, timeout: float) -> None:
         """Wait up to ``timeout`` for a report from every online head agent (first, for

@@ -61,6 +61,7 @@ from edgepfl.broker import exposure_warning
 from edgepfl.logs import LogLimiter
 from edgepfl.protocol import (
     CODECS,
+    RELEASE_DELTAS,
     RELEASE_REFS,
     AgentChannel,
     CoordinatorMeta,
@@ -499,6 +500,8 @@ class Agent:
                 "max_payload_bytes": c.broker.max_payload_bytes if self._speaks(RELEASE_REFS) else None,
                 # 1.6: the update codecs it encodes, for a coordinator that may ask for one
                 "codecs": tier.capabilities().codecs if self._speaks(CODECS) else None,
+                # 1.7: the codecs a head agent decodes release deltas in
+                "release_codecs": tier.capabilities().release_codecs if self._speaks(RELEASE_DELTAS) else None,
             }) if self.speaks_1_2() else None,
             # 1.3: a birth on a new connection tells the coordinator a task may have been lost
             connection=self.transport.connect_count or None

@@ -178,6 +178,16 @@ class HeadRuntime:
                  record.metrics.accuracy)
         return record.metrics
 
+    def installed_artifact(self) -> bytes | None:
+        """The installed release's encoder file as received (what a release delta applies to),
+        or None when none is installed and usable."""
+        if self.record is None or not self.ready:
+            return None
+        try:
+            return (self.state_dir / self.record.encoder_file).read_bytes()
+        except OSError:
+            return None
+
     # ---------------------------------------------------------------- releases
     def _release_refusal(self, sequence: int | None, expires: float | None, digest: str) -> str | None:
         """Why a release with this ``sequence`` and ``expires`` must not replace the installed one
@@ -512,8 +522,13 @@ def _check_proof(state_dir: Path, record: InstalledRelease, encoder: bytes, key:
     reason = verify_signed_part(signed, signature, header.signer, key)
     if reason is not None:
         raise ValueError(f"installed release fails its signature check: {reason}")
-    body = encode_body(release_tensors(encoder, _stored_global_heads(state_dir, record)))
-    if body.sha256 != header.body_sha256 or meta.sha256 != record.encoder_sha256 \
+    global_heads = _stored_global_heads(state_dir, record)
+    if meta.delta is None:  # a whole release: its body was these very bytes
+        bound = encode_body(release_tensors(encoder, global_heads)).sha256 == header.body_sha256
+    else:  # its body was the delta: the signed meta names the artifact's and the heads' hashes
+        heads = meta.manifest.global_heads
+        bound = (heads.sha256 if heads is not None else None) == (_sha(global_heads) if global_heads else None)
+    if not bound or _sha(encoder) != meta.sha256 or meta.sha256 != record.encoder_sha256 \
             or meta.sequence != record.sequence:
         raise ValueError("installed encoder or sequence differs from the signed release")
 

@@ -15,6 +15,7 @@ torch, and a trainer agent need not have onnxruntime.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -329,7 +330,9 @@ class HeadTier:
             methods = available_methods()
         else:
             methods = [kind] if kind in available_methods() and find_spec("torch") is not None else []
-        return Capabilities(methods=methods, head_kinds=[kind])
+        from edgepfl.release_delta import DELTA_CODECS
+
+        return Capabilities(methods=methods, head_kinds=[kind], release_codecs=list(DELTA_CODECS))
 
     def close(self, task_id: str) -> None:
         """A head agent answers no task."""
@@ -348,12 +351,19 @@ class HeadTier:
 
         meta = message.meta_as(ReleaseMeta)  # the agent hands a tier only messages of its ``accepts`` type
         artifact, global_heads = message.tensors.get("artifact"), message.tensors.get("global_heads")
-        if artifact is None:
+        if meta.delta is not None:
+            try:
+                artifact_bytes = self._rebuilt(meta, message)
+            except ReleaseRefused as exc:  # the coordinator sends the whole release instead
+                return self._refusal_report(meta.release_id, str(exc), message)
+        elif artifact is None:
             log.error("release %s carries no artifact; refused", meta.release_id)
             return self._refusal_report(meta.release_id, f"release {meta.release_id} carries no artifact", message)
+        else:
+            artifact_bytes = artifact.tobytes()
         try:
             result = self.runtime.install_release(
-                meta.manifest, artifact.tobytes(), meta.sha256, sequence=meta.sequence, expires=meta.expires,
+                meta.manifest, artifact_bytes, meta.sha256, sequence=meta.sequence, expires=meta.expires,
                 proof=message.signed_part + message.signature if message.signature is not None else None,
                 global_heads=global_heads.tobytes() if global_heads is not None else None)
         except ReleaseRefused as exc:  # logged, with the release kept, where it was refused
@@ -368,6 +378,37 @@ class HeadTier:
             log.error("release %s refused: %s", meta.release_id, exc)
             return self._refusal_report(meta.release_id, f"release {meta.release_id} refused: {exc}", message)
         return self._report(meta.release_id, result, message.header.federation, message.header.round)
+
+    def _rebuilt(self, meta: ReleaseMeta, message: Message) -> bytes:
+        """The artifact of a release sent as a delta (since 1.7): the installed artifact with the
+        delta's changes applied. Its hash is checked by the install, as a whole release's is.
+        Raises ReleaseRefused (logged) when the installed release is not the delta's base or
+        the delta does not fit it."""
+        from edgepfl.codecs import CodecError, Encoded
+        from edgepfl.release_delta import DELTA_CODECS, apply_release_delta
+
+        from .head_tier import ReleaseRefused
+
+        delta = meta.delta
+        assert delta is not None  # the caller's branch
+        base = self.runtime.installed_artifact()
+
+        def refuse(reason: str) -> ReleaseRefused:
+            log.warning("release %s sent as a delta against %s: %s; the coordinator sends it whole",
+                        meta.release_id, delta.base.release_id, reason)
+            return ReleaseRefused(f"release {meta.release_id} refused: delta: {reason}")
+
+        if base is None or hashlib.sha256(base).hexdigest() != delta.base_sha256:
+            raise refuse(f"its base {delta.base.release_id} is not the installed release")
+        if delta.codec.codec not in DELTA_CODECS:
+            raise refuse(f"codec {delta.codec.codec} is not a release delta's")
+        if "artifact" in message.tensors:
+            raise refuse("it carries a whole artifact too")
+        try:
+            arrays = {name: value for name, value in message.tensors.items() if name != "global_heads"}
+            return apply_release_delta(base, delta.runs, Encoded.from_arrays(delta.codec, arrays))
+        except CodecError as exc:
+            raise refuse(str(exc)) from None
 
     def _refusal_report(self, release_id: str, why: str, message: Message) -> Reply:
         """What the coordinator is told of a release this agent did not install (since 1.5):

@@ -30,6 +30,7 @@ import hashlib
 import io
 import logging
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -124,19 +125,26 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, quantize: list[str] 
 
 
 def export_state(state, meta: CheckpointMeta, out_dir: str | Path, *, quantize: list[str] | tuple[str, ...] = (),
-                 calibration: np.ndarray | None = None) -> Path:
-    """Like :func:`export_run` from an in-memory server state and checkpoint meta (coordinator releases)."""
+                 calibration: np.ndarray | None = None, rebase: Callable[[bytes], bytes] | None = None) -> Path:
+    """Like :func:`export_run` from an in-memory server state and checkpoint meta (coordinator
+    releases); ``rebase`` as in :func:`export_loaded`."""
     from edgepfl.methods.base import load_tensors
 
     method, model = build_from_meta(meta)
     load_tensors(model, state.shared_params())
     model.eval()
-    return export_loaded(LoadedRun(method, model, state, meta), out_dir, quantize=quantize, calibration=calibration)
+    return export_loaded(LoadedRun(method, model, state, meta), out_dir, quantize=quantize, calibration=calibration,
+                         rebase=rebase)
 
 
 def export_loaded(run: LoadedRun, out_dir: str | Path, *, quantize: list[str] | tuple[str, ...] = (),
-                  calibration: np.ndarray | None = None) -> Path:
-    """Write encoder, global heads, variants and manifest for a loaded run."""
+                  calibration: np.ndarray | None = None, rebase: Callable[[bytes], bytes] | None = None) -> Path:
+    """Write encoder, global heads, variants and manifest for a loaded run.
+
+    ``rebase``: given the exported encoder's bytes (checked against torch first), the bytes to
+    release instead — a coordinator's release rebuilt from a delta against the previous
+    release (:mod:`edgepfl.release_delta`). The manifest then names and measures those: its
+    hash, its id, and ``parity_max_abs`` against the trained encoder, quantization included."""
     import torch
 
     out_dir = Path(out_dir)
@@ -153,9 +161,6 @@ def export_loaded(run: LoadedRun, out_dir: str | Path, *, quantize: list[str] | 
         p.requires_grad_(False)
 
     onnx_bytes = encoder_to_onnx(encoder, input_shape)
-    write_bytes(out_dir / ENCODER_FILE, onnx_bytes)
-    enc_sha = sha256_bytes(onnx_bytes)
-
     probe = _probe_inputs(calibration, meta, input_shape)
     with torch.no_grad():
         ref = encoder(torch.from_numpy(probe)).numpy()
@@ -163,6 +168,14 @@ def export_loaded(run: LoadedRun, out_dir: str | Path, *, quantize: list[str] | 
     parity = float(np.abs(ref - got).max())
     if parity > PARITY_TOLERANCE:
         raise ExportError(f"onnxruntime disagrees with torch by {parity:.3g} (> {PARITY_TOLERANCE})")
+    if rebase is not None:
+        # what is released instead (a release delta's rebuilt artifact): its distance from the
+        # trained encoder is the figure the manifest carries
+        onnx_bytes = rebase(onnx_bytes)
+        got = make_session(onnx_bytes).run([OUTPUT_NAME], {INPUT_NAME: probe})[0]
+        parity = float(np.abs(ref - got).max())
+    write_bytes(out_dir / ENCODER_FILE, onnx_bytes)
+    enc_sha = sha256_bytes(onnx_bytes)
     feature_dim = int(ref.shape[1])
 
     global_heads = {k: v for k, v in shared.items() if not _under(k, prefix)}

@@ -7,7 +7,7 @@ tensors in its body. ``docs/PROTOCOL.md`` documents every field.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -71,6 +71,9 @@ class Capabilities(_Meta):
     #: the update codecs it can encode (docs/COMPRESSION.md): a task asks it for one of these
     #: only; None or absent: none, every update is sent uncompressed
     codecs: list[CodecName] | None = Field(None, max_length=16, json_schema_extra=since("1.6"))
+    #: a head agent: the codecs it decodes a release delta in (docs/COMPRESSION.md, "Release
+    #: deltas"); None or absent: it is sent whole releases only
+    release_codecs: list[Literal["q8", "q4"]] | None = Field(None, max_length=16, json_schema_extra=since("1.7"))
 
 
 #: the protocol version that names releases in presences and statuses (a head agent that
@@ -80,6 +83,8 @@ RELEASE_REFS = (1, 4)
 RELEASE_REFUSALS = (1, 5)
 #: the protocol version of compressed updates (``capabilities.codecs``, ``task.uplink``, ``update.codec``)
 CODECS = (1, 6)
+#: the protocol version of release deltas (``capabilities.release_codecs``, ``release.delta``)
+RELEASE_DELTAS = (1, 7)
 
 
 class ReleaseRef(_Meta):
@@ -198,6 +203,23 @@ class CoordinatorMeta(_Meta):
     release: ReleaseRef | None = Field(None, json_schema_extra=since("1.4"))
 
 
+class ReleaseDelta(_Meta):
+    """A release sent as the change of the release the agent has installed (since 1.7;
+    docs/COMPRESSION.md, "Release deltas"). The frame's body carries ``codec:payload`` and
+    ``codec:scales`` instead of ``artifact``: the changes of the base artifact's float32
+    ``runs``, compressed tensor ``run-<i>`` for run ``i``. The artifact is the base with
+    ``float32(value + change)`` written over each run; it must hash to the release's
+    ``sha256``. Sent only to an agent whose status names ``base`` and whose capabilities
+    list the codec in ``release_codecs``."""
+
+    base: ReleaseRef
+    #: sha256 of the base artifact, which the agent must hold
+    base_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    #: (byte offset in the base artifact, float32 value count) of each run, in order
+    runs: list[tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]]] = Field(max_length=65_536)
+    codec: CodecHeader
+
+
 class ReleaseMeta(_Meta):
     """Pointer to the current frozen encoder (retained). The artifact travels as
     ``artifact`` (uint8 tensor) in the body, or is referenced by ``uri``; either way
@@ -213,6 +235,8 @@ class ReleaseMeta(_Meta):
     sequence: int | None = Field(None, ge=0)
     #: Unix time after which a head agent refuses to install this release
     expires: float | None = None
+    #: the artifact travels as a change of the release the agent has installed
+    delta: ReleaseDelta | None = Field(None, json_schema_extra=since("1.7"))
 
     def ref(self) -> ReleaseRef:
         """This release by reference."""

@@ -239,7 +239,8 @@ def test_a_head_agents_metrics_finished_while_the_broker_was_down_reach_the_coor
     coordinator = Coordinator(config, LocalFleet({}, config.federation), out, progress=False, **data_shape(config))
     coordinator.init_or_resume()
     assert coordinator.state is not None
-    release_id, frame = build_release(coordinator.state, coordinator.checkpoint_meta(0), out / "releases", config)
+    built = build_release(coordinator.state, coordinator.checkpoint_meta(0), out / "releases", config)
+    release_id, frame = built.release_id, built.frame
 
     broker = MosquittoBroker()
     url = broker.start()

@@ -96,7 +96,7 @@ class ScriptedFleet(Fleet):
         time.sleep(min(timeout, 0.01))
         return None
 
-    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref=None) -> int:
+    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref=None, delta=None) -> int:
         return 0
 
     def agent_status(self, agent_id: str, status: StatusMeta, came_online: bool) -> None:
@@ -302,7 +302,7 @@ class HeadFleet(ScriptedFleet):
         self.releases: list[int] = []
         self.refusing = refusing
 
-    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref=None) -> int:
+    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref=None, delta=None) -> int:
         self.releases.append(round)
         release_id = decode(frame).meta.release_id
         for agent_id, correct in (("pi-1", 7), ("pi-2", 9)):
