@@ -74,6 +74,11 @@ class BuiltRelease:
     #: the same release as a delta against the previous one, for head agents that have it
     delta: DeltaRelease | None = None
 
+    def sizes(self) -> str:
+        """``0.74 MB`` or ``0.74 MB, 0.10 MB as a delta``: for the progress line."""
+        delta = f", {len(self.delta.frame) / 1e6:.2f} MB as a delta" if self.delta is not None else ""
+        return f"{len(self.frame) / 1e6:.2f} MB{delta}"
+
 
 def build_release(state: ServerState, meta: CheckpointMeta, releases_dir: Path, config: RunConfig,
                   signer: Signer | None = None) -> BuiltRelease:

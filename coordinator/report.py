@@ -10,6 +10,7 @@ round times. Head-tier accuracy is the latest release's, labelled with its id;
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,11 @@ __all__ = ["accuracy_figure", "format_table", "plot_accuracy", "read_metrics", "
 PER_CLIENT_LIMIT = 30
 
 
-def summarize(rows: list[RoundMetrics], target: float | None = None, times: RunTimes | None = None,
+def summarize(rows: list[RoundMetrics], targets: Sequence[float] = (), times: RunTimes | None = None,
               head: dict[str, ReleaseReports] | None = None) -> dict[str, Any]:
-    """Final and best personalized accuracy (always labelled), bytes, time; optionally
-    the cumulative bytes sent until ``target`` accuracy was first reached.
+    """Final and best personalized accuracy (always labelled), bytes (by direction, and the
+    training updates' by codec), time; and the bytes it took to reach each accuracy of
+    ``targets`` (:func:`bytes_to_accuracy`; none given: 90, 95 and 99 % of the best accuracy).
 
     ``times``: the run's sessions (wall time; None: unknown); ``head``: head-tier reports
     by release (the latest release's go into ``head_tier``)."""
@@ -52,6 +54,7 @@ def summarize(rows: list[RoundMetrics], target: float | None = None, times: RunT
         "final_per_client": dict(final.per_client) if final else {},
         "bytes_up": sum(r.bytes_up for r in rows),
         "bytes_down": sum(r.bytes_down for r in rows),
+        "update_bytes": _sum_counts(r.update_bytes for r in rows),
         "round_seconds": round(sum(r.seconds for r in rows), 2),
         # in-process runs: the rows' seconds are simulated device time (run_times.json says per session)
         "round_clock": "virtual" if times and any(s.virtual_clock for s in times.sessions) else "wall",
@@ -68,16 +71,29 @@ def summarize(rows: list[RoundMetrics], target: float | None = None, times: RunT
         release_id, entry = latest
         out["head_tier"] = {"release": release_id, "round": entry.round, "accuracy": entry.accuracy(),
                             "agents": {a: r.model_dump(mode="json") for a, r in entry.reports.items()}}
-    if target is not None:
-        sent = 0
-        out["target_accuracy"] = target
-        out["bytes_to_target"] = None
-        for r in rows:
-            if r.accuracy is not None and r.accuracy >= target:
-                out["bytes_to_target"] = sent
-                break
-            sent += r.bytes_up + r.bytes_down
+    if not targets and best is not None and best.accuracy:
+        targets = [round(best.accuracy * share, 4) for share in DEFAULT_TARGET_SHARES]
+        out["targets_from"] = "best accuracy"
+    out["to_accuracy"] = [bytes_to_accuracy(rows, t) for t in targets]
     return out
+
+
+#: without targets asked for, the report's bytes-to-accuracy rows are at these shares of the best accuracy
+DEFAULT_TARGET_SHARES = (0.9, 0.95, 0.99)
+
+
+def bytes_to_accuracy(rows: list[RoundMetrics], target: float) -> dict[str, Any]:
+    """What it took to reach ``target`` accuracy: the first row (round) whose accuracy is at
+    least ``target``, and the bytes of the rows before it, by direction — the traffic that
+    made the state it evaluated (DualFed's communication-cost figure). ``round`` None: never
+    reached (the bytes are then the whole run's)."""
+    up = down = 0
+    for r in rows:
+        if r.accuracy is not None and r.accuracy >= target:
+            return {"target": target, "round": "final" if r.final else r.round, "bytes_up": up, "bytes_down": down,
+                    "bytes": up + down}
+        up, down = up + r.bytes_up, down + r.bytes_down
+    return {"target": target, "round": None, "bytes_up": up, "bytes_down": down, "bytes": up + down}
 
 
 def _sum_counts(dicts) -> dict[str, int]:
@@ -126,6 +142,14 @@ def format_table(rows: list[RoundMetrics], summary: dict, method: str = "") -> s
         lines.append(f"rejected messages: {summary['rejected']}")
     if summary.get("refused"):
         lines.append(f"refused tasks: {summary['refused']}")
+    for reach in summary.get("to_accuracy") or []:
+        to = f"{reach['target']:.2%}" + (" (of the best)" if summary.get("targets_from") else "")
+        where = "not reached" if reach["round"] is None else f"reached at row {reach['round']}"
+        lines.append(f"to accuracy {to}: {where}, after {reach['bytes'] / 1e6:.1f} MB "
+                     f"({reach['bytes_up'] / 1e6:.1f} up, {reach['bytes_down'] / 1e6:.1f} down)")
+    codecs = summary.get("update_bytes") or {}
+    if set(codecs) - {"uncompressed"}:
+        lines.append("training updates by codec: " + ", ".join(f"{c} {b / 1e6:.1f} MB" for c, b in sorted(codecs.items())))
     wall = summary.get("wall_seconds")
     sessions = summary.get("sessions") or 0
     lines.append(f"traffic: {summary['bytes_up'] / 1e6:.1f} MB up, {summary['bytes_down'] / 1e6:.1f} MB down; "
@@ -219,15 +243,16 @@ def accuracy_figure(rows: list[RoundMetrics], title: str = "", head: dict[str, R
     return fig
 
 
-def write_report(run_dir: str | Path, method: str = "") -> tuple[str, dict]:
+def write_report(run_dir: str | Path, method: str = "", targets: Sequence[float] = ()) -> tuple[str, dict]:
     """summary.json + accuracy.png + results.txt in the run directory; returns (table, summary).
+    ``targets``: accuracies to give the bytes to (:func:`summarize`).
 
     Reads the run directory only: ``metrics.jsonl``, ``head_metrics.json`` and ``run_times.json``.
     """
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir, drop_torn_tail=True)  # a crashed run reports the rounds it finished
     head = read_head_metrics(run_dir)
-    summary = summarize(rows, times=read_run_times(run_dir), head=head)
+    summary = summarize(rows, targets, times=read_run_times(run_dir), head=head)
     write_json(run_dir / "summary.json", summary)
     if any(r.accuracy is not None for r in rows):
         plot_accuracy(rows, run_dir / "accuracy.png", title=f"{method} — personalized accuracy" if method else "",

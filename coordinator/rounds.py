@@ -353,9 +353,7 @@ class Coordinator:
         publish_release(self.fleet, built, round, self.run_dir.releases_dir)
         self.releases[built.release_id] = round
         self.observer.released(built.release_id)
-        as_delta = f", {len(built.delta.frame) / 1e6:.2f} MB as a delta" if built.delta is not None else ""
-        self.progress.note(f"released encoder {built.release_id} ({len(built.frame) / 1e6:.2f} MB{as_delta}) to "
-                           "head-tier agents")
+        self.progress.note(f"released encoder {built.release_id} ({built.sizes()}) to head-tier agents")
         return built.release_id
 
     def _collect_head_reports(self, timeout: float) -> None:

@@ -242,6 +242,17 @@ def cmd_agent(args) -> int:
     return 0
 
 
+def _accuracy(text: str) -> float:
+    """An accuracy argument: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an accuracy between 0 and 1 (e.g. 0.85)")
+    return value
+
+
 def cmd_report(args) -> int:
     from edgepfl.coordinator.report import write_report
     from edgepfl.state import CheckpointError, read_checkpoint_meta
@@ -255,7 +266,7 @@ def cmd_report(args) -> int:
     except CheckpointError:  # a run of an older edgepfl: the report does not need its checkpoint
         meta = None
     method = meta.run.method.name if meta else ""
-    table, _ = write_report(run, method)
+    table, _ = write_report(run, method, args.target)
     print(table)
     return 0
 
@@ -364,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = command("report", "table and plots for a run directory")
     r.add_argument("--run", required=True)
+    r.add_argument("--target", type=_accuracy, action="append", default=[], metavar="ACC",
+                   help="an accuracy (0-1) to give the bytes sent before it was reached; repeat for several "
+                        "(default: 90, 95 and 99 %% of the run's best)")
     r.set_defaults(func=cmd_report)
 
     e = command("export", "export the frozen encoder of a run to ONNX")

@@ -9,7 +9,13 @@ import io
 import numpy as np
 
 from edgepfl.coordinator.progress import Progress
-from edgepfl.coordinator.report import PER_CLIENT_LIMIT, accuracy_figure, format_table, summarize
+from edgepfl.coordinator.report import (
+    DEFAULT_TARGET_SHARES,
+    PER_CLIENT_LIMIT,
+    accuracy_figure,
+    format_table,
+    summarize,
+)
 from edgepfl.metrics import ReleaseReports, RoundMetrics, RunSession, RunTimes
 
 
@@ -120,3 +126,20 @@ def test_a_head_report_of_an_older_run_reads_its_figures_into_values_and_recompu
     report = HeadReport.model_validate(old)
     assert report.values == {"fit_seconds": 1.5} and report.accuracy == 0.7  # the file's 0.99 is not trusted
     assert HeadReport.model_validate(report.model_dump(mode="json")) == report
+
+
+def test_bytes_to_accuracy_are_the_bytes_of_the_rows_before_the_first_that_reached_it():
+    rows = [r.model_copy(update={"accuracy": a, "bytes_up": 100 * (i + 1), "bytes_down": 1000,
+                                 "update_bytes": {"q8": 100 * (i + 1)}})
+            for i, (r, a) in enumerate(zip(_rows(2, 3), (0.2, 0.5, 0.7, 0.65), strict=True))]
+    summary = summarize(rows, targets=[0.1, 0.6, 0.7, 0.9])
+    reached = {t["target"]: (t["round"], t["bytes_up"], t["bytes_down"]) for t in summary["to_accuracy"]}
+    assert reached == {0.1: (0, 0, 0), 0.6: (2, 300, 2000), 0.7: (2, 300, 2000), 0.9: (None, 1000, 4000)}
+    assert summary["update_bytes"] == {"q8": 1000}
+    table = format_table(rows, summary)
+    assert "to accuracy 60.00%: reached at row 2, after 0.0 MB (0.0 up, 0.0 down)" in table
+    assert "to accuracy 90.00%: not reached" in table and "training updates by codec: q8 0.0 MB" in table
+    # without targets: shares of the best accuracy, said so
+    default = summarize(rows)
+    assert [t["target"] for t in default["to_accuracy"]] == [round(0.7 * s, 4) for s in DEFAULT_TARGET_SHARES]
+    assert default["targets_from"] == "best accuracy" and "(of the best)" in format_table(rows, default)

@@ -92,6 +92,8 @@ def cases(d: Path) -> list[Case]:
         Case("head the method lacks", ["simulate", "--config", str(d / "good.yaml"), "--agents", "2", "--head-agents",
                                        "1", "--head", "dualfed"], USAGE, "a fedavg release has no such head", fast=True),
         Case("report needs --run", ["report"], USAGE, "--run", fast=True),
+        Case("report target not an accuracy", ["report", "--run", ".", "--target", "85"], USAGE,
+             "not an accuracy between 0 and 1", fast=True),
         Case("config template kind", ["config", "--template", "fleet"], USAGE, "fleet", fast=True),
         # configs
         Case("missing config", ["simulate", "--config", str(d / "nope.yaml"), "--agents", "2"], USAGE,
