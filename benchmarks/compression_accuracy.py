@@ -1,8 +1,9 @@
-"""Uplink bytes and accuracy with compressed updates (issue #34): q8 and q4 against float32.
+"""Bytes and accuracy with compressed updates and task deltas (issue #34): q8 and q4 against float32.
 
-Per seed, per method, the same federation three times — ``compression.uplink`` none, q8
-and q4 — interleaved (seed by seed, the codecs of one method back to back) so that load
-from other processes hits them alike. ``edgepfl simulate --in-process`` on the virtual
+Per seed, per method, the same federation five times — ``compression.uplink`` none, q8
+and q4, and q8 and q4 both ways (``compression.downlink`` too: task deltas) — interleaved
+(seed by seed, the settings of one method back to back) so that load from other processes
+hits them alike. ``edgepfl simulate --in-process`` on the virtual
 clock: every device trains every round, the update bytes are those of the frames as they
 would cross the broker (envelope, codec header and streams; ``metrics.jsonl``'s
 ``update_bytes``), and the accuracy is the run's final evaluation (every device, the last
@@ -10,9 +11,11 @@ state). Reported per method and codec, over seeds:
 
 * **uplink ratio**: the run's training-update bytes over the uncompressed run's;
 * **final accuracy**, and its paired difference from the uncompressed run of the same seed;
-* **bytes to target**: the update bytes sent until the round-by-round accuracy first
-  reaches ``--target`` × the uncompressed run's final accuracy (same seed), and rounds;
-* **downlink per round** (full-state tasks: the downlink is not compressed yet);
+* **bytes to target**: the update bytes, and all bytes (tasks too), sent until the
+  round-by-round accuracy first reaches ``--target`` × the uncompressed run's final
+  accuracy (same seed), and rounds;
+* **downlink per round**: the task bytes of a round after the first (the first goes whole
+  to everyone), and their ratio to the uncompressed run's;
 * CPU seconds and wall seconds of each run (this process's rusage).
 
 Sized for a 2-core box: Fashion-MNIST, the default CNN (feature 64), ``--clients``
@@ -42,7 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from results_io import write_results  # noqa: E402
 
-CODECS = ("none", "q8", "q4")
+#: setting -> (compression.uplink, compression.downlink)
+SETTINGS = {"none": ("none", "none"), "q8": ("q8", "none"), "q4": ("q4", "none"),
+            "q8 both ways": ("q8", "q8"), "q4 both ways": ("q4", "q4")}
 
 
 def method_settings(method: str) -> tuple[dict, float]:
@@ -59,19 +64,20 @@ def method_settings(method: str) -> tuple[dict, float]:
     return options, float(config.get("train", {}).get("lr", 0.05))
 
 
-def run_config(method: str, codec: str, seed: int, ns: argparse.Namespace):
+def run_config(method: str, setting: str, seed: int, ns: argparse.Namespace):
     from edgepfl.config import RunConfig, parse_config
 
     options, lr = method_settings(method)
+    uplink, downlink = SETTINGS[setting]
     return parse_config(RunConfig, {
-        "federation": f"cmp-{method}-{codec}-{seed}",
+        "federation": f"cmp-{method}-{setting.replace(' ', '-')}-{seed}",
         "method": {"name": method, **options},
         "model": {"arch": "cnn", "feature_dim": 64},
         "train": {"epochs": 1, "batch_size": 32, "lr": lr, "momentum": 0.5},
         "data": {"dataset": ns.dataset, "samples_per_client": ns.samples, "num_clients": ns.clients,
                  "partition": {"kind": "dirichlet", "alpha": 0.5}, "seed": seed},
         "rounds": ns.rounds, "seed": seed, "device": "cpu", "quorum": 1.0,
-        "compression": {"uplink": codec},
+        "compression": {"uplink": uplink, "downlink": downlink},
     }, "benchmark config")
 
 
@@ -81,7 +87,7 @@ def one_run(method: str, codec: str, seed: int, ns: argparse.Namespace, tmp: Pat
 
     config = run_config(method, codec, seed, ns)
     before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    rows, _ = simulate(config, ns.clients, tmp / f"{method}-{codec}-{seed}", in_process=local_trainers,
+    rows, _ = simulate(config, ns.clients, tmp / f"{method}-{codec.replace(' ', '-')}-{seed}", in_process=local_trainers,
                        progress=False)
     after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - t0
     training = [r for r in rows if not r.final]
@@ -98,33 +104,37 @@ def one_run(method: str, codec: str, seed: int, ns: argparse.Namespace, tmp: Pat
     }
 
 
-def to_target(run: dict, target: float) -> tuple[int | None, int | None]:
-    """(update bytes, rounds) until the round-by-round accuracy first reaches ``target``."""
-    sent = 0
-    for i, (accuracy, spent) in enumerate(zip(run["accuracy_by_round"], run["update_bytes_by_round"])):
-        sent += spent
+def to_target(run: dict, target: float) -> tuple[int | None, int | None, int | None]:
+    """(update bytes, all bytes, rounds) until the round-by-round accuracy first reaches ``target``."""
+    sent = total = 0
+    rounds = zip(run["accuracy_by_round"], run["update_bytes_by_round"], run["bytes_down_by_round"], strict=True)
+    for i, (accuracy, spent, down) in enumerate(rounds):
+        sent, total = sent + spent, total + spent + down
         if accuracy is not None and accuracy >= target:  # None: a row nobody evaluated in
-            return sent, i + 1
-    return None, None
+            return sent, total, i + 1
+    return None, None, None
 
 
 def summarize(runs: list[dict], target: float) -> list[dict]:
     plain = {(r["method"], r["seed"]): r for r in runs if r["codec"] == "none"}
     rows = []
     for method in dict.fromkeys(r["method"] for r in runs):
-        for codec in CODECS:
+        for codec in SETTINGS:
             mine = [r for r in runs if r["method"] == method and r["codec"] == codec]
             if not mine:
                 continue
-            ratios, deltas, to_bytes, to_rounds = [], [], [], []
+            ratios, down_ratios, deltas, to_bytes, to_all, to_rounds = [], [], [], [], [], []
             for r in mine:
                 base = plain[(method, r["seed"])]
                 ratios.append(sum(r["update_bytes_by_round"]) / sum(base["update_bytes_by_round"]))
+                down_ratios.append(sum(r["bytes_down_by_round"][1:]) / sum(base["bytes_down_by_round"][1:]))
                 deltas.append(100 * (r["final_accuracy"] - base["final_accuracy"]))
-                b, n = to_target(r, target * base["final_accuracy"])
+                b, a, n = to_target(r, target * base["final_accuracy"])
                 to_bytes.append(b)
+                to_all.append(a)
                 to_rounds.append(n)
             reached = [b for b in to_bytes if b is not None]
+            reached_all = [a for a in to_all if a is not None]
             rows.append({
                 "method": method, "codec": codec, "seeds": len(mine),
                 "uplink_ratio": round(statistics.mean(ratios), 4), "uplink_ratio_max": round(max(ratios), 4),
@@ -132,8 +142,11 @@ def summarize(runs: list[dict], target: float) -> list[dict]:
                 "delta_points": round(statistics.mean(deltas), 2),
                 "delta_points_worst": round(min(deltas), 2),
                 "bytes_to_target": round(statistics.mean(reached)) if len(reached) == len(mine) else None,
+                "all_bytes_to_target": round(statistics.mean(reached_all)) if len(reached_all) == len(mine) else None,
                 "rounds_to_target": [n for n in to_rounds],
-                "downlink_per_round": round(statistics.mean(statistics.mean(r["bytes_down_by_round"]) for r in mine)),
+                "downlink_per_round": round(statistics.mean(statistics.mean(r["bytes_down_by_round"][1:])
+                                                            for r in mine)),
+                "downlink_ratio": round(statistics.mean(down_ratios), 4),
                 "cpu_s": round(statistics.mean(r["cpu_s"] for r in mine), 1),
                 "wall_s": round(statistics.mean(r["wall_s"] for r in mine), 1),
             })
@@ -141,20 +154,24 @@ def summarize(runs: list[dict], target: float) -> list[dict]:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# Compressed uplink: bytes and accuracy ({result['machine']})", "",
+    lines = [f"# Compressed updates and task deltas: bytes and accuracy ({result['machine']})", "",
              f"`{result['command']}`", "",
              f"{result['setup']} Ratio: training-update bytes over the uncompressed run's (mean, max over "
              f"seeds). Δ: final accuracy minus the uncompressed run's, same seed (mean, worst). To target: update "
-             f"bytes until the accuracy first reaches {result['target']} × the uncompressed run's final accuracy "
-             "(mean over seeds; rounds per seed). Downlink: full-state tasks per round (not compressed).", "",
-             "| method | codec | uplink ratio (max) | final acc % | Δ points (worst) | bytes to target | rounds | "
-             "downlink B/round | CPU-s | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"bytes, and all bytes (tasks too), until the accuracy first reaches {result['target']} × the "
+             "uncompressed run's final accuracy (mean over seeds; rounds per seed). Downlink: task bytes per round "
+             "after the first (which goes whole), and their ratio to the uncompressed run's. \"both ways\": "
+             "compression.uplink and compression.downlink (task deltas) with the codec.", "",
+             "| method | setting | uplink ratio (max) | downlink B/round (ratio) | final acc % | Δ points (worst) | "
+             "update bytes to target | all bytes to target | rounds | CPU-s | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         to_target_bytes = f"{r['bytes_to_target']:,}" if r["bytes_to_target"] is not None else "not reached"
+        to_all = f"{r['all_bytes_to_target']:,}" if r["all_bytes_to_target"] is not None else "not reached"
         lines.append(f"| {r['method']} | {r['codec']} | {r['uplink_ratio']:.3f} ({r['uplink_ratio_max']:.3f}) | "
+                     f"{r['downlink_per_round']:,} ({r['downlink_ratio']:.3f}) | "
                      f"{r['final_accuracy']:.2f} | {r['delta_points']:+.2f} ({r['delta_points_worst']:+.2f}) | "
-                     f"{to_target_bytes} | {r['rounds_to_target']} | {r['downlink_per_round']:,} | "
-                     f"{r['cpu_s']} | {r['wall_s']} |")
+                     f"{to_target_bytes} | {to_all} | {r['rounds_to_target']} | {r['cpu_s']} | {r['wall_s']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -176,7 +193,7 @@ def main() -> None:
         one_run(ns.methods[0], "none", 0, argparse.Namespace(**{**vars(ns), "rounds": 1}), Path(tmp) / "warm-up")
         for seed in ns.seeds:
             for method in ns.methods:
-                for codec in CODECS:
+                for codec in SETTINGS:
                     print(f"seed {seed} {method} {codec}", file=sys.stderr, flush=True)
                     runs.append(one_run(method, codec, seed, ns, Path(tmp)))
                     # what is measured survives a failure of the summary: the raw runs, as they come

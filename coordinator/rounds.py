@@ -229,7 +229,7 @@ class Coordinator:
         previous, trained = self._server_state(), result.aggregate is not None
         if trained:
             self._closed_rounds.add(tasks, previous)
-        abort = self._server_step(result, quorum)
+        abort = self._server_step(tasks, result, quorum)
         rolled_back = self._roll_back(r, abort) if abort else None
         row = result.to_metrics(seconds=self.clock.now() - started, final=final, abort=abort, rolled_back=rolled_back,
                                 shared_bytes=int(sum(v.nbytes for v in self._server_state().shared_params().values())),
@@ -281,7 +281,7 @@ class Coordinator:
         """Send ``agent_id`` a ``kind`` task of the open round."""
         info = self.registry.agents.get(agent_id)
         uplink = self.task_writer.uplink_for(info.capabilities if info else None) if kind == "train" else None
-        task_id, frame = self.task_writer.frame(agent_id, kind, uplink=uplink)
+        task_id, frame = self.task_writer.frame(agent_id, kind, uplink=uplink, agent=info)
         announced = self.registry.announced_num_train(agent_id) if kind == "train" else None
         tasks.add(Task(agent_id, task_id, kind, announced, session=info.session if info else None,
                        connection=info.connection if info else None, uplink=uplink))
@@ -314,7 +314,7 @@ class Coordinator:
                      len(result.participants), len(result.sampled), self.clock.now() - started, ", ".join(sorted(waiting)))
             result.dropped.extend(sorted(waiting))
 
-    def _server_step(self, result: RoundResult, quorum: int) -> str | None:
+    def _server_step(self, tasks: RoundTasks, result: RoundResult, quorum: int) -> str | None:
         """Close the round's aggregate when a quorum was added and adopt it if it passes
         :func:`~.gate.admit_state`; returns why the round was aborted (None: adopted)."""
         aggregate, result.aggregate = result.aggregate, None  # the round's sums go with this call
@@ -330,7 +330,7 @@ class Coordinator:
             log.warning("round %d: aggregate not adopted: %s (%s); global state unchanged", result.round,
                         refused.reason, refused.detail)
             return refused.reason
-        self.state = candidate
+        self.state = self.task_writer.downlink.step(candidate, aggregate.state, tasks, result)
         self.rollback.adopted()
         return None
 

@@ -13,6 +13,7 @@ from edgepfl.protocol import (
     Capabilities,
     MessageType,
     RunSpec,
+    TaskDelta,
     TaskMeta,
     UplinkSpec,
     encode,
@@ -22,7 +23,9 @@ from edgepfl.protocol import (
 )
 from edgepfl.protocol.signing import Signer
 
+from .downlink import DownlinkChain, delta_body
 from .fleet import SENDER
+from .registry import AgentInfo
 
 
 class TaskWriter:
@@ -38,8 +41,10 @@ class TaskWriter:
         self._epoch = 0
         # The payload is held with its body so that its arrays' ids cannot be reused by
         # another agent's payload while the round's tasks are written.
-        self._bodies: dict[tuple[tuple[str, int], ...], tuple[dict, Body]] = {}
+        self._bodies: dict[tuple, tuple[dict, Body, TaskDelta | None]] = {}
         self._uplink = config.compression.uplink_spec(type(method).exact_uploads)
+        #: how each new state is rounded, and who gets a round's tasks as a delta (protocol 1.7)
+        self.downlink = DownlinkChain(config, method)
 
     def uplink_for(self, capabilities: Capabilities | None) -> UplinkSpec | None:
         """What a training task asks an agent with these capabilities to compress its update
@@ -66,22 +71,26 @@ class TaskWriter:
                           recipient="size-probe" if self.signer is not None else None))
 
     def frame(self, agent_id: str, kind: str, task_id: str | None = None,
-              uplink: UplinkSpec | None = None) -> tuple[str, bytes]:
+              uplink: UplinkSpec | None = None, agent: AgentInfo | None = None) -> tuple[str, bytes]:
         """A new task for ``agent_id`` (``train`` or ``evaluate``): its id and its frame; with
-        ``task_id``, that task of the open round again (the same id, seed and payload).
-        ``uplink``: the codec its update's change is to be compressed with (protocol 1.6)."""
+        ``task_id``, that task of the open round again (the same id, seed and payload, whole).
+        ``uplink``: the codec its update's change is to be compressed with (protocol 1.6);
+        ``agent``: what the registry knows of it, for a task delta (protocol 1.7)."""
         if self._state is None:
             raise RuntimeError("open() a round first")
         c = self.config
+        delta = self.downlink.delta_for(self._state, self._round, agent) if task_id is None else None
         task_id = task_id or new_message_id()
-        meta = TaskMeta(task_id=task_id, kind=kind, run=self.run_spec, seed=seed_for(c.seed, self._round, agent_id),
-                        deadline_s=c.round_timeout_s, epoch=self._epoch, uplink=uplink)
         payload = self.method.payload_for(self._state, agent_id)
-        key = tuple((name, id(array)) for name, array in payload.items())
+        key = (delta is not None, *((name, id(array)) for name, array in payload.items()))
         if key not in self._bodies:
-            self._bodies[key] = (payload, encode_body(payload))
+            downlink, tensors = delta_body(delta, payload) if delta is not None else (None, payload)
+            self._bodies[key] = (payload, encode_body(tensors), downlink)
+        _, body, downlink = self._bodies[key]
+        meta = TaskMeta(task_id=task_id, kind=kind, run=self.run_spec, seed=seed_for(c.seed, self._round, agent_id),
+                        deadline_s=c.round_timeout_s, epoch=self._epoch, uplink=uplink, downlink=downlink)
         # signed per agent over its own header only: the shared body is hashed once per round
         frame = encode(MessageType.TASK, federation=c.federation, sender=SENDER, round=self._round, meta=meta,
-                       body=self._bodies[key][1], signer=self.signer,
+                       body=body, signer=self.signer,
                        recipient=agent_id if self.signer is not None else None)
         return task_id, frame

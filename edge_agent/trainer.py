@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from edgepfl._torch import nn, torch
 from edgepfl.atomic import read_tensors, write_json, write_tensors
-from edgepfl.codecs import CodecHeader, CodecSpec, ErrorFeedback
+from edgepfl.codecs import CodecError, CodecHeader, CodecSpec, Encoded, ErrorFeedback, decode
 from edgepfl.data import ClientData, ClientTensors
 from edgepfl.data.preprocess import conversion
 from edgepfl.heads.labels import LabelMismatch, run_label_index
@@ -38,6 +38,7 @@ from edgepfl.protocol import (
     seed_for,
 )
 from edgepfl.protocol.clock import stopwatch
+from edgepfl.protocol.codec import tensors_digest
 from edgepfl.protocol.signing import Signer
 from edgepfl.specs import ModelSpec
 
@@ -139,6 +140,8 @@ class TrainerRuntime:
         self.model: nn.Module | None = None
         # what compressed updates of the current run left out (docs/COMPRESSION.md)
         self._feedback = ErrorFeedback()
+        # (epoch, round) and tensors of the last task this process decoded: a task delta's base
+        self._held: tuple[tuple[int, int], dict[str, np.ndarray]] | None = None
 
     def warm_up(self) -> None:
         """Pay torch's one-time costs before the agent announces itself, not inside its first
@@ -286,6 +289,31 @@ class TrainerRuntime:
                 log.warning("%s: %s is unreadable (%s); error feedback starts again", self.agent_id, path.name, exc)
         return feedback
 
+    def _payload(self, task: Message, meta: TaskMeta) -> dict[str, np.ndarray]:
+        """The task's tensors: as they came, or, for a task delta (protocol 1.7), decoded onto
+        the tensors of this process's task of the delta's base round and checked against the
+        delta's digest. They are kept as the base of the next delta. Raises TaskRefused
+        (``no_base``) when this process does not hold the base or the result is not the
+        coordinator's; the coordinator sends the next round's task whole."""
+        round, downlink = task.header.round, meta.downlink
+        if downlink is None:
+            tensors = dict(task.tensors)
+        else:
+            held = self._held
+            if held is None or held[0] != (meta.epoch, downlink.base_round):
+                holds = "none" if held is None else f"round {held[0][1]} of epoch {held[0][0]}"
+                raise self._refuse(meta, round, "no_base", f"a delta against round {downlink.base_round} of epoch "
+                                                           f"{meta.epoch}; this process holds {holds}")
+            try:
+                tensors = decode(Encoded.from_arrays(downlink.codec, task.tensors), held[1])
+            except CodecError as exc:
+                raise self._refuse(meta, round, "no_base", f"the delta does not decode onto round "
+                                                           f"{downlink.base_round}'s tensors ({exc})") from None
+            if tensors_digest(tensors) != downlink.digest:
+                raise self._refuse(meta, round, "no_base", "the decoded tensors are not the coordinator's (digest)")
+        self._held = ((meta.epoch, round), tensors)
+        return tensors
+
     def _compressed(self, meta: TaskMeta, reference: dict[str, np.ndarray],
                     upload: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], CodecHeader | None]:
         """The upload as the task's ``uplink`` asks (its change from ``reference``, encoded,
@@ -335,7 +363,8 @@ class TrainerRuntime:
             generator=generator,
             log=log,
         )
-        method.receive(model, task.tensors, ctx)
+        payload = self._payload(task, meta)
+        method.receive(model, payload, ctx)
         started = stopwatch()
         evaluation = method.evaluate(model, inputs, ctx)
         upload: dict[str, np.ndarray] = {}
@@ -344,7 +373,7 @@ class TrainerRuntime:
         codec = None
         if meta.kind == "train":
             result = method.local_update(model, inputs, ctx)
-            upload, codec = self._compressed(meta, task.tensors, result.upload)
+            upload, codec = self._compressed(meta, payload, result.upload)
             train_loss = None if np.isnan(result.train_loss) else float(result.train_loss)
             extra = {k: float(v) for k, v in result.metrics.items()}
             self._save_personal(method, model, task.header.round)

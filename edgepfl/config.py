@@ -157,6 +157,11 @@ class CompressionSpec(_Strict):
     block: int = Field(DEFAULT_BLOCK, ge=1, le=2**20, description="values sharing one float32 step (256: 1.6 % of "
                                                                       "an 8-bit payload)")
     keep: float = Field(0.1, gt=0, lt=1, description="top-k codecs: the share of each tensor's values sent")
+    downlink: Literal["none", "q8", "q4"] = Field(
+        "none", description="tasks: each new state's shared tensors are rounded onto the grid of their change since "
+                            "the previous round's tasks (stochastic, unbiased: the adopted state itself), and an agent "
+                            "that answered the previous round's task and announces the codec gets only that change "
+                            "(synchronous rounds only); none: every task carries the state whole")
     release_delta: Literal["none", "q8", "q4"] = Field(
         "q4", description="releases: each release after the first is the previous one plus its weights' change "
                           "quantized with this codec (the signed artifact is that result, within one step of the "
@@ -242,6 +247,9 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
         check_segment(self.federation, "federation")
+        if self.compression.downlink != "none" and self.asynchrony.mode == "buffered":
+            raise ValueError("compression.downlink needs synchronous rounds: a buffered state's tasks go to agents "
+                             "that last held states of many rounds (asynchrony.mode: synchronous, or downlink: none)")
         agg = self.aggregation
         if agg.rule == "multi_krum" and agg.krum_select is not None and agg.krum_select >= self.min_agents:
             raise ValueError(f"aggregation.krum_select {agg.krum_select} averages every update of a round of "

@@ -5,9 +5,12 @@ to be compressed with (:class:`UplinkSpec`), and the header an encoded update ca
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Mapping
 from typing import Annotated, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 #: the codec families an agent may announce (``capabilities.codecs``); parameters (block,
@@ -87,4 +90,20 @@ class CodecHeader(BaseModel):
         return self
 
 
-__all__ = ["CODEC_NAMES", "DEFAULT_BLOCK", "CodecHeader", "CodecName", "CompressedTensor", "UplinkSpec"]
+def tensors_digest(tensors: Mapping[str, np.ndarray]) -> str:
+    """sha256 of named tensors, independent of their order: for each name in sorted order (by
+    its UTF-8 bytes), the name's UTF-8 bytes, a 0 byte, the dtype as numpy spells it
+    (``<f4``, ``<i8``, ``|u1``…), a 0 byte, the shape as decimal numbers joined by ``,``, a 0
+    byte, and the values' little-endian C-order bytes. A task delta's ``digest``."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors, key=lambda n: n.encode()):
+        value = np.ascontiguousarray(tensors[name])
+        little = value.astype(value.dtype.newbyteorder("<"), copy=False)
+        digest.update(name.encode() + b"\0" + little.dtype.str.encode() + b"\0"
+                      + ",".join(str(d) for d in value.shape).encode() + b"\0")
+        digest.update(little.tobytes())
+    return digest.hexdigest()
+
+
+__all__ = ["CODEC_NAMES", "DEFAULT_BLOCK", "CodecHeader", "CodecName", "CompressedTensor", "UplinkSpec",
+           "tensors_digest"]

@@ -33,6 +33,7 @@ REFUSAL_REASONS: dict[str, str] = {
     "error": "the local update failed on the device (out of memory, a crash in training, ...)",
     "expired": "the task is past its deadline by the agent's clock (since 1.3; the detail says by how much)",
     "too_large": "the task frame is larger than the agent's max_payload_bytes (since 1.4)",
+    "no_base": "the task's tensors are a delta against a task the agent does not hold (since 1.7)",
 }
 
 
@@ -83,8 +84,9 @@ RELEASE_REFS = (1, 4)
 RELEASE_REFUSALS = (1, 5)
 #: the protocol version of compressed updates (``capabilities.codecs``, ``task.uplink``, ``update.codec``)
 CODECS = (1, 6)
-#: the protocol version of release deltas (``capabilities.release_codecs``, ``release.delta``)
-RELEASE_DELTAS = (1, 7)
+#: the protocol version of release deltas (``capabilities.release_codecs``, ``release.delta``) and task
+#: deltas (``task.downlink``)
+RELEASE_DELTAS = TASK_DELTAS = (1, 7)
 
 
 class ReleaseRef(_Meta):
@@ -121,6 +123,21 @@ class StatusMeta(_Meta):
     release: ReleaseRef | None = Field(None, json_schema_extra=since("1.4"))
 
 
+class TaskDelta(_Meta):
+    """A task whose tensors travel as the change from the tensors of the agent's task of an
+    earlier round (since 1.7; docs/COMPRESSION.md, "Task deltas"). The body holds the
+    ``codec``'s streams and its exact tensors; the agent decodes the compressed ones onto the
+    same-named tensors of its task of round ``base_round`` (same ``epoch``), takes the exact
+    ones as they are, and checks ``digest`` (:func:`edgepfl.protocol.codec.tensors_digest`)
+    on the result before it uses it. Sent only to an agent of 1.7 whose ``capabilities.codecs``
+    has the codec and that answered its task of ``base_round`` in this session."""
+
+    base_round: int = Field(ge=0)
+    codec: CodecHeader
+    #: sha256 of the task's tensors once decoded
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
 class TaskMeta(_Meta):
     """Coordinator -> agent: what to do this round.
 
@@ -141,6 +158,8 @@ class TaskMeta(_Meta):
     #: compress this training update's change so (since 1.6; docs/COMPRESSION.md); None: send
     #: it uncompressed. Only for an agent that announced the codec in its capabilities
     uplink: UplinkSpec | None = Field(None, json_schema_extra=since("1.6"))
+    #: the tensors travel as a delta against the agent's task of an earlier round (None: whole)
+    downlink: TaskDelta | None = Field(None, json_schema_extra=since("1.7"))
 
 
 class UpdateMeta(_Meta):

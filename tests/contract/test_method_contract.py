@@ -443,6 +443,42 @@ def test_compressed_updates_decode_to_updates_the_method_accepts_and_sum_alike_i
         assert got == want, f"{name}/{codec}: arrival order {order.tolist()} changed the next state"
 
 
+@pytest.mark.parametrize("codec", ["q8", "q4"])
+@pytest.mark.parametrize("name", METHODS)
+def test_a_task_delta_decodes_on_the_agent_to_the_payload_it_would_be_sent_whole(name, codec):
+    """Task deltas (protocol 1.7, coordinator/downlink.py): the round's next state rounded onto
+    the grid of its change, and each agent's task as that change plus its own tensors, decoded
+    as a trainer does onto the payload it was sent before: the payload the agent would be sent
+    whole, bit for bit, with the digest the task carries; then a fresh model takes it."""
+    from edgepfl import codecs
+    from edgepfl.config import RunConfig
+    from edgepfl.coordinator.downlink import DownlinkChain, delta_body
+    from edgepfl.coordinator.gate import RoundTasks, Task
+    from edgepfl.coordinator.registry import AgentInfo
+    from edgepfl.coordinator.result import Evaluation, RoundResult
+    from edgepfl.protocol import Capabilities
+    from edgepfl.protocol.codec import tensors_digest
+
+    run = run_round(name)
+    chain = DownlinkChain(RunConfig(compression={"downlink": codec, "block": 64}), run.method)
+    tasks, result = RoundTasks(0), RoundResult(round=0)
+    for agent in AGENTS:
+        tasks.add(Task(agent, f"task-{agent}", "train", None, session="5e" * 16))
+        result.evaluations[agent] = Evaluation(correct=1, total=2, loss=None, train_loss=None, kind="train", train_seconds=0.0)
+    adopted = chain.step(run.state1, run.state0, tasks, result)
+    for agent in AGENTS:
+        info = AgentInfo(agent, "trainer", "cpu", 10, 5, True, "1.7", session="5e" * 16,
+                         capabilities=Capabilities(codecs=[codec]))
+        delta = chain.delta_for(adopted, 1, info)
+        assert delta is not None, f"{name}: no delta for {agent}"
+        whole = run.method.payload_for(adopted, agent)
+        meta, body = delta_body(delta, whole)
+        received = codecs.decode(codecs.Encoded.from_arrays(meta.codec, body), run.method.payload_for(run.state0, agent))
+        assert_bit_exact(received, whole)
+        assert tensors_digest(received) == meta.digest
+        run.method.receive(KIT.model(run.method, 7), received, KIT.ctx(7))
+
+
 @pytest.mark.parametrize("rule", ["mean", "clipped_mean", "median", "trimmed_mean", "multi_krum"])
 @pytest.mark.parametrize("name", METHODS)
 def test_every_rule_runs_for_every_method_that_averages_and_gives_a_finite_state(name, rule):

@@ -39,7 +39,9 @@ def agent_log(out, agent: str) -> str:
 
 def test_a_signed_federation_completes_under_attack_and_refuses_every_forgery(mosquitto, tmp_path, ref):
     coordinator_security, agent_security = signed_fleet(tmp_path / "keys", (*TRAINERS, HEAD))
-    config = run_config(rounds=3, round_timeout_s=40, method={"name": "fedper"}, security=coordinator_security)
+    # compression on (issue #34): every forgery is refused as before, the honest updates travel compressed
+    config = run_config(rounds=3, round_timeout_s=40, method={"name": "fedper"}, security=coordinator_security,
+                        compression={"uplink": "q8"})
     config = prepare(config, len(TRAINERS), head_agents=1)  # min_agents = 2, release at the end
     fed, out, url = config.federation, tmp_path / "run", mosquitto.url
     attacker = Attacker(url, fed)
@@ -112,6 +114,7 @@ def test_a_signed_federation_completes_under_attack_and_refuses_every_forgery(mo
         assert len(rows) == config.rounds + 1 and rows[-1].final
         for row in rows[:-1]:
             assert set(row.sampled) == set(TRAINERS) and set(row.participants) == set(TRAINERS)
+        assert sum(row.update_bytes.get("q8", 0) for row in rows) > 0  # the honest updates came compressed
         assert set(coordinator.registry.agents) == {*TRAINERS, HEAD}  # no Sybil ever entered
         rejected = coordinator.counters.rejected
         assert rejected["not_enrolled"] >= len(SYBILS) // 2
