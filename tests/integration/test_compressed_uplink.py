@@ -1,4 +1,4 @@
-"""Compressed uplinks live (issue #34, protocol 1.6): a real coordinator asks every agent that
+"""Compressed uplinks and task deltas live (issue #34, protocols 1.6 and 1.7): a real coordinator asks every agent that
 announces a codec for it, and only those. A real trainer process compresses its updates
 (error feedback on its disk), a protocol 1.2 device without codecs sends plain updates in
 the same federation, and a hostile device's malformed compressed frames are rejected with
@@ -55,7 +55,8 @@ def hostile(agent: WireAgent, task: Message) -> list[bytes]:
 
 def test_codec_agents_compress_a_plain_12_agent_does_not_and_malformed_compressed_frames_are_rejected(
         mosquitto, broker_capture, tmp_path):
-    config = prepare(run_config(f"cz{uuid.uuid4().hex[:8]}", rounds=3, compression={"uplink": "q8"}), 1)
+    config = prepare(run_config(f"cz{uuid.uuid4().hex[:8]}", rounds=3, compression={"uplink": "q8", "downlink": "q8"}),
+                     1)
     config = config.model_copy(update={"min_agents": 3})
     out, url, fed = tmp_path / "run", mosquitto.url, config.federation
     agents = [WireAgent(url, fed, "plain-12", honest, version="1.2",
@@ -102,5 +103,15 @@ def test_codec_agents_compress_a_plain_12_agent_does_not_and_malformed_compresse
         if meta.codec is not None:
             assert meta.codec.codec == "q8" and len(frame) <= 0.3 * task_bytes, (len(frame), task_bytes)
     assert all(m.meta.codec is None for m in sent("plain-12", "update"))
+    # task deltas (protocol 1.7): only the 1.7 trainer, once it answered a round, gets the state's change
+    def tasks(agent_id: str) -> list[Message]:  # the task topic carries nacks too
+        return [m for m in sent(agent_id, "task") if m.type == MessageType.TASK]
+
+    assert all(t.meta.downlink is None for a in ("plain-12", "hostile") for t in tasks(a))
+    trainer_tasks = tasks(TRAINER)
+    deltas = [t for t in trainer_tasks if t.meta.downlink is not None]
+    assert len(deltas) >= 2 and not any(r.refused for r in rows), [r.refused for r in rows]
+    whole = max(sum(v.nbytes for v in t.tensors.values()) for t in trainer_tasks if t.meta.downlink is None)
+    assert all(sum(v.nbytes for v in t.tensors.values()) < 0.3 * whole for t in deltas)
     # its error feedback is on its disk, for the next update
     assert list((out / "agents").rglob("feedback-*.safetensors")), sorted((out / "agents").rglob("*"))
