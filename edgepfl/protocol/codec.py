@@ -97,11 +97,11 @@ def tensors_digest(tensors: Mapping[str, np.ndarray]) -> str:
     byte, and the values' little-endian C-order bytes. A task delta's ``digest``."""
     digest = hashlib.sha256()
     for name in sorted(tensors, key=lambda n: n.encode()):
-        value = np.ascontiguousarray(tensors[name])
+        value = np.asarray(tensors[name])  # not ascontiguousarray, which makes a scalar of shape (1,)
         little = value.astype(value.dtype.newbyteorder("<"), copy=False)
         digest.update(name.encode() + b"\0" + little.dtype.str.encode() + b"\0"
                       + ",".join(str(d) for d in value.shape).encode() + b"\0")
-        digest.update(little.tobytes())
+        digest.update(little.tobytes(order="C"))
     return digest.hexdigest()
 
 
