@@ -16,6 +16,9 @@ state). Reported per method and codec, over seeds:
   accuracy (same seed), and rounds;
 * **downlink per round**: the task bytes of a round after the first (the first goes whole
   to everyone), and their ratio to the uncompressed run's;
+* **time to target**: the virtual seconds (the simulated devices' download, work and
+  upload on their links) until then — ``--uplink-mbps`` / ``--downlink-mbps`` set every
+  device's links (default: the simulator's 10 / 50 Mbit/s);
 * CPU seconds and wall seconds of each run (this process's rusage).
 
 Sized for a 2-core box: Fashion-MNIST, the default CNN (feature 64), ``--clients``
@@ -23,6 +26,8 @@ devices of ``--samples`` images (Dirichlet 0.5), ``--rounds`` rounds of one epoc
 method with the options and learning rate of its ``configs/<method>.yaml``::
 
     .venv/bin/python benchmarks/compression_accuracy.py --methods fedavg fedrep dualfed --seeds 0 1 2
+    .venv/bin/python benchmarks/compression_accuracy.py --methods fedavg --uplink-mbps 1 --downlink-mbps 2 \
+        --settings none "q8 both ways" "q4 both ways" --out benchmarks/results/compression_slow_links
 
 Writes ``benchmarks/results/compression_accuracy.json`` and ``.md``.
 """
@@ -78,6 +83,8 @@ def run_config(method: str, setting: str, seed: int, ns: argparse.Namespace):
                  "partition": {"kind": "dirichlet", "alpha": 0.5}, "seed": seed},
         "rounds": ns.rounds, "seed": seed, "device": "cpu", "quorum": 1.0,
         "compression": {"uplink": uplink, "downlink": downlink},
+        "simulation": {"devices": [{k: v for k, v in (("uplink_mbps", ns.uplink_mbps),
+                                                     ("downlink_mbps", ns.downlink_mbps)) if v is not None}]},
     }, "benchmark config")
 
 
@@ -99,20 +106,25 @@ def one_run(method: str, codec: str, seed: int, ns: argparse.Namespace, tmp: Pat
         "update_bytes_by_codec": {k: sum(r.update_bytes.get(k, 0) for r in training)
                                   for k in sorted({k for r in training for k in r.update_bytes})},
         "bytes_down_by_round": [r.bytes_down for r in training],
+        "seconds_by_round": [r.seconds for r in training],
         "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 2),
         "wall_s": round(wall, 2),
     }
 
 
-def to_target(run: dict, target: float) -> tuple[int | None, int | None, int | None]:
-    """(update bytes, all bytes, rounds) until the round-by-round accuracy first reaches ``target``."""
+def to_target(run: dict, target: float) -> tuple[int | None, int | None, int | None, float | None]:
+    """(update bytes, all bytes, rounds, virtual seconds) until the round-by-round accuracy
+    first reaches ``target``."""
     sent = total = 0
-    rounds = zip(run["accuracy_by_round"], run["update_bytes_by_round"], run["bytes_down_by_round"], strict=True)
-    for i, (accuracy, spent, down) in enumerate(rounds):
-        sent, total = sent + spent, total + spent + down
+    elapsed = 0.0
+    seconds = run.get("seconds_by_round") or [0.0] * len(run["accuracy_by_round"])
+    rounds = zip(run["accuracy_by_round"], run["update_bytes_by_round"], run["bytes_down_by_round"], seconds,
+                 strict=True)
+    for i, (accuracy, spent, down, took) in enumerate(rounds):
+        sent, total, elapsed = sent + spent, total + spent + down, elapsed + took
         if accuracy is not None and accuracy >= target:  # None: a row nobody evaluated in
-            return sent, total, i + 1
-    return None, None, None
+            return sent, total, i + 1, elapsed
+    return None, None, None, None
 
 
 def summarize(runs: list[dict], target: float) -> list[dict]:
@@ -123,16 +135,17 @@ def summarize(runs: list[dict], target: float) -> list[dict]:
             mine = [r for r in runs if r["method"] == method and r["codec"] == codec]
             if not mine:
                 continue
-            ratios, down_ratios, deltas, to_bytes, to_all, to_rounds = [], [], [], [], [], []
+            ratios, down_ratios, deltas, to_bytes, to_all, to_rounds, to_seconds = [], [], [], [], [], [], []
             for r in mine:
                 base = plain[(method, r["seed"])]
                 ratios.append(sum(r["update_bytes_by_round"]) / sum(base["update_bytes_by_round"]))
                 down_ratios.append(sum(r["bytes_down_by_round"][1:]) / sum(base["bytes_down_by_round"][1:]))
                 deltas.append(100 * (r["final_accuracy"] - base["final_accuracy"]))
-                b, a, n = to_target(r, target * base["final_accuracy"])
+                b, a, n, t = to_target(r, target * base["final_accuracy"])
                 to_bytes.append(b)
                 to_all.append(a)
                 to_rounds.append(n)
+                to_seconds.append(t)
             reached = [b for b in to_bytes if b is not None]
             reached_all = [a for a in to_all if a is not None]
             rows.append({
@@ -144,6 +157,9 @@ def summarize(runs: list[dict], target: float) -> list[dict]:
                 "bytes_to_target": round(statistics.mean(reached)) if len(reached) == len(mine) else None,
                 "all_bytes_to_target": round(statistics.mean(reached_all)) if len(reached_all) == len(mine) else None,
                 "rounds_to_target": [n for n in to_rounds],
+                "seconds_to_target": (round(statistics.mean(t for t in to_seconds if t is not None), 1)
+                                      if all(t is not None for t in to_seconds) and "seconds_by_round" in mine[0]
+                                      else None),
                 "downlink_per_round": round(statistics.mean(statistics.mean(r["bytes_down_by_round"][1:])
                                                             for r in mine)),
                 "downlink_ratio": round(statistics.mean(down_ratios), 4),
@@ -163,15 +179,17 @@ def markdown(result: dict) -> str:
              "after the first (which goes whole), and their ratio to the uncompressed run's. \"both ways\": "
              "compression.uplink and compression.downlink (task deltas) with the codec.", "",
              "| method | setting | uplink ratio (max) | downlink B/round (ratio) | final acc % | Δ points (worst) | "
-             "update bytes to target | all bytes to target | rounds | CPU-s | wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "update bytes to target | all bytes to target | rounds | virtual s to target | CPU-s | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         to_target_bytes = f"{r['bytes_to_target']:,}" if r["bytes_to_target"] is not None else "not reached"
         to_all = f"{r['all_bytes_to_target']:,}" if r["all_bytes_to_target"] is not None else "not reached"
         lines.append(f"| {r['method']} | {r['codec']} | {r['uplink_ratio']:.3f} ({r['uplink_ratio_max']:.3f}) | "
                      f"{r['downlink_per_round']:,} ({r['downlink_ratio']:.3f}) | "
                      f"{r['final_accuracy']:.2f} | {r['delta_points']:+.2f} ({r['delta_points_worst']:+.2f}) | "
-                     f"{to_target_bytes} | {to_all} | {r['rounds_to_target']} | {r['cpu_s']} | {r['wall_s']} |")
+                     f"{to_target_bytes} | {to_all} | {r['rounds_to_target']} | "
+                     f"{r['seconds_to_target'] if r.get('seconds_to_target') is not None else '–'} | "
+                     f"{r['cpu_s']} | {r['wall_s']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -184,8 +202,14 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=300)
     parser.add_argument("--dataset", default="fmnist")
     parser.add_argument("--target", type=float, default=0.95)
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
+                        help="which settings to run (none is needed: the others are compared with it)")
+    parser.add_argument("--uplink-mbps", type=float, help="every device's uplink (default: the simulator's)")
+    parser.add_argument("--downlink-mbps", type=float, help="every device's downlink (default: the simulator's)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compression_accuracy"))
     ns = parser.parse_args()
+    if "none" not in ns.settings:
+        parser.error("--settings needs none: every other setting is compared with it")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     runs = []
     with tempfile.TemporaryDirectory(prefix="edgepfl-compression-") as tmp:
@@ -193,15 +217,17 @@ def main() -> None:
         one_run(ns.methods[0], "none", 0, argparse.Namespace(**{**vars(ns), "rounds": 1}), Path(tmp) / "warm-up")
         for seed in ns.seeds:
             for method in ns.methods:
-                for codec in SETTINGS:
+                for codec in ns.settings:
                     print(f"seed {seed} {method} {codec}", file=sys.stderr, flush=True)
                     runs.append(one_run(method, codec, seed, ns, Path(tmp)))
                     # what is measured survives a failure of the summary: the raw runs, as they come
                     Path(ns.out).with_suffix(".runs.json").write_text(json.dumps(runs) + "\n")
     command = "benchmarks/compression_accuracy.py " + " ".join(sys.argv[1:])
+    links = (f"links {ns.uplink_mbps or 10:g} Mbit/s up, {ns.downlink_mbps or 50:g} down, 50 ms; "
+             "1 ms per training sample")
     setup = (f"{ns.dataset}, CNN (feature 64), {ns.clients} devices × {ns.samples} images (Dirichlet 0.5), "
-             f"{ns.rounds} rounds of one epoch, every device every round, in-process on the virtual clock, seeds "
-             f"{', '.join(map(str, ns.seeds))}.")
+             f"{ns.rounds} rounds of one epoch, every device every round, in-process on the virtual clock ({links}), "
+             f"seeds {', '.join(map(str, ns.seeds))}.")
     write_results({"command": command.strip(), "setup": setup, "target": ns.target,
                    "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
                    "rows": summarize(runs, ns.target), "runs": runs}, ns.out, markdown)

@@ -64,6 +64,9 @@ class RoundSink(Protocol):
     #: bytes of tasks sent this round
     bytes_down: int
 
+    def sent(self, wire_bytes: int, downlink: str = "whole") -> None:
+        """Count a task put on the wire (whole, or a task delta of codec ``downlink``)."""
+
     def record(self, accepted: Accepted, wire_bytes: int) -> None:
         """Take an accepted answer; raises :class:`AggregationRejected` for an update the
         round's rule refuses, having kept nothing of it."""
@@ -215,7 +218,7 @@ class Inbox:
         tasks.add(replace(task, connection=connection, copies=task.copies + 1))
         sent = self.resend(task, tasks.round)
         if self._sink is not None:
-            self._sink.bytes_down += sent
+            self._sink.sent(sent)  # a task sent again goes whole
         log.info("round %d: %s reconnected (connection %s) with its task unanswered; sent it again", tasks.round,
                  agent_id, connection)
 

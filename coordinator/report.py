@@ -55,6 +55,7 @@ def summarize(rows: list[RoundMetrics], targets: Sequence[float] = (), times: Ru
         "bytes_up": sum(r.bytes_up for r in rows),
         "bytes_down": sum(r.bytes_down for r in rows),
         "update_bytes": _sum_counts(r.update_bytes for r in rows),
+        "task_bytes": _sum_counts(r.task_bytes for r in rows),
         "round_seconds": round(sum(r.seconds for r in rows), 2),
         # in-process runs: the rows' seconds are simulated device time (run_times.json says per session)
         "round_clock": "virtual" if times and any(s.virtual_clock for s in times.sessions) else "wall",
@@ -150,6 +151,9 @@ def format_table(rows: list[RoundMetrics], summary: dict, method: str = "") -> s
     codecs = summary.get("update_bytes") or {}
     if set(codecs) - {"uncompressed"}:
         lines.append("training updates by codec: " + ", ".join(f"{c} {b / 1e6:.1f} MB" for c, b in sorted(codecs.items())))
+    tasks = summary.get("task_bytes") or {}
+    if set(tasks) - {"whole"}:
+        lines.append("tasks by codec: " + ", ".join(f"{c} {b / 1e6:.1f} MB" for c, b in sorted(tasks.items())))
     wall = summary.get("wall_seconds")
     sessions = summary.get("sessions") or 0
     lines.append(f"traffic: {summary['bytes_up'] / 1e6:.1f} MB up, {summary['bytes_down'] / 1e6:.1f} MB down; "

@@ -82,6 +82,8 @@ class RoundResult:
     #: the training updates' bytes, by codec ("uncompressed": none asked or sent)
     update_bytes: Counter = field(default_factory=Counter)
     bytes_down: int = 0
+    #: the tasks' bytes, by how their tensors travelled ("whole", or a task delta's codec)
+    task_bytes: Counter = field(default_factory=Counter)
     dropped: list[str] = field(default_factory=list)
     sampled: list[str] = field(default_factory=list)
     #: agents the previous round dropped whose update arrived in this one and was folded in
@@ -90,6 +92,11 @@ class RoundResult:
     staleness: Counter = field(default_factory=Counter)
     #: late agents -> the round their update was trained on
     trained_on: dict[str, int] = field(default_factory=dict)
+
+    def sent(self, wire_bytes: int, downlink: str = "whole") -> None:
+        """Count a task put on the wire: whole, or as a task delta of codec ``downlink``."""
+        self.bytes_down += wire_bytes
+        self.task_bytes[downlink] += wire_bytes
 
     def record(self, accepted: Accepted, wire_bytes: int) -> None:
         """Count an answer the gate accepted; a training update is added to the round's
@@ -142,6 +149,7 @@ class RoundResult:
             train_loss=float(np.mean(losses)) if losses else None,
             bytes_up=self.bytes_up,
             update_bytes=dict(sorted(self.update_bytes.items())),
+            task_bytes=dict(sorted(self.task_bytes.items())),
             bytes_down=self.bytes_down,
             shared_bytes=shared_bytes,
             seconds=round(seconds, 4),

@@ -285,7 +285,7 @@ class Coordinator:
         announced = self.registry.announced_num_train(agent_id) if kind == "train" else None
         tasks.add(Task(agent_id, task_id, kind, announced, session=info.session if info else None,
                        connection=info.connection if info else None, uplink=uplink))
-        result.bytes_down += self.fleet.send(agent_id, frame, tasks.round)
+        result.sent(self.fleet.send(agent_id, frame, tasks.round), self.task_writer.last_downlink)
         if not self.fleet.send_ready():
             # Unacknowledged tasks wait in the transport: at 1,000 agents a round's worth
             # is 1,000 x the model. Answers are admitted meanwhile (their tasks are added).

@@ -43,6 +43,8 @@ class TaskWriter:
         # another agent's payload while the round's tasks are written.
         self._bodies: dict[tuple, tuple[dict, Body, TaskDelta | None]] = {}
         self._uplink = config.compression.uplink_spec(type(method).exact_uploads)
+        #: how the last frame's tensors travelled ("whole", or a task delta's codec): the round counts its bytes so
+        self.last_downlink = "whole"
         #: how each new state is rounded, and who gets a round's tasks as a delta (protocol 1.7)
         self.downlink = DownlinkChain(config, method)
 
@@ -87,6 +89,7 @@ class TaskWriter:
             downlink, tensors = delta_body(delta, payload) if delta is not None else (None, payload)
             self._bodies[key] = (payload, encode_body(tensors), downlink)
         _, body, downlink = self._bodies[key]
+        self.last_downlink = downlink.codec.codec if downlink is not None else "whole"
         meta = TaskMeta(task_id=task_id, kind=kind, run=self.run_spec, seed=seed_for(c.seed, self._round, agent_id),
                         deadline_s=c.round_timeout_s, epoch=self._epoch, uplink=uplink, downlink=downlink)
         # signed per agent over its own header only: the shared body is hashed once per round

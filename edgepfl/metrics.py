@@ -35,7 +35,7 @@ class MetricsError(ValueError):
 
 
 #: fields rows gained after their first format; written only when they hold something
-_LATER_FIELDS = ("late", "staleness", "trained_on", "update_bytes")
+_LATER_FIELDS = ("late", "staleness", "trained_on", "update_bytes", "task_bytes")
 
 
 class RoundMetrics(BaseModel):
@@ -80,6 +80,9 @@ class RoundMetrics(BaseModel):
     update_bytes: dict[str, int] = Field(
         default_factory=dict, description="the training updates' share of bytes_up, by codec (docs/COMPRESSION.md: "
                                           "q8, q4, topk+q8, topk+q4, none) or 'uncompressed'")
+    task_bytes: dict[str, int] = Field(
+        default_factory=dict, description="bytes_down by how the tasks' tensors travelled: 'whole', or the codec of "
+                                          "a task delta (q8, q4; docs/COMPRESSION.md, \"Task deltas\")")
     shared_bytes: int = Field(ge=0, description="size of the shared parameters after the round")
     seconds: float = Field(ge=0, description="wall time of the round")
     clipped: list[str] = Field(

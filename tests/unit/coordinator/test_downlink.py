@@ -85,6 +85,8 @@ def test_deltas_after_the_first_round_train_the_same_states_as_whole_tasks_for_f
     most = {"q8": 0.35, "q4": 0.2}[codec]  # the MLP's small tensors: the codec header weighs more than on a CNN
     for row, whole_row in zip(rows[1:], whole_rows[1:], strict=True):
         assert row.bytes_down < most * whole_row.bytes_down, (row.round, row.bytes_down, whole_row.bytes_down)
+        assert set(row.task_bytes) == {codec} and set(whole_row.task_bytes) == {"whole"}  # the rows say how
+    assert set(rows[0].task_bytes) == {"whole"}
 
 
 def test_an_agent_that_lost_its_base_refuses_the_delta_and_gets_the_next_task_whole(tmp_path):

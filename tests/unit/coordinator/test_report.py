@@ -130,7 +130,7 @@ def test_a_head_report_of_an_older_run_reads_its_figures_into_values_and_recompu
 
 def test_bytes_to_accuracy_are_the_bytes_of_the_rows_before_the_first_that_reached_it():
     rows = [r.model_copy(update={"accuracy": a, "bytes_up": 100 * (i + 1), "bytes_down": 1000,
-                                 "update_bytes": {"q8": 100 * (i + 1)}})
+                                 "update_bytes": {"q8": 100 * (i + 1)}, "task_bytes": {"q4": 1000}})
             for i, (r, a) in enumerate(zip(_rows(2, 3), (0.2, 0.5, 0.7, 0.65), strict=True))]
     summary = summarize(rows, targets=[0.1, 0.6, 0.7, 0.9])
     reached = {t["target"]: (t["round"], t["bytes_up"], t["bytes_down"]) for t in summary["to_accuracy"]}
@@ -139,6 +139,7 @@ def test_bytes_to_accuracy_are_the_bytes_of_the_rows_before_the_first_that_reach
     table = format_table(rows, summary)
     assert "to accuracy 60.00%: reached at row 2, after 0.0 MB (0.0 up, 0.0 down)" in table
     assert "to accuracy 90.00%: not reached" in table and "training updates by codec: q8 0.0 MB" in table
+    assert summary["task_bytes"] == {"q4": 4000} and "tasks by codec: q4 0.0 MB" in table
     # without targets: shares of the best accuracy, said so
     default = summarize(rows)
     assert [t["target"] for t in default["to_accuracy"]] == [round(0.7 * s, 4) for s in DEFAULT_TARGET_SHARES]
