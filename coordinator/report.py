@@ -67,6 +67,12 @@ def summarize(rows: list[RoundMetrics], targets: Sequence[float] = (), times: Ru
         "refused": _sum_counts(r.refused for r in rows),
         "dropped": sum(len(r.dropped) for r in rows),
     }
+    private = [r.privacy for r in rows if r.privacy is not None]
+    if private:
+        last = private[-1]
+        out["privacy"] = {"mechanism": last.mechanism, "epsilon": last.epsilon, "delta": last.delta,
+                          "rounds": len(private), "noise_multiplier": last.noise_multiplier,
+                          "clip_norm": last.clip_norm}
     latest = latest_release(head or {})
     if latest is not None:
         release_id, entry = latest
@@ -143,6 +149,12 @@ def format_table(rows: list[RoundMetrics], summary: dict, method: str = "") -> s
         lines.append(f"rejected messages: {summary['rejected']}")
     if summary.get("refused"):
         lines.append(f"refused tasks: {summary['refused']}")
+    privacy = summary.get("privacy")
+    if privacy:
+        lines.append(f"differential privacy ({privacy['mechanism']}): ε = {privacy['epsilon']:.3f} at δ = "
+                     f"{privacy['delta']:g} after {privacy['rounds']} rounds (noise multiplier "
+                     f"{privacy['noise_multiplier']:g}, clip {privacy['clip_norm']:g}); personal parameters and heads "
+                     "are outside it")
     for reach in summary.get("to_accuracy") or []:
         to = f"{reach['target']:.2%}" + (" (of the best)" if summary.get("targets_from") else "")
         where = "not reached" if reach["round"] is None else f"reached at row {reach['round']}"

@@ -18,7 +18,7 @@ import numpy as np
 
 from edgepfl.aggregation import capped_accuracy
 from edgepfl.methods import RoundAggregate
-from edgepfl.metrics import RoundMetrics
+from edgepfl.metrics import PrivacyRecord, RoundMetrics
 from edgepfl.protocol import UpdateMeta
 from edgepfl.state import CheckpointMeta
 
@@ -92,6 +92,8 @@ class RoundResult:
     staleness: Counter = field(default_factory=Counter)
     #: late agents -> the round their update was trained on
     trained_on: dict[str, int] = field(default_factory=dict)
+    #: a round trained under differential privacy: its sample and the run's ε after it
+    privacy: PrivacyRecord | None = None
 
     def sent(self, wire_bytes: int, downlink: str = "whole") -> None:
         """Count a task put on the wire: whole, or as a task delta of codec ``downlink``."""
@@ -150,6 +152,7 @@ class RoundResult:
             bytes_up=self.bytes_up,
             update_bytes=dict(sorted(self.update_bytes.items())),
             task_bytes=dict(sorted(self.task_bytes.items())),
+            privacy=self.privacy,
             bytes_down=self.bytes_down,
             shared_bytes=shared_bytes,
             seconds=round(seconds, 4),

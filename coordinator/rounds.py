@@ -52,6 +52,7 @@ from .inbox import Inbox
 from .nack import Nacker
 from .observe import Observer
 from .presence import PresenceWatch
+from .privacy import PrivacyLedger
 from .progress import Progress
 from .registry import Registry
 from .release import resume_release
@@ -81,6 +82,8 @@ class Coordinator:
         self.run_dir = RunDirectory(out_dir)
         self.counters = RunCounters()
         self.rollback = RollbackPolicy(config.aggregation.rollback_after, self.run_dir)
+        self.privacy = PrivacyLedger(config, Path(out_dir))  # before a resume drops any row: what was spent
+        self._sampled_from = 0
         #: deadlines are read from the fleet's clock: the wall clock, or a simulation's virtual one
         self.clock = fleet.clock
         self.registry = Registry(clock=self.clock)
@@ -167,7 +170,7 @@ class Coordinator:
         c = self.config
         # an agent that announced a smaller largest frame than this run's tasks is sent none (PROTOCOL.md §15)
         self.registry.require(c.method.name, c.model.arch, self.task_writer.task_bytes(self._server_state()))
-        self._wait_for_agents()
+        wait_for_agents(self)
         rows = []
         buffered = BufferedRounds(self) if c.asynchrony.mode == "buffered" else None
         began = self.clock.now()
@@ -175,9 +178,11 @@ class Coordinator:
             if c.time_budget_s is not None and self.clock.now() - began >= c.time_budget_s:
                 log.info("time budget of %.0fs spent after round %d; final evaluation", c.time_budget_s, r - 1)
                 break
+            if not self.privacy.allows_round(len(self.registry.responsive(r) or self.registry.eligible())):
+                break  # the budget of privacy.epsilon_budget is spent: the final evaluation follows
             if r > self.start_round and buffered is None:
                 # Agents that dropped out get up to one round timeout to come back before we go on without them.
-                self._wait_for_agents(required=False)
+                wait_for_agents(self, required=False)
             self.fleet.announce(CoordinatorMeta(state="online", method=c.method.name, round=r))
             rows.append(buffered.run_state(r) if buffered is not None else self._run_round(r, final=False))
             if c.release_every and (r + 1) % c.release_every == 0 and r + 1 < c.rounds:
@@ -190,22 +195,6 @@ class Coordinator:
         self.fleet.announce(CoordinatorMeta(state="done", method=c.method.name, round=trained))
         self.observer.enter("done", trained)
         return rows
-
-    def _wait_for_agents(self, required: bool = True) -> None:
-        """Block until ``min_agents`` trainers that may be sent this run's tasks are online
-        (:meth:`Registry.eligible`: capable, not busy, not excluded). Before round 0 that is required
-        (TimeoutError after ``wait_for_agents_s``); between rounds we wait at most one
-        round timeout and go on with whoever is there."""
-        need = self.config.min_agents
-        wait = self.config.wait_for_agents_s if required else self.config.round_timeout_s
-        online = self.inbox.wait_for_trainers(need, self.clock.now() + wait, self.progress.note)
-        if online >= need:
-            return
-        if not required and online:
-            log.warning("only %d of min_agents=%d online; going on without the others", online, need)
-            return
-        raise TimeoutError(f"only {online} of min_agents={need} capable trainer agents came online within "
-                           f"{self.config.wait_for_agents_s:.0f}s")
 
     def _run_round(self, r: int, final: bool) -> RoundMetrics:
         """One round: sample, send tasks, collect, close the aggregate, metrics row, checkpoint."""
@@ -253,6 +242,7 @@ class Coordinator:
         dead agent does not cost every round its timeout; if nobody is left, and at the final
         evaluation, every eligible one is asked."""
         online = self.registry.eligible() if final else self.registry.responsive(r) or self.registry.eligible()
+        self._sampled_from = len(online)  # the population a private round's sample was drawn from
         return choose_participants(online, self.config, r, final)
 
     def _send_tasks(self, r: int, sampled: list[str], evaluators: list[str]) -> tuple[RoundTasks, RoundResult]:
@@ -270,7 +260,8 @@ class Coordinator:
                                          c.aggregation.max_weight_ratio))
         result = RoundResult(round=r, sampled=sampled)
         if sampled:
-            result.aggregate = self.method.open_round(state, c.aggregation.build(), c.aggregation.server_lr)
+            rule, result.privacy = self.privacy.open(r, sampled, self._sampled_from)
+            result.aggregate = self.method.open_round(state, rule, c.aggregation.server_lr)
         windows = self._closed_rounds.windows(r, c.stragglers.staleness_exponent, self.method) if late else None
         self.inbox.open_round(tasks, result, state, windows)
         self.observer.collecting(result)
@@ -363,6 +354,23 @@ class Coordinator:
         if self.releases and self.inbox.collect_reports(next(reversed(self.releases)), timeout, c.min_head_agents,
                                                         c.wait_for_agents_s):
             self.run_dir.write_head_reports(self.inbox.reports_by_release, self.releases)
+
+
+def wait_for_agents(co: Coordinator, required: bool = True) -> None:
+    """Block until ``min_agents`` trainers that may be sent this run's tasks are online
+    (:meth:`Registry.eligible`: capable, not busy, not excluded). Before round 0 that is required
+    (TimeoutError after ``wait_for_agents_s``); between rounds we wait at most one
+    round timeout and go on with whoever is there."""
+    need = co.config.min_agents
+    wait = co.config.wait_for_agents_s if required else co.config.round_timeout_s
+    online = co.inbox.wait_for_trainers(need, co.clock.now() + wait, co.progress.note)
+    if online >= need:
+        return
+    if not required and online:
+        log.warning("only %d of min_agents=%d online; going on without the others", online, need)
+        return
+    raise TimeoutError(f"only {online} of min_agents={need} capable trainer agents came online within "
+                       f"{co.config.wait_for_agents_s:.0f}s")
 
 
 def initial_state(config: RunConfig, method: Method, run_spec: RunSpec) -> ServerState:

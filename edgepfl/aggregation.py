@@ -595,6 +595,65 @@ class NormClippedMean(Aggregator):
         return self.sum_.mean()
 
 
+class GaussianMean(Aggregator):
+    """Client-level differential privacy of the shared parameters, central (DP-FedAvg:
+    McMahan et al., 2018): each update's change, over every floating-point tensor together,
+    is clipped to ``clip_norm`` (L2); the clipped changes are summed unweighted, exactly and
+    in any arrival order; Gaussian noise of standard deviation ``noise_multiplier *
+    clip_norm`` is added to each coordinate of the sum; and the sum is divided by
+    ``denominator``, the number of agents sampled for the round, fixed before any answer so
+    that it says nothing of who answered. Integer tensors keep the reference's value (a mean
+    of counts would be an unprotected statistic). The noise is drawn once, at :meth:`result`,
+    from ``noise_seed``: the result is the same in any arrival order, and a rerun draws the
+    same noise.
+
+    One device changes the sum by at most ``clip_norm``, whatever it sends: the sensitivity
+    :mod:`edgepfl.privacy` accounts with. So the rule refuses nothing for its values (a
+    refusal would say something about them); only a malformed update (wrong tensors, not
+    finite) is refused, before anything of it counts."""
+
+    def __init__(self, clip_norm: float, noise_multiplier: float, denominator: int, noise_seed: int | list[int]):
+        super().__init__()
+        self.clip_norm = clip_norm
+        self.noise_multiplier = noise_multiplier
+        self.denominator = denominator
+        self.noise_seed = noise_seed
+
+    def begin(self, reference: Mapping[str, np.ndarray], typical_change: float | None = None) -> None:
+        super().begin(reference, typical_change)
+        self.sum_ = _ExactSum(self.reference_)
+        self.clipped_ = 0
+
+    def median_change(self) -> float | None:
+        return None  # a statistic of the devices' raw updates: not for the next round to use
+
+    def _add(self, params: Mapping[str, np.ndarray], weight: int) -> None:
+        floats = [k for k, v in self.reference_.items() if v.dtype.kind == "f"]
+        change = _norm(np.asarray(params[k], np.float64) - self.reference_[k] for k in floats)
+        factor = 1.0 if change <= self.clip_norm else self.clip_norm / change
+        self.clipped_ += factor < 1.0
+        # one device, one unit: its sample count does not weigh (it would scale its influence)
+        self.sum_.add({k: params[k] for k in floats} | {k: self.reference_[k] for k in self.reference_
+                                                          if k not in floats}, 1, factor)
+
+    def result(self) -> TensorDict:
+        self._require_updates()
+        rng = np.random.default_rng(self.noise_seed)
+        variances = {layer + "running_var" for layer in _statistic_layers(self.reference_)}
+        out: TensorDict = {}
+        for key, ref in self.reference_.items():
+            if ref.dtype.kind != "f":
+                out[key] = ref.copy()
+                continue
+            total = self.sum_._total(key) / self.sum_.scale[key]
+            noisy = total + rng.normal(0.0, self.noise_multiplier * self.clip_norm, ref.shape)
+            value = ref.astype(np.float64) + noisy / self.denominator
+            if key in variances:  # noise may not make a variance negative (post-processing: free)
+                value = np.maximum(value, 0.0)
+            out[key] = value.astype(ref.dtype)
+        return out
+
+
 def _norm(arrays) -> float:
     return math.sqrt(sum(float(np.sum(np.square(np.asarray(a, np.float64)))) for a in arrays))
 

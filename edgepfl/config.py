@@ -27,6 +27,7 @@ from .config_loading import (
     parse_config,
     resolve_paths,
 )
+from .privacy import PrivacySpec
 from .protocol.codec import DEFAULT_BLOCK, CodecName, UplinkSpec
 from .protocol.run import DataShape, MethodChoice, Normalization, RunSpec
 from .protocol.topics import check_segment
@@ -237,6 +238,8 @@ class RunConfig(_Strict):
     compression: CompressionSpec = Field(default_factory=CompressionSpec,
                                          description="update compression on the uplink (protocol 1.6) and release "
                                                      "deltas on the downlink (1.7)")
+    privacy: PrivacySpec = Field(default_factory=PrivacySpec,
+                                 description="client-level differential privacy of the shared parameters (central)")
     simulation: SimulationSpec = Field(
         default_factory=SimulationSpec, description="simulate --in-process: how the devices differ (compute, links, "
                                                     "availability); time there is virtual")
@@ -247,6 +250,8 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
         check_segment(self.federation, "federation")
+        if self.privacy.mechanism != "none":
+            self._check_privacy()
         if self.compression.downlink != "none" and self.asynchrony.mode == "buffered":
             raise ValueError("compression.downlink needs synchronous rounds: a buffered state's tasks go to agents "
                              "that last held states of many rounds (asynchrony.mode: synchronous, or downlink: none)")
@@ -264,9 +269,23 @@ class RunConfig(_Strict):
         """Updates that close a round of ``sampled`` agents at its deadline."""
         return math.ceil(self.quorum * sampled)
 
+    def _check_privacy(self) -> None:
+        """What central DP cannot be combined with, refused here rather than weakened quietly."""
+        if self.asynchrony.mode != "sync":
+            raise ValueError("privacy.mechanism central accounts rounds of sampled devices: asynchrony.mode must be "
+                             "sync (a buffered state mixes updates of many rounds)")
+        if self.aggregation.rule != "mean":
+            raise ValueError(f"privacy.mechanism central aggregates with its own clipped, noised mean: "
+                             f"aggregation.rule must be mean, not {self.aggregation.rule}")
+        if not get_method(self.method.name).streaming:
+            raise ValueError(f"privacy.mechanism central protects the shared parameters only; {self.method.name} "
+                             "shares statistics of every update beside them (its server step needs them all)")
+
     @property
     def staleness_limit(self) -> int | None:
         """How many rounds (buffered: states) late an update may be (``stragglers.max_staleness``; None: no bound)."""
+        if self.privacy.mechanism != "none":  # a late update would count in a round it was not sampled for
+            return 0
         return self.stragglers.staleness_limit(self.asynchrony.mode)
 
     def method_config(self):

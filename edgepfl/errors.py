@@ -109,7 +109,7 @@ def _cause_line(cause: BaseException | str) -> str:
 EXTRA_OF_MODULE = {
     "torch": "train", "torchvision": "train", "onnxscript": "train", "scipy": "train", "matplotlib": "train",
     "amqtt": "train", "onnxruntime": "agent", "sklearn": "agent", "skl2onnx": "agent", "onnx": "agent",
-    "PIL": "agent",
+    "PIL": "agent", "dp_accounting": "train",
 }
 
 _HINTS = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
 
@@ -35,7 +35,21 @@ class MetricsError(ValueError):
 
 
 #: fields rows gained after their first format; written only when they hold something
-_LATER_FIELDS = ("late", "staleness", "trained_on", "update_bytes", "task_bytes")
+_LATER_FIELDS = ("late", "staleness", "trained_on", "update_bytes", "task_bytes", "privacy")
+
+
+class PrivacyRecord(BaseModel):
+    """A trained round's share of the run's differential privacy (``privacy.mechanism``)."""
+
+    model_config = ConfigDict(defer_build=True, extra="forbid")
+
+    mechanism: Literal["central"] = Field(description="who added the noise (docs/SECURITY.md)")
+    epsilon: float = Field(ge=0, description="the run's ε after this round, at delta (dp-accounting, Rényi DP)")
+    delta: float = Field(gt=0, lt=1)
+    population: int = Field(ge=1, description="devices the round's sample was drawn from")
+    sampled: int = Field(ge=1, description="devices sampled: the round's noised mean divides by this")
+    noise_multiplier: float = Field(ge=0)
+    clip_norm: float = Field(gt=0)
 
 
 class RoundMetrics(BaseModel):
@@ -80,6 +94,8 @@ class RoundMetrics(BaseModel):
     update_bytes: dict[str, int] = Field(
         default_factory=dict, description="the training updates' share of bytes_up, by codec (docs/COMPRESSION.md: "
                                           "q8, q4, topk+q8, topk+q4, none) or 'uncompressed'")
+    privacy: PrivacyRecord | None = Field(
+        None, description="a round trained under differential privacy: its sample and the run's ε after it")
     task_bytes: dict[str, int] = Field(
         default_factory=dict, description="bytes_down by how the tasks' tensors travelled: 'whole', or the codec of "
                                           "a task delta (q8, q4; docs/COMPRESSION.md, \"Task deltas\")")

@@ -1,0 +1,77 @@
+"""The round loop's side of differential privacy (``privacy.mechanism``; :mod:`edgepfl.privacy`):
+which rule aggregates a round, what each trained round spends, and whether the budget
+allows the next one.
+
+Every training round that is opened under DP counts as spent, whether its aggregate is
+then adopted, aborted or short of its quorum: once answers came in, a noised mean may have
+been computed and judged, and counting it is the conservative side. The spend is read back
+from the run's ``metrics.jsonl`` when a coordinator resumes (rows a crash left after the
+last checkpoint included, though their rounds run again), so a restart never forgets ε.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from edgepfl.aggregation import Aggregator, GaussianMean, UpdateBound
+from edgepfl.config import RunConfig
+from edgepfl.errors import require_installed
+from edgepfl.metrics import MetricsError, PrivacyRecord, read_metrics
+from edgepfl.privacy import PrivacyAccountant
+from edgepfl.protocol import seed_for
+
+from .sampling import round_half_up
+
+log = logging.getLogger("edgepfl.coordinator")
+
+
+class PrivacyLedger:
+    """Builds each round's rule and keeps the accountant (``config.privacy``)."""
+
+    def __init__(self, config: RunConfig, run_dir: Path):
+        self.config = config
+        self.spec = config.privacy
+        if self.spec.mechanism != "none":  # before any round: the accountant is not optional then
+            require_installed("dp_accounting", f"privacy.mechanism {self.spec.mechanism}")
+        events: list[tuple[int, int]] = []
+        if self.spec.mechanism != "none" and (Path(run_dir) / "metrics.jsonl").is_file():
+            try:
+                rows = read_metrics(run_dir, drop_torn_tail=True)
+            except MetricsError as exc:  # nothing to resume from then: the coordinator will say so
+                log.warning("privacy: the run's earlier rounds are unreadable (%s); counting from zero", exc)
+                rows = []
+            events = [(r.privacy.population, r.privacy.sampled) for r in rows if r.privacy is not None]
+        self.accountant = PrivacyAccountant(self.spec, events)
+        if events:
+            log.info("privacy: %d earlier rounds spent ε = %.3f at δ = %g", len(events), self.accountant.epsilon(),
+                     self.spec.delta)
+
+    def open(self, round: int, sampled: list[str], population: int) -> tuple[Aggregator, PrivacyRecord | None]:
+        """The rule of a training round of ``sampled`` out of ``population`` eligible
+        trainers, and (under DP) the round's record, its spend already counted."""
+        if self.spec.mechanism == "none":
+            return self.config.aggregation.build(), None
+        spec, agg = self.spec, self.config.aggregation
+        rule = GaussianMean(spec.clip_norm, spec.noise_multiplier, len(sampled),
+                            [seed_for(self.config.seed, round, "dp-noise")])
+        if agg.max_mean_shift is not None or agg.max_variance_growth is not None:
+            # the BatchNorm clamps are relative to the reference (public); the bounds that
+            # refuse an update or measure the fleet's changes are left out: the clip is the bound
+            rule.bound = UpdateBound(None, "clip", agg.max_mean_shift, agg.max_variance_growth, None, None)
+        epsilon = self.accountant.spend(population, len(sampled))
+        return rule, PrivacyRecord(mechanism="central", epsilon=epsilon, delta=spec.delta,
+                                   population=max(population, len(sampled)), sampled=len(sampled),
+                                   noise_multiplier=spec.noise_multiplier, clip_norm=spec.clip_norm)
+
+    def allows_round(self, population: int) -> bool:
+        """Whether a training round drawn from ``population`` stays within ``epsilon_budget``
+        (the sample size is the sampler's: ``fraction`` of them, at least one)."""
+        if self.spec.mechanism == "none" or population == 0:
+            return True
+        sampled = max(1, round_half_up(self.config.fraction * population))
+        if self.accountant.allows(population, sampled):
+            return True
+        log.warning("privacy: the next round would take ε past the budget %g (now %.3f at δ = %g); training stops",
+                    self.spec.epsilon_budget, self.accountant.epsilon(), self.spec.delta)
+        return False

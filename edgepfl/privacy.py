@@ -1,0 +1,84 @@
+"""Client-level differential privacy of the shared part: the run's settings and the privacy
+accountant (docs/SECURITY.md, "Differential privacy").
+
+With ``privacy.mechanism: central`` the coordinator aggregates the shared parameters with
+:class:`edgepfl.aggregation.GaussianMean`: each device's change clipped to ``clip_norm``,
+summed, Gaussian noise of standard deviation ``noise_multiplier * clip_norm`` added, divided
+by the round's sample size. The guarantee is for a device (all of its data), over the shared
+parameters the coordinator releases in tasks and encoder releases; personal parameters and
+heads never leave the device and are outside it — as is anything a method shares beside the
+rule's shared parameters, which is why such methods are refused (config validation).
+
+:class:`PrivacyAccountant` counts the ε spent at ``delta`` with Google's ``dp-accounting``
+(Rényi DP): each trained round is a Gaussian mechanism on a sample of ``sampled`` devices
+drawn without replacement from the ``population`` eligible, under replace-one adjacency
+(the sensitivity of the sum is then twice the clip: the event's noise multiplier is half
+the run's). The coordinator trusts itself here (central DP): an operator who does not
+trust the coordinator needs noise added on the devices (distributed DP, with secure
+aggregation), which this mechanism is not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["PrivacyAccountant", "PrivacySpec"]
+
+
+class PrivacySpec(BaseModel):
+    """A run's ``privacy:`` section."""
+
+    model_config = ConfigDict(defer_build=True, extra="forbid")
+
+    mechanism: Literal["none", "central"] = Field(
+        "none", description="central: client-level differential privacy of the shared parameters, noise added by the "
+                            "coordinator (docs/SECURITY.md); none: no privacy guarantee beyond data staying on devices")
+    clip_norm: float = Field(1.0, gt=0, le=1e6, description="central: each device's change of the shared parameters is "
+                                                             "clipped to this L2 norm (all float tensors together)")
+    noise_multiplier: float = Field(1.0, ge=0, description="central: the Gaussian noise's standard deviation over "
+                                                           "clip_norm, added to each round's sum")
+    delta: float = Field(1e-5, gt=0, lt=1, description="the delta ε is reported at (below 1 / the number of devices)")
+    epsilon_budget: float | None = Field(
+        None, gt=0, description="central: training stops before a round that would spend more than this ε (the final "
+                                "evaluation still runs); null: no limit, ε is only reported")
+
+
+class PrivacyAccountant:
+    """The ε a run has spent at ``spec.delta``: one event per trained round, as
+    (population, sampled)."""
+
+    def __init__(self, spec: PrivacySpec, events: Iterable[tuple[int, int]] = ()):
+        self.spec = spec
+        self.events: list[tuple[int, int]] = list(events)
+
+    def epsilon(self, extra: tuple[int, int] | None = None) -> float:
+        """ε after the recorded rounds (and ``extra``, a round not yet run)."""
+        import dp_accounting
+        from dp_accounting import rdp
+
+        events = [*self.events, *([extra] if extra is not None else [])]
+        if not events:
+            return 0.0
+        if self.spec.noise_multiplier == 0:
+            return float("inf")
+        accountant = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+        gaussian = dp_accounting.GaussianDpEvent(self.spec.noise_multiplier / 2)  # replace-one: sensitivity 2 C
+        for population, sampled in events:
+            if sampled >= population:
+                accountant.compose(gaussian)
+            else:
+                accountant.compose(dp_accounting.SampledWithoutReplacementDpEvent(population, sampled, gaussian))
+        return float(accountant.get_epsilon(self.spec.delta))
+
+    def spend(self, population: int, sampled: int) -> float:
+        """Record a trained round of ``sampled`` devices out of ``population``; the ε after it."""
+        self.events.append((max(population, sampled), sampled))
+        return self.epsilon()
+
+    def allows(self, population: int, sampled: int) -> bool:
+        """Whether a round of ``sampled`` out of ``population`` stays within the budget."""
+        budget = self.spec.epsilon_budget
+        return budget is None or self.epsilon((max(population, sampled), sampled)) <= budget

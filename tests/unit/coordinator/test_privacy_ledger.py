@@ -1,0 +1,65 @@
+"""Differential privacy in the round loop (coordinator/privacy.py): every trained round's ε in
+its metrics row, training stopped before the budget is passed, the spend remembered by a
+resumed coordinator, and the report saying it; real trainer tiers on the in-process fleet
+(digits, an MLP)."""
+
+from __future__ import annotations
+
+import pytest
+
+from edgepfl.config import RunConfig
+from edgepfl.coordinator.fleet import LocalFleet
+from edgepfl.coordinator.report import write_report
+from edgepfl.coordinator.rounds import Coordinator
+from edgepfl.coordinator.simulate import agent_ids, data_shape, prepare
+from edgepfl.edge_agent.tiers import local_trainers
+from edgepfl.privacy import PrivacyAccountant
+
+pytest.importorskip("torch")
+pytest.importorskip("dp_accounting")
+
+AGENTS = 4
+
+
+def config(rounds: int, budget: float | None = None, fraction: float = 0.5) -> RunConfig:
+    return prepare(RunConfig(federation="private", method={"name": "fedavg"}, model={"arch": "mlp", "feature_dim": 16},
+                             train={"epochs": 1, "batch_size": 32}, data={"dataset": "digits"}, rounds=rounds,
+                             min_agents=AGENTS, fraction=fraction, device="cpu",
+                             privacy={"mechanism": "central", "clip_norm": 1.0, "noise_multiplier": 1.0,
+                                      "epsilon_budget": budget}), AGENTS)
+
+
+def run(cfg: RunConfig, out) -> list:
+    coordinator = Coordinator(cfg, LocalFleet(local_trainers(cfg, agent_ids(AGENTS), out), cfg.federation), out,
+                              progress=False, **data_shape(cfg))
+    coordinator.init_or_resume()
+    return coordinator.run()
+
+
+def test_each_trained_round_carries_the_runs_epsilon_and_the_budget_stops_training(tmp_path):
+    spec = config(1).privacy
+    # the budget lets three rounds of 2 of 4 devices through, not four
+    three = PrivacyAccountant(spec, [(AGENTS, 2)] * 3).epsilon()
+    rows = run(config(rounds=8, budget=three + 1e-9), tmp_path / "run")
+    trained = [r for r in rows if not r.final]
+    assert len(trained) == 3 and rows[-1].final  # stopped before the fourth; the final evaluation ran
+    records = [r.privacy for r in trained]
+    assert all(p is not None and p.population == AGENTS and p.sampled == 2 == len(r.sampled)
+               for p, r in zip(records, trained, strict=True))
+    assert [p.epsilon for p in records] == pytest.approx([PrivacyAccountant(spec, [(AGENTS, 2)] * k).epsilon()
+                                                          for k in (1, 2, 3)])
+    assert rows[-1].privacy is None  # an evaluation spends nothing
+    table, summary = write_report(tmp_path / "run", "fedavg")
+    assert summary["privacy"]["epsilon"] == pytest.approx(three) and summary["privacy"]["rounds"] == 3
+    assert f"ε = {three:.3f} at δ = 1e-05 after 3 rounds" in table
+
+
+def test_a_resumed_coordinator_counts_the_rounds_spent_before_it(tmp_path):
+    out = tmp_path / "run"
+    run(config(rounds=2), out)
+    rows = run(config(rounds=4), out)  # resumes after round 1: rounds 2 and 3
+    trained = [r for r in rows if not r.final]
+    assert [r.round for r in trained] == [2, 3]
+    spec = config(1).privacy
+    assert trained[-1].privacy is not None
+    assert trained[-1].privacy.epsilon == pytest.approx(PrivacyAccountant(spec, [(AGENTS, 2)] * 4).epsilon())

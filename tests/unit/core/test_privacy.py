@@ -1,0 +1,96 @@
+"""Client-level differential privacy (edgepfl/privacy.py, aggregation.GaussianMean, issue #35):
+the noised mean bounds one device's influence by the clip, adds the noise it says in any
+arrival order, and the accountant's ε is dp-accounting's for the mechanism as run."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from edgepfl.aggregation import GaussianMean
+from edgepfl.config import ConfigError, RunConfig, parse_config
+from edgepfl.privacy import PrivacyAccountant, PrivacySpec
+
+REFERENCE = {"w": np.linspace(-1, 1, 4000, dtype=np.float32).reshape(40, 100), "b": np.zeros(7, np.float32),
+             "bn.num_batches_tracked": np.array(5, np.int64)}
+
+
+def updates(n: int, scale: float = 0.05, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [{"w": (REFERENCE["w"] + rng.normal(0, scale, REFERENCE["w"].shape)).astype(np.float32),
+             "b": rng.normal(0, scale, 7).astype(np.float32),
+             "bn.num_batches_tracked": np.array(5 + i, np.int64)} for i in range(n)]
+
+
+def aggregate(ups: list[dict], clip: float, sigma: float, denominator: int, seed: int = 1,
+              weights: list[int] | None = None) -> dict[str, np.ndarray]:
+    rule = GaussianMean(clip, sigma, denominator, [seed])
+    rule.begin(REFERENCE)
+    for i, u in enumerate(ups):
+        rule.add(u, (weights or [1] * len(ups))[i])
+    return rule.result()
+
+
+def flat(tensors: dict[str, np.ndarray]) -> np.ndarray:
+    return np.concatenate([tensors["w"].ravel(), tensors["b"]]).astype(np.float64)
+
+
+def test_one_device_moves_the_noiseless_mean_by_at_most_the_clip_over_the_sample_whatever_it_sends():
+    honest = updates(9)
+    without = aggregate(honest[:8], clip=0.5, sigma=0.0, denominator=9)
+    for attack in (1e3, -1e6):  # a device that sends anything at all, with any sample count
+        evil = {"w": np.full_like(REFERENCE["w"], attack), "b": np.full(7, attack, np.float32),
+                "bn.num_batches_tracked": np.array(10**6, np.int64)}
+        with_it = aggregate([*honest[:8], evil], clip=0.5, sigma=0.0, denominator=9, weights=[1] * 8 + [2**20])
+        assert np.linalg.norm(flat(with_it) - flat(without)) <= 0.5 / 9 * (1 + 1e-6)
+        # integers are not averaged: the reference's counter stays
+        assert with_it["bn.num_batches_tracked"] == REFERENCE["bn.num_batches_tracked"]
+
+
+def test_the_noise_is_the_gaussian_it_says_drawn_once_the_same_in_any_order():
+    ups = updates(6)
+    quiet = flat(aggregate(ups, clip=0.1, sigma=0.0, denominator=6))
+    noisy = [aggregate([ups[i] for i in np.random.default_rng(k).permutation(6)], clip=0.1, sigma=2.0, denominator=6)
+             for k in range(24)]
+    assert all(flat(n).tobytes() == flat(noisy[0]).tobytes() for n in noisy)  # any arrival order, bit for bit
+    noise = (flat(noisy[0]) - quiet) * 6  # back to the sum's scale
+    assert noise.std() == pytest.approx(2.0 * 0.1, rel=0.05)  # 4,007 draws: a 5 % band is about 3 standard errors
+    assert abs(noise.mean()) < 4 * 0.2 / math.sqrt(noise.size)
+    other = flat(aggregate(ups, clip=0.1, sigma=2.0, denominator=6, seed=2))
+    assert not np.array_equal(other, flat(noisy[0]))  # another round's seed, other noise
+
+
+def test_epsilon_is_dp_accountings_for_sampling_without_replacement_and_grows_with_rounds():
+    import dp_accounting
+    from dp_accounting import rdp
+
+    spec = PrivacySpec(mechanism="central", noise_multiplier=1.1, delta=1e-5)
+    accountant = PrivacyAccountant(spec)
+    spent = [accountant.spend(50, 10) for _ in range(5)]
+    assert spent == sorted(spent) and spent[0] > 0
+    direct = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    direct.compose(dp_accounting.SampledWithoutReplacementDpEvent(50, 10, dp_accounting.GaussianDpEvent(0.55)), 5)
+    assert spent[-1] == pytest.approx(direct.get_epsilon(1e-5))
+    # every device every round costs more than a tenth of them
+    assert PrivacyAccountant(spec, [(50, 50)] * 5).epsilon() > spent[-1]
+    # the budget: a round is allowed only while it keeps ε within it
+    capped = PrivacyAccountant(spec.model_copy(update={"epsilon_budget": spent[2] + 1e-9}), [(50, 10)] * 2)
+    assert capped.allows(50, 10)
+    capped.spend(50, 10)
+    assert not capped.allows(50, 10)
+    assert PrivacyAccountant(spec.model_copy(update={"noise_multiplier": 0.0})).spend(5, 5) == math.inf
+
+
+@pytest.mark.parametrize("bad, says", [({"aggregation": {"rule": "median"}}, "aggregation.rule must be mean"),
+                                       ({"asynchrony": {"mode": "buffered"}}, "asynchrony.mode must be sync"),
+                                       ({"method": {"name": "fedpac"}}, "fedpac shares statistics")])
+def test_central_privacy_refuses_what_would_weaken_it(bad, says):
+    with pytest.raises(ConfigError, match=says):
+        parse_config(RunConfig, {"privacy": {"mechanism": "central"}, **bad}, "x.yaml")
+
+
+def test_under_central_privacy_no_late_update_is_folded_into_another_round():
+    assert RunConfig(privacy={"mechanism": "central"}).staleness_limit == 0
+    assert RunConfig().staleness_limit == 2
