@@ -290,6 +290,25 @@ def cmd_methods(args) -> int:
     return 0
 
 
+def cmd_privacy(args) -> int:
+    """The noise multiplier that keeps a run of this size within ε (client-level DP, central)."""
+    require("dp_accounting", "edgepfl privacy")
+    from .coordinator.sampling import round_half_up
+    from .privacy import PrivacyAccountant, PrivacySpec, noise_multiplier_for
+
+    sampled = max(1, round_half_up(args.fraction * args.devices))
+    try:
+        multiplier = noise_multiplier_for(args.epsilon, args.rounds, args.devices, sampled, args.delta)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    spec = PrivacySpec(mechanism="central", noise_multiplier=multiplier, delta=args.delta)
+    spent = PrivacyAccountant(spec, [(args.devices, sampled)] * args.rounds).epsilon()
+    print(f"noise_multiplier: {multiplier:.4g}   # {args.rounds} rounds of {sampled} of {args.devices} devices: "
+          f"epsilon {spent:.3f} at delta {args.delta:g}")
+    print(f"# noise on the round's mean: {multiplier:.4g} x clip_norm / {sampled} per coordinate")
+    return 0
+
+
 def cmd_config(args) -> int:
     import json
 
@@ -388,6 +407,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = command("methods", "list registered methods")
     m.set_defaults(func=cmd_methods)
+
+    pv = command("privacy", "the noise multiplier that keeps a run within a privacy budget (privacy.mechanism central)")
+    pv.add_argument("--epsilon", type=float, required=True, help="the budget: epsilon at --delta over the whole run")
+    pv.add_argument("--rounds", type=int, required=True, help="training rounds the run will have")
+    pv.add_argument("--devices", type=int, required=True, help="trainer devices a round samples from")
+    pv.add_argument("--fraction", type=float, default=1.0, help="the run's fraction: share of them sampled per round")
+    pv.add_argument("--delta", type=float, default=1e-5, help="delta (below 1 / devices)")
+    pv.set_defaults(func=cmd_privacy)
 
     g = command("config", "config reference (docs/CONFIG.md), a commented template, or the JSON Schema")
     what = g.add_mutually_exclusive_group()

@@ -20,12 +20,13 @@ aggregation), which this mechanism is not.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["PrivacyAccountant", "PrivacySpec"]
+__all__ = ["PrivacyAccountant", "PrivacySpec", "noise_multiplier_for"]
 
 
 class PrivacySpec(BaseModel):
@@ -66,11 +67,12 @@ class PrivacyAccountant:
             return float("inf")
         accountant = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
         gaussian = dp_accounting.GaussianDpEvent(self.spec.noise_multiplier / 2)  # replace-one: sensitivity 2 C
-        for population, sampled in events:
+        # rounds of one size are one event composed many times: the accountant computes each kind once
+        for (population, sampled), count in Counter(events).items():
             if sampled >= population:
-                accountant.compose(gaussian)
+                accountant.compose(gaussian, count)
             else:
-                accountant.compose(dp_accounting.SampledWithoutReplacementDpEvent(population, sampled, gaussian))
+                accountant.compose(dp_accounting.SampledWithoutReplacementDpEvent(population, sampled, gaussian), count)
         return float(accountant.get_epsilon(self.spec.delta))
 
     def spend(self, population: int, sampled: int) -> float:
@@ -82,3 +84,25 @@ class PrivacyAccountant:
         """Whether a round of ``sampled`` out of ``population`` stays within the budget."""
         budget = self.spec.epsilon_budget
         return budget is None or self.epsilon((max(population, sampled), sampled)) <= budget
+
+
+def noise_multiplier_for(epsilon: float, rounds: int, population: int, sampled: int, delta: float = 1e-5) -> float:
+    """The smallest ``noise_multiplier`` (to 0.1 %) with which ``rounds`` rounds of ``sampled``
+    out of ``population`` devices spend at most ``epsilon`` at ``delta``: what to put in
+    ``privacy.noise_multiplier`` for a run of that size (``edgepfl privacy``)."""
+    if epsilon <= 0 or rounds < 1 or not 1 <= sampled <= population or not 0 < delta < 1:
+        raise ValueError("need epsilon > 0, rounds >= 1, 1 <= sampled <= population and 0 < delta < 1")
+
+    def spent(multiplier: float) -> float:
+        spec = PrivacySpec(mechanism="central", noise_multiplier=multiplier, delta=delta)
+        return PrivacyAccountant(spec, [(population, sampled)] * rounds).epsilon()
+
+    low, high = 0.0, 1.0
+    while spent(high) > epsilon:  # ε falls as the noise grows: find a multiplier that is enough
+        low, high = high, high * 2
+        if high > 1e6:
+            raise ValueError(f"no noise multiplier up to 1e6 keeps {rounds} rounds within epsilon {epsilon}")
+    while high - low > 1e-3 * high:
+        middle = (low + high) / 2
+        low, high = (middle, high) if spent(middle) > epsilon else (low, middle)
+    return high

@@ -94,3 +94,18 @@ def test_central_privacy_refuses_what_would_weaken_it(bad, says):
 def test_under_central_privacy_no_late_update_is_folded_into_another_round():
     assert RunConfig(privacy={"mechanism": "central"}).staleness_limit == 0
     assert RunConfig().staleness_limit == 2
+
+
+def test_the_noise_multiplier_for_a_budget_is_the_smallest_that_keeps_it(capsys):
+    from edgepfl.cli import main
+    from edgepfl.privacy import noise_multiplier_for
+
+    multiplier = noise_multiplier_for(3.0, rounds=20, population=200, sampled=20)
+
+    def spent(m: float) -> float:
+        return PrivacyAccountant(PrivacySpec(mechanism="central", noise_multiplier=m), [(200, 20)] * 20).epsilon()
+
+    assert spent(multiplier) <= 3.0 < spent(multiplier * 0.99)
+    assert main(["privacy", "--epsilon", "3", "--rounds", "20", "--devices", "200", "--fraction", "0.1"]) == 0
+    assert f"noise_multiplier: {multiplier:.4g}" in capsys.readouterr().out
+    assert main(["privacy", "--epsilon", "-1", "--rounds", "20", "--devices", "200"]) == 2
