@@ -19,6 +19,7 @@ import json
 import queue
 import sys
 import time
+from collections.abc import Callable, Generator
 from pathlib import Path
 
 from edgepfl.broker import BrokerError, parse_broker_url
@@ -35,6 +36,21 @@ def fetch_view(url: str, federation: str, *, timeout: float = 5.0, login: Broker
 
     ``login``: user name, password and TLS files (CA, client certificate) to present.
     """
+    views = follow_views(url, federation, timeout=timeout, login=login)
+    try:
+        return next(views)
+    finally:
+        views.close()
+
+
+def follow_views(url: str, federation: str, *, timeout: float = 5.0, login: BrokerLogin | None = None,
+                 on_bad: Callable[[str], None] | None = None) -> Generator[FleetView, None, None]:
+    """Every view of ``federation`` as it is published, the retained one first, over one
+    subscription held while the iterator is (:meth:`close` it, or let it be collected).
+    TimeoutError when no view arrives within ``timeout`` of subscribing (later, a quiet
+    coordinator is waited for), ConnectionError when refused. A payload that is not a view
+    raises ValueError when reached, or, with ``on_bad``, is passed over and said there
+    (anyone who may publish on the topic must not end an operator's watch)."""
     import paho.mqtt.client as mqtt
 
     login = login or BrokerLogin()
@@ -60,17 +76,32 @@ def fetch_view(url: str, federation: str, *, timeout: float = 5.0, login: Broker
     except OSError as exc:  # refused, unresolvable, or TLS: the message says which and what to do
         raise ConnectionError(classify_socket_error(exc, host, port).message) from None
     client.loop_start()
-    try:
-        item = got.get(timeout=timeout)
-    except queue.Empty:
-        raise TimeoutError(f"no fleet view for federation {federation!r} on {url} within {timeout:.0f}s "
-                           "(is its coordinator running, with observe.view on?)") from None
-    finally:
-        client.disconnect()
-        client.loop_stop()
-    if isinstance(item, Exception):
-        raise item
-    return parse_view(item)
+
+    def views() -> Generator[FleetView, None, None]:
+        try:
+            wait: float | None = timeout
+            while True:
+                try:
+                    item = got.get(timeout=wait)
+                except queue.Empty:
+                    raise TimeoutError(f"no fleet view for federation {federation!r} on {url} within {timeout:.0f}s "
+                                       "(is its coordinator running, with observe.view on?)") from None
+                if isinstance(item, Exception):
+                    raise item
+                try:
+                    view = parse_view(item)
+                except ValueError as exc:
+                    if on_bad is None:
+                        raise
+                    on_bad(str(exc))
+                    continue
+                wait = None  # one came: from now on the coordinator may be quiet as long as it likes
+                yield view
+        finally:
+            client.disconnect()
+            client.loop_stop()
+
+    return views()
 
 
 def _ago(seconds: float) -> str:
@@ -159,6 +190,8 @@ def main_status(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="the view as JSON (as published)")
     parser.add_argument("--agents", type=int, default=50, help="agents listed in the table")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the view")
+    parser.add_argument("--watch", action="store_true",
+                        help="keep showing the view as the coordinator publishes it, until Ctrl-C")
     parser.add_argument("--username", default=None)
     parser.add_argument("--password", default=None)
     ns = parser.parse_args(argv)
@@ -176,16 +209,34 @@ def main_status(argv: list[str]) -> int:
     except (ConfigError, BrokerError, TopicError, ConnectionError) as exc:  # a bad file, URL, name or password file
         print(f"edgepfl status: {exc}", file=sys.stderr)
         return 2
+    def show(view: FleetView) -> None:
+        if ns.json:
+            print(json.dumps(view.model_dump(mode="json"), indent=None if ns.watch else 2), flush=True)
+            return
+        if ns.watch and sys.stdout.isatty():
+            print("\033[H\033[2J", end="")  # redraw in place on a terminal; a pipe gets one table after another
+        print(format_view(view, max_agents=ns.agents) + ("\n" if ns.watch else ""), flush=True)
+
     try:
-        view = fetch_view(url, federation, timeout=ns.timeout, login=login)
+        if not ns.watch:
+            show(fetch_view(url, federation, timeout=ns.timeout, login=login))
+            return 0
+        views = follow_views(url, federation, timeout=ns.timeout, login=login,
+                             on_bad=lambda why: print(f"edgepfl status: passed over a message: {why}", file=sys.stderr))
+        try:
+            for view in views:
+                show(view)
+        except KeyboardInterrupt:  # the way out of --watch
+            return 0
+        finally:
+            views.close()
     except (BrokerError, TopicError) as exc:  # a bad URL or federation name
         print(f"edgepfl status: {exc}", file=sys.stderr)
         return 2
     except (TimeoutError, ConnectionError, ValueError) as exc:  # no view, no broker, not a view
         print(f"edgepfl status: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(view.model_dump(mode="json"), indent=2) if ns.json else format_view(view, max_agents=ns.agents))
     return 0
 
 
-__all__ = ["fetch_view", "format_view", "main_status", "read_access"]
+__all__ = ["fetch_view", "follow_views", "format_view", "main_status", "read_access"]

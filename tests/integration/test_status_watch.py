@@ -1,0 +1,57 @@
+"""``edgepfl status --watch`` follows the fleet view as the coordinator publishes it (issue #36):
+a real Mosquitto, views published by a plain paho client, the command as a subprocess; a
+payload that is not a view is passed over, not the end of the watch; Ctrl-C ends it with 0."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import paho.mqtt.client as mqtt
+
+from edgepfl.broker import parse_broker_url
+from edgepfl.protocol.view import FleetView
+
+from tests.fleet_helpers import wait_until
+
+
+def view(federation: str, round: int) -> bytes:
+    now = time.time()
+    return FleetView(federation=federation, method="fedavg", updated=now, started=now - 5, heartbeat_s=5,
+                     phase="training", round=round, rounds=10, rounds_completed=round).model_dump_json().encode()
+
+
+def test_status_watch_shows_each_new_view_passes_over_junk_and_stops_on_ctrl_c(mosquitto):
+    federation = f"w{uuid.uuid4().hex[:8]}"
+    host, port, _ = parse_broker_url(mosquitto.url)
+    publisher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv311)
+    publisher.connect(host, port)
+    publisher.loop_start()
+    topic = f"edgepfl/v1/{federation}/view"
+    publisher.publish(topic, view(federation, 3), qos=1, retain=True).wait_for_publish(5)
+    proc = subprocess.Popen([sys.executable, "-m", "edgepfl.cli", "status", "--broker", mosquitto.url, "--federation",
+                             federation, "--watch"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out: list[str] = []
+    err: list[str] = []
+    readers = [threading.Thread(target=lambda s=s, sink=sink: sink.extend(iter(s.readline, "")), daemon=True)
+               for s, sink in ((proc.stdout, out), (proc.stderr, err))]
+    for reader in readers:
+        reader.start()
+    try:
+        wait_until(lambda: any("round 3 of 0..9" in line for line in out), 60, what="the retained view shown")
+        publisher.publish(topic, b'{"not": "a view"}', qos=1).wait_for_publish(5)
+        publisher.publish(topic, view(federation, 4), qos=1).wait_for_publish(5)
+        wait_until(lambda: any("round 4 of 0..9" in line for line in out), 60, what="the next view shown")
+        assert any("passed over a message" in line for line in err), err
+        assert proc.poll() is None  # still watching
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0, "".join(err)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        publisher.loop_stop()
+        publisher.disconnect()
