@@ -314,8 +314,14 @@ def cmd_config(args) -> int:
 
     from . import config_docs
 
+    if args.method and not args.template:
+        raise UsageError("--method picks the method of a --template; the reference and the schema cover every method")
     if args.template:
-        print(config_docs.template_yaml(args.template, method=args.method), end="")
+        try:
+            text = config_docs.template_yaml(args.template, method=args.method)
+        except KeyError as exc:  # the registry's "unknown method …; available: …"
+            raise UsageError(str(exc.args[0])) from None
+        print(text, end="")
     elif args.schema:
         print(json.dumps(config_docs.json_schema(args.schema), indent=2))
     else:

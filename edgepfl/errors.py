@@ -112,6 +112,8 @@ EXTRA_OF_MODULE = {
     "PIL": "agent", "dp_accounting": "train",
 }
 
+#: the hint of an unusable input file that is not a data set
+_INPUT_HINT = "check the file or folder it names"
 _HINTS = {
     ExitCode.USAGE: "see 'edgepfl {command} --help' and docs/CONFIG.md",
     ExitCode.DATA: "check the file or folder it names (docs/CONFIG.md: data.*)",
@@ -181,6 +183,7 @@ def classify(exc: BaseException) -> tuple[ExitCode, str]:
     from .broker import BrokerError
     from .config import ConfigError
     from .data import DataError, PartitionError
+    from .metrics import MetricsError
     from .protocol import ManifestError
     from .protocol.signing import KeyFileError
     from .state import CheckpointError
@@ -196,7 +199,7 @@ def classify(exc: BaseException) -> tuple[ExitCode, str]:
         return ExitCode.USAGE, _validation(exc)
     if isinstance(exc, (ConnectionError, BrokerError)):
         return ExitCode.BROKER, str(exc) or type(exc).__name__
-    if isinstance(exc, (DataError, PartitionError, CheckpointError, ManifestError, InputError)):
+    if isinstance(exc, (DataError, PartitionError, CheckpointError, ManifestError, InputError, MetricsError)):
         return ExitCode.DATA, str(exc)
     if type(exc).__name__ == "ExportError":  # the export app's error; the core does not import apps
         return ExitCode.DATA, str(exc)
@@ -223,6 +226,8 @@ def report(exc: BaseException, command: str | None, debug: bool = False) -> int:
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     line = _one_line(message)
     hint = _STORAGE_HINT if _out_of_storage(exc) else _HINTS.get(code)
+    if code == ExitCode.DATA and type(exc).__name__ not in ("DataError", "PartitionError") and hint is not None:
+        hint = _INPUT_HINT  # a model, release, manifest or run directory: the data settings are not the place
     if hint is not None:
         line = f"{line}; {hint.format(command=command or '')}".replace("'edgepfl  --help'", "'edgepfl --help'")
     print(f"edgepfl: {line}", file=sys.stderr)

@@ -67,6 +67,8 @@ def files(tmp_path_factory) -> Path:
     (d / "run_without_checkpoint").mkdir()
     (d / "run_without_checkpoint" / "metrics.jsonl").write_text("")
     (d / "not_a_run").mkdir()
+    (d / "garbled_run").mkdir()
+    (d / "garbled_run" / "metrics.jsonl").write_text("garbage{\n")
     np.save(d / "x.npy", np.zeros((1, 1, 8, 8), np.float32))
     return d
 
@@ -95,6 +97,9 @@ def cases(d: Path) -> list[Case]:
         Case("report target not an accuracy", ["report", "--run", ".", "--target", "85"], USAGE,
              "not an accuracy between 0 and 1", fast=True),
         Case("config template kind", ["config", "--template", "fleet"], USAGE, "fleet", fast=True),
+        Case("config template unknown method", ["config", "--template", "run", "--method", "fedavgg"], USAGE,
+             "unknown method 'fedavgg'", fast=True),
+        Case("config method without template", ["config", "--method", "fedavg"], USAGE, "--template", fast=True),
         # configs
         Case("missing config", ["simulate", "--config", str(d / "nope.yaml"), "--agents", "2"], USAGE,
              "config file not found", fast=True),
@@ -135,6 +140,7 @@ def cases(d: Path) -> list[Case]:
                                            str(d / "rel")], DATA, "checkpoint"),
         Case("export missing run", ["export", "--run", str(d / "no-such-run"), "--out", str(d / "rel")], DATA, ""),
         Case("report not a run", ["report", "--run", str(d / "not_a_run")], USAGE, "metrics.jsonl"),
+        Case("report garbled metrics", ["report", "--run", str(d / "garbled_run")], DATA, "not JSON", fast=True),
         Case("predict corrupt onnx", ["predict", "--encoder", str(d / "corrupt.onnx"), "--head", str(d / "corrupt.onnx"),
                                       str(d / "x.npy")], DATA, ""),
         Case("predict missing encoder", ["predict", "--encoder", str(d / "none.onnx"), "--head", str(d / "none.onnx"),
