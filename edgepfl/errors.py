@@ -40,6 +40,11 @@ class UsageError(ValueError):
     """Command-line arguments that cannot be used together or at all."""
 
 
+class ModelSpecError(ValueError):
+    """A model the run's configuration asks for cannot be built for its data (an arch too
+    deep for the images' size): a configuration error, found when the model is built."""
+
+
 class InputError(ValueError):
     """A file or value named on the command line cannot be used (corrupt, wrong shape, ...)."""
 
@@ -193,7 +198,7 @@ def classify(exc: BaseException) -> tuple[ExitCode, str]:
         if top in EXTRA_OF_MODULE:
             return ExitCode.EXTRA, f"this command needs {top}, which is not installed; " \
                                    f"pip install 'edgepfl[{EXTRA_OF_MODULE[top]}]'"
-    if isinstance(exc, (ConfigError, UsageError, KeyFileError)):  # a key file is part of the configuration
+    if isinstance(exc, (ConfigError, UsageError, KeyFileError, ModelSpecError)):  # a key file: configuration too
         return ExitCode.USAGE, str(exc)
     if isinstance(exc, ValidationError):
         return ExitCode.USAGE, _validation(exc)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from .._torch import nn, torch
+from ..errors import ModelSpecError
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..specs import ModelSpec
@@ -75,7 +76,8 @@ class SmallCNN(Encoder):
         self.conv = ConvTrunk(*block(in_channels, first, 0), *block(first, second, second_padding), nn.Flatten())
         side = ((image_size - 4) // 2 - 4 + 2 * second_padding) // 2
         if side < 1:
-            raise ValueError(f"SmallCNN needs images of at least {16 - 2 * second_padding} px, got {image_size}")
+            raise ModelSpecError(f"model.arch cnn / fedpac_cnn (a SmallCNN) needs images of at least "
+                                 f"{16 - 2 * second_padding} px, and these are {image_size} px: use model.arch mlp")
         self.fc = nn.Sequential(nn.Linear(second * side * side, feature_dim), activation())
         self.out_features = feature_dim
 

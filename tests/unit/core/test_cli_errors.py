@@ -114,6 +114,9 @@ def cases(d: Path) -> list[Case]:
              "mu", fast=True),
         Case("set unknown field", ["simulate", "--config", str(d / "good.yaml"), "--agents", "2", "--set", "Cc=1"],
              USAGE, "Cc", fast=True),
+        # digits are 8 x 8: the CNN cannot take them; said as the configuration error it is, not a crash
+        Case("digits with the cnn", ["simulate", "--config", str(d / "good.yaml"), "--agents", "2", "--in-process",
+                                     "--set", "model.arch=cnn"], USAGE, "use model.arch mlp"),
         Case("set malformed", ["simulate", "--config", str(d / "good.yaml"), "--agents", "2", "--set", "rounds"],
              USAGE, "key.path=value", fast=True),
         Case("set bad value", ["coordinator", "--config", str(d / "good.yaml"), "--set", "rounds=many"], USAGE,
