@@ -146,7 +146,7 @@ def _require_head_fitting(head: str, what: str) -> None:
 
 
 def cmd_simulate(args) -> int:
-    require("torch", "edgepfl simulate")
+    require_installed("torch", "edgepfl simulate")  # found, not imported: a bad config is said before torch loads
     from .config import AgentConfig, load_run_config, parse_config
     from .coordinator.simulate import simulate
 
@@ -182,7 +182,7 @@ def cmd_simulate(args) -> int:
 
 
 def cmd_coordinator(args) -> int:
-    require("torch", "edgepfl coordinator")
+    require_installed("torch", "edgepfl coordinator")  # found, not imported: a bad config is said first
     from edgepfl.coordinator.fleet import MqttFleet
     from edgepfl.coordinator.report import write_report
     from edgepfl.coordinator.rounds import Coordinator

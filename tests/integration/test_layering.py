@@ -61,3 +61,16 @@ def test_a_bad_method_option_is_located_without_torch():
     proc = _run_without_torch(code)
     assert proc.returncode == 0, proc.stderr
     assert "method" in proc.stdout and "head" in proc.stdout
+
+
+def test_a_bad_config_to_simulate_or_the_coordinator_is_said_before_torch_is_imported(tmp_path):
+    """Issue #36: `simulate` imported torch (seconds, hundreds of MB) before it read the YAML."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rounds: [1\n")
+    for command in ("simulate", "coordinator"):
+        code = ("import sys\nfrom edgepfl.cli import main\n"
+                f"rc = main([{command!r}, '--config', {str(bad)!r}])\n"
+                "print(rc, 'torch' in sys.modules)\n")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert proc.stdout.split() == ["2", "False"], (command, proc.stdout, proc.stderr)
+        assert "invalid YAML" in proc.stderr
