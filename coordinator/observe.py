@@ -178,8 +178,9 @@ class PrometheusMetrics:
         self.online = Gauge("edgepfl_agents_online", "Agents online", ["tier"], **labels)
         self.rejected = Counter("edgepfl_rejected_messages", "Messages rejected, by reason (docs/PROTOCOL.md §7)",
                                 ["reason"], **labels)
-        self.bytes_up = Counter("edgepfl_bytes_up", "Agent -> coordinator bytes of the answers counted", **labels)
-        self.bytes_down = Counter("edgepfl_bytes_down", "Coordinator -> agent bytes of the tasks sent", **labels)
+        # unit last (Prometheus' naming): edgepfl_uplink_bytes_total, not edgepfl_bytes_up_total
+        self.bytes_up = Counter("edgepfl_uplink_bytes", "Agent -> coordinator bytes of the answers counted", **labels)
+        self.bytes_down = Counter("edgepfl_downlink_bytes", "Coordinator -> agent bytes of the tasks sent", **labels)
         self.round_seconds = Histogram("edgepfl_round_seconds", "Wall time of a round", buckets=ROUND_SECONDS_BUCKETS,
                                        **labels)
         self.phase = Enum("edgepfl_phase", "What the coordinator is doing",

@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
@@ -23,6 +25,8 @@ import yaml
 from edgepfl.broker import free_port, parse_broker_url
 
 from tests.fleet_helpers import RunningFleet, read_rows, run_config, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
 
 # ----------------------------------------------------------------- live: coordinator + agents + Mosquitto
 
@@ -104,6 +108,13 @@ def test_live_view_status_and_metrics_of_a_running_federation(mosquitto, tmp_pat
         assert math.isnan(metrics[("edgepfl_accuracy", ())])  # nothing evaluated yet: not 0
         # the round loop keeps up with two agents: nothing held back at the broker
         assert metrics[("edgepfl_inbox_held_acks", ())] == 0 and ("edgepfl_inbox_queued_bytes", ()) in metrics
+        # every metric the shipped alert rules use is one this coordinator serves
+        rules = yaml.safe_load((REPO / "examples" / "prometheus" / "alerts.yml").read_text())
+        used = {name for group in rules["groups"] for rule in group["rules"]
+                for name in re.findall(r"\bedgepfl_[a-z_]+", rule["expr"])}
+        served = {name for name, _ in metrics}
+        assert used and used <= served, sorted(used - served)
+        assert ("edgepfl_uplink_bytes_total", ()) in metrics and ("edgepfl_downlink_bytes_total", ()) in metrics
 
         shown = _status(mosquitto.url, fed, "--json")
         assert shown.returncode == 0, shown.stderr
