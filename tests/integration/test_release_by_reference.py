@@ -38,16 +38,19 @@ def agent_log(out: Path, agent: str) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def test_a_head_agent_downloads_each_release_once_and_nothing_after_a_restart(mosquitto, tmp_path):
+def test_a_head_agent_downloads_each_release_once_and_nothing_after_a_restart(mosquitto, tmp_path, request):
     # the early head agent is there for the run's release (its end waits for it); the late one joins after
     config = prepare(run_config(rounds=1), TRAINERS, head_agents=2).model_copy(update={"min_head_agents": 1})
     out, url = tmp_path / "run", mosquitto.url
     trainers = [spawn_agent(config, out, url, f"agent-{i:02d}", i) for i in range(TRAINERS)]
+    spawned = list(trainers)
+    request.addfinalizer(lambda: stop_agents(spawned))  # whatever fails, no agent outlives the test
     early_link, late_link = CountingRelay(mosquitto.host, mosquitto.port), CountingRelay(mosquitto.host, mosquitto.port)
     with early_link, late_link:
         def head(agent: str):
             link, index = (early_link, TRAINERS) if agent == EARLY else (late_link, TRAINERS + 1)
-            return spawn_agent(config, out, link.url, agent, index, tier="head")
+            spawned.append(spawn_agent(config, out, link.url, agent, index, tier="head"))
+            return spawned[-1]
 
         early = head(EARLY)
         fleet = MqttFleet(config.federation, config.broker, url=url)

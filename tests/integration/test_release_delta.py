@@ -47,7 +47,7 @@ def installed_record(out: Path, agent: str) -> dict:
     return json.loads((out / "agents" / agent / "release.json").read_text())
 
 
-def test_the_next_release_travels_as_a_delta_to_a_head_agent_that_has_the_previous_one(mosquitto, tmp_path):
+def test_the_next_release_travels_as_a_delta_to_a_head_agent_that_has_the_previous_one(mosquitto, tmp_path, request):
     keys = tmp_path / "keys"
     keys.mkdir()
     generate_keypair(keys / "coordinator.key", keys / "coordinator.pub")
@@ -61,9 +61,13 @@ def test_the_next_release_travels_as_a_delta_to_a_head_agent_that_has_the_previo
     downloaded: dict[str, list[int]] = {KEEPS: [], LOSES: []}
     whole_sizes: list[int] = []
 
+    spawned: list = []
+    request.addfinalizer(lambda: stop_agents(spawned))  # whatever fails, no agent outlives the test
+
     def head(agent: str):
-        return spawn_agent(config, out, links[agent].url, agent, TRAINERS + (agent == LOSES), tier="head",
-                           security=pinned)
+        spawned.append(spawn_agent(config, out, links[agent].url, agent, TRAINERS + (agent == LOSES), tier="head",
+                                   security=pinned))
+        return spawned[-1]
 
     class ReleasesOneAtATime(Coordinator):
         def release(self, round: int) -> str | None:
@@ -89,6 +93,7 @@ def test_the_next_release_travels_as_a_delta_to_a_head_agent_that_has_the_previo
             return release_id
 
     trainers = [spawn_agent(config, out, url, f"agent-{i:02d}", i) for i in range(TRAINERS)]
+    spawned.extend(trainers)
     with links[KEEPS], links[LOSES]:
         heads = {agent: head(agent) for agent in links}
         fleet = MqttFleet(config.federation, config.broker, url=url, security=config.security)
