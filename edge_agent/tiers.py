@@ -45,7 +45,7 @@ from edgepfl.protocol import (
     federation_topic,
     release_part_topic,
 )
-from edgepfl.protocol.codec import CODEC_NAMES
+from edgepfl.protocol.codec import CODEC_NAMES, DELTA_CODECS
 from edgepfl.service import notifier
 from edgepfl.simulation import DevicePace, task_samples
 
@@ -330,8 +330,6 @@ class HeadTier:
             methods = available_methods()
         else:
             methods = [kind] if kind in available_methods() and find_spec("torch") is not None else []
-        from edgepfl.release_delta import DELTA_CODECS
-
         return Capabilities(methods=methods, head_kinds=[kind], release_codecs=list(DELTA_CODECS))
 
     def close(self, task_id: str) -> None:
@@ -385,7 +383,7 @@ class HeadTier:
         Raises ReleaseRefused (logged) when the installed release is not the delta's base or
         the delta does not fit it."""
         from edgepfl.codecs import CodecError, Encoded
-        from edgepfl.release_delta import DELTA_CODECS, apply_release_delta
+        from edgepfl.release_delta import apply_release_delta
 
         from .head_tier import ReleaseRefused
 

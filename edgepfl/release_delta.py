@@ -38,11 +38,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from .codecs import CodecError, CodecSpec, Encoded, decode, encode_changes
+from .protocol.codec import DELTA_CODECS
 
-__all__ = ["DELTA_CODECS", "ReleaseDeltaParts", "apply_release_delta", "make_release_delta", "weight_runs"]
+__all__ = ["ReleaseDeltaParts", "apply_release_delta", "make_release_delta", "weight_runs"]
 
-#: the codecs a release delta may use (dense quantizers: every value of a run changes)
-DELTA_CODECS = ("q8", "q4")
 _FLOAT = 1  # onnx.TensorProto.FLOAT
 _RAW_DATA_TAG = 0x4A  # TensorProto field 9 (raw_data), wire type 2 (length-delimited)
 

@@ -19,6 +19,10 @@ CODEC_NAMES = ("none", "q8", "q4", "topk+q8", "topk+q4")
 CodecName = Literal["none", "q8", "q4", "topk+q8", "topk+q4"]
 #: values sharing one float32 step, unless a task says otherwise
 DEFAULT_BLOCK = 256
+#: the codecs a release delta (and a task delta) may use: dense quantizers, since every
+#: weight changes between two releases (protocol 1.7)
+DELTA_CODECS = ("q8", "q4")
+DeltaCodecName = Literal["q8", "q4"]
 
 
 class UplinkSpec(BaseModel):
@@ -105,5 +109,5 @@ def tensors_digest(tensors: Mapping[str, np.ndarray]) -> str:
     return digest.hexdigest()
 
 
-__all__ = ["CODEC_NAMES", "DEFAULT_BLOCK", "CodecHeader", "CodecName", "CompressedTensor", "UplinkSpec",
-           "tensors_digest"]
+__all__ = ["CODEC_NAMES", "DEFAULT_BLOCK", "DELTA_CODECS", "CodecHeader", "CodecName", "CompressedTensor",
+           "DeltaCodecName", "UplinkSpec", "tensors_digest"]

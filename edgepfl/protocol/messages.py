@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .codec import CodecHeader, CodecName, UplinkSpec
+from .codec import CodecHeader, CodecName, DeltaCodecName, UplinkSpec
 from .evolution import PROTOCOL_VERSION, VERSION_PATTERN, since
 from .manifest import ReleaseManifest
 from .run import RunSpec
@@ -74,7 +74,7 @@ class Capabilities(_Meta):
     codecs: list[CodecName] | None = Field(None, max_length=16, json_schema_extra=since("1.6"))
     #: a head agent: the codecs it decodes a release delta in (docs/COMPRESSION.md, "Release
     #: deltas"); None or absent: it is sent whole releases only
-    release_codecs: list[Literal["q8", "q4"]] | None = Field(None, max_length=16, json_schema_extra=since("1.7"))
+    release_codecs: list[DeltaCodecName] | None = Field(None, max_length=16, json_schema_extra=since("1.7"))
 
 
 #: the protocol version that names releases in presences and statuses (a head agent that
