@@ -230,9 +230,13 @@ def report(exc: BaseException, command: str | None, debug: bool = False) -> int:
 
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     line = _one_line(message)
-    hint = _STORAGE_HINT if _out_of_storage(exc) else _HINTS.get(code)
-    if code == ExitCode.DATA and type(exc).__name__ not in ("DataError", "PartitionError") and hint is not None:
+    hint: str | None
+    if _out_of_storage(exc):
+        hint = _STORAGE_HINT
+    elif code == ExitCode.DATA and type(exc).__name__ not in ("DataError", "PartitionError"):
         hint = _INPUT_HINT  # a model, release, manifest or run directory: the data settings are not the place
+    else:
+        hint = _HINTS.get(code)
     if hint is not None:
         line = f"{line}; {hint.format(command=command or '')}".replace("'edgepfl  --help'", "'edgepfl --help'")
     print(f"edgepfl: {line}", file=sys.stderr)
