@@ -186,7 +186,7 @@ def classify(exc: BaseException) -> tuple[ExitCode, str]:
         return ExitCode.MEMORY, f"out of memory ({_cause_line(exc)})"
     # imported here: the core's error types live in modules that import much more
     from .broker import BrokerError
-    from .config import ConfigError
+    from .config_loading import ConfigError
     from .data import DataError, PartitionError
     from .metrics import MetricsError
     from .protocol import ManifestError

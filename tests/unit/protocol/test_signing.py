@@ -395,6 +395,7 @@ def test_reports_naming_a_fresh_release_each_time_leave_the_coordinators_memory_
     import tracemalloc
 
     from edgepfl.coordinator.fleet import Incoming
+    from edgepfl.coordinator.fleet import LocalFleet
     from edgepfl.coordinator.inbox import REPORTS_KEPT_PER_AGENT, Inbox
     from edgepfl.coordinator.result import RunCounters
     from edgepfl.protocol import AgentChannel, MessageType, MetricsMeta, StatusMeta, encode
@@ -402,7 +403,8 @@ def test_reports_naming_a_fresh_release_each_time_leave_the_coordinators_memory_
     registry = Registry()
     registry.update("pi-1", StatusMeta(state="online", tier="head", num_train=10, num_test=10))
     registry.update("pi-2", StatusMeta(state="online", tier="head", num_train=10, num_test=10))
-    inbox = Inbox(None, registry, None, RunCounters())  # type: ignore[arg-type]  # only the metrics path is used
+    # only the metrics path is used: no gate; the fleet is told which release each head agent has
+    inbox = Inbox(LocalFleet({}, "f"), registry, None, RunCounters())  # type: ignore[arg-type]
 
     def report(agent_id: str, release_id: str) -> None:
         frame = encode(MessageType.METRICS, federation="f", sender=agent_id, round=-1,
