@@ -79,9 +79,11 @@ def summarize(rows: list[RoundMetrics], targets: Sequence[float] = (), times: Ru
         out["head_tier"] = {"release": release_id, "round": entry.round, "accuracy": entry.accuracy(),
                             "agents": {a: r.model_dump(mode="json") for a, r in entry.reports.items()}}
     if not targets and best is not None and best.accuracy:
-        targets = [round(best.accuracy * share, 4) for share in DEFAULT_TARGET_SHARES]
         out["targets_from"] = "best accuracy"
-    out["to_accuracy"] = [bytes_to_accuracy(rows, t) for t in targets]
+        out["to_accuracy"] = [{**bytes_to_accuracy(rows, round(best.accuracy * share, 4)), "share_of_best": share}
+                              for share in DEFAULT_TARGET_SHARES]
+    else:
+        out["to_accuracy"] = [bytes_to_accuracy(rows, t) for t in targets]
     return out
 
 
@@ -156,7 +158,8 @@ def format_table(rows: list[RoundMetrics], summary: dict, method: str = "") -> s
                      f"{privacy['noise_multiplier']:g}, clip {privacy['clip_norm']:g}); personal parameters and heads "
                      "are outside it")
     for reach in summary.get("to_accuracy") or []:
-        to = f"{reach['target']:.2%}" + (" (of the best)" if summary.get("targets_from") else "")
+        share = reach.get("share_of_best")
+        to = f"{share:.0%} of the best ({reach['target']:.2%})" if share else f"{reach['target']:.2%}"
         where = "not reached" if reach["round"] is None else f"reached at row {reach['round']}"
         lines.append(f"to accuracy {to}: {where}, after {reach['bytes'] / 1e6:.1f} MB "
                      f"({reach['bytes_up'] / 1e6:.1f} up, {reach['bytes_down'] / 1e6:.1f} down)")

@@ -143,4 +143,5 @@ def test_bytes_to_accuracy_are_the_bytes_of_the_rows_before_the_first_that_reach
     # without targets: shares of the best accuracy, said so
     default = summarize(rows)
     assert [t["target"] for t in default["to_accuracy"]] == [round(0.7 * s, 4) for s in DEFAULT_TARGET_SHARES]
-    assert default["targets_from"] == "best accuracy" and "(of the best)" in format_table(rows, default)
+    assert default["targets_from"] == "best accuracy"
+    assert "to accuracy 90% of the best (63.00%): reached at row 2" in format_table(rows, default)
