@@ -29,7 +29,7 @@ from edgepfl.codecs import CodecSpec, Encoded, decode, encode
 from edgepfl.config import RunConfig
 from edgepfl.methods import Method, ServerState
 from edgepfl.protocol import TASK_DELTAS, Capabilities, TaskDelta, supports
-from edgepfl.protocol.codec import tensors_digest
+from edgepfl.protocol.codec import UplinkSpec, tensors_digest
 
 from .gate import RoundTasks
 from .registry import AgentInfo
@@ -58,7 +58,8 @@ class DownlinkChain:
         codec = config.compression.downlink
         self.spec = None if codec == "none" else CodecSpec.from_name(codec, block=config.compression.block)
         self.seed = config.seed
-        self.exact_prefixes = tuple(type(method).exact_uploads)
+        #: the method's tensors kept exact, the same prefixes its uploads keep exact
+        self.exact = UplinkSpec(codec="none", exact=tuple(type(method).exact_uploads))
         self.delta: StateDelta | None = None
         #: agent -> the session that answered its task of the delta's base round
         self.holders: dict[str, str | None] = {}
@@ -71,8 +72,7 @@ class DownlinkChain:
         if self.spec is None:
             return candidate
         round, reference = tasks.round, base.global_tensors
-        exact = [name for name in candidate.global_tensors
-                 if "/" in name or any(name == p or name.startswith(p + ".") for p in self.exact_prefixes)]
+        exact = [name for name in candidate.global_tensors if "/" in name or self.exact.is_exact(name)]
         rng = np.random.default_rng([self.seed, round, DOWNLINK_STREAM])  # a rerun rounds alike
         try:
             encoded = encode(candidate.global_tensors, reference, self.spec, rng, exact=exact)

@@ -21,7 +21,7 @@ from edgepfl.metrics import MetricsError, PrivacyRecord, read_metrics
 from edgepfl.privacy import PrivacyAccountant
 from edgepfl.protocol import seed_for
 
-from .sampling import round_half_up
+from .sampling import sample_size
 
 log = logging.getLogger("edgepfl.coordinator")
 
@@ -69,7 +69,7 @@ class PrivacyLedger:
         (the sample size is the sampler's: ``fraction`` of them, at least one)."""
         if self.spec.mechanism == "none" or population == 0:
             return True
-        sampled = max(1, round_half_up(self.config.fraction * population))
+        sampled = sample_size(self.config.fraction, population)
         if self.accountant.allows(population, sampled):
             return True
         log.warning("privacy: the next round would take ε past the budget %g (now %.3f at δ = %g); training stops",

@@ -20,7 +20,12 @@ def sample_agents(online: list[str], fraction: float, seed: int, round: int) -> 
     """Deterministic per (seed, round): the same sample whether or not the coordinator restarted."""
     if not online:
         return []
-    return draw(online, max(1, round_half_up(fraction * len(online))), [seed, round])
+    return draw(online, sample_size(fraction, len(online)), [seed, round])
+
+
+def sample_size(fraction: float, online: int) -> int:
+    """How many of ``online`` trainers a round samples: ``fraction`` of them, at least one."""
+    return max(1, round_half_up(fraction * online))
 
 
 def draw(agents: list[str], k: int, entropy: list[int]) -> list[str]:
@@ -54,4 +59,4 @@ def choose_participants(online: list[str], config: RunConfig, r: int, final: boo
     return sampled, draw(idle, wanted, [c.seed, r, EVALUATION_STREAM])
 
 
-__all__ = ["choose_participants", "draw", "round_half_up", "sample_agents"]
+__all__ = ["choose_participants", "draw", "round_half_up", "sample_agents", "sample_size"]

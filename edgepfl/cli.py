@@ -293,10 +293,10 @@ def cmd_methods(args) -> int:
 def cmd_privacy(args) -> int:
     """The noise multiplier that keeps a run of this size within ε (client-level DP, central)."""
     require("dp_accounting", "edgepfl privacy")
-    from .coordinator.sampling import round_half_up
+    from .coordinator.sampling import sample_size
     from .privacy import PrivacyAccountant, PrivacySpec, noise_multiplier_for
 
-    sampled = max(1, round_half_up(args.fraction * args.devices))
+    sampled = sample_size(args.fraction, args.devices)
     try:
         multiplier = noise_multiplier_for(args.epsilon, args.rounds, args.devices, sampled, args.delta)
     except ValueError as exc:

@@ -394,8 +394,7 @@ def test_reports_naming_a_fresh_release_each_time_leave_the_coordinators_memory_
     release_id. The coordinator keeps an agent's reports on its last few releases only."""
     import tracemalloc
 
-    from edgepfl.coordinator.fleet import Incoming
-    from edgepfl.coordinator.fleet import LocalFleet
+    from edgepfl.coordinator.fleet import Incoming, LocalFleet
     from edgepfl.coordinator.inbox import REPORTS_KEPT_PER_AGENT, Inbox
     from edgepfl.coordinator.result import RunCounters
     from edgepfl.protocol import AgentChannel, MessageType, MetricsMeta, StatusMeta, encode
