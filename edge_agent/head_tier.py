@@ -124,10 +124,19 @@ class InstalledRelease(BaseModel):
     sequence: int | None = None
     #: the signed prefix + header + signature as received (None: an unsigned release)
     proof_file: str | None = None
+    #: the release installed before this one, its files kept (since protocol 1.8): a rollback
+    #: to it (``release.restore``) switches back without a download or a fit
+    previous: InstalledRelease | None = None
 
     def files(self) -> set[str]:
-        """The files in the state directory this release uses."""
-        return {n for n in (self.encoder_file, self.head_file, self.proof_file, self.global_heads_file) if n}
+        """The files in the state directory this release (and the one kept before it) uses."""
+        own = {n for n in (self.encoder_file, self.head_file, self.proof_file, self.global_heads_file) if n}
+        return own | (self.previous.files() if self.previous is not None else set())
+
+    def held(self, sha256: str, global_heads_sha256: str | None) -> bool:
+        """Whether this record is of the encoder ``sha256`` with these global heads (or installed
+        without global heads: what was fitted then did not need them)."""
+        return self.encoder_sha256 == sha256 and self.global_heads_sha256 in (None, global_heads_sha256)
 
 
 class HeadRuntime:
@@ -316,7 +325,8 @@ class HeadRuntime:
             head_file=head_path.name, head_sha256=_sha(head_bytes), metrics=metrics,
             global_heads_file=heads_path.name if heads_path is not None else None,
             global_heads_sha256=_sha(global_heads) if global_heads is not None else None,
-            installed=time.time(), sequence=sequence, proof_file=proof_file)
+            installed=time.time(), sequence=sequence, proof_file=proof_file,
+            previous=old.model_copy(update={"previous": None}) if old is not None else None)
         with uninterruptible():  # a stop (SIGTERM) waits for the switch: manifest and record agree
             # for `edgepfl predict --encoder <state>/encoder-….onnx`, which reads the manifest beside it
             write_json(self.state_dir / "manifest.json", manifest.model_dump(mode="json"))
@@ -353,6 +363,60 @@ class HeadRuntime:
             self._remove_old(old, record)
         log.info("release %s carries the installed encoder of %s: recorded under it, head kept", manifest.release_id,
                  old.release_id)
+        return metrics
+
+    def restore_release(self, manifest: ReleaseManifest, sha256: str, *, sequence: int | None,
+                        expires: float | None = None, proof: bytes | None = None) -> HeadFit:
+        """Install again, under a new ``sequence``, a release this device holds: the installed one
+        (recorded under the new sequence) or the one before it (switched back to, its encoder and
+        head as they were: no download, no fit). What a rollback sends (protocol 1.8); a release
+        with a sequence below this one's, the release rolled back from included, is refused from
+        then on. Raises :class:`ReleaseRefused` when this device holds no such release, or for the
+        reasons :meth:`install_release` gives about a sequence, an expiry or a missing signature.
+        """
+        release_id = manifest.release_id
+        heads = manifest.global_heads.sha256 if manifest.global_heads is not None else None
+
+        def refuse(reason: str) -> ReleaseRefused:
+            log.warning("release %s to restore refused: %s; keeping %s", release_id, reason, self.release_id)
+            return ReleaseRefused(f"release {release_id} refused: {reason}")
+
+        if manifest.encoder.sha256 != sha256:
+            raise refuse(f"sha256 mismatch: release says {sha256[:16]}…, manifest {manifest.encoder.sha256[:16]}…")
+        refusal = self._release_refusal(sequence, expires, sha256)
+        if refusal is not None:
+            raise refuse(refusal)
+        if self.coordinator_key is not None and proof is None:
+            raise refuse("unsigned")
+        current = self.record
+        if current is not None and self.ready and current.held(sha256, heads):
+            return self._adopt(manifest, sequence, proof)
+        previous = current.previous if current is not None else None
+        if previous is None or not previous.held(sha256, heads):
+            raise refuse("not held: neither the installed release nor the one before it")
+        try:
+            enc_bytes = (self.state_dir / previous.encoder_file).read_bytes()
+            if _sha((self.state_dir / previous.head_file).read_bytes()) != previous.head_sha256:
+                raise ValueError(f"{previous.head_file} does not match its record")
+            encoder = OnnxEncoder(enc_bytes, manifest, threads=self.threads, expected_sha256=sha256)
+            head = OnnxHead(self.state_dir / previous.head_file, self.threads).fit()
+        except Exception as exc:
+            if out_of_memory(exc):
+                raise OutOfMemory(f"opening the kept release {release_id}", exc) from exc
+            raise refuse(f"not held: the kept files do not open ({type(exc).__name__}: {str(exc)[:200]})") from None
+        metrics = previous.metrics.model_copy(update={"release_id": release_id})
+        record = previous.model_copy(update={"release_id": release_id, "manifest": manifest, "sequence": sequence,
+                                             "metrics": metrics, "installed": time.time(),
+                                             "proof_file": self._keep_proof(proof), "previous": None})
+        with uninterruptible():
+            write_json(self.state_dir / "manifest.json", manifest.model_dump(mode="json"))
+            write_json(self.state_dir / STATE_FILE, record.model_dump(mode="json"))  # the switch: written last
+            self.encoder, self.head, self.record = encoder, head, record
+            self._adapt = _renormalization(self.data.normalization, manifest)
+            assert current is not None  # a previous release is kept only beside an installed one
+            self._remove_old(current, record)
+        log.info("release %s restored from the kept files (sequence %s), release %s removed; held-out accuracy %.4f",
+                 release_id, sequence, current.release_id, metrics.accuracy)
         return metrics
 
     def new_head(self, release: HeadRelease) -> HeadEstimator:
@@ -523,11 +587,11 @@ def _check_proof(state_dir: Path, record: InstalledRelease, encoder: bytes, key:
     if reason is not None:
         raise ValueError(f"installed release fails its signature check: {reason}")
     global_heads = _stored_global_heads(state_dir, record)
-    if meta.delta is None:  # a whole release: its body was these very bytes
+    if meta.delta is None and not meta.restore:  # a whole release: its body was these very bytes
         bound = encode_body(release_tensors(encoder, global_heads)).sha256 == header.body_sha256
-    else:  # its body was the delta: the signed meta names the artifact's and the heads' hashes
-        heads = meta.manifest.global_heads
-        bound = (heads.sha256 if heads is not None else None) == (_sha(global_heads) if global_heads else None)
+    else:  # its body was a delta or nothing: the signed meta names the artifact's and the heads' hashes
+        heads = meta.manifest.global_heads  # kept only where the release carried them (and the head used them)
+        bound = global_heads is None or (heads is not None and heads.sha256 == _sha(global_heads))
     if not bound or _sha(encoder) != meta.sha256 or meta.sha256 != record.encoder_sha256 \
             or meta.sequence != record.sequence:
         raise ValueError("installed encoder or sequence differs from the signed release")

@@ -349,6 +349,16 @@ class HeadTier:
 
         meta = message.meta_as(ReleaseMeta)  # the agent hands a tier only messages of its ``accepts`` type
         artifact, global_heads = message.tensors.get("artifact"), message.tensors.get("global_heads")
+        proof = message.signed_part + message.signature if message.signature is not None else None
+        if meta.restore:  # a release this agent holds, again (a rollback): nothing travels
+            try:
+                if message.tensors:
+                    raise ReleaseRefused(f"release {meta.release_id} refused: a restore carries no tensors")
+                result = self.runtime.restore_release(meta.manifest, meta.sha256, sequence=meta.sequence,
+                                                      expires=meta.expires, proof=proof)
+            except ReleaseRefused as exc:  # the sender sends the whole release instead
+                return self._refusal_report(meta.release_id, str(exc), message)
+            return self._report(meta.release_id, result, message.header.federation, message.header.round)
         if meta.delta is not None:
             try:
                 artifact_bytes = self._rebuilt(meta, message)
@@ -361,8 +371,7 @@ class HeadTier:
             artifact_bytes = artifact.tobytes()
         try:
             result = self.runtime.install_release(
-                meta.manifest, artifact_bytes, meta.sha256, sequence=meta.sequence, expires=meta.expires,
-                proof=message.signed_part + message.signature if message.signature is not None else None,
+                meta.manifest, artifact_bytes, meta.sha256, sequence=meta.sequence, expires=meta.expires, proof=proof,
                 global_heads=global_heads.tobytes() if global_heads is not None else None)
         except ReleaseRefused as exc:  # logged, with the release kept, where it was refused
             return self._refusal_report(meta.release_id, str(exc), message)

@@ -87,6 +87,9 @@ CODECS = (1, 6)
 #: the protocol version of release deltas (``capabilities.release_codecs``, ``release.delta``) and task
 #: deltas (``task.downlink``)
 RELEASE_DELTAS = TASK_DELTAS = (1, 7)
+#: the protocol version whose head agents keep the release before the installed one and go back to
+#: a release they hold without its bytes (``release.restore``): a rollback downloads nothing
+RELEASE_RESTORE = (1, 8)
 
 
 class ReleaseRef(_Meta):
@@ -256,6 +259,10 @@ class ReleaseMeta(_Meta):
     expires: float | None = None
     #: the artifact travels as a change of the release the agent has installed
     delta: ReleaseDelta | None = Field(None, json_schema_extra=since("1.7"))
+    #: no artifact travels: the agent holds this release (installed, or the one before it) and
+    #: installs it again under this ``sequence`` (a rollback, PROTOCOL.md §12); one that does not
+    #: hold it refuses it and is sent the whole release
+    restore: bool = Field(False, json_schema_extra=since("1.8"))
 
     def ref(self) -> ReleaseRef:
         """This release by reference."""

@@ -52,11 +52,12 @@ def test_install_fit_evaluate_persist_and_restore(releases, data, tmp_path):
     # the retained release delivered again is not refitted
     assert _install(again, releases[0]) == metrics
 
-    # a new release replaces the old files
+    # a new release is installed beside the one before it (kept for a rollback), not beside older ones
     m2 = _install(rt, releases[1])
-    assert m2.release_id != metrics.release_id
+    assert m2.release_id != metrics.release_id and rt.record.previous.release_id == metrics.release_id
+    digests = [sha256_bytes(read_release(r)[1])[:16] for r in releases]
     onnx_files = sorted(p.name for p in (tmp_path / "state").glob("*.onnx"))
-    assert len(onnx_files) == 2 and all(sha256_bytes(read_release(releases[1])[1])[:16] in n for n in onnx_files)
+    assert len(onnx_files) == 4 and all(any(d in n for d in digests) for n in onnx_files)
 
 
 def test_nothing_installed_yet(tmp_path, data):
@@ -177,10 +178,13 @@ def test_a_release_carrying_its_global_heads_gets_the_methods_own_head(releases,
     assert restored.load() == metrics
     np.testing.assert_array_equal(restored.predict(data.x_test), rt.predict(data.x_test))
 
-    # the next release (without global heads, say from a 1.1 coordinator, for an lr device) removes the old file
+    # the next release (without global heads, say from a 1.1 coordinator, for an lr device) keeps the file
+    # with the release before it, and the one after that removes it
     lr = HeadRuntime(state, "lr", data)
     lr.load()
     _install(lr, releases[0])
+    assert [p.name for p in state.glob("global-heads-*")] == [record["global_heads_file"]]
+    lr.install_release(manifest.model_copy(update={"global_heads": None}), artifact, sha)
     assert not list(state.glob("global-heads-*"))
 
 
@@ -268,3 +272,62 @@ def test_the_installed_encoder_in_a_newer_release_is_recorded_under_it_and_rever
     assert restarted.load().release_id == "fedavg-r1-same" and restarted.record.sequence == 11
     with pytest.raises(ReleaseRefused, match="rollback"):  # the earlier release is a rollback now
         install(restarted, "fedavg-r0-same", 10)
+
+
+def test_a_rollback_restores_the_kept_release_without_a_download_or_a_fit_and_refuses_the_bad_one(
+        releases, data, tmp_path):
+    """Protocol 1.8: the release before the installed one is kept; a signed ``restore`` of it,
+    under a new sequence, switches back to its encoder and head as they were, removes the bad
+    release's files, re-verifies on restart, and leaves the bad release refused as a rollback."""
+    from edgepfl.protocol import MessageType, ReleaseMeta, decode, encode
+    from edgepfl.protocol.manifest import release_tensors
+    from edgepfl.protocol.signing import generate_keypair, load_public_key, load_signer
+
+    generate_keypair(tmp_path / "c.key", tmp_path / "c.pub")
+    signer, key = load_signer(tmp_path / "c.key"), load_public_key(tmp_path / "c.pub")
+
+    def signed(release_dir, sequence: int, restore: bool = False):
+        manifest, artifact = read_release(release_dir)
+        meta = ReleaseMeta(release_id=manifest.release_id, manifest=manifest, sha256=manifest.encoder.sha256,
+                           size_bytes=len(artifact), sequence=sequence, expires=4e9, restore=restore)
+        tensors = {} if restore else release_tensors(artifact, None)
+        message = decode(encode(MessageType.RELEASE, federation="f", sender="coordinator", round=0, meta=meta,
+                                tensors=tensors, signer=signer))
+        return message.meta, artifact, message.signed_part + message.signature
+
+    def install(rt, release_dir, sequence):
+        meta, artifact, proof = signed(release_dir, sequence)
+        return rt.install_release(meta.manifest, artifact, meta.sha256, sequence=sequence, expires=meta.expires,
+                                  proof=proof)
+
+    def restore(rt, release_dir, sequence):
+        meta, _, proof = signed(release_dir, sequence, restore=True)
+        return rt.restore_release(meta.manifest, meta.sha256, sequence=sequence, expires=meta.expires, proof=proof)
+
+    state = tmp_path / "state"
+    rt = HeadRuntime(state, "lr", data, coordinator_key=key)
+    good = install(rt, releases[0], 10)
+    good_files = {rt.record.encoder_file, rt.record.head_file}
+    head_written = (state / rt.record.head_file).stat().st_mtime_ns
+    pred_good = rt.predict(data.x_test)
+    install(rt, releases[1], 11)
+    bad_files = {rt.record.encoder_file, rt.record.head_file}
+
+    with pytest.raises(ReleaseRefused, match="rollback"):  # a restore is sequenced like any release
+        restore(rt, releases[0], 11)
+    back = restore(rt, releases[0], 12)
+    assert back.release_id == good.release_id and back.accuracy == good.accuracy
+    assert (rt.record.release_id, rt.record.sequence, rt.record.previous) == (good.release_id, 12, None)
+    assert (state / rt.record.head_file).stat().st_mtime_ns == head_written  # the kept head: no fit
+    np.testing.assert_array_equal(rt.predict(data.x_test), pred_good)
+    names = {p.name for p in state.iterdir()}
+    assert good_files <= names and not bad_files & names  # the bad release's files are gone
+
+    with pytest.raises(ReleaseRefused, match="rollback"):  # the release rolled back from, replayed
+        install(rt, releases[1], 11)
+    restarted = HeadRuntime(state, "lr", data, coordinator_key=key)  # the restore's proof re-verifies
+    assert restarted.load() == back and restarted.record.sequence == 12
+    # the installed release restored again: recorded under the new sequence, nothing else
+    assert restore(restarted, releases[0], 13).accuracy == good.accuracy and restarted.record.sequence == 13
+    with pytest.raises(ReleaseRefused, match="not held"):  # nothing kept of the other release any more
+        restore(restarted, releases[1], 14)
