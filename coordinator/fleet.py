@@ -12,7 +12,7 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -44,7 +44,7 @@ from edgepfl.simulation import FleetTiming, SimulationSpec, task_samples
 
 from .clock import Clock, VirtualClock, WallClock
 from .gate import Refused, Rejection
-from .head_releases import DeltaRelease, HeadReleases
+from .head_releases import DeltaRelease, HeadReleases, RestoreRelease
 
 log = logging.getLogger("edgepfl.coordinator")
 SENDER = "coordinator"
@@ -121,14 +121,17 @@ class Fleet(ABC):
 
     @abstractmethod
     def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref: ReleaseRef | None = None,
-                        delta: DeltaRelease | None = None) -> int:
+                        delta: DeltaRelease | None = None, restore: RestoreRelease | None = None,
+                        have: Iterable[str] = ()) -> int:
         """Make an encoder release available to head-tier agents, late joiners included.
 
         ``earlier_parts``: how many retained part topics an earlier release left (0: it was
         whole or there was none), so those this one does not overwrite are cleared; ``ref``:
         the release by reference, announced in the presence; ``delta``: the release as a
-        delta against the previous one, for the head agents that have that one. Returns the
-        part topics now holding this release (0: it is retained whole).
+        delta against the previous one, for the head agents that have that one; ``restore``:
+        its form without bytes, for those that hold it (a rollback); ``have``: agents that
+        installed it already (a staged rollout's). Returns the part topics now holding this
+        release (0: it is retained whole).
         """
 
     def head_report(self, agent_id: str, release_id: str | None, refused: bool) -> None:
@@ -282,7 +285,8 @@ class MqttFleet(Fleet):
         return self.transport.send_ready()
 
     def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref: ReleaseRef | None = None,
-                        delta: DeltaRelease | None = None) -> int:
+                        delta: DeltaRelease | None = None, restore: RestoreRelease | None = None,
+                        have: Iterable[str] = ()) -> int:
         """Retained on the release topic when it fits one MQTT message, else as retained parts
         on ``release/<i>`` (PROTOCOL.md §12), so a head agent that joins after this
         coordinator exited still gets it; each head agent that comes online while it runs
@@ -306,8 +310,18 @@ class MqttFleet(Fleet):
         if ref is not None:
             self._meta = self._meta.model_copy(update={"release": ref})
             self._publish_presence()
-            self.head_releases.published(frame, round, ref, delta)
+            self.head_releases.published(frame, round, ref, delta, restore, have)
         return parts
+
+    def stage_release(self, frame: bytes, round: int, ref: ReleaseRef, admitted: Iterable[str],
+                      delta: DeltaRelease | None = None) -> None:
+        """A staged rollout's release to the ``admitted`` head agents only, on their task topics:
+        neither retained nor named in the presence (:meth:`HeadReleases.stage`)."""
+        self.head_releases.stage(frame, round, ref, admitted, delta)
+
+    def unstage_release(self) -> None:
+        """A staged rollout halted: its release goes to no one any more."""
+        self.head_releases.unstage()
 
     def publish_view(self, payload: bytes) -> None:
         self.transport.publish(federation_topic(self.federation, FederationChannel.VIEW), payload, retain=True)
@@ -450,7 +464,8 @@ class LocalFleet(Fleet):
         return self._status(agent_id, availability.online_at(at))
 
     def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref: ReleaseRef | None = None,
-                        delta: DeltaRelease | None = None) -> int:
+                        delta: DeltaRelease | None = None, restore: RestoreRelease | None = None,
+                        have: Iterable[str] = ()) -> int:
         return 0  # in-process agents are all trainers: nobody installs releases
 
     def agent_status(self, agent_id: str, status: StatusMeta, came_online: bool) -> None:

@@ -22,15 +22,23 @@ it connects, and reports on each release it installs) — and which decodes the 
 (``capabilities.release_codecs``), is sent the delta instead of the whole release
 (docs/COMPRESSION.md, "Release deltas"). If it refuses that release, it is sent the whole
 one, once; the retained copies are always whole.
+
+Under a staged rollout (:mod:`.rollout`, since 1.8) a release is first a *candidate*: sent,
+by the same rules, only to the head agents admitted to the rollout's stages so far; the
+others keep being offered the current release. Promoted, it becomes the current release.
+A rollback publishes the release rolled back to again under a new sequence, and sends a
+head agent of 1.8 that holds it (installed, or kept as the release before the candidate)
+the release's *restore* form, which carries no bytes (PROTOCOL.md §12, "Rollbacks"); one
+that refuses it is sent the whole release, once, as after a refused delta.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from edgepfl.protocol import RELEASE_DELTAS, RELEASE_REFS, ReleaseRef, StatusMeta, supports
+from edgepfl.protocol import RELEASE_DELTAS, RELEASE_REFS, RELEASE_RESTORE, ReleaseRef, StatusMeta, supports
 
 log = logging.getLogger("edgepfl.coordinator")
 
@@ -48,43 +56,102 @@ class DeltaRelease:
     codec: str
 
 
+@dataclass(frozen=True)
+class RestoreRelease:
+    """A release in its restore form (no bytes): for head agents of 1.8 or later whose last
+    status or report named one of ``holders`` (release ids whose holders keep this release:
+    itself, and the candidate installed after it)."""
+
+    frame: bytes
+    holders: frozenset[str]
+
+
+@dataclass(frozen=True)
+class _Release:
+    frame: bytes
+    round: int
+    ref: ReleaseRef
+    delta: DeltaRelease | None = None
+    restore: RestoreRelease | None = None
+
+
 class HeadReleases:
     """The rule above. ``deliver(agent_id, frame, round)`` sends a frame on the agent's task
     topic (chunked to what it accepts; None when it takes no frame that large)."""
 
     def __init__(self, deliver: Callable[[str, bytes, int], int | None]):
         self.deliver = deliver
-        #: the current release: its frame, the round it was exported after, and its name
-        self.current: tuple[bytes, int, ReleaseRef] | None = None
-        #: the current release as a delta against the previous one (None: sent whole to all)
-        self.delta: DeltaRelease | None = None
-        self._sent_delta: set[str] = set()  # agents sent the current release as a delta
+        self._current: _Release | None = None
+        #: a staged rollout's release and the agents admitted to it so far
+        self._candidate: _Release | None = None
+        self.admitted: frozenset[str] = frozenset()
+        self._sent_smaller: set[str] = set()  # agents sent a release as a delta or restore: whole if refused
         self._installed: dict[str, str] = {}  # agent id -> the release id its last status or report named
-        self._whole_only: set[str] = set()  # agents that refused it as a delta: sent it whole
+        self._whole_only: set[str] = set()  # agents that refused a smaller form: sent it whole
         self._heads: dict[str, StatusMeta] = {}  # head agents online that speak 1.4: their last status
-        # agent id -> (release id, session, connection, copies) of what was last sent to it
-        self._sent: dict[str, tuple[str, str | None, int | None, int]] = {}
+        # agent id -> (release, session, connection, copies) of what was last sent to it
+        self._sent: dict[str, tuple[ReleaseRef, str | None, int | None, int]] = {}
         self._taking_retained: set[str] = set()
 
     @property
-    def ref(self) -> ReleaseRef | None:
-        return self.current[2] if self.current is not None else None
+    def current(self) -> tuple[bytes, int, ReleaseRef] | None:
+        """The current release: its frame, the round it was exported after, and its name."""
+        c = self._current
+        return (c.frame, c.round, c.ref) if c is not None else None
 
-    def published(self, frame: bytes, round: int, ref: ReleaseRef, delta: DeltaRelease | None = None) -> None:
+    @property
+    def ref(self) -> ReleaseRef | None:
+        return self._current.ref if self._current is not None else None
+
+    @property
+    def installed(self) -> dict[str, str]:
+        """Head agents online (1.4 or later) -> the release id their last status or report named."""
+        return {a: r for a, r in self._installed.items() if a in self._heads}
+
+    def online(self) -> list[str]:
+        """The head agents online that speak 1.4 or later, and have said what they can run."""
+        return [a for a, s in self._heads.items() if s.capabilities is not None]
+
+    def published(self, frame: bytes, round: int, ref: ReleaseRef, delta: DeltaRelease | None = None,
+                  restore: RestoreRelease | None = None, have: Iterable[str] = ()) -> None:
         """A new release (retained, and named in the presence): sent to every 1.4 head agent
-        online that lacks it, as ``delta`` to those that can take it."""
-        self.current, self.delta = (frame, round, ref), delta
-        self._sent_delta.clear()
+        online that lacks it, as ``delta`` or ``restore`` to those that can take it. ``have``:
+        agents known to have it installed already (a promoted candidate's stages)."""
+        self._current, self._candidate, self.admitted = _Release(frame, round, ref, delta, restore), None, frozenset()
+        self._sent_smaller.clear()
         self._whole_only.clear()
+        have = set(have)
+        for agent_id in have:
+            self._installed[agent_id] = ref.release_id
         for agent_id, status in list(self._heads.items()):
-            if agent_id not in self._taking_retained:
+            if agent_id in have and (session := status.session) is not None:
+                self._sent[agent_id] = (ref, session, status.connection, 1)  # not sent again
+            elif agent_id not in self._taking_retained:
                 self._offer(agent_id, status)
         self._taking_retained.clear()  # the presence names a release now: they drop those subscriptions
 
     def resumed(self, frame: bytes, round: int, ref: ReleaseRef) -> None:
         """The run's release as published before this coordinator restarted (still retained);
         sent whole (its delta was not kept)."""
-        self.current, self.delta = (frame, round, ref), None
+        self._current = _Release(frame, round, ref)
+
+    def stage(self, frame: bytes, round: int, ref: ReleaseRef, admitted: Iterable[str],
+              delta: DeltaRelease | None = None) -> None:
+        """A staged rollout's release, sent to the ``admitted`` agents (those admitted before
+        included; an agent online gets it now, one that comes online later when it does)."""
+        if self._candidate is None or self._candidate.ref != ref:
+            self._candidate = _Release(frame, round, ref, delta)
+            self._sent_smaller.clear()
+            self._whole_only.clear()
+        added = frozenset(admitted) - self.admitted
+        self.admitted |= added
+        for agent_id in sorted(added):
+            if (status := self._heads.get(agent_id)) is not None:
+                self._offer(agent_id, status)
+
+    def unstage(self) -> None:
+        """The candidate is halted: no agent is sent it any more."""
+        self._candidate, self.admitted = None, frozenset()
 
     def status(self, agent_id: str, status: StatusMeta, came_online: bool) -> None:
         """Told of every status the coordinator accepted; ``came_online``: the agent was offline or unknown."""
@@ -99,23 +166,28 @@ class HeadReleases:
                 self._installed[agent_id] = status.release.release_id
             else:
                 self._installed.pop(agent_id, None)
-            if status.capabilities is not None and status.release is None and self.current is None:
+            if status.capabilities is not None and status.release is None and self._current is None:
                 self._taking_retained.add(agent_id)
             else:
                 self._taking_retained.discard(agent_id)
             self._offer(agent_id, status)
-        elif came_online and self.current is not None:
-            frame, round, _ = self.current
-            self.deliver(agent_id, frame, round)
+        elif came_online and self._current is not None:
+            self.deliver(agent_id, self._current.frame, self._current.round)
+
+    def _release_for(self, agent_id: str) -> _Release | None:
+        if self._candidate is not None and agent_id in self.admitted:
+            return self._candidate
+        return self._current
 
     def _offer(self, agent_id: str, status: StatusMeta) -> None:
-        if self.current is None or status.capabilities is None:
+        release = self._release_for(agent_id)
+        if release is None or status.capabilities is None:
             return
-        frame, round, ref = self.current
+        ref = release.ref
         if status.release == ref:
             return
         earlier = self._sent.get(agent_id)
-        same = earlier is not None and earlier[:2] == (ref.release_id, status.session)
+        same = earlier is not None and earlier[:2] == (ref, status.session)  # a rollback's sequence is new
         if earlier is not None and same:
             if earlier[2] == status.connection:
                 return  # it has it on the way, or is installing it
@@ -123,39 +195,44 @@ class HeadReleases:
                 log.warning("not sending release %s to %s again: sent %d times to this session already",
                             ref.release_id, agent_id, earlier[3])
                 return
-        self._sent[agent_id] = (ref.release_id, status.session, status.connection,
+        self._sent[agent_id] = (ref, status.session, status.connection,
                                 earlier[3] + 1 if earlier is not None and same else 1)
-        delta = self._delta_for(agent_id, status)
+        smaller, form = self._smaller_for(agent_id, status, release)
         log.info("sending release %s to head agent %s (it has %s)%s", ref.release_id, agent_id,
-                 status.release.release_id if status.release else "none", " as a delta" if delta else "")
-        if delta is not None:
-            self._sent_delta.add(agent_id)
-            self.deliver(agent_id, delta.frame, round)
-        else:
-            self.deliver(agent_id, frame, round)
+                 status.release.release_id if status.release else "none", form)
+        if smaller is not None:
+            self._sent_smaller.add(agent_id)
+        self.deliver(agent_id, smaller if smaller is not None else release.frame, release.round)
 
     def reported(self, agent_id: str, release_id: str | None, refused: bool) -> None:
         """A head agent's report on ``release_id``: it has that release installed, or, when
-        ``refused``, it did not install it. A refusal of the current release sent as a delta
-        gets the agent the whole release now, and from then on (its installed release was
-        not the delta's base, or the result did not hash right)."""
+        ``refused``, it did not install it. A refusal of a release sent in a smaller form (a
+        delta or a restore) gets the agent the whole release now, and from then on (it did not
+        hold what the smaller form needs, or the result did not hash right)."""
         if not refused:
             if release_id is not None and agent_id in self._heads:
                 self._installed[agent_id] = release_id
             return
-        if self.current is None or release_id != self.current[2].release_id or agent_id not in self._sent_delta:
+        release = self._release_for(agent_id)
+        if release is None or release_id != release.ref.release_id or agent_id not in self._sent_smaller:
             return
-        self._sent_delta.discard(agent_id)
+        self._sent_smaller.discard(agent_id)
         self._whole_only.add(agent_id)
-        frame, round, ref = self.current
-        log.info("head agent %s refused release %s as a delta: sending it whole", agent_id, ref.release_id)
-        self.deliver(agent_id, frame, round)
+        log.info("head agent %s refused release %s in a smaller form: sending it whole", agent_id, release_id)
+        self.deliver(agent_id, release.frame, release.round)
 
-    def _delta_for(self, agent_id: str, status: StatusMeta) -> DeltaRelease | None:
-        delta = self.delta
-        if delta is None or agent_id in self._whole_only or self._installed.get(agent_id) != delta.base.release_id:
-            return None
+    def _smaller_for(self, agent_id: str, status: StatusMeta, release: _Release) -> tuple[bytes | None, str]:
+        """The frame of ``release`` in a smaller form this agent can take, and a note for the log."""
+        if agent_id in self._whole_only:
+            return None, ""
+        installed = self._installed.get(agent_id)
+        restore = release.restore
+        if restore is not None and installed in restore.holders and supports(status.version, RELEASE_RESTORE):
+            return restore.frame, " to restore from its own files"
+        delta = release.delta
+        if delta is None or installed != delta.base.release_id:
+            return None, ""
         codecs = status.capabilities.release_codecs if status.capabilities is not None else None
         if not supports(status.version, RELEASE_DELTAS) or codecs is None or delta.codec not in codecs:
-            return None
-        return delta
+            return None, ""
+        return delta.frame, " as a delta"

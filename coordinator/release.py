@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,13 +37,15 @@ from edgepfl.release_delta import ReleaseDeltaParts, make_release_delta
 from edgepfl.state import CheckpointMeta
 
 from .fleet import SENDER, Fleet
-from .head_releases import DeltaRelease
+from .head_releases import DeltaRelease, RestoreRelease
 
 log = logging.getLogger("edgepfl.coordinator")
 
 SEQUENCE_FILE = "sequence.json"
 #: the frame of the last release published (what a resumed coordinator names and sends again)
 CURRENT_FILE = "current.frame"
+#: the frame of the release before it (what a rollback goes back to)
+PREVIOUS_FILE = "previous.frame"
 #: how many retained part topics the last published release occupies (0: retained whole)
 PUBLISHED_FILE = "published.json"
 #: the random stream of a release delta's stochastic rounding (with the run's seed and the round)
@@ -88,7 +91,7 @@ def build_release(state: ServerState, meta: CheckpointMeta, releases_dir: Path, 
     is released is the previous release plus the exported encoder's weight changes,
     quantized (:mod:`edgepfl.release_delta`), and :attr:`BuiltRelease.delta` carries it as a
     delta against the previous release; the whole frame carries the same artifact."""
-    from edgepfl.export.onnx_export import export_state, read_global_heads, read_release
+    from edgepfl.export.onnx_export import export_state
 
     out = Path(releases_dir) / f"round-{meta.round:04d}"
     previous = published_release(releases_dir)
@@ -110,15 +113,8 @@ def build_release(state: ServerState, meta: CheckpointMeta, releases_dir: Path, 
             return parts.artifact
 
     export_state(state, meta, out, rebase=rebase)
-    manifest, artifact = read_release(out)
-    # the global heads: what a DualFed / FedPick head is fitted around (PROTOCOL.md §12)
-    tensors = release_tensors(artifact, read_global_heads(out, manifest))
-    now = time.time()
-    meta_msg = ReleaseMeta(release_id=manifest.release_id, manifest=manifest,
-                           sha256=hashlib.sha256(artifact).hexdigest(), size_bytes=len(artifact),
-                           sequence=next_sequence(Path(releases_dir), now), expires=now + config.release_ttl_s)
-    frame = encode(MessageType.RELEASE, federation=config.federation, sender=SENDER, round=meta.round,
-                   meta=meta_msg, tensors=tensors, signer=signer)
+    frame, meta_msg, tensors = _whole_release(out, releases_dir, config, meta.round, signer)
+    manifest = meta_msg.manifest
     if not made or previous is None:
         return BuiltRelease(manifest.release_id, frame)
     parts, base_meta = made[0], previous[0]
@@ -130,6 +126,78 @@ def build_release(state: ServerState, meta: CheckpointMeta, releases_dir: Path, 
     log.info("release %s: %d bytes whole, %d as a %s delta against %s (%.1f %%)", manifest.release_id, len(frame),
              len(delta_frame), codec, base_meta.release_id, 100 * len(delta_frame) / len(frame))
     return BuiltRelease(manifest.release_id, frame, DeltaRelease(base_meta.ref(), delta_frame, codec))
+
+
+def _whole_release(export_dir: Path, releases_dir: Path, config: RunConfig, round: int,
+                   signer: Signer | None) -> tuple[bytes, ReleaseMeta, dict[str, np.ndarray]]:
+    """The whole release frame of an export directory, its meta and tensors (next sequence)."""
+    from edgepfl.export.onnx_export import read_global_heads, read_release
+
+    manifest, artifact = read_release(export_dir)
+    # the global heads: what a DualFed / FedPick head is fitted around (PROTOCOL.md §12)
+    tensors = release_tensors(artifact, read_global_heads(export_dir, manifest))
+    now = time.time()
+    meta_msg = ReleaseMeta(release_id=manifest.release_id, manifest=manifest,
+                           sha256=hashlib.sha256(artifact).hexdigest(), size_bytes=len(artifact),
+                           sequence=next_sequence(Path(releases_dir), now), expires=now + config.release_ttl_s)
+    frame = encode(MessageType.RELEASE, federation=config.federation, sender=SENDER, round=round,
+                   meta=meta_msg, tensors=tensors, signer=signer)
+    return frame, meta_msg, tensors
+
+
+def release_of_export(export_dir: Path, releases_dir: Path, config: RunConfig,
+                      signer: Signer | None = None) -> BuiltRelease:
+    """A release of an encoder exported before (``edgepfl export``, or another run's): sent
+    whole, as the round its manifest names."""
+    from edgepfl.export.onnx_export import read_release
+
+    manifest, _ = read_release(export_dir)
+    frame, _, _ = _whole_release(Path(export_dir), releases_dir, config, manifest.round, signer)
+    return BuiltRelease(manifest.release_id, frame)
+
+
+@dataclass(frozen=True)
+class RollbackRelease:
+    """A release published again under a new sequence: whole (retained, and for agents that
+    do not hold it) and as a restore (for those that do)."""
+
+    ref: ReleaseRef
+    frame: bytes
+    restore: bytes
+    round: int
+    #: the release ids whose holders keep this release: itself, and the releases installed after it
+    holders: frozenset[str]
+
+
+def rollback_release(frame: bytes, releases_dir: Path, config: RunConfig, signer: Signer | None = None,
+                     rolled_back: Iterable[str] = ()) -> RollbackRelease:
+    """``frame``'s release again, with the next sequence and a fresh expiry (PROTOCOL.md §12,
+    "Rollbacks"): installed, it makes every release published since refused as a rollback.
+    ``rolled_back``: the releases installed after it that head agents are going back from (the
+    one published last is one of them)."""
+    current = fleet_current(releases_dir)
+    holders = frozenset(rolled_back) | ({current.release_id} if current is not None else set())
+    message = decode(frame)
+    meta = message.meta_as(ReleaseMeta)
+    now = time.time()
+    again = meta.model_copy(update={"sequence": next_sequence(Path(releases_dir), now), "delta": None,
+                                    "expires": now + config.release_ttl_s})
+    round = message.header.round
+
+    def framed(m: ReleaseMeta, tensors: dict[str, np.ndarray]) -> bytes:
+        return encode(MessageType.RELEASE, federation=config.federation, sender=SENDER, round=round, meta=m,
+                      tensors=tensors, signer=signer)
+
+    return RollbackRelease(again.ref(), framed(again, dict(message.tensors)),
+                           framed(again.model_copy(update={"restore": True}), {}), round,
+                           holders | {meta.release_id})
+
+
+def published_frame(releases_dir: Path, previous: bool = False) -> bytes | None:
+    """The whole frame of the last release published from ``releases_dir`` (or, with
+    ``previous``, of the one before it); None when there is none."""
+    path = Path(releases_dir) / (PREVIOUS_FILE if previous else CURRENT_FILE)
+    return path.read_bytes() if path.is_file() else None
 
 
 def published_release(releases_dir: Path) -> tuple[ReleaseMeta, bytes] | None:
@@ -147,22 +215,40 @@ def published_release(releases_dir: Path) -> tuple[ReleaseMeta, bytes] | None:
         return None
 
 
-def publish_release(fleet: Fleet, release: BuiltRelease, round: int, releases_dir: Path) -> int:
+def publish_release(fleet: Fleet, release: BuiltRelease | RollbackRelease, round: int, releases_dir: Path,
+                    have: Iterable[str] = ()) -> int:
     """Publish a release through ``fleet``, named by reference in the coordinator's
     presence; returns the retained part topics it occupies.
 
     The whole frame and the count are recorded in ``releases_dir`` (atomically, after
     publishing): the next release, of this session or of a restarted coordinator of the
     run, clears the parts it does not overwrite and is made a delta against it, and a
-    resumed coordinator names the release again (:func:`resume_release`).
+    resumed coordinator names the release again (:func:`resume_release`). The release it
+    replaces is kept as the previous one (what ``edgepfl release rollback`` goes back to);
+    a rollback leaves none (the agents keep nothing older).
     """
-    path = Path(releases_dir) / PUBLISHED_FILE
+    releases_dir = Path(releases_dir)
+    path = releases_dir / PUBLISHED_FILE
     earlier = int(bounded_json.loads(path.read_text())["parts"]) if path.is_file() else 0
     ref = decode(release.frame).meta_as(ReleaseMeta).ref()  # named in the presence (PROTOCOL.md §12)
-    parts = fleet.publish_release(release.frame, round, earlier_parts=earlier, ref=ref, delta=release.delta)
-    write_bytes(Path(releases_dir) / CURRENT_FILE, release.frame)
+    if isinstance(release, RollbackRelease):
+        parts = fleet.publish_release(release.frame, round, earlier_parts=earlier, ref=ref,
+                                      restore=RestoreRelease(release.restore, release.holders), have=have)
+        (releases_dir / PREVIOUS_FILE).unlink(missing_ok=True)
+    else:
+        parts = fleet.publish_release(release.frame, round, earlier_parts=earlier, ref=ref, delta=release.delta,
+                                      have=have)
+        if (current := published_frame(releases_dir)) is not None:
+            write_bytes(releases_dir / PREVIOUS_FILE, current)
+    write_bytes(releases_dir / CURRENT_FILE, release.frame)
     write_json(path, {"parts": parts, "round": round})
     return parts
+
+
+def fleet_current(releases_dir: Path) -> ReleaseRef | None:
+    """The release published last from ``releases_dir``, by reference."""
+    frame = published_frame(releases_dir)
+    return decode(frame).meta_as(ReleaseMeta).ref() if frame is not None else None
 
 
 def resume_release(fleet: Fleet, releases_dir: Path) -> ReleaseRef | None:

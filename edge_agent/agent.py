@@ -289,11 +289,16 @@ class Agent:
                               message.header.sender)
         else:
             self._step = f"the {message.type.value} of round {message.header.round}"
+            had = tier.installed_release()
             with interruptible():  # a SIGTERM ends an install or a training at once (module docstring)
                 reply = tier.handle(message)
             self._step = None
             if reply is not None:
                 self._send(reply)
+            if tier.installed_release() != had and self._speaks(RELEASE_REFS) and transport.connected.is_set():
+                # the retained status names the release it has (PROTOCOL.md §12): a coordinator that
+                # starts later reads it there, and sends nothing to an agent that has the current one
+                transport.publish(self._topic(AgentChannel.STATUS), self._new_birth(), retain=True)
 
     def speaks_1_2(self) -> bool:
         """Whether the coordinator's presence announced protocol 1.2 or later (of this major)."""

@@ -213,6 +213,41 @@ def cmd_coordinator(args) -> int:
     return 0
 
 
+def cmd_release(args) -> int:
+    from edgepfl.coordinator import release_command
+
+    if args.action == "status":
+        if not args.run:
+            raise UsageError("edgepfl release status needs --run DIR (the run directory)")
+        return release_command.status(Path(args.run), args.json)
+    if not args.config:
+        raise UsageError(f"edgepfl release {args.action} needs --config (the run's config: broker, keys, rollout)")
+    from .config import ConfigError, load_run_config
+    from .specs import EMBEDDED_BROKER
+
+    config = load_run_config(args.config, args.set)
+    url = args.broker or config.broker.url
+    if url == EMBEDDED_BROKER:
+        raise ConfigError("edgepfl release needs the federation's broker URL (--broker mqtt://host:1883 or broker.url)")
+    if args.stages:
+        config = config.model_copy(update={"rollout": config.rollout.model_validate(
+            {**config.rollout.model_dump(), "stages": args.stages})})
+    run = Path(args.run or f"runs/{config.federation}")
+    if args.action == "rollback":
+        return release_command.rollback(config, run, url, args.heads, args.wait)
+    require_installed("torch", "edgepfl release publish")
+    return release_command.publish(config, run, url, Path(args.export) if args.export else None, args.heads,
+                                   args.wait)
+
+
+def _stages(text: str) -> list[float]:
+    """``0.05,0.25,1`` -> [0.05, 0.25, 1.0]."""
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of shares (e.g. 0.05,0.25,1)") from None
+
+
 def cmd_agent(args) -> int:
     from edgepfl.edge_agent import run_agent
 
@@ -318,7 +353,7 @@ def cmd_config(args) -> int:
         raise UsageError("--method picks the method of a --template; the reference and the schema cover every method")
     if args.template:
         try:
-            text = config_docs.template_yaml(args.template, method=args.method)
+            text = config_docs.template_yaml(args.template, method=args.method or "fedavg")
         except KeyError as exc:  # the registry's "unknown method …; available: …"
             raise UsageError(str(exc.args[0])) from None
         print(text, end="")
@@ -398,6 +433,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="delete the agent's saved state (personal models, task order, installed release) first")
     a.set_defaults(func=cmd_agent)
 
+    rel = command("release", "publish a run's encoder by stages, roll a release back, or show a rollout")
+    rel.add_argument("action", choices=["publish", "rollback", "status"])
+    rel.add_argument("--config", default=None, help="the run's config (publish, rollback): federation, broker, keys, "
+                                                   "rollout")
+    rel.add_argument("--run", default=None, help="the run directory (default: runs/<federation>)")
+    rel.add_argument("--export", default=None, help="publish: an exported encoder directory instead of the checkpoint")
+    rel.add_argument("--broker", default=None)
+    rel.add_argument("--stages", type=_stages, default=None, help="publish: override rollout.stages, e.g. 0.1,0.5,1")
+    rel.add_argument("--heads", type=_count, default=0, help="head agents to wait for before the first stage")
+    rel.add_argument("--wait", type=float, default=60.0, help="seconds to wait for --heads head agents")
+    rel.add_argument("--json", action="store_true", help="status: the record as JSON")
+    _with_set(rel)
+    rel.set_defaults(func=cmd_release)
+
     r = command("report", "table and plots for a run directory")
     r.add_argument("--run", required=True)
     r.add_argument("--target", type=_accuracy, action="append", default=[], metavar="ACC",
@@ -426,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     what = g.add_mutually_exclusive_group()
     what.add_argument("--template", choices=["run", "agent"], help="a commented YAML config with every default")
     what.add_argument("--schema", choices=["run", "agent"], help="the config's JSON Schema")
-    g.add_argument("--method", default="fedavg", help="--template run: whose method options to list")
+    g.add_argument("--method", default=None, help="--template run: whose method options to list (default: fedavg)")
     g.set_defaults(func=cmd_config)
 
     for name, target, help_text in DELEGATES:

@@ -31,6 +31,7 @@ from .privacy import PrivacySpec
 from .protocol.codec import DEFAULT_BLOCK, CodecName, UplinkSpec
 from .protocol.run import DataShape, MethodChoice, Normalization, RunSpec
 from .protocol.topics import check_segment
+from .rollout import RolloutSpec
 from .simulation import SimulationSpec
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -243,6 +244,8 @@ class RunConfig(_Strict):
     simulation: SimulationSpec = Field(
         default_factory=SimulationSpec, description="simulate --in-process: how the devices differ (compute, links, "
                                                     "availability); time there is virtual")
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec,
+                                 description="how edgepfl release publish rolls a release out: stages and their gate")
     release_ttl_s: float = Field(
         30 * 86400.0, gt=0, description="a release expires this long after it is published: head agents refuse to "
                                         "install it later (one that installed it keeps it)")

@@ -32,6 +32,7 @@ class ExitCode(enum.IntEnum):
     BROKER = 4  #: the MQTT broker cannot be reached, or refused us
     EXTRA = 5  #: an optional extra (torch, onnxruntime, ...) is not installed
     MEMORY = 6  #: out of memory (an allocation, or a library that could not be mapped): retrying may help
+    HALTED = 7  #: a staged rollout stopped at a failed gate (``edgepfl release publish``): the release was rolled back
     TERMINATED = 143  #: stopped by SIGTERM (128 + 15)
     INTERRUPTED = 130  #: stopped by SIGINT / Ctrl-C (128 + 2)
 
@@ -198,6 +199,8 @@ def classify(exc: BaseException) -> tuple[ExitCode, str]:
         if top in EXTRA_OF_MODULE:
             return ExitCode.EXTRA, f"this command needs {top}, which is not installed; " \
                                    f"pip install 'edgepfl[{EXTRA_OF_MODULE[top]}]'"
+    if type(exc).__name__ == "RolloutHalted":  # the coordinator app's; the core does not import apps
+        return ExitCode.HALTED, str(exc)
     if isinstance(exc, (ConfigError, UsageError, KeyFileError, ModelSpecError)):  # a key file: configuration too
         return ExitCode.USAGE, str(exc)
     if isinstance(exc, ValidationError):

@@ -1,8 +1,8 @@
-"""Who is sent a release as a delta, and who whole (coordinator/head_releases.py, protocol 1.7)."""
+"""Who is sent a release as a delta, a restore or whole, and who is sent a staged one (coordinator/head_releases.py)."""
 
 from __future__ import annotations
 
-from edgepfl.coordinator.head_releases import DeltaRelease, HeadReleases
+from edgepfl.coordinator.head_releases import DeltaRelease, HeadReleases, RestoreRelease
 from edgepfl.protocol import Capabilities, ReleaseRef, StatusMeta
 
 FIRST, SECOND = ReleaseRef(release_id="fedavg-r0-aaaa", sequence=1), ReleaseRef(release_id="fedavg-r1-bbbb", sequence=2)
@@ -100,3 +100,48 @@ def test_a_resumed_release_goes_whole():
     heads.resumed(WHOLE, 1, SECOND)
     heads.status("pi", status(FIRST, codecs=["q4"]), True)
     assert sent.to("pi") == [WHOLE]
+
+
+BAD = ReleaseRef(release_id="fedavg-r2-dddd", sequence=3)
+FIRST_AGAIN = ReleaseRef(release_id=FIRST.release_id, sequence=4)  # a rollback to the first release
+
+
+def test_a_staged_release_goes_only_to_the_admitted_agents_then_to_everyone_when_promoted():
+    sent = Sent()
+    heads = releases_with_a_delta(sent)
+    for agent in ("canary", "pi", "late"):
+        heads.status(agent, status(FIRST, version="1.8", codecs=["q4"]), True)
+    heads.stage(WHOLE, 1, SECOND, ["canary", "late"], DeltaRelease(base=FIRST, frame=DELTA, codec="q4"))
+    assert sent.to("canary") == [DELTA] and sent.to("pi") == [] and sent.to("late") == [DELTA]
+    heads.status("newcomer", status(None, version="1.8"), True)  # not admitted: gets the current release
+    assert sent.to("newcomer") == [b"first"]
+    heads.reported("canary", SECOND.release_id, refused=False)
+    heads.published(WHOLE, 1, SECOND, DeltaRelease(base=FIRST, frame=DELTA, codec="q4"), have=["canary"])
+    assert sent.to("canary") == [DELTA]  # installed in its stage: not sent again
+    assert sent.to("pi") == [DELTA] and sent.to("newcomer") == [b"first", WHOLE]
+
+
+def test_a_halted_release_is_sent_to_no_one_and_the_rollback_restores_where_the_release_is_held():
+    """After a halt, the release gone back to is published again under a new sequence: an agent
+    of 1.8 that holds it — installed, or kept before the halted one — gets its restore form, even
+    if the release was sent to it earlier in the session; others get it whole; a refused restore
+    is followed by the whole release."""
+    sent = Sent()
+    heads = releases_with_a_delta(sent)
+    heads.status("canary", status(FIRST, version="1.8"), True)
+    heads.status("pi", status(None, version="1.8"), True)  # sent the first release whole in this session
+    heads.reported("pi", FIRST.release_id, refused=False)
+    heads.status("old", status(FIRST, version="1.7"), True)
+    heads.status("empty", status(None, version="1.8", connection=2, session="7a" * 16), True)
+    heads.stage(b"bad", 2, BAD, ["canary"])
+    heads.reported("canary", BAD.release_id, refused=False)
+    heads.unstage()
+    heads.status("late", status(FIRST, version="1.8"), True)  # the halted release goes to no one now
+    assert sent.to("canary") == [b"bad"] and sent.to("late") == []
+    holders = frozenset({FIRST.release_id, BAD.release_id})
+    heads.published(b"first again", 0, FIRST_AGAIN, restore=RestoreRelease(b"restore first", holders))
+    assert sent.to("canary") == [b"bad", b"restore first"]
+    assert sent.to("pi") == [b"first", b"restore first"]
+    assert sent.to("old")[-1] == b"first again"  # 1.7 keeps no release before the installed one
+    heads.reported("pi", FIRST.release_id, refused=True)  # its kept files are gone, say
+    assert sent.to("pi") == [b"first", b"restore first", b"first again"]

@@ -96,7 +96,8 @@ class ScriptedFleet(Fleet):
         time.sleep(min(timeout, 0.01))
         return None
 
-    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref=None, delta=None) -> int:
+    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref=None, delta=None, restore=None,
+                        have=()) -> int:
         return 0
 
     def agent_status(self, agent_id: str, status: StatusMeta, came_online: bool) -> None:
@@ -302,7 +303,8 @@ class HeadFleet(ScriptedFleet):
         self.releases: list[int] = []
         self.refusing = refusing
 
-    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref=None, delta=None) -> int:
+    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref=None, delta=None, restore=None,
+                        have=()) -> int:
         self.releases.append(round)
         release_id = decode(frame).meta.release_id
         for agent_id, correct in (("pi-1", 7), ("pi-2", 9)):

@@ -275,9 +275,13 @@ def test_both_device_extras_install_what_fitting_a_generic_head_needs():
 # ----------------------------------------------------------------------------- config reference
 
 
-def test_config_reference_is_generated_from_the_models():
+def test_config_reference_is_generated_from_the_models(capsys):
     assert (REPO / "docs" / "CONFIG.md").read_text() == reference_markdown(), \
         "docs/CONFIG.md is out of date: run `edgepfl config > docs/CONFIG.md`"
+    from edgepfl.cli import main
+
+    assert main(["config"]) == 0  # the command the message above gives prints it
+    assert capsys.readouterr().out == reference_markdown()
 
 
 def test_config_reference_lists_every_field_and_method_option():

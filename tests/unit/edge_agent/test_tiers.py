@@ -269,6 +269,9 @@ class FakeTier:
     def restore(self):
         pass
 
+    def installed_release(self):
+        return None
+
     def handle(self, message):
         self.handled.append(message)
         return Reply(AgentChannel.UPDATE, b"answer", message.header.round)

@@ -1,0 +1,175 @@
+"""Staged rollout of a release over MQTT, with halt and rollback (docs/ROLLOUT.md).
+
+:class:`ReleaseService` is the coordinator's side of the fleet without a round loop: a
+connection as the coordinator (presence, signed frames), the registry of agents and the
+inbox that admits their statuses and reports. ``edgepfl release`` runs one between runs.
+
+:meth:`ReleaseService.roll_out` sends a release stage by stage (:mod:`edgepfl.rollout`
+says who is in a stage and judges it): the stage's head agents are sent it on their task
+topics — it is neither retained nor named in the presence, so no other device can take
+it — and the stage closes when each of them online has reported on it, or at the stage's
+timeout. A stage that passes admits the next; after the last, the release is *promoted*:
+retained and named in the presence, as a release published by a round loop is. A stage
+that fails *halts* the rollout: no one else is sent it, and the release before it is
+published again under a new sequence (:func:`.release.rollback_release`), which the
+devices that installed the bad one restore from their own kept files and which makes the
+bad one refused everywhere it reaches. Every decision is a line of
+``<run>/releases/rollout.jsonl`` and of the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from edgepfl.config import RunConfig
+from edgepfl.methods import create_method
+from edgepfl.metrics import HeadReport
+from edgepfl.protocol import CoordinatorMeta, ReleaseMeta, decode
+from edgepfl.protocol.signing import Keyring, load_signer
+from edgepfl.rollout import RolloutEvent, RolloutSpec, StageVerdict, judge_stage, stage_members
+
+from .fleet import MqttFleet
+from .gate import UpdateGate
+from .inbox import Inbox
+from .nack import Nacker
+from .registry import Registry
+from .release import (
+    BuiltRelease,
+    fleet_current,
+    publish_release,
+    published_frame,
+    resume_release,
+    rollback_release,
+)
+from .result import RunCounters
+
+log = logging.getLogger("edgepfl.coordinator.rollout")
+
+ROLLOUT_LOG = "rollout.jsonl"
+#: how often a stage checks whether all its devices reported
+CHECK_EVERY_S = 0.2
+
+
+class ReleaseService:
+    """The fleet as the coordinator sees it, for releases only: ``fleet`` connected as the
+    coordinator of ``config.federation``, releases recorded in ``releases_dir``."""
+
+    def __init__(self, config: RunConfig, fleet: MqttFleet, releases_dir: Path):
+        self.config = config
+        self.fleet = fleet
+        self.releases_dir = Path(releases_dir)
+        self.releases_dir.mkdir(parents=True, exist_ok=True)
+        security = config.security
+        self.signer = load_signer(security.signing_key) if security.signing_key else None
+        keyring = Keyring(Path(security.enrolled_dir)) if security.enrolled_dir else None
+        self.registry = Registry(clock=fleet.clock)
+        method = create_method(config.method.name, config.method.options())
+        gate = UpdateGate(config.federation, method, self.registry, max_bytes=config.broker.max_payload_bytes,
+                          keyring=keyring)  # no task is open: any update is rejected, as out of any round
+        self.inbox = Inbox(fleet, self.registry, gate, RunCounters(), keyring=keyring, clock=fleet.clock,
+                           nacks=Nacker(config.federation, fleet, self.registry, self.signer))
+        self.spec: RolloutSpec = config.rollout
+        self.salt = self.spec.order_salt or config.federation
+        resume_release(fleet, self.releases_dir)  # the presence names the fleet's current release
+        current = fleet_current(self.releases_dir)
+        fleet.announce(CoordinatorMeta(state="online", method=config.method.name, round=-1, release=current))
+
+    def settle(self, heads: int, wait_s: float) -> list[str]:
+        """Route traffic until ``heads`` head agents are online and have said what they run
+        (at most ``wait_s``; then a quiet moment for the reports on their installed release);
+        returns those online."""
+        online = self.fleet.head_releases.online
+        self.inbox.pump_until(lambda: len(online()) >= heads, self.fleet.clock.now() + wait_s)
+        current = fleet_current(self.releases_dir)
+        if current is not None:  # each head agent on it reports unasked: the paired gate's baseline
+            self.inbox.pump_until(self._all_reported(online(), current.release_id),
+                                  self.fleet.clock.now() + min(wait_s, 30.0))
+        return online()
+
+    def _all_reported(self, agents: list[str], release_id: str) -> Callable[[], bool]:
+        """A condition for :meth:`Inbox.pump_until`: each of ``agents`` still online has reported
+        on ``release_id`` (installed or refused). Checked at most every :data:`CHECK_EVERY_S`:
+        the inbox asks after every message, and the check is as long as the stage."""
+        checked = [float("-inf")]
+
+        def done() -> bool:
+            if time.monotonic() - checked[0] < CHECK_EVERY_S:
+                return False
+            checked[0] = time.monotonic()
+            online = set(self.fleet.head_releases.online())
+            reports = self._reports(release_id)
+            return all(a in reports for a in agents if a in online)
+
+        return done
+
+    def _reports(self, release_id: str) -> dict[str, HeadReport]:
+        return self.inbox.reports_by_release.get(release_id, {})
+
+    def _record(self, event: RolloutEvent) -> None:
+        with open(self.releases_dir / ROLLOUT_LOG, "a", encoding="utf-8") as f:
+            f.write(event.model_dump_json(exclude_none=True) + "\n")
+
+    def roll_out(self, release: BuiltRelease) -> bool:
+        """Roll ``release`` out by the run's stages; True when promoted, False when halted
+        (and, where a release was current before it, rolled back to that one)."""
+        message = decode(release.frame)
+        meta, round = message.meta_as(ReleaseMeta), message.header.round
+        ref, rid = meta.ref(), meta.release_id
+        stable = fleet_current(self.releases_dir)
+        baseline = dict(self._reports(stable.release_id)) if stable is not None else {}
+        stages = self.spec.stages
+        for k, share in enumerate(stages, 1):
+            admitted = stage_members(self.fleet.head_releases.online(), share, self.salt)
+            began = time.monotonic()
+            log.info("release %s, stage %d of %d (%.0f %%): %d head agents", rid, k, len(stages), 100 * share,
+                     len(admitted))
+            self.fleet.stage_release(release.frame, round, ref, admitted, release.delta)
+            self.inbox.pump_until(self._all_reported(admitted, rid), self.fleet.clock.now() + self.spec.stage_timeout_s)
+            verdict = judge_stage(admitted, self._reports(rid), baseline, self.spec)
+            self._record(RolloutEvent(release_id=rid, event="stage", stage=k, share=share, verdict=verdict,
+                                      agents=sorted(admitted), seconds=time.monotonic() - began, at=time.time()))
+            if not verdict.passed:
+                self._halt(release, k, verdict, stable_frame=published_frame(self.releases_dir))
+                return False
+            log.info("release %s passed stage %d: %d reports, mean change %s", rid, k, verdict.reported,
+                     _points(verdict.mean_change))
+        installed = [a for a, r in self._reports(rid).items() if not r.refused]
+        publish_release(self.fleet, release, round, self.releases_dir, have=installed)
+        self._record(RolloutEvent(release_id=rid, event="promoted", stage=len(stages), share=1.0, at=time.time()))
+        log.info("release %s promoted: retained and current for the whole fleet", rid)
+        return True
+
+    def _halt(self, release: BuiltRelease, stage: int, verdict: StageVerdict, stable_frame: bytes | None) -> None:
+        self.fleet.unstage_release()
+        rid = release.release_id
+        log.error("release %s halted at stage %d: %s", rid, stage, "; ".join(verdict.reasons))
+        self._record(RolloutEvent(release_id=rid, event="halted", stage=stage, verdict=verdict, at=time.time()))
+        if stable_frame is None:
+            log.warning("no release was current before %s: nothing to roll back to", rid)
+            return
+        self.rollback(stable_frame, rolled_back=[rid])
+
+    def rollback(self, frame: bytes, rolled_back: list[str]) -> str:
+        """Publish ``frame``'s release again under a new sequence: each head agent online that
+        holds it is sent its restore form (no bytes), the others it whole; wait for their
+        reports. Returns the release id gone back to."""
+        again = rollback_release(frame, self.releases_dir, self.config, self.signer, rolled_back=rolled_back)
+        on_bad = [a for a, r in self.fleet.head_releases.installed.items() if r in rolled_back]
+        target = again.ref.release_id
+        self.inbox.reports_by_release.pop(target, None)  # wait for reports on it as published now
+        began = time.monotonic()
+        publish_release(self.fleet, again, again.round, self.releases_dir)
+        self.inbox.pump_until(self._all_reported(self.fleet.head_releases.online(), target),
+                              self.fleet.clock.now() + self.spec.stage_timeout_s)
+        self._record(RolloutEvent(release_id=", ".join(rolled_back), event="rolled_back", to_release=target,
+                                  agents=sorted(on_bad), seconds=time.monotonic() - began, at=time.time()))
+        log.warning("rolled back to release %s (sequence %s): %d head agents were on %s", target, again.ref.sequence,
+                    len(on_bad), ", ".join(rolled_back))
+        return target
+
+
+def _points(change: float | None) -> str:
+    return "n/a (no device had a report on its previous release)" if change is None else f"{100 * change:+.1f} points"
