@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from typing import Any
 
 from edgepfl.config import ObserveSpec, RunConfig
@@ -134,6 +135,7 @@ class Observer:
                                     clock_ahead_s=_rounded(self.registry.clock_ahead(info.agent_id)),
                                     release=info.release, release_refused=self.registry.release_refused(info.agent_id)))
         agents.sort(key=lambda a: (not a.online, a.id))
+        releases = Counter(a.release or "none" for a in agents if a.tier == "head" and a.online)
         return FleetView(
             federation=self.federation, method=self.method, updated=round(now_wall, 3), started=round(self.started, 3),
             resumed_from=self.resumed_from, phase=self.phase, round=self.round, rounds=self.rounds,
@@ -144,6 +146,7 @@ class Observer:
             heartbeat_s=self.spec.view_heartbeat_s,
             release=self.release,
             online={tier: self.registry.count_online(tier) for tier in TIERS},
+            releases=dict(releases.most_common()),
             rejected=dict(sorted(self.counters.rejected.items())), refused=dict(sorted(self.counters.refused.items())),
             agents=agents,
         )

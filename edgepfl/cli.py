@@ -70,6 +70,7 @@ DELEGATES = (
     ("serve", "edgepfl.edge_agent.serve:main_serve",
      "answer images with a head agent's installed model, following its releases"),
     ("status", "edgepfl.coordinator.status:main_status", "live view of a running federation"),
+    ("dashboard", "edgepfl.coordinator.dashboard:main_dashboard", "the live fleet view as a web page"),
     ("provision", "edgepfl.provision:main_provision", "CA, broker config and ACL, per-agent bundles and keys"),
     ("conformance", "edgepfl.conformance.cli:main_conformance",
      "check an agent implementation against docs/PROTOCOL.md over a real broker"),

@@ -24,6 +24,9 @@ command -v faketime >/dev/null 2>&1 || need_apt+=(faketime)  # tests/integration
 # systemd-nspawn: tests/integration/test_systemd_unit.py boots this OS under a real systemd
 command -v systemd-nspawn >/dev/null 2>&1 || need_apt+=(systemd-container)
 [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || need_apt+=(dataset-fashion-mnist)
+# chromium: tests/integration/test_dashboard.py reads the dashboard in a real headless browser
+command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || need_apt+=(chromium-driver)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
     echo "setup: installing ${need_apt[*]} (apt)" >&2

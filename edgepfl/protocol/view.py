@@ -81,6 +81,9 @@ class FleetView(_View):
                                                          "state the last training round made), not a round's")
     release: str | None = Field(None, description="the current encoder release id")
     online: dict[str, int] = Field(default_factory=dict, description="tier -> agents online")
+    releases: dict[str, int] = Field(default_factory=dict, description="head agents online by the release they "
+                                                                       "run (none: nothing installed), all of them, "
+                                                                       "those left out of agents too")
     rejected: dict[str, int] = Field(default_factory=dict, description="run total of rejected messages by reason")
     refused: dict[str, int] = Field(default_factory=dict, description="run total of tasks refused by their agents, "
                                                                       "by reason")

@@ -114,6 +114,11 @@ def test_live_view_status_and_metrics_of_a_running_federation(mosquitto, tmp_pat
                 for name in re.findall(r"\bedgepfl_[a-z_]+", rule["expr"])}
         served = {name for name, _ in metrics}
         assert used and used <= served, sorted(used - served)
+        # and every metric the shipped Grafana dashboard's panels query
+        grafana = json.loads((REPO / "examples" / "grafana" / "edgepfl.json").read_text())
+        queried = {name for panel in grafana["panels"] for target in panel["targets"]
+                   for name in re.findall(r"\bedgepfl_[a-z_]+", target["expr"])}
+        assert queried and queried <= served, sorted(queried - served)
         assert ("edgepfl_uplink_bytes_total", ()) in metrics and ("edgepfl_downlink_bytes_total", ()) in metrics
 
         shown = _status(mosquitto.url, fed, "--json")
