@@ -57,7 +57,8 @@ PAGE = r"""<!doctype html>
     </div>
   </section>
   <section><h2>Accuracy by round</h2><svg id="curve" viewBox="0 0 400 180" preserveAspectRatio="none"></svg></section>
-  <section><h2>Releases on head agents</h2><table data-testid="releases"></table></section>
+  <section><h2>Releases on head agents</h2><table data-testid="releases"></table>
+    <p data-testid="rollout" class="muted"></p></section>
   <section><h2>Rejected and refused, by reason</h2><table data-testid="rejected"></table></section>
   <section class="wide">
     <h2>Agents</h2>
@@ -123,6 +124,13 @@ function draw() {
   rows(byTest("releases"), [{t: "release"}, {t: "online", num: 1}, {t: "listed", num: 1}, {t: "refused next", num: 1}],
     [...releases.entries()].sort((a, b) => b[1].online - a[1].online).map(([id, r]) =>
       [esc(id) + (id === v.release ? " (current)" : ""), r.online, r.listed, r.refused]));
+  const r = v.rollout;
+  byTest("rollout").innerHTML = !r ? "no staged rollout" :
+    `rollout of <b>${esc(r.release)}</b>: ${r.state === "promoted" ? "promoted to the whole fleet" :
+      `stage ${r.stage} of ${r.stages.length} (${(100 * r.stages[Math.max(0, r.stage - 1)]).toFixed(0)} %), ` +
+      `${r.reported} of ${r.admitted} reported` + (r.state === "staging" ? "" :
+        ` — <span class="warn">${r.state === "halted" ? "halted" : "halted and rolled back to " + esc(r.to_release)}: ` +
+        `${r.reasons.map(esc).join("; ")}</span>`)}`;
   const reasons = [...Object.entries(v.rejected || {}).map(([k, n]) => ["rejected", k, n]),
                    ...Object.entries(v.refused || {}).map(([k, n]) => ["refused", k, n])].sort((a, b) => b[2] - a[2]);
   rows(byTest("rejected"), [{t: ""}, {t: "reason"}, {t: "count", num: 1}],

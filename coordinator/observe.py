@@ -20,7 +20,7 @@ from typing import Any
 from edgepfl.config import ObserveSpec, RunConfig
 from edgepfl.metrics import RoundMetrics
 from edgepfl.protocol.backpressure import BoundedInbox
-from edgepfl.protocol.view import AgentView, FleetView, Phase, encode_view
+from edgepfl.protocol.view import AgentView, FleetView, Phase, RolloutView, encode_view
 
 from .fleet import Fleet
 from .registry import Registry
@@ -56,6 +56,7 @@ class Observer:
         self.last_accuracy_round: int | None = None
         self.last_accuracy_final = False
         self.release: str | None = None
+        self.rollout: RolloutView | None = None
         self._seen_revision = -1
         self._seen_rejections = -1
         self._dirty = True
@@ -97,6 +98,11 @@ class Observer:
     def released(self, release_id: str) -> None:
         self.release = release_id
         self._dirty = True
+
+    def rolling_out(self, rollout: RolloutView) -> None:
+        """A staged rollout moved (a stage began or was judged, a decision): the view says so at once."""
+        self.rollout = rollout
+        self.publish()
 
     def tick(self) -> None:
         """After every poll: notice presence and rejection changes; publish when due. O(1) unless publishing."""
@@ -147,6 +153,7 @@ class Observer:
             release=self.release,
             online={tier: self.registry.count_online(tier) for tier in TIERS},
             releases=dict(releases.most_common()),
+            rollout=self.rollout,
             rejected=dict(sorted(self.counters.rejected.items())), refused=dict(sorted(self.counters.refused.items())),
             agents=agents,
         )

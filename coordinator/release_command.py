@@ -94,7 +94,7 @@ def publish(config: RunConfig, run: Path, url: str, export: Path | None, heads: 
               f"{', '.join(f'{100 * s:g} %' for s in config.rollout.stages)}", flush=True)
         promoted = service.roll_out(release)
     finally:
-        service.fleet.close()
+        service.close()
     print(format_events(read_events(run)), flush=True)
     if not promoted:
         raise RolloutHalted(f"release {release.release_id} halted at a gate and rolled back; "
@@ -116,7 +116,7 @@ def rollback(config: RunConfig, run: Path, url: str, heads: int, wait_s: float) 
         service.settle(heads, wait_s)
         target = service.rollback(previous, rolled_back=[current.release_id])
     finally:
-        service.fleet.close()
+        service.close()
     print(f"rolled back from release {current.release_id} to {target}", flush=True)
     print(format_events(read_events(run)), flush=True)
     return 0

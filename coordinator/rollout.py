@@ -29,12 +29,14 @@ from edgepfl.methods import create_method
 from edgepfl.metrics import HeadReport
 from edgepfl.protocol import CoordinatorMeta, ReleaseMeta, decode
 from edgepfl.protocol.signing import Keyring, load_signer
+from edgepfl.protocol.view import RolloutView
 from edgepfl.rollout import RolloutEvent, RolloutSpec, StageVerdict, judge_stage, stage_members
 
 from .fleet import MqttFleet
 from .gate import UpdateGate
 from .inbox import Inbox
 from .nack import Nacker
+from .observe import Observer
 from .registry import Registry
 from .release import (
     BuiltRelease,
@@ -69,13 +71,32 @@ class ReleaseService:
         method = create_method(config.method.name, config.method.options())
         gate = UpdateGate(config.federation, method, self.registry, max_bytes=config.broker.max_payload_bytes,
                           keyring=keyring)  # no task is open: any update is rejected, as out of any round
-        self.inbox = Inbox(fleet, self.registry, gate, RunCounters(), keyring=keyring, clock=fleet.clock,
-                           nacks=Nacker(config.federation, fleet, self.registry, self.signer))
+        counters = RunCounters()
+        #: the fleet view (PROTOCOL.md §18) with the rollout's progress: the dashboard and edgepfl status show it
+        self.observer = Observer(config, fleet, self.registry, counters)
+        self.inbox = Inbox(fleet, self.registry, gate, counters, tick=self.observer.tick, keyring=keyring,
+                           clock=fleet.clock, nacks=Nacker(config.federation, fleet, self.registry, self.signer))
         self.spec: RolloutSpec = config.rollout
         self.salt = self.spec.order_salt or config.federation
         resume_release(fleet, self.releases_dir)  # the presence names the fleet's current release
         current = fleet_current(self.releases_dir)
         fleet.announce(CoordinatorMeta(state="online", method=config.method.name, round=-1, release=current))
+        if current is not None:
+            self.observer.released(current.release_id)
+        self.observer.start(None)
+        self.observer.enter("releasing", -1)
+
+    def close(self) -> None:
+        """The view says ``done``; the connection says goodbye."""
+        self.observer.enter("done", -1)
+        self.observer.close()
+        self.fleet.close()
+
+    def _show(self, release: str, stage: int, state: str, admitted: int = 0, reported: int = 0,
+              reasons: list[str] | None = None, to_release: str | None = None) -> None:
+        self.observer.rolling_out(RolloutView(release=release, stage=stage, stages=list(self.spec.stages),
+                                              state=state, admitted=admitted, reported=reported,
+                                              reasons=reasons or [], to_release=to_release))
 
     def settle(self, heads: int, wait_s: float) -> list[str]:
         """Route traffic until ``heads`` head agents are online and have said what they run
@@ -127,17 +148,25 @@ class ReleaseService:
             log.info("release %s, stage %d of %d (%.0f %%): %d head agents", rid, k, len(stages), 100 * share,
                      len(admitted))
             self.fleet.stage_release(release.frame, round, ref, admitted, release.delta)
+            self._show(rid, k, "staging", len(admitted))
             self.inbox.pump_until(self._all_reported(admitted, rid), self.fleet.clock.now() + self.spec.stage_timeout_s)
             verdict = judge_stage(admitted, self._reports(rid), baseline, self.spec)
             self._record(RolloutEvent(release_id=rid, event="stage", stage=k, share=share, verdict=verdict,
                                       agents=sorted(admitted), seconds=time.monotonic() - began, at=time.time()))
+            self._show(rid, k, "staging", verdict.admitted, verdict.reported, verdict.reasons)
             if not verdict.passed:
+                self._show(rid, k, "halted", verdict.admitted, verdict.reported, verdict.reasons)
                 self._halt(release, k, verdict, stable_frame=published_frame(self.releases_dir))
+                if (current := fleet_current(self.releases_dir)) is not None:
+                    self._show(rid, k, "rolled_back", verdict.admitted, verdict.reported, verdict.reasons,
+                               to_release=current.release_id)
                 return False
             log.info("release %s passed stage %d: %d reports, mean change %s", rid, k, verdict.reported,
                      _points(verdict.mean_change))
         installed = [a for a, r in self._reports(rid).items() if not r.refused]
         publish_release(self.fleet, release, round, self.releases_dir, have=installed)
+        self.observer.released(rid)
+        self._show(rid, len(stages), "promoted", len(installed), len(self._reports(rid)))
         self._record(RolloutEvent(release_id=rid, event="promoted", stage=len(stages), share=1.0, at=time.time()))
         log.info("release %s promoted: retained and current for the whole fleet", rid)
         return True
@@ -162,6 +191,7 @@ class ReleaseService:
         self.inbox.reports_by_release.pop(target, None)  # wait for reports on it as published now
         began = time.monotonic()
         publish_release(self.fleet, again, again.round, self.releases_dir)
+        self.observer.released(again.ref.release_id)
         self.inbox.pump_until(self._all_reported(self.fleet.head_releases.online(), target),
                               self.fleet.clock.now() + self.spec.stage_timeout_s)
         self._record(RolloutEvent(release_id=", ".join(rolled_back), event="rolled_back", to_release=target,

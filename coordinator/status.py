@@ -112,6 +112,19 @@ def follow_views(url: str, federation: str, *, timeout: float = 5.0, login: Brok
     return views()
 
 
+def _rollout(view: FleetView) -> str:
+    """The last staged rollout in one line."""
+    r = view.rollout
+    assert r is not None
+    where = f"stage {r.stage} of {len(r.stages)}, {r.reported} of {r.admitted} head agents reported"
+    if r.state == "promoted":
+        return f"{r.release} promoted to the whole fleet"
+    if r.state == "staging":
+        return f"{r.release} at {where}"
+    back = f"; rolled back to {r.to_release}" if r.to_release else ""
+    return f"{r.release} halted at {where}: {'; '.join(r.reasons)}{back}"
+
+
 def _ago(seconds: float) -> str:
     seconds = max(0.0, seconds)
     if seconds < 120:
@@ -149,7 +162,10 @@ def format_view(view: FleetView, *, now: float | None = None, max_agents: int = 
          else f"updates    {view.updates} in this round")
         + (" (staleness " + ", ".join(f"{k}: {n}" for k, n in view.staleness.items()) + ")" if view.staleness else ""),
         f"accuracy   {acc}",
-        f"release    {view.release or '-'}",
+        f"release    {view.release or '-'}"
+        + (" (head agents on it: " + ", ".join(f"{r} {n}" for r, n in view.releases.items()) + ")"
+           if view.releases else ""),
+        *([f"rollout    {_rollout(view)}"] if view.rollout is not None else []),
         "online     " + ", ".join(f"{n} {tier}" for tier, n in view.online.items()),
         "rejected   " + (", ".join(f"{reason} {n}" for reason, n in view.rejected.items()) or "none"),
         "refused    " + (", ".join(f"{reason} {n}" for reason, n in view.refused.items()) or "none"),

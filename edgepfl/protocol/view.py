@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from . import bounded_json
 
-__all__ = ["VIEW_FORMAT", "AgentView", "FleetView", "Phase", "encode_view", "parse_view"]
+__all__ = ["VIEW_FORMAT", "AgentView", "FleetView", "Phase", "RolloutView", "encode_view", "parse_view"]
 
 VIEW_FORMAT: Literal["edgepfl.view/1"] = "edgepfl.view/1"
 
@@ -52,6 +52,19 @@ class AgentView(_View):
     release: str | None = Field(None, description="head tier: the release installed, as its last status named it")
     release_refused: str | None = Field(
         None, description="head tier: the last release it did not install, and why (until it reports one installed)")
+
+
+class RolloutView(_View):
+    """The last staged rollout of a release (docs/ROLLOUT.md), as the release service ran it."""
+
+    release: str
+    stage: int = Field(ge=0, description="the stage in progress or last judged, 1-based (0: none yet)")
+    stages: list[float] = Field(description="the cumulative shares of the head agents online, the last 1.0")
+    state: Literal["staging", "promoted", "halted", "rolled_back"]
+    admitted: int = Field(0, ge=0, description="head agents admitted to the release so far")
+    reported: int = Field(0, ge=0, description="of them, those that reported on it (installed or refused)")
+    reasons: list[str] = Field(default_factory=list, description="halted: each gate that failed")
+    to_release: str | None = Field(None, description="rolled_back: the release the fleet went back to")
 
 
 class FleetView(_View):
@@ -87,6 +100,7 @@ class FleetView(_View):
     rejected: dict[str, int] = Field(default_factory=dict, description="run total of rejected messages by reason")
     refused: dict[str, int] = Field(default_factory=dict, description="run total of tasks refused by their agents, "
                                                                       "by reason")
+    rollout: RolloutView | None = Field(None, description="the last staged rollout of a release (edgepfl release)")
     agents: list[AgentView] = Field(default_factory=list, description="online agents first, then offline; by id")
     agents_left_out: int = Field(0, ge=0, description="agents not listed to keep the view in one MQTT message")
 

@@ -4,8 +4,8 @@ A real Mosquitto holds a retained fleet view; the dashboard is a real ``edgepfl 
 process; the page is read as an operator sees it:
 
 * a view of 10,000 agents (as large as one MQTT message of the default size allows, the
-  rest counted in ``agents_left_out``): the agent count, the head agents on each release
-  and the latest accuracy are on the page, and it redraws when the coordinator publishes
+  rest counted in ``agents_left_out``): the agent count, the head agents on each release,
+  the rollout's stage and the latest accuracy are on the page, and it redraws when the coordinator publishes
   the next view (the accuracy curve gains its point); the time the page took to draw it is
   recorded with a screenshot (``$EDGEPFL_TEST_ARTIFACTS`` or the test's folder);
 * a provisioned federation over TLS: the dashboard reads the view with the operator's
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from edgepfl.protocol.view import AgentView, FleetView, encode_view
+from edgepfl.protocol.view import AgentView, FleetView, RolloutView, encode_view
 
 from tests.conftest import require_mosquitto
 from tests.fleet_helpers import wait_until
@@ -44,7 +44,9 @@ def fleet_view(federation: str, agents: int, round: int, accuracy: float, starte
                      round=round, rounds=50, rounds_completed=round, last_accuracy=accuracy,
                      last_accuracy_round=round - 1, release=RELEASES[1],
                      online={"trainer": agents - heads, "head": len(online_heads)}, releases=releases,
-                     rejected={"unsigned": 3}, agents=listed)
+                     rejected={"unsigned": 3}, agents=listed,
+                     rollout=RolloutView(release=RELEASES[1], stage=2, stages=[0.05, 0.25, 1.0], state="staging",
+                                         admitted=1125, reported=1000))
 
 
 def publish_view(url: str, federation: str, payload: bytes, broker: dict | None = None) -> None:
@@ -145,6 +147,7 @@ def test_the_dashboard_shows_a_ten_thousand_agent_fleet_live_in_chromium(mosquit
         for release, count in shown.releases.items():  # every head agent online, the left-out ones too
             assert f"{release}{' (current)' if release == RELEASES[1] else ''} {count}" in releases, releases
         assert len(browser.find_elements("css selector", '[data-testid="agents"] tr')) == 201  # a page of 200
+        assert f"rollout of {RELEASES[1]}: stage 2 of 3 (25 %), 1000 of 1125 reported" in text(browser, "rollout")
         render_ms = float(browser.execute_script("return document.body.dataset.renderMs"))
 
         # the coordinator publishes the next view: the page follows it, the curve gains a point

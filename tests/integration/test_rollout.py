@@ -29,6 +29,7 @@ import yaml
 
 from edgepfl.config import SecuritySpec
 from edgepfl.coordinator.simulate import spawn_agent, stop_agents
+from edgepfl.coordinator.status import fetch_view
 from edgepfl.errors import ExitCode
 from edgepfl.protocol.signing import generate_keypair
 from edgepfl.rollout import stage_members
@@ -129,6 +130,10 @@ def test_a_bad_release_is_halted_at_the_canary_and_rolled_back_and_a_good_one_re
     assert (stage["event"], stage["stage"], set(stage["agents"])) == ("stage", 1, canary)
     assert not stage["verdict"]["passed"] and stage["verdict"]["mean_change"] < -0.2, stage
     assert (halt["event"], back["event"], back["to_release"]) == ("halted", "rolled_back", first_id)
+    shown = fetch_view(mosquitto.url, config.federation)  # what the dashboard and edgepfl status show
+    assert shown.rollout is not None and (shown.rollout.release, shown.rollout.state, shown.rollout.stage,
+                                          shown.rollout.to_release) == (bad, "rolled_back", 1, first_id)
+    assert shown.release == first_id and shown.phase == "done" and shown.rollout.reasons
     for agent in agents:
         log = agent_log(out, agent)
         if agent in canary:  # installed it, then went back from its own files
@@ -148,8 +153,14 @@ def test_a_bad_release_is_halted_at_the_canary_and_rolled_back_and_a_good_one_re
     assert events[-1]["event"] == "promoted"
     assert all(e["seconds"] > 0 for e in stages)
     assert all(installed(out, a)["release_id"] == good_id for a in agents)
+    shown = fetch_view(mosquitto.url, config.federation)
+    assert (shown.rollout.state, shown.rollout.stage, shown.release) == ("promoted", 3, good_id)
+    assert shown.releases == {good_id: HEADS}
     shown = release_command("status", "--run", str(out))
     assert shown.returncode == 0 and "promoted" in shown.stdout and "halted" in shown.stdout
+    table = subprocess.run([sys.executable, "-m", "edgepfl", "status", "--broker", mosquitto.url, "--federation",
+                            config.federation], capture_output=True, text=True, timeout=60)
+    assert f"rollout    {good_id} promoted to the whole fleet" in table.stdout, table.stdout + table.stderr
 
     # 4. an operator's rollback: every device back on the first release from its own files
     marks = {a: len(agent_log(out, a)) for a in agents}
