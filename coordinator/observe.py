@@ -18,6 +18,7 @@ from collections import Counter
 from typing import Any
 
 from edgepfl.config import ObserveSpec, RunConfig
+from edgepfl.logs import set_log_context
 from edgepfl.metrics import RoundMetrics
 from edgepfl.protocol.backpressure import BoundedInbox
 from edgepfl.protocol.view import AgentView, FleetView, Phase, RolloutView, encode_view
@@ -62,6 +63,7 @@ class Observer:
         self._dirty = True
         self._published_at = float("-inf")
         self.metrics: PrometheusMetrics | None = None
+        set_log_context(federation=self.federation, method=self.method)  # on every JSON log line
 
     def start(self, resumed_from: int | None) -> None:
         """The run begins (``resumed_from``: the checkpointed round it continues after); serve /metrics if asked."""
@@ -76,6 +78,7 @@ class Observer:
     def enter(self, phase: Phase, round: int) -> None:
         """A phase of the run begins: the view says so at once."""
         self.phase, self.round = phase, round
+        set_log_context(phase=phase, round=round)
         self.publish()
 
     def collecting(self, result: RoundResult) -> None:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from edgepfl.config import RunConfig
+from edgepfl.logs import set_log_context
 from edgepfl.methods import create_method
 from edgepfl.metrics import HeadReport
 from edgepfl.protocol import CoordinatorMeta, ReleaseMeta, decode
@@ -94,6 +95,7 @@ class ReleaseService:
 
     def _show(self, release: str, stage: int, state: str, admitted: int = 0, reported: int = 0,
               reasons: list[str] | None = None, to_release: str | None = None) -> None:
+        set_log_context(release=release, stage=stage)
         self.observer.rolling_out(RolloutView(release=release, stage=stage, stages=list(self.spec.stages),
                                               state=state, admitted=admitted, reported=reported,
                                               reasons=reasons or [], to_release=to_release))

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING
 from edgepfl import __version__
 from edgepfl.agent_config import AgentConfig
 from edgepfl.broker import exposure_warning
-from edgepfl.logs import LogLimiter
+from edgepfl.logs import LogLimiter, set_log_context
 from edgepfl.protocol import (
     CODECS,
     RELEASE_DELTAS,
@@ -289,6 +289,7 @@ class Agent:
                               message.header.sender)
         else:
             self._step = f"the {message.type.value} of round {message.header.round}"
+            set_log_context(round=message.header.round)
             had = tier.installed_release()
             with interruptible():  # a SIGTERM ends an install or a training at once (module docstring)
                 reply = tier.handle(message)
@@ -541,6 +542,7 @@ def reset_state(state_dir: str | Path) -> list[str]:
 
 def run_agent(config: AgentConfig) -> None:
     """Run an agent until SIGINT / SIGTERM (then it returns: the command exits 0)."""
+    set_log_context(federation=config.federation, agent=config.agent_id, tier=config.tier)  # on every JSON line
     agent = Agent(config)
     signal.signal(signal.SIGTERM, agent.terminate)
     signal.signal(signal.SIGINT, agent.terminate)

@@ -310,9 +310,13 @@ def cmd_report(args) -> int:
 def cmd_export(args) -> int:
     for module in ("torch", "onnx", "onnxruntime"):
         require(module, "edgepfl export")
+    def progress(step: str) -> None:  # seconds to minutes on a busy machine: each step is said as it begins
+        print(f"export: {step}", file=sys.stderr, flush=True)
+
+    progress("loading torch")
     from edgepfl.export.onnx_export import export_run
 
-    path = export_run(args.run, args.out, quantize=args.quantize or [])
+    path = export_run(args.run, args.out, quantize=args.quantize or [], progress=progress)
     print(f"exported to {path}")
     return 0
 

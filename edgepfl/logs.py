@@ -6,8 +6,11 @@ torch's: the root logger keeps Python's default (warnings and errors of other li
 still reach stderr through it).
 
 ``--log-format json`` writes one JSON object per line — ``time`` (ISO 8601, UTC),
-``level``, ``logger``, ``message``, and any extras a call passed
-(``log.info(..., extra={"round": 3, "agent": "pi-1"})``) — for journald or a log shipper.
+``level``, ``logger``, ``message``, the process's context (:func:`set_log_context`: the
+federation, the agent id and tier, the round in progress, ...) and any extras a call passed
+(``log.info(..., extra={"release": rid})``, which win over the context) — for journald or a
+log shipper: every line of an agent says which agent and federation it is about, every
+line of a coordinator which round, without each call having to say so.
 Nothing else goes to stderr as text then: Python warnings (a solver's ConvergenceWarning,
 say) and other libraries' warnings and errors become JSON lines too (loggers ``py.warnings``
 and theirs), so a journal read as JSON has no line that does not parse.
@@ -33,6 +36,26 @@ ROOT = "edgepfl"
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
 
 
+#: fields every JSON line of this process carries (set_log_context); a record's own extras win
+_CONTEXT: dict[str, str | int | float | bool | None] = {}
+
+
+def set_log_context(**fields: str | int | float | bool | None) -> None:
+    """Add ``fields`` to every JSON log line of this process from now on (None removes one):
+    a service sets who it is once (``federation``, ``agent``, ``tier``), a round loop its
+    ``round`` and ``phase`` as they change."""
+    for key, value in fields.items():
+        if value is None:
+            _CONTEXT.pop(key, None)
+        else:
+            _CONTEXT[key] = value
+
+
+def log_context() -> dict[str, str | int | float | bool | None]:
+    """The fields :func:`set_log_context` set (a copy)."""
+    return dict(_CONTEXT)
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per record: time, level, logger, message, extras (and the exception, if any)."""
 
@@ -42,6 +65,7 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
+            **_CONTEXT,
         }
         for key, value in vars(record).items():
             if key not in _STANDARD and not key.startswith("_"):

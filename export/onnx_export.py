@@ -113,15 +113,18 @@ def load_run(run_dir: str | Path) -> LoadedRun:
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, *, quantize: list[str] | tuple[str, ...] = (),
-               calibration: np.ndarray | None = None) -> Path:
+               calibration: np.ndarray | None = None, progress: Callable[[str], None] | None = None) -> Path:
     """Export ``run_dir``'s encoder (+ global heads) to ``out_dir``; returns the manifest path.
 
     ``quantize``: variants to add, from ``"int8"`` (onnxruntime dynamic quantization) and
     ``"fp16"``. ``calibration``: normalized images (N, C, H, W) for BatchNorm statistics
-    the checkpoint lacks; default: the run's clients' training images.
+    the checkpoint lacks; default: the run's clients' training images. ``progress`` is told
+    each step as it begins (``edgepfl export`` prints them).
     """
+    if progress is not None:
+        progress(f"loading the checkpoint of {run_dir}")
     run = load_run(run_dir)
-    return export_loaded(run, out_dir, quantize=quantize, calibration=calibration)
+    return export_loaded(run, out_dir, quantize=quantize, calibration=calibration, progress=progress)
 
 
 def export_state(state, meta: CheckpointMeta, out_dir: str | Path, *, quantize: list[str] | tuple[str, ...] = (),
@@ -138,7 +141,8 @@ def export_state(state, meta: CheckpointMeta, out_dir: str | Path, *, quantize: 
 
 
 def export_loaded(run: LoadedRun, out_dir: str | Path, *, quantize: list[str] | tuple[str, ...] = (),
-                  calibration: np.ndarray | None = None, rebase: Callable[[bytes], bytes] | None = None) -> Path:
+                  calibration: np.ndarray | None = None, rebase: Callable[[bytes], bytes] | None = None,
+                  progress: Callable[[str], None] | None = None) -> Path:
     """Write encoder, global heads, variants and manifest for a loaded run.
 
     ``rebase``: given the exported encoder's bytes (checked against torch first), the bytes to
@@ -147,6 +151,7 @@ def export_loaded(run: LoadedRun, out_dir: str | Path, *, quantize: list[str] | 
     hash, its id, and ``parity_max_abs`` against the trained encoder, quantization included."""
     import torch
 
+    step = progress or (lambda _: None)
     out_dir = Path(out_dir)
     make_dirs(out_dir)
     meta, method, model = run.meta, run.method, run.model
@@ -155,13 +160,16 @@ def export_loaded(run: LoadedRun, out_dir: str | Path, *, quantize: list[str] | 
     shared = run.state.shared_params()
     input_shape = meta.run.data.input_shape
 
+    step(f"{meta.run.method.name} round {meta.round}: BatchNorm statistics")
     bn_info = _prepare_batchnorm(encoder, prefix, shared, calibration, meta)
     encoder.eval()
     for p in encoder.parameters():
         p.requires_grad_(False)
 
+    step("tracing the encoder to ONNX")
     onnx_bytes = encoder_to_onnx(encoder, input_shape)
     probe = _probe_inputs(calibration, meta, input_shape)
+    step(f"checking onnxruntime against torch on {len(probe)} images")
     with torch.no_grad():
         ref = encoder(torch.from_numpy(probe)).numpy()
     got = make_session(onnx_bytes).run([OUTPUT_NAME], {INPUT_NAME: probe})[0]
@@ -195,6 +203,7 @@ def export_loaded(run: LoadedRun, out_dir: str | Path, *, quantize: list[str] | 
         from .quantize import quantize_encoder
 
         for kind in quantize:
+            step(f"quantizing the {kind} variant")
             path = quantize_encoder(out_dir / ENCODER_FILE, kind)
             variants[kind] = FileEntry(file=path.name, sha256=sha256_file(path), bytes=path.stat().st_size)
 

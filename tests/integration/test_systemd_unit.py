@@ -231,6 +231,8 @@ def test_the_agent_unit_stops_at_once_and_comes_online_by_itself_under_systemd(t
             except ValueError:
                 raise AssertionError(f"a non-JSON line in the unit's journal: {line!r}") from None
             assert isinstance(record, dict) and "message" in record, line
+            if record.get("logger", "").startswith("edgepfl."):  # ours: each says which agent, of which federation
+                assert (record.get("agent"), record.get("federation")) == (AGENT, FEDERATION), line
     finally:
         container.close()
         broker.stop()

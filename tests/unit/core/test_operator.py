@@ -127,6 +127,26 @@ def test_json_log_lines_carry_time_level_logger_message_and_extras():
     assert second["level"] == "error" and "RuntimeError: boom" in second["exception"]
 
 
+def test_every_json_line_carries_the_process_context_and_a_calls_extras_win():
+    from edgepfl.logs import log_context, set_log_context
+
+    stream = io.StringIO()
+    before = log_context()
+    try:
+        setup_logging("info", "json", stream=stream)
+        set_log_context(federation="demo", agent="pi-07", tier="head")
+        logging.getLogger("edgepfl.agent").info("release installed", extra={"release": "fedavg-r3"})
+        set_log_context(round=4, tier=None)
+        logging.getLogger("edgepfl.agent").warning("late", extra={"agent": "pi-08"})
+    finally:
+        set_log_context(**{k: None for k in log_context()}, **before)
+        setup_logging("warning")
+    first, second = (json.loads(line) for line in stream.getvalue().splitlines())
+    assert (first["federation"], first["agent"], first["tier"], first["release"]) == ("demo", "pi-07", "head",
+                                                                                      "fedavg-r3")
+    assert (second["round"], second["agent"], "tier" in second) == (4, "pi-08", False)
+
+
 def test_json_logs_carry_python_warnings_and_other_libraries_records_as_json_too():
     """Under --log-format json nothing reaches stderr as text: a library's warnings.warn (a
     solver's ConvergenceWarning on a device) and another library's logged error are JSON lines."""

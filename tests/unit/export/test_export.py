@@ -170,6 +170,18 @@ def test_int8_and_fp16_variants_listed_and_their_accuracy_change_measured(fedavg
     assert abs(report["fp16"]["delta"]) <= 0.02 and report["fp16"]["max_abs_feature_diff"] < 0.1
 
 
+def test_the_export_command_says_each_step_as_it_begins(fedavg_run, tmp_path, capsys):
+    from edgepfl.cli import main
+
+    assert main(["export", "--run", str(fedavg_run), "--out", str(tmp_path / "out"), "--quantize", "int8"]) == 0
+    captured = capsys.readouterr()
+    steps = [line.removeprefix("export: ") for line in captured.err.splitlines() if line.startswith("export: ")]
+    assert steps[0] == "loading torch" and steps[1].startswith("loading the checkpoint")
+    assert any(s.startswith("checking onnxruntime against torch") for s in steps) and steps[-1] == \
+        "quantizing the int8 variant"
+    assert captured.out.startswith("exported to")
+
+
 def test_unknown_quantization_is_an_error(fedavg_run, tmp_path):
     with pytest.raises(ValueError, match="unknown quantization"):
         export_run(fedavg_run, tmp_path / "x", quantize=["int4"])
