@@ -214,6 +214,15 @@ def cmd_coordinator(args) -> int:
     return 0
 
 
+def cmd_runs(args) -> int:
+    from edgepfl.coordinator import runs
+
+    if args.follow:
+        return runs.follow_run(Path(args.follow), out=lambda line: print(line, flush=True))
+    print(runs.list_runs(Path(args.dir)))
+    return 0
+
+
 def cmd_release(args) -> int:
     from edgepfl.coordinator import release_command
 
@@ -437,6 +446,12 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--reset-state", action="store_true",
                    help="delete the agent's saved state (personal models, task order, installed release) first")
     a.set_defaults(func=cmd_agent)
+
+    ru = command("runs", "the runs in a folder, or one run's rounds as they come (--follow)")
+    ru.add_argument("--dir", default="runs", help="the folder of run directories (default: runs)")
+    ru.add_argument("--follow", default=None, metavar="RUN", help="a run directory: print its metrics rows as the "
+                                                                "coordinator writes them, until the run ends")
+    ru.set_defaults(func=cmd_runs)
 
     rel = command("release", "publish a run's encoder by stages, roll a release back, or show a rollout")
     rel.add_argument("action", choices=["publish", "rollback", "status"])

@@ -239,6 +239,9 @@ class RunSession(BaseModel):
     resumed_from: int | None = Field(None, description="it resumed after this round's checkpoint")
     virtual_clock: bool = Field(False, description="its rounds ran on a simulation's virtual clock: their "
                                                    "metrics rows' seconds are simulated device time, not elapsed time")
+    pid: int | None = Field(None, description="the coordinator's process id (edgepfl runs tells a crashed run "
+                                              "from a running one on the same host)")
+    host: str | None = Field(None, description="the host name the coordinator ran on")
 
 
 class RunTimes(BaseModel):
@@ -261,6 +264,8 @@ def read_run_times(run_dir: str | Path) -> RunTimes:
 
 def record_run_start(run_dir: str | Path, resumed_from: int | None, virtual_clock: bool = False) -> None:
     """Append a session to ``run_times.json`` (atomically): a coordinator begins or resumes the run."""
+    import os
+    import socket
     import time
 
     from .atomic import write_json
@@ -268,7 +273,8 @@ def record_run_start(run_dir: str | Path, resumed_from: int | None, virtual_cloc
     times = read_run_times(run_dir)
     if resumed_from is None:
         times = RunTimes()  # a fresh run: earlier sessions in this directory were another run's
-    times.sessions.append(RunSession(started=time.time(), resumed_from=resumed_from, virtual_clock=virtual_clock))
+    times.sessions.append(RunSession(started=time.time(), resumed_from=resumed_from, virtual_clock=virtual_clock,
+                                     pid=os.getpid(), host=socket.gethostname()))
     write_json(Path(run_dir) / RUN_TIMES_FILE, times.model_dump(mode="json"))
 
 
