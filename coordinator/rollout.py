@@ -23,13 +23,14 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edgepfl.config import RunConfig
 from edgepfl.logs import set_log_context
 from edgepfl.methods import create_method
 from edgepfl.metrics import HeadReport
 from edgepfl.protocol import CoordinatorMeta, ReleaseMeta, decode
-from edgepfl.protocol.signing import Keyring, load_signer
+from edgepfl.protocol.signing import Keyring, Signer, load_signer
 from edgepfl.protocol.view import RolloutView
 from edgepfl.rollout import RolloutEvent, RolloutSpec, StageVerdict, judge_stage, stage_members
 
@@ -48,6 +49,9 @@ from .release import (
     rollback_release,
 )
 from .result import RunCounters
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .rounds import Coordinator
 
 log = logging.getLogger("edgepfl.coordinator.rollout")
 
@@ -77,8 +81,6 @@ class ReleaseService:
         self.observer = Observer(config, fleet, self.registry, counters)
         self.inbox = Inbox(fleet, self.registry, gate, counters, tick=self.observer.tick, keyring=keyring,
                            clock=fleet.clock, nacks=Nacker(config.federation, fleet, self.registry, self.signer))
-        self.spec: RolloutSpec = config.rollout
-        self.salt = self.spec.order_salt or config.federation
         resume_release(fleet, self.releases_dir)  # the presence names the fleet's current release
         current = fleet_current(self.releases_dir)
         fleet.announce(CoordinatorMeta(state="online", method=config.method.name, round=-1, release=current))
@@ -86,19 +88,21 @@ class ReleaseService:
             self.observer.released(current.release_id)
         self.observer.start(None)
         self.observer.enter("releasing", -1)
+        self.rollout = StagedRollout(config, fleet, self.inbox, self.observer, self.releases_dir, self.signer)
+
+    def roll_out(self, release: BuiltRelease) -> bool:
+        """:meth:`StagedRollout.roll_out`."""
+        return self.rollout.roll_out(release)
+
+    def rollback(self, frame: bytes, rolled_back: list[str]) -> str:
+        """:meth:`StagedRollout.rollback`."""
+        return self.rollout.rollback(frame, rolled_back)
 
     def close(self) -> None:
         """The view says ``done``; the connection says goodbye."""
         self.observer.enter("done", -1)
         self.observer.close()
         self.fleet.close()
-
-    def _show(self, release: str, stage: int, state: str, admitted: int = 0, reported: int = 0,
-              reasons: list[str] | None = None, to_release: str | None = None) -> None:
-        set_log_context(release=release, stage=stage)
-        self.observer.rolling_out(RolloutView(release=release, stage=stage, stages=list(self.spec.stages),
-                                              state=state, admitted=admitted, reported=reported,
-                                              reasons=reasons or [], to_release=to_release))
 
     def settle(self, heads: int, wait_s: float) -> list[str]:
         """Route traffic until ``heads`` head agents are online and have said what they run
@@ -108,11 +112,31 @@ class ReleaseService:
         self.inbox.pump_until(lambda: len(online()) >= heads, self.fleet.clock.now() + wait_s)
         current = fleet_current(self.releases_dir)
         if current is not None:  # each head agent on it reports unasked: the paired gate's baseline
-            self.inbox.pump_until(self._all_reported(online(), current.release_id),
+            self.inbox.pump_until(self.rollout.all_reported(online(), current.release_id),
                                   self.fleet.clock.now() + min(wait_s, 30.0))
         return online()
 
-    def _all_reported(self, agents: list[str], release_id: str) -> Callable[[], bool]:
+
+class StagedRollout:
+    """Rolls releases out by stages over a coordinator's connection (:class:`ReleaseService`'s
+    between runs, or the round loop's with ``rollout.in_runs``): its ``inbox`` routes the
+    reports, its ``observer`` shows the progress in the fleet view."""
+
+    def __init__(self, config: RunConfig, fleet: MqttFleet, inbox: Inbox, observer: Observer, releases_dir: Path,
+                 signer: Signer | None):
+        self.config, self.fleet, self.inbox, self.observer = config, fleet, inbox, observer
+        self.releases_dir, self.signer = Path(releases_dir), signer
+        self.spec: RolloutSpec = config.rollout
+        self.salt = self.spec.order_salt or config.federation
+
+    def _show(self, release: str, stage: int, state: str, admitted: int = 0, reported: int = 0,
+              reasons: list[str] | None = None, to_release: str | None = None) -> None:
+        set_log_context(release=release, stage=stage)
+        self.observer.rolling_out(RolloutView(release=release, stage=stage, stages=list(self.spec.stages),
+                                              state=state, admitted=admitted, reported=reported,
+                                              reasons=reasons or [], to_release=to_release))
+
+    def all_reported(self, agents: list[str], release_id: str) -> Callable[[], bool]:
         """A condition for :meth:`Inbox.pump_until`: each of ``agents`` still online has reported
         on ``release_id`` (installed or refused). Checked at most every :data:`CHECK_EVERY_S`:
         the inbox asks after every message, and the check is as long as the stage."""
@@ -151,7 +175,7 @@ class ReleaseService:
                      len(admitted))
             self.fleet.stage_release(release.frame, round, ref, admitted, release.delta)
             self._show(rid, k, "staging", len(admitted))
-            self.inbox.pump_until(self._all_reported(admitted, rid), self.fleet.clock.now() + self.spec.stage_timeout_s)
+            self.inbox.pump_until(self.all_reported(admitted, rid), self.fleet.clock.now() + self.spec.stage_timeout_s)
             verdict = judge_stage(admitted, self._reports(rid), baseline, self.spec)
             self._record(RolloutEvent(release_id=rid, event="stage", stage=k, share=share, verdict=verdict,
                                       agents=sorted(admitted), seconds=time.monotonic() - began, at=time.time()))
@@ -194,7 +218,7 @@ class ReleaseService:
         began = time.monotonic()
         publish_release(self.fleet, again, again.round, self.releases_dir)
         self.observer.released(again.ref.release_id)
-        self.inbox.pump_until(self._all_reported(self.fleet.head_releases.online(), target),
+        self.inbox.pump_until(self.all_reported(self.fleet.head_releases.online(), target),
                               self.fleet.clock.now() + self.spec.stage_timeout_s)
         self._record(RolloutEvent(release_id=", ".join(rolled_back), event="rolled_back", to_release=target,
                                   agents=sorted(on_bad), seconds=time.monotonic() - began, at=time.time()))
@@ -202,6 +226,21 @@ class ReleaseService:
                     len(on_bad), ", ".join(rolled_back))
         return target
 
-
 def _points(change: float | None) -> str:
     return "n/a (no device had a report on its previous release)" if change is None else f"{100 * change:+.1f} points"
+
+
+def release_to_fleet(co: Coordinator, release: BuiltRelease, round: int) -> bool:
+    """A round loop's release: by the run's stages when ``rollout.in_runs`` is set and the
+    fleet is behind a broker (its round loop waits, first for ``min_head_agents`` head agents,
+    then for the stages), else published to every head agent at once. False when a stage
+    halted it (the fleet stays on its current release)."""
+    c = co.config
+    if c.rollout.in_runs and isinstance(co.fleet, MqttFleet):
+        fleet = co.fleet  # first, up to wait_for_agents_s for min_head_agents: the stages are shares of those online
+        co.inbox.pump_until(lambda: len(fleet.head_releases.online()) >= c.min_head_agents,
+                            co.clock.now() + c.wait_for_agents_s)
+        return StagedRollout(co.config, co.fleet, co.inbox, co.observer, co.run_dir.releases_dir,
+                             co.signer).roll_out(release)
+    publish_release(co.fleet, release, round, co.run_dir.releases_dir)
+    return True

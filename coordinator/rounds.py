@@ -335,13 +335,16 @@ class Coordinator:
 
     # ---------------------------------------------------------------- releases
     def release(self, round: int) -> str | None:
-        """Export the frozen encoder and publish it (retained) for head-tier agents."""
-        from .release import build_release, publish_release
+        """Export the frozen encoder and release it to the head agents (by stages with
+        ``rollout.in_runs``); its id, or None when a stage halted it."""
+        from .release import build_release
+        from .rollout import release_to_fleet
 
         self.observer.enter("releasing", round)
         built = build_release(self._server_state(), self.checkpoint_meta(round), self.run_dir.releases_dir,
                               self.config, signer=self.signer)
-        publish_release(self.fleet, built, round, self.run_dir.releases_dir)
+        if not release_to_fleet(self, built, round):
+            return None  # halted at a stage and rolled back (docs/ROLLOUT.md): the fleet keeps its release
         self.releases[built.release_id] = round
         self.observer.released(built.release_id)
         self.progress.note(f"released encoder {built.release_id} ({built.sizes()}) to head-tier agents")

@@ -197,7 +197,8 @@ class RunConfig(_Strict):
                                 "the final evaluation; null: rounds alone decide")
     fraction: float = Field(1.0, gt=0, le=1, description="share of online agents sampled per round")
     min_agents: int = Field(2, ge=1, description="agents online before round 0 starts")
-    min_head_agents: int = Field(0, ge=0, description="head agents the run's end waits for (up to wait_for_agents_s) "
+    min_head_agents: int = Field(0, ge=0, description="head agents the run's end (and with rollout.in_runs each "
+                                                      "release) waits for, up to wait_for_agents_s, "
                                                       "to collect their reports on the last release; simulate "
                                                       "--head-agents sets it to the head agents it starts")
     quorum: float = Field(0.5, gt=0, le=1, description="share of sampled agents enough to close a round at timeout")

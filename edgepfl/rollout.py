@@ -61,7 +61,8 @@ class GateSpec(BaseModel):
 
 
 class RolloutSpec(BaseModel):
-    """A run's ``rollout:`` section: how ``edgepfl release publish`` rolls a release out."""
+    """A run's ``rollout:`` section: how ``edgepfl release publish`` (and, with ``in_runs``, the
+    coordinator) rolls a release out."""
 
     model_config = ConfigDict(defer_build=True, extra="forbid")
 
@@ -71,6 +72,9 @@ class RolloutSpec(BaseModel):
     stage_timeout_s: float = Field(600.0, gt=0, description="how long a stage waits for its devices' reports")
     min_reports: int = Field(1, ge=1, description="reports a stage needs to be judged at all")
     order_salt: str = Field("", max_length=64, description="orders the fleet for the stages (default: the federation)")
+    in_runs: bool = Field(False, description="the coordinator's own releases (release_every, release_at_end) go by "
+                                             "these stages too, its round loop waiting for each stage; false: to "
+                                             "every head agent at once")
 
     @field_validator("stages")
     @classmethod
