@@ -2,14 +2,17 @@
 
 ::
 
-    edgepfl release publish  --config run.yaml [--run DIR] [--export DIR] [--heads N]
+    edgepfl release publish  --config run.yaml [--run DIR] [--export DIR] [--heads N] [--hold]
+    edgepfl release promote  --config run.yaml [--run DIR] [--hold]
+    edgepfl release halt     --config run.yaml [--run DIR]
     edgepfl release rollback --config run.yaml [--run DIR]
     edgepfl release status   --run DIR [--json]
 
 ``publish`` releases the run's last checkpoint (or an encoder exported before, ``--export``)
 by the stages of the config's ``rollout:`` section, halting and rolling back on a failed
-gate; ``rollback`` publishes the release before the current one again, which head agents
-restore from their own files; ``status`` prints the rollout's record. The first two connect
+gate; with ``--hold`` it stops after each stage that passes, for ``promote`` to go on or
+``halt`` to roll it back; ``rollback`` publishes the release before the current one again,
+which head agents restore from their own files; ``status`` prints the rollout's record. The first two connect
 as the federation's coordinator (its broker login and signing key), so they refuse to run
 while the coordinator of the federation is online.
 """
@@ -73,8 +76,10 @@ def _service(config: RunConfig, run: Path, url: str):
     return ReleaseService(config, fleet, run / "releases")
 
 
-def publish(config: RunConfig, run: Path, url: str, export: Path | None, heads: int, wait_s: float) -> int:
-    """Roll out the run's checkpoint (or ``export``) by ``config.rollout``; 0 when promoted."""
+def publish(config: RunConfig, run: Path, url: str, export: Path | None, heads: int, wait_s: float,
+            hold: bool = False) -> int:
+    """Roll out the run's checkpoint (or ``export``) by ``config.rollout``; 0 when promoted (or,
+    with ``hold``, held after a stage that passed)."""
     from .release import build_release, release_of_export
 
     service = _service(config, run, url)
@@ -92,13 +97,54 @@ def publish(config: RunConfig, run: Path, url: str, export: Path | None, heads: 
         online = service.settle(heads, wait_s)
         print(f"release {release.release_id} ({release.sizes()}): {len(online)} head agents online; stages "
               f"{', '.join(f'{100 * s:g} %' for s in config.rollout.stages)}", flush=True)
-        promoted = service.roll_out(release)
+        outcome = service.roll_out(release, hold)
     finally:
         service.close()
+    return _finish(run, release.release_id, outcome)
+
+
+def promote(config: RunConfig, run: Path, url: str, heads: int, wait_s: float, hold: bool = False) -> int:
+    """Go on with the held release (every stage left, or with ``hold`` the next one)."""
+    from .rollout import read_held
+
+    held = read_held(run / "releases")
+    if held is None:
+        raise InputError(f"no release is held in {run / 'releases'} (edgepfl release publish --hold holds one)")
+    service = _service(config, run, url)
+    try:
+        service.settle(heads, wait_s)
+        outcome = service.rollout.promote(hold)
+    finally:
+        service.close()
+    return _finish(run, held.release_id, outcome)
+
+
+def halt(config: RunConfig, run: Path, url: str, heads: int, wait_s: float) -> int:
+    """Halt the held release and roll its devices back."""
+    from .rollout import read_held
+
+    held = read_held(run / "releases")
+    if held is None:
+        raise InputError(f"no release is held in {run / 'releases'}: nothing to halt")
+    service = _service(config, run, url)
+    try:
+        service.settle(heads, wait_s)
+        target = service.rollout.halt()
+    finally:
+        service.close()
+    print(f"release {held.release_id} halted" + (f"; the fleet is back on {target}" if target else ""), flush=True)
     print(format_events(read_events(run)), flush=True)
-    if not promoted:
-        raise RolloutHalted(f"release {release.release_id} halted at a gate and rolled back; "
+    return 0
+
+
+def _finish(run: Path, release_id: str, outcome: str) -> int:
+    print(format_events(read_events(run)), flush=True)
+    if outcome == "halted":
+        raise RolloutHalted(f"release {release_id} halted at a gate and rolled back; "
                             f"see 'edgepfl release status --run {run}'")
+    if outcome == "held":
+        print(f"release {release_id} is held: 'edgepfl release promote' goes on, 'edgepfl release halt' rolls it "
+              "back", flush=True)
     return 0
 
 

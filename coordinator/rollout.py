@@ -23,9 +23,13 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
+from edgepfl.atomic import write_bytes, write_json
 from edgepfl.config import RunConfig
+from edgepfl.errors import InputError
 from edgepfl.logs import set_log_context
 from edgepfl.methods import create_method
 from edgepfl.metrics import HeadReport
@@ -60,6 +64,46 @@ ROLLOUT_LOG = "rollout.jsonl"
 CHECK_EVERY_S = 0.2
 
 
+#: a held rollout: its whole frame, then its record (written last: the commit)
+CANDIDATE_FRAME, CANDIDATE_FILE = "candidate.frame", "candidate.json"
+
+Outcome = Literal["promoted", "halted", "held"]
+
+
+class HeldRollout(BaseModel):
+    """``candidate.json``: a release held between stages, and what its stages measured."""
+
+    model_config = ConfigDict(defer_build=True, extra="forbid")
+
+    release_id: str
+    stage: int = Field(ge=1, description="the last stage it passed")
+    reports: dict[str, HeadReport] = Field(description="the admitted devices' reports on it")
+    baseline: dict[str, HeadReport] = Field(description="their reports on the release before it")
+
+
+def read_held(releases_dir: Path) -> HeldRollout | None:
+    """The held rollout of ``releases_dir``, or None."""
+    path = Path(releases_dir) / CANDIDATE_FILE
+    if not (path.is_file() and (Path(releases_dir) / CANDIDATE_FRAME).is_file()):
+        return None
+    try:
+        return HeldRollout.model_validate_json(path.read_bytes())
+    except ValueError as exc:
+        raise InputError(f"{path} is not a held rollout: {str(exc).splitlines()[0]}") from None
+
+
+def hold_release(releases_dir: Path, frame: bytes, held: HeldRollout) -> None:
+    """Keep ``frame``'s rollout held: the frame, then the record (the commit)."""
+    write_bytes(Path(releases_dir) / CANDIDATE_FRAME, frame)
+    write_json(Path(releases_dir) / CANDIDATE_FILE, held.model_dump(mode="json"))
+
+
+def clear_held(releases_dir: Path) -> None:
+    """No rollout held any more: the record first, so that no half-held state remains."""
+    (Path(releases_dir) / CANDIDATE_FILE).unlink(missing_ok=True)
+    (Path(releases_dir) / CANDIDATE_FRAME).unlink(missing_ok=True)
+
+
 class ReleaseService:
     """The fleet as the coordinator sees it, for releases only: ``fleet`` connected as the
     coordinator of ``config.federation``, releases recorded in ``releases_dir``."""
@@ -90,9 +134,9 @@ class ReleaseService:
         self.observer.enter("releasing", -1)
         self.rollout = StagedRollout(config, fleet, self.inbox, self.observer, self.releases_dir, self.signer)
 
-    def roll_out(self, release: BuiltRelease) -> bool:
+    def roll_out(self, release: BuiltRelease, hold: bool = False) -> Outcome:
         """:meth:`StagedRollout.roll_out`."""
-        return self.rollout.roll_out(release)
+        return self.rollout.roll_out(release, hold)
 
     def rollback(self, frame: bytes, rolled_back: list[str]) -> str:
         """:meth:`StagedRollout.rollback`."""
@@ -159,16 +203,56 @@ class StagedRollout:
         with open(self.releases_dir / ROLLOUT_LOG, "a", encoding="utf-8") as f:
             f.write(event.model_dump_json(exclude_none=True) + "\n")
 
-    def roll_out(self, release: BuiltRelease) -> bool:
-        """Roll ``release`` out by the run's stages; True when promoted, False when halted
-        (and, where a release was current before it, rolled back to that one)."""
+    def roll_out(self, release: BuiltRelease, hold: bool = False) -> Outcome:
+        """Roll ``release`` out by the run's stages: ``promoted``, or ``halted`` (and, where a
+        release was current before it, rolled back to that one). With ``hold``, a stage that
+        passes (but the last) holds the rollout there: ``held`` until :meth:`promote` (``edgepfl
+        release promote``) goes on or :meth:`halt` rolls it back."""
+        held = read_held(self.releases_dir)
+        if held is not None:
+            raise InputError(f"release {held.release_id} is held after stage {held.stage}: promote or halt it first "
+                             "(edgepfl release promote / halt)")
+        stable = fleet_current(self.releases_dir)
+        baseline = dict(self._reports(stable.release_id)) if stable is not None else {}
+        return self._stages(release, 1, baseline, hold)
+
+    def promote(self, hold: bool = False) -> Outcome:
+        """Go on with the held release from the stage after the one it passed: every stage left,
+        or with ``hold`` the next one only."""
+        held = self._held()
+        frame = (self.releases_dir / CANDIDATE_FRAME).read_bytes()
+        self.inbox.reports_by_release.setdefault(held.release_id, {}).update(held.reports)
+        clear_held(self.releases_dir)
+        return self._stages(BuiltRelease(held.release_id, frame), held.stage + 1, held.baseline, hold)
+
+    def halt(self) -> str | None:
+        """Halt the held release (the operator's decision) and roll its devices back; the release
+        gone back to, or None when none was current before it."""
+        held = self._held()
+        verdict = StageVerdict(passed=False, reasons=["halted by the operator"], admitted=0,
+                               reported=len(held.reports), refused=0, paired=0)
+        clear_held(self.releases_dir)
+        self._halt(held.release_id, held.stage, verdict, stable_frame=published_frame(self.releases_dir))
+        current = fleet_current(self.releases_dir)
+        if current is not None:
+            self._show(held.release_id, held.stage, "rolled_back", reasons=verdict.reasons,
+                       to_release=current.release_id)
+        return current.release_id if current is not None else None
+
+    def _held(self) -> HeldRollout:
+        held = read_held(self.releases_dir)
+        if held is None:
+            raise InputError(f"no release is held in {self.releases_dir} (edgepfl release publish --hold holds one)")
+        return held
+
+    def _stages(self, release: BuiltRelease, first: int, baseline: dict[str, HeadReport], hold: bool) -> Outcome:
         message = decode(release.frame)
         meta, round = message.meta_as(ReleaseMeta), message.header.round
         ref, rid = meta.ref(), meta.release_id
-        stable = fleet_current(self.releases_dir)
-        baseline = dict(self._reports(stable.release_id)) if stable is not None else {}
         stages = self.spec.stages
         for k, share in enumerate(stages, 1):
+            if k < first:
+                continue
             admitted = stage_members(self.fleet.head_releases.online(), share, self.salt)
             began = time.monotonic()
             log.info("release %s, stage %d of %d (%.0f %%): %d head agents", rid, k, len(stages), 100 * share,
@@ -182,24 +266,30 @@ class StagedRollout:
             self._show(rid, k, "staging", verdict.admitted, verdict.reported, verdict.reasons)
             if not verdict.passed:
                 self._show(rid, k, "halted", verdict.admitted, verdict.reported, verdict.reasons)
-                self._halt(release, k, verdict, stable_frame=published_frame(self.releases_dir))
+                self._halt(rid, k, verdict, stable_frame=published_frame(self.releases_dir))
                 if (current := fleet_current(self.releases_dir)) is not None:
                     self._show(rid, k, "rolled_back", verdict.admitted, verdict.reported, verdict.reasons,
                                to_release=current.release_id)
-                return False
+                return "halted"
             log.info("release %s passed stage %d: %d reports, mean change %s", rid, k, verdict.reported,
                      _points(verdict.mean_change))
+            if hold and k < len(stages):
+                hold_release(self.releases_dir, release.frame, HeldRollout(
+                    release_id=rid, stage=k, reports=dict(self._reports(rid)), baseline=baseline))
+                self._show(rid, k, "held", verdict.admitted, verdict.reported)
+                self._record(RolloutEvent(release_id=rid, event="held", stage=k, share=share, at=time.time()))
+                log.info("release %s held after stage %d: edgepfl release promote goes on, halt rolls it back", rid, k)
+                return "held"
         installed = [a for a, r in self._reports(rid).items() if not r.refused]
         publish_release(self.fleet, release, round, self.releases_dir, have=installed)
         self.observer.released(rid)
         self._show(rid, len(stages), "promoted", len(installed), len(self._reports(rid)))
         self._record(RolloutEvent(release_id=rid, event="promoted", stage=len(stages), share=1.0, at=time.time()))
         log.info("release %s promoted: retained and current for the whole fleet", rid)
-        return True
+        return "promoted"
 
-    def _halt(self, release: BuiltRelease, stage: int, verdict: StageVerdict, stable_frame: bytes | None) -> None:
+    def _halt(self, rid: str, stage: int, verdict: StageVerdict, stable_frame: bytes | None) -> None:
         self.fleet.unstage_release()
-        rid = release.release_id
         log.error("release %s halted at stage %d: %s", rid, stage, "; ".join(verdict.reasons))
         self._record(RolloutEvent(release_id=rid, event="halted", stage=stage, verdict=verdict, at=time.time()))
         if stable_frame is None:
@@ -241,6 +331,6 @@ def release_to_fleet(co: Coordinator, release: BuiltRelease, round: int) -> bool
         co.inbox.pump_until(lambda: len(fleet.head_releases.online()) >= c.min_head_agents,
                             co.clock.now() + c.wait_for_agents_s)
         return StagedRollout(co.config, co.fleet, co.inbox, co.observer, co.run_dir.releases_dir,
-                             co.signer).roll_out(release)
+                             co.signer).roll_out(release) == "promoted"
     publish_release(co.fleet, release, round, co.run_dir.releases_dir)
     return True

@@ -245,9 +245,13 @@ def cmd_release(args) -> int:
     run = Path(args.run or f"runs/{config.federation}")
     if args.action == "rollback":
         return release_command.rollback(config, run, url, args.heads, args.wait)
+    if args.action == "halt":
+        return release_command.halt(config, run, url, args.heads, args.wait)
+    if args.action == "promote":
+        return release_command.promote(config, run, url, args.heads, args.wait, args.hold)
     require_installed("torch", "edgepfl release publish")
     return release_command.publish(config, run, url, Path(args.export) if args.export else None, args.heads,
-                                   args.wait)
+                                   args.wait, args.hold)
 
 
 def _stages(text: str) -> list[float]:
@@ -453,8 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                 "coordinator writes them, until the run ends")
     ru.set_defaults(func=cmd_runs)
 
-    rel = command("release", "publish a run's encoder by stages, roll a release back, or show a rollout")
-    rel.add_argument("action", choices=["publish", "rollback", "status"])
+    rel = command("release", "publish a run's encoder by stages, promote or halt a held one, roll back, show a "
+                             "rollout")
+    rel.add_argument("action", choices=["publish", "promote", "halt", "rollback", "status"])
     rel.add_argument("--config", default=None, help="the run's config (publish, rollback): federation, broker, keys, "
                                                    "rollout")
     rel.add_argument("--run", default=None, help="the run directory (default: runs/<federation>)")
@@ -463,6 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
     rel.add_argument("--stages", type=_stages, default=None, help="publish: override rollout.stages, e.g. 0.1,0.5,1")
     rel.add_argument("--heads", type=_count, default=0, help="head agents to wait for before the first stage")
     rel.add_argument("--wait", type=float, default=60.0, help="seconds to wait for --heads head agents")
+    rel.add_argument("--hold", action="store_true", help="publish, promote: stop after the next stage that passes "
+                                                        "(promote goes on, halt rolls it back)")
     rel.add_argument("--json", action="store_true", help="status: the record as JSON")
     _with_set(rel)
     rel.set_defaults(func=cmd_release)

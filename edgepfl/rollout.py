@@ -176,7 +176,7 @@ class RolloutEvent(BaseModel):
     model_config = ConfigDict(defer_build=True, extra="forbid")
 
     release_id: str
-    event: Literal["stage", "promoted", "halted", "rolled_back"]
+    event: Literal["stage", "held", "promoted", "halted", "rolled_back"]
     stage: int | None = Field(None, description="1-based stage, of len(stages)")
     share: float | None = None
     verdict: StageVerdict | None = None

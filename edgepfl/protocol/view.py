@@ -60,7 +60,7 @@ class RolloutView(_View):
     release: str
     stage: int = Field(ge=0, description="the stage in progress or last judged, 1-based (0: none yet)")
     stages: list[float] = Field(description="the cumulative shares of the head agents online, the last 1.0")
-    state: Literal["staging", "promoted", "halted", "rolled_back"]
+    state: Literal["staging", "held", "promoted", "halted", "rolled_back"]
     admitted: int = Field(0, ge=0, description="head agents admitted to the release so far")
     reported: int = Field(0, ge=0, description="of them, those that reported on it (installed or refused)")
     reasons: list[str] = Field(default_factory=list, description="halted: each gate that failed")

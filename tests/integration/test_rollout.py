@@ -10,9 +10,13 @@ tool between runs.
    the canary (4 devices) by the paired accuracy gate (the default gate) and rolled back. No device beyond
    the canary ever installs it; both canary devices are back on the first release from
    their own kept files (no download, no fit); every device now refuses the bad release.
-3. A good release goes through all three stages to 100 %, each stage's time recorded.
+3. A good release, held by the operator after the canary (``--hold``), is promoted
+   (``edgepfl release promote``) through the other two stages to 100 %, each stage's time
+   recorded.
 4. ``edgepfl release rollback`` puts the whole fleet back on the first release without
    downloading it: each head agent restores it from the files it kept.
+5. The good release once more, held at the canary and halted by the operator (``edgepfl
+   release halt``): the canary goes back, no other device installs it.
 """
 
 from __future__ import annotations
@@ -143,9 +147,13 @@ def test_a_bad_release_is_halted_at_the_canary_and_rolled_back_and_a_good_one_re
             assert "already installed" not in log[marks[agent]:], log[marks[agent]:]
         assert installed(out, agent)["release_id"] == first_id, agent
 
-    # 3. a good release: through all the stages to the whole fleet
-    promoted = release_command("publish", *common, "--export", str(good_export), "--stages", STAGES,
-                               "--heads", str(HEADS))
+    # 3. a good release, held after the canary by the operator, then promoted through the other stages
+    held = release_command("publish", *common, "--export", str(good_export), "--stages", STAGES,
+                           "--heads", str(HEADS), "--hold")
+    assert held.returncode == 0 and "is held" in held.stdout, held.stdout + held.stderr
+    assert {a for a in agents if installed(out, a)["release_id"] == good_id} == canary
+    assert fetch_view(mosquitto.url, config.federation).rollout.state == "held"
+    promoted = release_command("promote", *common, "--stages", STAGES, "--heads", str(HEADS))
     assert promoted.returncode == 0, promoted.stdout + promoted.stderr
     events = [json.loads(line) for line in (out / "releases" / "rollout.jsonl").read_text().splitlines()]
     stages = [e for e in events if e.get("release_id") == good_id and e["event"] == "stage"]
@@ -171,6 +179,20 @@ def test_a_bad_release_is_halted_at_the_canary_and_rolled_back_and_a_good_one_re
     for agent in agents:
         since = agent_log(out, agent)[marks[agent]:]
         assert "restored from the kept files" in since and "installing release" not in since, since[-2000:]
+
+    # 5. the good release again, held at the canary, and halted by the operator: the canary goes back
+    marks = {a: len(agent_log(out, a)) for a in agents}
+    held = release_command("publish", *common, "--export", str(good_export), "--stages", STAGES,
+                           "--heads", str(HEADS), "--hold")
+    assert held.returncode == 0 and "is held" in held.stdout, held.stdout + held.stderr
+    halted = release_command("halt", *common, "--stages", STAGES, "--heads", str(HEADS))
+    assert halted.returncode == 0 and f"the fleet is back on {first_id}" in halted.stdout, halted.stdout + halted.stderr
+    assert all(installed(out, a)["release_id"] == first_id for a in agents)
+    for agent in agents:
+        since = agent_log(out, agent)[marks[agent]:]
+        assert (f"release {good_id} installed" in since) == (agent in canary), (agent, since[-2000:])
+    assert release_command("halt", *common).returncode == int(ExitCode.DATA)  # nothing held any more
+
     stop_agents(procs)
     for agent in agents:
         assert "Traceback" not in agent_log(out, agent)
