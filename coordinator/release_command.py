@@ -73,7 +73,9 @@ def _service(config: RunConfig, run: Path, url: str):
         raise ConfigError(f"the coordinator of {config.federation} is online: it publishes releases itself; run "
                           "'edgepfl release' when it is done")
     fleet = MqttFleet(config.federation, config.broker, url=url, security=config.security)
-    return ReleaseService(config, fleet, run / "releases")
+    service = ReleaseService(config, fleet, run / "releases")
+    service.rollout.note = lambda line: print(line, flush=True)  # minutes per stage: each step as it happens
+    return service
 
 
 def publish(config: RunConfig, run: Path, url: str, export: Path | None, heads: int, wait_s: float,

@@ -172,6 +172,13 @@ class StagedRollout:
         self.releases_dir, self.signer = Path(releases_dir), signer
         self.spec: RolloutSpec = config.rollout
         self.salt = self.spec.order_salt or config.federation
+        #: told each step and decision in one line (edgepfl release prints them), besides the log
+        self.note: Callable[[str], None] | None = None
+
+    def _say(self, level: int, message: str) -> None:
+        log.log(level, "%s", message)
+        if self.note is not None:
+            self.note(message)
 
     def _show(self, release: str, stage: int, state: str, admitted: int = 0, reported: int = 0,
               reasons: list[str] | None = None, to_release: str | None = None) -> None:
@@ -255,8 +262,8 @@ class StagedRollout:
                 continue
             admitted = stage_members(self.fleet.head_releases.online(), share, self.salt)
             began = time.monotonic()
-            log.info("release %s, stage %d of %d (%.0f %%): %d head agents", rid, k, len(stages), 100 * share,
-                     len(admitted))
+            self._say(logging.INFO, f"release {rid}, stage {k} of {len(stages)} ({100 * share:.0f} %): "
+                                    f"{len(admitted)} head agents")
             self.fleet.stage_release(release.frame, round, ref, admitted, release.delta)
             self._show(rid, k, "staging", len(admitted))
             self.inbox.pump_until(self.all_reported(admitted, rid), self.fleet.clock.now() + self.spec.stage_timeout_s)
@@ -271,26 +278,26 @@ class StagedRollout:
                     self._show(rid, k, "rolled_back", verdict.admitted, verdict.reported, verdict.reasons,
                                to_release=current.release_id)
                 return "halted"
-            log.info("release %s passed stage %d: %d reports, mean change %s", rid, k, verdict.reported,
-                     _points(verdict.mean_change))
+            self._say(logging.INFO, f"release {rid} passed stage {k} in {time.monotonic() - began:.1f} s: "
+                                    f"{verdict.reported} reports, mean change {_points(verdict.mean_change)}")
             if hold and k < len(stages):
                 hold_release(self.releases_dir, release.frame, HeldRollout(
                     release_id=rid, stage=k, reports=dict(self._reports(rid)), baseline=baseline))
                 self._show(rid, k, "held", verdict.admitted, verdict.reported)
                 self._record(RolloutEvent(release_id=rid, event="held", stage=k, share=share, at=time.time()))
-                log.info("release %s held after stage %d: edgepfl release promote goes on, halt rolls it back", rid, k)
+                self._say(logging.INFO, f"release {rid} held after stage {k}")
                 return "held"
         installed = [a for a, r in self._reports(rid).items() if not r.refused]
         publish_release(self.fleet, release, round, self.releases_dir, have=installed)
         self.observer.released(rid)
         self._show(rid, len(stages), "promoted", len(installed), len(self._reports(rid)))
         self._record(RolloutEvent(release_id=rid, event="promoted", stage=len(stages), share=1.0, at=time.time()))
-        log.info("release %s promoted: retained and current for the whole fleet", rid)
+        self._say(logging.INFO, f"release {rid} promoted: retained and current for the whole fleet")
         return "promoted"
 
     def _halt(self, rid: str, stage: int, verdict: StageVerdict, stable_frame: bytes | None) -> None:
         self.fleet.unstage_release()
-        log.error("release %s halted at stage %d: %s", rid, stage, "; ".join(verdict.reasons))
+        self._say(logging.ERROR, f"release {rid} halted at stage {stage}: {'; '.join(verdict.reasons)}")
         self._record(RolloutEvent(release_id=rid, event="halted", stage=stage, verdict=verdict, at=time.time()))
         if stable_frame is None:
             log.warning("no release was current before %s: nothing to roll back to", rid)
@@ -312,9 +319,11 @@ class StagedRollout:
                               self.fleet.clock.now() + self.spec.stage_timeout_s)
         self._record(RolloutEvent(release_id=", ".join(rolled_back), event="rolled_back", to_release=target,
                                   agents=sorted(on_bad), seconds=time.monotonic() - began, at=time.time()))
-        log.warning("rolled back to release %s (sequence %s): %d head agents were on %s", target, again.ref.sequence,
-                    len(on_bad), ", ".join(rolled_back))
+        self._say(logging.WARNING, f"rolled back to release {target} (sequence {again.ref.sequence}) in "
+                                   f"{time.monotonic() - began:.1f} s: {len(on_bad)} head agents were on "
+                                   f"{', '.join(rolled_back)}")
         return target
+
 
 def _points(change: float | None) -> str:
     return "n/a (no device had a report on its previous release)" if change is None else f"{100 * change:+.1f} points"
