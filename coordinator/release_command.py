@@ -107,11 +107,7 @@ def publish(config: RunConfig, run: Path, url: str, export: Path | None, heads: 
 
 def promote(config: RunConfig, run: Path, url: str, heads: int, wait_s: float, hold: bool = False) -> int:
     """Go on with the held release (every stage left, or with ``hold`` the next one)."""
-    from .rollout import read_held
-
-    held = read_held(run / "releases")
-    if held is None:
-        raise InputError(f"no release is held in {run / 'releases'} (edgepfl release publish --hold holds one)")
+    held = _held(run)
     service = _service(config, run, url)
     try:
         service.settle(heads, wait_s)
@@ -123,11 +119,7 @@ def promote(config: RunConfig, run: Path, url: str, heads: int, wait_s: float, h
 
 def halt(config: RunConfig, run: Path, url: str, heads: int, wait_s: float) -> int:
     """Halt the held release and roll its devices back."""
-    from .rollout import read_held
-
-    held = read_held(run / "releases")
-    if held is None:
-        raise InputError(f"no release is held in {run / 'releases'}: nothing to halt")
+    held = _held(run)
     service = _service(config, run, url)
     try:
         service.settle(heads, wait_s)
@@ -137,6 +129,16 @@ def halt(config: RunConfig, run: Path, url: str, heads: int, wait_s: float) -> i
     print(f"release {held.release_id} halted" + (f"; the fleet is back on {target}" if target else ""), flush=True)
     print(format_events(read_events(run)), flush=True)
     return 0
+
+
+def _held(run: Path):
+    """The run's held rollout; InputError (exit 3) when none is held."""
+    from .rollout import read_held
+
+    held = read_held(run / "releases")
+    if held is None:
+        raise InputError(f"no release is held in {run / 'releases'} (edgepfl release publish --hold holds one)")
+    return held
 
 
 def _finish(run: Path, release_id: str, outcome: str) -> int:
