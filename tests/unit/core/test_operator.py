@@ -139,7 +139,7 @@ def test_every_json_line_carries_the_process_context_and_a_calls_extras_win():
         set_log_context(round=4, tier=None)
         logging.getLogger("edgepfl.agent").warning("late", extra={"agent": "pi-08"})
     finally:
-        set_log_context(**{k: None for k in log_context()}, **before)
+        set_log_context(**{**{k: None for k in log_context()}, **before})  # as the tests before left it
         setup_logging("warning")
     first, second = (json.loads(line) for line in stream.getvalue().splitlines())
     assert (first["federation"], first["agent"], first["tier"], first["release"]) == ("demo", "pi-07", "head",
