@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
-from .errors import ExitCode, OneLineParser, UsageError, report, require, require_installed
+from .errors import ExitCode, InputError, OneLineParser, UsageError, report, require, require_installed
 from .logs import FORMATS, LEVELS, setup_logging
 
 if TYPE_CHECKING:
@@ -323,8 +323,14 @@ def cmd_report(args) -> int:
 def cmd_export(args) -> int:
     for module in ("torch", "onnx", "onnxruntime"):
         require(module, "edgepfl export")
+    from .state import read_checkpoint_meta
+
+    run = Path(args.run)
+    if read_checkpoint_meta(run / "checkpoint" if (run / "checkpoint").is_dir() else run) is None:
+        raise InputError(f"no checkpoint in {run} (expected checkpoint/state.json): is it a run directory?")
+
     def progress(step: str) -> None:  # seconds to minutes on a busy machine: each step is said as it begins
-        print(f"export: {step}", file=sys.stderr, flush=True)
+        print(f"export: {step}", flush=True)
 
     progress("loading torch")
     from edgepfl.export.onnx_export import export_run

@@ -175,11 +175,11 @@ def test_the_export_command_says_each_step_as_it_begins(fedavg_run, tmp_path, ca
 
     assert main(["export", "--run", str(fedavg_run), "--out", str(tmp_path / "out"), "--quantize", "int8"]) == 0
     captured = capsys.readouterr()
-    steps = [line.removeprefix("export: ") for line in captured.err.splitlines() if line.startswith("export: ")]
+    steps = [line.removeprefix("export: ") for line in captured.out.splitlines() if line.startswith("export: ")]
     assert steps[0] == "loading torch" and steps[1].startswith("loading the checkpoint")
     assert any(s.startswith("checking onnxruntime against torch") for s in steps) and steps[-1] == \
         "quantizing the int8 variant"
-    assert captured.out.startswith("exported to")
+    assert captured.out.splitlines()[-1].startswith("exported to") and not captured.err
 
 
 def test_unknown_quantization_is_an_error(fedavg_run, tmp_path):
