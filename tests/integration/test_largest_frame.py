@@ -24,6 +24,11 @@ def test_an_agent_that_takes_smaller_frames_than_the_runs_tasks_is_sent_none_and
     out, url = tmp_path / "run", mosquitto.url
     procs = [spawn_agent(config, out, url, f"agent-{i:02d}", i) for i in range(2)]
     procs.append(spawn_agent(small, out, url, SMALL, 2))
+    # the run does not wait for it (it is never eligible): on a busy machine two rounds could
+    # end before it connects, and with them the chance to see what it declares
+    small_log = out / "agents" / f"{SMALL}.log"
+    wait_until(lambda: small_log.is_file() and f"agent {SMALL} (trainer tier) online" in small_log.read_text(), 180,
+               interval=0.2, what=f"{SMALL} online")
     fleet = MqttFleet(config.federation, config.broker, url=url)
     try:
         with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
