@@ -70,7 +70,7 @@ def publish_view(url: str, federation: str, payload: bytes, broker: dict | None 
 
 
 @pytest.fixture(scope="module")
-def browser():
+def browser(tmp_path_factory):
     chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
     if not (chromium and driver_path):
         pytest.skip("chromium and chromium-driver (apt) are needed: scripts/setup.sh installs them as root")
@@ -82,6 +82,8 @@ def browser():
     options.binary_location = chromium
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
         options.add_argument(flag)
+    # its profile in the test's folder: Chromium would leave org.chromium.Chromium.* folders in /tmp
+    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
     driver = webdriver.Chrome(service=Service(driver_path), options=options)
     yield driver
     driver.quit()
