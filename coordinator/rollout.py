@@ -35,7 +35,7 @@ from edgepfl.methods import create_method
 from edgepfl.metrics import HeadReport
 from edgepfl.protocol import CoordinatorMeta, ReleaseMeta, decode
 from edgepfl.protocol.signing import Keyring, Signer, load_signer
-from edgepfl.protocol.view import RolloutView
+from edgepfl.protocol.view import RolloutState, RolloutView
 from edgepfl.rollout import RolloutEvent, RolloutSpec, StageVerdict, judge_stage, stage_members
 
 from .fleet import MqttFleet
@@ -180,7 +180,7 @@ class StagedRollout:
         if self.note is not None:
             self.note(message)
 
-    def _show(self, release: str, stage: int, state: str, admitted: int = 0, reported: int = 0,
+    def _show(self, release: str, stage: int, state: RolloutState, admitted: int = 0, reported: int = 0,
               reasons: list[str] | None = None, to_release: str | None = None) -> None:
         set_log_context(release=release, stage=stage)
         self.observer.rolling_out(RolloutView(release=release, stage=stage, stages=list(self.spec.stages),

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from . import bounded_json
 
-__all__ = ["VIEW_FORMAT", "AgentView", "FleetView", "Phase", "RolloutView", "encode_view", "parse_view"]
+__all__ = ["VIEW_FORMAT", "AgentView", "FleetView", "Phase", "RolloutState", "RolloutView", "encode_view", "parse_view"]
 
 VIEW_FORMAT: Literal["edgepfl.view/1"] = "edgepfl.view/1"
 
@@ -54,13 +54,17 @@ class AgentView(_View):
         None, description="head tier: the last release it did not install, and why (until it reports one installed)")
 
 
+#: where a staged rollout stands (docs/ROLLOUT.md)
+RolloutState = Literal["staging", "held", "promoted", "halted", "rolled_back"]
+
+
 class RolloutView(_View):
     """The last staged rollout of a release (docs/ROLLOUT.md), as the release service ran it."""
 
     release: str
     stage: int = Field(ge=0, description="the stage in progress or last judged, 1-based (0: none yet)")
     stages: list[float] = Field(description="the cumulative shares of the head agents online, the last 1.0")
-    state: Literal["staging", "held", "promoted", "halted", "rolled_back"]
+    state: RolloutState
     admitted: int = Field(0, ge=0, description="head agents admitted to the release so far")
     reported: int = Field(0, ge=0, description="of them, those that reported on it (installed or refused)")
     reasons: list[str] = Field(default_factory=list, description="halted: each gate that failed")
