@@ -43,6 +43,7 @@ from edgepfl.protocol import (
 )
 from edgepfl.protocol.envelope import peek_header, peek_signed_part
 from edgepfl.protocol.evolution import MAJOR
+from edgepfl.protocol.secagg import SecAggMeta, SecAggTask
 from edgepfl.protocol.signing import Keyring, verify_signed_part
 
 from .registry import Registry
@@ -184,6 +185,16 @@ class Accepted:
     late: LateWindow | None = None
 
 
+@dataclass(frozen=True)
+class StepAnswer:
+    """A step of the open secure round from one of its agents (protocol 1.9): it answers
+    no task; the secure round reads it (:mod:`.secure_rounds`)."""
+
+    agent_id: str
+    meta: SecAggMeta
+    message_id: str = ""
+
+
 #: the most copies of one task a round sends (a lost task goes again on each reconnect up to
 #: this): statuses forged with ever higher connection numbers on an unsigned deployment
 #: cannot make the coordinator publish the model without bound
@@ -209,6 +220,9 @@ class Task:
     copies: int = 0
     #: the codec the task asked the update's change to be compressed with (None: uncompressed)
     uplink: UplinkSpec | None = None
+    #: a secure round's task (protocol 1.9): sent again with it; its answer is a masked vector,
+    #: which only the round's sum can check
+    secagg: SecAggTask | None = None
 
     def lost_with_connection(self, session: str | None, connection: int | None) -> bool:
         """Whether a birth of ``session`` on connection ``connection`` came after a connection
@@ -321,7 +335,8 @@ class UpdateGate:
         self._seen_round: int | None = None
 
     def admit(self, agent_id: str, frame: bytes, tasks: RoundTasks,
-              state: ServerState | None, late: Mapping[int, LateWindow] | None = None) -> Accepted | Refused | Rejection:
+              state: ServerState | None,
+              late: Mapping[int, LateWindow] | None = None) -> Accepted | Refused | Rejection | StepAnswer:
         """Check one frame from ``agent_id``'s update topic. Accepting an update or a refusal
         marks the agent's task answered, and so does a rejection that :meth:`ends_wait`.
 
@@ -336,12 +351,15 @@ class UpdateGate:
             attributed = attribute_raw(agent_id, frame, self.keyring)
             if attributed is not None and attributed.message_id in self._seen:
                 attributed = None  # a mangled copy of an answer already taken: nothing to tell or end
-            verdict: Accepted | Refused | Rejection = Rejection(agent_id, exc.reason, exc.detail, attributed)
+            verdict: Accepted | Refused | Rejection | StepAnswer = Rejection(agent_id, exc.reason, exc.detail,
+                                                                             attributed)
         else:
             verdict = self._check(agent_id, message, tasks, state, late)
             if not isinstance(verdict, Rejection):
                 self._seen.add(message.header.message_id)
-        if isinstance(verdict, Accepted) and verdict.late is not None:
+        if isinstance(verdict, StepAnswer):
+            pass  # a secure round's step answers no task
+        elif isinstance(verdict, Accepted) and verdict.late is not None:
             verdict.late.tasks.mark_answered(agent_id)
         elif not isinstance(verdict, Rejection) or self.ends_wait(verdict, tasks):
             tasks.mark_answered(agent_id)
@@ -366,14 +384,15 @@ class UpdateGate:
         return a.task_id is None or a.task_id == task.task_id
 
     def _check(self, agent_id: str, message: Message, tasks: RoundTasks,
-               state: ServerState | None, late: Mapping[int, LateWindow] | None = None) -> Accepted | Refused | Rejection:
+               state: ServerState | None,
+               late: Mapping[int, LateWindow] | None = None) -> Accepted | Refused | Rejection | StepAnswer:
         h = message.header
         attributed, forged = _sender_checks(agent_id, message, self.keyring)
 
         def reject(reason: str, detail: str) -> Rejection:
             return Rejection(agent_id, reason, detail, attributed)
 
-        if message.type not in (MessageType.UPDATE, MessageType.REFUSAL):
+        if message.type not in (MessageType.UPDATE, MessageType.REFUSAL, MessageType.SECAGG):
             return reject("wrong_type", f"{h.type.value} on an update topic")
         if h.sender != agent_id:
             return reject("wrong_sender", f"sender {h.sender} on {agent_id}'s topic")
@@ -389,6 +408,8 @@ class UpdateGate:
             return self._check_late(agent_id, message, late[h.round], reject)
         if h.round != tasks.round:
             return reject("stale", f"update for round {h.round}, current round is {tasks.round}")
+        if message.type == MessageType.SECAGG:  # the secure round checks what it says (it may be closed)
+            return StepAnswer(agent_id, message.meta_as(SecAggMeta), h.message_id)
         if tasks.closed:
             return reject("stale", f"update for round {h.round}, which is closed")
         answer: UpdateMeta | RefusalMeta = message.meta  # type: ignore[assignment]
@@ -444,6 +465,10 @@ class UpdateGate:
         # What the device says it trained on, up to the round's cap: its weight (never a rejection)
         weight = meta.num_train if tasks.weight_cap is None else min(meta.num_train, tasks.weight_cap)
         tensors = message.tensors
+        if task.secagg is not None:  # a masked vector: the secure round's sum checks its shape, nothing can check more
+            if meta.codec is not None:
+                return reject("malformed", "a secure round's update is masked, not compressed")
+            return Accepted(agent_id, meta, ClientUpdate(agent_id, weight, tensors), message.header.message_id)
         if meta.codec is not None:
             decoded = self._decompressed(agent_id, message, task, state)
             if isinstance(decoded, tuple):

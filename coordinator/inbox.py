@@ -37,6 +37,7 @@ from .gate import (
     Refused,
     Rejection,
     RoundTasks,
+    StepAnswer,
     Task,
     UpdateGate,
     admit_metrics,
@@ -110,6 +111,8 @@ class Inbox:
         self._sink: RoundSink | None = None
         self._state: ServerState | None = None
         self._late: Mapping[int, LateWindow] | None = None
+        #: takes the open secure round's ``secagg`` steps (None: no secure round open; they are ignored)
+        self.steps: Callable[[StepAnswer], None] | None = None
         #: sends a task of the open round again, same id (returns the bytes sent); None where
         #: the fleet cannot lose a task (:attr:`~.fleet.Fleet.loses_tasks`)
         self.resend: Callable[[Task, int], int] | None = None
@@ -227,6 +230,10 @@ class Inbox:
         self._shows_life(incoming.agent_id, verdict)
         if isinstance(verdict, Rejection):
             return self._reject(verdict)
+        if isinstance(verdict, StepAnswer):
+            if self.steps is not None:
+                self.steps(verdict)
+            return
         # Accepting needs a task, and tasks come only with an open round and its sink.
         assert self._sink is not None
         self.registry.answered(incoming.agent_id)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from edgepfl.aggregation import Aggregator, GaussianMean, UpdateBound
+from edgepfl.aggregation import Aggregator, GaussianMean, SecureMean, UpdateBound
 from edgepfl.config import RunConfig
 from edgepfl.errors import require_installed
 from edgepfl.metrics import MetricsError, PrivacyRecord, read_metrics
@@ -50,6 +50,8 @@ class PrivacyLedger:
     def open(self, round: int, sampled: list[str], population: int) -> tuple[Aggregator, PrivacyRecord | None]:
         """The rule of a training round of ``sampled`` out of ``population`` eligible
         trainers, and (under DP) the round's record, its spend already counted."""
+        if self.config.secure_aggregation.enabled:  # masked updates: no bound can see one (config validation)
+            return SecureMean(), None
         if self.spec.mechanism == "none":
             return self.config.aggregation.build(), None
         spec, agg = self.spec, self.config.aggregation

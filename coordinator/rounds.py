@@ -32,7 +32,7 @@ import logging
 import time
 from pathlib import Path
 
-from edgepfl.aggregation import weight_cap
+from edgepfl.aggregation import AggregationRejected, weight_cap
 from edgepfl.config import ConfigError, RunConfig
 from edgepfl.failpoints import failpoint
 from edgepfl.methods import Method, ServerState, create_method
@@ -42,6 +42,7 @@ from edgepfl.protocol import (
     RunSpec,
     seed_for,
 )
+from edgepfl.protocol.secagg import SecAggTask
 from edgepfl.protocol.signing import Keyring, load_signer
 from edgepfl.state import CheckpointMeta
 
@@ -60,6 +61,7 @@ from .result import RoundResult, RunCounters
 from .rollback import RollbackPolicy
 from .run_dir import RunDirectory
 from .sampling import choose_participants
+from .secure_rounds import SecureRounds
 from .tasks import TaskWriter
 
 log = logging.getLogger("edgepfl.coordinator")
@@ -103,7 +105,7 @@ class Coordinator:
         if fleet.loses_tasks and config.asynchrony.mode == "sync":
             # a task lost with a connection goes again (buffered states move on without it)
             self.inbox.resend = lambda task, r: fleet.send(
-                task.agent_id, self.task_writer.frame(task.agent_id, task.kind, task.task_id, task.uplink)[1], r)
+                task.agent_id, self.task_writer.frame(task.agent_id, task.kind, task.task_id, task.uplink, secagg=task.secagg)[1], r)
         self.epoch = int(time.time() * 1000)  # a resumed run keeps its checkpoint's (init_or_resume)
         self.state: ServerState | None = None
         self.start_round = 0
@@ -173,6 +175,8 @@ class Coordinator:
         wait_for_agents(self)
         rows = []
         buffered = BufferedRounds(self) if c.asynchrony.mode == "buffered" else None
+        train = (buffered.run_state if buffered is not None else SecureRounds(self).run_round
+                 if c.secure_aggregation.enabled else lambda r: self._run_round(r, final=False))
         began = self.clock.now()
         for r in range(self.start_round, c.rounds):
             if c.time_budget_s is not None and self.clock.now() - began >= c.time_budget_s:
@@ -184,7 +188,7 @@ class Coordinator:
                 # Agents that dropped out get up to one round timeout to come back before we go on without them.
                 wait_for_agents(self, required=False)
             self.fleet.announce(CoordinatorMeta(state="online", method=c.method.name, round=r))
-            rows.append(buffered.run_state(r) if buffered is not None else self._run_round(r, final=False))
+            rows.append(train(r))
             if c.release_every and (r + 1) % c.release_every == 0 and r + 1 < c.rounds:
                 self.release(r)
         trained = rows[-1].round + 1 if rows else self.start_round  # c.rounds, unless the time budget ran out
@@ -268,14 +272,15 @@ class Coordinator:
         self.task_writer.open(r, state, self.epoch)
         return tasks, result, state
 
-    def send_task(self, tasks: RoundTasks, result: RoundResult, agent_id: str, kind: str) -> None:
-        """Send ``agent_id`` a ``kind`` task of the open round."""
+    def send_task(self, tasks: RoundTasks, result: RoundResult, agent_id: str, kind: str,
+                  secagg: SecAggTask | None = None) -> None:
+        """Send ``agent_id`` a ``kind`` task of the open round (``secagg``: a secure round's)."""
         info = self.registry.agents.get(agent_id)
         uplink = self.task_writer.uplink_for(info.capabilities if info else None) if kind == "train" else None
-        task_id, frame = self.task_writer.frame(agent_id, kind, uplink=uplink, agent=info)
+        task_id, frame = self.task_writer.frame(agent_id, kind, uplink=uplink, agent=info, secagg=secagg)
         announced = self.registry.announced_num_train(agent_id) if kind == "train" else None
         tasks.add(Task(agent_id, task_id, kind, announced, session=info.session if info else None,
-                       connection=info.connection if info else None, uplink=uplink))
+                       connection=info.connection if info else None, uplink=uplink, secagg=secagg))
         result.sent(self.fleet.send(agent_id, frame, tasks.round), self.task_writer.last_downlink)
         if not self.fleet.send_ready():
             # Unacknowledged tasks wait in the transport: at 1,000 agents a round's worth
@@ -315,7 +320,11 @@ class Coordinator:
             log.warning("round %d: %d of %d updates, below quorum %d; global state unchanged", result.round,
                         aggregate.count, len(result.sampled), quorum)
             return "below_quorum"
-        candidate = aggregate.close(result.round)
+        try:
+            candidate = aggregate.close(result.round)
+        except AggregationRejected as exc:  # a sum that cannot be made (a secure round's masks left on)
+            log.warning("round %d: no aggregate: %s (%s); global state unchanged", result.round, exc.reason, exc)
+            return exc.reason
         refused = admit_state(aggregate.state, candidate, self.config.aggregation.max_change_ratio)
         if refused is not None:
             log.warning("round %d: aggregate not adopted: %s (%s); global state unchanged", result.round,

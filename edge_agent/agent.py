@@ -284,7 +284,7 @@ class Agent:
             self._on_nack(message)
         elif self._foreign_version is not None:
             self._drop(message, "unsupported_version", f"the coordinator speaks protocol {self._foreign_version}")
-        elif message.type != tier.accepts:
+        elif message.type not in tier.accepts:
             self._log.warning("unexpected", "ignored unexpected %s message from %s", message.type.value,
                               message.header.sender)
         else:

@@ -46,6 +46,7 @@ from edgepfl.protocol import (
     release_part_topic,
 )
 from edgepfl.protocol.codec import CODEC_NAMES, DELTA_CODECS
+from edgepfl.protocol.secagg import SecAggMeta
 from edgepfl.service import notifier
 from edgepfl.simulation import DevicePace, task_samples
 
@@ -94,12 +95,12 @@ class Reply:
 class TierRuntime(Protocol):
     """The agent loop's view of a tier.
 
-    ``accepts`` is the one message type the tier handles (others are logged and
+    ``accepts`` are the message types the tier handles (others are logged and
     ignored); ``device`` goes into the agent's status.
     """
 
     tier: ClassVar[str]
-    accepts: ClassVar[MessageType]
+    accepts: ClassVar[tuple[MessageType, ...]]
 
     @property
     def device(self) -> str: ...
@@ -135,7 +136,7 @@ class TierRuntime(Protocol):
         ...
 
     def handle(self, message: Message) -> Reply | None:
-        """Act on one message of type ``accepts``; what to publish back, if anything. Never raises,
+        """Act on one message of a type in ``accepts``; what to publish back, if anything. Never raises,
         except :class:`~edgepfl.errors.OutOfMemory`: nothing was wrong with the message, so it is
         not refused; the agent ends with its own exit code, and its service restarts it."""
         ...
@@ -151,7 +152,8 @@ class TrainerTier:
     """
 
     tier: ClassVar[str] = "trainer"
-    accepts: ClassVar[MessageType] = MessageType.TASK
+    #: tasks, and the steps of a secure round (protocol 1.9)
+    accepts: ClassVar[tuple[MessageType, ...]] = (MessageType.TASK, MessageType.SECAGG)
 
     def __init__(self, agent_id: str, data: ClientData, state_dir: str, device: str = "auto",
                  threads: int | None = None, *, signer: Signer | None = None, pinned: bool = False):
@@ -220,7 +222,10 @@ class TrainerTier:
     def handle(self, message: Message) -> Reply | None:
         from .trainer import TaskRefused
 
-        meta = message.meta_as(TaskMeta)  # the agent hands a tier only messages of its ``accepts`` type
+        if message.type == MessageType.SECAGG:
+            frame = self.runtime.secure.step(message.header, message.meta_as(SecAggMeta))
+            return None if frame is None else Reply(AgentChannel.UPDATE, frame, message.header.round)
+        meta = message.meta_as(TaskMeta)  # the agent hands a tier only messages of its ``accepts`` types
         task_id, round = meta.task_id, message.header.round
         refused = self.guard.refusal(message)
         if refused is not None:
@@ -276,7 +281,7 @@ class HeadTier:
     """Head tier: installs each encoder release, fits its head, answers with a metrics report."""
 
     tier: ClassVar[str] = "head"
-    accepts: ClassVar[MessageType] = MessageType.RELEASE
+    accepts: ClassVar[tuple[MessageType, ...]] = (MessageType.RELEASE,)
     device = "cpu-onnxruntime"
 
     def __init__(self, agent_id: str, data: ClientData, state_dir: str, head: str, threads: int | None = None, *,

@@ -18,12 +18,13 @@ import numpy as np
 from pydantic import ValidationError
 
 from edgepfl._torch import nn, torch
+from edgepfl.aggregation import grid_contribution, ring_vector
 from edgepfl.atomic import read_tensors, write_json, write_tensors
 from edgepfl.codecs import CodecError, CodecHeader, CodecSpec, Encoded, ErrorFeedback, decode
 from edgepfl.data import ClientData, ClientTensors
 from edgepfl.data.preprocess import conversion
 from edgepfl.heads.labels import LabelMismatch, run_label_index
-from edgepfl.methods import LocalContext, Method, available_methods, create_method, get_method_class
+from edgepfl.methods import ClientUpdate, LocalContext, Method, available_methods, create_method, get_method_class
 from edgepfl.methods.base import load_tensors
 from edgepfl.models import TORCHVISION_ARCHS
 from edgepfl.protocol import (
@@ -39,8 +40,12 @@ from edgepfl.protocol import (
 )
 from edgepfl.protocol.clock import stopwatch
 from edgepfl.protocol.codec import tensors_digest
+from edgepfl.protocol.secagg import MASKED_TENSOR
 from edgepfl.protocol.signing import Signer
+from edgepfl.secagg import SecAggError
 from edgepfl.specs import ModelSpec
+
+from .secure import SecureSessions
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +147,8 @@ class TrainerRuntime:
         self._feedback = ErrorFeedback()
         # (epoch, round) and tensors of the last task this process decoded: a task delta's base
         self._held: tuple[tuple[int, int], dict[str, np.ndarray]] | None = None
+        #: the secure rounds it takes part in (protocol 1.9)
+        self.secure = SecureSessions(agent_id, signer)
 
     def warm_up(self) -> None:
         """Pay torch's one-time costs before the agent announces itself, not inside its first
@@ -332,6 +339,28 @@ class TrainerRuntime:
         write_tensors(self.state_dir / feedback_file(self._signature), self._feedback.state_dict())
         return encoded.arrays(), encoded.header
 
+    def _masked(self, task: Message, meta: TaskMeta, method: Method, payload: dict[str, np.ndarray],
+                upload: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A secure round's update (PROTOCOL.md §19): the shared parameters' change on the
+        round's exact grid, weighted as the coordinator weighs it, masked. Nothing else of
+        the upload leaves the device."""
+        secagg = meta.secagg
+        assert secagg is not None  # the caller's condition
+        reference = {k: v for k, v in payload.items() if "/" not in k}  # the coordinator's shared parameters
+        missing = sorted(set(reference) - set(upload))
+        if missing or meta.uplink is not None:
+            raise TaskRefused("error", f"a secure round's update needs every shared tensor, uncompressed "
+                                       f"(missing {missing[:3]}; uplink {meta.uplink})")
+        cap = secagg.weight_cap
+        samples = self.data.num_train if cap is None else min(self.data.num_train, cap)
+        weight = method.update_weight(ClientUpdate(self.agent_id, samples, {}))
+        vector = ring_vector(grid_contribution(upload, reference, weight), reference)
+        try:
+            masked = self.secure.mask(task.header.federation, task.header.round, secagg, vector)
+        except SecAggError as exc:
+            raise TaskRefused("error", f"secure aggregation: {exc}") from None
+        return {MASKED_TENSOR: masked.view("<i8")}  # the ring's bits as int64, a dtype every frame carries
+
     def _save_personal(self, method: Method, model: nn.Module, round: int) -> None:
         assert self._signature is not None  # set by _ensure_model, which every task goes through first
         tensors_name, record_name = personal_files(self._signature)
@@ -373,7 +402,10 @@ class TrainerRuntime:
         codec = None
         if meta.kind == "train":
             result = method.local_update(model, inputs, ctx)
-            upload, codec = self._compressed(meta, payload, result.upload)
+            if meta.secagg is not None:
+                upload = self._masked(task, meta, method, payload, result.upload)
+            else:
+                upload, codec = self._compressed(meta, payload, result.upload)
             train_loss = None if np.isnan(result.train_loss) else float(result.train_loss)
             extra = {k: float(v) for k, v in result.metrics.items()}
             self._save_personal(method, model, task.header.round)

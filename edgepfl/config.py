@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .agent_config import AgentConfig, load_agent_config
-from .aggregation import AggregationSpec
+from .aggregation import PER_UPDATE_BOUNDS, AggregationSpec
 from .config_loading import (
     ConfigError,
     apply_overrides,
@@ -32,6 +32,7 @@ from .protocol.codec import DEFAULT_BLOCK, CodecName, UplinkSpec
 from .protocol.run import DataShape, MethodChoice, Normalization, RunSpec
 from .protocol.topics import check_segment
 from .rollout import RolloutSpec
+from .secagg import SecureAggregationSpec
 from .simulation import SimulationSpec
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -242,6 +243,9 @@ class RunConfig(_Strict):
                                                      "deltas on the downlink (1.7)")
     privacy: PrivacySpec = Field(default_factory=PrivacySpec,
                                  description="client-level differential privacy of the shared parameters (central)")
+    secure_aggregation: SecureAggregationSpec = Field(
+        default_factory=SecureAggregationSpec, description="secure aggregation of the shared parameters: the "
+                                                           "coordinator sees only the sum of a round's updates")
     simulation: SimulationSpec = Field(
         default_factory=SimulationSpec, description="simulate --in-process: how the devices differ (compute, links, "
                                                     "availability); time there is virtual")
@@ -256,6 +260,8 @@ class RunConfig(_Strict):
         check_segment(self.federation, "federation")
         if self.privacy.mechanism != "none":
             self._check_privacy()
+        if self.secure_aggregation.enabled:
+            self._check_secure_aggregation()
         if self.compression.downlink != "none" and self.asynchrony.mode == "buffered":
             raise ValueError("compression.downlink needs synchronous rounds: a buffered state's tasks go to agents "
                              "that last held states of many rounds (asynchrony.mode: synchronous, or downlink: none)")
@@ -285,11 +291,35 @@ class RunConfig(_Strict):
             raise ValueError(f"privacy.mechanism central protects the shared parameters only; {self.method.name} "
                              "shares statistics of every update beside them (its server step needs them all)")
 
+    def _check_secure_aggregation(self) -> None:
+        """What needs the coordinator to see single updates, refused under secure aggregation
+        (docs/SECURITY.md, "Secure aggregation": what per-update defences become)."""
+        why = "under secure_aggregation the coordinator sees only the sum of a round's updates"
+        if self.asynchrony.mode != "sync":
+            raise ValueError(f"{why}: asynchrony.mode must be sync (a buffered state folds updates in one by one)")
+        if self.aggregation.rule != "mean":
+            raise ValueError(f"{why}: aggregation.rule {self.aggregation.rule} needs every update; use mean")
+        if not get_method(self.method.name).streaming:
+            raise ValueError(f"{why}: {self.method.name}'s server step needs every update (it is not a mean)")
+        if self.privacy.mechanism != "none":
+            raise ValueError(f"{why}: privacy.mechanism {self.privacy.mechanism} clips each update at the "
+                             "coordinator; use none")
+        if self.compression.uplink != "none":
+            raise ValueError(f"{why}: a masked update cannot be compressed (compression.uplink: none)")
+        bounds = [name for name in PER_UPDATE_BOUNDS
+                  if name in self.aggregation.model_fields_set and getattr(self.aggregation, name) is not None]
+        if bounds:
+            raise ValueError(f"{why}: per-update bounds cannot apply ({', '.join(bounds)}); set them to null "
+                             "(max_change_ratio still bounds the round's aggregate)")
+        if self.min_agents < 3:
+            raise ValueError(f"{why}: min_agents must be at least 3 (the sum of two updates is each one's to the "
+                             "other)")
+
     @property
     def staleness_limit(self) -> int | None:
         """How many rounds (buffered: states) late an update may be (``stragglers.max_staleness``; None: no bound)."""
-        if self.privacy.mechanism != "none":  # a late update would count in a round it was not sampled for
-            return 0
+        if self.privacy.mechanism != "none" or self.secure_aggregation.enabled:
+            return 0  # a late update would count in a round it was not sampled for / masked for
         return self.stragglers.staleness_limit(self.asynchrony.mode)
 
     def method_config(self):

@@ -46,18 +46,50 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
-    "EncryptedShare", "Masker", "RoundKeys", "SecAggError", "default_degree", "neighbour_graph", "prg", "unmask",
+    "EncryptedShare", "Masker", "RoundKeys", "SecAggError", "SecureAggregationSpec", "default_degree", "neighbour_graph",
+    "RING_BITS", "prg", "session_context", "unmask",
 ]
 
+#: the ring a secure round of the protocol sums in (:func:`edgepfl.aggregation.ring_vector`)
+RING_BITS = 64
 #: the byte length of a self-mask seed and of each Shamir secret (PyCryptodome's Shamir shares 16 bytes)
 SEED_BYTES = 16
 _DTYPES: dict[int, np.dtype] = {32: np.dtype("<u4"), 64: np.dtype("<u8")}
 
 
+class SecureAggregationSpec(BaseModel):
+    """A run's ``secure_aggregation:`` section (docs/SECURITY.md, "Secure aggregation")."""
+
+    model_config = ConfigDict(defer_build=True, extra="forbid")
+
+    enabled: bool = Field(False, description="every training round is a secure one: the coordinator learns the sum of "
+                                             "the shared parameters' changes, never one device's (protocol 1.9)")
+    dropout: float = Field(1 / 3, gt=0, lt=0.5, description="the share of a round's agents it is built to lose "
+                                                            "mid-round and still unmask the sum (sets the neighbours "
+                                                            "per agent unless degree is set)")
+    degree: int | None = Field(None, ge=2, le=1024, description="neighbours per agent (even); null: the smallest "
+                                                                 "that survives dropout with probability 1 - 1e-3")
+    step_timeout_s: float = Field(30.0, gt=0, description="how long each step of a secure round (keys, shares, "
+                                                          "reveals) waits for the agents that owe an answer")
+
+    def degree_for(self, agents: int) -> int:
+        """Neighbours per agent in a round of ``agents``: ``degree`` or :func:`default_degree`,
+        everyone when that is fewer."""
+        degree = self.degree if self.degree is not None else default_degree(agents, self.dropout)
+        return min(degree, max(agents - 1, 0))
+
+
 class SecAggError(ValueError):
     """Inputs that cannot be masked or unmasked: a wrong key, share or vector, too few shares."""
+
+
+def session_context(federation: str, round: int, session: str) -> bytes:
+    """What every key of a protocol round is derived with (both ends): nothing carries over
+    to another federation, round or session."""
+    return f"edgepfl secagg\0{federation}\0{round}\0{session}".encode()
 
 
 def _dtype(bits: int) -> np.dtype:

@@ -187,7 +187,9 @@ class RoundAggregate:
         clipped = False
         if base is not None and not self.method.streaming:
             raise ValueError(f"{self.method.name} aggregates a round's updates together: no late update")
-        if self.reference:
+        if self.reference and self.rule.masked:  # a secure round: the update is one masked vector
+            clipped = self.rule.add(update.tensors, self.method.update_weight(update))
+        elif self.reference:
             shared = {k: v for k, v in update.tensors.items() if k in self.reference}
             if base is not None and set(shared) == set(self.reference):
                 shared = rebase(shared, base, self.reference, discount)

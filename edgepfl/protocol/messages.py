@@ -15,6 +15,7 @@ from .codec import CodecHeader, CodecName, DeltaCodecName, UplinkSpec
 from .evolution import PROTOCOL_VERSION, VERSION_PATTERN, since
 from .manifest import ReleaseManifest
 from .run import RunSpec
+from .secagg import SecAggMeta, SecAggTask
 
 _ID = r"^[0-9a-f]{32}$"
 #: a reason tag: the §7 rejection reasons, the refusal reasons; new ones may come with a minor version
@@ -47,6 +48,7 @@ class MessageType(str, Enum):
     CHUNK = "chunk"
     NACK = "nack"  # since 1.2
     REFUSAL = "refusal"  # since 1.2
+    SECAGG = "secagg"  # since 1.9
 
 
 class _Meta(BaseModel):
@@ -90,6 +92,8 @@ RELEASE_DELTAS = TASK_DELTAS = (1, 7)
 #: the protocol version whose head agents keep the release before the installed one and go back to
 #: a release they hold without its bytes (``release.restore``): a rollback downloads nothing
 RELEASE_RESTORE = (1, 8)
+#: the protocol version of secure aggregation (``secagg`` messages, ``task.secagg``; PROTOCOL.md §19)
+SECURE_AGGREGATION = (1, 9)
 
 
 class ReleaseRef(_Meta):
@@ -163,6 +167,8 @@ class TaskMeta(_Meta):
     uplink: UplinkSpec | None = Field(None, json_schema_extra=since("1.6"))
     #: the tensors travel as a delta against the agent's task of an earlier round (None: whole)
     downlink: TaskDelta | None = Field(None, json_schema_extra=since("1.7"))
+    #: mask this training update for secure aggregation (since 1.9; PROTOCOL.md §19); None: send it as it is
+    secagg: SecAggTask | None = Field(None, json_schema_extra=since("1.9"))
 
 
 class UpdateMeta(_Meta):
@@ -309,7 +315,7 @@ class RefusalMeta(_Meta):
     detail: str = Field("", max_length=300)
 
 
-META_TYPES: dict[MessageType, type[_Meta]] = {
+META_TYPES: dict[MessageType, type[BaseModel]] = {
     MessageType.STATUS: StatusMeta,
     MessageType.TASK: TaskMeta,
     MessageType.UPDATE: UpdateMeta,
@@ -319,4 +325,5 @@ META_TYPES: dict[MessageType, type[_Meta]] = {
     MessageType.CHUNK: ChunkMeta,
     MessageType.NACK: NackMeta,
     MessageType.REFUSAL: RefusalMeta,
+    MessageType.SECAGG: SecAggMeta,
 }

@@ -68,7 +68,7 @@ def trainer(tmp_path):
 
 def test_the_trainer_tier_answers_a_task_with_an_update(trainer):
     tier, calls = trainer
-    assert tier.accepts == MessageType.TASK and tier.device == "cpu"
+    assert tier.accepts == (MessageType.TASK, MessageType.SECAGG) and tier.device == "cpu"
     assert tier.subscriptions(FED, "t-1") == [f"edgepfl/v1/{FED}/agents/t-1/task"]
     t = task()
     reply = tier.handle(t)
@@ -209,7 +209,7 @@ def release(tmp_path_factory):
 def test_the_head_tier_answers_a_release_with_metrics(release, tmp_path):
     tier = HeadTier("pi", client_data(NEW_CLIENT), str(tmp_path / "pi"), "lr")
     tier.restore()  # nothing saved yet: logged, not raised
-    assert tier.accepts == MessageType.RELEASE and tier.device == "cpu-onnxruntime"
+    assert tier.accepts == (MessageType.RELEASE,) and tier.device == "cpu-onnxruntime"
     assert tier.subscriptions(FED, "pi") == [f"edgepfl/v1/{FED}/agents/pi/task"]
     # taken on a connection only when needed (edge_agent/release_fetch.py); part 0 of a release in parts
     assert tier.release_topics(FED) == [f"edgepfl/v1/{FED}/release", f"edgepfl/v1/{FED}/release/0"]

@@ -1,0 +1,233 @@
+"""Secure training rounds (``secure_aggregation.enabled``; docs/PROTOCOL.md §19): the
+coordinator learns the sum of the round's updates, never one of them.
+
+A round runs :mod:`edgepfl.secagg`'s steps around the ordinary task and update:
+
+1. **keys** — each sampled agent (of protocol 1.9) is sent an ``advertise`` step and
+   answers with two fresh public keys; those that answer within
+   ``secure_aggregation.step_timeout_s`` are the round's key holders.
+2. **shares** — the key holders are joined in a seeded sparse graph
+   (:func:`~edgepfl.secagg.neighbour_graph`); each is sent its neighbours' keys (a
+   ``roster``) and answers with a share of its secrets sealed to each of them. Those that
+   answer are the round's members: each is sent its training task, carrying the shares
+   sealed to it, and masks its update with exactly their senders.
+3. **masked updates** — collected like any round's (quorum, timeout, agents going
+   offline); :class:`~edgepfl.aggregation.SecureMean` sums the masked vectors modulo 2**64.
+4. **unmask** — every agent whose masked update is in the sum is told which of its
+   neighbours sent one and which did not, and reveals its shares of the first ones'
+   self-mask seeds and of the others' mask keys. The coordinator reconstructs them,
+   removes what does not cancel, and the sum is that of the surviving updates, the same
+   integers a round in the clear would have summed. If too few shares come back the
+   round is aborted (``secagg_failed``) and the state kept: nothing is learnt of anyone.
+
+The coordinator keeps only what the steps need: public keys, sealed shares it cannot
+open, the masked sum, and the revealed shares of the one unmasking.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from edgepfl.aggregation import AggregationRejected, SecureMean
+from edgepfl.metrics import RoundMetrics
+from edgepfl.protocol import SECURE_AGGREGATION, MessageType, encode, new_message_id, supports
+from edgepfl.protocol.secagg import PeerKeys, SealedShare, SecAggMeta, SecAggTask, unb64
+from edgepfl.secagg import (
+    RING_BITS,
+    SecAggError,
+    neighbour_graph,
+    reconstruct_mask_key,
+    reconstruct_seed,
+    session_context,
+    unmask,
+)
+
+from .fleet import SENDER
+from .gate import StepAnswer
+
+if TYPE_CHECKING:
+    from .result import RoundResult
+    from .rounds import Coordinator
+
+log = logging.getLogger("edgepfl.coordinator")
+
+@dataclass
+class SecureSetup:
+    """One secure round's steps before its tasks: who holds keys, who sealed shares."""
+
+    round: int
+    session: str
+    keys: dict[str, PeerKeys] = field(default_factory=dict)
+    graph: dict[str, list[str]] = field(default_factory=dict)
+    threshold: int = 0
+    #: recipient -> the shares sealed to it, by sender (members only)
+    sealed: dict[str, dict[str, str]] = field(default_factory=lambda: defaultdict(dict))
+    #: agents that sealed a share to every neighbour: the round's members
+    members: set[str] = field(default_factory=set)
+
+    def member_graph(self) -> dict[str, list[str]]:
+        """The neighbour graph among the members: who masked with whom."""
+        return {a: [b for b in self.graph[a] if b in self.members] for a in sorted(self.members)}
+
+
+class SecureRounds:
+    """Runs each training round of a :class:`~.rounds.Coordinator` as a secure one."""
+
+    def __init__(self, coordinator: Coordinator):
+        self.co = coordinator
+        self.spec = coordinator.config.secure_aggregation
+        self._setup: SecureSetup | None = None
+        #: the step awaited, from whom, and the answers so far
+        self._step, self._from = "", set[str]()
+        self._answers: dict[str, SecAggMeta] = {}
+        self._warned_old: set[str] = set()
+
+    def run_round(self, r: int) -> RoundMetrics:
+        """One secure training round (module docstring); its metrics row."""
+        co, c = self.co, self.co.config
+        started = co.clock.now()
+        co.inbox.presence.round_starts(r)
+        sampled, evaluators = co._sample(r, final=False)
+        able = [a for a in sampled if self._speaks(a)]
+        tasks, result, _ = co.open_round(r, sampled, late=False)
+        co.observer.enter("training", r)
+        co.inbox.steps = self._on_step
+        try:
+            setup = self._prepare(r, able, result)
+            for agent_id in sorted(setup.members):
+                shares = [SealedShare(peer=s, ciphertext=t) for s, t in sorted(setup.sealed[agent_id].items())]
+                co.send_task(tasks, result, agent_id, "train",
+                             secagg=SecAggTask(session=setup.session, weight_cap=tasks.weight_cap, shares=shares))
+            for agent_id in evaluators:
+                co.send_task(tasks, result, agent_id, "evaluate")
+            co._collect(tasks, result, started)
+            left_out = sorted(set(sampled) - setup.members)
+            if left_out:
+                log.info("round %d: %d sampled agents are not in the secure round (no keys or shares in time, or "
+                         "protocol before 1.9): %s", r, len(left_out), ", ".join(left_out[:10]))
+                result.dropped.extend(left_out)
+            for agent_id in result.dropped:
+                co.registry.missed(agent_id, r, silent_since=started)
+            self._unmask(setup, result)
+        finally:
+            co.inbox.steps = None
+            self._setup = None
+        return co.close_round(tasks, result, started, final=False, quorum=c.quorum_of(len(sampled)))
+
+    # ---------------------------------------------------------------- steps
+    def _prepare(self, r: int, agents: list[str], result: RoundResult) -> SecureSetup:
+        """Keys, then shares: the round's members and the shares sealed to each."""
+        setup = self._setup = SecureSetup(r, new_message_id())
+        n = len(agents)
+        degree = self.spec.degree_for(n)
+        threshold = degree // 2 + 1
+        for agent_id in agents:
+            self._send(agent_id, SecAggMeta(session=setup.session, step="advertise", threshold=threshold), result)
+        for agent_id, answer in self._await("keys", set(agents)).items():
+            if answer.keys is not None and answer.keys.agent == agent_id:
+                setup.keys[agent_id] = answer.keys
+        holders = sorted(setup.keys)
+        degree = self.spec.degree_for(len(holders))
+        setup.threshold = degree // 2 + 1
+        if len(holders) < 3:
+            log.warning("round %d: %d agents sent keys; a secure round needs at least 3", r, len(holders))
+            return setup
+        setup.graph = neighbour_graph(holders, degree, bytes.fromhex(setup.session))
+        for agent_id in holders:
+            roster = [setup.keys[b] for b in setup.graph[agent_id]]
+            self._send(agent_id, SecAggMeta(session=setup.session, step="roster", threshold=setup.threshold,
+                                            neighbours=roster), result)
+        for agent_id, answer in self._await("shares", set(holders)).items():
+            recipients = [s.peer for s in answer.shares]
+            if sorted(recipients) != setup.graph[agent_id]:
+                log.warning("round %d: %s sealed shares to %d agents, not to its %d neighbours; left out", r,
+                            agent_id, len(recipients), len(setup.graph[agent_id]))
+                continue
+            setup.members.add(agent_id)
+            for share in answer.shares:
+                setup.sealed[share.peer][agent_id] = share.ciphertext
+        log.info("round %d: secure round of %d agents (%d with keys, %d neighbours each, threshold %d)", r,
+                 len(setup.members), len(holders), degree, setup.threshold)
+        return setup
+
+    def _unmask(self, setup: SecureSetup, result: RoundResult) -> None:
+        """Ask the survivors for their shares and take the unmasked sum into the round's rule."""
+        aggregate = result.aggregate
+        if aggregate is None or not aggregate.participants:
+            return
+        rule = aggregate.rule
+        assert isinstance(rule, SecureMean)  # PrivacyLedger.open's rule of a secure round
+        survivors = set(aggregate.participants)
+        graph = setup.member_graph()
+        dropped = setup.members - survivors
+        for agent_id in sorted(survivors):
+            neighbours = graph[agent_id]
+            self._send(agent_id, SecAggMeta(
+                session=setup.session, step="unmask", survivors=[b for b in neighbours if b in survivors],
+                dropped=[b for b in neighbours if b in dropped]), result)
+        seeds: dict[str, dict[int, bytes]] = defaultdict(dict)
+        keys: dict[str, dict[int, bytes]] = defaultdict(dict)
+        for agent_id, answer in self._await("reveal", survivors).items():
+            for share in answer.seeds:  # only what it was asked about, each from a neighbour of it
+                if share.agent in survivors and share.agent in graph[agent_id]:
+                    seeds[share.agent][share.index] = unb64(share.share)
+            for share in answer.mask_keys:
+                if share.agent in dropped and share.agent in graph[agent_id]:
+                    keys[share.agent][share.index] = unb64(share.share)
+        try:
+            self_seeds = {a: reconstruct_seed(seeds[a].items(), setup.threshold) for a in sorted(survivors)}
+            lost_keys = {a: reconstruct_mask_key(keys[a].items(), setup.threshold) for a in sorted(dropped)
+                         if any(b in survivors for b in graph[a])}
+            publics = {a: unb64(setup.keys[a].mask_public) for a in setup.members}
+            context = session_context(self.co.config.federation, setup.round, setup.session)
+            total = unmask(rule.masked_sum_, survivors, graph, publics, self_seeds, lost_keys, RING_BITS, context)
+            rule.unmask(total)
+        except (SecAggError, AggregationRejected) as exc:
+            rule.failure_ = f"the masks could not be removed: {exc}"
+            log.warning("round %d: secure sum of %d updates not unmasked: %s", setup.round, len(survivors), exc)
+            return
+        log.info("round %d: secure sum of %d updates unmasked (%d dropped agents' masks removed)", setup.round,
+                 len(survivors), len(lost_keys))
+
+    # ---------------------------------------------------------------- messaging
+    def _speaks(self, agent_id: str) -> bool:
+        if supports(self.co.registry.version(agent_id), SECURE_AGGREGATION):
+            return True
+        if agent_id not in self._warned_old:
+            self._warned_old.add(agent_id)
+            log.warning("%s speaks protocol %s, before 1.9: it cannot take part in secure rounds", agent_id,
+                        self.co.registry.version(agent_id))
+        return False
+
+    def _send(self, agent_id: str, meta: SecAggMeta, result: RoundResult) -> None:
+        co = self.co
+        frame = encode(MessageType.SECAGG, federation=co.config.federation, sender=SENDER, round=result.round,
+                       meta=meta, signer=co.signer, recipient=agent_id if co.signer is not None else None)
+        result.sent(co.fleet.send(agent_id, frame, result.round))
+
+    def _await(self, step: str, agents: set[str]) -> dict[str, SecAggMeta]:
+        """The ``step`` answers of ``agents`` that come within the step timeout (or until each
+        one left is offline): by agent."""
+        self._answers, self._step, self._from = {}, step, agents
+        co = self.co
+
+        def done() -> bool:
+            missing = agents - set(self._answers)
+            return not missing or not any(co.registry.is_online(a) for a in missing)
+
+        co.inbox.pump_until(done, co.clock.now() + self.spec.step_timeout_s)
+        return dict(self._answers)
+
+    def _on_step(self, answer: StepAnswer) -> None:
+        """A ``secagg`` frame the gate admitted: kept when it is the step awaited, of this
+        round's session, from an agent asked and not yet answered."""
+        setup = self._setup
+        meta = answer.meta
+        if (setup is None or meta.session != setup.session or meta.step != self._step
+                or answer.agent_id not in self._from or answer.agent_id in self._answers):
+            log.info("ignored a %s step from %s: not awaited now", meta.step, answer.agent_id)
+            return
+        self._answers[answer.agent_id] = meta

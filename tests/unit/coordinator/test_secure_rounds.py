@@ -1,0 +1,147 @@
+"""Secure rounds in the round loop (coordinator/secure_rounds.py; PROTOCOL.md §19): real
+trainer tiers on the in-process fleet (digits, an MLP), the coordinator's real steps.
+
+A secure run adopts the same state as the run in the clear, bit for bit, also when a third
+of the round's agents die after sealing their shares; what reaches the coordinator from an
+agent is only ever a masked vector; a round whose masks cannot be removed is aborted and
+its state kept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from edgepfl.aggregation import SecureMean
+from edgepfl.config import RunConfig
+from edgepfl.coordinator.fleet import LocalFleet
+from edgepfl.coordinator.rounds import Coordinator
+from edgepfl.coordinator.simulate import agent_ids, data_shape, prepare
+from edgepfl.edge_agent.tiers import TrainerTier, local_trainers
+from edgepfl.protocol import Message, MessageType, TaskMeta, decode
+from edgepfl.protocol.secagg import MASKED_TENSOR, SecAggMeta
+
+pytest.importorskip("torch")
+
+AGENTS = 6
+#: the per-update bounds are the coordinator's in the clear and cannot apply to a masked update:
+#: both runs go without them, so that the same updates make the same sum
+NO_BOUNDS = {"max_update_ratio": None, "max_update_vs_median": None, "max_first_update_ratio": None,
+             "max_mean_shift": None, "max_variance_growth": None}
+
+
+def config(secure: bool, rounds: int = 2) -> RunConfig:
+    return prepare(RunConfig(federation="sec", method={"name": "fedavg"}, model={"arch": "mlp", "feature_dim": 16},
+                             train={"epochs": 1, "batch_size": 32}, data={"dataset": "digits"}, rounds=rounds,
+                             min_agents=AGENTS, fraction=1.0, device="cpu", aggregation=NO_BOUNDS,
+                             secure_aggregation={"enabled": secure}), AGENTS)
+
+
+@dataclass
+class Device:
+    """A trainer tier as its device runs it: it may die in the middle of a round (after its
+    shares, before its update), and every frame it sends is kept for the test to read."""
+
+    tier: TrainerTier
+    dies_in_round: int | None = None
+    sent: list[Message] = field(default_factory=list)
+
+    def status(self):
+        return self.tier.status()
+
+    def handle(self, message: Message):
+        if message.type == MessageType.TASK and message.header.round == self.dies_in_round \
+                and message.meta_as(TaskMeta).kind == "train":
+            return None  # powered off while training: nothing more comes from it this round
+        reply = self.tier.handle(message)
+        if reply is not None:
+            self.sent.append(decode(reply.frame))
+        return reply
+
+
+def run(cfg: RunConfig, out, dying: dict[str, int] | None = None) -> tuple[Coordinator, list, dict[str, Device]]:
+    ids = agent_ids(AGENTS)
+    devices = {a: Device(tier, (dying or {}).get(a)) for a, tier in local_trainers(cfg, ids, out).items()}
+    coordinator = Coordinator(cfg, LocalFleet(devices, cfg.federation), out, progress=False, **data_shape(cfg))
+    coordinator.init_or_resume()
+    return coordinator, coordinator.run(), devices
+
+
+def same_state(a: Coordinator, b: Coordinator) -> bool:
+    x, y = a._server_state().global_tensors, b._server_state().global_tensors
+    return set(x) == set(y) and all(x[k].dtype == y[k].dtype and np.array_equal(x[k], y[k]) for k in x)
+
+
+def test_a_secure_run_adopts_the_plaintext_runs_states_bit_for_bit(tmp_path):
+    plain, plain_rows, _ = run(config(secure=False), tmp_path / "plain")
+    secure, secure_rows, devices = run(config(secure=True), tmp_path / "secure")
+    assert same_state(plain, secure)
+    assert [r.accuracy for r in secure_rows] == [r.accuracy for r in plain_rows]
+    assert all(not r.aborted and len(r.participants) == AGENTS for r in secure_rows if not r.final)
+    # every agent took part in each training round's four steps: keys, shares, masked update, reveal
+    for device in devices.values():
+        steps = [m.meta_as(SecAggMeta).step for m in device.sent if m.type == MessageType.SECAGG]
+        assert steps == ["keys", "shares", "reveal"] * 2
+
+
+def test_a_third_dying_after_sealing_their_shares_leaves_the_exact_sum_of_the_others(tmp_path, caplog):
+    """Two of six die in round 1 after their keys and shares went out: their neighbours have
+    masked with them, so the coordinator must have their mask keys reconstructed from the
+    survivors' shares. The state is the one the clear run makes when the same two die."""
+    ids = agent_ids(AGENTS)
+    dying = {ids[1]: 1, ids[4]: 1}
+    plain, plain_rows, _ = run(config(secure=False), tmp_path / "plain", dying)
+    with caplog.at_level("INFO", logger="edgepfl.coordinator"):
+        secure, secure_rows, devices = run(config(secure=True), tmp_path / "secure", dying)
+    assert "round 1: secure sum of 4 updates unmasked (2 dropped agents' masks removed)" in caplog.text
+    for rows in (plain_rows, secure_rows):
+        round1 = next(r for r in rows if r.round == 1 and not r.final)
+        assert not round1.aborted and sorted(round1.participants) == sorted(set(ids) - set(dying))
+    assert same_state(plain, secure)
+    dead = devices[ids[1]]
+    assert [m.meta_as(SecAggMeta).step for m in dead.sent if m.header.round == 1] == ["keys", "shares"]
+
+
+def test_the_coordinator_receives_only_masked_vectors(tmp_path):
+    """What an agent sends in a secure round carries no shared tensor, and its one vector
+    looks like noise: an unmasked contribution on the grid is a small integer (its top 16
+    bits are a sign extension, 0x0000 or 0xffff), a masked one is uniform in the ring (that
+    happens to 2 in 65,536 elements)."""
+    _, _, devices = run(config(secure=True, rounds=1), tmp_path / "secure")
+    updates = [m for d in devices.values() for m in d.sent if m.type == MessageType.UPDATE and m.meta.kind == "train"]
+    assert len(updates) == AGENTS
+    for update in updates:
+        assert set(update.tensors) == {MASKED_TENSOR}
+        top = update.tensors[MASKED_TENSOR].view("<u8") >> np.uint64(48)
+        assert np.mean((top == 0) | (top == 0xFFFF)) < 0.01
+
+
+def test_a_round_whose_masks_cannot_be_removed_is_aborted_and_the_state_kept(tmp_path, monkeypatch):
+    """Survivors that reveal nothing leave every self mask on: the sum says nothing, the
+    round is aborted with its reason and the state is the one before it."""
+    from edgepfl.edge_agent import secure
+
+    monkeypatch.setattr(secure.SecureSessions, "_unmask", lambda self, h, meta: (_ for _ in ()).throw(
+        secure.SecAggError("this device keeps its shares")))
+    coordinator, rows, _ = run(config(secure=True, rounds=1), tmp_path / "secure")
+    trained = [r for r in rows if not r.final]
+    assert [(r.aborted, r.abort_reason) for r in trained] == [(True, "secagg_failed")]
+    fresh = Coordinator(config(secure=True, rounds=1), LocalFleet({}, "sec"), tmp_path / "fresh", progress=False,
+                        **data_shape(config(secure=True)))
+    fresh.init_or_resume()
+    assert same_state(coordinator, fresh)  # the initial state, untouched
+
+
+def test_a_secure_rounds_rule_takes_only_a_masked_vector_of_the_rounds_size():
+    from edgepfl.aggregation import AggregationRejected
+
+    rule = SecureMean()
+    rule.begin({"w": np.zeros((2, 3), np.float32), "n": np.zeros((), np.int64)})
+    with pytest.raises(AggregationRejected, match="alone"):
+        rule.add({"w": np.zeros((2, 3), np.float32)}, 1)
+    with pytest.raises(AggregationRejected, match=r"int64\[7\]"):
+        rule.add({MASKED_TENSOR: np.zeros(6, np.int64)}, 1)
+    with pytest.raises(AggregationRejected, match="secagg_failed|not unmasked"):
+        rule.add({MASKED_TENSOR: np.zeros(7, np.int64)}, 1)
+        rule.result()
