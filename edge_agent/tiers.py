@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from edgepfl.agent_config import AgentConfig
 from edgepfl.errors import OutOfMemory, out_of_memory
+from edgepfl.failpoints import failpoint
 from edgepfl.protocol import (
     RELEASE_REFUSALS,
     AgentChannel,
@@ -240,6 +241,8 @@ class TrainerTier:
             return cached
         if self.guard.strict:
             self.guard.accept(message)
+        if meta.kind == "train":
+            failpoint("agent.train_task")
         received = time.monotonic()
         try:
             with notifier().fed_while_computing():  # a local training round: one long step

@@ -24,6 +24,8 @@ POINTS = {
     "round.row_appended": "a round's metrics row is appended; its good state and checkpoint are not yet written",
     "round.good_state_kept": "a round's good state is written; the checkpoint that names it is not yet",
     "round.checkpointed": "a round's checkpoint is written; older good states are not yet removed",
+    "agent.train_task": "a trainer agent took a training task and has not begun training it (a device that dies "
+                        "mid-round)",
 }
 
 _hits: dict[str, int] = {}

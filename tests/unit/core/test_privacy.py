@@ -109,3 +109,27 @@ def test_the_noise_multiplier_for_a_budget_is_the_smallest_that_keeps_it(capsys)
     assert main(["privacy", "--epsilon", "3", "--rounds", "20", "--devices", "200", "--fraction", "0.1"]) == 0
     assert f"noise_multiplier: {multiplier:.4g}" in capsys.readouterr().out
     assert main(["privacy", "--epsilon", "-1", "--rounds", "20", "--devices", "200"]) == 2
+
+
+@pytest.mark.parametrize("bad, says", [
+    ({"aggregation": {"rule": "trimmed_mean"}}, "trimmed_mean needs every update; use mean"),
+    ({"asynchrony": {"mode": "buffered"}}, "asynchrony.mode must be sync"),
+    ({"method": {"name": "fedpac"}}, "fedpac's server step needs every update"),
+    ({"privacy": {"mechanism": "central"}}, "clips each update at the coordinator"),
+    ({"compression": {"uplink": "q8"}}, "cannot be compressed"),
+    ({"aggregation": {"max_update_vs_median": 3.0}}, r"per-update bounds cannot apply \(max_update_vs_median\)"),
+    ({"min_agents": 2}, "min_agents must be at least 3"),
+])
+def test_secure_aggregation_refuses_what_needs_the_coordinator_to_see_one_update(bad, says):
+    with pytest.raises(ConfigError, match=says):
+        parse_config(RunConfig, {"secure_aggregation": {"enabled": True}, "min_agents": 4, **bad}, "x.yaml")
+
+
+def test_secure_aggregation_takes_the_defaults_and_bounds_set_to_null():
+    """The per-update bounds' defaults do not stop a secure run (they cannot apply: the round's
+    rule has none); set to null they are accepted, and no late update joins another round."""
+    config = parse_config(RunConfig, {"secure_aggregation": {"enabled": True}, "min_agents": 4,
+                                      "aggregation": {"max_update_ratio": None, "max_change_ratio": 5.0}}, "x.yaml")
+    assert config.staleness_limit == 0
+    assert config.secure_aggregation.degree_for(6) == 5  # everyone, below default_degree's size
+    assert config.secure_aggregation.degree_for(1000) == 198
