@@ -519,3 +519,35 @@ def test_a_tensor_the_method_keeps_exact_may_not_come_compressed(method_and_stat
     _, encoded = _encoded(rnd, uplink)  # compressed everything, the exact prefix too
     verdict = rnd.admit(rnd.frame(tensors=encoded.arrays(), codec=encoded.header))
     assert reason(verdict) == "malformed" and "keeps exact" in verdict.detail
+
+
+def test_a_secagg_step_goes_through_the_same_sender_checks_as_an_update(method_and_state, tmp_path):
+    """A secure round's steps arrive on the update topic: signed by the agent's enrolled key
+    they are handed to the round (they answer no task); unsigned, signed by another key, in
+    another agent's name or from an unknown agent they are rejected before anyone reads them."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from edgepfl.coordinator.gate import StepAnswer
+    from edgepfl.protocol.secagg import PeerKeys, SecAggMeta
+    from edgepfl.protocol.signing import Keyring, Signer, write_public_key
+
+    alice, mallory = (Signer.from_private(Ed25519PrivateKey.generate()) for _ in range(2))
+    enrolled = tmp_path / "enrolled"
+    enrolled.mkdir()
+    write_public_key(alice.public, enrolled / "alice.pub")
+    r = Round(*method_and_state)
+    r.gate.keyring = Keyring(enrolled)
+    key = "A" * 43 + "="
+    meta = SecAggMeta(session="5e" * 16, step="keys", keys=PeerKeys(agent="alice", mask_public=key, share_public=key))
+
+    def step(sender: str, signer, topic_agent: str = "alice"):
+        frame = encode(MessageType.SECAGG, federation=FED, sender=sender, round=ROUND, meta=meta, signer=signer)
+        return r.gate.admit(topic_agent, frame, r.tasks, r.state)
+
+    assert step("alice", None).reason == "unsigned"
+    assert step("alice", mallory).reason == "bad_signature"
+    assert step("alice", alice, topic_agent="bob").reason == "wrong_sender"
+    assert step("mallory", mallory, topic_agent="mallory").reason == "not_enrolled"
+    taken = step("alice", alice)
+    assert isinstance(taken, StepAnswer) and taken.meta.keys == meta.keys
+    assert "alice" in r.tasks.waiting  # a step answers no task
