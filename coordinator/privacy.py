@@ -12,6 +12,7 @@ last checkpoint included, though their rounds run again), so a restart never for
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 from edgepfl.aggregation import Aggregator, GaussianMean, SecureMean, UpdateBound
@@ -50,11 +51,16 @@ class PrivacyLedger:
     def open(self, round: int, sampled: list[str], population: int) -> tuple[Aggregator, PrivacyRecord | None]:
         """The rule of a training round of ``sampled`` out of ``population`` eligible
         trainers, and (under DP) the round's record, its spend already counted."""
+        spec, agg = self.spec, self.config.aggregation
         if self.config.secure_aggregation.enabled:  # masked updates: no bound can see one (config validation)
-            return SecureMean(), None
+            if spec.mechanism == "none":
+                return SecureMean(), None
+            epsilon = self.accountant.spend(population, len(sampled))
+            return SecureMean(denominator=len(sampled)), PrivacyRecord(
+                mechanism="distributed", epsilon=epsilon, delta=spec.delta, population=max(population, len(sampled)),
+                sampled=len(sampled), noise_multiplier=spec.noise_multiplier, clip_norm=spec.clip_norm)
         if self.spec.mechanism == "none":
             return self.config.aggregation.build(), None
-        spec, agg = self.spec, self.config.aggregation
         rule = GaussianMean(spec.clip_norm, spec.noise_multiplier, len(sampled),
                             [seed_for(self.config.seed, round, "dp-noise")])
         if agg.max_mean_shift is not None or agg.max_variance_growth is not None:
@@ -65,6 +71,15 @@ class PrivacyLedger:
         return rule, PrivacyRecord(mechanism="central", epsilon=epsilon, delta=spec.delta,
                                    population=max(population, len(sampled)), sampled=len(sampled),
                                    noise_multiplier=spec.noise_multiplier, clip_norm=spec.clip_norm)
+
+    def device_noise(self, sampled: int) -> tuple[float | None, float | None]:
+        """Distributed DP: the (clip norm, noise standard deviation) each of ``sampled``
+        devices applies to its own change, so that a sum of the round's quorum of them holds
+        noise of ``noise_multiplier * clip_norm``; (None, None) otherwise."""
+        if self.spec.mechanism != "distributed":
+            return None, None
+        quorum = max(1, self.config.quorum_of(sampled))
+        return self.spec.clip_norm, self.spec.noise_multiplier * self.spec.clip_norm / math.sqrt(quorum)
 
     def allows_round(self, population: int) -> bool:
         """Whether a training round drawn from ``population`` stays within ``epsilon_budget``

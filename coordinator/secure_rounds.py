@@ -97,10 +97,12 @@ class SecureRounds:
         co.inbox.steps = self._on_step
         try:
             setup = self._prepare(r, able, result)
+            clip_norm, noise_std = co.privacy.device_noise(len(sampled))
             for agent_id in sorted(setup.members):
                 shares = [SealedShare(peer=s, ciphertext=t) for s, t in sorted(setup.sealed[agent_id].items())]
-                co.send_task(tasks, result, agent_id, "train",
-                             secagg=SecAggTask(session=setup.session, weight_cap=tasks.weight_cap, shares=shares))
+                co.send_task(tasks, result, agent_id, "train", secagg=SecAggTask(
+                    session=setup.session, weight_cap=tasks.weight_cap, shares=shares, clip_norm=clip_norm,
+                    noise_std=noise_std))
             for agent_id in evaluators:
                 co.send_task(tasks, result, agent_id, "evaluate")
             co._collect(tasks, result, started)
@@ -111,7 +113,7 @@ class SecureRounds:
                 result.dropped.extend(left_out)
             for agent_id in result.dropped:
                 co.registry.missed(agent_id, r, silent_since=started)
-            self._unmask(setup, result)
+            self._unmask(setup, result, quorum=c.quorum_of(len(sampled)))
         finally:
             co.inbox.steps = None
             self._setup = None
@@ -153,10 +155,12 @@ class SecureRounds:
                  len(setup.members), len(holders), degree, setup.threshold)
         return setup
 
-    def _unmask(self, setup: SecureSetup, result: RoundResult) -> None:
-        """Ask the survivors for their shares and take the unmasked sum into the round's rule."""
+    def _unmask(self, setup: SecureSetup, result: RoundResult, quorum: int) -> None:
+        """Ask the survivors for their shares and take the unmasked sum into the round's rule.
+        Below ``quorum`` nothing is unmasked: the round is aborted anyway, and a sum of fewer
+        devices would carry less of their noise than distributed DP counts on."""
         aggregate = result.aggregate
-        if aggregate is None or not aggregate.participants:
+        if aggregate is None or not aggregate.participants or len(aggregate.participants) < quorum:
             return
         rule = aggregate.rule
         assert isinstance(rule, SecureMean)  # PrivacyLedger.open's rule of a secure round

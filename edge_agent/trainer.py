@@ -351,10 +351,15 @@ class TrainerRuntime:
         if missing or meta.uplink is not None:
             raise TaskRefused("error", f"a secure round's update needs every shared tensor, uncompressed "
                                        f"(missing {missing[:3]}; uplink {meta.uplink})")
-        cap = secagg.weight_cap
-        samples = self.data.num_train if cap is None else min(self.data.num_train, cap)
-        weight = method.update_weight(ClientUpdate(self.agent_id, samples, {}))
-        vector = ring_vector(grid_contribution(upload, reference, weight), reference)
+        if secagg.clip_norm is not None:  # distributed DP: clipped, counted once, noised here, unseen by anyone
+            contribution = grid_contribution(upload, reference, 1, secagg.clip_norm, secagg.noise_std or 0.0,
+                                             np.random.default_rng())  # seeded from the OS, never from the task
+        else:
+            cap = secagg.weight_cap
+            samples = self.data.num_train if cap is None else min(self.data.num_train, cap)
+            contribution = grid_contribution(upload, reference, method.update_weight(
+                ClientUpdate(self.agent_id, samples, {})))
+        vector = ring_vector(contribution, reference)
         try:
             masked = self.secure.mask(task.header.federation, task.header.round, secagg, vector)
         except SecAggError as exc:

@@ -520,15 +520,18 @@ class _ExactSum:
                     raise AggregationRejected(
                         "out_of_range", f"{key} moves by {change:.3g}, more than {self.limit[key]:.3g}")
 
-    def contribution(self, params: Mapping[str, np.ndarray], weight: int, factor: float = 1.0) -> dict[str, np.ndarray]:
-        """``weight * factor * (params - reference)`` on the grid: one int64 array per key.
-        What :meth:`add` folds in, and what an agent masks for secure aggregation
-        (:func:`ring_vector`): both sides compute it from the reference alone."""
+    def contribution(self, params: Mapping[str, np.ndarray], weight: int, factor: float = 1.0,
+                     noise: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """``weight * factor * (params - reference)`` (plus ``noise``, per float tensor) on the
+        grid: one int64 array per key. What :meth:`add` folds in, and what an agent masks for
+        secure aggregation (:func:`ring_vector`): both sides compute it from the reference alone."""
         out = {}
         for key, ref in self.reference.items():
             x = np.asarray(params[key])
             if ref.dtype.kind == "f":
                 change = (x.astype(np.float64) - ref.astype(np.float64)) * (weight * factor)
+                if noise is not None:
+                    change = change + noise[key]
                 out[key] = np.rint(change * self.scale[key]).astype(np.int64)
             else:
                 out[key] = weight * (x.astype(np.int64) - ref.astype(np.int64))
@@ -649,8 +652,7 @@ class GaussianMean(Aggregator):
 
     def _add(self, params: Mapping[str, np.ndarray], weight: int) -> None:
         floats = [k for k, v in self.reference_.items() if v.dtype.kind == "f"]
-        change = _norm(np.asarray(params[k], np.float64) - self.reference_[k] for k in floats)
-        factor = 1.0 if change <= self.clip_norm else self.clip_norm / change
+        factor = clip_factor(params, self.reference_, self.clip_norm)
         self.clipped_ += factor < 1.0
         # one device, one unit: its sample count does not weigh (it would scale its influence)
         self.sum_.add({k: params[k] for k in floats} | {k: self.reference_[k] for k in self.reference_
@@ -709,12 +711,32 @@ def from_ring(vector: np.ndarray, reference: Mapping[str, np.ndarray]) -> dict[s
     return out
 
 
-def grid_contribution(params: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray],
-                      weight: int) -> dict[str, np.ndarray]:
+def clip_factor(params: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], clip_norm: float) -> float:
+    """What scales an update's change of the float tensors (L2 over all of them, in sorted
+    key order) to at most ``clip_norm``: 1 when it is within. The one clip of client-level DP,
+    at the coordinator (:class:`GaussianMean`) or on the device (distributed)."""
+    floats = [k for k in sorted(reference) if np.asarray(reference[k]).dtype.kind == "f"]
+    change = _norm(np.asarray(params[k], np.float64) - np.asarray(reference[k], np.float64) for k in floats)
+    return 1.0 if change <= clip_norm else clip_norm / change
+
+
+def grid_contribution(params: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], weight: int,
+                      clip_norm: float | None = None, noise_std: float = 0.0,
+                      rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
     """An agent's contribution to a secure round: ``weight * (params - reference)`` on the
     round's exact grid, each change first clamped into the grid's range (a change the
-    coordinator would refuse as ``out_of_range`` in the clear; an honest device's never is)."""
+    coordinator would refuse as ``out_of_range`` in the clear; an honest device's never is).
+
+    With ``clip_norm`` (distributed DP, weight 1): the float tensors' change clipped as
+    :class:`GaussianMean` clips it, plus Gaussian noise of ``noise_std`` per coordinate from
+    ``rng``; integer tensors contribute nothing (the state keeps their value)."""
     exact = _ExactSum(reference)
+    if clip_norm is not None:
+        floats = {k for k, v in exact.reference.items() if v.dtype.kind == "f"}
+        kept = {k: (params[k] if k in floats else exact.reference[k]) for k in exact.reference}
+        noise = {k: rng.normal(0.0, noise_std, exact.reference[k].shape) if rng is not None and noise_std > 0
+                 else np.zeros(exact.reference[k].shape) for k in floats}
+        return exact.contribution(kept, 1, clip_factor(kept, exact.reference, clip_norm), noise)
     clamped = {}
     for key, ref in exact.reference.items():
         x = np.asarray(params[key])
@@ -732,10 +754,18 @@ class SecureMean(Aggregator):
     are removed from the sum (:meth:`unmask`), :meth:`result` is the mean of the same grid
     integers :class:`Mean` would have summed in the clear: the same bits, in any order.
 
-    Per-update bounds cannot apply (no update is seen): the rule takes none."""
+    Per-update bounds cannot apply (no update is seen): the rule takes none.
+
+    With ``denominator`` (distributed differential privacy) each device's clipped, noised
+    change counts once and the sum is divided by ``denominator``, the devices sampled,
+    as :class:`GaussianMean` does; integer tensors keep the reference's value."""
 
     #: what is added is a masked vector, not the shared tensors
     masked: ClassVar[bool] = True
+
+    def __init__(self, denominator: int | None = None):
+        super().__init__()
+        self.denominator = denominator
 
     def begin(self, reference: Mapping[str, np.ndarray], typical_change: float | None = None) -> None:
         if self.bound is not None:
@@ -782,7 +812,19 @@ class SecureMean(Aggregator):
         self._require_updates()
         if self.sum_ is None:  # nothing can be learnt from the masked sum: the round is aborted
             raise AggregationRejected("secagg_failed", self.failure_ or "the masked sum was not unmasked")
-        return self.sum_.mean()
+        if self.denominator is None:
+            return self.sum_.mean()
+        variances = {layer + "running_var" for layer in _statistic_layers(self.reference_)}
+        out: TensorDict = {}
+        for key, ref in self.reference_.items():
+            if ref.dtype.kind != "f":
+                out[key] = ref.copy()
+                continue
+            value = ref.astype(np.float64) + (self.sum_._total(key) / self.sum_.scale[key]) / self.denominator
+            if key in variances:  # noise may not make a variance negative (post-processing: free)
+                value = np.maximum(value, 0.0)
+            out[key] = value.astype(ref.dtype)
+        return out
 
 
 def _norm(arrays) -> float:
@@ -876,6 +918,6 @@ class MultiKrum(_Buffered):
 __all__ = [
     "CHANGE_RANGE", "DEFAULT_MAX_WEIGHT_RATIO", "MAX_UPDATE_WEIGHT", "AggregationRejected", "AggregationSpec",
     "Aggregator", "CoordinateMedian", "MAX_SECURE_WEIGHT", "PER_UPDATE_BOUNDS", "Mean", "MultiKrum", "NormClippedMean",
-    "STATISTIC_LEAVES",    "SecureMean", "TrimmedMean", "UpdateBound", "capped_accuracy", "from_ring", "grid_contribution", "rebase",
-    "ring_size", "ring_vector", "staleness_weight", "weight_cap",
+    "STATISTIC_LEAVES", "SecureMean", "TrimmedMean", "UpdateBound", "capped_accuracy", "clip_factor", "from_ring",
+    "grid_contribution", "rebase", "ring_size", "ring_vector", "staleness_weight", "weight_cap",
 ]

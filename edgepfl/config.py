@@ -280,15 +280,19 @@ class RunConfig(_Strict):
         return math.ceil(self.quorum * sampled)
 
     def _check_privacy(self) -> None:
-        """What central DP cannot be combined with, refused here rather than weakened quietly."""
+        """What client-level DP cannot be combined with, refused here rather than weakened quietly."""
+        if self.privacy.mechanism == "distributed" and not self.secure_aggregation.enabled:
+            raise ValueError("privacy.mechanism distributed adds the noise on the devices, which protects only a sum "
+                             "the coordinator cannot see apart: it needs secure_aggregation.enabled")
+        mechanism = f"privacy.mechanism {self.privacy.mechanism}"
         if self.asynchrony.mode != "sync":
-            raise ValueError("privacy.mechanism central accounts rounds of sampled devices: asynchrony.mode must be "
+            raise ValueError(f"{mechanism} accounts rounds of sampled devices: asynchrony.mode must be "
                              "sync (a buffered state mixes updates of many rounds)")
         if self.aggregation.rule != "mean":
-            raise ValueError(f"privacy.mechanism central aggregates with its own clipped, noised mean: "
+            raise ValueError(f"{mechanism} aggregates with its own clipped, noised mean: "
                              f"aggregation.rule must be mean, not {self.aggregation.rule}")
         if not get_method(self.method.name).streaming:
-            raise ValueError(f"privacy.mechanism central protects the shared parameters only; {self.method.name} "
+            raise ValueError(f"{mechanism} protects the shared parameters only; {self.method.name} "
                              "shares statistics of every update beside them (its server step needs them all)")
 
     def _check_secure_aggregation(self) -> None:
@@ -301,9 +305,9 @@ class RunConfig(_Strict):
             raise ValueError(f"{why}: aggregation.rule {self.aggregation.rule} needs every update; use mean")
         if not get_method(self.method.name).streaming:
             raise ValueError(f"{why}: {self.method.name}'s server step needs every update (it is not a mean)")
-        if self.privacy.mechanism != "none":
-            raise ValueError(f"{why}: privacy.mechanism {self.privacy.mechanism} clips each update at the "
-                             "coordinator; use none")
+        if self.privacy.mechanism == "central":
+            raise ValueError(f"{why}: privacy.mechanism central clips each update at the coordinator; use "
+                             "distributed (each device clips and noises its own)")
         if self.compression.uplink != "none":
             raise ValueError(f"{why}: a masked update cannot be compressed (compression.uplink: none)")
         bounds = [name for name in PER_UPDATE_BOUNDS

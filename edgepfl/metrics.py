@@ -43,7 +43,7 @@ class PrivacyRecord(BaseModel):
 
     model_config = ConfigDict(defer_build=True, extra="forbid")
 
-    mechanism: Literal["central"] = Field(description="who added the noise (docs/SECURITY.md)")
+    mechanism: Literal["central", "distributed"] = Field(description="who added the noise (docs/SECURITY.md)")
     epsilon: float = Field(ge=0, description="the run's ε after this round, at delta (dp-accounting, Rényi DP)")
     delta: float = Field(gt=0, lt=1)
     population: int = Field(ge=1, description="devices the round's sample was drawn from")

@@ -13,9 +13,13 @@ rule's shared parameters, which is why such methods are refused (config validati
 (Rényi DP): each trained round is a Gaussian mechanism on a sample of ``sampled`` devices
 drawn without replacement from the ``population`` eligible, under replace-one adjacency
 (the sensitivity of the sum is then twice the clip: the event's noise multiplier is half
-the run's). The coordinator trusts itself here (central DP): an operator who does not
-trust the coordinator needs noise added on the devices (distributed DP, with secure
-aggregation), which this mechanism is not.
+the run's). With ``central`` the coordinator is trusted: it sees each update before the
+noise. With ``distributed`` it is not: under secure aggregation each device clips its own
+change and adds Gaussian noise of standard deviation ``noise_multiplier * clip_norm /
+sqrt(q)`` drawn from its own entropy, ``q`` the round's quorum (the fewest updates a round
+is adopted with, and the fewest whose sum is ever unmasked), so the one sum the coordinator
+learns carries at least the noise the accountant counts — from honest devices: a device
+that colludes with the coordinator takes its own share of the noise out.
 """
 
 from __future__ import annotations
@@ -34,16 +38,18 @@ class PrivacySpec(BaseModel):
 
     model_config = ConfigDict(defer_build=True, extra="forbid")
 
-    mechanism: Literal["none", "central"] = Field(
-        "none", description="central: client-level differential privacy of the shared parameters, noise added by the "
-                            "coordinator (docs/SECURITY.md); none: no privacy guarantee beyond data staying on devices")
-    clip_norm: float = Field(1.0, gt=0, le=1e6, description="central: each device's change of the shared parameters is "
-                                                             "clipped to this L2 norm (all float tensors together)")
-    noise_multiplier: float = Field(1.0, ge=0, description="central: the Gaussian noise's standard deviation over "
-                                                           "clip_norm, added to each round's sum")
+    mechanism: Literal["none", "central", "distributed"] = Field(
+        "none", description="client-level differential privacy of the shared parameters (docs/SECURITY.md) — central: "
+                            "clipped and noised by the coordinator; distributed: clipped and noised on the devices, "
+                            "under secure aggregation; none: no guarantee beyond data staying on devices")
+    clip_norm: float = Field(1.0, gt=0, le=1e6, description="each device's change of the shared parameters is clipped "
+                                                             "to this L2 norm (all float tensors together)")
+    noise_multiplier: float = Field(1.0, ge=0, description="the Gaussian noise's standard deviation over clip_norm in "
+                                                           "each round's sum (distributed: at least, shared among the "
+                                                           "quorum of devices)")
     delta: float = Field(1e-5, gt=0, lt=1, description="the delta ε is reported at (below 1 / the number of devices)")
     epsilon_budget: float | None = Field(
-        None, gt=0, description="central: training stops before a round that would spend more than this ε (the final "
+        None, gt=0, description="training stops before a round that would spend more than this ε (the final "
                                 "evaluation still runs); null: no limit, ε is only reported")
 
 

@@ -104,6 +104,12 @@ class SecAggTask(_Wire):
     weight_cap: int | None = Field(None, ge=1)
     #: the shares its neighbours sealed to it: the neighbours it masks with
     shares: list[SealedShare] = Field(max_length=MAX_NEIGHBOURS)
+    #: distributed differential privacy: clip the float tensors' change to this L2 norm and count once
+    #: (weight 1); None: no privacy mechanism on the device
+    clip_norm: float | None = Field(None, gt=0, le=1e6)
+    #: distributed differential privacy: the standard deviation of the Gaussian noise the device adds to
+    #: each coordinate of its clipped change, drawn from its own entropy
+    noise_std: float | None = Field(None, ge=0, le=1e6)
 
 
 class SecAggMeta(_Wire):

@@ -31,11 +31,11 @@ NO_BOUNDS = {"max_update_ratio": None, "max_update_vs_median": None, "max_first_
              "max_mean_shift": None, "max_variance_growth": None}
 
 
-def config(secure: bool, rounds: int = 2) -> RunConfig:
+def config(secure: bool, rounds: int = 2, privacy: dict | None = None) -> RunConfig:
     return prepare(RunConfig(federation="sec", method={"name": "fedavg"}, model={"arch": "mlp", "feature_dim": 16},
                              train={"epochs": 1, "batch_size": 32}, data={"dataset": "digits"}, rounds=rounds,
                              min_agents=AGENTS, fraction=1.0, device="cpu", aggregation=NO_BOUNDS,
-                             secure_aggregation={"enabled": secure}), AGENTS)
+                             secure_aggregation={"enabled": secure}, privacy=privacy or {}), AGENTS)
 
 
 @dataclass
@@ -145,3 +145,32 @@ def test_a_secure_rounds_rule_takes_only_a_masked_vector_of_the_rounds_size():
     with pytest.raises(AggregationRejected, match="secagg_failed|not unmasked"):
         rule.add({MASKED_TENSOR: np.zeros(7, np.int64)}, 1)
         rule.result()
+
+
+def test_distributed_dp_without_noise_is_central_dp_without_noise_bit_for_bit(tmp_path):
+    """Each device clips its own change and counts once; the coordinator divides the unmasked
+    sum by the devices sampled: the same clip, weights and mean as central DP's GaussianMean,
+    so with the noise at zero both runs adopt the same states, and spend the same ε."""
+    dp = {"clip_norm": 0.5, "noise_multiplier": 0.0}
+    central, central_rows, _ = run(config(False, privacy={"mechanism": "central", **dp}), tmp_path / "central")
+    spread, spread_rows, _ = run(config(True, privacy={"mechanism": "distributed", **dp}), tmp_path / "distributed")
+    assert same_state(central, spread)
+    records = [(r.privacy, s.privacy) for r, s in zip(central_rows, spread_rows, strict=True) if not r.final]
+    assert all(c is not None and d is not None and d.mechanism == "distributed" and c.sampled == d.sampled == AGENTS
+               for c, d in records)
+
+
+def test_the_devices_noise_adds_up_to_the_runs_multiplier_on_the_quorum(tmp_path):
+    """With quorum 0.5 of six devices, each adds noise of z C / sqrt(3): the six-device sum
+    carries z C sqrt(2), the mean z C sqrt(2) / 6. Measured on one round's state against the
+    same round without noise (same training, same clip)."""
+    noisy, _, _ = run(config(True, rounds=1, privacy={"mechanism": "distributed", "clip_norm": 0.5,
+                                                      "noise_multiplier": 1.0}), tmp_path / "noisy")
+    quiet, _, _ = run(config(True, rounds=1, privacy={"mechanism": "distributed", "clip_norm": 0.5,
+                                                      "noise_multiplier": 0.0}), tmp_path / "quiet")
+    x, y = noisy._server_state().global_tensors, quiet._server_state().global_tensors
+    diff = np.concatenate([(x[k].astype(np.float64) - y[k]).ravel() for k in x
+                           if x[k].dtype.kind == "f" and "running_" not in k])
+    assert diff.size > 2000
+    assert np.std(diff) == pytest.approx(0.5 * np.sqrt(2) / AGENTS, rel=0.06)
+    assert abs(np.mean(diff)) < 4 * np.std(diff) / np.sqrt(diff.size)

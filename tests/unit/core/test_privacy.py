@@ -115,7 +115,7 @@ def test_the_noise_multiplier_for_a_budget_is_the_smallest_that_keeps_it(capsys)
     ({"aggregation": {"rule": "trimmed_mean"}}, "trimmed_mean needs every update; use mean"),
     ({"asynchrony": {"mode": "buffered"}}, "asynchrony.mode must be sync"),
     ({"method": {"name": "fedpac"}}, "fedpac's server step needs every update"),
-    ({"privacy": {"mechanism": "central"}}, "clips each update at the coordinator"),
+    ({"privacy": {"mechanism": "central"}}, "clips each update at the coordinator; use distributed"),
     ({"compression": {"uplink": "q8"}}, "cannot be compressed"),
     ({"aggregation": {"max_update_vs_median": 3.0}}, r"per-update bounds cannot apply \(max_update_vs_median\)"),
     ({"min_agents": 2}, "min_agents must be at least 3"),
@@ -133,3 +133,10 @@ def test_secure_aggregation_takes_the_defaults_and_bounds_set_to_null():
     assert config.staleness_limit == 0
     assert config.secure_aggregation.degree_for(6) == 5  # everyone, below default_degree's size
     assert config.secure_aggregation.degree_for(1000) == 198
+
+
+def test_distributed_privacy_needs_secure_aggregation():
+    with pytest.raises(ConfigError, match="distributed adds the noise on the devices.*secure_aggregation.enabled"):
+        parse_config(RunConfig, {"privacy": {"mechanism": "distributed"}}, "x.yaml")
+    parse_config(RunConfig, {"privacy": {"mechanism": "distributed"}, "secure_aggregation": {"enabled": True},
+                             "min_agents": 4}, "x.yaml")
