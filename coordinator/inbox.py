@@ -111,8 +111,9 @@ class Inbox:
         self._sink: RoundSink | None = None
         self._state: ServerState | None = None
         self._late: Mapping[int, LateWindow] | None = None
-        #: takes the open secure round's ``secagg`` steps (None: no secure round open; they are ignored)
-        self.steps: Callable[[StepAnswer], None] | None = None
+        #: takes the open secure round's ``secagg`` steps, with their wire bytes (None: no secure round open;
+        #: they are ignored)
+        self.steps: Callable[[StepAnswer, int], None] | None = None
         #: sends a task of the open round again, same id (returns the bytes sent); None where
         #: the fleet cannot lose a task (:attr:`~.fleet.Fleet.loses_tasks`)
         self.resend: Callable[[Task, int], int] | None = None
@@ -232,7 +233,7 @@ class Inbox:
             return self._reject(verdict)
         if isinstance(verdict, StepAnswer):
             if self.steps is not None:
-                self.steps(verdict)
+                self.steps(verdict, incoming.wire_bytes)
             return
         # Accepting needs a task, and tasks come only with an open round and its sink.
         assert self._sink is not None

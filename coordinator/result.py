@@ -18,7 +18,7 @@ import numpy as np
 
 from edgepfl.aggregation import capped_accuracy
 from edgepfl.methods import RoundAggregate
-from edgepfl.metrics import PrivacyRecord, RoundMetrics
+from edgepfl.metrics import PrivacyRecord, RoundMetrics, SecureRecord
 from edgepfl.protocol import UpdateMeta
 from edgepfl.state import CheckpointMeta
 
@@ -94,6 +94,8 @@ class RoundResult:
     trained_on: dict[str, int] = field(default_factory=dict)
     #: a round trained under differential privacy: its sample and the run's ε after it
     privacy: PrivacyRecord | None = None
+    #: a secure round's steps
+    secure: SecureRecord | None = None
 
     def sent(self, wire_bytes: int, downlink: str = "whole") -> None:
         """Count a task put on the wire: whole, or as a task delta of codec ``downlink``."""
@@ -153,6 +155,7 @@ class RoundResult:
             update_bytes=dict(sorted(self.update_bytes.items())),
             task_bytes=dict(sorted(self.task_bytes.items())),
             privacy=self.privacy,
+            secure=self.secure,
             bytes_down=self.bytes_down,
             shared_bytes=shared_bytes,
             seconds=round(seconds, 4),

@@ -27,12 +27,13 @@ open, the masked sum, and the revealed shares of the one unmasking.
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from edgepfl.aggregation import AggregationRejected, SecureMean
-from edgepfl.metrics import RoundMetrics
+from edgepfl.metrics import RoundMetrics, SecureRecord
 from edgepfl.protocol import SECURE_AGGREGATION, MessageType, encode, new_message_id, supports
 from edgepfl.protocol.secagg import PeerKeys, SealedShare, SecAggMeta, SecAggTask, unb64
 from edgepfl.secagg import (
@@ -67,6 +68,17 @@ class SecureSetup:
     sealed: dict[str, dict[str, str]] = field(default_factory=lambda: defaultdict(dict))
     #: agents that sealed a share to every neighbour: the round's members
     members: set[str] = field(default_factory=set)
+    #: the steps' bytes, each way
+    bytes_down: int = 0
+    bytes_up: int = 0
+
+    def record(self, survivors: int = 0, recovered: int = 0, unmasked: bool = False,
+               seconds: float = 0.0) -> SecureRecord:
+        """The round's row entry."""
+        return SecureRecord(key_holders=len(self.keys), members=len(self.members), survivors=survivors,
+                            recovered=recovered, neighbours=len(next(iter(self.graph.values()), [])),
+                            threshold=self.threshold, unmasked=unmasked, bytes_down=self.bytes_down,
+                            bytes_up=self.bytes_up, unmask_seconds=round(seconds, 4))
 
     def member_graph(self) -> dict[str, list[str]]:
         """The neighbour graph among the members: who masked with whom."""
@@ -80,6 +92,7 @@ class SecureRounds:
         self.co = coordinator
         self.spec = coordinator.config.secure_aggregation
         self._setup: SecureSetup | None = None
+        self._result: RoundResult | None = None
         #: the step awaited, from whom, and the answers so far
         self._step, self._from = "", set[str]()
         self._answers: dict[str, SecAggMeta] = {}
@@ -94,7 +107,7 @@ class SecureRounds:
         able = [a for a in sampled if self._speaks(a)]
         tasks, result, _ = co.open_round(r, sampled, late=False)
         co.observer.enter("training", r)
-        co.inbox.steps = self._on_step
+        co.inbox.steps, self._result = self._on_step, result
         try:
             setup = self._prepare(r, able, result)
             clip_norm, noise_std = co.privacy.device_noise(len(sampled))
@@ -113,10 +126,10 @@ class SecureRounds:
                 result.dropped.extend(left_out)
             for agent_id in result.dropped:
                 co.registry.missed(agent_id, r, silent_since=started)
+            result.secure = setup.record()
             self._unmask(setup, result, quorum=c.quorum_of(len(sampled)))
         finally:
-            co.inbox.steps = None
-            self._setup = None
+            co.inbox.steps = self._setup = self._result = None
         return co.close_round(tasks, result, started, final=False, quorum=c.quorum_of(len(sampled)))
 
     # ---------------------------------------------------------------- steps
@@ -181,6 +194,7 @@ class SecureRounds:
             for share in answer.mask_keys:
                 if share.agent in dropped and share.agent in graph[agent_id]:
                     keys[share.agent][share.index] = unb64(share.share)
+        began = time.process_time()
         try:
             self_seeds = {a: reconstruct_seed(seeds[a].items(), setup.threshold) for a in sorted(survivors)}
             lost_keys = {a: reconstruct_mask_key(keys[a].items(), setup.threshold) for a in sorted(dropped)
@@ -192,7 +206,9 @@ class SecureRounds:
         except (SecAggError, AggregationRejected) as exc:
             rule.failure_ = f"the masks could not be removed: {exc}"
             log.warning("round %d: secure sum of %d updates not unmasked: %s", setup.round, len(survivors), exc)
+            result.secure = setup.record(len(survivors), 0, False, time.process_time() - began)
             return
+        result.secure = setup.record(len(survivors), len(lost_keys), True, time.process_time() - began)
         log.info("round %d: secure sum of %d updates unmasked (%d dropped agents' masks removed)", setup.round,
                  len(survivors), len(lost_keys))
 
@@ -210,7 +226,10 @@ class SecureRounds:
         co = self.co
         frame = encode(MessageType.SECAGG, federation=co.config.federation, sender=SENDER, round=result.round,
                        meta=meta, signer=co.signer, recipient=agent_id if co.signer is not None else None)
-        result.sent(co.fleet.send(agent_id, frame, result.round))
+        sent = co.fleet.send(agent_id, frame, result.round)
+        result.bytes_down += sent
+        if self._setup is not None:
+            self._setup.bytes_down += sent
 
     def _await(self, step: str, agents: set[str]) -> dict[str, SecAggMeta]:
         """The ``step`` answers of ``agents`` that come within the step timeout (or until each
@@ -225,11 +244,15 @@ class SecureRounds:
         co.inbox.pump_until(done, co.clock.now() + self.spec.step_timeout_s)
         return dict(self._answers)
 
-    def _on_step(self, answer: StepAnswer) -> None:
+    def _on_step(self, answer: StepAnswer, wire_bytes: int) -> None:
         """A ``secagg`` frame the gate admitted: kept when it is the step awaited, of this
         round's session, from an agent asked and not yet answered."""
         setup = self._setup
         meta = answer.meta
+        if self._result is not None:
+            self._result.bytes_up += wire_bytes
+        if setup is not None:
+            setup.bytes_up += wire_bytes
         if (setup is None or meta.session != setup.session or meta.step != self._step
                 or answer.agent_id not in self._from or answer.agent_id in self._answers):
             log.info("ignored a %s step from %s: not awaited now", meta.step, answer.agent_id)

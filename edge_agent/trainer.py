@@ -351,6 +351,9 @@ class TrainerRuntime:
         if missing or meta.uplink is not None:
             raise TaskRefused("error", f"a secure round's update needs every shared tensor, uncompressed "
                                        f"(missing {missing[:3]}; uplink {meta.uplink})")
+        broken = [k for k in reference if upload[k].dtype.kind == "f" and not np.isfinite(upload[k]).all()]
+        if broken:  # masked, it would pass every check and corrupt the round's sum: nobody but this device can see it
+            raise TaskRefused("error", f"the update of {broken[0]} is not finite; not sent into a secure round")
         if secagg.clip_norm is not None:  # distributed DP: clipped, counted once, noised here, unseen by anyone
             contribution = grid_contribution(upload, reference, 1, secagg.clip_norm, secagg.noise_std or 0.0,
                                              np.random.default_rng())  # seeded from the OS, never from the task

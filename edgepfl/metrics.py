@@ -35,7 +35,7 @@ class MetricsError(ValueError):
 
 
 #: fields rows gained after their first format; written only when they hold something
-_LATER_FIELDS = ("late", "staleness", "trained_on", "update_bytes", "task_bytes", "privacy")
+_LATER_FIELDS = ("late", "staleness", "trained_on", "update_bytes", "task_bytes", "privacy", "secure")
 
 
 class PrivacyRecord(BaseModel):
@@ -50,6 +50,23 @@ class PrivacyRecord(BaseModel):
     sampled: int = Field(ge=1, description="devices sampled: the round's noised mean divides by this")
     noise_multiplier: float = Field(ge=0)
     clip_norm: float = Field(gt=0)
+
+
+class SecureRecord(BaseModel):
+    """A secure round's steps (``secure_aggregation.enabled``; docs/PROTOCOL.md §19)."""
+
+    model_config = ConfigDict(defer_build=True, extra="forbid")
+
+    key_holders: int = Field(ge=0, description="sampled agents that sent their keys in time")
+    members: int = Field(ge=0, description="key holders that sealed shares to every neighbour: sent a task")
+    survivors: int = Field(ge=0, description="members whose masked update is in the sum")
+    recovered: int = Field(ge=0, description="members that sent no update whose masks were removed from the sum")
+    neighbours: int = Field(ge=0, description="neighbours per agent")
+    threshold: int = Field(ge=0, description="shares that rebuild a secret")
+    unmasked: bool = Field(description="the sum was unmasked (false: too few updates or shares; the round aborted)")
+    bytes_down: int = Field(ge=0, description="coordinator -> agent bytes of the steps (in the row's bytes_down too)")
+    bytes_up: int = Field(ge=0, description="agent -> coordinator bytes of the steps (in the row's bytes_up too)")
+    unmask_seconds: float = Field(ge=0, description="the coordinator's time to rebuild the secrets and remove the masks")
 
 
 class RoundMetrics(BaseModel):
@@ -96,6 +113,7 @@ class RoundMetrics(BaseModel):
                                           "q8, q4, topk+q8, topk+q4, none) or 'uncompressed'")
     privacy: PrivacyRecord | None = Field(
         None, description="a round trained under differential privacy: its sample and the run's ε after it")
+    secure: SecureRecord | None = Field(None, description="a secure round: its steps, counts and bytes")
     task_bytes: dict[str, int] = Field(
         default_factory=dict, description="bytes_down by how the tasks' tensors travelled: 'whole', or the codec of "
                                           "a task delta (q8, q4; docs/COMPRESSION.md, \"Task deltas\")")

@@ -79,6 +79,11 @@ def test_a_secure_run_adopts_the_plaintext_runs_states_bit_for_bit(tmp_path):
     assert same_state(plain, secure)
     assert [r.accuracy for r in secure_rows] == [r.accuracy for r in plain_rows]
     assert all(not r.aborted and len(r.participants) == AGENTS for r in secure_rows if not r.final)
+    for row in (r for r in secure_rows if not r.final):  # the row says what the steps did and cost
+        s = row.secure
+        assert s is not None and (s.key_holders, s.members, s.survivors, s.recovered) == (AGENTS,) * 3 + (0,)
+        assert s.unmasked and s.neighbours == AGENTS - 1 and s.threshold == 3 and 0 < s.bytes_up < row.bytes_up
+    assert all(r.secure is None for r in plain_rows)
     # every agent took part in each training round's four steps: keys, shares, masked update, reveal
     for device in devices.values():
         steps = [m.meta_as(SecAggMeta).step for m in device.sent if m.type == MessageType.SECAGG]
@@ -98,6 +103,8 @@ def test_a_third_dying_after_sealing_their_shares_leaves_the_exact_sum_of_the_ot
     for rows in (plain_rows, secure_rows):
         round1 = next(r for r in rows if r.round == 1 and not r.final)
         assert not round1.aborted and sorted(round1.participants) == sorted(set(ids) - set(dying))
+    secure_round1 = next(r for r in secure_rows if r.round == 1 and not r.final).secure
+    assert secure_round1 is not None and (secure_round1.survivors, secure_round1.recovered) == (4, 2)
     assert same_state(plain, secure)
     dead = devices[ids[1]]
     assert [m.meta_as(SecAggMeta).step for m in dead.sent if m.header.round == 1] == ["keys", "shares"]
@@ -127,6 +134,7 @@ def test_a_round_whose_masks_cannot_be_removed_is_aborted_and_the_state_kept(tmp
     coordinator, rows, _ = run(config(secure=True, rounds=1), tmp_path / "secure")
     trained = [r for r in rows if not r.final]
     assert [(r.aborted, r.abort_reason) for r in trained] == [(True, "secagg_failed")]
+    assert trained[0].secure is not None and not trained[0].secure.unmasked
     fresh = Coordinator(config(secure=True, rounds=1), LocalFleet({}, "sec"), tmp_path / "fresh", progress=False,
                         **data_shape(config(secure=True)))
     fresh.init_or_resume()
