@@ -15,10 +15,10 @@ import logging
 import math
 from pathlib import Path
 
-from edgepfl.aggregation import Aggregator, GaussianMean, SecureMean, UpdateBound
+from edgepfl.aggregation import AdaptiveClip, Aggregator, GaussianMean, SecureMean, UpdateBound
 from edgepfl.config import RunConfig
 from edgepfl.errors import require_installed
-from edgepfl.metrics import MetricsError, PrivacyRecord, read_metrics
+from edgepfl.metrics import MetricsError, PrivacyRecord, RoundMetrics, read_metrics
 from edgepfl.privacy import PrivacyAccountant
 from edgepfl.protocol import seed_for
 
@@ -35,15 +35,22 @@ class PrivacyLedger:
         self.spec = config.privacy
         if self.spec.mechanism != "none":  # before any round: the accountant is not optional then
             require_installed("dp_accounting", f"privacy.mechanism {self.spec.mechanism}")
-        events: list[tuple[int, int]] = []
+        rows: list[RoundMetrics] = []
         if self.spec.mechanism != "none" and (Path(run_dir) / "metrics.jsonl").is_file():
             try:
                 rows = read_metrics(run_dir, drop_torn_tail=True)
             except MetricsError as exc:  # nothing to resume from then: the coordinator will say so
                 log.warning("privacy: the run's earlier rounds are unreadable (%s); counting from zero", exc)
                 rows = []
-            events = [(r.privacy.population, r.privacy.sampled) for r in rows if r.privacy is not None]
+        events = [(r.privacy.population, r.privacy.sampled) for r in rows if r.privacy is not None]
         self.accountant = PrivacyAccountant(self.spec, events)
+        #: the clip of the next round: clip_norm, or with adaptive clipping the last round's choice (its row's)
+        self.clip = self.spec.clip_norm
+        if self.spec.adaptive_clipping is not None:
+            recorded = [r.privacy for r in rows if r.privacy is not None]
+            if recorded:
+                self.clip = recorded[-1].next_clip_norm or recorded[-1].clip_norm
+        self._record: PrivacyRecord | None = None
         if events:
             log.info("privacy: %d earlier rounds spent ε = %.3f at δ = %g", len(events), self.accountant.epsilon(),
                      self.spec.delta)
@@ -55,22 +62,34 @@ class PrivacyLedger:
         if self.config.secure_aggregation.enabled:  # masked updates: no bound can see one (config validation)
             if spec.mechanism == "none":
                 return SecureMean(), None
-            epsilon = self.accountant.spend(population, len(sampled))
+            epsilon = _finite(self.accountant.spend(population, len(sampled)))
             return SecureMean(denominator=len(sampled)), PrivacyRecord(
                 mechanism="distributed", epsilon=epsilon, delta=spec.delta, population=max(population, len(sampled)),
                 sampled=len(sampled), noise_multiplier=spec.noise_multiplier, clip_norm=spec.clip_norm)
         if self.spec.mechanism == "none":
             return self.config.aggregation.build(), None
-        rule = GaussianMean(spec.clip_norm, spec.noise_multiplier, len(sampled),
-                            [seed_for(self.config.seed, round, "dp-noise")])
+        clip, noise, adaptive = self.clip, spec.noise_multiplier, None
+        if spec.adaptive_clipping is not None:
+            a = spec.adaptive_clipping
+            noise, count_noise = a.noise(spec.noise_multiplier)
+            adaptive = AdaptiveClip(a.target_quantile, a.learning_rate, count_noise)
+        rule = GaussianMean(clip, noise, len(sampled), [seed_for(self.config.seed, round, "dp-noise")], adaptive,
+                            on_next_clip=self._next_clip)
         if agg.max_mean_shift is not None or agg.max_variance_growth is not None:
             # the BatchNorm clamps are relative to the reference (public); the bounds that
             # refuse an update or measure the fleet's changes are left out: the clip is the bound
             rule.bound = UpdateBound(None, "clip", agg.max_mean_shift, agg.max_variance_growth, None, None)
-        epsilon = self.accountant.spend(population, len(sampled))
-        return rule, PrivacyRecord(mechanism="central", epsilon=epsilon, delta=spec.delta,
-                                   population=max(population, len(sampled)), sampled=len(sampled),
-                                   noise_multiplier=spec.noise_multiplier, clip_norm=spec.clip_norm)
+        epsilon = _finite(self.accountant.spend(population, len(sampled)))
+        self._record = PrivacyRecord(mechanism="central", epsilon=epsilon, delta=spec.delta,
+                                     population=max(population, len(sampled)), sampled=len(sampled),
+                                     noise_multiplier=spec.noise_multiplier, clip_norm=clip)
+        return rule, self._record
+
+    def _next_clip(self, clip: float) -> None:
+        """Adaptive clipping: the clip the round's noised count set, for the next round and the row."""
+        self.clip = clip
+        if self._record is not None:
+            self._record.next_clip_norm = clip
 
     def device_noise(self, sampled: int) -> tuple[float | None, float | None]:
         """Distributed DP: the (clip norm, noise standard deviation) each of ``sampled``
@@ -92,3 +111,8 @@ class PrivacyLedger:
         log.warning("privacy: the next round would take ε past the budget %g (now %.3f at δ = %g); training stops",
                     self.spec.epsilon_budget, self.accountant.epsilon(), self.spec.delta)
         return False
+
+
+def _finite(epsilon: float) -> float | None:
+    """ε as a row holds it: None for the unbounded ε of a run without noise (JSON has no infinity)."""
+    return epsilon if math.isfinite(epsilon) else None

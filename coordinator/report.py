@@ -153,7 +153,8 @@ def format_table(rows: list[RoundMetrics], summary: dict, method: str = "") -> s
         lines.append(f"refused tasks: {summary['refused']}")
     privacy = summary.get("privacy")
     if privacy:
-        lines.append(f"differential privacy ({privacy['mechanism']}): ε = {privacy['epsilon']:.3f} at δ = "
+        spent = "unbounded (no noise)" if privacy["epsilon"] is None else f"{privacy['epsilon']:.3f}"
+        lines.append(f"differential privacy ({privacy['mechanism']}): ε = {spent} at δ = "
                      f"{privacy['delta']:g} after {privacy['rounds']} rounds (noise multiplier "
                      f"{privacy['noise_multiplier']:g}, clip {privacy['clip_norm']:g}); personal parameters and heads "
                      "are outside it")

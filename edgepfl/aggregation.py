@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import ClassVar, Literal, NamedTuple
 
 import numpy as np
@@ -633,19 +633,30 @@ class GaussianMean(Aggregator):
     One device changes the sum by at most ``clip_norm``, whatever it sends: the sensitivity
     :mod:`edgepfl.privacy` accounts with. So the rule refuses nothing for its values (a
     refusal would say something about them); only a malformed update (wrong tensors, not
-    finite) is refused, before anything of it counts."""
+    finite) is refused, before anything of it counts.
 
-    def __init__(self, clip_norm: float, noise_multiplier: float, denominator: int, noise_seed: int | list[int]):
+    With ``adaptive`` (Andrew et al., NeurIPS 2021) the rule also counts the updates its
+    clip left whole, adds Gaussian noise of ``adaptive.count_noise`` to that count, and
+    moves the clip geometrically towards the norm that ``adaptive.target_quantile`` of the
+    devices' changes stay under: ``next_clip_``, handed to ``on_next_clip`` for the next
+    round to clip with (whether or not this round's aggregate is adopted: the count is
+    released either way)."""
+
+    def __init__(self, clip_norm: float, noise_multiplier: float, denominator: int, noise_seed: int | list[int],
+                 adaptive: AdaptiveClip | None = None, on_next_clip: Callable[[float], None] | None = None):
         super().__init__()
         self.clip_norm = clip_norm
         self.noise_multiplier = noise_multiplier
         self.denominator = denominator
         self.noise_seed = noise_seed
+        self.adaptive = adaptive
+        self.on_next_clip = on_next_clip
 
     def begin(self, reference: Mapping[str, np.ndarray], typical_change: float | None = None) -> None:
         super().begin(reference, typical_change)
         self.sum_ = _ExactSum(self.reference_)
         self.clipped_ = 0
+        self.next_clip_: float | None = None
 
     def median_change(self) -> float | None:
         return None  # a statistic of the devices' raw updates: not for the next round to use
@@ -673,7 +684,24 @@ class GaussianMean(Aggregator):
             if key in variances:  # noise may not make a variance negative (post-processing: free)
                 value = np.maximum(value, 0.0)
             out[key] = value.astype(ref.dtype)
+        if self.adaptive is not None:  # drawn after the sum's noise: the same draws in any order of arrival
+            a = self.adaptive
+            within = (self.count_ - self.clipped_ + rng.normal(0.0, a.count_noise)) / self.denominator
+            self.next_clip_ = float(self.clip_norm * math.exp(-a.learning_rate * (within - a.target_quantile)))
+            if self.on_next_clip is not None:
+                self.on_next_clip(self.next_clip_)
         return out
+
+
+class AdaptiveClip(NamedTuple):
+    """How :class:`GaussianMean` moves its clip each round (adaptive clipping)."""
+
+    #: the share of devices whose change the clip should leave whole
+    target_quantile: float
+    #: the geometric step: the clip is multiplied by exp(-learning_rate * (share within - target))
+    learning_rate: float
+    #: the standard deviation of the Gaussian noise on the count of changes within the clip
+    count_noise: float
 
 
 #: a secure round's sums are taken modulo 2**64 (:mod:`edgepfl.secagg`): one unit of weight adds
@@ -916,8 +944,9 @@ class MultiKrum(_Buffered):
 
 
 __all__ = [
-    "CHANGE_RANGE", "DEFAULT_MAX_WEIGHT_RATIO", "MAX_UPDATE_WEIGHT", "AggregationRejected", "AggregationSpec",
-    "Aggregator", "CoordinateMedian", "MAX_SECURE_WEIGHT", "PER_UPDATE_BOUNDS", "Mean", "MultiKrum", "NormClippedMean",
-    "STATISTIC_LEAVES", "SecureMean", "TrimmedMean", "UpdateBound", "capped_accuracy", "clip_factor", "from_ring",
-    "grid_contribution", "rebase", "ring_size", "ring_vector", "staleness_weight", "weight_cap",
+    "AdaptiveClip", "AggregationRejected", "AggregationSpec", "Aggregator", "capped_accuracy", "CHANGE_RANGE",
+    "clip_factor", "CoordinateMedian", "DEFAULT_MAX_WEIGHT_RATIO", "from_ring", "grid_contribution",
+    "MAX_SECURE_WEIGHT", "MAX_UPDATE_WEIGHT", "Mean", "MultiKrum", "NormClippedMean", "PER_UPDATE_BOUNDS", "rebase",
+    "ring_size", "ring_vector", "SecureMean", "staleness_weight", "STATISTIC_LEAVES", "TrimmedMean", "UpdateBound",
+    "weight_cap",
 ]

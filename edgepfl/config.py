@@ -281,6 +281,10 @@ class RunConfig(_Strict):
 
     def _check_privacy(self) -> None:
         """What client-level DP cannot be combined with, refused here rather than weakened quietly."""
+        if self.privacy.mechanism == "distributed" and self.privacy.adaptive_clipping is not None:
+            raise ValueError("privacy.adaptive_clipping counts the changes the coordinator's clip left whole: with "
+                             "privacy.mechanism distributed the devices clip, and that count is not built; use central "
+                             "or a fixed clip_norm")
         if self.privacy.mechanism == "distributed" and not self.secure_aggregation.enabled:
             raise ValueError("privacy.mechanism distributed adds the noise on the devices, which protects only a sum "
                              "the coordinator cannot see apart: it needs secure_aggregation.enabled")

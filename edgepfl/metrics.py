@@ -44,12 +44,15 @@ class PrivacyRecord(BaseModel):
     model_config = ConfigDict(defer_build=True, extra="forbid")
 
     mechanism: Literal["central", "distributed"] = Field(description="who added the noise (docs/SECURITY.md)")
-    epsilon: float = Field(ge=0, description="the run's ε after this round, at delta (dp-accounting, Rényi DP)")
+    epsilon: float | None = Field(ge=0, description="the run's ε after this round, at delta (dp-accounting, Rényi "
+                                                    "DP); null: no finite ε (noise_multiplier 0)")
     delta: float = Field(gt=0, lt=1)
     population: int = Field(ge=1, description="devices the round's sample was drawn from")
     sampled: int = Field(ge=1, description="devices sampled: the round's noised mean divides by this")
     noise_multiplier: float = Field(ge=0)
-    clip_norm: float = Field(gt=0)
+    clip_norm: float = Field(gt=0, description="the clip this round's changes were clipped to")
+    next_clip_norm: float | None = Field(
+        None, description="adaptive clipping: the clip the next round uses, set from this round's noised count")
 
 
 class SecureRecord(BaseModel):

@@ -20,17 +20,48 @@ sqrt(q)`` drawn from its own entropy, ``q`` the round's quorum (the fewest updat
 is adopted with, and the fewest whose sum is ever unmasked), so the one sum the coordinator
 learns carries at least the noise the accountant counts — from honest devices: a device
 that colludes with the coordinator takes its own share of the noise out.
+
+With ``adaptive_clipping`` (central) each round also releases a noised count of the
+changes the clip left whole, from which the next clip is set. Two Gaussian mechanisms on
+the same sample compose into one: with normalized multipliers ``z_sum / 2`` (the sum,
+sensitivity twice the clip) and ``σ_count`` (the count, sensitivity 1), ``(z_sum/2)^-2 +
+σ_count^-2 = (z/2)^-2``, so the accountant's event is unchanged; ``budget_share`` of it
+goes to the count.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["PrivacyAccountant", "PrivacySpec", "noise_multiplier_for"]
+__all__ = ["AdaptiveClipSpec", "PrivacyAccountant", "PrivacySpec", "noise_multiplier_for"]
+
+
+class AdaptiveClipSpec(BaseModel):
+    """``privacy.adaptive_clipping``: the clip follows a quantile of the devices' change norms
+    (Andrew et al., NeurIPS 2021), estimated from a noised count, within the same ε."""
+
+    model_config = ConfigDict(defer_build=True, extra="forbid")
+
+    target_quantile: float = Field(0.5, gt=0, lt=1, description="the share of devices whose change the clip should "
+                                                                "leave whole")
+    learning_rate: float = Field(0.2, gt=0, le=5, description="each round the clip is multiplied by exp(-rate x "
+                                                              "(share left whole - target_quantile))")
+    budget_share: float = Field(0.1, gt=0, lt=1, description="the share of each round's privacy (in 1 / "
+                                                             "noise_multiplier^2) spent on counting the changes left "
+                                                             "whole; the rest noises the sum, a little more than "
+                                                             "without adaptive clipping")
+
+    def noise(self, noise_multiplier: float) -> tuple[float, float]:
+        """(the sum's noise multiplier, the count's noise standard deviation) that together
+        spend what one Gaussian event of ``noise_multiplier`` does (module docstring)."""
+        if noise_multiplier == 0:
+            return 0.0, 0.0
+        return noise_multiplier / math.sqrt(1 - self.budget_share), noise_multiplier / 2 / math.sqrt(self.budget_share)
 
 
 class PrivacySpec(BaseModel):
@@ -48,6 +79,9 @@ class PrivacySpec(BaseModel):
                                                            "each round's sum (distributed: at least, shared among the "
                                                            "quorum of devices)")
     delta: float = Field(1e-5, gt=0, lt=1, description="the delta ε is reported at (below 1 / the number of devices)")
+    adaptive_clipping: AdaptiveClipSpec | None = Field(
+        None, description="central: the clip starts at clip_norm and follows a quantile of the devices' change norms, "
+                          "counted with noise inside the same ε; null: the clip stays clip_norm")
     epsilon_budget: float | None = Field(
         None, gt=0, description="training stops before a round that would spend more than this ε (the final "
                                 "evaluation still runs); null: no limit, ε is only reported")

@@ -5,6 +5,8 @@ resumed coordinator, and the report saying it; real trainer tiers on the in-proc
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from edgepfl.config import RunConfig
@@ -63,3 +65,32 @@ def test_a_resumed_coordinator_counts_the_rounds_spent_before_it(tmp_path):
     spec = config(1).privacy
     assert trained[-1].privacy is not None
     assert trained[-1].privacy.epsilon == pytest.approx(PrivacyAccountant(spec, [(AGENTS, 2)] * 4).epsilon())
+
+
+def test_an_adaptive_clip_follows_the_changes_round_by_round_within_the_same_epsilon(tmp_path):
+    """Started far above every device's change (and without noise, so the count is exact:
+    every change within, the clip is multiplied by exp(-rate (1 - target)) each round), the
+    clip shrinks round by round, each row says the clip it used and the one it set, a
+    resumed coordinator takes the last row's, and ε is the fixed clip's."""
+
+    def adaptive(rounds: int, noise: float = 0.0) -> RunConfig:
+        cfg = config(rounds).model_dump()
+        cfg["privacy"].update(clip_norm=1e4, noise_multiplier=noise,
+                              adaptive_clipping={"target_quantile": 0.5, "learning_rate": 1.0})
+        return RunConfig.model_validate(cfg)
+
+    out = tmp_path / "run"
+    cfg = adaptive(3)
+    rows = [r for r in run(cfg, out) if not r.final]
+    records = [r.privacy for r in rows]
+    assert all(p is not None and p.next_clip_norm is not None for p in records)
+    clips = [p.clip_norm for p in records]
+    assert clips == pytest.approx([1e4, 1e4 * math.exp(-0.5), 1e4 * math.exp(-1.0)])
+    assert [p.next_clip_norm for p in records[:-1]] == clips[1:]
+    assert all(p.epsilon is None for p in records)  # no noise, no finite ε: null in the rows, read back
+    assert "ε = unbounded (no noise)" in write_report(out, "fedavg")[0]
+    resumed = [r for r in run(adaptive(4), out) if not r.final]
+    assert [r.round for r in resumed] == [3] and resumed[0].privacy.clip_norm == records[-1].next_clip_norm
+    noisy = RunConfig.model_validate({**adaptive(3, noise=1.0).model_dump()})
+    assert [p.epsilon for p in (r.privacy for r in run(noisy, tmp_path / "noisy") if not r.final)] == pytest.approx(
+        [PrivacyAccountant(noisy.privacy, [(AGENTS, 2)] * k).epsilon() for k in (1, 2, 3)])

@@ -140,3 +140,46 @@ def test_distributed_privacy_needs_secure_aggregation():
         parse_config(RunConfig, {"privacy": {"mechanism": "distributed"}}, "x.yaml")
     parse_config(RunConfig, {"privacy": {"mechanism": "distributed"}, "secure_aggregation": {"enabled": True},
                              "min_agents": 4}, "x.yaml")
+
+
+@pytest.mark.parametrize("z, share", [(1.0, 0.1), (0.7, 0.3), (4.0, 0.05)])
+def test_adaptive_clipping_spends_what_one_gaussian_event_of_the_runs_multiplier_does(z, share):
+    from edgepfl.privacy import AdaptiveClipSpec
+
+    z_sum, count_noise = AdaptiveClipSpec(budget_share=share).noise(z)
+    assert (z_sum / 2) ** -2 + count_noise ** -2 == pytest.approx((z / 2) ** -2)
+    assert z_sum > z  # the sum pays for the count with a little more noise
+
+
+def test_the_adaptive_clip_moves_towards_the_target_quantile_of_the_changes():
+    """All changes within the clip: it shrinks by exp(-rate (1 - target)); all beyond: it
+    grows by exp(rate target). The count's noise is drawn after the sum's, from the seed."""
+    from edgepfl.aggregation import AdaptiveClip
+
+    reference = {"w": np.zeros(16, np.float32)}
+
+    def next_clip(norm: float, count_noise: float = 0.0) -> float:
+        told: list[float] = []
+        rule = GaussianMean(1.0, 0.0, 20, 7, AdaptiveClip(0.5, 0.2, count_noise), on_next_clip=told.append)
+        rule.begin(reference)
+        for i in range(20):
+            rule.add({"w": np.full(16, norm / 4, np.float32) * (1 if i % 2 else -1)}, 1)
+        rule.result()
+        assert told == [rule.next_clip_]
+        return rule.next_clip_
+
+    assert next_clip(0.5) == pytest.approx(math.exp(-0.2 * 0.5))
+    assert next_clip(2.0) == pytest.approx(math.exp(0.2 * 0.5))
+    noisy = next_clip(0.5, count_noise=3.0)
+    assert noisy != pytest.approx(math.exp(-0.1)) and noisy == next_clip(0.5, count_noise=3.0)
+    plain = GaussianMean(1.0, 0.0, 20, 7)
+    plain.begin(reference)
+    plain.add({"w": np.ones(16, np.float32)}, 1)
+    plain.result()
+    assert plain.next_clip_ is None
+
+
+def test_adaptive_clipping_is_refused_with_distributed_privacy():
+    with pytest.raises(ConfigError, match="adaptive_clipping counts"):
+        parse_config(RunConfig, {"privacy": {"mechanism": "distributed", "adaptive_clipping": {}},
+                                 "secure_aggregation": {"enabled": True}, "min_agents": 4}, "x.yaml")
