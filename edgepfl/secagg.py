@@ -3,9 +3,11 @@
 The masking scheme of SecAgg (Bonawitz et al., CCS 2017) on the sparse neighbour graph of
 SecAgg+ (Bell et al., CCS 2020), over the ring of integers modulo ``2**bits`` (``bits`` 32
 or 64; numpy's unsigned arithmetic wraps exactly so). Every primitive comes from
-``cryptography`` or PyCryptodome, none is written here: X25519 key agreement, HKDF-SHA256,
-the ChaCha20 keystream as the mask generator, ChaCha20-Poly1305 for the shares in transit,
-and Shamir's secret sharing (PyCryptodome, over GF(2^128), 16-byte secrets).
+``cryptography`` or PyCryptodome: X25519 key agreement, HKDF-SHA256, the ChaCha20 keystream
+as the mask generator, ChaCha20-Poly1305 for the shares in transit, and Shamir's secret
+sharing (PyCryptodome, over GF(2^128), 16-byte secrets). One computation is redone here, for
+speed: the coordinator's reconstruction is ``Shamir.combine``'s interpolation in
+PyCryptodome's own field, batched, and gives its result bit for bit (:func:`reconstruct_many`).
 
 One round, for the agents ``A`` sampled:
 
@@ -38,6 +40,7 @@ majority of its neighbours but with probability 10^-3).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -50,7 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "EncryptedShare", "Masker", "RoundKeys", "SecAggError", "SecureAggregationSpec", "default_degree", "neighbour_graph",
-    "RING_BITS", "prg", "session_context", "unmask",
+    "RING_BITS", "prg", "reconstruct_many", "reconstruct_mask_key", "reconstruct_seed", "session_context", "unmask",
 ]
 
 #: the ring a secure round of the protocol sums in (:func:`edgepfl.aggregation.ring_vector`)
@@ -293,22 +296,154 @@ class Masker:
         return index, plain[2:18], plain[18:50]
 
 
-def reconstruct_seed(shares: Iterable[tuple[int, bytes]], threshold: int) -> bytes:
-    """A self-mask seed from at least ``threshold`` of its shares (index, 16 bytes)."""
-    from Crypto.Protocol.SecretSharing import Shamir
+# Reconstruction. PyCryptodome's Shamir.combine interpolates one secret at a time with its own
+# GF(2^128) arithmetic, written to run in constant time in pure Python: 0.1-0.7 s per secret at
+# 50-100 shares, which made unmasking a 100-agent round take 17 s. The interpolation at 0 is
+# linear in the shares, secret = sum_j c_j * y_j, and the coefficients c_j depend only on the
+# indices, which every secret of one agent shares (its self seed, both halves of its mask key),
+# as do agents whose surviving neighbours hold the same indices. So the coefficients are computed
+# once per index set (and cached: indices are public, nothing secret is kept) and each secret
+# costs k products. The field is PyCryptodome's exactly (its _Element: bit i of an int is the
+# coefficient of x^i, modulo x^128 + x^7 + x^2 + x + 1), so the result is Shamir.combine's bit
+# for bit (tests/unit/core/test_secagg.py checks both against it). This arithmetic does not run
+# in constant time: the coordinator is the party that is meant to learn these secrets.
+_GF_MODULUS = (1 << 128) | 0x87
+_GF_MASK = (1 << 128) - 1
 
-    got = list({i: s for i, s in shares}.items())
-    if len(got) < threshold:
-        raise SecAggError(f"{len(got)} shares, {threshold} needed")
-    return Shamir.combine(got[:threshold])
+
+def _gf_reduce(z: int) -> int:
+    """``z`` (a polynomial over GF(2) of any degree) modulo x^128 + x^7 + x^2 + x + 1."""
+    while z >> 128:
+        high = z >> 128
+        z = (z & _GF_MASK) ^ high ^ (high << 1) ^ (high << 2) ^ (high << 7)
+    return z
+
+
+def _clmul(a: int, b: int) -> int:
+    """The product of two polynomials over GF(2), unreduced (carry-less multiplication)."""
+    if b > a:
+        a, b = b, a
+    # four bits of b at a time: 32 steps for a full element instead of 128
+    table = [0, a, a << 1, 0, a << 2, 0, 0, 0, a << 3, 0, 0, 0, 0, 0, 0, 0]
+    for i in (3, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15):
+        high = 1 << (i.bit_length() - 1)
+        table[i] = table[high] ^ table[i ^ high]
+    z = 0
+    shift = 0
+    while b:
+        z ^= table[b & 15] << shift
+        b >>= 4
+        shift += 4
+    return z
+
+
+def _gf_mul(a: int, b: int) -> int:
+    return _gf_reduce(_clmul(a, b))
+
+
+def _gf_inverse(a: int) -> int:
+    """``a``'s inverse in the field: the extended Euclidean algorithm for polynomials over GF(2)
+    (Hankerson, Menezes, Vanstone, *Guide to Elliptic Curve Cryptography*, algorithm 2.48)."""
+    if not 0 < a < 1 << 128:
+        raise SecAggError("only a nonzero field element has an inverse")
+    u, v, g1, g2 = a, _GF_MODULUS, 1, 0
+    while u != 1:
+        j = u.bit_length() - v.bit_length()
+        if j < 0:
+            u, v, g1, g2 = v, u, g2, g1
+            j = -j
+        u ^= v << j
+        g1 ^= g2 << j
+    return g1
+
+
+@functools.lru_cache(maxsize=1024)
+def _lagrange_at_zero(indices: tuple[int, ...]) -> tuple[int, ...]:
+    """The coefficients ``c_j`` of the polynomial through points at ``indices`` evaluated at 0:
+    ``c_j = prod_{m != j} x_m / (x_j + x_m)``, as Shamir.combine computes them per secret.
+    Callers pass the indices sorted, so that one set is one cache entry in whatever order its
+    shares arrived."""
+    if len(set(indices)) != len(indices) or not all(0 < x < 1 << 128 for x in indices):
+        raise SecAggError(f"share indices must be distinct, from 1 to 2**128 - 1: {indices}")
+    # c_j = N / E_j with N = prod_m x_m and E_j = x_j * prod_{m != j} (x_j + x_m). The factors
+    # x_j + x_m are as short as the indices (at most 16 bits from Masker.shares_for), so E_j is
+    # built by shifts and XORs of those few bits, unreduced until it grows past 256 bits.
+    bits: dict[int, tuple[int, ...]] = {}
+    denominators = []
+    for xj in indices:
+        acc = xj
+        for xm in indices:
+            if xm == xj:
+                continue
+            d = xj ^ xm
+            positions = bits.get(d)
+            if positions is None:
+                positions = bits[d] = tuple(b for b in range(d.bit_length()) if d >> b & 1)
+            z = 0
+            for b in positions:
+                z ^= acc << b
+            acc = z if z >> 256 == 0 else _gf_reduce(z)
+        denominators.append(_gf_reduce(acc))
+    numerator = 1
+    for x in indices:
+        numerator = _gf_mul(numerator, x)
+    # one inversion for all k (Montgomery's trick): prefix[j] = E_0 ... E_{j-1}, and walking back
+    # from N / (E_0 ... E_{k-1}), t = N / (E_0 ... E_j) at step j, so c_j = t * prefix[j]
+    prefix = [1]
+    for e in denominators:
+        prefix.append(_gf_mul(prefix[-1], e))
+    t = _gf_mul(numerator, _gf_inverse(prefix[-1]))
+    coefficients = [0] * len(indices)
+    for j in range(len(indices) - 1, -1, -1):
+        coefficients[j] = _gf_mul(t, prefix[j])
+        t = _gf_mul(t, denominators[j])
+    return tuple(coefficients)
+
+
+def reconstruct_many(groups: Iterable[Iterable[tuple[int, bytes]]], threshold: int,
+                     length: int = SEED_BYTES) -> list[bytes]:
+    """The secret of each group of shares (index, ``length`` bytes), in order: each group's first
+    ``threshold`` distinct indices (a repeated index keeps its place and its last share), each
+    ``length``-byte share being ``length // 16`` shares of 16-byte secrets at that index (16 for a
+    self seed, 32 for a mask key), reconstructed as PyCryptodome's ``Shamir.combine`` would from
+    those shares, bit for bit. Lagrange coefficients are computed once per index set and cached,
+    so the groups that share one (every agent's secrets, agents with the same revealers) cost a
+    few products each. SecAggError when a group has fewer than ``threshold`` shares or a share
+    used is not ``length`` bytes."""
+    if threshold < 1:
+        raise SecAggError(f"a threshold of {threshold}: at least one share is needed")
+    if length < SEED_BYTES or length % SEED_BYTES:
+        raise SecAggError(f"a share is one or more blocks of {SEED_BYTES} bytes, not {length}")
+    out = []
+    for group in groups:
+        got = list({i: s for i, s in group}.items())
+        if len(got) < threshold:
+            raise SecAggError(f"{len(got)} shares, {threshold} needed")
+        got = got[:threshold]
+        if any(len(s) != length for _, s in got):
+            raise SecAggError(f"a share of {sorted({len(s) for _, s in got})} bytes, not {length}")
+        indices = sorted(i for i, _ in got)
+        coefficient = dict(zip(indices, _lagrange_at_zero(tuple(indices))))
+        secret = b""
+        for start in range(0, length, SEED_BYTES):
+            z = 0
+            for i, share in got:
+                z ^= _clmul(coefficient[i], int.from_bytes(share[start:start + SEED_BYTES], "big"))
+            secret += _gf_reduce(z).to_bytes(SEED_BYTES, "big")
+        out.append(secret)
+    return out
+
+
+def reconstruct_seed(shares: Iterable[tuple[int, bytes]], threshold: int) -> bytes:
+    """A self-mask seed from at least ``threshold`` of its shares (index, 16 bytes); one group of
+    :func:`reconstruct_many`."""
+    return reconstruct_many([shares], threshold, SEED_BYTES)[0]
 
 
 def reconstruct_mask_key(shares: Iterable[tuple[int, bytes]], threshold: int) -> bytes:
-    """A mask private key from at least ``threshold`` of its shares (index, 32 bytes: both halves)."""
-    got = {i: s for i, s in shares}
-    low = reconstruct_seed(((i, s[:16]) for i, s in got.items()), threshold)
-    high = reconstruct_seed(((i, s[16:]) for i, s in got.items()), threshold)
-    return low + high
+    """A mask private key from at least ``threshold`` of its shares (index, 32 bytes: both halves);
+    one group of :func:`reconstruct_many`."""
+    return reconstruct_many([shares], threshold, 2 * SEED_BYTES)[0]
 
 
 def unmask(total: np.ndarray, survivors: Iterable[str], graph: Mapping[str, list[str]],

@@ -1,18 +1,29 @@
 """Secure aggregation's masking (edgepfl/secagg.py): the unmasked sum is the plaintext sum,
 bit for bit, with or without dropouts; what one agent sends reveals nothing by itself; too
-few shares reconstruct nothing; a share opens only for its recipient in its round."""
+few shares reconstruct nothing; a share opens only for its recipient in its round; the
+batched Shamir reconstruction is PyCryptodome's ``Shamir.combine``, bit for bit."""
 
 from __future__ import annotations
 
+import os
+import random
+
 import numpy as np
 import pytest
+from Crypto.Protocol.SecretSharing import Shamir, _Element
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from edgepfl.secagg import (
     Masker,
     RoundKeys,
     SecAggError,
+    _gf_inverse,
+    _gf_mul,
+    _lagrange_at_zero,
     default_degree,
     neighbour_graph,
+    reconstruct_many,
     reconstruct_mask_key,
     reconstruct_seed,
     unmask,
@@ -111,3 +122,91 @@ def test_an_agent_that_dropped_beside_survivors_must_be_recovered_before_unmaski
     seeds, _ = recover(ids, graph, keys, maskers, set(survivors))
     with pytest.raises(SecAggError, match="no mask key"):
         unmask(total, survivors, graph, {a: keys[a].mask_public for a in ids}, seeds, {}, 32, CONTEXT)
+
+
+elements = st.integers(min_value=0, max_value=2**128 - 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(elements, elements)
+def test_the_field_arithmetic_is_pycryptodomes(a, b):
+    assert _gf_mul(a, b) == int(_Element(a) * _Element(b))
+    if a:
+        assert _gf_inverse(a) == int(_Element(a).inverse())
+        assert _gf_mul(a, _gf_inverse(a)) == 1
+
+
+@st.composite
+def share_sets(draw, max_threshold: int = 8):
+    """A threshold and shares at distinct indices in a random order, at least ``threshold`` of
+    them: either made by ``Shamir.split`` from a random secret (the secret returned too), or
+    arbitrary 16-byte values at indices up to 2**16 (what any ``t`` points interpolate to)."""
+    threshold = draw(st.integers(1, max_threshold))
+    if draw(st.booleans()):
+        secret = draw(st.binary(min_size=16, max_size=16))
+        shares = Shamir.split(threshold, threshold + draw(st.integers(0, 6)), secret)
+        chosen = draw(st.lists(st.sampled_from(shares), min_size=threshold, max_size=len(shares), unique=True))
+        return threshold, chosen, secret
+    indices = draw(st.lists(st.integers(1, 2**16 - 1), min_size=threshold, max_size=threshold + 4, unique=True))
+    return threshold, [(i, draw(st.binary(min_size=16, max_size=16))) for i in indices], None
+
+
+@settings(max_examples=300, deadline=None)
+@given(share_sets())
+def test_reconstruction_is_shamir_combine_bit_for_bit_on_random_secrets_thresholds_and_indices(case):
+    threshold, shares, secret = case
+    expected = Shamir.combine(shares[:threshold])
+    assert reconstruct_seed(shares, threshold) == expected
+    if secret is not None:
+        assert expected == secret
+    # a key is two secrets shared at the same indices
+    other = [(i, os.urandom(16)) for i, _ in shares]
+    key = reconstruct_mask_key([(i, s + o) for (i, s), (_, o) in zip(shares, other)], threshold)
+    assert key == expected + Shamir.combine(other[:threshold])
+
+
+def test_reconstruction_is_shamir_combine_at_the_thresholds_of_large_rounds():
+    rng = random.Random(7)
+    for threshold, holders in [(50, 99), (100, 198)]:  # 100 agents (everyone a neighbour); 1,000 agents
+        indices = rng.sample(range(1, holders + 1), threshold)
+        shares = [(i, rng.randbytes(16)) for i in indices]
+        assert reconstruct_seed(shares, threshold) == Shamir.combine(shares)
+    secret = rng.randbytes(16)
+    shares = Shamir.split(20, 40, secret)
+    assert reconstruct_seed(rng.sample(shares, 25), 20) == secret
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(share_sets(max_threshold=5), min_size=1, max_size=6), st.data())
+def test_a_batch_is_each_secret_reconstructed_alone(cases, data):
+    """Groups of one threshold, some of them at the same indices (one set of coefficients)."""
+    threshold = min(t for t, _, _ in cases)
+    groups = [shares for _, shares, _ in cases]
+    groups += [[(i, os.urandom(16)) for i, _ in shares] for shares in data.draw(st.lists(st.sampled_from(groups)))]
+    assert reconstruct_many(groups, threshold) == [reconstruct_seed(g, threshold) for g in groups]
+    keys = [[(i, s + os.urandom(16)) for i, s in g] for g in groups]
+    assert reconstruct_many(keys, threshold, length=32) == [reconstruct_mask_key(g, threshold) for g in keys]
+    assert reconstruct_many(iter(keys), threshold, length=32) == [
+        Shamir.combine([(i, s[:16]) for i, s in g[:threshold]]) + Shamir.combine([(i, s[16:]) for i, s in g[:threshold]])
+        for g in keys]
+
+
+def test_reconstruction_refuses_too_few_shares_bad_lengths_and_bad_indices():
+    shares = Shamir.split(3, 5, b"sixteen byte key")
+    with pytest.raises(SecAggError, match="2 shares, 3 needed"):
+        reconstruct_seed(shares[:2] + [shares[1]], 3)  # a repeated index counts once
+    with pytest.raises(SecAggError, match="2 shares, 3 needed"):
+        reconstruct_many([shares, shares[:2]], 3)
+    assert reconstruct_seed(shares[:3] + [(9, b"short")], 3) == b"sixteen byte key"  # shares past the threshold unused
+    with pytest.raises(SecAggError, match="not 32"):
+        reconstruct_mask_key(shares, 3)
+    with pytest.raises(SecAggError, match="distinct, from 1"):
+        reconstruct_seed([(0, shares[0][1])] + shares[1:], 3)
+    with pytest.raises(SecAggError, match="at least one share"):
+        reconstruct_seed(shares, 0)
+    with pytest.raises(SecAggError, match="blocks of 16"):
+        reconstruct_many([shares], 3, length=24)
+    _lagrange_at_zero.cache_clear()
+    reconstruct_seed(shares[:3], 3)
+    reconstruct_seed(shares[2::-1], 3)  # the same indices in another order: the same coefficients
+    assert _lagrange_at_zero.cache_info().misses == 1
