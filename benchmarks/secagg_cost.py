@@ -1,17 +1,14 @@
 """What secure aggregation's masking costs an agent and the coordinator (issue #35), per round.
 
 The masking core (:mod:`edgepfl.secagg`) on the FedAvg CNN's shared parameters (Fashion-MNIST,
-feature 64: 118,538 parameters; ``--params`` to change), integers modulo 2**32 (the size of
-a float32 update), the neighbour graph of :func:`edgepfl.secagg.default_degree` at a third
+feature 64: 118,538 parameters; ``--params`` to change), integers modulo 2**64 (the
+protocol's ring, :data:`edgepfl.secagg.RING_BITS`), the neighbour graph of :func:`edgepfl.secagg.default_degree` at a third
 dropping out, and a threshold of a majority of the neighbours. For each fleet size:
 
 * **agent**: CPU-seconds of one agent's round, measured — two key pairs, the Shamir shares
   of its secrets encrypted to each neighbour, opening the shares it receives, its masked
   input (one ChaCha20 mask per neighbour and its own);
-* **bytes per agent-round** of the protocol's payloads, from the sizes of the real objects
-  (public keys, encrypted shares, the masked vector, the shares it reveals for unmasking),
-  against a plain float32 update and its task; the frames' envelopes are not counted (the
-  wire format of secure aggregation is not defined yet: each frame adds about 300 bytes);
+* (the bytes on the wire, frame by frame: ``benchmarks/secure_rounds.py``);
 * **coordinator**: CPU-seconds (and wall seconds) to unmask the sum with a third of the
   agents dropped out after their shares went out — a Shamir reconstruction per agent (its
   self seed if it survived, its mask key if not), batched by
@@ -61,9 +58,7 @@ from edgepfl.secagg import (  # noqa: E402
 from results_io import write_results  # noqa: E402
 
 CONTEXT = b"bench\0round-0"
-BITS = 32
-#: an id on the wire (a JSON string of an agent id of 8-16 characters, quoted)
-ID_BYTES = 16
+BITS = secagg.RING_BITS
 
 
 def cpu() -> float:
@@ -85,7 +80,7 @@ def one_round(n: int, params: int, measure_whole: bool, seed: int = 0) -> dict:
     masker = Masker(me, keys[me], {b: keys[b].mask_public for b in neighbours},
                     {b: keys[b].share_public for b in neighbours}, threshold=degree // 2 + 1, bits=BITS,
                     context=CONTEXT)
-    x = rng.integers(0, 2**32, size=params, dtype=np.uint32)
+    x = rng.integers(0, np.iinfo(np.uint64).max, size=params, dtype=np.uint64, endpoint=True)
     t0 = cpu()
     shares = masker.shares_for()
     t1 = cpu()
@@ -103,19 +98,12 @@ def one_round(n: int, params: int, measure_whole: bool, seed: int = 0) -> dict:
     t4 = cpu()
     one_mask = (t4 - t3) / (len(neighbours) + 1)
     agent_cpu = key_cpu + (t1 - t0) + open_cpu + (t4 - t3)
-    share_bytes = len(shares[0].ciphertext) + 2 * ID_BYTES
-    up = 2 * 32 + len(neighbours) * share_bytes + masked.nbytes + len(neighbours) * (2 + 48 + ID_BYTES)
-    down = len(neighbours) * (2 * 32 + ID_BYTES) + len(neighbours) * share_bytes
-    plain_up = plain_down = 4 * params
     dropped = round(n / 3)
     edges = sum(len(graph[a]) for a in ids[:dropped]) * (n - dropped) / max(1, n - 1)  # edges from dropped to survivors
     result = {
         "agents": n, "degree": degree, "threshold": degree // 2 + 1, "params": params,
         "agent_cpu_s": agent_cpu, "agent_mask_cpu_s": t4 - t3, "agent_shares_cpu_s": (t1 - t0) + open_cpu,
-        "one_mask_cpu_s": one_mask,
-        "up_bytes": up, "down_bytes": down, "plain_up_bytes": plain_up, "plain_down_bytes": plain_down,
-        "up_ratio": up / plain_up, "round_ratio": (up + down + plain_down) / (plain_up + plain_down),
-        "dropped": dropped,
+        "one_mask_cpu_s": one_mask, "masked_bytes": masked.nbytes, "dropped": dropped,
     }
     # reconstructing one agent's secrets from ``threshold`` shares (Shamir in GF(2^128)), with no
     # coefficients cached: in a sparse graph nearly every agent's holders have their own indices
@@ -175,13 +163,14 @@ def whole_round(ids: list[str], graph: dict[str, list[str]], params: int, droppe
                          context=CONTEXT) for a in ids}
     gone = set(rng.choice(ids, size=dropped, replace=False))
     survivors = [a for a in ids if a not in gone]
-    inputs = {a: rng.integers(0, 2**32, size=params, dtype=np.uint32) for a in survivors}
+    inputs = {a: rng.integers(0, np.iinfo(np.uint64).max, size=params, dtype=np.uint64, endpoint=True)
+              for a in survivors}
     held: dict[str, list[tuple[int, bytes, bytes]]] = {a: [] for a in ids}
     for sender in ids:
         for share in maskers[sender].shares_for():
             if share.recipient in survivors:
                 held[sender].append(maskers[share.recipient].open_share(share, keys[sender].share_public))
-    total = np.zeros(params, dtype=np.uint32)
+    total = np.zeros(params, dtype=np.uint64)
     for a in survivors:
         total += maskers[a].masked(inputs[a])
     (threshold,) = {m.threshold for m in maskers.values()}  # the neighbour graph is regular
@@ -194,7 +183,7 @@ def whole_round(ids: list[str], graph: dict[str, list[str]], params: int, droppe
     reconstruct_cpu, reconstruct_wall = cpu() - started, time.perf_counter() - wall
     result = unmask(total, survivors, graph, {a: keys[a].mask_public for a in ids}, seeds, lost, BITS, CONTEXT)
     unmask_cpu, unmask_wall = cpu() - started, time.perf_counter() - wall
-    expected = np.zeros(params, dtype=np.uint32)
+    expected = np.zeros(params, dtype=np.uint64)
     for a in survivors:
         expected += inputs[a]
     assert np.array_equal(result, expected), "the unmasked sum is not the plaintext sum"
@@ -210,26 +199,25 @@ def markdown(result: dict) -> str:
         "# Secure aggregation's masking: cost per round",
         "",
         f"`{result['command']}` — {result['machine']}; {result['params']:,} parameters (FedAvg CNN, FMNIST, "
-        "feature 64), integers modulo 2**32, a third of the agents dropping out after sending their shares.",
+        "feature 64), integers modulo 2**64, a third of the agents dropping out after sending their shares; "
+        "the bytes on the wire: benchmarks/secure_rounds.py.",
         "",
-        "| agents | neighbours | threshold | agent CPU-s | of it: masks | up bytes / plain | round bytes / plain "
+        "| agents | neighbours | threshold | agent CPU-s | of it: masks "
         "| coordinator unmask CPU-s (wall s) | of it: Shamir reconstructions CPU-s (wall s) | index sets "
         "| masks it removes | one agent's Shamir reconstruction (seed / key) CPU-s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         unmask = (f"{r['unmask_cpu_s']:.2f} ({r['unmask_wall_s']:.2f})" if r["unmask_measured"]
                   else f"{r['unmask_cpu_s']:.2f} (from the measured parts)")
         lines.append(f"| {r['agents']:,} | {r['degree']} | {r['threshold']} | {r['agent_cpu_s']:.3f} | "
-                     f"{r['agent_mask_cpu_s']:.3f} | {r['up_ratio']:.3f}x | {r['round_ratio']:.3f}x | "
+                     f"{r['agent_mask_cpu_s']:.3f} | "
                      f"{unmask} | {r['reconstruct_cpu_s']:.3f} ({r['reconstruct_wall_s']:.3f}) | "
                      f"{r['index_sets']:,} | {r['unmask_masks']:,} | "
                      f"{r['reconstruct_seed_cpu_s']:.4f} / {r['reconstruct_key_cpu_s']:.4f} |")
     lines += ["", "Shamir reconstructions: `edgepfl.secagg.reconstruct_many`, one set of Lagrange coefficients "
                   "per index set (the index sets column), starting with none cached; the result equals PyCryptodome's "
-                  "`Shamir.combine`, bit for bit.",
-              "", "Bytes: payloads only (public keys, encrypted shares, the masked vector, the shares revealed for "
-                  "unmasking) against a float32 update and its task; the frames' envelopes are not counted."]
+                  "`Shamir.combine`, bit for bit."]
     return "\n".join(lines) + "\n"
 
 

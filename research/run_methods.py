@@ -235,9 +235,9 @@ def federation_name(setting: str, method: str) -> str:
 
 
 def run_config_dict(setting: str, method: str, rounds: int, epochs: int, seed: int, device: str,
-                    data_root: str | None = None, fraction: float = 1.0) -> dict:
+                    data_root: str | None = None, fraction: float = 1.0, epsilon: float | None = None) -> dict:
     s = SETTINGS[setting]
-    return {
+    return {**({"privacy": dp_block(epsilon, rounds, s["clients"], fraction)} if epsilon else {}),
         "federation": federation_name(setting, method),
         "method": method_block(method, epochs),
         "model": s.get("model", MODEL),
@@ -250,6 +250,23 @@ def run_config_dict(setting: str, method: str, rounds: int, epochs: int, seed: i
         "device": device,
         "round_timeout_s": 3600,
     }
+
+
+#: the δ of the privacy study (below 1 / the number of clients of every setting)
+DP_DELTA = 1e-5
+
+
+def dp_block(epsilon: float, rounds: int, clients: int, fraction: float) -> dict:
+    """The ``privacy`` section of a run that spends ``epsilon`` at :data:`DP_DELTA` over its
+    rounds (central DP, client level, the sample its ``fraction`` draws each round): the
+    smallest noise multiplier that does (``edgepfl privacy``), with adaptive clipping from a
+    clip of 1 towards the median change, inside the same ε (docs/SECURITY.md)."""
+    from edgepfl.coordinator.sampling import sample_size
+    from edgepfl.privacy import noise_multiplier_for
+
+    z = noise_multiplier_for(epsilon, rounds, clients, sample_size(fraction, clients), DP_DELTA)
+    return {"mechanism": "central", "clip_norm": 1.0, "noise_multiplier": z, "delta": DP_DELTA,
+            "adaptive_clipping": {"target_quantile": 0.5, "learning_rate": 0.2}}
 
 
 def run_dir(runs_root: Path, tag: str, setting: str, method: str, seed: int) -> Path:
@@ -375,7 +392,8 @@ def participation(records: list[dict]) -> str:
 
 def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, device: str, tag: str,
             runs_root: Path, data_root: str | None = None, resume: bool = False,
-            extend: str | None = None, over_mqtt: bool = False, fraction: float = 1.0) -> dict:
+            extend: str | None = None, over_mqtt: bool = False, fraction: float = 1.0,
+            epsilon: float | None = None) -> dict:
     """One federation (in process, or its agents over MQTT); returns (and the caller stores) its result record.
 
     With ``resume``, a checkpoint of the same configuration in the run's directory is
@@ -392,7 +410,7 @@ def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, devi
     from edgepfl.metrics import read_metrics
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    cfg = run_config_dict(setting, method, rounds, epochs, seed, device, data_root, fraction)
+    cfg = run_config_dict(setting, method, rounds, epochs, seed, device, data_root, fraction, epsilon)
     config = parse_config(RunConfig, cfg, f"benchmark {setting}/{method}")
     out = run_dir(runs_root, tag, setting, method, seed)
     fresh = not (resume and resumable(out, cfg))
@@ -439,14 +457,16 @@ def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, devi
         "majority_floor": majority_floor(setting, seed, data_root),
         "paper_accuracy": PAPER.get(setting, {}).get(base_method(method)),
         "command": command_line(tag, rounds, epochs, seed, device, [setting], [method], data_root, extend, over_mqtt,
-                                fraction),
+                                fraction, epsilon),
+        "epsilon": epsilon,
     }
 
 
 def command_line(tag, rounds, epochs, seed, device, settings, methods, data_root=None, extend=None,
-                 over_mqtt=False, fraction=1.0) -> str:
+                 over_mqtt=False, fraction=1.0, epsilon=None) -> str:
     root = f" --data-root {data_root}" if data_root else ""
     root += f" --fraction {fraction:g}" if fraction != 1.0 else ""
+    root += f" --epsilon {epsilon:g}" if epsilon else ""
     longer = f" --extend {extend}" if extend else ""
     longer += " --over-mqtt" if over_mqtt else ""
     return (f"OMP_NUM_THREADS=1 python research/run_methods.py --tag {tag} --rounds {rounds} --epochs {epochs} "
@@ -648,6 +668,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", action="store_true", help="only (re)write the markdown table and curves.png for --tag")
     p.add_argument("--merge", default="", help="comma list of tags whose runs the table and curves of --tag "
                    "include beside its own (e.g. a method's later variant runs)")
+    p.add_argument("--epsilon", type=float, default=None,
+                   help="client-level differential privacy: each run spends this ε at δ = 1e-5 over its rounds "
+                        "(central, adaptive clipping; the noise multiplier is the smallest that does); use one tag "
+                        "per ε")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # worker: setting:method
     args = p.parse_args(argv)
 
@@ -657,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
         setting, method = args.one.split(":")
         record = run_one(setting, method, args.rounds, args.epochs, args.seed, args.device, args.tag,
                          Path(args.runs_root), args.data_root, resume=args.resume, extend=args.extend,
-                         over_mqtt=args.over_mqtt, fraction=args.fraction)
+                         over_mqtt=args.over_mqtt, fraction=args.fraction, epsilon=args.epsilon)
         path = result_path(args.tag, setting, method, args.seed)
         path.parent.mkdir(parents=True, exist_ok=True)
         # atomic: a run killed mid-write must not leave a JSON that --skip-done takes as finished
@@ -698,6 +722,8 @@ def main(argv: list[str] | None = None) -> int:
                 cmd.append("--over-mqtt")
             if args.fraction != 1.0:
                 cmd += ["--fraction", str(args.fraction)]
+            if args.epsilon:
+                cmd += ["--epsilon", str(args.epsilon)]
             log_path = log_dir / f"{setting}__{method}__s{seed}.log"
             with open(log_path, "w") as log:
                 rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -379,3 +379,29 @@ def test_extend_goes_on_only_from_a_shorter_run_and_leaves_it_as_it_was(worker):
         refused = run(tag, rounds, "--extend", "short", epochs=epochs)
         assert refused.returncode != 0
         assert "is not a shorter run of this configuration" in refused.stderr
+
+
+@needs_fmnist
+def test_a_private_run_spends_its_epsilon_and_records_it_per_round(worker):
+    """``--epsilon``: the run's config carries central DP with the smallest noise multiplier
+    that keeps its rounds within ε, adaptive clipping on; the run's rows say ε per round and
+    the last equals the budget (to the multiplier's 0.1 %)."""
+    from edgepfl.config import RunConfig, parse_config
+    from edgepfl.metrics import read_metrics
+    from edgepfl.privacy import PrivacyAccountant
+
+    run_methods.SETTINGS["tiny"] = TINY
+    try:
+        cfg = run_methods.run_config_dict("tiny", "fedavg", 3, 1, 0, "cpu", fraction=0.5, epsilon=3.0)
+    finally:
+        del run_methods.SETTINGS["tiny"]
+    config = parse_config(RunConfig, cfg, "test")
+    spent = PrivacyAccountant(config.privacy, [(4, 2)] * 3).epsilon()
+    assert config.privacy.adaptive_clipping is not None and 2.99 <= spent <= 3.0
+    done = worker.run("fedavg", "dp3", 3, "--epsilon", "3", "--fraction", "0.5")
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = worker.record("fedavg", "dp3")
+    assert record["epsilon"] == 3.0 and "--epsilon 3" in record["command"]
+    rows = [r for r in read_metrics(worker.run_dir("fedavg", "dp3")) if not r.final]
+    assert [round(r.privacy.epsilon, 6) for r in rows] == [
+        round(PrivacyAccountant(config.privacy, [(4, 2)] * k).epsilon(), 6) for k in (1, 2, 3)]
