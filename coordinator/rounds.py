@@ -172,11 +172,11 @@ class Coordinator:
         c = self.config
         # an agent that announced a smaller largest frame than this run's tasks is sent none (PROTOCOL.md §15)
         self.registry.require(c.method.name, c.model.arch, self.task_writer.task_bytes(self._server_state()))
-        wait_for_agents(self)
-        rows = []
         buffered = BufferedRounds(self) if c.asynchrony.mode == "buffered" else None
         train = (buffered.run_state if buffered is not None else SecureRounds(self).run_round
                  if c.secure_aggregation.enabled else lambda r: self._run_round(r, final=False))
+        wait_for_agents(self)
+        rows = []
         began = self.clock.now()
         for r in range(self.start_round, c.rounds):
             if c.time_budget_s is not None and self.clock.now() - began >= c.time_budget_s:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from edgepfl.aggregation import AggregationRejected, SecureMean
+from edgepfl.config import ConfigError
 from edgepfl.metrics import RoundMetrics, SecureRecord
 from edgepfl.protocol import SECURE_AGGREGATION, MessageType, encode, new_message_id, supports
 from edgepfl.protocol.secagg import PeerKeys, SealedShare, SecAggMeta, SecAggTask, unb64
@@ -46,7 +47,7 @@ from edgepfl.secagg import (
     unmask,
 )
 
-from .fleet import SENDER
+from .fleet import SENDER, Fleet
 from .gate import StepAnswer
 
 if TYPE_CHECKING:
@@ -85,10 +86,23 @@ class SecureSetup:
         return {a: [b for b in self.graph[a] if b in self.members] for a in sorted(self.members)}
 
 
+def require_authenticated(fleet: Fleet, signs: bool, enrols: bool) -> None:
+    """Refuse secure rounds over a fleet where anyone could write in the round's name
+    (ConfigError): on a broker, a roster or an unmask the coordinator did not sign, or keys
+    an agent did not sign, would let a network attacker take an agent's secrets. The
+    in-process fleet's frames are its own."""
+    if fleet.own_frames or (signs and enrols):
+        return
+    raise ConfigError("secure_aggregation over a broker needs signed steps: set security.signing_key and "
+                      "security.enrolled_dir (edgepfl provision makes both; agents pin security.coordinator_key)")
+
+
 class SecureRounds:
     """Runs each training round of a :class:`~.rounds.Coordinator` as a secure one."""
 
     def __init__(self, coordinator: Coordinator):
+        require_authenticated(coordinator.fleet, coordinator.signer is not None,
+                              coordinator.inbox.keyring is not None)
         self.co = coordinator
         self.spec = coordinator.config.secure_aggregation
         self._setup: SecureSetup | None = None

@@ -15,6 +15,9 @@ from a coordinator that lies about who is in the round:
   of its mask key (it did not), never both — with both, the coordinator could strip
   every mask off that neighbour's update.
 
+It takes no step at all without a pinned coordinator key (``security.coordinator_key``):
+on a broker anyone could send it a roster of their own keys, and its shares with them.
+
 A step that fails a check is not answered (the round goes on without this agent, and
 its update, if sent, stays masked); the reason is logged. Sessions live in memory: an
 agent that restarts mid-round has dropped out of it.
@@ -63,9 +66,12 @@ class _Session:
 class SecureSessions:
     """The secure rounds an agent takes part in, by session id."""
 
-    def __init__(self, agent_id: str, signer: Signer | None = None):
+    def __init__(self, agent_id: str, signer: Signer | None = None, authenticated: bool = False):
         self.agent_id = agent_id
         self.signer = signer
+        #: the coordinator's steps reach this agent only signed by its pinned key (or from within its process):
+        #: without that, a forged roster or unmask could take its secrets, so it takes no step at all
+        self.authenticated = authenticated
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
 
     def step(self, message_header: Header, meta: SecAggMeta) -> bytes | None:
@@ -73,6 +79,9 @@ class SecureSessions:
         update topic, or None (a step that needs no answer, or failed a check: logged)."""
         h = message_header
         try:
+            if not self.authenticated:
+                raise SecAggError("no pinned coordinator key (security.coordinator_key): this agent takes part in "
+                                  "secure rounds only when the coordinator's steps are signed")
             if h.recipient not in (None, self.agent_id):
                 raise SecAggError(f"addressed to {h.recipient}")
             if meta.step == "advertise":

@@ -157,11 +157,13 @@ class TrainerTier:
     accepts: ClassVar[tuple[MessageType, ...]] = (MessageType.TASK, MessageType.SECAGG)
 
     def __init__(self, agent_id: str, data: ClientData, state_dir: str, device: str = "auto",
-                 threads: int | None = None, *, signer: Signer | None = None, pinned: bool = False):
+                 threads: int | None = None, *, signer: Signer | None = None, pinned: bool = False,
+                 in_process: bool = False):
         from .task_guard import TaskGuard
         from .trainer import TrainerRuntime  # torch only on this path
 
-        self.runtime = TrainerRuntime(agent_id, data, state_dir, device, threads=threads, signer=signer)
+        self.runtime = TrainerRuntime(agent_id, data, state_dir, device, threads=threads, signer=signer,
+                                      authenticated=pinned or in_process)
         #: with a pinned coordinator key: only tasks for this agent, newest first, before their deadline
         self.guard = TaskGuard(agent_id, state_dir, strict=pinned)
         self.agent_id = agent_id
@@ -481,5 +483,5 @@ def local_trainers(config: RunConfig, agent_ids: Sequence[str], out_dir: str | P
     from edgepfl.data import load_client_data
 
     return {agent_id: TrainerTier(agent_id, load_client_data(config.data, i), str(Path(out_dir) / "agents" / agent_id),
-                                  config.device)
+                                  config.device, in_process=True)
             for i, agent_id in enumerate(agent_ids)}

@@ -125,11 +125,13 @@ class TrainerRuntime:
     Personal parameters are saved atomically after every training task to
     ``state_dir/personal-<run signature>.safetensors`` and reloaded when the agent
     restarts or a task of that method and model comes again (``run_signature``); the
-    state of another run is kept, never overwritten. ``signer`` signs the updates.
+    state of another run is kept, never overwritten. ``signer`` signs the updates;
+    ``authenticated``: every message reaching it is the coordinator's (a pinned key, or
+    in process), which secure rounds need (:class:`~.secure.SecureSessions`).
     """
 
     def __init__(self, agent_id: str, data: ClientData, state_dir: str | Path, device: str = "auto",
-                 threads: int | None = None, signer: Signer | None = None):
+                 threads: int | None = None, signer: Signer | None = None, authenticated: bool = False):
         if threads:
             torch.set_num_threads(threads)  # process-wide: one agent per process
         self.agent_id = agent_id
@@ -148,7 +150,7 @@ class TrainerRuntime:
         # (epoch, round) and tensors of the last task this process decoded: a task delta's base
         self._held: tuple[tuple[int, int], dict[str, np.ndarray]] | None = None
         #: the secure rounds it takes part in (protocol 1.9)
-        self.secure = SecureSessions(agent_id, signer)
+        self.secure = SecureSessions(agent_id, signer, authenticated)
 
     def warm_up(self) -> None:
         """Pay torch's one-time costs before the agent announces itself, not inside its first

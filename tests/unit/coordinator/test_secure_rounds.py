@@ -182,3 +182,17 @@ def test_the_devices_noise_adds_up_to_the_runs_multiplier_on_the_quorum(tmp_path
     assert diff.size > 2000
     assert np.std(diff) == pytest.approx(0.5 * np.sqrt(2) / AGENTS, rel=0.06)
     assert abs(np.mean(diff)) < 4 * np.std(diff) / np.sqrt(diff.size)
+
+
+def test_secure_rounds_over_a_broker_need_signed_steps_and_enrolled_agents():
+    """Over MQTT anyone could write a roster or keys in another's name: without the
+    coordinator's signing key and an enrolled dir a secure run does not start."""
+    from edgepfl.config import ConfigError
+    from edgepfl.coordinator.fleet import MqttFleet
+    from edgepfl.coordinator.secure_rounds import require_authenticated
+
+    for signs, enrols in ((False, False), (True, False), (False, True)):
+        with pytest.raises(ConfigError, match="security.signing_key and security.enrolled_dir"):
+            require_authenticated(MqttFleet.__new__(MqttFleet), signs, enrols)
+    require_authenticated(MqttFleet.__new__(MqttFleet), True, True)
+    require_authenticated(LocalFleet({}, "sec"), False, False)  # in process: every frame is its own

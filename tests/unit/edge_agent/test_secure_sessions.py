@@ -28,7 +28,7 @@ def fleet(n: int = 5) -> dict[str, tuple[SecureSessions, PeerKeys]]:
     out = {}
     for i in range(n):
         agent = f"a{i}"
-        sessions = SecureSessions(agent)
+        sessions = SecureSessions(agent, authenticated=True)
         keys = step(sessions, SecAggMeta(session=SESSION, step="advertise", threshold=3))
         assert keys is not None and keys.keys is not None and keys.keys.agent == agent
         out[agent] = (sessions, keys.keys)
@@ -100,8 +100,15 @@ def test_masking_needs_a_roster_enough_shares_and_shares_sealed_to_this_agent():
         me.mask(FED, 4, task_for("a0", shares, agents), np.zeros(4, "<u8"))  # another round
 
 
-def test_a_step_addressed_to_another_agent_or_advertised_twice_is_not_answered():
+def test_an_agent_without_a_pinned_coordinator_key_takes_no_step():
+    """On a broker anyone may write on its task topic: a roster of an attacker's keys would
+    get its shares, so an agent that cannot tell the coordinator's steps from others' takes none."""
     me = SecureSessions("a0")
+    assert step(me, SecAggMeta(session=SESSION, step="advertise", threshold=2)) is None
+
+
+def test_a_step_addressed_to_another_agent_or_advertised_twice_is_not_answered():
+    me = SecureSessions("a0", authenticated=True)
     assert step(me, SecAggMeta(session=SESSION, step="advertise", threshold=2), recipient="a1") is None
     assert step(me, SecAggMeta(session=SESSION, step="advertise", threshold=2)) is not None
     assert step(me, SecAggMeta(session=SESSION, step="advertise", threshold=2)) is None
