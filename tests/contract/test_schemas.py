@@ -30,6 +30,7 @@ from edgepfl.protocol import (
 )
 from edgepfl.protocol.messages import META_TYPES
 from edgepfl.protocol.schemas import main, render, schema_documents, write_schemas
+from edgepfl.protocol.secagg import PeerKeys, RevealedShare, SealedShare, SecAggMeta, SecAggTask
 
 from tests.wire_samples import sample_manifest, sample_run_spec
 
@@ -79,6 +80,17 @@ def _frames() -> list[bytes]:
         encode(MessageType.STATUS, sender="pi-2", meta=StatusMeta(
             state="online", capabilities=Capabilities(methods=["fedavg"], archs=["cnn"], max_message_bytes=65_536)),
             **kw),
+        encode(MessageType.SECAGG, sender="coordinator", meta=SecAggMeta(
+            session="c" * 32, step="roster", threshold=2,
+            neighbours=[PeerKeys(agent=a, mask_public="A" * 43 + "=", share_public="B" * 43 + "=") for a in "xyz"]),
+            **kw),
+        encode(MessageType.SECAGG, sender="pi-1", meta=SecAggMeta(
+            session="c" * 32, step="reveal", seeds=[RevealedShare(agent="x", index=1, share="A" * 22 + "==")],
+            mask_keys=[RevealedShare(agent="y", index=2, share="B" * 43 + "=")]), **kw),
+        encode(MessageType.TASK, sender="coordinator", meta=TaskMeta(
+            task_id="d" * 32, kind="train", run=run, seed=9, deadline_s=60, secagg=SecAggTask(
+                session="c" * 32, weight_cap=50, shares=[SealedShare(peer="x", ciphertext="QUJD")],
+                clip_norm=1.0, noise_std=0.5)), **kw),
     ]
     frames += split_frame(frames[1], 16_384 + 2048, federation="demo", sender="coordinator", round=3)[:1]
     return frames
