@@ -73,6 +73,11 @@ def summarize(rows: list[RoundMetrics], targets: Sequence[float] = (), times: Ru
         out["privacy"] = {"mechanism": last.mechanism, "epsilon": last.epsilon, "delta": last.delta,
                           "rounds": len(private), "noise_multiplier": last.noise_multiplier,
                           "clip_norm": last.clip_norm}
+    secure = [r.secure for r in rows if r.secure is not None]
+    if secure:
+        out["secure_aggregation"] = {"rounds": len(secure), "unmasked": sum(s.unmasked for s in secure),
+                                     "masks_removed": sum(s.recovered for s in secure),
+                                     "step_bytes": sum(s.bytes_up + s.bytes_down for s in secure)}
     latest = latest_release(head or {})
     if latest is not None:
         release_id, entry = latest
@@ -158,6 +163,11 @@ def format_table(rows: list[RoundMetrics], summary: dict, method: str = "") -> s
                      f"{privacy['delta']:g} after {privacy['rounds']} rounds (noise multiplier "
                      f"{privacy['noise_multiplier']:g}, clip {privacy['clip_norm']:g}); personal parameters and heads "
                      "are outside it")
+    secure = summary.get("secure_aggregation")
+    if secure:
+        lines.append(f"secure aggregation: {secure['rounds']} rounds, the coordinator saw only their sums "
+                     f"({secure['unmasked']} unmasked; {secure['masks_removed']} dropped devices' masks removed; "
+                     f"{secure['step_bytes'] / 1e6:.1f} MB of steps)")
     for reach in summary.get("to_accuracy") or []:
         share = reach.get("share_of_best")
         to = f"{share:.0%} of the best ({reach['target']:.2%})" if share else f"{reach['target']:.2%}"

@@ -84,6 +84,11 @@ def test_a_secure_run_adopts_the_plaintext_runs_states_bit_for_bit(tmp_path):
         assert s is not None and (s.key_holders, s.members, s.survivors, s.recovered) == (AGENTS,) * 3 + (0,)
         assert s.unmasked and s.neighbours == AGENTS - 1 and s.threshold == 3 and 0 < s.bytes_up < row.bytes_up
     assert all(r.secure is None for r in plain_rows)
+    from edgepfl.coordinator.report import write_report
+
+    table, summary = write_report(tmp_path / "secure", "fedavg")
+    assert summary["secure_aggregation"]["rounds"] == summary["secure_aggregation"]["unmasked"] == 2
+    assert "secure aggregation: 2 rounds, the coordinator saw only their sums (2 unmasked" in table
     # every agent took part in each training round's four steps: keys, shares, masked update, reveal
     for device in devices.values():
         steps = [m.meta_as(SecAggMeta).step for m in device.sent if m.type == MessageType.SECAGG]
