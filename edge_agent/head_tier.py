@@ -327,15 +327,26 @@ class HeadRuntime:
             global_heads_sha256=_sha(global_heads) if global_heads is not None else None,
             installed=time.time(), sequence=sequence, proof_file=proof_file,
             previous=old.model_copy(update={"previous": None}) if old is not None else None)
-        with uninterruptible():  # a stop (SIGTERM) waits for the switch: manifest and record agree
-            # for `edgepfl predict --encoder <state>/encoder-….onnx`, which reads the manifest beside it
-            write_json(self.state_dir / "manifest.json", manifest.model_dump(mode="json"))
-            write_json(self.state_dir / STATE_FILE, record.model_dump(mode="json"))  # the switch: written last
-            self.encoder, self.head, self.record, self._adapt = encoder, head, record, adapt
-            self._remove_old(old, record)
+        self._switch(record, old, (encoder, head, adapt))
         log.info("release %s installed: %s head, held-out accuracy %.4f (%d/%d), fit %.2f s", release_id, head_name,
                  metrics.accuracy, correct, self.data.num_test, fit_seconds)
         return metrics
+
+    def _switch(self, record: InstalledRelease, old: InstalledRelease | None,
+                loaded: tuple[OnnxEncoder, OnnxHead, ChannelAffine | None] | None = None) -> None:
+        """Make ``record`` the installed release, on disk and in memory as one step, and remove
+        what ``old`` held that ``record`` does not: the manifest beside the encoder, then the
+        record (the switch, written last), then the ``loaded`` encoder, head and input
+        renormalization in memory (None: the ones in use stay). A stop (SIGTERM) waits for it:
+        manifest and record always agree."""
+        with uninterruptible():
+            # for `edgepfl predict --encoder <state>/encoder-….onnx`, which reads the manifest beside it
+            write_json(self.state_dir / "manifest.json", record.manifest.model_dump(mode="json"))
+            write_json(self.state_dir / STATE_FILE, record.model_dump(mode="json"))  # the switch: written last
+            self.record = record
+            if loaded is not None:
+                self.encoder, self.head, self._adapt = loaded
+            self._remove_old(old, record)
 
     def _keep_proof(self, proof: bytes | None) -> str | None:
         """Write a release's proof (named by its content, so a crash before the record switch
@@ -356,11 +367,7 @@ class HeadRuntime:
         record = old.model_copy(update={"release_id": manifest.release_id, "manifest": manifest, "sequence": sequence,
                                         "metrics": metrics, "installed": time.time(),
                                         "proof_file": self._keep_proof(proof)})
-        with uninterruptible():
-            write_json(self.state_dir / "manifest.json", manifest.model_dump(mode="json"))
-            write_json(self.state_dir / STATE_FILE, record.model_dump(mode="json"))  # the switch: written last
-            self.record = record
-            self._remove_old(old, record)
+        self._switch(record, old)
         log.info("release %s carries the installed encoder of %s: recorded under it, head kept", manifest.release_id,
                  old.release_id)
         return metrics
@@ -408,13 +415,8 @@ class HeadRuntime:
         record = previous.model_copy(update={"release_id": release_id, "manifest": manifest, "sequence": sequence,
                                              "metrics": metrics, "installed": time.time(),
                                              "proof_file": self._keep_proof(proof), "previous": None})
-        with uninterruptible():
-            write_json(self.state_dir / "manifest.json", manifest.model_dump(mode="json"))
-            write_json(self.state_dir / STATE_FILE, record.model_dump(mode="json"))  # the switch: written last
-            self.encoder, self.head, self.record = encoder, head, record
-            self._adapt = _renormalization(self.data.normalization, manifest)
-            assert current is not None  # a previous release is kept only beside an installed one
-            self._remove_old(current, record)
+        assert current is not None  # a previous release is kept only beside an installed one
+        self._switch(record, current, (encoder, head, _renormalization(self.data.normalization, manifest)))
         log.info("release %s restored from the kept files (sequence %s), release %s removed; held-out accuracy %.4f",
                  release_id, sequence, current.release_id, metrics.accuracy)
         return metrics
