@@ -317,13 +317,14 @@ class UpdateGate:
     """Admits or rejects the updates of a federation's rounds.
 
     ``registry`` says which agents are known and how many training samples each
-    announced. The gate remembers the id of every message it accepted in the round being
+    announced; ``method`` checks a training update (None for a gate that never opens a
+    round: a release service's, which rejects every update). The gate remembers the id of every message it accepted in the round being
     collected, so a second copy of one is a ``duplicate``; a copy of an earlier round's
     message is ``stale`` (or ``unexpected``, its task id being an old round's), so only the
     current round's ids are kept: memory per round, not per run.
     """
 
-    def __init__(self, federation: str, method: Method, registry: Registry, *, max_bytes: int,
+    def __init__(self, federation: str, method: Method | None, registry: Registry, *, max_bytes: int,
                  keyring: Keyring | None = None):
         self.federation = federation
         self.method = method
@@ -475,6 +476,8 @@ class UpdateGate:
                 return reject(*decoded)
             tensors = decoded
         update = ClientUpdate(agent_id, weight, tensors)
+        if self.method is None:  # not reached: a gate without a method opens no round (a release service's)
+            return reject("unexpected", "no round is open")
         try:
             self.method.check_update(state, update)
         except UpdateRejected as exc:
@@ -498,6 +501,8 @@ class UpdateGate:
         rounded = [t.name for t in header.tensors if asked.is_exact(t.name)]
         if rounded:
             return "malformed", f"{rounded[0]} is one the method keeps exact, sent compressed"
+        if self.method is None:  # not reached: as in _training_update
+            return "unexpected", "no round is open"
         try:
             encoded = codecs.Encoded.from_arrays(header, message.tensors)
             return codecs.decode(encoded, self.method.payload_for(state, agent_id))

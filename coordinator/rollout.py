@@ -31,7 +31,6 @@ from edgepfl.atomic import write_bytes, write_json
 from edgepfl.config import RunConfig
 from edgepfl.errors import InputError
 from edgepfl.logs import set_log_context
-from edgepfl.methods import create_method
 from edgepfl.metrics import HeadReport
 from edgepfl.protocol import CoordinatorMeta, ReleaseMeta, decode
 from edgepfl.protocol.signing import Keyring, Signer, load_signer
@@ -117,9 +116,10 @@ class ReleaseService:
         self.signer = load_signer(security.signing_key) if security.signing_key else None
         keyring = Keyring(Path(security.enrolled_dir)) if security.enrolled_dir else None
         self.registry = Registry(clock=fleet.clock)
-        method = create_method(config.method.name, config.method.options())
-        gate = UpdateGate(config.federation, method, self.registry, max_bytes=config.broker.max_payload_bytes,
-                          keyring=keyring)  # no task is open: any update is rejected, as out of any round
+        # no task is ever open, so every update is rejected as out of any round, before a method
+        # would be needed: none is built (torch stays unimported: `edgepfl release` runs from [agent])
+        gate = UpdateGate(config.federation, None, self.registry, max_bytes=config.broker.max_payload_bytes,
+                          keyring=keyring)
         counters = RunCounters()
         #: the fleet view (PROTOCOL.md §18) with the rollout's progress: the dashboard and edgepfl status show it
         self.observer = Observer(config, fleet, self.registry, counters)

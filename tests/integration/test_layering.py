@@ -74,3 +74,20 @@ def test_a_bad_config_to_simulate_or_the_coordinator_is_said_before_torch_is_imp
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert proc.stdout.split() == ["2", "False"], (command, proc.stdout, proc.stderr)
         assert "invalid YAML" in proc.stderr
+
+
+def test_the_release_service_connects_without_torch(mosquitto, tmp_path):
+    """`edgepfl release` runs from the `[agent]` extra: the release service builds no method
+    (its inbox opens no round, so every update is rejected before one would be needed)."""
+    code = (f"from pathlib import Path\n"
+            f"from edgepfl.config import RunConfig\n"
+            f"from edgepfl.coordinator.fleet import MqttFleet\n"
+            f"from edgepfl.coordinator.rollout import ReleaseService\n"
+            f"config = RunConfig(federation='light-release', method={{'name': 'repper'}})\n"
+            f"fleet = MqttFleet(config.federation, config.broker, url={mosquitto.url!r})\n"
+            f"service = ReleaseService(config, fleet, Path({str(tmp_path / 'releases')!r}))\n"
+            f"service.close()\n"
+            f"print('torch' in {{k for k, v in sys.modules.items() if v is not None}})\n")
+    proc = _run_without_torch(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "False"
