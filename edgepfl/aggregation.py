@@ -672,18 +672,8 @@ class GaussianMean(Aggregator):
     def result(self) -> TensorDict:
         self._require_updates()
         rng = np.random.default_rng(self.noise_seed)
-        variances = {layer + "running_var" for layer in _statistic_layers(self.reference_)}
-        out: TensorDict = {}
-        for key, ref in self.reference_.items():
-            if ref.dtype.kind != "f":
-                out[key] = ref.copy()
-                continue
-            total = self.sum_._total(key) / self.sum_.scale[key]
-            noisy = total + rng.normal(0.0, self.noise_multiplier * self.clip_norm, ref.shape)
-            value = ref.astype(np.float64) + noisy / self.denominator
-            if key in variances:  # noise may not make a variance negative (post-processing: free)
-                value = np.maximum(value, 0.0)
-            out[key] = value.astype(ref.dtype)
+        std = self.noise_multiplier * self.clip_norm
+        out = _unit_mean(self.sum_, self.reference_, self.denominator, lambda shape: rng.normal(0.0, std, shape))
         if self.adaptive is not None:  # drawn after the sum's noise: the same draws in any order of arrival
             a = self.adaptive
             within = (self.count_ - self.clipped_ + rng.normal(0.0, a.count_noise)) / self.denominator
@@ -691,6 +681,28 @@ class GaussianMean(Aggregator):
             if self.on_next_clip is not None:
                 self.on_next_clip(self.next_clip_)
         return out
+
+
+def _unit_mean(sum_: _ExactSum, reference: Mapping[str, np.ndarray], denominator: int,
+               noise: Callable[[tuple[int, ...]], np.ndarray] | None = None) -> TensorDict:
+    """Client-level DP's mean of clipped changes that each counted once: per float tensor the
+    reference plus (the exact sum, plus ``noise`` of its shape drawn in the reference's key
+    order) over ``denominator``; integer tensors keep the reference's value (a mean of counts
+    would be an unprotected statistic); a variance the noise made negative is 0."""
+    variances = {layer + "running_var" for layer in _statistic_layers(reference)}
+    out: TensorDict = {}
+    for key, ref in reference.items():
+        if ref.dtype.kind != "f":
+            out[key] = ref.copy()
+            continue
+        total = sum_._total(key) / sum_.scale[key]
+        if noise is not None:
+            total = total + noise(ref.shape)
+        value = ref.astype(np.float64) + total / denominator
+        if key in variances:  # noise may not make a variance negative (post-processing: free)
+            value = np.maximum(value, 0.0)
+        out[key] = value.astype(ref.dtype)
+    return out
 
 
 class AdaptiveClip(NamedTuple):
@@ -842,17 +854,7 @@ class SecureMean(Aggregator):
             raise AggregationRejected("secagg_failed", self.failure_ or "the masked sum was not unmasked")
         if self.denominator is None:
             return self.sum_.mean()
-        variances = {layer + "running_var" for layer in _statistic_layers(self.reference_)}
-        out: TensorDict = {}
-        for key, ref in self.reference_.items():
-            if ref.dtype.kind != "f":
-                out[key] = ref.copy()
-                continue
-            value = ref.astype(np.float64) + (self.sum_._total(key) / self.sum_.scale[key]) / self.denominator
-            if key in variances:  # noise may not make a variance negative (post-processing: free)
-                value = np.maximum(value, 0.0)
-            out[key] = value.astype(ref.dtype)
-        return out
+        return _unit_mean(self.sum_, self.reference_, self.denominator)
 
 
 def _norm(arrays) -> float:
