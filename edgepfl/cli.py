@@ -350,7 +350,8 @@ def cmd_methods(args) -> int:
 
 
 def cmd_privacy(args) -> int:
-    """The noise multiplier that keeps a run of this size within ε (client-level DP, central)."""
+    """The noise multiplier that keeps a run of this size within ε (client-level DP, central or
+    distributed: the same noise on the round's sum)."""
     require("dp_accounting", "edgepfl privacy")
     from .coordinator.sampling import sample_size
     from .privacy import PrivacyAccountant, PrivacySpec, noise_multiplier_for
@@ -364,7 +365,8 @@ def cmd_privacy(args) -> int:
     spent = PrivacyAccountant(spec, [(args.devices, sampled)] * args.rounds).epsilon()
     print(f"noise_multiplier: {multiplier:.4g}   # {args.rounds} rounds of {sampled} of {args.devices} devices: "
           f"epsilon {spent:.3f} at delta {args.delta:g}")
-    print(f"# noise on the round's mean: {multiplier:.4g} x clip_norm / {sampled} per coordinate")
+    print(f"# noise on the round's mean: {multiplier:.4g} x clip_norm / {sampled} per coordinate (distributed: "
+          f"each device adds {multiplier:.4g} x clip_norm / sqrt(the round's quorum))")
     return 0
 
 
@@ -496,7 +498,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = command("methods", "list registered methods")
     m.set_defaults(func=cmd_methods)
 
-    pv = command("privacy", "the noise multiplier that keeps a run within a privacy budget (privacy.mechanism central)")
+    pv = command("privacy", "the noise multiplier that keeps a run within a privacy budget (privacy.mechanism central "
+                            "or distributed)")
     pv.add_argument("--epsilon", type=float, required=True, help="the budget: epsilon at --delta over the whole run")
     pv.add_argument("--rounds", type=int, required=True, help="training rounds the run will have")
     pv.add_argument("--devices", type=int, required=True, help="trainer devices a round samples from")
