@@ -155,9 +155,16 @@ class SecureRounds:
         threshold = degree // 2 + 1
         for agent_id in agents:
             self._send(agent_id, SecAggMeta(session=setup.session, step="advertise", threshold=threshold), result)
-        for agent_id, answer in self._await("keys", set(agents)).items():
-            if answer.keys is not None and answer.keys.agent == agent_id:
-                setup.keys[agent_id] = answer.keys
+        seen: set[str] = set()
+        for agent_id, answer in sorted(self._await("keys", set(agents)).items()):
+            keys = answer.keys
+            if (keys is None or keys.agent != agent_id or keys.mask_public == keys.share_public
+                    or {keys.mask_public, keys.share_public} & seen):
+                # another's keys, or an agent's own reused: shares sealed to them would open elsewhere
+                log.warning("round %d: %s sent keys of another agent or reused; left out", r, agent_id)
+                continue
+            seen |= {keys.mask_public, keys.share_public}
+            setup.keys[agent_id] = keys
         holders = sorted(setup.keys)
         degree = self.spec.degree_for(len(holders))
         setup.threshold = degree // 2 + 1

@@ -19,7 +19,7 @@ from edgepfl.coordinator.fleet import LocalFleet
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import agent_ids, data_shape, prepare
 from edgepfl.edge_agent.tiers import TrainerTier, local_trainers
-from edgepfl.protocol import Message, MessageType, TaskMeta, decode
+from edgepfl.protocol import Message, MessageType, TaskMeta, decode, encode
 from edgepfl.protocol.secagg import MASKED_TENSOR, SecAggMeta
 
 pytest.importorskip("torch")
@@ -201,3 +201,34 @@ def test_secure_rounds_over_a_broker_need_signed_steps_and_enrolled_agents():
             require_authenticated(MqttFleet.__new__(MqttFleet), signs, enrols)
     require_authenticated(MqttFleet.__new__(MqttFleet), True, True)
     require_authenticated(LocalFleet({}, "sec"), False, False)  # in process: every frame is its own
+
+
+def test_a_device_announcing_another_devices_public_keys_is_left_out_of_the_round(tmp_path):
+    """Keys the coordinator already holds for another agent (an enrolled device replaying a
+    neighbour's, to be sealed the same shares' keys): that device is left out; the round
+    goes on with the others, its state the clear run's over them."""
+    ids = agent_ids(AGENTS)
+    devices: dict = {}
+
+    class Copycat(Device):
+        def handle(self, message):
+            reply = super().handle(message)
+            if reply is None or message.type != MessageType.SECAGG or message.meta_as(SecAggMeta).step != "advertise":
+                return reply
+            victim = next(m for m in devices[ids[0]].sent if m.type == MessageType.SECAGG
+                          and m.meta_as(SecAggMeta).step == "keys" and m.header.round == message.header.round)
+            stolen = victim.meta_as(SecAggMeta).keys.model_copy(update={"agent": self.tier.agent_id})
+            frame = encode(MessageType.SECAGG, federation=message.header.federation, sender=self.tier.agent_id,
+                           round=message.header.round, meta=SecAggMeta(session=victim.meta_as(SecAggMeta).session,
+                                                                       step="keys", keys=stolen))
+            return type(reply)(reply.channel, frame, reply.round)
+
+    cfg = config(True, rounds=1)
+    for agent_id, tier in local_trainers(cfg, ids, tmp_path / "secure").items():
+        devices[agent_id] = (Copycat if agent_id == ids[5] else Device)(tier)
+    coordinator = Coordinator(cfg, LocalFleet(devices, cfg.federation), tmp_path / "secure", progress=False,
+                              **data_shape(cfg))
+    coordinator.init_or_resume()
+    row = next(r for r in coordinator.run() if not r.final)
+    assert not row.aborted and sorted(row.participants) == ids[:5] and ids[5] in row.dropped
+    assert row.secure is not None and (row.secure.key_holders, row.secure.members) == (5, 5)
