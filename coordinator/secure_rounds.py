@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -155,15 +155,16 @@ class SecureRounds:
         threshold = degree // 2 + 1
         for agent_id in agents:
             self._send(agent_id, SecAggMeta(session=setup.session, step="advertise", threshold=threshold), result)
-        seen: set[str] = set()
-        for agent_id, answer in sorted(self._await("keys", set(agents)).items()):
-            keys = answer.keys
-            if (keys is None or keys.agent != agent_id or keys.mask_public == keys.share_public
-                    or {keys.mask_public, keys.share_public} & seen):
-                # another's keys, or an agent's own reused: shares sealed to them would open elsewhere
-                log.warning("round %d: %s sent keys of another agent or reused; left out", r, agent_id)
+        answers = {a: m.keys for a, m in self._await("keys", set(agents)).items()
+                   if m.keys is not None and m.keys.agent == a}
+        uses = Counter(k for keys in answers.values() for k in {keys.mask_public, keys.share_public})
+        for agent_id, keys in sorted(answers.items()):
+            if keys.mask_public == keys.share_public or uses[keys.mask_public] > 1 or uses[keys.share_public] > 1:
+                # a key two agents announce, or one used twice: shares sealed to it would open elsewhere, and
+                # which agent owns it cannot be told, so neither takes part this round
+                log.warning("round %d: %s announced a public key another agent announced too, or one key for "
+                            "both uses; left out", r, agent_id)
                 continue
-            seen |= {keys.mask_public, keys.share_public}
             setup.keys[agent_id] = keys
         holders = sorted(setup.keys)
         degree = self.spec.degree_for(len(holders))

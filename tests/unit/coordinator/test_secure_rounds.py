@@ -204,9 +204,9 @@ def test_secure_rounds_over_a_broker_need_signed_steps_and_enrolled_agents():
 
 
 def test_a_device_announcing_another_devices_public_keys_is_left_out_of_the_round(tmp_path):
-    """Keys the coordinator already holds for another agent (an enrolled device replaying a
-    neighbour's, to be sealed the same shares' keys): that device is left out; the round
-    goes on with the others, its state the clear run's over them."""
+    """Keys another agent announced too (an enrolled device replaying a neighbour's, to be
+    sealed the same shares' keys): which one owns them cannot be told, so neither takes part
+    in the round; it goes on with the others."""
     ids = agent_ids(AGENTS)
     devices: dict = {}
 
@@ -230,5 +230,5 @@ def test_a_device_announcing_another_devices_public_keys_is_left_out_of_the_roun
                               **data_shape(cfg))
     coordinator.init_or_resume()
     row = next(r for r in coordinator.run() if not r.final)
-    assert not row.aborted and sorted(row.participants) == ids[:5] and ids[5] in row.dropped
-    assert row.secure is not None and (row.secure.key_holders, row.secure.members) == (5, 5)
+    assert not row.aborted and sorted(row.participants) == ids[1:5] and {ids[0], ids[5]} <= set(row.dropped)
+    assert row.secure is not None and (row.secure.key_holders, row.secure.members) == (4, 4)
