@@ -43,7 +43,9 @@ CASES = [
 
 
 def test_the_cases_cover_every_failpoint():
-    assert {point for point, _ in CASES} == set(POINTS)
+    # the agent's points kill an agent mid-round, not the coordinator mid-write
+    # (tests/integration/test_secure_aggregation.py kills at agent.train_task)
+    assert {point for point, _ in CASES} == {p for p in POINTS if not p.startswith("agent.")}
 
 
 @pytest.fixture(scope="module")
