@@ -13,7 +13,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from edgepfl.protocol import Capabilities, StatusMeta
+from edgepfl.protocol import Capabilities, StatusMeta, supports
 from edgepfl.protocol.clock import wall_time
 
 from .clock import Clock, WallClock
@@ -87,6 +87,8 @@ class Registry:
         self._method: str | None = None
         self._arch: str | None = None
         self._task_bytes: int | None = None
+        #: the protocol feature (major, minor) this run needs of a trainer, and what needs it (None: none)
+        self._feature: tuple[tuple[int, int], str] | None = None
         # trainers that may be sent a task now (online, capable, not excluded): kept up to date per status
         self._eligible: set[str] = set()
         # agent id -> (session, reason) of a refusal that keeps it out of this run until another session
@@ -102,6 +104,19 @@ class Registry:
         self._method, self._arch, self._task_bytes = method, arch, task_bytes
         for agent_id in self.agents:
             self._refresh(agent_id)
+
+    def require_protocol(self, feature: tuple[int, int], needed_by: str) -> None:
+        """Trainers whose status announced a protocol before ``feature`` get no task of this
+        run (``needed_by``: what needs it, for the log): a secure run's agents must take its steps."""
+        self._feature = (feature, needed_by)
+        for agent_id in self.agents:
+            self._refresh(agent_id)
+
+    def _too_old(self, version: str) -> str | None:
+        if self._feature is None or supports(version, self._feature[0]):
+            return None
+        (major, minor), needed_by = self._feature
+        return f"it speaks protocol {version}; {needed_by} needs {major}.{minor}"
 
     def incapable(self, capabilities: Capabilities | None) -> str | None:
         """Why an agent with these declared capabilities cannot run this run's tasks, or None.
@@ -135,7 +150,7 @@ class Registry:
         info = self.agents.get(agent_id)
         why = None
         if info is not None and info.tier == "trainer" and info.state == "online":
-            why = self.incapable(info.capabilities) or self.excluded(agent_id)
+            why = self.incapable(info.capabilities) or self._too_old(info.version) or self.excluded(agent_id)
             if why is None:
                 self._eligible.add(agent_id)
                 return

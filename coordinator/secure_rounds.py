@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from edgepfl.aggregation import AggregationRejected, SecureMean
 from edgepfl.config import ConfigError
 from edgepfl.metrics import RoundMetrics, SecureRecord
-from edgepfl.protocol import SECURE_AGGREGATION, MessageType, encode, new_message_id, supports
+from edgepfl.protocol import SECURE_AGGREGATION, MessageType, encode, new_message_id
 from edgepfl.protocol.secagg import PeerKeys, SealedShare, SecAggMeta, SecAggTask, unb64
 from edgepfl.secagg import (
     RING_BITS,
@@ -103,6 +103,8 @@ class SecureRounds:
     def __init__(self, coordinator: Coordinator):
         require_authenticated(coordinator.fleet, coordinator.signer is not None,
                               coordinator.inbox.keyring is not None)
+        # an agent before 1.9 would never answer a step: it gets no task of this run (the registry logs it once)
+        coordinator.registry.require_protocol(SECURE_AGGREGATION, "secure aggregation")
         self.co = coordinator
         self.spec = coordinator.config.secure_aggregation
         self._setup: SecureSetup | None = None
@@ -110,7 +112,6 @@ class SecureRounds:
         #: the step awaited, from whom, and the answers so far
         self._step, self._from = "", set[str]()
         self._answers: dict[str, SecAggMeta] = {}
-        self._warned_old: set[str] = set()
 
     def run_round(self, r: int) -> RoundMetrics:
         """One secure training round (module docstring); its metrics row."""
@@ -118,12 +119,11 @@ class SecureRounds:
         started = co.clock.now()
         co.inbox.presence.round_starts(r)
         sampled, evaluators = co._sample(r, final=False)
-        able = [a for a in sampled if self._speaks(a)]
         tasks, result, _ = co.open_round(r, sampled, late=False)
         co.observer.enter("training", r)
         co.inbox.steps, self._result = self._on_step, result
         try:
-            setup = self._prepare(r, able, result)
+            setup = self._prepare(r, sampled, result)
             clip_norm, noise_std = co.privacy.device_noise(len(sampled))
             for agent_id in sorted(setup.members):
                 shares = [SealedShare(peer=s, ciphertext=t) for s, t in sorted(setup.sealed[agent_id].items())]
@@ -135,8 +135,8 @@ class SecureRounds:
             co._collect(tasks, result, started)
             left_out = sorted(set(sampled) - setup.members)
             if left_out:
-                log.info("round %d: %d sampled agents are not in the secure round (no keys or shares in time, or "
-                         "protocol before 1.9): %s", r, len(left_out), ", ".join(left_out[:10]))
+                log.info("round %d: %d sampled agents are not in the secure round (no keys or shares in time): %s",
+                         r, len(left_out), ", ".join(left_out[:10]))
                 result.dropped.extend(left_out)
             for agent_id in result.dropped:
                 co.registry.missed(agent_id, r, silent_since=started)
@@ -235,15 +235,6 @@ class SecureRounds:
                  len(survivors), len(lost_keys))
 
     # ---------------------------------------------------------------- messaging
-    def _speaks(self, agent_id: str) -> bool:
-        if supports(self.co.registry.version(agent_id), SECURE_AGGREGATION):
-            return True
-        if agent_id not in self._warned_old:
-            self._warned_old.add(agent_id)
-            log.warning("%s speaks protocol %s, before 1.9: it cannot take part in secure rounds", agent_id,
-                        self.co.registry.version(agent_id))
-        return False
-
     def _send(self, agent_id: str, meta: SecAggMeta, result: RoundResult) -> None:
         co = self.co
         frame = encode(MessageType.SECAGG, federation=co.config.federation, sender=SENDER, round=result.round,

@@ -232,3 +232,20 @@ def test_a_device_announcing_another_devices_public_keys_is_left_out_of_the_roun
     row = next(r for r in coordinator.run() if not r.final)
     assert not row.aborted and sorted(row.participants) == ids[1:5] and {ids[0], ids[5]} <= set(row.dropped)
     assert row.secure is not None and (row.secure.key_holders, row.secure.members) == (4, 4)
+
+
+def test_a_secure_run_gives_no_task_to_an_agent_before_protocol_1_9(caplog):
+    """An agent of 1.8 would never answer a step: the registry keeps it out of the run's
+    tasks (said once), so it is neither sampled nor benched as silent; a 1.9 agent is in."""
+    from edgepfl.coordinator.registry import Registry
+    from edgepfl.protocol import SECURE_AGGREGATION, StatusMeta
+
+    registry = Registry()
+    registry.update("old", StatusMeta(state="online", num_train=10, version="1.8"))
+    registry.update("new", StatusMeta(state="online", num_train=10, version="1.9"))
+    assert sorted(registry.eligible()) == ["new", "old"]
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        registry.require_protocol(SECURE_AGGREGATION, "secure aggregation")
+        registry.update("old", StatusMeta(state="online", num_train=10, version="1.8"))
+    assert registry.eligible() == ["new"]
+    assert caplog.text.count("it speaks protocol 1.8; secure aggregation needs 1.9") == 1
