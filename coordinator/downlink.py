@@ -31,9 +31,9 @@ from edgepfl.methods import Method, ServerState
 from edgepfl.protocol import TASK_DELTAS, Capabilities, TaskDelta, supports
 from edgepfl.protocol.codec import UplinkSpec, tensors_digest
 
-from .gate import RoundTasks
 from .registry import AgentInfo
 from .result import RoundResult
+from .round_tasks import RoundTasks
 
 log = logging.getLogger("edgepfl.coordinator")
 

@@ -38,11 +38,12 @@ from edgepfl.protocol import (
     supports,
 )
 from edgepfl.protocol.backpressure import BoundedInbox
-from edgepfl.protocol.signing import Signer, load_signer
+from edgepfl.protocol.signing import Signer
 from edgepfl.protocol.transport import Inbound, MqttTransport
 from edgepfl.simulation import FleetTiming, SimulationSpec, task_samples
 
 from .clock import Clock, VirtualClock, WallClock
+from .credentials import Credentials
 from .gate import Refused, Rejection
 from .head_releases import DeltaRelease, HeadReleases, RestoreRelease
 
@@ -85,6 +86,8 @@ class Fleet(ABC):
     #: agent's own without a signature (agents in this process): then an unsigned refusal for
     #: good may keep the agent out of the run, as a signed one does (Inbox._on_refusal)
     own_frames: ClassVar[bool] = False
+    #: the keys a fleet behind a broker loaded for its own frames (None: the coordinator side loads them)
+    credentials: Credentials | None = None
 
     @abstractmethod
     def send(self, agent_id: str, frame: bytes, round: int) -> int:
@@ -173,9 +176,11 @@ class MqttFleet(Fleet):
     loses_tasks = True
 
     def __init__(self, federation: str, broker: BrokerConfig, url: str | None = None,
-                 security: SecuritySpec | None = None):
+                 security: SecuritySpec | None = None, credentials: Credentials | None = None):
         security = security or SecuritySpec()
-        self.signer: Signer | None = load_signer(security.signing_key) if security.signing_key else None
+        #: loaded here once; the coordinator side built over this fleet takes them from it (wiring.py)
+        self.credentials = credentials or Credentials.load(security)
+        self.signer: Signer | None = self.credentials.signer
         warning = exposure_warning(url or broker.url, "coordinator",
                                    signed=bool(security.signing_key and security.enrolled_dir))
         if warning:

@@ -29,16 +29,12 @@ from .clock import Clock, WallClock
 from .fleet import Fleet, Incoming
 from .gate import (
     EXCLUDING_REFUSALS,
-    MAX_TASK_COPIES,
     Accepted,
     Attribution,
-    LateWindow,
     Presence,
     Refused,
     Rejection,
-    RoundTasks,
     StepAnswer,
-    Task,
     UpdateGate,
     admit_metrics,
     admit_presence,
@@ -47,6 +43,7 @@ from .nack import Nacker
 from .presence import PresenceWatch
 from .registry import Registry
 from .result import RunCounters
+from .round_tasks import MAX_TASK_COPIES, LateWindow, RoundTasks, Task
 
 log = logging.getLogger("edgepfl.coordinator")
 

@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -33,16 +33,13 @@ from edgepfl.errors import InputError
 from edgepfl.logs import set_log_context
 from edgepfl.metrics import HeadReport
 from edgepfl.protocol import CoordinatorMeta, ReleaseMeta, decode
-from edgepfl.protocol.signing import Keyring, Signer, load_signer
+from edgepfl.protocol.signing import Signer
 from edgepfl.protocol.view import RolloutState, RolloutView
 from edgepfl.rollout import RolloutEvent, RolloutSpec, StageVerdict, judge_stage, stage_members
 
-from .fleet import MqttFleet
-from .gate import UpdateGate
+from .fleet import Fleet, MqttFleet
 from .inbox import Inbox
-from .nack import Nacker
 from .observe import Observer
-from .registry import Registry
 from .release import (
     BuiltRelease,
     fleet_current,
@@ -51,10 +48,7 @@ from .release import (
     resume_release,
     rollback_release,
 )
-from .result import RunCounters
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .rounds import Coordinator
+from .wiring import wire
 
 log = logging.getLogger("edgepfl.coordinator.rollout")
 
@@ -112,19 +106,12 @@ class ReleaseService:
         self.fleet = fleet
         self.releases_dir = Path(releases_dir)
         self.releases_dir.mkdir(parents=True, exist_ok=True)
-        security = config.security
-        self.signer = load_signer(security.signing_key) if security.signing_key else None
-        keyring = Keyring(Path(security.enrolled_dir)) if security.enrolled_dir else None
-        self.registry = Registry(clock=fleet.clock)
         # no task is ever open, so every update is rejected as out of any round, before a method
         # would be needed: none is built (torch stays unimported: `edgepfl release` runs from [agent])
-        gate = UpdateGate(config.federation, None, self.registry, max_bytes=config.broker.max_payload_bytes,
-                          keyring=keyring)
-        counters = RunCounters()
+        side = wire(config, fleet, None, watch_presence=False)
+        self.signer, self.registry, self.inbox = side.credentials.signer, side.registry, side.inbox
         #: the fleet view (PROTOCOL.md §18) with the rollout's progress: the dashboard and edgepfl status show it
-        self.observer = Observer(config, fleet, self.registry, counters)
-        self.inbox = Inbox(fleet, self.registry, gate, counters, tick=self.observer.tick, keyring=keyring,
-                           clock=fleet.clock, nacks=Nacker(config.federation, fleet, self.registry, self.signer))
+        self.observer = side.observer
         resume_release(fleet, self.releases_dir)  # the presence names the fleet's current release
         current = fleet_current(self.releases_dir)
         fleet.announce(CoordinatorMeta(state="online", method=config.method.name, round=-1, release=current))
@@ -329,17 +316,15 @@ def _points(change: float | None) -> str:
     return "n/a (no device had a report on its previous release)" if change is None else f"{100 * change:+.1f} points"
 
 
-def release_to_fleet(co: Coordinator, release: BuiltRelease, round: int) -> bool:
+def release_to_fleet(release: BuiltRelease, round: int, *, config: RunConfig, fleet: Fleet, inbox: Inbox,
+                     observer: Observer, releases_dir: Path, signer: Signer | None) -> bool:
     """A round loop's release: by the run's stages when ``rollout.in_runs`` is set and the
     fleet is behind a broker (its round loop waits, first for ``min_head_agents`` head agents,
     then for the stages), else published to every head agent at once. False when a stage
     halted it (the fleet stays on its current release)."""
-    c = co.config
-    if c.rollout.in_runs and isinstance(co.fleet, MqttFleet):
-        fleet = co.fleet  # first, up to wait_for_agents_s for min_head_agents: the stages are shares of those online
-        co.inbox.pump_until(lambda: len(fleet.head_releases.online()) >= c.min_head_agents,
-                            co.clock.now() + c.wait_for_agents_s)
-        return StagedRollout(co.config, co.fleet, co.inbox, co.observer, co.run_dir.releases_dir,
-                             co.signer).roll_out(release) == "promoted"
-    publish_release(co.fleet, release, round, co.run_dir.releases_dir)
+    if config.rollout.in_runs and isinstance(fleet, MqttFleet):
+        online = fleet.head_releases.online  # first, up to wait_for_agents_s for min_head_agents: stages are shares
+        inbox.pump_until(lambda: len(online()) >= config.min_head_agents, fleet.clock.now() + config.wait_for_agents_s)
+        return StagedRollout(config, fleet, inbox, observer, releases_dir, signer).roll_out(release) == "promoted"
+    publish_release(fleet, release, round, releases_dir)
     return True

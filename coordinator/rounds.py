@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from edgepfl.aggregation import AggregationRejected, weight_cap
@@ -43,26 +44,21 @@ from edgepfl.protocol import (
     seed_for,
 )
 from edgepfl.protocol.secagg import SecAggTask
-from edgepfl.protocol.signing import Keyring, load_signer
 from edgepfl.state import CheckpointMeta
 
-from .buffered import BufferedRounds
+from .drivers import SyncRounds, driver_for
 from .fleet import Fleet
-from .gate import ClosedRounds, RoundTasks, Task, UpdateGate, admit_state
-from .inbox import Inbox
-from .nack import Nacker
-from .observe import Observer
-from .presence import PresenceWatch
+from .gate import StepAnswer, admit_state
 from .privacy import PrivacyLedger
 from .progress import Progress
-from .registry import Registry
 from .release import resume_release
-from .result import RoundResult, RunCounters
+from .result import RoundResult
 from .rollback import RollbackPolicy
+from .round_tasks import ClosedRounds, RoundTasks, Task
 from .run_dir import RunDirectory
 from .sampling import choose_participants
-from .secure_rounds import SecureRounds
 from .tasks import TaskWriter
+from .wiring import wire
 
 log = logging.getLogger("edgepfl.coordinator")
 
@@ -71,44 +67,22 @@ class Coordinator:
 
     def __init__(self, config: RunConfig, fleet: Fleet, out_dir: str | Path, *, input_shape=None, num_classes=None,
                  class_names=None, normalization=None, progress: bool = True):
-        self.config = config
-        self.fleet = fleet
+        self.config, self.fleet, self.clock = config, fleet, fleet.clock  # deadlines: the fleet's (maybe virtual) clock
         self.method: Method = create_method(config.method.name, config.method.options())
         #: what every task carries, and checkpoints and releases record
-        self.run_spec: RunSpec = config.run_spec(input_shape, num_classes, class_names, normalization)
-        # Every task says how inputs are normalized, so that no trainer guesses (PROTOCOL §5, task).
-        if self.run_spec.data.normalization is None:
-            raise ConfigError("the input normalization is unknown: read it from the data or set "
-                              "normalization: {mean: [...], std: [...]} in the run config")
+        self.run_spec: RunSpec = run_spec_of(config, input_shape, num_classes, class_names, normalization)
+        side = wire(config, fleet, self.method)
+        self.registry, self.counters, self.observer, self.inbox = side.registry, side.counters, side.observer, side.inbox
+        self.signer, self.enrols = side.credentials.signer, side.credentials.keyring is not None
+        self.registry.require(config.method.name, config.model.arch)
         self.progress = Progress(config.rounds, enabled=progress)
         self.run_dir = RunDirectory(out_dir)
-        self.counters = RunCounters()
         self.rollback = RollbackPolicy(config.aggregation.rollback_after, self.run_dir)
         self.privacy = PrivacyLedger(config, Path(out_dir))  # before a resume drops any row: what was spent
-        self._sampled_from = 0
-        #: deadlines are read from the fleet's clock: the wall clock, or a simulation's virtual one
-        self.clock = fleet.clock
-        self.registry = Registry(clock=self.clock)
-        self.registry.require(config.method.name, config.model.arch)
-        security = config.security
-        # With a signing key every task and release is signed; with enrolled_dir only
-        # enrolled agents' signed statuses, updates and metrics get in (PROTOCOL.md §3a).
-        self.signer = load_signer(security.signing_key) if security.signing_key else None
-        keyring = Keyring(Path(security.enrolled_dir)) if security.enrolled_dir else None
-        gate = UpdateGate(config.federation, self.method, self.registry, max_bytes=config.broker.max_payload_bytes,
-                          keyring=keyring)
-        self.observer = Observer(config, fleet, self.registry, self.counters)
         self.task_writer = TaskWriter(config, self.run_spec, self.method, self.signer)
-        self.inbox = Inbox(fleet, self.registry, gate, self.counters, tick=self.observer.tick, keyring=keyring,
-                           clock=self.clock, presence=PresenceWatch(self.registry, config.expected_agents),
-                           nacks=Nacker(config.federation, fleet, self.registry, self.signer))
-        if fleet.loses_tasks and config.asynchrony.mode == "sync":
-            # a task lost with a connection goes again (buffered states move on without it)
-            self.inbox.resend = lambda task, r: fleet.send(
-                task.agent_id, self.task_writer.frame(task.agent_id, task.kind, task.task_id, task.uplink, secagg=task.secagg)[1], r)
         self.epoch = int(time.time() * 1000)  # a resumed run keeps its checkpoint's (init_or_resume)
         self.state: ServerState | None = None
-        self.start_round = 0
+        self.start_round, self._sampled_from = 0, 0
         self.releases: dict[str, int] = {}  # release id -> the round it was exported after, in publishing order
         #: closed training rounds' tasks and the states they were built from: their stragglers' late updates
         self._closed_rounds = ClosedRounds(config.staleness_limit)
@@ -172,9 +146,7 @@ class Coordinator:
         c = self.config
         # an agent that announced a smaller largest frame than this run's tasks is sent none (PROTOCOL.md §15)
         self.registry.require(c.method.name, c.model.arch, self.task_writer.task_bytes(self._server_state()))
-        buffered = BufferedRounds(self) if c.asynchrony.mode == "buffered" else None
-        train = (buffered.run_state if buffered is not None else SecureRounds(self).run_round
-                 if c.secure_aggregation.enabled else lambda r: self._run_round(r, final=False))
+        driver = driver_for(c, self)
         wait_for_agents(self)
         rows = []
         began = self.clock.now()
@@ -184,33 +156,21 @@ class Coordinator:
                 break
             if not self.privacy.allows_round(len(self.registry.responsive(r) or self.registry.eligible())):
                 break  # the budget of privacy.epsilon_budget is spent: the final evaluation follows
-            if r > self.start_round and buffered is None:
+            if r > self.start_round and driver.waits_between_rounds:
                 # Agents that dropped out get up to one round timeout to come back before we go on without them.
                 wait_for_agents(self, required=False)
             self.fleet.announce(CoordinatorMeta(state="online", method=c.method.name, round=r))
-            rows.append(train(r))
+            rows.append(driver.run_round(r))
             if c.release_every and (r + 1) % c.release_every == 0 and r + 1 < c.rounds:
                 self.release(r)
         trained = rows[-1].round + 1 if rows else self.start_round  # c.rounds, unless the time budget ran out
-        rows.append(self._run_round(trained, final=True))
+        rows.append(SyncRounds(self).run_round(trained, final=True))
         if c.release_at_end or c.release_every:
             self.release(trained - 1)
             self._collect_head_reports(timeout=c.round_timeout_s)
         self.fleet.announce(CoordinatorMeta(state="done", method=c.method.name, round=trained))
         self.observer.enter("done", trained)
         return rows
-
-    def _run_round(self, r: int, final: bool) -> RoundMetrics:
-        """One round: sample, send tasks, collect, close the aggregate, metrics row, checkpoint."""
-        started = self.clock.now()
-        self.inbox.presence.round_starts(r)
-        sampled, evaluators = self._sample(r, final)
-        tasks, result = self._send_tasks(r, sampled, evaluators)
-        self.observer.enter("evaluating" if final else "training", r)
-        self._collect(tasks, result, started)
-        for agent_id in result.dropped:
-            self.registry.missed(agent_id, r, silent_since=started)
-        return self.close_round(tasks, result, started, final, quorum=self.config.quorum_of(len(sampled)))
 
     def close_round(self, tasks: RoundTasks, result: RoundResult, started: float, final: bool,
                     quorum: int) -> RoundMetrics:
@@ -240,21 +200,16 @@ class Coordinator:
         self.observer.round_done(row)
         return row
 
-    def _sample(self, r: int, final: bool) -> tuple[list[str], list[str]]:
+    # ------------------------------------------------------- the round drivers' context
+    def sample(self, r: int, final: bool) -> tuple[list[str], list[str]]:
         """Who trains round ``r`` and who only evaluates (:func:`.sampling.choose_participants`).
         Agents that let their tasks time out sit out rounds (:meth:`.Registry.missed`), so a
         dead agent does not cost every round its timeout; if nobody is left, and at the final
         evaluation, every eligible one is asked."""
+        self.inbox.presence.round_starts(r)
         online = self.registry.eligible() if final else self.registry.responsive(r) or self.registry.eligible()
         self._sampled_from = len(online)  # the population a private round's sample was drawn from
         return choose_participants(online, self.config, r, final)
-
-    def _send_tasks(self, r: int, sampled: list[str], evaluators: list[str]) -> tuple[RoundTasks, RoundResult]:
-        """Open round ``r`` and send each agent its task; returns the tasks and the round's (empty) result."""
-        tasks, result, _ = self.open_round(r, sampled, late=bool(sampled))
-        for agent_id, kind in [(a, "train") for a in sampled] + [(a, "evaluate") for a in evaluators]:
-            self.send_task(tasks, result, agent_id, kind)
-        return tasks, result
 
     def open_round(self, r: int, sampled: list[str], late: bool) -> tuple[RoundTasks, RoundResult, ServerState]:
         """Open round ``r`` for answers (its aggregate when ``sampled`` train; with ``late``,
@@ -287,7 +242,7 @@ class Coordinator:
             # is 1,000 x the model. Answers are admitted meanwhile (their tasks are added).
             self.inbox.pump_until(self.fleet.send_ready, self.clock.now() + self.config.round_timeout_s)
 
-    def _collect(self, tasks: RoundTasks, result: RoundResult, started: float) -> None:
+    def collect(self, tasks: RoundTasks, result: RoundResult, started: float) -> None:
         """Admit answers until every task is answered or, once a quorum of updates is in,
         the round timeout passes or every agent still owing an answer is offline; never
         past twice the timeout. Whoever has not answered then is dropped from the round."""
@@ -310,6 +265,30 @@ class Coordinator:
                      len(result.participants), len(result.sampled), self.clock.now() - started, ", ".join(sorted(waiting)))
             result.dropped.extend(sorted(waiting))
 
+    def pump_until(self, done: Callable[[], bool], deadline: float) -> bool:
+        """Route the fleet's traffic until ``done()`` or ``deadline`` (:meth:`.Inbox.pump_until`)."""
+        return self.inbox.pump_until(done, deadline)
+
+    def late_rounds(self) -> set[int]:
+        """The closed rounds whose late updates the open round takes."""
+        return self.inbox.late_rounds
+
+    def device_noise(self, sampled: int) -> tuple[float | None, float | None]:
+        """Distributed DP: :meth:`.PrivacyLedger.device_noise`."""
+        return self.privacy.device_noise(sampled)
+
+    def route_steps(self, handler: Callable[[StepAnswer, int], None]) -> None:
+        """Every secure-round step the gate admits goes to ``handler`` (one driver registers it)."""
+        self.inbox.steps = handler
+
+    def resend_lost_tasks(self) -> None:
+        """Over a fleet that can lose a task with a connection, send it again, same id, when
+        its agent comes back on a new connection (a buffered state moves on without it)."""
+        if self.fleet.loses_tasks:
+            self.inbox.resend = lambda task, r: self.fleet.send(task.agent_id, self.task_writer.frame(
+                task.agent_id, task.kind, task.task_id, task.uplink, secagg=task.secagg)[1], r)
+
+    # ---------------------------------------------------------------- the server step
     def _server_step(self, tasks: RoundTasks, result: RoundResult, quorum: int) -> str | None:
         """Close the round's aggregate when a quorum was added and adopt it if it passes
         :func:`~.gate.admit_state`; returns why the round was aborted (None: adopted)."""
@@ -352,7 +331,8 @@ class Coordinator:
         self.observer.enter("releasing", round)
         built = build_release(self._server_state(), self.checkpoint_meta(round), self.run_dir.releases_dir,
                               self.config, signer=self.signer)
-        if not release_to_fleet(self, built, round):
+        if not release_to_fleet(built, round, config=self.config, fleet=self.fleet, inbox=self.inbox,
+                                observer=self.observer, releases_dir=self.run_dir.releases_dir, signer=self.signer):
             return None  # halted at a stage and rolled back (docs/ROLLOUT.md): the fleet keeps its release
         self.releases[built.release_id] = round
         self.observer.released(built.release_id)
@@ -366,6 +346,16 @@ class Coordinator:
         if self.releases and self.inbox.collect_reports(next(reversed(self.releases)), timeout, c.min_head_agents,
                                                         c.wait_for_agents_s):
             self.run_dir.write_head_reports(self.inbox.reports_by_release, self.releases)
+
+
+def run_spec_of(config: RunConfig, input_shape, num_classes, class_names, normalization) -> RunSpec:
+    """What every task of the run carries; refused (ConfigError) when the input normalization
+    is unknown, so that no trainer guesses (PROTOCOL §5, task)."""
+    spec = config.run_spec(input_shape, num_classes, class_names, normalization)
+    if spec.data.normalization is None:
+        raise ConfigError("the input normalization is unknown: read it from the data or set "
+                          "normalization: {mean: [...], std: [...]} in the run config")
+    return spec
 
 
 def wait_for_agents(co: Coordinator, required: bool = True) -> None:

@@ -54,10 +54,10 @@ from edgepfl.export.heads import OnnxHead
 from edgepfl.export.predict import OnnxEncoder
 from edgepfl.heads import OFFLINE_HEAD_KIND, HeadRelease
 from edgepfl.heads.labels import FEDERATION, LabelSpace, label_space_for
-from edgepfl.protocol.envelope import Header, encode_body
+from edgepfl.protocol.envelope import SIGNATURE_BYTES, Header, encode_body
 from edgepfl.protocol.manifest import ReleaseManifest, release_tensors
 from edgepfl.protocol.messages import ReleaseMeta
-from edgepfl.protocol.signing import SIGNATURE_BYTES, verify_signed_part
+from edgepfl.protocol.signing import verify_signed_part
 from edgepfl.protocol.validation import first_validation_error
 from edgepfl.service import notifier, uninterruptible
 

@@ -134,6 +134,26 @@ class StragglerSpec(_Strict):
                                "(FedBuff's discount; 0.5: 0.71 for one round late, 0.58 for two)")
 
 
+#: The round driver of each (asynchrony.mode, secure_aggregation.enabled) pair a run may ask
+#: for, by name (the classes: edgepfl.coordinator.drivers.DRIVERS). A pair not here is refused
+#: with its reason from :data:`NO_ROUND_DRIVER`.
+ROUND_DRIVERS: dict[tuple[str, bool], str] = {
+    ("sync", False): "sync",
+    ("buffered", False): "buffered",
+    ("sync", True): "secure",
+}
+#: why a pair has no driver
+NO_ROUND_DRIVER: dict[tuple[str, bool], str] = {
+    ("buffered", True): "under secure_aggregation the coordinator sees only the sum of a round's updates: "
+                        "asynchrony.mode must be sync (a buffered state folds updates in one by one)",
+}
+
+
+def round_driver(config: RunConfig) -> str:
+    """The name of the driver that runs ``config``'s training rounds (:data:`ROUND_DRIVERS`)."""
+    return ROUND_DRIVERS[(config.asynchrony.mode, config.secure_aggregation.enabled)]
+
+
 class AsynchronySpec(_Strict):
     """Synchronous rounds, or buffered asynchronous ones (FedBuff)."""
 
@@ -258,6 +278,10 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
         check_segment(self.federation, "federation")
+        pair = (self.asynchrony.mode, self.secure_aggregation.enabled)
+        if pair not in ROUND_DRIVERS:
+            raise ValueError(NO_ROUND_DRIVER.get(pair, f"no round driver runs asynchrony.mode {pair[0]} with "
+                                                       f"secure_aggregation.enabled {str(pair[1]).lower()}"))
         if self.privacy.mechanism != "none":
             self._check_privacy()
         if self.secure_aggregation.enabled:
@@ -303,8 +327,6 @@ class RunConfig(_Strict):
         """What needs the coordinator to see single updates, refused under secure aggregation
         (docs/SECURITY.md, "Secure aggregation": what per-update defences become)."""
         why = "under secure_aggregation the coordinator sees only the sum of a round's updates"
-        if self.asynchrony.mode != "sync":
-            raise ValueError(f"{why}: asynchrony.mode must be sync (a buffered state folds updates in one by one)")
         if self.aggregation.rule != "mean":
             raise ValueError(f"{why}: aggregation.rule {self.aggregation.rule} needs every update; use mean")
         if not get_method(self.method.name).streaming:

@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..aggregation import UPDATE_NORM_MEDIAN, Aggregator, Mean, rebase
 from ..heads import GENERIC_HEAD_KINDS
 from ..state import ServerState
-from .training import EvalResult, evaluate_logits, fit, make_optimizer, recalibrate_batchnorm
+from .training import EvalResult, LocalContext, evaluate_logits, fit, make_optimizer, recalibrate_batchnorm
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..data import ClientTensors
     from ..heads import HeadRelease
     from ..heads.estimators import HeadEstimator
-    from ..specs import ModelSpec, TrainConfig
+    from ..specs import ModelSpec
 
 TensorDict = dict[str, np.ndarray]
 STAT = "stat/"
@@ -214,28 +214,6 @@ class RoundAggregate:
         if typical is not None:
             extra[UPDATE_NORM_MEDIAN] = typical
         return replace(state, extra=extra)
-
-
-@dataclass
-class LocalContext:
-    """What a local update may use besides the model and the data."""
-
-    train: TrainConfig
-    device: Any
-    round: int
-    seed: int
-    num_classes: int
-    generator: Any = None  # torch.Generator seeded per (run, round, agent)
-    log: Any = None
-
-    def batches(self, n: int, batch_size: int | None = None, *, shuffle: bool = True):
-        """Index tensors for one epoch over ``n`` samples, reproducible for the seed."""
-        import torch
-
-        bs = batch_size or self.train.batch_size
-        order = torch.randperm(n, generator=self.generator) if shuffle else torch.arange(n)
-        for start in range(0, n, bs):
-            yield order[start : start + bs]
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -13,10 +13,32 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from ..data import ClientTensors
     from ..models import SplitModel
-    from .base import LocalContext
+    from ..specs import TrainConfig
 
 #: the model type a training loop is given, and what its loss function receives
 ModelT = TypeVar("ModelT", bound="nn.Module")
+
+
+@dataclass
+class LocalContext:
+    """What a local update may use besides the model and the data."""
+
+    train: TrainConfig
+    device: Any
+    round: int
+    seed: int
+    num_classes: int
+    generator: Any = None  # torch.Generator seeded per (run, round, agent)
+    log: Any = None
+
+    def batches(self, n: int, batch_size: int | None = None, *, shuffle: bool = True):
+        """Index tensors for one epoch over ``n`` samples, reproducible for the seed."""
+        import torch
+
+        bs = batch_size or self.train.batch_size
+        order = torch.randperm(n, generator=self.generator) if shuffle else torch.arange(n)
+        for start in range(0, n, bs):
+            yield order[start : start + bs]
 
 
 @dataclass

@@ -30,7 +30,7 @@ import hashlib
 import struct
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
+from typing import Any, Final, Literal, Protocol, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -39,12 +39,22 @@ from . import bounded_json
 from .clock import wall_time
 from .evolution import PROTOCOL_VERSION, omitted_defaults, strip_unknown
 from .messages import META_TYPES, ChunkMeta, MessageType
-from .signing import SIGNATURE_BYTES
 from .topics import NAME_PATTERN
 from .validation import first_validation_error
 
-if TYPE_CHECKING:
-    from .signing import Signer
+
+class Signer(Protocol):
+    """What signs a frame (:class:`edgepfl.protocol.signing.Signer` is one): the signature
+    covers the frame's prefix and header, whose header names ``key_id``."""
+
+    @property
+    def key_id(self) -> str: ...
+
+    def sign(self, signed_part: bytes) -> bytes: ...
+
+
+#: an Ed25519 signature's length: the trailer of every signed frame
+SIGNATURE_BYTES = 64
 
 MAGIC = b"EPF1"
 SCHEMA_VERSION: Final = 1

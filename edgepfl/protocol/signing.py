@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 #: Domain separation: an edgepfl frame signature can never be mistaken for a signature
 #: over anything else made with the same key.
 SIGNATURE_CONTEXT = b"edgepfl frame signature v1\x00"
-SIGNATURE_BYTES = 64
 KEY_ID_HEX = 16
 
 #: Rejection reasons of a signature check (PROTOCOL.md §7).

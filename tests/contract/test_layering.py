@@ -37,8 +37,9 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _imports(name: str, path: Path, *, module_level_only: bool) -> set[str]:
-    """Absolute names of the edgepfl modules ``name`` imports (relative imports resolved)."""
+def _imports(name: str, path: Path, *, module_level_only: bool, type_checking: bool = False) -> set[str]:
+    """Absolute names of the edgepfl modules ``name`` imports (relative imports resolved);
+    with ``type_checking``, those under ``if TYPE_CHECKING:`` too."""
     tree = ast.parse(path.read_text(), str(path))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     nodes: list[ast.AST] = []
@@ -46,6 +47,7 @@ def _imports(name: str, path: Path, *, module_level_only: bool) -> set[str]:
     def collect(body: list[ast.stmt]) -> None:  # `if TYPE_CHECKING:` blocks never run
         for node in body:
             if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                collect(node.body if type_checking else [])
                 collect(node.orelse)
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and module_level_only:
                 continue
@@ -142,11 +144,12 @@ def test_the_protocol_imports_neither_the_config_nor_the_method_registry():
 
 
 def test_no_import_cycle():
-    """Counting imports inside functions too: a lazy import hides a cycle, it does not remove it."""
+    """Counting imports inside functions and under ``TYPE_CHECKING`` too: a lazy or a
+    type-only import hides a cycle, it does not remove it."""
     modules = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
-        deps = {_resolve(m, modules) for m in _imports(name, path, module_level_only=False)}
+        deps = {_resolve(m, modules) for m in _imports(name, path, module_level_only=False, type_checking=True)}
         # importing a submodule runs its package's __init__ first; that edge is not a cycle of ours
         graph[name] = {d for d in deps if d and d != name and not name.startswith(d + ".")}
     cycles = []

@@ -453,9 +453,9 @@ def test_a_task_delta_decodes_on_the_agent_to_the_payload_it_would_be_sent_whole
     from edgepfl import codecs
     from edgepfl.config import RunConfig
     from edgepfl.coordinator.downlink import DownlinkChain, delta_body
-    from edgepfl.coordinator.gate import RoundTasks, Task
     from edgepfl.coordinator.registry import AgentInfo
     from edgepfl.coordinator.result import Evaluation, RoundResult
+    from edgepfl.coordinator.round_tasks import RoundTasks, Task
     from edgepfl.protocol import Capabilities
     from edgepfl.protocol.codec import tensors_digest
 

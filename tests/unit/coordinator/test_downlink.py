@@ -11,8 +11,8 @@ from edgepfl.codecs import dequantize
 from edgepfl.config import ConfigError, RunConfig, parse_config
 from edgepfl.coordinator.downlink import DownlinkChain
 from edgepfl.coordinator.fleet import LocalFleet
-from edgepfl.coordinator.gate import RoundTasks
 from edgepfl.coordinator.result import RoundResult
+from edgepfl.coordinator.round_tasks import RoundTasks
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import agent_ids, data_shape, prepare
 from edgepfl.edge_agent.tiers import local_trainers

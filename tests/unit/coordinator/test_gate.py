@@ -19,14 +19,13 @@ from edgepfl.coordinator.gate import (
     Attribution,
     Refused,
     Rejection,
-    RoundTasks,
-    Task,
     UpdateGate,
     admit_metrics,
     admit_state,
     admit_status,
 )
 from edgepfl.coordinator.registry import Registry
+from edgepfl.coordinator.round_tasks import RoundTasks, Task
 from edgepfl.methods import ClientUpdate, ServerState, UpdateRejected, create_method
 from edgepfl.protocol import (
     MessageType,

@@ -22,10 +22,11 @@ import pytest
 from edgepfl.aggregation import UPDATE_NORM_MEDIAN
 from edgepfl.config import RunConfig
 from edgepfl.coordinator.fleet import Fleet, Incoming
-from edgepfl.coordinator.gate import MAX_TASK_COPIES, Rejection, Task
+from edgepfl.coordinator.gate import Rejection
 from edgepfl.coordinator.registry import Registry
 from edgepfl.coordinator.report import write_report
 from edgepfl.coordinator.result import RoundResult
+from edgepfl.coordinator.round_tasks import MAX_TASK_COPIES, Task
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.metrics import MetricsError, read_head_metrics, read_metrics
 from edgepfl.protocol import (
@@ -735,7 +736,7 @@ def test_an_answer_that_comes_after_its_round_closed_is_stale(tmp_path):
 
     fleet = ScriptedFleet({"a": honest("a"), "b": honest("b"), "c": c})
     coord = coordinator(fleet, tmp_path, rounds=2, quorum=0.5)
-    original = coord._collect
+    original = coord.collect
 
     def collect_then_c_answers_late(tasks, result, started):
         original(tasks, result, started)
@@ -743,7 +744,7 @@ def test_an_answer_that_comes_after_its_round_closed_is_stale(tmp_path):
             fleet.events.extend(Incoming("c", AgentChannel.UPDATE, f, len(f)) for f in late)
             fleet.events.append(status("c"))
 
-    coord._collect = collect_then_c_answers_late  # type: ignore[method-assign]
+    coord.collect = collect_then_c_answers_late  # type: ignore[method-assign]
     rows = coord.run()
     assert rows[0].participants == ["a", "b"] and rows[0].dropped == ["c"] and not rows[0].aborted
     assert coord.counters.rejected == {"stale": 1}

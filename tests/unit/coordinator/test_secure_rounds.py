@@ -1,4 +1,4 @@
-"""Secure rounds in the round loop (coordinator/secure_rounds.py; PROTOCOL.md §19): real
+"""Secure rounds in the round loop (coordinator/drivers/secure.py; PROTOCOL.md §19): real
 trainer tiers on the in-process fleet (digits, an MLP), the coordinator's real steps.
 
 A secure run adopts the same state as the run in the clear, bit for bit, also when a third
@@ -193,8 +193,8 @@ def test_secure_rounds_over_a_broker_need_signed_steps_and_enrolled_agents():
     """Over MQTT anyone could write a roster or keys in another's name: without the
     coordinator's signing key and an enrolled dir a secure run does not start."""
     from edgepfl.config import ConfigError
+    from edgepfl.coordinator.drivers.secure import require_authenticated
     from edgepfl.coordinator.fleet import MqttFleet
-    from edgepfl.coordinator.secure_rounds import require_authenticated
 
     for signs, enrols in ((False, False), (True, False), (False, True)):
         with pytest.raises(ConfigError, match="security.signing_key and security.enrolled_dir"):

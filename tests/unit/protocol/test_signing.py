@@ -262,7 +262,8 @@ def test_metrics_only_from_known_agents_with_consistent_counts(keyring):
 
 
 def test_an_update_forged_on_an_agents_topic_is_rejected_before_it_can_answer_the_task(keyring):
-    from edgepfl.coordinator.gate import RoundTasks, Task, UpdateGate
+    from edgepfl.coordinator.gate import UpdateGate
+    from edgepfl.coordinator.round_tasks import RoundTasks, Task
     from edgepfl.methods import create_method
 
     registry = Registry()
@@ -280,7 +281,8 @@ def test_an_update_forged_on_an_agents_topic_is_rejected_before_it_can_answer_th
 
 
 def test_only_the_agents_own_signed_frame_ends_its_wait_when_its_meta_does_not_decode(keyring):
-    from edgepfl.coordinator.gate import RoundTasks, Task, UpdateGate
+    from edgepfl.coordinator.gate import UpdateGate
+    from edgepfl.coordinator.round_tasks import RoundTasks, Task
     from edgepfl.methods import create_method
 
     registry = Registry()
@@ -463,7 +465,8 @@ def test_on_an_unsigned_deployment_one_forged_status_or_refusal_cannot_keep_an_a
     ``unsupported_method`` naming her task (read off the task topic) excluded her until she
     restarted. Unsigned, anyone could have written either: her own birth is heard again and
     a refusal costs her the one task, never the run. Signed, both rules hold as before."""
-    from edgepfl.coordinator.gate import Refused, RoundTasks, Task, UpdateGate
+    from edgepfl.coordinator.gate import Refused, UpdateGate
+    from edgepfl.coordinator.round_tasks import RoundTasks, Task
     from edgepfl.methods import create_method
     from edgepfl.protocol.envelope import refusal_frame
 

@@ -31,33 +31,33 @@ process like a synchronous round's aggregate (tests/integration/test_buffered_ho
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from edgepfl.metrics import RoundMetrics
 
-from .gate import RoundTasks
-from .result import RoundResult
-
-if TYPE_CHECKING:
-    from .rounds import Coordinator
+from ..result import RoundResult
+from ..round_tasks import RoundTasks
+from .base import RoundContext
 
 log = logging.getLogger("edgepfl.coordinator")
 
 
 class BufferedRounds:
-    """The states of a buffered run, one :meth:`run_state` call each, over a coordinator's fleet."""
+    """The states of a buffered run, one :meth:`run_round` call each, over a coordinator's fleet."""
 
-    def __init__(self, coordinator: Coordinator):
-        self.coordinator = coordinator
+    #: agents are not waited for between states: tasks go out as devices free up
+    waits_between_rounds = False
+
+    def __init__(self, context: RoundContext):
+        self.context = context
         #: agent -> the round (state) whose task it holds
         self.holding: dict[str, RoundTasks] = {}
         #: agent -> the session it announced when it was sent that task
         self._sessions: dict[str, str | None] = {}
         self._seen: tuple = ()
 
-    def run_state(self, v: int) -> RoundMetrics:
+    def run_round(self, v: int) -> RoundMetrics:
         """Collect updates into state ``v``'s aggregate until the buffer is full; adopt it."""
-        co = self.coordinator
+        co = self.context
         started = co.clock.now()
         # weights capped by what every eligible trainer announced; the tasks go out as devices free up
         tasks, result, _ = co.open_round(v, co.registry.eligible(), late=True)
@@ -72,7 +72,7 @@ class BufferedRounds:
             count = result.aggregate.count if result.aggregate is not None else 0
             return count >= buffer_size or (count > 0 and co.clock.now() - started > timeout)
 
-        co.inbox.pump_until(full, started + 2 * timeout)
+        co.pump_until(full, started + 2 * timeout)
         return co.close_round(tasks, result, started, final=False, quorum=1)
 
     def _hand_out(self, tasks: RoundTasks, result: RoundResult) -> None:
@@ -80,14 +80,14 @@ class BufferedRounds:
         none of an earlier state still open to late updates (answered, or refused, or
         rejected for a reason that ends the wait, frees a device). Looks at the fleet only when an
         answer, a rejection or a presence change came in since the last look."""
-        co = self.coordinator
+        co = self.context
         aggregate = result.aggregate
         seen = (aggregate.count if aggregate is not None else 0, sum(result.rejected.values()),
                 sum(result.refused.values()), co.registry.revision)
         if seen == self._seen:
             return
         self._seen = seen
-        windows = co.inbox.late_rounds
+        windows = co.late_rounds()
         wrote = {*result.participants, *result.late}
         for agent_id in co.registry.eligible():
             held = self.holding.get(agent_id)

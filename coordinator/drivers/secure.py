@@ -30,7 +30,6 @@ import logging
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from edgepfl.aggregation import AggregationRejected, SecureMean
 from edgepfl.config import ConfigError
@@ -47,12 +46,10 @@ from edgepfl.secagg import (
     unmask,
 )
 
-from .fleet import SENDER, Fleet
-from .gate import StepAnswer
-
-if TYPE_CHECKING:
-    from .result import RoundResult
-    from .rounds import Coordinator
+from ..fleet import SENDER, Fleet
+from ..gate import StepAnswer
+from ..result import RoundResult
+from .base import RoundContext
 
 log = logging.getLogger("edgepfl.coordinator")
 
@@ -98,15 +95,18 @@ def require_authenticated(fleet: Fleet, signs: bool, enrols: bool) -> None:
 
 
 class SecureRounds:
-    """Runs each training round of a :class:`~.rounds.Coordinator` as a secure one."""
+    """Runs each training round as a secure one."""
 
-    def __init__(self, coordinator: Coordinator):
-        require_authenticated(coordinator.fleet, coordinator.signer is not None,
-                              coordinator.inbox.keyring is not None)
+    waits_between_rounds = True
+
+    def __init__(self, context: RoundContext):
+        require_authenticated(context.fleet, context.signer is not None, context.enrols)
         # an agent before 1.9 would never answer a step: it gets no task of this run (the registry logs it once)
-        coordinator.registry.require_protocol(SECURE_AGGREGATION, "secure aggregation")
-        self.co = coordinator
-        self.spec = coordinator.config.secure_aggregation
+        context.registry.require_protocol(SECURE_AGGREGATION, "secure aggregation")
+        context.route_steps(self._on_step)
+        context.resend_lost_tasks()
+        self.co = context
+        self.spec = context.config.secure_aggregation
         self._setup: SecureSetup | None = None
         self._result: RoundResult | None = None
         #: the step awaited, from whom, and the answers so far
@@ -117,14 +117,13 @@ class SecureRounds:
         """One secure training round (module docstring); its metrics row."""
         co, c = self.co, self.co.config
         started = co.clock.now()
-        co.inbox.presence.round_starts(r)
-        sampled, evaluators = co._sample(r, final=False)
+        sampled, evaluators = co.sample(r, final=False)
         tasks, result, _ = co.open_round(r, sampled, late=False)
         co.observer.enter("training", r)
-        co.inbox.steps, self._result = self._on_step, result
+        self._result = result
         try:
             setup = self._prepare(r, sampled, result)
-            clip_norm, noise_std = co.privacy.device_noise(len(sampled))
+            clip_norm, noise_std = co.device_noise(len(sampled))
             for agent_id in sorted(setup.members):
                 shares = [SealedShare(peer=s, ciphertext=t) for s, t in sorted(setup.sealed[agent_id].items())]
                 co.send_task(tasks, result, agent_id, "train", secagg=SecAggTask(
@@ -132,7 +131,7 @@ class SecureRounds:
                     noise_std=noise_std))
             for agent_id in evaluators:
                 co.send_task(tasks, result, agent_id, "evaluate")
-            co._collect(tasks, result, started)
+            co.collect(tasks, result, started)
             left_out = sorted(set(sampled) - setup.members)
             if left_out:
                 log.info("round %d: %d sampled agents are not in the secure round (no keys or shares in time): %s",
@@ -143,7 +142,7 @@ class SecureRounds:
             result.secure = setup.record()
             self._unmask(setup, result, quorum=c.quorum_of(len(sampled)))
         finally:
-            co.inbox.steps = self._setup = self._result = None
+            self._setup = self._result = None
         return co.close_round(tasks, result, started, final=False, quorum=c.quorum_of(len(sampled)))
 
     # ---------------------------------------------------------------- steps
@@ -254,7 +253,7 @@ class SecureRounds:
             missing = agents - set(self._answers)
             return not missing or not any(co.registry.is_online(a) for a in missing)
 
-        co.inbox.pump_until(done, co.clock.now() + self.spec.step_timeout_s)
+        co.pump_until(done, co.clock.now() + self.spec.step_timeout_s)
         return dict(self._answers)
 
     def _on_step(self, answer: StepAnswer, wire_bytes: int) -> None:

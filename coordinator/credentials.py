@@ -1,0 +1,26 @@
+"""The coordinator's keys, loaded once per process and handed to whoever signs or checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgepfl.config import SecuritySpec
+from edgepfl.protocol.signing import Keyring, Signer, load_signer
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """The signing key (``security.signing_key``) and the enrolled agents' keys
+    (``security.enrolled_dir``); either may be absent (an unsigned or open deployment)."""
+
+    #: signs every task, release, presence and NACK (None: unsigned deployment)
+    signer: Signer | None = None
+    #: with it only enrolled agents' signed frames get in (PROTOCOL.md §3a)
+    keyring: Keyring | None = None
+
+    @classmethod
+    def load(cls, security: SecuritySpec) -> Credentials:
+        """The one place the coordinator side reads its key files."""
+        return cls(signer=load_signer(security.signing_key) if security.signing_key else None,
+                   keyring=Keyring(Path(security.enrolled_dir)) if security.enrolled_dir else None)

@@ -1,0 +1,131 @@
+"""A round's bookkeeping: the tasks sent, who still owes an answer, and the closed rounds
+whose stragglers' late updates are still taken. The gate checks answers against them; the
+round drivers open and close them."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Set
+from dataclasses import dataclass
+
+from edgepfl.aggregation import staleness_weight
+from edgepfl.methods import Method, ServerState
+from edgepfl.protocol import UplinkSpec
+from edgepfl.protocol.secagg import SecAggTask
+
+#: the most copies of one task a round sends (a lost task goes again on each reconnect up to
+#: this): statuses forged with ever higher connection numbers on an unsigned deployment
+#: cannot make the coordinator publish the model without bound
+MAX_TASK_COPIES = 2
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task sent this round."""
+
+    agent_id: str
+    task_id: str
+    kind: str
+    #: the training samples the agent's status announced when the task was sent: an answer
+    #: may claim no more (None: whatever the registry holds when the answer arrives)
+    announced: int | None = None
+    #: the agent's session and broker connection number when the task was last sent (its last
+    #: birth's, None: not announced): a birth of that session on a later connection means the
+    #: task may have been lost with the old one (PROTOCOL.md §10)
+    session: str | None = None
+    connection: int | None = None
+    #: how many times the task was sent again (at most :data:`MAX_TASK_COPIES`)
+    copies: int = 0
+    #: the codec the task asked the update's change to be compressed with (None: uncompressed)
+    uplink: UplinkSpec | None = None
+    #: a secure round's task (protocol 1.9): sent again with it; its answer is a masked vector,
+    #: which only the round's sum can check
+    secagg: SecAggTask | None = None
+
+    def lost_with_connection(self, session: str | None, connection: int | None) -> bool:
+        """Whether a birth of ``session`` on connection ``connection`` came after a connection
+        this task may have been lost with (the same process, a later connection). Only known
+        numbers are compared: a task sent when the agent's status had none (made before it
+        heard a 1.3 coordinator) may have gone out on the very connection its first numbered
+        status comes from (after a broker restart, every agent's), and a copy would only cost
+        it a download."""
+        if self.session is None or self.connection is None or connection is None or session != self.session:
+            return False
+        return connection > self.connection
+
+
+class RoundTasks:
+    """The tasks sent in one round (one per agent) and the agents that have not answered yet.
+
+    ``weight_cap`` is the most weight one training update of the round may carry
+    (:func:`edgepfl.aggregation.weight_cap` of the counts its sampled agents announced;
+    None: no cap): fixed when the round opens, so an update's weight depends on that update
+    and the round alone, never on what arrived before it.
+    """
+
+    def __init__(self, round: int, weight_cap: int | None = None) -> None:
+        self.round = round
+        self.weight_cap = weight_cap
+        #: set once the round stopped collecting: a later answer is ``stale``
+        self.closed = False
+        self._tasks: dict[str, Task] = {}
+        self._waiting: set[str] = set()
+
+    def close(self) -> None:
+        """The round stops collecting (its aggregate is being closed)."""
+        self.closed = True
+
+    def add(self, task: Task) -> None:
+        self._tasks[task.agent_id] = task
+        self._waiting.add(task.agent_id)
+
+    def get(self, agent_id: str) -> Task | None:
+        return self._tasks.get(agent_id)
+
+    def answered(self, agent_id: str) -> bool:
+        return agent_id in self._tasks and agent_id not in self._waiting
+
+    def mark_answered(self, agent_id: str) -> None:
+        self._waiting.discard(agent_id)
+
+    @property
+    def waiting(self) -> Set[str]:
+        """Agents with a task and no accepted answer yet (a live view, kept up to date in O(1))."""
+        return self._waiting
+
+
+@dataclass(frozen=True)
+class LateWindow:
+    """A closed round whose dropped agents' training updates are still taken
+    (``stragglers.max_staleness``): its tasks, the state they were built from, and how much
+    of a late update's change is applied (its discount)."""
+
+    tasks: RoundTasks
+    state: ServerState
+    discount: float
+
+
+class ClosedRounds:
+    """Closed training rounds whose stragglers' late updates are still taken: each round's
+    tasks and the state they were built from. ``limit`` (``stragglers.max_staleness``) keeps
+    the last that many; with no limit, every round a task is still unanswered of."""
+
+    def __init__(self, limit: int | None):
+        self.limit = limit
+        self._rounds: deque[tuple[RoundTasks, ServerState]] = deque(maxlen=limit)
+
+    def add(self, tasks: RoundTasks, state: ServerState) -> None:
+        if self.limit == 0:
+            return
+        self._rounds.append((tasks, state))
+        if self.limit is None:
+            self._rounds = deque(entry for entry in self._rounds if entry[0].waiting)
+
+    def windows(self, round: int, staleness_exponent: float, method: Method) -> dict[int, LateWindow]:
+        """The rounds whose stragglers round ``round`` takes late updates from, by round
+        number, each with the discount of its staleness (none for a method whose server step
+        needs a round's updates together)."""
+        if not method.streaming:
+            return {}
+        return {tasks.round: LateWindow(tasks, state, staleness_weight(round - tasks.round, staleness_exponent))
+                for tasks, state in self._rounds}

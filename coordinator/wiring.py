@@ -1,0 +1,55 @@
+"""The composition root of the coordinator side: what the round loop and the release
+service are built from, wired in one place.
+
+Both connect to a fleet as its coordinator and route what it delivers through the same
+collaborators: the registry of agents, the update gate, the inbox, the NACKs, the fleet
+view. They differ only in what they are given: the round loop a method (the gate checks
+updates against it) and the run's expected fleet size; the release service no method
+(its gate never opens a round, so every update is refused before a method is needed, and
+``edgepfl release`` runs without torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edgepfl.config import RunConfig
+from edgepfl.methods import Method
+
+from .credentials import Credentials
+from .fleet import Fleet
+from .gate import UpdateGate
+from .inbox import Inbox
+from .nack import Nacker
+from .observe import Observer
+from .presence import PresenceWatch
+from .registry import Registry
+from .result import RunCounters
+
+
+@dataclass(frozen=True)
+class CoordinatorSide:
+    """A coordinator's collaborators over one fleet connection."""
+
+    credentials: Credentials
+    registry: Registry
+    counters: RunCounters
+    observer: Observer
+    inbox: Inbox
+
+
+def wire(config: RunConfig, fleet: Fleet, method: Method | None, *, watch_presence: bool = True) -> CoordinatorSide:
+    """Build the collaborators of a coordinator of ``config`` over ``fleet``; ``method`` checks
+    updates (None: no round is ever opened); ``watch_presence`` warns when fewer trainers than
+    ``expected_agents`` are online (the round loop's concern, not a release's)."""
+    credentials = fleet.credentials or Credentials.load(config.security)
+    registry = Registry(clock=fleet.clock)
+    counters = RunCounters()
+    gate = UpdateGate(config.federation, method, registry, max_bytes=config.broker.max_payload_bytes,
+                      keyring=credentials.keyring)
+    observer = Observer(config, fleet, registry, counters)
+    presence = PresenceWatch(registry, config.expected_agents if watch_presence else None)
+    inbox = Inbox(fleet, registry, gate, counters, tick=observer.tick, keyring=credentials.keyring,
+                  clock=fleet.clock, presence=presence,
+                  nacks=Nacker(config.federation, fleet, registry, credentials.signer))
+    return CoordinatorSide(credentials, registry, counters, observer, inbox)
