@@ -45,7 +45,7 @@ from edgepfl.simulation import FleetTiming, SimulationSpec, task_samples
 from .clock import Clock, VirtualClock, WallClock
 from .credentials import Credentials
 from .gate import Refused, Rejection
-from .head_releases import DeltaRelease, HeadReleases, RestoreRelease
+from .releases.head_releases import DeltaRelease, HeadReleases, RestoreRelease
 
 log = logging.getLogger("edgepfl.coordinator")
 SENDER = "coordinator"

@@ -51,7 +51,7 @@ from .fleet import Fleet
 from .gate import StepAnswer, admit_state
 from .privacy import PrivacyLedger
 from .progress import Progress
-from .release import resume_release
+from .releases.release import resume_release
 from .result import RoundResult
 from .rollback import RollbackPolicy
 from .round_tasks import ClosedRounds, RoundTasks, Task
@@ -325,8 +325,8 @@ class Coordinator:
     def release(self, round: int) -> str | None:
         """Export the frozen encoder and release it to the head agents (by stages with
         ``rollout.in_runs``); its id, or None when a stage halted it."""
-        from .release import build_release
-        from .rollout import release_to_fleet
+        from .releases.release import build_release
+        from .releases.rollout import release_to_fleet
 
         self.observer.enter("releasing", round)
         built = build_release(self._server_state(), self.checkpoint_meta(round), self.run_dir.releases_dir,

@@ -92,7 +92,7 @@ def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str
     ``agent_brokers`` spreads the agents over other broker URLs (bridged sites, cluster
     nodes): agent i connects to ``agent_brokers[i % len]``, the coordinator to ``broker``.
     """
-    from edgepfl.coordinator.report import write_report
+    from edgepfl.coordinator.ops.report import write_report
     from edgepfl.coordinator.rounds import Coordinator
 
     original_min_agents = config.min_agents

@@ -69,8 +69,8 @@ DELEGATES = (
     ("predict", "edgepfl.export.predict:main_predict", "predict with an exported encoder and a head"),
     ("serve", "edgepfl.edge_agent.serve:main_serve",
      "answer images with a head agent's installed model, following its releases"),
-    ("status", "edgepfl.coordinator.status:main_status", "live view of a running federation"),
-    ("dashboard", "edgepfl.coordinator.dashboard:main_dashboard", "the live fleet view as a web page"),
+    ("status", "edgepfl.coordinator.ops.status:main_status", "live view of a running federation"),
+    ("dashboard", "edgepfl.coordinator.ops.dashboard:main_dashboard", "the live fleet view as a web page"),
     ("provision", "edgepfl.provision:main_provision", "CA, broker config and ACL, per-agent bundles and keys"),
     ("conformance", "edgepfl.conformance.cli:main_conformance",
      "check an agent implementation against docs/PROTOCOL.md over a real broker"),
@@ -185,7 +185,7 @@ def cmd_simulate(args) -> int:
 def cmd_coordinator(args) -> int:
     require_installed("torch", "edgepfl coordinator")  # found, not imported: a bad config is said first
     from edgepfl.coordinator.fleet import MqttFleet
-    from edgepfl.coordinator.report import write_report
+    from edgepfl.coordinator.ops.report import write_report
     from edgepfl.coordinator.rounds import Coordinator
 
     from .config import ConfigError, load_run_config
@@ -215,7 +215,7 @@ def cmd_coordinator(args) -> int:
 
 
 def cmd_runs(args) -> int:
-    from edgepfl.coordinator import runs
+    from edgepfl.coordinator.ops import runs
 
     if args.follow:
         return runs.follow_run(Path(args.follow), out=lambda line: print(line, flush=True))
@@ -224,7 +224,7 @@ def cmd_runs(args) -> int:
 
 
 def cmd_release(args) -> int:
-    from edgepfl.coordinator import release_command
+    from edgepfl.coordinator.releases import command as release_command
 
     if args.action == "status":
         if not args.run:
@@ -303,7 +303,7 @@ def _accuracy(text: str) -> float:
 
 
 def cmd_report(args) -> int:
-    from edgepfl.coordinator.report import write_report
+    from edgepfl.coordinator.ops.report import write_report
     from edgepfl.state import CheckpointError, read_checkpoint_meta
 
     run = Path(args.run)

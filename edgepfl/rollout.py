@@ -24,7 +24,7 @@ the stages before it. Only reports from the agents admitted to the stage count; 
 admitted but offline or silent until the stage's timeout is not judged, and a stage with
 fewer than ``min_reports`` reports fails (nothing measured is not a pass).
 
-Pure logic: the coordinator side that sends and collects is :mod:`edgepfl.coordinator.rollout`.
+Pure logic: the coordinator side that sends and collects is :mod:`edgepfl.coordinator.releases.rollout`.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def train(config, trainers: int, out: Path) -> dict:
     import shutil
 
     from edgepfl.coordinator.fleet import LocalFleet
-    from edgepfl.coordinator.report import write_report
+    from edgepfl.coordinator.ops.report import write_report
     from edgepfl.coordinator.rounds import Coordinator
     from edgepfl.coordinator.simulate import agent_ids, data_shape
     from edgepfl.edge_agent.tiers import local_trainers

@@ -103,7 +103,7 @@ def test_the_core_imports_no_app_package():
 #: Everything else between apps goes through the protocol, or is wired together by an entry point
 #: (``edgepfl simulate --in-process`` hands the coordinator the agent app's in-process trainers).
 ALLOWED_APP_EDGES = {
-    ("edgepfl.coordinator", "edgepfl.export"): {"edgepfl.coordinator.release -> edgepfl.export.onnx_export"},
+    ("edgepfl.coordinator", "edgepfl.export"): {"edgepfl.coordinator.releases.release -> edgepfl.export.onnx_export"},
     ("edgepfl.edge_agent", "edgepfl.export"): {"edgepfl.edge_agent.head_fit -> edgepfl.export.heads",
                                                "edgepfl.edge_agent.head_tier -> edgepfl.export.heads",
                                                "edgepfl.edge_agent.head_tier -> edgepfl.export.predict",

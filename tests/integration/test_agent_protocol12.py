@@ -225,7 +225,7 @@ def test_a_head_agents_metrics_finished_while_the_broker_was_down_reach_the_coor
     the report at the reconnect, before the coordinator is back; the held report is
     published once the coordinator's presence shows it online again."""
     from edgepfl.coordinator.fleet import LocalFleet
-    from edgepfl.coordinator.release import build_release
+    from edgepfl.coordinator.releases.release import build_release
     from edgepfl.coordinator.rounds import Coordinator
     from edgepfl.coordinator.simulate import data_shape, prepare, spawn_agent, stop_agents
     from edgepfl.testing import MosquittoBroker

@@ -17,7 +17,7 @@ import pytest
 
 from edgepfl.config import RunConfig, SecuritySpec
 from edgepfl.coordinator.fleet import MqttFleet
-from edgepfl.coordinator.release import PUBLISHED_FILE
+from edgepfl.coordinator.releases.release import PUBLISHED_FILE
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import data_shape, prepare, spawn_agent, stop_agents
 from edgepfl.protocol import MessageType, Reassembler, decode, parse_topic, release_part_topic

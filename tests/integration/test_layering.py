@@ -82,7 +82,7 @@ def test_the_release_service_connects_without_torch(mosquitto, tmp_path):
     code = (f"from pathlib import Path\n"
             f"from edgepfl.config import RunConfig\n"
             f"from edgepfl.coordinator.fleet import MqttFleet\n"
-            f"from edgepfl.coordinator.rollout import ReleaseService\n"
+            f"from edgepfl.coordinator.releases.rollout import ReleaseService\n"
             f"config = RunConfig(federation='light-release', method={{'name': 'repper'}})\n"
             f"fleet = MqttFleet(config.federation, config.broker, url={mosquitto.url!r})\n"
             f"service = ReleaseService(config, fleet, Path({str(tmp_path / 'releases')!r}))\n"

@@ -137,7 +137,7 @@ def test_one_agents_credentials_reach_nothing_but_its_own_topics(tmp_path, auth)
 
 @pytest.mark.parametrize("auth", ["cert", "password"])
 def test_the_operator_bundle_reads_the_fleet_view_and_nothing_else(tmp_path, auth, capsys):
-    from edgepfl.coordinator.status import main_status
+    from edgepfl.coordinator.ops.status import main_status
 
     require_mosquitto()
     out = provision(tmp_path / "p", agents="pi-01", auth=auth)

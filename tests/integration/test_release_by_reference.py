@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 from edgepfl.coordinator.fleet import MqttFleet
-from edgepfl.coordinator.release import CURRENT_FILE
+from edgepfl.coordinator.releases.release import CURRENT_FILE
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import data_shape, prepare, spawn_agent, stop_agents
 from edgepfl.protocol import CoordinatorMeta
@@ -140,7 +140,7 @@ def test_statuses_forged_with_ever_higher_connection_numbers_get_a_release_at_mo
     publish its release MAX_RELEASE_COPIES times, not 30 (SECURITY.md). A restarted agent (a
     new session) gets it again."""
     from edgepfl.config import BrokerConfig
-    from edgepfl.coordinator.head_releases import MAX_RELEASE_COPIES
+    from edgepfl.coordinator.releases.head_releases import MAX_RELEASE_COPIES
     from edgepfl.protocol import Capabilities, ReleaseRef, StatusMeta, agent_topic
 
     fleet = MqttFleet("forged", BrokerConfig(), url=mosquitto.url)

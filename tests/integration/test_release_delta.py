@@ -25,7 +25,7 @@ from pathlib import Path
 
 from edgepfl.config import SecuritySpec
 from edgepfl.coordinator.fleet import MqttFleet
-from edgepfl.coordinator.release import CURRENT_FILE
+from edgepfl.coordinator.releases.release import CURRENT_FILE
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import data_shape, prepare, spawn_agent, stop_agents
 from edgepfl.protocol import ReleaseMeta, decode

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from edgepfl.coordinator.report import write_report
+from edgepfl.coordinator.ops.report import write_report
 from edgepfl.metrics import read_run_times
 
 

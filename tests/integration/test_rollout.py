@@ -32,8 +32,8 @@ import pytest
 import yaml
 
 from edgepfl.config import SecuritySpec
+from edgepfl.coordinator.ops.status import fetch_view
 from edgepfl.coordinator.simulate import spawn_agent, stop_agents
-from edgepfl.coordinator.status import fetch_view
 from edgepfl.errors import ExitCode
 from edgepfl.protocol.signing import generate_keypair
 from edgepfl.rollout import stage_members

@@ -1,8 +1,8 @@
-"""Who is sent a release as a delta, a restore or whole, and who is sent a staged one (coordinator/head_releases.py)."""
+"""Who is sent a release as a delta, a restore or whole, and who is sent a staged one (coordinator/releases/head_releases.py)."""
 
 from __future__ import annotations
 
-from edgepfl.coordinator.head_releases import DeltaRelease, HeadReleases, RestoreRelease
+from edgepfl.coordinator.releases.head_releases import DeltaRelease, HeadReleases, RestoreRelease
 from edgepfl.protocol import Capabilities, ReleaseRef, StatusMeta
 
 FIRST, SECOND = ReleaseRef(release_id="fedavg-r0-aaaa", sequence=1), ReleaseRef(release_id="fedavg-r1-bbbb", sequence=2)

@@ -14,9 +14,9 @@ from collections import Counter
 from edgepfl.config import RunConfig
 from edgepfl.coordinator.fleet import Fleet
 from edgepfl.coordinator.observe import Observer
+from edgepfl.coordinator.ops.status import format_view
 from edgepfl.coordinator.registry import Registry
 from edgepfl.coordinator.result import RunCounters
-from edgepfl.coordinator.status import format_view
 from edgepfl.protocol import StatusMeta
 from edgepfl.protocol.view import AgentView, FleetView, encode_view, parse_view
 

@@ -11,7 +11,7 @@ import pytest
 
 from edgepfl.config import RunConfig
 from edgepfl.coordinator.fleet import LocalFleet
-from edgepfl.coordinator.report import write_report
+from edgepfl.coordinator.ops.report import write_report
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import agent_ids, data_shape, prepare
 from edgepfl.edge_agent.tiers import local_trainers

@@ -8,14 +8,14 @@ import io
 
 import numpy as np
 
-from edgepfl.coordinator.progress import Progress
-from edgepfl.coordinator.report import (
+from edgepfl.coordinator.ops.report import (
     DEFAULT_TARGET_SHARES,
     PER_CLIENT_LIMIT,
     accuracy_figure,
     format_table,
     summarize,
 )
+from edgepfl.coordinator.progress import Progress
 from edgepfl.metrics import ReleaseReports, RoundMetrics, RunSession, RunTimes
 
 

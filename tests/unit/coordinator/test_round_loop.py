@@ -23,8 +23,8 @@ from edgepfl.aggregation import UPDATE_NORM_MEDIAN
 from edgepfl.config import RunConfig
 from edgepfl.coordinator.fleet import Fleet, Incoming
 from edgepfl.coordinator.gate import Rejection
+from edgepfl.coordinator.ops.report import write_report
 from edgepfl.coordinator.registry import Registry
-from edgepfl.coordinator.report import write_report
 from edgepfl.coordinator.result import RoundResult
 from edgepfl.coordinator.round_tasks import MAX_TASK_COPIES, Task
 from edgepfl.coordinator.rounds import Coordinator

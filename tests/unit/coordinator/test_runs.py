@@ -1,5 +1,5 @@
 """``edgepfl runs``: runs listed from their directories, and one followed until it ends
-(coordinator/runs.py). The directories are written by the coordinator's own writers."""
+(coordinator/ops/runs.py). The directories are written by the coordinator's own writers."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 import threading
 
 from edgepfl.atomic import write_json
+from edgepfl.coordinator.ops.runs import follow_run, list_runs
 from edgepfl.coordinator.run_dir import RunDirectory
-from edgepfl.coordinator.runs import follow_run, list_runs
 from edgepfl.metrics import RoundMetrics, read_run_times, record_run_end
 
 

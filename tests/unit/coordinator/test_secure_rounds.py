@@ -84,7 +84,7 @@ def test_a_secure_run_adopts_the_plaintext_runs_states_bit_for_bit(tmp_path):
         assert s is not None and (s.key_holders, s.members, s.survivors, s.recovered) == (AGENTS,) * 3 + (0,)
         assert s.unmasked and s.neighbours == AGENTS - 1 and s.threshold == 3 and 0 < s.bytes_up < row.bytes_up
     assert all(r.secure is None for r in plain_rows)
-    from edgepfl.coordinator.report import write_report
+    from edgepfl.coordinator.ops.report import write_report
 
     table, summary = write_report(tmp_path / "secure", "fedavg")
     assert summary["secure_aggregation"]["rounds"] == summary["secure_aggregation"]["unmasked"] == 2

@@ -353,7 +353,7 @@ def test_release_rollback_expiry_and_unsequenced_refusals(tmp_path):
 
 
 def test_release_sequence_is_monotonic_across_restarts_and_a_clock_set_back(tmp_path):
-    from edgepfl.coordinator.release import next_sequence
+    from edgepfl.coordinator.releases.release import next_sequence
 
     first = next_sequence(tmp_path, now=1000.0)
     assert first == 1_000_000

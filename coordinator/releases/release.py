@@ -36,7 +36,7 @@ from edgepfl.protocol.signing import Signer
 from edgepfl.release_delta import ReleaseDeltaParts, make_release_delta
 from edgepfl.state import CheckpointMeta
 
-from .fleet import SENDER, Fleet
+from ..fleet import SENDER, Fleet
 from .head_releases import DeltaRelease, RestoreRelease
 
 log = logging.getLogger("edgepfl.coordinator")

@@ -37,9 +37,10 @@ from edgepfl.protocol.signing import Signer
 from edgepfl.protocol.view import RolloutState, RolloutView
 from edgepfl.rollout import RolloutEvent, RolloutSpec, StageVerdict, judge_stage, stage_members
 
-from .fleet import Fleet, MqttFleet
-from .inbox import Inbox
-from .observe import Observer
+from ..fleet import Fleet, MqttFleet
+from ..inbox import Inbox
+from ..observe import Observer
+from ..wiring import wire
 from .release import (
     BuiltRelease,
     fleet_current,
@@ -48,9 +49,8 @@ from .release import (
     resume_release,
     rollback_release,
 )
-from .wiring import wire
 
-log = logging.getLogger("edgepfl.coordinator.rollout")
+log = logging.getLogger("edgepfl.coordinator.releases.rollout")
 
 ROLLOUT_LOG = "rollout.jsonl"
 #: how often a stage checks whether all its devices reported

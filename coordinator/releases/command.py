@@ -30,7 +30,7 @@ from edgepfl.protocol import CoordinatorMeta, FederationChannel, ProtocolError, 
 from edgepfl.protocol.connection import BrokerLogin
 from edgepfl.rollout import RolloutEvent
 
-log = logging.getLogger("edgepfl.coordinator.rollout")
+log = logging.getLogger("edgepfl.coordinator.releases.rollout")
 
 #: how long ``publish`` and ``rollback`` look for the coordinator's retained presence
 PRESENCE_WAIT_S = 3.0
@@ -43,7 +43,7 @@ class RolloutHalted(RuntimeError):
 def coordinator_state(url: str, federation: str, login: BrokerLogin, timeout: float = PRESENCE_WAIT_S) -> str | None:
     """The state (``online``, ``done``, ``offline``) of the federation's retained coordinator
     presence, or None when there is none."""
-    from .status import subscribe
+    from ..ops.subscribe import subscribe
 
     client, got = subscribe(url, federation_topic(federation, FederationChannel.COORDINATOR), login)
     try:
@@ -65,7 +65,7 @@ def coordinator_state(url: str, federation: str, login: BrokerLogin, timeout: fl
 
 def _service(config: RunConfig, run: Path, url: str):
     """Connect as the coordinator for releases (after checking that none is online)."""
-    from .fleet import MqttFleet
+    from ..fleet import MqttFleet
     from .rollout import ReleaseService
 
     login = BrokerLogin.from_config(config.broker)
