@@ -47,7 +47,7 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache
 
 if [[ "$EXTRAS" == *all* || "$EXTRAS" == *train* ]] && ! "$VENV/bin/python" -c "import torch, torchvision" 2>/dev/null; then
   # The one exact pin: on x86_64 with Python 3.11 these wheels are the ones known to
-  # install side by side (see README, "Installing"); elsewhere pyproject's ranges decide.
+  # install side by side (see docs/OPERATING.md, "Installing"); elsewhere pyproject's ranges decide.
   if [ "$(uname -m)" = "x86_64" ] && "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
     # These are CUDA builds: about 5.6 GB in the venv, and where pip has to download them
     # about 3 GB more under TMPDIR while it installs. Say so up front instead of failing

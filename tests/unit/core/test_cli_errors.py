@@ -1,5 +1,5 @@
 """Every command against its bad inputs: one ``edgepfl: …`` line on stderr, no traceback,
-the documented exit code (README, "Exit codes").
+the documented exit code (docs/OPERATING.md, "Exit codes").
 
 The config-level cases run in-process through ``main()`` here;
 tests/integration/test_cli_errors.py runs the whole matrix, each case as a subprocess.
