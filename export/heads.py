@@ -25,7 +25,7 @@ Importing this module imports numpy only: scikit-learn, scipy, onnx, skl2onnx an
 imported by the functions that export a head, onnxruntime by :func:`make_session`. So
 inference (:class:`OnnxHead`, ``edgepfl predict``, a head agent that is not fitting) never
 loads scikit-learn or scipy, 80 MB and most of a second of imports on a Pi (docs/BENCHMARKS.md;
-``tests/integration/test_light_runtime.py`` holds it to that). :class:`OnnxHead` is therefore
+``tests/integration/agent/test_light_runtime.py`` holds it to that). :class:`OnnxHead` is therefore
 not a scikit-learn estimator, only shaped like one (``fit``, ``predict``, ``predict_proba``,
 ``classes_``, ``n_features_in_``).
 """

@@ -1,7 +1,7 @@
 """Method accuracy benchmark on Fashion-MNIST: every method, identical settings.
 
 Runs each (setting, method) pair as one in-process federation — the same coordinator
-round loop and trainer runtime as an MQTT run (``tests/integration/test_federation.py`` proves the
+round loop and trainer runtime as an MQTT run (``tests/integration/rounds/test_federation.py`` proves the
 two give the same numbers for the same seed) — and writes one JSON per run plus a
 markdown table::
 

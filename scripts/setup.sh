@@ -16,15 +16,15 @@ PY="${PYTHON:-python3}"
 
 need_apt=()
 command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need_apt+=(mosquitto)
-# RabbitMQ: the broker-cluster tests (tests/integration/test_topologies.py) run a real cluster.
+# RabbitMQ: the broker-cluster tests (tests/integration/broker/test_topologies_live.py) run a real cluster.
 [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || command -v rabbitmq-server >/dev/null 2>&1 || need_apt+=(rabbitmq-server)
-# nftables: the idle-socket test (tests/integration/test_idle_sockets.py) loads provision's firewall.nft.
+# nftables: the idle-socket test (tests/integration/security/test_idle_sockets.py) loads provision's firewall.nft.
 command -v nft >/dev/null 2>&1 || [ -x /usr/sbin/nft ] || need_apt+=(nftables)
-command -v faketime >/dev/null 2>&1 || need_apt+=(faketime)  # tests/integration/test_clock_skew.py
-# systemd-nspawn: tests/integration/test_systemd_unit.py boots this OS under a real systemd
+command -v faketime >/dev/null 2>&1 || need_apt+=(faketime)  # tests/integration/security/test_clock_skew.py
+# systemd-nspawn: tests/integration/operator/test_systemd_unit.py boots this OS under a real systemd
 command -v systemd-nspawn >/dev/null 2>&1 || need_apt+=(systemd-container)
 [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || need_apt+=(dataset-fashion-mnist)
-# chromium: tests/integration/test_dashboard.py reads the dashboard in a real headless browser
+# chromium: tests/integration/operator/test_dashboard.py reads the dashboard in a real headless browser
 command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
 command -v chromedriver >/dev/null 2>&1 || need_apt+=(chromium-driver)
 if [ ${#need_apt[@]} -gt 0 ]; then

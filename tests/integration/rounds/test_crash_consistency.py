@@ -44,7 +44,7 @@ CASES = [
 
 def test_the_cases_cover_every_failpoint():
     # the agent's points kill an agent mid-round, not the coordinator mid-write
-    # (tests/integration/test_secure_aggregation.py kills at agent.train_task)
+    # (tests/integration/security/test_secure_aggregation.py kills at agent.train_task)
     assert {point for point, _ in CASES} == {p for p in POINTS if not p.startswith("agent.")}
 
 
