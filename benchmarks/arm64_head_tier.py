@@ -563,7 +563,7 @@ def markdown(r: dict) -> str:
     root, inst = r["root"], r.get("install", {})
     cold = not root.get("cached")
     lines = [
-        "# The head tier on arm64 under emulation (issue 33)", "",
+        "# The head tier on arm64 under emulation", "",
         f"Command: `{r['command']}` ({r['date']}; host {r['host']['cpu']}, {r['host']['cores']} cores, "
         f"load average {r['host']['load_avg_start'][0]} at start; {r['qemu']}, `QEMU_CPU={r['qemu_cpu']}`).", "",
         f"**Result: {'all checks passed' if not r['failures'] else 'FAILED: ' + '; '.join(r['failures'])}** — "

@@ -1,5 +1,5 @@
 """Time (and bytes) to a target accuracy: buffered asynchronous rounds against synchronous
-ones, on an unequal fleet (issue #31).
+ones, on an unequal fleet.
 
 The fleet is ``configs/unequal_fleet.yaml``: Fashion-MNIST, pathological (2 classes per
 device, 200 samples each), 80 % "fast" devices (1 ms per training sample) and 20 % "slow"

@@ -1,4 +1,4 @@
-"""Bytes of one uplink update under each codec against float32 (issue #34; edgepfl/codecs.py).
+"""Bytes of one uplink update under each codec against float32 (edgepfl/codecs.py).
 
 The default model (SmallCNN, BatchNorm, feature 128, a linear head; 1x28x28 inputs, 10
 classes) takes ``--steps`` SGD steps on seeded random images from its initial state;
@@ -83,7 +83,7 @@ def measure(reference: dict[str, np.ndarray], update: dict[str, np.ndarray], kee
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# Uplink bytes per codec (issue #34)\n\nSmallCNN (feature 128) + linear head, 1x28x28, 10 classes; "
+    lines = [f"# Uplink bytes per codec\n\nSmallCNN (feature 128) + linear head, 1x28x28, 10 classes; "
              f"{result['steps']} SGD steps on seeded random images; top-k keeps {result['keep']:.0%} of each tensor. "
              f"numpy {result['numpy']}, torch {result['torch']}.\n"]
     for part, rows in result["parts"].items():

@@ -1,4 +1,4 @@
-"""Bytes and accuracy with compressed updates and task deltas (issue #34): q8 and q4 against float32.
+"""Bytes and accuracy with compressed updates and task deltas: q8 and q4 against float32.
 
 Per seed, per method, the same federation five times — ``compression.uplink`` none, q8
 and q4, and q8 and q4 both ways (``compression.downlink`` too: task deltas) — interleaved

@@ -1,4 +1,4 @@
-"""Import cost and peak memory of the head tier's inference path, before and after issue #33.
+"""Import cost and peak memory of the head tier's inference path, with and without scikit-learn on it.
 
 Each measurement is a fresh ``python`` child started from this parent, which imports only
 the standard library before it spawns them (``ru_maxrss`` survives ``fork`` + ``exec``).
@@ -155,7 +155,7 @@ def _loaded(run: dict) -> str:
 
 
 def markdown(result: dict) -> str:
-    lines = ["# Head tier footprint: imports and peak RSS, before and after issue #33", "",
+    lines = ["# Head tier footprint: imports and peak RSS, with and without scikit-learn on the path", "",
              f"Command: `{result['command']}`  ",
              f"{result['images']} images of the digits new client (8x8), FedAvg MLP encoder, lr head; "
              f"load average {result['loadavg_start']} at start, {result['loadavg_end']} at end (shared 2-core "

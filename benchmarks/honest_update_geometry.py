@@ -1,5 +1,5 @@
 """How far honest updates of non-IID fleets move the shared state, in the measures the
-per-update bound may use (issue #31, item 3: "decide by measurement").
+per-update bound may use (decided by measurement, not by a guess).
 
 Runs small in-process federations of honest agents with no update bound at all and
 records every update against its round's reference. Per fleet it reports the largest

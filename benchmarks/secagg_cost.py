@@ -1,4 +1,4 @@
-"""What secure aggregation's masking costs an agent and the coordinator (issue #35), per round.
+"""What secure aggregation's masking costs an agent and the coordinator, per round.
 
 The masking core (:mod:`edgepfl.secagg`) on the FedAvg CNN's shared parameters (Fashion-MNIST,
 feature 64: 118,538 parameters; ``--params`` to change), integers modulo 2**64 (the

@@ -1,4 +1,4 @@
-"""What a secure round costs on the wire and in time (issue #35): the protocol's real frames
+"""What a secure round costs on the wire and in time: the protocol's real frames
 (PROTOCOL.md §19), against a round in the clear, with a third of the round's agents dying
 after their shares went out.
 

@@ -1,5 +1,5 @@
 """Latency of the device's model as its owner uses it: ``edgepfl serve`` (kept loaded) against
-``edgepfl predict`` (a new process per request), per image and per batch (issue #33, item 6).
+``edgepfl predict`` (a new process per request), per image and per batch.
 
 For each model — the default CNN on Fashion-MNIST (1x28x28) and the MLP on digits (1x8x8),
 each trained for one round on three clients, exported, and installed with an ``lr`` head

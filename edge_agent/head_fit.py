@@ -5,8 +5,8 @@ most of a second of imports on a Pi before the first row is fitted, and a long-r
 process never gives memory it has touched back. So the agent computes the features itself
 (onnxruntime, which it holds anyway), hands them to a child that imports the fitting
 libraries, fits the release's method's head, exports it to ONNX and exits; the agent
-evaluates and serves the exported head with onnxruntime alone (issue #33, the head tier's
-memory). The child runs exactly the code an in-process fit ran (:func:`fit_head`: the
+evaluates and serves the exported head with onnxruntime alone (docs/BENCHMARKS.md, "A head
+tier that fits"). The child runs exactly the code an in-process fit ran (:func:`fit_head`: the
 method's ``make_head``, ``fit``, :func:`edgepfl.export.heads.head_to_onnx`) on the same
 float32 features, so the head chosen and its predictions do not change.
 

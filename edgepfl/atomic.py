@@ -59,7 +59,7 @@ def make_dirs(path: str | Path) -> Path:
 
 def _naming(exc: OSError, path: Path) -> OSError:
     """``exc`` naming ``path``. A write, flush or fsync raises an OSError that names no file: a
-    full disk said only "cannot write: No space left on device" (issue #37); the error the
+    full disk said only "cannot write: No space left on device", which names nothing; the error the
     operator sees names the file it concerns."""
     return OSError(exc.errno, exc.strerror, str(path))
 

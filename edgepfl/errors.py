@@ -5,7 +5,7 @@ broker, a missing optional extra, too little memory — ends as one line
 
     edgepfl: <what happened, where>; <what to do>
 
-and one of the exit codes of :class:`ExitCode` (README, "Exit codes"). Anything else is a
+and one of the exit codes of :class:`ExitCode` (docs/OPERATING.md, "Exit codes"). Anything else is a
 bug: it gets exit code 1 and the same one line; ``--debug`` or ``EDGEPFL_DEBUG=1`` adds the
 traceback.
 """

@@ -55,7 +55,7 @@ def password_line(username: str, password: str, *, salt: bytes | None = None,
 
 #: what each role may read and write, as topic filters under ``edgepfl/v1/<federation>/``
 #: (``<id>``: the agent's own id); docs/SECURITY.md states the same table, and
-#: tests/integration/test_provision.py asserts it against a live Mosquitto
+#: tests/integration/security/test_provisioned_federation.py asserts it against a live Mosquitto
 AGENT_READS = ("agents/<id>/task", "coordinator", "release", "release/+")
 AGENT_WRITES = ("agents/<id>/status", "agents/<id>/update", "agents/<id>/metrics")
 COORDINATOR_READS = ("agents/+/status", "agents/+/update", "agents/+/metrics")

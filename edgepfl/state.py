@@ -7,7 +7,7 @@ A checkpoint of it, in ``<run>/checkpoint/``, is one unit of two files: a tensor
 counters) plus the state's JSON extras and the tensor file's name and sha256. The new
 tensor file is written beside the old one, then ``state.json`` is replaced (the commit),
 then the old tensor file is removed: a crash at any point leaves ``state.json`` naming a
-complete tensor file, the old checkpoint or the new one (``tests/integration/
+complete tensor file, the old checkpoint or the new one (``tests/integration/rounds/
 test_crash_consistency.py`` kills a run at each point). A checkpoint of an earlier version
 (``state.safetensors``, no file name in the JSON) still loads.
 

@@ -24,8 +24,8 @@ one ONNX contract, so a device runs them all the same way:
 Importing this module imports numpy only: scikit-learn, scipy, onnx, skl2onnx and torch are
 imported by the functions that export a head, onnxruntime by :func:`make_session`. So
 inference (:class:`OnnxHead`, ``edgepfl predict``, a head agent that is not fitting) never
-loads scikit-learn or scipy, 80 MB and most of a second of imports on a Pi (issue #33;
-``tests/integration/test_light_runtime.py`` holds it to that). :class:`OnnxHead` is therefore
+loads scikit-learn or scipy, 80 MB and most of a second of imports on a Pi (docs/BENCHMARKS.md;
+``tests/integration/agent/test_light_runtime.py`` holds it to that). :class:`OnnxHead` is therefore
 not a scikit-learn estimator, only shaped like one (``fit``, ``predict``, ``predict_proba``,
 ``classes_``, ``n_features_in_``).
 """

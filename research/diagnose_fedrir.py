@@ -7,7 +7,7 @@ the mean norm of the global features f_g on the training data, and the client's 
 accuracy — once per information term (``--modes``, FedRIR's ``mi`` choices: the paper's
 literal vCLUB, the conditional CLUB procedure, the authors' code; ``mi+option=value``
 overrides another option too). Options otherwise come from configs/fedrir.yaml, which
-clamps the bound since issue 13 (``mi_clamp: true``); the diagnoses recorded before it
+clamps the bound (``mi_clamp: true``); the diagnoses recorded before it
 ran unclamped, so ``vclub+mi_clamp=false`` repeats those. Writes
 ``--out`` (default research/results/diagnose_fedrir.json)::
 

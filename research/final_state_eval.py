@@ -1,4 +1,4 @@
-"""Paired evaluations on the saved state of a benchmark run (issue 13): one training, several readings.
+"""Paired evaluations on the saved state of a benchmark run: one training, several readings.
 
 ``bn_recalibrate`` and RepPer's stage-2 head rule change only how a client
 is evaluated, never what it trains (the personal BatchNorm statistics and the heads
@@ -64,7 +64,7 @@ from edgepfl.state import load_checkpoint  # noqa: E402
 
 #: RepPer head rules read on one encoder: (label, make_head parameters)
 HEAD_RULES = [
-    ("lr C=1 l2 (before issue 13)", {"C": 1.0, "normalize": True}),
+    ("lr C=1 l2 (the old default)", {"C": 1.0, "normalize": True}),
     ("lr C=1 raw", {"C": 1.0, "normalize": False}),
     ("lr C=100 l2", {"C": 100.0, "normalize": True}),
     ("lr C by 3-fold CV, l2 (default)", {"C": None, "normalize": True}),

@@ -1,4 +1,4 @@
-"""One enrolled device of four poisons the federation (issue #37): six strategies against the
+"""One enrolled device of four poisons the federation: six strategies against the
 five aggregation rules, each with the defaults a user gets, on digits and Fashion-MNIST.
 
 The attacker is ``agent-00`` of an in-process FedAvg fleet: a real trainer runtime whose

@@ -1,4 +1,4 @@
-"""Robust aggregation under attack (issue #9): personalized accuracy of each aggregation rule
+"""Robust aggregation under attack: personalized accuracy of each aggregation rule
 when 0, 1 or 2 of 8 agents send poisoned updates, on Fashion-MNIST, plus each rule's cost
 on a clean run and its server-step time.
 

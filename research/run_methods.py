@@ -1,7 +1,7 @@
-"""Method accuracy benchmark on Fashion-MNIST (issue 3): every method, identical settings.
+"""Method accuracy benchmark on Fashion-MNIST: every method, identical settings.
 
 Runs each (setting, method) pair as one in-process federation — the same coordinator
-round loop and trainer runtime as an MQTT run (``tests/integration/test_federation.py`` proves the
+round loop and trainer runtime as an MQTT run (``tests/integration/rounds/test_federation.py`` proves the
 two give the same numbers for the same seed) — and writes one JSON per run plus a
 markdown table::
 
@@ -101,7 +101,7 @@ SETTINGS: dict[str, dict] = {
                  "partition": {"kind": "dirichlet", "alpha": 0.1}},
         "paper_source": "FedRIR Table 4, 20 clients, all 70k FMNIST images, 1000 rounds",
     },
-    # two settings none of the method defaults was tuned on (issue 13): for deciding defaults
+    # two settings none of the method defaults was tuned on: for deciding defaults
     "dominant_s10": {
         "title": "held-out label shift: 20 clients, dominant class, s = 10 %",
         "clients": 20,
@@ -512,7 +512,7 @@ def floor_of(record: dict) -> float | None:
 
 def below_floor_from(record: dict, floor: float | None, start: int = 5) -> str:
     """``"k/n"``: of the evaluations after ``start`` or more rounds, how many scored below
-    the floor (issue 13: DualFed must stay above it from round 5 on)."""
+    the floor (the defaults' criterion: DualFed must stay above it from round 5 on)."""
     curve = [a for a in record["accuracy_curve"][start:] if a is not None]
     if floor is None or not curve:
         return "—"

@@ -16,15 +16,15 @@ PY="${PYTHON:-python3}"
 
 need_apt=()
 command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need_apt+=(mosquitto)
-# RabbitMQ: the broker-cluster tests (tests/integration/test_topologies.py) run a real cluster.
+# RabbitMQ: the broker-cluster tests (tests/integration/broker/test_topologies_live.py) run a real cluster.
 [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || command -v rabbitmq-server >/dev/null 2>&1 || need_apt+=(rabbitmq-server)
-# nftables: the idle-socket test (tests/integration/test_idle_sockets.py) loads provision's firewall.nft.
+# nftables: the idle-socket test (tests/integration/security/test_idle_sockets.py) loads provision's firewall.nft.
 command -v nft >/dev/null 2>&1 || [ -x /usr/sbin/nft ] || need_apt+=(nftables)
-command -v faketime >/dev/null 2>&1 || need_apt+=(faketime)  # tests/integration/test_clock_skew.py
-# systemd-nspawn: tests/integration/test_systemd_unit.py boots this OS under a real systemd
+command -v faketime >/dev/null 2>&1 || need_apt+=(faketime)  # tests/integration/security/test_clock_skew.py
+# systemd-nspawn: tests/integration/operator/test_systemd_unit.py boots this OS under a real systemd
 command -v systemd-nspawn >/dev/null 2>&1 || need_apt+=(systemd-container)
 [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || need_apt+=(dataset-fashion-mnist)
-# chromium: tests/integration/test_dashboard.py reads the dashboard in a real headless browser
+# chromium: tests/integration/operator/test_dashboard.py reads the dashboard in a real headless browser
 command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
 command -v chromedriver >/dev/null 2>&1 || need_apt+=(chromium-driver)
 if [ ${#need_apt[@]} -gt 0 ]; then
@@ -47,7 +47,7 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache
 
 if [[ "$EXTRAS" == *all* || "$EXTRAS" == *train* ]] && ! "$VENV/bin/python" -c "import torch, torchvision" 2>/dev/null; then
   # The one exact pin: on x86_64 with Python 3.11 these wheels are the ones known to
-  # install side by side (see README, "Installing"); elsewhere pyproject's ranges decide.
+  # install side by side (see docs/OPERATING.md, "Installing"); elsewhere pyproject's ranges decide.
   if [ "$(uname -m)" = "x86_64" ] && "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
     # These are CUDA builds: about 5.6 GB in the venv, and where pip has to download them
     # about 3 GB more under TMPDIR while it installs. Say so up front instead of failing

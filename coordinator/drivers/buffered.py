@@ -25,7 +25,7 @@ answers folded into it; the final evaluation round is synchronous, as in ``sync`
 
 A state's checkpoint is written when it is adopted, so a restarted coordinator resumes
 from the last adopted state bit for bit; the open buffer is work in flight, lost with the
-process like a synchronous round's aggregate (tests/integration/test_buffered_hostile.py).
+process like a synchronous round's aggregate (tests/integration/rounds/test_buffered_hostile.py).
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ def fitting_modules(kind: str) -> tuple[str, ...]:
     return ("sklearn", "skl2onnx", "onnx") if kind in GENERIC_HEAD_KINDS else ("torch", "onnx")
 
 # The one set of defaults of the generic heads; RepPer's options (``head_C``,
-# ``head_hidden``, ...) default to these too. Issue 13 replaced the fixed C = 1 by a C
-# chosen by cross-validation (docs/METHODS.md, "RepPer": measured effect and reasoning).
+# ``head_hidden``, ...) default to these too. A C chosen by cross-validation replaced the
+# fixed C = 1 (docs/METHODS.md, "RepPer": measured effect and reasoning).
 #: inverse L2 regularization of lr and svm; None: chosen by k-fold cross-validation on
 #: the training rows over :data:`DEFAULT_C_GRID` (the chosen value is the head's ``C_``)
 DEFAULT_C: float | None = None

@@ -6,7 +6,7 @@ constructor's (visible to ``get_params`` / ``clone``); learned attributes end in
 ``_``: ``pipeline_``, ``classes_``, ``n_features_in_``, ``n_iter_`` (the classifier's
 solver iterations), and for lr / svm ``C_`` (with ``cv_scores_`` when C was chosen by
 cross-validation, :meth:`_LinearHead.fit`). The estimators pass scikit-learn's own
-estimator checks (``tests/contract/test_heads.py``, ``parametrize_with_checks``). Every
+estimator checks (``tests/contract/test_heads_sklearn_checks.py``, ``parametrize_with_checks``). Every
 place that fits a head — RepPer's stage 2, a head-tier device, ``edgepfl fit-head`` —
 calls the same ``fit``, so the same features give the same choice everywhere. ONNX export is
 :func:`edgepfl.export.heads.head_to_onnx`'s business, not this module's.

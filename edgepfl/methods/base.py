@@ -105,8 +105,8 @@ class PersonalBatchNormConfig(MethodConfig):
 
     The agent evaluates right after loading the aggregate, and the stored statistics were
     estimated under the client's previous model (an EMA over its last local training), so
-    they do not describe the received model's features (issue 13: DualFed's collapse below
-    the majority floor). Training normalizes with batch statistics and never reads the
+    they do not describe the received model's features (measured: DualFed's collapse below
+    the majority floor, research/RESULTS.md). Training normalizes with batch statistics and never reads the
     running ones, so re-estimating them changes what is evaluated, never what is trained.
     """
 

@@ -24,7 +24,7 @@ sum ``CE(h_p(u), y) + lambda * SupCon(u, y) + CE(h_s(z), y)``, gradients reachin
 encoder from both classifiers.
 
 Personal BatchNorm statistics at evaluation, ``bn_recalibrate = True`` (default,
-issue 13; docs/METHODS.md "DualFed"): the agent evaluates right after loading a new
+measured; docs/METHODS.md "DualFed"): the agent evaluates right after loading a new
 global encoder, and the stored running statistics were estimated under the client's
 own previous encoder — an EMA over its last local training — so they do not describe
 the received encoder's features. Before evaluating, every personal BatchNorm layer

@@ -5,7 +5,7 @@ to ``r``; the supervised contrastive loss (:func:`~edgepfl.methods.losses.supcon
 temperature 0.1) is applied to the L2-normalized features of **two random
 augmentations** of every image in a batch (2B views, labels repeated). Default form
 ``supcon_form = "out"`` (mean of logs over positives); the paper's eq. 5 (``"in"``, log
-of the mean) measured worse on both held-out settings (issue 13, docs/METHODS.md). Labels serve
+of the mean) measured worse on both held-out settings (docs/METHODS.md). Labels serve
 only to say which views are positives: no classifier is trained during federated
 training, and only the encoder is uploaded. Optimizer Adam, lr 1e-3, weight decay
 1e-4 (paper), carried by this method's config because the run's ``train`` section
@@ -15,7 +15,7 @@ Stage 2, personalized classification: the encoder is frozen and each client fits
 own scikit-learn head (logistic regression, linear SVM or a one-hidden-layer MLP) on
 features of its own training split, L2-normalized by default (``head_normalize``), the linear
 heads' C chosen per client by 3-fold cross-validation on that split unless ``head_C``
-is set (issue 13; docs/METHODS.md "RepPer"). The heads are the
+is set (docs/METHODS.md "RepPer"). The heads are the
 generic family of :mod:`edgepfl.heads`, built by :meth:`RepPer.make_head` from this
 method's ``head_*`` options: a head-tier device or ``edgepfl fit-head`` fitting a head
 on a RepPer encoder gets exactly the estimator of stage 2.
@@ -72,7 +72,7 @@ class RepPerConfig(MethodConfig):
 
     tau: float = Field(0.1, gt=0, description="SupCon temperature")
     supcon_form: Literal["out", "in"] = Field(
-        "out", description="'out': mean of logs over positives (METHODS.md; measured better, issue 13); "
+        "out", description="'out': mean of logs over positives (METHODS.md; measured better); "
                            "'in': the paper's eq. 5 and its gradient (log of the positive mean)"
     )
     optimizer: Literal["sgd", "adam"] | None = train_override("optimizer", "adam", "stage-1 optimizer (paper: Adam)")

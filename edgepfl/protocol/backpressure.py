@@ -22,7 +22,7 @@ over the bound, never the connection.
 
 Brokers do not all keep to their window: Mosquitto 2.0.11, with its default window of 20,
 was measured with 20-39 unacknowledged messages at a stalled client in most runs and 70-95
-in some (``tests/integration/test_backpressure.py``'s floods). So the held acknowledgements have a
+in some (``tests/integration/broker/test_backpressure_flood.py``'s floods). So the held acknowledgements have a
 bound of their own, ``max_held`` (``broker.inbox_max_held_acks``, default 100), well above
 the common windows (Mosquitto 20, EMQX 32): past it the thread waits for the consumer after
 all, at most ``max_wait_s`` (below the keepalive), then queues the message over the bound

@@ -8,7 +8,7 @@ segment matches ``[A-Za-z0-9_-]+`` so a topic never carries a wildcard or a
 separator smuggled in by a name, and a broker ACL keyed on the username
 (``pattern readwrite edgepfl/v1/+/agents/%u/#``) confines each agent to its own
 topics. Each channel has exactly one direction, noted on its enum member below and
-tabled in docs/PROTOCOL.md ("Channels"); tests/integration/test_mixed_fleet.py checks every frame
+tabled in docs/PROTOCOL.md ("Channels"); tests/integration/releases/test_mixed_fleet.py checks every frame
 of a real run against it.
 """
 

@@ -3,7 +3,7 @@ agent, a failed SHOULD leaves it conformant), docs/CONFORMANCE.md lists exactly 
 checks, and the command is registered.
 
 The kit against real agent processes and a real Mosquitto:
-tests/integration/test_conformance.py.
+tests/integration/agent/test_conformance_kit_live.py.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def links(path: Path) -> list[tuple[str, str | None]]:
 
 def test_the_slug_follows_github():
     assert slug("Fleet view cost at 1,000 agents") == "fleet-view-cost-at-1000-agents"
-    assert slug("DualFed's personal BN statistics (issue 13)") == "dualfeds-personal-bn-statistics-issue-13"
+    assert slug("DualFed's personal BN statistics (seed 13)") == "dualfeds-personal-bn-statistics-seed-13"
     assert slug("3a. Signatures") == "3a-signatures"
 
 

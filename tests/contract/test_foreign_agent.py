@@ -5,7 +5,7 @@ the project's step for step, its documented seed and its split of pooled data ar
 edgepfl's.
 
 The same agent in a real federation beside edgepfl's agents, in a process that cannot
-import edgepfl: tests/integration/test_foreign_agent.py.
+import edgepfl: tests/integration/agent/test_foreign_agent_federation.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The architecture as tests: the core imports no app, nothing imports in a cycle, the
 wheel ships every package under one import name (that the registry needs no torch,
-in fresh interpreters: tests/integration/test_layering.py).
+in fresh interpreters: tests/integration/agent/test_registry_without_torch.py).
 
 The core is every module physically under ``edgepfl/`` except the command-line entry
 points (``cli``, ``__main__``), which start the apps. The apps are ``coordinator/``,

@@ -2,7 +2,7 @@
 
 The view's logic: rate limit, size bound, table, totals across a restart (a running
 federation's view, read the way an operator's tools read it:
-tests/integration/test_liveview.py).
+tests/integration/operator/test_liveview_live.py).
 """
 
 from __future__ import annotations

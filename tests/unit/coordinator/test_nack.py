@@ -1,6 +1,6 @@
 """Who is told: the coordinator's NACKs are bounded per agent (burst and refill) and over
 the whole fleet (docs/PROTOCOL.md §7). Protocol 1.2 on the coordinator side end to end,
-on the test Mosquitto: tests/integration/test_nack.py.
+on the test Mosquitto: tests/integration/rounds/test_nack_live.py.
 """
 
 from __future__ import annotations

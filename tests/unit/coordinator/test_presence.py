@@ -2,7 +2,7 @@
 
 The judgement in process (the real failure, a Mosquitto with a small
 ``max_queued_messages`` and the real coordinator over MQTT:
-tests/integration/test_presence.py).
+tests/integration/broker/test_presence_replay_cap.py).
 """
 
 from __future__ import annotations

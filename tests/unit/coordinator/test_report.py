@@ -1,6 +1,6 @@
 """The run report tells the truth: wall time, one round numbering, the latest release's
 head-tier accuracy labelled by release, and figures that stay readable at 150 clients (a
-real run's wall time: tests/integration/test_report.py)."""
+real run's wall time: tests/integration/operator/test_report_wall_time.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The broker helpers that need no broker: finding Mosquitto, parsing broker URLs (both
-brokers against real paho-mqtt clients: tests/integration/test_broker.py)."""
+brokers against real paho-mqtt clients: tests/integration/broker/test_brokers_live.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A first connection that fails says why: where a password comes from, and each socket
 error's cause and retry policy (the real failures, one per cause:
-tests/integration/test_broker_errors.py).
+tests/integration/broker/test_broker_failures_live.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The ``edgepfl`` command line as a user meets it, in process (the commands as
-subprocesses, the demo included: tests/integration/test_cli.py)."""
+subprocesses, the demo included: tests/integration/operator/test_cli_commands.py)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Every command against its bad inputs: one ``edgepfl: …`` line on stderr, no traceback,
-the documented exit code (README, "Exit codes").
+the documented exit code (docs/OPERATING.md, "Exit codes").
 
 The config-level cases run in-process through ``main()`` here;
-tests/integration/test_cli_errors.py runs the whole matrix, each case as a subprocess.
+tests/integration/operator/test_cli_error_matrix.py runs the whole matrix, each case as a subprocess.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A broken config must be refused with a :class:`ConfigError` whose message names
 the offending field — through the Python API here, and through the CLI, which
-must exit non-zero before starting anything (tests/integration/test_configs.py).
+must exit non-zero before starting anything (tests/integration/operator/test_config_errors_cli.py).
 """
 
 from __future__ import annotations

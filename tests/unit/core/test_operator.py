@@ -210,9 +210,9 @@ def test_errors_map_to_documented_exit_codes():
             self.cause = cause
 
     assert classify(BrokerUnreachable("tls handshake failed", "tls"))[0] == ExitCode.BROKER
-    readme = (REPO / "README.md").read_text()
+    operating = (REPO / "docs" / "OPERATING.md").read_text()
     for code in ExitCode:
-        assert f"| {int(code)} |" in readme, f"exit code {int(code)} is not documented in the README"
+        assert f"| {int(code)} |" in operating, f"exit code {int(code)} is not documented in docs/OPERATING.md"
 
 
 @pytest.mark.parametrize("number", [errno.ENOSPC, errno.EDQUOT, errno.EROFS])
@@ -274,7 +274,7 @@ def test_torch_specifier_accepts_nvidia_jetpack_builds():
 
 
 def test_both_device_extras_install_what_fitting_a_generic_head_needs():
-    """README, "Installing": ``[agent]`` runs the head tier, and ``[train]`` runs everything a
+    """docs/OPERATING.md, "Installing": ``[agent]`` runs the head tier, and ``[train]`` runs everything a
     coordinator's machine does, head agents of ``simulate --head-agents``, ``fit-head`` and the
     kit's head profile included (issue #33: skl2onnx was only in ``[agent]``, so a ``[train]``
     install exited 0 with no head-tier result)."""

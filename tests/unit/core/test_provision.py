@@ -1,5 +1,5 @@
 """``edgepfl provision``: the files it writes (modes, certificate chain, SANs, ACL, conf).
-A federation that runs on them: tests/integration/test_provision.py.
+A federation that runs on them: tests/integration/security/test_provisioned_federation.py.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def test_certificates_chain_to_the_ca_with_the_broker_names_and_agent_identities
 
 def test_acl_confines_agents_to_their_own_topics_and_has_no_wildcard_reads(tmp_path):
     """The lines' shape; what each role really reaches is asserted against a live Mosquitto
-    (tests/integration/test_provision.py, the table of SECURITY.md)."""
+    (tests/integration/security/test_provisioned_federation.py, the table of SECURITY.md)."""
     out = provision(tmp_path / "p", federation="plant7")
     lines = [line for line in (out / "broker" / "acl").read_text().splitlines() if line and not line.startswith("#")]
     base = "edgepfl/v1/plant7"
@@ -170,7 +170,7 @@ def test_the_broker_listens_where_the_operator_says_and_the_first_start_is_spell
 def test_firewall_rules_cap_connections_per_address_on_the_brokers_port(tmp_path, capsys):
     out = provision(tmp_path / "p", "--port", "8884", "--connections-per-address", "6", federation="lab-2")
     rules = (out / "broker" / "firewall.nft").read_text()
-    # loaded by the live test (tests/integration/test_idle_sockets.py); here: what it says
+    # loaded by the live test (tests/integration/security/test_idle_sockets.py); here: what it says
     for family in ("ip", "ip6"):
         assert f"tcp dport 8884 ct state new add @per_address_v{4 if family == 'ip' else 6} " \
                f"{{ {family} saddr ct count over 6 }} reject with tcp reset" in rules

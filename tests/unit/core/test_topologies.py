@@ -1,7 +1,7 @@
 """Beyond one broker, the logic those federations depend on: an agent answers each
 coordinator session once, the session field, what a bridge forwards, and the message
 size that fits a broker's packet limit (docs/BROKERS.md). The federations, against real
-brokers: tests/integration/test_topologies.py.
+brokers: tests/integration/broker/test_topologies_live.py.
 """
 
 from __future__ import annotations

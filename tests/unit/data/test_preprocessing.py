@@ -3,7 +3,7 @@ std), and the trainer trains on exactly that: local data normalized otherwise is
 converted (with a warning), local data that does not say how it was normalized is
 refused, a run that says nothing is trained on with a warning. The coordinator never
 sends a task without the normalization, in the simulator here and in the ``edgepfl
-coordinator`` service alike (tests/integration/test_preprocessing.py)."""
+coordinator`` service alike (tests/integration/rounds/test_task_preprocessing_live.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 presence; an agent configured for a larger M publishes in messages of the announced
 size and says so loudly. The issue's case: an agent left at the default M behind a
 broker with a smaller packet limit was disconnected and its update lost (that case,
-live: tests/integration/test_announced_limits.py)."""
+live: tests/integration/broker/test_announced_limits_live.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Head tier runtime: install, persist, restore, refuse bad releases, offline heads (that
-it never imports torch, in a fresh interpreter: tests/integration/test_head_tier.py)."""
+it never imports torch, in a fresh interpreter: tests/integration/agent/test_head_tier_without_torch.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """When a head agent takes the retained release (edge_agent/release_fetch.py; live:
-tests/integration/test_release_by_reference.py)."""
+tests/integration/releases/test_release_by_reference.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The trainer tier answers tasks and answers a re-delivered task from its cache; the
 head tier turns releases into metrics (and never imports torch, in a fresh interpreter:
-tests/integration/test_tiers.py); the agent hands each message to its tier through the
+tests/integration/agent/test_tier_runtimes_without_torch.py); the agent hands each message to its tier through the
 interface and publishes what comes back.
 """
 

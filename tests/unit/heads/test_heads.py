@@ -1,7 +1,7 @@
 """Heads on real releases: sklearn estimator contract, ONNX parity for every kind, fusion, fit-head / predict CLI.
 
 Heads are obtained as a device obtains them: from the release's method (``Method.make_head``).
-scikit-learn's own estimator checks of every generic head: tests/contract/test_heads.py.
+scikit-learn's own estimator checks of every generic head: tests/contract/test_heads_sklearn_checks.py.
 """
 
 from __future__ import annotations

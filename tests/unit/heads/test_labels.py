@@ -1,6 +1,6 @@
 """Right labels: every head records what its labels mean. The label space in process; end
 to end, a head agent and ``edgepfl predict`` printing those names:
-tests/integration/test_labels.py.
+tests/integration/agent/test_labels_end_to_end.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ proven runnable, not only parseable), shrunk to 2 rounds of 3 agents on tiny dat
 (120 samples per client, feature_dim 16); the coordinator and trainer runtime run as
 objects (about a second a method). The run must produce a finite accuracy in every
 round, and every agent must have trained in every round. The same runs over Mosquitto,
-every agent a process: tests/integration/test_methods_federate.py.
+every agent a process: tests/integration/methods/test_methods_federate_mqtt.py.
 """
 
 from __future__ import annotations

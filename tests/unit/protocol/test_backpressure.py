@@ -1,5 +1,5 @@
 """The transport's bounded inbox: unit behaviour (a flood through a real Mosquitto:
-tests/integration/test_backpressure.py).
+tests/integration/broker/test_backpressure_flood.py).
 """
 
 from __future__ import annotations

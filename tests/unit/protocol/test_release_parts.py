@@ -1,6 +1,6 @@
 """A release too large for one MQTT message stays retained as parts on ``release/<i>``
 (docs/PROTOCOL.md §8, §12): the part topics. A receiver that subscribes after the
-coordinator is gone, through a real Mosquitto: tests/integration/test_release_parts.py."""
+coordinator is gone, through a real Mosquitto: tests/integration/releases/test_release_parts_retained.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Signed frames, keys, enrollment and the replay rules, unit by unit (no broker).
 
-The live attacks against running processes are in ``tests/integration/test_hostile_fleet.py``.
+The live attacks against running processes are in ``tests/integration/security/test_hostile_fleet.py``.
 """
 
 from __future__ import annotations

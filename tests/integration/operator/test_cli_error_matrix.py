@@ -1,5 +1,5 @@
 """Every command against its bad inputs: one ``edgepfl: …`` line on stderr, no traceback,
-the documented exit code (README, "Exit codes").
+the documented exit code (docs/OPERATING.md, "Exit codes").
 
 The matrix runs each case as a subprocess; the config-level cases also run in-process
 through ``main()`` (tests/unit/core/test_cli_errors.py).

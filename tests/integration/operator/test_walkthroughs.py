@@ -22,7 +22,7 @@ from edgepfl.protocol.view import parse_view
 
 from tests.conftest import require_mosquitto
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 OWNER_CLASSES = {"Trouser", "Sandal", "Bag"}
 
 

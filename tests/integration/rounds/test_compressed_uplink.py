@@ -18,7 +18,7 @@ from edgepfl.coordinator.simulate import data_shape, prepare, spawn_agent, stop_
 from edgepfl.protocol import Capabilities, Message, MessageType, UpdateMeta, agent_topic, decode, encode
 
 from tests.fleet_helpers import run_config
-from tests.integration.test_nack import WireAgent, honest
+from tests.integration.rounds.test_nack_live import WireAgent, honest
 
 TRAINER = "agent-00"
 

@@ -1,10 +1,10 @@
 """The conformance kit: the project's agent passes every check (broken agents fail the
-matching checks: the mutation suite, tests/integration/test_conformance_mutants.py; the
+matching checks: the mutation suite, tests/integration/agent/test_conformance_mutants.py; the
 kit's verdicts and docs/CONFORMANCE.md's list in process: tests/contract/test_conformance.py).
 
 The kit runs real agent processes against a real Mosquitto (edgepfl.testing); the
 end-to-end runs are slow (the whole kit about 1 to 3 minutes on a loaded 2-core box).
-tests/integration/test_foreign_agent.py runs the kit against
+tests/integration/agent/test_foreign_agent_federation.py runs the kit against
 the agent written from the documents alone.
 """
 

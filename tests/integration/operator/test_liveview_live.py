@@ -26,7 +26,7 @@ from edgepfl.broker import free_port, parse_broker_url
 
 from tests.fleet_helpers import RunningFleet, read_rows, run_config, wait_until
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # ----------------------------------------------------------------- live: coordinator + agents + Mosquitto
 

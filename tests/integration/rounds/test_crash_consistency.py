@@ -44,7 +44,7 @@ CASES = [
 
 def test_the_cases_cover_every_failpoint():
     # the agent's points kill an agent mid-round, not the coordinator mid-write
-    # (tests/integration/test_secure_aggregation.py kills at agent.train_task)
+    # (tests/integration/security/test_secure_aggregation.py kills at agent.train_task)
     assert {point for point, _ in CASES} == {p for p in POINTS if not p.startswith("agent.")}
 
 
@@ -110,7 +110,7 @@ def test_a_full_disk_is_one_line_naming_the_file_and_the_cure_not_an_internal_er
     finally:
         subprocess.run(["umount", str(disk)], check=True)
         shutil.rmtree(disk, ignore_errors=True)
-    assert done.returncode == 3, done.stderr[-3000:]  # ExitCode.DATA (README, exit codes)
+    assert done.returncode == 3, done.stderr[-3000:]  # ExitCode.DATA (docs/OPERATING.md, exit codes)
     last = done.stderr.strip().splitlines()[-1]
     assert "internal error" not in done.stderr, done.stderr[-3000:]
     assert last.startswith(f"edgepfl: cannot write {disk / 'run'}/") and "No space left on device" in last, last

@@ -332,7 +332,7 @@ def test_missing_mosquitto_executable_is_a_clear_error(tmp_path, monkeypatch):
 
 # --------------------------------------------------------------------------- docs/PROTOCOL.md conformance
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "PROTOCOL.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "PROTOCOL.md"
 
 
 def doc_block(name: str) -> str:

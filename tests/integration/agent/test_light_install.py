@@ -25,7 +25,7 @@ from edgepfl.data import load_client_data
 
 from tests.fleet_helpers import RunningFleet, run_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from edgepfl.coordinator.simulate import data_shape, prepare, spawn_agent, stop_
 from edgepfl.protocol import MessageType, StatusMeta, encode
 
 from tests.fleet_helpers import read_rows, run_config, run_in_thread, wait_until
-from tests.integration.test_hostile_fleet import Attacker, agent_log
+from tests.integration.security.test_hostile_fleet import Attacker, agent_log
 from tests.unit.protocol.test_bounded_json import POISON_FRAMES, POISON_JSON
 
 TRAINERS = ("agent-00", "agent-01")

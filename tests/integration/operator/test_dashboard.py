@@ -172,7 +172,7 @@ def test_the_dashboard_shows_a_ten_thousand_agent_fleet_live_in_chromium(mosquit
 def test_the_dashboard_reads_a_provisioned_tls_federation_with_the_operator_bundle(browser, tmp_path):
     from edgepfl.testing import MosquittoBroker
 
-    from tests.integration.test_provision import bundle_broker
+    from tests.integration.security.test_provisioned_federation import bundle_broker
     from tests.unit.core.test_provision import provision
 
     require_mosquitto()

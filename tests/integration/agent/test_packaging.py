@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def agent_requirements() -> list[str]:
@@ -69,7 +69,7 @@ def _metadata_only_wheel(folder: Path, name: str, version: str, requires: list[s
 
 
 def test_a_jetson_keeps_nvidias_torch_when_its_torchvision_is_there_too(tmp_path):
-    """README, "Jetson": with NVIDIA's torch and torchvision in place, pip resolves
+    """docs/OPERATING.md, "Jetson": with NVIDIA's torch and torchvision in place, pip resolves
     ``edgepfl[train]`` (read from pyproject.toml) for aarch64 / CPython 3.10 keeping both, and
     pulls no CUDA wheels of PyPI's torch. The torch pair are metadata-only stand-ins with
     NVIDIA's version strings, offered through --find-links; the rest comes from the index."""
@@ -95,7 +95,7 @@ def test_a_jetson_keeps_nvidias_torch_when_its_torchvision_is_there_too(tmp_path
 
 
 def test_the_release_script_builds_an_sdist_and_a_wheel_that_twine_accepts_and_that_start(tmp_path):
-    """scripts/release.sh, the release workflow (README, "Installing"): the sdist, the wheel
+    """scripts/release.sh, the release workflow (docs/OPERATING.md, "Installing"): the sdist, the wheel
     built from it, ``twine check --strict`` on both, the wheel's contents, and the wheel
     alone importing its apps. The build's isolated environment comes from the index."""
     proc = subprocess.run(["bash", str(REPO / "scripts" / "release.sh"), str(tmp_path / "dist")],

@@ -14,7 +14,7 @@ import pytest
 
 from tests.unit.core.test_configs import BROKEN, _broken
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("case", ["wrong type", "unknown method option"])

@@ -25,7 +25,7 @@ from edgepfl.coordinator.simulate import simulate
 from edgepfl.data import FMNIST_PACKAGE, fmnist_available
 from edgepfl.edge_agent.tiers import local_trainers
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "fedavg.yaml"
+CONFIG = Path(__file__).resolve().parents[3] / "configs" / "fedavg.yaml"
 
 
 FLEETS = {

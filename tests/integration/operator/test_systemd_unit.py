@@ -33,7 +33,7 @@ import yaml
 from tests.conftest import require_mosquitto, require_nspawn
 from tests.fleet_helpers import release_frame, retained_state, wait_until
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 UNIT = "edgepfl-agent.service"
 AGENT = "pi-boot"
 FEDERATION = f"sd{uuid.uuid4().hex[:8]}"

@@ -173,7 +173,7 @@ def test_the_operator_bundle_reads_the_fleet_view_and_nothing_else(tmp_path, aut
 
 def reach_table() -> dict[str, dict[str, list[str]]]:
     """SECURITY.md's "Who reaches which topic": role -> {"reads": filters, "writes": filters}."""
-    text = (Path(__file__).resolve().parents[2] / "docs" / "SECURITY.md").read_text()
+    text = (Path(__file__).resolve().parents[3] / "docs" / "SECURITY.md").read_text()
     section = text.split("### Who reaches which topic", 1)[1]
     table: dict[str, dict[str, list[str]]] = {}
     for line in section.splitlines():

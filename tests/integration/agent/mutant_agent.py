@@ -1,8 +1,8 @@
 """edgepfl's agent with one deliberate break: the conformance kit's mutation suite
-(tests/integration/test_conformance_mutants.py) runs the kit against each and expects it
+(tests/integration/agent/test_conformance_mutants.py) runs the kit against each and expects it
 NOT CONFORMANT under the check that names the break.
 
-    python tests/integration/mutant_agent.py NAME CONFIG
+    python tests/integration/agent/mutant_agent.py NAME CONFIG
 
 Each break is the smallest change to the project's own agent that an implementer could
 plausibly make (a forgotten check, a shortcut in preprocessing); the agent is otherwise

@@ -13,7 +13,7 @@ import pytest
 
 from edgepfl.errors import ExitCode
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("unit", sorted(p.name for p in (REPO / "examples").glob("*.service")))

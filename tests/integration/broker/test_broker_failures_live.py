@@ -125,7 +125,7 @@ def test_agent_process_prints_one_line_naming_the_cause(tmp_path):
                                "agent.yaml"], cwd=bundle, capture_output=True, text=True, timeout=120,
                               env=dict(os.environ, OMP_NUM_THREADS="1"))
         took = time.monotonic() - started
-    assert proc.returncode == 4, proc.stderr[-2000:]  # the broker exit code (README, exit codes)
+    assert proc.returncode == 4, proc.stderr[-2000:]  # the broker exit code (docs/OPERATING.md, exit codes)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("edgepfl: TLS verification of MQTT broker"), proc.stderr[-2000:]
     assert took < 40  # data loading and imports included; the connection itself fails at once

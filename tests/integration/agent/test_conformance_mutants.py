@@ -1,6 +1,6 @@
 """The conformance kit cannot be fooled: its mutation suite (issue #32).
 
-Each mutant is edgepfl's own agent with one deliberate break (tests/integration/
+Each mutant is edgepfl's own agent with one deliberate break (tests/integration/agent/
 mutant_agent.py): the six a Node.js agent written from the documents slipped past an
 earlier kit (preprocessing, class order, body hash, release signature, unsequenced
 releases, expired tasks) and the other MUSTs an implementer could drop. The kit runs
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import require_mosquitto
-from tests.integration.mutant_agent import MUTANTS
+from tests.integration.agent.mutant_agent import MUTANTS
 
 MUTANT_AGENT = Path(__file__).with_name("mutant_agent.py")
 
@@ -67,7 +67,7 @@ def _run_kit(name: str, root: Path) -> tuple[int, dict, str]:
     # a head mutant is certified as a head agent (--profile head), a trainer one in its scenario alone
     argv += ["--profile", "head"] if scenario == "head" else [
         arg for other in SCENARIOS if other != scenario for arg in ("--skip", other)]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[2])
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[3])
     report = json.loads((work / "report.json").read_text()) if (work / "report.json").exists() else {}
     return proc.returncode, report, proc.stdout[-3000:] + proc.stderr[-2000:]
 

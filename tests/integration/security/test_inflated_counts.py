@@ -30,7 +30,7 @@ from edgepfl.coordinator.simulate import data_shape, prepare, spawn_agent, stop_
 from edgepfl.state import load_checkpoint
 
 from tests.fleet_helpers import read_rows, run_config, run_in_thread
-from tests.integration.test_hostile_fleet import agent_log
+from tests.integration.security.test_hostile_fleet import agent_log
 
 HONEST = ("agent-00", "agent-01", "agent-02")
 MALLORY = "mallory"
