@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from edgepfl.agent_config import AgentConfig
+from edgepfl.codec_stages import CODECS, DELTA_CODECS
 from edgepfl.errors import OutOfMemory, out_of_memory
 from edgepfl.failpoints import failpoint
 from edgepfl.protocol import (
@@ -46,7 +47,6 @@ from edgepfl.protocol import (
     federation_topic,
     release_part_topic,
 )
-from edgepfl.protocol.codec import CODEC_NAMES, DELTA_CODECS
 from edgepfl.protocol.secagg import SecAggMeta
 from edgepfl.service import notifier
 from edgepfl.simulation import DevicePace, task_samples
@@ -202,7 +202,7 @@ class TrainerTier:
 
         if self._capabilities is None:  # imports every method module once
             self._capabilities = Capabilities(methods=trainable_methods(), archs=buildable_archs(),
-                                              codecs=list(CODEC_NAMES))
+                                              codecs=list(CODECS))
         return self._capabilities
 
     def status(self) -> StatusMeta:
@@ -212,7 +212,7 @@ class TrainerTier:
         # the codecs, so that an in-process fleet compresses as the MQTT one does; methods and
         # archs undeclared: the simulator builds its agents for the run
         return StatusMeta(state="online", tier=self.tier, device=self.device, num_train=data.num_train,
-                          num_test=data.num_test, capabilities=Capabilities(codecs=list(CODEC_NAMES)))
+                          num_test=data.num_test, capabilities=Capabilities(codecs=list(CODECS)))
 
     def restore(self) -> None:
         """Get ready for tasks (:meth:`TrainerRuntime.warm_up`). Personal state is restored by

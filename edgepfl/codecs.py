@@ -3,7 +3,9 @@
 An agent's update moves the shared state from the round's ``reference`` (the state its
 task carried). A codec sends that *change*, not the state: quantized to 8 or 4 bits
 with one float32 step per block of ``block`` values, optionally only its ``keep``
-largest-magnitude share (top-k). :func:`decode` turns a frame back into
+largest-magnitude share (top-k). Which codecs exist, and the stages each runs a tensor's
+change through, is the table :data:`~edgepfl.codec_stages.CODECS`; this module runs them
+over a whole update. :func:`decode` turns a frame back into
 ``reference + dequantized change`` in float32, so the coordinator's update bound,
 robust rules and exact fixed-point sums see an ordinary update; decoding is
 deterministic, so the sums stay bit-identical in any arrival order.
@@ -23,19 +25,9 @@ deterministic, so the sums stay bit-identical in any arrival order.
   dtypes); docs/COMPRESSION.md describes them byte by byte for other implementations.
 
 Wire layout (:meth:`Encoded.arrays`): the exact tensors under their own names, and for
-the compressed ones, concatenated in header order, each tensor's part starting on a
-byte boundary:
-
-* ``codec:payload`` (uint8): the level codes, offset binary (``code = level + 2**(bits-1)``,
-  so 8-bit codes are 1..255 and 4-bit codes 1..15; 0 is never a level). Two 4-bit codes
-  share a byte, the first in the low nibble; an odd count ends with a zero nibble.
-* ``codec:scales`` (float32): per block, the step between levels; a value decodes to
-  ``(code - 2**(bits-1)) * step``, and the block's largest magnitude is at most
-  ``(2**(bits-1) - 1) * step``.
-* ``codec:index`` (uint8, top-k only): which flat positions (C order) were kept, per
-  tensor the smaller of a bitmap (one bit per position, least significant bit first)
-  and LEB128 varints of the gaps between kept positions (``position - previous - 1``,
-  the first from -1); the header says which.
+the compressed ones the codec's streams (:data:`~edgepfl.codec_stages.STREAMS`: level
+codes, steps, top-k's kept positions), each the tensors' parts concatenated in header
+order, each part starting on a byte boundary; the stages' docstrings say what a part is.
 """
 
 from __future__ import annotations
@@ -43,72 +35,54 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Collection, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .aggregation import STATISTIC_LEAVES
-from .protocol.codec import CODEC_NAMES, DEFAULT_BLOCK, CodecHeader, CompressedTensor, UplinkSpec
+from .codec_stages import CODECS, INDEX, PAYLOAD, SCALES, STREAMS, CodecError, Cursor, Stage, is_sparse, streams_of
+from .protocol.codec import CODEC_NAMES, DEFAULT_BLOCK, CodecHeader, CodecName, CompressedTensor, UplinkSpec
 
 TensorDict = dict[str, np.ndarray]
 
-#: array names of the codec's own streams; a state_dict key never contains ":"
-PAYLOAD, SCALES, INDEX = "codec:payload", "codec:scales", "codec:index"
 #: leaves sent exactly whatever the codec: BatchNorm's running statistics and its counter
 EXACT_LEAVES = (*STATISTIC_LEAVES, "num_batches_tracked")
-_MAX_VARINT_BYTES = 5  # a gap below 2**32 needs at most five 7-bit groups
-
-
-class CodecError(ValueError):
-    """A frame a decoder must refuse (``reason`` tags the rejection counter), or an
-    update an encoder cannot encode."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 class CodecSpec(BaseModel):
     """How an agent compresses its updates' changes.
 
-    ``bits``: 8 or 4 bits per value (levels ``-L..L`` with ``L = 2**(bits-1) - 1``: 127
-    or 7, symmetric so that zero is a level and a sign flip costs nothing), or None for
-    no compression at all (``none``: every tensor exact). ``block``: values sharing one
-    float32 step; smaller blocks follow the change's local magnitude more closely for
-    ``32 / block`` more bits per value (256: 0.125 bit, 1.6 % of an 8-bit payload).
-    ``keep``: with top-k, the share of each tensor's values sent (at least one).
+    ``name``: a codec of :data:`~edgepfl.codec_stages.CODECS` (``none``: every tensor exact).
+    ``block``: values sharing one float32 step; smaller blocks follow the change's local
+    magnitude more closely for ``32 / block`` more bits per value (256: 0.125 bit, 1.6 % of
+    an 8-bit payload). ``keep``: with a sparse (top-k) codec, and only with one, the share
+    of each tensor's values sent (at least one).
     """
 
     model_config = ConfigDict(defer_build=True, extra="forbid", frozen=True)
 
-    bits: Literal[8, 4] | None = 8
+    name: CodecName = "q8"
     block: int = Field(DEFAULT_BLOCK, ge=1, le=2**20)
     keep: float | None = Field(None, gt=0, lt=1)
 
     @model_validator(mode="after")
-    def _keep_needs_bits(self) -> CodecSpec:
-        if self.keep is not None and self.bits is None:
-            raise ValueError("top-k needs a quantizer (bits 8 or 4): its kept values are sent quantized")
+    def _keep_with_top_k(self) -> CodecSpec:
+        if (self.keep is not None) != is_sparse(self.name):
+            raise ValueError(f"keep goes with a top-k codec, and only with one (not with {self.name})")
         return self
 
     @property
-    def name(self) -> str:
-        """The codec family: one of :data:`CODEC_NAMES`."""
-        if self.bits is None:
-            return "none"
-        return f"{'topk+' if self.keep is not None else ''}q{self.bits}"
+    def stages(self) -> tuple[Stage, ...]:
+        """The codec's stages, in encoding order."""
+        return CODECS[self.name]
 
     @classmethod
     def from_name(cls, name: str, *, block: int = DEFAULT_BLOCK, keep: float = 0.1) -> CodecSpec:
-        """The spec of family ``name`` (``keep`` applies to the top-k families only)."""
-        if name not in CODEC_NAMES:
-            raise ValueError(f"unknown codec {name!r}; one of {', '.join(CODEC_NAMES)}")
-        if name == "none":
-            return cls(bits=None, block=block)
-        return cls(bits=_bits_of(name), block=block, keep=keep if name.startswith("topk+") else None)
+        """The spec of codec ``name`` (``keep`` applies to the top-k codecs only)."""
+        if name not in CODECS:
+            raise ValueError(f"unknown codec {name!r}; one of {', '.join(CODECS)}")
+        return cls(name=name, block=block, keep=keep if is_sparse(name) else None)
 
     @classmethod
     def from_uplink(cls, uplink: UplinkSpec) -> CodecSpec:
@@ -121,23 +95,34 @@ class Encoded:
     """An encoded update: the header and the arrays of :meth:`arrays`."""
 
     header: CodecHeader
-    #: the level codes of every compressed tensor (module docstring)
-    payload: np.ndarray
-    #: one float32 step per block of every compressed tensor
-    scales: np.ndarray
-    #: top-k: the kept positions of every compressed tensor
-    index: np.ndarray
+    #: the codec's streams (:func:`~edgepfl.codec_stages.streams_of`), each the parts of
+    #: every compressed tensor in header order
+    streams: Mapping[str, np.ndarray]
     #: the tensors sent as they are
-    exact: Mapping[str, np.ndarray]
+    exact: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def payload(self) -> np.ndarray:
+        """The level codes of every compressed tensor (empty under ``none``)."""
+        return self._stream(PAYLOAD)
+
+    @property
+    def scales(self) -> np.ndarray:
+        """One float32 step per block of every compressed tensor (empty under ``none``)."""
+        return self._stream(SCALES)
+
+    @property
+    def index(self) -> np.ndarray:
+        """Top-k: the kept positions of every compressed tensor (empty otherwise)."""
+        return self._stream(INDEX)
+
+    def _stream(self, name: str) -> np.ndarray:
+        return self.streams[name] if name in self.streams else np.zeros(0, STREAMS[name])
 
     def arrays(self) -> TensorDict:
-        """The frame's body: the exact tensors and the codec's streams (payload and scales
-        unless the codec is ``none``, index with top-k)."""
+        """The frame's body: the exact tensors, then the codec's streams in frame order."""
         out: TensorDict = dict(self.exact)
-        if self.header.codec != "none":
-            out[PAYLOAD], out[SCALES] = self.payload, self.scales
-        if self.header.codec.startswith("topk+"):
-            out[INDEX] = self.index
+        out.update((name, self.streams[name]) for name in streams_of(self.header.codec))
         return out
 
     @classmethod
@@ -150,9 +135,7 @@ class Encoded:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "header"
             raise CodecError("malformed", f"codec header: {where}: {first['msg']}") from None
-        streams = {PAYLOAD: np.uint8, SCALES: np.float32} if head.codec != "none" else {}
-        if head.codec.startswith("topk+"):
-            streams[INDEX] = np.uint8
+        streams = streams_of(head.codec)
         if set(arrays) != set(head.exact) | set(streams):
             raise CodecError("malformed", f"the arrays {sorted(arrays)} are not the header's "
                                           f"{sorted(set(head.exact) | set(streams))}")
@@ -161,24 +144,11 @@ class Encoded:
             if given[name].dtype != dtype or given[name].ndim != 1:
                 raise CodecError("malformed", f"{name} is {given[name].dtype}{list(given[name].shape)}, "
                                               f"not a flat {np.dtype(dtype)} array")
-        empty_u8, empty_f32 = np.zeros(0, np.uint8), np.zeros(0, np.float32)
-        return cls(head, given.get(PAYLOAD, empty_u8), given.get(SCALES, empty_f32), given.get(INDEX, empty_u8),
-                   {name: given[name] for name in head.exact})
+        return cls(head, {name: given[name] for name in streams}, {name: given[name] for name in head.exact})
 
     def sizes(self) -> ByteCount:
         """Bytes of each tensor as encoded and as float32 (:class:`ByteCount`)."""
-        per_tensor: dict[str, tuple[int, int]] = {}
-        bits = _bits_of(self.header.codec)
-        index_at = 0
-        for t in self.header.tensors:
-            count = math.prod(t.shape)
-            values = count if t.kept is None else t.kept
-            index_bytes = 0
-            if t.kept is not None:
-                index_bytes = _index_bytes(self.index, index_at, count, t.kept, t.index)
-                index_at += index_bytes
-            encoded = _payload_bytes(values, bits) + 4 * _blocks(values, self.header.block) + index_bytes
-            per_tensor[t.name] = (encoded, 4 * count)
+        per_tensor = {name: (used, 4 * math.prod(shape)) for name, shape, _, used in _walk(self)}
         for name, value in self.exact.items():
             per_tensor[name] = (value.nbytes, value.nbytes)  # the same bytes either way
         return ByteCount(per_tensor, len(json.dumps(self.header_fields(), separators=(",", ":"))))
@@ -245,7 +215,9 @@ def encode(update: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray]
 def encode_changes(changes: Mapping[str, np.ndarray], exact: Mapping[str, np.ndarray], spec: CodecSpec,
                    rng: np.random.Generator) -> Encoded:
     """Compress ``changes`` (finite; float64 keeps a change with error feedback's residual
-    unrounded) and send ``exact`` as they are: the step under :func:`encode`."""
+    unrounded) and send ``exact`` as they are: the step under :func:`encode`. Each change
+    goes through the codec's stages in order, tensor by tensor (so ``rng``'s draws, and the
+    bytes, follow the order of ``changes``)."""
     for name, value in (*changes.items(), *exact.items()):
         if name.startswith("codec:"):
             raise ValueError(f"{name!r}: tensor names starting with 'codec:' are the codec's own")
@@ -253,92 +225,22 @@ def encode_changes(changes: Mapping[str, np.ndarray], exact: Mapping[str, np.nda
         if value.dtype.kind == "f" and not np.isfinite(value).all():
             raise ValueError(f"{name!r} holds NaN or Inf: a codec encodes finite values only")
     exact = {name: np.asarray(value) for name, value in exact.items()}
-    empty_u8, empty_f32 = np.zeros(0, np.uint8), np.zeros(0, np.float32)
-    if spec.bits is None:
-        if changes:
-            raise ValueError("codec none compresses nothing: send every tensor exact")
-        return Encoded(CodecHeader(codec="none", block=spec.block, exact=tuple(exact)), empty_u8, empty_f32,
-                       empty_u8, exact)
-    bits, middle = spec.bits, 2 ** (spec.bits - 1)
-    payloads, scales, indexes, entries = [], [], [], []
+    if not spec.stages and changes:
+        raise ValueError("codec none compresses nothing: send every tensor exact")
+    parts: dict[str, list[np.ndarray]] = {name: [] for name in streams_of(spec.name)}
+    entries = []
     for name, change in changes.items():
-        flat = np.asarray(change, np.float64).reshape(-1)
-        kept = index = None
-        if spec.keep is not None:
-            positions = _top_k(flat, max(1, math.ceil(spec.keep * flat.size)) if flat.size else 0)
-            index_bytes, index = _write_index(positions, flat.size)
-            indexes.append(index_bytes)
-            kept, flat = len(positions), flat[positions]
-        codes, steps = _quantize(flat, spec.block, middle - 1, rng)
-        if not np.isfinite(steps).all():
-            raise ValueError(f"{name!r}: a change this large has no float32 step")
-        payloads.append(_pack(codes + middle, bits))
-        scales.append(steps)
-        entries.append(CompressedTensor(name=name, shape=np.shape(change), kept=kept, index=index))
+        values, fields = np.asarray(change, np.float64).reshape(-1), {}
+        for stage in spec.stages:
+            values, written, more = stage.encode(values, spec, rng, name)
+            for stream, part in written.items():
+                parts[stream].append(part)
+            fields.update(more)
+        entries.append(CompressedTensor(name=name, shape=np.shape(change), **fields))
     header = CodecHeader(codec=spec.name, block=spec.block, tensors=tuple(entries), exact=tuple(exact))
-    return Encoded(header, _concat(payloads, np.uint8), _concat(scales, np.float32), _concat(indexes, np.uint8),
-                   exact)
-
-
-def _quantize(values: np.ndarray, block: int, levels: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Levels in ``-levels..levels`` (int64) and one float32 step per block.
-
-    The step is the block's largest magnitude over ``levels``, rounded *up* to float32 so
-    that no value lands past the outermost level; each value then goes to the level below
-    or above ``value / step`` with the probabilities that make its expectation exact."""
-    blocks = _blocks(values.size, block)
-    padded = np.zeros(blocks * block)
-    padded[: values.size] = np.abs(values)
-    largest = padded.reshape(blocks, block).max(axis=1)
-    steps = (largest / levels).astype(np.float32)
-    short = steps.astype(np.float64) * levels < largest
-    steps[short] = np.nextafter(steps[short], np.float32(np.inf))
-    step_of_value = np.repeat(steps.astype(np.float64), block)[: values.size]
-    scaled = np.divide(values, step_of_value, out=np.zeros_like(values), where=step_of_value > 0)
-    floor = np.floor(scaled)
-    # |scaled| <= levels: the step was rounded up, and step * levels is exact in float64
-    return (floor + (rng.random(values.size) < scaled - floor)).astype(np.int64), steps
-
-
-def _top_k(values: np.ndarray, k: int) -> np.ndarray:
-    """The positions of the ``k`` largest magnitudes, ascending (ties: the earlier position)."""
-    order = np.argsort(-np.abs(values), kind="stable")
-    return np.sort(order[:k])
-
-
-def _write_index(positions: np.ndarray, count: int) -> tuple[np.ndarray, Literal["bitmap", "gaps"]]:
-    """The smaller of a bitmap and gap varints for ``positions`` (the bitmap on a tie)."""
-    gaps = _varints(np.diff(positions, prepend=-1) - 1)
-    if (count + 7) // 8 <= gaps.size:
-        mask = np.zeros(count, bool)
-        mask[positions] = True
-        return np.packbits(mask, bitorder="little"), "bitmap"
-    return gaps, "gaps"
-
-
-def _varints(values: np.ndarray) -> np.ndarray:
-    """LEB128: seven bits per byte, least significant group first, high bit set on all
-    but each value's last byte."""
-    values = values.astype(np.uint64)
-    lengths = np.ones(values.size, np.int64)
-    for group in range(1, _MAX_VARINT_BYTES):
-        lengths += values >= np.uint64(1 << (7 * group))
-    starts = np.cumsum(lengths) - lengths
-    out = np.zeros(int(lengths.sum()), np.uint8)
-    for group in range(_MAX_VARINT_BYTES):
-        has = lengths > group
-        byte = (values[has] >> np.uint64(7 * group)) & np.uint64(0x7F)
-        more = (lengths[has] > group + 1).astype(np.uint64) << np.uint64(7)
-        out[starts[has] + group] = (byte | more).astype(np.uint8)
-    return out
-
-
-def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
-    if bits == 8:
-        return codes.astype(np.uint8)
-    nibbles = np.zeros(codes.size + codes.size % 2, np.uint8)
-    nibbles[: codes.size] = codes
-    return nibbles[0::2] | (nibbles[1::2] << 4)
+    streams = {name: np.concatenate(chunks).astype(STREAMS[name]) if chunks else np.zeros(0, STREAMS[name])
+               for name, chunks in parts.items()}
+    return Encoded(header, streams, exact)
 
 
 # --------------------------------------------------------------------------- decode
@@ -348,7 +250,7 @@ def dequantize(encoded: Encoded) -> TensorDict:
 
     Float32 arithmetic, one rounding per step, so any IEEE 754 implementation gets the
     same bits: ``change = float32(level * step)``."""
-    return dict(_changes(encoded))
+    return {name: change for name, _, change, _ in _walk(encoded)}
 
 
 def decode(encoded: Encoded, reference: Mapping[str, np.ndarray]) -> TensorDict:
@@ -369,7 +271,7 @@ def decode(encoded: Encoded, reference: Mapping[str, np.ndarray]) -> TensorDict:
             raise CodecError("wrong_shape", f"{name}: float32{list(tensor.shape)}, the reference is "
                                             f"{ref.dtype}{list(ref.shape)}")
     out: TensorDict = {}
-    for name, change in _changes(encoded):
+    for name, _, change, _ in _walk(encoded):
         ref = np.asarray(reference[name])
         with np.errstate(over="ignore"):
             value = ref + change
@@ -380,85 +282,32 @@ def decode(encoded: Encoded, reference: Mapping[str, np.ndarray]) -> TensorDict:
     return out
 
 
-def _changes(encoded: Encoded) -> Iterator[tuple[str, np.ndarray]]:
+def _walk(encoded: Encoded) -> Iterator[tuple[str, tuple[int, ...], np.ndarray, int]]:
+    """Each compressed tensor in header order: its name, shape, change (the codec's stages
+    run backwards) and the bytes its parts of the streams took. Raises :class:`CodecError`
+    for a malformed frame, the streams' leftovers included once every tensor is read."""
     header = encoded.header
-    if header.codec == "none":
-        if encoded.payload.size or encoded.scales.size or encoded.index.size:
+    stages = CODECS[header.codec]
+    if not stages:
+        if any(value.size for value in encoded.streams.values()):
             raise CodecError("malformed", "codec none carries no codec streams")
         return
-    bits = _bits_of(header.codec)
-    middle = 2 ** (bits - 1)
-    if not (np.isfinite(encoded.scales).all() and (encoded.scales >= 0).all()):
-        raise CodecError("malformed", "a step is negative, NaN or Inf")
-    payload_at = scales_at = index_at = 0
+    for stage in stages:
+        stage.check(encoded.streams)
+    cursor = Cursor(encoded.streams)
     for t in header.tensors:
-        count = math.prod(t.shape)
-        values = count if t.kept is None else t.kept
-        payload_bytes, blocks = _payload_bytes(values, bits), _blocks(values, header.block)
-        payload = encoded.payload[payload_at: payload_at + payload_bytes]
-        steps = encoded.scales[scales_at: scales_at + blocks]
-        if payload.size != payload_bytes or steps.size != blocks:
-            raise CodecError("malformed", f"{t.name}: the payload or scales stream ends early")
-        payload_at, scales_at = payload_at + payload_bytes, scales_at + blocks
-        codes = _unpack(payload, values, bits, t.name)
-        if (codes == 0).any():
-            raise CodecError("malformed", f"{t.name}: code 0 is no level")
-        step_of_value = steps[np.arange(values) // header.block]
-        with np.errstate(over="ignore"):  # a step too large for its levels: decode() refuses the Inf
-            sent = (codes.astype(np.int64) - middle).astype(np.float32) * step_of_value
-        if t.kept is None:
-            change = sent
-        else:
-            positions, used = _read_index(encoded.index, index_at, count, t.kept, t.index, t.name)
-            index_at += used
-            change = np.zeros(count, np.float32)
-            change[positions] = sent
-        yield t.name, change.reshape(t.shape)
-    if (payload_at, scales_at, index_at) != (encoded.payload.size, encoded.scales.size, encoded.index.size):
+        counts = [math.prod(t.shape)]  # the values each stage is given
+        for stage in stages[:-1]:
+            counts.append(stage.passes(counts[-1], t))
+        before = sum(cursor.at[name] * value.itemsize for name, value in encoded.streams.items())
+        values = None
+        for stage, count in zip(reversed(stages), reversed(counts)):
+            values = stage.decode(values, count, t, header.block, cursor)
+        after = sum(cursor.at[name] * value.itemsize for name, value in encoded.streams.items())
+        assert values is not None
+        yield t.name, t.shape, values.reshape(t.shape), after - before
+    if not cursor.finished():
         raise CodecError("malformed", "the codec streams are longer than the header's tensors need")
-
-
-def _unpack(payload: np.ndarray, values: int, bits: int, name: str) -> np.ndarray:
-    if bits == 8:
-        return payload
-    codes = np.empty(payload.size * 2, np.uint8)
-    codes[0::2], codes[1::2] = payload & 0x0F, payload >> 4
-    if values % 2 and codes[-1] != 0:
-        raise CodecError("malformed", f"{name}: the padding nibble is not 0")
-    return codes[:values]
-
-
-def _read_index(stream: np.ndarray, at: int, count: int, kept: int, form: str | None,
-                name: str) -> tuple[np.ndarray, int]:
-    """The kept positions of one tensor from ``stream[at:]`` and the bytes they took."""
-    if form == "bitmap":
-        size = (count + 7) // 8
-        bitmap = stream[at: at + size]
-        if bitmap.size != size:
-            raise CodecError("malformed", f"{name}: the index stream ends early")
-        bits = np.unpackbits(bitmap, bitorder="little")
-        if bits[count:].any():
-            raise CodecError("malformed", f"{name}: the bitmap's padding bits are not 0")
-        positions = np.flatnonzero(bits[:count])
-        if positions.size != kept:
-            raise CodecError("malformed", f"{name}: the bitmap marks {positions.size} positions, the header {kept}")
-        return positions, size
-    ends = np.flatnonzero(stream[at:] < 0x80)[:kept]
-    if ends.size != kept:
-        raise CodecError("malformed", f"{name}: the index stream ends early")
-    used = int(ends[-1]) + 1 if kept else 0
-    group = stream[at: at + used]
-    starts = np.concatenate(([0], ends[:-1] + 1)).astype(np.int64) if kept else np.zeros(0, np.int64)
-    lengths = ends - starts + 1
-    if kept and (lengths.max() > _MAX_VARINT_BYTES or ((lengths > 1) & (group[ends] == 0)).any()):
-        raise CodecError("malformed", f"{name}: a gap is not a minimal LEB128 varint below 2**35")
-    place = np.arange(used) - np.repeat(starts, lengths)
-    weights = (group & 0x7F).astype(np.int64) << (7 * place)
-    gaps = np.add.reduceat(weights, starts) if kept else np.zeros(0, np.int64)
-    positions = np.cumsum(gaps + 1) - 1
-    if kept and positions[-1] >= count:
-        raise CodecError("malformed", f"{name}: a kept position is past the tensor's {count} values")
-    return positions, used
 
 
 # --------------------------------------------------------------------------- error feedback
@@ -507,28 +356,6 @@ class ErrorFeedback:
 
 
 # --------------------------------------------------------------------------- shared helpers
-def _bits_of(codec: str) -> int:
-    return 4 if codec.endswith("q4") else 8
-
-
-def _blocks(values: int, block: int) -> int:
-    return -(-values // block)
-
-
-def _payload_bytes(values: int, bits: int) -> int:
-    return values if bits == 8 else (values + 1) // 2
-
-
-def _index_bytes(stream: np.ndarray, at: int, count: int, kept: int, form: str | None) -> int:
-    if form == "bitmap":
-        return (count + 7) // 8
-    return int(np.flatnonzero(stream[at:] < 0x80)[kept - 1]) + 1 if kept else 0
-
-
-def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
-    return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
-
-
 def _partition(update: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], spec: CodecSpec,
                marked: Collection[str]) -> tuple[list[str], TensorDict]:
     """The names of ``update`` to compress, and the tensors to send exact (every one under
@@ -540,13 +367,13 @@ def _partition(update: Mapping[str, np.ndarray], reference: Mapping[str, np.ndar
         if value.shape != ref.shape or value.dtype != ref.dtype:
             raise ValueError(f"{name}: the update is {value.dtype}{list(value.shape)}, the reference "
                              f"{ref.dtype}{list(ref.shape)}")
-    exact = set(update) if spec.bits is None else exact_names(update, reference, marked)
+    exact = set(update) if not spec.stages else exact_names(update, reference, marked)
     return ([name for name in update if name not in exact],
             {name: np.asarray(update[name]) for name in update if name in exact})
 
 
 __all__ = [
-    "CODEC_NAMES", "DEFAULT_BLOCK", "EXACT_LEAVES", "INDEX", "PAYLOAD", "SCALES", "ByteCount", "CodecError",
+    "CODECS", "CODEC_NAMES", "DEFAULT_BLOCK", "EXACT_LEAVES", "INDEX", "PAYLOAD", "SCALES", "ByteCount", "CodecError",
     "CodecHeader", "CodecSpec", "CompressedTensor", "Encoded", "ErrorFeedback", "UplinkSpec", "decode", "dequantize",
     "encode", "encode_changes", "exact_names",
 ]

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from .agent_config import AgentConfig, load_agent_config
 from .aggregation import PER_UPDATE_BOUNDS, AggregationSpec
+from .codec_stages import DELTA_CODECS, is_sparse
 from .config_loading import (
     ConfigError,
     apply_overrides,
@@ -37,6 +38,11 @@ from .simulation import SimulationSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     from .methods import Method
+
+    DeltaChoice = str  # the names are the codec table's, which a static checker cannot read
+else:
+    #: a task or release delta's codec, or none: sent whole
+    DeltaChoice = Literal[("none",) + DELTA_CODECS]
 
 from .specs import (
     BrokerConfig,
@@ -180,12 +186,12 @@ class CompressionSpec(_Strict):
     block: int = Field(DEFAULT_BLOCK, ge=1, le=2**20, description="values sharing one float32 step (256: 1.6 % of "
                                                                       "an 8-bit payload)")
     keep: float = Field(0.1, gt=0, lt=1, description="top-k codecs: the share of each tensor's values sent")
-    downlink: Literal["none", "q8", "q4"] = Field(
+    downlink: DeltaChoice = Field(
         "none", description="tasks: each new state's shared tensors are rounded onto the grid of their change since "
                             "the previous round's tasks (stochastic, unbiased: the adopted state itself), and an agent "
                             "that answered the previous round's task and announces the codec gets only that change "
                             "(synchronous rounds only); none: every task carries the state whole")
-    release_delta: Literal["none", "q8", "q4"] = Field(
+    release_delta: DeltaChoice = Field(
         "q4", description="releases: each release after the first is the previous one plus its weights' change "
                           "quantized with this codec (the signed artifact is that result, within one step of the "
                           "exported encoder; the error does not add up over releases), and a head agent that has "
@@ -196,8 +202,8 @@ class CompressionSpec(_Strict):
         """What a task asks a codec-capable agent for, or None when uplink is none."""
         if self.uplink == "none":
             return None
-        return UplinkSpec(codec=self.uplink, block=self.block, keep=self.keep if self.uplink.startswith("topk+")
-                          else None, exact=exact)
+        return UplinkSpec(codec=self.uplink, block=self.block, keep=self.keep if is_sparse(self.uplink) else None,
+                          exact=exact)
 
 
 class RunConfig(_Strict):

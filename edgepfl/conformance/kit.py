@@ -48,6 +48,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import yaml
 
+from edgepfl.codec_stages import CODECS, is_sparse
 from edgepfl.protocol import (
     PROTOCOL_VERSION,
     AgentChannel,
@@ -406,8 +407,8 @@ class _Kit:
                                            "of a newer minor version")
 
         # the chunked task asks for a compressed update where the agent declared a codec (1.6)
-        codec = next((c for c in ("q8", "q4", "topk+q8", "topk+q4") if caps and c in (caps.codecs or ())), None)
-        uplink = UplinkSpec(codec=codec, block=64, keep=0.25 if codec.startswith("topk+") else None) if codec else None
+        codec = next((c for c in CODECS if c != "none" and caps and c in (caps.codecs or ())), None)
+        uplink = UplinkSpec(codec=codec, block=64, keep=0.25 if is_sparse(codec) else None) if codec else None
         task, meta = s.task(3, uplink=uplink)
         update = s.ask(task, meta, chunk_to=SMALL_M)
         r.record("chunking.receive", update is not None,

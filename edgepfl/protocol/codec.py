@@ -1,6 +1,7 @@
 """The codec fields of the wire (since protocol 1.6): what a task asks an agent's update
 to be compressed with (:class:`UplinkSpec`), and the header an encoded update carries
-(:class:`CodecHeader`). The codecs themselves — encoding, decoding, error feedback — are
+(:class:`CodecHeader`). Which codecs exist is the table
+:data:`edgepfl.codec_stages.CODECS`; encoding, decoding and error feedback are
 :mod:`edgepfl.codecs`; docs/COMPRESSION.md describes the frames byte by byte."""
 
 from __future__ import annotations
@@ -8,21 +9,25 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-#: the codec families an agent may announce (``capabilities.codecs``); parameters (block,
-#: keep) travel in each task and frame
-CODEC_NAMES = ("none", "q8", "q4", "topk+q8", "topk+q4")
-CodecName = Literal["none", "q8", "q4", "topk+q8", "topk+q4"]
+from ..codec_stages import CODECS, DELTA_CODECS, is_sparse
+
+#: the codecs an agent may announce (``capabilities.codecs``): the names of the table;
+#: parameters (block, keep) travel in each task and frame
+CODEC_NAMES = tuple(CODECS)
 #: values sharing one float32 step, unless a task says otherwise
 DEFAULT_BLOCK = 256
-#: the codecs a release delta (and a task delta) may use: dense quantizers, since every
-#: weight changes between two releases (protocol 1.7)
-DELTA_CODECS = ("q8", "q4")
-DeltaCodecName = Literal["q8", "q4"]
+if TYPE_CHECKING:  # the names are the table's, which a static checker cannot read
+    CodecName = str
+    DeltaCodecName = str
+else:
+    CodecName = Literal[CODEC_NAMES]
+    #: the codecs a release delta and a task delta may use (protocol 1.7)
+    DeltaCodecName = Literal[DELTA_CODECS]
 
 
 class UplinkSpec(BaseModel):
@@ -44,7 +49,7 @@ class UplinkSpec(BaseModel):
 
     @model_validator(mode="after")
     def _keep_with_top_k(self) -> UplinkSpec:
-        if (self.keep is not None) != self.codec.startswith("topk+"):
+        if (self.keep is not None) != is_sparse(self.codec):
             raise ValueError("keep goes with a top-k codec, and only with one")
         return self
 
@@ -78,7 +83,7 @@ class CodecHeader(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> CodecHeader:
-        sparse = self.codec.startswith("topk+")
+        sparse = is_sparse(self.codec)
         names = [t.name for t in self.tensors] + list(self.exact)
         if len(set(names)) != len(names):
             raise ValueError("a tensor is named twice")

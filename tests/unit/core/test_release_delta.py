@@ -142,7 +142,7 @@ def test_a_delta_that_does_not_fit_its_base_is_refused(two_exports):
         apply_release_delta(base, runs[:-1], parts.encoded)  # a tensor without a run
     header = parts.encoded.header.model_copy(update={"tensors": (
         parts.encoded.header.tensors[0].model_copy(update={"name": "encoder.weight"}), *parts.encoded.header.tensors[1:])})
-    renamed = Encoded(header, parts.encoded.payload, parts.encoded.scales, parts.encoded.index, {})
+    renamed = Encoded(header, parts.encoded.streams, {})
     with pytest.raises(CodecError, match="run-0"):
         apply_release_delta(base, runs, renamed)
 
