@@ -168,7 +168,7 @@ def real_round(agents: int, secure: bool, out: Path) -> tuple[dict, dict]:
              "bytes_per_agent": (row.bytes_up + row.bytes_down) / agents, "bytes_up_per_agent": row.bytes_up / agents,
              "cpu_s": round(cpu, 2), "wall_s": round(wall, 2),
              "unmask_cpu_s": s.unmask_seconds if s else None, "recovered": s.recovered if s else None},
-            coordinator._server_state().global_tensors)
+            coordinator.server_state().global_tensors)
 
 
 def markdown(result: dict) -> str:

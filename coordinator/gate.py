@@ -3,7 +3,7 @@
 Pure checks: no broker, no clock, no logging. :class:`UpdateGate` takes one frame from an
 agent's update topic and the tasks of the round being collected, and returns an
 :class:`Accepted` update or a :class:`Rejection` whose ``reason`` is the tag of
-``docs/PROTOCOL.md`` §7, in the order of that table. :func:`admit_status` and
+``docs/PROTOCOL.md`` §7, in the order of that table. :func:`admit_presence` and
 :func:`admit_metrics` do the same for presence and head-tier reports, and
 :func:`admit_state` for a round's closed aggregate before it becomes the global state.
 The caller counts and logs rejections; nothing here raises on hostile bytes.
@@ -102,7 +102,7 @@ class Refused:
     #: only when it is provably the agent's own (signed by its enrolled key) or the
     #: coordinator's own finding. On an unsigned deployment anyone can publish a refusal
     #: naming the agent's task (it is on the task topic): it costs the agent that task, as
-    #: a forged update would, but never the rest of the run (issue #37)
+    #: a forged update would, but never the rest of the run (docs/SECURITY.md)
     may_exclude: bool = True
 
 
@@ -416,12 +416,6 @@ def admit_presence(agent_id: str, frame: bytes, keyring: Keyring | None = None,
         if stale is not None:
             return Rejection(agent_id, "stale_status", stale, attributed)
     return Presence(meta, message.header.created)
-
-
-def admit_status(agent_id: str, frame: bytes) -> StatusMeta | Rejection:
-    """:func:`admit_presence` without signatures or ordering: the status's meta, or the rejection."""
-    verdict = admit_presence(agent_id, frame)
-    return verdict.meta if isinstance(verdict, Presence) else verdict
 
 
 def admit_metrics(agent_id: str, frame: bytes, keyring: Keyring | None = None,

@@ -172,7 +172,7 @@ class Registry:
         Unless ``signed`` (the status was verified against the agent's enrolled key), an
         ``online`` is never stale: on an unsigned deployment anyone may write any status,
         session and date, so ordering cannot stop a forger, and it must not let one forged
-        status (an ``offline`` of a made-up session dated years ahead, issue #37) make the
+        status (an ``offline`` of a made-up session dated years ahead: docs/SECURITY.md) make the
         real agent's births "older" for the rest of the run. The agent answers a status it
         did not publish with a birth; that birth is always heard."""
         last = self._presence.get(agent_id)
@@ -196,7 +196,7 @@ class Registry:
             # a birth on a later broker connection of the current process (protocol 1.3) is newer
             # whatever the device's clock says: a device whose clock ran ahead and was corrected,
             # then reconnected, was otherwise offline until its clock passed the order mark
-            # (up to MAX_CLOCK_SKEW_S), and nothing made it announce itself after that (issue #37)
+            # (up to MAX_CLOCK_SKEW_S), and nothing made it announce itself after that
             return None
         # The same status again while it still holds (the broker re-delivers retained statuses
         # on every subscribe, e.g. after the coordinator reconnects) changes nothing: not

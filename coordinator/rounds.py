@@ -75,8 +75,7 @@ class Coordinator:
         self.registry, self.counters, self.observer, self.inbox = side.registry, side.counters, side.observer, side.inbox
         self.signer, self.enrols = side.credentials.signer, side.credentials.keyring is not None
         self.registry.require(config.method.name, config.model.arch)
-        self.progress = Progress(config.rounds, enabled=progress)
-        self.run_dir = RunDirectory(out_dir)
+        self.progress, self.run_dir = Progress(config.rounds, enabled=progress), RunDirectory(out_dir)
         self.rollback = RollbackPolicy(config.aggregation.rollback_after, self.run_dir)
         self.privacy = PrivacyLedger(config, Path(out_dir))  # before a resume drops any row: what was spent
         self.task_writer = TaskWriter(config, self.run_spec, self.method, self.signer)
@@ -113,7 +112,7 @@ class Coordinator:
         self.run_dir.drop_rows_from(0)
         self.state, self.start_round = initial_state(self.config, self.method, self.run_spec), 0
 
-    def _server_state(self) -> ServerState:
+    def server_state(self) -> ServerState:
         """The global state, which :meth:`init_or_resume` sets (:meth:`run` calls it first)."""
         if self.state is None:
             raise RuntimeError("no server state yet: call init_or_resume() first")
@@ -145,7 +144,7 @@ class Coordinator:
     def _run_all(self) -> list[RoundMetrics]:
         c = self.config
         # an agent that announced a smaller largest frame than this run's tasks is sent none (PROTOCOL.md §15)
-        self.registry.require(c.method.name, c.model.arch, self.task_writer.task_bytes(self._server_state()))
+        self.registry.require(c.method.name, c.model.arch, self.task_writer.task_bytes(self.server_state()))
         driver = driver_for(c, self)
         wait_for_agents(self)
         rows = []
@@ -179,13 +178,13 @@ class Coordinator:
         r = tasks.round
         tasks.close()  # an answer after this is stale (or, from a dropped agent, late): the aggregate is closed next
         self.observer.enter("aggregating", r)
-        previous, trained = self._server_state(), result.aggregate is not None
+        previous, trained = self.server_state(), result.aggregate is not None
         if trained:
             self._closed_rounds.add(tasks, previous)
         abort = self._server_step(tasks, result, quorum)
         rolled_back = self._roll_back(r, abort) if abort else None
         row = result.to_metrics(seconds=self.clock.now() - started, final=final, abort=abort, rolled_back=rolled_back,
-                                shared_bytes=int(sum(v.nbytes for v in self._server_state().shared_params().values())),
+                                shared_bytes=int(sum(v.nbytes for v in self.server_state().shared_params().values())),
                                 max_weight_ratio=self.config.aggregation.max_weight_ratio)
         # Row first, checkpoint second: a crash in between leaves a row that the resumed
         # run drops and writes again (RunDirectory.drop_rows_from), never a round without a row.
@@ -195,7 +194,7 @@ class Coordinator:
             if abort is None:  # a round trained from `previous` was adopted: it is the last good state
                 self.rollback.keep_good_state(previous, self.checkpoint_meta(r - 1))
                 failpoint("round.good_state_kept")
-            self.run_dir.save_checkpoint(self._server_state(), self.checkpoint_meta(r))
+            self.run_dir.save_checkpoint(self.server_state(), self.checkpoint_meta(r))
         self.progress.update(row)
         self.observer.round_done(row)
         return row
@@ -214,7 +213,7 @@ class Coordinator:
     def open_round(self, r: int, sampled: list[str], late: bool) -> tuple[RoundTasks, RoundResult, ServerState]:
         """Open round ``r`` for answers (its aggregate when ``sampled`` train; with ``late``,
         closed rounds' late updates too), its tasks built from the current state."""
-        c, state = self.config, self._server_state()
+        c, state = self.config, self.server_state()
         tasks = RoundTasks(r, weight_cap([self.registry.announced_num_train(a) for a in sampled],
                                          c.aggregation.max_weight_ratio))
         result = RoundResult(round=r, sampled=sampled)
@@ -329,7 +328,7 @@ class Coordinator:
         from .releases.rollout import release_to_fleet
 
         self.observer.enter("releasing", round)
-        built = build_release(self._server_state(), self.checkpoint_meta(round), self.run_dir.releases_dir,
+        built = build_release(self.server_state(), self.checkpoint_meta(round), self.run_dir.releases_dir,
                               self.config, signer=self.signer)
         if not release_to_fleet(built, round, config=self.config, fleet=self.fleet, inbox=self.inbox,
                                 observer=self.observer, releases_dir=self.run_dir.releases_dir, signer=self.signer):

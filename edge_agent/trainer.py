@@ -24,7 +24,7 @@ from edgepfl.codecs import CodecError, CodecHeader, CodecSpec, Encoded, ErrorFee
 from edgepfl.data import ClientData, ClientTensors
 from edgepfl.data.preprocess import conversion
 from edgepfl.heads.labels import LabelMismatch, run_label_index
-from edgepfl.methods import ClientUpdate, LocalContext, Method, available_methods, create_method, get_method_class
+from edgepfl.methods import ClientUpdate, LocalContext, Method, available_methods, create_method, get_method
 from edgepfl.methods.base import load_tensors
 from edgepfl.models import TORCHVISION_ARCHS
 from edgepfl.protocol import (
@@ -103,7 +103,7 @@ def trainable_methods() -> list[str]:
     names = []
     for name in available_methods():
         try:
-            get_method_class(name)
+            get_method(name)
         except Exception as exc:  # an optional dependency of that method is missing: it is not offered
             log.info("method %s is not available on this agent: %s", name, exc)
             continue
@@ -235,7 +235,7 @@ class TrainerRuntime:
         if signature == self._signature and self.method is not None and self.model is not None:
             return self.method, self.model
         try:
-            get_method_class(run.method.name)
+            get_method(run.method.name)
         except Exception as exc:  # unknown here, or its module does not import (a missing dependency)
             raise self._refuse(meta, round, "unsupported_method", str(exc)) from None
         try:

@@ -165,9 +165,9 @@ def cmd_simulate(args) -> int:
                          "that need a broker")
     if args.head_agents:
         parse_config(AgentConfig, {"agent_id": "check", "tier": "head", "head": args.head}, "--head")
-        from .methods import get_method_class
+        from .methods import get_method
 
-        kinds = get_method_class(config.method.name).head_kinds
+        kinds = get_method(config.method.name).head_kinds
         if args.head not in kinds:  # before any training: the head agents would refuse every release
             raise UsageError(f"--head {args.head}: a {config.method.name} release has no such head; "
                              f"choose from {', '.join(kinds)}")

@@ -43,8 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from .aggregation import STATISTIC_LEAVES
 from .codec_stages import CODECS, INDEX, PAYLOAD, SCALES, STREAMS, CodecError, Cursor, Stage, is_sparse, streams_of
 from .protocol.codec import CODEC_NAMES, DEFAULT_BLOCK, CodecHeader, CodecName, CompressedTensor, UplinkSpec
-
-TensorDict = dict[str, np.ndarray]
+from .state import TensorDict
 
 #: leaves sent exactly whatever the codec: BatchNorm's running statistics and its counter
 EXACT_LEAVES = (*STATISTIC_LEAVES, "num_batches_tracked")

@@ -29,6 +29,7 @@ from .failpoints import failpoint
 from .protocol.run import RunSpec
 from .specs import DataSpec
 
+#: named arrays: a model's tensors, an update, a checkpoint's state (this is the type's one home)
 TensorDict = dict[str, np.ndarray]
 
 

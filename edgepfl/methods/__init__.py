@@ -8,10 +8,7 @@ plus its tests; modules here are discovered automatically.
 from __future__ import annotations
 
 import importlib
-import pkgutil
-import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from .base import (
@@ -28,9 +25,13 @@ from .base import (
 )
 
 _REGISTRY: dict[str, type[Method]] = {}
-# A method module registers its class with a line of its own, `@register`: that is how
-# a method is told from a building block (base, losses, ...) without importing either.
-_REGISTERS = re.compile(rb"^@register\b", re.MULTILINE)
+#: The built-in methods: each name is the module of this package that registers it
+#: (``@register``). Adding a method is its module plus its name here; the method contract
+#: suite checks that the two agree. Listing them needs no import, so no torch.
+METHODS: tuple[str, ...] = (
+    "dualfed", "fedavg", "fedavg_ft", "fedbn", "fedpac", "fedper", "fedpick", "fedprox", "fedrep", "fedrir",
+    "fedrod", "lgfedavg", "local", "repper",
+)
 
 
 def register(cls: type[Method]) -> type[Method]:
@@ -52,18 +53,11 @@ def register(cls: type[Method]) -> type[Method]:
 
 
 def available_methods() -> list[str]:
-    """Names of every method: the modules of this package that register one (read, not imported)."""
-    found = []
-    for info in pkgutil.iter_modules(__path__):
-        spec = None if info.name.startswith("_") else info.module_finder.find_spec(
-            f"{__name__}.{info.name}", None)
-        origin = spec.origin if spec is not None else None
-        if origin and origin.endswith(".py") and _REGISTERS.search(Path(origin).read_bytes()):
-            found.append(info.name)
-    return sorted(found)
+    """Names of every method (:data:`METHODS`), sorted."""
+    return sorted(METHODS)
 
 
-def get_method_class(name: str) -> type[Method]:
+def get_method(name: str) -> type[Method]:
     """The method class registered as ``name``; imports its module on first use."""
     cls = _REGISTRY.get(name)
     if cls is not None:
@@ -77,17 +71,14 @@ def get_method_class(name: str) -> type[Method]:
         raise KeyError(f"module {__name__}.{name} registers no method named {name!r}") from None
 
 
-get_method = get_method_class
-
-
 def available_head_kinds() -> list[str]:
     """Every head kind some method offers (``Method.head_kinds``); imports every method module."""
-    return sorted({kind for name in available_methods() for kind in get_method_class(name).head_kinds})
+    return sorted({kind for name in available_methods() for kind in get_method(name).head_kinds})
 
 
 def create_method(name: str, options: Mapping[str, Any] | None = None) -> Method:
     """Instantiate a method with validated options (a run spec's, a release's: any mapping)."""
-    cls = get_method_class(name)
+    cls = get_method(name)
     return cls(cls.config_class.model_validate(dict(options or {})))
 
 

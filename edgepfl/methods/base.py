@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..aggregation import UPDATE_NORM_MEDIAN, Aggregator, Mean, rebase
 from ..heads import GENERIC_HEAD_KINDS
-from ..state import ServerState
+from ..state import ServerState, TensorDict
 from .training import EvalResult, LocalContext, evaluate_logits, fit, make_optimizer, recalibrate_batchnorm
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -53,7 +53,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..heads.estimators import HeadEstimator
     from ..specs import ModelSpec
 
-TensorDict = dict[str, np.ndarray]
 STAT = "stat/"
 SERVER = "server/"
 

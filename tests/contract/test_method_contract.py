@@ -33,6 +33,7 @@ from edgepfl.methods import (
     UpdateRejected,
     available_methods,
     create_method,
+    get_method,
 )
 from edgepfl.methods.aggregate import weighted_mean
 from edgepfl.methods.base import STAT, TRAIN_OVERRIDES, PersonalBatchNormConfig, load_tensors, method_optimizer
@@ -105,6 +106,19 @@ def x_eval(agent: str = "agent-a") -> torch.Tensor:
 
 def test_registry_holds_the_baselines():
     assert {"fedavg", "fedavg_ft", "fedbn", "fedper", "fedprox", "fedrep", "fedrod", "lgfedavg", "local"} <= set(METHODS)
+
+
+def test_the_method_table_names_exactly_the_modules_that_register_a_method():
+    """A method module left out of METHODS would never be offered; a name without its module never loads."""
+    import re
+    from pathlib import Path
+
+    import edgepfl.methods as package
+
+    folder = Path(package.__file__).parent
+    registering = {p.stem for p in folder.glob("*.py") if re.search(r"^@register\b", p.read_text(), re.MULTILINE)}
+    assert set(package.METHODS) == registering
+    assert all(get_method(name).name == name for name in package.METHODS)
 
 
 @pytest.mark.parametrize("name", METHODS)

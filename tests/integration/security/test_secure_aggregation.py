@@ -130,7 +130,7 @@ def test_a_secure_federation_with_a_third_killed_and_an_attacker_on_the_broker_e
         trained = [r for r in rows if not r.final]
         assert [sorted(r.participants) for r in trained] == [ids, survivors]
         assert not any(r.aborted for r in trained)
-    x, y = plain._server_state().global_tensors, secure._server_state().global_tensors
+    x, y = plain.server_state().global_tensors, secure.server_state().global_tensors
     assert set(x) == set(y) and all(np.array_equal(x[k], y[k]) for k in x)
     assert [r.accuracy for r in secure_rows] == [r.accuracy for r in plain_rows]
 

@@ -17,12 +17,13 @@ from edgepfl.coordinator.gate import (
     MAX_SAMPLES,
     Accepted,
     Attribution,
+    Presence,
     Refused,
     Rejection,
     UpdateGate,
     admit_metrics,
+    admit_presence,
     admit_state,
-    admit_status,
 )
 from edgepfl.coordinator.registry import Registry
 from edgepfl.coordinator.round_tasks import RoundTasks, Task
@@ -326,35 +327,36 @@ def status(agent: str, **meta) -> bytes:
 
 
 def test_a_status_is_admitted_with_its_meta():
-    meta = admit_status("alice", status("alice", tier="head", num_train=7))
-    assert isinstance(meta, StatusMeta) and meta.tier == "head" and meta.num_train == 7
+    presence = admit_presence("alice", status("alice", tier="head", num_train=7))
+    assert isinstance(presence, Presence)
+    assert presence.meta.tier == "head" and presence.meta.num_train == 7
 
 
 def test_a_status_of_another_major_version_is_refused_and_any_minor_of_ours_is_admitted():
-    verdict = admit_status("alice", status("alice", version="2.0"))
+    verdict = admit_presence("alice", status("alice", version="2.0"))
     assert reason(verdict) == "unsupported_version" and "2.0" in verdict.detail
     assert verdict.attributed is not None and verdict.attributed.type == "status"  # the agent is told
     for version in ("1.0", "1.1", "1.2", "1.9"):
-        assert isinstance(admit_status("alice", status("alice", version=version)), StatusMeta)
+        assert isinstance(admit_presence("alice", status("alice", version=version)), Presence)
 
 
 def test_a_status_from_another_agent_or_of_another_type_is_the_wrong_sender():
-    assert reason(admit_status("alice", status("bob"))) == "wrong_sender"
+    assert reason(admit_presence("alice", status("bob"))) == "wrong_sender"
     task = encode(MessageType.TASK, federation=FED, sender="alice", round=0,
                   meta=TaskMeta(task_id=new_message_id(), kind="train", run=sample_run_spec(), seed=0, deadline_s=1))
-    assert reason(admit_status("alice", task)) == "wrong_sender"
+    assert reason(admit_presence("alice", task)) == "wrong_sender"
 
 
 def test_a_status_that_is_no_frame_is_rejected_with_the_decoder_reason():
-    verdict = admit_status("alice", b"junk")
+    verdict = admit_presence("alice", b"junk")
     assert reason(verdict) == "malformed" and verdict.detail.startswith("status:")
 
 
 @pytest.mark.parametrize("field", ["num_train", "num_test"])
 def test_a_status_announcing_absurd_sample_counts_is_malformed(field):
-    assert reason(admit_status("alice", status("alice", **{field: MAX_SAMPLES + 1}))) == "malformed"
-    assert reason(admit_status("alice", status("alice", **{field: 10**400}))) == "malformed"
-    assert isinstance(admit_status("alice", status("alice", **{field: MAX_SAMPLES})), StatusMeta)
+    assert reason(admit_presence("alice", status("alice", **{field: MAX_SAMPLES + 1}))) == "malformed"
+    assert reason(admit_presence("alice", status("alice", **{field: 10**400}))) == "malformed"
+    assert isinstance(admit_presence("alice", status("alice", **{field: MAX_SAMPLES})), Presence)
 
 
 def test_metrics_from_the_agent_of_the_topic_are_admitted():

@@ -69,7 +69,7 @@ def run(cfg: RunConfig, out, dying: dict[str, int] | None = None) -> tuple[Coord
 
 
 def same_state(a: Coordinator, b: Coordinator) -> bool:
-    x, y = a._server_state().global_tensors, b._server_state().global_tensors
+    x, y = a.server_state().global_tensors, b.server_state().global_tensors
     return set(x) == set(y) and all(x[k].dtype == y[k].dtype and np.array_equal(x[k], y[k]) for k in x)
 
 
@@ -181,7 +181,7 @@ def test_the_devices_noise_adds_up_to_the_runs_multiplier_on_the_quorum(tmp_path
                                                       "noise_multiplier": 1.0}), tmp_path / "noisy")
     quiet, _, _ = run(config(True, rounds=1, privacy={"mechanism": "distributed", "clip_norm": 0.5,
                                                       "noise_multiplier": 0.0}), tmp_path / "quiet")
-    x, y = noisy._server_state().global_tensors, quiet._server_state().global_tensors
+    x, y = noisy.server_state().global_tensors, quiet.server_state().global_tensors
     diff = np.concatenate([(x[k].astype(np.float64) - y[k]).ravel() for k in x
                            if x[k].dtype.kind == "f" and "running_" not in k])
     assert diff.size > 2000

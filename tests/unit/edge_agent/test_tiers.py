@@ -184,14 +184,14 @@ def test_the_trainer_declares_the_methods_and_archs_it_can_run(trainer):
 
 
 def test_a_head_agent_declares_the_methods_whose_heads_it_builds(tmp_path):
-    from edgepfl.methods import available_methods, get_method_class
+    from edgepfl.methods import available_methods, get_method
 
     for kind in ("lr", "dualfed", "onnx"):
         tier = HeadTier("pi", client_data(NEW_CLIENT), str(tmp_path / kind), kind)
         caps = tier.capabilities()
         assert caps.head_kinds == [kind] and caps.archs is None
         # what it declares without importing the method modules is what their classes offer
-        offered = [m for m in available_methods() if kind == "onnx" or kind in get_method_class(m).head_kinds]
+        offered = [m for m in available_methods() if kind == "onnx" or kind in get_method(m).head_kinds]
         assert caps.methods == offered
 
 
