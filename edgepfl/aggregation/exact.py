@@ -71,32 +71,45 @@ class _ExactSum:
         """``weight * factor * (params - reference)`` (plus ``noise``, per float tensor) on the
         grid: one int64 array per key. What :meth:`add` folds in, and what an agent masks for
         secure aggregation (:func:`ring_vector`): both sides compute it from the reference alone."""
-        out = {}
-        for key, ref in self.reference.items():
-            x = np.asarray(params[key])
-            if ref.dtype.kind == "f":
-                change = (x.astype(np.float64) - ref.astype(np.float64)) * (weight * factor)
-                if noise is not None:
-                    change = change + noise[key]
-                out[key] = np.rint(change * self.scale[key]).astype(np.int64)
-            else:
-                out[key] = weight * (x.astype(np.int64) - ref.astype(np.int64))
-        return out
+        return {key: self._grid(key, params[key], weight, factor, None if noise is None else noise[key])
+                for key in self.reference}
 
     def add(self, params: Mapping[str, np.ndarray], weight: int, factor: float = 1.0) -> None:
-        """Fold ``weight * factor * (params - reference)`` in; call :meth:`check` first."""
-        self.add_total(self.contribution(params, weight, factor), weight)
+        """Fold ``weight * factor * (params - reference)`` in; call :meth:`check` first.
+
+        The same integers as :meth:`add_total` of :meth:`contribution`, each key's folded in as
+        soon as it is made: holding every key's at once, the coordinator spent several percent
+        more CPU per update (``benchmarks/exact_sum_cost.py``)."""
+        for key in self.reference:
+            self._fold(key, self._grid(key, params[key], weight, factor))
+        self.total_weight += weight
 
     def add_total(self, contributions: Mapping[str, np.ndarray], weight: int) -> None:
         """Fold in grid integers (one int64 array per key) standing for ``weight`` of updates:
         one update's :meth:`contribution`, or the unmasked sum of a secure round's."""
         for key in self.reference:
-            low = self.low[key]
-            low += contributions[key]
-            carry = low >> _CARRY_BITS  # floor division by 2**40, also for a negative low
-            self.high[key] += carry
-            low -= carry << _CARRY_BITS
+            self._fold(key, contributions[key])
         self.total_weight += weight
+
+    def _grid(self, key: str, x: np.ndarray, weight: int, factor: float = 1.0,
+              noise: np.ndarray | None = None) -> np.ndarray:
+        """One key's ``weight * factor * (x - reference)`` (plus ``noise``) on the grid, as int64."""
+        ref = self.reference[key]
+        x = np.asarray(x)
+        if ref.dtype.kind == "f":
+            change = (x.astype(np.float64) - ref.astype(np.float64)) * (weight * factor)
+            if noise is not None:
+                change = change + noise
+            return np.rint(change * self.scale[key]).astype(np.int64)
+        return weight * (x.astype(np.int64) - ref.astype(np.int64))
+
+    def _fold(self, key: str, integers: np.ndarray) -> None:
+        """Add grid integers to ``key``'s two words, carrying the low word's excess to the high one."""
+        low = self.low[key]
+        low += integers
+        carry = low >> _CARRY_BITS  # floor division by 2**40, also for a negative low
+        self.high[key] += carry
+        low -= carry << _CARRY_BITS
 
     def _total(self, key: str) -> np.ndarray:
         """The exact integer sum of ``key``, rounded once to float64 (both words are exact floats)."""
