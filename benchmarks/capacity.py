@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -141,7 +142,10 @@ def run_config(n: int, args: argparse.Namespace, federation: str) -> dict:
     }
 
 
-def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
+def measure(n: int, args: argparse.Namespace, work: Path,
+            coordinator: Sequence[str] = (sys.executable, "-m", "edgepfl.cli")) -> dict:
+    """One fleet of ``n`` virtual agents and the coordinator command ``coordinator`` (the
+    ``edgepfl`` command line, or one that runs it with something changed: ``exact_sum_cost.py``)."""
     federation = f"cap{n}"
     run_dir = work / f"n{n}"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -156,7 +160,7 @@ def measure(n: int, args: argparse.Namespace, work: Path) -> dict:
             connect_s = time.monotonic() - started
             log = open(run_dir / "coordinator.log", "w")  # noqa: SIM115
             proc = subprocess.Popen(
-                [sys.executable, "-m", "edgepfl.cli", "--log-level", "warning", "coordinator", "--config",
+                [*coordinator, "--log-level", "warning", "coordinator", "--config",
                  str(config_path), "--broker", broker.url, "--out", str(run_dir / "out")],
                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
             meter = Meter(proc.pid, broker._proc.pid, run_dir / "out" / "metrics.jsonl", args.rounds + 1).start()

@@ -1,6 +1,6 @@
 """The round loop's side of differential privacy (``privacy.mechanism``; :mod:`edgepfl.privacy`):
-which rule aggregates a round, what each trained round spends, and whether the budget
-allows the next one.
+what each trained round spends, and whether the budget allows the next one (which rule
+aggregates a round is :func:`edgepfl.aggregation.round_rule`'s to decide).
 
 Every training round that is opened under DP counts as spent, whether its aggregate is
 then adopted, aborted or short of its quorum: once answers came in, a noised mean may have
@@ -15,7 +15,7 @@ import logging
 import math
 from pathlib import Path
 
-from edgepfl.aggregation import AdaptiveClip, Aggregator, GaussianMean, SecureMean, UpdateBound
+from edgepfl.aggregation import Aggregator, round_rule
 from edgepfl.config import RunConfig
 from edgepfl.errors import require_installed
 from edgepfl.metrics import MetricsError, PrivacyRecord, RoundMetrics, read_metrics
@@ -28,7 +28,7 @@ log = logging.getLogger("edgepfl.coordinator")
 
 
 class PrivacyLedger:
-    """Builds each round's rule and keeps the accountant (``config.privacy``)."""
+    """Keeps the accountant (``config.privacy``) and each round's record; hands out the round's rule."""
 
     def __init__(self, config: RunConfig, run_dir: Path):
         self.config = config
@@ -57,32 +57,19 @@ class PrivacyLedger:
 
     def open(self, round: int, sampled: list[str], population: int) -> tuple[Aggregator, PrivacyRecord | None]:
         """The rule of a training round of ``sampled`` out of ``population`` eligible
-        trainers, and (under DP) the round's record, its spend already counted."""
-        spec, agg = self.spec, self.config.aggregation
-        if self.config.secure_aggregation.enabled:  # masked updates: no bound can see one (config validation)
-            if spec.mechanism == "none":
-                return SecureMean(), None
-            epsilon = _finite(self.accountant.spend(population, len(sampled)))
-            return SecureMean(denominator=len(sampled)), PrivacyRecord(
-                mechanism="distributed", epsilon=epsilon, delta=spec.delta, population=max(population, len(sampled)),
-                sampled=len(sampled), noise_multiplier=spec.noise_multiplier, clip_norm=spec.clip_norm)
-        if self.spec.mechanism == "none":
-            return self.config.aggregation.build(), None
-        clip, noise, adaptive = self.clip, spec.noise_multiplier, None
-        if spec.adaptive_clipping is not None:
-            a = spec.adaptive_clipping
-            noise, count_noise = a.noise(spec.noise_multiplier)
-            adaptive = AdaptiveClip(a.target_quantile, a.learning_rate, count_noise)
-        rule = GaussianMean(clip, noise, len(sampled), [seed_for(self.config.seed, round, "dp-noise")], adaptive,
-                            on_next_clip=self._next_clip)
-        if agg.max_mean_shift is not None or agg.max_variance_growth is not None:
-            # the BatchNorm clamps are relative to the reference (public); the bounds that
-            # refuse an update or measure the fleet's changes are left out: the clip is the bound
-            rule.bound = UpdateBound(None, "clip", agg.max_mean_shift, agg.max_variance_growth, None, None)
+        trainers (:func:`~edgepfl.aggregation.round_rule` decides it), and (under DP) the
+        round's record, its spend already counted."""
+        spec, secure = self.spec, self.config.secure_aggregation.enabled
+        rule = round_rule(self.config.aggregation, spec, secure=secure, sampled=len(sampled), clip=self.clip,
+                          noise_seed=[seed_for(self.config.seed, round, "dp-noise")], on_next_clip=self._next_clip)
+        if spec.mechanism == "none":
+            return rule, None
         epsilon = _finite(self.accountant.spend(population, len(sampled)))
-        self._record = PrivacyRecord(mechanism="central", epsilon=epsilon, delta=spec.delta,
-                                     population=max(population, len(sampled)), sampled=len(sampled),
-                                     noise_multiplier=spec.noise_multiplier, clip_norm=clip)
+        # an adaptive clip the round's rule moves (_next_clip) goes into this record
+        self._record = PrivacyRecord(
+            mechanism="distributed" if secure else "central", epsilon=epsilon, delta=spec.delta,
+            population=max(population, len(sampled)), sampled=len(sampled), noise_multiplier=spec.noise_multiplier,
+            clip_norm=spec.clip_norm if secure else self.clip)
         return rule, self._record
 
     def _next_clip(self, clip: float) -> None:

@@ -1,0 +1,316 @@
+"""The contract every aggregation rule follows (:class:`Aggregator`) and the bound on
+one update that applies whatever the rule (:class:`UpdateBound`).
+
+A rule is :meth:`~Aggregator.begin` with the round's reference (the global parameters
+the tasks carried), :meth:`~Aggregator.add` one accepted update at a time,
+:meth:`~Aggregator.result` once the round closes; an update the rule cannot take is
+refused with :class:`AggregationRejected`, before anything of it counts.
+
+**Bounded trust in every update.** Whatever the rule, :class:`UpdateBound` bounds how
+far one update may move the shared state from the reference: the learned parameters by
+the norm of their change (``max_update_ratio`` times the reference's norm, at least 1),
+BatchNorm's running statistics per channel in their own geometry (a mean in reference
+standard deviations, ``max_mean_shift``; a variance's growth, ``max_variance_growth``),
+clamped onto them, never refused, so that a device whose data is unusual is not shut
+out. An update over the parameters' bound is refused (``out_of_range``) or clipped onto it
+(``on_large_update: clip``). Within it, a change is also clipped (never refused) to
+``max_update_vs_median`` times the median change of the updates the reference was made
+from, so that one device's change weighs no more than a few honest devices' whatever
+the model's norm. Either way the decision and the clipped tensors depend on that update,
+the reference and the reference's own record alone, never on what else arrived.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from typing import ClassVar, Literal, NamedTuple
+
+import numpy as np
+
+from ..state import TensorDict
+
+#: the most weight (sample count) one update may carry in a streaming rule
+MAX_UPDATE_WEIGHT = 2**24
+#: a device's count weighs at most this times the round's median count (``max_weight_ratio``)
+DEFAULT_MAX_WEIGHT_RATIO = 1.0
+#: an update's change is clipped to this times the median change behind the reference
+#: (``max_update_vs_median``); honest non-IID fleets measured up to 3.9
+DEFAULT_MAX_UPDATE_VS_MEDIAN = 5.0
+#: before the fleet has a record: a change is clipped to this times the parameters' norm
+#: (``max_first_update_ratio``); honest first updates measured up to 0.37
+DEFAULT_MAX_FIRST_UPDATE_RATIO = 1.0
+#: ``ServerState.extra`` key: the median change norm of the updates a state was made from
+UPDATE_NORM_MEDIAN = "update_norm_median"
+#: a running mean may move this many reference standard deviations (``max_mean_shift``)
+DEFAULT_MAX_MEAN_SHIFT = 20.0
+#: a running variance may grow to this times its reference (``max_variance_growth``)
+DEFAULT_MAX_VARIANCE_GROWTH = 50.0
+#: how far (in units of the reference's largest magnitude, at least 1) a coordinate may move
+CHANGE_RANGE = 2**6
+_INSIDE = 1 - 2**-16  # a clamp this far inside change_range stays inside after rounding to float32
+
+
+class AggregationRejected(ValueError):
+    """An update the rule cannot take; ``reason`` tags the rejection counter."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def change_range(reference: np.ndarray) -> float:
+    """How far any coordinate of a floating-point tensor may move from ``reference`` in one
+    update for the streaming rules' exact sums: :data:`CHANGE_RANGE` times the tensor's
+    largest magnitude, at least 1."""
+    return CHANGE_RANGE * max(1.0, float(np.max(np.abs(reference))) if reference.size else 0.0)
+
+
+#: ``state_dict`` leaves that are BatchNorm running statistics: bounded in their own geometry
+#: (:class:`UpdateBound`), since they follow the device's data, not the learning rate
+STATISTIC_LEAVES = ("running_mean", "running_var")
+
+
+def _statistic_layers(reference: Mapping[str, np.ndarray]) -> list[str]:
+    """The prefixes of the BatchNorm layers in ``reference``: those with both a floating
+    ``running_mean`` and a ``running_var`` of the same shape."""
+    layers = []
+    for key, value in reference.items():
+        if key.endswith(".running_mean") or key == "running_mean":
+            layer = key[: -len("running_mean")]
+            var = reference.get(layer + "running_var")
+            if var is not None and value.dtype.kind == "f" and var.dtype.kind == "f" and var.shape == value.shape:
+                layers.append(layer)
+    return layers
+
+
+def lower_median(values: Iterable[float]) -> float | None:
+    """The lower middle value (of an even number, the smaller of the two: always a value
+    some sender had, and one that half of them or fewer cannot raise); None for none."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2] if ordered else None
+
+
+class UpdateBound:
+    """Bounds how far one update may move the round's reference, whatever the rule; the
+    decision and the clipped tensors depend on that update and the reference alone.
+
+    **Learned parameters** (every floating-point tensor but the statistics): the L2 norm
+    of the change may be at most ``ratio * max(1, ||reference||)`` over the group (at
+    least 1, so that a model near zero may still learn). Over it, ``action`` ``"reject"``
+    refuses the update (``out_of_range``); ``"clip"`` scales the change onto the bound.
+
+    **BatchNorm running statistics**, per layer and per channel, in their own geometry,
+    and **clamped, never refused**: they are estimates of the device's own data, so a
+    device whose data is unusual (the reason it wants personalization) moves them far,
+    and a device whose training diverges drags them along with its weights; refusing on
+    them turned heterogeneity into exclusion. With ``s2`` the layer's median
+    reference variance (a floor, so a channel nearly constant in the reference is
+    measured on the layer's scale):
+
+    * a running mean moves at most ``mean_shift`` reference standard deviations,
+      ``|mean' - mean| <= mean_shift * sqrt(var + s2)``;
+    * a running variance grows at most to ``variance_growth * (var + s2)``. It may shrink
+      freely: a channel the device's data never lights has a variance near zero, and in a
+      weighted mean a small variance lowers the fleet's by at most the device's weight
+      share. A negative variance is no estimate at all: :meth:`Aggregator.add` refuses it
+      whatever the bound.
+
+    **Relative to the fleet** (``vs_median``): with ``typical_change``, the median change
+    norm of the updates the reference was made from (:attr:`Aggregator.change_norms_`,
+    kept in the state's record as :data:`UPDATE_NORM_MEDIAN`), a change over
+    ``vs_median * typical_change`` is clipped onto it, never refused. The norm bound above
+    is relative to the model, which an update rarely comes near; this one is relative to
+    what honest devices did one step before, so that an attacker's noise, scaled or
+    reversed change counts for at most ``vs_median`` honest devices' worth. An attacker
+    among mostly honest devices cannot raise the median; honest changes shrink as a run
+    converges, and the median follows them (measured: an honest non-IID device up to
+    3.9 times the previous median; one whose local training diverges, 4.6). A reference
+    without a record (a run's first round) has its changes clipped to ``first_ratio``
+    times max(1, its norm) instead (honest first changes measured up to 0.37 of it).
+
+    Neither statistic moves past :func:`change_range` (what the streaming rules can sum exactly).
+    ``benchmarks/results/honest_update_geometry.md`` measures honest fleets against these
+    bounds. A ``None`` bound is not checked. Integer tensors are neither measured nor
+    scaled (a rule averages them as integers).
+    """
+
+    def __init__(self, ratio: float | None, action: Literal["reject", "clip"] = "reject",
+                 mean_shift: float | None = DEFAULT_MAX_MEAN_SHIFT,
+                 variance_growth: float | None = DEFAULT_MAX_VARIANCE_GROWTH,
+                 vs_median: float | None = None, first_ratio: float | None = None):
+        self.ratio = ratio
+        self.action = action
+        self.mean_shift = mean_shift
+        self.variance_growth = variance_growth
+        self.vs_median = vs_median
+        self.first_ratio = first_ratio
+
+    def begin(self, reference: Mapping[str, np.ndarray], typical_change: float | None = None) -> None:
+        """Measure the reference once per round; ``typical_change``: the median change norm
+        of the updates it was made from (None: unknown, no bound relative to the fleet)."""
+        self.reference_ = reference
+        self.layers_ = _statistic_layers(reference)
+        statistics = {layer + leaf for layer in self.layers_ for leaf in STATISTIC_LEAVES}
+        self.parameters_ = [k for k, v in reference.items() if v.dtype.kind == "f" and k not in statistics]
+        model_scale = max(1.0, _norm(reference[k] for k in self.parameters_))
+        self.limit_ = None if self.ratio is None else self.ratio * model_scale
+        #: the clip relative to the fleet this round (None: none); without a record, relative to
+        #: the model (``first_ratio``); a zero median (every change nothing) bounds nothing
+        #: rather than freezing the model
+        self.fleet_limit_: float | None = None
+        if self.vs_median is not None and typical_change is None:
+            self.fleet_limit_ = None if self.first_ratio is None else self.first_ratio * model_scale
+        elif self.vs_median is not None and typical_change is not None and typical_change > 0:
+            self.fleet_limit_ = self.vs_median * typical_change
+        #: per layer: (reference mean, its largest move, the largest variance)
+        self.statistic_limits_: dict[str, tuple[np.ndarray, np.ndarray | None, np.ndarray | None]] = {}
+        for layer in self.layers_:
+            mean = reference[layer + "running_mean"].astype(np.float64)
+            var = reference[layer + "running_var"].astype(np.float64)
+            scale = var + max(float(np.median(var)), 1e-12) if var.size else var
+            # just inside the range the streaming rules' exact sums take (change_range, less
+            # float32's rounding): a statistic clamped here is never refused there
+            self.statistic_limits_[layer] = (
+                mean,
+                None if self.mean_shift is None else np.minimum(self.mean_shift * np.sqrt(scale),
+                                                                _INSIDE * change_range(mean)),
+                None if self.variance_growth is None else np.minimum(self.variance_growth * scale,
+                                                                     var + _INSIDE * change_range(var)))
+
+    def apply(self, params: Mapping[str, np.ndarray]) -> Bounded:
+        """``params`` within the bound (the same mapping when nothing is over it), whether it
+        was clipped, and the norm of its learned parameters' change as adopted; raises
+        :class:`AggregationRejected` to refuse it. ``params`` must already have the
+        reference's shapes and finite values."""
+        clipped: dict[str, np.ndarray] = {}
+        change = adopted = 0.0
+        if self.parameters_:
+            change = adopted = _norm(np.asarray(params[k], np.float64) - self.reference_[k] for k in self.parameters_)
+        if self.limit_ is not None and change > self.limit_ and self.action == "reject":
+            raise AggregationRejected(
+                "out_of_range", f"the update changes the learned parameters by a norm of {change:.4g}, more "
+                                f"than {self.ratio:g} x max(1, their norm) = {self.limit_:.4g}")
+        limits = [limit for limit in (self.limit_, self.fleet_limit_) if limit is not None]
+        if limits and change > min(limits):
+            adopted = min(limits)
+            factor = adopted / change
+            for key in self.parameters_:
+                ref = self.reference_[key]
+                ref64 = ref.astype(np.float64)
+                clipped[key] = (ref64 + factor * (np.asarray(params[key], np.float64) - ref64)).astype(ref.dtype)
+        for layer in self.layers_:
+            mean_ref, max_move, max_var = self.statistic_limits_[layer]
+            mean_key, var_key = layer + "running_mean", layer + "running_var"
+            if max_move is not None:
+                mean = np.asarray(params[mean_key], np.float64)
+                over = np.abs(mean - mean_ref) > max_move
+                if over.any():
+                    dtype = self.reference_[mean_key].dtype
+                    clipped[mean_key] = np.clip(mean, mean_ref - max_move, mean_ref + max_move).astype(dtype)
+            if max_var is not None:
+                var = np.asarray(params[var_key], np.float64)
+                if (var > max_var).any():
+                    clipped[var_key] = np.minimum(var, max_var).astype(self.reference_[var_key].dtype)
+        if not clipped:
+            return Bounded(params, False, adopted)
+        return Bounded({**params, **clipped}, True, adopted)
+
+
+class Bounded(NamedTuple):
+    """What :meth:`UpdateBound.apply` makes of one update."""
+
+    #: the update within the bound (the mapping given when nothing was over it)
+    params: Mapping[str, np.ndarray]
+    #: whether anything was clipped or clamped
+    clipped: bool
+    #: the norm of its learned parameters' change after clipping (0 without learned parameters)
+    change: float
+
+
+class Aggregator(ABC):
+    """One aggregation rule. ``begin`` -> ``add`` per accepted update -> ``result``."""
+
+    #: True when an update is folded in on arrival (memory O(model)); False when the
+    #: rule needs every update of the round at once
+    streaming: ClassVar[bool] = True
+    #: True when what is added is a secure round's masked vector (:class:`SecureMean`)
+    masked: ClassVar[bool] = False
+    #: True when an update's weight (its sample count) weighs in the result; False when every
+    #: update counts once, whatever weight it is added with
+    weighted: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self.reference_: TensorDict = {}
+        self.count_ = 0
+        #: the bound on one update's change, applied before the rule sees it (None: none)
+        self.bound: UpdateBound | None = None
+        #: updates of this round that the bound clipped
+        self.bound_clipped_ = 0
+        #: the change norm of each update added this round, as adopted (with a bound only)
+        self.change_norms_: list[float] = []
+
+    def begin(self, reference: Mapping[str, np.ndarray], typical_change: float | None = None) -> None:
+        """Start a round whose tasks carried ``reference`` (the keys to aggregate);
+        ``typical_change``: :meth:`median_change` of the round that made it, if known."""
+        self.reference_ = {k: np.asarray(v) for k, v in reference.items()}
+        self.count_ = 0
+        self.bound_clipped_ = 0
+        self.change_norms_ = []
+        if self.bound is not None:
+            self.bound.begin(self.reference_, typical_change)
+
+    def median_change(self) -> float | None:
+        """The median change norm of this round's updates as adopted (the lower middle one
+        of an even number, a value some update had): the next round's ``typical_change``.
+        None without a bound (nothing measured) or updates."""
+        return lower_median(self.change_norms_)
+
+    def add(self, params: Mapping[str, np.ndarray], weight: int = 1) -> bool:
+        """Fold in one accepted update (same keys, shapes and dtypes as the reference);
+        True when :attr:`bound` clipped it first.
+
+        Raises :class:`AggregationRejected` for an update the rule refuses; nothing of it is kept."""
+        if not self.reference_:
+            raise RuntimeError("begin() first")
+        if set(params) != set(self.reference_):
+            raise AggregationRejected("wrong_tensors", "update keys differ from the round's reference")
+        if not isinstance(weight, (int, np.integer)) or weight < 1:
+            raise AggregationRejected("malformed", f"weight must be a positive integer, got {weight!r}")
+        for key, ref in self.reference_.items():
+            x = np.asarray(params[key])
+            if x.shape != ref.shape or x.dtype != ref.dtype:
+                raise AggregationRejected("wrong_shape", f"{key}: {x.dtype}{list(x.shape)}")
+            if x.dtype.kind == "f" and not np.isfinite(x).all():
+                raise AggregationRejected("non_finite", f"{key} holds NaN or Inf")
+            if key.endswith("running_var") and x.dtype.kind == "f" and (x < 0).any():
+                raise AggregationRejected("out_of_range", f"{key} holds a negative variance")
+        clipped, change = False, None
+        if self.bound is not None:
+            params, clipped, change = self.bound.apply(params)
+        self._add(params, int(weight))
+        self.count_ += 1
+        self.bound_clipped_ += clipped
+        if change is not None:
+            self.change_norms_.append(change)
+        return clipped
+
+    @abstractmethod
+    def _add(self, params: Mapping[str, np.ndarray], weight: int) -> None: ...
+
+    @abstractmethod
+    def result(self) -> TensorDict:
+        """The aggregate of every update added since :meth:`begin` (at least one)."""
+
+    def _require_updates(self) -> None:
+        if self.count_ == 0:
+            raise RuntimeError("no update was added this round")
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.endswith("_") and not k.startswith("_"))
+        return f"{type(self).__name__}({params})"
+
+
+def _norm(arrays) -> float:
+    return math.sqrt(sum(float(np.sum(np.square(np.asarray(a, np.float64)))) for a in arrays))

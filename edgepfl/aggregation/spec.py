@@ -1,0 +1,99 @@
+"""A run config's ``aggregation:`` section (:class:`AggregationSpec`): the rule (a row of
+:data:`~edgepfl.aggregation.rules.RULES`), its options, the bound on one update and the
+coordinator's guard on a round's result."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .contract import (
+    DEFAULT_MAX_FIRST_UPDATE_RATIO,
+    DEFAULT_MAX_MEAN_SHIFT,
+    DEFAULT_MAX_UPDATE_VS_MEDIAN,
+    DEFAULT_MAX_VARIANCE_GROWTH,
+    DEFAULT_MAX_WEIGHT_RATIO,
+    Aggregator,
+    UpdateBound,
+)
+from .rules import RULES, RuleName
+
+#: the AggregationSpec fields that bound one update at a time (the coordinator must see it)
+PER_UPDATE_BOUNDS = ("max_update_ratio", "max_update_vs_median", "max_first_update_ratio", "max_mean_shift",
+                     "max_variance_growth")
+
+
+class AggregationSpec(BaseModel):
+    """How a round's updates become the next state (a run config's ``aggregation:``).
+
+    ``rule`` and its options choose the rule that aggregates the shared parameters
+    (:meth:`build`); ``max_change_ratio`` and ``rollback_after`` are the coordinator's
+    guard on the result: a round whose aggregate is not finite or moves the shared
+    parameters too far is aborted, and a run whose rounds keep aborting goes back to its
+    last good state.
+    """
+
+    model_config = ConfigDict(defer_build=True, extra="forbid")
+
+    rule: RuleName = Field(
+        "mean", description="mean (FedAvg; DualFed: unweighted), clipped_mean, or a robust rule: "
+                            "median, trimmed_mean, multi_krum (these three unweighted, and they buffer the round)")
+    clip_ratio: float = Field(1.0, gt=0, description="clipped_mean: largest change norm, relative to the reference's")
+    trim_fraction: float = Field(0.2, gt=0, lt=0.5, description="trimmed_mean: share cut from each end per "
+                                                                 "coordinate, at least one value each end of a round "
+                                                                 "of 3 or more updates")
+    krum_byzantine: int = Field(1, ge=1, description="multi_krum: how many attackers to tolerate (f)")
+    krum_select: int | None = Field(None, ge=1, description="multi_krum: updates averaged (m); default n - f")
+    max_change_ratio: float | None = Field(
+        10.0, gt=0, description="abort a round (reason 'diverged', state kept) whose aggregate moves the shared "
+                               "parameters by more than this times their norm (at least 1); null: no bound")
+    max_update_ratio: float | None = Field(
+        10.0, gt=0, description="any rule: one update may change the learned parameters by a norm of at most this "
+                               "times the reference's (at least 1); null: no bound")
+    max_update_vs_median: float | None = Field(
+        DEFAULT_MAX_UPDATE_VS_MEDIAN, ge=1,
+        description="any rule: one update's change of the learned parameters is clipped (never refused) to at most "
+                    "this times the median change of the updates the round's state was made from (a state without "
+                    "that record: max_first_update_ratio); null: no bound relative to the fleet")
+    max_first_update_ratio: float | None = Field(
+        DEFAULT_MAX_FIRST_UPDATE_RATIO, gt=0,
+        description="with max_update_vs_median, for a state without the fleet's record (a run's first round, a state "
+                    "made by hand): one update's change of the learned parameters is clipped to at most this times "
+                    "max(1, their norm); null: max_update_ratio alone")
+    max_mean_shift: float | None = Field(
+        DEFAULT_MAX_MEAN_SHIFT, gt=0,
+        description="any rule: a BatchNorm running mean an update sends is clamped to move at most this many "
+                    "reference standard deviations per channel (the layer's median variance added as a floor); never "
+                    "a reason to refuse the update; null: no bound")
+    max_variance_growth: float | None = Field(
+        DEFAULT_MAX_VARIANCE_GROWTH, gt=1,
+        description="any rule: a BatchNorm running variance an update sends is clamped to at most this times its "
+                    "reference per channel (the layer's median variance added); shrinking is free; never a reason to "
+                    "refuse the update; null: no bound")
+    on_large_update: Literal["reject", "clip"] = Field(
+        "reject", description="an update over max_update_ratio: reject it (reason 'out_of_range') or clip its "
+                              "change onto the bound")
+    max_weight_ratio: float | None = Field(
+        DEFAULT_MAX_WEIGHT_RATIO, ge=1,
+        description="one device's sample count weighs at most this times the median count of the round (training: "
+                    "the counts its sampled agents announced; accuracy: the counts evaluated); a larger count is "
+                    "cut to it, never rejected; null: every count as the device says")
+    server_lr: float = Field(
+        1.0, gt=0, le=1, description="each new state moves this share of the way from the state the round's tasks "
+                                     "carried to the rule's aggregate of the shared parameters (a server learning "
+                                     "rate, FedBuff's eta_g); below 1 smooths a run whose rounds each hear from a "
+                                     "different part of a non-IID fleet")
+    rollback_after: int | None = Field(
+        3, ge=1, description="after this many aborted rounds in a row (any reason, below quorum included), go "
+                             "back to the last good state: the last one a round was adopted from; null: never")
+
+    def build(self) -> Aggregator:
+        """A new aggregator for this spec, with its update bound."""
+        row = RULES[self.rule]
+        rule = row.build(**{keyword: getattr(self, name) for name, keyword in row.options.items()})
+        bounds = (self.max_update_ratio, self.max_update_vs_median, self.max_mean_shift, self.max_variance_growth)
+        if bounds != (None, None, None, None):
+            rule.bound = UpdateBound(self.max_update_ratio, self.on_large_update, self.max_mean_shift,
+                                     self.max_variance_growth, self.max_update_vs_median, self.max_first_update_ratio)
+        return rule
