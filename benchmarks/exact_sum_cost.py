@@ -13,7 +13,7 @@ in ``_ExactSum.add`` alone, swapped into the same code:
 * ``fused``: this tree's ``add``;
 * ``split``: ``add_total(contribution(...))``, what the clear path did after the split.
 
-Two measures, each arm interleaved with the others repeat by repeat:
+Each arm interleaved with the others repeat by repeat:
 
 1. **in process**: CPU-seconds (``time.process_time``) per ``Mean.add`` on the capacity
    benchmark's CNN (``arch: cnn``, ``feature_dim`` 32, 342 kB of shared parameters), the
@@ -21,15 +21,20 @@ Two measures, each arm interleaved with the others repeat by repeat:
 2. **end to end**: ``capacity.py``'s run (the real ``edgepfl coordinator`` process, a real
    Mosquitto, ``--agents`` virtual agents of ``loadgen.py``) per arm: coordinator
    CPU-seconds per agent-round (user + system time of its process) beside wall seconds per
-   round, rounds 1..R-1; the arms' final checkpoints must be the same bits (the virtual
-   agents' updates are seeded, so every arm sums the same updates).
+   round, rounds 1..R-1;
+3. **the same words**: one untimed run per arm at ``--check-agents`` whose coordinator adds
+   every update to a twin sum with the ``before`` arm's ``add`` as well; each mean it takes
+   must find both sums' integers equal (final states cannot be compared across runs: the
+   virtual agents' updates differ from run to run).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
 import importlib.util
+import json
 import os
 import platform
 import statistics
@@ -49,7 +54,6 @@ import capacity  # noqa: E402
 
 from edgepfl.aggregation import AggregationSpec  # noqa: E402
 from edgepfl.aggregation.exact import _ExactSum  # noqa: E402
-from edgepfl.state import load_checkpoint  # noqa: E402
 
 from results_io import write_results  # noqa: E402
 
@@ -57,6 +61,8 @@ REPO = Path(__file__).resolve().parent.parent
 #: the last commit whose exact sum was fused, before secure aggregation split it
 BEFORE = "bc5d848a4c9db8d7644307c0a9eb5ede5c40c876"
 ARMS = ("before", "fused", "split")
+#: the line a checking coordinator ends its log with (:func:`coordinator_with`)
+CHECKED = "exact-sum check:"
 
 
 def _split_add(self: _ExactSum, params, weight: int, factor: float = 1.0) -> None:
@@ -81,9 +87,40 @@ def exact_sum_add(arm: str) -> Callable:
     return module._ExactSum.add
 
 
-def coordinator_with(arm: str, argv: list[str]) -> int:
-    """Run the ``edgepfl`` command ``argv`` with ``arm``'s exact sum (a child of ``measure``)."""
-    _ExactSum.add = exact_sum_add(arm)  # type: ignore[method-assign]
+def coordinator_with(arm: str, argv: list[str], check: bool = False) -> int:
+    """Run the ``edgepfl`` command ``argv`` with ``arm``'s exact sum (a child of ``measure``).
+
+    With ``check`` (not timed: it sums everything twice) every update the coordinator adds
+    is also added to a twin sum by the ``before`` arm's ``add``, and each mean the
+    coordinator takes must find both sums' words equal; the number checked is logged last."""
+    add = exact_sum_add(arm)
+    if not check:
+        _ExactSum.add = add  # type: ignore[method-assign]
+    else:
+        before, mean = exact_sum_add("before"), _ExactSum.mean
+        checked = {"sums": 0, "updates": 0}
+
+        def twin(self: _ExactSum) -> _ExactSum:
+            if "_twin" not in vars(self):
+                self._twin = _ExactSum(self.reference)  # type: ignore[attr-defined]
+            return self._twin  # type: ignore[attr-defined]
+
+        def add_both(self: _ExactSum, params, weight: int, factor: float = 1.0) -> None:
+            add(self, params, weight, factor)
+            before(twin(self), params, weight, factor)
+            checked["updates"] += 1
+
+        def checked_mean(self: _ExactSum):
+            other = twin(self)
+            same = all(np.array_equal(self.low[k], other.low[k]) and np.array_equal(self.high[k], other.high[k])
+                       for k in self.reference) and self.total_weight == other.total_weight
+            if not same:
+                raise AssertionError(f"the {arm} exact sum differs from the sum before secure aggregation")
+            checked["sums"] += 1
+            return mean(self)
+
+        _ExactSum.add, _ExactSum.mean = add_both, checked_mean  # type: ignore[method-assign]
+        atexit.register(lambda: print(f"{CHECKED} {json.dumps(checked)}", file=sys.stderr, flush=True))
     from edgepfl.cli import main
 
     return main(argv)
@@ -129,11 +166,21 @@ def in_process(repeats: int, updates: int) -> dict:
     }
 
 
-def state_digest(run_dir: Path) -> str:
-    loaded = load_checkpoint(run_dir / "out" / "checkpoint")
-    assert loaded is not None, f"no checkpoint in {run_dir}"
-    tensors = loaded[0].global_tensors
-    return hashlib.sha256(b"".join(k.encode() + tensors[k].tobytes() for k in sorted(tensors))).hexdigest()
+def checked_runs(args: argparse.Namespace, work: Path) -> dict:
+    """One untimed run per arm whose coordinator sums every update with the arm's ``add`` and
+    the ``before`` one side by side (:func:`coordinator_with`): the sums of real rounds must be
+    the same words. (Final states cannot be compared across runs: the virtual agents' updates
+    differ from run to run.)"""
+    out = {}
+    for arm in ARMS[1:]:
+        where = work / f"check-{arm}"
+        command = (sys.executable, str(Path(__file__).resolve()), "--coordinator-with", arm, "--check", "--")
+        capacity.measure(args.check_agents, args, where, coordinator=command)
+        log = (where / f"n{args.check_agents}" / "coordinator.log").read_text().splitlines()
+        line = next(x for x in reversed(log) if x.startswith(CHECKED))
+        out[arm] = json.loads(line.removeprefix(CHECKED))
+        print(f"{arm}: {out[arm]}", flush=True)
+    return out
 
 
 def end_to_end(args: argparse.Namespace, work: Path) -> dict:
@@ -144,8 +191,7 @@ def end_to_end(args: argparse.Namespace, work: Path) -> dict:
             where = work / f"{arm}-{repeat}"
             command = (sys.executable, str(Path(__file__).resolve()), "--coordinator-with", arm, "--")
             run = capacity.measure(args.agents, args, where, coordinator=command)
-            runs.append({"arm": arm, "repeat": repeat, "state_sha256": state_digest(where / f"n{args.agents}"),
-                         **{k: v for k, v in run.items() if k != "loadgen"}})
+            runs.append({"arm": arm, "repeat": repeat, **{k: v for k, v in run.items() if k != "loadgen"}})
             print(f"{arm} #{repeat}: {run['coordinator_cpu_ms_per_agent_round']} CPU ms / agent-round, "
                   f"{run['round_s']} s / round", flush=True)
     summary = {}
@@ -156,7 +202,7 @@ def end_to_end(args: argparse.Namespace, work: Path) -> dict:
         summary[arm] = {"cpu_ms_per_agent_round": round(1000 * cpu / tasks, 3),
                         "round_s": round(statistics.mean(r["round_s"] for r in mine), 3),
                         "per_repeat_cpu_ms": [r["coordinator_cpu_ms_per_agent_round"] for r in mine]}
-    return {"runs": runs, "summary": summary, "identical": len({r["state_sha256"] for r in runs}) == 1}
+    return {"runs": runs, "summary": summary, "checked": checked_runs(args, work)}
 
 
 def markdown(result: dict) -> str:
@@ -173,8 +219,10 @@ def markdown(result: dict) -> str:
         lines.append(f"| {arm} | {ms:.3f} | {ms / base - 1:+.1%} | {low:.3f} | {low / fastest - 1:+.1%} |")
     if e2e is not None:
         base = e2e["summary"]["before"]["cpu_ms_per_agent_round"]
+        checked = ", ".join(f"{arm}: {c['sums']} sums of {c['updates']} updates" for arm, c in e2e["checked"].items())
         lines += ["", f"End to end: {result['agents']} virtual agents, {result['rounds']} rounds (rounds 1..R-1), "
-                  f"{result['repeats']} interleaved repeats; final states bit-identical: **{e2e['identical']}**", "",
+                  f"{result['repeats']} interleaved repeats. Same words as the sum before, in a checking run at "
+                  f"{result['check_agents']} agents: {checked}", "",
                   "| arm | coordinator CPU ms / agent-round | vs before | per repeat | wall s / round |",
                   "| --- | ---: | ---: | --- | ---: |"]
         for arm in ARMS:
@@ -187,12 +235,14 @@ def markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--coordinator-with"]:
-        return coordinator_with(argv[1], argv[3:])
+        check = argv[2] == "--check"
+        return coordinator_with(argv[1], argv[3 + check:], check)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--agents", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2, help="end-to-end runs per arm")
-    ap.add_argument("--micro-repeats", type=int, default=7)
+    ap.add_argument("--check-agents", type=int, default=100, help="agents of the untimed checking runs")
+    ap.add_argument("--micro-repeats", type=int, default=15)
     ap.add_argument("--micro-updates", type=int, default=50)
     ap.add_argument("--skip-end-to-end", action="store_true")
     ap.add_argument("--fraction", type=float, default=1.0)
@@ -213,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     e2e = None if args.skip_end_to_end else end_to_end(args, work)
     result = {
         "command": "python benchmarks/exact_sum_cost.py " + " ".join(argv),
-        "agents": args.agents, "rounds": args.rounds, "repeats": args.repeats,
+        "agents": args.agents, "rounds": args.rounds, "repeats": args.repeats, "check_agents": args.check_agents,
         "machine": f"{platform.node()}: {os.cpu_count()} cores shared with other jobs, load {load:.1f} before, "
                    f"{os.getloadavg()[0]:.1f} after, Python {platform.python_version()}",
         "in_process": micro, "end_to_end": e2e,
