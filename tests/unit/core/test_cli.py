@@ -14,9 +14,9 @@ def test_demo_config_is_valid_and_small():
     assert config.rounds <= 10 and config.broker.url == "embedded"
 
 
-def test_a_helper_module_in_the_methods_package_is_not_taken_for_a_method(tmp_path, monkeypatch, capsys):
-    """The package is discovered, not listed: a module of building blocks beside the
-    methods (no ``@register``) must not break ``edgepfl methods``; a new method module is listed."""
+def test_a_new_method_is_its_module_and_its_row_and_a_helper_module_is_no_method(tmp_path, monkeypatch, capsys):
+    """Methods are listed in ``METHODS``: a module of building blocks beside them (no
+    ``@register``, no row) is not offered, and a new method module with its row is."""
     import edgepfl.methods as methods
     from edgepfl.cli import main
 
@@ -25,6 +25,7 @@ def test_a_helper_module_in_the_methods_package_is_not_taken_for_a_method(tmp_pa
         "from edgepfl.methods import register\nfrom edgepfl.methods.fedavg import FedAvg\n\n\n"
         "@register\nclass Toy(FedAvg):\n    name = 'toy'\n    description = 'a test method'\n")
     monkeypatch.setattr(methods, "__path__", [*methods.__path__, str(tmp_path)])
+    monkeypatch.setattr(methods, "METHODS", (*methods.METHODS, "toy"))
     try:
         assert "shared_helpers" not in methods.available_methods() and "toy" in methods.available_methods()
         assert main(["methods"]) == 0
