@@ -141,12 +141,13 @@ class StragglerSpec(_Strict):
 
 
 #: The round driver of each (asynchrony.mode, secure_aggregation.enabled) pair a run may ask
-#: for, by name (the classes: edgepfl.coordinator.drivers.DRIVERS). A pair not here is refused
-#: with its reason from :data:`NO_ROUND_DRIVER`.
+#: for, as the import path of its class (``module:Class``; the coordinator imports it, the
+#: core only names it). A new round mode is its driver module plus its row here. A pair not
+#: here is refused with its reason from :data:`NO_ROUND_DRIVER`.
 ROUND_DRIVERS: dict[tuple[str, bool], str] = {
-    ("sync", False): "sync",
-    ("buffered", False): "buffered",
-    ("sync", True): "secure",
+    ("sync", False): "edgepfl.coordinator.drivers.sync:SyncRounds",
+    ("buffered", False): "edgepfl.coordinator.drivers.buffered:BufferedRounds",
+    ("sync", True): "edgepfl.coordinator.drivers.secure:SecureRounds",
 }
 #: why a pair has no driver
 NO_ROUND_DRIVER: dict[tuple[str, bool], str] = {
@@ -156,7 +157,7 @@ NO_ROUND_DRIVER: dict[tuple[str, bool], str] = {
 
 
 def round_driver(config: RunConfig) -> str:
-    """The name of the driver that runs ``config``'s training rounds (:data:`ROUND_DRIVERS`)."""
+    """The import path of the driver that runs ``config``'s training rounds (:data:`ROUND_DRIVERS`)."""
     return ROUND_DRIVERS[(config.asynchrony.mode, config.secure_aggregation.enabled)]
 
 

@@ -1,24 +1,31 @@
-"""Round drivers: the table a config is checked against and the classes the coordinator
-builds agree, a pair without a driver is refused by the config, and a new round mode is one
-driver over the RoundContext plus its row (a tiny driver below runs a whole federation)."""
+"""Round drivers: every row of the table a config is checked against loads a driver class,
+a pair without a driver is refused by the config, and a new round mode is one driver over
+the RoundContext plus its row (a tiny driver below runs a whole federation)."""
 
 from __future__ import annotations
 
 import pytest
 
 from edgepfl import config as config_module
-from edgepfl.config import NO_ROUND_DRIVER, ROUND_DRIVERS, RunConfig, round_driver
-from edgepfl.coordinator import drivers
-from edgepfl.coordinator.drivers import DRIVERS, BufferedRounds, RoundContext, SecureRounds, SyncRounds
+from edgepfl.config import NO_ROUND_DRIVER, ROUND_DRIVERS, ConfigError, RunConfig, round_driver
+from edgepfl.coordinator.drivers import BufferedRounds, RoundContext, SecureRounds, SyncRounds, load_driver
 from edgepfl.metrics import RoundMetrics
 
 from tests.unit.coordinator.test_round_loop import ScriptedFleet, coordinator, honest
 
 
-def test_every_pair_the_config_accepts_has_a_driver_class_and_every_class_a_pair():
-    assert set(ROUND_DRIVERS.values()) == set(DRIVERS)
-    assert DRIVERS == {"sync": SyncRounds, "buffered": BufferedRounds, "secure": SecureRounds}
+def test_every_pair_the_config_accepts_loads_its_driver_class():
+    loaded = {pair: load_driver(path) for pair, path in ROUND_DRIVERS.items()}
+    assert loaded == {("sync", False): SyncRounds, ("buffered", False): BufferedRounds, ("sync", True): SecureRounds}
     assert not set(NO_ROUND_DRIVER) & set(ROUND_DRIVERS)
+
+
+@pytest.mark.parametrize("path, says", [("edgepfl.coordinator.drivers.nowhere:Rounds", "No module"),
+                                        ("edgepfl.coordinator.drivers.sync:Nothing", "Nothing"),
+                                        ("edgepfl.coordinator.drivers.base:RoundContext", "no run_round")])
+def test_a_row_that_names_no_driver_is_one_config_error_naming_it(path, says):
+    with pytest.raises(ConfigError, match=f"round driver {path}.*{says}"):
+        load_driver(path)
 
 
 @pytest.mark.parametrize("mode, secure", [("sync", False), ("buffered", False), ("sync", True), ("buffered", True)])
@@ -53,8 +60,7 @@ class OneAtATime:
 
 
 def test_a_new_round_mode_is_one_driver_and_its_row(tmp_path, monkeypatch):
-    monkeypatch.setitem(config_module.ROUND_DRIVERS, ("sync", False), "one_at_a_time")
-    monkeypatch.setitem(drivers.DRIVERS, "one_at_a_time", OneAtATime)
+    monkeypatch.setitem(config_module.ROUND_DRIVERS, ("sync", False), f"{__name__}:OneAtATime")
     fleet = ScriptedFleet({a: honest(a) for a in ("a", "b", "c")})
     rows = coordinator(fleet, tmp_path, rounds=4).run()
     assert [row.participants for row in rows[:-1]] == [["a"], ["b"], ["c"], ["a"]]
