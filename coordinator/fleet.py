@@ -12,7 +12,7 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -33,7 +33,6 @@ from edgepfl.protocol import (
     encode,
     federation_topic,
     parse_topic,
-    release_part_topic,
     split_frame,
     supports,
 )
@@ -45,7 +44,7 @@ from edgepfl.simulation import FleetTiming, SimulationSpec, task_samples
 from .clock import Clock, VirtualClock, WallClock
 from .credentials import Credentials
 from .gate import Refused, Rejection
-from .releases.head_releases import DeltaRelease, HeadReleases, RestoreRelease
+from .releases.channel import BrokerReleaseChannel, ReleaseChannel
 
 log = logging.getLogger("edgepfl.coordinator")
 SENDER = "coordinator"
@@ -88,6 +87,8 @@ class Fleet(ABC):
     own_frames: ClassVar[bool] = False
     #: the keys a fleet behind a broker loaded for its own frames (None: the coordinator side loads them)
     credentials: Credentials | None = None
+    #: how releases reach the fleet's head agents (this one: a fleet without head agents)
+    releases: ReleaseChannel = ReleaseChannel()
 
     @abstractmethod
     def send(self, agent_id: str, frame: bytes, round: int) -> int:
@@ -122,36 +123,10 @@ class Fleet(ABC):
         :class:`~edgepfl.coordinator.gate.Refused` is a task the fleet did not send, because
         the agent declared it takes no frame that large: answered as the agent would."""
 
-    @abstractmethod
-    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref: ReleaseRef | None = None,
-                        delta: DeltaRelease | None = None, restore: RestoreRelease | None = None,
-                        have: Iterable[str] = ()) -> int:
-        """Make an encoder release available to head-tier agents, late joiners included.
-
-        ``earlier_parts``: how many retained part topics an earlier release left (0: it was
-        whole or there was none), so those this one does not overwrite are cleared; ``ref``:
-        the release by reference, announced in the presence; ``delta``: the release as a
-        delta against the previous one, for the head agents that have that one; ``restore``:
-        its form without bytes, for those that hold it (a rollback); ``have``: agents that
-        installed it already (a staged rollout's). Returns the part topics now holding this
-        release (0: it is retained whole).
-        """
-
-    def head_report(self, agent_id: str, release_id: str | None, refused: bool) -> None:
-        """Told by the round loop of every head agent's report on a release: installed, or
-        ``refused``. A fleet without head agents has nothing to do."""
-        return None
-
-    def resume_release(self, frame: bytes, round: int, ref: ReleaseRef) -> None:
-        """A resumed coordinator's current release, published before it restarted (and still
-        retained): named in its presence from now on and sent to head agents that lack it.
-        A fleet without head agents has nothing to do."""
-        return None
-
-    @abstractmethod
     def agent_status(self, agent_id: str, status: StatusMeta, came_online: bool) -> None:
         """Told by the round loop of every status it accepted; ``came_online``: the agent was
-        offline or unknown before it."""
+        offline or unknown before it. The release channel hears it too."""
+        self.releases.status(agent_id, status, came_online)
 
     @abstractmethod
     def announce(self, meta: CoordinatorMeta) -> None:
@@ -188,8 +163,6 @@ class MqttFleet(Fleet):
         self.federation = federation
         self._presence = federation_topic(federation, FederationChannel.COORDINATOR)
         self._meta = CoordinatorMeta(state="online")
-        #: who is sent the current release on their task topic (PROTOCOL.md §12)
-        self.head_releases = HeadReleases(self._deliver)
         self._presence_sent = float("-inf")  # monotonic time of the last presence published (not the birth)
         self._uninformed: dict[str, float] = {}  # agent id -> when its status without capabilities came
         self._limits: dict[str, int] = {}  # agent id -> the max message size it declared, where below ours
@@ -209,6 +182,8 @@ class MqttFleet(Fleet):
             birth=self._birth,
             on_reject=self._transport_dropped,
         )
+        #: releases: retained, named in the presence, sent to each head agent that lacks one (PROTOCOL.md §12)
+        self.releases = BrokerReleaseChannel(federation, self.transport, self._deliver, self._name_release)
         self.transport.start(timeout=60)
 
     @property
@@ -289,51 +264,14 @@ class MqttFleet(Fleet):
     def send_ready(self) -> bool:
         return self.transport.send_ready()
 
-    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref: ReleaseRef | None = None,
-                        delta: DeltaRelease | None = None, restore: RestoreRelease | None = None,
-                        have: Iterable[str] = ()) -> int:
-        """Retained on the release topic when it fits one MQTT message, else as retained parts
-        on ``release/<i>`` (PROTOCOL.md §12), so a head agent that joins after this
-        coordinator exited still gets it; each head agent that comes online while it runs
-        gets it on its own task topic too. Clears what an earlier release left retained and
-        this one does not overwrite: its extra parts, or the whole-frame topic. Then the
-        presence names it (``ref``), and each 1.4 head agent online that lacks it is sent it
-        on its task topic (:class:`~.head_releases.HeadReleases`); without ``ref`` it is only
-        retained."""
-        topic = federation_topic(self.federation, FederationChannel.RELEASE)
-        if len(frame) <= self.transport.max_message_bytes:
-            self.transport.publish(topic, frame, retain=True, round=round, wait=True)
-            parts = 0
-        else:
-            _, parts = self.transport.publish_parts(frame, lambda i: release_part_topic(self.federation, i),
-                                                    round=round)
-            self.transport.clear_retained([topic])
-            log.info("release of %d bytes exceeds max_message_bytes: retained in %d parts", len(frame), parts)
-        stale = range(parts, earlier_parts)
-        if stale:
-            self.transport.clear_retained(release_part_topic(self.federation, i) for i in stale)
-        if ref is not None:
-            self._meta = self._meta.model_copy(update={"release": ref})
+    def _name_release(self, ref: ReleaseRef, announce: bool) -> None:
+        """The presence names ``ref`` from now on (and, with ``announce``, says so now)."""
+        self._meta = self._meta.model_copy(update={"release": ref})
+        if announce:
             self._publish_presence()
-            self.head_releases.published(frame, round, ref, delta, restore, have)
-        return parts
-
-    def stage_release(self, frame: bytes, round: int, ref: ReleaseRef, admitted: Iterable[str],
-                      delta: DeltaRelease | None = None) -> None:
-        """A staged rollout's release to the ``admitted`` head agents only, on their task topics:
-        neither retained nor named in the presence (:meth:`HeadReleases.stage`)."""
-        self.head_releases.stage(frame, round, ref, admitted, delta)
-
-    def unstage_release(self) -> None:
-        """A staged rollout halted: its release goes to no one any more."""
-        self.head_releases.unstage()
 
     def publish_view(self, payload: bytes) -> None:
         self.transport.publish(federation_topic(self.federation, FederationChannel.VIEW), payload, retain=True)
-
-    def resume_release(self, frame: bytes, round: int, ref: ReleaseRef) -> None:
-        self._meta = self._meta.model_copy(update={"release": ref})
-        self.head_releases.resumed(frame, round, ref)
 
     def agent_status(self, agent_id: str, status: StatusMeta, came_online: bool) -> None:
         # An agent of 1.2 or later announces itself once without capabilities, before it read
@@ -346,10 +284,7 @@ class MqttFleet(Fleet):
             self._uninformed.setdefault(agent_id, time.monotonic())
         else:
             self._uninformed.pop(agent_id, None)
-        self.head_releases.status(agent_id, status, came_online)
-
-    def head_report(self, agent_id: str, release_id: str | None, refused: bool) -> None:
-        self.head_releases.reported(agent_id, release_id, refused)
+        super().agent_status(agent_id, status, came_online)
 
     def poll(self, timeout: float) -> Incoming | Rejection | Refused | None:
         if self._uninformed and time.monotonic() >= min(self._uninformed.values()) + MISSED_PRESENCE_S \
@@ -467,14 +402,6 @@ class LocalFleet(Fleet):
         availability = self.timing[agent_id].availability
         self._push(availability.next_change(at), agent_id)
         return self._status(agent_id, availability.online_at(at))
-
-    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref: ReleaseRef | None = None,
-                        delta: DeltaRelease | None = None, restore: RestoreRelease | None = None,
-                        have: Iterable[str] = ()) -> int:
-        return 0  # in-process agents are all trainers: nobody installs releases
-
-    def agent_status(self, agent_id: str, status: StatusMeta, came_online: bool) -> None:
-        """Nothing to do: an in-process agent's tasks reach it whenever it is online."""
 
     def announce(self, meta: CoordinatorMeta) -> None:
         """Nothing to do: in-process agents get their tasks directly and never ask for presence."""

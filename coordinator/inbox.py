@@ -276,7 +276,7 @@ class Inbox:
         if m.tier == "head":
             self.registry.release_report(incoming.agent_id, m.release_id, refused)
             # which release it has: the next one may go to it as a delta (or, refused as one, whole)
-            self.fleet.head_report(incoming.agent_id, m.release_id, refused is not None)
+            self.fleet.releases.reported(incoming.agent_id, m.release_id, refused is not None)
         if refused:
             self._log.warning("release_refused", "head agent %s did not install release %s: %s",
                               incoming.agent_id, m.release_id, refused)

@@ -232,11 +232,11 @@ def publish_release(fleet: Fleet, release: BuiltRelease | RollbackRelease, round
     earlier = int(bounded_json.loads(path.read_text())["parts"]) if path.is_file() else 0
     ref = decode(release.frame).meta_as(ReleaseMeta).ref()  # named in the presence (PROTOCOL.md §12)
     if isinstance(release, RollbackRelease):
-        parts = fleet.publish_release(release.frame, round, earlier_parts=earlier, ref=ref,
+        parts = fleet.releases.publish(release.frame, round, earlier_parts=earlier, ref=ref,
                                       restore=RestoreRelease(release.restore, release.holders), have=have)
         (releases_dir / PREVIOUS_FILE).unlink(missing_ok=True)
     else:
-        parts = fleet.publish_release(release.frame, round, earlier_parts=earlier, ref=ref, delta=release.delta,
+        parts = fleet.releases.publish(release.frame, round, earlier_parts=earlier, ref=ref, delta=release.delta,
                                       have=have)
         if (current := published_frame(releases_dir)) is not None:
             write_bytes(releases_dir / PREVIOUS_FILE, current)
@@ -260,6 +260,6 @@ def resume_release(fleet: Fleet, releases_dir: Path) -> ReleaseRef | None:
         return None
     frame = frame_path.read_bytes()
     ref = decode(frame).meta_as(ReleaseMeta).ref()
-    fleet.resume_release(frame, int(bounded_json.loads(path.read_text()).get("round", -1)), ref)
+    fleet.releases.resume(frame, int(bounded_json.loads(path.read_text()).get("round", -1)), ref)
     log.info("the run's current release is %s (published before the restart)", ref.release_id)
     return ref

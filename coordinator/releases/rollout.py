@@ -37,7 +37,7 @@ from edgepfl.protocol.signing import Signer
 from edgepfl.protocol.view import RolloutState, RolloutView
 from edgepfl.rollout import RolloutEvent, RolloutSpec, StageVerdict, judge_stage, stage_members
 
-from ..fleet import Fleet, MqttFleet
+from ..fleet import Fleet
 from ..inbox import Inbox
 from ..observe import Observer
 from ..wiring import wire
@@ -101,7 +101,7 @@ class ReleaseService:
     """The fleet as the coordinator sees it, for releases only: ``fleet`` connected as the
     coordinator of ``config.federation``, releases recorded in ``releases_dir``."""
 
-    def __init__(self, config: RunConfig, fleet: MqttFleet, releases_dir: Path):
+    def __init__(self, config: RunConfig, fleet: Fleet, releases_dir: Path):
         self.config = config
         self.fleet = fleet
         self.releases_dir = Path(releases_dir)
@@ -139,7 +139,7 @@ class ReleaseService:
         """Route traffic until ``heads`` head agents are online and have said what they run
         (at most ``wait_s``; then a quiet moment for the reports on their installed release);
         returns those online."""
-        online = self.fleet.head_releases.online
+        online = self.fleet.releases.online
         self.inbox.pump_until(lambda: len(online()) >= heads, self.fleet.clock.now() + wait_s)
         current = fleet_current(self.releases_dir)
         if current is not None:  # each head agent on it reports unasked: the paired gate's baseline
@@ -153,7 +153,7 @@ class StagedRollout:
     between runs, or the round loop's with ``rollout.in_runs``): its ``inbox`` routes the
     reports, its ``observer`` shows the progress in the fleet view."""
 
-    def __init__(self, config: RunConfig, fleet: MqttFleet, inbox: Inbox, observer: Observer, releases_dir: Path,
+    def __init__(self, config: RunConfig, fleet: Fleet, inbox: Inbox, observer: Observer, releases_dir: Path,
                  signer: Signer | None):
         self.config, self.fleet, self.inbox, self.observer = config, fleet, inbox, observer
         self.releases_dir, self.signer = Path(releases_dir), signer
@@ -184,7 +184,7 @@ class StagedRollout:
             if time.monotonic() - checked[0] < CHECK_EVERY_S:
                 return False
             checked[0] = time.monotonic()
-            online = set(self.fleet.head_releases.online())
+            online = set(self.fleet.releases.online())
             reports = self._reports(release_id)
             return all(a in reports for a in agents if a in online)
 
@@ -247,11 +247,11 @@ class StagedRollout:
         for k, share in enumerate(stages, 1):
             if k < first:
                 continue
-            admitted = stage_members(self.fleet.head_releases.online(), share, self.salt)
+            admitted = stage_members(self.fleet.releases.online(), share, self.salt)
             began = time.monotonic()
             self._say(logging.INFO, f"release {rid}, stage {k} of {len(stages)} ({100 * share:.0f} %): "
                                     f"{len(admitted)} head agents")
-            self.fleet.stage_release(release.frame, round, ref, admitted, release.delta)
+            self.fleet.releases.stage(release.frame, round, ref, admitted, release.delta)
             self._show(rid, k, "staging", len(admitted))
             self.inbox.pump_until(self.all_reported(admitted, rid), self.fleet.clock.now() + self.spec.stage_timeout_s)
             verdict = judge_stage(admitted, self._reports(rid), baseline, self.spec)
@@ -283,7 +283,7 @@ class StagedRollout:
         return "promoted"
 
     def _halt(self, rid: str, stage: int, verdict: StageVerdict, stable_frame: bytes | None) -> None:
-        self.fleet.unstage_release()
+        self.fleet.releases.unstage()
         self._say(logging.ERROR, f"release {rid} halted at stage {stage}: {'; '.join(verdict.reasons)}")
         self._record(RolloutEvent(release_id=rid, event="halted", stage=stage, verdict=verdict, at=time.time()))
         if stable_frame is None:
@@ -296,13 +296,13 @@ class StagedRollout:
         holds it is sent its restore form (no bytes), the others it whole; wait for their
         reports. Returns the release id gone back to."""
         again = rollback_release(frame, self.releases_dir, self.config, self.signer, rolled_back=rolled_back)
-        on_bad = [a for a, r in self.fleet.head_releases.installed.items() if r in rolled_back]
+        on_bad = [a for a, r in self.fleet.releases.installed.items() if r in rolled_back]
         target = again.ref.release_id
         self.inbox.reports_by_release.pop(target, None)  # wait for reports on it as published now
         began = time.monotonic()
         publish_release(self.fleet, again, again.round, self.releases_dir)
         self.observer.released(again.ref.release_id)
-        self.inbox.pump_until(self.all_reported(self.fleet.head_releases.online(), target),
+        self.inbox.pump_until(self.all_reported(self.fleet.releases.online(), target),
                               self.fleet.clock.now() + self.spec.stage_timeout_s)
         self._record(RolloutEvent(release_id=", ".join(rolled_back), event="rolled_back", to_release=target,
                                   agents=sorted(on_bad), seconds=time.monotonic() - began, at=time.time()))
@@ -322,8 +322,8 @@ def release_to_fleet(release: BuiltRelease, round: int, *, config: RunConfig, fl
     fleet is behind a broker (its round loop waits, first for ``min_head_agents`` head agents,
     then for the stages), else published to every head agent at once. False when a stage
     halted it (the fleet stays on its current release)."""
-    if config.rollout.in_runs and isinstance(fleet, MqttFleet):
-        online = fleet.head_releases.online  # first, up to wait_for_agents_s for min_head_agents: stages are shares
+    if config.rollout.in_runs and fleet.releases.stages:
+        online = fleet.releases.online  # first, up to wait_for_agents_s for min_head_agents: stages are shares
         inbox.pump_until(lambda: len(online()) >= config.min_head_agents, fleet.clock.now() + config.wait_for_agents_s)
         return StagedRollout(config, fleet, inbox, observer, releases_dir, signer).roll_out(release) == "promoted"
     publish_release(fleet, release, round, releases_dir)

@@ -148,7 +148,7 @@ def test_statuses_forged_with_ever_higher_connection_numbers_get_a_release_at_mo
     frame = b"a release frame"  # the fleet only forwards it
     topic = agent_topic("forged", "pi", "task")
     try:
-        fleet.publish_release(frame, 3, ref=ref)
+        fleet.releases.publish(frame, 3, ref=ref)
         for connection in range(1, 31):
             fleet.agent_status("pi", StatusMeta(state="online", tier="head", session="a" * 32, connection=connection,
                                                 capabilities=Capabilities()), came_online=connection == 1)

@@ -44,7 +44,7 @@ def test_a_release_in_parts_reaches_a_receiver_that_subscribes_after_the_publish
     big, shorter, whole = os.urandom(6 * step + 5), os.urandom(2 * step + 1), os.urandom(M // 2)
     fleet = MqttFleet(fed, BrokerConfig(max_message_bytes=M), url=mosquitto.url)
     try:
-        assert fleet.publish_release(big, 3) == 7
+        assert fleet.releases.publish(big, 3) == 7
     finally:
         fleet.close()  # the coordinator is gone: only what the broker retained is left
     parts = {release_part_topic(fed, i) for i in range(7)}
@@ -59,20 +59,20 @@ def test_a_release_in_parts_reaches_a_receiver_that_subscribes_after_the_publish
         # a shorter release: the receiver gets it live, and the parts it does not overwrite are cleared
         fleet = MqttFleet(fed, BrokerConfig(max_message_bytes=M), url=mosquitto.url)
         try:
-            assert fleet.publish_release(shorter, 4, earlier_parts=7) == 3
+            assert fleet.releases.publish(shorter, 4, earlier_parts=7) == 3
             assert _receive(late) == shorter
             three = {release_part_topic(fed, i) for i in range(3)}
             assert set(_retained(mosquitto.url, fed, three)) == three
             assert not [t for t in late.subscriptions if (parse_topic(t).part or 0) >= 3]
 
             # a release that fits one message is retained whole, and every part is cleared
-            assert fleet.publish_release(whole, 5, earlier_parts=3) == 0
+            assert fleet.releases.publish(whole, 5, earlier_parts=3) == 0
             assert _receive(late) == whole
             topic = federation_topic(fed, FederationChannel.RELEASE)
             assert _retained(mosquitto.url, fed, {topic}) == {topic: whole}
 
             # and back to parts: the whole-frame topic is cleared, so a late joiner cannot take the older one
-            assert fleet.publish_release(big, 6) == 7
+            assert fleet.releases.publish(big, 6) == 7
             assert _receive(late) == big
             assert set(_retained(mosquitto.url, fed, parts)) == parts
         finally:

@@ -38,12 +38,6 @@ class RecordingFleet(Fleet):
     def poll(self, timeout):
         return None
 
-    def publish_release(self, frame, round, earlier_parts=0, ref=None, delta=None, restore=None, have=()):
-        return 0
-
-    def agent_status(self, agent_id, status, came_online):
-        pass
-
     def announce(self, meta):
         pass
 

@@ -25,6 +25,7 @@ from edgepfl.coordinator.fleet import Fleet, Incoming
 from edgepfl.coordinator.gate import Rejection
 from edgepfl.coordinator.ops.report import write_report
 from edgepfl.coordinator.registry import Registry
+from edgepfl.coordinator.releases.channel import ReleaseChannel
 from edgepfl.coordinator.result import RoundResult
 from edgepfl.coordinator.round_tasks import MAX_TASK_COPIES, Task
 from edgepfl.coordinator.rounds import Coordinator
@@ -96,10 +97,6 @@ class ScriptedFleet(Fleet):
             return self.events.popleft()
         time.sleep(min(timeout, 0.01))
         return None
-
-    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref=None, delta=None, restore=None,
-                        have=()) -> int:
-        return 0
 
     def agent_status(self, agent_id: str, status: StatusMeta, came_online: bool) -> None:
         if came_online:
@@ -301,20 +298,28 @@ class HeadFleet(ScriptedFleet):
     def __init__(self, agents: dict[str, Responder], refusing: tuple[str, ...] = ()):
         super().__init__(agents)
         self.events += [status("pi-1", tier="head"), status("pi-2", tier="head")]
-        self.releases: list[int] = []
+        self.published: list[int] = []
         self.refusing = refusing
+        self.releases = HeadsReport(self)
 
-    def publish_release(self, frame: bytes, round: int, earlier_parts: int = 0, ref=None, delta=None, restore=None,
-                        have=()) -> int:
-        self.releases.append(round)
+
+class HeadsReport(ReleaseChannel):
+    """The release channel of :class:`HeadFleet`: its two head agents report on each release."""
+
+    def __init__(self, fleet: HeadFleet):
+        self.fleet = fleet
+
+    def publish(self, frame: bytes, round: int, earlier_parts: int = 0, ref=None, delta=None, restore=None,
+                have=()) -> int:
+        self.fleet.published.append(round)
         release_id = decode(frame).meta.release_id
         for agent_id, correct in (("pi-1", 7), ("pi-2", 9)):
             meta = MetricsMeta(tier="head", release_id=release_id, head="lr", num_test=10, eval_correct=correct)
-            if agent_id in self.refusing:
+            if agent_id in self.fleet.refusing:
                 meta = MetricsMeta(tier="head", release_id=release_id, head="lr",
                                    refused=f"release {release_id} refused: input shape mismatch")
             report = encode(MessageType.METRICS, federation=FED, sender=agent_id, round=round, meta=meta)
-            self.events.append(Incoming(agent_id, AgentChannel.METRICS, report, len(report)))
+            self.fleet.events.append(Incoming(agent_id, AgentChannel.METRICS, report, len(report)))
         return len(frame)
 
 
@@ -324,7 +329,7 @@ def test_head_reports_are_collected_until_every_online_head_reported(tmp_path):
     started = time.monotonic()
     coord.run()
     assert time.monotonic() - started < 20  # the reports end the wait, not the timeout
-    assert fleet.releases == [0]
+    assert fleet.published == [0]
     assert {a: r.accuracy for a, r in coord.head_reports.items()} == {"pi-1": 0.7, "pi-2": 0.9}
     (release_id, entry), = read_head_metrics(tmp_path / "run").items()  # keyed by release
     assert release_id in coord.releases and entry.round == 0 and entry.accuracy() == pytest.approx(0.8)

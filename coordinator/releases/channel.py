@@ -1,0 +1,139 @@
+"""How a release reaches a fleet's head agents: the fleet's release channel.
+
+A :class:`~..fleet.Fleet` sends tasks and receives answers; its ``releases`` channel is
+everything a release needs on the way: publishing it retained (whole or in parts, clearing
+what an earlier one left), naming it in the coordinator's presence, sending it to each head
+agent that lacks it, staging it to some head agents only, and hearing which head agents are
+online and what they installed. The base class is a fleet's without head agents (in
+process, where every agent is a trainer): nothing is published and nobody is online.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import ClassVar
+
+from edgepfl.protocol import FederationChannel, ReleaseRef, StatusMeta, federation_topic, release_part_topic
+from edgepfl.protocol.transport import MqttTransport
+
+from .head_releases import DeltaRelease, HeadReleases, RestoreRelease
+
+log = logging.getLogger("edgepfl.coordinator")
+
+
+class ReleaseChannel:
+    """Releases to the head agents of a fleet that has none: every call is a no-op."""
+
+    #: whether a release can go to some head agents only (a staged rollout's stages)
+    stages: ClassVar[bool] = False
+
+    def publish(self, frame: bytes, round: int, earlier_parts: int = 0, ref: ReleaseRef | None = None,
+                delta: DeltaRelease | None = None, restore: RestoreRelease | None = None,
+                have: Iterable[str] = ()) -> int:
+        """Make an encoder release available to head-tier agents, late joiners included.
+
+        ``earlier_parts``: how many retained part topics an earlier release left (0: it was
+        whole or there was none), so those this one does not overwrite are cleared; ``ref``:
+        the release by reference, announced in the presence; ``delta``: the release as a
+        delta against the previous one, for the head agents that have that one; ``restore``:
+        its form without bytes, for those that hold it (a rollback); ``have``: agents that
+        installed it already (a staged rollout's). Returns the part topics now holding this
+        release (0: it is retained whole, or not at all).
+        """
+        return 0
+
+    def resume(self, frame: bytes, round: int, ref: ReleaseRef) -> None:
+        """A resumed coordinator's current release, published before it restarted (and still
+        retained): named in its presence from now on and sent to head agents that lack it."""
+
+    def stage(self, frame: bytes, round: int, ref: ReleaseRef, admitted: Iterable[str],
+              delta: DeltaRelease | None = None) -> None:
+        """A staged rollout's release to the ``admitted`` head agents only (:attr:`stages`)."""
+        raise RuntimeError("this fleet has no head agents to stage a release to")
+
+    def unstage(self) -> None:
+        """A staged rollout halted: its release goes to no one any more."""
+
+    def online(self) -> list[str]:
+        """The head agents online now."""
+        return []
+
+    @property
+    def installed(self) -> Mapping[str, str]:
+        """Head agent -> the release it last said it installed."""
+        return {}
+
+    def status(self, agent_id: str, status: StatusMeta, came_online: bool) -> None:
+        """Every status the coordinator accepted (a head agent that lacks the current release is sent it)."""
+
+    def reported(self, agent_id: str, release_id: str | None, refused: bool) -> None:
+        """Every head agent's report on a release: installed, or ``refused``."""
+
+
+class BrokerReleaseChannel(ReleaseChannel):
+    """Releases over an MQTT broker (PROTOCOL.md §12): retained on the release topic, named
+    in the presence, and sent to each head agent that lacks it on its task topic
+    (:class:`~.head_releases.HeadReleases`)."""
+
+    stages = True
+
+    def __init__(self, federation: str, transport: MqttTransport, deliver: Callable[[str, bytes, int], int | None],
+                 name_release: Callable[[ReleaseRef, bool], None]):
+        """``deliver`` sends a frame on one agent's task topic; ``name_release(ref, announce)``
+        puts a release in the coordinator's presence (and, with ``announce``, publishes it)."""
+        self.federation = federation
+        self.transport = transport
+        self.name_release = name_release
+        #: who is sent the current release on their task topic
+        self.head_releases = HeadReleases(deliver)
+
+    def publish(self, frame: bytes, round: int, earlier_parts: int = 0, ref: ReleaseRef | None = None,
+                delta: DeltaRelease | None = None, restore: RestoreRelease | None = None,
+                have: Iterable[str] = ()) -> int:
+        """Retained on the release topic when it fits one MQTT message, else as retained parts
+        on ``release/<i>``, so a head agent that joins after this coordinator exited still
+        gets it; clears what an earlier release left retained and this one does not
+        overwrite. Then the presence names it (``ref``), and each head agent of 1.4 or later
+        online that lacks it is sent it on its task topic; without ``ref`` it is only retained."""
+        topic = federation_topic(self.federation, FederationChannel.RELEASE)
+        if len(frame) <= self.transport.max_message_bytes:
+            self.transport.publish(topic, frame, retain=True, round=round, wait=True)
+            parts = 0
+        else:
+            _, parts = self.transport.publish_parts(frame, lambda i: release_part_topic(self.federation, i),
+                                                    round=round)
+            self.transport.clear_retained([topic])
+            log.info("release of %d bytes exceeds max_message_bytes: retained in %d parts", len(frame), parts)
+        stale = range(parts, earlier_parts)
+        if stale:
+            self.transport.clear_retained(release_part_topic(self.federation, i) for i in stale)
+        if ref is not None:
+            self.name_release(ref, True)
+            self.head_releases.published(frame, round, ref, delta, restore, have)
+        return parts
+
+    def resume(self, frame: bytes, round: int, ref: ReleaseRef) -> None:
+        self.name_release(ref, False)
+        self.head_releases.resumed(frame, round, ref)
+
+    def stage(self, frame: bytes, round: int, ref: ReleaseRef, admitted: Iterable[str],
+              delta: DeltaRelease | None = None) -> None:
+        """Neither retained nor named in the presence (:meth:`HeadReleases.stage`)."""
+        self.head_releases.stage(frame, round, ref, admitted, delta)
+
+    def unstage(self) -> None:
+        self.head_releases.unstage()
+
+    def online(self) -> list[str]:
+        return self.head_releases.online()
+
+    @property
+    def installed(self) -> Mapping[str, str]:
+        return self.head_releases.installed
+
+    def status(self, agent_id: str, status: StatusMeta, came_online: bool) -> None:
+        self.head_releases.status(agent_id, status, came_online)
+
+    def reported(self, agent_id: str, release_id: str | None, refused: bool) -> None:
+        self.head_releases.reported(agent_id, release_id, refused)
