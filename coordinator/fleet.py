@@ -56,8 +56,10 @@ MISSED_PRESENCE_S = 3.0
 
 
 @dataclass(frozen=True)
-class Incoming:
-    """A whole frame from one agent's status, update or metrics topic."""
+class AgentFrame:
+    """A whole frame from one agent's status, update or metrics topic: what the fleet hands
+    the round loop (the transport's :class:`~edgepfl.protocol.transport.Inbound`, named by
+    the agent and channel its topic says)."""
 
     agent_id: str
     channel: AgentChannel
@@ -69,7 +71,7 @@ class Fleet(ABC):
     """How the round loop reaches its agents: send tasks and releases, receive what they publish.
 
     Pull only: a fleet never calls into the coordinator. Everything that arrives comes
-    out of :meth:`poll`, in order: agents' frames as :class:`Incoming`, and traffic the
+    out of :meth:`poll`, in order: agents' frames as :class:`AgentFrame`, and traffic the
     fleet itself had to drop (a bad topic, chunks that do not reassemble) as a
     :class:`~edgepfl.coordinator.gate.Rejection`, so the round loop counts every
     rejection in one place.
@@ -118,7 +120,7 @@ class Fleet(ABC):
         return None  # not abstract: only a fleet with a broker overrides it
 
     @abstractmethod
-    def poll(self, timeout: float) -> Incoming | Rejection | Refused | None:
+    def poll(self, timeout: float) -> AgentFrame | Rejection | Refused | None:
         """The next inbound event, or None when nothing came within ``timeout`` seconds. A
         :class:`~edgepfl.coordinator.gate.Refused` is a task the fleet did not send, because
         the agent declared it takes no frame that large: answered as the agent would."""
@@ -286,7 +288,7 @@ class MqttFleet(Fleet):
             self._uninformed.pop(agent_id, None)
         super().agent_status(agent_id, status, came_online)
 
-    def poll(self, timeout: float) -> Incoming | Rejection | Refused | None:
+    def poll(self, timeout: float) -> AgentFrame | Rejection | Refused | None:
         if self._uninformed and time.monotonic() >= min(self._uninformed.values()) + MISSED_PRESENCE_S \
                 and time.monotonic() >= self._presence_sent + MISSED_PRESENCE_S:
             log.info("%d agents announced themselves without having read the presence: publishing it again",
@@ -300,13 +302,13 @@ class MqttFleet(Fleet):
         return self._dropped.popleft() if self._dropped else None
 
     @staticmethod
-    def _incoming(inbound: Inbound) -> Incoming | None:
+    def _incoming(inbound: Inbound) -> AgentFrame | None:
         channel, agent_id = inbound.topic.channel, inbound.topic.agent
         # isinstance first: both channel enums are str enums, so `in` alone does not narrow out FederationChannel.
         if (not isinstance(channel, AgentChannel)
                 or channel not in (AgentChannel.STATUS, AgentChannel.UPDATE, AgentChannel.METRICS) or agent_id is None):
             return None
-        return Incoming(agent_id, channel, inbound.frame, inbound.wire_bytes)
+        return AgentFrame(agent_id, channel, inbound.frame, inbound.wire_bytes)
 
     def close(self) -> None:
         done = CoordinatorMeta(state="done", round=self._meta.round, method=self._meta.method, release=self._meta.release)
@@ -358,24 +360,24 @@ class LocalFleet(Fleet):
         self.timing = timing or FleetTiming(SimulationSpec(), list(agents), seed=0)
         self.epochs = epochs
         self.clock: VirtualClock = VirtualClock()
-        self._events: list[tuple[float, int, Incoming | str]] = []  # (virtual time, sequence, frame or agent id)
+        self._events: list[tuple[float, int, AgentFrame | str]] = []  # (virtual time, sequence, frame or agent id)
         self._sequence = 0
         for agent_id in agents:
             device = self.timing[agent_id]
             self._push(0.0, self._status(agent_id, device.availability.online_at(0.0)))
             self._push(device.availability.next_change(0.0), agent_id)
 
-    def _push(self, at: float, event: Incoming | str) -> None:
+    def _push(self, at: float, event: AgentFrame | str) -> None:
         if at != float("inf"):
             heapq.heappush(self._events, (at, self._sequence, event))
             self._sequence += 1
 
-    def _status(self, agent_id: str, online: bool) -> Incoming:
+    def _status(self, agent_id: str, online: bool) -> AgentFrame:
         meta = self.agents[agent_id].status()
         if not online:
             meta = meta.model_copy(update={"state": "offline"})
         frame = encode(MessageType.STATUS, federation=self.federation, sender=agent_id, round=-1, meta=meta)
-        return Incoming(agent_id, AgentChannel.STATUS, frame, len(frame))
+        return AgentFrame(agent_id, AgentChannel.STATUS, frame, len(frame))
 
     def send(self, agent_id: str, frame: bytes, round: int) -> int:
         message = decode(frame)
@@ -387,16 +389,16 @@ class LocalFleet(Fleet):
             samples = task_samples(str(message.header.meta.get("kind", "train")), int(answer.get("num_train", 0)),
                                    int(answer.get("num_test", 0)), self.epochs)
             at = self.timing[agent_id].answer_time(self.clock.now(), len(frame), samples, len(reply.frame))
-            self._push(at, Incoming(agent_id, AgentChannel.UPDATE, reply.frame, len(reply.frame)))
+            self._push(at, AgentFrame(agent_id, AgentChannel.UPDATE, reply.frame, len(reply.frame)))
         return len(frame)
 
-    def poll(self, timeout: float) -> Incoming | None:
+    def poll(self, timeout: float) -> AgentFrame | None:
         if not self._events or self._events[0][0] > self.clock.now() + timeout:
             self.clock.advance_to(self.clock.now() + timeout)
             return None
         at, _, event = heapq.heappop(self._events)
         self.clock.advance_to(at)
-        if isinstance(event, Incoming):
+        if isinstance(event, AgentFrame):
             return event
         agent_id = event  # the device goes on- or offline now
         availability = self.timing[agent_id].availability

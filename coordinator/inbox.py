@@ -26,7 +26,7 @@ from edgepfl.protocol.signing import SIGNATURE_REASONS, Keyring
 from edgepfl.service import notifier
 
 from .clock import Clock, WallClock
-from .fleet import Fleet, Incoming
+from .fleet import AgentFrame, Fleet
 from .gate import (
     EXCLUDING_REFUSALS,
     Accepted,
@@ -174,7 +174,7 @@ class Inbox:
         return True
 
     # ---------------------------------------------------------------- routing
-    def _route(self, event: Incoming | Rejection | Refused | None) -> None:
+    def _route(self, event: AgentFrame | Rejection | Refused | None) -> None:
         if event is None:
             return
         if isinstance(event, Rejection):
@@ -190,7 +190,7 @@ class Inbox:
         elif event.channel == AgentChannel.METRICS:
             self._on_metrics(event)
 
-    def _on_status(self, incoming: Incoming) -> None:
+    def _on_status(self, incoming: AgentFrame) -> None:
         self.presence.status_arrived(self.clock.now())
         status = admit_presence(incoming.agent_id, incoming.frame, self.keyring, self.registry)
         if isinstance(status, Rejection):
@@ -223,7 +223,7 @@ class Inbox:
         log.info("round %d: %s reconnected (connection %s) with its task unanswered; sent it again", tasks.round,
                  agent_id, connection)
 
-    def _on_update(self, incoming: Incoming) -> None:
+    def _on_update(self, incoming: AgentFrame) -> None:
         verdict = self.gate.admit(incoming.agent_id, incoming.frame, self._tasks, self._state, self._late)
         self._shows_life(incoming.agent_id, verdict)
         if isinstance(verdict, Rejection):
@@ -261,7 +261,7 @@ class Inbox:
         if refused.reason in EXCLUDING_REFUSALS and (refused.may_exclude or self.fleet.own_frames):
             self.registry.exclude(refused.agent_id, refused.reason)
 
-    def _on_metrics(self, incoming: Incoming) -> None:
+    def _on_metrics(self, incoming: AgentFrame) -> None:
         m = admit_metrics(incoming.agent_id, incoming.frame, self.keyring, self.registry)
         self._shows_life(incoming.agent_id, m)
         if isinstance(m, Rejection):

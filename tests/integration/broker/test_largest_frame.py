@@ -56,7 +56,7 @@ def test_a_task_larger_than_an_agent_takes_is_refused_too_large_from_its_header(
     """The window before an agent's status declares its limit: a task sent then is dropped
     unread, and answered with a refusal `too_large` (1.4), which the round counts instead of
     waiting for it."""
-    from edgepfl.coordinator.fleet import Incoming
+    from edgepfl.coordinator.fleet import AgentFrame
     from edgepfl.protocol import AgentChannel, CoordinatorMeta, MessageType, RefusalMeta, decode
 
     config = prepare(run_config(rounds=1), 1)
@@ -76,7 +76,7 @@ def test_a_task_larger_than_an_agent_takes_is_refused_too_large_from_its_header(
         sent = False
         while refusal is None and time.monotonic() < deadline:
             event = fleet.poll(0.5)
-            if not isinstance(event, Incoming):
+            if not isinstance(event, AgentFrame):
                 continue
             message = decode(event.frame)
             if event.channel == AgentChannel.STATUS and not sent:

@@ -21,7 +21,7 @@ import pytest
 
 from edgepfl.aggregation import UPDATE_NORM_MEDIAN
 from edgepfl.config import RunConfig
-from edgepfl.coordinator.fleet import Fleet, Incoming
+from edgepfl.coordinator.fleet import AgentFrame, Fleet
 from edgepfl.coordinator.gate import Rejection
 from edgepfl.coordinator.ops.report import write_report
 from edgepfl.coordinator.registry import Registry
@@ -63,10 +63,10 @@ def silent(task: Message) -> list[bytes]:
     return []
 
 
-def status(agent_id: str, state: str = "online", tier: str = "trainer", num_train: int = 10, **meta) -> Incoming:
+def status(agent_id: str, state: str = "online", tier: str = "trainer", num_train: int = 10, **meta) -> AgentFrame:
     frame = encode(MessageType.STATUS, federation=FED, sender=agent_id, round=-1,
                    meta=StatusMeta(state=state, tier=tier, num_train=num_train, num_test=5, **meta))
-    return Incoming(agent_id, AgentChannel.STATUS, frame, len(frame))
+    return AgentFrame(agent_id, AgentChannel.STATUS, frame, len(frame))
 
 
 class ScriptedFleet(Fleet):
@@ -74,7 +74,7 @@ class ScriptedFleet(Fleet):
 
     def __init__(self, agents: dict[str, Responder]):
         self.agents = agents
-        self.events: deque[Incoming | Rejection] = deque(status(a) for a in agents)
+        self.events: deque[AgentFrame | Rejection] = deque(status(a) for a in agents)
         self.online_calls: list[tuple[str, str]] = []
         self.on_send: Callable[[str, Message], None] | None = None
         #: the NACKs sent, in order: (agent id, decoded frame)
@@ -85,14 +85,14 @@ class ScriptedFleet(Fleet):
         if self.on_send:
             self.on_send(agent_id, task)
         for answer in self.agents[agent_id](task):
-            self.events.append(Incoming(agent_id, AgentChannel.UPDATE, answer, len(answer)))
+            self.events.append(AgentFrame(agent_id, AgentChannel.UPDATE, answer, len(answer)))
         return len(frame)
 
     def tell(self, agent_id: str, frame: bytes) -> int:
         self.told.append((agent_id, decode(frame)))
         return len(frame)
 
-    def poll(self, timeout: float) -> Incoming | Rejection | None:
+    def poll(self, timeout: float) -> AgentFrame | Rejection | None:
         if self.events:
             return self.events.popleft()
         time.sleep(min(timeout, 0.01))
@@ -282,7 +282,7 @@ def test_statuses_keep_the_registry_and_tell_the_fleet_who_came_online(tmp_path)
     fleet = ScriptedFleet({"a": honest("a"), "b": honest("b")})
     fleet.events += [status("pi", tier="head"), status("pi", tier="head"), status("pi", state="offline", tier="head"),
                      status("pi", tier="head"), status("x", num_train=2**60),
-                     Incoming("y", AgentChannel.STATUS, status("z").frame, 10)]
+                     AgentFrame("y", AgentChannel.STATUS, status("z").frame, 10)]
     coord = coordinator(fleet, tmp_path)
     coord.run()
     # re-announcing while online is not "coming online"; coming back after offline is
@@ -319,7 +319,7 @@ class HeadsReport(ReleaseChannel):
                 meta = MetricsMeta(tier="head", release_id=release_id, head="lr",
                                    refused=f"release {release_id} refused: input shape mismatch")
             report = encode(MessageType.METRICS, federation=FED, sender=agent_id, round=round, meta=meta)
-            self.fleet.events.append(Incoming(agent_id, AgentChannel.METRICS, report, len(report)))
+            self.fleet.events.append(AgentFrame(agent_id, AgentChannel.METRICS, report, len(report)))
         return len(frame)
 
 
@@ -746,7 +746,7 @@ def test_an_answer_that_comes_after_its_round_closed_is_stale(tmp_path):
     def collect_then_c_answers_late(tasks, result, started):
         original(tasks, result, started)
         if result.round == 0:
-            fleet.events.extend(Incoming("c", AgentChannel.UPDATE, f, len(f)) for f in late)
+            fleet.events.extend(AgentFrame("c", AgentChannel.UPDATE, f, len(f)) for f in late)
             fleet.events.append(status("c"))
 
     coord.collect = collect_then_c_answers_late  # type: ignore[method-assign]
@@ -1060,7 +1060,7 @@ def test_an_agent_that_refused_for_good_gets_no_task_until_it_restarts_when_the_
             signers[agent] = load_signer(tmp_path / f"{agent}.key")
         responders = {agent: (lambda task, r=r, s=signers[agent]: [resign(f, s) for f in r(task)])
                       for agent, r in responders.items()}
-        statuses = [Incoming(i.agent_id, i.channel, f := resign(i.frame, signers[i.agent_id]), len(f))
+        statuses = [AgentFrame(i.agent_id, i.channel, f := resign(i.frame, signers[i.agent_id]), len(f))
                     for i in statuses]
         security = {"security": {"enrolled_dir": str(tmp_path / "enrolled")}}
     fleet = ScriptedFleet(responders)
@@ -1072,7 +1072,7 @@ def test_an_agent_that_refused_for_good_gets_no_task_until_it_restarts_when_the_
         if agent == "a" and task.header.round == 2:
             restart = status("b", session=second)
             fleet.events.append(restart if not signed else
-                                Incoming("b", AgentChannel.STATUS, f := resign(restart.frame, signers["b"]), len(f)))
+                                AgentFrame("b", AgentChannel.STATUS, f := resign(restart.frame, signers["b"]), len(f)))
 
     fleet.on_send = restart_b_after_round_1
     # between rounds the coordinator waits up to one round timeout for min_agents (b is excluded): 2 s, not 30

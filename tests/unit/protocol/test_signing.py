@@ -396,7 +396,7 @@ def test_reports_naming_a_fresh_release_each_time_leave_the_coordinators_memory_
     release_id. The coordinator keeps an agent's reports on its last few releases only."""
     import tracemalloc
 
-    from edgepfl.coordinator.fleet import Incoming, LocalFleet
+    from edgepfl.coordinator.fleet import AgentFrame, LocalFleet
     from edgepfl.coordinator.inbox import REPORTS_KEPT_PER_AGENT, Inbox
     from edgepfl.coordinator.result import RunCounters
     from edgepfl.protocol import AgentChannel, MessageType, MetricsMeta, StatusMeta, encode
@@ -411,7 +411,7 @@ def test_reports_naming_a_fresh_release_each_time_leave_the_coordinators_memory_
         frame = encode(MessageType.METRICS, federation="f", sender=agent_id, round=-1,
                        meta=MetricsMeta(tier="head", release_id=release_id, head="lr", num_test=10, eval_correct=7,
                                         values={"fit_seconds": 0.1}))
-        inbox._route(Incoming(agent_id, AgentChannel.METRICS, frame, len(frame)))
+        inbox._route(AgentFrame(agent_id, AgentChannel.METRICS, frame, len(frame)))
 
     report("pi-2", "r-honest")
     for i in range(100):
