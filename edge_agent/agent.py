@@ -50,8 +50,7 @@ import signal
 import threading
 import time
 import uuid
-from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass
+from collections import Counter, deque
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -85,9 +84,10 @@ from edgepfl.protocol.signing import load_public_key, load_signer, verify
 from edgepfl.protocol.transport import MqttTransport
 from edgepfl.service import Stopped, interruptible, notifier, request_stop
 
+from .held_answers import HeldAnswer, HeldAnswers
 from .release_fetch import RetainedReleases
 from .task_guard import recipient_refusal
-from .tiers import ANSWERED_TASKS, Reply, TierRuntime, create_tier
+from .tiers import Reply, TierRuntime, create_tier
 
 if TYPE_CHECKING:
     from edgepfl.data import ClientData
@@ -103,16 +103,6 @@ REASSERT_EVERY_S = 2.0
 NEGOTIATED = (1, 2)
 #: the protocol version that added the connection number to statuses (a lost task sent again)
 CONNECTION_NUMBERS = (1, 3)
-
-
-@dataclass
-class HeldAnswer:
-    """An answer to a task, kept until its round is over (the module's "held answers").
-    ``sent_on``: (connection number, coordinator session) it was last published on, None
-    while it never went out."""
-
-    reply: Reply
-    sent_on: tuple[int, str] | None = None
 
 
 class Agent:
@@ -143,7 +133,7 @@ class Agent:
         self._foreign_version: str | None = None  # set while the coordinator speaks another major version
         #: nack frames received, by reason
         self.nacks: Counter[str] = Counter()
-        self._answers: OrderedDict[str, HeldAnswer] = OrderedDict()
+        self._answers = HeldAnswers()
         #: a head agent's retained release topics, taken on a connection only when needed
         self._retained: RetainedReleases | None = None
         self._step: str | None = None  # the long step under way (a message being handled), for the log
@@ -361,10 +351,7 @@ class Agent:
             log.info("the %s is not sent: the coordinator (protocol %s) does not read it", key,
                      self.coordinator.version if self.coordinator else "unknown")
             return
-        held = self._answers[key] = HeldAnswer(reply)
-        self._answers.move_to_end(key)
-        while len(self._answers) > ANSWERED_TASKS:
-            self._answers.popitem(last=False)
+        held = self._answers.hold(key, reply)
         if transport.connected.is_set():
             self._publish(held)
         elif reply.task_id is None:
@@ -387,22 +374,8 @@ class Agent:
         those of rounds that are over (a metrics report: of a run that is done)."""
         transport = self.transport
         assert transport is not None
-        here = (transport.connect_count, presence.session)
-        for key, held in list(self._answers.items()):
-            reply = held.reply
-            what = f"answer to task {key}" if reply.task_id is not None else key
-            per_round = reply.task_id is not None  # a task's answer is wanted in its round only
-            if presence.state == "done" or (per_round and presence.round > reply.round):
-                del self._answers[key]
-                if held.sent_on is None:
-                    log.warning("dropped the held %s (round %d): the coordinator is %s", what, reply.round,
-                                "done" if presence.state == "done" else f"at round {presence.round}")
-            elif (presence.state == "online" and (not per_round or presence.round == reply.round)
-                  and held.sent_on != here):
-                log.info("publishing the %s %s (round %d): the coordinator is online %s",
-                         "held" if held.sent_on is None else "re-sent", what, reply.round,
-                         "in that round" if per_round else f"(round {presence.round})")
-                self._publish(held)
+        for held in self._answers.settle(presence, (transport.connect_count, presence.session)):
+            self._publish(held)
 
     def _on_nack(self, message: Message) -> None:
         tier = self.tier
@@ -424,7 +397,7 @@ class Agent:
                     f"; task {nack.task_id} is closed" if own else
                     f"; task {nack.task_id} stays open" if nack.task_id else "")
         if own and nack.task_id is not None:
-            self._answers.pop(nack.task_id, None)
+            self._answers.drop(nack.task_id)
             tier.close(nack.task_id)
 
     def _refuse_oversized(self, frame: bytes) -> None:
