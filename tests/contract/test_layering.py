@@ -192,3 +192,13 @@ def test_the_coordinator_class_is_only_the_round_loop():
 
     lines = inspect.getsource(Coordinator).splitlines()
     assert len(lines) <= 300, f"Coordinator has {len(lines)} lines"
+
+
+def test_every_test_module_has_a_name_of_its_own():
+    """One subject, one name: two test files of one base name in two folders leave a reader
+    (and pytest's -k, and a failure line) unsure which subject failed."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")) + sorted((ROOT / "research").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    twins = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not twins, f"test files sharing a name: {twins}"

@@ -1,7 +1,7 @@
 """Update codecs: each value within one step of its change, unbiased rounding, exact
 tensors bit for bit, error feedback that loses nothing over rounds, bit-identical
 aggregation in any arrival order, and the byte ratios issue #34 asks for. Every codec's
-round trip and refusal of malformed frames: tests/contract/test_codecs.py."""
+round trip and refusal of malformed frames: tests/contract/test_codec_contract.py."""
 
 from __future__ import annotations
 
