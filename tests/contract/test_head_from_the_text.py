@@ -2,7 +2,7 @@
 from that section alone (tests/foreign_agent/lr_head.py: numpy and scipy, no edgepfl)
 matches edgepfl's own within 0.5 point on clients with one-sample classes, the case in
 which a reading of the old sentence ("fewer folds when a class has fewer samples") chose
-another C and cost a Node.js agent 3.7-5.7 points (issue 32)."""
+another C and cost a Node.js agent written from the documents 3.7-5.7 points."""
 
 from __future__ import annotations
 

@@ -183,7 +183,7 @@ def test_the_wheel_lists_every_package_under_the_edgepfl_name():
 
 
 def test_the_coordinator_class_is_only_the_round_loop():
-    """Issue #30: run directory, rollback, results, tasks, buffered states, waiting and the
+    """Run directory, rollback, results, tasks, buffered states, waiting and the
     closed rounds' windows live in their own modules; the class that reads like the protocol
     stays at most 300 lines, so the next feature lands beside it, not in it."""
     import inspect

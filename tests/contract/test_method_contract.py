@@ -578,7 +578,7 @@ PERSONAL_BN = [m for m in METHODS if create_method(m).bn_policy != "shared"]
 
 @pytest.mark.parametrize("name", METHODS)
 def test_a_method_with_personal_batchnorm_statistics_has_the_option_to_re_estimate_them(name):
-    """Personal statistics under aggregated layers go stale when the aggregate arrives (issue 13):
+    """Personal statistics under aggregated layers go stale when the aggregate arrives:
     every such method offers ``bn_recalibrate``, and no other method does."""
     method = create_method(name)
     assert (method.bn_policy != "shared") == isinstance(method.config, PersonalBatchNormConfig)

@@ -1,4 +1,4 @@
-"""The head tier on arm64 under emulation (issue 33): ``benchmarks/arm64_head_tier.py`` end
+"""The torch-free head tier on arm64 under emulation: ``benchmarks/arm64_head_tier.py`` end
 to end — the wheel with ``[agent]`` in a Debian bookworm arm64 root run by qemu-user,
 ``fit-head`` and ``predict`` against the same commands on x86_64, and a live head agent in
 the root against Mosquitto and a coordinator on the host.

@@ -1,4 +1,4 @@
-"""The conformance kit cannot be fooled: its mutation suite (issue #32).
+"""The conformance kit cannot be fooled: its mutation suite.
 
 Each mutant is edgepfl's own agent with one deliberate break (tests/integration/agent/
 mutant_agent.py): the six a Node.js agent written from the documents slipped past an

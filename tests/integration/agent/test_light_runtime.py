@@ -1,4 +1,4 @@
-"""Issue #33, a head tier that fits: inference never loads scikit-learn, scipy or torch, and
+"""A head tier that fits a Raspberry Pi: inference never loads scikit-learn, scipy or torch, and
 out of memory is reported as out of memory (exit code 6), never as a missing extra (5).
 
 Real exported encoder and head files, run by onnxruntime in fresh interpreters; the memory
@@ -86,7 +86,7 @@ def test_a_head_agent_imports_no_run_side_module():
     """What a head agent imports before it connects (the ``agent`` command's imports, the
     agent loop, the head runtime) holds no run config, aggregation, simulation of a fleet's
     rounds or method registry: on a Pi each costs start-up time and memory for nothing
-    (issue #33's import budget)."""
+    (the head tier's import budget)."""
     script = textwrap.dedent("""
         import json, sys
         import edgepfl.cli
@@ -124,7 +124,7 @@ def test_predict_out_of_memory_is_reported_as_out_of_memory_not_a_missing_extra(
 
 
 def test_a_head_agent_that_cannot_load_onnxruntime_for_lack_of_memory_exits_6_not_5(exported, tmp_path):
-    """What issue #33 saw: "needs onnxruntime, which is not installed" (exit 5, which the
+    """What a head agent on a Pi used to say: "needs onnxruntime, which is not installed" (exit 5, which the
     example unit never restarts) for a library that could not be mapped."""
     pixels, y, names = client_pixels(NEW_CLIENT)
     np.savez(tmp_path / "own.npz", x=pixels, y=y, class_names=np.asarray(names))
@@ -167,7 +167,7 @@ def test_the_fitting_child_is_where_scikit_learn_goes(exported, tmp_path):
 
 
 def test_out_of_memory_during_an_install_keeps_the_release_to_install_again_not_refused(exported, tmp_path):
-    """What issue #33 saw: a good release refused as bad (never retried) when memory ran out
+    """What a head agent on a Pi used to do: a good release refused as bad (never retried) when memory ran out
     while it was installed. Here the address space is capped just above what the agent holds
     once it is up (the fit child inherits the cap): the install fails as OutOfMemory — never a
     refusal, nothing installed — and the same release installs once memory is back."""

@@ -1,4 +1,4 @@
-"""The head tier installs on a 64-bit Raspberry Pi from wheels alone (issue #33).
+"""The head tier installs on a 64-bit Raspberry Pi from wheels alone.
 
 pip resolves the core dependencies and the ``[agent]`` extra, read from pyproject.toml,
 for Linux aarch64 (manylinux2014) on CPython 3.10 and 3.11 with ``--only-binary :all:``

@@ -64,7 +64,7 @@ def test_a_bad_method_option_is_located_without_torch():
 
 
 def test_a_bad_config_to_simulate_or_the_coordinator_is_said_before_torch_is_imported(tmp_path):
-    """Issue #36: `simulate` imported torch (seconds, hundreds of MB) before it read the YAML."""
+    """`simulate` once imported torch (seconds, hundreds of MB) before it read the YAML."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("rounds: [1\n")
     for command in ("simulate", "coordinator"):

@@ -1,6 +1,6 @@
 """``edgepfl serve``: a real server process over a head agent's state directory answers a
 stream of images with the right class names, and switches to the agent's next release
-without a restart (issue #33, item 6). The releases are real exports installed by the head
+without a restart. The releases are real exports installed by the head
 tier's own install path; the predictions checked against the same model run in-process."""
 
 from __future__ import annotations

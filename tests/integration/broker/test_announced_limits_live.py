@@ -1,6 +1,6 @@
 """The coordinator announces its message size M (and its largest frame) in its retained
 presence; an agent configured for a larger M publishes in messages of the announced
-size and says so loudly. The issue's case, live: an agent left at the default M behind a
+size and says so loudly. The case that lost updates, live: an agent left at the default M behind a
 broker with a smaller packet limit was disconnected and its update lost (the agent's
 side in process: tests/unit/edge_agent/test_announced_limits.py)."""
 

@@ -24,7 +24,7 @@ def _f_g_norms(mi: str, calls: int) -> list[float]:
 
 
 def test_conditional_bound_keeps_the_features_bounded_where_the_literal_one_grows():
-    """The issue's failure: with q(f_g | f_cs) the bound is linear in f_g for a given q, so
+    """The literal bound's failure: with q(f_g | f_cs) the bound is linear in f_g for a given q, so
     the GFE grows f_g while q lags; q(f_cs | f_g) fit first stops that (135 steps each)."""
     literal = _f_g_norms("vclub", 3)
     conditional = _f_g_norms("club_conditional", 3)

@@ -1,4 +1,4 @@
-"""``edgepfl status --watch`` follows the fleet view as the coordinator publishes it (issue #36):
+"""``edgepfl status --watch`` follows the fleet view as the coordinator publishes it:
 a real Mosquitto, views published by a plain paho client, the command as a subprocess; a
 payload that is not a view is passed over, not the end of the watch; Ctrl-C ends it with 0."""
 

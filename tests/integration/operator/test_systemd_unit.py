@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[3]
 UNIT = "edgepfl-agent.service"
 AGENT = "pi-boot"
 FEDERATION = f"sd{uuid.uuid4().hex[:8]}"
-#: the Done-when of issue #33: a unit whose broker is down stops on `systemctl stop` within this
+#: the shipped unit, its broker down, stops on `systemctl stop` within this
 STOP_WITHIN_S = 10.0
 
 

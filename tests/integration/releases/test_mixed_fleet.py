@@ -72,7 +72,7 @@ def assert_every_channel_has_one_direction(frames: list[tuple[str, bytes]], fede
 
 
 def test_a_head_agent_that_cannot_install_the_release_tells_the_coordinator_why(mosquitto, tmp_path, caplog):
-    """Issue #33: a FedAvg federation whose head agent is set up for FedPick's own head. It
+    """A FedAvg federation whose head agent is set up for FedPick's own head. It
     refuses every FedAvg release ("no fedpick head"), and says so to the coordinator
     (protocol 1.5): the refusal is that agent's report on the release, in head_metrics.json,
     the results table and the coordinator's log, instead of a report that never comes."""

@@ -1,6 +1,6 @@
 """A buffered asynchronous federation under attack, and a coordinator killed mid-buffer.
 
-Issue #31: the gate, signatures, bounds and NACKs keep working when rounds are buffered,
+The gate, signatures, bounds and NACKs keep working when rounds are buffered,
 and a ``kill -9`` while the open state's buffer holds an update resumes from the last
 adopted state bit for bit. A real Mosquitto, three signed agent processes, the
 coordinator as its own process (it is the one killed), and an attacker that holds no

@@ -1,4 +1,4 @@
-"""Buffered asynchronous rounds (issue #31, item 2) on the in-process virtual clock: no
+"""Buffered asynchronous rounds (FedBuff) on the in-process virtual clock: no
 device waits for another, each accepted update is folded into the open state's buffer
 discounted by its staleness, and every ``buffer_size`` updates make the next state.
 

@@ -1,4 +1,4 @@
-"""Compressed uplinks and task deltas live (issue #34, protocols 1.6 and 1.7): a real coordinator asks every agent that
+"""Compressed uplinks and task deltas live (protocols 1.6 and 1.7, docs/COMPRESSION.md): a real coordinator asks every agent that
 announces a codec for it, and only those. A real trainer process compresses its updates
 (error feedback on its disk), a protocol 1.2 device without codecs sends plain updates in
 the same federation, and a hostile device's malformed compressed frames are rejected with

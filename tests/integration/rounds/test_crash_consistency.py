@@ -1,5 +1,5 @@
 """A coordinator killed at any point of writing its state resumes to the same final state
-(issue #37, item 5).
+(a red team's finding, docs/SECURITY.md).
 
 Each case runs a small in-process federation (virtual clock: the same seed gives the same
 bits) with ``EDGEPFL_FAILPOINT`` set, so the process sends itself SIGKILL at one named

@@ -1,4 +1,4 @@
-"""Zero honest rejections (issue #31, item 3): honest fleets whose data is far from IID,
+"""Zero honest rejections: honest fleets whose data is far from IID,
 federated with the default aggregation settings, lose no update to the update bound.
 
 Each fleet is an in-process federation (the same rounds and frames as over MQTT), sized
@@ -6,7 +6,7 @@ to run in seconds to a minute on a 2-core box. Asserted: no rejection of any rea
 every sampled agent a participant, and nothing clipped except where a device's training
 diverges, whose statistics are then clamped, not refused. The old bound (a norm ratio of
 the BatchNorm statistics against the global ones, at most 10) refuses that fleet's
-devices: their statistics move by up to 65 times the global ones' norm. The issue measured it
+devices: their statistics move by up to 65 times the global ones' norm. It was measured
 refusing an honest device of the first fleet in every round, with an older data pipeline;
 ``benchmarks/results/honest_update_geometry.md`` records how far below the bounds each
 fleet stays today.
@@ -29,7 +29,7 @@ CONFIG = Path(__file__).resolve().parents[3] / "configs" / "fedavg.yaml"
 
 
 FLEETS = {
-    # the issue's reproduction: digits MLP (BatchNorm, feature 32), Dirichlet 0.5, 15 local epochs
+    # the fleet the old bound refused: digits MLP (BatchNorm, feature 32), Dirichlet 0.5, 15 local epochs
     "digits-mlp-dirichlet0.5": (3, 3, ["data.dataset=digits", "model.arch=mlp", "model.feature_dim=32",
                                        "data.partition.kind=dirichlet", "data.partition.alpha=0.5", "train.epochs=15",
                                        "data.samples_per_client=null"]),

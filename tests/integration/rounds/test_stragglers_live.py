@@ -1,4 +1,4 @@
-"""A straggler's late update in synchronous rounds (issue #31, item 4), on the virtual
+"""A straggler's late update in synchronous rounds, on the virtual
 clock: one device of four takes ~9 simulated seconds per task against an 8 s deadline.
 
 Chosen behaviour (``stragglers``): the round closes at its deadline without it and it

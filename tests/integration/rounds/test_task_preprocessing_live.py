@@ -19,7 +19,7 @@ from tests.fleet_helpers import run_config
 
 
 def test_the_coordinator_service_with_a_configured_shape_still_sends_the_data_s_normalization(mosquitto, tmp_path):
-    """The issue's case: ``edgepfl coordinator`` with input_shape and num_classes in its
+    """The case that went wrong: ``edgepfl coordinator`` with input_shape and num_classes in its
     config sent trainer tasks with ``normalization: null``. A plain MQTT subscriber reads
     the task frames off the broker."""
     base = run_config(rounds=1, min_agents=2, model={"arch": "mlp", "feature_dim": 16}, device="cpu",

@@ -1,4 +1,4 @@
-"""The in-process simulator runs on virtual time (issue #31, item 1): devices differ by
+"""The in-process simulator runs on virtual time: devices differ by
 their profile, deadlines pass in simulated device time, and the host's load changes
 nothing — the same seed gives the same ``metrics.jsonl`` bit for bit, idle or beside a
 CPU hog, and no client is dropped because the host is slow.

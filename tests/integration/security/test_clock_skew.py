@@ -1,5 +1,5 @@
 """Devices whose clocks are 20 minutes off, either way, in a live signed federation: each
-either works or is told why (issue 32, "Clocks").
+either works or is told why (docs/SECURITY.md, "Clocks: a device requirement").
 
 A real coordinator (its own signing key, every agent enrolled) and three real agent
 processes that pin its key, on the test Mosquitto. Two run with libfaketime preloaded

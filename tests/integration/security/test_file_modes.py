@@ -1,5 +1,5 @@
 """Files with state or secrets are never writable by other local users, whatever the umask
-(issue #37, item 8): a run under ``umask 000`` leaves no group- or world-writable file or
+(a red team's finding, docs/SECURITY.md): a run under ``umask 000`` leaves no group- or world-writable file or
 directory in its run directory, agents' state included."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A live coordinator and real agent processes (two trainers, one head agent), ever
 with its own Ed25519 key generated in a tmp dir, on the test Mosquitto. The attacker is
 a plain paho client on the anonymous broker that knows only docs/PROTOCOL.md: it builds
 its frames with the reference codec printed there (exec'd from the doc) and replays
-what it records off the wire. Every attack of issue #9 is made while the federation runs,
+what it records off the wire. Every attack of the threat model (docs/SECURITY.md) is made while the federation runs,
 and the run must complete with each attack refused for its counted reason.
 """
 
@@ -39,7 +39,7 @@ def agent_log(out, agent: str) -> str:
 
 def test_a_signed_federation_completes_under_attack_and_refuses_every_forgery(mosquitto, tmp_path, ref):
     coordinator_security, agent_security = signed_fleet(tmp_path / "keys", (*TRAINERS, HEAD))
-    # compression on (issue #34): every forgery is refused as before, the honest updates travel compressed
+    # compression on: every forgery is refused as before, the honest updates travel compressed
     config = run_config(rounds=3, round_timeout_s=40, method={"name": "fedper"}, security=coordinator_security,
                         compression={"uplink": "q8"})
     config = prepare(config, len(TRAINERS), head_agents=1)  # min_agents = 2, release at the end
@@ -212,7 +212,7 @@ def test_an_unsigned_retained_release_does_not_crash_loop_a_head_agent_without_o
 
 def test_an_enrolled_device_that_announces_itself_and_never_answers_costs_a_deadline_ever_more_rarely(
         mosquitto, tmp_path):
-    """The red team's cheap denial of service on a provisioned fleet (issue #37): with one
+    """The red team's cheap denial of service on a provisioned fleet: with one
     enrolled device's key, a plain client keeps announcing that device — a signed birth
     before the run, a signed status again on every task it is sent — and never answers.
     Every round waited its full deadline (8 rounds: 305 s instead of 13 s). Now its k-th

@@ -1,5 +1,5 @@
 """A device that inflates its counts writes no more of the model, and no more of the
-federation's accuracy, than one honest device (issue #37, second item).
+federation's accuracy, than one honest device (a red team's finding, docs/SECURITY.md).
 
 Three honest agent processes and Mallory: a plain paho client built from PROTOCOL.md's
 reference codec, on the default (unsigned) deployment, which announces 2^24 training

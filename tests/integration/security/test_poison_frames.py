@@ -1,5 +1,5 @@
 """Poison frames on every topic of a live federation: no process exits, each frame is one
-counted rejection, the run completes with every honest agent (issue #37, first item).
+counted rejection, the run completes with every honest agent (the red team's first finding, docs/SECURITY.md).
 
 The attacker is a plain paho client on the default (unsigned, anonymous) deployment. It
 publishes the red team's frame — a header of JSON nested 200,000 deep — and the rest of
@@ -188,7 +188,7 @@ def test_forged_frames_ahead_of_every_real_update_cost_no_agent_its_task(mosquit
 
 
 def test_one_forged_refusal_or_status_dated_ten_years_ahead_costs_an_agent_one_round_at_most(mosquitto, tmp_path, ref):
-    """Unsigned deployment, the red team's two one-message lockouts (issue #37). When
+    """Unsigned deployment, the red team's two one-message lockouts. When
     agent-00's first training task goes out, the attacker answers it with a refusal
     ``unsupported_method`` in agent-00's name (it read the task id off the task topic): that
     excluded agent-00 for the rest of the run. When agent-01's first task goes out, the

@@ -1,4 +1,4 @@
-"""Secure aggregation live (issue #35, protocol 1.9): a real coordinator and six real agent
+"""Secure aggregation live (protocol 1.9): a real coordinator and six real agent
 processes over Mosquitto, a signed and enrolled fleet, the same federation run in the clear
 and secure. Two agents are killed in round 1 after sealing their shares
 (``EDGEPFL_FAILPOINT=agent.train_task:2``: the process SIGKILLs itself as its second

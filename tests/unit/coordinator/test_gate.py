@@ -193,7 +193,7 @@ def test_a_rejected_message_that_answers_no_open_task_leaves_no_trace(rnd):
 
 def test_on_an_unsigned_deployment_no_rejected_frame_answers_a_task(rnd):
     """Anyone can write a header naming alice: a garbage frame ahead of her real update
-    must not burn her task (the red team silenced any device this way, issue #37)."""
+    must not burn her task (the red team silenced any device this way)."""
     forged = rnd.frame(num_train=ANNOUNCED + 1)  # her task id, her round, a count she did not announce
     verdict = rnd.admit(forged)
     assert reason(verdict) == "malformed" and verdict.attributed is not None and not verdict.attributed.verified

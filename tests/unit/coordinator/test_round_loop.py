@@ -336,7 +336,7 @@ def test_head_reports_are_collected_until_every_online_head_reported(tmp_path):
 
 
 def test_a_release_a_head_agent_refused_shows_in_the_report_the_view_and_the_log_and_ends_the_wait(tmp_path, caplog):
-    """Issue #33: a head agent that cannot install a release tells the coordinator why. The
+    """A head agent that cannot install a release tells the coordinator why. The
     refusal answers the wait for reports (no timeout), is kept as that agent's report on the
     release (no counts, out of the accuracy), is logged, and shows in the fleet view."""
     fleet = HeadFleet({"a": honest("a"), "b": honest("b")}, refusing=("pi-2",))
@@ -1044,8 +1044,8 @@ def test_an_agent_that_refused_for_good_gets_no_task_until_it_restarts_when_the_
         tmp_path, signed):
     """Signed by its enrolled key, a refusal for good (``unsupported_method``) keeps the agent
     out of the run until a new session (a restart). Unsigned, anyone who read the task topic
-    could have written it (the red team excluded an agent for the run with one such frame,
-    issue #37): it answers that one task, and the agent is asked again the next round."""
+    could have written it (the red team excluded an agent for the run with one such frame):
+    it answers that one task, and the agent is asked again the next round."""
     from edgepfl.protocol.signing import generate_keypair, load_signer
 
     first, second = "a" * 32, "b" * 32

@@ -370,7 +370,7 @@ def test_running_statistics_of_a_skewed_honest_device_pass_untouched(action):
     ref = reference(rng)
     update = {**honest(ref, rng, 1, spread=1e-3)[0], **_skewed_statistics(ref)}
     old_measure = _change_norm(update, ref, STATISTICS) / max(1.0, _norm_of(ref, STATISTICS))
-    assert old_measure > 10  # the global norm ratio (issue #31) refused this device
+    assert old_measure > 10  # the earlier global norm ratio refused this device
     bound = AggregationSpec(on_large_update=action).build().bound
     assert bound is not None
     bound.begin(ref)

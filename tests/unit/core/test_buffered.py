@@ -1,4 +1,4 @@
-"""Buffered asynchronous rounds (issue #31, item 2): a method whose server step needs a
+"""Buffered asynchronous rounds (FedBuff): a method whose server step needs a
 synchronous round says so when the config is validated. The rounds themselves, on the
 in-process virtual clock and over Mosquitto: tests/integration/rounds/test_buffered_rounds_live.py."""
 

@@ -59,7 +59,7 @@ def files(tmp_path_factory) -> Path:
     yml("agent_no_data.yaml", {"agent_id": "pi-1", "tier": "head", "broker": {"url": "mqtt://127.0.0.1:1"},
                                "data": {"dataset": "imagefolder", "root": "photos-missing"}})
     (d / "corrupt.onnx").write_bytes(b"\x08\x07garbage, not a protobuf" * 10)
-    # the red team's frame as files (issue #37): JSON / YAML nested 200,000 / 100,000 deep
+    # the red team's frame as files: JSON / YAML nested 200,000 / 100,000 deep
     yml("nested.yaml", "a: " + "[" * 100_000 + "]" * 100_000)
     (d / "nested_release").mkdir()
     (d / "nested_release" / "manifest.json").write_text("[" * 200_000 + "]" * 200_000)
@@ -209,7 +209,7 @@ EXTRA = int(ExitCode.EXTRA)
     ["fit-head", "--encoder", "none.onnx", "--data", "none", "--head", "svm", "--out", "head.onnx"],
 ], ids=["simulate --head-agents", "head agent", "fit-head"])
 def test_a_missing_fitting_library_is_named_with_its_extra_before_any_work(args, files, capsys, monkeypatch):
-    """Issue #33: skl2onnx absent (a None entry in sys.modules is how Python spells "cannot
+    """skl2onnx absent (a None entry in sys.modules is how Python spells "cannot
     be imported"). Each command that would fit a generic head on a device says so in one
     line, naming the extra that installs it, before it loads data, starts a broker or
     opens a file: no run directory, no connection attempt (the broker URL is closed)."""

@@ -1,6 +1,6 @@
 """Update codecs: each value within one step of its change, unbiased rounding, exact
 tensors bit for bit, error feedback that loses nothing over rounds, bit-identical
-aggregation in any arrival order, and the byte ratios issue #34 asks for. Every codec's
+aggregation in any arrival order, and the byte ratios docs/COMPRESSION.md records. Every codec's
 round trip and refusal of malformed frames: tests/contract/test_codec_contract.py."""
 
 from __future__ import annotations
@@ -355,7 +355,7 @@ def test_top_k_writes_the_smaller_index(keep, form):
 
 
 @pytest.mark.parametrize(("name", "most"), [("q8", 0.26), ("q4", 0.15)])
-def test_the_default_cnn_meets_issue_34s_byte_targets(name, most):
+def test_the_default_cnns_update_compresses_to_at_most_0_26_with_q8_and_0_15_with_q4(name, most):
     rng = np.random.default_rng(21)
     reference = cnn_state(rng)
     sizes = encode(trained(reference, rng), reference, CodecSpec.from_name(name), np.random.default_rng(0)).sizes()

@@ -1,4 +1,4 @@
-"""Client-level differential privacy (edgepfl/privacy.py, aggregation.GaussianMean, issue #35):
+"""Client-level differential privacy (edgepfl/privacy.py, aggregation.GaussianMean):
 the noised mean bounds one device's influence by the clip, adds the noise it says in any
 arrival order, and the accountant's ε is dp-accounting's for the mechanism as run."""
 

@@ -1,4 +1,4 @@
-"""A straggler's late update (issue #31, item 4): its change from the state it was trained
+"""A straggler's late update: its change from the state it was trained
 on, discounted by ``(1 + staleness) ** -0.5``, applied to a newer state (a variance never
 below zero). The whole behaviour on the virtual clock, a device slower than the deadline
 in a live round: tests/integration/rounds/test_stragglers_live.py."""

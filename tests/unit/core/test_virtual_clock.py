@@ -1,4 +1,4 @@
-"""The virtual clock's timing model (issue #31, item 1): agents dealt to device classes by
+"""The virtual clock's timing model: agents dealt to device classes by
 share, devices coming and going, what a slow link and a slow device take. Whole runs on
 virtual time, idle and beside a CPU hog: tests/integration/rounds/test_virtual_time_runs.py."""
 

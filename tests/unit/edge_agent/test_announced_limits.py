@@ -1,6 +1,6 @@
 """The coordinator announces its message size M (and its largest frame) in its retained
 presence; an agent configured for a larger M publishes in messages of the announced
-size and says so loudly. The issue's case: an agent left at the default M behind a
+size and says so loudly. The case that lost updates: an agent left at the default M behind a
 broker with a smaller packet limit was disconnected and its update lost (that case,
 live: tests/integration/broker/test_announced_limits_live.py)."""
 

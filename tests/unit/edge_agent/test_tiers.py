@@ -231,7 +231,7 @@ def test_the_head_tier_answers_a_release_with_metrics(release, tmp_path):
 
 
 def test_the_head_tier_refuses_a_release_without_or_with_a_wrong_artifact_and_reports_why(release, tmp_path):
-    """Issue #33: a release the device does not install is reported to the coordinator (a
+    """A release the device does not install is reported to the coordinator (a
     metrics report naming it, ``refused`` saying why, no counts; only to a coordinator of
     1.5, the reply's ``since``), not only logged on the device."""
     tier = HeadTier("pi", client_data(NEW_CLIENT), str(tmp_path / "pi"), "lr")

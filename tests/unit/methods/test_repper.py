@@ -54,8 +54,8 @@ def build(options=None, seed: int = 0):
 def test_defaults_follow_the_paper():
     cfg = create_method("repper").config
     assert (cfg.tau, cfg.optimizer, cfg.lr, cfg.weight_decay) == (0.1, "adam", 1e-3, 1e-4)
-    assert cfg.supcon_form == "out"  # the paper's eq. 5 ('in') measured worse (issue 13)
-    # stage 2 (issue 13, measured): L2-normalized features, C chosen per client by cross-validation
+    assert cfg.supcon_form == "out"  # the paper's eq. 5 ('in') measured worse
+    # stage 2 (measured): L2-normalized features, C chosen per client by cross-validation
     assert cfg.projection_dim is None and cfg.head == "lr" and cfg.head_normalize and cfg.head_C is None
 
 

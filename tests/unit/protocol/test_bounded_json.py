@@ -1,6 +1,6 @@
 """Parse-safe input: every decoder of untrusted bytes refuses the poison classes with its own
 one-line error, and fuzzed input never raises anything else (the red team's 638 escapes in
-71,054 calls were all RecursionError from ``[[[[…`` headers: issue #37).
+71,054 calls were all RecursionError from ``[[[[…`` headers).
 
 One fuzz target per decoder, each seeded with the poison corpus below: a frame header, the
 coordinator's status / metrics / update gates, the fleet view (``edgepfl status``), a

@@ -459,7 +459,7 @@ def test_a_device_clock_a_day_ahead_then_corrected_is_ordered_again_within_the_t
 
 
 def test_on_an_unsigned_deployment_one_forged_status_or_refusal_cannot_keep_an_agent_out(keyring):
-    """The red team's default-deployment lockouts (issue #37), with no key at all: a status
+    """The red team's default-deployment lockouts, with no key at all: a status
     in alice's name of a session she never had, ``offline`` and dated ten years ahead, made
     her real births "an earlier process" (stale) for the rest of the run; a refusal
     ``unsupported_method`` naming her task (read off the task topic) excluded her until she
