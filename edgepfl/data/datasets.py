@@ -171,8 +171,14 @@ def _stats(pixels: np.ndarray) -> dict[str, list[float]]:
             m = sum(float(pixels[i:i + STATS_CHUNK, c].sum(dtype=np.float64)) for i in chunks) / count
             squares = sum(float(np.square(pixels[i:i + STATS_CHUNK, c] - m, dtype=np.float64).sum()) for i in chunks)
             s = float(np.sqrt(squares / count))
-        mean.append(round(m, 6))
-        std.append(round(max(s, 1e-6), 6))
+        if pixels.ndim == 4:
+            mean.append(round(m, 6))
+            std.append(round(max(s, 1e-6), 6))
+        else:
+            # raw values have any scale: 7 significant digits (float32's), not 6 decimals; a constant
+            # channel's std is floored relative to its mean, so its float32 rounding stays small
+            mean.append(float(f"{m:.7g}"))
+            std.append(float(f"{max(s, abs(m) * 1e-6, 1e-12):.7g}"))
     return {"mean": mean, "std": std}
 
 
@@ -245,7 +251,8 @@ def _to_values(x: np.ndarray, kind: InputKind, source: str) -> np.ndarray:
     """A series' or vector's raw values as float32 (N, C, T) / (N, D): any finite numbers."""
     if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer) or x.dtype == np.bool_):
         raise DataError(f"{source}: unsupported {kind} dtype {x.dtype}; store numbers")
-    values = x.astype(np.float32)
+    with np.errstate(over="ignore"):  # float64 past float32's range: refused below
+        values = x.astype(np.float32)
     if kind == "series" and values.ndim == 2:
         values = values[:, None]  # (N, T): one channel
     bad = (~np.isfinite(values)).reshape(len(values), -1).any(axis=1)

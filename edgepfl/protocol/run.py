@@ -14,6 +14,7 @@ that method's own config class. ``docs/PROTOCOL.md`` documents every field.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import (
@@ -44,7 +45,7 @@ InputKind = Literal["image", "series", "vector"]
 INPUT_DIMS: dict[str, int] = {"image": 3, "series": 2, "vector": 1}
 
 
-def kind_of_shape(input_shape: tuple[int, ...] | list[int]) -> InputKind:
+def kind_of_shape(input_shape: Sequence[int]) -> InputKind:
     """The input kind a sample shape of 3 (image), 2 (series) or 1 (vector) dimensions has."""
     for kind, ndim in INPUT_DIMS.items():
         if len(input_shape) == ndim:
