@@ -107,7 +107,10 @@ class Registry:
 
     def require_protocol(self, feature: tuple[int, int], needed_by: str) -> None:
         """Trainers whose status announced a protocol before ``feature`` get no task of this
-        run (``needed_by``: what needs it, for the log): a secure run's agents must take its steps."""
+        run (``needed_by``: what needs it, for the log): a secure run's agents must take its steps.
+        Of several features required, the latest holds (a minor version has every earlier one's)."""
+        if self._feature is not None and self._feature[0] >= feature:
+            return
         self._feature = (feature, needed_by)
         for agent_id in self.agents:
             self._refresh(agent_id)

@@ -39,6 +39,7 @@ from edgepfl.failpoints import failpoint
 from edgepfl.methods import Method, ServerState, create_method
 from edgepfl.metrics import HeadReport, RoundMetrics
 from edgepfl.protocol import (
+    INPUT_KINDS,
     CoordinatorMeta,
     RunSpec,
     seed_for,
@@ -75,6 +76,8 @@ class Coordinator:
         self.registry, self.counters, self.observer, self.inbox = side.registry, side.counters, side.observer, side.inbox
         self.signer, self.enrols = side.credentials.signer, side.credentials.keyring is not None
         self.registry.require(config.method.name, config.model.arch)
+        if self.run_spec.data.input_kind != "image":  # an agent before 1.10 cannot read the run's input_shape
+            self.registry.require_protocol(INPUT_KINDS, f"{self.run_spec.data.input_kind} inputs")
         self.progress, self.run_dir = Progress(config.rounds, enabled=progress), RunDirectory(out_dir)
         self.rollback = RollbackPolicy(config.aggregation.rollback_after, self.run_dir)
         self.privacy = PrivacyLedger(config, Path(out_dir))  # before a resume drops any row: what was spent

@@ -30,7 +30,7 @@ from .config_loading import (
 )
 from .privacy import PrivacySpec
 from .protocol.codec import DEFAULT_BLOCK, CodecName, UplinkSpec
-from .protocol.run import DataShape, MethodChoice, Normalization, RunSpec
+from .protocol.run import DataShape, MethodChoice, Normalization, RunSpec, kind_of_shape
 from .protocol.topics import check_segment
 from .rollout import RolloutSpec
 from .secagg import SecureAggregationSpec
@@ -254,7 +254,8 @@ class RunConfig(_Strict):
     seed: int = Field(0, description="seeds sampling, model initialisation and every agent's local training")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="the coordinator's torch device (auto: cuda "
                                                                          "when available)")
-    input_shape: list[int] | None = Field(None, min_length=3, max_length=3, description="C,H,W; default: from data")
+    input_shape: list[int] | None = Field(
+        None, min_length=1, max_length=3, description="image C,H,W; series C,T; vector D; default: from data")
     num_classes: int | None = Field(None, ge=2, description="default: from data")
     normalization: Normalization | None = Field(
         None, description="per-channel mean and std of the agents' inputs, sent in every task; default: from data")
@@ -370,7 +371,8 @@ class RunConfig(_Strict):
         The shape comes from the data (arguments, as :class:`edgepfl.data.ClientData`
         reports them) or, where an argument is absent, from this config's
         ``input_shape`` / ``num_classes`` / ``normalization``. Without class names, class
-        ``i`` is named ``"i"``.
+        ``i`` is named ``"i"``. The input kind follows from the shape's length (image 3,
+        series 2, vector 1).
         """
         input_shape = input_shape or self.input_shape
         num_classes = num_classes or self.num_classes
@@ -378,7 +380,12 @@ class RunConfig(_Strict):
             raise ConfigError("input_shape and num_classes are unknown: read them from the data or set them")
         if normalization and not isinstance(normalization, Normalization):
             normalization = Normalization.model_validate(dict(normalization))
+        try:
+            input_kind = kind_of_shape(input_shape)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         data = DataShape(
+            input_kind=input_kind,
             input_shape=tuple(input_shape),
             num_classes=num_classes,
             class_names=list(class_names or [str(i) for i in range(num_classes)]),

@@ -83,15 +83,60 @@ class PartitionSpec(_Strict):
         return self
 
 
+class InputSpec(_Strict):
+    """What one sample of the data is, and how its channels are normalized (docs/DATA.md)."""
+
+    kind: Literal["auto", "image", "series", "vector"] = Field(
+        "auto", description="image (C, H, W), series (C channels x T steps) or vector (D features); auto: from the "
+                            "npz array x: (N, D) a vector, (N, C, H, W) an image, (N, H, W) an image when it is "
+                            "uint8 or its values lie in 0..255 (integers) or [0, 1] (floats), else a series (N, C, T); "
+                            "csv: a series")
+    mean: list[float] | None = Field(
+        None, min_length=1, description="per-channel mean of the raw values (images: in [0, 1] units); with std, "
+                                        "used in place of the statistics the loader computes")
+    std: list[float] | None = Field(None, min_length=1, description="per-channel standard deviation, each > 0")
+
+    @model_validator(mode="after")
+    def _both_or_neither(self) -> InputSpec:
+        if (self.mean is None) != (self.std is None):
+            raise ValueError("give both mean and std, or neither")
+        if self.mean is not None and self.std is not None:
+            if len(self.mean) != len(self.std):
+                raise ValueError(f"mean has {len(self.mean)} channels, std {len(self.std)}")
+            if min(self.std) <= 0:
+                raise ValueError("every std must be positive")
+        return self
+
+
+class CsvSpec(_Strict):
+    """A sensor log as CSV: one row per time step, cut into windows of ``window`` rows (docs/DATA.md)."""
+
+    label: str = Field("label", description="the column holding each row's class")
+    channels: list[str] | None = Field(
+        None, min_length=1, description="the columns that are the series' channels, in order; null: every other "
+                                        "column, all of which must be numeric")
+    segment: str | None = Field(
+        None, description="a column whose value changes where a recording starts (another wearer, a gap): no window "
+                          "spans two segments")
+    window: int = Field(100, ge=1, description="rows (time steps) per window")
+    stride: int = Field(50, ge=1, description="rows from one window's start to the next's")
+    classes: list[str] | None = Field(
+        None, min_length=2, description="the class names in label order, so devices lacking a class agree on "
+                                        "indices; null: the labels found, sorted (numerically when all are numbers)")
+
+
 class DataSpec(_Strict):
     """Where a client's data comes from."""
 
-    dataset: Literal["fmnist", "digits", "torchvision", "imagefolder", "npz", "auto"] = Field(
+    dataset: Literal["fmnist", "digits", "torchvision", "imagefolder", "npz", "csv", "auto"] = Field(
         "auto", description="auto: Fashion-MNIST where it is installed (or $EDGEPFL_FMNIST_ROOT), else scikit-learn's "
                             "digits")
     root: ConfigPath | None = Field(
         None, description="fmnist: folder of the four IDX files (default: Debian's); imagefolder: folder of "
-                          "<class>/<image>; npz: the .npz file; torchvision: the dataset's local root")
+                          "<class>/<image>; npz: the .npz file; csv: the .csv file; torchvision: the dataset's local "
+                          "root")
+    input: InputSpec = Field(default_factory=InputSpec, description="what a sample is and how it is normalized")
+    csv: CsvSpec = Field(default_factory=CsvSpec, description="dataset csv: the columns and the windows")
     name: str | None = Field(None, description="torchvision dataset class name, e.g. CIFAR10")
     num_clients: int = Field(8, ge=1, description="partitions of a pooled dataset (one per agent); a device with "
                                                    "its own data: 1")

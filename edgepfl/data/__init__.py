@@ -25,6 +25,7 @@ from .datasets import (
 )
 from .domains import DOMAINS, apply_domain
 from .partition import PARTITIONERS, PartitionError, partition, stratified_take
+from .sensors import read_csv_windows
 
 __all__ = [
     "DOMAINS",
@@ -46,6 +47,7 @@ __all__ = [
     "load_imagefolder",
     "load_pool",
     "partition",
+    "read_csv_windows",
     "read_idx",
     "resolve_kind",
     "stratified_take",

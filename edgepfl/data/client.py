@@ -7,10 +7,13 @@ from typing import Any
 
 import numpy as np
 
+from ..protocol.run import INPUT_DIMS, InputKind, kind_of_shape
+
 
 @dataclass
 class ClientData:
-    """One client's train / held-out split, images normalized float32 (N, C, H, W)."""
+    """One client's train / held-out split, normalized float32 (N, *input_shape): images
+    (N, C, H, W), series (N, C, T) or vectors (N, D)."""
 
     x_train: np.ndarray
     y_train: np.ndarray
@@ -19,22 +22,30 @@ class ClientData:
     num_classes: int
     class_names: list[str] = field(default_factory=list)
     domain: str | None = None
-    #: how raw inputs were normalized: {"mean": [...], "std": [...]} per channel;
-    #: stored in export manifests so devices preprocess identically
+    #: how raw inputs were normalized: {"mean": [...], "std": [...]} per channel (images in
+    #: [0, 1] units, series and vectors in raw units); stored in export manifests so devices
+    #: preprocess identically
     normalization: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("x_train", "x_test"):
             arr = getattr(self, name)
-            if arr.dtype != np.float32 or arr.ndim != 4:
-                raise ValueError(f"{name} must be float32 (N, C, H, W), got {arr.dtype}{arr.shape}")
+            if arr.dtype != np.float32 or arr.ndim - 1 not in INPUT_DIMS.values():
+                raise ValueError(f"{name} must be float32 (N, C, H, W), (N, C, T) or (N, D), got {arr.dtype}{arr.shape}")
+        if self.x_train.shape[1:] != self.x_test.shape[1:]:
+            raise ValueError(f"x_train samples are {self.x_train.shape[1:]}, x_test's {self.x_test.shape[1:]}")
         if len(self.x_train) != len(self.y_train) or len(self.x_test) != len(self.y_test):
             raise ValueError("inputs and labels differ in length")
 
     @property
-    def input_shape(self) -> tuple[int, int, int]:
-        c, h, w = self.x_train.shape[1:]
-        return int(c), int(h), int(w)
+    def input_shape(self) -> tuple[int, ...]:
+        """One sample's shape: (C, H, W), (C, T) or (D,)."""
+        return tuple(int(d) for d in self.x_train.shape[1:])
+
+    @property
+    def input_kind(self) -> InputKind:
+        """What one sample is (``image``, ``series`` or ``vector``), from its shape."""
+        return kind_of_shape(self.input_shape)
 
     @property
     def num_train(self) -> int:

@@ -1,6 +1,9 @@
 """Datasets from local files, and each client's train / test split of them.
 
-Nothing here downloads anything. Importing this module needs numpy only (the head
+A sample is an image (C, H, W), a series (C channels over T steps) or a vector (D
+features); docs/DATA.md says how the kind is chosen and how each is normalized. Only
+images have a value range (uint8 0..255 or floats in [0, 1]); a series' or vector's raw
+values may be any finite numbers. Nothing here downloads anything. Importing this module needs numpy only (the head
 tier imports it without torch); scikit-learn, Pillow and torchvision are imported
 lazily by the dataset kinds that need them.
 
@@ -26,11 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from ..specs import DataSpec
+from ..protocol.run import INPUT_DIMS, InputKind, kind_of_shape
+from ..specs import CsvSpec, DataSpec, InputSpec
 from .client import ClientData
 from .domains import apply_domain, check_domains
 from .partition import PartitionError, partition, stratified_quota, stratified_take
 from .preprocess import IMAGE_SUFFIXES
+from .sensors import read_csv_windows
 
 #: where Debian's ``dataset-fashion-mnist`` installs the gzipped IDX files
 FMNIST_ROOT = "/usr/share/datasets/fashion-mnist"
@@ -52,14 +57,21 @@ class DataError(ValueError):
     """A dataset that cannot be loaded; the message says what to install or fix."""
 
 
+#: the array ranks of a batch of each input kind, and its name
+_BATCH_RANK = {kind: ndim + 1 for kind, ndim in INPUT_DIMS.items()}
+_LAYOUT = {"image": "(N, C, H, W)", "series": "(N, C, T)", "vector": "(N, D)"}
+
+
 @dataclass(eq=False)
 class Pool:
     """A whole decoded dataset.
 
-    ``pixels`` is the compact raw form (N, C, H, W): uint8 in 0..255 or float32 in
-    [0, 1]; :meth:`take` returns normalized float32 rows, and :attr:`x` the whole
-    normalized array (built on first use). Arrays are read-only: the pool is shared
-    by every client loaded in this process.
+    ``pixels`` is the compact raw form: images (N, C, H, W) uint8 in 0..255 or float32
+    in [0, 1]; series (N, C, T) or vectors (N, D) float32 of any finite value (the
+    :attr:`kind` follows from the rank). ``normalization`` is per channel (axis 1) of the
+    raw values, images in [0, 1] units. :meth:`take` returns normalized float32 rows, and
+    :attr:`x` the whole normalized array (built on first use). Arrays are read-only: the
+    pool is shared by every client loaded in this process.
     """
 
     pixels: np.ndarray
@@ -70,12 +82,14 @@ class Pool:
     _x: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.pixels.ndim != 4 or self.pixels.dtype not in (np.uint8, np.float32):
+        rank, dtype = self.pixels.ndim, self.pixels.dtype
+        if rank not in _BATCH_RANK.values() or dtype not in (np.uint8, np.float32) or (dtype == np.uint8 and rank != 4):
             raise DataError(
-                f"{self.source}: pixels must be uint8/float32 (N, C, H, W), got {self.pixels.dtype}{self.pixels.shape}"
+                f"{self.source}: samples must be uint8/float32 images (N, C, H, W), or float32 series (N, C, T) or "
+                f"vectors (N, D), got {dtype}{self.pixels.shape}"
             )
         if len(self.pixels) != len(self.y):
-            raise DataError(f"{self.source}: {len(self.pixels)} images but {len(self.y)} labels")
+            raise DataError(f"{self.source}: {len(self.pixels)} samples but {len(self.y)} labels")
         if len(self.y) and (self.y.min() < 0 or self.y.max() >= len(self.class_names)):
             raise DataError(f"{self.source}: labels must lie in 0..{len(self.class_names) - 1}")
         channels = self.pixels.shape[1]
@@ -95,16 +109,22 @@ class Pool:
         return len(self.class_names)
 
     @property
-    def input_shape(self) -> tuple[int, int, int]:
-        c, h, w = self.pixels.shape[1:]
-        return int(c), int(h), int(w)
+    def input_shape(self) -> tuple[int, ...]:
+        """One sample's shape: (C, H, W), (C, T) or (D,)."""
+        return tuple(int(d) for d in self.pixels.shape[1:])
+
+    @property
+    def kind(self) -> InputKind:
+        """What one sample is: ``image``, ``series`` or ``vector``."""
+        return kind_of_shape(self.input_shape)
 
     def take(self, indices: np.ndarray) -> np.ndarray:
-        """Normalized float32 images (n, C, H, W) of the given pool indices (a copy)."""
+        """Normalized float32 samples (n, *input_shape) of the given pool indices (a copy)."""
         raw = self.pixels[np.asarray(indices, dtype=np.int64)].astype(np.float32)
         scale = np.float32(1 / 255) if self.pixels.dtype == np.uint8 else np.float32(1)
-        mean = np.asarray(self.normalization["mean"], np.float32).reshape(1, -1, 1, 1)
-        std = np.asarray(self.normalization["std"], np.float32).reshape(1, -1, 1, 1)
+        per_channel = (1, -1) + (1,) * (raw.ndim - 2)
+        mean = np.asarray(self.normalization["mean"], np.float32).reshape(per_channel)
+        std = np.asarray(self.normalization["std"], np.float32).reshape(per_channel)
         # (raw*scale - mean)/std folded into one multiply-add over the batch
         raw *= scale / std
         raw -= mean / std
@@ -112,7 +132,7 @@ class Pool:
 
     @property
     def x(self) -> np.ndarray:
-        """All images, normalized float32 (N, C, H, W), read-only."""
+        """All samples, normalized float32 (N, *input_shape), read-only."""
         if self._x is None:
             x = self.take(np.arange(len(self)))
             x.setflags(write=False)
@@ -122,12 +142,14 @@ class Pool:
 
 # ----------------------------------------------------------------------------- stats
 
-#: images per slice when computing a pool's statistics
+#: samples per slice when computing a pool's statistics
 STATS_CHUNK = 4096
 
 
 def _stats(pixels: np.ndarray) -> dict[str, list[float]]:
-    """Per-channel mean / std of the pool in [0, 1] units, exact, in bounded memory.
+    """Per-channel mean / std of the pool, exact, in bounded memory: images in [0, 1]
+    units, series and vectors in their own (a series' channel over every time step of
+    every sample, a vector's feature over every sample).
 
     Taken over slices of :data:`STATS_CHUNK` images: ``np.bincount`` casts its input to
     int64 and a float std subtracts the mean into a copy, so one call over a whole pool
@@ -149,8 +171,14 @@ def _stats(pixels: np.ndarray) -> dict[str, list[float]]:
             m = sum(float(pixels[i:i + STATS_CHUNK, c].sum(dtype=np.float64)) for i in chunks) / count
             squares = sum(float(np.square(pixels[i:i + STATS_CHUNK, c] - m, dtype=np.float64).sum()) for i in chunks)
             s = float(np.sqrt(squares / count))
-        mean.append(round(m, 6))
-        std.append(round(max(s, 1e-6), 6))
+        if pixels.ndim == 4:
+            mean.append(round(m, 6))
+            std.append(round(max(s, 1e-6), 6))
+        else:
+            # raw values have any scale: 7 significant digits (float32's), not 6 decimals; a constant
+            # channel's std is floored relative to its mean, so its float32 rounding stays small
+            mean.append(float(f"{m:.7g}"))
+            std.append(float(f"{max(s, abs(m) * 1e-6, 1e-12):.7g}"))
     return {"mean": mean, "std": std}
 
 
@@ -185,6 +213,71 @@ def _to_pixels(x: np.ndarray, source: str) -> np.ndarray:
             raise DataError(f"{source}: integer images must lie in 0..255")
         return np.ascontiguousarray(x.astype(np.uint8))
     raise DataError(f"{source}: unsupported image dtype {x.dtype}")
+
+
+def _looks_like_image(x: np.ndarray) -> bool:
+    """Whether an (N, H, W) array is grayscale images by its values: uint8, integers in
+    0..255 or finite floats in [0, 1] (anything else is a series)."""
+    if x.dtype == np.uint8:
+        return True
+    if np.issubdtype(x.dtype, np.integer):
+        return not x.size or (x.min() >= 0 and x.max() <= 255)
+    if np.issubdtype(x.dtype, np.floating):
+        return bool(np.isfinite(x).all()) and (not x.size or (x.min() >= 0 and x.max() <= 1))
+    return False
+
+
+def input_kind_of(x: np.ndarray, requested: str, source: str) -> InputKind:
+    """The kind of the samples in array ``x`` (N, ...): ``requested`` (``data.input.kind``), or
+    for ``auto`` by rank: (N, D) a vector, (N, C, H, W) an image, (N, H, W) an image when
+    :func:`_looks_like_image`, else a series (N, C, T)."""
+    layouts = {"image": (3, 4), "series": (2, 3), "vector": (2,)}
+    if requested != "auto":
+        if x.ndim not in layouts[requested]:
+            want = {"image": "(N, H, W) or (N, C, H, W)", "series": "(N, T) or (N, C, T)", "vector": "(N, D)"}
+            raise DataError(f"{source}: {requested} samples must be {want[requested]}, got shape {x.shape}")
+        return requested  # type: ignore[return-value]
+    if x.ndim == 2:
+        return "vector"
+    if x.ndim == 4 or (x.ndim == 3 and _looks_like_image(x)):
+        return "image"
+    if x.ndim == 3:
+        return "series"
+    raise DataError(f"{source}: samples must be vectors (N, D), series (N, C, T) or images (N, H, W) / (N, C, H, W), "
+                    f"got shape {x.shape}")
+
+
+def _to_values(x: np.ndarray, kind: InputKind, source: str) -> np.ndarray:
+    """A series' or vector's raw values as float32 (N, C, T) / (N, D): any finite numbers."""
+    if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer) or x.dtype == np.bool_):
+        raise DataError(f"{source}: unsupported {kind} dtype {x.dtype}; store numbers")
+    with np.errstate(over="ignore"):  # float64 past float32's range: refused below
+        values = x.astype(np.float32)
+    if kind == "series" and values.ndim == 2:
+        values = values[:, None]  # (N, T): one channel
+    bad = (~np.isfinite(values)).reshape(len(values), -1).any(axis=1)
+    if bad.any():
+        # float64 values past float32's range become Inf here, not in the file
+        in_file = np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all()
+        what = "NaN or Inf" if in_file else f"values beyond float32's range ({x.dtype})"
+        raise DataError(f"{source}: {int(bad.sum())} {kind} samples contain {what}, the first is sample "
+                        f"{int(np.flatnonzero(bad)[0])}; drop or fill them")
+    return np.ascontiguousarray(values)
+
+
+def _normalization(given: InputSpec, stored: dict[str, list[float]] | None, pixels: np.ndarray,
+                   computed: bool, source: str) -> dict[str, list[float]]:
+    """Per-channel statistics: the config's (``data.input.mean/std``), else the file's, else
+    computed from ``pixels`` (``computed``) or the fixed :data:`DEVICE_NORMALIZATION`."""
+    if given.mean is not None and given.std is not None:
+        norm = {"mean": list(given.mean), "std": list(given.std)}
+    elif stored is not None:
+        norm = stored
+    else:
+        return _stats(pixels) if computed else _fixed_stats(pixels.shape[1])
+    if len(norm["mean"]) != pixels.shape[1]:
+        raise DataError(f"{source}: normalization has {len(norm['mean'])} channels, the samples {pixels.shape[1]}")
+    return norm
 
 
 def _to_labels(y: Any, source: str) -> np.ndarray:
@@ -341,7 +434,7 @@ def _load_torchvision(name: str | None, root: str | None) -> Pool:
 # ----------------------------------------------------------------------------- npz
 
 
-def _load_npz(root: str | None) -> Pool:
+def _load_npz(root: str | None, given: InputSpec) -> Pool:
     if not root:
         raise DataError("data.dataset 'npz' needs data.root: the path of a .npz file")
     path = Path(root)
@@ -356,19 +449,38 @@ def _load_npz(root: str | None) -> Pool:
     except (OSError, zlib.error) as exc:
         raise DataError(f"{path}: not a readable .npz file ({exc})") from None
     if "x" not in arrays or "y" not in arrays:
-        raise DataError(f"{path}: needs arrays 'x' (images) and 'y' (labels), found {sorted(arrays)}")
+        raise DataError(f"{path}: needs arrays 'x' (samples) and 'y' (labels), found {sorted(arrays)}")
     source = f"npz:{path}"
-    pixels = _to_pixels(arrays["x"], source)
+    x = np.asarray(arrays["x"])
+    kind = input_kind_of(x, given.kind, source)
+    pixels = _to_pixels(x, source) if kind == "image" else _to_values(x, kind, source)
     y = _to_labels(arrays["y"], source)
     if "class_names" in arrays:
         names = [str(s) for s in np.asarray(arrays["class_names"]).ravel()]
     else:
         names = [str(i) for i in range(int(y.max()) + 1 if len(y) else 0)]
+    stored = None
     if "mean" in arrays and "std" in arrays:
-        norm = {k: [float(v) for v in np.asarray(arrays[k], np.float64).ravel()] for k in ("mean", "std")}
-    else:
-        norm = _fixed_stats(pixels.shape[1])
-    return Pool(pixels, y, names, norm, source)
+        stored = {k: [float(v) for v in np.asarray(arrays[k], np.float64).ravel()] for k in ("mean", "std")}
+    # images of a device's own file: fixed statistics, as before kinds existed; a series or
+    # vector has no common scale to fix, so its statistics come from the file
+    return Pool(pixels, y, names, _normalization(given, stored, pixels, kind != "image", source), source)
+
+
+# ----------------------------------------------------------------------------- csv
+
+
+def _load_csv(root: str | None, csv: CsvSpec, given: InputSpec) -> Pool:
+    if not root:
+        raise DataError("data.dataset 'csv' needs data.root: the path of a .csv sensor log")
+    if given.kind not in ("auto", "series"):
+        raise DataError(f"a csv sensor log holds series; data.input.kind is {given.kind}")
+    try:
+        x, y, names = read_csv_windows(root, csv)
+    except ValueError as exc:
+        raise DataError(str(exc)) from None
+    source = f"csv:{Path(root)}"
+    return Pool(x, y, names, _normalization(given, None, x, True, source), source)
 
 
 # ----------------------------------------------------------------------------- imagefolder
@@ -444,20 +556,30 @@ def resolve_kind(spec: DataSpec) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _cached_pool(kind: str, root: str | None, name: str | None) -> Pool:
-    if kind == "fmnist":
-        return _load_fmnist(root)
-    if kind == "digits":
-        return _load_digits()
-    if kind == "torchvision":
-        return _load_torchvision(name, root)
+def _cached_pool(kind: str, root: str | None, name: str | None, input_json: str, csv_json: str | None) -> Pool:
+    given = InputSpec.model_validate_json(input_json)
     if kind == "npz":
-        return _load_npz(root)
-    if kind == "imagefolder":
+        return _load_npz(root, given)
+    if kind == "csv":
+        return _load_csv(root, CsvSpec.model_validate_json(csv_json or "{}"), given)
+    if given.kind not in ("auto", "image"):
+        raise DataError(f"dataset {kind} holds images; data.input.kind is {given.kind}")
+    if kind == "fmnist":
+        pool = _load_fmnist(root)
+    elif kind == "digits":
+        pool = _load_digits()
+    elif kind == "torchvision":
+        pool = _load_torchvision(name, root)
+    elif kind == "imagefolder":
         if not root:
             raise DataError("data.dataset 'imagefolder' needs data.root: a folder of <class>/<image> files")
-        return load_imagefolder(root)
-    raise DataError(f"unknown dataset kind {kind!r}")
+        pool = load_imagefolder(root)
+    else:
+        raise DataError(f"unknown dataset kind {kind!r}")
+    if given.mean is not None:
+        norm = _normalization(given, None, pool.pixels, False, pool.source)
+        pool = Pool(pool.pixels, pool.y, pool.class_names, norm, pool.source)
+    return pool
 
 
 def load_pool(spec: DataSpec) -> Pool:
@@ -477,7 +599,7 @@ def clear_cache() -> None:
 
 def _owns_whole_pool(spec: DataSpec, kind: str) -> bool:
     # a device's own file or folder is not partitioned when it is the only client
-    return kind in ("imagefolder", "npz") and spec.num_clients == 1
+    return kind in ("imagefolder", "npz", "csv") and spec.num_clients == 1
 
 
 def _seeded(spec: DataSpec, *stream: int) -> np.random.Generator:
@@ -529,11 +651,12 @@ def _cached_split(pool_key: tuple, spec_json: str) -> tuple[tuple[np.ndarray, np
     return tuple(out)
 
 
-def _pool_key(spec: DataSpec) -> tuple[str, str | None, str | None]:
+def _pool_key(spec: DataSpec) -> tuple[str, str | None, str | None, str, str | None]:
     """Cache key: only the fields that change what is decoded."""
     kind = resolve_kind(spec)
     root = os.path.abspath(os.path.expanduser(spec.root)) if spec.root and kind != "digits" else None
-    return (kind, root, spec.name if kind == "torchvision" else None)
+    return (kind, root, spec.name if kind == "torchvision" else None, spec.input.model_dump_json(),
+            spec.csv.model_dump_json() if kind == "csv" else None)
 
 
 def client_indices(spec: DataSpec, client_index: int) -> tuple[np.ndarray, np.ndarray]:

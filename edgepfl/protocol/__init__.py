@@ -29,6 +29,7 @@ from .manifest import (
 )
 from .messages import (
     CODECS,
+    INPUT_KINDS,
     PROTOCOL_VERSION,
     REFUSAL_REASONS,
     RELEASE_DELTAS,
@@ -54,7 +55,7 @@ from .messages import (
 )
 from .presence import RollCall
 from .reassembly import Reassembler
-from .run import PIXEL_SCALE, DataShape, MethodChoice, Normalization, RunSpec, seed_for
+from .run import PIXEL_SCALE, DataShape, InputKind, MethodChoice, Normalization, RunSpec, kind_of_shape, seed_for
 from .topics import (
     AgentChannel,
     FederationChannel,
@@ -73,7 +74,7 @@ __all__ = [
     "CoordinatorMeta", "DataShape", "FederationChannel", "FileEntry", "GlobalHeadsEntry", "ManifestError", "Message",
     "MessageType", "MethodChoice", "MetricsMeta", "Normalization", "ProtocolError", "Reassembler", "ReleaseManifest",
     "ReleaseDelta", "ReleaseMeta", "RELEASE_DELTAS", "RELEASE_REFS", "RELEASE_RESTORE", "RELEASE_REFUSALS", "ReleaseRef",
-    "RollCall", "SECURE_AGGREGATION",
+    "RollCall", "SECURE_AGGREGATION", "INPUT_KINDS", "InputKind", "kind_of_shape",
     "RunSpec", "StatusMeta", "TASK_DELTAS", "TaskDelta", "TaskMeta", "TopicError",
     "UpdateMeta", "agent_topic", "agent_wildcard",
     "decode", "encode", "federation_topic", "new_message_id", "parse_manifest", "parse_topic", "read_manifest",

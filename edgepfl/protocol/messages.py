@@ -94,6 +94,9 @@ RELEASE_DELTAS = TASK_DELTAS = (1, 7)
 RELEASE_RESTORE = (1, 8)
 #: the protocol version of secure aggregation (``secagg`` messages, ``task.secagg``; PROTOCOL.md §19)
 SECURE_AGGREGATION = (1, 9)
+#: the protocol version of series and vector inputs (``run.data.input_kind``, an ``input_shape`` of 2 or 1
+#: entries): a run of them goes only to agents that announced it
+INPUT_KINDS = (1, 10)
 
 
 class ReleaseRef(_Meta):

@@ -14,15 +14,44 @@ that method's own config class. ``docs/PROTOCOL.md`` documents every field.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, PositiveFloat, PositiveInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    PositiveFloat,
+    PositiveInt,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from edgepfl.specs import ModelSpec, TrainConfig
 
-__all__ = ["DataShape", "MethodChoice", "Normalization", "PIXEL_SCALE", "RunSpec"]
+from .evolution import since
+
+__all__ = ["DataShape", "INPUT_DIMS", "InputKind", "MethodChoice", "Normalization", "PIXEL_SCALE", "RunSpec",
+           "kind_of_shape"]
 
 #: raw 8-bit pixel values (0..255) times this give the [0, 1] values normalization starts from
 PIXEL_SCALE = 1 / 255
+
+#: what one sample is: an image (C, H, W), a series (C channels over T steps) or a vector (D features)
+InputKind = Literal["image", "series", "vector"]
+#: the dimensions of one sample of each kind (``input_shape`` has exactly this many entries)
+INPUT_DIMS: dict[str, int] = {"image": 3, "series": 2, "vector": 1}
+
+
+def kind_of_shape(input_shape: Sequence[int]) -> InputKind:
+    """The input kind a sample shape of 3 (image), 2 (series) or 1 (vector) dimensions has."""
+    for kind, ndim in INPUT_DIMS.items():
+        if len(input_shape) == ndim:
+            return kind  # type: ignore[return-value]
+    raise ValueError(f"an input shape has 1 (vector D), 2 (series C, T) or 3 (image C, H, W) entries, "
+                     f"got {list(input_shape)}")
 
 
 class _Spec(BaseModel):
@@ -37,7 +66,10 @@ class MethodChoice(_Spec):
 
 
 class Normalization(_Spec):
-    """Per-channel standardization of scaled pixels: ``x[c] = (p[c] * pixel_scale - mean[c]) / std[c]``."""
+    """Per-channel standardization of scaled raw values: ``x[c] = (p[c] * pixel_scale - mean[c]) / std[c]``.
+
+    A channel is axis 1 of a batch: an image's colour channel, a series' channel (statistics over
+    time and samples), a vector's feature."""
 
     mean: list[float] = Field(min_length=1)
     std: list[PositiveFloat] = Field(min_length=1)
@@ -50,26 +82,55 @@ class Normalization(_Spec):
 
 
 class DataShape(_Spec):
-    """The shape of a run's data: model input, classes, and how raw pixels become inputs.
+    """The shape of a run's data: model input, classes, and how raw values become inputs.
 
+    ``input_kind`` says what one sample is; ``input_shape`` has its dimensions (image
+    C, H, W; series C, T; vector D). Raw image pixels are scaled by ``pixel_scale``; a
+    series' or vector's raw values are taken as they are (``pixel_scale`` is 1).
     ``normalization`` is ``None`` when the coordinator was given the input shape and
     class count without reading the data (then nobody can say how agents normalized).
     """
 
-    input_shape: tuple[PositiveInt, PositiveInt, PositiveInt] = Field(description="C, H, W")
+    input_kind: InputKind = Field(
+        "image", json_schema_extra=since("1.10"),
+        description="image (C, H, W), series (C, T) or vector (D); left out of frames and files when image")
+    input_shape: tuple[PositiveInt, ...] = Field(
+        min_length=1, max_length=3, description="image: C, H, W; series: C, T; vector: D")
     num_classes: int = Field(ge=2)
     class_names: list[str] = Field(description="label i is class_names[i]; exactly num_classes names")
-    pixel_scale: PositiveFloat = PIXEL_SCALE
+    pixel_scale: PositiveFloat = Field(PIXEL_SCALE, description="raw values times this; 1 for series and vectors")
     normalization: Normalization | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unscaled_unless_image(cls, data: Any) -> Any:
+        # a series' or vector's raw values are the values: its default scale is 1, not 1/255
+        if isinstance(data, dict) and data.get("input_kind", "image") != "image" and "pixel_scale" not in data:
+            return {**data, "pixel_scale": 1.0}
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> DataShape:
+        if len(self.input_shape) != INPUT_DIMS[self.input_kind]:
+            raise ValueError(f"an {self.input_kind} input has {INPUT_DIMS[self.input_kind]} dimensions, "
+                             f"input_shape {list(self.input_shape)} has {len(self.input_shape)}")
+        if self.input_kind != "image" and self.pixel_scale != 1:
+            raise ValueError(f"pixel_scale applies to images; a {self.input_kind}'s is 1, got {self.pixel_scale}")
         if len(self.class_names) != self.num_classes:
             raise ValueError(f"{len(self.class_names)} class names for {self.num_classes} classes")
         if self.normalization is not None and len(self.normalization.mean) != self.input_shape[0]:
             raise ValueError(f"normalization has {len(self.normalization.mean)} channels, "
                              f"the input {self.input_shape[0]}")
         return self
+
+    @model_serializer(mode="wrap")
+    def _image_kind_left_out(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # an image run's run spec is byte for byte what it was before input kinds existed, in
+        # frames, manifests and checkpoints alike, so older readers and signed files see no change
+        out = handler(self)
+        if self.input_kind == "image":
+            out.pop("input_kind", None)
+        return out
 
 
 class RunSpec(_Spec):
