@@ -54,7 +54,8 @@ class ModelSpec(_Strict):
                            "CNN of FedPAC's published code (16 / 32 channels, LeakyReLU; with norm: none as there); "
                            "'cnn1d': series C x T; 'mlp': any input, flattened. Any other value is your own encoder "
                            "(docs/MODELS.md, \"Your own encoder\"): 'module:callable', an import path, or the name "
-                           "of an installed edgepfl.models entry point"
+                           "of an installed edgepfl.models entry point; every trainer must be able to import it, "
+                           "a head agent needs only the exported ONNX encoder"
     )
     feature_dim: int = Field(128, ge=2, description="encoder output size (cnn / fedpac_cnn / cnn1d / mlp / your own)")
     norm: Literal["batch", "none"] = Field(
