@@ -8,6 +8,8 @@ that validates whole run configurations (:mod:`edgepfl.config`).
 from __future__ import annotations
 
 import os
+import re
+import typing
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
@@ -35,8 +37,9 @@ class _Strict(BaseModel):
 
 #: the encoders edgepfl builds itself (docs/MODELS.md); any other ``model.arch`` names a plugin
 BuiltinArch = Literal["cnn", "cnn1d", "fedpac_cnn", "mlp", "resnet18", "mobilenet_v3_small", "identity"]
-#: a plugin encoder: ``module:callable`` (an import path) or the name of an ``edgepfl.models`` entry point
-PluginArch = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][\w.-]*(:[A-Za-z_][\w.]*)?$", max_length=200)]
+#: how a plugin encoder is named: ``module:callable`` (an import path) or an ``edgepfl.models`` entry point's name
+PLUGIN_ARCH_PATTERN = r"^[A-Za-z_][\w.-]*(:[A-Za-z_][\w.]*)?$"
+PluginArch = Annotated[str, StringConstraints(pattern=PLUGIN_ARCH_PATTERN, max_length=200)]
 
 
 
@@ -61,6 +64,16 @@ class ModelSpec(_Strict):
     norm: Literal["batch", "none"] = Field(
         "batch", description="BatchNorm in the encoder, or none (your own encoder: none forbids BatchNorm layers)")
     weights: ConfigPath | None = Field(None, description="local state_dict file for resnet18 / mobilenet_v3_small")
+
+    @field_validator("arch", mode="before")
+    @classmethod
+    def _one_line_for_a_bad_arch(cls, value: object) -> object:
+        """One message for an arch that is neither a built-in nor a plugin's name (not one per union member)."""
+        if isinstance(value, str) and value not in typing.get_args(BuiltinArch) and (
+                len(value) > 200 or not re.match(PLUGIN_ARCH_PATTERN, value)):
+            raise ValueError(f"{value!r} is neither a built-in encoder ({', '.join(typing.get_args(BuiltinArch))}) nor "
+                             "a plugin encoder's 'module:callable' or entry-point name")
+        return value
 
 
 class TrainConfig(_Strict):

@@ -248,3 +248,36 @@ def test_an_import_path_is_not_matched_against_announced_archs_and_an_entry_poin
     registry.require("fedavg", "sensor-cnn")
     assert registry.incapable(announced) == "its capabilities do not include arch sensor-cnn"
     assert registry.incapable(announced.model_copy(update={"archs": ["cnn", "sensor-cnn"]})) is None
+
+
+# --------------------------------------------------------------------------- naming a plugin
+
+
+def test_a_config_takes_an_import_path_or_an_entry_point_name_and_refuses_anything_else_in_one_message():
+    from pydantic import ValidationError
+
+    assert ModelSpec(arch="sensor_models.cnn:build").arch == "sensor_models.cnn:build"
+    assert ModelSpec(arch="sensor-cnn").arch == "sensor-cnn"
+    for bad in ("a b", "1x:y", "m:f:g"):
+        with pytest.raises(ValidationError) as caught:
+            ModelSpec(arch=bad)
+        assert caught.value.error_count() == 1 and "neither a built-in encoder" in str(caught.value)
+
+
+def test_an_installed_packages_entry_point_names_a_plugin_and_a_trainer_announces_it(tmp_path, monkeypatch):
+    """A package installed on the path (its dist-info, as pip writes it) registers ``sensor-cnn``."""
+    from edgepfl.edge_agent.trainer import buildable_archs
+    from edgepfl.models import installed_plugin_archs
+
+    info = tmp_path / "sensor_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sensor-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[edgepfl.models]\nsensor-cnn = sensor_cnn:build\nbroken = sensor_cnn:missing\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert {"sensor-cnn", "broken"} <= set(installed_plugin_archs())
+    assert {"cnn1d", "sensor-cnn"} <= set(buildable_archs())
+    torch.manual_seed(0)
+    encoder = build_encoder(ModelSpec(arch="sensor-cnn", feature_dim=16), SERIES)
+    assert isinstance(encoder, PluginEncoder) and type(encoder.net).__name__ == "SensorCNN"
+    with pytest.raises(ModelSpecError, match=r"^model.arch broken \(entry point sensor_cnn:missing\): cannot load it"):
+        build_encoder(ModelSpec(arch="broken", feature_dim=16), SERIES)
