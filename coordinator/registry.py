@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from edgepfl.protocol import Capabilities, StatusMeta, supports
 from edgepfl.protocol.clock import wall_time
+from edgepfl.specs import is_import_path
 
 from .clock import Clock, WallClock
 
@@ -128,7 +129,10 @@ class Registry:
             return None
         if self._method is not None and capabilities.methods is not None and self._method not in capabilities.methods:
             return f"its capabilities do not include method {self._method}"
-        if self._arch is not None and capabilities.archs is not None and self._arch not in capabilities.archs:
+        # an import path (a plugin module:callable) is never announced: the agent finds out when it builds
+        # the task's model, and refuses it (unsupported_arch) if the module does not import there
+        if (self._arch is not None and capabilities.archs is not None and not is_import_path(self._arch)
+                and self._arch not in capabilities.archs):
             return f"its capabilities do not include arch {self._arch}"
         largest = capabilities.max_payload_bytes
         if self._task_bytes is not None and largest is not None and self._task_bytes > largest:

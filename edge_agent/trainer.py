@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import typing
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from edgepfl.data.preprocess import conversion
 from edgepfl.heads.labels import LabelMismatch, run_label_index
 from edgepfl.methods import ClientUpdate, LocalContext, Method, available_methods, create_method, get_method
 from edgepfl.methods.base import load_tensors
-from edgepfl.models import TORCHVISION_ARCHS
+from edgepfl.models import BUILTIN_ARCHS, TORCHVISION_ARCHS, installed_plugin_archs, is_import_path
 from edgepfl.protocol import (
     REFUSAL_REASONS,
     Message,
@@ -43,7 +42,6 @@ from edgepfl.protocol.codec import tensors_digest
 from edgepfl.protocol.secagg import MASKED_TENSOR
 from edgepfl.protocol.signing import Signer
 from edgepfl.secagg import SecAggError
-from edgepfl.specs import ModelSpec
 
 from .secure import SecureSessions
 
@@ -90,12 +88,14 @@ class TaskRefused(ValueError):
 
 
 def buildable_archs() -> list[str]:
-    """Every ``run.model.arch`` this process can build (the torchvision ones only with torchvision)."""
+    """Every ``run.model.arch`` this process announces it can build: the built-ins (the
+    torchvision ones only with torchvision) and the installed ``edgepfl.models`` entry points.
+    An import path ``module:callable`` is never announced: whether it imports is found when a
+    task names it (a task this agent cannot build is refused, ``unsupported_arch``)."""
     from importlib.util import find_spec
 
-    archs = typing.get_args(ModelSpec.model_fields["arch"].annotation)
     vision = find_spec("torchvision") is not None
-    return [a for a in archs if vision or a not in TORCHVISION_ARCHS]
+    return [a for a in BUILTIN_ARCHS if vision or a not in TORCHVISION_ARCHS] + installed_plugin_archs()
 
 
 def trainable_methods() -> list[str]:
@@ -243,9 +243,10 @@ class TrainerRuntime:
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'options'}: {e['msg']}" for e in exc.errors())
             raise self._refuse(meta, round, "bad_options", f"{run.method.name} options: {problems}") from None
-        if run.model.arch not in buildable_archs():
+        if not is_import_path(run.model.arch) and run.model.arch not in buildable_archs():
             raise self._refuse(meta, round, "unsupported_arch", f"this agent cannot build arch {run.model.arch!r} "
-                               f"(it builds {', '.join(buildable_archs())})")
+                               f"(it builds {', '.join(buildable_archs())}; a plugin's entry point needs its package "
+                               "installed here)")
         torch.manual_seed(seed_for(run.seed, "init", self.agent_id))
         # A task never names a file on this device: run.model.weights is the coordinator's
         # path (its pretrained backbone reaches agents as the task's tensors). Opened here,

@@ -8,9 +8,11 @@ that validates whole run configurations (:mod:`edgepfl.config`).
 from __future__ import annotations
 
 import os
+import re
+import typing
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from .atomic import read_private
 
@@ -33,17 +35,45 @@ class _Strict(BaseModel):
     model_config = ConfigDict(defer_build=True, extra="forbid", protected_namespaces=())
 
 
+#: the encoders edgepfl builds itself (docs/MODELS.md); any other ``model.arch`` names a plugin
+BuiltinArch = Literal["cnn", "cnn1d", "fedpac_cnn", "mlp", "resnet18", "mobilenet_v3_small", "identity"]
+#: how a plugin encoder is named: ``module:callable`` (an import path) or an ``edgepfl.models`` entry point's name
+PLUGIN_ARCH_PATTERN = r"^[A-Za-z_][\w.-]*(:[A-Za-z_][\w.]*)?$"
+PluginArch = Annotated[str, StringConstraints(pattern=PLUGIN_ARCH_PATTERN, max_length=200)]
+
+
+
+def is_import_path(arch: str) -> bool:
+    """Whether ``arch`` is a plugin's import path ``module:callable`` (not a built-in or an entry point's name)."""
+    return ":" in arch
+
+
 class ModelSpec(_Strict):
     """Which network to build. Weights are only ever read from a local file."""
 
-    arch: Literal["cnn", "fedpac_cnn", "mlp", "resnet18", "mobilenet_v3_small", "identity"] = Field(
+    arch: BuiltinArch | PluginArch = Field(
         "cnn", description="'identity': inputs already are feature vectors, the encoder only flattens them "
                            "(how a method's head is fitted on an exported encoder's features); 'fedpac_cnn': the "
-                           "CNN of FedPAC's published code (16 / 32 channels, LeakyReLU; with norm: none as there)"
+                           "CNN of FedPAC's published code (16 / 32 channels, LeakyReLU; with norm: none as there); "
+                           "'cnn1d': series C x T; 'mlp': any input, flattened. Any other value is your own encoder "
+                           "(docs/MODELS.md, \"Your own encoder\"): 'module:callable', an import path, or the name "
+                           "of an installed edgepfl.models entry point; every trainer must be able to import it, "
+                           "a head agent needs only the exported ONNX encoder"
     )
-    feature_dim: int = Field(128, ge=2, description="encoder output size (cnn / fedpac_cnn / mlp)")
-    norm: Literal["batch", "none"] = Field("batch", description="BatchNorm in the encoder, or none")
+    feature_dim: int = Field(128, ge=2, description="encoder output size (cnn / fedpac_cnn / cnn1d / mlp / your own)")
+    norm: Literal["batch", "none"] = Field(
+        "batch", description="BatchNorm in the encoder, or none (your own encoder: none forbids BatchNorm layers)")
     weights: ConfigPath | None = Field(None, description="local state_dict file for resnet18 / mobilenet_v3_small")
+
+    @field_validator("arch", mode="before")
+    @classmethod
+    def _one_line_for_a_bad_arch(cls, value: object) -> object:
+        """One message for an arch that is neither a built-in nor a plugin's name (not one per union member)."""
+        if isinstance(value, str) and value not in typing.get_args(BuiltinArch) and (
+                len(value) > 200 or not re.match(PLUGIN_ARCH_PATTERN, value)):
+            raise ValueError(f"{value!r} is neither a built-in encoder ({', '.join(typing.get_args(BuiltinArch))}) nor "
+                             "a plugin encoder's 'module:callable' or entry-point name")
+        return value
 
 
 class TrainConfig(_Strict):

@@ -29,6 +29,7 @@ import datetime as _dt
 import hashlib
 import io
 import logging
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -244,13 +245,23 @@ def encoder_to_onnx(encoder, input_shape: tuple[int, ...]) -> bytes:
     target = cast(Any, buf)
     # The TorchScript exporter: deterministic, fast, and emits exactly the opset asked for,
     # which the heads (skl2onnx) target too so encoder and head graphs can be fused.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            encoder, (dummy,), target, dynamo=False, opset_version=OPSET,
-            input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
-            dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
-        )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                encoder, (dummy,), target, dynamo=False, opset_version=OPSET,
+                input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+                dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
+            )
+    except torch.onnx.errors.UnsupportedOperatorError as exc:
+        # the exporter's message names the op, then dumps the whole traced graph: keep the name
+        op = re.search(r"operator '([^']+)'", str(exc))
+        raise ExportError(f"{_encoder_name(encoder)} cannot be exported to ONNX: it uses "
+                          f"{op.group(1) if op else 'an operator'}, which has no ONNX export at opset {OPSET}; "
+                          "write that step with other operators") from None
+    except torch.onnx.errors.OnnxExporterError as exc:
+        raise ExportError(f"{_encoder_name(encoder)} cannot be exported to ONNX: {str(exc).strip().splitlines()[0]}") \
+            from None
     model = onnx.load_from_string(buf.getvalue())
     onnx.checker.check_model(model, full_check=True)
     return buf.getvalue()
@@ -279,6 +290,12 @@ def read_global_heads(out_dir: str | Path, manifest: ReleaseManifest) -> bytes |
 
 
 # --------------------------------------------------------------------------- helpers
+def _encoder_name(encoder) -> str:
+    """How an export error names the encoder: a plugin by its ``model.arch``."""
+    arch = getattr(encoder, "arch", None)
+    return f"the encoder of model.arch {arch}" if isinstance(arch, str) else f"the encoder ({type(encoder).__name__})"
+
+
 def _module_prefix(model, module) -> str:
     for name, mod in model.named_modules():
         if mod is module:

@@ -113,8 +113,16 @@ def augment(
     """One random view of each image in ``x`` (N, C, H, W): resized crop, flip, noise.
 
     Random numbers are drawn on the CPU from ``generator`` (so a CPU generator seeds
-    CUDA data too); crop and flip are one affine resampling per image.
+    CUDA data too); crop and flip are one affine resampling per image. A series (N, C, T)
+    is taken as an image one row high: a window of it stretched to T samples, reversed in
+    time where ``flip``, plus noise. A vector (N, D) gets the noise alone.
     """
+    if x.dim() == 3:
+        return augment(x.unsqueeze(2), generator, crop_scale=crop_scale, ratio=ratio, flip=flip,
+                       noise_std=noise_std).squeeze(2)
+    if x.dim() == 2:
+        noise = torch.randn(x.shape, generator=generator).to(device=x.device, dtype=x.dtype)
+        return x + noise_std * noise if noise_std > 0 else x.clone()
     n = x.shape[0]
     rand = torch.rand(n, 5, generator=generator)
     lo, hi = crop_scale
@@ -258,7 +266,7 @@ class RepPer(Method):
 
     # ------------------------------------------------------------------ stage 1
     def views(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-        """Two augmented views of the batch, stacked: (2B, C, H, W)."""
+        """Two augmented views of the batch (:func:`augment`), stacked: (2B, *input_shape)."""
         cfg = self.config
 
         def view() -> torch.Tensor:

@@ -4,6 +4,7 @@ and against the method's shared keys, both ways (nothing missing, nothing extra)
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -13,9 +14,11 @@ from edgepfl.methods import available_methods, create_method
 from edgepfl.specs import ModelSpec
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "MODELS.md"
-ARCHS = ("cnn", "fedpac_cnn", "mlp", "identity", "resnet18", "mobilenet_v3_small")
+ARCHS = ("cnn", "fedpac_cnn", "cnn1d", "mlp", "identity", "resnet18", "mobilenet_v3_small")
 NORMS = ("batch", "none")
 INPUT = (2, 20, 20)  # C = 2 catches a channel count taken for 3 or 1; S = 2
+SERIES_INPUT = (2, 20)  # C x T, for the encoders of series
+SERIES_ARCHS = ("cnn1d",)
 F, K = 8, 3
 #: option sets built besides the defaults, so that every `when` branch is checked
 VARIANTS = {"repper": [{"projection_dim": 6, "head": "mlp", "head_hidden": 7}],
@@ -69,13 +72,21 @@ def _method_table(name: str) -> tuple[str, bool, list]:
     raise AssertionError(f"MODELS.md has no table for method {name}")
 
 
+def input_of(arch: str) -> tuple[int, ...]:
+    return SERIES_INPUT if arch in SERIES_ARCHS else INPUT
+
+
 def _symbols(method, arch: str, norm: str, model) -> dict:
-    c, h, w = INPUT
-    side = ((min(h, w) - 4) // 2 - 4) // 2
-    fedpac_side = ((min(h, w) - 4) // 2 - 2) // 2
-    d = {"cnn": F, "fedpac_cnn": F, "mlp": F, "identity": c * h * w, "resnet18": 512, "mobilenet_v3_small": 576}[arch]
-    return {**method.config.model_dump(), "C": c, "H": h, "W": w, "F": F, "K": K, "D": d, "S": side, "P": fedpac_side,
-            "Sh": ((h - 4) // 2 - 4) // 2, "Sw": ((w - 4) // 2 - 4) // 2, "norm": norm, "arch": arch}
+    if arch in SERIES_ARCHS:
+        c, t = SERIES_INPUT
+        shape = {"C": c, "T": t}
+    else:
+        c, h, w = INPUT
+        shape = {"C": c, "H": h, "W": w, "S": ((min(h, w) - 4) // 2 - 4) // 2, "P": ((min(h, w) - 4) // 2 - 2) // 2,
+                 "Sh": ((h - 4) // 2 - 4) // 2, "Sw": ((w - 4) // 2 - 4) // 2}
+    d = {"cnn": F, "fedpac_cnn": F, "cnn1d": F, "mlp": F, "identity": math.prod(input_of(arch)), "resnet18": 512,
+         "mobilenet_v3_small": 576}[arch]
+    return {**method.config.model_dump(), **shape, "F": F, "K": K, "D": d, "norm": norm, "arch": arch}
 
 
 def _evaluate(expression: str, symbols: dict):
@@ -137,7 +148,7 @@ def test_every_tensor_of_every_model_is_in_models_md_with_its_shape_and_sharing(
 
     torch.manual_seed(0)
     method = create_method(name, options)
-    model = method.build_model(ModelSpec(arch=arch, feature_dim=F, norm=norm), INPUT, K)
+    model = method.build_model(ModelSpec(arch=arch, feature_dim=F, norm=norm), input_of(arch), K)
     shapes, shared = expected_tensors(name, options, arch, norm, method, model)
     real = {k: list(v.shape) for k, v in model.state_dict().items()}
     assert sorted(set(real) - set(shapes)) == [], "tensors missing from MODELS.md"

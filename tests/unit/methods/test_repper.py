@@ -85,6 +85,21 @@ def test_augment_without_crop_flip_noise_is_identity_and_flip_mirrors():
         assert torch.allclose(flipped[i], x[i], atol=1e-5) or torch.allclose(flipped[i], x[i].flip(-1), atol=1e-5)
 
 
+def test_a_series_is_augmented_as_an_image_one_row_high_and_a_vector_gets_noise_alone():
+    x = torch.randn(4, 6, 50, generator=torch.Generator().manual_seed(0))
+    view = augment(x, torch.Generator().manual_seed(3))
+    assert view.shape == x.shape and (view - x).abs().max() > 1e-3
+    assert torch.equal(view, augment(x.unsqueeze(2), torch.Generator().manual_seed(3)).squeeze(2))
+    reversed_or_not = augment(x, torch.Generator().manual_seed(1), crop_scale=(1.0, 1.0), ratio=(1.0, 1.0), noise_std=0.0)
+    for i in range(4):  # with crop and noise off, each window is itself or itself reversed in time
+        assert torch.allclose(reversed_or_not[i], x[i], atol=1e-5) or torch.allclose(reversed_or_not[i], x[i].flip(-1),
+                                                                                      atol=1e-5)
+    vectors = torch.randn(4, 24, generator=torch.Generator().manual_seed(0))
+    noisy = augment(vectors, torch.Generator().manual_seed(2), noise_std=0.1)
+    assert torch.allclose(noisy, vectors + 0.1 * torch.randn(4, 24, generator=torch.Generator().manual_seed(2)))
+    assert torch.equal(augment(vectors, noise_std=0.0), vectors)
+
+
 def test_stage_one_uploads_only_the_encoder_and_never_trains_a_classifier():
     method, model = build()
     head_before = {k: v.clone() for k, v in model.head.state_dict().items()}
