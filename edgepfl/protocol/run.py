@@ -25,6 +25,8 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -109,11 +111,18 @@ class DataShape(_Spec):
             return {**data, "pixel_scale": 1.0}
         return data
 
+    @field_validator("input_shape")
+    @classmethod
+    def _dimensions_of_the_kind(cls, shape: tuple[int, ...], info: ValidationInfo) -> tuple[int, ...]:
+        # a field check, so that the error names run.data.input_shape (input_kind is validated first)
+        kind = info.data.get("input_kind")
+        if kind in INPUT_DIMS and len(shape) != INPUT_DIMS[kind]:
+            raise ValueError(f"{'an' if kind == 'image' else 'a'} {kind} input has {INPUT_DIMS[kind]} dimensions, "
+                             f"{list(shape)} has {len(shape)}")
+        return shape
+
     @model_validator(mode="after")
     def _consistent(self) -> DataShape:
-        if len(self.input_shape) != INPUT_DIMS[self.input_kind]:
-            raise ValueError(f"an {self.input_kind} input has {INPUT_DIMS[self.input_kind]} dimensions, "
-                             f"input_shape {list(self.input_shape)} has {len(self.input_shape)}")
         if self.input_kind != "image" and self.pixel_scale != 1:
             raise ValueError(f"pixel_scale applies to images; a {self.input_kind}'s is 1, got {self.pixel_scale}")
         if len(self.class_names) != self.num_classes:

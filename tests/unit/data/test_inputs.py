@@ -279,7 +279,7 @@ def test_the_run_spec_carries_the_kind_from_the_shape():
 
 
 def test_data_shape_checks_kind_against_shape_and_scale():
-    with pytest.raises(ValueError, match="an series input has 2 dimensions"):
+    with pytest.raises(ValueError, match="a series input has 2 dimensions"):
         DataShape(input_kind="series", input_shape=(1, 8, 8), num_classes=2, class_names=["a", "b"])
     with pytest.raises(ValueError, match="pixel_scale applies to images"):
         DataShape(input_kind="vector", input_shape=(4,), num_classes=2, class_names=["a", "b"], pixel_scale=0.5)
