@@ -52,6 +52,7 @@ from .fleet import Fleet
 from .gate import StepAnswer, admit_state
 from .privacy import PrivacyLedger
 from .progress import Progress
+from .registry import Registry
 from .releases.release import resume_release
 from .result import RoundResult
 from .rollback import RollbackPolicy
@@ -75,9 +76,7 @@ class Coordinator:
         side = wire(config, fleet, self.method)
         self.registry, self.counters, self.observer, self.inbox = side.registry, side.counters, side.observer, side.inbox
         self.signer, self.enrols = side.credentials.signer, side.credentials.keyring is not None
-        self.registry.require(config.method.name, config.model.arch)
-        if self.run_spec.data.input_kind != "image":  # an agent before 1.10 cannot read the run's input_shape
-            self.registry.require_protocol(INPUT_KINDS, f"{self.run_spec.data.input_kind} inputs")
+        require_capable(self.registry, config, self.run_spec)
         self.progress, self.run_dir = Progress(config.rounds, enabled=progress), RunDirectory(out_dir)
         self.rollback = RollbackPolicy(config.aggregation.rollback_after, self.run_dir)
         self.privacy = PrivacyLedger(config, Path(out_dir))  # before a resume drops any row: what was spent
@@ -348,6 +347,14 @@ class Coordinator:
         if self.releases and self.inbox.collect_reports(next(reversed(self.releases)), timeout, c.min_head_agents,
                                                         c.wait_for_agents_s):
             self.run_dir.write_head_reports(self.inbox.reports_by_release, self.releases)
+
+
+def require_capable(registry: Registry, config: RunConfig, run_spec: RunSpec) -> None:
+    """Trainers are eligible for this run's tasks only if they run its method and model, and
+    (a run of series or vectors) read its input shape: protocol 1.10."""
+    registry.require(config.method.name, config.model.arch)
+    if run_spec.data.input_kind != "image":
+        registry.require_protocol(INPUT_KINDS, f"{run_spec.data.input_kind} inputs")
 
 
 def run_spec_of(config: RunConfig, input_shape, num_classes, class_names, normalization) -> RunSpec:

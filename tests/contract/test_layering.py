@@ -202,3 +202,15 @@ def test_every_test_module_has_a_name_of_its_own():
         seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
     twins = {name: paths for name, paths in seen.items() if len(paths) > 1}
     assert not twins, f"test files sharing a name: {twins}"
+
+
+def test_the_coordinator_side_is_wired_in_one_place():
+    """The composition root builds the coordinator's collaborators (coordinator/wiring.py), so
+    ``Coordinator.__init__`` stays short, and one place on the coordinator side reads its key files."""
+    tree = ast.parse((ROOT / "coordinator" / "rounds.py").read_text())
+    coordinator = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Coordinator")
+    init = next(n for n in coordinator.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    assert init.end_lineno is not None and init.end_lineno - init.lineno + 1 <= 20
+    loaders = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "coordinator").rglob("*.py")
+                     if "load_signer(" in path.read_text())
+    assert loaders == ["coordinator/credentials.py"]
