@@ -222,10 +222,8 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--agents", type=int, nargs="+", default=[10, 100, 1000])
-    ap.add_argument("--rounds", type=int, default=4)
+def add_fleet_arguments(ap: argparse.ArgumentParser, timeout_s: float, per: str) -> None:
+    """The options of a virtual fleet's run (:func:`measure`), shared with the scripts built on it."""
     ap.add_argument("--fraction", type=float, default=1.0)
     ap.add_argument("--eval-fraction", type=float, default=1.0)
     ap.add_argument("--arch", default="cnn")
@@ -233,9 +231,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--local-work-s", type=float, default=0.1)
     ap.add_argument("--processes", type=int, default=2)
     ap.add_argument("--round-timeout-s", type=float, default=180)
-    ap.add_argument("--timeout-s", type=float, default=1800, help="per fleet size")
+    ap.add_argument("--timeout-s", type=float, default=timeout_s, help=per)
     ap.add_argument("--out", default=None, help="results path without suffix (.json and .md are written)")
     ap.add_argument("--work", default=None, help="where runs and logs go (default: a temporary directory)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--agents", type=int, nargs="+", default=[10, 100, 1000])
+    ap.add_argument("--rounds", type=int, default=4)
+    add_fleet_arguments(ap, timeout_s=1800, per="per fleet size")
     args = ap.parse_args(argv)
     work = Path(args.work or tempfile.mkdtemp(prefix="edgepfl-capacity-"))
     runs = []
