@@ -6,7 +6,7 @@ it receives, :class:`HeadRuntime`:
 1. verifies the artifact against the release's sha256 and the manifest, opens it with
    onnxruntime and checks its input shape against the local data — a mismatched or
    corrupt release is refused with a logged error and the current one stays in use;
-2. computes features of the local train and held-out images;
+2. computes features of the local train and held-out samples (images, series or vectors);
 3. fits its head — built by the release's method (:meth:`edgepfl.methods.Method.make_head`),
    so a device gets exactly the estimator the method itself uses, and refused when the
    method offers no head of that kind — or loads a head fitted offline for exactly this
@@ -145,7 +145,7 @@ class HeadRuntime:
     ``head_kind``: a kind of the release's method's ``head_kinds`` (fitted on device with
     ``head_params`` overriding the method's parameters, unless a matching offline head is
     present) or ``"onnx"`` (only an offline head, e.g. DualFed / FedPick heads fitted with
-    ``edgepfl fit-head``). ``data``: the device's own images, normalized as the
+    ``edgepfl fit-head``). ``data``: the device's own samples (any input kind), normalized as the
     federation's (the manifest's preprocessing).
     """
 
@@ -499,17 +499,17 @@ class HeadRuntime:
         return self.encoder, self.head
 
     def features(self, x: np.ndarray) -> np.ndarray:
-        """Encoder features of inputs (N, C, H, W) normalized like the local data."""
+        """Encoder features of inputs (N, *input_shape) normalized like the local data."""
         encoder, _ = self._installed()
         return encoder.features(_apply(self._adapt, x))
 
     def predict_proba(self, x: np.ndarray) -> np.ndarray:
-        """Class probabilities (N, K) for normalized inputs (N, C, H, W); columns: :attr:`classes`."""
+        """Class probabilities (N, K) for normalized inputs (N, *input_shape); columns: :attr:`classes`."""
         _, head = self._installed()
         return head.predict_proba(self.features(x))
 
     def predict(self, x: np.ndarray) -> np.ndarray:
-        """Predicted labels for normalized inputs (N, C, H, W)."""
+        """Predicted labels for normalized inputs (N, *input_shape)."""
         _, head = self._installed()
         return head.predict(self.features(x))
 

@@ -17,8 +17,16 @@ Each answer is ``{"id", "release_id", "head", "ms", "results": [{"input", "predi
 to probabilities), or ``{"id", "error"}`` for a request that cannot be answered (a missing
 file, no release installed yet): the server logs it and goes on. End of input ends it (0).
 
-**A watch folder**: every image file that appears in the folder (not a hidden one: write
-``.name.jpg`` and rename it when complete) is answered with one JSON line on stdout (``id``:
+**A series or vector release** (the manifest's ``run.data.input_kind``) takes ``.npy`` and
+``.npz`` (array ``x``) files of raw samples, (N, C, T) or (N, D), and, for a series, CSV
+sensor logs cut into windows of the release's length (``--label``, ``--channels``,
+``--segment``, ``--stride``, as ``edgepfl predict``); each window is one result. The
+manifest's normalization is applied with numpy alone; a file of another shape is an
+``error`` answer (one line) and, in a watch folder, moved to ``failed/``.
+
+**A watch folder**: every image file (series and vector releases: ``.npy``, ``.npz``,
+``.csv`` file) that appears in the folder (not a hidden one: write ``.name.jpg`` and
+rename it when complete) is answered with one JSON line on stdout (``id``:
 its name) and moved into ``done/`` beside it, or ``failed/`` when it cannot be read. Files
 that arrive while no release is installed wait for one. SIGTERM or SIGINT ends it (0).
 
@@ -42,14 +50,21 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from edgepfl.data.preprocess import IMAGE_SUFFIXES
 from edgepfl.errors import InputError, OneLineParser, report
-from edgepfl.export.predict import collect_inputs, head_class_names, top_predictions
+from edgepfl.export.predict import (
+    SAMPLE_SUFFIXES,
+    add_csv_arguments,
+    collect_inputs,
+    csv_spec,
+    head_class_names,
+    top_predictions,
+)
 
 from .head_tier import STATE_FILE, InstalledModel, open_installed
 
@@ -85,8 +100,12 @@ class ModelServer:
     then on; one that cannot be opened leaves the current model in use.
     """
 
-    def __init__(self, state_dir: str | Path, *, top: int = 1, threads: int | None = None):
+    def __init__(self, state_dir: str | Path, *, top: int = 1, threads: int | None = None,
+                 csv: Mapping[str, Any] | None = None):
         self.state_dir = Path(state_dir)
+        #: how a series release reads a CSV sensor log: :func:`~edgepfl.export.predict.csv_spec`'s
+        #: options (the window length is each release's own)
+        self.csv = dict(csv or {})
         self.top = top
         self.threads = threads
         self.model: InstalledModel | None = None
@@ -123,13 +142,15 @@ class ModelServer:
         return model
 
     def answer(self, inputs: list[str], request_id: Any = None) -> Answer:
-        """Predictions for ``inputs`` (image files, directories, ``.npy`` raw pixels) as one batch."""
+        """Predictions for ``inputs`` as one batch: image files, directories, ``.npy`` raw pixels;
+        for a series or vector release ``.npy``, ``.npz`` and (series) ``.csv`` files of raw samples."""
         started = time.perf_counter()
         model = self.refresh()
         if model is None:
             return Answer(request_id, error=f"no release installed in {self.state_dir} yet")
         try:
-            names, x = collect_inputs(inputs, model.encoder)
+            spec = csv_spec(model.encoder.input_shape, **self.csv) if model.encoder.input_kind == "series" else None
+            names, x = collect_inputs(inputs, model.encoder, csv=spec)
             proba = model.head.predict_proba(model.encoder.features(x))
         except (ValueError, OSError, KeyError) as exc:
             return Answer(request_id, error=str(exc))
@@ -175,10 +196,12 @@ def serve_lines(server: ModelServer, lines: Iterable[str], out: TextIO) -> int:
     return errors
 
 
-def waiting_images(folder: Path) -> list[Path]:
-    """The images waiting in a watch folder, oldest name first (hidden files are being written)."""
+def waiting_images(folder: Path, suffixes: tuple[str, ...] = IMAGE_SUFFIXES) -> list[Path]:
+    """The inputs waiting in a watch folder (files ending in one of ``suffixes``: images, or a
+    series or vector release's :data:`~edgepfl.export.predict.SAMPLE_SUFFIXES`), oldest name
+    first (hidden files are being written)."""
     return sorted(p for p in folder.iterdir()
-                  if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_SUFFIXES)
+                  if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in suffixes)
 
 
 def serve_folder(server: ModelServer, folder: Path, out: TextIO, stop: threading.Event, *,
@@ -189,8 +212,10 @@ def serve_folder(server: ModelServer, folder: Path, out: TextIO, stop: threading
     (folder / FAILED).mkdir(exist_ok=True)
     unmovable: set[str] = set()  # answered, but could not be moved: not answered again
     while not stop.is_set():
-        images = [p for p in waiting_images(folder) if p.name not in unmovable]
-        if not images or server.refresh() is None:
+        model = server.refresh()
+        suffixes = IMAGE_SUFFIXES if model is None or model.encoder.input_kind == "image" else SAMPLE_SUFFIXES
+        images = [p for p in waiting_images(folder, suffixes) if p.name not in unmovable]
+        if not images or model is None:
             stop.wait(poll_s)
             continue
         for start in range(0, len(images), batch):
@@ -230,12 +255,17 @@ def main_serve(args: list[str]) -> int:
     parser.add_argument("--top", type=int, default=1, help="classes to show per input")
     parser.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
     parser.add_argument("--poll", type=float, default=0.5, help="seconds between looks at the watch folder")
+    add_csv_arguments(parser)
     ns = parser.parse_args(args)
     state = Path(ns.state)
     try:
         if not state.is_dir():
             raise InputError(f"{state}: no such directory (the head agent's state_dir)")
-        server = ModelServer(state, top=ns.top, threads=ns.threads)
+        if ns.stride is not None and ns.stride < 1:
+            raise InputError(f"--stride must be at least 1, got {ns.stride}")
+        channels = [c.strip() for c in ns.channels.split(",")] if ns.channels else None
+        server = ModelServer(state, top=ns.top, threads=ns.threads,
+                             csv={"label": ns.label, "channels": channels, "segment": ns.segment, "stride": ns.stride})
         server.refresh()
         if ns.watch is None:
             serve_lines(server, sys.stdin, sys.stdout)

@@ -6,10 +6,13 @@
 
 ``--data`` is an image folder (``DIR/<class>/*.png``; or ``DIR/train/<class>/…`` and
 ``DIR/test/<class>/…`` for an explicit split) or a ``.npz`` with arrays ``x`` (raw pixels)
-and ``y`` (labels), optionally ``class_names``. The encoder's manifest says how to
-preprocess. ``--head`` is a kind the release's method offers (its ``head_kinds``): the
-method builds the head, with its own parameters where it has them (RepPer's ``head_*``
-options). Class folders named like the federation's classes keep the federation's
+and ``y`` (labels), optionally ``class_names``. For a series or vector release it is a
+``.npz`` of raw samples (N, C, T) or (N, D) of any range, or (series) a CSV sensor log cut
+into labelled windows of the manifest's length (``--label``, ``--channels``, ``--segment``,
+``--stride``). The encoder's manifest says how to preprocess, and only numpy applies it.
+``--head`` is a kind the release's method offers (its ``head_kinds``): the method builds
+the head, with its own parameters where it has them (RepPer's ``head_*`` options).
+Class folders named like the federation's classes keep the federation's
 label indices; other names make a new task, which only the generic heads (lr, svm,
 mlp) can learn. A method's own head (``dualfed``, ``fedpick``) needs the release's
 ``global_heads.safetensors`` next to the encoder and torch installed.
@@ -34,9 +37,10 @@ from edgepfl.errors import report as report_error
 from edgepfl.heads import HeadRelease, fitting_modules
 from edgepfl.heads.labels import FEDERATION, LOCAL, LabelSpace
 from edgepfl.methods import available_head_kinds, create_method
+from edgepfl.specs import CsvSpec
 
 from .heads import META_ENCODER_SHA, fuse, head_to_onnx
-from .predict import OnnxEncoder
+from .predict import OnnxEncoder, add_csv_arguments, csv_spec, csv_spec_of
 
 
 @dataclass
@@ -56,14 +60,36 @@ class Dataset:
         return LabelSpace(tuple(self.class_names), FEDERATION if self.federation_classes else LOCAL)
 
 
-def load_dataset(path: str | Path, encoder: OnnxEncoder, *, val_fraction: float = 0.25, seed: int = 0) -> Dataset:
-    """Read an image folder or ``.npz``, preprocess for ``encoder`` and split (stratified when possible)."""
+def load_dataset(path: str | Path, encoder: OnnxEncoder, *, val_fraction: float = 0.25, seed: int = 0,
+                 csv: CsvSpec | None = None) -> Dataset:
+    """Read an image folder, ``.npz`` or (a series release) CSV sensor log, preprocess for
+    ``encoder`` as its manifest says and split (stratified when possible). ``csv``: how a log
+    is read (default :func:`~.predict.csv_spec` of the encoder's input)."""
     from edgepfl.config import DataSpec
     from edgepfl.data import load_imagefolder, load_pool
+    from edgepfl.data.sensors import read_csv_windows
+    from edgepfl.specs import InputSpec
 
     path = Path(path)
     fed = encoder.class_names
-    c, h, w = encoder.input_shape
+    if encoder.input_kind != "image":
+        if path.suffix.lower() == ".csv" and encoder.input_kind == "series":
+            raw, y, names = read_csv_windows(path, csv or csv_spec(encoder.input_shape))
+            named = True
+        elif path.suffix.lower() == ".npz":
+            # the release's kind, never guessed: a raw (N, C, T) of small values is not an image
+            pool = load_pool(DataSpec(dataset="npz", root=str(path), input=InputSpec(kind=encoder.input_kind)))
+            raw, y, names = pool.pixels, np.asarray(pool.y), list(pool.class_names)
+            with np.load(path, allow_pickle=False) as f:
+                named = "class_names" in f.files
+        else:
+            files = ".npz or .csv file" if encoder.input_kind == "series" else ".npz file"
+            raise ValueError(f"{path}: a {encoder.input_kind} release fits its head on a {files}")
+        y, names, use_fed = _label_space(np.asarray(y), names, named, fed)
+        x = encoder.preprocess(raw)
+        tr, va = _split(y, val_fraction, seed)
+        return Dataset(x[tr], y[tr], x[va], y[va], names, use_fed)
+    c, h, w = encoder.image_shape
 
     def folder(root: Path):
         names = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
@@ -84,18 +110,22 @@ def load_dataset(path: str | Path, encoder: OnnxEncoder, *, val_fraction: float 
         pixels, y, names = pool.pixels, np.asarray(pool.y), list(pool.class_names)
         with np.load(path, allow_pickle=False) as f:
             named = "class_names" in f.files
-        if named and fed and set(names) <= set(fed):
-            y = np.array([fed.index(names[i]) for i in y], np.int64)  # into the federation's label space
-            names, use_fed = list(fed), True
-        else:
-            # unnamed labels are taken as the federation's class indices
-            use_fed = not named and bool(fed) and (len(y) == 0 or int(y.max()) < len(fed))
-            names = list(fed) if use_fed else names
+        y, names, use_fed = _label_space(y, names, named, fed)
     else:
         raise ValueError(f"{path}: expected an image folder or a .npz file")
     x = encoder.preprocess(pixels)
     tr, va = _split(np.asarray(y), val_fraction, seed)
     return Dataset(x[tr], y[tr], x[va], y[va], names, use_fed)
+
+
+def _label_space(y: np.ndarray, names: list[str], named: bool, fed: list[str]) -> tuple[np.ndarray, list[str], bool]:
+    """(labels, class names, whether they are the federation's) of a file's labelled samples:
+    named classes all among the federation's take its indices; unnamed labels are taken as
+    the federation's class indices; other names make a new task."""
+    if named and fed and set(names) <= set(fed):
+        return np.array([fed.index(names[i]) for i in y], np.int64), list(fed), True
+    use_fed = not named and bool(fed) and (len(y) == 0 or int(y.max()) < len(fed))
+    return y, list(fed) if use_fed else names, use_fed
 
 
 def _split(y: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -142,7 +172,8 @@ def main_fit_head(args: list[str]) -> int:
     """``edgepfl fit-head``: fit, report accuracy, write the head as ONNX."""
     parser = OneLineParser(prog="edgepfl fit-head", description=__doc__.split("\n\n")[0])
     parser.add_argument("--encoder", required=True, help="encoder.onnx from edgepfl export (manifest.json beside it)")
-    parser.add_argument("--data", required=True, help="image folder or .npz of the new client")
+    parser.add_argument("--data", required=True,
+                        help="image folder or .npz of the new client; a series release: .npz (raw x, y) or .csv log")
     parser.add_argument("--head", required=True, choices=available_head_kinds(),
                         help="a head kind of the encoder's method (edgepfl methods; the manifest's head_kinds)")
     parser.add_argument("--out", required=True, help="where to write the head .onnx")
@@ -152,6 +183,7 @@ def main_fit_head(args: list[str]) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="head parameter, e.g. --set C=0.5 --set hidden_layer_sizes=(64,)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_csv_arguments(parser)
     ns = parser.parse_args(args)
     try:
         for module in fitting_modules(ns.head):  # before any work: the extra that is missing, by name
@@ -161,7 +193,8 @@ def main_fit_head(args: list[str]) -> int:
     try:
         params = dict(_parse_param(s) for s in ns.set)
         encoder = OnnxEncoder.from_path(ns.encoder)
-        data = load_dataset(ns.data, encoder, val_fraction=ns.val_fraction, seed=ns.seed)
+        data = load_dataset(ns.data, encoder, val_fraction=ns.val_fraction, seed=ns.seed,
+                            csv=csv_spec_of(ns, encoder))
         head, report = fit_head(encoder, data, ns.head, export_dir=Path(ns.encoder).parent, params=params)
         head_to_onnx(head, encoder.feature_dim, ns.out, labels=data.labels, metadata={META_ENCODER_SHA: encoder.sha256})
         if ns.fused:

@@ -4,12 +4,19 @@
 
     edgepfl predict --encoder release/encoder.onnx --head head.onnx img1.png photos/ batch.npy
 
-Inputs are image files, directories (their images, recursively, in sorted order) or
-``.npy`` arrays. Images and arrays are raw pixels, as the data package reads them
-(uint8 0..255 or float in [0, 1]; shapes (N, H, W), (N, C, H, W) or (N, H, W, C)); the
-encoder's ``manifest.json`` (next to it) says how to scale, normalize and resize them.
-``--preprocessed`` takes ``.npy`` arrays that are already normalized float32
-(N, C, H, W) model inputs. Without a manifest raw inputs cannot be normalized as in
+    edgepfl predict --encoder release/encoder.onnx --head head.onnx log.csv windows.npz
+
+For an image release inputs are image files, directories (their images, recursively, in
+sorted order) or ``.npy`` arrays. Images and arrays are raw pixels, as the data package
+reads them (uint8 0..255 or float in [0, 1]; shapes (N, H, W), (N, C, H, W) or (N, H, W,
+C)); the encoder's ``manifest.json`` (next to it) says how to scale, normalize and resize
+them. For a series or vector release (the manifest's ``run.data.input_kind``) inputs are
+raw samples of any range: ``.npy`` arrays and ``.npz`` files (array ``x``; ``y`` is not
+needed) of shape (N, C, T) or (N, D), and, for a series, CSV sensor logs cut into windows
+of the manifest's length T (``--label``, ``--channels``, ``--segment``, ``--stride``; the
+label column may be absent); the manifest's per-channel normalization is applied with
+numpy alone (docs/DATA.md, "What a release's devices apply"). ``--preprocessed`` takes
+arrays that are already normalized float32 model inputs (N, *input_shape). Without a manifest raw inputs cannot be normalized as in
 training, so they are refused unless ``--without-manifest`` accepts that (with a warning).
 
 Class names come from the head itself (``edgepfl.class_names`` in its metadata, written
@@ -21,16 +28,20 @@ Torch-free: this module needs numpy, onnxruntime and (for image files) Pillow.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
 
-from edgepfl.data.preprocess import IMAGE_SUFFIXES
+from edgepfl.data.preprocess import IMAGE_SUFFIXES, normalize
+from edgepfl.data.sensors import read_csv_windows
 from edgepfl.errors import InputError, OneLineParser, report
 from edgepfl.protocol.manifest import ReleaseManifest, read_manifest
-from edgepfl.protocol.run import PIXEL_SCALE
+from edgepfl.protocol.run import PIXEL_SCALE, InputKind, kind_of_shape
+from edgepfl.specs import CsvSpec
 
 from .heads import OnnxHead, make_session
 
@@ -57,10 +68,13 @@ class OnnxEncoder:
         self.input_name = inp.name
         self.output_name = self.session.get_outputs()[0].name
         shape = list(manifest.run.data.input_shape) if manifest else list(inp.shape[1:])
-        if len(shape) != 3 or any(not isinstance(s, int) for s in shape):
-            raise ValueError(f"encoder input shape {inp.shape} is not a fixed (N, C, H, W) and there is no manifest")
-        c, h, w = shape
-        self.input_shape: tuple[int, int, int] = (int(c), int(h), int(w))
+        if not 1 <= len(shape) <= 3 or any(not isinstance(s, int) for s in shape):
+            raise ValueError(f"encoder input shape {inp.shape} is not a fixed (N, C, H, W), (N, C, T) or (N, D) and "
+                             "there is no manifest")
+        #: one sample's shape: image (C, H, W), series (C, T) or vector (D,)
+        self.input_shape: tuple[int, ...] = tuple(int(s) for s in shape)
+        #: what one sample is: the manifest's ``run.data.input_kind``, else what the graph's rank says
+        self.input_kind: InputKind = manifest.run.data.input_kind if manifest else kind_of_shape(self.input_shape)
         if tuple(int(s) if isinstance(s, int) else -1 for s in inp.shape[1:]) != self.input_shape:
             raise ValueError(f"encoder graph input {inp.shape} does not match the manifest's {list(self.input_shape)}")
         self.feature_dim = int(self.session.get_outputs()[0].shape[1]) if isinstance(
@@ -92,13 +106,13 @@ class OnnxEncoder:
         return list(self.manifest.run.data.class_names) if self.manifest else []
 
     def features(self, x: np.ndarray, batch_size: int = 64) -> np.ndarray:
-        """Features (N, feature_dim) of normalized float32 inputs (N, C, H, W).
+        """Features (N, feature_dim) of normalized float32 inputs (N, *input_shape).
 
         Small batches keep onnxruntime's arena small: on a Pi, peak memory matters more
         than the last few percent of throughput (64 vs 256 saved ~27 MiB of peak RSS).
         """
         x = np.asarray(x, dtype=np.float32)
-        if x.ndim != 4 or tuple(x.shape[1:]) != self.input_shape:
+        if x.ndim != len(self.input_shape) + 1 or tuple(x.shape[1:]) != self.input_shape:
             raise ValueError(f"inputs must be (N, {', '.join(map(str, self.input_shape))}), got {x.shape}")
         if len(x) == 0:
             return np.zeros((0, self.feature_dim), np.float32)
@@ -106,9 +120,31 @@ class OnnxEncoder:
                for i in range(0, len(x), batch_size)]
         return np.concatenate(out)
 
-    def preprocess(self, pixels: np.ndarray) -> np.ndarray:
-        """Raw pixels (uint8 0..255 or float in [0, 1]; N,H,W / N,C,H,W / N,H,W,C) -> model inputs."""
-        return preprocess_pixels(pixels, self.input_shape, self.manifest)
+    def preprocess(self, raw: np.ndarray) -> np.ndarray:
+        """Raw samples -> model inputs, exactly as the manifest's ``run.data`` says (numpy only).
+
+        Images: pixels (uint8 0..255 or float in [0, 1]; N,H,W / N,C,H,W / N,H,W,C), see
+        :func:`preprocess_pixels`. Series (N, C, T) and vectors (N, D): raw values of any
+        range, normalized per channel by :func:`edgepfl.data.preprocess.normalize`; without a
+        manifest they are taken as they are. ``ValueError`` names the shape for another one.
+        """
+        if self.input_kind == "image":
+            return preprocess_pixels(raw, self.image_shape, self.manifest)
+        if self.manifest is not None:
+            return normalize(raw, self.manifest.run.data)
+        x = np.asarray(raw, np.float32)
+        if x.ndim != len(self.input_shape) + 1 or tuple(x.shape[1:]) != self.input_shape:
+            raise ValueError(f"{self.input_kind} inputs must be (N, {', '.join(map(str, self.input_shape))}), "
+                             f"got {x.shape}")
+        return np.ascontiguousarray(x)
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """An image release's (C, H, W); ``ValueError`` for a series or vector release."""
+        if self.input_kind != "image":
+            raise ValueError(f"this release takes {self.input_kind}s {list(self.input_shape)}, not images")
+        c, h, w = self.input_shape
+        return c, h, w
 
 
 def preprocess_pixels(pixels: np.ndarray, input_shape: tuple[int, int, int],
@@ -168,17 +204,34 @@ def load_images(paths: list[Path], input_shape: tuple[int, int, int]) -> np.ndar
     return np.stack(out) if out else np.zeros((0, c, h, w), np.uint8)
 
 
-def collect_inputs(items: list[str], encoder: OnnxEncoder, preprocessed: bool = False) -> tuple[list[str], np.ndarray]:
-    """(names, model inputs) for image files, directories and ``.npy`` files, in argument order."""
+#: the files a series or vector release reads: raw arrays (``.npy``; ``.npz`` with ``x``) and sensor logs
+SAMPLE_SUFFIXES = (".npy", ".npz", ".csv")
+
+
+def collect_inputs(items: list[str], encoder: OnnxEncoder, preprocessed: bool = False,
+                   csv: CsvSpec | None = None) -> tuple[list[str], np.ndarray]:
+    """(names, model inputs) in argument order.
+
+    An image release reads image files, directories of them and ``.npy`` arrays of pixels.
+    A series or vector release reads ``.npy`` arrays and ``.npz`` files (array ``x``) of raw
+    samples and, for a series, CSV sensor logs cut into windows as ``csv`` says
+    (:func:`csv_spec`); a directory gives its files of those kinds, in sorted order.
+    """
     names: list[str] = []
     batches: list[np.ndarray] = []
     for item in items:
         p = Path(item)
-        if p.is_dir():
+        if encoder.input_kind != "image":
+            for f in _sample_files(p, encoder.input_kind):
+                raw = _read_samples(f, encoder, csv)
+                x = np.asarray(raw, np.float32) if preprocessed else encoder.preprocess(raw)
+                batches.append(x)
+                names += [f"{f}[{i}]" for i in range(len(x))]
+        elif p.is_dir():
             files = sorted(f for f in p.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
             if not files:
                 raise ValueError(f"{p}: no images found")
-            batches.append(encoder.preprocess(load_images(files, encoder.input_shape)))
+            batches.append(encoder.preprocess(load_images(files, encoder.image_shape)))
             names += [str(f) for f in files]
         elif p.suffix.lower() == ".npy":
             arr = np.load(p, allow_pickle=False)
@@ -188,13 +241,76 @@ def collect_inputs(items: list[str], encoder: OnnxEncoder, preprocessed: bool = 
             batches.append(x)
             names += [f"{p}[{i}]" for i in range(len(x))]
         elif p.is_file():
-            batches.append(encoder.preprocess(load_images([p], encoder.input_shape)))
+            batches.append(encoder.preprocess(load_images([p], encoder.image_shape)))
             names.append(str(p))
         else:
             raise ValueError(f"{p}: no such file or directory")
     if not batches:
         raise ValueError("no inputs given")
     return names, np.concatenate(batches)
+
+
+def _sample_files(path: Path, kind: str) -> list[Path]:
+    """The files of a series or vector input: ``path`` itself, or a directory's files it can read."""
+    if path.is_dir():
+        files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in SAMPLE_SUFFIXES)
+        if not files:
+            raise ValueError(f"{path}: no .npy, .npz or .csv files found")
+        return files
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file or directory")
+    if path.suffix.lower() not in SAMPLE_SUFFIXES:
+        raise ValueError(f"{path}: a {kind} release reads .npy, .npz or .csv files, not {path.suffix or 'this file'}")
+    return [path]
+
+
+def _read_samples(path: Path, encoder: OnnxEncoder, csv: CsvSpec | None) -> np.ndarray:
+    """The raw samples of one ``.npy``, ``.npz`` (array ``x``) or ``.csv`` file."""
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        if encoder.input_kind != "series":
+            raise ValueError(f"{path}: a CSV sensor log holds series; this release takes {encoder.input_kind}s")
+        spec = csv or csv_spec(encoder.input_shape)
+        return read_csv_windows(path, spec, labelled=False)[0]
+    try:
+        if suffix == ".npz":
+            with np.load(path, allow_pickle=False) as f:
+                if "x" not in f.files:
+                    raise ValueError(f"{path}: needs an array 'x' of raw samples, found {sorted(f.files)}")
+                return np.asarray(f["x"])
+        return np.asarray(np.load(path, allow_pickle=False))
+    except (OSError, EOFError, zlib.error) as exc:
+        raise ValueError(f"{path}: not a readable {suffix} file ({exc})") from None
+
+
+def csv_spec(input_shape: tuple[int, ...], *, label: str = "label", channels: list[str] | None = None,
+             segment: str | None = None, stride: int | None = None) -> CsvSpec:
+    """How a device's CSV sensor log becomes a series release's inputs: windows as long as the
+    release's input (``input_shape`` (C, T): T rows), every ``stride`` rows (default: T, each
+    row in one window), of the ``channels`` columns in the order the run was trained on
+    (default: every column but the label and segment columns, in file order)."""
+    window = int(input_shape[-1])
+    return CsvSpec(label=label, channels=channels, segment=segment, window=window, stride=stride or window)
+
+
+def add_csv_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that say how a CSV sensor log is read (``fit-head``, ``predict``, ``serve``)."""
+    group = parser.add_argument_group("CSV sensor logs (series releases; window length: the manifest's input)")
+    group.add_argument("--label", default="label", help="the column holding each row's class (default: label)")
+    group.add_argument("--channels", default=None, metavar="A,B,…",
+                       help="the channel columns in the run's channel order (default: every other column)")
+    group.add_argument("--segment", default=None, help="a column that changes where a recording starts")
+    group.add_argument("--stride", type=int, default=None, help="rows between window starts (default: the window)")
+
+
+def csv_spec_of(ns: argparse.Namespace, encoder: OnnxEncoder) -> CsvSpec | None:
+    """The :func:`csv_spec` that :func:`add_csv_arguments`' options give for ``encoder`` (None: not a series)."""
+    if encoder.input_kind != "series":
+        return None
+    if ns.stride is not None and ns.stride < 1:
+        raise ValueError(f"--stride must be at least 1, got {ns.stride}")
+    channels = [c.strip() for c in ns.channels.split(",")] if ns.channels else None
+    return csv_spec(encoder.input_shape, label=ns.label, channels=channels, segment=ns.segment, stride=ns.stride)
 
 
 def head_class_names(head: OnnxHead, encoder: OnnxEncoder, *, federation_labels: bool = False) -> list[str]:
@@ -218,8 +334,11 @@ def main_predict(args: list[str]) -> int:
     parser = OneLineParser(prog="edgepfl predict", description=__doc__.split("\n\n")[0])
     parser.add_argument("--encoder", required=True, help="encoder.onnx (manifest.json beside it) or an export directory")
     parser.add_argument("--head", required=True, help="a head .onnx (from edgepfl fit-head or a head agent)")
-    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, directories or .npy arrays")
-    parser.add_argument("--preprocessed", action="store_true", help=".npy arrays are normalized float32 (N,C,H,W)")
+    parser.add_argument("inputs", nargs="+", metavar="INPUT",
+                        help="image files, directories or .npy arrays; a series or vector release: .npy, .npz (x) "
+                             "or .csv files of raw samples, or directories of them")
+    parser.add_argument("--preprocessed", action="store_true",
+                        help="arrays are normalized float32 model inputs (N, *input_shape)")
     parser.add_argument("--json", action="store_true", help="one JSON object per input instead of a table")
     parser.add_argument("--top", type=int, default=1, help="classes to show per input")
     parser.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
@@ -227,6 +346,7 @@ def main_predict(args: list[str]) -> int:
                         help="run an encoder that has no manifest.json: inputs are only scaled, not normalized")
     parser.add_argument("--federation-labels", action="store_true",
                         help="a head that records no class names predicts the federation's class indices")
+    add_csv_arguments(parser)
     ns = parser.parse_args(args)
     try:
         encoder = OnnxEncoder.from_path(ns.encoder, ns.threads)
@@ -243,7 +363,7 @@ def main_predict(args: list[str]) -> int:
             print(f"warning: {ns.head} was fitted on another encoder (sha256 {head.encoder_sha256_[:12]}…)",
                   file=sys.stderr)
         labels = head_class_names(head, encoder, federation_labels=ns.federation_labels)
-        names, x = collect_inputs(ns.inputs, encoder, ns.preprocessed)
+        names, x = collect_inputs(ns.inputs, encoder, ns.preprocessed, csv_spec_of(ns, encoder))
         proba = head.predict_proba(encoder.features(x))
     except (ValueError, OSError, KeyError) as exc:
         return report(InputError(str(exc)), "predict")
@@ -265,5 +385,5 @@ def top_predictions(probabilities: np.ndarray, classes: np.ndarray, labels: list
             for i in order]
 
 
-__all__ = ["OnnxEncoder", "collect_inputs", "head_class_names", "load_images", "main_predict", "preprocess_pixels",
-           "top_predictions"]
+__all__ = ["SAMPLE_SUFFIXES", "OnnxEncoder", "add_csv_arguments", "collect_inputs", "csv_spec", "csv_spec_of",
+           "head_class_names", "load_images", "main_predict", "preprocess_pixels", "top_predictions"]

@@ -53,9 +53,12 @@ def _numbers(path: Path, cells: list[list[str]], lines: list[int], channels: lis
     raise AssertionError("unreachable: some cell failed the array conversion")
 
 
-def read_csv_windows(path: str | Path, spec: CsvSpec) -> tuple[np.ndarray, np.ndarray, list[str]]:
+def read_csv_windows(path: str | Path, spec: CsvSpec, *, labelled: bool = True) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """Windows of the sensor log at ``path`` as ``spec`` says: float32 (N, C, window) raw
     values, int64 labels (N,) indexing the returned class names.
+
+    ``labelled=False`` (a log to predict on) also takes a log without the label column:
+    its rows are then one run per segment, every label 0 and the class names ``[""]``.
 
     Raises ``ValueError`` with one line naming the file (and line and column where there
     is one) for a missing or duplicated column, a value that is not a finite number, an
@@ -75,8 +78,9 @@ def read_csv_windows(path: str | Path, spec: CsvSpec) -> tuple[np.ndarray, np.nd
     doubled = sorted({h for h in header if header.count(h) > 1})
     if doubled:
         raise ValueError(f"{path}:1: columns {doubled} appear more than once in the header")
-    special = [spec.label] + ([spec.segment] if spec.segment else [])
-    for role, name in (("label", spec.label), ("segment", spec.segment)):
+    has_label = labelled or spec.label in header
+    special = ([spec.label] if has_label else []) + ([spec.segment] if spec.segment else [])
+    for role, name in (("label", spec.label if has_label else None), ("segment", spec.segment)):
         if name is not None and name not in header:
             raise ValueError(f"{path}:1: no {role} column {name!r}; the header has {header}")
     channels = list(spec.channels) if spec.channels else [h for h in header if h not in special]
@@ -98,8 +102,8 @@ def read_csv_windows(path: str | Path, spec: CsvSpec) -> tuple[np.ndarray, np.nd
             continue  # a blank line
         if len(row) != len(header):
             raise ValueError(f"{path}:{line}: {len(row)} fields, the header has {len(header)}")
-        label = row[at[spec.label]].strip()
-        if not label:
+        label = row[at[spec.label]].strip() if has_label else ""
+        if has_label and not label:
             raise ValueError(f"{path}:{line}: the label column {spec.label!r} is empty")
         labels.append(label)
         segments.append(row[at[spec.segment]].strip() if spec.segment else "")
@@ -109,7 +113,7 @@ def read_csv_windows(path: str | Path, spec: CsvSpec) -> tuple[np.ndarray, np.nd
         raise ValueError(f"{path}: no data rows under the header")
     values = _numbers(path, cells, lines, channels)
 
-    names = list(spec.classes) if spec.classes else _sort_labels(set(labels))
+    names = list(spec.classes) if spec.classes and has_label else _sort_labels(set(labels))
     index = {name: i for i, name in enumerate(names)}
     unknown = next((i for i, lab in enumerate(labels) if lab not in index), None)
     if unknown is not None:

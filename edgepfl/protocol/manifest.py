@@ -76,7 +76,8 @@ class BatchNormOrigin(_Spec):
 class ReleaseManifest(_Spec):
     """An exported encoder: the run it came from, its graph interface, its files and checks.
 
-    The graph takes ``input_name`` (``dtype``, ``(N, *run.data.input_shape)``, NCHW, any N)
+    The graph takes ``input_name`` (``dtype``, ``(N, *run.data.input_shape)``: images (N, C, H, W), series
+    (N, C, T), vectors (N, D); any N)
     and returns ``output_name`` (``dtype``, ``(N, feature_dim)``).
     """
 
