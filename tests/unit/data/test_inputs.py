@@ -220,6 +220,18 @@ def test_csv_segments_split_windows_and_classes_fix_the_order(tmp_path):
     assert len(without) == 5
 
 
+def test_a_log_to_predict_on_may_lack_the_label_column(tmp_path):
+    rows = [(r[0], r[1], r[2], r[3]) for r in _walk_and_sit()]
+    path = _log(tmp_path / "unlabelled.csv", rows, header="t,ax,ay,az")
+    spec = CsvSpec(label="activity", channels=["ax", "ay", "az"], window=50, stride=50)
+    x, y, names = read_csv_windows(path, spec, labelled=False)
+    # one run of 350 rows: windows across the (unknown) activity change, the same rows as a labelled read's
+    assert x.shape == (7, 3, 50) and y.tolist() == [0] * 7 and names == [""]
+    assert np.array_equal(x, read_csv_windows(_log(tmp_path / "one.csv", [(*r, "any") for r in rows]), spec)[0])
+    with pytest.raises(ValueError, match="no label column 'activity'"):
+        read_csv_windows(path, spec)
+
+
 def test_numeric_labels_sort_as_numbers(tmp_path):
     rows = [(0.5, lab) for lab in (10,) * 4 + (2,) * 4]
     _, y, names = read_csv_windows(_log(tmp_path / "n.csv", rows, "v,label"), CsvSpec(window=2, stride=2))

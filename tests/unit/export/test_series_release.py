@@ -162,21 +162,43 @@ def test_a_head_agent_fits_on_its_own_csv_and_serve_answers_with_the_torch_model
         from edgepfl.edge_agent.serve import ModelServer
         from edgepfl.export.onnx_export import read_release
         from edgepfl.specs import CsvSpec, DataSpec
+        from pathlib import Path
 
         spec = DataSpec(dataset="csv", root={str(device_log)!r}, num_clients=1,
                         csv=CsvSpec(window={WINDOW}, stride=50, classes={list(CLASSES)!r}))
         data = load_client_data(spec, 0)
         manifest, artifact = read_release({str(export)!r})
         fit = HeadRuntime({str(state)!r}, "lr", data).install_release(manifest, artifact, manifest.encoder.sha256)
-        answer = ModelServer({str(state)!r}).answer([{str(device_log)!r}])
+        server = ModelServer({str(state)!r})
+        answer = server.answer([{str(device_log)!r}])
         assert answer.error is None, answer.error
+
+        # a watch folder of a series release: its CSV answered, a file of another shape failed
+        import io, shutil, threading
+        import numpy as np
+        from edgepfl.edge_agent.serve import serve_folder
+        inbox = Path({str(tmp_path / "inbox")!r})
+        inbox.mkdir()
+        shutil.copy({str(device_log)!r}, inbox / "log.csv")
+        np.savez(inbox / "short.npz", x=np.zeros((2, {CHANNELS}, {WINDOW} - 1), np.float32))
+        (inbox / "photo.png").write_bytes(b"not looked at")
+        stop, watched = threading.Event(), {{}}
+        for a in serve_folder(server, inbox, io.StringIO(), stop, poll_s=0.01):
+            watched[a.id] = a.error or [r["predictions"][0]["index"] for r in a.results]
+            if len(watched) == 2:
+                stop.set()
         print(json.dumps({{"classes": [r["predictions"][0]["index"] for r in answer.results],
+                          "watched": watched, "left": sorted(p.name for p in inbox.iterdir() if p.is_file()),
+                          "failed": sorted(p.name for p in (inbox / "failed").iterdir()),
                           "num_train": fit.num_train,
                           "torch": sorted(k for k in sys.modules if k == "torch" or k.startswith("torch."))}}))
     """)
     assert out["torch"] == [] and out["num_train"] > 0
     head_file = state / read_installed(state).head_file
     assert out["classes"] == torch_classes(release, head_file, raw_windows(device_log)[0]).tolist()
+    assert out["watched"]["log.csv"] == out["classes"]
+    assert "series inputs must be (N, 6, 100), got (2, 6, 99)" in out["watched"]["short.npz"]
+    assert out["failed"] == ["short.npz"] and out["left"] == ["photo.png"]  # an image is not a series' input
 
 
 def test_windows_of_another_shape_are_one_line_with_the_data_exit_code(release, tmp_path, capsys):
