@@ -497,13 +497,13 @@ CHECKS: tuple[tuple[Callable[..., None], tuple[str, ...]], ...] = (
     (check_inference_is_deterministic_in_eval_mode, ()),
     (check_evaluate_keeps_shared_params_and_repeats_exactly, ()),
     (check_exported_encoder_and_device_head_reproduce_logits, ()),
-    (check_payload_loads_with_receive_into_a_fresh_model, ()),
     (check_server_step_keeps_shapes_dtypes_and_is_checkpointable, ()),
     (check_server_step_averages_the_shared_parameters_weighted_by_the_methods_update_weight, ()),
     (check_any_arrival_order_gives_the_same_next_state_bit_for_bit, STREAMING_RULES),
     (check_compressed_updates_decode_to_updates_the_method_accepts_and_sum_alike_in_any_order, UPLINK_CODECS),
     (check_every_rule_runs_and_gives_a_finite_state, RULES),
     (check_a_server_learning_rate_moves_the_shared_parameters_that_share_of_the_way, ()),
+    (check_payload_loads_with_receive_into_a_fresh_model, ()),
 )
 
 
