@@ -118,3 +118,13 @@ def test_a_broken_server_fails_the_public_check_naming_the_check_and_the_tensor(
     with pytest.raises(AssertionError, match=r"^toy_broken-server_step_keeps_shapes_dtypes_and_is_checkpointable failed: "
                                              r"toy_broken: \S+ changed shape or dtype"):
         check_method(BrokenShapes)
+
+
+def test_a_plugin_method_brings_its_heads_and_they_pass_the_public_head_check(tmp_path):
+    """Heads belong to methods: a plugin's ``head_kinds`` are what a head-tier device may fit on its encoder."""
+    from edgepfl.heads import GENERIC_HEAD_KINDS
+    from edgepfl.testing import check_method_heads
+
+    assert get_method("toy_avg").head_kinds == GENERIC_HEAD_KINDS
+    check_method_heads("toy_avg", tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.onnx")) == sorted(f"head-{k}.onnx" for k in GENERIC_HEAD_KINDS)
