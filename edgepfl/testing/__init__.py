@@ -1,6 +1,7 @@
 """Support for testing edgepfl and code built on it: real brokers, broker topologies and traffic capture,
-and the method and head contracts as public checks (:func:`check_method`, :func:`method_checks`,
-:func:`check_method_heads`: imported on first use, as they need torch)."""
+and the method contract as public checks (:func:`check_method`, :func:`method_checks`: imported on first
+use, as they need torch; the head contract's check drives the head exporter, so it is
+:func:`edgepfl.export.head_contract.check_method_heads`)."""
 
 from typing import Any
 
@@ -9,8 +10,6 @@ from .rabbitmq import RabbitMQCluster, find_rabbitmq
 
 #: the public method checks, loaded with torch when first named (edgepfl.testing.method_contract)
 _METHOD_CHECKS = ("MethodCheck", "NotApplicable", "check_method", "method_checks")
-#: the public head check, loaded when first named (edgepfl.testing.head_contract)
-_HEAD_CHECKS = ("check_method_heads",)
 
 
 def __getattr__(name: str) -> Any:
@@ -18,12 +17,8 @@ def __getattr__(name: str) -> Any:
         from . import method_contract
 
         return getattr(method_contract, name)
-    if name in _HEAD_CHECKS:
-        from . import head_contract
-
-        return getattr(head_contract, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["MethodCheck", "MosquittoBridge", "MosquittoBroker", "NotApplicable", "RabbitMQCluster", "TrafficCapture",
-           "bridge_config", "check_method", "check_method_heads", "find_mosquitto", "find_rabbitmq", "method_checks"]
+           "bridge_config", "check_method", "find_mosquitto", "find_rabbitmq", "method_checks"]

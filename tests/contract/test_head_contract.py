@@ -18,11 +18,11 @@ import pytest
 from pydantic import ValidationError
 
 from edgepfl.config import AgentConfig
+from edgepfl.export import head_contract
 from edgepfl.export.heads import OnnxHead
 from edgepfl.heads import GENERIC_HEAD_KINDS, OFFLINE_HEAD_KIND, HeadRelease
 from edgepfl.methods import available_head_kinds, available_methods, create_method, get_method
 from edgepfl.protocol import read_manifest
-from edgepfl.testing import head_contract
 
 from tests.export_fixtures import NEW_CLIENT, client_data, client_pixels, export_dir
 
@@ -31,7 +31,7 @@ CASES = [(name, kind) for name in available_methods() for kind in get_method(nam
 
 @pytest.mark.parametrize(("name", "kind"), CASES, ids=[f"{n}-{k}" for n, k in CASES])
 def test_every_head_of_every_method_fits_and_exports(name, kind, tmp_path):
-    """The public check (edgepfl.testing.check_method_heads): built by the method, fitted on
+    """The public check (edgepfl.export.head_contract.check_method_heads): built by the method, fitted on
     synthetic features, exported to ONNX; onnxruntime's probabilities and labels are the estimator's."""
     head_contract.check_head_fits_and_exports(name, kind, tmp_path)
 

@@ -122,8 +122,8 @@ def test_a_broken_server_fails_the_public_check_naming_the_check_and_the_tensor(
 
 def test_a_plugin_method_brings_its_heads_and_they_pass_the_public_head_check(tmp_path):
     """Heads belong to methods: a plugin's ``head_kinds`` are what a head-tier device may fit on its encoder."""
+    from edgepfl.export.head_contract import check_method_heads
     from edgepfl.heads import GENERIC_HEAD_KINDS
-    from edgepfl.testing import check_method_heads
 
     assert get_method("toy_avg").head_kinds == GENERIC_HEAD_KINDS
     check_method_heads("toy_avg", tmp_path)

@@ -5,9 +5,10 @@ method's frozen encoder (the generic kinds of :mod:`edgepfl.heads`, and at most 
 method's own, named as the method) and ``Method.make_head`` builds it. So a plugin method
 brings its heads with it, and :func:`check_method_heads` checks each the way a head-tier
 device uses it: built by the method, fitted on synthetic features, exported to ONNX, and
-onnxruntime's probabilities and labels are the estimator's::
+onnxruntime's probabilities and labels are the estimator's. It lives with the head exporter
+it drives (the export app; ``edgepfl.testing`` is core and imports no app)::
 
-    from edgepfl.testing import check_method_heads
+    from edgepfl.export.head_contract import check_method_heads
 
     def test_my_methods_heads_fit_and_export(tmp_path):
         check_method_heads(MyMethod, tmp_path)
@@ -23,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from ..heads import GENERIC_HEAD_KINDS, HeadRelease
-from ..methods import Method
-from .method_contract import method_class, new_method
+from edgepfl.heads import GENERIC_HEAD_KINDS, HeadRelease
+from edgepfl.methods import Method
+from edgepfl.testing.method_contract import method_class, new_method
 
 FEATURE_DIM = 12
 NUM_CLASSES = 3
@@ -46,8 +47,8 @@ def synthetic_release(method: Method, folder: Path) -> HeadRelease:
     Global heads are what the exporter writes: the shared parameters outside the
     encoder, here of a freshly built model on features (their values do not matter).
     """
-    from ..atomic import write_tensors
-    from ..specs import ModelSpec
+    from edgepfl.atomic import write_tensors
+    from edgepfl.specs import ModelSpec
 
     model = method.build_model(ModelSpec(arch="identity"), (FEATURE_DIM,), NUM_CLASSES)
     encoder = method.encoder_module(model)
@@ -72,7 +73,7 @@ def check_head_fits_and_exports(method: type[Method] | str, kind: str, folder: P
                                 options: Mapping[str, Any] | None = None) -> None:
     """Head ``kind`` of ``method`` fits on synthetic features, exports to ONNX (in ``folder``) and
     onnxruntime's probabilities (within 1e-4) and labels are the estimator's."""
-    from ..export.heads import OnnxHead, head_to_onnx, make_session
+    from .heads import OnnxHead, head_to_onnx, make_session
 
     instance = new_method(method, options)
     name = instance.name
