@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import json
 import re
 import sys
@@ -97,12 +96,18 @@ def new_method(method: type[Method] | str, options: Mapping[str, Any] | None = N
 
 def round_of(method: type[Method] | str, options: Mapping[str, Any] | None = None) -> RoundRun:
     """The round every check inspects (run once per method and options, cached). Don't mutate it."""
-    return _round(method_class(method), json.dumps(dict(options or {}), sort_keys=True))
+    cls, key = method_class(method), json.dumps(dict(options or {}), sort_keys=True)
+    if (cls, key) not in _ROUNDS:
+        _ROUNDS[cls, key] = _round(cls, dict(options or {}))
+    return _ROUNDS[cls, key]
 
 
-@functools.cache
-def _round(cls: type[Method], options: str) -> RoundRun:
-    method = new_method(cls, json.loads(options))
+#: each method's round, by class and options (as JSON), run once
+_ROUNDS: dict[tuple[type[Method], str], RoundRun] = {}
+
+
+def _round(cls: type[Method], options: Mapping[str, Any]) -> RoundRun:
+    method = new_method(cls, options)
     state0 = method.init_server(KIT.model(method, 0))
     payloads, models, uploads, correct = {}, {}, {}, {}
     for i, agent in enumerate(AGENTS):

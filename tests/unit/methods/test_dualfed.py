@@ -14,7 +14,6 @@ from edgepfl.data.client import ClientTensors
 from edgepfl.methods import create_method
 from edgepfl.methods.base import ClientUpdate, LocalContext
 from edgepfl.methods.dualfed import DualFedHead
-
 from edgepfl.testing.method_kit import bn_inputs
 
 C = 3

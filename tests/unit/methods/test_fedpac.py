@@ -24,7 +24,6 @@ from edgepfl.methods.fedpac import (
     repair_psd,
     solve_simplex_qp,
 )
-
 from edgepfl.testing.method_kit import MethodKit, params_of
 
 K, D, SHAPE = 3, 4, (1, 4, 4)

@@ -24,7 +24,6 @@ from edgepfl.methods.fedrir import (
     q_nll,
     vclub,
 )
-
 from edgepfl.testing.method_kit import MethodKit, changed, generator, same, snapshot
 
 SHAPE = (1, 28, 28)

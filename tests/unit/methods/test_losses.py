@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from edgepfl.methods.losses import supcon_loss
-
 from edgepfl.testing.method_kit import generator
 
 
