@@ -38,9 +38,12 @@ def installed(tmp_path, monkeypatch):
     (info / "entry_points.txt").write_text(ENTRY_POINTS)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.syspath_prepend(str(PLUGINS))
-    monkeypatch.setattr(methods, "_REGISTRY", dict(methods._REGISTRY))
     for module in ("toy_method", "toy_registering"):
         monkeypatch.delitem(sys.modules, module, raising=False)
+    yield
+    # the plugins leave the registry; built-ins registered meanwhile stay (their modules stay imported)
+    for name in [n for n, cls in methods._REGISTRY.items() if not cls.__module__.startswith("edgepfl.methods.")]:
+        del methods._REGISTRY[name]
 
 
 def test_plugins_are_listed_beside_the_built_ins_without_importing_them():
@@ -128,3 +131,12 @@ def test_a_plugin_method_brings_its_heads_and_they_pass_the_public_head_check(tm
     assert get_method("toy_avg").head_kinds == GENERIC_HEAD_KINDS
     check_method_heads("toy_avg", tmp_path)
     assert sorted(p.name for p in tmp_path.glob("*.onnx")) == sorted(f"head-{k}.onnx" for k in GENERIC_HEAD_KINDS)
+
+
+def test_a_trainer_announces_the_plugins_it_can_load_and_leaves_out_one_it_cannot():
+    """A coordinator offers a plugin method's tasks only to trainers that announce it (their capabilities)."""
+    from edgepfl.edge_agent.trainer import trainable_methods
+
+    offered = trainable_methods()
+    assert {"toy_avg", "toy_registered", "fedavg"} <= set(offered)
+    assert not {"toy_missing", "toy_misnamed"} & set(offered)
