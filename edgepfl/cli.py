@@ -344,8 +344,11 @@ def cmd_methods(args) -> int:
     from .methods import available_methods, get_method
 
     for name in available_methods():
-        cls = get_method(name)
-        print(f"{name:12s} {cls.summary}")
+        try:
+            summary = get_method(name).summary
+        except KeyError as exc:  # a plugin that cannot load is listed with why, the others still are
+            summary = f"(cannot load: {exc.args[0]})"
+        print(f"{name:12s} {summary}")
     return 0
 
 

@@ -18,7 +18,7 @@ from pydantic_core import PydanticUndefined, to_jsonable_python
 
 from .config import AgentConfig, MethodSpec, RunConfig
 from .config_loading import _is_path, _unwrap
-from .methods import available_methods, get_method
+from .methods import METHODS, get_method
 
 Kind = Literal["run", "agent"]
 ROOTS: dict[str, type[BaseModel]] = {"run": RunConfig, "agent": AgentConfig}
@@ -135,7 +135,7 @@ def reference_markdown() -> str:
     out += ["## method options", "",
             "`method.name` picks the method; its options sit beside the name (`method: {name: fedprox, mu: 0.01}`)",
             "and are validated by the method's config class.", ""]
-    for name in available_methods():
+    for name in sorted(METHODS):  # the built-ins: a plugin installed here documents its own options
         cls = get_method(name).config_class
         out += [f"### method: {name}", "", " ".join((get_method(name).summary or "").split()), ""]
         out += _table(cls) + [""] if cls.model_fields else ["No options.", ""]

@@ -17,66 +17,23 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from edgepfl.config import AgentConfig, ModelSpec
-from edgepfl.export.heads import OnnxHead, head_to_onnx, make_session
+from edgepfl.config import AgentConfig
+from edgepfl.export import head_contract
+from edgepfl.export.heads import OnnxHead
 from edgepfl.heads import GENERIC_HEAD_KINDS, OFFLINE_HEAD_KIND, HeadRelease
 from edgepfl.methods import available_head_kinds, available_methods, create_method, get_method
 from edgepfl.protocol import read_manifest
 
 from tests.export_fixtures import NEW_CLIENT, client_data, client_pixels, export_dir
 
-FEATURE_DIM = 12
-NUM_CLASSES = 3
 CASES = [(name, kind) for name in available_methods() for kind in get_method(name).head_kinds]
-
-
-def synthetic_features(seed: int = 0, n: int = 90):
-    """Three Gaussian clusters in feature space; labels are class indices 0..2."""
-    rng = np.random.default_rng(seed)
-    centers = rng.normal(size=(NUM_CLASSES, FEATURE_DIM)) * 2
-    y = np.arange(n) % NUM_CLASSES
-    x = centers[y] + rng.normal(size=(n, FEATURE_DIM))
-    return x.astype(np.float32), y.astype(np.int64)
-
-
-def synthetic_release(name: str, tmp_path) -> HeadRelease:
-    """A release of method ``name`` as a device sees it, global heads included.
-
-    Global heads are what the exporter writes: the shared parameters outside the
-    encoder, here of a freshly built model on features (their values do not matter).
-    """
-    from edgepfl.atomic import write_tensors
-
-    method = create_method(name)
-    model = method.build_model(ModelSpec(arch="identity"), (FEATURE_DIM,), NUM_CLASSES)
-    encoder = method.encoder_module(model)
-    prefix = next(n for n, m in model.named_modules() if m is encoder)
-    shared = method.shared_params(model)
-    glob = {k: v for k, v in shared.items() if not (k == prefix or k.startswith(prefix + "."))}
-    path = tmp_path / "global_heads.safetensors"
-    write_tensors(path, glob)
-    return HeadRelease(name, {}, path)
 
 
 @pytest.mark.parametrize(("name", "kind"), CASES, ids=[f"{n}-{k}" for n, k in CASES])
 def test_every_head_of_every_method_fits_and_exports(name, kind, tmp_path):
-    method = create_method(name)
-    # generic heads need nothing of the release; a method's own head needs its global heads
-    release = synthetic_release(name, tmp_path) if kind == name else HeadRelease(name)
-    head = method.make_head(kind, release)
-    assert head.kind == kind
-    x, y = synthetic_features()
-    head.fit(x, y)
-    path = tmp_path / "head.onnx"
-    head_to_onnx(head, FEATURE_DIM, path)
-    served = OnnxHead.load(path)
-    assert served.head_kind_ == kind and served.n_features_in_ == FEATURE_DIM
-    np.testing.assert_array_equal(served.classes_, head.classes_)
-    x_new, _ = synthetic_features(seed=1, n=40)
-    probe = np.concatenate([x, x_new])
-    assert np.abs(served.predict_proba(probe) - head.predict_proba(probe)).max() <= 1e-4
-    labels = make_session(path).run(["label"], {"features": probe})[0]
-    np.testing.assert_array_equal(labels, head.predict(probe))
+    """The public check (edgepfl.export.head_contract.check_method_heads): built by the method, fitted on
+    synthetic features, exported to ONNX; onnxruntime's probabilities and labels are the estimator's."""
+    head_contract.check_head_fits_and_exports(name, kind, tmp_path)
 
 
 def test_the_head_vocabulary_is_the_methods():
@@ -86,6 +43,7 @@ def test_the_head_vocabulary_is_the_methods():
         kinds = get_method(name).head_kinds
         # a method offers generic heads and at most its own, never another method's
         assert set(kinds) - set(GENERIC_HEAD_KINDS) <= {name}, (name, kinds)
+        head_contract.check_head_vocabulary(name)
     assert set(available_head_kinds()) == set(GENERIC_HEAD_KINDS) | own
     # the generic family is exactly the generic kinds
     from edgepfl.heads import estimators

@@ -1,104 +1,54 @@
 """Contract suite: every registered method, present and future, through the same checks.
 
-Each method runs one real round the way the runtime drives it (coordinator
-``init_server`` / ``payload_for``; agents ``receive`` / ``evaluate`` /
-``local_update``; coordinator ``check_update`` / ``server_step``) on two tiny
-synthetic clients with different data, and the checks below are made on that round:
-what is uploaded (finite, shared keys only, no personal leak), what the server keeps
-(shapes, dtypes, numpy-only, checkpointable), what travels on the wire (bit-exact
-envelope round trip), what the agent keeps (personal state survives a safetensors
-save/load), and what inference does (deterministic in eval mode, reproduced by the
-exported encoder + device head).
+The generic checks are public (:mod:`edgepfl.testing.method_contract`), so a third-party
+method runs exactly these from its own tests (``edgepfl.testing.check_method``). Each
+method runs one real round the way the runtime drives it (coordinator ``init_server`` /
+``payload_for``; agents ``receive`` / ``evaluate`` / ``local_update``; coordinator
+``check_update`` / ``server_step``) on two tiny synthetic clients with different data,
+and the checks are made on that round: what is uploaded (finite, shared keys only, no
+personal leak), what the server keeps (shapes, dtypes, numpy-only, checkpointable), what
+travels on the wire (bit-exact envelope round trip), what the agent keeps (personal
+state survives a safetensors save/load), and what inference does (deterministic in eval
+mode, reproduced by the exported encoder + device head). The checks here beyond the
+public ones use this repository's own fixtures (the coordinator's downlink, the wire
+samples) or name built-in methods.
 """
 
 from __future__ import annotations
 
-import copy
-import functools
-import json
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
-from safetensors.numpy import load_file, save_file
 
-from edgepfl.aggregation import AggregationSpec, Mean
-from edgepfl.methods import (
-    ClientUpdate,
-    Method,
-    ServerState,
-    UpdateRejected,
-    available_methods,
-    create_method,
-    get_method,
-)
+from edgepfl.methods import ClientUpdate, Method, available_methods, create_method, get_method
 from edgepfl.methods.aggregate import weighted_mean
-from edgepfl.methods.base import STAT, TRAIN_OVERRIDES, PersonalBatchNormConfig, load_tensors, method_optimizer
+from edgepfl.methods.base import TRAIN_OVERRIDES, PersonalBatchNormConfig, method_optimizer
 from edgepfl.protocol.envelope import decode, encode
 from edgepfl.protocol.messages import MessageType, TaskMeta, UpdateMeta
+from edgepfl.testing import method_contract as checks
+from edgepfl.testing.method_contract import AGENTS, CLIENTS, KIT, NotApplicable, RoundRun
+from edgepfl.testing.method_kit import bn_inputs
 
-from tests.method_kit import MethodKit, bn_inputs, eval_logits
 from tests.wire_samples import sample_run_spec
 
-KIT = MethodKit()  # 4 classes of 1x28x28 images, SmallCNN with 16 features, 1 epoch of batches of 16
-AGENTS = ("agent-a", "agent-b")
 METHODS = available_methods()
 
-# Two clients that differ in size (so sample weighting matters), label set and inputs.
-CLIENTS = {
-    "agent-a": KIT.gaussian_client(1, 40, [0, 1, 2, 3], shift=0.0, n_test=20),
-    "agent-b": KIT.gaussian_client(2, 24, [1, 2], shift=0.7, n_test=20),
-}
 
-
-@dataclass
-class RoundRun:
-    """One round of one method: server state before/after, each agent's model and upload."""
-
-    method: Method
-    state0: ServerState
-    payloads: dict[str, dict[str, np.ndarray]]
-    models: dict[str, torch.nn.Module]
-    uploads: dict[str, dict[str, np.ndarray]]
-    eval_correct: dict[str, int]
-    updates: list[ClientUpdate]
-    state1: ServerState
-
-
-@functools.cache
 def run_round(name: str) -> RoundRun:
-    """Run (once per method, cached) the round every check below inspects. Don't mutate the result."""
-    method = create_method(name)
-    state0 = method.init_server(KIT.model(method, 0))
-    payloads, models, uploads, correct = {}, {}, {}, {}
-    for i, agent in enumerate(AGENTS):
-        model = KIT.model(method, 100 + i)  # each agent builds its own model, as on a device
-        ctx = KIT.ctx(10 + i)
-        payloads[agent] = method.payload_for(state0, agent)
-        method.receive(model, payloads[agent], ctx)
-        data = CLIENTS[agent].to_torch()
-        correct[agent] = method.evaluate(model, data, ctx).correct
-        uploads[agent] = method.local_update(model, data, ctx).upload
-        models[agent] = model
-    # check_update has its own test, so a bad upload fails there with a clear message
-    updates = [ClientUpdate(a, CLIENTS[a].num_train, uploads[a]) for a in AGENTS]
-    state1 = method.server_step(state0, updates, 0)
-    return RoundRun(method, state0, payloads, models, uploads, correct, updates, state1)
+    """The round (run once per method, cached) the public checks inspect. Don't mutate it."""
+    return checks.round_of(name)
 
 
-def personal_keys(method: Method, model: torch.nn.Module) -> set[str]:
-    return set(model.state_dict()) - set(method.shared_keys(model))
-
-
-def uploaded_personal_ok(method: Method, key: str) -> bool:
-    return any(key.startswith(p + ".") for p in method.upload_personal)
-
-
-def x_eval(agent: str = "agent-a") -> torch.Tensor:
-    return torch.from_numpy(CLIENTS[agent].x_test)
+def run_check(check: Callable[..., None], name: str, *params: str) -> None:
+    """One public check on method ``name``'s round; a check that does not apply skips."""
+    try:
+        check(run_round(name), *params)
+    except NotApplicable as why:
+        pytest.skip(str(why))
 
 
 # --------------------------------------------------------------------------- config
@@ -125,6 +75,7 @@ def test_the_method_table_names_exactly_the_modules_that_register_a_method():
 def test_config_rejects_unknown_option(name):
     cls = type(create_method(name))
     assert cls.name == name
+    run_check(checks.check_config_rejects_unknown_option, name)
     with pytest.raises(ValidationError):
         cls.config_class.model_validate({"no_such_option_anywhere": 1})
     with pytest.raises(ValidationError):
@@ -178,147 +129,53 @@ def test_method_optimizer_takes_each_override_with_a_value_and_the_runs_field_fo
 
 @pytest.mark.parametrize("name", METHODS)
 def test_local_update_uploads_finite_numpy_tensors_that_changed(name):
-    run = run_round(name)
-    for agent in AGENTS:
-        upload = run.uploads[agent]
-        assert all(isinstance(v, np.ndarray) for v in upload.values()), name
-        for key, value in upload.items():
-            if value.dtype.kind == "f":
-                assert np.isfinite(value).all(), f"{name}: {key} not finite"
-        shared = run.method.shared_keys(run.models[agent])
-        if shared:
-            changed = [k for k in shared if not np.array_equal(upload[k], run.payloads[agent][k])]
-            assert changed, f"{name}: local update left every shared tensor as received"
+    run_check(checks.check_local_update_uploads_finite_numpy_tensors_that_changed, name)
 
 
 @pytest.mark.parametrize("name", METHODS)
 def test_uploads_and_trained_weights_keep_the_default_memory_layout(name):
     """Channels-last is an activation layout of the CPU forward (``ConvTrunk``), never a
     weight layout: what is uploaded, kept and saved stays C-ordered, as the wire expects."""
-    run = run_round(name)
-    for agent in AGENTS:
-        for key, value in run.uploads[agent].items():
-            assert value.flags.c_contiguous, f"{name}: uploaded {key} is not C-ordered"
-        for key, tensor in run.models[agent].state_dict().items():
-            assert tensor.is_contiguous(), f"{name}: {key} left the default layout after a local update"
+    run_check(checks.check_uploads_and_trained_weights_keep_the_default_memory_layout, name)
 
 
 @pytest.mark.parametrize("name", METHODS)
 def test_upload_is_shared_keys_plus_stats_and_no_personal_key(name):
-    run = run_round(name)
-    for agent in AGENTS:
-        model, method = run.models[agent], run.method
-        upload = run.uploads[agent]
-        params = {k for k in upload if "/" not in k}
-        others = set(upload) - params
-        assert all(k.startswith(STAT) for k in others), f"{name}: non-stat namespaced keys {others}"
-        assert params <= set(model.state_dict()), f"{name}: uploads keys that are not model tensors"
-        allowed_personal = {k for k in params if uploaded_personal_ok(method, k)}
-        assert params - allowed_personal == set(method.shared_keys(model))
-        leaked = (params & personal_keys(method, model)) - allowed_personal
-        assert not leaked, f"{name}: personal tensors leaked into the upload: {sorted(leaked)[:5]}"
+    run_check(checks.check_upload_is_shared_keys_plus_stats_and_no_personal_key, name)
 
 
 @pytest.mark.parametrize("name", METHODS)
 def test_upload_passes_check_update_and_tampering_is_rejected(name):
-    run = run_round(name)
-    method, update = run.method, run.updates[0]
-    method.check_update(run.state0, update)  # as the coordinator does; must not raise
-    shared = sorted(run.state0.shared_params())
-    if shared:
-        missing = {k: v for k, v in update.tensors.items() if k != shared[0]}
-        with pytest.raises(UpdateRejected):
-            method.check_update(run.state0, ClientUpdate(update.agent_id, update.num_samples, missing))
-        wrong = dict(update.tensors)
-        wrong[shared[0]] = np.zeros(update.tensors[shared[0]].shape + (2,), dtype=np.float32)
-        with pytest.raises(UpdateRejected):
-            method.check_update(run.state0, ClientUpdate(update.agent_id, update.num_samples, wrong))
-    model = run.models[update.agent_id]
-    leakable = sorted(k for k in personal_keys(method, model) if not uploaded_personal_ok(method, k))
-    if leakable:
-        leak = dict(update.tensors)
-        leak[leakable[0]] = method.personal_state(model)[leakable[0]]
-        with pytest.raises(UpdateRejected):
-            method.check_update(run.state0, ClientUpdate(update.agent_id, update.num_samples, leak))
+    run_check(checks.check_upload_passes_check_update_and_tampering_is_rejected, name)
 
 
 @pytest.mark.parametrize("name", METHODS)
-def test_personal_state_survives_safetensors_save_load(name, tmp_path):
-    run = run_round(name)
-    method, model = run.method, run.models["agent-a"]
-    personal = method.personal_state(model)
-    shared = method.shared_params(model)
-    assert set(personal).isdisjoint(shared)
-    assert set(personal) | set(shared) == set(model.state_dict()), f"{name}: state neither shared nor personal"
-    path = tmp_path / "personal.safetensors"
-    save_file(personal, str(path))
-
-    fresh = KIT.model(method, 999)
-    x = x_eval()
-    trained = model.state_dict()
-    assert any(not torch.equal(v, trained[k]) for k, v in fresh.state_dict().items())  # the test can fail
-    load_tensors(fresh, load_file(str(path)))
-    load_tensors(fresh, shared)
-    assert torch.equal(eval_logits(method, fresh, x), eval_logits(method, model, x)), \
-        f"{name}: a model rebuilt from saved personal state + shared params predicts differently"
+def test_personal_state_survives_safetensors_save_load(name):
+    run_check(checks.check_personal_state_survives_safetensors_save_load, name)
 
 
 @pytest.mark.parametrize("name", METHODS)
 def test_a_payload_tensor_of_another_shape_is_refused_not_broadcast(name):
     """A (1, …, 1) tensor would broadcast into any weight through ``copy_``: the model
     would silently train on values nobody sent. Loading refuses it, and changes nothing."""
-    model = run_round(name).models["agent-a"]
-    key, value = max(model.state_dict().items(), key=lambda kv: kv[1].numel())
-    value = value.numpy()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    tiny = np.ones((1,) * np.asarray(value).ndim, dtype=np.asarray(value).dtype)
-    with pytest.raises(ValueError, match="another shape"):
-        load_tensors(model, {key: tiny})
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    run_check(checks.check_a_payload_tensor_of_another_shape_is_refused_not_broadcast, name)
 
 
 @pytest.mark.parametrize("name", METHODS)
 def test_inference_is_deterministic_in_eval_mode(name):
-    run = run_round(name)
-    model = copy.deepcopy(run.models["agent-a"])
-    x = x_eval()
-    first = eval_logits(run.method, model, x)
-    second = eval_logits(run.method, model, x)
-    assert first.shape == (len(x), KIT.num_classes)
-    assert torch.equal(first, second)
+    run_check(checks.check_inference_is_deterministic_in_eval_mode, name)
 
 
 @pytest.mark.parametrize("name", METHODS)
 def test_evaluate_keeps_shared_params_and_repeats_exactly(name):
     """Evaluation may refit personal parts on training data (RepPer's stage 2 does),
     but must not touch what is uploaded, and evaluating twice gives the same answer."""
-    run = run_round(name)
-    method = run.method
-    model = copy.deepcopy(run.models["agent-b"])
-    shared_before = method.shared_params(model)
-    data = CLIENTS["agent-b"].to_torch()
-    first = method.evaluate(model, data, KIT.ctx(5, round=1))
-    assert first.total == CLIENTS["agent-b"].num_test and 0 <= first.correct <= first.total
-    assert np.isfinite(first.loss)
-    shared_after = method.shared_params(model)
-    assert all(np.array_equal(shared_before[k], shared_after[k]) for k in shared_before), \
-        f"{name}: evaluate changed shared parameters"
-    second = method.evaluate(model, data, KIT.ctx(5, round=1))
-    assert (second.correct, second.loss) == (first.correct, first.loss)
+    run_check(checks.check_evaluate_keeps_shared_params_and_repeats_exactly, name)
 
 
 @pytest.mark.parametrize("name", METHODS)
 def test_exported_encoder_and_device_head_reproduce_logits(name):
-    run = run_round(name)
-    method, model = run.method, copy.deepcopy(run.models["agent-a"])
-    head = method.device_head(model)
-    if head is None:
-        pytest.skip(f"{name} has no torch device head")
-    x = x_eval()
-    model.eval()
-    with torch.no_grad():
-        exported = head(method.encoder_module(model)(x))
-    torch.testing.assert_close(exported, eval_logits(method, model, x), rtol=1e-5, atol=1e-5)
+    run_check(checks.check_exported_encoder_and_device_head_reproduce_logits, name)
 
 
 # --------------------------------------------------------------------------- server side
@@ -326,31 +183,14 @@ def test_exported_encoder_and_device_head_reproduce_logits(name):
 
 @pytest.mark.parametrize("name", METHODS)
 def test_server_step_keeps_shapes_dtypes_and_is_checkpointable(name):
-    run = run_round(name)
-    before, after = run.state0, run.state1
-    assert set(after.shared_params()) == set(before.shared_params())
-    for key, ref in before.global_tensors.items():
-        if key in after.global_tensors:
-            got = after.global_tensors[key]
-            assert got.shape == ref.shape and got.dtype == ref.dtype, f"{name}: {key} changed shape or dtype"
-    tensors = [*after.global_tensors.values(), *(v for t in after.client_tensors.values() for v in t.values())]
-    assert all(isinstance(v, np.ndarray) for v in tensors), f"{name}: server state must be numpy only"
-    assert all(np.isfinite(v).all() for v in tensors if v.dtype.kind == "f")
-    json.dumps(after.extra)  # checkpointed as JSON
-    restored = ServerState.from_flat(after.to_flat(), after.extra)
-    assert set(restored.global_tensors) == set(after.global_tensors)
-    assert {a: set(t) for a, t in restored.client_tensors.items()} == {a: set(t) for a, t in after.client_tensors.items()}
+    run_check(checks.check_server_step_keeps_shapes_dtypes_and_is_checkpointable, name)
 
 
 @pytest.mark.parametrize("name", METHODS)
 def test_server_step_averages_the_shared_parameters_weighted_by_the_methods_update_weight(name):
     """Every method's shared parameters go through the run's rule (here the default mean),
     weighted by ``update_weight``: the sample count, or 1 for DualFed's plain mean."""
-    run = run_round(name)
-    n = np.array([run.method.update_weight(u) for u in run.updates], dtype=np.float64)
-    for key, got in run.state1.shared_params().items():
-        want = sum(ni * u.tensors[key].astype(np.float64) for ni, u in zip(n, run.updates)) / n.sum()
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=f"{name}: {key}")
+    run_check(checks.check_server_step_averages_the_shared_parameters_weighted_by_the_methods_update_weight, name)
 
 
 def test_fedavg_aggregates_every_parameter_by_sample_count():
@@ -371,52 +211,13 @@ def test_fedavg_aggregates_every_parameter_by_sample_count():
 # --------------------------------------------------------------------------- aggregation
 
 
-def synthetic_updates(run: RoundRun, n: int, seed: int = 0) -> list[ClientUpdate]:
-    """``n`` updates like the round's real ones: each a real upload with its float tensors
-    moved by a little noise (statistics too), and its own sample count."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        base = run.updates[i % len(run.updates)]
-        tensors = {}
-        for key, value in base.tensors.items():
-            if value.dtype.kind == "f":
-                noise = rng.normal(0, 0.02 * (float(np.std(value)) or 1.0), value.shape)
-                value = (value + noise).astype(value.dtype)
-            tensors[key] = value
-        out.append(ClientUpdate(f"agent-{i:02d}", int(rng.integers(5, 500)), tensors))
-    return out
-
-
-def state_bytes(state: ServerState) -> dict[str, bytes]:
-    flat = {k: np.ascontiguousarray(v).tobytes() for k, v in state.to_flat().items()}
-    flat["extra"] = json.dumps(state.extra, sort_keys=True).encode()
-    return flat
-
-
 @pytest.mark.parametrize("rule", ["mean", "clipped_mean"])
 @pytest.mark.parametrize("name", METHODS)
 def test_any_arrival_order_gives_the_same_next_state_bit_for_bit(name, rule):
     """Over MQTT updates arrive in any order; the next state must not depend on it. Checked
     for every method through the interface the coordinator uses (open_round, add on arrival,
     close), in 24 random orders of 9 updates, with each streaming rule."""
-    run = run_round(name)
-    for u in synthetic_updates(run, 3):
-        run.method.check_update(run.state0, u)
-    updates = synthetic_updates(run, 9)
-    spec = AggregationSpec(rule=rule, clip_ratio=0.01)  # tight enough that clipping happens
-    want = None
-    for seed in range(24):
-        order = np.random.default_rng(seed).permutation(len(updates))
-        aggregate = run.method.open_round(run.state0, spec.build())
-        for i in order:
-            aggregate.add(updates[i])
-        if run.method.streaming:
-            assert aggregate.updates == [], f"{name} streams: it must not keep the updates"
-        got = state_bytes(aggregate.close(0))
-        if want is None:
-            want = got
-        assert got == want, f"{name}/{rule}: arrival order {order.tolist()} changed the next state"
+    run_check(checks.check_any_arrival_order_gives_the_same_next_state_bit_for_bit, name, rule)
 
 
 @pytest.mark.parametrize("codec", ["q4", "topk+q8"])
@@ -426,35 +227,7 @@ def test_compressed_updates_decode_to_updates_the_method_accepts_and_sum_alike_i
     agent was sent, as a trainer does, and decoded as the coordinator's gate does. The decoded
     update passes the method's checks, keeps what must stay exact bit for bit, and 24 arrival
     orders of 9 of them give the same next state, bit for bit."""
-    from edgepfl import codecs
-
-    run = run_round(name)
-    updates = synthetic_updates(run, 9)
-    spec = codecs.CodecSpec.from_name(codec, block=64, keep=0.25)
-    exact_prefixes = type(run.method).exact_uploads
-    decoded = []
-    for i, u in enumerate(updates):
-        reference = run.method.payload_for(run.state0, u.agent_id)
-        marked = [k for k in u.tensors if any(k == p or k.startswith(p + ".") for p in exact_prefixes)]
-        encoded = codecs.encode(u.tensors, reference, spec, np.random.default_rng(i), exact=marked)
-        arrays = encoded.arrays()  # what crosses the wire, rebuilt by the receiver
-        tensors = codecs.decode(codecs.Encoded.from_arrays(encoded.header_fields(), arrays), reference)
-        assert set(tensors) == set(u.tensors), f"{name}: decoding changed the update's tensors"
-        for key in codecs.exact_names(u.tensors, reference, marked):
-            assert tensors[key].tobytes() == np.asarray(u.tensors[key]).tobytes(), f"{name}: {key} not exact"
-        update = ClientUpdate(u.agent_id, u.num_samples, tensors)
-        run.method.check_update(run.state0, update)
-        decoded.append(update)
-    want = None
-    for seed in range(24):
-        order = np.random.default_rng(seed).permutation(len(decoded))
-        aggregate = run.method.open_round(run.state0, AggregationSpec().build())
-        for i in order:
-            aggregate.add(decoded[i])
-        got = state_bytes(aggregate.close(0))
-        if want is None:
-            want = got
-        assert got == want, f"{name}/{codec}: arrival order {order.tolist()} changed the next state"
+    run_check(checks.check_compressed_updates_decode_to_updates_the_method_accepts_and_sum_alike_in_any_order, name, codec)
 
 
 @pytest.mark.parametrize("codec", ["q8", "q4"])
@@ -498,45 +271,12 @@ def test_a_task_delta_decodes_on_the_agent_to_the_payload_it_would_be_sent_whole
 def test_every_rule_runs_for_every_method_that_averages_and_gives_a_finite_state(name, rule):
     """One round, 3 clients, each rule: the shared parameters are the rule's result (so a
     robust rule applies to every method, FedPAC and DualFed included), the state is finite."""
-    run = run_round(name)
-    if not run.state0.shared_params():
-        pytest.skip(f"{name} shares nothing: there is nothing to average")
-    updates = synthetic_updates(run, 3, seed=1)
-    spec = AggregationSpec(rule=rule)  # multi_krum: f = 1, so it averages 2 of the 3
-    new = run.method.server_step(run.state0, updates, 0, rule=spec.build())
-    tensors = [*new.global_tensors.values(), *(v for t in new.client_tensors.values() for v in t.values())]
-    assert all(np.isfinite(v).all() for v in tensors if v.dtype.kind == "f")
-    assert set(new.shared_params()) == set(run.state0.shared_params())
-    # the same rule on the shared tensors alone gives the same shared parameters
-    rule_alone = spec.build()
-    rule_alone.begin(run.state0.shared_params())
-    for u in sorted(updates, key=lambda u: u.agent_id):
-        rule_alone.add({k: u.tensors[k] for k in run.state0.shared_params()}, run.method.update_weight(u))
-    want = rule_alone.result()
-    for key, value in new.shared_params().items():
-        assert value.tobytes() == want[key].tobytes(), f"{name}/{rule}: {key} is not the rule's result"
-    if rule == "median":  # the coordinate median of the updates as sent, with no bound on them
-        unbounded = AggregationSpec(rule=rule, max_update_ratio=None, max_update_vs_median=None, max_mean_shift=None,
-                                    max_variance_growth=None)
-        new = run.method.server_step(run.state0, updates, 0, rule=unbounded.build())
-        key = next(k for k, v in run.state0.shared_params().items() if v.dtype.kind == "f")
-        np.testing.assert_allclose(new.global_tensors[key], np.median([u.tensors[key] for u in updates], axis=0),
-                                   rtol=1e-6)
+    run_check(checks.check_every_rule_runs_and_gives_a_finite_state, name, rule)
 
 
 @pytest.mark.parametrize("name", METHODS)
 def test_payload_loads_with_receive_into_a_fresh_model(name):
-    run = run_round(name)
-    method = run.method
-    for agent in (*AGENTS, "agent-new"):  # a newly joined agent gets a payload too
-        payload = method.payload_for(run.state1, agent)
-        fresh = KIT.model(method, 7)
-        method.receive(fresh, payload, KIT.ctx(3, round=1))
-        sd = fresh.state_dict()
-        for key, value in payload.items():
-            if "/" not in key:
-                assert np.array_equal(sd[key].cpu().numpy(), value), f"{name}: {key} not loaded as sent"
-        assert torch.isfinite(eval_logits(method, fresh, x_eval())).all()
+    run_check(checks.check_payload_loads_with_receive_into_a_fresh_model, name)
 
 
 # --------------------------------------------------------------------------- wire
@@ -643,20 +383,5 @@ def test_a_server_learning_rate_moves_the_shared_parameters_that_share_of_the_wa
     """``aggregation.server_lr``: the next state's shared parameters move ``server_lr`` of the
     way from the state the tasks carried to the rule's aggregate (BatchNorm statistics
     mixed the same way); 1 is the plain aggregate, for every method."""
-    run = run_round(name)
-    if not run.state0.shared_params():
-        pytest.skip(f"{name} shares nothing: there is nothing to average")
-    updates = synthetic_updates(run, 3, seed=2)
-    full = run.method.server_step(run.state0, updates, 0)
-    aggregate = run.method.open_round(run.state0, Mean(), server_lr=0.25)
-    for update in sorted(updates, key=lambda u: u.agent_id):
-        aggregate.add(update)
-    quarter = aggregate.close(0)
-    reference, moved = run.state0.shared_params(), 0
-    for key, ref in reference.items():
-        if ref.dtype.kind != "f":
-            continue
-        want = ref.astype(np.float64) + 0.25 * (full.shared_params()[key].astype(np.float64) - ref)
-        np.testing.assert_allclose(quarter.shared_params()[key], want, rtol=1e-5, atol=1e-6, err_msg=f"{name}: {key}")
-        moved += int(not np.array_equal(full.shared_params()[key], ref))
-    assert moved, f"{name}: the round moved no shared parameter, so the test shows nothing"
+    run_check(checks.check_a_server_learning_rate_moves_the_shared_parameters_that_share_of_the_way, name)
+

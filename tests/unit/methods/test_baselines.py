@@ -18,8 +18,7 @@ from edgepfl.methods import ClientUpdate, create_method
 from edgepfl.methods import fedrep as fedrep_module
 from edgepfl.methods.fedrod import RoDHead, balanced_softmax_loss, log_prior, rod_losses
 from edgepfl.methods.training import make_optimizer
-
-from tests.method_kit import MethodKit, bn_keys, params_of, same, snapshot
+from edgepfl.testing.method_kit import MethodKit, bn_keys, params_of, same, snapshot
 
 KIT = MethodKit()  # 4 classes of 1x28x28 images, SmallCNN with 16 features, 1 epoch of batches of 16
 CLIENT = KIT.gaussian_client(1, 40, [0, 1, 2, 3])

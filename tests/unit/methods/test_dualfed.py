@@ -14,8 +14,7 @@ from edgepfl.data.client import ClientTensors
 from edgepfl.methods import create_method
 from edgepfl.methods.base import ClientUpdate, LocalContext
 from edgepfl.methods.dualfed import DualFedHead
-
-from tests.method_kit import bn_inputs
+from edgepfl.testing.method_kit import bn_inputs
 
 C = 3
 SPEC = ModelSpec(arch="mlp", feature_dim=6)

@@ -24,8 +24,7 @@ from edgepfl.methods.fedpac import (
     repair_psd,
     solve_simplex_qp,
 )
-
-from tests.method_kit import MethodKit, params_of
+from edgepfl.testing.method_kit import MethodKit, params_of
 
 K, D, SHAPE = 3, 4, (1, 4, 4)
 KIT = MethodKit(num_classes=K, input_shape=SHAPE, spec=ModelSpec(arch="mlp", feature_dim=D),

@@ -24,8 +24,7 @@ from edgepfl.methods.fedrir import (
     q_nll,
     vclub,
 )
-
-from tests.method_kit import MethodKit, changed, generator, same, snapshot
+from edgepfl.testing.method_kit import MethodKit, changed, generator, same, snapshot
 
 SHAPE = (1, 28, 28)
 CLASSES = 4

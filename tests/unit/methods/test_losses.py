@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from edgepfl.methods.losses import supcon_loss
-
-from tests.method_kit import generator
+from edgepfl.testing.method_kit import generator
 
 
 def reference_supcon(features: torch.Tensor, labels: list[int], tau: float, form: str) -> float:

@@ -15,8 +15,7 @@ from edgepfl.errors import ExitCode, ModelSpecError, classify
 from edgepfl.methods import ClientUpdate, create_method
 from edgepfl.models import CHECK_BATCH, PluginEncoder, build_encoder, check_encoder, is_plugin_arch
 from edgepfl.specs import ModelSpec
-
-from tests.method_kit import MethodKit, changed, snapshot
+from edgepfl.testing.method_kit import MethodKit, changed, snapshot
 
 PLUGINS = Path(__file__).resolve().parents[2] / "plugins"
 SERIES = (6, 100)  # accelerometer + gyroscope windows: 6 channels x 100 samples
