@@ -186,9 +186,18 @@ class StagedRollout:
             checked[0] = time.monotonic()
             online = set(self.fleet.releases.online())
             reports = self._reports(release_id)
-            return all(a in reports for a in agents if a in online)
+            return all(a in reports and self._status_caught_up(a, reports[a], release_id) for a in agents
+                       if a in online)
 
         return done
+
+    def _status_caught_up(self, agent_id: str, report: HeadReport, release_id: str) -> bool:
+        """Whether an agent that reported installing ``release_id`` also says so in its status
+        (it publishes the report first): the fleet view counts releases from statuses, and
+        the release service's last view is what operators read once it exits. An agent whose
+        status never named a release (before protocol 1.4) is taken at its report."""
+        info = self.inbox.registry.agents.get(agent_id)
+        return report.refused is not None or info is None or info.release in (None, release_id)
 
     def _reports(self, release_id: str) -> dict[str, HeadReport]:
         return self.inbox.reports_by_release.get(release_id, {})
