@@ -18,9 +18,13 @@ class Credentials:
     signer: Signer | None = None
     #: with it only enrolled agents' signed frames get in (PROTOCOL.md §3a)
     keyring: Keyring | None = None
+    #: the key files these were read from: a coordinator built over a fleet takes the fleet's
+    #: credentials only when they come from its own ``security`` section (wiring.py)
+    source: SecuritySpec | None = None
 
     @classmethod
     def load(cls, security: SecuritySpec) -> Credentials:
         """The one place the coordinator side reads its key files."""
         return cls(signer=load_signer(security.signing_key) if security.signing_key else None,
-                   keyring=Keyring(Path(security.enrolled_dir)) if security.enrolled_dir else None)
+                   keyring=Keyring(Path(security.enrolled_dir)) if security.enrolled_dir else None,
+                   source=security)

@@ -42,7 +42,11 @@ def wire(config: RunConfig, fleet: Fleet, method: Method | None, *, watch_presen
     """Build the collaborators of a coordinator of ``config`` over ``fleet``; ``method`` checks
     updates (None: no round is ever opened); ``watch_presence`` warns when fewer trainers than
     ``expected_agents`` are online (the round loop's concern, not a release's)."""
-    credentials = fleet.credentials or Credentials.load(config.security)
+    credentials = fleet.credentials
+    if credentials is None or credentials.source != config.security:
+        # a fleet built without this run's security section (a test, an embedding program)
+        # signs only its presence, if at all; the tasks are signed with the run's own key
+        credentials = Credentials.load(config.security)
     registry = Registry(clock=fleet.clock)
     counters = RunCounters()
     gate = UpdateGate(config.federation, method, registry, max_bytes=config.broker.max_payload_bytes,

@@ -293,7 +293,7 @@ def test_federation_runs_over_mqtts_from_the_bundles_and_a_client_id_hijack_chan
         logs = "".join((out / "agents" / a / "agent.log").read_text(errors="replace") for a in ("pi-01", "pi-02"))
         assert [r.round for r in rows] == [0, 1, 2] and rows[-1].final, logs[-3000:]
         for row in rows[:-1]:
-            assert row.participants == ["pi-01", "pi-02"] and not row.aborted and row.rejected == {}
+            assert row.participants == ["pi-01", "pi-02"] and not row.aborted and row.rejected == {}, logs[-4000:]
         assert fleet.transport.connect_count == 1
         assert (out / "agents" / "pi-01" / "state").is_dir()  # relative state_dir resolved in the bundle
 
