@@ -53,7 +53,8 @@ from typing import Literal
 from pydantic import Field
 
 from .._torch import F, nn, torch
-from ..models import ConvTrunk, model_as
+from ..errors import ModelSpecError
+from ..models import ConvTrunk, is_plugin_arch, model_as
 from . import register
 from .base import LocalResult, Method, PersonalBatchNormConfig, method_optimizer, train_override
 from .training import fit, freeze, noise_generator
@@ -400,6 +401,15 @@ class FedRIR(Method):
     bn_policy = "local_stats"
 
     def build_model(self, spec, input_shape, num_classes) -> FedRIRModel:
+        # FedRIR's model is its own (MODELS.md "fedrir"): a user's encoder would be dropped
+        # without a word, and its extractors and decoder are 2-D convolutions over images
+        if is_plugin_arch(spec.arch):
+            raise ModelSpecError(f"model.arch {spec.arch}: fedrir builds its own image extractors and decoder and "
+                                 "cannot train a plugin encoder; use a method that trains model.arch (fedavg, fedrep, "
+                                 "repper, ...)")
+        if len(input_shape) != 3:
+            raise ModelSpecError(f"fedrir's extractors take images C x H x W, and the inputs are "
+                                 f"{'x'.join(map(str, input_shape))}")
         c = self.config
         return FedRIRModel(tuple(input_shape), num_classes, c.embed_dim, c.q_hidden, spec.norm,
                            keep_adam_state=c.keep_optimizer_state and c.optimizer == "adam")

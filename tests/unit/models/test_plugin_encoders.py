@@ -124,6 +124,22 @@ def test_a_method_builds_the_same_check_so_a_bad_plugin_stops_any_model_build():
             create_method(name).build_model(spec, SERIES, 4)
 
 
+def test_fedrir_which_builds_its_own_model_refuses_a_plugin_or_series_in_one_configuration_line():
+    """FedRIR ignores model.arch (MODELS.md "fedrir"): a user's encoder is refused, not dropped."""
+    fedrir = create_method("fedrir", {"embed_dim": 8, "q_hidden": 8})
+    for spec, shape, says in [
+        (KIT.spec, (1, 28, 28), "model.arch sensor_cnn:build: fedrir builds its own image extractors and decoder "
+                                "and cannot train a plugin encoder"),
+        (ModelSpec(arch="cnn1d"), SERIES, "fedrir's extractors take images C x H x W, and the inputs are 6x100"),
+    ]:
+        with pytest.raises(ModelSpecError) as caught:
+            fedrir.build_model(spec, shape, 4)
+        line = str(caught.value)
+        assert "\n" not in line and line.startswith(says), line
+        assert classify(caught.value) == (ExitCode.USAGE, line)
+    assert fedrir.build_model(ModelSpec(), (1, 28, 28), 4)  # its own model on images, as before
+
+
 @pytest.mark.parametrize("arch,shape,says", [
     ("cnn", SERIES, "model.arch cnn takes images C x H x W, and the inputs are 6x100: use cnn1d"),
     ("cnn1d", (1, 28, 28), "model.arch cnn1d takes series C x T, and the inputs are 1x28x28"),
