@@ -76,13 +76,19 @@ def release(tmp_path_factory):
 def torch_classes(release, head_file: Path, raw: np.ndarray) -> np.ndarray:
     """The classes of the in-process model on raw windows: the manifest's normalization and
     the encoder in torch, then the fitted head."""
+    tmp, encoder = release
+    return model_classes(encoder, tmp / "export" / "manifest.json", head_file, raw)
+
+
+def model_classes(encoder, manifest_file: Path, head_file: Path, raw: np.ndarray) -> np.ndarray:
+    """The classes of the torch ``encoder`` (eval mode) and the head in ``head_file`` on raw
+    windows normalized as the release's manifest says, computed in torch."""
     import torch
 
     from edgepfl.export.heads import OnnxHead
     from edgepfl.protocol.manifest import read_manifest
 
-    tmp, encoder = release
-    norm = read_manifest(tmp / "export" / "manifest.json").run.data.normalization
+    norm = read_manifest(manifest_file).run.data.normalization
     assert norm is not None
     mean = torch.tensor(norm.mean, dtype=torch.float64).view(1, -1, 1)
     std = torch.tensor(norm.std, dtype=torch.float64).view(1, -1, 1)
@@ -93,20 +99,23 @@ def torch_classes(release, head_file: Path, raw: np.ndarray) -> np.ndarray:
     return head.classes_[np.argmax(head.predict_proba(features), axis=1)]
 
 
+#: the opening of a script for ``python -c`` in which any import of torch fails: the head path has none
+NO_TORCH = textwrap.dedent("""
+    import sys
+
+    class NoTorch:
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name == "torch" or name.startswith("torch."):
+                raise ModuleNotFoundError(f"No module named {name!r} (blocked)", name=name)
+
+    sys.meta_path.insert(0, NoTorch)
+""")
+
+
 def run_cli(script: str) -> dict:
     """``script`` in a fresh interpreter in which importing torch fails; its last JSON line."""
-    blocked = textwrap.dedent("""
-        import sys
-
-        class NoTorch:  # any import of torch fails: the head path has none
-            @staticmethod
-            def find_spec(name, path=None, target=None):
-                if name == "torch" or name.startswith("torch."):
-                    raise ModuleNotFoundError(f"No module named {name!r} (blocked)", name=name)
-
-        sys.meta_path.insert(0, NoTorch)
-    """)
-    proc = subprocess.run([sys.executable, "-c", blocked + textwrap.dedent(script)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", NO_TORCH + textwrap.dedent(script)], capture_output=True,
                           text=True, timeout=120, cwd=REPO_ROOT_HINT)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
