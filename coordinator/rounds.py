@@ -68,11 +68,11 @@ class Coordinator:
     """Runs a federation described by a :class:`RunConfig` over a :class:`Fleet`."""
 
     def __init__(self, config: RunConfig, fleet: Fleet, out_dir: str | Path, *, input_shape=None, num_classes=None,
-                 class_names=None, normalization=None, progress: bool = True):
+                 class_names=None, normalization=None, channel_names=None, progress: bool = True):
         self.config, self.fleet, self.clock = config, fleet, fleet.clock  # deadlines: the fleet's (maybe virtual) clock
         self.method: Method = create_method(config.method.name, config.method.options())
         #: what every task carries, and checkpoints and releases record
-        self.run_spec: RunSpec = run_spec_of(config, input_shape, num_classes, class_names, normalization)
+        self.run_spec: RunSpec = run_spec_of(config, input_shape, num_classes, class_names, normalization, channel_names)
         side = wire(config, fleet, self.method)
         self.registry, self.counters, self.observer, self.inbox = side.registry, side.counters, side.observer, side.inbox
         self.signer, self.enrols = side.credentials.signer, side.credentials.keyring is not None
@@ -357,10 +357,10 @@ def require_capable(registry: Registry, config: RunConfig, run_spec: RunSpec) ->
         registry.require_protocol(INPUT_KINDS, f"{run_spec.data.input_kind} inputs")
 
 
-def run_spec_of(config: RunConfig, input_shape, num_classes, class_names, normalization) -> RunSpec:
+def run_spec_of(config: RunConfig, input_shape, num_classes, class_names, normalization, channel_names=None) -> RunSpec:
     """What every task of the run carries; refused (ConfigError) when the input normalization
     is unknown, so that no trainer guesses (PROTOCOL §5, task)."""
-    spec = config.run_spec(input_shape, num_classes, class_names, normalization)
+    spec = config.run_spec(input_shape, num_classes, class_names, normalization, channel_names)
     if spec.data.normalization is None:
         raise ConfigError("the input normalization is unknown: read it from the data or set "
                           "normalization: {mean: [...], std: [...]} in the run config")

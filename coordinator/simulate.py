@@ -42,7 +42,7 @@ def data_shape(config: RunConfig) -> dict:
 
     data = load_client_data(config.data, 0)
     return {"input_shape": data.input_shape, "num_classes": data.num_classes, "class_names": data.class_names,
-            "normalization": data.normalization}
+            "normalization": data.normalization, "channel_names": data.channel_names}
 
 
 def service_data_shape(config: RunConfig) -> dict:
@@ -56,7 +56,7 @@ def service_data_shape(config: RunConfig) -> dict:
         return {}
     shape = data_shape(config)
     if config.input_shape is not None:
-        del shape["input_shape"]
+        del shape["input_shape"], shape["channel_names"]  # the names are the data's input's, not the config's
     if config.num_classes is not None:
         del shape["num_classes"], shape["class_names"]
     if config.normalization is not None:

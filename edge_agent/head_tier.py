@@ -48,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from edgepfl.atomic import write_bytes, write_json
 from edgepfl.data.client import ClientData
-from edgepfl.data.preprocess import ChannelAffine, conversion
+from edgepfl.data.preprocess import ChannelAffine, channel_order, conversion
 from edgepfl.errors import OutOfMemory, out_of_memory
 from edgepfl.export.heads import OnnxHead
 from edgepfl.export.predict import OnnxEncoder
@@ -162,7 +162,7 @@ class HeadRuntime:
         self.encoder: OnnxEncoder | None = None
         self.head: OnnxHead | None = None
         self.record: InstalledRelease | None = None
-        self._adapt: ChannelAffine | None = None
+        self._adapt: _LocalToRun | None = None
 
     # ---------------------------------------------------------------- state
     @property
@@ -182,7 +182,7 @@ class HeadRuntime:
         installed = open_installed(self.state_dir, threads=self.threads, coordinator_key=self.coordinator_key)
         record = installed.record
         self.encoder, self.head, self.record = installed.encoder, installed.head, record
-        self._adapt = _renormalization(self.data.normalization, record.manifest)
+        self._adapt = _local_to_run(self.data, record.manifest, installed=True)
         log.info("restored release %s with a %s head (accuracy %.4f)", record.release_id, record.metrics.head,
                  record.metrics.accuracy)
         return record.metrics
@@ -268,10 +268,13 @@ class HeadRuntime:
             if out_of_memory(exc):
                 raise OutOfMemory(f"opening the encoder of release {release_id}", exc) from exc
             raise refuse(f"not a loadable ONNX encoder ({type(exc).__name__}: {str(exc)[:200]})") from None
-
-        adapt = _renormalization(self.data.normalization, manifest)
+        try:  # named channels are taken by name: a log's columns in the run's order, whatever the file's
+            adapt = _local_to_run(self.data, manifest)
+        except ValueError as exc:
+            raise refuse(f"channel mismatch: {exc}") from None
         if adapt is not None:
-            log.info("local data normalized with %s, the encoder expects %s: converting", self.data.normalization,
+            log.info("local data (channels %s, normalized with %s) to the encoder's (channels %s, %s): converting",
+                     self.data.channel_names, self.data.normalization, manifest.run.data.channel_names,
                      manifest.run.data.normalization)
         log.info("installing release %s: features of %d + %d local samples, then a %s head", release_id,
                  self.data.num_train, self.data.num_test, self.head_kind)
@@ -333,7 +336,7 @@ class HeadRuntime:
         return metrics
 
     def _switch(self, record: InstalledRelease, old: InstalledRelease | None,
-                loaded: tuple[OnnxEncoder, OnnxHead, ChannelAffine | None] | None = None) -> None:
+                loaded: tuple[OnnxEncoder, OnnxHead, _LocalToRun | None] | None = None) -> None:
         """Make ``record`` the installed release, on disk and in memory as one step, and remove
         what ``old`` held that ``record`` does not: the manifest beside the encoder, then the
         record (the switch, written last), then the ``loaded`` encoder, head and input
@@ -416,7 +419,7 @@ class HeadRuntime:
                                              "metrics": metrics, "installed": time.time(),
                                              "proof_file": self._keep_proof(proof), "previous": None})
         assert current is not None  # a previous release is kept only beside an installed one
-        self._switch(record, current, (encoder, head, _renormalization(self.data.normalization, manifest)))
+        self._switch(record, current, (encoder, head, _local_to_run(self.data, manifest, installed=True)))
         log.info("release %s restored from the kept files (sequence %s), release %s removed; held-out accuracy %.4f",
                  release_id, sequence, current.release_id, metrics.accuracy)
         return metrics
@@ -634,7 +637,38 @@ def _renormalization(local: dict[str, Any], manifest: ReleaseManifest) -> Channe
         return None
 
 
-def _apply(adapt: ChannelAffine | None, x: np.ndarray) -> np.ndarray:
+@dataclass(frozen=True)
+class _LocalToRun:
+    """Local inputs as a release's encoder takes them: channels in the run's order, then the
+    run's normalization (either step may be absent)."""
+
+    order: np.ndarray | None
+    affine: ChannelAffine | None
+
+    def apply(self, x: np.ndarray) -> np.ndarray:
+        if self.order is not None:
+            x = x[:, self.order]
+        return x if self.affine is None else self.affine.apply(x)
+
+
+def _local_to_run(data: ClientData, manifest: ReleaseManifest, *, installed: bool = False) -> _LocalToRun | None:
+    """How this device's data becomes ``manifest``'s encoder's input; None when it already is.
+    Raises ``ValueError`` when the data's channel names are not the run's, unless the release
+    is ``installed`` already (it passed this check then; the data cannot have changed)."""
+    try:
+        order = channel_order(data.channel_names, manifest.run.data.channel_names)
+    except ValueError:
+        if not installed:
+            raise
+        order = None
+    norm = data.normalization
+    if order is not None and norm.get("mean") and norm.get("std"):
+        norm = {**norm, "mean": [norm["mean"][i] for i in order], "std": [norm["std"][i] for i in order]}
+    affine = _renormalization(norm, manifest)
+    return None if order is None and affine is None else _LocalToRun(order, affine)
+
+
+def _apply(adapt: _LocalToRun | None, x: np.ndarray) -> np.ndarray:
     return x if adapt is None else adapt.apply(x)
 
 

@@ -149,7 +149,7 @@ class ModelServer:
         if model is None:
             return Answer(request_id, error=f"no release installed in {self.state_dir} yet")
         try:
-            spec = csv_spec(model.encoder.input_shape, **self.csv) if model.encoder.input_kind == "series" else None
+            spec = csv_spec(model.encoder, **self.csv) if model.encoder.input_kind == "series" else None
             names, x = collect_inputs(inputs, model.encoder, csv=spec)
             proba = model.head.predict_proba(model.encoder.features(x))
         except (ValueError, OSError, KeyError) as exc:

@@ -21,7 +21,7 @@ from edgepfl.aggregation import grid_contribution, ring_vector
 from edgepfl.atomic import read_tensors, write_json, write_tensors
 from edgepfl.codecs import CodecError, CodecHeader, CodecSpec, Encoded, ErrorFeedback, decode
 from edgepfl.data import ClientData, ClientTensors
-from edgepfl.data.preprocess import conversion
+from edgepfl.data.preprocess import channel_order, conversion
 from edgepfl.heads.labels import LabelMismatch, run_label_index
 from edgepfl.methods import ClientUpdate, LocalContext, Method, available_methods, create_method, get_method
 from edgepfl.methods.base import load_tensors
@@ -177,6 +177,10 @@ class TrainerRuntime:
         if problems:
             raise self._refuse(meta, round, "data_mismatch", "the run has " + "; ".join(problems))
         try:
+            channel_order(self.data.channel_names, run.data.channel_names)
+        except ValueError as exc:
+            raise self._refuse(meta, round, "data_mismatch", str(exc)) from None
+        try:
             return run_label_index(self.data.class_names, run.data.class_names)
         except LabelMismatch as exc:
             raise self._refuse(meta, round, "data_mismatch", str(exc)) from None
@@ -192,11 +196,16 @@ class TrainerRuntime:
         labels in another class order are mapped onto the run's (logged once per order).
         """
         wanted = meta.run.data
-        key = wanted.model_dump_json(include={"pixel_scale", "normalization", "class_names"})
+        key = wanted.model_dump_json(include={"pixel_scale", "normalization", "class_names", "channel_names"})
         cached = self._inputs.get(key)
         if cached is not None:
             return cached
         data = self.data
+        order = channel_order(data.channel_names, wanted.channel_names)  # checked by _check_data
+        if order is not None:
+            log.info("%s: taking the local channels in the run's order (local %s, run %s)", self.agent_id,
+                     data.channel_names, wanted.channel_names)
+            data = data.reordered(order)
         if to_run_labels is not None:
             log.info("%s: mapping the local labels onto the run's class order (local %s, run %s)", self.agent_id,
                      data.class_names, wanted.class_names)

@@ -365,14 +365,16 @@ class RunConfig(_Strict):
 
     def run_spec(self, input_shape: Sequence[int] | None = None, num_classes: int | None = None,
                  class_names: Sequence[str] | None = None,
-                 normalization: Normalization | Mapping[str, Sequence[float]] | None = None) -> RunSpec:
+                 normalization: Normalization | Mapping[str, Sequence[float]] | None = None,
+                 channel_names: Sequence[str] | None = None) -> RunSpec:
         """This run as tasks, checkpoints and releases describe it, once its data's shape is known.
 
         The shape comes from the data (arguments, as :class:`edgepfl.data.ClientData`
         reports them) or, where an argument is absent, from this config's
         ``input_shape`` / ``num_classes`` / ``normalization``. Without class names, class
         ``i`` is named ``"i"``. The input kind follows from the shape's length (image 3,
-        series 2, vector 1).
+        series 2, vector 1). ``channel_names`` (a series' or vector's, from its data) travel
+        with the run so that devices read named logs by name.
         """
         input_shape = input_shape or self.input_shape
         num_classes = num_classes or self.num_classes
@@ -390,6 +392,7 @@ class RunConfig(_Strict):
             num_classes=num_classes,
             class_names=list(class_names or [str(i) for i in range(num_classes)]),
             normalization=normalization or self.normalization,
+            channel_names=list(channel_names) if channel_names else None,
         )
         return RunSpec(method=MethodChoice(name=self.method.name, options=self.method.options()),
                        model=self.model.model_copy(), train=self.train.model_copy(), seed=self.seed, data=data)

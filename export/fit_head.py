@@ -40,7 +40,7 @@ from edgepfl.methods import available_head_kinds, create_method
 from edgepfl.specs import CsvSpec
 
 from .heads import META_ENCODER_SHA, fuse, head_to_onnx
-from .predict import OnnxEncoder, add_csv_arguments, csv_spec, csv_spec_of
+from .predict import OnnxEncoder, add_csv_arguments, csv_spec, csv_spec_of, in_run_channel_order
 
 
 @dataclass
@@ -74,12 +74,13 @@ def load_dataset(path: str | Path, encoder: OnnxEncoder, *, val_fraction: float 
     fed = encoder.class_names
     if encoder.input_kind != "image":
         if path.suffix.lower() == ".csv" and encoder.input_kind == "series":
-            raw, y, names = read_csv_windows(path, csv or csv_spec(encoder.input_shape))
+            raw, y, names, _ = read_csv_windows(path, csv or csv_spec(encoder))
             named = True
         elif path.suffix.lower() == ".npz":
             # the release's kind, never guessed: a raw (N, C, T) of small values is not an image
             pool = load_pool(DataSpec(dataset="npz", root=str(path), input=InputSpec(kind=encoder.input_kind)))
-            raw, y, names = pool.pixels, np.asarray(pool.y), list(pool.class_names)
+            raw = in_run_channel_order(pool.pixels, pool.channel_names, encoder, path)
+            y, names = np.asarray(pool.y), list(pool.class_names)
             with np.load(path, allow_pickle=False) as f:
                 named = "class_names" in f.files
         else:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgepfl.data.preprocess import IMAGE_SUFFIXES, normalize
+from edgepfl.data.preprocess import IMAGE_SUFFIXES, channel_order, normalize
 from edgepfl.data.sensors import read_csv_windows
 from edgepfl.errors import InputError, OneLineParser, report
 from edgepfl.protocol.manifest import ReleaseManifest, read_manifest
@@ -75,6 +75,9 @@ class OnnxEncoder:
         self.input_shape: tuple[int, ...] = tuple(int(s) for s in shape)
         #: what one sample is: the manifest's ``run.data.input_kind``, else what the graph's rank says
         self.input_kind: InputKind = manifest.run.data.input_kind if manifest else kind_of_shape(self.input_shape)
+        #: the channels (a series) or features (a vector) by name in input order, as the run read
+        #: them (None: unnamed); a named CSV log or npz is read by these names
+        self.channel_names: list[str] | None = manifest.run.data.channel_names if manifest else None
         if tuple(int(s) if isinstance(s, int) else -1 for s in inp.shape[1:]) != self.input_shape:
             raise ValueError(f"encoder graph input {inp.shape} does not match the manifest's {list(self.input_shape)}")
         self.feature_dim = int(self.session.get_outputs()[0].shape[1]) if isinstance(
@@ -270,27 +273,45 @@ def _read_samples(path: Path, encoder: OnnxEncoder, csv: CsvSpec | None) -> np.n
     if suffix == ".csv":
         if encoder.input_kind != "series":
             raise ValueError(f"{path}: a CSV sensor log holds series; this release takes {encoder.input_kind}s")
-        spec = csv or csv_spec(encoder.input_shape)
-        return read_csv_windows(path, spec, labelled=False)[0]
+        return read_csv_windows(path, csv or csv_spec(encoder), labelled=False).x
     try:
         if suffix == ".npz":
             with np.load(path, allow_pickle=False) as f:
                 if "x" not in f.files:
                     raise ValueError(f"{path}: needs an array 'x' of raw samples, found {sorted(f.files)}")
-                return np.asarray(f["x"])
+                x = np.asarray(f["x"])
+                named = [str(s) for s in np.asarray(f["channel_names"]).ravel()] if "channel_names" in f.files else None
+            return in_run_channel_order(x, named, encoder, path)
         return np.asarray(np.load(path, allow_pickle=False))
     except (OSError, EOFError, zlib.error) as exc:
         raise ValueError(f"{path}: not a readable {suffix} file ({exc})") from None
 
 
-def csv_spec(input_shape: tuple[int, ...], *, label: str = "label", channels: list[str] | None = None,
+def csv_spec(encoder: OnnxEncoder, *, label: str = "label", channels: list[str] | None = None,
              segment: str | None = None, stride: int | None = None) -> CsvSpec:
     """How a device's CSV sensor log becomes a series release's inputs: windows as long as the
-    release's input (``input_shape`` (C, T): T rows), every ``stride`` rows (default: T, each
-    row in one window), of the ``channels`` columns in the order the run was trained on
-    (default: every column but the label and segment columns, in file order)."""
-    window = int(input_shape[-1])
-    return CsvSpec(label=label, channels=channels, segment=segment, window=window, stride=stride or window)
+    release's input ((C, T): T rows), every ``stride`` rows (default: T, each row in one
+    window), of the ``channels`` columns in the order the run was trained on (default: the
+    run's channel names where the manifest has them, whatever the file's column order; else
+    every column but the label and segment columns, in file order)."""
+    window = int(encoder.input_shape[-1])
+    return CsvSpec(label=label, channels=channels or encoder.channel_names, segment=segment, window=window,
+                   stride=stride or window)
+
+
+def in_run_channel_order(x: np.ndarray, named: list[str] | None, encoder: OnnxEncoder, source: object) -> np.ndarray:
+    """Raw samples ``x`` whose channels (axis 1) are ``named`` taken in the run's order
+    (:attr:`OnnxEncoder.channel_names`); as they are when either side names none.
+    ``ValueError`` (one line naming ``source``) when the names are not the run's."""
+    try:
+        order = channel_order(named, encoder.channel_names)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
+    if order is None:
+        return x
+    if x.ndim < 2 or x.shape[1] != len(order):
+        raise ValueError(f"{source}: {len(named or [])} channel names for samples of shape {x.shape[1:]}")
+    return np.ascontiguousarray(x[:, order])
 
 
 def add_csv_arguments(parser: argparse.ArgumentParser) -> None:
@@ -298,7 +319,8 @@ def add_csv_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("CSV sensor logs (series releases; window length: the manifest's input)")
     group.add_argument("--label", default="label", help="the column holding each row's class (default: label)")
     group.add_argument("--channels", default=None, metavar="A,B,…",
-                       help="the channel columns in the run's channel order (default: every other column)")
+                       help="the channel columns in the run's channel order (default: the run's channel names "
+                            "where its manifest has them, else every other column in file order)")
     group.add_argument("--segment", default=None, help="a column that changes where a recording starts")
     group.add_argument("--stride", type=int, default=None, help="rows between window starts (default: the window)")
 
@@ -310,7 +332,7 @@ def csv_spec_of(ns: argparse.Namespace, encoder: OnnxEncoder) -> CsvSpec | None:
     if ns.stride is not None and ns.stride < 1:
         raise ValueError(f"--stride must be at least 1, got {ns.stride}")
     channels = [c.strip() for c in ns.channels.split(",")] if ns.channels else None
-    return csv_spec(encoder.input_shape, label=ns.label, channels=channels, segment=ns.segment, stride=ns.stride)
+    return csv_spec(encoder, label=ns.label, channels=channels, segment=ns.segment, stride=ns.stride)
 
 
 def head_class_names(head: OnnxHead, encoder: OnnxEncoder, *, federation_labels: bool = False) -> list[str]:

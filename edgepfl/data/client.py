@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,8 @@ class ClientData:
     #: [0, 1] units, series and vectors in raw units); stored in export manifests so devices
     #: preprocess identically
     normalization: dict[str, Any] = field(default_factory=dict)
+    #: a series' channels or a vector's features by name, in input order (None: unnamed)
+    channel_names: list[str] | None = None
 
     def __post_init__(self) -> None:
         for name in ("x_train", "x_test"):
@@ -36,6 +38,14 @@ class ClientData:
             raise ValueError(f"x_train samples are {self.x_train.shape[1:]}, x_test's {self.x_test.shape[1:]}")
         if len(self.x_train) != len(self.y_train) or len(self.x_test) != len(self.y_test):
             raise ValueError("inputs and labels differ in length")
+
+    def reordered(self, order: np.ndarray) -> ClientData:
+        """The same data with its channels (axis 1) taken in ``order`` (from
+        :func:`edgepfl.data.preprocess.channel_order`): inputs, per-channel statistics and names."""
+        stats = {k: [v[i] for i in order] if k in ("mean", "std") else v for k, v in self.normalization.items()}
+        names = None if self.channel_names is None else [self.channel_names[i] for i in order]
+        return replace(self, x_train=np.ascontiguousarray(self.x_train[:, order]),
+                       x_test=np.ascontiguousarray(self.x_test[:, order]), normalization=stats, channel_names=names)
 
     @property
     def input_shape(self) -> tuple[int, ...]:

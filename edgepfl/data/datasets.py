@@ -79,6 +79,9 @@ class Pool:
     class_names: list[str]
     normalization: dict[str, list[float]]
     source: str = ""
+    #: a series' channels or a vector's features by name (a CSV log's columns, an npz's
+    #: ``channel_names``); None: unnamed
+    channel_names: list[str] | None = None
     _x: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -98,6 +101,10 @@ class Pool:
                 raise DataError(f"{self.source}: normalization {key} needs {channels} values")
         if min(self.normalization["std"]) <= 0:
             raise DataError(f"{self.source}: normalization std must be positive")
+        if self.channel_names is not None and (len(self.channel_names) != channels or rank == 4
+                                               or len(set(self.channel_names)) != channels):
+            raise DataError(f"{self.source}: channel_names must be {channels} distinct names of a series' channels "
+                            f"or a vector's features, got {self.channel_names}")
         self.pixels.setflags(write=False)
         self.y.setflags(write=False)
 
@@ -459,12 +466,13 @@ def _load_npz(root: str | None, given: InputSpec) -> Pool:
         names = [str(s) for s in np.asarray(arrays["class_names"]).ravel()]
     else:
         names = [str(i) for i in range(int(y.max()) + 1 if len(y) else 0)]
+    channel_names = [str(s) for s in np.asarray(arrays["channel_names"]).ravel()] if "channel_names" in arrays else None
     stored = None
     if "mean" in arrays and "std" in arrays:
         stored = {k: [float(v) for v in np.asarray(arrays[k], np.float64).ravel()] for k in ("mean", "std")}
     # images of a device's own file: fixed statistics, as before kinds existed; a series or
     # vector has no common scale to fix, so its statistics come from the file
-    return Pool(pixels, y, names, _normalization(given, stored, pixels, kind != "image", source), source)
+    return Pool(pixels, y, names, _normalization(given, stored, pixels, kind != "image", source), source, channel_names)
 
 
 # ----------------------------------------------------------------------------- csv
@@ -476,11 +484,11 @@ def _load_csv(root: str | None, csv: CsvSpec, given: InputSpec) -> Pool:
     if given.kind not in ("auto", "series"):
         raise DataError(f"a csv sensor log holds series; data.input.kind is {given.kind}")
     try:
-        x, y, names = read_csv_windows(root, csv)
+        x, y, names, channels = read_csv_windows(root, csv)
     except ValueError as exc:
         raise DataError(str(exc)) from None
     source = f"csv:{Path(root)}"
-    return Pool(x, y, names, _normalization(given, None, x, True, source), source)
+    return Pool(x, y, names, _normalization(given, None, x, True, source), source, channels)
 
 
 # ----------------------------------------------------------------------------- imagefolder
@@ -578,7 +586,7 @@ def _cached_pool(kind: str, root: str | None, name: str | None, input_json: str,
         raise DataError(f"unknown dataset kind {kind!r}")
     if given.mean is not None:
         norm = _normalization(given, None, pool.pixels, False, pool.source)
-        pool = Pool(pool.pixels, pool.y, pool.class_names, norm, pool.source)
+        pool = Pool(pool.pixels, pool.y, pool.class_names, norm, pool.source, pool.channel_names)
     return pool
 
 
@@ -709,6 +717,7 @@ def load_client_data(spec: DataSpec, client_index: int) -> ClientData:
         class_names=list(pool.class_names),
         domain=dom,
         normalization={k: list(v) for k, v in pool.normalization.items()},
+        channel_names=None if pool.channel_names is None else list(pool.channel_names),
     )
 
 

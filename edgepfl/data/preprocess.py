@@ -22,13 +22,28 @@ from ..protocol.run import PIXEL_SCALE, DataShape
 #: what Pillow reads on every platform we install on
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".pgm", ".ppm")
 
-__all__ = ["ChannelAffine", "conversion", "local_scale", "normalize"]
+__all__ = ["ChannelAffine", "channel_order", "conversion", "local_scale", "normalize"]
 
 
 def local_scale(data: DataShape) -> float:
     """The scale edgepfl's loaders apply to raw values of ``data``'s kind before normalizing:
     :data:`PIXEL_SCALE` for images (8-bit pixels), 1 for series and vectors."""
     return PIXEL_SCALE if data.input_kind == "image" else 1.0
+
+
+def channel_order(local: Sequence[str] | None, run: Sequence[str] | None) -> np.ndarray | None:
+    """The indices that put local channels (axis 1) in the run's order, by name; ``None``
+    when no reordering is needed: the same order, or either side names none (then position
+    is all there is to go by). Raises ``ValueError`` (one line, both lists) when the names
+    differ: a column the run was trained on is missing, or one it never saw is there."""
+    if local is None or run is None or list(local) == list(run):
+        return None
+    if sorted(local) != sorted(run):
+        missing, extra = sorted(set(run) - set(local)), sorted(set(local) - set(run))
+        raise ValueError(f"the run's channels are {list(run)}, the local data's {list(local)}"
+                         + (f" (missing {missing})" if missing else "") + (f" (not in the run: {extra})" if extra else ""))
+    at = {name: i for i, name in enumerate(local)}
+    return np.array([at[name] for name in run], dtype=np.int64)
 
 
 def normalize(raw: np.ndarray, data: DataShape) -> np.ndarray:

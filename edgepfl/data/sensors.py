@@ -12,12 +12,25 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from ..specs import CsvSpec
 
-__all__ = ["read_csv_windows", "window_starts"]
+__all__ = ["SensorWindows", "read_csv_windows", "window_starts"]
+
+
+class SensorWindows(NamedTuple):
+    """What :func:`read_csv_windows` read: raw windows, their labels and what both mean."""
+
+    #: float32 (N, C, window) raw values
+    x: np.ndarray
+    #: int64 (N,) indices into ``class_names``
+    y: np.ndarray
+    class_names: list[str]
+    #: the C channel columns, in the order of ``x``'s axis 1
+    channels: list[str]
 
 
 def window_starts(run_length: int, window: int, stride: int) -> np.ndarray:
@@ -53,9 +66,10 @@ def _numbers(path: Path, cells: list[list[str]], lines: list[int], channels: lis
     raise AssertionError("unreachable: some cell failed the array conversion")
 
 
-def read_csv_windows(path: str | Path, spec: CsvSpec, *, labelled: bool = True) -> tuple[np.ndarray, np.ndarray, list[str]]:
+def read_csv_windows(path: str | Path, spec: CsvSpec, *, labelled: bool = True) -> SensorWindows:
     """Windows of the sensor log at ``path`` as ``spec`` says: float32 (N, C, window) raw
-    values, int64 labels (N,) indexing the returned class names.
+    values of ``spec.channels`` in that order (default: every other column, in file order),
+    int64 labels (N,) indexing the returned class names.
 
     ``labelled=False`` (a log to predict on) also takes a log without the label column:
     its rows are then one run per segment, every label 0 and the class names ``[""]``.
@@ -133,4 +147,4 @@ def read_csv_windows(path: str | Path, spec: CsvSpec, *, labelled: bool = True) 
             f"{int(run_ends[longest] - run_starts[longest])} (lines {lines[run_starts[longest]]}.."
             f"{lines[run_ends[longest] - 1]}); lower csv.window or log longer")
     x = values[starts[:, None] + np.arange(spec.window)]  # (N, window, C)
-    return np.ascontiguousarray(x.transpose(0, 2, 1)), y_rows[starts], names
+    return SensorWindows(np.ascontiguousarray(x.transpose(0, 2, 1)), y_rows[starts], names, channels)

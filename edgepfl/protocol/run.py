@@ -102,6 +102,11 @@ class DataShape(_Spec):
     class_names: list[str] = Field(description="label i is class_names[i]; exactly num_classes names")
     pixel_scale: PositiveFloat = Field(PIXEL_SCALE, description="raw values times this; 1 for series and vectors")
     normalization: Normalization | None = None
+    channel_names: list[str] | None = Field(
+        None, min_length=1, json_schema_extra=since("1.10"),
+        description="a series' channels or a vector's features by name, in input order (a CSV log's columns, an "
+                    "npz's channel_names); null or left out: unnamed. A reader of a named log takes its columns by "
+                    "these names, in this order, whatever the file's column order")
 
     @model_validator(mode="before")
     @classmethod
@@ -130,6 +135,12 @@ class DataShape(_Spec):
         if self.normalization is not None and len(self.normalization.mean) != self.input_shape[0]:
             raise ValueError(f"normalization has {len(self.normalization.mean)} channels, "
                              f"the input {self.input_shape[0]}")
+        if self.channel_names is not None:
+            if self.input_kind == "image":
+                raise ValueError("channel_names name a series' channels or a vector's features, not an image's")
+            if len(self.channel_names) != self.input_shape[0] or len(set(self.channel_names)) != len(self.channel_names):
+                raise ValueError(f"channel_names must be {self.input_shape[0]} distinct names, "
+                                 f"got {self.channel_names}")
         return self
 
     @model_serializer(mode="wrap")
@@ -139,6 +150,8 @@ class DataShape(_Spec):
         out = handler(self)
         if self.input_kind == "image":
             out.pop("input_kind", None)
+        if self.channel_names is None:
+            out.pop("channel_names", None)  # unnamed inputs: frames as before names existed
         return out
 
 

@@ -199,14 +199,14 @@ def _walk_and_sit(n_walk=230, n_sit=120):
 
 def test_csv_windows_counts_labels_and_channels(tmp_path):
     path = _log(tmp_path / "log.csv", _walk_and_sit())
-    x, y, names = read_csv_windows(path, CsvSpec(label="activity", channels=["ax", "ay", "az"], window=50, stride=25))
+    x, y, names, _ = read_csv_windows(path, CsvSpec(label="activity", channels=["ax", "ay", "az"], window=50, stride=25))
     # windows never span the label change: walk 230 rows -> 1 + (230-50)//25 = 8, sit 120 -> 1 + 70//25 = 3
     assert names == ["sit", "walk"] and x.shape == (11, 3, 50) and x.dtype == np.float32
     assert y.tolist() == [1] * 8 + [0] * 3
     assert np.allclose(x[1, 0], np.sin(np.arange(25, 75) / 5), atol=1e-6)  # second walk window starts at row 25
     assert np.allclose(x[8, 2], 9.81)
     # null channels: every column but the label (the time column too)
-    x_all, _, _ = read_csv_windows(path, CsvSpec(label="activity", window=50, stride=50))
+    x_all, _, _, _ = read_csv_windows(path, CsvSpec(label="activity", window=50, stride=50))
     assert x_all.shape == (4 + 2, 4, 50)
 
 
@@ -214,7 +214,7 @@ def test_csv_segments_split_windows_and_classes_fix_the_order(tmp_path):
     rows = [(i, 1.0, "a", "rec1" if i < 30 else "rec2") for i in range(60)]
     path = _log(tmp_path / "seg.csv", rows, header="t,v,label,rec")
     spec = CsvSpec(channels=["v"], segment="rec", window=20, stride=10, classes=["b", "a"])
-    x, y, names = read_csv_windows(path, spec)
+    x, y, names, _ = read_csv_windows(path, spec)
     assert names == ["b", "a"] and y.tolist() == [1, 1, 1, 1]  # 2 per 30-row segment, none across
     without = read_csv_windows(path, spec.model_copy(update={"segment": None}))[0]
     assert len(without) == 5
@@ -224,7 +224,7 @@ def test_a_log_to_predict_on_may_lack_the_label_column(tmp_path):
     rows = [(r[0], r[1], r[2], r[3]) for r in _walk_and_sit()]
     path = _log(tmp_path / "unlabelled.csv", rows, header="t,ax,ay,az")
     spec = CsvSpec(label="activity", channels=["ax", "ay", "az"], window=50, stride=50)
-    x, y, names = read_csv_windows(path, spec, labelled=False)
+    x, y, names, _ = read_csv_windows(path, spec, labelled=False)
     # one run of 350 rows: windows across the (unknown) activity change, the same rows as a labelled read's
     assert x.shape == (7, 3, 50) and y.tolist() == [0] * 7 and names == [""]
     assert np.array_equal(x, read_csv_windows(_log(tmp_path / "one.csv", [(*r, "any") for r in rows]), spec)[0])
@@ -234,7 +234,7 @@ def test_a_log_to_predict_on_may_lack_the_label_column(tmp_path):
 
 def test_numeric_labels_sort_as_numbers(tmp_path):
     rows = [(0.5, lab) for lab in (10,) * 4 + (2,) * 4]
-    _, y, names = read_csv_windows(_log(tmp_path / "n.csv", rows, "v,label"), CsvSpec(window=2, stride=2))
+    _, y, names, _ = read_csv_windows(_log(tmp_path / "n.csv", rows, "v,label"), CsvSpec(window=2, stride=2))
     assert names == ["2", "10"] and y.tolist() == [1, 1, 0, 0]
 
 

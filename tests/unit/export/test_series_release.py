@@ -44,7 +44,7 @@ def write_log(path: Path, seed: int, *, offset: float = 0.0, label: bool = True)
 def raw_windows(path: Path, stride: int = WINDOW) -> tuple[np.ndarray, np.ndarray]:
     from edgepfl.data.sensors import read_csv_windows
 
-    x, y, _ = read_csv_windows(path, CsvSpec(window=WINDOW, stride=stride, classes=list(CLASSES)), labelled=False)
+    x, y, _, _ = read_csv_windows(path, CsvSpec(window=WINDOW, stride=stride, classes=list(CLASSES)), labelled=False)
     return x, y
 
 
