@@ -21,6 +21,7 @@ reached through a ``.pth`` file; every command runs in a subprocess of that envi
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import site
@@ -190,8 +191,9 @@ def test_simulate_trains_the_plugin_encoder_with_the_plugin_method_by_their_entr
                    "--config", str(run_yaml(tmp_path, "smooth_per", "toy-cnn1d")), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Results — smooth_per" in done.stdout
-    rounds = [line for line in (out / "metrics.jsonl").read_text().splitlines() if '"final": false' in line]
-    assert len(rounds) == 2
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["round"] for row in rows if not row["final"]] == [0, 1]
+    assert all(len(row["participants"]) == 2 for row in rows if not row["final"]), rows
     # the server averages the plugin encoder's tensors alone; each device keeps its classifier
     shared = {k.removeprefix("global::") for k in checkpoint_tensors(out / "checkpoint") if k.startswith("global::")}
     assert shared and all(k.startswith("encoder.net.body.") or k.startswith("encoder.net.out.") for k in shared), shared
@@ -224,5 +226,4 @@ def test_edgepfls_own_contract_suites_collect_and_pass_beside_a_plugin_that_cann
     done = env.run("-m", "pytest", "-q", "-p", "no:cacheprovider", *suites,
                    "-k", "registry_holds or head_vocabulary_is_the_methods or sees_every_table", cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:]
-    assert re.search(r"\b3 passed, \d+ deselected", done.stdout), done.stdout[-3000:]
-    assert "error" not in done.stdout.lower()
+    assert re.search(r"\b3 passed, \d+ deselected in", done.stdout), done.stdout[-3000:]
