@@ -26,6 +26,9 @@ import pytest  # noqa: E402
 
 from edgepfl.testing import MosquittoBroker, TrafficCapture, find_mosquitto, find_rabbitmq  # noqa: E402
 
+#: a plugin package's own tests run where the package is installed (tests/integration/methods/test_plugin_package.py)
+collect_ignore = ["plugins/edgepfl_toy_plugin"]
+
 
 def _under_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")

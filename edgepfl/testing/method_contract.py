@@ -224,10 +224,12 @@ def check_upload_is_shared_keys_plus_stats_and_no_personal_key(run: RoundRun) ->
         assert all(k.startswith(STAT) for k in others), f"{name}: non-stat namespaced keys {others}"
         assert params <= set(model.state_dict()), f"{name}: uploads keys that are not model tensors"
         allowed_personal = {k for k in params if uploaded_personal_ok(method, k)}
-        assert params - allowed_personal == set(method.shared_keys(model)), \
-            f"{name}: the upload's model tensors are not the shared keys"
+        # a leak first: it is the likelier mistake, and its message names the tensors
         leaked = (params & personal_keys(method, model)) - allowed_personal
         assert not leaked, f"{name}: personal tensors leaked into the upload: {sorted(leaked)[:5]}"
+        got, want = params - allowed_personal, set(method.shared_keys(model))
+        assert got == want, f"{name}: the upload's model tensors are not the shared keys (missing " \
+                            f"{sorted(want - got)[:5]}, not shared {sorted(got - want)[:5]})"
 
 
 def check_upload_passes_check_update_and_tampering_is_rejected(run: RoundRun) -> None:

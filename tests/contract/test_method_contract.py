@@ -1,4 +1,4 @@
-"""Contract suite: every registered method, present and future, through the same checks.
+"""Contract suite: every built-in method, present and future, through the same checks.
 
 The generic checks are public (:mod:`edgepfl.testing.method_contract`), so a third-party
 method runs exactly these from its own tests (``edgepfl.testing.check_method``). Each
@@ -11,7 +11,9 @@ travels on the wire (bit-exact envelope round trip), what the agent keeps (perso
 state survives a safetensors save/load), and what inference does (deterministic in eval
 mode, reproduced by the exported encoder + device head). The checks here beyond the
 public ones use this repository's own fixtures (the coordinator's downlink, the wire
-samples) or name built-in methods.
+samples) or name built-in methods. A plugin method installed here is not edgepfl's to check: its
+own tests run the public checks (tests/integration/methods/test_plugin_package.py), and one
+that cannot load changes nothing here.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from edgepfl.methods import ClientUpdate, Method, available_methods, create_method, get_method
+from edgepfl.methods import METHODS as BUILT_IN_METHODS
+from edgepfl.methods import ClientUpdate, Method, create_method, get_method
 from edgepfl.methods.aggregate import weighted_mean
 from edgepfl.methods.base import TRAIN_OVERRIDES, PersonalBatchNormConfig, method_optimizer
 from edgepfl.protocol.envelope import decode, encode
@@ -35,7 +38,7 @@ from edgepfl.testing.method_kit import bn_inputs
 
 from tests.wire_samples import sample_run_spec
 
-METHODS = available_methods()
+METHODS = sorted(BUILT_IN_METHODS)
 
 
 def run_round(name: str) -> RoundRun:

@@ -1,4 +1,4 @@
-"""Every registered method trains in a real federation over Mosquitto.
+"""Every built-in method trains in a real federation over Mosquitto.
 
 Each method runs from its shipped ``configs/<method>.yaml``, shrunk to 2 rounds of 3
 agents on tiny data (tests/unit/methods/test_methods_federate.py runs the same in
@@ -16,11 +16,11 @@ from __future__ import annotations
 import pytest
 
 from edgepfl.coordinator.simulate import simulate
-from edgepfl.methods import available_methods
+from edgepfl.methods import METHODS
 
 from tests.unit.methods.test_methods_federate import AGENTS, check_rows, tiny_config
 
-MQTT_METHODS = available_methods()
+MQTT_METHODS = METHODS
 
 
 @pytest.mark.parametrize("method", MQTT_METHODS)

@@ -1,4 +1,4 @@
-"""Every registered method trains in a real federation, in process.
+"""Every built-in method trains in a real federation, in process.
 
 Each method runs from its shipped ``configs/<method>.yaml`` (so the configs are
 proven runnable, not only parseable), shrunk to 2 rounds of 3 agents on tiny data
@@ -22,7 +22,7 @@ from edgepfl.config import RunConfig, parse_config
 from edgepfl.coordinator.simulate import simulate
 from edgepfl.data import FMNIST_PACKAGE, fmnist_available
 from edgepfl.edge_agent.tiers import local_trainers
-from edgepfl.methods import available_methods
+from edgepfl.methods import METHODS
 from edgepfl.metrics import RoundMetrics
 
 REPO = Path(__file__).resolve().parents[3]
@@ -63,7 +63,7 @@ def check_rows(rows: list[RoundMetrics], summary: dict) -> None:
     assert math.isfinite(summary["final_accuracy"])
 
 
-@pytest.mark.parametrize("method", available_methods())
+@pytest.mark.parametrize("method", METHODS)
 def test_method_federates_in_process(method, tmp_path):
     rows, summary = simulate(tiny_config(method), AGENTS, tmp_path / "run", in_process=local_trainers, progress=False)
     check_rows(rows, summary)

@@ -140,3 +140,16 @@ def test_a_trainer_announces_the_plugins_it_can_load_and_leaves_out_one_it_canno
     offered = trainable_methods()
     assert {"toy_avg", "toy_registered", "fedavg"} <= set(offered)
     assert not {"toy_missing", "toy_misnamed"} & set(offered)
+
+
+def test_a_plugin_that_cannot_load_leaves_the_head_vocabulary_and_the_commands_that_do_not_name_it_working(capsys):
+    """``toy_missing`` is installed and cannot load: it offers no head kind, and neither ``edgepfl fit-head``
+    nor a head agent's config (which read every method's head kinds) fails for it."""
+    from edgepfl.config import AgentConfig
+    from edgepfl.heads import GENERIC_HEAD_KINDS
+
+    kinds = methods.available_head_kinds()
+    assert set(GENERIC_HEAD_KINDS) | {"dualfed", "fedpick"} <= set(kinds)
+    assert AgentConfig(agent_id="pi-1", tier="head", head="dualfed").head == "dualfed"
+    assert main(["fit-head", "--help"]) == 0
+    assert "--head {" in capsys.readouterr().out
