@@ -176,7 +176,7 @@ class DataSpec(_Strict):
     input: InputSpec = Field(default_factory=InputSpec, description="what a sample is and how it is normalized")
     csv: CsvSpec = Field(default_factory=CsvSpec, description="dataset csv: the columns and the windows")
     name: str | None = Field(None, description="torchvision: the dataset class name, e.g. CIFAR10; ts: the set's "
-                                               "name, e.g. BasicMotions")
+                                               "name, e.g. BasicMotions (BasicMotions_TRAIN: that split alone)")
     num_clients: int = Field(8, ge=1, description="partitions of a pooled dataset (one per agent); a device with "
                                                    "its own data: 1")
     samples_per_client: int | None = Field(None, ge=1, description="cap on each client's samples; null: its whole "

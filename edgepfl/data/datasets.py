@@ -36,7 +36,7 @@ from .domains import apply_domain, check_domains
 from .partition import PartitionError, partition, stratified_quota, stratified_take
 from .preprocess import IMAGE_SUFFIXES
 from .sensors import read_csv_windows
-from .tsfile import TS_SPLITS, TsFormatError, bundled_ts_files, read_ts_set
+from .tsfile import TsFormatError, bundled_ts_files, read_ts_set, split_name
 
 #: where Debian's ``dataset-fashion-mnist`` installs the gzipped IDX files
 FMNIST_ROOT = "/usr/share/datasets/fashion-mnist"
@@ -490,7 +490,8 @@ def _load_csv(root: str | None, csv: CsvSpec, given: InputSpec) -> Pool:
 def ts_files(root: str | None, name: str | None) -> list[Path]:
     """The ``.ts`` files ``data.root`` / ``data.name`` name: ``root`` a file; ``root`` a folder
     holding ``<name>_TRAIN.ts`` and/or ``<name>_TEST.ts`` (directly or in ``<name>/``, the
-    archive's layout); no root: set ``name`` as an installed package ships it."""
+    archive's layout; ``name`` ``<set>_TRAIN`` or ``<set>_TEST``: that split alone); no root:
+    set ``name`` as an installed package ships it."""
     if not root:
         if not name:
             raise DataError("data.dataset 'ts' needs data.name (a set an installed package ships, e.g. "
@@ -507,11 +508,13 @@ def ts_files(root: str | None, name: str | None) -> list[Path]:
     if not name:
         raise DataError(f"data.root {path} is a folder: give data.name, the set whose <name>_TRAIN.ts / "
                         f"<name>_TEST.ts it holds")
-    for folder in (path, path / name):
-        files = [folder / f"{name}_{split}.ts" for split in TS_SPLITS]
+    stem, splits = split_name(name)
+    for folder in (path, path / stem):
+        files = [folder / f"{stem}_{split}.ts" for split in splits]
         if any(f.is_file() for f in files):
             return [f for f in files if f.is_file()]
-    raise DataError(f"{path}: no {name}_TRAIN.ts or {name}_TEST.ts in it or in {path / name}")
+    wanted = " or ".join(f"{stem}_{split}.ts" for split in splits)
+    raise DataError(f"{path}: no {wanted} in it or in {path / stem}")
 
 
 def _load_ts(root: str | None, name: str | None, given: InputSpec) -> Pool:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["TS_PACKAGES", "TsFormatError", "bundled_ts_files", "read_ts", "read_ts_set"]
+__all__ = ["TS_PACKAGES", "TsFormatError", "bundled_ts_files", "read_ts", "read_ts_set", "split_name"]
 
 #: installed packages whose wheels ship the archive's sets, searched in this order, and the
 #: folder inside the package holding one sub-folder per set
@@ -156,9 +156,18 @@ def read_ts(path: str | Path) -> tuple[np.ndarray, np.ndarray, list[str]]:
     return x, np.array(labels, dtype=np.int64), list(classes)
 
 
+def split_name(name: str) -> tuple[str, tuple[str, ...]]:
+    """A set's name and the splits it asks for: ``BasicMotions`` both, ``BasicMotions_TRAIN`` one."""
+    for split in TS_SPLITS:
+        if name.endswith(f"_{split}") and len(name) > len(split) + 1:
+            return name[: -len(split) - 1], (split,)
+    return name, TS_SPLITS
+
+
 def bundled_ts_files(name: str) -> list[Path]:
     """The ``.ts`` files of set ``name`` (``BasicMotions``) that an installed package of
-    :data:`TS_PACKAGES` ships: ``<Name>_TRAIN.ts`` and ``<Name>_TEST.ts``, those present.
+    :data:`TS_PACKAGES` ships: ``<Name>_TRAIN.ts`` and ``<Name>_TEST.ts``, those present;
+    ``<Name>_TRAIN`` or ``<Name>_TEST`` names that split alone.
 
     The package is found, not imported (``importlib.util.find_spec``): its own
     dependencies need not be importable. Raises :class:`TsFormatError` saying what to
@@ -166,6 +175,7 @@ def bundled_ts_files(name: str) -> list[Path]:
     """
     if not name or "/" in name or "\\" in name or name.startswith("."):
         raise TsFormatError(f"not a .ts set name: {name!r} (e.g. BasicMotions)")
+    name, splits = split_name(name)
     found: list[tuple[str, Path]] = []
     for package, folder in TS_PACKAGES:
         try:
@@ -176,7 +186,7 @@ def bundled_ts_files(name: str) -> list[Path]:
             continue
         for location in spec.submodule_search_locations:
             data = Path(location) / folder
-            files = [data / name / f"{name}_{split}.ts" for split in TS_SPLITS]
+            files = [data / name / f"{name}_{split}.ts" for split in splits]
             if any(f.is_file() for f in files):
                 return [f for f in files if f.is_file()]
             if data.is_dir():

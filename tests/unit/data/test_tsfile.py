@@ -102,6 +102,7 @@ def test_a_set_from_a_package_is_found_without_importing_it(tmp_path, monkeypatc
     assert pool.pixels.tolist() == [[[1, 2, 3], [4, 5, 6]], [[7, 8, 9], [1, 1, 1]], [[0, 0, 0], [0, 0, 0]]]
     assert pool.y.tolist() == [0, 1, 0] and pool.class_names == ["up", "down"]
     assert "tspkg" not in sys.modules
+    assert load_pool(DataSpec(dataset="ts", name="Toy_TEST", num_clients=1)).y.tolist() == [1, 0]  # one split
     with pytest.raises(DataError, match=r"'Other' is not in tspkg \(.*\); it ships \['Toy'\]"):
         load_pool(DataSpec(dataset="ts", name="Other"))
     monkeypatch.setattr(tsfile, "TS_PACKAGES", (("no_such_package_here", "datasets/data"),))
@@ -116,6 +117,9 @@ def test_a_ts_file_or_an_archive_folder_as_root(tmp_path):
     _ts(folder / "Toy_TEST.ts", "1,2,3:4,5,6:down\n")
     assert len(load_pool(DataSpec(dataset="ts", root=str(folder / "Toy_TEST.ts")))) == 1
     assert len(load_pool(DataSpec(dataset="ts", root=str(tmp_path / "archive"), name="Toy"))) == 1
+    assert len(load_pool(DataSpec(dataset="ts", root=str(tmp_path / "archive"), name="Toy_TEST"))) == 1
+    with pytest.raises(DataError, match=r"no Toy_TRAIN.ts in it or in .*archive/Toy$"):
+        load_pool(DataSpec(dataset="ts", root=str(tmp_path / "archive"), name="Toy_TRAIN"))
     with pytest.raises(DataError, match="is a folder: give data.name"):
         load_pool(DataSpec(dataset="ts", root=str(folder)))
     with pytest.raises(DataError, match="no Nope_TRAIN.ts or Nope_TEST.ts"):
