@@ -204,7 +204,8 @@ def bundled_ts_files(name: str) -> list[Path]:
 def read_ts_set(files: list[Path]) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """The cases of several ``.ts`` files of one set (its TRAIN and TEST splits) as one pool;
     the files must agree on the class labels and the series' shape."""
-    xs, ys = [], []
+    xs: list[np.ndarray] = []
+    ys: list[np.ndarray] = []
     classes: list[str] | None = None
     for path in files:
         x, y, names = read_ts(path)
