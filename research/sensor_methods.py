@@ -11,7 +11,7 @@ and the trainer runtime of ``edgepfl simulate --in-process``); the seed moves th
 the gains, the initialization and the training. The number is the final personalized
 accuracy: each device's held-out windows (``test_fraction`` 0.25) under its own model, pooled.
 
-Usage (about 10 minutes on 2 cores, most of it RepPer's per-device head selection)::
+Usage (about 5 minutes on 2 cores, most of it RepPer's per-device head selection)::
 
     .venv/bin/python research/sensor_methods.py --seeds 0 1 2
 
