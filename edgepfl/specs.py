@@ -102,9 +102,16 @@ class PartitionSpec(_Strict):
         default_factory=lambda: ["identity", "rot90", "invert", "noise"],
         description="domain: transforms, client i gets domains[i % len]",
     )
+    shift: list[str] | None = Field(
+        None, min_length=1,
+        description="any kind but domain: a transform on top of the label split, client i gets shift[i % len]; [gain] "
+                    "gives every device its own sensor gain and offset per channel (docs/DATA.md)")
 
     @model_validator(mode="after")
     def _check_dominant_sets(self) -> PartitionSpec:
+        if self.shift is not None and self.kind == "domain":
+            raise ValueError("shift is for the label partitions; kind domain gives each client its transform in "
+                             "domains")
         if self.dominant_sets == []:
             raise ValueError("dominant_sets: give at least one set, or null for one class per client")
         for group in self.dominant_sets or []:
@@ -158,16 +165,18 @@ class CsvSpec(_Strict):
 class DataSpec(_Strict):
     """Where a client's data comes from."""
 
-    dataset: Literal["fmnist", "digits", "torchvision", "imagefolder", "npz", "csv", "auto"] = Field(
+    dataset: Literal["fmnist", "digits", "torchvision", "imagefolder", "npz", "csv", "ts", "auto"] = Field(
         "auto", description="auto: Fashion-MNIST where it is installed (or $EDGEPFL_FMNIST_ROOT), else scikit-learn's "
-                            "digits")
+                            "digits; ts: labelled series in the time-series archive's .ts format (docs/DATA.md)")
     root: ConfigPath | None = Field(
         None, description="fmnist: folder of the four IDX files (default: Debian's); imagefolder: folder of "
                           "<class>/<image>; npz: the .npz file; csv: the .csv file; torchvision: the dataset's local "
-                          "root")
+                          "root; ts: a .ts file, or a folder of <name>_TRAIN.ts / <name>_TEST.ts (null: set name as "
+                          "the sensors extra ships it)")
     input: InputSpec = Field(default_factory=InputSpec, description="what a sample is and how it is normalized")
     csv: CsvSpec = Field(default_factory=CsvSpec, description="dataset csv: the columns and the windows")
-    name: str | None = Field(None, description="torchvision dataset class name, e.g. CIFAR10")
+    name: str | None = Field(None, description="torchvision: the dataset class name, e.g. CIFAR10; ts: the set's "
+                                               "name, e.g. BasicMotions (BasicMotions_TRAIN: that split alone)")
     num_clients: int = Field(8, ge=1, description="partitions of a pooled dataset (one per agent); a device with "
                                                    "its own data: 1")
     samples_per_client: int | None = Field(None, ge=1, description="cap on each client's samples; null: its whole "

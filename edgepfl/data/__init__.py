@@ -26,6 +26,7 @@ from .datasets import (
 from .domains import DOMAINS, apply_domain
 from .partition import PARTITIONERS, PartitionError, partition, stratified_take
 from .sensors import read_csv_windows
+from .tsfile import bundled_ts_files, read_ts
 
 __all__ = [
     "DOMAINS",
@@ -38,6 +39,7 @@ __all__ = [
     "PartitionError",
     "Pool",
     "apply_domain",
+    "bundled_ts_files",
     "clear_cache",
     "client_domain",
     "client_indices",
@@ -49,6 +51,7 @@ __all__ = [
     "partition",
     "read_csv_windows",
     "read_idx",
+    "read_ts",
     "resolve_kind",
     "stratified_take",
 ]

@@ -36,6 +36,7 @@ from .domains import apply_domain, check_domains
 from .partition import PartitionError, partition, stratified_quota, stratified_take
 from .preprocess import IMAGE_SUFFIXES
 from .sensors import read_csv_windows
+from .tsfile import TsFormatError, bundled_ts_files, read_ts_set, split_name
 
 #: where Debian's ``dataset-fashion-mnist`` installs the gzipped IDX files
 FMNIST_ROOT = "/usr/share/datasets/fashion-mnist"
@@ -491,6 +492,51 @@ def _load_csv(root: str | None, csv: CsvSpec, given: InputSpec) -> Pool:
     return Pool(x, y, names, _normalization(given, None, x, True, source), source, channels)
 
 
+# ----------------------------------------------------------------------------- ts
+
+
+def ts_files(root: str | None, name: str | None) -> list[Path]:
+    """The ``.ts`` files ``data.root`` / ``data.name`` name: ``root`` a file; ``root`` a folder
+    holding ``<name>_TRAIN.ts`` and/or ``<name>_TEST.ts`` (directly or in ``<name>/``, the
+    archive's layout; ``name`` ``<set>_TRAIN`` or ``<set>_TEST``: that split alone); no root:
+    set ``name`` as an installed package ships it."""
+    if not root:
+        if not name:
+            raise DataError("data.dataset 'ts' needs data.name (a set an installed package ships, e.g. "
+                            "BasicMotions) or data.root (a .ts file or a folder of them)")
+        try:
+            return bundled_ts_files(name)
+        except TsFormatError as exc:
+            raise DataError(str(exc)) from None
+    path = Path(root)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise DataError(f".ts data not found: {path}")
+    if not name:
+        raise DataError(f"data.root {path} is a folder: give data.name, the set whose <name>_TRAIN.ts / "
+                        f"<name>_TEST.ts it holds")
+    stem, splits = split_name(name)
+    for folder in (path, path / stem):
+        files = [folder / f"{stem}_{split}.ts" for split in splits]
+        if any(f.is_file() for f in files):
+            return [f for f in files if f.is_file()]
+    wanted = " or ".join(f"{stem}_{split}.ts" for split in splits)
+    raise DataError(f"{path}: no {wanted} in it or in {path / stem}")
+
+
+def _load_ts(root: str | None, name: str | None, given: InputSpec) -> Pool:
+    if given.kind not in ("auto", "series"):
+        raise DataError(f"a .ts set holds series; data.input.kind is {given.kind}")
+    files = ts_files(root, name)
+    try:
+        x, y, names = read_ts_set(files)
+    except TsFormatError as exc:
+        raise DataError(str(exc)) from None
+    source = f"ts:{','.join(str(f) for f in files)}"
+    return Pool(x, y, names, _normalization(given, None, x, True, source), source)
+
+
 # ----------------------------------------------------------------------------- imagefolder
 
 
@@ -570,6 +616,8 @@ def _cached_pool(kind: str, root: str | None, name: str | None, input_json: str,
         return _load_npz(root, given)
     if kind == "csv":
         return _load_csv(root, CsvSpec.model_validate_json(csv_json or "{}"), given)
+    if kind == "ts":
+        return _load_ts(root, name, given)
     if given.kind not in ("auto", "image"):
         raise DataError(f"dataset {kind} holds images; data.input.kind is {given.kind}")
     if kind == "fmnist":
@@ -607,7 +655,7 @@ def clear_cache() -> None:
 
 def _owns_whole_pool(spec: DataSpec, kind: str) -> bool:
     # a device's own file or folder is not partitioned when it is the only client
-    return kind in ("imagefolder", "npz", "csv") and spec.num_clients == 1
+    return kind in ("imagefolder", "npz", "csv", "ts") and spec.num_clients == 1
 
 
 def _seeded(spec: DataSpec, *stream: int) -> np.random.Generator:
@@ -663,7 +711,7 @@ def _pool_key(spec: DataSpec) -> tuple[str, str | None, str | None, str, str | N
     """Cache key: only the fields that change what is decoded."""
     kind = resolve_kind(spec)
     root = os.path.abspath(os.path.expanduser(spec.root)) if spec.root and kind != "digits" else None
-    return (kind, root, spec.name if kind == "torchvision" else None, spec.input.model_dump_json(),
+    return (kind, root, spec.name if kind in ("torchvision", "ts") else None, spec.input.model_dump_json(),
             spec.csv.model_dump_json() if kind == "csv" else None)
 
 
@@ -671,21 +719,24 @@ def client_indices(spec: DataSpec, client_index: int) -> tuple[np.ndarray, np.nd
     """Pool indices of client ``client_index``'s (train, test) samples; read-only arrays."""
     if not 0 <= client_index < spec.num_clients:
         raise DataError(f"client_index {client_index} out of range: data.num_clients is {spec.num_clients}")
-    if spec.partition.kind == "domain":
+    transforms = spec.partition.domains if spec.partition.kind == "domain" else spec.partition.shift
+    if transforms is not None:
         try:
-            check_domains(spec.partition.domains)
+            check_domains(transforms)
         except ValueError as exc:
-            raise DataError(str(exc)) from None
+            what = "partition.domains" if spec.partition.kind == "domain" else "partition.shift"
+            raise DataError(f"{what}: {exc}") from None
     load_pool(spec)  # decode (and cache) first, under the lock
     with _lock:
         return _cached_split(_pool_key(spec), spec.model_dump_json())[client_index]
 
 
 def client_domain(spec: DataSpec, client_index: int) -> str | None:
-    """The domain transform of this client, or None when the partition is not by domain."""
-    if spec.partition.kind != "domain":
+    """The domain transform of this client: ``partition.domains`` for a partition by domain,
+    ``partition.shift`` on top of any other; None when there is neither."""
+    doms = spec.partition.domains if spec.partition.kind == "domain" else spec.partition.shift
+    if not doms:
         return None
-    doms = spec.partition.domains
     return doms[client_index % len(doms)]
 
 
@@ -693,8 +744,8 @@ def load_client_data(spec: DataSpec, client_index: int) -> ClientData:
     """Client ``client_index``'s train / test data: pool -> partition -> cap -> split.
 
     Deterministic for ``spec.seed``. The test split is stratified over the client's
-    own samples, so it follows the client's training distribution. For a domain
-    partition the client's transform is applied to both splits.
+    own samples, so it follows the client's training distribution. The client's domain
+    transform (:func:`client_domain`), if any, is applied to both splits.
     """
     pool = load_pool(spec)
     train, test = client_indices(spec, client_index)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from edgepfl.broker import free_port
@@ -26,9 +27,9 @@ EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 OWNER_CLASSES = {"Trouser", "Sandal", "Bag"}
 
 
-def run_walkthrough(script: str, work: Path) -> str:
+def run_walkthrough(script: str, work: Path, **extra_env: str) -> str:
     """Run ``examples/<script>`` with its work folder and a free port; its output, asserted complete."""
-    env = dict(os.environ, EDGEPFL=str(Path(sys.executable).with_name("edgepfl")), OMP_NUM_THREADS="1")
+    env = dict(os.environ, EDGEPFL=str(Path(sys.executable).with_name("edgepfl")), OMP_NUM_THREADS="1", **extra_env)
     done = subprocess.run(["bash", str(EXAMPLES / script), str(work), str(free_port())], cwd=work.parent, env=env,
                           capture_output=True, text=True, timeout=540)
     output = done.stdout + done.stderr
@@ -107,3 +108,47 @@ def test_pi_owners_walkthrough_predicts_the_owners_class_names(tmp_path):
     served = json.loads((work / "served.jsonl").read_text())
     assert served["release_id"] == record["release_id"]
     assert {Path(r["input"]).name: r["predictions"][0]["class"] for r in served["results"]} == printed
+
+
+def test_sensors_walkthrough_trains_the_users_model_and_serves_a_new_watch(tmp_path):
+    """examples/sensors: the user's 1-D CNN from their own file trains on real BasicMotions windows
+    (label skew and sensor gain per device), exports with parity, and a new watch's torch-free
+    head agent, fit-head, predict and serve name its raw windows. Five rounds instead of the
+    config's twenty (ROUNDS): the commands are the same, the run shorter."""
+    import importlib.util
+
+    require_mosquitto()
+    if importlib.util.find_spec("sktime") is None:
+        pytest.skip("the sensors extra is not installed (pip install 'edgepfl[sensors]'); CI installs every extra")
+    work = tmp_path / "sensors"
+    output = run_walkthrough("sensors/walkthrough.sh", work, ROUNDS="5")
+
+    # the user's plugin model, trained on the series, is what the release runs
+    manifest = json.loads((work / "release" / "manifest.json").read_text())
+    assert manifest["run"]["model"]["arch"] == "my_model:build"
+    assert manifest["run"]["data"]["input_kind"] == "series" and manifest["run"]["data"]["input_shape"] == [6, 100]
+    assert manifest["run"]["data"]["class_names"] == ["Standing", "Running", "Walking", "Badminton"]
+    assert manifest["parity_max_abs"] < 1e-3
+    rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows[:-1]] == [0, 1, 2, 3, 4] and rows[-1]["final"]
+
+    # the watch's head agent fitted its head on its CSV log and reported on the run's release
+    record = json.loads((work / "watch" / "state" / "release.json").read_text())
+    log = (work / "watch" / "agent.log").read_text()
+    assert "(head tier) online: 18 train / 6 test samples" in log and "installed: lr head" in log
+    assert f"head-tier agents, release {record['release_id']}" in output
+
+    # predict named the new windows with the activities, most of them right
+    truth = np.load(work / "watch" / "new-windows.npz")
+    answers = [json.loads(line) for line in (work / "predictions.jsonl").read_text().splitlines()]
+    names = [a["predictions"][0]["class"] for a in answers]
+    assert len(names) == len(truth["y"]) == 16
+    right = sum(name == str(truth["class_names"][y]) for name, y in zip(names, truth["y"]))
+    assert right >= 8 and f"== predict: {right} of 16 windows right" in output
+
+    # serve answered from the agent's installed release as predict does with the agent's head
+    served = json.loads((work / "served.jsonl").read_text())
+    assert served["release_id"] == record["release_id"] and len(served["results"]) == 16
+    agent_named = [json.loads(line)["predictions"][0]["class"]
+                   for line in (work / "agent-predictions.jsonl").read_text().splitlines()]
+    assert [r["predictions"][0]["class"] for r in served["results"]] == agent_named
