@@ -170,7 +170,8 @@ def export_loaded(run: LoadedRun, out_dir: str | Path, *, quantize: list[str] | 
     step("tracing the encoder to ONNX")
     onnx_bytes = encoder_to_onnx(encoder, input_shape)
     probe = _probe_inputs(calibration, meta, input_shape)
-    step(f"checking onnxruntime against torch on {len(probe)} images")
+    samples = {"image": "images", "series": "windows", "vector": "vectors"}[meta.run.data.input_kind]
+    step(f"checking onnxruntime against torch on {len(probe)} {samples}")
     with torch.no_grad():
         ref = encoder(torch.from_numpy(probe)).numpy()
     got = make_session(onnx_bytes).run([OUTPUT_NAME], {INPUT_NAME: probe})[0]
