@@ -13,7 +13,9 @@ reached through a ``.pth`` file; every command runs in a subprocess of that envi
   entry-point name), and a mutant of its method that uploads its personal classifier fails
   exactly the checks that look at what is uploaded: the public check can fail;
 * ``edgepfl simulate`` trains the plugin encoder with the plugin method by their names on raw
-  sensor windows: the server holds the plugin encoder's tensors, each device its classifier;
+  sensor windows, over an embedded Mosquitto with agent processes of that environment: the
+  server holds the plugin encoder's tensors, each device its classifier, and the exported
+  encoder reaches a torch-free head agent that fits its head on it;
 * with the broken package installed beside it, a run that names one of its entry points is
   refused in one line naming the entry point, and edgepfl's own contract suites still collect
   and pass (they check the built-in methods; a plugin's own tests check the plugin).
@@ -187,10 +189,19 @@ def run_yaml(folder: Path, method: str, arch: str) -> Path:
 def test_simulate_trains_the_plugin_encoder_with_the_plugin_method_by_their_entry_point_names(env, tmp_path):
     sensor_windows(tmp_path / "windows.npz")
     out = tmp_path / "run"
-    done = env.run("-m", "edgepfl", "simulate", "--in-process", "--agents", "2", "--out", str(out),
+    # over an embedded Mosquitto with agent processes of that environment: two trainers that
+    # load both plugins by name, and a torch-free head agent that fits on the exported encoder
+    done = env.run("-m", "edgepfl", "simulate", "--agents", "2", "--head-agents", "1", "--head", "lr",
+                   "--out", str(out), "--set", "release_at_end=true", "--set", "data.num_clients=3",
                    "--config", str(run_yaml(tmp_path, "smooth_per", "toy-cnn1d")), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Results — smooth_per" in done.stdout
+    (release,) = (out / "releases").glob("round-*")
+    manifest = json.loads((release / "manifest.json").read_text())
+    assert manifest["run"]["model"]["arch"] == "toy-cnn1d" and manifest["run"]["data"]["input_kind"] == "series"
+    reports = json.loads((out / "head_metrics.json").read_text())
+    assert any(r.get("refused") is None for release_reports in reports.values()
+               for r in release_reports.get("reports", {}).values()), reports
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["round"] for row in rows if not row["final"]] == [0, 1]
     assert all(len(row["participants"]) == 2 for row in rows if not row["final"]), rows
