@@ -682,7 +682,7 @@ def series_markdown(r: dict) -> list[str]:
     import series_head_tier as series
 
     s, info = r["series"], r["series_inputs"]
-    lines = ["", f"Series steps (`benchmarks/series_head_tier.py`'s; FedAvg `{info['arch']}`, untrained; device log "
+    lines = ["", f"Series steps (`benchmarks/series_head_tier.py`'s; FedAvg `model.arch: {info['model_arch']}`, untrained; device log "
                  f"{info['device_rows']} rows, {info['device_windows']} windows; unlabelled {info['unlabelled_windows']} "
                  f"windows), medians of {s['repeats']} rounds, each a fresh process in which importing torch fails; "
                  "peak RSS under emulation includes qemu's:", "",

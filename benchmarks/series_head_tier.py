@@ -118,7 +118,7 @@ PREPARE = textwrap.dedent(r"""
     xu = read_csv_windows(unlabelled, every, labelled=False)[0]
     np.savez(work / "windows.npz", x=xu)
     np.savez(work / "one.npz", x=xu[:1])
-    print(json.dumps({"arch": arch, "device_rows": 8 * rows, "device_windows": int(len(x)),
+    print(json.dumps({"model_arch": arch, "device_rows": 8 * rows, "device_windows": int(len(x)),
                       "unlabelled_windows": int(len(xu)), "device_csv_bytes": device.stat().st_size,
                       "encoder_bytes": (work / "export" / "encoder.onnx").stat().st_size,
                       "encoder_params": int(sum(p.numel() for p in method.encoder_module(model).parameters())),
@@ -346,7 +346,7 @@ def markdown(result: dict) -> str:
     fit = m["reports"]
     lines = [f"# The head tier on sensor series ({result['machine']})", "",
              f"Command: `{result['command']}`  ",
-             f"Release: FedAvg `{info['arch']}` encoder (model.arch `{ARCHS[info['arch']]}`, {info['encoder_params']} "
+             f"Release: FedAvg encoder `model.arch: {info['model_arch']}` ({info['encoder_params']} "
              f"parameters, ONNX {info['encoder_bytes']} bytes), untrained, exported with the fleet log's per-channel "
              f"normalization. Device: a labelled CSV log of {info['device_rows']} rows x 6 channels "
              f"({info['device_csv_bytes']} bytes, {info['device_windows']} windows of 6x100 at stride 100) and its "
