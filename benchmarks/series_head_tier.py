@@ -163,9 +163,10 @@ WRAP = textwrap.dedent(r"""
 ONE_SHOTS = ("fit-head npz", "fit-head csv", "predict npz", "predict csv", "agent install csv")
 
 
-def step_argv(name: str, p: dict, rep: int) -> list[str]:
+def step_argv(name: str, p: dict, rep: int, head: str = "head-device.csv.onnx") -> list[str]:
     """The arguments after ``python -c WRAP MODULES_FILE`` of one step; ``p``: the files as the
-    measured machine sees them (``work``: the folder :data:`PREPARE` wrote)."""
+    measured machine sees them (``work``: the folder :data:`PREPARE` wrote); ``head``: the file in
+    it that predict runs (fit-head's on the CSV log)."""
     encoder, work = f"{p['work']}/export/encoder.onnx", p["work"]
     if name.startswith("fit-head"):
         data = "device.npz" if name.endswith("npz") else "device.csv"
@@ -174,7 +175,7 @@ def step_argv(name: str, p: dict, rep: int) -> list[str]:
     if name.startswith("predict"):
         data = "windows.npz" if name.endswith("npz") else "unlabelled.csv"
         return ["predict", "--json", "--top", str(len(CLASSES)), "--encoder", encoder,
-                "--head", f"{work}/head-device.csv.onnx", f"{work}/{data}"]
+                "--head", f"{work}/{head}", f"{work}/{data}"]
     if name == "agent install csv":
         return ["install", f"{work}/export", f"{work}/device.csv", f"{work}/state-{rep}"]
     raise ValueError(name)
