@@ -22,6 +22,11 @@ the emulated processes, which includes qemu's own):
    coordinator here (``release_at_end``, ``min_head_agents: 1``) and a head agent in the
    root (it shares the host's network); its report must reach ``head_metrics.json``.
 
+``--input series`` replaces steps 3 and 4 with the steps of ``benchmarks/series_head_tier.py``
+(fit-head, predict, a head agent's install and serve on raw 6x100 sensor windows from an
+``.npz`` and a CSV log, in processes where importing torch fails), in the root and in the
+x86_64 venv; the x86_64 head run in the root must give x86_64's classes and probabilities.
+
 Exit 0 when every check holds, 1 when one fails (the failures are listed), 2 on bad input
 or a missing tool (one line). Results go to ``--out`` (``.json`` and ``.md``).
 
@@ -29,8 +34,10 @@ Usage (from the repository root)::
 
     .venv/bin/python benchmarks/arm64_head_tier.py             # reuses the cached root
     .venv/bin/python benchmarks/arm64_head_tier.py --fresh     # cold: a new root first
+    .venv/bin/python benchmarks/arm64_head_tier.py --input series --repeats 1 --requests 10
 
-Writes ``benchmarks/results/arm64_head_tier.json`` and ``.md`` by default.
+Writes ``benchmarks/results/arm64_head_tier.json`` and ``.md`` by default
+(``arm64_series_head_tier`` with ``--input series``).
 """
 
 from __future__ import annotations
@@ -372,6 +379,124 @@ def live_federation(root: Path, work: Path, chroot_work: str, cpu: str | None, l
     return result
 
 
+def image_steps(root: Path, work: Path, chroot_work: str, x86: Path, env: dict, cpu: str | None,
+                ns: argparse.Namespace, logs: Path, result: dict, failures: list[str]) -> None:
+    """Steps 3 and 4 on the digits release: fit-head and predict in the root and here, compared;
+    a live head agent in the root."""
+    # 3. fit-head and predict, here and in the root
+    inputs = make_inputs(work)
+    export = inputs.pop("export")
+    result["labels"] = inputs.pop("labels")
+    result["inputs"] = inputs
+    rel = export.relative_to(root)
+    inside = {"encoder": f"/{rel}/encoder.onnx", "npz": f"{chroot_work}/client.npz",
+              "images": f"{chroot_work}/images", "npy": f"{chroot_work}/more.npy", "work": chroot_work}
+    host = {"encoder": str(export / "encoder.onnx"), "npz": str(work / "client.npz"),
+            "images": str(work / "images"), "npy": str(work / "more.npy"), "work": str(work)}
+    machines = {"arm64": (lambda argv: in_root(root, [f"{VENV}/bin/edgepfl", *argv]), env, inside),
+                "x86_64": (lambda argv: [str(x86 / "bin" / "edgepfl"), *argv], x86_env(), host)}
+    result["fit_head"], result["predict"] = {}, {}
+    for kind in ns.heads:
+        fits: dict = {}
+        for machine, (cmd, menv, p) in machines.items():
+            r = must(measured(cmd(["fit-head", "--encoder", p["encoder"], "--data", p["npz"], "--head", kind,
+                                   "--out", f"{p['work']}/{kind}-{machine}.onnx", "--json"]), env=menv,
+                              log=logs / f"fit-{kind}-{machine}.log"), f"fit-head --head {kind} on {machine}")
+            fits[machine] = {**brief(r), "report": json.loads(r["stdout"].strip().splitlines()[-1])}
+        a, b = fits["arm64"]["report"], fits["x86_64"]["report"]
+        fits["same_accuracies"] = (a["train_accuracy"], a["validation_accuracy"]) == (
+            b["train_accuracy"], b["validation_accuracy"])
+        if not fits["same_accuracies"]:
+            failures.append(f"fit-head {kind}: arm64 {a['validation_accuracy']} vs x86_64 "
+                            f"{b['validation_accuracy']} held-out accuracy")
+        result["fit_head"][kind] = fits
+        outs: dict = {}
+        runs = {"own": {"arm64": "arm64", "x86_64": "x86_64"}, "x86_head": {"arm64": "x86_64", "x86_64": "x86_64"}}
+        for case, heads in runs.items():
+            for machine, (cmd, menv, p) in machines.items():
+                head = f"{p['work']}/{kind}-{heads[machine]}.onnx"
+                if case == "x86_head" and machine == "x86_64":
+                    outs[(case, machine)] = outs[("own", "x86_64")]
+                    continue
+                r = must(measured(cmd(["predict", "--json", "--top", "10", "--encoder", p["encoder"], "--head",
+                                       head, p["images"], p["npy"]]), env=menv,
+                                  log=logs / f"predict-{kind}-{case}-{machine}.log"),
+                         f"predict ({kind}, {case}) on {machine}")
+                outs[(case, machine)] = r
+        pred: dict = {"arm64": brief(outs[("own", "arm64")]), "x86_64": brief(outs[("own", "x86_64")])}
+        for case in runs:
+            cmp = compare_predictions(outs[(case, "arm64")]["stdout"], outs[(case, "x86_64")]["stdout"])
+            pred[f"agreement_{case}"] = cmp
+            if not (cmp["same_inputs"] and cmp["same_classes"] and cmp["max_abs_probability_diff"] <= ns.tolerance):
+                failures.append(f"predict {kind} ({case} heads): arm64 and x86_64 disagree: {cmp}")
+        pred["accuracy"] = accuracy(outs[("own", "arm64")]["stdout"], result["labels"])
+        result["predict"][kind] = pred
+
+    # 4. a live head agent in the root against a coordinator here
+    live = live_federation(root, work, chroot_work, cpu, logs, ns.live_timeout)
+    result["live"] = live
+    report = live["report"]
+    if not report:
+        failures.append("the arm64 head agent's report did not reach the coordinator (head_metrics.json)")
+    elif not (report.get("tier") == "head" and report.get("head") == "svm" and report.get("accuracy", 0) > 0.5
+              and report.get("release_id") == live["installed_release"]):
+        failures.append(f"the arm64 head agent's report is wrong: {report}")
+    if live["head_agent_log_tracebacks"]:
+        failures.append(f"the head agent's log has a traceback (log: {logs / 'head-agent.log'})")
+
+
+def series_steps(root: Path, work: Path, chroot_work: str, x86: Path, env: dict, ns: argparse.Namespace,
+                 logs: Path, result: dict, failures: list[str]) -> None:
+    """``--input series``: the steps of ``benchmarks/series_head_tier.py`` (fit-head, predict, a head
+    agent's install and serve on raw 6x100 windows from an .npz and a CSV log, in processes where
+    importing torch fails) in the root and in the x86_64 venv, each in its own copy of the files.
+    predict must agree: the x86_64 head run in the root gives the x86_64 classes and probabilities
+    (to ``--tolerance``); each machine's own head the same classes (their probabilities differ by
+    what the two fits differ: reported, not held to the tolerance); fit-head the same accuracies."""
+    import series_head_tier as series
+
+    prepared = work / "series"
+    prepared.mkdir()
+    result["series_inputs"] = series.prepare(prepared, ns.arch, ns.rows)
+    machines = {"arm64": (in_root(root, [f"{VENV}/bin/python"]), env),
+                "x86_64": ([str(x86 / "bin" / "python")], x86_env())}
+    measures: dict = {}
+    for machine, (command, menv) in machines.items():
+        host = work / f"series-{machine}"
+        shutil.copytree(prepared, host)
+        inside = {"work": f"{chroot_work}/series-{machine}" if machine == "arm64" else str(host)}
+        m = series.run_steps(command, menv, inside, host, logs, repeats=ns.repeats, requests=ns.requests,
+                             tag=f"series-{machine}-")
+        failures += [f"{machine}: {f}" for f in series.checks(m)]
+        measures[machine] = m
+    agreement: dict = {}
+    arm_work = work / "series-arm64"
+    shutil.copyfile(work / "series-x86_64" / "head-device.csv.onnx", arm_work / "head-x86_64.onnx")
+    for step in ("predict npz", "predict csv"):
+        x86_out = measures["x86_64"]["stdout"][step]
+        own = compare_predictions(measures["arm64"]["stdout"][step], x86_out)
+        argv = series.step_argv(step, {"work": f"{chroot_work}/series-arm64"}, 0, head="head-x86_64.onnx")
+        modules = f"{chroot_work}/series-arm64/modules-x86-head.json"
+        r = must(measured(machines["arm64"][0] + ["-c", series.WRAP, modules, *argv], env=env,
+                          log=logs / f"series-arm64-{step.replace(' ', '-')}-x86-head.log"), f"{step} (x86_64 head) on arm64")
+        x86_head = compare_predictions(r["stdout"], x86_out)
+        agreement[step] = {"own": own, "x86_head": x86_head}
+        if not (own["same_inputs"] and own["same_classes"]):
+            failures.append(f"{step}, each machine's own head: arm64 and x86_64 disagree: {own}")
+        if not (x86_head["same_inputs"] and x86_head["same_classes"]
+                and x86_head["max_abs_probability_diff"] <= ns.tolerance):
+            failures.append(f"{step}, the x86_64 head on both: arm64 and x86_64 disagree: {x86_head}")
+    for step in ("fit-head npz", "fit-head csv"):
+        a, b = (measures[m]["reports"][step] for m in machines)
+        if (a["train_accuracy"], a["validation_accuracy"]) != (b["train_accuracy"], b["validation_accuracy"]):
+            failures.append(f"{step}: arm64 {a['validation_accuracy']} vs x86_64 {b['validation_accuracy']} held-out")
+    for m in measures.values():
+        m.pop("stdout")
+        m.pop("classes")
+        m["summary"] = series.summary(m["steps"])
+    result["series"] = {"repeats": ns.repeats, "agreement": agreement, **measures}
+
+
 def run(ns: argparse.Namespace) -> dict:
     t_total = time.perf_counter()
     check_host_imports()
@@ -462,66 +587,10 @@ def run(ns: argparse.Namespace) -> dict:
                 result["imports"][what][machine] = {
                     **brief(r), **{k: round(v, 2) if isinstance(v, float) else v for k, v in inner.items()}}
 
-        # 3. fit-head and predict, here and in the root
-        inputs = make_inputs(work)
-        export = inputs.pop("export")
-        result["labels"] = inputs.pop("labels")
-        result["inputs"] = inputs
-        rel = export.relative_to(root)
-        inside = {"encoder": f"/{rel}/encoder.onnx", "npz": f"{chroot_work}/client.npz",
-                  "images": f"{chroot_work}/images", "npy": f"{chroot_work}/more.npy", "work": chroot_work}
-        host = {"encoder": str(export / "encoder.onnx"), "npz": str(work / "client.npz"),
-                "images": str(work / "images"), "npy": str(work / "more.npy"), "work": str(work)}
-        machines = {"arm64": (lambda argv: in_root(root, [f"{VENV}/bin/edgepfl", *argv]), env, inside),
-                    "x86_64": (lambda argv: [str(x86 / "bin" / "edgepfl"), *argv], x86_env(), host)}
-        result["fit_head"], result["predict"] = {}, {}
-        for kind in ns.heads:
-            fits: dict = {}
-            for machine, (cmd, menv, p) in machines.items():
-                r = must(measured(cmd(["fit-head", "--encoder", p["encoder"], "--data", p["npz"], "--head", kind,
-                                       "--out", f"{p['work']}/{kind}-{machine}.onnx", "--json"]), env=menv,
-                                  log=logs / f"fit-{kind}-{machine}.log"), f"fit-head --head {kind} on {machine}")
-                fits[machine] = {**brief(r), "report": json.loads(r["stdout"].strip().splitlines()[-1])}
-            a, b = fits["arm64"]["report"], fits["x86_64"]["report"]
-            fits["same_accuracies"] = (a["train_accuracy"], a["validation_accuracy"]) == (
-                b["train_accuracy"], b["validation_accuracy"])
-            if not fits["same_accuracies"]:
-                failures.append(f"fit-head {kind}: arm64 {a['validation_accuracy']} vs x86_64 "
-                                f"{b['validation_accuracy']} held-out accuracy")
-            result["fit_head"][kind] = fits
-            outs: dict = {}
-            runs = {"own": {"arm64": "arm64", "x86_64": "x86_64"}, "x86_head": {"arm64": "x86_64", "x86_64": "x86_64"}}
-            for case, heads in runs.items():
-                for machine, (cmd, menv, p) in machines.items():
-                    head = f"{p['work']}/{kind}-{heads[machine]}.onnx"
-                    if case == "x86_head" and machine == "x86_64":
-                        outs[(case, machine)] = outs[("own", "x86_64")]
-                        continue
-                    r = must(measured(cmd(["predict", "--json", "--top", "10", "--encoder", p["encoder"], "--head",
-                                           head, p["images"], p["npy"]]), env=menv,
-                                      log=logs / f"predict-{kind}-{case}-{machine}.log"),
-                             f"predict ({kind}, {case}) on {machine}")
-                    outs[(case, machine)] = r
-            pred: dict = {"arm64": brief(outs[("own", "arm64")]), "x86_64": brief(outs[("own", "x86_64")])}
-            for case in runs:
-                cmp = compare_predictions(outs[(case, "arm64")]["stdout"], outs[(case, "x86_64")]["stdout"])
-                pred[f"agreement_{case}"] = cmp
-                if not (cmp["same_inputs"] and cmp["same_classes"] and cmp["max_abs_probability_diff"] <= ns.tolerance):
-                    failures.append(f"predict {kind} ({case} heads): arm64 and x86_64 disagree: {cmp}")
-            pred["accuracy"] = accuracy(outs[("own", "arm64")]["stdout"], result["labels"])
-            result["predict"][kind] = pred
-
-        # 4. a live head agent in the root against a coordinator here
-        live = live_federation(root, work, chroot_work, cpu, logs, ns.live_timeout)
-        result["live"] = live
-        report = live["report"]
-        if not report:
-            failures.append("the arm64 head agent's report did not reach the coordinator (head_metrics.json)")
-        elif not (report.get("tier") == "head" and report.get("head") == "svm" and report.get("accuracy", 0) > 0.5
-                  and report.get("release_id") == live["installed_release"]):
-            failures.append(f"the arm64 head agent's report is wrong: {report}")
-        if live["head_agent_log_tracebacks"]:
-            failures.append(f"the head agent's log has a traceback (log: {logs / 'head-agent.log'})")
+        if ns.input == "series":
+            series_steps(root, work, chroot_work, x86, env, ns, logs, result, failures)
+        else:
+            image_steps(root, work, chroot_work, x86, env, cpu, ns, logs, result, failures)
     except RuntimeError as exc:
         failures.append(str(exc))
     finally:
@@ -598,12 +667,15 @@ def markdown(r: dict) -> str:
         for machine in ("arm64", "x86_64"):
             row(f"predict {kind}, {machine} ({n} held-out inputs, 48 PNG + 48 .npy; accuracy "
                 f"{pred['accuracy']:.4f})", pred[machine])
+    if "series" in r:
+        lines += series_markdown(r)
     live = r.get("live", {})
     if "head_agent" in live:
         row(f"live head agent, start to SIGTERM (coordinator run {live['coordinator_run_s']} s)", live["head_agent"])
-    lines += ["", "Agreement of `predict --json --top 10`, arm64 against x86_64:", "",
-              "| head | heads compared | inputs | same classes | max abs probability difference |",
-              "|---|---|---|---|---|"]
+    if r.get("predict"):
+        lines += ["", "Agreement of `predict --json --top 10`, arm64 against x86_64:", "",
+                  "| head | heads compared | inputs | same classes | max abs probability difference |",
+                  "|---|---|---|---|---|"]
     for kind, pred in r.get("predict", {}).items():
         for case, what in (("own", "each machine's own fit-head"), ("x86_head", "the x86_64 head on both")):
             c = pred[f"agreement_{case}"]
@@ -625,6 +697,32 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def series_markdown(r: dict) -> list[str]:
+    """The ``--input series`` tables: each step on both machines, serve's requests, the agreement."""
+    import series_head_tier as series
+
+    s, info = r["series"], r["series_inputs"]
+    lines = ["", f"Series steps (`benchmarks/series_head_tier.py`'s; FedAvg `model.arch: {info['model_arch']}`, untrained; device log "
+                 f"{info['device_rows']} rows, {info['device_windows']} windows; unlabelled {info['unlabelled_windows']} "
+                 f"windows), medians of {s['repeats']} rounds, each a fresh process in which importing torch fails; "
+                 "peak RSS under emulation includes qemu's:", "",
+             "| step | machine | wall s | CPU s | peak RSS | heavy modules imported |", "|---|---|---|---|---|---|"]
+    for machine in ("arm64", "x86_64"):
+        lines += series.markdown_rows(s[machine]["summary"], s[machine]["serve"], machine)
+    lines += ["", "| serve request | machine | windows | p50 ms | p95 ms | server ms (p50) | server CPU ms (mean) |",
+              "|---|---|---|---|---|---|---|"]
+    for machine in ("arm64", "x86_64"):
+        lines += series.serve_rows(s[machine]["serve"], machine)
+    lines += ["", "| predict, arm64 against x86_64 | heads compared | inputs | same classes | "
+                  "max abs probability difference |", "|---|---|---|---|---|"]
+    for step, cases in s["agreement"].items():
+        for case, what in (("own", "each machine's own fit-head"), ("x86_head", "the x86_64 head on both")):
+            c = cases[case]
+            lines.append(f"| {step} | {what} | {c['inputs']} | {c['same_classes']} | "
+                         f"{c['max_abs_probability_diff']:.2g} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", default=os.environ.get("EDGEPFL_ARM64_ROOT", DEFAULT_ROOT),
@@ -636,8 +734,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=1e-4, help="largest probability difference allowed")
     parser.add_argument("--live-timeout", type=float, default=600, help="seconds the coordinator waits for agents")
     parser.add_argument("--keep", action="store_true", help="keep the run's folder in the root")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "arm64_head_tier"))
+    parser.add_argument("--input", choices=("image", "series"), default="image",
+                        help="image: the digits release and a live head agent; series: benchmarks/series_head_tier.py's "
+                             "steps on raw sensor windows (npz and CSV), serve included")
+    parser.add_argument("--arch", choices=("cnn1d", "plugin"), default="cnn1d", help="--input series: the encoder")
+    parser.add_argument("--rows", type=int, default=2000, help="--input series: rows per class stretch of the logs")
+    parser.add_argument("--repeats", type=int, default=3, help="--input series: rounds of the one-shot steps")
+    parser.add_argument("--requests", type=int, default=20, help="--input series: serve requests of each kind")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/arm64_head_tier (image), "
+                                                    "arm64_series_head_tier (series)")
     ns = parser.parse_args(argv)
+    if ns.out is None:
+        name = "arm64_head_tier" if ns.input == "image" else "arm64_series_head_tier"
+        ns.out = str(REPO / "benchmarks" / "results" / name)
     ns.heads = [h for h in ns.heads.split(",") if h]
     try:
         from edgepfl.methods import available_head_kinds
