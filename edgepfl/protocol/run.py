@@ -24,10 +24,8 @@ from pydantic import (
     JsonValue,
     PositiveFloat,
     PositiveInt,
-    SerializerFunctionWrapHandler,
     ValidationInfo,
     field_validator,
-    model_serializer,
     model_validator,
 )
 
@@ -93,8 +91,12 @@ class DataShape(_Spec):
     class count without reading the data (then nobody can say how agents normalized).
     """
 
+    # left out of an image run's frames, manifests and checkpoints, so they are byte for byte
+    # what they were before input kinds existed (older readers and signed files see no change);
+    # a field rule, not a serializer function: a signal arriving inside a serializer function
+    # surfaces as pydantic's error, not as the signal's exception
     input_kind: InputKind = Field(
-        "image", json_schema_extra=since("1.10"),
+        "image", json_schema_extra=since("1.10"), exclude_if=lambda kind: kind == "image",
         description="image (C, H, W), series (C, T) or vector (D); left out of frames and files when image")
     input_shape: tuple[PositiveInt, ...] = Field(
         min_length=1, max_length=3, description="image: C, H, W; series: C, T; vector: D")
@@ -103,7 +105,7 @@ class DataShape(_Spec):
     pixel_scale: PositiveFloat = Field(PIXEL_SCALE, description="raw values times this; 1 for series and vectors")
     normalization: Normalization | None = None
     channel_names: list[str] | None = Field(
-        None, min_length=1, json_schema_extra=since("1.10"),
+        None, min_length=1, json_schema_extra=since("1.10"), exclude_if=lambda names: names is None,
         description="a series' channels or a vector's features by name, in input order (a CSV log's columns, an "
                     "npz's channel_names); null or left out: unnamed. A reader of a named log takes its columns by "
                     "these names, in this order, whatever the file's column order")
@@ -143,16 +145,6 @@ class DataShape(_Spec):
                                  f"got {self.channel_names}")
         return self
 
-    @model_serializer(mode="wrap")
-    def _image_kind_left_out(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # an image run's run spec is byte for byte what it was before input kinds existed, in
-        # frames, manifests and checkpoints alike, so older readers and signed files see no change
-        out = handler(self)
-        if self.input_kind == "image":
-            out.pop("input_kind", None)
-        if self.channel_names is None:
-            out.pop("channel_names", None)  # unnamed inputs: frames as before names existed
-        return out
 
 
 class RunSpec(_Spec):
