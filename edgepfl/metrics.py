@@ -35,7 +35,7 @@ class MetricsError(ValueError):
 
 
 #: fields rows gained after their first format; written only when they hold something
-_LATER_FIELDS = ("late", "staleness", "trained_on", "update_bytes", "task_bytes", "privacy", "secure")
+_LATER_FIELDS = ("late", "staleness", "trained_on", "update_bytes", "task_bytes", "privacy", "secure", "clipped_by")
 
 
 class PrivacyRecord(BaseModel):
@@ -126,6 +126,10 @@ class RoundMetrics(BaseModel):
         default_factory=list, description="participants whose update the update bound clipped or clamped "
                                           "(aggregation: max_update_ratio with on_large_update: clip, "
                                           "max_update_vs_median, max_mean_shift, max_variance_growth), sorted")
+    clipped_by: dict[str, list[str]] = Field(
+        default_factory=dict, description="each clipped participant -> the aggregation settings whose bound fired "
+                                          "(max_update_ratio, max_update_vs_median, max_first_update_ratio, "
+                                          "max_mean_shift, max_variance_growth)")
     refused: dict[str, int] = Field(
         default_factory=dict, description="tasks their agents refused this round, per reason (docs/PROTOCOL.md §7)")
 

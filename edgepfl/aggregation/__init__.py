@@ -45,6 +45,7 @@ from .contract import (
     DEFAULT_MAX_WEIGHT_RATIO,
     MAX_UPDATE_WEIGHT,
     STATISTIC_LEAVES,
+    UPDATE_NORM_HISTORY,
     UPDATE_NORM_MEDIAN,
     AggregationRejected,
     Aggregator,
@@ -69,6 +70,6 @@ __all__ = [
     "DEFAULT_MAX_WEIGHT_RATIO", "from_ring", "GaussianMean", "grid_contribution", "lower_median",
     "MAX_SECURE_WEIGHT", "MAX_UPDATE_WEIGHT", "Mean", "MultiKrum", "NormClippedMean", "PER_UPDATE_BOUNDS", "rebase",
     "ring_keys", "ring_size", "ring_vector", "round_rule", "Rule", "RuleName", "RULES", "SecureMean",
-    "staleness_weight", "STATISTIC_LEAVES", "TensorDict", "TrimmedMean", "UPDATE_NORM_MEDIAN", "UpdateBound",
+    "staleness_weight", "STATISTIC_LEAVES", "TensorDict", "TrimmedMean", "UPDATE_NORM_HISTORY", "UPDATE_NORM_MEDIAN", "UpdateBound",
     "weight_cap",
 ]

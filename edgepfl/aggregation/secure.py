@@ -111,7 +111,8 @@ class SecureMean(Aggregator):
     def median_change(self) -> float | None:
         return None  # no update's change is seen
 
-    def add(self, params: Mapping[str, np.ndarray], weight: int = 1) -> bool:
+    def add(self, params: Mapping[str, np.ndarray], weight: int = 1,
+            own_typical: float | None = None) -> tuple[str, ...]:
         from edgepfl.protocol.secagg import MASKED_TENSOR
 
         if set(params) != {MASKED_TENSOR}:
@@ -125,7 +126,7 @@ class SecureMean(Aggregator):
         self.masked_sum_ += vector.view("<u8")  # modulo 2**64: numpy's unsigned arithmetic wraps
         self.weight_ += int(weight)
         self.count_ += 1
-        return False
+        return ()  # a masked vector has no change to bound
 
     def _add(self, params: Mapping[str, np.ndarray], weight: int) -> None:  # add is whole here
         raise NotImplementedError

@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..aggregation import UPDATE_NORM_MEDIAN, Aggregator, Mean, rebase
+from ..aggregation import UPDATE_NORM_HISTORY, UPDATE_NORM_MEDIAN, Aggregator, Mean, lower_median, rebase
+from ..aggregation.contract import OWN_HISTORY
 from ..heads import GENERIC_HEAD_KINDS
 from ..state import ServerState, TensorDict
 from .training import EvalResult, LocalContext, evaluate_logits, fit, make_optimizer, recalibrate_batchnorm
@@ -162,6 +163,12 @@ class RoundAggregate:
         self.participants: list[str] = []
         #: every added update, only when the method is not streaming
         self.updates: list[ClientUpdate] = []
+        #: per device, its last adopted change norms (the state's record, newest last)
+        history = state.extra.get(UPDATE_NORM_HISTORY)
+        self.history: dict[str, list[float]] = {
+            agent: [float(x) for x in norms] for agent, norms in (history or {}).items()}
+        #: this round's adopted change norm per device that sent one
+        self.changes: dict[str, float] = {}
         if self.reference:
             typical = state.extra.get(UPDATE_NORM_MEDIAN)
             rule.begin(self.reference, float(typical) if isinstance(typical, (int, float)) else None)
@@ -171,9 +178,11 @@ class RoundAggregate:
         """Updates added so far."""
         return len(self.participants)
 
-    def add(self, update: ClientUpdate, base: Mapping[str, np.ndarray] | None = None, discount: float = 1.0) -> bool:
-        """Fold in one update that passed :meth:`Method.check_update`; True when the rule's
-        update bound clipped its shared parameters first.
+    def add(self, update: ClientUpdate, base: Mapping[str, np.ndarray] | None = None,
+            discount: float = 1.0) -> tuple[str, ...]:
+        """Fold in one update that passed :meth:`Method.check_update`; the names of the rule's
+        update bounds that clipped or clamped its shared parameters first (empty: none). The
+        device is judged against the fleet and its own record (:class:`~edgepfl.aggregation.UpdateBound`).
 
         ``base``: the shared parameters the update was trained from when they are not this
         round's (a late update): its change from them, times ``discount``, is applied to
@@ -183,20 +192,33 @@ class RoundAggregate:
         rejection counters) for an update the rule cannot take; the round then goes on
         as if it had not arrived.
         """
-        clipped = False
+        fired: tuple[str, ...] = ()
         if base is not None and not self.method.streaming:
             raise ValueError(f"{self.method.name} aggregates a round's updates together: no late update")
         if self.reference and self.rule.masked:  # a secure round: the update is one masked vector
-            clipped = self.rule.add(update.tensors, self.method.update_weight(update))
+            fired = self.rule.add(update.tensors, self.method.update_weight(update))
         elif self.reference:
             shared = {k: v for k, v in update.tensors.items() if k in self.reference}
             if base is not None and set(shared) == set(self.reference):
                 shared = rebase(shared, base, self.reference, discount)
-            clipped = self.rule.add(shared, self.method.update_weight(update))
+            fired = self.rule.add(shared, self.method.update_weight(update), self.own_typical(update.agent_id))
+            if self.rule.last_change_ is not None:
+                self.changes[update.agent_id] = self.rule.last_change_
         self.participants.append(update.agent_id)
         if not self.method.streaming:
             self.updates.append(update)
-        return clipped
+        return fired
+
+    def own_typical(self, agent_id: str) -> float | None:
+        """What ``agent_id`` is judged against besides the fleet: the lower median of its own
+        record; a device without one (first sampled now) the largest of the fleet's
+        records, so that it may be as different as the fleet's devices have shown they
+        are; None before any record."""
+        own = self.history.get(agent_id)
+        if own:
+            return lower_median(own)
+        records = [lower_median(norms) for norms in self.history.values() if norms]
+        return max((r for r in records if r is not None), default=None)
 
     def close(self, round: int) -> ServerState:
         """The next server state from every update added (at least one)."""
@@ -209,9 +231,21 @@ class RoundAggregate:
         state = self.method.finish_round(self.state, shared, updates, round)
         # the next round's bound relative to the fleet is measured on this one's updates
         typical = self.rule.median_change() if self.reference else None
-        extra = {k: v for k, v in state.extra.items() if k != UPDATE_NORM_MEDIAN}
+        extra = {k: v for k, v in state.extra.items() if k not in (UPDATE_NORM_MEDIAN, UPDATE_NORM_HISTORY)}
         if typical is not None:
             extra[UPDATE_NORM_MEDIAN] = typical
+        # each device that sent a change this round keeps its last few, each at most vs_median
+        # times this round's median: a device is judged against its own record, and the cap keeps
+        # that record (and so its bound) within vs_median^2 times the fleet's median, however it
+        # grew; the others keep their record
+        history = dict(self.history)
+        bound = self.rule.bound
+        vs_median = bound.vs_median if bound is not None else None
+        if vs_median is not None and typical is not None:
+            for agent, change in self.changes.items():
+                history[agent] = (history.get(agent, []) + [min(change, vs_median * typical)])[-OWN_HISTORY:]
+        if history:
+            extra[UPDATE_NORM_HISTORY] = {agent: history[agent] for agent in sorted(history)}
         return replace(state, extra=extra)
 
 

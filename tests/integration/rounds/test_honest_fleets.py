@@ -67,9 +67,13 @@ def test_an_honest_non_iid_fleet_loses_no_update_to_the_default_bound(fleet, tmp
         assert row.rejected == {}, (row.round, row.rejected)
         assert sorted(row.participants) == sorted(row.sampled) and len(row.sampled) == agents
         assert not row.aborted, row.abort_reason
-    # statistics over their bound are clamped, never refused: only the diverging fleet's are
-    clipped = [agent for row in training for agent in row.clipped]
+    # statistics over their bound are clamped, never refused: only the diverging fleet's are.
+    # Nothing else is touched: an update no bound fires on is added as it came (UpdateBound.apply
+    # hands back the very mapping), so such a run is the run with the bounds off, bit for bit
+    clipped = {agent: bounds for row in training for agent, bounds in row.clipped_by.items()}
     assert bool(clipped) == fleet.endswith("diverging"), clipped
+    if clipped:
+        assert {b for bounds in clipped.values() for b in bounds} <= {"max_mean_shift", "max_variance_growth"}
 
 
 def test_an_unequal_buffered_fleet_has_no_honest_update_clamped(tmp_path):
