@@ -281,8 +281,8 @@ class Inbox:
             self._log.warning("release_refused", "head agent %s did not install release %s: %s",
                               incoming.agent_id, m.release_id, refused)
         else:
-            log.info("agent %s (%s tier) reported accuracy %.4f with head %s", incoming.agent_id, m.tier,
-                     report.accuracy or float("nan"), m.head)
+            log.debug("agent %s (%s tier) reported accuracy %.4f with head %s", incoming.agent_id, m.tier,
+                      report.accuracy or float("nan"), m.head)
 
     def _keep_report(self, agent_id: str, release_id: str, report: HeadReport) -> None:
         """Keep ``report``, dropping the agent's report on its oldest release when it has more than allowed."""
