@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from .contract import _INSIDE, MAX_UPDATE_WEIGHT, AggregationRejected, Aggregator, TensorDict
+from .contract import _INSIDE, MAX_UPDATE_WEIGHT, AggregationRejected, Aggregator, OwnRecord, TensorDict
 from .dp import clip_factor
 from .exact import _ExactSum, _unit_mean
 
@@ -112,7 +112,7 @@ class SecureMean(Aggregator):
         return None  # no update's change is seen
 
     def add(self, params: Mapping[str, np.ndarray], weight: int = 1,
-            own_typical: float | None = None) -> tuple[str, ...]:
+            own: OwnRecord | None = None) -> tuple[str, ...]:
         from edgepfl.protocol.secagg import MASKED_TENSOR
 
         if set(params) != {MASKED_TENSOR}:

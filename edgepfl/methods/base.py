@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..aggregation import UPDATE_NORM_HISTORY, UPDATE_NORM_MEDIAN, Aggregator, Mean, lower_median, rebase
+from ..aggregation import UPDATE_HISTORY, UPDATE_NORM_MEDIAN, Aggregator, Mean, OwnRecord, rebase
 from ..aggregation.contract import OWN_HISTORY
 from ..heads import GENERIC_HEAD_KINDS
 from ..state import ServerState, TensorDict
@@ -163,12 +163,11 @@ class RoundAggregate:
         self.participants: list[str] = []
         #: every added update, only when the method is not streaming
         self.updates: list[ClientUpdate] = []
-        #: per device, its last adopted change norms (the state's record, newest last)
-        history = state.extra.get(UPDATE_NORM_HISTORY)
-        self.history: dict[str, list[float]] = {
-            agent: [float(x) for x in norms] for agent, norms in (history or {}).items()}
-        #: this round's adopted change norm per device that sent one
-        self.changes: dict[str, float] = {}
+        #: per device, its last adopted updates' measures (the state's record, newest last)
+        history = state.extra.get(UPDATE_HISTORY)
+        self.history: dict[str, list] = {agent: list(entries) for agent, entries in (history or {}).items()}
+        #: what each device that sent an update this round measured, as adopted
+        self.records: dict[str, OwnRecord] = {}
         if self.reference:
             typical = state.extra.get(UPDATE_NORM_MEDIAN)
             rule.begin(self.reference, float(typical) if isinstance(typical, (int, float)) else None)
@@ -201,24 +200,23 @@ class RoundAggregate:
             shared = {k: v for k, v in update.tensors.items() if k in self.reference}
             if base is not None and set(shared) == set(self.reference):
                 shared = rebase(shared, base, self.reference, discount)
-            fired = self.rule.add(shared, self.method.update_weight(update), self.own_typical(update.agent_id))
-            if self.rule.last_change_ is not None:
-                self.changes[update.agent_id] = self.rule.last_change_
+            fired = self.rule.add(shared, self.method.update_weight(update), self.own_record(update.agent_id))
+            if self.rule.last_record_ is not None:
+                self.records[update.agent_id] = self.rule.last_record_
         self.participants.append(update.agent_id)
         if not self.method.streaming:
             self.updates.append(update)
         return fired
 
-    def own_typical(self, agent_id: str) -> float | None:
-        """What ``agent_id`` is judged against besides the fleet: the lower median of its own
-        record; a device without one (first sampled now) the largest of the fleet's
-        records, so that it may be as different as the fleet's devices have shown they
-        are; None before any record."""
-        own = self.history.get(agent_id)
-        if own:
-            return lower_median(own)
-        records = [lower_median(norms) for norms in self.history.values() if norms]
-        return max((r for r in records if r is not None), default=None)
+    def own_record(self, agent_id: str) -> OwnRecord | None:
+        """What ``agent_id`` is judged against besides the fleet: each measure's lower median
+        over its kept records; a device without one (first sampled now) the fleet's largest,
+        so that it may be as different as the fleet's devices have shown they are; None
+        before any record."""
+        own = OwnRecord.typical(self.history.get(agent_id, ()))
+        if own is not None:
+            return own
+        return OwnRecord.largest(r for r in map(OwnRecord.typical, self.history.values()) if r is not None)
 
     def close(self, round: int) -> ServerState:
         """The next server state from every update added (at least one)."""
@@ -231,21 +229,24 @@ class RoundAggregate:
         state = self.method.finish_round(self.state, shared, updates, round)
         # the next round's bound relative to the fleet is measured on this one's updates
         typical = self.rule.median_change() if self.reference else None
-        extra = {k: v for k, v in state.extra.items() if k not in (UPDATE_NORM_MEDIAN, UPDATE_NORM_HISTORY)}
+        extra = {k: v for k, v in state.extra.items() if k not in (UPDATE_NORM_MEDIAN, UPDATE_HISTORY)}
         if typical is not None:
             extra[UPDATE_NORM_MEDIAN] = typical
-        # each device that sent a change this round keeps its last few, each at most vs_median
-        # times this round's median: a device is judged against its own record, and the cap keeps
-        # that record (and so its bound) within vs_median^2 times the fleet's median, however it
-        # grew; the others keep their record
+        # each device that sent an update this round keeps its last few records; the others theirs.
+        # A round judged without the fleet's record (the first) clipped relative to the model
+        # alone, far above any honest change: what it records is at most vs_median times its
+        # median, so that a first update cannot open a wide bound for the rounds after it
         history = dict(self.history)
         bound = self.rule.bound
-        vs_median = bound.vs_median if bound is not None else None
-        if vs_median is not None and typical is not None:
-            for agent, change in self.changes.items():
-                history[agent] = (history.get(agent, []) + [min(change, vs_median * typical)])[-OWN_HISTORY:]
+        first_cap = None
+        if bound is not None and bound.first_limit_ and bound.vs_median is not None and typical is not None:
+            first_cap = bound.vs_median * typical
+        for agent, record in self.records.items():
+            if first_cap is not None:
+                record = record._replace(change=min(record.change, first_cap))
+            history[agent] = (history.get(agent, []) + [record.to_json()])[-OWN_HISTORY:]
         if history:
-            extra[UPDATE_NORM_HISTORY] = {agent: history[agent] for agent in sorted(history)}
+            extra[UPDATE_HISTORY] = {agent: history[agent] for agent in sorted(history)}
         return replace(state, extra=extra)
 
 
