@@ -3,8 +3,8 @@ federated with the default aggregation settings, lose no update to the update bo
 
 Each fleet is an in-process federation (the same rounds and frames as over MQTT), sized
 to run in seconds to a minute on a 2-core box. Asserted: no rejection of any reason,
-every sampled agent a participant, and nothing clipped or clamped, not even where a
-device's training diverges. The old bound (a norm ratio of
+every sampled agent a participant, and nothing clipped or clamped except the statistics
+of a device whose training diverges. The old bound (a norm ratio of
 the BatchNorm statistics against the global ones, at most 10) refuses that fleet's
 devices: their statistics move by up to 65 times the global ones' norm. It was measured
 refusing an honest device of the first fleet in every round, with an older data pipeline;
@@ -79,11 +79,17 @@ def test_an_honest_non_iid_fleet_loses_no_update_to_the_default_bound(fleet, tmp
         if not buffered:  # a buffered state is made from the first updates to arrive, the others fold in late
             assert sorted(row.participants) == sorted(row.sampled) and len(row.sampled) == agents
         assert not row.aborted, row.abort_reason
-    # nothing clipped or clamped, the diverging fleet's statistics included (a variance x987, a
-    # mean 32 deviations away). An update no bound fires on is added as it came (UpdateBound.apply
-    # hands back the very mapping), so each run is the run with the bounds off, bit for bit
+    # nothing clipped or clamped but where a device's training diverges, whose statistics may be
+    # clamped (past the exact sums' range), never its parameters. An update no bound fires on is
+    # added as it came (UpdateBound.apply hands back the very mapping), so such a run is the run
+    # with the bounds off, bit for bit
     clipped = {(row.round, agent): bounds for row in training for agent, bounds in row.clipped_by.items()}
-    assert clipped == {}, clipped
+    if fleet.endswith(("diverging", "buffered")):
+        # buffered: a late update's running variance, folded into a newer state, can still go past
+        # the exact sums' range (one clamp of agent-01's, in the fourth state); its parameters never
+        assert {b for bounds in clipped.values() for b in bounds} <= {"max_mean_shift", "max_variance_growth"}
+    else:
+        assert clipped == {}, clipped
 
 
 def test_an_unequal_buffered_fleet_has_no_honest_update_clamped(tmp_path):
