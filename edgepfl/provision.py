@@ -64,8 +64,9 @@ class ProvisionRecord(BaseModel):
     update_bytes: int
     broker_dir: str
     absolute_paths: bool = False
-    #: the address the broker listens on (a record written before this field: every interface, as then)
-    bind: str = "0.0.0.0"
+    #: the address the broker listens on; a record written before this field reads as loopback (this
+    #: host only): ``--add`` never opens a broker to every interface that nobody chose (``--add --bind`` does)
+    bind: str = "127.0.0.1"
     #: TCP connections one source address may hold to the broker (broker/firewall.nft)
     connections_per_address: int = 4
 
@@ -230,8 +231,9 @@ def provision(record: ProvisionRecord, out: Path) -> None:
     pki.write_public(out / "provision.json", record.model_dump_json(indent=2).encode())
 
 
-def add_agents(out: Path, new_agents: list[str]) -> ProvisionRecord:
-    """Bundles for ``new_agents`` signed by the existing CA; the broker's files are updated for the larger fleet."""
+def add_agents(out: Path, new_agents: list[str], bind: str | None = None) -> ProvisionRecord:
+    """Bundles for ``new_agents`` signed by the existing CA; the broker's files are updated for the larger fleet.
+    ``bind``: the address the broker listens on from now on (None: the record's)."""
     try:
         record = ProvisionRecord.model_validate_json((out / "provision.json").read_text())
     except FileNotFoundError:
@@ -239,7 +241,10 @@ def add_agents(out: Path, new_agents: list[str]) -> ProvisionRecord:
     taken = set(record.agents) & set(new_agents)
     if taken:
         raise ProvisionError(f"already provisioned: {', '.join(sorted(taken))}")
-    record = record.model_copy(update={"agents": [*record.agents, *new_agents]})
+    update: dict[str, object] = {"agents": [*record.agents, *new_agents]}
+    if bind is not None:
+        update["bind"] = bind
+    record = ProvisionRecord.model_validate({**record.model_dump(), **update})  # validated: bind is checked
     check_agent_ids(record.agents)
     ca = pki.load_ca(out / "ca" / "ca.key", out / "ca" / "ca.crt")
     passwords = {a: pw for a in new_agents if (pw := _agent_bundle(record, out, a, ca)) is not None}
@@ -294,9 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host name or IP the agents connect to (repeat or comma-separate for more names; "
                         "localhost and 127.0.0.1 are always in the certificate)")
     p.add_argument("--port", type=int, default=8883)
-    p.add_argument("--bind", default="127.0.0.1",
+    p.add_argument("--bind", default=None,
                    help="the address the broker listens on (default 127.0.0.1: this host only; the address devices "
-                        "reach it on, or 0.0.0.0 for every interface)")
+                        "reach it on, or 0.0.0.0 for every interface); with --add, where it listens from now on "
+                        "(default: where it did)")
     p.add_argument("--connections-per-address", type=int, default=4,
                    help="TCP connections one address may hold to the broker, in broker/firewall.nft (default 4: "
                         "a device needs two while a reconnect overlaps; raise it for devices behind one NAT)")
@@ -324,7 +330,7 @@ def main_provision(argv: list[str]) -> int:
     out = Path(args.out).resolve()
     try:
         if args.add:
-            record = add_agents(out, _names(args.add))
+            record = add_agents(out, _names(args.add), bind=args.bind)
             print(_summary(record, out, added=_names(args.add)))
             return 0
         if not args.federation or not args.broker_host:
@@ -342,8 +348,8 @@ def main_provision(argv: list[str]) -> int:
         record = ProvisionRecord(
             federation=args.federation, broker_hosts=_names(args.broker_host), port=args.port, auth=args.auth,
             agents=agents, max_message_bytes=args.max_message_bytes, update_bytes=int(args.update_mb * 2**20),
-            broker_dir=args.broker_dir or str(out / "broker"), absolute_paths=args.absolute_paths, bind=args.bind,
-            connections_per_address=args.connections_per_address)
+            broker_dir=args.broker_dir or str(out / "broker"), absolute_paths=args.absolute_paths,
+            bind="127.0.0.1" if args.bind is None else args.bind, connections_per_address=args.connections_per_address)
         provision(record, out)
         print(_summary(record, out))
         return 0
