@@ -224,8 +224,12 @@ class Inbox:
                  agent_id, connection)
 
     def _on_update(self, incoming: AgentFrame) -> None:
-        verdict = self.gate.admit(incoming.agent_id, incoming.frame, self._tasks, self._state, self._late)
+        tasks = self._tasks
+        waited_for = incoming.agent_id in tasks.waiting
+        verdict = self.gate.admit(incoming.agent_id, incoming.frame, tasks, self._state, self._late)
         self._shows_life(incoming.agent_id, verdict)
+        if waited_for and not isinstance(verdict, Accepted) and self._held_up(incoming.agent_id, verdict):
+            self.registry.held_up(incoming.agent_id, tasks.round)
         if isinstance(verdict, Rejection):
             return self._reject(verdict)
         if isinstance(verdict, StepAnswer):
@@ -234,15 +238,28 @@ class Inbox:
             return
         # Accepting needs a task, and tasks come only with an open round and its sink.
         assert self._sink is not None
-        self.registry.answered(incoming.agent_id)
         if isinstance(verdict, Refused):
             return self._on_refusal(verdict)
+        self.registry.answered(incoming.agent_id)
         try:
             self._sink.record(verdict, incoming.wire_bytes)
         except AggregationRejected as exc:
             update = verdict.meta
             self._reject(Rejection(incoming.agent_id, exc.reason, str(exc), Attribution(
                 verdict.message_id, "update", self._tasks.round, update.task_id, verified=self.keyring is not None)))
+
+    def _held_up(self, agent_id: str, verdict: Refused | Rejection | StepAnswer) -> bool:
+        """Whether a frame that was no update or evaluation just ended the agent's wait as the
+        last one the round waited for, every task being sent: the round then waited for nothing.
+        Only the agent's own frame counts (a refusal signed by its enrolled key, or from a fleet
+        whose frames are its agents' own; a rejection only ends a wait when so signed), so a
+        forged refusal benches nobody."""
+        tasks = self._tasks
+        if not tasks.all_sent or tasks.waiting or not tasks.answered(agent_id):
+            return False
+        if isinstance(verdict, Refused):
+            return verdict.may_exclude or self.fleet.own_frames
+        return isinstance(verdict, Rejection)
 
     def _undelivered(self, refused: Refused) -> None:
         """A task of the open round the fleet did not send (larger than the agent accepts): it

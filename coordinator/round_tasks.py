@@ -68,6 +68,9 @@ class RoundTasks:
         self.weight_cap = weight_cap
         #: set once the round stopped collecting: a later answer is ``stale``
         self.closed = False
+        #: set once every task of the round was sent and its answers are collected (a round that
+        #: waits for one agent alone waits for that agent)
+        self.all_sent = False
         self._tasks: dict[str, Task] = {}
         self._waiting: set[str] = set()
 

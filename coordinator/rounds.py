@@ -204,11 +204,12 @@ class Coordinator:
     # ------------------------------------------------------- the round drivers' context
     def sample(self, r: int, final: bool) -> tuple[list[str], list[str]]:
         """Who trains round ``r`` and who only evaluates (:func:`.sampling.choose_participants`).
-        Agents that let their tasks time out sit out rounds (:meth:`.Registry.missed`), so a
-        dead agent does not cost every round its timeout; if nobody is left, and at the final
-        evaluation, every eligible one is asked."""
+        Agents that let their tasks time out, or kept the round waiting for a refusal, sit out
+        rounds (:meth:`.Registry.missed`, :meth:`.Registry.held_up`), so such an agent does not
+        cost every round its wait; the final evaluation skips those that did so twice or more in
+        a row; if nobody is left, every eligible one is asked."""
         self.inbox.presence.round_starts(r)
-        online = self.registry.eligible() if final else self.registry.responsive(r) or self.registry.eligible()
+        online = self.registry.responsive(r, final) or self.registry.eligible()
         self._sampled_from = len(online)  # the population a private round's sample was drawn from
         return choose_participants(online, self.config, r, final)
 
@@ -250,6 +251,7 @@ class Coordinator:
         timeout = self.config.round_timeout_s
         quorum = self.config.quorum_of(len(result.sampled))
         waiting = tasks.waiting  # live: the gate removes agents as they answer
+        tasks.all_sent = True
 
         def closable() -> bool:
             if not waiting:
