@@ -146,7 +146,9 @@ class Coordinator:
     def _run_all(self) -> list[RoundMetrics]:
         c = self.config
         # an agent that announced a smaller largest frame than this run's tasks is sent none (PROTOCOL.md §15)
-        self.registry.require(c.method.name, c.model.arch, self.task_writer.task_bytes(self.server_state()))
+        task_bytes = self.task_writer.task_bytes(self.server_state())
+        self.registry.require(c.method.name, c.model.arch, task_bytes)
+        self.inbox.expect_updates(task_bytes)  # what an agent with a task may reserve for its chunked answer
         driver = driver_for(c, self)
         wait_for_agents(self)
         rows = []
@@ -218,7 +220,7 @@ class Coordinator:
         closed rounds' late updates too), its tasks built from the current state."""
         c, state = self.config, self.server_state()
         tasks = RoundTasks(r, weight_cap([self.registry.announced_num_train(a) for a in sampled],
-                                         c.aggregation.max_weight_ratio))
+                                         c.aggregation.max_weight_ratio), sampled)
         result = RoundResult(round=r, sampled=sampled)
         if sampled:
             rule, result.privacy = self.privacy.open(r, sampled, self._sampled_from)
