@@ -37,8 +37,10 @@ from . import pki
 from .atomic import make_dirs
 from .mosquitto import (
     COORDINATOR_USER,
+    IDLE_ADDRESSES,
     OPERATOR_USER,
     AuthMode,
+    BrokerSizing,
     acl_text,
     broker_sizing,
     check_agent_ids,
@@ -69,6 +71,8 @@ class ProvisionRecord(BaseModel):
     bind: str = "127.0.0.1"
     #: TCP connections one source address may hold to the broker (broker/firewall.nft)
     connections_per_address: int = 4
+    #: source addresses at that limit whose idle sockets max_connections leaves room for
+    idle_addresses: int = Field(IDLE_ADDRESSES, ge=0)
 
     @field_validator("connections_per_address")
     @classmethod
@@ -184,6 +188,11 @@ def _operator_bundle(record: ProvisionRecord, out: Path, ca: pki.CA) -> str | No
     return password
 
 
+def _sizing(record: ProvisionRecord) -> BrokerSizing:
+    return broker_sizing(len(record.agents), record.max_message_bytes, record.update_bytes,
+                         per_address=record.connections_per_address, idle_addresses=record.idle_addresses)
+
+
 def _broker_files(record: ProvisionRecord, out: Path, ca: pki.CA, passwords: dict[str, str], new_server_cert: bool) -> None:
     folder = _mkdir(out / "broker")
     ca_key, ca_cert = ca
@@ -198,7 +207,7 @@ def _broker_files(record: ProvisionRecord, out: Path, ca: pki.CA, passwords: dic
         users = read_password_users(folder / "passwd")
         users.update({user: password_line(user, pw) for user, pw in passwords.items()})
         pki.write_secret(folder / "passwd", ("\n".join(users.values()) + "\n").encode())
-    sizing = broker_sizing(len(record.agents), record.max_message_bytes, record.update_bytes)
+    sizing = _sizing(record)
     conf = mosquitto_conf(federation=record.federation, port=record.port, bind=record.bind,
                           broker_dir=record.broker_dir,
                           auth=record.auth, sizing=sizing, max_message_bytes=record.max_message_bytes)
@@ -260,7 +269,7 @@ LOOPBACK = ("127.0.0.1", "::1")
 def _summary(record: ProvisionRecord, out: Path, added: list[str] | None = None) -> str:
     agents = added or record.agents
     first = agents[0] if agents else "AGENT"
-    sizing = broker_sizing(len(record.agents), record.max_message_bytes, record.update_bytes)
+    sizing = _sizing(record)
     return "\n".join([
         f"edgepfl provision: federation {record.federation}, {len(record.agents)} agents"
         + (f" ({len(added)} added)" if added else "") + f", auth {record.auth}, broker {record.url}",
@@ -276,7 +285,7 @@ def _summary(record: ProvisionRecord, out: Path, added: list[str] | None = None)
         f"  chown -R mosquitto: {record.broker_dir}   (as root: Mosquitto drops to its user 'mosquitto', which "
         "must read server.key, acl" + (", passwd)" if record.auth != "cert" else ")"),
         f"  nft -f {record.broker_dir}/firewall.nft   (as root on the broker host: at most "
-        f"{record.connections_per_address} connections per address; without it idle sockets can fill the broker)",
+        f"{record.connections_per_address} connections per address; without it one host's idle sockets can fill the broker)",
         f"  mosquitto -c {record.broker_dir}/mosquitto.conf"
         + ("   (already running: kill -HUP it to reload passwd)" if added else ""),
         f"  cd {out}/coordinator && edgepfl coordinator --config coordinator.yaml   (after adding method, data, rounds)",
@@ -306,6 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connections-per-address", type=int, default=4,
                    help="TCP connections one address may hold to the broker, in broker/firewall.nft (default 4: "
                         "a device needs two while a reconnect overlaps; raise it for devices behind one NAT)")
+    p.add_argument("--idle-addresses", type=int, default=IDLE_ADDRESSES,
+                   help=f"room in max_connections for this many source addresses holding --connections-per-address "
+                        f"idle sockets each (default {IDLE_ADDRESSES}; about 46 kB of broker memory a socket): with "
+                        "firewall.nft loaded, locking devices out takes more addresses than that")
     p.add_argument("--auth", choices=["cert", "password", "both"], default="cert",
                    help="client certificates (default), passwords, or both")
     p.add_argument("--max-message-bytes", type=int, default=1_000_000, help="broker.max_message_bytes (MQTT message)")
@@ -349,7 +362,8 @@ def main_provision(argv: list[str]) -> int:
             federation=args.federation, broker_hosts=_names(args.broker_host), port=args.port, auth=args.auth,
             agents=agents, max_message_bytes=args.max_message_bytes, update_bytes=int(args.update_mb * 2**20),
             broker_dir=args.broker_dir or str(out / "broker"), absolute_paths=args.absolute_paths,
-            bind="127.0.0.1" if args.bind is None else args.bind, connections_per_address=args.connections_per_address)
+            bind="127.0.0.1" if args.bind is None else args.bind, connections_per_address=args.connections_per_address,
+            idle_addresses=args.idle_addresses)
         provision(record, out)
         print(_summary(record, out))
         return 0
