@@ -249,13 +249,14 @@ class Inbox:
                  agent_id, connection)
 
     def _on_update(self, incoming: AgentFrame) -> None:
-        tasks = self._tasks
-        waited_for = incoming.agent_id in tasks.waiting
-        verdict = self.gate.admit(incoming.agent_id, incoming.frame, tasks, self._state, self._late)
-        self._shows_life(incoming.agent_id, verdict)
-        if waited_for and not isinstance(verdict, Accepted) and self._held_up(incoming.agent_id, verdict):
-            self.registry.held_up(incoming.agent_id, tasks.round)
+        agent_id, tasks = incoming.agent_id, self._tasks
+        waited_for = agent_id in tasks.waiting
+        verdict = self.gate.admit(agent_id, incoming.frame, tasks, self._state, self._late)
+        self._shows_life(agent_id, verdict)
         if isinstance(verdict, Rejection):
+            # a rejection ends the agent's wait only when its enrolled key signed the frame
+            if waited_for and self._held_up(agent_id, provably_its_own=True):
+                self.registry.held_up(agent_id, tasks.round)
             return self._reject(verdict)
         if isinstance(verdict, StepAnswer):
             if self.steps is not None:
@@ -264,27 +265,30 @@ class Inbox:
         # Accepting needs a task, and tasks come only with an open round and its sink.
         assert self._sink is not None
         if isinstance(verdict, Refused):
+            if waited_for and self._held_up(agent_id, verdict.may_exclude or self.fleet.own_frames):
+                self.registry.held_up(agent_id, tasks.round)
             return self._on_refusal(verdict)
-        self.registry.answered(incoming.agent_id)
         try:
             self._sink.record(verdict, incoming.wire_bytes)
         except AggregationRejected as exc:
+            # an update the round's rule refuses is no answer either (accepted by the gate, it is
+            # provably the agent's own only where updates must be signed)
+            if waited_for and self._held_up(agent_id, self.keyring is not None or self.fleet.own_frames):
+                self.registry.held_up(agent_id, tasks.round)
             update = verdict.meta
-            self._reject(Rejection(incoming.agent_id, exc.reason, str(exc), Attribution(
+            self._reject(Rejection(agent_id, exc.reason, str(exc), Attribution(
                 verdict.message_id, "update", self._tasks.round, update.task_id, verified=self.keyring is not None)))
+            return
+        self.registry.answered(agent_id)
 
-    def _held_up(self, agent_id: str, verdict: Refused | Rejection | StepAnswer) -> bool:
-        """Whether a frame that was no update or evaluation just ended the agent's wait as the
-        last one the round waited for, every task being sent: the round then waited for nothing.
-        Only the agent's own frame counts (a refusal signed by its enrolled key, or from a fleet
-        whose frames are its agents' own; a rejection only ends a wait when so signed), so a
-        forged refusal benches nobody."""
+    def _held_up(self, agent_id: str, provably_its_own: bool) -> bool:
+        """Whether the agent's frame, which was no update or evaluation the round could use (a
+        refusal, a rejected answer, an update the rule refused), just ended its wait as the last
+        one the round waited for, every task being sent: the round then waited for nothing.
+        Only a frame ``provably_its_own`` counts (signed by its enrolled key, or from a fleet
+        whose frames are its agents' own), so a forged one benches nobody."""
         tasks = self._tasks
-        if not tasks.all_sent or tasks.waiting or not tasks.answered(agent_id):
-            return False
-        if isinstance(verdict, Refused):
-            return verdict.may_exclude or self.fleet.own_frames
-        return isinstance(verdict, Rejection)
+        return provably_its_own and tasks.all_sent and not tasks.waiting and tasks.answered(agent_id)
 
     def _undelivered(self, refused: Refused) -> None:
         """A task of the open round the fleet did not send (larger than the agent accepts): it

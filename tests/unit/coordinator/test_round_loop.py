@@ -913,20 +913,24 @@ class OwnFleet(ScriptedFleet):
     own_frames = True
 
 
-def test_a_device_that_refuses_each_task_after_everyone_else_answered_costs_a_wait_ever_more_rarely(tmp_path):
+@pytest.mark.parametrize("answer", ["refusal", "update_the_rule_refuses"])
+def test_a_device_that_refuses_each_task_after_everyone_else_answered_costs_a_wait_ever_more_rarely(tmp_path, answer):
     """The red team's late refusal: an enrolled device answers each task with its own refusal
     just before the deadline, after every other device answered, so the round waits for it and
     gets nothing. That is a miss: it sits out 1, 2, 4, ... rounds (a refusal used to reset the
-    count), and the final evaluation, which it used to cost a wait too, skips it."""
-    fleet = OwnFleet({"a": honest("a"), "b": honest("b"), "z": refuses("z", "busy")})
+    count), and the final evaluation, which it used to cost a wait too, skips it. The same
+    for an update the round's rule refuses (a millionfold one, out_of_range)."""
+    late = refuses("z", "busy") if answer == "refusal" else scaled("z", 1e6)
+    fleet = OwnFleet({"a": honest("a"), "b": honest("b"), "z": late})
     sampled: dict[int, list[str]] = {}
     fleet.on_send = lambda agent_id, task: sampled.setdefault(task.header.round, []).append(agent_id)
     coord = coordinator(fleet, tmp_path, rounds=12, round_timeout_s=30)
     rows = coord.run()
     assert [r for r in range(12) if "z" in sampled.get(r, [])] == [0, 2, 5, 10]
-    assert [row.round for row in rows if row.refused] == [0, 2, 5, 10]  # the rows say when it was asked
+    # the rows say when it was asked
+    assert [row.round for row in rows if row.refused or row.rejected] == [0, 2, 5, 10]
     final = rows[-1]
-    assert final.final and "z" not in sampled[12] and final.refused == {} and final.evaluated == 2
+    assert final.final and "z" not in sampled[12] and final.refused == final.rejected == {} and final.evaluated == 2
     assert coord.registry.benched_until("z") == 18  # asked again in round 19
 
 
