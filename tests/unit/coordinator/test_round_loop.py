@@ -955,6 +955,47 @@ def test_a_present_agent_that_never_answers_costs_a_deadline_ever_more_rarely(tm
     assert [r for r in range(12) if "m" in sampled[r]] == [0, 1, 3, 6, 11]
 
 
+class OwnFleet(ScriptedFleet):
+    """A fleet whose frames are provably its agents' own (as in-process agents' are)."""
+
+    own_frames = True
+
+
+@pytest.mark.parametrize("answer", ["refusal", "update_the_rule_refuses"])
+def test_a_device_that_refuses_each_task_after_everyone_else_answered_costs_a_wait_ever_more_rarely(tmp_path, answer):
+    """The red team's late refusal: an enrolled device answers each task with its own refusal
+    just before the deadline, after every other device answered, so the round waits for it and
+    gets nothing. That is a miss: it sits out 1, 2, 4, ... rounds (a refusal used to reset the
+    count), and the final evaluation, which it used to cost a wait too, skips it. The same
+    for an update the round's rule refuses (a millionfold one, out_of_range)."""
+    late = refuses("z", "busy") if answer == "refusal" else scaled("z", 1e6)
+    fleet = OwnFleet({"a": honest("a"), "b": honest("b"), "z": late})
+    sampled: dict[int, list[str]] = {}
+    fleet.on_send = lambda agent_id, task: sampled.setdefault(task.header.round, []).append(agent_id)
+    coord = coordinator(fleet, tmp_path, rounds=12, round_timeout_s=30)
+    rows = coord.run()
+    assert [r for r in range(12) if "z" in sampled.get(r, [])] == [0, 2, 5, 10]
+    # the rows say when it was asked
+    assert [row.round for row in rows if row.refused or row.rejected] == [0, 2, 5, 10]
+    final = rows[-1]
+    assert final.final and "z" not in sampled[12] and final.refused == final.rejected == {} and final.evaluated == 2
+    assert coord.registry.benched_until("z") == 18  # asked again in round 19
+
+
+def test_a_refusal_while_others_still_train_and_a_slow_update_last_cost_nobody_a_round(tmp_path):
+    """The honest side: a device that refuses at once (the round goes on waiting for the others
+    anyway) and a slow device whose update comes last (the round waited, for an update) are
+    asked every round, the final evaluation included."""
+    fleet = OwnFleet({"a": refuses("a", "busy"), "b": honest("b"), "z": honest("z")})
+    sampled: dict[int, list[str]] = {}
+    fleet.on_send = lambda agent_id, task: sampled.setdefault(task.header.round, []).append(agent_id)
+    coord = coordinator(fleet, tmp_path, rounds=4, round_timeout_s=30)
+    rows = coord.run()
+    assert all(sorted(sampled[r]) == ["a", "b", "z"] for r in range(5))
+    assert all(row.refused == {"busy": 1} for row in rows) and rows[-1].evaluated == 2
+    assert coord.registry.benched_until("a") is None and coord.registry.benched_until("z") is None
+
+
 def test_an_agent_that_reconnected_during_the_round_keeps_getting_tasks(tmp_path):
     lost: set[int] = {0}  # c's round-0 task is lost with its old connection; it reconnects mid-round
 
