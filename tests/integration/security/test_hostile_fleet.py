@@ -210,6 +210,29 @@ def test_an_unsigned_retained_release_does_not_crash_loop_a_head_agent_without_o
         stop_agents([proc])
 
 
+def run_beside_the_attacker(config, out, url: str, attacker: Attacker, announce, coordinator_security,
+                            agent_security) -> None:
+    """Start the honest trainers, let the attacker ``announce`` agent-02, run the coordinator
+    to its end and take the attacker's retained status away again, whatever happened."""
+    fed = config.federation
+    procs = [spawn_agent(config, out, url, agent, i, security=agent_security[agent]) for i, agent in enumerate(TRAINERS)]
+    fleet = None
+    try:
+        announce()
+        wait_until(lambda: all(attacker.frames(f"agents/{a}/status") for a in TRAINERS), 180, what="agents' births")
+        fleet = MqttFleet(fed, config.broker, url=url, security=coordinator_security)
+        coordinator = Coordinator(config, fleet, out, progress=False, **data_shape(config))
+        thread, box = run_in_thread(coordinator.run)
+        thread.join(timeout=900)
+        assert not thread.is_alive() and "error" not in box, box.get("error")
+    finally:
+        attacker.client.publish(f"edgepfl/v1/{fed}/agents/agent-02/status", b"", qos=1, retain=True)
+        attacker.close()
+        if fleet is not None:
+            fleet.close()
+        stop_agents(procs)
+
+
 def test_an_enrolled_device_that_announces_itself_and_never_answers_costs_a_deadline_ever_more_rarely(
         mosquitto, tmp_path):
     """The red team's cheap denial of service on a provisioned fleet: with one
@@ -241,22 +264,7 @@ def test_an_enrolled_device_that_announces_itself_and_never_answers_costs_a_dead
             threading.Thread(target=announce, daemon=True).start()  # "still here", and no answer
 
     attacker.client.on_message = on_message
-    procs = [spawn_agent(config, out, url, agent, i, security=agent_security[agent]) for i, agent in enumerate(TRAINERS)]
-    fleet = None
-    try:
-        announce()
-        wait_until(lambda: all(attacker.frames(f"agents/{a}/status") for a in TRAINERS), 180, what="agents' births")
-        fleet = MqttFleet(fed, config.broker, url=url, security=coordinator_security)
-        coordinator = Coordinator(config, fleet, out, progress=False, **data_shape(config))
-        thread, box = run_in_thread(coordinator.run)
-        thread.join(timeout=900)
-        assert not thread.is_alive() and "error" not in box, box.get("error")
-    finally:
-        attacker.client.publish(f"edgepfl/v1/{fed}/agents/agent-02/status", b"", qos=1, retain=True)
-        attacker.close()
-        if fleet is not None:
-            fleet.close()
-        stop_agents(procs)
+    run_beside_the_attacker(config, out, url, attacker, announce, coordinator_security, agent_security)
     training = [row for row in read_rows(out) if not row.final]
     assert len(training) == config.rounds
     asked = [row.round for row in training if "agent-02" in row.sampled]
@@ -312,24 +320,13 @@ def test_an_enrolled_device_that_refuses_each_task_once_the_others_answered_cost
             threading.Thread(target=refuse_late, args=(bytes(msg.payload),), daemon=True).start()
 
     attacker.client.on_message = on_message
-    procs = [spawn_agent(config, out, url, agent, i, security=agent_security[agent]) for i, agent in enumerate(TRAINERS)]
-    fleet = None
-    try:
+
+    def announce() -> None:
         meta = StatusMeta(state="online", tier="trainer", num_train=100, num_test=20, session=uuid.uuid4().hex)
         attacker.publish("agents/agent-02/status", encode(MessageType.STATUS, federation=fed, sender="agent-02",
                                                           round=-1, meta=meta, signer=key), retain=True)
-        wait_until(lambda: all(attacker.frames(f"agents/{a}/status") for a in TRAINERS), 180, what="agents' births")
-        fleet = MqttFleet(fed, config.broker, url=url, security=coordinator_security)
-        coordinator = Coordinator(config, fleet, out, progress=False, **data_shape(config))
-        thread, box = run_in_thread(coordinator.run)
-        thread.join(timeout=900)
-        assert not thread.is_alive() and "error" not in box, box.get("error")
-    finally:
-        attacker.client.publish(f"edgepfl/v1/{fed}/agents/agent-02/status", b"", qos=1, retain=True)
-        attacker.close()
-        if fleet is not None:
-            fleet.close()
-        stop_agents(procs)
+
+    run_beside_the_attacker(config, out, url, attacker, announce, coordinator_security, agent_security)
     rows = read_rows(out)
     training, final = [row for row in rows if not row.final], rows[-1]
     assert len(training) == config.rounds and final.final
