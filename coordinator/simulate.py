@@ -50,8 +50,8 @@ def agents_model_cap(config: RunConfig, shape: dict) -> int:
     """The ``max_model_params`` of a simulation's trainers: the default, or the run's own model's
     size where it is larger (simulate chose that model; a task from anyone else still meets the cap).
     ``shape``: what :func:`service_data_shape` read of the data."""
-    from edgepfl.edge_agent.trainer import model_size
     from edgepfl.methods import create_method
+    from edgepfl.methods.base import model_size
 
     input_shape = shape.get("input_shape") or config.input_shape
     num_classes = shape.get("num_classes") or config.num_classes

@@ -25,7 +25,7 @@ from edgepfl.data import ClientData, ClientTensors
 from edgepfl.data.preprocess import channel_order, conversion
 from edgepfl.heads.labels import LabelMismatch, run_label_index
 from edgepfl.methods import ClientUpdate, LocalContext, Method, available_methods, create_method, get_method
-from edgepfl.methods.base import load_tensors
+from edgepfl.methods.base import load_tensors, model_size
 from edgepfl.models import BUILTIN_ARCHS, TORCHVISION_ARCHS, installed_plugin_archs, is_import_path
 from edgepfl.protocol import (
     REFUSAL_REASONS,
@@ -98,18 +98,6 @@ def buildable_archs() -> list[str]:
 
     vision = find_spec("torchvision") is not None
     return [a for a in BUILTIN_ARCHS if vision or a not in TORCHVISION_ARCHS] + installed_plugin_archs()
-
-
-def model_size(method: Method, spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> int | None:
-    """How many parameters ``method`` builds ``spec`` with, counted on torch's meta device (shapes,
-    no storage, no random numbers drawn); None when it cannot be built there (nor, perhaps, at all:
-    a plugin computing with its tensors while it is built, an input the arch cannot take)."""
-    try:
-        with torch.device("meta"):
-            model = method.build_model(spec, tuple(input_shape), num_classes)
-    except Exception:  # its real build says what is wrong with it  # noqa: BLE001
-        return None
-    return sum(p.numel() for p in model.parameters())
 
 
 def trainable_methods() -> list[str]:

@@ -211,6 +211,10 @@ class UpdateBound:
         self.variance_growth = variance_growth
         self.vs_median = vs_median
         self.first_ratio = first_ratio
+        #: the clip relative to the fleet this round, and whether it is the first round's
+        #: (measured by :meth:`begin`; a rule whose round has no shared parameters never begins one)
+        self.fleet_limit_: float | None = None
+        self.first_limit_ = False
 
     def begin(self, reference: Mapping[str, np.ndarray], typical_change: float | None = None) -> None:
         """Measure the reference once per round; ``typical_change``: the median change norm
@@ -221,11 +225,9 @@ class UpdateBound:
         self.parameters_ = [k for k, v in reference.items() if v.dtype.kind == "f" and k not in statistics]
         model_scale = max(1.0, _norm(reference[k] for k in self.parameters_))
         self.limit_ = None if self.ratio is None else self.ratio * model_scale
-        #: the clip relative to the fleet this round (None: none); without a record, relative to
-        #: the model (``first_ratio``); a zero median (every change nothing) bounds nothing
-        #: rather than freezing the model
-        self.fleet_limit_: float | None = None
-        #: whether fleet_limit_ is the first round's (relative to the model, max_first_update_ratio)
+        # without the fleet's record, relative to the model (first_ratio); a zero median (every
+        # change nothing) bounds nothing rather than freezing the model
+        self.fleet_limit_ = None
         self.first_limit_ = False
         if self.vs_median is not None and typical_change is None:
             self.fleet_limit_ = None if self.first_ratio is None else self.first_ratio * model_scale

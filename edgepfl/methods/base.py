@@ -495,3 +495,17 @@ def _ce(logits, y):
     import torch.nn.functional as F
 
     return F.cross_entropy(logits, y)
+
+
+def model_size(method: Method, spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> int | None:
+    """How many parameters ``method`` builds ``spec`` with, counted on torch's meta device (shapes,
+    no storage, no random numbers drawn); None when it cannot be built there (nor, perhaps, at all:
+    a plugin computing with its tensors while it is built, an input the arch cannot take)."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            model = method.build_model(spec, tuple(input_shape), num_classes)
+    except Exception:  # its real build says what is wrong with it  # noqa: BLE001
+        return None
+    return sum(p.numel() for p in model.parameters())
