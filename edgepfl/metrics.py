@@ -126,13 +126,13 @@ class RoundMetrics(BaseModel):
         default_factory=list, description="participants whose update the update bound clipped or clamped "
                                           "(aggregation: max_update_ratio with on_large_update: clip, "
                                           "max_update_vs_median, max_mean_shift, max_variance_growth), sorted")
+    refused: dict[str, int] = Field(
+        default_factory=dict, description="tasks their agents refused this round, per reason (docs/PROTOCOL.md §7)")
+
     clipped_by: dict[str, list[str]] = Field(
         default_factory=dict, description="each clipped participant -> the aggregation settings whose bound fired "
                                           "(max_update_ratio, max_update_vs_median, max_first_update_ratio, "
                                           "max_mean_shift, max_variance_growth)")
-    refused: dict[str, int] = Field(
-        default_factory=dict, description="tasks their agents refused this round, per reason (docs/PROTOCOL.md §7)")
-
     def to_line(self) -> str:
         """The row as one ``metrics.jsonl`` line (with its newline)."""
         # json.dumps rather than model_dump_json: the same bytes as the rows written
