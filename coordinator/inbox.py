@@ -283,12 +283,11 @@ class Inbox:
 
     def _held_up(self, agent_id: str, provably_its_own: bool) -> bool:
         """Whether the agent's frame, which was no update or evaluation the round could use (a
-        refusal, a rejected answer, an update the rule refused), just ended its wait as the last
-        one the round waited for, every task being sent: the round then waited for nothing.
-        Only a frame ``provably_its_own`` counts (signed by its enrolled key, or from a fleet
-        whose frames are its agents' own), so a forged one benches nobody."""
-        tasks = self._tasks
-        return provably_its_own and tasks.all_sent and not tasks.waiting and tasks.answered(agent_id)
+        refusal, a rejected answer, an update the rule refused), just ended a wait for it alone
+        longer than the round's patience (:meth:`.RoundTasks.held_up_by`): the round then waited
+        for nothing. Only a frame ``provably_its_own`` counts (signed by its enrolled key, or
+        from a fleet whose frames are its agents' own), so a forged one benches nobody."""
+        return provably_its_own and self._tasks.held_up_by(agent_id)
 
     def _undelivered(self, refused: Refused) -> None:
         """A task of the open round the fleet did not send (larger than the agent accepts): it

@@ -73,6 +73,8 @@ class Registry:
         #: agents whose miss a reconnect excused (once per answer: a device that keeps
         #: re-announcing itself and never answers is benched from its second miss on)
         self._excused: set[str] = set()
+        #: agent id -> rounds in a row it kept waiting for a non-answer (:meth:`held_up`)
+        self._held_up: dict[str, int] = {}
         self._last_life: dict[str, float] = {}
         self._last_status: dict[str, float] = {}
         self._clock_ahead: dict[str, float] = {}
@@ -289,11 +291,13 @@ class Registry:
 
     def responsive(self, round: int, final: bool = False) -> list[str]:
         """Eligible trainers that do not sit out ``round`` (:meth:`missed`, :meth:`held_up`), sorted.
-        ``final``: the run's final evaluation, which forgives one miss (an answer lost on the way
-        does not cost a device its final accuracy) but not two or more in a row."""
+        ``final``: the run's final evaluation, which asks every device that may answer it — a
+        slow or silent one too, whose accuracy the fleet's figure needs and which costs this one
+        evaluation at most its deadline — but one that kept two rounds in a row waiting for a
+        refusal or a rejected answer (it would keep this one waiting for nothing as well)."""
         def sits_out(agent_id: str) -> bool:
-            misses, until = self._benched.get(agent_id, (0, -1))
-            return round <= until and (not final or misses >= 2)
+            until = self._benched.get(agent_id, (0, -1))[1]
+            return round <= until and (not final or self._held_up.get(agent_id, 0) >= 2)
         return [a for a in self.eligible() if not sits_out(a)]
 
     def benched_until(self, agent_id: str) -> int | None:
@@ -350,11 +354,14 @@ class Registry:
         self._bench(agent_id, round, "did not answer its task")
 
     def held_up(self, agent_id: str, round: int) -> None:
-        """The round waited for the agent alone, and what it then sent was no update or
+        """The round waited for the agent alone, longer than its patience (a quarter of its
+        deadline, :data:`.round_tasks.PATIENCE_SHARE`), and what it then sent was no update or
         evaluation (its own refusal, or its own answer rejected): a miss like a timeout, never
         excused. A device that answers each task with a refusal just before the deadline
-        would otherwise cost every round its wait; one that refuses while others still train
-        costs nothing and is not counted."""
+        would otherwise cost every round its wait; one that refuses while others still train,
+        or just after them (a clock ahead refuses every task at once), costs nothing worth
+        counting and is not counted."""
+        self._held_up[agent_id] = self._held_up.get(agent_id, 0) + 1
         self._bench(agent_id, round, "kept the round waiting for no answer")
 
     def _bench(self, agent_id: str, round: int, what: str) -> None:
@@ -383,6 +390,7 @@ class Registry:
         """An update or evaluation from the agent was accepted (even late): it missed nothing. A
         refusal is no answer here: it neither ends nor excuses misses in a row (:meth:`held_up`)."""
         self._excused.discard(agent_id)
+        self._held_up.pop(agent_id, None)
         if self._benched.pop(agent_id, None) is not None:
             log.info("agent %s answers again", agent_id)
 

@@ -5,7 +5,7 @@ round drivers open and close them."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Set
+from collections.abc import Callable, Iterable, Set
 from dataclasses import dataclass
 
 from edgepfl.aggregation import staleness_weight
@@ -17,6 +17,12 @@ from edgepfl.protocol.secagg import SecAggTask
 #: this): statuses forged with ever higher connection numbers on an unsigned deployment
 #: cannot make the coordinator publish the model without bound
 MAX_TASK_COPIES = 2
+
+#: how long, as a share of its deadline, a round waits for one agent alone before that
+#: agent's refusal or rejected answer, ending the wait, counts as a miss: a refusal sent at
+#: once (a clock ahead, a busy device) costs the round nothing worth benching for, one held
+#: back until just before the deadline costs the round its wait (:meth:`RoundTasks.held_up_by`)
+PATIENCE_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,8 @@ class RoundTasks:
     and the round alone, never on what arrived before it.
     """
 
-    def __init__(self, round: int, weight_cap: int | None = None, sampled: Iterable[str] = ()) -> None:
+    def __init__(self, round: int, weight_cap: int | None = None, sampled: Iterable[str] = (), *,
+                 patience_s: float = 0.0, now: Callable[[], float] | None = None) -> None:
         self.round = round
         self.weight_cap = weight_cap
         #: the agents sampled to train: a secure round asks them for steps before their tasks are sent
@@ -71,10 +78,32 @@ class RoundTasks:
         #: set once the round stopped collecting: a later answer is ``stale``
         self.closed = False
         #: set once every task of the round was sent and its answers are collected (a round that
-        #: waits for one agent alone waits for that agent)
+        #: waits for one agent alone waits for that agent): :meth:`start_collecting`
         self.all_sent = False
+        #: how long the round may wait for one agent alone before a non-answer ending that
+        #: wait is a miss (:meth:`held_up_by`), in the seconds of ``now``
+        self.patience_s = patience_s
+        self._now = now
+        self._alone_since: float | None = None
         self._tasks: dict[str, Task] = {}
         self._waiting: set[str] = set()
+
+    def start_collecting(self) -> None:
+        """Every task is sent: from here on the round waits for the answers alone."""
+        self.all_sent = True
+        self._note_alone()
+
+    def held_up_by(self, agent_id: str) -> bool:
+        """Whether the agent just ended the round's wait as the last agent it waited for, every
+        task being sent, after the round had waited for it alone at least :attr:`patience_s`.
+        (Asked by the inbox when what ended the wait was no answer the round could use.)"""
+        if not self.all_sent or self._waiting or not self.answered(agent_id) or self._alone_since is None:
+            return False
+        return self._now is None or self._now() - self._alone_since >= self.patience_s
+
+    def _note_alone(self) -> None:
+        if self.all_sent and len(self._waiting) == 1 and self._alone_since is None and self._now is not None:
+            self._alone_since = self._now()
 
     def close(self) -> None:
         """The round stops collecting (its aggregate is being closed)."""
@@ -92,6 +121,7 @@ class RoundTasks:
 
     def mark_answered(self, agent_id: str) -> None:
         self._waiting.discard(agent_id)
+        self._note_alone()
 
     def expects(self, agent_id: str) -> bool:
         """Whether a frame of the agent's may still answer this round: it owes an answer, or is

@@ -56,7 +56,7 @@ from .registry import Registry
 from .releases.release import resume_release
 from .result import RoundResult
 from .rollback import RollbackPolicy
-from .round_tasks import ClosedRounds, RoundTasks, Task
+from .round_tasks import PATIENCE_SHARE, ClosedRounds, RoundTasks, Task
 from .run_dir import RunDirectory
 from .sampling import choose_participants
 from .tasks import TaskWriter
@@ -220,7 +220,8 @@ class Coordinator:
         closed rounds' late updates too), its tasks built from the current state."""
         c, state = self.config, self.server_state()
         tasks = RoundTasks(r, weight_cap([self.registry.announced_num_train(a) for a in sampled],
-                                         c.aggregation.max_weight_ratio), sampled)
+                                         c.aggregation.max_weight_ratio), sampled,
+                           patience_s=PATIENCE_SHARE * c.round_timeout_s, now=self.clock.now)
         result = RoundResult(round=r, sampled=sampled)
         if sampled:
             rule, result.privacy = self.privacy.open(r, sampled, self._sampled_from)
@@ -253,7 +254,7 @@ class Coordinator:
         timeout = self.config.round_timeout_s
         quorum = self.config.quorum_of(len(result.sampled))
         waiting = tasks.waiting  # live: the gate removes agents as they answer
-        tasks.all_sent = True
+        tasks.start_collecting()
 
         def closable() -> bool:
             if not waiting:

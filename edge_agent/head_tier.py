@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,6 +98,9 @@ class HeadFit(BaseModel):
     train_accuracy: float | None = Field(description="None without training samples")
     fit_seconds: float
     feature_seconds: float
+    latency_ratio: float | None = Field(
+        None, description="the encoder's time per sample over the previously installed encoder's, both timed "
+                          "interleaved on the same local samples at install (None: no previous encoder to time)")
 
     def values(self) -> dict[str, float]:
         """The numeric figures, for a ``metrics`` report's ``values``."""
@@ -289,6 +293,7 @@ class HeadRuntime:
             raise refuse(f"encoder failed on local data ({type(exc).__name__}: {str(exc)[:200]})") from None
         if not (np.isfinite(f_train).all() and np.isfinite(f_test).all()):
             raise refuse("encoder produced NaN or Inf features on local data")
+        latency_ratio = self._latency_ratio(encoder, adapt)
 
         labels, to_labels = label_space_for(self.data.class_names, manifest.run.data.class_names)
         y_train, y_test = to_labels[self.data.y_train], to_labels[self.data.y_test]
@@ -318,7 +323,7 @@ class HeadRuntime:
             release_id=release_id, head=head_name, accuracy=correct / max(1, self.data.num_test), eval_correct=correct,
             num_train=int(self.data.num_train), num_test=int(self.data.num_test),
             train_accuracy=float((pred_train == y_train).mean()) if self.data.num_train else None,
-            fit_seconds=fit_seconds, feature_seconds=feature_seconds)
+            fit_seconds=fit_seconds, feature_seconds=feature_seconds, latency_ratio=latency_ratio)
         enc_name = f"encoder-{digest[:16]}.onnx"
         write_bytes(self.state_dir / enc_name, artifact)
         old = self.record
@@ -334,6 +339,27 @@ class HeadRuntime:
         log.info("release %s installed: %s head, held-out accuracy %.4f (%d/%d), fit %.2f s", release_id, head_name,
                  metrics.accuracy, correct, self.data.num_test, fit_seconds)
         return metrics
+
+    def _latency_ratio(self, encoder: OnnxEncoder, adapt: _LocalToRun | None) -> float | None:
+        """The new ``encoder``'s time per sample over the installed one's, on the same local
+        samples, timed in alternation (:func:`interleaved_ratio`): the rollout's latency gate
+        compares the two encoders under the same load, which a time measured at each install
+        (minutes apart, another process busy or not) cannot. None without an installed encoder
+        or samples, or when the old one fails now (its failure is not this release's)."""
+        if self.encoder is None or self.record is None:
+            return None
+        x = self.data.x_test if len(self.data.x_test) else self.data.x_train
+        if not len(x):
+            return None
+        x = x[:LATENCY_SAMPLES]
+        old, old_adapt = self.encoder, self._adapt
+        try:
+            return interleaved_ratio(lambda: encoder.features(_apply(adapt, x)),
+                                     lambda: old.features(_apply(old_adapt, x)))
+        except Exception as exc:  # onnxruntime's own types; the gate then falls back to the install times
+            log.warning("timing the installed encoder beside the new one failed (%s); no latency ratio",
+                        type(exc).__name__)
+            return None
 
     def _switch(self, record: InstalledRelease, old: InstalledRelease | None,
                 loaded: tuple[OnnxEncoder, OnnxHead, _LocalToRun | None] | None = None) -> None:
@@ -688,6 +714,26 @@ def _features(encoder: OnnxEncoder, x: np.ndarray) -> np.ndarray:
         parts.append(encoder.features(x[i : i + FEATURE_STEP]))
         notifier().watchdog()
     return np.concatenate(parts)
+
+
+#: local samples an install times both encoders on, and how many times each in alternation
+LATENCY_SAMPLES = 64
+LATENCY_REPEATS = 5
+
+
+def interleaved_ratio(new: Callable[[], object], old: Callable[[], object], repeats: int = LATENCY_REPEATS) -> float:
+    """Median time of ``new`` over median time of ``old``, each run ``repeats`` times in
+    alternation (the order swapped every repeat, after one untimed warm-up each): load that
+    comes and goes during the measurement falls on both alike."""
+    new(), old()
+    times: dict[int, list[float]] = {0: [], 1: []}
+    calls = (new, old)
+    for i in range(repeats):
+        for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+            start = time.perf_counter()
+            calls[which]()
+            times[which].append(time.perf_counter() - start)
+    return statistics.median(times[0]) / max(statistics.median(times[1]), 1e-9)
 
 
 def _sha(data: bytes) -> str:

@@ -16,7 +16,10 @@ it before the next one is admitted:
   a drop fails only when it exceeds its limit by ``noise_z`` standard errors of the two
   accuracies it compares: an honest device's noise does not halt a good release;
 * **latency**: the encoder's time per sample on the device, new over previous, median of
-  the stage (``max_latency_ratio``).
+  the stage (``max_latency_ratio``). A device times both encoders in alternation on the
+  same samples when it installs the new one (its report's ``latency_ratio``), so the load
+  of the moment falls on both; a report without it (an older agent) is compared
+  with its own previous install's time.
 
 Membership is a fixed order of the agent ids (sha256 of the order's salt and the id):
 the same devices are the canary for every release, reproducibly, and each stage contains
@@ -114,6 +117,16 @@ def _per_sample_seconds(report: HeadReport) -> float | None:
     return seconds / n if seconds is not None and n > 0 and seconds > 0 else None
 
 
+def _latency_ratio(report: HeadReport, before: HeadReport) -> float | None:
+    """The device's own interleaved timing when it reported one, else the ratio of the two
+    installs' times per sample."""
+    measured = report.values.get("latency_ratio")
+    if measured is not None and math.isfinite(measured) and measured > 0:
+        return measured
+    now_s, then_s = _per_sample_seconds(report), _per_sample_seconds(before)
+    return now_s / then_s if now_s is not None and then_s is not None else None
+
+
 def _standard_error(report: HeadReport) -> float:
     """The standard error of a held-out accuracy of ``correct`` of ``total`` (the Agresti-Coull
     centre, so that 20 of 20 is not taken as certain)."""
@@ -141,9 +154,9 @@ def judge_stage(admitted: Iterable[str], new: Mapping[str, HeadReport], previous
         errors.append(error)
         if -change > gate.max_device_drop + gate.noise_z * error:
             failed_devices.append((change, agent))
-        now_s, then_s = _per_sample_seconds(report), _per_sample_seconds(before)
-        if now_s is not None and then_s is not None:
-            ratios.append(now_s / then_s)
+        ratio = _latency_ratio(report, before)
+        if ratio is not None:
+            ratios.append(ratio)
     if len(reports) < spec.min_reports:
         reasons.append(f"{len(reports)} of {len(members)} devices reported (min_reports {spec.min_reports})")
     if reports and len(refused) / len(reports) > gate.max_refused_share:

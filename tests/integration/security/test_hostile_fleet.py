@@ -276,11 +276,17 @@ def test_an_enrolled_device_that_announces_itself_and_never_answers_costs_a_dead
     assert all(set(row.participants) & set(TRAINERS) for row in training), [row.participants for row in training]
 
 
+#: how long the late refuser holds its refusal back once the honest updates are in: past the
+#: round's patience (a quarter of the 60 s deadline), well before the deadline
+HOLD_BACK_S = 20.0
+
+
 def test_an_enrolled_device_that_refuses_each_task_once_the_others_answered_costs_a_wait_ever_more_rarely(
         mosquitto, tmp_path):
     """The red team's bypass of the bench: with one enrolled device's key, a client answers
-    every task with a signed refusal, sent late — once the honest devices' updates are in —
-    so the round waits for it and gets nothing. A refusal used to reset the count: 8 of 9
+    every task with a signed refusal, sent late — 20 s after the honest devices' updates are
+    in, past the round's patience of a quarter of its 60 s deadline — so the round waits for
+    it and gets nothing. A refusal used to reset the count: 8 of 9
     rounds waited for it, the final evaluation too. Now the round waiting for it alone is a
     miss like a timeout: it is asked in rounds 0, 2, 5 (2^(k-1) rounds out after its k-th),
     and the final evaluation, after three misses in a row, leaves it out."""
@@ -309,6 +315,7 @@ def test_an_enrolled_device_that_refuses_each_task_once_the_others_answered_cost
             wait_until(lambda: attacker.drain() is not None and others_answered(), 50, what=f"round {r}'s updates")
         except TimeoutError:
             pass  # refused anyway: the assertions below say what it cost
+        time.sleep(HOLD_BACK_S)  # the round waits for it alone, past its patience
         refusal = encode(MessageType.REFUSAL, federation=fed, sender="agent-02", round=r, signer=key,
                          meta=RefusalMeta(task_id=task.meta.task_id, reason="busy", detail="not now"))
         attacker.publish("agents/agent-02/update", refusal)

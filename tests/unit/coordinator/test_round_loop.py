@@ -21,6 +21,7 @@ import pytest
 
 from edgepfl.aggregation import UPDATE_HISTORY, UPDATE_NORM_MEDIAN
 from edgepfl.config import RunConfig
+from edgepfl.coordinator.clock import VirtualClock
 from edgepfl.coordinator.fleet import AgentFrame, Fleet
 from edgepfl.coordinator.gate import Rejection
 from edgepfl.coordinator.ops.report import write_report
@@ -953,23 +954,41 @@ def test_a_present_agent_that_never_answers_costs_a_deadline_ever_more_rarely(tm
     assert [row.round for row in training if "m" in row.dropped] == [0, 1, 3, 6, 11]
     assert all(row.participants == ["a", "b"] for row in training)
     assert [r for r in range(12) if "m" in sampled[r]] == [0, 1, 3, 6, 11]
+    # the final evaluation asks it all the same: silent or slow, its accuracy is the fleet's too
+    assert "m" in sampled[12] and rows[-1].final and rows[-1].dropped == ["m"]
 
 
 class OwnFleet(ScriptedFleet):
-    """A fleet whose frames are provably its agents' own (as in-process agents' are)."""
+    """A fleet whose frames are provably its agents' own (as in-process agents' are), on a
+    virtual clock: an answer of an agent in ``late_s`` comes that many seconds after the one
+    before it, and a poll with nothing to deliver lets its whole timeout pass."""
 
     own_frames = True
+
+    def __init__(self, agents: dict[str, Responder], late_s: dict[str, float] | None = None):
+        super().__init__(agents)
+        self.clock = VirtualClock()
+        self.late_s = late_s or {}
+
+    def poll(self, timeout: float) -> AgentFrame | Rejection | None:
+        if not self.events:
+            self.clock.advance_to(self.clock.now() + timeout)
+            return None
+        event = self.events.popleft()
+        if isinstance(event, AgentFrame) and event.channel == AgentChannel.UPDATE:
+            self.clock.advance_to(self.clock.now() + self.late_s.get(event.agent_id, 0.0))
+        return event
 
 
 @pytest.mark.parametrize("answer", ["refusal", "update_the_rule_refuses"])
 def test_a_device_that_refuses_each_task_after_everyone_else_answered_costs_a_wait_ever_more_rarely(tmp_path, answer):
     """The red team's late refusal: an enrolled device answers each task with its own refusal
-    just before the deadline, after every other device answered, so the round waits for it and
-    gets nothing. That is a miss: it sits out 1, 2, 4, ... rounds (a refusal used to reset the
-    count), and the final evaluation, which it used to cost a wait too, skips it. The same
-    for an update the round's rule refuses (a millionfold one, out_of_range)."""
+    just before the deadline (25 s of 30 after every other device answered), so the round
+    waits for it and gets nothing. That is a miss: it sits out 1, 2, 4, ... rounds (a refusal
+    used to reset the count), and the final evaluation, which it used to cost a wait too,
+    skips it. The same for an update the round's rule refuses (a millionfold one, out_of_range)."""
     late = refuses("z", "busy") if answer == "refusal" else scaled("z", 1e6)
-    fleet = OwnFleet({"a": honest("a"), "b": honest("b"), "z": late})
+    fleet = OwnFleet({"a": honest("a"), "b": honest("b"), "z": late}, late_s={"z": 25.0})
     sampled: dict[int, list[str]] = {}
     fleet.on_send = lambda agent_id, task: sampled.setdefault(task.header.round, []).append(agent_id)
     coord = coordinator(fleet, tmp_path, rounds=12, round_timeout_s=30)
@@ -982,17 +1001,29 @@ def test_a_device_that_refuses_each_task_after_everyone_else_answered_costs_a_wa
     assert coord.registry.benched_until("z") == 18  # asked again in round 19
 
 
-def test_a_refusal_while_others_still_train_and_a_slow_update_last_cost_nobody_a_round(tmp_path):
-    """The honest side: a device that refuses at once (the round goes on waiting for the others
-    anyway) and a slow device whose update comes last (the round waited, for an update) are
-    asked every round, the final evaluation included."""
-    fleet = OwnFleet({"a": refuses("a", "busy"), "b": honest("b"), "z": honest("z")})
+HONEST_REFUSERS = {
+    # refuses at once while the others still train; the slow update of z comes last, 20 s on
+    "at_once": (lambda: OwnFleet({"a": refuses("a", "busy"), "b": honest("b"), "z": honest("z")},
+                                 late_s={"z": 20.0})),
+    # a clock 20 minutes ahead refuses every task as expired the moment it arrives: last, but
+    # 7 s after the others (a loaded device), inside a 30 s round's patience of 7.5 s
+    "last_but_soon": (lambda: OwnFleet({"a": honest("a"), "b": honest("b"), "z": refuses("z", "expired")},
+                                       late_s={"z": 7.0})),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HONEST_REFUSERS))
+def test_a_refusal_at_once_or_soon_after_the_others_and_a_slow_update_last_cost_nobody_a_round(tmp_path, case):
+    """The honest side: a device that refuses at once, one whose refusal comes last but soon,
+    and a slow device whose update comes last (the round waited, for an update) are asked
+    every round, the final evaluation included."""
+    fleet = HONEST_REFUSERS[case]()
     sampled: dict[int, list[str]] = {}
     fleet.on_send = lambda agent_id, task: sampled.setdefault(task.header.round, []).append(agent_id)
     coord = coordinator(fleet, tmp_path, rounds=4, round_timeout_s=30)
     rows = coord.run()
-    assert all(sorted(sampled[r]) == ["a", "b", "z"] for r in range(5))
-    assert all(row.refused == {"busy": 1} for row in rows) and rows[-1].evaluated == 2
+    assert all(sorted(sampled[r]) == ["a", "b", "z"] for r in range(5)), sampled
+    assert all(sum(row.refused.values()) == 1 for row in rows) and rows[-1].evaluated == 2
     assert coord.registry.benched_until("a") is None and coord.registry.benched_until("z") is None
 
 

@@ -12,9 +12,13 @@ from edgepfl.rollout import GateSpec, RolloutSpec, judge_stage, stage_members
 FLEET = [f"pi-{i:03d}" for i in range(200)]
 
 
-def report(correct: int, total: int = 20, seconds: float = 0.1, refused: str | None = None) -> HeadReport:
+def report(correct: int, total: int = 20, seconds: float = 0.1, refused: str | None = None,
+           latency_ratio: float | None = None) -> HeadReport:
+    values = {"feature_seconds": seconds, "num_train": 60, "num_test": total}
+    if latency_ratio is not None:
+        values["latency_ratio"] = latency_ratio
     return HeadReport(tier="head", release_id="r", correct=0 if refused else correct, total=0 if refused else total,
-                      values={"feature_seconds": seconds, "num_train": 60, "num_test": total}, refused=refused)
+                      values=values, refused=refused)
 
 
 def test_stages_are_reproducible_nested_and_never_empty():
@@ -86,6 +90,14 @@ def test_refusals_latency_and_silence_halt_and_only_admitted_devices_count():
     slow = {d: report(18, seconds=0.35) for d in "abcd"}
     verdict = judge_stage("abcd", slow, before, spec)
     assert not verdict.passed and verdict.latency_ratio == pytest.approx(3.5) and "time per sample" in verdict.reasons[0]
+    # a device's own interleaved timing wins over its two installs' times, taken minutes apart
+    # under whatever load each met: a busy install of a good release does not halt it ...
+    busy = {d: report(18, seconds=0.35, latency_ratio=1.1) for d in "abcd"}
+    verdict = judge_stage("abcd", busy, before, spec)
+    assert verdict.passed and verdict.latency_ratio == pytest.approx(1.1)
+    # ... and a quiet install of a slow one does not pass it
+    quiet = {d: report(18, seconds=0.1, latency_ratio=3.0) for d in "abcd"}
+    assert "time per sample 3.00x" in judge_stage("abcd", quiet, before, spec).reasons[0]
     # a device outside the stage (not admitted, or not enrolled) cannot sink or carry it
     outsider = {"a": report(18), "zz": report(0, refused="forged")}
     verdict = judge_stage("a", outsider, before, spec)

@@ -9,7 +9,8 @@ import logging
 import numpy as np
 import pytest
 
-from edgepfl.edge_agent.head_tier import HeadRuntime, ReleaseRefused
+from edgepfl.edge_agent import head_tier
+from edgepfl.edge_agent.head_tier import HeadRuntime, ReleaseRefused, interleaved_ratio
 from edgepfl.export.onnx_export import read_release, sha256_bytes
 
 from tests.export_fixtures import NEW_CLIENT, client_data, export_dir
@@ -40,7 +41,7 @@ def test_install_fit_evaluate_persist_and_restore(releases, data, tmp_path):
     assert metrics.release_id == manifest.release_id and metrics.head == "lr"
     assert metrics.num_train == data.num_train and metrics.num_test == data.num_test
     assert metrics.accuracy > 0.5 and metrics.eval_correct == round(metrics.accuracy * data.num_test)
-    assert metrics.fit_seconds >= 0
+    assert metrics.fit_seconds >= 0 and metrics.latency_ratio is None  # nothing installed before it to time
     pred = rt.predict(data.x_test)
     assert (pred == data.y_test).mean() == pytest.approx(metrics.accuracy)
     assert rt.predict_proba(data.x_test[:3]).shape == (3, len(rt.classes))
@@ -55,6 +56,9 @@ def test_install_fit_evaluate_persist_and_restore(releases, data, tmp_path):
     # a new release is installed beside the one before it (kept for a rollback), not beside older ones
     m2 = _install(rt, releases[1])
     assert m2.release_id != metrics.release_id and rt.record.previous.release_id == metrics.release_id
+    # the two encoders were timed beside each other on this device (the rollout's latency gate)
+    assert m2.latency_ratio is not None and 0 < m2.latency_ratio < float("inf")
+    assert m2.values()["latency_ratio"] == m2.latency_ratio
     digests = [sha256_bytes(read_release(r)[1])[:16] for r in releases]
     onnx_files = sorted(p.name for p in (tmp_path / "state").glob("*.onnx"))
     assert len(onnx_files) == 4 and all(any(d in n for d in digests) for n in onnx_files)
@@ -331,3 +335,20 @@ def test_a_rollback_restores_the_kept_release_without_a_download_or_a_fit_and_re
     assert restore(restarted, releases[0], 13).accuracy == good.accuracy and restarted.record.sequence == 13
     with pytest.raises(ReleaseRefused, match="not held"):  # nothing kept of the other release any more
         restore(restarted, releases[1], 14)
+
+
+def test_the_latency_ratio_is_timed_in_alternation_so_load_that_comes_and_goes_falls_on_both(monkeypatch):
+    # a clock the two "encoders" advance: the new one costs 3 units, the old 1, times the load
+    # of the moment, which is 5 for the first four timed calls and 1 after (another process
+    # finishing); timed one after the other, the old one would look 5x faster than it is
+    clock = {"now": 0.0, "calls": 0}
+
+    def run(cost):
+        def call():
+            clock["calls"] += 1
+            clock["now"] += cost * (5.0 if 2 < clock["calls"] <= 6 else 1.0)
+        return call
+
+    monkeypatch.setattr(head_tier.time, "perf_counter", lambda: clock["now"])
+    assert interleaved_ratio(run(3.0), run(1.0), repeats=5) == pytest.approx(3.0)
+    assert clock["calls"] == 2 + 2 * 5  # a warm-up each, then five of each
