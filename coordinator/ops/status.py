@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import queue
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Generator
 from pathlib import Path
@@ -58,10 +60,10 @@ def follow_views(url: str, federation: str, *, timeout: float = 5.0, login: Brok
 
     def views() -> Generator[FleetView, None, None]:
         try:
-            wait: float | None = timeout
+            deadline: float | None = time.monotonic() + timeout
             while True:
                 try:
-                    item = got.get(timeout=wait)
+                    item = _next_item(got, deadline)
                 except queue.Empty:
                     raise TimeoutError(f"no fleet view for federation {federation!r} on {url} within {timeout:.0f}s "
                                        "(is its coordinator running, with observe.view on?)") from None
@@ -74,13 +76,29 @@ def follow_views(url: str, federation: str, *, timeout: float = 5.0, login: Brok
                         raise
                     on_bad(str(exc))
                     continue
-                wait = None  # one came: from now on the coordinator may be quiet as long as it likes
+                deadline = None  # one came: from now on the coordinator may be quiet as long as it likes
                 yield view
         finally:
             client.disconnect()
             client.loop_stop()
 
     return views()
+
+
+#: longest single wait on the queue: a signal caught on the network thread (a Ctrl-C may land on
+#: any thread) is acted on by the main thread only when it next runs Python code
+SIGNAL_CHECK_S = 0.25
+
+
+def _next_item(got: queue.Queue[bytes | Exception], deadline: float | None) -> bytes | Exception:
+    """The next item of ``got``, waited for in short slices; queue.Empty once ``deadline`` has passed."""
+    while True:
+        left = SIGNAL_CHECK_S if deadline is None else min(SIGNAL_CHECK_S, deadline - time.monotonic())
+        try:
+            return got.get(timeout=max(0.0, left))
+        except queue.Empty:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
 
 
 def _rollout(view: FleetView) -> str:
@@ -216,15 +234,25 @@ def main_status(argv: list[str]) -> int:
         if not ns.watch:
             show(fetch_view(url, federation, timeout=ns.timeout, login=login))
             return 0
-        views = follow_views(url, federation, timeout=ns.timeout, login=login,
-                             on_bad=lambda why: print(f"edgepfl status: passed over a message: {why}", file=sys.stderr))
+        # Ctrl-C is the way out of --watch, but a process that a script starts in the background
+        # inherits SIGINT ignored, and Python then never raises KeyboardInterrupt: the watch would
+        # not stop for it at all
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler) if main else None
         try:
-            for view in views:
-                show(view)
-        except KeyboardInterrupt:  # the way out of --watch
-            return 0
+            views = follow_views(url, federation, timeout=ns.timeout, login=login,
+                                 on_bad=lambda why: print(f"edgepfl status: passed over a message: {why}",
+                                                          file=sys.stderr))
+            try:
+                for view in views:
+                    show(view)
+            except KeyboardInterrupt:  # the way out of --watch
+                return 0
+            finally:
+                views.close()
         finally:
-            views.close()
+            if main:
+                signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
     except (BrokerError, TopicError) as exc:  # a bad URL or federation name
         print(f"edgepfl status: {exc}", file=sys.stderr)
         return 2
