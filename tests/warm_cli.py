@@ -125,6 +125,7 @@ finally:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    os._exit(0)  # nothing of its own to flush; finalizing torch would only take seconds
 """
 
 
@@ -139,7 +140,7 @@ class WarmCli:
         first = self._server.stdout.readline()
         if not first or not json.loads(first).get("ready"):
             self.close()
-            raise RuntimeError(f"the warm CLI server did not start single-threaded: {first!r}")
+            raise RuntimeError(f"the warm CLI server did not start single-threaded (OMP_NUM_THREADS=1?): {first!r}")
         self._lock = threading.Lock()
         self._next = 0
         self._waiting: dict[int, queue.Queue[dict]] = {}
