@@ -130,9 +130,9 @@ def run_fleet(name: str, seed: int) -> dict:
     captured: list[tuple[dict, dict]] = []
     original = Aggregator.add
 
-    def recording_add(self, params, weight=1):
+    def recording_add(self, params, weight=1, own=None):
         captured.append(({k: np.array(v) for k, v in self.reference_.items()}, {k: np.array(v) for k, v in params.items()}))
-        return original(self, params, weight)
+        return original(self, params, weight, own)
 
     Aggregator.add = recording_add  # type: ignore[method-assign]
     t0, c0 = time.perf_counter(), time.process_time()

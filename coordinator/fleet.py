@@ -12,7 +12,7 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -117,6 +117,11 @@ class Fleet(ABC):
         (None: not declared): what is sent to it is chunked to at most that message size and
         the fleet's own, and a frame larger than the whole-frame limit is not sent at all. A
         fleet without a broker has no sizes to mind."""
+        return None  # not abstract: only a fleet with a broker overrides it
+
+    def expect_chunks(self, allowance: Callable[[str, AgentChannel], int]) -> None:
+        """Chunked frames on an agent's topic reserve at most ``allowance(agent id, channel)``
+        bytes (0: they are refused ``unexpected``). A fleet without a broker gets no chunks."""
         return None  # not abstract: only a fleet with a broker overrides it
 
     @abstractmethod
@@ -265,6 +270,17 @@ class MqttFleet(Fleet):
 
     def send_ready(self) -> bool:
         return self.transport.send_ready()
+
+    def expect_chunks(self, allowance: Callable[[str, AgentChannel], int]) -> None:
+        def by_topic(topic: str) -> int:  # the reassembler's source is the topic the chunks came on
+            try:
+                parsed = parse_topic(topic)
+            except TopicError:
+                return 0
+            if not isinstance(parsed.channel, AgentChannel) or parsed.agent is None:
+                return 0
+            return allowance(parsed.agent, parsed.channel)
+        self.transport.reassembler.allowance = by_topic
 
     def _name_release(self, ref: ReleaseRef, announce: bool) -> None:
         """The presence names ``ref`` from now on (and, with ``announce``, says so now)."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from edgepfl import codecs
+from edgepfl.aggregation import STATISTIC_LEAVES
 from edgepfl.methods import ClientUpdate, Method, ServerState, UpdateRejected
 from edgepfl.protocol import (
     REFUSAL_REASONS,
@@ -444,7 +445,8 @@ def admit_state(before: ServerState, after: ServerState, max_change_ratio: float
     """Check a round's closed aggregate before it becomes the global state: None to adopt it,
     else a :class:`Rejection` (``non_finite``: a float tensor of the new state holds NaN or
     Inf; ``diverged``: the shared parameters move by more than ``max_change_ratio`` times
-    their norm, taken as at least 1 so that a state near zero may still move)."""
+    their norm, taken as at least 1 so that a state near zero may still move; BatchNorm's
+    running statistics are not counted)."""
     tensors = [*after.global_tensors.items(), *((f"{a}:{k}", v) for a, t in after.client_tensors.items()
                                                 for k, v in t.items())]
     for key, value in tensors:
@@ -454,7 +456,11 @@ def admit_state(before: ServerState, after: ServerState, max_change_ratio: float
     if max_change_ratio is None:
         return None
     old, new = before.shared_params(), after.shared_params()
-    floats = [k for k, v in old.items() if v.dtype.kind == "f" and k in new]
+    # the learned parameters: BatchNorm's running statistics estimate the devices' data, and a
+    # fleet with one skewed device honestly moves a variance by thousands of times its norm
+    # share (they are bounded per channel in their own geometry, UpdateBound)
+    floats = [k for k, v in old.items() if v.dtype.kind == "f" and k in new
+              and k.rpartition(".")[2] not in STATISTIC_LEAVES]
     change = math.sqrt(sum(float(np.sum(np.square(new[k].astype(np.float64) - old[k]))) for k in floats))
     norm = math.sqrt(sum(float(np.sum(np.square(old[k].astype(np.float64)))) for k in floats))
     if change > max_change_ratio * max(norm, 1.0):

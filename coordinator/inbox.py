@@ -51,6 +51,12 @@ log = logging.getLogger("edgepfl.coordinator")
 POLL_S = 0.2
 #: head-tier reports kept per agent: its last this many releases (the current one and a few before)
 REPORTS_KEPT_PER_AGENT = 4
+#: what the chunked frames of one agent holding a task may reserve, in task frames of the run, plus
+#: :data:`CHUNK_HEADROOM`: an update carries the tensors its task carried, and at most as much again
+#: (a method's uploaded personal head, a secure round's 64-bit masked vector of 32-bit weights)
+CHUNK_ALLOWANCE_TASKS = 2
+#: bytes above that for an update's header (its meta, values, signature)
+CHUNK_HEADROOM = 2**20
 
 
 class RoundSink(Protocol):
@@ -114,12 +120,31 @@ class Inbox:
         #: sends a task of the open round again, same id (returns the bytes sent); None where
         #: the fleet cannot lose a task (:attr:`~.fleet.Fleet.loses_tasks`)
         self.resend: Callable[[Task, int], int] | None = None
+        # what one agent's chunked answer may reserve (expect_updates); None: no chunked frame is expected
+        self._chunk_bytes: int | None = None
 
     def open_round(self, tasks: RoundTasks, sink: RoundSink, state: ServerState,
                    late: Mapping[int, LateWindow] | None = None) -> None:
         """Admit answers to ``tasks``, checked against ``state`` (what the tasks were built from), into ``sink``;
         with ``late``, also the training updates of agents those closed rounds dropped."""
         self._tasks, self._sink, self._state, self._late = tasks, sink, state, late
+
+    def expect_updates(self, task_bytes: int) -> None:
+        """The run's task frames are ``task_bytes`` long: an agent holding a task may reserve
+        about two of them for its chunked answer (:func:`chunk_allowance`)."""
+        self._chunk_bytes = CHUNK_ALLOWANCE_TASKS * task_bytes + CHUNK_HEADROOM
+
+    def chunk_allowance(self, agent_id: str, channel: AgentChannel) -> int:
+        """Bytes the chunked frames on ``agent_id``'s ``channel`` topic may reserve now: an
+        answer's worth on the update topic of an agent the open round (or a closed one still
+        taking late updates) expects an answer of, else none. Statuses and metrics fit one
+        message (docs/PROTOCOL.md §8), and a topic of an agent nobody asked reserves nothing,
+        so chunks on strangers' topics cannot fill the budget that honest answers need."""
+        if self._chunk_bytes is None or channel != AgentChannel.UPDATE:
+            return 0
+        if self._tasks.expects(agent_id) or any(agent_id in w.tasks.waiting for w in (self._late or {}).values()):
+            return self._chunk_bytes
+        return 0
 
     @property
     def late_rounds(self) -> set[int]:
@@ -224,9 +249,14 @@ class Inbox:
                  agent_id, connection)
 
     def _on_update(self, incoming: AgentFrame) -> None:
-        verdict = self.gate.admit(incoming.agent_id, incoming.frame, self._tasks, self._state, self._late)
-        self._shows_life(incoming.agent_id, verdict)
+        agent_id, tasks = incoming.agent_id, self._tasks
+        waited_for = agent_id in tasks.waiting
+        verdict = self.gate.admit(agent_id, incoming.frame, tasks, self._state, self._late)
+        self._shows_life(agent_id, verdict)
         if isinstance(verdict, Rejection):
+            # a rejection ends the agent's wait only when its enrolled key signed the frame
+            if waited_for and self._held_up(agent_id, provably_its_own=True):
+                self.registry.held_up(agent_id, tasks.round)
             return self._reject(verdict)
         if isinstance(verdict, StepAnswer):
             if self.steps is not None:
@@ -234,15 +264,31 @@ class Inbox:
             return
         # Accepting needs a task, and tasks come only with an open round and its sink.
         assert self._sink is not None
-        self.registry.answered(incoming.agent_id)
         if isinstance(verdict, Refused):
+            if waited_for and self._held_up(agent_id, verdict.may_exclude or self.fleet.own_frames):
+                self.registry.held_up(agent_id, tasks.round)
             return self._on_refusal(verdict)
         try:
             self._sink.record(verdict, incoming.wire_bytes)
         except AggregationRejected as exc:
+            # an update the round's rule refuses is no answer either (accepted by the gate, it is
+            # provably the agent's own only where updates must be signed)
+            if waited_for and self._held_up(agent_id, self.keyring is not None or self.fleet.own_frames):
+                self.registry.held_up(agent_id, tasks.round)
             update = verdict.meta
-            self._reject(Rejection(incoming.agent_id, exc.reason, str(exc), Attribution(
+            self._reject(Rejection(agent_id, exc.reason, str(exc), Attribution(
                 verdict.message_id, "update", self._tasks.round, update.task_id, verified=self.keyring is not None)))
+            return
+        self.registry.answered(agent_id)
+
+    def _held_up(self, agent_id: str, provably_its_own: bool) -> bool:
+        """Whether the agent's frame, which was no update or evaluation the round could use (a
+        refusal, a rejected answer, an update the rule refused), just ended its wait as the last
+        one the round waited for, every task being sent: the round then waited for nothing.
+        Only a frame ``provably_its_own`` counts (signed by its enrolled key, or from a fleet
+        whose frames are its agents' own), so a forged one benches nobody."""
+        tasks = self._tasks
+        return provably_its_own and tasks.all_sent and not tasks.waiting and tasks.answered(agent_id)
 
     def _undelivered(self, refused: Refused) -> None:
         """A task of the open round the fleet did not send (larger than the agent accepts): it
@@ -281,8 +327,8 @@ class Inbox:
             self._log.warning("release_refused", "head agent %s did not install release %s: %s",
                               incoming.agent_id, m.release_id, refused)
         else:
-            log.info("agent %s (%s tier) reported accuracy %.4f with head %s", incoming.agent_id, m.tier,
-                     report.accuracy or float("nan"), m.head)
+            log.debug("agent %s (%s tier) reported accuracy %.4f with head %s", incoming.agent_id, m.tier,
+                      report.accuracy or float("nan"), m.head)
 
     def _keep_report(self, agent_id: str, release_id: str, report: HeadReport) -> None:
         """Keep ``report``, dropping the agent's report on its oldest release when it has more than allowed."""

@@ -287,9 +287,14 @@ class Registry:
     def count_eligible(self) -> int:
         return len(self._eligible)
 
-    def responsive(self, round: int) -> list[str]:
-        """Eligible trainers that do not sit out ``round`` (:meth:`missed`), sorted."""
-        return [a for a in self.eligible() if round > self._benched.get(a, (0, -1))[1]]
+    def responsive(self, round: int, final: bool = False) -> list[str]:
+        """Eligible trainers that do not sit out ``round`` (:meth:`missed`, :meth:`held_up`), sorted.
+        ``final``: the run's final evaluation, which forgives one miss (an answer lost on the way
+        does not cost a device its final accuracy) but not two or more in a row."""
+        def sits_out(agent_id: str) -> bool:
+            misses, until = self._benched.get(agent_id, (0, -1))
+            return round <= until and (not final or misses >= 2)
+        return [a for a in self.eligible() if not sits_out(a)]
 
     def benched_until(self, agent_id: str) -> int | None:
         """The last round the agent sits out for the tasks it missed in a row (None: none missed)."""
@@ -342,11 +347,22 @@ class Registry:
         if self._last_status.get(agent_id, float("-inf")) > silent_since and agent_id not in self._excused:
             self._excused.add(agent_id)
             return
+        self._bench(agent_id, round, "did not answer its task")
+
+    def held_up(self, agent_id: str, round: int) -> None:
+        """The round waited for the agent alone, and what it then sent was no update or
+        evaluation (its own refusal, or its own answer rejected): a miss like a timeout, never
+        excused. A device that answers each task with a refusal just before the deadline
+        would otherwise cost every round its wait; one that refuses while others still train
+        costs nothing and is not counted."""
+        self._bench(agent_id, round, "kept the round waiting for no answer")
+
+    def _bench(self, agent_id: str, round: int, what: str) -> None:
         misses = self._benched.get(agent_id, (0, 0))[0] + 1
         until = round + min(2 ** (misses - 1), MAX_ROUNDS_BENCHED)
         self._benched[agent_id] = (misses, until)
-        log.info("agent %s did not answer its task of round %d (%d in a row): no task before round %d",
-                 agent_id, round, misses, until + 1)
+        log.info("agent %s %s of round %d (%d in a row): no task before round %d", agent_id, what, round, misses,
+                 until + 1)
 
     def clock_ahead(self, agent_id: str) -> float | None:
         """How far ahead of this host's clock the agent's last status was made, when more than
@@ -364,7 +380,8 @@ class Registry:
         self._clock_ahead[agent_id] = ahead
 
     def answered(self, agent_id: str) -> None:
-        """An answer from the agent was accepted (an update, even late, or a refusal): it missed nothing."""
+        """An update or evaluation from the agent was accepted (even late): it missed nothing. A
+        refusal is no answer here: it neither ends nor excuses misses in a row (:meth:`held_up`)."""
         self._excused.discard(agent_id)
         if self._benched.pop(agent_id, None) is not None:
             log.info("agent %s answers again", agent_id)

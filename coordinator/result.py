@@ -72,8 +72,10 @@ class RoundResult:
     round: int
     aggregate: RoundAggregate | None = None
     participants: list[str] = field(default_factory=list)
-    #: participants whose update the rule's bound clipped (aggregation.on_large_update: clip)
+    #: participants whose update the rule's bound clipped or clamped
     clipped: list[str] = field(default_factory=list)
+    #: those participants -> the bounds (aggregation settings) that fired
+    clipped_by: dict[str, list[str]] = field(default_factory=dict)
     evaluations: dict[str, Evaluation] = field(default_factory=dict)
     rejected: Counter = field(default_factory=Counter)
     #: tasks refused by their agents, by reason
@@ -111,11 +113,12 @@ class RoundResult:
             assert self.aggregate is not None
             base = late.state.shared_params() if late is not None else None
             staleness = self.round - late.tasks.round if late is not None else 0
-            if self.aggregate.add(accepted.update, base, late.discount if late is not None else 1.0):
-                log.warning("round %d: the update from %s went past the update bound (aggregation.max_update_ratio, "
-                            "max_update_vs_median, max_mean_shift, max_variance_growth); clipped onto it",
-                            self.round, accepted.agent_id)
+            fired = self.aggregate.add(accepted.update, base, late.discount if late is not None else 1.0)
+            if fired:
+                log.warning("round %d: the update from %s went past aggregation.%s; clipped onto it",
+                            self.round, accepted.agent_id, ", ".join(fired))
                 self.clipped.append(accepted.agent_id)
+                self.clipped_by[accepted.agent_id] = list(fired)
             (self.late if late is not None else self.participants).append(accepted.agent_id)
             self.staleness[staleness] += 1
             if late is not None:
@@ -142,6 +145,7 @@ class RoundResult:
             staleness={str(k): v for k, v in sorted(self.staleness.items())},
             trained_on=dict(sorted(self.trained_on.items())),
             clipped=sorted(self.clipped),
+            clipped_by=dict(sorted(self.clipped_by.items())),
             sampled=self.sampled,
             evaluated=len(evals),
             dropped=sorted(self.dropped),

@@ -5,7 +5,7 @@ round drivers open and close them."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Set
+from collections.abc import Iterable, Set
 from dataclasses import dataclass
 
 from edgepfl.aggregation import staleness_weight
@@ -63,11 +63,16 @@ class RoundTasks:
     and the round alone, never on what arrived before it.
     """
 
-    def __init__(self, round: int, weight_cap: int | None = None) -> None:
+    def __init__(self, round: int, weight_cap: int | None = None, sampled: Iterable[str] = ()) -> None:
         self.round = round
         self.weight_cap = weight_cap
+        #: the agents sampled to train: a secure round asks them for steps before their tasks are sent
+        self.sampled = frozenset(sampled)
         #: set once the round stopped collecting: a later answer is ``stale``
         self.closed = False
+        #: set once every task of the round was sent and its answers are collected (a round that
+        #: waits for one agent alone waits for that agent)
+        self.all_sent = False
         self._tasks: dict[str, Task] = {}
         self._waiting: set[str] = set()
 
@@ -87,6 +92,11 @@ class RoundTasks:
 
     def mark_answered(self, agent_id: str) -> None:
         self._waiting.discard(agent_id)
+
+    def expects(self, agent_id: str) -> bool:
+        """Whether a frame of the agent's may still answer this round: it owes an answer, or is
+        sampled for it, while the round collects."""
+        return not self.closed and (agent_id in self._waiting or agent_id in self.sampled)
 
     @property
     def waiting(self) -> Set[str]:

@@ -146,7 +146,9 @@ class Coordinator:
     def _run_all(self) -> list[RoundMetrics]:
         c = self.config
         # an agent that announced a smaller largest frame than this run's tasks is sent none (PROTOCOL.md §15)
-        self.registry.require(c.method.name, c.model.arch, self.task_writer.task_bytes(self.server_state()))
+        task_bytes = self.task_writer.task_bytes(self.server_state())
+        self.registry.require(c.method.name, c.model.arch, task_bytes)
+        self.inbox.expect_updates(task_bytes)  # what an agent with a task may reserve for its chunked answer
         driver = driver_for(c, self)
         wait_for_agents(self)
         rows = []
@@ -204,11 +206,12 @@ class Coordinator:
     # ------------------------------------------------------- the round drivers' context
     def sample(self, r: int, final: bool) -> tuple[list[str], list[str]]:
         """Who trains round ``r`` and who only evaluates (:func:`.sampling.choose_participants`).
-        Agents that let their tasks time out sit out rounds (:meth:`.Registry.missed`), so a
-        dead agent does not cost every round its timeout; if nobody is left, and at the final
-        evaluation, every eligible one is asked."""
+        Agents that let their tasks time out, or kept the round waiting for a refusal, sit out
+        rounds (:meth:`.Registry.missed`, :meth:`.Registry.held_up`), so such an agent does not
+        cost every round its wait; the final evaluation skips those that did so twice or more in
+        a row; if nobody is left, every eligible one is asked."""
         self.inbox.presence.round_starts(r)
-        online = self.registry.eligible() if final else self.registry.responsive(r) or self.registry.eligible()
+        online = self.registry.responsive(r, final) or self.registry.eligible()
         self._sampled_from = len(online)  # the population a private round's sample was drawn from
         return choose_participants(online, self.config, r, final)
 
@@ -217,7 +220,7 @@ class Coordinator:
         closed rounds' late updates too), its tasks built from the current state."""
         c, state = self.config, self.server_state()
         tasks = RoundTasks(r, weight_cap([self.registry.announced_num_train(a) for a in sampled],
-                                         c.aggregation.max_weight_ratio))
+                                         c.aggregation.max_weight_ratio), sampled)
         result = RoundResult(round=r, sampled=sampled)
         if sampled:
             rule, result.privacy = self.privacy.open(r, sampled, self._sampled_from)
@@ -250,6 +253,7 @@ class Coordinator:
         timeout = self.config.round_timeout_s
         quorum = self.config.quorum_of(len(result.sampled))
         waiting = tasks.waiting  # live: the gate removes agents as they answer
+        tasks.all_sent = True
 
         def closable() -> bool:
             if not waiting:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from edgepfl.agent_config import DEFAULT_MAX_MODEL_PARAMS
 from edgepfl.atomic import make_dirs, open_for_append, write_bytes
 from edgepfl.config import AgentConfig, RunConfig, SecuritySpec
 from edgepfl.metrics import RoundMetrics
@@ -43,6 +44,21 @@ def data_shape(config: RunConfig) -> dict:
     data = load_client_data(config.data, 0)
     return {"input_shape": data.input_shape, "num_classes": data.num_classes, "class_names": data.class_names,
             "normalization": data.normalization, "channel_names": data.channel_names}
+
+
+def agents_model_cap(config: RunConfig, shape: dict) -> int:
+    """The ``max_model_params`` of a simulation's trainers: the default, or the run's own model's
+    size where it is larger (simulate chose that model; a task from anyone else still meets the cap).
+    ``shape``: what :func:`service_data_shape` read of the data."""
+    from edgepfl.methods import create_method
+    from edgepfl.methods.base import model_size
+
+    input_shape = shape.get("input_shape") or config.input_shape
+    num_classes = shape.get("num_classes") or config.num_classes
+    if input_shape is None or num_classes is None:
+        return DEFAULT_MAX_MODEL_PARAMS
+    method = create_method(config.method.name, config.method.options())
+    return max(DEFAULT_MAX_MODEL_PARAMS, model_size(method, config.model, tuple(input_shape), num_classes) or 0)
 
 
 def service_data_shape(config: RunConfig) -> dict:
@@ -144,10 +160,11 @@ def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str
         urls = agent_brokers or [url]
         # paced processes: each trainer answers no sooner than its simulated device would
         timing = FleetTiming(config.simulation, ids, config.seed) if config.simulation.pace_processes else None
+        cap = agents_model_cap(config, shape)
         for agent_id, index, tier in specs:
             pace = timing[agent_id].pace if timing is not None and tier == "trainer" else None
             procs.append(spawn_agent(config, out, urls[index % len(urls)], agent_id, index, tier, head, n_threads,
-                                     pace=pace))
+                                     pace=pace, max_model_params=cap))
         fleet = MqttFleet(config.federation, config.broker, url=url, security=config.security)
         coordinator = Coordinator(config, fleet, out, progress=progress, **shape)
         rows = coordinator.run()
@@ -163,22 +180,26 @@ def simulate(config: RunConfig, agents: int, out_dir: str | Path, *, broker: str
 
 def agent_config(config: RunConfig, out: Path, url: str, agent_id: str, index: int, tier: str, head: str,
                  threads: int | None, security: SecuritySpec | None = None,
-                 pace: DevicePace | None = None) -> AgentConfig:
+                 pace: DevicePace | None = None,
+                 max_model_params: int | None = DEFAULT_MAX_MODEL_PARAMS) -> AgentConfig:
     return AgentConfig(
         agent_id=agent_id, federation=config.federation, tier=tier,
         broker=config.broker.model_copy(update={"url": url}), data=config.data, client_index=index,
         # absolute: a relative path in the agent's YAML would resolve against that file's folder
         state_dir=str((out / "agents" / agent_id).absolute()), device=config.device, threads=threads,
         head=head if tier == "head" else "lr", security=security or SecuritySpec(), pace=pace,
+        max_model_params=max_model_params,
     )
 
 
 def spawn_agent(config: RunConfig, out: Path, url: str, agent_id: str, index: int, tier: str = "trainer",
                 head: str = "lr", threads: int | None = 1, security: SecuritySpec | None = None,
-                pace: DevicePace | None = None) -> subprocess.Popen:
+                pace: DevicePace | None = None,
+                max_model_params: int | None = DEFAULT_MAX_MODEL_PARAMS) -> subprocess.Popen:
     """Start one ``edgepfl agent`` process for partition ``index``; its log goes to ``out/agents/<id>.log``.
-    ``security``: its keys (none: unsigned); ``pace``: a simulated device's (none: as fast as the host)."""
-    cfg = agent_config(config, out, url, agent_id, index, tier, head, threads, security, pace)
+    ``security``: its keys (none: unsigned); ``pace``: a simulated device's (none: as fast as the host);
+    ``max_model_params``: the largest model it builds (:func:`agents_model_cap`)."""
+    cfg = agent_config(config, out, url, agent_id, index, tier, head, threads, security, pace, max_model_params)
     cfg_path = out / "agents" / f"{agent_id}.yaml"
     write_bytes(cfg_path, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).encode())
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")

@@ -56,4 +56,5 @@ def wire(config: RunConfig, fleet: Fleet, method: Method | None, *, watch_presen
     inbox = Inbox(fleet, registry, gate, counters, tick=observer.tick, keyring=credentials.keyring,
                   clock=fleet.clock, presence=presence,
                   nacks=Nacker(config.federation, fleet, registry, credentials.signer))
+    fleet.expect_chunks(inbox.chunk_allowance)  # chunks reserve memory only for answers the inbox expects
     return CoordinatorSide(credentials, registry, counters, observer, inbox)

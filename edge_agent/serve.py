@@ -29,6 +29,13 @@ manifest's normalization is applied with numpy alone; a file of another shape is
 rename it when complete) is answered with one JSON line on stdout (``id``:
 its name) and moved into ``done/`` beside it, or ``failed/`` when it cannot be read. Files
 that arrive while no release is installed wait for one. SIGTERM or SIGINT ends it (0).
+A symbolic link is not followed: it is not an input, and stays unread. No file stops the
+server twice (:func:`serve_folder`): one whose header says it cannot be read goes to
+``failed/`` before it is decoded, and the others wait in ``processing/`` while they are answered.
+
+**Image size**: an image whose header declares more than ``--max-pixels`` (default
+:data:`~edgepfl.export.predict.MAX_IMAGE_PIXELS`, 25 million) is an ``error`` answer, and
+is never decoded.
 
 **Releases**: before each request the server looks at the state directory's
 ``release.json`` (one ``stat``). When the agent has installed another release or head it
@@ -58,8 +65,11 @@ from typing import Any, TextIO
 from edgepfl.data.preprocess import IMAGE_SUFFIXES
 from edgepfl.errors import InputError, OneLineParser, report
 from edgepfl.export.predict import (
+    MAX_IMAGE_PIXELS,
     SAMPLE_SUFFIXES,
     add_csv_arguments,
+    add_max_pixels_argument,
+    check_input,
     collect_inputs,
     csv_spec,
     head_class_names,
@@ -70,8 +80,8 @@ from .head_tier import STATE_FILE, InstalledModel, open_installed
 
 log = logging.getLogger("edgepfl.agent.serve")
 
-#: where a watch folder's answered and unreadable images are moved
-DONE, FAILED = "done", "failed"
+#: where a watch folder's answered and unreadable images are moved, and where the ones being answered wait
+DONE, FAILED, WORKING = "done", "failed", "processing"
 
 
 @dataclass(frozen=True)
@@ -101,8 +111,10 @@ class ModelServer:
     """
 
     def __init__(self, state_dir: str | Path, *, top: int = 1, threads: int | None = None,
-                 csv: Mapping[str, Any] | None = None):
+                 csv: Mapping[str, Any] | None = None, max_pixels: int = MAX_IMAGE_PIXELS):
         self.state_dir = Path(state_dir)
+        #: an image declaring more pixels than this is refused before it is decoded
+        self.max_pixels = max_pixels
         #: how a series release reads a CSV sensor log: :func:`~edgepfl.export.predict.csv_spec`'s
         #: options (the window length is each release's own)
         self.csv = dict(csv or {})
@@ -150,7 +162,7 @@ class ModelServer:
             return Answer(request_id, error=f"no release installed in {self.state_dir} yet")
         try:
             spec = csv_spec(model.encoder, **self.csv) if model.encoder.input_kind == "series" else None
-            names, x = collect_inputs(inputs, model.encoder, csv=spec)
+            names, x = collect_inputs(inputs, model.encoder, csv=spec, max_pixels=self.max_pixels)
             proba = model.head.predict_proba(model.encoder.features(x))
         except (ValueError, OSError, KeyError) as exc:
             return Answer(request_id, error=str(exc))
@@ -199,40 +211,110 @@ def serve_lines(server: ModelServer, lines: Iterable[str], out: TextIO) -> int:
 def waiting_images(folder: Path, suffixes: tuple[str, ...] = IMAGE_SUFFIXES) -> list[Path]:
     """The inputs waiting in a watch folder (files ending in one of ``suffixes``: images, or a
     series or vector release's :data:`~edgepfl.export.predict.SAMPLE_SUFFIXES`), oldest name
-    first (hidden files are being written)."""
-    return sorted(p for p in folder.iterdir()
-                  if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in suffixes)
+    first. Hidden files are being written; a symbolic link is never followed (it would let
+    whoever writes the folder make the server read any file it may read, or a FIFO that never
+    ends), so it is not an input: it stays where it is, unread."""
+    with os.scandir(folder) as entries:
+        return sorted(Path(e.path) for e in entries
+                      if not e.name.startswith(".") and e.name.lower().endswith(suffixes)
+                      and e.is_file(follow_symlinks=False))
 
 
 def serve_folder(server: ModelServer, folder: Path, out: TextIO, stop: threading.Event, *,
                  poll_s: float = 0.5, batch: int = 32) -> Iterator[Answer]:
     """Answer the images that appear in ``folder`` until ``stop`` is set, each moved into
-    ``done/`` once answered or ``failed/`` when it cannot be read; yields each answer."""
-    (folder / DONE).mkdir(exist_ok=True)
-    (folder / FAILED).mkdir(exist_ok=True)
+    ``done/`` once answered or ``failed/`` when it cannot be read; yields each answer.
+
+    No file can stop the server twice. A file whose header already says it cannot be an input
+    (:func:`~edgepfl.export.predict.check_input`: an image declaring more than the server's
+    ``max_pixels``, an array declaring more data than it holds, no image at all) goes to
+    ``failed/`` before anything else is done with it. The others are moved into ``processing/``
+    while they are answered; what a server killed meanwhile left there is, at the next start,
+    moved to ``failed/`` before each is answered again alone, and back to ``done/`` if it is.
+    """
+    for sub in (DONE, FAILED, WORKING):
+        (folder / sub).mkdir(exist_ok=True)
     unmovable: set[str] = set()  # answered, but could not be moved: not answered again
+    links: set[str] = set()  # symbolic links seen (logged once each)
     while not stop.is_set():
         model = server.refresh()
+        if model is not None:
+            yield from _answer_leftovers(server, folder, out)
         suffixes = IMAGE_SUFFIXES if model is None or model.encoder.input_kind == "image" else SAMPLE_SUFFIXES
+        _note_links(folder, suffixes, links)
         images = [p for p in waiting_images(folder, suffixes) if p.name not in unmovable]
         if not images or model is None:
             stop.wait(poll_s)
             continue
         for start in range(0, len(images), batch):
-            for answer, image in _answer_images(server, images[start : start + batch]):
+            claimed: list[Path] = []
+            for image in images[start : start + batch]:
                 try:
-                    image.replace(folder / (DONE if answer.error is None else FAILED) / image.name)
-                except OSError as exc:  # taken away meanwhile, or a folder we may not write
-                    unmovable.add(image.name)
-                    log.warning("%s could not be moved out of the watch folder: %s", image.name, exc)
-                out.write(answer.json() + "\n")
-                out.flush()
-                yield answer
+                    check_input(image, server.max_pixels)
+                except ValueError as exc:  # moved away before it is answered: it never stops a server
+                    _move(image, folder / FAILED, unmovable)
+                    yield _emit(out, _named(Answer(None, error=str(exc)), image.name))
+                    continue
+                if _move(image, folder / WORKING, unmovable):
+                    claimed.append(folder / WORKING / image.name)
+            for answer, image in _answer_images(server, claimed):
+                _move(image, folder / (DONE if answer.error is None else FAILED), unmovable)
+                yield _emit(out, answer)
+
+
+def _answer_leftovers(server: ModelServer, folder: Path, out: TextIO) -> Iterator[Answer]:
+    """The files a server killed while answering them left in ``processing/``: each moved to
+    ``failed/`` first (it may be what killed it), then answered alone, and moved to ``done/`` if it was."""
+    working = folder / WORKING
+    for path in sorted(p for p in working.iterdir() if p.is_file() or p.is_symlink()):
+        failed = folder / FAILED / path.name
+        try:
+            path.replace(failed)
+        except OSError as exc:
+            log.warning("%s could not be moved out of %s: %s", path.name, working, exc)
+            continue
+        log.warning("%s was being answered when the server stopped; answering it again alone (in %s/ meanwhile)",
+                    path.name, FAILED)
+        if failed.is_symlink():
+            answer = _named(Answer(None, error=f"{failed}: a symbolic link, not read"), path.name)
+        else:
+            answer = _named(server.answer([str(failed)]), path.name)
+        if answer.error is None:
+            _move(failed, folder / DONE, set())
+        yield _emit(out, answer)
+
+
+def _note_links(folder: Path, suffixes: tuple[str, ...], seen: set[str]) -> None:
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.is_symlink() and entry.name.lower().endswith(suffixes) and entry.name not in seen:
+                seen.add(entry.name)
+                log.warning("%s is a symbolic link: not followed, not answered (copy or move the file itself in)",
+                            entry.name)
+
+
+def _move(path: Path, into: Path, unmovable: set[str]) -> bool:
+    """Move ``path`` into the folder ``into``; False (logged, remembered in ``unmovable``) when it cannot be."""
+    try:
+        path.replace(into / path.name)
+        return True
+    except OSError as exc:  # taken away meanwhile, or a folder we may not write
+        unmovable.add(path.name)
+        log.warning("%s could not be moved into %s: %s", path.name, into, exc)
+        return False
+
+
+def _emit(out: TextIO, answer: Answer) -> Answer:
+    out.write(answer.json() + "\n")
+    out.flush()
+    return answer
 
 
 def _answer_images(server: ModelServer, images: list[Path]) -> list[tuple[Answer, Path]]:
     """One batch; when it fails (an unreadable image among them), each image alone, so that
     one bad file fails only itself."""
+    if not images:
+        return []
     together = server.answer([str(p) for p in images], request_id=None)
     if together.error is None and together.results is not None:
         return [(Answer(p.name, [r], release_id=together.release_id, head=together.head,
@@ -255,6 +337,7 @@ def main_serve(args: list[str]) -> int:
     parser.add_argument("--top", type=int, default=1, help="classes to show per input")
     parser.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
     parser.add_argument("--poll", type=float, default=0.5, help="seconds between looks at the watch folder")
+    add_max_pixels_argument(parser)
     add_csv_arguments(parser)
     ns = parser.parse_args(args)
     state = Path(ns.state)
@@ -264,7 +347,7 @@ def main_serve(args: list[str]) -> int:
         if ns.stride is not None and ns.stride < 1:
             raise InputError(f"--stride must be at least 1, got {ns.stride}")
         channels = [c.strip() for c in ns.channels.split(",")] if ns.channels else None
-        server = ModelServer(state, top=ns.top, threads=ns.threads,
+        server = ModelServer(state, top=ns.top, threads=ns.threads, max_pixels=ns.max_pixels,
                              csv={"label": ns.label, "channels": channels, "segment": ns.segment, "stride": ns.stride})
         server.refresh()
         if ns.watch is None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
-from edgepfl.agent_config import AgentConfig
+from edgepfl.agent_config import DEFAULT_MAX_MODEL_PARAMS, AgentConfig
 from edgepfl.codec_stages import CODECS, DELTA_CODECS
 from edgepfl.errors import OutOfMemory, out_of_memory
 from edgepfl.failpoints import failpoint
@@ -158,12 +158,12 @@ class TrainerTier:
 
     def __init__(self, agent_id: str, data: ClientData, state_dir: str, device: str = "auto",
                  threads: int | None = None, *, signer: Signer | None = None, pinned: bool = False,
-                 in_process: bool = False):
+                 in_process: bool = False, max_model_params: int | None = DEFAULT_MAX_MODEL_PARAMS):
         from .task_guard import TaskGuard
         from .trainer import TrainerRuntime  # torch only on this path
 
         self.runtime = TrainerRuntime(agent_id, data, state_dir, device, threads=threads, signer=signer,
-                                      authenticated=pinned or in_process)
+                                      authenticated=pinned or in_process, max_model_params=max_model_params)
         #: with a pinned coordinator key: only tasks for this agent, newest first, before their deadline
         self.guard = TaskGuard(agent_id, state_dir, strict=pinned)
         self.agent_id = agent_id
@@ -177,7 +177,7 @@ class TrainerTier:
     def from_config(cls, config: AgentConfig, data: ClientData, signer: Signer | None = None,
                     pinned: bool = False) -> TrainerTier:
         tier = cls(config.agent_id, data, config.state_dir, config.device, threads=config.threads, signer=signer,
-                   pinned=pinned)
+                   pinned=pinned, max_model_params=config.max_model_params)
         tier.pace = config.pace
         return tier
 
@@ -479,9 +479,10 @@ def create_tier(config: AgentConfig, data: ClientData, signer: Signer | None = N
 def local_trainers(config: RunConfig, agent_ids: Sequence[str], out_dir: str | Path) -> dict[str, TrainerTier]:
     """Trainer agents run in this process for a simulated federation (``edgepfl simulate
     --in-process``): agent ``i`` of ``agent_ids`` holds partition ``i`` of ``config.data``
-    and keeps its state in ``out_dir/agents/<id>``, as its agent process would."""
+    and keeps its state in ``out_dir/agents/<id>``, as its agent process would; the run's own
+    model, whatever its size (no task reaches them from anyone else)."""
     from edgepfl.data import load_client_data
 
     return {agent_id: TrainerTier(agent_id, load_client_data(config.data, i), str(Path(out_dir) / "agents" / agent_id),
-                                  config.device, in_process=True)
+                                  config.device, in_process=True, max_model_params=None)
             for i, agent_id in enumerate(agent_ids)}

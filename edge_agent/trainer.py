@@ -17,6 +17,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from edgepfl._torch import nn, torch
+from edgepfl.agent_config import DEFAULT_MAX_MODEL_PARAMS
 from edgepfl.aggregation import grid_contribution, ring_vector
 from edgepfl.atomic import read_tensors, write_json, write_tensors
 from edgepfl.codecs import CodecError, CodecHeader, CodecSpec, Encoded, ErrorFeedback, decode
@@ -24,7 +25,7 @@ from edgepfl.data import ClientData, ClientTensors
 from edgepfl.data.preprocess import channel_order, conversion
 from edgepfl.heads.labels import LabelMismatch, run_label_index
 from edgepfl.methods import ClientUpdate, LocalContext, Method, available_methods, create_method, get_method
-from edgepfl.methods.base import load_tensors
+from edgepfl.methods.base import load_tensors, model_size
 from edgepfl.models import BUILTIN_ARCHS, TORCHVISION_ARCHS, installed_plugin_archs, is_import_path
 from edgepfl.protocol import (
     REFUSAL_REASONS,
@@ -42,6 +43,7 @@ from edgepfl.protocol.codec import tensors_digest
 from edgepfl.protocol.secagg import MASKED_TENSOR
 from edgepfl.protocol.signing import Signer
 from edgepfl.secagg import SecAggError
+from edgepfl.specs import ModelSpec
 
 from .secure import SecureSessions
 
@@ -131,13 +133,16 @@ class TrainerRuntime:
     """
 
     def __init__(self, agent_id: str, data: ClientData, state_dir: str | Path, device: str = "auto",
-                 threads: int | None = None, signer: Signer | None = None, authenticated: bool = False):
+                 threads: int | None = None, signer: Signer | None = None, authenticated: bool = False,
+                 max_model_params: int | None = DEFAULT_MAX_MODEL_PARAMS):
         if threads:
             torch.set_num_threads(threads)  # process-wide: one agent per process
         self.agent_id = agent_id
         self.data = data
         self.state_dir = Path(state_dir)
         self.signer = signer
+        #: a task whose model has more parameters is refused before it is built (None: no limit)
+        self.max_model_params = max_model_params
         self.device = pick_device(device)
         # The local data as each run's preprocessing wants it, keyed by that preprocessing.
         self._inputs: dict[str, ClientTensors] = {}
@@ -256,21 +261,44 @@ class TrainerRuntime:
             raise self._refuse(meta, round, "unsupported_arch", f"this agent cannot build arch {run.model.arch!r} "
                                f"(it builds {', '.join(buildable_archs())}; a plugin's entry point needs its package "
                                "installed here)")
+        spec = run.model.model_copy(update={"weights": None})
+        counted = self._check_size(meta, round, method, spec)
         torch.manual_seed(seed_for(run.seed, "init", self.agent_id))
         # A task never names a file on this device: run.model.weights is the coordinator's
         # path (its pretrained backbone reaches agents as the task's tensors). Opened here,
         # any sender of a task could probe, or feed torch.load, any local path.
-        spec = run.model.model_copy(update={"weights": None})
         try:
             model = method.build_model(spec, run.data.input_shape, run.data.num_classes)
         except (OSError, ImportError, ValueError) as exc:  # a weights file missing here, an input it cannot take
             raise self._refuse(meta, round, "unsupported_arch", f"cannot build {run.model.model_dump()}: {exc}") from None
+        if counted is None and self.max_model_params is not None:  # not countable before: counted now
+            self._refuse_if_larger(meta, round, sum(p.numel() for p in model.parameters()), "built, then dropped")
         model.to(self.device)
         restored = self._load_personal(method, model, signature)
         self.method, self.model, self._signature = method, model, signature
         self._feedback = self._load_feedback(signature)
         log.info("%s: built %s model (%s)", self.agent_id, method.name, "restored personal state" if restored else "fresh")
         return method, model
+
+    def _check_size(self, meta: TaskMeta, round: int, method: Method, spec: ModelSpec) -> int | None:
+        """Refuse (``unsupported_arch``) a model with more than ``max_model_params`` parameters
+        before it takes any memory: it is built on torch's meta device (shapes, no storage), so
+        one forged task cannot make a small device build a ResNet-18. A model that cannot be
+        built there (a plugin doing arithmetic on its tensors while it is built) is counted
+        once built, and dropped if it is too large: None is returned for it."""
+        if self.max_model_params is None:
+            return None
+        counted = model_size(method, spec, meta.run.data.input_shape, meta.run.data.num_classes)
+        if counted is not None:
+            self._refuse_if_larger(meta, round, counted, "not built")
+        return counted
+
+    def _refuse_if_larger(self, meta: TaskMeta, round: int, params: int, what: str) -> None:
+        if self.max_model_params is not None and params > self.max_model_params:
+            raise self._refuse(meta, round, "unsupported_arch",
+                               f"the run's model ({meta.run.model.arch}) has {params:,} parameters, more than this "
+                               f"agent's max_model_params {self.max_model_params:,} ({what}; raise it in the agent's "
+                               "config to train it)")
 
     def _load_personal(self, method: Method, model: nn.Module, signature: str) -> bool:
         tensors_name, record_name = personal_files(signature)

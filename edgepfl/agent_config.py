@@ -19,7 +19,12 @@ from .protocol.topics import check_segment
 from .simulation import DevicePace
 from .specs import BrokerConfig, ConfigPath, DataSpec, SecuritySpec, _Strict
 
-__all__ = ["AgentConfig", "load_agent_config"]
+__all__ = ["DEFAULT_MAX_MODEL_PARAMS", "AgentConfig", "load_agent_config"]
+
+#: the most parameters a trainer builds a task's model with, by default: twice the largest model of
+#: the shipped configs (FedRIR's, 2.5 million on 28x28 images) and MobileNetV3-Small's 0.9 to 3.7
+#: million pass; ResNet-18 (11.2 million) must be allowed by the agent's config
+DEFAULT_MAX_MODEL_PARAMS = 5_000_000
 
 
 class AgentConfig(_Strict):
@@ -42,6 +47,11 @@ class AgentConfig(_Strict):
                                         f"fitted on device, or {OFFLINE_HEAD_KIND!r}: only a head fitted offline")
     pace: DevicePace | None = Field(None, description="simulation (trainer tier): answer no sooner than a device of "
                                                       "this pace would; none: as fast as this machine can")
+    max_model_params: int | None = Field(
+        DEFAULT_MAX_MODEL_PARAMS, ge=1,
+        description="trainer tier: the most parameters a task's model may have; a task with a larger one is refused "
+                    "(unsupported_arch) before it is built (counted on torch's meta device, no memory). The default "
+                    "passes every shipped config; ResNet-18 needs 12000000. none: no limit")
 
     @field_validator("head")
     @classmethod

@@ -35,7 +35,7 @@ class MetricsError(ValueError):
 
 
 #: fields rows gained after their first format; written only when they hold something
-_LATER_FIELDS = ("late", "staleness", "trained_on", "update_bytes", "task_bytes", "privacy", "secure")
+_LATER_FIELDS = ("late", "staleness", "trained_on", "update_bytes", "task_bytes", "privacy", "secure", "clipped_by")
 
 
 class PrivacyRecord(BaseModel):
@@ -129,6 +129,10 @@ class RoundMetrics(BaseModel):
     refused: dict[str, int] = Field(
         default_factory=dict, description="tasks their agents refused this round, per reason (docs/PROTOCOL.md §7)")
 
+    clipped_by: dict[str, list[str]] = Field(
+        default_factory=dict, description="each clipped participant -> the aggregation settings whose bound fired "
+                                          "(max_update_ratio, max_update_vs_median, max_first_update_ratio, "
+                                          "max_mean_shift, max_variance_growth)")
     def to_line(self) -> str:
         """The row as one ``metrics.jsonl`` line (with its newline)."""
         # json.dumps rather than model_dump_json: the same bytes as the rows written

@@ -43,6 +43,10 @@ CHUNK_OVERHEAD = 2048
 PACKET_HEADROOM = 65_536
 #: The client's in-flight QoS 1 window (MqttTransport: ``max_inflight_messages_set(100)``).
 CLIENT_INFLIGHT = 100
+#: Source addresses whose idle sockets ``max_connections`` leaves room for by default, each at
+#: its ``firewall.nft`` limit (``provision --idle-addresses``); about 46 kB of broker memory per
+#: socket (Mosquitto 2.0, TLS listener), so 128 addresses at 4 connections cost about 24 MB
+IDLE_ADDRESSES = 128
 
 
 def password_line(username: str, password: str, *, salt: bytes | None = None,
@@ -117,22 +121,28 @@ class BrokerSizing:
     max_queued_messages: int
     chunks_per_update: int
     open_files: int  # LimitNOFILE the broker's host must allow
+    #: the connections of max_connections left for idle sockets (per_address x idle_addresses)
+    idle_room: int = 0
 
 
-def broker_sizing(agents: int, max_message_bytes: int, update_bytes: int) -> BrokerSizing:
+def broker_sizing(agents: int, max_message_bytes: int, update_bytes: int, *, per_address: int = 4,
+                  idle_addresses: int = IDLE_ADDRESSES) -> BrokerSizing:
     """Limits for ``agents`` devices plus the coordinator, messages of ``max_message_bytes``
     and model updates of about ``update_bytes``.
 
     * connections: every client, plus a quarter (a device that reconnects before the
-      broker noticed its old connection dead holds two for up to 1.5 keepalives) and 16
-      for operators' tools;
+      broker noticed its old connection dead holds two for up to 1.5 keepalives), 16
+      for operators' tools, and room for ``idle_addresses`` source addresses holding
+      ``per_address`` sockets each (the firewall's limit): Mosquitto counts a socket that
+      never sends a word against ``max_connections``, so without that room a few
+      addresses lock every reconnecting device out;
     * packet size: one MQTT message of ``max_message_bytes`` plus topic and header room;
     * in-flight: the clients' own QoS 1 window, so chunked frames stream without stalls;
     * queue: the coordinator's session receives every sampled agent's update at once,
       each ``chunks_per_update`` messages; twice that, and never under Mosquitto's 1000.
     """
     clients = agents + 1
-    max_connections = clients + math.ceil(clients / 4) + 16
+    max_connections = clients + math.ceil(clients / 4) + 16 + per_address * idle_addresses
     chunks = max(1, math.ceil(update_bytes / (max_message_bytes - CHUNK_OVERHEAD)))
     return BrokerSizing(
         clients=clients,
@@ -142,6 +152,7 @@ def broker_sizing(agents: int, max_message_bytes: int, update_bytes: int) -> Bro
         max_queued_messages=max(1000, 2 * agents * chunks),
         chunks_per_update=chunks,
         open_files=max_connections + 64,
+        idle_room=per_address * idle_addresses,
     )
 
 
@@ -180,7 +191,10 @@ def mosquitto_conf(*, federation: str, port: int, broker_dir: str, auth: AuthMod
         "# The client id is the user name: a device's credentials can never take over another client's id",
         "# (without this, a device connecting with the coordinator's client id kicks the coordinator off).",
         "use_username_as_clientid true",
-        f"# {s.clients} clients + reconnect overlap + operators' tools.",
+        f"# {s.clients} clients + reconnect overlap + operators' tools + room for {s.idle_room} idle sockets: a TCP",
+        "# connection counts from the moment it opens, CONNECT or not (one that never sends CONNECT is closed",
+        "# after about 90 s); with firewall.nft loaded, filling that room takes that many sockets / the",
+        "# per-address limit source addresses at once (edgepfl provision --idle-addresses).",
         f"max_connections {s.max_connections}",
         "",
         "allow_anonymous false",

@@ -37,8 +37,10 @@ from . import pki
 from .atomic import make_dirs
 from .mosquitto import (
     COORDINATOR_USER,
+    IDLE_ADDRESSES,
     OPERATOR_USER,
     AuthMode,
+    BrokerSizing,
     acl_text,
     broker_sizing,
     check_agent_ids,
@@ -64,10 +66,13 @@ class ProvisionRecord(BaseModel):
     update_bytes: int
     broker_dir: str
     absolute_paths: bool = False
-    #: the address the broker listens on (a record written before this field: every interface, as then)
-    bind: str = "0.0.0.0"
+    #: the address the broker listens on; a record written before this field reads as loopback (this
+    #: host only): ``--add`` never opens a broker to every interface that nobody chose (``--add --bind`` does)
+    bind: str = "127.0.0.1"
     #: TCP connections one source address may hold to the broker (broker/firewall.nft)
     connections_per_address: int = 4
+    #: source addresses at that limit whose idle sockets max_connections leaves room for
+    idle_addresses: int = Field(IDLE_ADDRESSES, ge=0)
 
     @field_validator("connections_per_address")
     @classmethod
@@ -183,6 +188,11 @@ def _operator_bundle(record: ProvisionRecord, out: Path, ca: pki.CA) -> str | No
     return password
 
 
+def _sizing(record: ProvisionRecord) -> BrokerSizing:
+    return broker_sizing(len(record.agents), record.max_message_bytes, record.update_bytes,
+                         per_address=record.connections_per_address, idle_addresses=record.idle_addresses)
+
+
 def _broker_files(record: ProvisionRecord, out: Path, ca: pki.CA, passwords: dict[str, str], new_server_cert: bool) -> None:
     folder = _mkdir(out / "broker")
     ca_key, ca_cert = ca
@@ -197,7 +207,7 @@ def _broker_files(record: ProvisionRecord, out: Path, ca: pki.CA, passwords: dic
         users = read_password_users(folder / "passwd")
         users.update({user: password_line(user, pw) for user, pw in passwords.items()})
         pki.write_secret(folder / "passwd", ("\n".join(users.values()) + "\n").encode())
-    sizing = broker_sizing(len(record.agents), record.max_message_bytes, record.update_bytes)
+    sizing = _sizing(record)
     conf = mosquitto_conf(federation=record.federation, port=record.port, bind=record.bind,
                           broker_dir=record.broker_dir,
                           auth=record.auth, sizing=sizing, max_message_bytes=record.max_message_bytes)
@@ -230,8 +240,9 @@ def provision(record: ProvisionRecord, out: Path) -> None:
     pki.write_public(out / "provision.json", record.model_dump_json(indent=2).encode())
 
 
-def add_agents(out: Path, new_agents: list[str]) -> ProvisionRecord:
-    """Bundles for ``new_agents`` signed by the existing CA; the broker's files are updated for the larger fleet."""
+def add_agents(out: Path, new_agents: list[str], bind: str | None = None) -> ProvisionRecord:
+    """Bundles for ``new_agents`` signed by the existing CA; the broker's files are updated for the larger fleet.
+    ``bind``: the address the broker listens on from now on (None: the record's)."""
     try:
         record = ProvisionRecord.model_validate_json((out / "provision.json").read_text())
     except FileNotFoundError:
@@ -239,7 +250,10 @@ def add_agents(out: Path, new_agents: list[str]) -> ProvisionRecord:
     taken = set(record.agents) & set(new_agents)
     if taken:
         raise ProvisionError(f"already provisioned: {', '.join(sorted(taken))}")
-    record = record.model_copy(update={"agents": [*record.agents, *new_agents]})
+    update: dict[str, object] = {"agents": [*record.agents, *new_agents]}
+    if bind is not None:
+        update["bind"] = bind
+    record = ProvisionRecord.model_validate({**record.model_dump(), **update})  # validated: bind is checked
     check_agent_ids(record.agents)
     ca = pki.load_ca(out / "ca" / "ca.key", out / "ca" / "ca.crt")
     passwords = {a: pw for a in new_agents if (pw := _agent_bundle(record, out, a, ca)) is not None}
@@ -255,7 +269,7 @@ LOOPBACK = ("127.0.0.1", "::1")
 def _summary(record: ProvisionRecord, out: Path, added: list[str] | None = None) -> str:
     agents = added or record.agents
     first = agents[0] if agents else "AGENT"
-    sizing = broker_sizing(len(record.agents), record.max_message_bytes, record.update_bytes)
+    sizing = _sizing(record)
     return "\n".join([
         f"edgepfl provision: federation {record.federation}, {len(record.agents)} agents"
         + (f" ({len(added)} added)" if added else "") + f", auth {record.auth}, broker {record.url}",
@@ -271,7 +285,7 @@ def _summary(record: ProvisionRecord, out: Path, added: list[str] | None = None)
         f"  chown -R mosquitto: {record.broker_dir}   (as root: Mosquitto drops to its user 'mosquitto', which "
         "must read server.key, acl" + (", passwd)" if record.auth != "cert" else ")"),
         f"  nft -f {record.broker_dir}/firewall.nft   (as root on the broker host: at most "
-        f"{record.connections_per_address} connections per address; without it idle sockets can fill the broker)",
+        f"{record.connections_per_address} connections per address; without it one host's idle sockets can fill the broker)",
         f"  mosquitto -c {record.broker_dir}/mosquitto.conf"
         + ("   (already running: kill -HUP it to reload passwd)" if added else ""),
         f"  cd {out}/coordinator && edgepfl coordinator --config coordinator.yaml   (after adding method, data, rounds)",
@@ -294,12 +308,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host name or IP the agents connect to (repeat or comma-separate for more names; "
                         "localhost and 127.0.0.1 are always in the certificate)")
     p.add_argument("--port", type=int, default=8883)
-    p.add_argument("--bind", default="127.0.0.1",
+    p.add_argument("--bind", default=None,
                    help="the address the broker listens on (default 127.0.0.1: this host only; the address devices "
-                        "reach it on, or 0.0.0.0 for every interface)")
+                        "reach it on, or 0.0.0.0 for every interface); with --add, where it listens from now on "
+                        "(default: where it did)")
     p.add_argument("--connections-per-address", type=int, default=4,
                    help="TCP connections one address may hold to the broker, in broker/firewall.nft (default 4: "
                         "a device needs two while a reconnect overlaps; raise it for devices behind one NAT)")
+    p.add_argument("--idle-addresses", type=int, default=IDLE_ADDRESSES,
+                   help=f"room in max_connections for this many source addresses holding --connections-per-address "
+                        f"idle sockets each (default {IDLE_ADDRESSES}; about 46 kB of broker memory a socket): with "
+                        "firewall.nft loaded, locking devices out takes more addresses than that")
     p.add_argument("--auth", choices=["cert", "password", "both"], default="cert",
                    help="client certificates (default), passwords, or both")
     p.add_argument("--max-message-bytes", type=int, default=1_000_000, help="broker.max_message_bytes (MQTT message)")
@@ -324,7 +343,7 @@ def main_provision(argv: list[str]) -> int:
     out = Path(args.out).resolve()
     try:
         if args.add:
-            record = add_agents(out, _names(args.add))
+            record = add_agents(out, _names(args.add), bind=args.bind)
             print(_summary(record, out, added=_names(args.add)))
             return 0
         if not args.federation or not args.broker_host:
@@ -342,8 +361,9 @@ def main_provision(argv: list[str]) -> int:
         record = ProvisionRecord(
             federation=args.federation, broker_hosts=_names(args.broker_host), port=args.port, auth=args.auth,
             agents=agents, max_message_bytes=args.max_message_bytes, update_bytes=int(args.update_mb * 2**20),
-            broker_dir=args.broker_dir or str(out / "broker"), absolute_paths=args.absolute_paths, bind=args.bind,
-            connections_per_address=args.connections_per_address)
+            broker_dir=args.broker_dir or str(out / "broker"), absolute_paths=args.absolute_paths,
+            bind="127.0.0.1" if args.bind is None else args.bind, connections_per_address=args.connections_per_address,
+            idle_addresses=args.idle_addresses)
         provision(record, out)
         print(_summary(record, out))
         return 0

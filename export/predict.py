@@ -30,9 +30,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import sys
+import warnings
+import zipfile
 import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -44,6 +49,9 @@ from edgepfl.protocol.run import PIXEL_SCALE, InputKind, kind_of_shape
 from edgepfl.specs import CsvSpec
 
 from .heads import OnnxHead, make_session
+
+if TYPE_CHECKING:  # pragma: no cover
+    from PIL.Image import Image as PilImage
 
 
 class OnnxEncoder:
@@ -188,21 +196,64 @@ def preprocess_pixels(pixels: np.ndarray, input_shape: tuple[int, int, int],
     return np.ascontiguousarray((x - mean) / std, dtype=np.float32)
 
 
-def load_images(paths: list[Path], input_shape: tuple[int, int, int]) -> np.ndarray:
-    """Image files as uint8 pixels (N, C, H, W), converted and resized to the encoder's input."""
+#: the most pixels (width x height, as the file's header declares them) an image input may have,
+#: by default. An encoder takes at most a few hundred pixels a side, so every input is scaled
+#: down; the largest photo a device's camera commonly writes is 24 megapixels (6000 x 4000), about
+#: 100 MB to decode. Pillow's own limit (89 million, an error only beyond twice that) lets a 400 kB
+#: file cost the better part of a gigabyte. ``--max-pixels`` raises it (a 48 MP phone's full size).
+MAX_IMAGE_PIXELS = 25_000_000
+
+
+def open_image(path: Path, max_pixels: int = MAX_IMAGE_PIXELS) -> PilImage:
+    """``path`` opened by Pillow (nothing decoded yet), once its header's size is at most ``max_pixels``.
+
+    ``ValueError`` (one line naming the file) for an image that declares more, or for a file
+    that is no image Pillow can read; the image's pixels are never decoded then.
+    """
     try:
         from PIL import Image
     except ImportError:
         raise SystemExit("reading image files needs Pillow: pip install pillow") from None
+    with warnings.catch_warnings():  # Pillow warns beyond its own limit: ours, lower, says it once
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            im = Image.open(path)
+        except Image.DecompressionBombError as exc:  # beyond twice Pillow's limit: refused from the header
+            declared = re.search(r"\((\d+) pixels\)", str(exc))
+            size = f"{int(declared.group(1)):,} pixels" if declared else "more pixels than Pillow reads"
+            raise ValueError(f"{path}: declares {size}, more than the {max_pixels:,} an input image may have "
+                             "(--max-pixels); scale it down") from None
+        except (OSError, ValueError, SyntaxError, EOFError) as exc:
+            raise ValueError(f"{path}: not a readable image ({exc})") from None
+    width, height = im.size
+    if width * height > max_pixels:
+        im.close()
+        raise ValueError(f"{path}: declares {width}x{height} = {width * height:,} pixels, more than the {max_pixels:,} "
+                         "an input image may have (--max-pixels); scale it down")
+    return im
+
+
+def load_images(paths: list[Path], input_shape: tuple[int, int, int],
+                max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:
+    """Image files as uint8 pixels (N, C, H, W), converted and resized to the encoder's input.
+
+    Each file's declared size is checked against ``max_pixels`` before it is decoded
+    (:func:`open_image`); a file that is not, or not wholly, a readable image is a
+    ``ValueError`` naming it."""
+    from PIL import Image
+
     c, h, w = input_shape
     mode = "L" if c == 1 else "RGB"
     out = []
     for p in paths:
-        with Image.open(p) as im:
-            im = im.convert(mode)
-            if im.size != (w, h):
-                im = im.resize((w, h), Image.Resampling.BILINEAR)
-            a = np.asarray(im, dtype=np.uint8)
+        with open_image(p, max_pixels) as im:
+            try:
+                im = im.convert(mode)
+                if im.size != (w, h):
+                    im = im.resize((w, h), Image.Resampling.BILINEAR)
+                a = np.asarray(im, dtype=np.uint8)
+            except (OSError, ValueError, SyntaxError, EOFError) as exc:  # truncated or corrupt pixel data
+                raise ValueError(f"{p}: not a readable image ({exc})") from None
         out.append(a[None] if c == 1 else a.transpose(2, 0, 1))
     return np.stack(out) if out else np.zeros((0, c, h, w), np.uint8)
 
@@ -212,13 +263,14 @@ SAMPLE_SUFFIXES = (".npy", ".npz", ".csv")
 
 
 def collect_inputs(items: list[str], encoder: OnnxEncoder, preprocessed: bool = False,
-                   csv: CsvSpec | None = None) -> tuple[list[str], np.ndarray]:
+                   csv: CsvSpec | None = None, max_pixels: int = MAX_IMAGE_PIXELS) -> tuple[list[str], np.ndarray]:
     """(names, model inputs) in argument order.
 
     An image release reads image files, directories of them and ``.npy`` arrays of pixels.
     A series or vector release reads ``.npy`` arrays and ``.npz`` files (array ``x``) of raw
     samples and, for a series, CSV sensor logs cut into windows as ``csv`` says
-    (:func:`csv_spec`); a directory gives its files of those kinds, in sorted order.
+    (:func:`csv_spec`); a directory gives its files of those kinds, in sorted order. An image
+    that declares more than ``max_pixels`` is refused before it is decoded (:func:`open_image`).
     """
     names: list[str] = []
     batches: list[np.ndarray] = []
@@ -234,17 +286,17 @@ def collect_inputs(items: list[str], encoder: OnnxEncoder, preprocessed: bool = 
             files = sorted(f for f in p.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
             if not files:
                 raise ValueError(f"{p}: no images found")
-            batches.append(encoder.preprocess(load_images(files, encoder.image_shape)))
+            batches.append(encoder.preprocess(load_images(files, encoder.image_shape, max_pixels)))
             names += [str(f) for f in files]
         elif p.suffix.lower() == ".npy":
-            arr = np.load(p, allow_pickle=False)
+            arr = load_npy(p)
             x = np.asarray(arr, np.float32) if preprocessed else encoder.preprocess(arr)
             if x.ndim == 3 and preprocessed:
                 x = x[None]
             batches.append(x)
             names += [f"{p}[{i}]" for i in range(len(x))]
         elif p.is_file():
-            batches.append(encoder.preprocess(load_images([p], encoder.image_shape)))
+            batches.append(encoder.preprocess(load_images([p], encoder.image_shape, max_pixels)))
             names.append(str(p))
         else:
             raise ValueError(f"{p}: no such file or directory")
@@ -279,12 +331,65 @@ def _read_samples(path: Path, encoder: OnnxEncoder, csv: CsvSpec | None) -> np.n
             with np.load(path, allow_pickle=False) as f:
                 if "x" not in f.files:
                     raise ValueError(f"{path}: needs an array 'x' of raw samples, found {sorted(f.files)}")
-                x = np.asarray(f["x"])
-                named = [str(s) for s in np.asarray(f["channel_names"]).ravel()] if "channel_names" in f.files else None
+                x = _npz_member(f, "x", path)
+                named = ([str(s) for s in _npz_member(f, "channel_names", path).ravel()]
+                         if "channel_names" in f.files else None)
             return in_run_channel_order(x, named, encoder, path)
-        return np.asarray(np.load(path, allow_pickle=False))
-    except (OSError, EOFError, zlib.error) as exc:
+        return load_npy(path)
+    except (OSError, EOFError, zlib.error, zipfile.BadZipFile) as exc:
         raise ValueError(f"{path}: not a readable {suffix} file ({exc})") from None
+
+
+def load_npy(path: Path, *, header_only: bool = False) -> np.ndarray:
+    """A ``.npy`` file's array, read only when the data its header declares is in the file:
+    numpy allocates what the header declares before it reads, so a 128-byte file declaring
+    46 TiB would be an out-of-memory error, not a bad input. ``ValueError`` names the file.
+    ``header_only``: that check alone (the array returned is a read-only view of the file)."""
+    try:
+        mapped = np.load(path, mmap_mode="r", allow_pickle=False)  # mapping checks the length, allocates nothing
+    except (OSError, EOFError) as exc:
+        raise ValueError(f"{path}: not a readable .npy file ({exc})") from None
+    except ValueError as exc:  # the declared data is longer than the file, an object array, a bad header
+        raise ValueError(f"{path}: not a readable .npy file ({exc})") from None
+    return mapped if header_only else np.array(mapped)
+
+
+def _npz_member(npz: Any, name: str, path: Path) -> np.ndarray:
+    """Array ``name`` of an open ``.npz`` file, read only when its header declares no more data
+    than the archive says the member holds (numpy allocates the declared size first)."""
+    _check_npz_member(npz, name, path)
+    return np.asarray(npz[name])
+
+
+def _check_npz_member(npz: Any, name: str, path: Path) -> None:
+    with npz.zip.open(f"{name}.npy") as member:
+        try:
+            version = np.lib.format.read_magic(member)
+            shape, _, dtype = (np.lib.format.read_array_header_1_0(member) if version == (1, 0)
+                               else np.lib.format.read_array_header_2_0(member))
+        except ValueError as exc:
+            raise ValueError(f"{path}: array {name!r} is not a readable .npy member ({exc})") from None
+    declared = math.prod(shape) * dtype.itemsize
+    if declared > npz.zip.getinfo(f"{name}.npy").file_size:
+        raise ValueError(f"{path}: array {name!r} declares {declared:,} bytes of {shape}, more than its member holds")
+
+
+def check_input(path: Path, max_pixels: int = MAX_IMAGE_PIXELS) -> None:
+    """What can be told of an input file from its header alone, without decoding it: an image's
+    declared size (:func:`open_image`), that a ``.npy`` file holds the data its header declares,
+    that an ``.npz`` file's arrays do. ``ValueError`` naming the file when it cannot be an input."""
+    suffix = path.suffix.lower()
+    if suffix in IMAGE_SUFFIXES:
+        open_image(path, max_pixels).close()
+    elif suffix == ".npy":
+        load_npy(path, header_only=True)
+    elif suffix == ".npz":
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                for name in f.files:
+                    _check_npz_member(f, name, path)
+        except (OSError, EOFError, zlib.error, zipfile.BadZipFile, KeyError) as exc:
+            raise ValueError(f"{path}: not a readable .npz file ({exc})") from None
 
 
 def csv_spec(encoder: OnnxEncoder, *, label: str = "label", channels: list[str] | None = None,
@@ -312,6 +417,23 @@ def in_run_channel_order(x: np.ndarray, named: list[str] | None, encoder: OnnxEn
     if x.ndim < 2 or x.shape[1] != len(order):
         raise ValueError(f"{source}: {len(named or [])} channel names for samples of shape {x.shape[1:]}")
     return np.ascontiguousarray(x[:, order])
+
+
+def add_max_pixels_argument(parser: argparse.ArgumentParser) -> None:
+    """``--max-pixels`` (``predict``, ``serve``): the largest image, by its declared size, that is decoded."""
+
+    def positive(text: str) -> int:
+        try:
+            value = int(text.replace("_", ""))
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of pixels")
+        return value
+
+    parser.add_argument("--max-pixels", type=positive, default=MAX_IMAGE_PIXELS, metavar="N",
+                        help=f"refuse an image whose header declares more than N pixels (width x height), before "
+                             f"decoding it (default {MAX_IMAGE_PIXELS:,}: a 24-megapixel photo)")
 
 
 def add_csv_arguments(parser: argparse.ArgumentParser) -> None:
@@ -368,6 +490,7 @@ def main_predict(args: list[str]) -> int:
                         help="run an encoder that has no manifest.json: inputs are only scaled, not normalized")
     parser.add_argument("--federation-labels", action="store_true",
                         help="a head that records no class names predicts the federation's class indices")
+    add_max_pixels_argument(parser)
     add_csv_arguments(parser)
     ns = parser.parse_args(args)
     try:
@@ -385,7 +508,7 @@ def main_predict(args: list[str]) -> int:
             print(f"warning: {ns.head} was fitted on another encoder (sha256 {head.encoder_sha256_[:12]}…)",
                   file=sys.stderr)
         labels = head_class_names(head, encoder, federation_labels=ns.federation_labels)
-        names, x = collect_inputs(ns.inputs, encoder, ns.preprocessed, csv_spec_of(ns, encoder))
+        names, x = collect_inputs(ns.inputs, encoder, ns.preprocessed, csv_spec_of(ns, encoder), ns.max_pixels)
         proba = head.predict_proba(encoder.features(x))
     except (ValueError, OSError, KeyError) as exc:
         return report(InputError(str(exc)), "predict")
@@ -407,5 +530,6 @@ def top_predictions(probabilities: np.ndarray, classes: np.ndarray, labels: list
             for i in order]
 
 
-__all__ = ["SAMPLE_SUFFIXES", "OnnxEncoder", "add_csv_arguments", "collect_inputs", "csv_spec", "csv_spec_of",
-           "head_class_names", "load_images", "main_predict", "preprocess_pixels", "top_predictions"]
+__all__ = ["MAX_IMAGE_PIXELS", "SAMPLE_SUFFIXES", "OnnxEncoder", "add_csv_arguments", "add_max_pixels_argument",
+           "check_input", "collect_inputs", "csv_spec", "csv_spec_of", "head_class_names", "load_images", "load_npy",
+           "main_predict", "open_image", "preprocess_pixels", "top_predictions"]

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from .contract import _INSIDE, MAX_UPDATE_WEIGHT, AggregationRejected, Aggregator, TensorDict
+from .contract import _INSIDE, MAX_UPDATE_WEIGHT, AggregationRejected, Aggregator, OwnRecord, TensorDict
 from .dp import clip_factor
 from .exact import _ExactSum, _unit_mean
 
@@ -111,7 +111,8 @@ class SecureMean(Aggregator):
     def median_change(self) -> float | None:
         return None  # no update's change is seen
 
-    def add(self, params: Mapping[str, np.ndarray], weight: int = 1) -> bool:
+    def add(self, params: Mapping[str, np.ndarray], weight: int = 1,
+            own: OwnRecord | None = None) -> tuple[str, ...]:
         from edgepfl.protocol.secagg import MASKED_TENSOR
 
         if set(params) != {MASKED_TENSOR}:
@@ -125,7 +126,7 @@ class SecureMean(Aggregator):
         self.masked_sum_ += vector.view("<u8")  # modulo 2**64: numpy's unsigned arithmetic wraps
         self.weight_ += int(weight)
         self.count_ += 1
-        return False
+        return ()  # a masked vector has no change to bound
 
     def _add(self, params: Mapping[str, np.ndarray], weight: int) -> None:  # add is whole here
         raise NotImplementedError

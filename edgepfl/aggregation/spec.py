@@ -54,8 +54,10 @@ class AggregationSpec(BaseModel):
     max_update_vs_median: float | None = Field(
         DEFAULT_MAX_UPDATE_VS_MEDIAN, ge=1,
         description="any rule: one update's change of the learned parameters is clipped (never refused) to at most "
-                    "this times the median change of the updates the round's state was made from (a state without "
-                    "that record: max_first_update_ratio); null: no bound relative to the fleet")
+                    "this times the larger of the median change of the updates the round's state was made from and "
+                    "the device's own record (its last three changes; a state without the median: "
+                    "max_first_update_ratio); the statistics' clamps widen to this times the device's own; null: no "
+                    "bound relative to the fleet or the device")
     max_first_update_ratio: float | None = Field(
         DEFAULT_MAX_FIRST_UPDATE_RATIO, gt=0,
         description="with max_update_vs_median, for a state without the fleet's record (a run's first round, a state "

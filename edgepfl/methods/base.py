@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..aggregation import UPDATE_NORM_MEDIAN, Aggregator, Mean, rebase
+from ..aggregation import UPDATE_HISTORY, UPDATE_NORM_MEDIAN, Aggregator, Mean, OwnRecord, rebase
+from ..aggregation.contract import OWN_HISTORY
 from ..heads import GENERIC_HEAD_KINDS
 from ..state import ServerState, TensorDict
 from .training import EvalResult, LocalContext, evaluate_logits, fit, make_optimizer, recalibrate_batchnorm
@@ -162,6 +163,11 @@ class RoundAggregate:
         self.participants: list[str] = []
         #: every added update, only when the method is not streaming
         self.updates: list[ClientUpdate] = []
+        #: per device, its last adopted updates' measures (the state's record, newest last)
+        history = state.extra.get(UPDATE_HISTORY)
+        self.history: dict[str, list] = {agent: list(entries) for agent, entries in (history or {}).items()}
+        #: what each device that sent an update this round measured, as adopted
+        self.records: dict[str, OwnRecord] = {}
         if self.reference:
             typical = state.extra.get(UPDATE_NORM_MEDIAN)
             rule.begin(self.reference, float(typical) if isinstance(typical, (int, float)) else None)
@@ -171,9 +177,11 @@ class RoundAggregate:
         """Updates added so far."""
         return len(self.participants)
 
-    def add(self, update: ClientUpdate, base: Mapping[str, np.ndarray] | None = None, discount: float = 1.0) -> bool:
-        """Fold in one update that passed :meth:`Method.check_update`; True when the rule's
-        update bound clipped its shared parameters first.
+    def add(self, update: ClientUpdate, base: Mapping[str, np.ndarray] | None = None,
+            discount: float = 1.0) -> tuple[str, ...]:
+        """Fold in one update that passed :meth:`Method.check_update`; the names of the rule's
+        update bounds that clipped or clamped its shared parameters first (empty: none). The
+        device is judged against the fleet and its own record (:class:`~edgepfl.aggregation.UpdateBound`).
 
         ``base``: the shared parameters the update was trained from when they are not this
         round's (a late update): its change from them, times ``discount``, is applied to
@@ -183,20 +191,32 @@ class RoundAggregate:
         rejection counters) for an update the rule cannot take; the round then goes on
         as if it had not arrived.
         """
-        clipped = False
+        fired: tuple[str, ...] = ()
         if base is not None and not self.method.streaming:
             raise ValueError(f"{self.method.name} aggregates a round's updates together: no late update")
         if self.reference and self.rule.masked:  # a secure round: the update is one masked vector
-            clipped = self.rule.add(update.tensors, self.method.update_weight(update))
+            fired = self.rule.add(update.tensors, self.method.update_weight(update))
         elif self.reference:
             shared = {k: v for k, v in update.tensors.items() if k in self.reference}
             if base is not None and set(shared) == set(self.reference):
                 shared = rebase(shared, base, self.reference, discount)
-            clipped = self.rule.add(shared, self.method.update_weight(update))
+            fired = self.rule.add(shared, self.method.update_weight(update), self.own_record(update.agent_id))
+            if self.rule.last_record_ is not None:
+                self.records[update.agent_id] = self.rule.last_record_
         self.participants.append(update.agent_id)
         if not self.method.streaming:
             self.updates.append(update)
-        return clipped
+        return fired
+
+    def own_record(self, agent_id: str) -> OwnRecord | None:
+        """What ``agent_id`` is judged against besides the fleet: each measure's lower median
+        over its kept records; a device without one (first sampled now) the fleet's largest,
+        so that it may be as different as the fleet's devices have shown they are; None
+        before any record."""
+        own = OwnRecord.typical(self.history.get(agent_id, ()))
+        if own is not None:
+            return own
+        return OwnRecord.largest(r for r in map(OwnRecord.typical, self.history.values()) if r is not None)
 
     def close(self, round: int) -> ServerState:
         """The next server state from every update added (at least one)."""
@@ -209,9 +229,24 @@ class RoundAggregate:
         state = self.method.finish_round(self.state, shared, updates, round)
         # the next round's bound relative to the fleet is measured on this one's updates
         typical = self.rule.median_change() if self.reference else None
-        extra = {k: v for k, v in state.extra.items() if k != UPDATE_NORM_MEDIAN}
+        extra = {k: v for k, v in state.extra.items() if k not in (UPDATE_NORM_MEDIAN, UPDATE_HISTORY)}
         if typical is not None:
             extra[UPDATE_NORM_MEDIAN] = typical
+        # each device that sent an update this round keeps its last few records; the others theirs.
+        # A round judged without the fleet's record (the first) clipped relative to the model
+        # alone, far above any honest change: what it records is at most vs_median times its
+        # median, so that a first update cannot open a wide bound for the rounds after it
+        history = dict(self.history)
+        bound = self.rule.bound
+        first_cap = None
+        if bound is not None and bound.first_limit_ and bound.vs_median is not None and typical is not None:
+            first_cap = bound.vs_median * typical
+        for agent, record in self.records.items():
+            if first_cap is not None:
+                record = record._replace(change=min(record.change, first_cap))
+            history[agent] = (history.get(agent, []) + [record.to_json()])[-OWN_HISTORY:]
+        if history:
+            extra[UPDATE_HISTORY] = {agent: history[agent] for agent in sorted(history)}
         return replace(state, extra=extra)
 
 
@@ -460,3 +495,17 @@ def _ce(logits, y):
     import torch.nn.functional as F
 
     return F.cross_entropy(logits, y)
+
+
+def model_size(method: Method, spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> int | None:
+    """How many parameters ``method`` builds ``spec`` with, counted on torch's meta device (shapes,
+    no storage, no random numbers drawn); None when it cannot be built there (nor, perhaps, at all:
+    a plugin computing with its tensors while it is built, an input the arch cannot take)."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            model = method.build_model(spec, tuple(input_shape), num_classes)
+    except Exception:  # its real build says what is wrong with it  # noqa: BLE001
+        return None
+    return sum(p.numel() for p in model.parameters())

@@ -318,6 +318,8 @@ def check_encoder(encoder: nn.Module, spec: ModelSpec, input_shape: tuple[int, .
         if not tensor.is_floating_point() and not key.endswith("num_batches_tracked"):
             raise ModelSpecError(f"{where}: the encoder's state {key} is {tensor.dtype}; every tensor a model shares "
                                  "is floating-point (register it with persistent=False to keep it out of the state)")
+    if any(p.is_meta for p in encoder.parameters()):  # built on the meta device to be counted: no values to run
+        return
     sample = torch.randn(CHECK_BATCH, *input_shape, generator=torch.Generator().manual_seed(0))
     shape_text = "x".join(map(str, input_shape))
     modes = {module: module.training for module in encoder.modules()}

@@ -19,7 +19,10 @@ can always complete, and memory never exceeds what is reserved.
   progressed partial of the source holding the most is evicted: ``evicted``) reserving
   at most ``max_buffered_bytes``: a new partial past that is refused (``over_budget``);
   the budget evicts nobody;
-* **in time**: a partial that has not progressed for ``expire_s`` is dropped (``expired``).
+* **in time**: a partial that has not progressed for ``expire_s`` is dropped (``expired``);
+* **by sender**, where the receiver knows whom it expects frames from (:attr:`Reassembler.allowance`):
+  a source it expects nothing from reserves nothing (``unexpected``), the others at most
+  what it allows them (``over_budget`` beyond).
 
 A refused chunk raises :class:`ProtocolError` with its reason; an eviction or expiry
 (which happens to *another* partial, while a chunk is accepted) is reported to
@@ -43,6 +46,8 @@ from .messages import ChunkMeta
 DEFAULT_MAX_BUFFERED_BYTES = 2 * 2**30
 
 DropHandler = Callable[[str, str, str], None]
+#: bytes a source's partials may reserve now (0: none), by source
+Allowance = Callable[[str], int]
 
 
 @dataclass
@@ -77,11 +82,15 @@ class Reassembler:
         self.max_source_bytes = max_source_bytes if max_source_bytes is not None else max_bytes
         self.max_buffered_bytes = max_buffered_bytes
         self.on_drop = on_drop
+        #: what each source's partials may reserve now, at most ``max_source_bytes`` (None: that
+        #: much for every source). A coordinator allows only the agents it holds an open task of
+        #: (coordinator/inbox.py), so chunks on any other topic reserve nothing of the budget
+        self.allowance: Allowance | None = None
         self._pending: dict[tuple[str, str], _Partial] = {}
         self._by_source: dict[str, set[str]] = {}  # source -> parent ids of its partials
         self._source_reserved: dict[str, int] = {}
         self._reserved = 0
-        #: partials dropped or chunks refused, by reason (evicted, expired, over_budget)
+        #: partials dropped or chunks refused, by reason (evicted, expired, over_budget, unexpected)
         self.dropped: dict[str, int] = {}
 
     @property
@@ -103,7 +112,7 @@ class Reassembler:
         """Take one decoded chunk from ``source``; the whole frame once complete, else None.
 
         Raises :class:`ProtocolError` for a chunk that is refused (its partial, if any, is
-        dropped with it): ``oversized``, ``malformed``, ``corrupt``, ``over_budget``."""
+        dropped with it): ``oversized``, ``malformed``, ``corrupt``, ``over_budget``, ``unexpected``."""
         meta = chunk.meta_as(ChunkMeta)
         if meta.total_bytes > self.max_bytes:
             raise ProtocolError("oversized", f"chunked message of {meta.total_bytes} bytes > limit {self.max_bytes}")
@@ -135,10 +144,17 @@ class Reassembler:
 
     # ---------------------------------------------------------------- bookkeeping
     def _open(self, source: str, meta: ChunkMeta, now: float) -> _Partial:
-        if meta.total_bytes > self.max_source_bytes:
+        limit = self.max_source_bytes
+        if self.allowance is not None:
+            allowed = self.allowance(source)
+            if allowed <= 0:
+                self._count("unexpected")
+                raise ProtocolError("unexpected", "no chunked message is expected on this topic now")
+            limit = min(limit, allowed)
+        if meta.total_bytes > limit:
             self._count("over_budget")
-            raise ProtocolError("over_budget", f"a message of {meta.total_bytes} bytes; one topic may buffer at most "
-                                               f"{self.max_source_bytes}")
+            raise ProtocolError("over_budget", f"a message of {meta.total_bytes} bytes; this topic may buffer at most "
+                                               f"{limit} now")
         if self._reserved + meta.total_bytes > self.max_buffered_bytes + self._source_reserved.get(source, 0):
             # even evicting every partial of this source would not make room: refuse before evicting any
             self._count("over_budget")
@@ -148,8 +164,8 @@ class Reassembler:
         while len(self._by_source.get(source, ())) >= self.max_partials_per_source:
             self._evict(self._oldest(source), f"{source} has {self.max_partials_per_source} partial messages, "
                                               f"at most {self.max_partials_per_source} per topic")
-        while self._source_reserved.get(source, 0) + meta.total_bytes > self.max_source_bytes:
-            self._evict(self._oldest(source), f"{source} would reserve more than {self.max_source_bytes} bytes")
+        while self._source_reserved.get(source, 0) + meta.total_bytes > limit:
+            self._evict(self._oldest(source), f"{source} would reserve more than {limit} bytes")
         while self._reserved + meta.total_bytes > self.max_buffered_bytes:
             self._evict(self._oldest(source), f"partial messages would reserve more than {self.max_buffered_bytes} "
                                               f"bytes in all")

@@ -195,3 +195,67 @@ def test_the_dashboard_reads_a_provisioned_tls_federation_with_the_operator_bund
         finally:
             proc.terminate()
             proc.wait(10)
+
+
+def _get(url: str, path: str, host: str | None, **headers: str) -> tuple[int, dict[str, str], bytes]:
+    """One real HTTP GET to the dashboard at ``url`` with this ``Host`` header (None: none at all)."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+    connection = http.client.HTTPConnection(where.hostname, where.port, timeout=10)
+    try:
+        connection.putrequest("GET", path, skip_host=True)
+        if host is not None:
+            connection.putheader("Host", host)
+        for name, value in headers.items():
+            connection.putheader(name.replace("_", "-"), value)
+        connection.endheaders()
+        response = connection.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        connection.close()
+
+
+def test_the_dashboard_refuses_a_foreign_host_and_with_a_token_file_a_request_without_it(mosquitto, tmp_path):
+    """DNS rebinding: a web page re-points its own name at the dashboard's address and reads the
+    view as same-origin; its requests carry its name in Host, and are refused (421)."""
+    federation = "rebind"
+    publish_view(mosquitto.url, federation, encode_view(fleet_view(federation, 4, 3, 0.5, time.time()), 1_000_000))
+    proc, url = start_dashboard("--broker", mosquitto.url, "--federation", federation, log=tmp_path / "open.log")
+    try:
+        wait_until(lambda: served(url), 60, what="the dashboard holding the retained view")
+        port = url.rstrip("/").rsplit(":", 1)[1]
+        for host in (f"evil.example:{port}", "evil.example", f"127.0.0.1.evil.example:{port}", f"127.0.0.1:{int(port) + 1}",
+                     None):
+            status, _, body = _get(url, "/view.json", host)
+            assert status == 421 and b"pi-0" not in body, (host, status, body)
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", f"LOCALHOST:{port}"):
+            status, _, body = _get(url, "/view.json", host)
+            assert status == 200 and b"pi-00000" in body, (host, status)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert "refused Host 'evil.example:" in (tmp_path / "open.log").read_text()
+
+    token = "s3cret-token-of-the-operator"
+    (tmp_path / "token").write_text(token + "\n")
+    proc, url = start_dashboard("--broker", mosquitto.url, "--federation", federation, "--token-file",
+                                str(tmp_path / "token"), "--allow-host", "dash.example", log=tmp_path / "token.log")
+    try:
+        port = url.rstrip("/").rsplit(":", 1)[1]
+        local = f"127.0.0.1:{port}"
+        bearer = {"Authorization": f"Bearer {token}"}
+        wait_until(lambda: _get(url, "/view.json", local, **bearer)[0] == 200, 60, what="the view served")
+        assert _get(url, "/view.json", local)[0] == 401
+        assert _get(url, "/view.json", local, Authorization="Bearer wrong-token-of-someone")[0] == 401
+        assert _get(url, "/view.json", f"evil.example:{port}", **bearer)[0] == 421
+        assert _get(url, "/view.json", "dash.example", **bearer)[0] == 200  # a reverse proxy's name, any port
+        status, headers, _ = _get(url, f"/?token={token}", local)  # the address an operator opens
+        assert status == 200 and "HttpOnly" in headers["Set-Cookie"] and "SameSite=Strict" in headers["Set-Cookie"]
+        cookie = headers["Set-Cookie"].split(";", 1)[0]
+        status, _, body = _get(url, "/view.json", local, Cookie=cookie)  # the page's own request
+        assert status == 200 and b"pi-00000" in body
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -3,8 +3,8 @@ federated with the default aggregation settings, lose no update to the update bo
 
 Each fleet is an in-process federation (the same rounds and frames as over MQTT), sized
 to run in seconds to a minute on a 2-core box. Asserted: no rejection of any reason,
-every sampled agent a participant, and nothing clipped except where a device's training
-diverges, whose statistics are then clamped, not refused. The old bound (a norm ratio of
+every sampled agent a participant, and nothing clipped or clamped except the statistics
+of a device whose training diverges. The old bound (a norm ratio of
 the BatchNorm statistics against the global ones, at most 10) refuses that fleet's
 devices: their statistics move by up to 65 times the global ones' norm. It was measured
 refusing an honest device of the first fleet in every round, with an older data pipeline;
@@ -28,11 +28,21 @@ from edgepfl.edge_agent.tiers import local_trainers
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "fedavg.yaml"
 
 
+#: the fleet whose most different device a bound relative to the fleet alone clipped in every
+#: round: digits MLP (BatchNorm, feature 32), Dirichlet 0.5, 15 local epochs, SGD lr 0.05
+#: momentum 0.5 wd 5e-4 batch 32, FedAvg, 6 rounds, seed 0. agent-01's change is 12-30 times
+#: the others' median round after round and its running variances grow to 1,800 times the
+#: state's; clipped to 5 medians it ended at 72 % against 95 % with the bounds off (the
+#: others 96-99 %); the coordinate median costs it the same (71 %)
+SKEWED = ["data.dataset=digits", "model.arch=mlp", "model.feature_dim=32", "data.partition.kind=dirichlet",
+          "data.partition.alpha=0.5", "train.epochs=15", "train.lr=0.05", "train.momentum=0.5",
+          "train.weight_decay=0.0005", "train.batch_size=32", "data.samples_per_client=null", "seed=0", "data.seed=0"]
+
 FLEETS = {
-    # the fleet the old bound refused: digits MLP (BatchNorm, feature 32), Dirichlet 0.5, 15 local epochs
-    "digits-mlp-dirichlet0.5": (3, 3, ["data.dataset=digits", "model.arch=mlp", "model.feature_dim=32",
-                                       "data.partition.kind=dirichlet", "data.partition.alpha=0.5", "train.epochs=15",
-                                       "data.samples_per_client=null"]),
+    "digits-mlp-dirichlet0.5-skewed": (3, 6, SKEWED),
+    # the same fleet folding every 2 updates into a state: 70 % for agent-01 under the old bound
+    "digits-mlp-dirichlet0.5-skewed-buffered": (3, 6, [*SKEWED, "asynchrony.mode=buffered",
+                                                       "asynchrony.buffer_size=2"]),
     # the largest honest growth of a variance measured (26x): two classes per device, lr 0.05, momentum 0.9
     "digits-mlp-pathological2-fast": (3, 3, ["data.dataset=digits", "model.arch=mlp", "model.feature_dim=32",
                                              "data.partition.kind=pathological", "data.partition.classes_per_client=2",
@@ -63,13 +73,25 @@ def test_an_honest_non_iid_fleet_loses_no_update_to_the_default_bound(fleet, tmp
     rows, _ = simulate(config, agents, tmp_path / fleet, in_process=local_trainers, rounds=rounds, progress=False)
     training = [row for row in rows if not row.final]
     assert len(training) == rounds
+    buffered = "asynchrony.mode=buffered" in sets
     for row in training:
         assert row.rejected == {}, (row.round, row.rejected)
-        assert sorted(row.participants) == sorted(row.sampled) and len(row.sampled) == agents
+        if not buffered:  # a buffered state is made from the first updates to arrive, the others fold in late
+            assert sorted(row.participants) == sorted(row.sampled) and len(row.sampled) == agents
         assert not row.aborted, row.abort_reason
-    # statistics over their bound are clamped, never refused: only the diverging fleet's are
-    clipped = [agent for row in training for agent in row.clipped]
-    assert bool(clipped) == fleet.endswith("diverging"), clipped
+    # nothing clipped or clamped but where a device's training diverges, whose statistics may be
+    # clamped (past the exact sums' range), never its parameters. An update no bound fires on is
+    # added as it came (UpdateBound.apply hands back the very mapping), so such a run is the run
+    # with the bounds off, bit for bit
+    clipped = {(row.round, agent): bounds for row in training for agent, bounds in row.clipped_by.items()}
+    if fleet.endswith(("diverging", "buffered")):
+        # buffered: a late update's running variance, folded into a newer state, can pass the range
+        # the streaming rules' exact sums take (64 x the layer's largest variance): clamped inside it
+        # once (agent-01's; with the bounds off that range refuses the update, out_of_range), while
+        # its parameters are never clipped (benchmarks/results/honest_fleets.md)
+        assert {b for bounds in clipped.values() for b in bounds} <= {"max_mean_shift", "max_variance_growth"}
+    else:
+        assert clipped == {}, clipped
 
 
 def test_an_unequal_buffered_fleet_has_no_honest_update_clamped(tmp_path):

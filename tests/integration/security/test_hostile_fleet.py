@@ -210,6 +210,29 @@ def test_an_unsigned_retained_release_does_not_crash_loop_a_head_agent_without_o
         stop_agents([proc])
 
 
+def run_beside_the_attacker(config, out, url: str, attacker: Attacker, announce, coordinator_security,
+                            agent_security) -> None:
+    """Start the honest trainers, let the attacker ``announce`` agent-02, run the coordinator
+    to its end and take the attacker's retained status away again, whatever happened."""
+    fed = config.federation
+    procs = [spawn_agent(config, out, url, agent, i, security=agent_security[agent]) for i, agent in enumerate(TRAINERS)]
+    fleet = None
+    try:
+        announce()
+        wait_until(lambda: all(attacker.frames(f"agents/{a}/status") for a in TRAINERS), 180, what="agents' births")
+        fleet = MqttFleet(fed, config.broker, url=url, security=coordinator_security)
+        coordinator = Coordinator(config, fleet, out, progress=False, **data_shape(config))
+        thread, box = run_in_thread(coordinator.run)
+        thread.join(timeout=900)
+        assert not thread.is_alive() and "error" not in box, box.get("error")
+    finally:
+        attacker.client.publish(f"edgepfl/v1/{fed}/agents/agent-02/status", b"", qos=1, retain=True)
+        attacker.close()
+        if fleet is not None:
+            fleet.close()
+        stop_agents(procs)
+
+
 def test_an_enrolled_device_that_announces_itself_and_never_answers_costs_a_deadline_ever_more_rarely(
         mosquitto, tmp_path):
     """The red team's cheap denial of service on a provisioned fleet: with one
@@ -241,22 +264,7 @@ def test_an_enrolled_device_that_announces_itself_and_never_answers_costs_a_dead
             threading.Thread(target=announce, daemon=True).start()  # "still here", and no answer
 
     attacker.client.on_message = on_message
-    procs = [spawn_agent(config, out, url, agent, i, security=agent_security[agent]) for i, agent in enumerate(TRAINERS)]
-    fleet = None
-    try:
-        announce()
-        wait_until(lambda: all(attacker.frames(f"agents/{a}/status") for a in TRAINERS), 180, what="agents' births")
-        fleet = MqttFleet(fed, config.broker, url=url, security=coordinator_security)
-        coordinator = Coordinator(config, fleet, out, progress=False, **data_shape(config))
-        thread, box = run_in_thread(coordinator.run)
-        thread.join(timeout=900)
-        assert not thread.is_alive() and "error" not in box, box.get("error")
-    finally:
-        attacker.client.publish(f"edgepfl/v1/{fed}/agents/agent-02/status", b"", qos=1, retain=True)
-        attacker.close()
-        if fleet is not None:
-            fleet.close()
-        stop_agents(procs)
+    run_beside_the_attacker(config, out, url, attacker, announce, coordinator_security, agent_security)
     training = [row for row in read_rows(out) if not row.final]
     assert len(training) == config.rounds
     asked = [row.round for row in training if "agent-02" in row.sampled]
@@ -266,3 +274,67 @@ def test_an_enrolled_device_that_announces_itself_and_never_answers_costs_a_dead
     assert all("agent-02" not in row.participants for row in training)
     # the honest devices' rounds go on (one slow to its first task on a busy box sits a round out too)
     assert all(set(row.participants) & set(TRAINERS) for row in training), [row.participants for row in training]
+
+
+def test_an_enrolled_device_that_refuses_each_task_once_the_others_answered_costs_a_wait_ever_more_rarely(
+        mosquitto, tmp_path):
+    """The red team's bypass of the bench: with one enrolled device's key, a client answers
+    every task with a signed refusal, sent late — once the honest devices' updates are in —
+    so the round waits for it and gets nothing. A refusal used to reset the count: 8 of 9
+    rounds waited for it, the final evaluation too. Now the round waiting for it alone is a
+    miss like a timeout: it is asked in rounds 0, 2, 5 (2^(k-1) rounds out after its k-th),
+    and the final evaluation, after three misses in a row, leaves it out."""
+    from edgepfl.protocol import RefusalMeta, StatusMeta
+
+    devices = (*TRAINERS, "agent-02")  # agent-02's key is the attacker's
+    coordinator_security, agent_security = signed_fleet(tmp_path / "keys", devices)
+    # a deadline the honest devices never come near on a loaded box: the attacker's refusal is
+    # always the last answer, so which rounds ask it is the bench's doing alone
+    config = prepare(run_config(rounds=6, round_timeout_s=60, security=coordinator_security,
+                                model={"arch": "mlp", "feature_dim": 16}, data={"dataset": "digits"}), len(devices))
+    fed, out, url = config.federation, tmp_path / "run", mosquitto.url
+    attacker = Attacker(url, fed)
+    key = load_signer(agent_security["agent-02"].signing_key)
+    refused_at: list[int] = []
+
+    def refuse_late(task_frame: bytes) -> None:
+        task = decode(task_frame)
+        r = task.header.round
+        topics = [f"{attacker.base}/agents/{a}/update" for a in TRAINERS]
+
+        def others_answered() -> bool:  # the honest updates of this round went by on the broker
+            return all(any(t == topic and p and decode(p).header.round == r for t, p in list(attacker.log))
+                       for topic in topics)
+        try:
+            wait_until(lambda: attacker.drain() is not None and others_answered(), 50, what=f"round {r}'s updates")
+        except TimeoutError:
+            pass  # refused anyway: the assertions below say what it cost
+        refusal = encode(MessageType.REFUSAL, federation=fed, sender="agent-02", round=r, signer=key,
+                         meta=RefusalMeta(task_id=task.meta.task_id, reason="busy", detail="not now"))
+        attacker.publish("agents/agent-02/update", refusal)
+        refused_at.append(r)
+
+    def on_message(client, userdata, msg) -> None:
+        attacker.seen.put((msg.topic, bytes(msg.payload)))
+        if msg.topic.endswith("/agents/agent-02/task") and msg.payload:
+            threading.Thread(target=refuse_late, args=(bytes(msg.payload),), daemon=True).start()
+
+    attacker.client.on_message = on_message
+
+    def announce() -> None:
+        meta = StatusMeta(state="online", tier="trainer", num_train=100, num_test=20, session=uuid.uuid4().hex)
+        attacker.publish("agents/agent-02/status", encode(MessageType.STATUS, federation=fed, sender="agent-02",
+                                                          round=-1, meta=meta, signer=key), retain=True)
+
+    run_beside_the_attacker(config, out, url, attacker, announce, coordinator_security, agent_security)
+    rows = read_rows(out)
+    training, final = [row for row in rows if not row.final], rows[-1]
+    assert len(training) == config.rounds and final.final
+    assert all(row.participants == list(TRAINERS) and row.dropped == [] for row in training), \
+        [(row.participants, row.dropped) for row in training]
+    # one full wait per 2^(k-1) rounds: asked in rounds 0, 2, 5 and each time refused last
+    assert [row.round for row in training if "agent-02" in row.sampled] == [0, 2, 5]
+    assert [row.round for row in training if row.refused] == [0, 2, 5] == refused_at
+    assert all(row.refused == {"busy": 1} for row in training if row.refused)
+    # the final evaluation leaves out a device that kept it waiting three times in a row
+    assert final.refused == {} and "agent-02" not in final.per_client and final.evaluated == len(TRAINERS)

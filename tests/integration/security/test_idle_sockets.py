@@ -6,7 +6,10 @@ connections to the TLS port and never says a word (no credentials needed); and a
 host, which connects with its bundle's certificate. First without ``firewall.nft``, to show
 the attack works (the device is refused), then with it loaded by ``nft -f`` as the provision
 summary says: the attacker holds at most ``--connections-per-address`` sockets, and the
-device, reconnecting with an overlap as a real one does, gets in.
+device, reconnecting with an overlap as a real one does, gets in. Then from many addresses:
+eight hold 32 sockets and the device still gets in (``max_connections`` leaves room for
+``--idle-addresses`` of them); the residual — as many addresses as that room takes — locks
+it out, which is what docs/SECURITY.md states.
 """
 
 from __future__ import annotations
@@ -31,16 +34,19 @@ PORT = 8883
 #: the open ones until its stdin closes
 IDLE_SOCKETS = r"""
 import json, socket, sys, time
-host, port, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+host, port, count, sources = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:] or [None]
 held, refused = [], 0
-for _ in range(count):
-    s = socket.socket()
-    s.settimeout(5)
-    try:
-        s.connect((host, port))
-        held.append(s)
-    except OSError:
-        refused += 1
+for source in sources:  # count connections from each source address (default: the host's own)
+    for _ in range(count):
+        s = socket.socket()
+        s.settimeout(5)
+        try:
+            if source:
+                s.bind((source, 0))
+            s.connect((host, port))
+            held.append(s)
+        except OSError:
+            refused += 1
 time.sleep(1.5)  # a broker over max_connections accepts, then closes
 open_ = 0
 for s in held:
@@ -94,6 +100,7 @@ class Hosts:
         tag = f"epfl{os.getpid() % 100000}"
         self.ns = {role: f"{tag}-{role[0]}" for role in ("broker", "attacker", "device")}
         self.tag = tag
+        self._added: set[str] = set()
 
     def up(self) -> Hosts:
         b = self.ns["broker"]
@@ -109,6 +116,16 @@ class Hosts:
             sh("ip", "-n", b, "link", "set", here, "up")
             sh("ip", "-n", ns, "route", "add", "default", "via", f"{net}.1")
         return self
+
+    def attacker_addresses(self, count: int) -> list[str]:
+        """``count`` addresses of the attacker's host (its own, then more on the same link)."""
+        there = f"{self.tag}a"
+        extra = [f"10.77.1.{i}" for i in range(3, count + 2)]
+        for ip in extra:
+            if ip not in self._added:
+                sh("ip", "-n", self.ns["attacker"], "addr", "add", f"{ip}/24", "dev", there)
+                self._added.add(ip)
+        return [ATTACKER_IP, *extra]
 
     def run(self, role: str, *argv: str, **popen) -> subprocess.Popen:
         return subprocess.Popen(["ip", "netns", "exec", self.ns[role], *argv], **popen)
@@ -154,8 +171,9 @@ class Broker:
         self.proc.wait()
 
 
-def idle_sockets(hosts: Hosts, count: int) -> tuple[subprocess.Popen, dict]:
-    proc = hosts.run("attacker", sys.executable, "-c", IDLE_SOCKETS, BROKER_IP, str(PORT), str(count),
+def idle_sockets(hosts: Hosts, count: int, sources: list[str] = ()) -> tuple[subprocess.Popen, dict]:
+    """``count`` idle connections from each of ``sources`` (default: one, the attacker's address)."""
+    proc = hosts.run("attacker", sys.executable, "-c", IDLE_SOCKETS, BROKER_IP, str(PORT), str(count), *sources,
                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     return proc, json.loads(proc.stdout.readline())
@@ -173,29 +191,77 @@ def release(attacker: subprocess.Popen) -> None:
     attacker.wait()
 
 
-def test_idle_sockets_from_one_address_cannot_lock_a_device_out(tmp_path, hosts):
-    out = provision(tmp_path / "p", "--broker-host", BROKER_IP, "--bind", "0.0.0.0", agents="pi-01,pi-02")
+def max_connections(out: Path) -> int:
     conf = (out / "broker" / "mosquitto.conf").read_text()
-    max_connections = int(next(line.split()[1] for line in conf.splitlines() if line.startswith("max_connections")))
+    return int(next(line.split()[1] for line in conf.splitlines() if line.startswith("max_connections")))
+
+
+def load_firewall(hosts: Hosts, out: Path) -> None:
+    """provision's firewall.nft, loaded on the broker host as its summary says."""
+    subprocess.run(["ip", "netns", "exec", hosts.ns["broker"], "nft", "-f", str(out / "broker" / "firewall.nft")],
+                   check=True, capture_output=True)
+
+
+def test_idle_sockets_from_one_address_cannot_lock_a_device_out(tmp_path, hosts):
+    # room for 16 idle addresses, not the default 128: twice max_connections stays within one process's files
+    out = provision(tmp_path / "p", "--broker-host", BROKER_IP, "--bind", "0.0.0.0", "--idle-addresses", "16",
+                    agents="pi-01,pi-02")
+    limit = max_connections(out)
     bundle = out / "agents" / "pi-01"
     broker = Broker(hosts, out / "broker" / "mosquitto.conf")
     try:
         # without the rules: twice max_connections idle sockets, and the device is refused
-        attacker, fared = idle_sockets(hosts, 2 * max_connections)
-        assert fared["open"] >= max_connections - 1 and fared["refused"] == 0, fared
+        attacker, fared = idle_sockets(hosts, 2 * limit)
+        assert fared["open"] >= limit - 1 and fared["refused"] == 0, fared
         assert device_connects(hosts, bundle, overlapping=1) == [None]
         release(attacker)
 
-        # with provision's firewall.nft loaded on the broker host, as its summary says
-        subprocess.run(["ip", "netns", "exec", hosts.ns["broker"], "nft", "-f", str(out / "broker" / "firewall.nft")],
-                       check=True, capture_output=True)
-        attacker, fared = idle_sockets(hosts, 2 * max_connections)
+        load_firewall(hosts, out)
+        attacker, fared = idle_sockets(hosts, 2 * limit)
         try:
-            assert fared == {"open": 4, "closed_by_broker": 0, "refused": 2 * max_connections - 4}
+            assert fared == {"open": 4, "closed_by_broker": 0, "refused": 2 * limit - 4}
             # an honest device reconnecting before the broker dropped its old connection holds two: both get in
             assert device_connects(hosts, bundle, overlapping=2) == [0, 0]
         finally:
             release(attacker)
         assert f"New client connected from {DEVICE_IP}" in broker.log.read_text()
     finally:
+        broker.stop()
+
+
+def test_idle_sockets_from_eight_addresses_leave_devices_room_and_the_residual_is_as_many_as_the_room_takes(
+        tmp_path, hosts):
+    """The red team's 32 idle sockets from 8 addresses filled max_connections with the rules
+    loaded (they allow 4 per address). max_connections now leaves room for --idle-addresses
+    addresses at the per-address limit: 8 leave the device room; the documented residual,
+    about max_connections / 4 addresses at once (22 here, no client connected), locks it out."""
+    out = provision(tmp_path / "p", "--broker-host", BROKER_IP, "--bind", "0.0.0.0", "--idle-addresses", "16",
+                    agents="pi-01,pi-02")
+    limit = max_connections(out)
+    assert limit == 3 + 1 + 16 + 4 * 16  # clients, reconnect overlap, operators' tools, the room
+    bundle = out / "agents" / "pi-01"
+    broker = Broker(hosts, out / "broker" / "mosquitto.conf")
+    load_firewall(hosts, out)
+    held: list[subprocess.Popen] = []
+    try:
+        eight = hosts.attacker_addresses(8)
+        attacker, fared = idle_sockets(hosts, 8, eight)  # twice the limit from each
+        held.append(attacker)
+        assert fared == {"open": 32, "closed_by_broker": 0, "refused": 32}, fared
+        assert device_connects(hosts, bundle, overlapping=2) == [0, 0]
+
+        # the residual: addresses enough to hold every connection the broker takes (Mosquitto 2.0.11
+        # takes max_connections + 2, so max_connections / 4 + 1 of them at 4 each)
+        needed = limit // 4 + 1
+        attacker, fared = idle_sockets(hosts, 4, hosts.attacker_addresses(needed)[8:])
+        held.append(attacker)
+        assert fared["refused"] == 0 and 32 + fared["open"] >= limit, fared
+        assert device_connects(hosts, bundle, overlapping=1) == [None]
+        for proc in held:
+            release(proc)
+        held = []
+        assert device_connects(hosts, bundle, overlapping=1) == [0]  # gone with the sockets
+    finally:
+        for proc in held:
+            release(proc)
         broker.stop()

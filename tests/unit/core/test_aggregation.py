@@ -3,6 +3,8 @@ robust ones, and refusal of updates no rule should average (the hostile-fleet at
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -16,9 +18,11 @@ from edgepfl.aggregation import (
     Mean,
     MultiKrum,
     NormClippedMean,
+    OwnRecord,
     TrimmedMean,
     UpdateBound,
     capped_accuracy,
+    change_range,
     weight_cap,
 )
 
@@ -287,8 +291,8 @@ def test_a_change_past_the_fleet_multiple_is_clipped_onto_it_never_refused_and_t
     for action in ("reject", "clip"):
         rule = AggregationSpec(on_large_update=action, max_update_vs_median=3).build()
         rule.begin(ref, typical)
-        assert [rule.add(u, 100) for u in updates] == [False] * 5  # honest changes: within 3 x their median
-        assert rule.add(attacker, 100) is True  # clipped, not refused
+        assert [rule.add(u, 100) for u in updates] == [()] * 5  # honest changes: within 3 x their median
+        assert rule.add(attacker, 100) == ("max_update_vs_median",)  # clipped (naming its bound), not refused
         assert rule.change_norms_[-1] == pytest.approx(3 * typical, rel=1e-12)
         assert max(rule.change_norms_[:5]) < 3 * typical
         # the median of what was adopted: the attacker, one of six, cannot move it past the honest ones
@@ -306,16 +310,16 @@ def test_without_a_record_the_first_ratio_bounds_the_change_and_a_zero_median_bo
     for typical, first_ratio in ((None, None), (0.0, 0.01)):
         bound = UpdateBound(None, vs_median=2.0, first_ratio=first_ratio)
         bound.begin(ref, typical)
-        out, clipped, adopted = bound.apply(update)
+        out, clipped, (adopted, *_) = bound.apply(update)
         assert out is update and not clipped and adopted == pytest.approx(change)
     first = 0.5 * change / max(1.0, _norm_of(ref, PARAMETERS))  # half the change, as a ratio of the model's norm
     bound = UpdateBound(None, vs_median=2.0, first_ratio=first)
     bound.begin(ref, None)
-    out, clipped, adopted = bound.apply(update)
+    out, clipped, (adopted, *_) = bound.apply(update)
     assert clipped and adopted == pytest.approx(change / 2) == _change_norm(out, ref, PARAMETERS)
     bound = UpdateBound(None, vs_median=2.0)
     bound.begin(ref, change / 4)
-    out, clipped, adopted = bound.apply(update)
+    out, clipped, (adopted, *_) = bound.apply(update)
     assert clipped and adopted == pytest.approx(change / 2) == _change_norm(out, ref, PARAMETERS)
 
 
@@ -374,7 +378,7 @@ def test_running_statistics_of_a_skewed_honest_device_pass_untouched(action):
     bound = AggregationSpec(on_large_update=action).build().bound
     assert bound is not None
     bound.begin(ref)
-    assert bound.apply(update)[:2] == (update, False)
+    assert bound.apply(update)[:2] == (update, ())
 
 
 @pytest.mark.parametrize("action", ["reject", "clip"])
@@ -421,7 +425,7 @@ def test_a_statistic_is_clamped_inside_the_range_the_exact_sums_take_so_a_stream
     for action in ("reject", "clip"):
         rule = AggregationSpec(rule="mean", on_large_update=action, max_mean_shift=1e6, max_variance_growth=1e6).build()
         rule.begin(ref)
-        assert rule.add(update, 3) is True  # clamped (counted as clipped), not refused
+        assert rule.add(update, 3) == ("max_mean_shift", "max_variance_growth")  # clamped, not refused
         moved = rule.result()["encoder.bn.running_var"].astype(np.float64) - ref["encoder.bn.running_var"]
         assert (moved <= 64 * ref["encoder.bn.running_var"].max()).all() and (moved > 63 * ref["encoder.bn.running_var"].max()).all()
 
@@ -500,3 +504,52 @@ def test_a_device_reporting_2_to_the_53_correct_answers_cannot_set_the_federatio
     assert capped_accuracy(honest, DEFAULT_MAX_WEIGHT_RATIO) == pytest.approx(0.5)
     assert capped_accuracy(honest, None) == pytest.approx(0.5)
     assert capped_accuracy([(0, 0)], 2.0) is None
+
+
+def test_a_device_is_judged_against_its_own_record_too_parameters_and_statistics_in_their_own_units():
+    """Different is not hostile: a device whose own record shows large changes and large
+    statistics is not clipped for repeating them; past vs_median times its record (and the
+    fleet's median, and the defaults) it is, naming each bound; without a record the fleet
+    alone judges it."""
+    rng = np.random.default_rng(31)
+    ref = reference(rng)
+    base = honest(ref, rng, 1, spread=1e-3)[0]
+    typical = 0.01
+    update = {k: (ref[k] + 20 * typical / np.sqrt(ref[k].size * len(PARAMETERS)) * np.sign(v - ref[k] + 1e-12)
+                  if k in PARAMETERS else v).astype(v.dtype) for k, v in base.items()}
+    var = ref["encoder.bn.running_var"].astype(np.float64)
+    scale = var + np.median(var)
+    inside = var + (1 - 2**-16) * change_range(var)  # the exact sums' range, a hard limit
+    update["encoder.bn.running_var"] = np.full(8, 120.0, np.float32)  # past 50 x scale on some channels
+    assert (120 > 50 * scale).any() and (120 < inside).all()
+    change = _change_norm(update, ref, PARAMETERS)
+    assert 15 * typical < change < 25 * typical  # far past 5 medians
+
+    bound = AggregationSpec(max_variance_growth=50).build().bound  # a tighter clamp than the default's
+    assert bound is not None
+    bound.begin(ref, typical)
+    out, fired, record = bound.apply(update)  # no record: the fleet alone
+    assert fired == ("max_update_vs_median", "max_variance_growth")
+    assert record.change == pytest.approx(5 * typical)
+    assert record.statistics["encoder.bn."][1] == pytest.approx(float(np.max(np.minimum(120, 50 * scale))), rel=1e-6)
+
+    own = OwnRecord(change, {"encoder.bn.": (0.0, 120.0)})  # it did this before
+    out, fired, record = bound.apply(update, own)
+    assert out is update and fired == () and record.change == pytest.approx(change)
+    jumped = {**update, "encoder.bn.running_var": np.full(8, 1000.0, np.float32)}
+    jumped.update({k: (ref[k] + 10 * (update[k] - ref[k])).astype(ref[k].dtype) for k in PARAMETERS})
+    out, fired, record = bound.apply(jumped, own)  # ten times its own record: clipped onto 5 x it
+    assert fired == ("max_update_vs_median", "max_variance_growth")
+    assert record.change == pytest.approx(5 * change)
+    np.testing.assert_allclose(out["encoder.bn.running_var"], np.minimum(np.maximum(50 * scale, 600), inside),
+                               rtol=1e-6)
+
+
+def test_a_record_is_kept_as_json_and_its_typical_value_is_each_measures_lower_median():
+    records = [OwnRecord(3.0, {"bn.": (1.0, 9.0)}), OwnRecord(1.0, {"bn.": (5.0, 2.0)}),
+               OwnRecord(2.0, {"bn.": (3.0, 4.0), "bn2.": (1.0, 1.0)})]
+    kept = json.loads(json.dumps([r.to_json() for r in records]))
+    assert OwnRecord.typical(kept) == OwnRecord(2.0, {"bn.": (3.0, 4.0), "bn2.": (1.0, 1.0)})
+    assert OwnRecord.typical(kept[:2]) == OwnRecord(1.0, {"bn.": (1.0, 2.0)})  # the lower of two: one cannot raise it
+    assert OwnRecord.largest(records) == OwnRecord(3.0, {"bn.": (5.0, 9.0), "bn2.": (1.0, 1.0)})
+    assert OwnRecord.typical([]) is None and OwnRecord.largest([]) is None

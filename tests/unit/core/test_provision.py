@@ -4,6 +4,7 @@ A federation that runs on them: tests/integration/security/test_provisioned_fede
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import ssl
@@ -165,6 +166,26 @@ def test_the_broker_listens_where_the_operator_says_and_the_first_start_is_spell
         err = capsys.readouterr().err.strip()
         assert err.startswith("edgepfl provision:") and "--bind" in err and len(err.splitlines()) == 1
         assert not (tmp_path / "c" / "broker" / "mosquitto.conf").exists()
+
+
+def test_add_keeps_loopback_for_a_record_written_before_the_bind_field_and_moves_only_when_told(tmp_path, capsys):
+    """A provision.json of an earlier edgepfl has no ``bind``: ``--add`` must not open the broker
+    to every interface nobody chose (it did: 0.0.0.0); ``--add --bind`` moves it, and the record keeps that."""
+    out = provision(tmp_path / "p", "--port", "8884")
+    record = json.loads((out / "provision.json").read_text())
+    del record["bind"]
+    (out / "provision.json").write_text(json.dumps(record))
+    capsys.readouterr()
+    assert main_provision(["--add", "pi-03", "--out", str(out)]) == 0
+    assert conf_settings((out / "broker" / "mosquitto.conf").read_text())["listener"] == "8884 127.0.0.1"
+    assert "listens on 127.0.0.1:8884" in capsys.readouterr().out
+    assert main_provision(["--add", "pi-04", "--bind", "10.0.0.2", "--out", str(out)]) == 0
+    assert conf_settings((out / "broker" / "mosquitto.conf").read_text())["listener"] == "8884 10.0.0.2"
+    assert main_provision(["--add", "pi-05", "--out", str(out)]) == 0  # the record keeps the address chosen
+    assert json.loads((out / "provision.json").read_text())["bind"] == "10.0.0.2"
+    assert main_provision(["--add", "pi-06", "--bind", "eth0", "--out", str(out)]) == 2
+    assert "--bind" in capsys.readouterr().err
+    assert json.loads((out / "provision.json").read_text())["agents"][-1] == "pi-05"  # nothing written
 
 
 def test_firewall_rules_cap_connections_per_address_on_the_brokers_port(tmp_path, capsys):

@@ -148,3 +148,26 @@ def test_a_chunk_that_lies_about_its_size_is_refused_and_holds_nothing(total):
     with pytest.raises(ProtocolError) as err:
         reasm.add("s", chunk)
     assert err.value.reason == "malformed" and reasm.pending == 0 and reasm.reserved_bytes == 0
+
+
+def test_a_source_the_receiver_expects_nothing_of_reserves_nothing_and_one_it_expects_its_allowance():
+    """The coordinator's allowance (coordinator/inbox.py): eight chunks on strangers' topics
+    declaring the largest message once filled the whole budget; now they hold nothing, and an
+    expected sender holds at most its allowance, making room among its own partials only."""
+    reasm = Reassembler(max_bytes=256 * 2**20, max_buffered_bytes=2 * 2**30)
+    frame = update_frame(60_000)
+    reasm.allowance = lambda source: 2 * len(frame) if source == SLOW else 0
+    for i in range(8):
+        with pytest.raises(ProtocolError) as refused:
+            reasm.add(f"edgepfl/v1/fed1/agents/stranger-{i}/update", flood_chunk(total=256 * 2**20))
+        assert refused.value.reason == "unexpected"
+    assert reasm.reserved_bytes == 0 and reasm.dropped == {"unexpected": 8}
+    with pytest.raises(ProtocolError) as refused:  # more than its allowance: refused whole
+        reasm.add(SLOW, flood_chunk(total=2 * len(frame) + 1))
+    assert refused.value.reason == "over_budget" and reasm.reserved_bytes == 0
+    chunks = chunks_of(frame)
+    reasm.add(SLOW, flood_chunk(total=len(frame)))  # its own abandoned partial ...
+    reasm.add(SLOW, flood_chunk(total=len(frame)))
+    assert reasm.reserved_bytes == 2 * len(frame)
+    assert [reasm.add(SLOW, c) for c in chunks][-1] == frame  # ... makes room for its update
+    assert reasm.dropped["evicted"] == 1 and reasm.reserved_bytes == len(frame)
