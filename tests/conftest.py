@@ -158,6 +158,48 @@ def _edgepfl_logging_restored():
     _reset_edgepfl_logging()
 
 
+#: the trainer agents tests start through edgepfl.coordinator.simulate (spawn_agent, simulate
+#: over a broker) fork from a warm interpreter (tests/warm_cli.py); set to 1 for fresh ones
+COLD_AGENTS_ENV = "EDGEPFL_TEST_COLD_AGENTS"
+_WARM_AGENTS: list = []
+
+
+def _warm_trainer_agents() -> None:
+    """Point edgepfl.coordinator.simulate's ``subprocess`` at the warm trainer agents once it is imported."""
+    module = sys.modules.get("edgepfl.coordinator.simulate")
+    if not _WARM_AGENTS or module is None or module.subprocess is _WARM_AGENTS[0]:
+        return
+    module.subprocess = _WARM_AGENTS[0]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_trainer_agents_server():
+    """Every trainer agent process imports torch, edgepfl and (its warm-up) torch._dynamo before
+    it announces itself: seconds of CPU each, hundreds of times a suite. The server that forks
+    them instead starts with the first one and stops (killing any left) with the session."""
+    if os.environ.get(COLD_AGENTS_ENV) == "1":
+        yield
+        return
+    from tests.warm_cli import WarmTrainerAgents
+
+    _WARM_AGENTS.append(WarmTrainerAgents())
+    _warm_trainer_agents()
+    try:
+        yield
+    finally:
+        module = sys.modules.get("edgepfl.coordinator.simulate")
+        if module is not None and module.subprocess is _WARM_AGENTS[0]:
+            import subprocess
+
+            module.subprocess = subprocess
+        _WARM_AGENTS.pop().close()
+
+
+@pytest.fixture(autouse=True)
+def _trainer_agents_warm():
+    _warm_trainer_agents()  # a test module may import the simulate module late
+
+
 @pytest.fixture(scope="module")
 def ref():
     """PROTOCOL.md §14's reference codec: all an attacker (or a foreign agent) knows of edgepfl."""

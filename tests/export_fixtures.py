@@ -9,6 +9,8 @@ never take part, so they play the new client of an offline head fit.
 from __future__ import annotations
 
 import copy
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -79,14 +81,34 @@ def make_run(run_dir: Path, method_name: str, *, options: dict | None = None, ar
     return Path(run_dir)
 
 
+#: exports made in this process, by their arguments (a folder holding the run and its export):
+#: the same arguments train and export the same bits (seeded), so a later call copies them
+_EXPORTS: dict[tuple, Path] = {}
+_EXPORTS_ROOT: list[tempfile.TemporaryDirectory] = []
+
+
 def export_dir(tmp: Path, method_name: str, **kwargs) -> Path:
-    """A trained run of ``method_name`` exported with :func:`edgepfl.export.onnx_export.export_run`."""
+    """A trained run of ``method_name`` exported with :func:`edgepfl.export.onnx_export.export_run`:
+    ``tmp/run-<method>`` and ``tmp/export-<method>`` (trained once per arguments in a session, then copied)."""
     from edgepfl.export.onnx_export import export_run
 
-    run = make_run(tmp / f"run-{method_name}", method_name, **kwargs)
+    run_name, export_name = f"run-{method_name}", f"export-{method_name}"
+    key = (method_name, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+    cached = _EXPORTS.get(key)
+    if cached is not None:
+        shutil.copytree(cached / run_name, tmp / run_name)
+        shutil.copytree(cached / export_name, tmp / export_name)
+        return tmp / export_name
+    run = make_run(tmp / run_name, method_name, **kwargs)
     calibration = np.concatenate([client_data(i, kwargs.get("dataset", "digits")).x_train for i in TRAIN_CLIENTS])
-    export_run(run, tmp / f"export-{method_name}", calibration=calibration)
-    return tmp / f"export-{method_name}"
+    export_run(run, tmp / export_name, calibration=calibration)
+    if not _EXPORTS_ROOT:
+        _EXPORTS_ROOT.append(tempfile.TemporaryDirectory(prefix="edgepfl-exports-"))
+    keep = Path(_EXPORTS_ROOT[0].name) / str(len(_EXPORTS))
+    shutil.copytree(tmp / run_name, keep / run_name)
+    shutil.copytree(tmp / export_name, keep / export_name)
+    _EXPORTS[key] = keep
+    return tmp / export_name
 
 
 #: repository root, the working directory for subprocesses that import this checkout

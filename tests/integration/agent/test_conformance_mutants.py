@@ -9,15 +9,15 @@ exactly the checks that name the break failed: a break blamed on another check, 
 check failed by a break it does not name, fails the test.
 
 A head mutant runs under ``--profile head``, as a head-only device is certified: the
-profile fails it for a broken head check. The kit runs are subprocesses (``edgepfl
-conformance``), three at a time; each starts its own Mosquitto and agent processes.
+profile fails it for a broken head check. The kit runs are processes (``edgepfl
+conformance``), three at a time, forked from one interpreter that has imported torch and the
+kit already (tests/warm_cli.py); each starts its own Mosquitto and agent processes.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,6 +25,7 @@ import pytest
 
 from tests.conftest import require_mosquitto
 from tests.integration.agent.mutant_agent import MUTANTS
+from tests.warm_cli import WarmCli
 
 MUTANT_AGENT = Path(__file__).with_name("mutant_agent.py")
 
@@ -57,27 +58,35 @@ def test_every_mutant_has_an_expectation_and_the_suite_is_big_enough():
     assert len(MUTANTS) >= 15
 
 
-def _run_kit(name: str, root: Path) -> tuple[int, dict, str]:
+def _run_kit(kit: WarmCli, name: str, root: Path) -> tuple[int, dict, str]:
     scenario, _ = EXPECTED[name]
     work = root / name
     work.mkdir(parents=True)
     command = f"{{python}} {MUTANT_AGENT} {name} {{config}}"
-    argv = [sys.executable, "-m", "edgepfl", "conformance", "--workdir", str(work / "kit"),
+    argv = ["conformance", "--workdir", str(work / "kit"),
             "--json", str(work / "report.json"), "--agent-cmd", command, "--head-agent-cmd", command]
     # a head mutant is certified as a head agent (--profile head), a trainer one in its scenario alone
     argv += ["--profile", "head"] if scenario == "head" else [
         arg for other in SCENARIOS if other != scenario for arg in ("--skip", other)]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[3])
+    proc = kit.run("edgepfl", argv, timeout=900, cwd=Path(__file__).parents[3])
     report = json.loads((work / "report.json").read_text()) if (work / "report.json").exists() else {}
     return proc.returncode, report, proc.stdout[-3000:] + proc.stderr[-2000:]
 
 
 @pytest.fixture(scope="module")
-def mutant_reports(tmp_path_factory) -> dict[str, tuple[int, dict, str]]:
+def kit() -> Iterator[WarmCli]:
+    # what every kit run imports; its probe training's first optimizer imports torch._dynamo
+    with WarmCli(["torch", "torch._dynamo", "edgepfl.cli", "edgepfl.conformance.kit",
+                  "edgepfl.conformance.probes"]) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def mutant_reports(kit, tmp_path_factory) -> dict[str, tuple[int, dict, str]]:
     require_mosquitto()
     root = tmp_path_factory.mktemp("mutants")
     with ThreadPoolExecutor(max_workers=3) as pool:
-        runs = {name: pool.submit(_run_kit, name, root) for name in EXPECTED}
+        runs = {name: pool.submit(_run_kit, kit, name, root) for name in EXPECTED}
         return {name: run.result() for name, run in runs.items()}
 
 

@@ -6,9 +6,9 @@ process); every agent is a separate ``edgepfl agent`` process talking to a real
 Mosquitto. The run must produce a finite accuracy in every round, and every agent must
 have trained in every round.
 
-Agent processes cost ~15-25 s of start-up per MQTT run on a 2-core box, so the MQTT
-runs take several minutes; that is the price of proving every method, present and
-future, over a real broker.
+A fresh agent process spends 15-25 s of a loaded 2-core box importing torch before it
+announces itself; the suite's trainer agents fork from one interpreter that did that once
+(tests/warm_cli.py), so a method's run costs its rounds, a few seconds.
 """
 
 from __future__ import annotations

@@ -24,10 +24,10 @@ from edgepfl.coordinator.fleet import MqttFleet
 from edgepfl.coordinator.releases.release import CURRENT_FILE
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import data_shape, prepare, spawn_agent, stop_agents
-from edgepfl.protocol import CoordinatorMeta
+from edgepfl.protocol import AgentChannel, CoordinatorMeta, agent_topic
 from edgepfl.testing.relay import CountingRelay
 
-from tests.fleet_helpers import run_config, wait_until
+from tests.fleet_helpers import retained_state, run_config, wait_until
 
 TRAINERS = 2
 EARLY, LATE = "device-02", "device-03"  # a head agent there from the start, and one that joins later
@@ -53,6 +53,10 @@ def test_a_head_agent_downloads_each_release_once_and_nothing_after_a_restart(mo
             return spawned[-1]
 
         early = head(EARLY)
+        # joined before the run's first release: online before the coordinator starts (its
+        # trainers may well be quicker to start than a head agent)
+        wait_until(lambda: retained_state(url, agent_topic(config.federation, EARLY, AgentChannel.STATUS)) == "online",
+                   120, interval=0.5, what="the early head agent online")
         fleet = MqttFleet(config.federation, config.broker, url=url)
         late = None
         try:

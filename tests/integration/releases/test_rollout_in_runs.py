@@ -29,7 +29,10 @@ def test_the_coordinators_releases_go_by_stages_and_the_run_goes_on(mosquitto, t
     generate_keypair(keys / "coordinator.key", keys / "coordinator.pub")
     config = prepare(run_config(rounds=2, release_every=1, security=SecuritySpec(signing_key=str(keys / "coordinator.key")),
                                 rollout={"in_runs": True, "stages": [0.4, 1.0], "stage_timeout_s": 240}),
-                     TRAINERS, head_agents=HEADS)  # min_head_agents: the stages wait for all five
+                     TRAINERS, head_agents=HEADS)
+    # the stages wait for all five (prepare leaves min_head_agents at 0: without it the first
+    # release went out as soon as the trainers, quicker to start, had trained a round)
+    config = config.model_copy(update={"min_head_agents": HEADS})
     out, url = tmp_path / "run", mosquitto.url
     pinned = SecuritySpec(coordinator_key=str(keys / "coordinator.pub"))
     heads = [f"pi-{i}" for i in range(HEADS)]

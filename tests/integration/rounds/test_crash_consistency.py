@@ -7,6 +7,11 @@ point of one save (:mod:`edgepfl.failpoints`): inside an atomic write, between a
 checkpoint's two files, between a round's row, good state and checkpoint. The run is then
 resumed, and must end with the same checkpoint bits as a run never interrupted, with
 every round's row exactly once.
+
+The run never interrupted is a fresh interpreter; the killed and resumed runs are processes
+forked from one that has imported torch and edgepfl already (tests/warm_cli.py), so twenty
+runs do not pay twenty start-ups, and the final bits are still compared across interpreters
+(another string hash seed, other global random states).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +29,7 @@ import yaml
 from edgepfl.failpoints import ENV, POINTS
 
 from tests.fleet_helpers import checkpoint_tensors, read_rows, run_config
+from tests.warm_cli import WarmCli
 
 ROUNDS = 3
 #: (point, which hit of it): per training round the coordinator appends a row, keeps a good
@@ -56,13 +63,24 @@ def config_path(tmp_path_factory) -> Path:
     return path
 
 
-def simulate(config_path: Path, out: Path, *extra: str, failpoint: str | None = None) -> subprocess.CompletedProcess:
+def simulate(config_path: Path, out: Path, *extra: str, failpoint: str | None = None,
+             warm: WarmCli | None = None) -> subprocess.CompletedProcess:
+    """``edgepfl simulate`` in process with two agents: a fresh interpreter, or a child of ``warm``."""
     env = {k: v for k, v in os.environ.items() if k != ENV}
     if failpoint is not None:
         env[ENV] = failpoint
-    cmd = [sys.executable, "-m", "edgepfl.cli", "simulate", "--in-process", "--config", str(config_path),
-           "--agents", "2", "--out", str(out), *extra]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    argv = ["simulate", "--in-process", "--config", str(config_path), "--agents", "2", "--out", str(out), *extra]
+    if warm is not None:
+        return warm.run("edgepfl.cli", argv, env=env, timeout=600)
+    return subprocess.run([sys.executable, "-m", "edgepfl.cli", *argv], env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.fixture(scope="module")
+def warm() -> Iterator[WarmCli]:
+    # what every run imports; the first optimizer of a process imports torch._dynamo
+    with WarmCli(["torch", "torch._dynamo", "edgepfl.cli", "edgepfl.coordinator.simulate"]) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +93,11 @@ def uninterrupted(config_path, tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize(("point", "hit"), CASES, ids=[f"{p}:{n}" for p, n in CASES])
 def test_a_coordinator_killed_at_a_write_point_resumes_to_the_uninterrupted_final_state(
-        config_path, uninterrupted, tmp_path, point, hit):
+        config_path, uninterrupted, warm, tmp_path, point, hit):
     out = tmp_path / "run"
-    killed = simulate(config_path, out, failpoint=f"{point}:{hit}")
+    killed = simulate(config_path, out, failpoint=f"{point}:{hit}", warm=warm)
     assert killed.returncode == -signal.SIGKILL, f"never reached {point}:{hit}\n{killed.stderr[-3000:]}"
-    resumed = simulate(config_path, out, "--resume")
+    resumed = simulate(config_path, out, "--resume", warm=warm)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     final = checkpoint_tensors(out / "checkpoint")
     assert final.keys() == uninterrupted.keys()
