@@ -10,15 +10,22 @@ and its own on/off periods (online 120 s, offline 10 s on average). Per method a
   when everyone still owing an answer is offline, or at ``round_timeout_s`` with a quorum
   (a straggler's update is folded into the next round, discounted: the default);
 * ``buffered`` — FedBuff: every device trains continuously on the newest state it was
-  sent; a new state every ``--buffer`` updates, at most one per device.
+  sent; a new state every ``--buffer`` updates, at most one per device;
+* ``budget`` — buffered, each device sent at most one task per ``--task-interval`` seconds
+  (``asynchrony.min_task_interval_s``; default the synchronous run's median round time, so
+  a device sends about as often as in sync): the setting for a metered link.
 
-Both modes get the same time: the synchronous run trains ``--rounds`` rounds, the buffered
-one as many states as fit in the time that took (``time_budget_s``). The accuracy is the
-same estimator for both: after each metrics row, the mean over devices of
-each device's latest held-out accuracy (measured on the state it was last sent). Time to
-target is the first (virtual) time at which it reaches ``--target``, bytes to target
-likewise, and the final accuracy is the run's final evaluation (every device, the last
-state).
+Every mode gets the same time: the synchronous run trains ``--rounds`` rounds, the buffered
+ones as many states as fit in the time that took (``time_budget_s``). The accuracy is the
+same estimator for all: after each metrics row, the mean over devices of each device's
+latest held-out accuracy (measured on the state it was last sent), counted only once every
+device the synchronous run's final evaluation heard has reported at least once (buffered
+rounds hear from the fast devices first: a mean over them alone is not the fleet's). Time
+to target is the first (virtual) time from which it stays at or above ``--target`` to the
+run's end, bytes to target the bytes by then; ``naive`` is the first touch by whoever had
+reported, the estimator of earlier tables. Per run also: each device class's mean share of
+a state's change (the rows' ``update_share``) and the updates clipped. The final accuracy
+is the run's final evaluation (every device, the last state).
 
 Two paths, one profile:
 
@@ -30,6 +37,8 @@ Two paths, one profile:
   paths); the times are wall-clock seconds. Small fleets only: every agent is a process.
 
     python benchmarks/async_time_to_accuracy.py --devices 50 --seeds 0 1 2 --methods fedavg fedrep fedpick
+    python benchmarks/async_time_to_accuracy.py --fleet configs/sleepy_fleet.yaml --devices 40 --buffer 10 \
+        --modes buffered budget --methods fedrep fedpick --seeds 0 1 2
     python benchmarks/async_time_to_accuracy.py --path mqtt --devices 8 --always-online --seconds-per-sample 0.005 ...
 
 The first runs in about an hour on a 2-core box (two processes: ``--methods`` split, then
@@ -44,12 +53,14 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 from edgepfl.config import RunConfig, load_run_config
-from edgepfl.coordinator.simulate import simulate
+from edgepfl.coordinator.simulate import agent_ids, simulate
 from edgepfl.edge_agent.tiers import local_trainers
 from edgepfl.metrics import RoundMetrics
+from edgepfl.simulation import FleetTiming
 
 try:
     from results_io import write_results
@@ -59,8 +70,10 @@ except ImportError:  # run as a module
 FLEET_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "unequal_fleet.yaml"
 
 
-def curve(rows: list[RoundMetrics]) -> list[tuple[float, int, float]]:
-    """(cumulative seconds, cumulative bytes, mean of each device's latest accuracy) per row."""
+def curve(rows: list[RoundMetrics], fleet: Collection[str] = ()) -> list[tuple[float, int, float | None]]:
+    """(cumulative seconds, cumulative bytes, mean of each device's latest accuracy) per row;
+    the accuracy is None until every device of ``fleet`` has reported once (a mean over the
+    fast devices alone is not the fleet's: buffered rounds hear from them first)."""
     latest: dict[str, float] = {}
     t, sent, points = 0.0, 0, []
     for row in rows:
@@ -69,21 +82,49 @@ def curve(rows: list[RoundMetrics]) -> list[tuple[float, int, float]]:
         t += row.seconds
         sent += row.bytes_up + row.bytes_down
         latest.update({a: acc for a, acc in row.per_client.items() if acc is not None})
-        points.append((t, sent, sum(latest.values()) / len(latest) if latest else 0.0))
+        whole = set(fleet) <= set(latest)
+        points.append((t, sent, sum(latest.values()) / len(latest) if latest and whole else None))
     return points
 
 
-def to_target(points: list[tuple[float, int, float]], target: float) -> tuple[float | None, int | None]:
+def to_target(points: list[tuple[float, int, float | None]], target: float) -> tuple[float | None, int | None]:
+    """The first point from which the whole fleet's accuracy stays at or above ``target``
+    (a curve that touches it once and falls back has not reached it)."""
+    reached = None
     for t, sent, acc in points:
-        if acc >= target:
+        if acc is None or acc < target:
+            reached = None
+        elif reached is None:
+            reached = (t, sent)
+    return reached if reached is not None else (None, None)
+
+
+def naive_to_target(points: list[tuple[float, int, float | None]], target: float) -> tuple[float | None, int | None]:
+    """The estimator this benchmark used before: the first touch, whoever had reported."""
+    for t, sent, acc in points:
+        if acc is not None and acc >= target:
             return t, sent
     return None, None
 
 
-def fleet_config(args: argparse.Namespace, method: str, mode: str, seed: int) -> RunConfig:
-    sets = [f"method.name={method}", f"seed={seed}", f"data.seed={seed}", f"asynchrony.mode={mode}",
-            f"asynchrony.buffer_size={args.buffer}", *args.set, *(args.buffered_set if mode == "buffered" else [])]
-    config = load_run_config(FLEET_CONFIG, sets)
+def class_shares(rows: list[RoundMetrics], classes: dict[str, str]) -> dict[str, float]:
+    """Per device class, its devices' mean share of a state's change (the rows' update_share)."""
+    trained = [row for row in rows if not row.final and row.update_share]
+    shares: dict[str, float] = {name: 0.0 for name in sorted(set(classes.values()))}
+    for row in trained:
+        for agent, share in row.update_share.items():
+            shares[classes[agent]] += share / len(trained)
+    return {k: round(v, 4) for k, v in shares.items()}
+
+
+def fleet_config(args: argparse.Namespace, method: str, mode: str, seed: int,
+                 interval: float | None = None) -> RunConfig:
+    buffered = mode != "sync"
+    sets = [f"method.name={method}", f"seed={seed}", f"data.seed={seed}",
+            f"asynchrony.mode={'buffered' if buffered else 'sync'}", f"asynchrony.buffer_size={args.buffer}",
+            f"data.num_clients={args.devices}", *args.set, *(args.buffered_set if buffered else []),
+            *([f"asynchrony.min_task_interval_s={interval}"] if interval else [])]
+    config = load_run_config(args.fleet, sets)
     devices = []
     for device in config.simulation.devices:
         update: dict = {}
@@ -97,8 +138,11 @@ def fleet_config(args: argparse.Namespace, method: str, mode: str, seed: int) ->
     return config.model_copy(update={"simulation": simulation})
 
 
-def run_one(args: argparse.Namespace, method: str, mode: str, seed: int, budget: float | None = None) -> dict:
-    config = fleet_config(args, method, mode, seed)
+def run_one(args: argparse.Namespace, method: str, mode: str, seed: int, budget: float | None = None,
+            fleet: Collection[str] = (), interval: float | None = None) -> dict:
+    """One run; ``fleet``: the devices whose reports the accuracy waits for (the synchronous
+    run's final evaluation); ``interval``: buffered, each device's min_task_interval_s."""
+    config = fleet_config(args, method, mode, seed, interval)
     rounds = args.rounds
     if budget is not None:  # as many states as fit in the time the synchronous run took
         config = config.model_copy(update={"time_budget_s": budget})
@@ -112,12 +156,19 @@ def run_one(args: argparse.Namespace, method: str, mode: str, seed: int, budget:
             # one torch thread: two runs side by side on two cores do not spin against each other
             rows, _ = simulate(config, args.devices, out, in_process=local_trainers, rounds=rounds, progress=False,
                                threads=1)
-    points = curve(rows)
     final = next(r for r in rows if r.final)
+    points = curve(rows, fleet or final.per_client)
+    agents = agent_ids(args.devices)  # the names simulate gives its devices, as FleetTiming profiles them
+    classes = {a: d.profile.name for a, d in FleetTiming(config.simulation, agents, config.seed).devices.items()}
     stale = [int(k) for row in rows for k, n in row.staleness.items() for _ in range(n)]
+    sync_rounds = sorted(r.seconds for r in rows if not r.final)
     return {"method": method, "mode": mode, "seed": seed, "rows": len(points), "curve": points,
-            "final_accuracy": final.accuracy, "updates": len(stale),
-            "mean_staleness": sum(stale) / len(stale) if stale else 0.0,
+            "curve_any": curve(rows),
+            "final_accuracy": final.accuracy, "evaluated": sorted(final.per_client), "updates": len(stale),
+            "mean_staleness": sum(stale) / len(stale) if stale else 0.0, "interval_s": interval,
+            "median_row_s": sync_rounds[len(sync_rounds) // 2] if sync_rounds else None,
+            "class_share": class_shares(rows, classes),
+            "clipped": sum(len(r.clipped) for r in rows if not r.final),
             "rejected": {k: sum(r.rejected.get(k, 0) for r in rows if not r.final)
                          for k in sorted({k for r in rows if not r.final for k in r.rejected})},
             "host_wall_s": round(time.perf_counter() - w0, 1), "host_cpu_s": round(time.process_time() - c0, 1)}
@@ -132,21 +183,27 @@ def markdown(result: dict) -> str:
     unit = "virtual s" if result["path"] == "in-process" else "wall s"
     lines = ["# Time to accuracy: buffered vs synchronous rounds", "",
              f"`{result['command']}` on {result['machine']}", "",
-             f"Path: {result['path']}. Target: mean latest per-device accuracy "
-             + (f"{result['target']:.0%}" if result["target"] is not None
-                else f"{result['target_fraction']:.0%} of the synchronous run's final accuracy") + "; "
-             f"{result['devices']} devices of `configs/unequal_fleet.yaml`"
+             f"Path: {result['path']}. Fleet: {result['devices']} devices of `{result.get('fleet', FLEET_CONFIG.name)}`"
              + (" without availability periods" if result["always_online"] else "")
              + (f", {result['seconds_per_sample']} s per sample on a fast device" if result["seconds_per_sample"]
-                else "") + f"; a buffered state per {result['buffer']} updates.", "",
+                else "") + f"; a buffered state per {result['buffer']} updates. Target: "
+             + (f"{result['target']:.0%}" if result["target"] is not None
+                else f"{result['target_fraction']:.0%} of the synchronous run's final accuracy")
+             + " of the whole fleet's mean latest per-device accuracy, counted only once every device the "
+               "synchronous run's final evaluation heard has reported, and held from then on to the run's end "
+               "(`naive`: the first touch by whoever had reported, the estimator of earlier tables). "
+               "`class share`: each device class's mean share of a state's change (update_share).", "",
              f"| method | seed | mode | rows | updates | mean staleness | {unit} to target | MB to target | "
-             f"final accuracy | host CPU s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"naive {unit} | final accuracy | class share | clipped | host CPU s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for run in result["runs"]:
-        t, b = run["time_to_target"], run["bytes_to_target"]
-        lines.append(f"| {run['method']} | {run['seed']} | {run['mode']} | {run['rows']} | {run['updates']} | "
+        t, b, n = run["time_to_target"], run["bytes_to_target"], run.get("naive_time_to_target")
+        share = ", ".join(f"{k} {v:.1%}" for k, v in run.get("class_share", {}).items())
+        mode = run["mode"] + (f" ({run['interval_s']:.1f} s)" if run.get("interval_s") else "")
+        lines.append(f"| {run['method']} | {run['seed']} | {mode} | {run['rows']} | {run['updates']} | "
                      f"{run['mean_staleness']:.2f} | {'—' if t is None else f'{t:.1f}'} | "
-                     f"{'—' if b is None else f'{b / 1e6:.1f}'} | {run['final_accuracy']:.2%} | {run['host_cpu_s']} |")
+                     f"{'—' if b is None else f'{b / 1e6:.1f}'} | {'—' if n is None else f'{n:.1f}'} | "
+                     f"{run['final_accuracy']:.2%} | {share} | {run.get('clipped', 0)} | {run['host_cpu_s']} |")
     lines += ["", "| method | seed | buffered runs | target | speed-up to target (sync / buffered) | "
               "bytes to target (buffered / sync) | final accuracy difference (points) |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -161,6 +218,13 @@ def markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--path", choices=["in-process", "mqtt"], default="in-process")
+    p.add_argument("--fleet", type=Path, default=FLEET_CONFIG, help="the fleet's run config (configs/...)")
+    p.add_argument("--modes", nargs="*", default=["buffered"], choices=["buffered", "budget"],
+                   help="besides sync: buffered (FedBuff) and budget (buffered, each device at most one task per "
+                        "--task-interval)")
+    p.add_argument("--task-interval", type=float, default=None,
+                   help="budget mode's asynchrony.min_task_interval_s (default: the synchronous run's median "
+                        "round time: each device sends about as often as in sync)")
     p.add_argument("--devices", type=int, default=50)
     p.add_argument("--methods", nargs="*", default=["fedavg", "fedrep", "fedpick"])
     p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
@@ -192,6 +256,8 @@ def main(argv: list[str] | None = None) -> dict:
     given = sys.argv[1:] if argv is None else argv
     result = {"command": " ".join(["python benchmarks/async_time_to_accuracy.py", *given]),
               "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "path": args.path,
+              "fleet": str(args.fleet.resolve().relative_to(FLEET_CONFIG.parents[1])) if args.fleet.resolve()
+              .is_relative_to(FLEET_CONFIG.parents[1]) else str(args.fleet),
               "devices": args.devices, "buffer": args.buffer, "target": args.target,
               "target_fraction": args.target_fraction, "always_online": args.always_online,
               "seconds_per_sample": args.seconds_per_sample, "set": args.set, "buffered_set": args.buffered_set,
@@ -199,19 +265,31 @@ def main(argv: list[str] | None = None) -> dict:
     for method in args.methods:
         for seed in args.seeds:
             sync = run_one(args, method, "sync", seed)
-            buffered = run_one(args, method, "buffered", seed, budget=sync["curve"][-1][0])
+            fleet = sync["evaluated"]
             target = args.target if args.target is not None else args.target_fraction * sync["final_accuracy"]
-            for run in (sync, buffered):
+            others = []
+            for mode in args.modes:
+                interval = None
+                if mode == "budget":
+                    interval = args.task_interval if args.task_interval is not None else sync["median_row_s"]
+                others.append(run_one(args, method, mode, seed, budget=sync["curve"][-1][0], fleet=fleet,
+                                      interval=interval))
+            for run in (sync, *others):
                 run["target"] = target
                 run["time_to_target"], run["bytes_to_target"] = to_target(run["curve"], target)
+                run["naive_time_to_target"], _ = naive_to_target(run.pop("curve_any"), target)
                 runs.append(run)
                 print(method, seed, run["mode"], f"target {target:.4f}", run["time_to_target"],
-                      run["final_accuracy"], flush=True)
-            (ts, bs), (tb, bb) = (to_target(r["curve"], target) for r in (sync, buffered))
-            pairs.append({"method": method, "seed": seed, "target": target, "buffered": buffered_variant(result),
-                          "speedup": ts / tb if ts and tb else None,
-                          "bytes_ratio": bb / bs if bs and bb else None,
-                          "final_difference_points": 100 * (buffered["final_accuracy"] - sync["final_accuracy"])})
+                      run["bytes_to_target"], run["final_accuracy"], run["class_share"], flush=True)
+            ts, bs = sync["time_to_target"], sync["bytes_to_target"]
+            for run in others:
+                tb, bb = run["time_to_target"], run["bytes_to_target"]
+                pairs.append({"method": method, "seed": seed, "target": target,
+                              "buffered": buffered_variant(result) + (
+                                  f" interval {run['interval_s']:.1f} s" if run["interval_s"] else ""),
+                              "speedup": ts / tb if ts and tb else None,
+                              "bytes_ratio": bb / bs if bs and bb else None,
+                              "final_difference_points": 100 * (run["final_accuracy"] - sync["final_accuracy"])})
             write_results(result, args.out, markdown)  # after every pair: a long grid keeps what it measured
     return result
 

@@ -76,6 +76,8 @@ class RoundResult:
     clipped: list[str] = field(default_factory=list)
     #: those participants -> the bounds (aggregation settings) that fired
     clipped_by: dict[str, list[str]] = field(default_factory=dict)
+    #: each update's share of the adopted change (:meth:`.RoundAggregate.shares`; empty until adopted)
+    update_share: dict[str, float] = field(default_factory=dict)
     evaluations: dict[str, Evaluation] = field(default_factory=dict)
     rejected: Counter = field(default_factory=Counter)
     #: tasks refused by their agents, by reason
@@ -146,6 +148,7 @@ class RoundResult:
             trained_on=dict(sorted(self.trained_on.items())),
             clipped=sorted(self.clipped),
             clipped_by=dict(sorted(self.clipped_by.items())),
+            update_share={a: round(v, 6) for a, v in self.update_share.items()},
             sampled=self.sampled,
             evaluated=len(evals),
             dropped=sorted(self.dropped),

@@ -317,6 +317,7 @@ class Coordinator:
             return refused.reason
         self.state = self.task_writer.downlink.step(candidate, aggregate.state, tasks, result)
         self.rollback.adopted()
+        result.update_share = aggregate.shares()
         return None
 
     def _roll_back(self, r: int, reason: str) -> int | None:

@@ -172,6 +172,11 @@ class AsynchronySpec(_Strict):
     buffer_size: int = Field(10, ge=1, description="buffered: accepted updates folded into one new state (K), "
                                                      "at most one per device: keep it at or below the number of "
                                                      "trainers (a state short of it closes at round_timeout_s)")
+    min_task_interval_s: float = Field(
+        0.0, ge=0, description="buffered: a device is sent its next training task no sooner than this many seconds "
+                               "(the fleet's clock) after it was sent its last: each device's traffic is at most one "
+                               "task and one update per interval, a budget for metered links, and a fast device's "
+                               "share of the model falls toward a slow one's; 0: at once (FedBuff)")
 
 
 class CompressionSpec(_Strict):

@@ -35,7 +35,8 @@ class MetricsError(ValueError):
 
 
 #: fields rows gained after their first format; written only when they hold something
-_LATER_FIELDS = ("late", "staleness", "trained_on", "update_bytes", "task_bytes", "privacy", "secure", "clipped_by")
+_LATER_FIELDS = ("late", "staleness", "trained_on", "update_bytes", "task_bytes", "privacy", "secure", "clipped_by",
+                 "update_share")
 
 
 class PrivacyRecord(BaseModel):
@@ -133,6 +134,12 @@ class RoundMetrics(BaseModel):
         default_factory=dict, description="each clipped participant -> the aggregation settings whose bound fired "
                                           "(max_update_ratio, max_update_vs_median, max_first_update_ratio, "
                                           "max_mean_shift, max_variance_growth)")
+    update_share: dict[str, float] = Field(
+        default_factory=dict, description="each agent whose update was folded in -> its share of the round's change "
+                                          "of the shared parameters: its weight times its staleness discount over "
+                                          "the sum of the updates' weights (a weighted rule's; the shares of a "
+                                          "device class say how much of the model it moves)")
+
     def to_line(self) -> str:
         """The row as one ``metrics.jsonl`` line (with its newline)."""
         # json.dumps rather than model_dump_json: the same bytes as the rows written

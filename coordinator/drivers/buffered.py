@@ -14,7 +14,10 @@ default no update is too stale to count (the discount weighs it down, and a stat
 while a task built from it is unanswered); with ``stragglers.max_staleness`` set, an update
 trained on a state more than that many states old is rejected ``stale`` (a NACK tells the
 device), and the device is sent a fresh task. A device that restarts (a new session) is
-sent a fresh task at once.
+sent a fresh task at once. With ``asynchrony.min_task_interval_s`` a device is sent its next
+task no sooner than that long after its last: on a metered link each device costs at most
+a task and an update per interval, and the fast devices stop outvoting the slow ones by
+their number of updates (docs/BENCHMARKS.md, "Buffered rounds on a budget").
 
 On the wire nothing is new: a task's ``round`` is the number of the state it was built
 from, and a device answers it as any task. The gate checks an update against the round
@@ -54,6 +57,10 @@ class BufferedRounds:
         #: agent -> the session it announced when it was sent that task
         self._sessions: dict[str, str | None] = {}
         self._seen: tuple = ()
+        #: agent -> when (the fleet's clock) it was last sent a task (min_task_interval_s)
+        self._sent_at: dict[str, float] = {}
+        #: the earliest time a device held back by the interval may be sent its next task
+        self._next_due = float("inf")
 
     def run_round(self, v: int) -> RoundMetrics:
         """Collect updates into state ``v``'s aggregate until the buffer is full; adopt it."""
@@ -68,6 +75,8 @@ class BufferedRounds:
         self._hand_out(tasks, result)
 
         def full() -> bool:
+            if co.clock.now() >= self._next_due:
+                self._seen = ()  # a device's interval has passed: look at the fleet again
             self._hand_out(tasks, result)
             count = result.aggregate.count if result.aggregate is not None else 0
             return count >= buffer_size or (count > 0 and co.clock.now() - started > timeout)
@@ -89,6 +98,8 @@ class BufferedRounds:
         self._seen = seen
         windows = co.late_rounds()
         wrote = {*result.participants, *result.late}
+        interval, now = co.config.asynchrony.min_task_interval_s, co.clock.now()
+        self._next_due = float("inf")
         for agent_id in co.registry.eligible():
             held = self.holding.get(agent_id)
             if held is not None and self._sessions.get(agent_id) != co.registry.agents[agent_id].session:
@@ -101,7 +112,12 @@ class BufferedRounds:
             if held is tasks or agent_id in wrote or (
                     held is not None and not held.answered(agent_id) and held.round in windows):
                 continue
+            due = self._sent_at.get(agent_id, float("-inf")) + interval
+            if now < due:  # its budget: one task per interval
+                self._next_due = min(self._next_due, due)
+                continue
             self.holding[agent_id] = tasks
+            self._sent_at[agent_id] = now
             self._sessions[agent_id] = co.registry.agents[agent_id].session
             if agent_id not in result.sampled:
                 result.sampled.append(agent_id)

@@ -166,6 +166,9 @@ class RoundAggregate:
         #: per device, its last adopted updates' measures (the state's record, newest last)
         history = state.extra.get(UPDATE_HISTORY)
         self.history: dict[str, list] = {agent: list(entries) for agent, entries in (history or {}).items()}
+        #: per device, its update's weight times its staleness discount (:meth:`shares`)
+        self.weights: dict[str, float] = {}
+        self._weight_total = 0.0
         #: what each device that sent an update this round measured, as adopted
         self.records: dict[str, OwnRecord] = {}
         if self.reference:
@@ -203,10 +206,21 @@ class RoundAggregate:
             fired = self.rule.add(shared, self.method.update_weight(update), self.own_record(update.agent_id))
             if self.rule.last_record_ is not None:
                 self.records[update.agent_id] = self.rule.last_record_
+        weight = float(self.method.update_weight(update))
+        self.weights[update.agent_id] = weight * discount
+        self._weight_total += weight
         self.participants.append(update.agent_id)
         if not self.method.streaming:
             self.updates.append(update)
         return fired
+
+    def shares(self) -> dict[str, float]:
+        """Each device's share of the round's change of the shared parameters under a weighted
+        rule: its weight times its staleness discount over the sum of the updates' weights (a
+        late update's change is scaled by its discount, the sum is not). What the slow devices
+        of a buffered fleet carry is their shares' sum; a robust rule weighs by its own rules."""
+        total = self._weight_total
+        return {a: w / total for a, w in sorted(self.weights.items())} if total > 0 else {}
 
     def own_record(self, agent_id: str) -> OwnRecord | None:
         """What ``agent_id`` is judged against besides the fleet: each measure's lower median

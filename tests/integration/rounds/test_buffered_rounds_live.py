@@ -89,6 +89,42 @@ def test_by_default_no_device_is_too_slow_to_count(tmp_path):
     assert folded and min(folded) > 16  # more than the old default bound (16) allowed, and counted
 
 
+def test_a_task_interval_bounds_each_devices_traffic_and_raises_the_slow_devices_share(tmp_path):
+    """``asynchrony.min_task_interval_s``: the operator's budget on a metered link. Over the
+    same virtual time, each device is sent at most one task per interval (FedBuff sends a
+    fast device one the moment it answers), the fleet's bytes per second fall, and the slow
+    devices' share of the model's change (the rows' update_share) rises: a fast device no
+    longer outvotes a slow one by its number of updates."""
+    runs = {}
+    for name, interval in (("fedbuff", 0.0), ("budget", 2.0)):
+        config = _config(rounds=12, asynchrony={"mode": "buffered", "buffer_size": 4, "min_task_interval_s": interval})
+        rows, _ = simulate(config, 8, tmp_path / name, in_process=local_trainers, progress=False)
+        runs[name] = [row for row in rows if not row.final]
+    slow = _slow(_config())
+
+    def per_second(rows, what) -> float:
+        return sum(what(row) for row in rows) / sum(row.seconds for row in rows)
+
+    def tasks(rows, agent) -> int:
+        return sum(agent in row.sampled for row in rows)
+
+    budget, fedbuff = runs["budget"], runs["fedbuff"]
+    elapsed = sum(row.seconds for row in budget)
+    # one task per 2 s at most, whatever the device's speed
+    assert all(tasks(budget, f"agent-{i:02d}") <= elapsed / 2.0 + 1 for i in range(8))
+    assert max(tasks(fedbuff, f"agent-{i:02d}") for i in range(8)) > sum(r.seconds for r in fedbuff) / 2.0 + 1
+    assert per_second(budget, lambda r: r.bytes_up + r.bytes_down) < 0.7 * per_second(
+        fedbuff, lambda r: r.bytes_up + r.bytes_down)
+
+    def slow_share(rows) -> float:
+        return sum(v for row in rows for a, v in row.update_share.items() if a in slow) / len(rows)
+
+    # shares of each state's change: the updates folded in, each discounted by its staleness
+    assert all(set(row.update_share) == {*row.participants, *row.late} for row in budget)
+    assert all(0 < sum(row.update_share.values()) <= 1 + 1e-6 for row in budget)
+    assert slow_share(budget) > 1.5 * slow_share(fedbuff), (slow_share(budget), slow_share(fedbuff))
+
+
 def test_a_buffered_federation_over_mosquitto_with_agent_processes(mosquitto, tmp_path):
     """Real agent processes over a real broker: every state folds a full buffer of updates
     from distinct devices, tasks never cross (no ``unexpected`` answer), and the only

@@ -18,8 +18,8 @@ from edgepfl.methods import available_methods, get_method
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
-# the rest are one per method; these describe a situation (the demo; a fleet of unequal devices; a private one)
-SCENARIOS = {"demo", "unequal_fleet", "private_fleet"}
+# the rest are one per method; these describe a situation (the demo; fleets of unequal or sleepy devices; a private one)
+SCENARIOS = {"demo", "unequal_fleet", "sleepy_fleet", "private_fleet"}
 #: scenarios that set the aggregation section themselves (a secure round takes no per-update bound)
 OWN_AGGREGATION = {"private_fleet"}
 METHOD_CONFIGS = [p for p in CONFIGS if p.stem not in SCENARIOS]
