@@ -19,7 +19,13 @@ the library's with their default options; only ``aggregation.rule`` changes. Str
 * ``scale_10``: its honest change x 10;
 * ``scale_1e6``: its honest change x 10^6;
 * ``noise``, ``label_flip``: the first two with the attacker's true count, to tell what
-  the inflated count adds from what any one device of four can do.
+  the inflated count adds from what any one device of four can do;
+* ``excluded``: no attacker, the three honest devices alone (the stricter reference: the
+  attacker's own data may help or hurt the others' accuracy).
+
+``--method``: the method every device runs (default FedAvg); under a personalized method
+the rule aggregates only the shared part, and the honest accuracy is each device's own
+(personal head included).
 
 The number reported is the honest devices' accuracy on their own held-out data after the
 last round (the final evaluation), against the same rule's clean run (no attacker).
@@ -49,7 +55,7 @@ AGENTS = 4
 INFLATED = 2**24
 TARGET = 0  # the backdoor's label
 RULES = ["mean", "clipped_mean", "median", "trimmed_mean", "multi_krum"]
-STRATEGIES = ["none", "noise_2^24", "label_flip_2^24", "backdoor_2^24", "sign_flip", "scale_10", "scale_1e6",
+STRATEGIES = ["none", "excluded", "noise_2^24", "label_flip_2^24", "backdoor_2^24", "sign_flip", "scale_10", "scale_1e6",
               "noise", "label_flip"]
 
 
@@ -64,10 +70,11 @@ PROTOCOLS = {
 }
 
 
-def run_config(dataset: str, rule: str, rounds: int, seed: int, aggregation: dict | None = None) -> dict:
+def run_config(dataset: str, rule: str, rounds: int, seed: int, aggregation: dict | None = None,
+               method: str = "fedavg") -> dict:
     protocol = PROTOCOLS[dataset]
     return {
-        "federation": "poisoning", "method": {"name": "fedavg"},
+        "federation": "poisoning", "method": {"name": method},
         "model": protocol["model"], "train": protocol["train"],
         "data": {"dataset": dataset, "num_clients": AGENTS, "seed": seed, **protocol["data"]},
         "rounds": rounds, "fraction": 1.0, "seed": seed, "device": "cpu",
@@ -145,7 +152,7 @@ def poisoned_runtime(strategy: str, bound_ratio: float):
 
 
 def run_one(dataset: str, rule: str, strategy: str, rounds: int, seed: int, runs_root: Path,
-            aggregation: dict | None = None) -> dict:
+            aggregation: dict | None = None, method: str = "fedavg") -> dict:
     import torch
 
     from edgepfl.config import RunConfig, parse_config
@@ -158,7 +165,7 @@ def run_one(dataset: str, rule: str, strategy: str, rounds: int, seed: int, runs
     from edgepfl.simulation import FleetTiming
 
     torch.set_num_threads(1)
-    cfg = run_config(dataset, rule, rounds, seed, aggregation)
+    cfg = run_config(dataset, rule, rounds, seed, aggregation, method)
     try:
         config = parse_config(RunConfig, cfg, f"poisoning {dataset}/{rule}")
     except Exception as exc:  # a rule that refuses this fleet: a row of its own
@@ -168,6 +175,8 @@ def run_one(dataset: str, rule: str, strategy: str, rounds: int, seed: int, runs
     ids = agent_ids(AGENTS)
     tiers = {}
     for i, agent in enumerate(ids):
+        if strategy == "excluded" and i == 0:
+            continue  # the honest devices alone, their data as in every other run
         data, state_dir = load_client_data(config.data, i), out / "agents" / agent
         attacker = i == 0 and strategy != "none"
         if attacker:
@@ -177,7 +186,7 @@ def run_one(dataset: str, rule: str, strategy: str, rounds: int, seed: int, runs
             tier.runtime = poisoned_runtime(strategy, config.aggregation.max_update_ratio or 10.0)(
                 agent, data, state_dir, "cpu")
         tiers[agent] = tier
-    fleet = LocalFleet(tiers, config.federation, FleetTiming(config.simulation, ids, config.seed),
+    fleet = LocalFleet(tiers, config.federation, FleetTiming(config.simulation, list(tiers), config.seed),
                        epochs=config.train.epochs)
     t0 = time.monotonic()
     with simulated_time(fleet.clock.now):  # as edgepfl simulate --in-process: frames stamped in virtual time
@@ -192,6 +201,7 @@ def run_one(dataset: str, rule: str, strategy: str, rounds: int, seed: int, runs
             total += n
     record = {
         "dataset": dataset, "rule": rule, "strategy": strategy, "rounds": rounds, "seed": seed, "agents": AGENTS,
+        "method": method,
         "config": cfg, "honest_accuracy": correct / total if total else None,
         "accuracy_curve": [r.accuracy for r in rows if r.accuracy is not None],
         "rejected": {k: sum(r.rejected.get(k, 0) for r in rows) for k in sorted({k for r in rows for k in r.rejected})},
@@ -233,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rules", nargs="+", default=RULES)
     p.add_argument("--strategies", nargs="+", default=STRATEGIES)
     p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--method", default="fedavg", help="the method every device runs (the attacker's too)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--runs-root", default=str(REPO / "runs" / "poisoning"))
     p.add_argument("--skip-done", action="store_true", help="keep runs whose result JSON exists")
@@ -252,8 +263,9 @@ def main(argv: list[str] | None = None) -> int:
                     if args.skip_done and path.exists():
                         continue
                     record = run_one(dataset, rule, strategy, args.rounds, args.seed, Path(args.runs_root),
-                                     aggregation)
+                                     aggregation, args.method)
                     record["command"] = (f"OMP_NUM_THREADS=1 python research/poisoning.py --datasets {dataset} "
+                                         f"--method {args.method} "
                                          f"--rules {rule} --strategies {strategy} --rounds {args.rounds} "
                                          f"--seed {args.seed} --tag {args.tag}"
                                          + "".join(f" --aggregation {a}" for a in args.aggregation))
@@ -277,8 +289,10 @@ def markdown(result: dict) -> str:
         rounds = next(r.get("rounds") for (d, _, _), r in runs.items() if d == dataset and "rounds" in r)
         settings = ", ".join(f"{k}: {v}" for k, v in result["aggregation"].items()) or "default aggregation settings"
         arch = PROTOCOLS[dataset]["model"]["arch"].upper()
+        method = next((r.get("method", "fedavg") for (d, _, _), r in runs.items() if d == dataset), "fedavg")
         lines += [f"### {dataset}: honest devices' accuracy (%) after {rounds} rounds, 1 attacker of {AGENTS} "
-                  f"(FedAvg, {arch}, {settings}; backdoor: accuracy / attack success)", "",
+                  f"({method}, {arch}, {settings}; excluded: the 3 honest devices alone; "
+                  "backdoor: accuracy / attack success)", "",
                   "| rule | " + " | ".join(s.replace("_2^24", " @2^24") for s in STRATEGIES) + " |",
                   "|---|" + "---|" * len(STRATEGIES)]
         for rule in RULES:
