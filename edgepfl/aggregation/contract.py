@@ -270,14 +270,24 @@ class UpdateBound:
             return mine, "max_update_vs_median"
         return self.fleet_limit_, fleet_name
 
-    def apply(self, params: Mapping[str, np.ndarray], own: OwnRecord | None = None) -> Bounded:
+    def apply(self, params: Mapping[str, np.ndarray], own: OwnRecord | None = None,
+              discount: float = 1.0) -> Bounded:
         """``params`` within the bound (the same mapping when nothing is over it), the names
         of the bounds that clipped or clamped it, and what it measured as adopted; raises
         :class:`AggregationRejected` to refuse it. ``params`` must already have the
-        reference's shapes and finite values; ``own``: the sending device's record (None: none)."""
+        reference's shapes and finite values; ``own``: the sending device's record (None: none).
+
+        ``discount``: a late update's staleness discount, already applied to ``params`` (its
+        change is ``discount`` times what the device trained). The bounds relative to the
+        fleet and to the device judge the change as trained and record it so, undiscounted:
+        in buffered rounds most updates are late, and records of discounted changes made the
+        fleet's median a fraction of what any device trains, so that every fresh update of a
+        fast device looked like a jump (the absolute ``max_update_ratio`` bounds what the
+        update does to the model, discounted)."""
         clipped: dict[str, np.ndarray] = {}
         fired: list[str] = []
         change = adopted = 0.0
+        as_trained = discount if 0.0 < discount <= 1.0 else 1.0  # applied change / trained change
         if self.parameters_:
             change = adopted = _norm(np.asarray(params[k], np.float64) - self.reference_[k] for k in self.parameters_)
         if self.limit_ is not None and change > self.limit_ and self.action == "reject":
@@ -286,8 +296,8 @@ class UpdateBound:
                                 f"than {self.ratio:g} x max(1, their norm) = {self.limit_:.4g}")
         limits = [] if self.limit_ is None else [(self.limit_, "max_update_ratio")]
         relative = self.relative_limit(own)
-        if relative is not None:
-            limits.append(relative)
+        if relative is not None:  # in the units of a change as trained: as applied, discounted
+            limits.append((relative[0] * as_trained, relative[1]))
         if limits and change > min(limits)[0]:
             adopted, name = min(limits)
             fired.append(name)
@@ -317,7 +327,7 @@ class UpdateBound:
                 fired.append("max_variance_growth")
             if scale.size:  # what the device's record keeps: its largest move and variance, as adopted
                 statistics[layer] = (float(np.max(np.abs(mean - mean_ref))), float(np.max(var)))
-        record = OwnRecord(adopted, statistics)
+        record = OwnRecord(adopted / as_trained, statistics)
         if not clipped:
             return Bounded(params, (), record)
         return Bounded({**params, **clipped}, tuple(dict.fromkeys(fired)), record)
@@ -377,10 +387,11 @@ class Aggregator(ABC):
         return lower_median(self.change_norms_)
 
     def add(self, params: Mapping[str, np.ndarray], weight: int = 1,
-            own: OwnRecord | None = None) -> tuple[str, ...]:
+            own: OwnRecord | None = None, discount: float = 1.0) -> tuple[str, ...]:
         """Fold in one accepted update (same keys, shapes and dtypes as the reference); the
         names of the bounds of :attr:`bound` that clipped or clamped it first (empty: none).
-        ``own``: the sending device's record (:meth:`UpdateBound.apply`).
+        ``own``: the sending device's record; ``discount``: a late update's staleness
+        discount, already in ``params`` (:meth:`UpdateBound.apply`).
 
         Raises :class:`AggregationRejected` for an update the rule refuses; nothing of it is kept."""
         if not self.reference_:
@@ -400,7 +411,7 @@ class Aggregator(ABC):
         fired: tuple[str, ...] = ()
         record = None
         if self.bound is not None:
-            params, fired, record = self.bound.apply(params, own)
+            params, fired, record = self.bound.apply(params, own, discount)
         self._add(params, int(weight))
         self.count_ += 1
         self.bound_clipped_ += bool(fired)

@@ -112,7 +112,7 @@ class SecureMean(Aggregator):
         return None  # no update's change is seen
 
     def add(self, params: Mapping[str, np.ndarray], weight: int = 1,
-            own: OwnRecord | None = None) -> tuple[str, ...]:
+            own: OwnRecord | None = None, discount: float = 1.0) -> tuple[str, ...]:
         from edgepfl.protocol.secagg import MASKED_TENSOR
 
         if set(params) != {MASKED_TENSOR}:

@@ -302,6 +302,37 @@ def test_a_change_past_the_fleet_multiple_is_clipped_onto_it_never_refused_and_t
         assert moved <= (5 * norms[-1] + 3 * typical) / 6 + 1e-9
 
 
+def test_a_late_updates_change_is_judged_and_recorded_as_trained_not_as_discounted():
+    """Buffered rounds fold most updates in late, their changes discounted by staleness. The
+    relative bound judges and records the change as the device trained it: recorded
+    discounted, a state's median was a fraction of any device's training, and every fresh
+    update of a fast device was clipped as a jump (6-7 % of honest FedRep updates, #52)."""
+    rng = np.random.default_rng(22)
+    ref = reference(rng)
+    updates = honest(ref, rng, 5, spread=0.01)
+    typical = sorted(_change_norm(u, ref, PARAMETERS) for u in updates)[2]
+    discount = 0.2  # (1 + 24) ** -0.5: 24 states late
+
+    def discounted(u):
+        return {k: (v if k in STATISTICS else ref[k] + discount * (v - ref[k])).astype(v.dtype) for k, v in u.items()}
+
+    rule = AggregationSpec(max_update_vs_median=3).build()
+    rule.begin(ref, typical)
+    # late updates: within the bound as trained, recorded as trained
+    assert [rule.add(discounted(u), 100, discount=discount) for u in updates[:4]] == [()] * 4
+    assert rule.change_norms_ == pytest.approx([_change_norm(u, ref, PARAMETERS) for u in updates[:4]], rel=1e-6)
+    # the next state's median is the fleet's training, so a fresh update is not a jump
+    median = rule.median_change()
+    assert median == pytest.approx(sorted(_change_norm(u, ref, PARAMETERS) for u in updates[:4])[1], rel=1e-6)
+    rule.begin(ref, median)
+    assert rule.add(updates[4], 100) == ()
+    # a late update past the bound as trained is clipped onto it, discounted: it moves the
+    # model by discount x 3 x the median, and is recorded as 3 x the median
+    jump = {k: (v if k in STATISTICS else ref[k] + 50 * (v - ref[k])).astype(v.dtype) for k, v in updates[0].items()}
+    assert rule.add(discounted(jump), 100, discount=discount) == ("max_update_vs_median",)
+    assert rule.change_norms_[-1] == pytest.approx(3 * median, rel=1e-9)
+
+
 def test_without_a_record_the_first_ratio_bounds_the_change_and_a_zero_median_bounds_nothing():
     rng = np.random.default_rng(22)
     ref = reference(rng)
