@@ -34,8 +34,7 @@ except ImportError:  # run as a module
 
 AGENTS, ROUNDS = 3, 6
 TRAINING = ["data.dataset=digits", "model.arch=mlp", "model.feature_dim=32", "train.epochs=15", "train.lr=0.05",
-            "train.momentum=0.5", "train.weight_decay=0.0005", "train.batch_size=32", "data.samples_per_client=null",
-            "method.name=fedavg"]
+            "train.momentum=0.5", "train.weight_decay=0.0005", "train.batch_size=32", "data.samples_per_client=null"]
 PARTITIONS = {
     "dirichlet0.1": ["data.partition.kind=dirichlet", "data.partition.alpha=0.1"],
     "dirichlet0.3": ["data.partition.kind=dirichlet", "data.partition.alpha=0.3"],
@@ -56,9 +55,12 @@ def run(sets: list[str]) -> tuple[list, float, float]:
     return rows, time.perf_counter() - t0, time.process_time() - c0
 
 
-def one(partition: str, mode: str, seed: int) -> dict:
-    sets = [*TRAINING, *PARTITIONS[partition], *MODES[mode], f"seed={seed}", f"data.seed={seed}"]
-    rows, wall, cpu = run(sets)
+def one(partition: str, mode: str, seed: int, extra: list[str] = (), method: str = "fedavg") -> dict:
+    """One fleet of ``method`` under the defaults (with ``extra`` settings on top: then the
+    reference run is always made, without them and with the bounds off)."""
+    sets = [*TRAINING, f"method.name={method}", *PARTITIONS[partition], *MODES[mode], f"seed={seed}",
+            f"data.seed={seed}"]
+    rows, wall, cpu = run([*sets, *extra])
     training = [r for r in rows if not r.final]
     final = next(r for r in rows if r.final)
     fired: dict[str, int] = {}
@@ -68,10 +70,11 @@ def one(partition: str, mode: str, seed: int) -> dict:
                 fired[bound] = fired.get(bound, 0) + 1
     rejected = sum(n for row in training for n in row.rejected.values())
     updates = sum(len(row.participants) + len(row.late) for row in training)
-    result = {"partition": partition, "mode": mode, "seed": seed, "updates": updates,
+    result = {"partition": partition, "mode": mode, "seed": seed, "method": method, "set": list(extra),
+              "updates": updates,
               "clipped": sum(len(row.clipped) for row in training), "fired": fired, "rejected": rejected,
               "accuracy": final.per_client, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1)}
-    if fired or rejected:  # otherwise the bounds-off run is this run
+    if fired or rejected or extra:  # otherwise the bounds-off run is this run
         off_rows, wall, cpu = run([*sets, *BOUNDS_OFF])
         off = next(r for r in off_rows if r.final).per_client
         result["accuracy_bounds_off"] = off
@@ -85,10 +88,13 @@ def one(partition: str, mode: str, seed: int) -> dict:
 
 def markdown(result: dict) -> str:
     lines = ["# Honest skewed fleets under the default bounds", "", f"`{result['command']}` on {result['machine']}", "",
-             "digits MLP-BN, 3 devices, 15 local epochs, SGD lr 0.05 momentum 0.5, FedAvg, 6 rounds (buffered: "
-             "6 states of 2 updates). `clipped`: honest updates a bound clipped or clamped, of `updates`; "
-             "`worst drop`: the most any device's final accuracy fell against the same run with the bounds off "
-             "(0 when nothing fired: the runs are then identical).", "",
+             "digits MLP-BN, 3 devices, 15 local epochs, SGD lr 0.05 momentum 0.5, "
+             f"{result.get('method', 'fedavg')}, 6 rounds (buffered: 6 states of 2 updates)"
+             + (f", with {', '.join(result['set'])}" if result.get("set") else "") + ". `clipped`: honest updates a "
+             "bound clipped or clamped, of `updates`; `worst drop`: the most any device's final accuracy fell "
+             "against the same run with the bounds off"
+             + (" and without those settings" if result.get("set") else " (0 when nothing fired: the runs are then "
+                                                                         "identical)") + ".", "",
              "| labels | mode | seed | updates | clipped | bounds fired | refused | worst drop (points) | "
              "lowest device (%) | wall s | CPU s |",
              "|" + " --- |" * 11]
@@ -106,20 +112,25 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
     p.add_argument("--seeds", type=int, nargs="*", default=[0])
     p.add_argument("--out", default="benchmarks/results/honest_fleets")
+    p.add_argument("--method", default="fedavg", help="the method every run uses (FedAvg: the fleet measured)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a setting on top of the fleet's (repeatable), e.g. aggregation.rule=median or "
+                        "method.name=fedrep; each run is then compared with the same fleet without them, bounds off")
     args = p.parse_args(argv)
     runs = []
     total = len(args.partitions) * len(args.modes) * len(args.seeds)
     for partition in args.partitions:
         for mode in args.modes:
             for seed in args.seeds:
-                runs.append(one(partition, mode, seed))
+                runs.append(one(partition, mode, seed, args.set, args.method))
                 r = runs[-1]
                 print(f"[{len(runs)}/{total}] {partition} {mode} seed {seed}: clipped {r['clipped']}/{r['updates']} "
                       f"{r['fired'] or ''} refused {r['rejected']} worst drop {100 * r['worst_drop']:.1f} "
                       f"({r['wall_s']} s)", flush=True)
     given = sys.argv[1:] if argv is None else argv
     result = {"command": " ".join(["OMP_NUM_THREADS=1 python benchmarks/honest_fleets.py", *given]),
-              "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "runs": runs}
+              "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "method": args.method,
+              "set": args.set, "runs": runs}
     write_results(result, args.out, markdown)
     return result
 
