@@ -201,11 +201,12 @@ class RoundAggregate:
             fired = self.rule.add(update.tensors, self.method.update_weight(update))
         elif self.reference:
             shared = {k: v for k, v in update.tensors.items() if k in self.reference}
-            rebased = base is not None and set(shared) == set(self.reference)
-            if rebased:
+            applied = 1.0  # the share of its trained change the update carries (a late one: discounted)
+            if base is not None and set(shared) == set(self.reference):
                 shared = rebase(shared, base, self.reference, discount)
+                applied = discount
             fired = self.rule.add(shared, self.method.update_weight(update), self.own_record(update.agent_id),
-                                  discount if rebased else 1.0)
+                                  applied)
             if self.rule.last_record_ is not None:
                 self.records[update.agent_id] = self.rule.last_record_
         weight = float(self.method.update_weight(update))
