@@ -71,7 +71,10 @@ def test_poison_on_every_topic_kills_nothing_and_each_frame_is_one_rejection(mos
             attacker.publish(suffix, POISON_FRAMES[0], retain=True)
         procs = [spawn_agent(config, out, url, agent, i) for i, agent in enumerate(TRAINERS)]
         procs.append(spawn_agent(config, out, url, HEAD, len(TRAINERS), tier="head"))
-        wait_until(lambda: all(attacker.frames(f"agents/{a}/status") for a in TRAINERS), 180, what="agents' births")
+        # the head agent too: the poison below goes to its task topic live, so it must be
+        # listening (trainers forked warm come online long before a fresh head agent)
+        wait_until(lambda: all(attacker.frames(f"agents/{a}/status") for a in (*TRAINERS, HEAD)), 180,
+                   what="agents' births")
         # the enrolled agent's own retained status replaced by poison: the coordinator reads it first
         attacker.publish("agents/agent-00/status", POISON_FRAMES[0], retain=True)
 
