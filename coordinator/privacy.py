@@ -51,6 +51,8 @@ class PrivacyLedger:
             if recorded:
                 self.clip = recorded[-1].next_clip_norm or recorded[-1].clip_norm
         self._record: PrivacyRecord | None = None
+        #: the rule class ``aggregation.rule: auto`` chose last (logged when it changes)
+        self._auto_chose: type | None = None
         if events:
             log.info("privacy: %d earlier rounds spent ε = %.3f at δ = %g", len(events), self.accountant.epsilon(),
                      self.spec.delta)
@@ -60,8 +62,16 @@ class PrivacyLedger:
         trainers (:func:`~edgepfl.aggregation.round_rule` decides it), and (under DP) the
         round's record, its spend already counted."""
         spec, secure = self.spec, self.config.secure_aggregation.enabled
-        rule = round_rule(self.config.aggregation, spec, secure=secure, sampled=len(sampled), clip=self.clip,
-                          noise_seed=[seed_for(self.config.seed, round, "dp-noise")], on_next_clip=self._next_clip)
+        c = self.config
+        updates = len(sampled) if c.asynchrony.mode == "sync" else min(len(sampled), c.asynchrony.buffer_size)
+        enrolled = c.security.enrolled_dir is not None
+        rule = round_rule(c.aggregation, spec, secure=secure, sampled=len(sampled), clip=self.clip,
+                          noise_seed=[seed_for(c.seed, round, "dp-noise")], on_next_clip=self._next_clip,
+                          enrolled=enrolled, updates=updates)
+        if c.aggregation.rule == "auto" and type(rule) is not self._auto_chose:
+            self._auto_chose = type(rule)
+            log.info("round %d: aggregation.rule auto aggregates with %s (%s fleet, %d updates a round)", round,
+                     type(rule).__name__, "an enrolled" if enrolled else "an unsigned", updates)
         if spec.mechanism == "none":
             return rule, None
         epsilon = _finite(self.accountant.spend(population, len(sampled)))

@@ -237,7 +237,8 @@ class RunConfig(_Strict):
     quorum: float = Field(0.5, gt=0, le=1, description="share of sampled agents enough to close a round at timeout")
     aggregation: AggregationSpec = Field(
         default_factory=AggregationSpec,
-        description="the rule that aggregates every method's shared parameters (default: the weighted mean), "
+        description="the rule that aggregates every method's shared parameters (default auto: a robust rule for an "
+                    "enrolled fleet's small rounds, the weighted mean otherwise), "
                     "and the guard on its result (max_change_ratio, rollback_after)")
     round_timeout_s: float = Field(120.0, gt=0, description="a round closes at this deadline with whoever answered "
                                                             "(if quorum is met)")
@@ -329,7 +330,7 @@ class RunConfig(_Strict):
         if self.asynchrony.mode != "sync":
             raise ValueError(f"{mechanism} accounts rounds of sampled devices: asynchrony.mode must be "
                              "sync (a buffered state mixes updates of many rounds)")
-        if self.aggregation.rule != "mean":
+        if self.aggregation.rule not in ("mean", "auto"):
             raise ValueError(f"{mechanism} aggregates with its own clipped, noised mean: "
                              f"aggregation.rule must be mean, not {self.aggregation.rule}")
         if not get_method(self.method.name).streaming:
@@ -340,7 +341,7 @@ class RunConfig(_Strict):
         """What needs the coordinator to see single updates, refused under secure aggregation
         (docs/SECURITY.md, "Secure aggregation": what per-update defences become)."""
         why = "under secure_aggregation the coordinator sees only the sum of a round's updates"
-        if self.aggregation.rule != "mean":
+        if self.aggregation.rule not in ("mean", "auto"):
             raise ValueError(f"{why}: aggregation.rule {self.aggregation.rule} needs every update; use mean")
         if not get_method(self.method.name).streaming:
             raise ValueError(f"{why}: {self.method.name}'s server step needs every update (it is not a mean)")

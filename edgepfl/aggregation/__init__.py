@@ -44,6 +44,7 @@ from .contract import (
     DEFAULT_MAX_VARIANCE_GROWTH,
     DEFAULT_MAX_WEIGHT_RATIO,
     MAX_UPDATE_WEIGHT,
+    POSITION_SIZE,
     STATISTIC_LEAVES,
     UPDATE_HISTORY,
     UPDATE_NORM_MEDIAN,
@@ -54,7 +55,9 @@ from .contract import (
     TensorDict,
     UpdateBound,
     change_range,
+    distance,
     lower_median,
+    position,
 )
 from .dp import AdaptiveClip, GaussianMean, clip_factor
 from .means import Mean, NormClippedMean
@@ -66,11 +69,11 @@ from .weights import capped_accuracy, rebase, staleness_weight, weight_cap
 
 __all__ = [
     "AdaptiveClip", "AggregationRejected", "AggregationSpec", "Aggregator", "Bounded", "capped_accuracy",
-    "CHANGE_RANGE", "change_range", "clip_factor", "CoordinateMedian", "DEFAULT_MAX_FIRST_UPDATE_RATIO",
+    "change_range", "CHANGE_RANGE", "clip_factor", "CoordinateMedian", "DEFAULT_MAX_FIRST_UPDATE_RATIO",
     "DEFAULT_MAX_MEAN_SHIFT", "DEFAULT_MAX_UPDATE_VS_MEDIAN", "DEFAULT_MAX_VARIANCE_GROWTH",
-    "DEFAULT_MAX_WEIGHT_RATIO", "from_ring", "GaussianMean", "grid_contribution", "lower_median",
-    "MAX_SECURE_WEIGHT", "MAX_UPDATE_WEIGHT", "Mean", "MultiKrum", "NormClippedMean", "OwnRecord", "PER_UPDATE_BOUNDS",
-    "rebase", "ring_keys", "ring_size", "ring_vector", "round_rule", "Rule", "RuleName", "RULES", "SecureMean",
-    "staleness_weight", "STATISTIC_LEAVES", "TensorDict", "TrimmedMean", "UPDATE_HISTORY", "UPDATE_NORM_MEDIAN",
-    "UpdateBound", "weight_cap",
+    "DEFAULT_MAX_WEIGHT_RATIO", "distance", "from_ring", "GaussianMean", "grid_contribution", "lower_median",
+    "MAX_SECURE_WEIGHT", "MAX_UPDATE_WEIGHT", "Mean", "MultiKrum", "NormClippedMean", "OwnRecord",
+    "PER_UPDATE_BOUNDS", "position", "POSITION_SIZE", "rebase", "ring_keys", "ring_size", "ring_vector",
+    "round_rule", "Rule", "RuleName", "RULES", "SecureMean", "staleness_weight", "STATISTIC_LEAVES", "TensorDict",
+    "TrimmedMean", "UPDATE_HISTORY", "UPDATE_NORM_MEDIAN", "UpdateBound", "weight_cap",
 ]

@@ -1,6 +1,8 @@
 """Which rule aggregates a training round: :func:`round_rule`, the one place that decides.
 
-A run config names a rule (``aggregation.rule``, a row of :data:`~edgepfl.aggregation.rules.RULES`).
+A run config names a rule (``aggregation.rule``, a row of :data:`~edgepfl.aggregation.rules.RULES`),
+or ``auto`` (the default), which :meth:`~edgepfl.aggregation.AggregationSpec.resolved` turns
+into a robust rule for an enrolled fleet's small rounds and the mean otherwise.
 Two settings put another rule in a round's place:
 
 * **secure aggregation**: :class:`~edgepfl.aggregation.SecureMean`, the only rule that can
@@ -36,17 +38,21 @@ from .spec import AggregationSpec
 
 
 def round_rule(aggregation: AggregationSpec, privacy: PrivacySpec, *, secure: bool, sampled: int, clip: float,
-               noise_seed: int | list[int], on_next_clip: Callable[[float], None] | None = None) -> Aggregator:
+               noise_seed: int | list[int], on_next_clip: Callable[[float], None] | None = None,
+               enrolled: bool = False, updates: int | None = None) -> Aggregator:
     """A fresh rule for a training round of ``sampled`` agents.
 
-    ``secure``: the run's ``secure_aggregation.enabled``. Under central DP, ``clip`` is the
+    ``secure``: the run's ``secure_aggregation.enabled``; ``enrolled``: whether only
+    enrolled, signing devices are accepted (``security.enrolled_dir``), and ``updates`` how
+    many updates the round aggregates (default ``sampled``; a buffered state's: its buffer),
+    which decide what ``aggregation.rule: auto`` is. Under central DP, ``clip`` is the
     round's clip norm (``privacy.clip_norm``, or the adaptive clip the last round chose),
     ``noise_seed`` seeds the round's noise and ``on_next_clip`` is told the clip an adaptive
     clip moves to; otherwise they are not used."""
     if secure:  # masked updates: no bound can see one (config validation)
         return SecureMean(denominator=None if privacy.mechanism == "none" else sampled)
     if privacy.mechanism == "none":
-        return aggregation.build()
+        return aggregation.build(enrolled=enrolled, updates=sampled if updates is None else updates)
     noise, adaptive = privacy.noise_multiplier, None
     if privacy.adaptive_clipping is not None:
         a = privacy.adaptive_clipping

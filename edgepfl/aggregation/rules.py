@@ -38,7 +38,14 @@ RULES: Mapping[str, Rule] = {
     "multi_krum": Rule(MultiKrum, {"krum_byzantine": "byzantine", "krum_select": "select"}),
 }
 
+#: what ``aggregation.rule`` may say besides a row: let the fleet decide
+#: (:meth:`~edgepfl.aggregation.AggregationSpec.resolved`)
+AUTO = "auto"
+
 if TYPE_CHECKING:  # a Literal made from the table is not one a type checker can read
     RuleName = str
+    RuleChoice = str
 else:
     RuleName = Literal[tuple(RULES)]
+    #: the values ``aggregation.rule`` accepts: a row's name, or :data:`AUTO`
+    RuleChoice = Literal[tuple(RULES) + (AUTO,)]

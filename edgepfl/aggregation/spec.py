@@ -17,7 +17,15 @@ from .contract import (
     Aggregator,
     UpdateBound,
 )
-from .rules import RULES, RuleName
+from .rules import AUTO, RULES, RuleChoice
+
+#: ``aggregation.rule: auto`` chooses the robust rule for an enrolled fleet's rounds of at most
+#: this many updates (a larger round keeps every update in memory under it: O(updates x model);
+#: and one bounded update is a small share of a large round's mean)
+AUTO_ROBUST_MAX_UPDATES = 64
+#: ``aggregation.rule: auto``'s robust rule: at 3 or 4 updates the coordinate median, above
+#: them the mean of each coordinate's middle values (one device of a small round moves neither)
+AUTO_ROBUST_RULE = "trimmed_mean"
 
 #: the AggregationSpec fields that bound one update at a time (the coordinator must see it)
 PER_UPDATE_BOUNDS = ("max_update_ratio", "max_update_vs_median", "max_first_update_ratio", "max_mean_shift",
@@ -36,9 +44,13 @@ class AggregationSpec(BaseModel):
 
     model_config = ConfigDict(defer_build=True, extra="forbid")
 
-    rule: RuleName = Field(
-        "mean", description="mean (FedAvg; DualFed: unweighted), clipped_mean, or a robust rule: "
-                            "median, trimmed_mean, multi_krum (these three unweighted, and they buffer the round)")
+    rule: RuleChoice = Field(
+        AUTO, description="mean (FedAvg; DualFed: unweighted), clipped_mean, or a robust rule: "
+                            "median, trimmed_mean, multi_krum (these three unweighted, and they buffer the round); "
+                            f"auto: {AUTO_ROBUST_RULE} for the rounds of an enrolled fleet (security.enrolled_dir) of "
+                            f"at most {AUTO_ROBUST_MAX_UPDATES} updates, where one enrolled device is one vote; "
+                            "mean otherwise (an unsigned fleet, where anyone can send as any device; secure "
+                            "aggregation; differential privacy) - docs/SECURITY.md, \"The default rule\"")
     clip_ratio: float = Field(1.0, gt=0, description="clipped_mean: largest change norm, relative to the reference's")
     trim_fraction: float = Field(0.2, gt=0, lt=0.5, description="trimmed_mean: share cut from each end per "
                                                                  "coordinate, at least one value each end of a round "
@@ -55,9 +67,10 @@ class AggregationSpec(BaseModel):
         DEFAULT_MAX_UPDATE_VS_MEDIAN, ge=1,
         description="any rule: one update's change of the learned parameters is clipped (never refused) to at most "
                     "this times the larger of the median change of the updates the round's state was made from and "
-                    "the device's own record (its last three changes; a state without the median: "
-                    "max_first_update_ratio); the statistics' clamps widen to this times the device's own; null: no "
-                    "bound relative to the fleet or the device")
+                    "the device's own record (its last three changes, a clipped one recorded no higher than the "
+                    "record before it; a state without the median: max_first_update_ratio), plus how far the others "
+                    "moved the model since the device's last update (a device back from sleep); the statistics' "
+                    "clamps widen to this times the device's own; null: no bound relative to the fleet or the device")
     max_first_update_ratio: float | None = Field(
         DEFAULT_MAX_FIRST_UPDATE_RATIO, gt=0,
         description="with max_update_vs_median, for a state without the fleet's record (a run's first round, a state "
@@ -90,9 +103,21 @@ class AggregationSpec(BaseModel):
         3, ge=1, description="after this many aborted rounds in a row (any reason, below quorum included), go "
                              "back to the last good state: the last one a round was adopted from; null: never")
 
-    def build(self) -> Aggregator:
-        """A new aggregator for this spec, with its update bound."""
-        row = RULES[self.rule]
+    def resolved(self, *, enrolled: bool = False, updates: int = 0) -> str:
+        """The rule a round uses: :attr:`rule`, or for ``auto`` the rule for a round of
+        ``updates`` updates of a fleet that is ``enrolled`` (signed by enrolled keys):
+        :data:`AUTO_ROBUST_RULE` from 3 to :data:`AUTO_ROBUST_MAX_UPDATES` updates, ``mean``
+        otherwise. Without enrolment anyone on the broker may send as any device, so a
+        robust rule's "one device is one vote" holds for no one, while its cost to honest
+        skewed devices stays; with one or two updates there is nothing to vote."""
+        if self.rule != AUTO:
+            return self.rule
+        return AUTO_ROBUST_RULE if enrolled and 3 <= updates <= AUTO_ROBUST_MAX_UPDATES else "mean"
+
+    def build(self, *, enrolled: bool = False, updates: int = 0) -> Aggregator:
+        """A new aggregator for this spec, with its update bound; ``enrolled`` and
+        ``updates`` decide what ``auto`` is (:meth:`resolved`; by default: the mean)."""
+        row = RULES[self.resolved(enrolled=enrolled, updates=updates)]
         rule = row.build(**{keyword: getattr(self, name) for name, keyword in row.options.items()})
         bounds = (self.max_update_ratio, self.max_update_vs_median, self.max_mean_shift, self.max_variance_growth)
         if bounds != (None, None, None, None):

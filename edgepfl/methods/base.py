@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..aggregation import UPDATE_HISTORY, UPDATE_NORM_MEDIAN, Aggregator, Mean, OwnRecord, rebase
+from ..aggregation import UPDATE_HISTORY, UPDATE_NORM_MEDIAN, Aggregator, Mean, OwnRecord, position, rebase
 from ..aggregation.contract import OWN_HISTORY
 from ..heads import GENERIC_HEAD_KINDS
 from ..state import ServerState, TensorDict
@@ -171,9 +171,13 @@ class RoundAggregate:
         self._weight_total = 0.0
         #: what each device that sent an update this round measured, as adopted
         self.records: dict[str, OwnRecord] = {}
+        #: devices without a record whose update a bound clipped this round
+        self._clipped_newcomers: set[str] = set()
+        typical = state.extra.get(UPDATE_NORM_MEDIAN)
+        #: the median change of the updates ``state`` was made from (None: not recorded)
+        self.typical_change = float(typical) if isinstance(typical, (int, float)) else None
         if self.reference:
-            typical = state.extra.get(UPDATE_NORM_MEDIAN)
-            rule.begin(self.reference, float(typical) if isinstance(typical, (int, float)) else None)
+            rule.begin(self.reference, self.typical_change)
 
     @property
     def count(self) -> int:
@@ -207,8 +211,16 @@ class RoundAggregate:
                 applied = discount
             fired = self.rule.add(shared, self.method.update_weight(update), self.own_record(update.agent_id),
                                   applied)
-            if self.rule.last_record_ is not None:
-                self.records[update.agent_id] = self.rule.last_record_
+            record = self.rule.last_record_
+            if record is not None and fired:
+                # a clipped update does not raise its sender's record (OwnRecord.at_most); in the
+                # first round (no fleet median yet) close() holds it to the round's median
+                before = OwnRecord.typical(self.history.get(update.agent_id, ()))
+                record = record.at_most(before, self.typical_change)
+                if before is None:
+                    self._clipped_newcomers.add(update.agent_id)
+            if record is not None:
+                self.records[update.agent_id] = record
         weight = float(self.method.update_weight(update))
         self.weights[update.agent_id] = weight * discount
         self._weight_total += weight
@@ -255,13 +267,21 @@ class RoundAggregate:
         # median, so that a first update cannot open a wide bound for the rounds after it
         history = dict(self.history)
         bound = self.rule.bound
+        # where the new state stands: what each device's next update's drift is measured from
+        # (UpdateBound.drift: how far the others moved the model while it was away)
+        placed = None
+        if bound is not None and bound.vs_median is not None and self.records:
+            placed = position(state.shared_params(), bound.parameters_)
         first_cap = None
         if bound is not None and bound.first_limit_ and bound.vs_median is not None and typical is not None:
             first_cap = bound.vs_median * typical
         for agent, record in self.records.items():
             if first_cap is not None:
-                record = record._replace(change=min(record.change, first_cap))
-            history[agent] = (history.get(agent, []) + [record.to_json()])[-OWN_HISTORY:]
+                cap = typical if agent in self._clipped_newcomers and typical is not None else first_cap
+                record = record._replace(change=min(record.change, cap))
+            record = record._replace(position=placed)
+            # only the newest record's position is ever read (the drift since the device's last update)
+            history[agent] = ([entry[:2] for entry in history.get(agent, [])] + [record.to_json()])[-OWN_HISTORY:]
         if history:
             extra[UPDATE_HISTORY] = {agent: history[agent] for agent in sorted(history)}
         return replace(state, extra=extra)

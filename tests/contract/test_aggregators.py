@@ -21,7 +21,9 @@ from edgepfl.aggregation import (
     Aggregator,
     GaussianMean,
     Mean,
+    MultiKrum,
     SecureMean,
+    TrimmedMean,
     grid_contribution,
     ring_vector,
     round_rule,
@@ -130,7 +132,7 @@ def same_bits(a: Tensors, b: Tensors) -> bool:
 
 
 def test_the_rules_a_config_accepts_are_the_rows_of_the_table():
-    assert typing.get_args(AggregationSpec.model_fields["rule"].annotation) == tuple(RULES)
+    assert typing.get_args(AggregationSpec.model_fields["rule"].annotation) == (*RULES, "auto")
     for name, row in RULES.items():
         config = parse_config(RunConfig, {"aggregation": {"rule": name}}, "x.yaml")
         assert type(config.aggregation.build()) is row.build
@@ -237,6 +239,27 @@ def test_a_round_without_updates_has_no_result(case):
 def test_a_round_in_the_clear_without_privacy_gets_the_configured_rule(name):
     rule = round_rule(AggregationSpec(rule=name), PrivacySpec(), secure=False, sampled=4, clip=1.0, noise_seed=0)
     assert type(rule) is RULES[name].build and rule.bound is not None
+
+
+def test_the_default_rule_is_robust_for_an_enrolled_fleets_small_rounds_and_the_mean_otherwise():
+    """``aggregation.rule: auto``: one enrolled device is one vote, so an enrolled fleet's
+    rounds of 3 to 64 updates get the trimmed mean (the median at 3 and 4); an unsigned
+    fleet (anyone may send as any device), a round of one or two, a large round, secure
+    aggregation and differential privacy get the mean (or their own rule); a named rule is kept."""
+    auto = AggregationSpec()
+    assert auto.rule == "auto"
+
+    def chosen(spec=auto, privacy=None, secure=False, **kw):
+        return type(round_rule(spec, privacy or PrivacySpec(), secure=secure, sampled=kw.pop("sampled", 4), clip=1.0, noise_seed=0,
+                               **kw))
+
+    assert chosen(enrolled=True) is TrimmedMean and chosen(enrolled=True, sampled=64) is TrimmedMean
+    assert chosen(enrolled=True, sampled=200, updates=10) is TrimmedMean  # a buffered state of 10 updates
+    assert chosen() is Mean and chosen(enrolled=True, sampled=2) is Mean and chosen(enrolled=True, sampled=65) is Mean
+    assert chosen(enrolled=True, secure=True) is SecureMean
+    assert chosen(privacy=PrivacySpec(mechanism="central", clip_norm=0.5), enrolled=True) is GaussianMean
+    assert chosen(AggregationSpec(rule="mean"), enrolled=True) is Mean
+    assert chosen(AggregationSpec(rule="multi_krum"), enrolled=False) is MultiKrum
 
 
 def test_privacy_and_secure_aggregation_put_their_rule_in_the_rounds_place():

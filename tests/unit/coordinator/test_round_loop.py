@@ -546,6 +546,31 @@ def test_a_change_far_past_the_fleets_is_clipped_to_five_medians_of_the_round_be
     assert same_tensors(global_tensors(resumed), global_tensors(coord))
 
 
+def test_a_device_clipped_round_after_round_does_not_widen_its_own_bound(tmp_path):
+    """m sends the same huge change (1.0 per parameter, a hundred times a's and b's) in every
+    round. Its first update is clipped (relative to the model) and recorded as the round's
+    median, and each later one is clipped onto 5 medians and recorded no higher than its
+    record before: the shared state moves by (0.01 + 0.01 + 0.05) / 3 in every round after
+    the first. A clipped update that raised its sender's record widened the bound 5 times
+    every two rounds (noise announcing 2^24 samples took FedAvg on digits to 7.6 %)."""
+    def fleet() -> ScriptedFleet:
+        return ScriptedFleet({"a": shifted("a", 0.01), "b": shifted("b", 0.01), "m": shifted("m", 1.0)})
+
+    first = coordinator(fleet(), tmp_path, rounds=1)
+    first.run()
+    after_first = global_tensors(first)
+    coord = coordinator(fleet(), tmp_path, rounds=6)  # resumed: five more rounds
+    rows = coord.run()
+    assert [r.clipped for r in rows if not r.final] == [["m"]] * 5
+    learned = [k for k, v in after_first.items() if v.dtype.kind == "f"]
+    step = 0.01 * np.sqrt(sum(after_first[k].size for k in learned))  # one honest change's norm
+    meta = json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())
+    assert all(change <= step * 1.0001 for change, *_ in meta["server_extra"][UPDATE_HISTORY]["m"])
+    for key in learned:
+        np.testing.assert_allclose(global_tensors(coord)[key], after_first[key] + 5 * (0.01 + 0.01 + 0.05) / 3,
+                                   rtol=0, atol=1e-5)
+
+
 def test_a_device_far_from_the_fleet_round_after_round_is_judged_against_its_own_record_and_never_clipped(
         tmp_path):
     """Different is not hostile: m moves every parameter by 0.075 in every round, fifteen

@@ -50,12 +50,14 @@ def test_method_config_is_named_after_its_method_and_uses_fmnist(path):
 
 
 @pytest.mark.parametrize("path", [p for p in CONFIGS if p.stem not in OWN_AGGREGATION], ids=lambda p: p.name)
-def test_shipped_configs_aggregate_with_the_default_mean_and_guard(path):
-    """The aggregation section came later: a config without one keeps FedAvg's weighted
-    mean (DualFed: unweighted, by its update weight) and gets the default guard."""
+def test_shipped_configs_aggregate_with_the_default_rule_and_guard(path):
+    """The aggregation section came later: a config without one gets ``auto`` and the
+    default guard, which for these unsigned fleets is FedAvg's weighted mean (DualFed:
+    unweighted, by its update weight), and for the same fleet enrolled a robust rule."""
     config = load_run_config(path)
-    assert config.aggregation == AggregationSpec()
-    assert config.aggregation.rule == "mean" and config.aggregation.build().streaming
+    assert config.aggregation == AggregationSpec() and config.aggregation.rule == "auto"
+    assert config.security.enrolled_dir is None and config.aggregation.build().streaming
+    assert not config.aggregation.build(enrolled=True, updates=4).streaming
 
 
 def test_an_aggregation_section_parses(tmp_path):
