@@ -54,7 +54,7 @@ OUT_DIR = RESULTS / "poisoning"
 AGENTS = 4
 INFLATED = 2**24
 TARGET = 0  # the backdoor's label
-RULES = ["mean", "clipped_mean", "median", "trimmed_mean", "multi_krum"]
+RULES = ["mean", "clipped_mean", "median", "trimmed_mean", "multi_krum", "centered_clip"]
 STRATEGIES = ["none", "excluded", "noise_2^24", "label_flip_2^24", "backdoor_2^24", "sign_flip", "scale_10", "scale_1e6",
               "noise", "label_flip"]
 

@@ -44,7 +44,6 @@ from .contract import (
     DEFAULT_MAX_VARIANCE_GROWTH,
     DEFAULT_MAX_WEIGHT_RATIO,
     MAX_UPDATE_WEIGHT,
-    POSITION_SIZE,
     STATISTIC_LEAVES,
     UPDATE_HISTORY,
     UPDATE_NORM_MEDIAN,
@@ -55,25 +54,23 @@ from .contract import (
     TensorDict,
     UpdateBound,
     change_range,
-    distance,
     lower_median,
-    position,
 )
 from .dp import AdaptiveClip, GaussianMean, clip_factor
 from .means import Mean, NormClippedMean
-from .robust import CoordinateMedian, MultiKrum, TrimmedMean
+from .robust import CenteredClip, CoordinateMedian, MultiKrum, TrimmedMean
 from .rules import RULES, Rule, RuleName
 from .secure import MAX_SECURE_WEIGHT, SecureMean, from_ring, grid_contribution, ring_keys, ring_size, ring_vector
 from .spec import PER_UPDATE_BOUNDS, AggregationSpec
 from .weights import capped_accuracy, rebase, staleness_weight, weight_cap
 
 __all__ = [
-    "AdaptiveClip", "AggregationRejected", "AggregationSpec", "Aggregator", "Bounded", "capped_accuracy",
+    "AdaptiveClip", "AggregationRejected", "CenteredClip", "AggregationSpec", "Aggregator", "Bounded", "capped_accuracy",
     "change_range", "CHANGE_RANGE", "clip_factor", "CoordinateMedian", "DEFAULT_MAX_FIRST_UPDATE_RATIO",
     "DEFAULT_MAX_MEAN_SHIFT", "DEFAULT_MAX_UPDATE_VS_MEDIAN", "DEFAULT_MAX_VARIANCE_GROWTH",
-    "DEFAULT_MAX_WEIGHT_RATIO", "distance", "from_ring", "GaussianMean", "grid_contribution", "lower_median",
+    "DEFAULT_MAX_WEIGHT_RATIO", "from_ring", "GaussianMean", "grid_contribution", "lower_median",
     "MAX_SECURE_WEIGHT", "MAX_UPDATE_WEIGHT", "Mean", "MultiKrum", "NormClippedMean", "OwnRecord",
-    "PER_UPDATE_BOUNDS", "position", "POSITION_SIZE", "rebase", "ring_keys", "ring_size", "ring_vector",
+    "PER_UPDATE_BOUNDS", "rebase", "ring_keys", "ring_size", "ring_vector",
     "round_rule", "Rule", "RuleName", "RULES", "SecureMean", "staleness_weight", "STATISTIC_LEAVES", "TensorDict",
     "TrimmedMean", "UPDATE_HISTORY", "UPDATE_NORM_MEDIAN", "UpdateBound", "weight_cap",
 ]

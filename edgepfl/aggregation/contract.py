@@ -23,10 +23,8 @@ the reference and the reference's own record alone, never on what else arrived.
 from __future__ import annotations
 
 import math
-import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
-from functools import lru_cache
 from typing import ClassVar, Literal, NamedTuple
 
 import numpy as np
@@ -51,10 +49,6 @@ UPDATE_HISTORY = "update_history"
 #: how many of a device's own updates its record keeps; it is judged against their lower
 #: median, so one large update (honest or not) does not widen its bound on its own
 OWN_HISTORY = 3
-#: how many numbers a state's position is kept in (:func:`position`): a device's record keeps
-#: the position of the state its last update was adopted into, so that how far the model moved
-#: since can be measured without keeping that state (relative error about sqrt(2 / size))
-POSITION_SIZE = 64
 #: a running mean may move this many reference standard deviations (``max_mean_shift``);
 #: honest skewed devices measured up to 32 (benchmarks/results/honest_fleets.md)
 DEFAULT_MAX_MEAN_SHIFT = 200.0
@@ -106,39 +100,6 @@ def lower_median(values: Iterable[float]) -> float | None:
     return ordered[(len(ordered) - 1) // 2] if ordered else None
 
 
-@lru_cache(maxsize=512)
-def _sketch_plan(key: str, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each coordinate's bucket and sign for a tensor named ``key`` of ``size`` elements,
-    the same in every process (seeded by the name), so that positions from a checkpoint
-    compare with positions measured after a restart."""
-    rng = np.random.default_rng(zlib.crc32(key.encode()))
-    return (rng.integers(0, POSITION_SIZE, size, dtype=np.uint8),
-            rng.choice(np.array([-1.0, 1.0]), size))
-
-
-def position(tensors: Mapping[str, np.ndarray], keys: Iterable[str]) -> tuple[float, ...]:
-    """Where the tensors ``keys`` of ``tensors`` stand, in :data:`POSITION_SIZE` numbers (a
-    count sketch: each coordinate is added, with a sign, to one bucket chosen by the
-    tensor's name), such that ``||position(a) - position(b)||`` estimates ``||a - b||``
-    (exactly in expectation of its square). Linear, cheap (one pass over the model), and
-    small enough to keep one per device."""
-    total = np.zeros(POSITION_SIZE)
-    for key in keys:
-        x = np.asarray(tensors[key], np.float64).ravel()
-        if x.size:
-            buckets, signs = _sketch_plan(key, x.size)
-            total += np.bincount(buckets, weights=signs * x, minlength=POSITION_SIZE)
-    return tuple(float(v) for v in total)
-
-
-def distance(a: tuple[float, ...] | None, b: tuple[float, ...] | None) -> float | None:
-    """The distance between two :func:`position` s; None when either is unknown or they
-    were measured at different sizes."""
-    if a is None or b is None or len(a) != len(b):
-        return None
-    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)))
-
-
 class OwnRecord(NamedTuple):
     """What one device's adopted updates measured (:meth:`UpdateBound.apply`): the learned
     parameters' change norm and, per BatchNorm layer, the largest move of a running mean
@@ -149,35 +110,24 @@ class OwnRecord(NamedTuple):
     change: float
     #: BatchNorm layer prefix -> (largest |mean - reference mean|, largest variance) over its channels
     statistics: Mapping[str, tuple[float, float]]
-    #: the :func:`position` of the state the update went into, the round's result
-    #: (:meth:`~edgepfl.methods.RoundAggregate.close` sets it; None: not measured)
-    position: tuple[float, ...] | None = None
 
     def to_json(self) -> list:
-        """The record as ``ServerState.extra`` keeps it: ``[change, {layer: [move, variance]}]``
-        and, when measured, the position as a third element."""
-        entry = [self.change, {layer: list(pair) for layer, pair in sorted(self.statistics.items())}]
-        return entry if self.position is None else [*entry, list(self.position)]
-
-    @classmethod
-    def from_json(cls, entry) -> OwnRecord:
-        """One record as :meth:`to_json` wrote it."""
-        change, stats, *rest = entry
-        return cls(float(change), {layer: (float(move), float(var)) for layer, (move, var) in dict(stats).items()},
-                   tuple(float(v) for v in rest[0]) if rest and rest[0] is not None else None)
+        """The record as ``ServerState.extra`` keeps it: ``[change, {layer: [move, variance]}]``."""
+        return [self.change, {layer: list(pair) for layer, pair in sorted(self.statistics.items())}]
 
     @classmethod
     def typical(cls, entries: Iterable) -> OwnRecord | None:
         """Each measure's lower median over ``entries`` (a device's kept records, as
-        :meth:`to_json` writes them, oldest first), with the newest one's position; None for none."""
-        rows = [cls.from_json(entry) for entry in entries]
+        :meth:`to_json` writes them); None for none."""
+        rows = [cls(float(change), {layer: (float(move), float(var)) for layer, (move, var) in dict(stats).items()})
+                for change, stats in entries]
         if not rows:
             return None
         layers = sorted({layer for r in rows for layer in r.statistics})
         statistics = {layer: (lower_median(r.statistics[layer][0] for r in rows if layer in r.statistics) or 0.0,
                               lower_median(r.statistics[layer][1] for r in rows if layer in r.statistics) or 0.0)
                       for layer in layers}
-        return cls(lower_median(r.change for r in rows) or 0.0, statistics, rows[-1].position)
+        return cls(lower_median(r.change for r in rows) or 0.0, statistics)
 
     def at_most(self, before: OwnRecord | None, fleet_change: float | None = None) -> OwnRecord:
         """This record, no measure above ``before``'s (the device's record before the update;
@@ -197,7 +147,7 @@ class OwnRecord(NamedTuple):
             for layer, (move, var) in before.statistics.items():
                 if layer in statistics:
                     statistics[layer] = (min(statistics[layer][0], move), min(statistics[layer][1], var))
-        return OwnRecord(change, statistics, self.position)
+        return OwnRecord(change, statistics)
 
     @classmethod
     def largest(cls, records: Iterable[OwnRecord]) -> OwnRecord | None:
@@ -245,15 +195,9 @@ class UpdateBound:
     change over ``vs_median * max(typical_change, own.change)`` is clipped onto it, never
     refused, and a layer's statistics' clamps widen to ``vs_median`` times the device's own
     largest mean move and largest variance in that layer (in their own units) where those
-    are larger than the defaults above. The change may also be larger by how far the
-    model moved since the device's last update was adopted (:meth:`drift`, measured
-    between the two states' :func:`position` s): a device that was away while the fleet
-    moved the model (asleep through a hundred buffered states) returns with a personal
-    part fitted to a model that is no longer there, and its first change re-adapts to the
-    new one (measured: 8 to 10 times the fleet's median on the sleepy fleet of
-    ``configs/sleepy_fleet.yaml``). It may take the model back as far as the fleet moved it
-    without the device, no further than ``max_update_ratio``; in a synchronous fleet
-    whose devices answer every round the drift is one round's step.
+    are larger than the defaults above. A clipped or clamped update is recorded no higher
+    than the device's record before it (:meth:`OwnRecord.at_most`), so that clipping
+    never widens the next bound.
     The norm bound above is relative to the model, which an update rarely comes near; the
     fleet's median is what honest devices did one step before, so that a device that was
     typical and jumps (a sleeper, a one-shot model replacement) counts for at most
@@ -302,8 +246,6 @@ class UpdateBound:
         statistics = {layer + leaf for layer in self.layers_ for leaf in STATISTIC_LEAVES}
         self.parameters_ = [k for k, v in reference.items() if v.dtype.kind == "f" and k not in statistics]
         model_scale = max(1.0, _norm(reference[k] for k in self.parameters_))
-        #: where the reference stands (:func:`position`): what :meth:`drift` measures from
-        self.position_ = position(reference, self.parameters_) if self.vs_median is not None else None
         self.limit_ = None if self.ratio is None else self.ratio * model_scale
         # without the fleet's record, relative to the model (first_ratio); a zero median (every
         # change nothing) bounds nothing rather than freezing the model
@@ -337,16 +279,6 @@ class UpdateBound:
         return (None if move is None else np.minimum(move, _INSIDE * change_range(mean)),
                 None if largest is None else np.minimum(largest, var + _INSIDE * change_range(var)))
 
-    def drift(self, own: OwnRecord | None) -> float:
-        """How far the learned parameters moved without the device: from the state its last
-        adopted update went into (its record's :func:`position`, measured on that round's
-        result) to this round's reference, estimated from the two positions; 0 when either is
-        unknown. A device that sent an update to the state before this one has none, whatever
-        that state did, so an attacker cannot widen its own bound by moving the model; what
-        one that stays away gets is what the others moved it by meanwhile."""
-        moved = distance(self.position_, own.position if own is not None else None)
-        return 0.0 if moved is None else moved
-
     def relative_limit(self, own: OwnRecord | None = None) -> tuple[float, str] | None:
         """The clip relative to the fleet for a device whose own record is ``own`` (None:
         none), with the bound's name; None when nothing relative applies."""
@@ -360,7 +292,7 @@ class UpdateBound:
             limit, name = mine, "max_update_vs_median"
         else:
             limit, name = self.fleet_limit_, fleet_name
-        return limit + self.drift(own), name
+        return limit, name
 
     def apply(self, params: Mapping[str, np.ndarray], own: OwnRecord | None = None,
               discount: float = 1.0) -> Bounded:

@@ -1,5 +1,5 @@
 """Robust rules that need every update of the round at once (``streaming = False``):
-:class:`CoordinateMedian`, :class:`TrimmedMean`, :class:`MultiKrum`. Unweighted, since a
+:class:`CoordinateMedian`, :class:`TrimmedMean`, :class:`MultiKrum`, :class:`CenteredClip`. Unweighted, since a
 self-reported sample count is exactly what an attacker would inflate."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .contract import Aggregator, TensorDict
+from .contract import STATISTIC_LEAVES, Aggregator, TensorDict, lower_median
 
 
 class _Buffered(Aggregator):
@@ -95,3 +95,40 @@ class MultiKrum(_Buffered):
         chosen = np.argsort(scores, kind="stable")[: min(m, n)]
         return {k: self._cast(k, self._stacked(k)[chosen].mean(axis=0)) for k in keys}
 
+
+
+class CenteredClip(_Buffered):
+    """The mean of the updates, each clipped around the coordinate-wise median of the round:
+    an update's distance from the median (over the learned parameters) is cut to ``radius``
+    times the median of those distances, then the clipped updates are averaged. BatchNorm
+    running statistics take the coordinate-wise median.
+
+    One update moves the result from the median by at most ``radius`` times a typical
+    honest distance over the number of updates, whatever direction it takes; an honest
+    update that is no further from the median than the others counts whole, as in the mean
+    (the trimmed mean drops two of four). A single-round, stateless form of centered
+    clipping (Karimireddy, He and Jaggi, 2021), centred on the median rather than on a
+    momentum the coordinator would have to keep."""
+
+    def __init__(self, radius: float = 1.0):
+        super().__init__()
+        self.radius = radius
+
+    def result(self) -> TensorDict:
+        self._require_updates()
+        statistics = {k for k in self.reference_ if k.endswith(STATISTIC_LEAVES)}
+        learned = [k for k, v in self.reference_.items() if v.dtype.kind == "f" and k not in statistics]
+        out = {k: self._cast(k, np.median(self._stacked(k), axis=0)) for k in self.reference_ if k not in learned}
+        if not learned:
+            return out
+        stacks = {k: self._stacked(k) for k in learned}
+        centre = {k: np.median(v, axis=0) for k, v in stacks.items()}
+        n = self.count_
+        distances = np.sqrt(sum(np.sum((v - centre[k]).reshape(n, -1) ** 2, axis=1) for k, v in stacks.items()))
+        typical = lower_median(float(d) for d in distances) or 0.0
+        limit = self.radius * typical
+        factors = np.where(distances > limit, limit / np.maximum(distances, 1e-300), 1.0)
+        for k, v in stacks.items():
+            shape = (n,) + (1,) * (v.ndim - 1)
+            out[k] = self._cast(k, centre[k] + np.mean(factors.reshape(shape) * (v - centre[k]), axis=0))
+        return {k: out[k] for k in self.reference_}

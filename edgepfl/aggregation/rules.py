@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Literal
 
 from .contract import Aggregator
 from .means import Mean, NormClippedMean
-from .robust import CoordinateMedian, MultiKrum, TrimmedMean
+from .robust import CenteredClip, CoordinateMedian, MultiKrum, TrimmedMean
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ RULES: Mapping[str, Rule] = {
     "median": Rule(CoordinateMedian),
     "trimmed_mean": Rule(TrimmedMean, {"trim_fraction": "trim_fraction"}),
     "multi_krum": Rule(MultiKrum, {"krum_byzantine": "byzantine", "krum_select": "select"}),
+    "centered_clip": Rule(CenteredClip, {"clip_radius": "radius"}),
 }
 
 #: what ``aggregation.rule`` may say besides a row: let the fleet decide

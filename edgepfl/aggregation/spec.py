@@ -46,7 +46,8 @@ class AggregationSpec(BaseModel):
 
     rule: RuleChoice = Field(
         AUTO, description="mean (FedAvg; DualFed: unweighted), clipped_mean, or a robust rule: "
-                            "median, trimmed_mean, multi_krum (these three unweighted, and they buffer the round); "
+                            "median, trimmed_mean, multi_krum, centered_clip (these four unweighted, and they buffer "
+                            "the round); "
                             f"auto: {AUTO_ROBUST_RULE} for the rounds of an enrolled fleet (security.enrolled_dir) of "
                             f"at most {AUTO_ROBUST_MAX_UPDATES} updates, where one enrolled device is one vote; "
                             "mean otherwise (an unsigned fleet, where anyone can send as any device; secure "
@@ -55,6 +56,9 @@ class AggregationSpec(BaseModel):
     trim_fraction: float = Field(0.2, gt=0, lt=0.5, description="trimmed_mean: share cut from each end per "
                                                                  "coordinate, at least one value each end of a round "
                                                                  "of 3 or more updates")
+    clip_radius: float = Field(1.0, gt=0, description="centered_clip: how far from the round's coordinate-wise "
+                                                       "median an update may pull, in median distances of the "
+                                                       "round's updates from it")
     krum_byzantine: int = Field(1, ge=1, description="multi_krum: how many attackers to tolerate (f)")
     krum_select: int | None = Field(None, ge=1, description="multi_krum: updates averaged (m); default n - f")
     max_change_ratio: float | None = Field(
@@ -68,9 +72,8 @@ class AggregationSpec(BaseModel):
         description="any rule: one update's change of the learned parameters is clipped (never refused) to at most "
                     "this times the larger of the median change of the updates the round's state was made from and "
                     "the device's own record (its last three changes, a clipped one recorded no higher than the "
-                    "record before it; a state without the median: max_first_update_ratio), plus how far the others "
-                    "moved the model since the device's last update (a device back from sleep); the statistics' "
-                    "clamps widen to this times the device's own; null: no bound relative to the fleet or the device")
+                    "record before it; a state without the median: max_first_update_ratio); the statistics' clamps "
+                    "widen to this times the device's own; null: no bound relative to the fleet or the device")
     max_first_update_ratio: float | None = Field(
         DEFAULT_MAX_FIRST_UPDATE_RATIO, gt=0,
         description="with max_update_vs_median, for a state without the fleet's record (a run's first round, a state "

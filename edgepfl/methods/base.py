@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..aggregation import UPDATE_HISTORY, UPDATE_NORM_MEDIAN, Aggregator, Mean, OwnRecord, position, rebase
+from ..aggregation import UPDATE_HISTORY, UPDATE_NORM_MEDIAN, Aggregator, Mean, OwnRecord, rebase
 from ..aggregation.contract import OWN_HISTORY
 from ..heads import GENERIC_HEAD_KINDS
 from ..state import ServerState, TensorDict
@@ -267,11 +267,6 @@ class RoundAggregate:
         # median, so that a first update cannot open a wide bound for the rounds after it
         history = dict(self.history)
         bound = self.rule.bound
-        # where the new state stands: what each device's next update's drift is measured from
-        # (UpdateBound.drift: how far the others moved the model while it was away)
-        placed = None
-        if bound is not None and bound.vs_median is not None and self.records:
-            placed = position(state.shared_params(), bound.parameters_)
         first_cap = None
         if bound is not None and bound.first_limit_ and bound.vs_median is not None and typical is not None:
             first_cap = bound.vs_median * typical
@@ -279,9 +274,7 @@ class RoundAggregate:
             if first_cap is not None:
                 cap = typical if agent in self._clipped_newcomers and typical is not None else first_cap
                 record = record._replace(change=min(record.change, cap))
-            record = record._replace(position=placed)
-            # only the newest record's position is ever read (the drift since the device's last update)
-            history[agent] = ([entry[:2] for entry in history.get(agent, [])] + [record.to_json()])[-OWN_HISTORY:]
+            history[agent] = (history.get(agent, []) + [record.to_json()])[-OWN_HISTORY:]
         if history:
             extra[UPDATE_HISTORY] = {agent: history[agent] for agent in sorted(history)}
         return replace(state, extra=extra)

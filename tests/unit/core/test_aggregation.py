@@ -14,6 +14,7 @@ from edgepfl.aggregation import (
     DEFAULT_MAX_WEIGHT_RATIO,
     AggregationRejected,
     AggregationSpec,
+    CenteredClip,
     CoordinateMedian,
     Mean,
     MultiKrum,
@@ -23,12 +24,10 @@ from edgepfl.aggregation import (
     UpdateBound,
     capped_accuracy,
     change_range,
-    distance,
-    position,
     weight_cap,
 )
 
-RULES = ["mean", "clipped_mean", "median", "trimmed_mean", "multi_krum"]
+RULES = ["mean", "clipped_mean", "median", "trimmed_mean", "multi_krum", "centered_clip"]
 
 
 def reference(rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -586,69 +585,37 @@ def test_a_record_is_kept_as_json_and_its_typical_value_is_each_measures_lower_m
     assert OwnRecord.typical(kept[:2]) == OwnRecord(1.0, {"bn.": (1.0, 2.0)})  # the lower of two: one cannot raise it
     assert OwnRecord.largest(records) == OwnRecord(3.0, {"bn.": (5.0, 9.0), "bn2.": (1.0, 1.0)})
     assert OwnRecord.typical([]) is None and OwnRecord.largest([]) is None
-    # the newest record's position (the state its last update was adopted into) is kept with it
-    placed = json.loads(json.dumps([*kept[:2], OwnRecord(2.0, {}, (0.5, -1.0)).to_json()]))
-    assert OwnRecord.typical(placed).position == (0.5, -1.0) and OwnRecord.typical(kept).position is None
 
 
-def test_a_states_position_estimates_how_far_the_model_moved_and_is_the_same_in_every_process():
-    """Twelve pairs of models of 20,000 parameters, moved by 0.001 to 10 in norm: the
-    distance between their positions is within 40 % of the distance between the models
-    (the sketch's error is about sqrt(2 / 64) = 18 %); a position is linear, and its plan
-    is seeded by the tensors' names alone, so a restarted coordinator measures the same."""
-    from edgepfl.aggregation.contract import _sketch_plan
+def test_centered_clip_takes_honest_updates_whole_and_lets_one_reversed_update_pull_a_bounded_way():
+    """Three honest updates around a common change g and one that reverses it (-g): the
+    coordinate-wise median is the centre, the reversed update is cut to one median distance
+    from it, so the result moves from the honest mean by at most that distance over four;
+    the mean goes a long way towards -g. Updates that are equally far from the median count
+    whole: the result is their mean."""
+    rng = np.random.default_rng(3)
+    ref = {"w": np.zeros(400), "bn.running_mean": np.zeros(4), "bn.running_var": np.ones(4)}
+    g = rng.normal(0, 1, 400)
+    honest_updates = [{"w": g + rng.normal(0, 0.2, 400), "bn.running_mean": rng.normal(0, 0.1, 4),
+                       "bn.running_var": np.ones(4)} for _ in range(3)]
+    reversed_update = {"w": -g, "bn.running_mean": np.zeros(4), "bn.running_var": np.ones(4)}
 
-    rng = np.random.default_rng(5)
-    keys = ["encoder.w", "head.w"]
-    ratios = []
-    for size in (1e-3, 1e-2, 1e-1, 1.0, 10.0) * 2 + (0.5, 5.0):
-        a = {"encoder.w": rng.normal(0, 1, (100, 150)), "head.w": rng.normal(0, 1, 5000)}
-        step = {k: rng.normal(0, 1, v.shape) for k, v in a.items()}
-        scale = size / np.sqrt(sum(np.sum(v**2) for v in step.values()))
-        b = {k: a[k] + scale * step[k] for k in keys}
-        ratios.append(distance(position(a, keys), position(b, keys)) / size)
-    assert 0.6 < min(ratios) and max(ratios) < 1.4, ratios
-    both = {k: a[k] + b[k] for k in keys}
-    np.testing.assert_allclose(position(both, keys), np.add(position(a, keys), position(b, keys)), rtol=1e-9)
-    before = position(a, keys)
-    _sketch_plan.cache_clear()
-    assert position(a, keys) == before
-    assert distance(before, None) is None and distance(before, before[:10]) is None
+    def close(rule, updates):
+        rule.begin(ref)
+        for u in updates:
+            rule.add(u)
+        return rule.result()
 
-
-def test_a_device_back_after_the_model_moved_may_change_by_that_much_more_and_no_more():
-    """A device whose last update went into a state the fleet has since moved far from
-    (asleep through many buffered states) comes back with a personal part fitted to a
-    model that is gone, and its change re-adapts: measured 8-10 times the fleet's median.
-    Its clip widens by how far the others moved the model while it was away (the distance
-    from its record's position, the state its last update went into, to the reference). A
-    device whose last update went into the reference itself gets nothing, however far that
-    state moved, so an update cannot widen its sender's next bound."""
-    rng = np.random.default_rng(41)
-    ref0 = reference(rng)
-    typical = 0.01
-
-    def moved(ref, norm, seed):
-        step = {k: np.random.default_rng(seed).normal(0, 1, ref[k].shape) for k in PARAMETERS}
-        total = np.sqrt(sum(np.sum(v**2) for v in step.values()))
-        return {k: (v + norm / total * step[k]).astype(v.dtype) if k in PARAMETERS else v for k, v in ref.items()}
-
-    ref1 = moved(ref0, 12 * typical, 1)  # the others moved the model 12 medians while the device slept
-    asleep = OwnRecord(typical, {}, position(ref0, PARAMETERS))
-    update = moved(ref1, 10 * typical, 2)  # its change: 10 medians, past 5 x max(median, its own)
-    bound = UpdateBound(None, vs_median=5.0)
-    bound.begin(ref1, typical)
-    drift = bound.drift(asleep)
-    assert 0.6 * 12 * typical < drift < 1.4 * 12 * typical
-    out, fired, record = bound.apply(update, asleep)
-    assert out is update and fired == () and record.change == pytest.approx(10 * typical)
-
-    jumped = moved(ref1, 40 * typical, 3)  # past what it re-adapts by: clipped onto 5 medians + the drift
-    out, fired, record = bound.apply(jumped, asleep)
-    assert fired == ("max_update_vs_median",) and record.change == pytest.approx(5 * typical + drift)
-
-    awake = OwnRecord(typical, {}, position(ref1, PARAMETERS))  # its last update went into the reference
-    assert bound.drift(awake) == pytest.approx(0.0, abs=1e-9)
-    for own in (awake, OwnRecord(typical, {})):  # nor does a record without a position widen anything
-        _, fired, record = bound.apply(update, own)
-        assert fired == ("max_update_vs_median",) and record.change == pytest.approx(5 * typical)
+    everyone = honest_updates + [reversed_update]
+    clipped, plain = close(CenteredClip(1.0), everyone), close(Mean(), everyone)
+    honest_mean = np.mean([u["w"] for u in honest_updates], axis=0)
+    centre = np.median(np.stack([u["w"] for u in everyone]), axis=0)
+    typical = sorted(np.linalg.norm(u["w"] - centre) for u in everyone)[1]  # the lower median of four
+    assert np.linalg.norm(clipped["w"] - centre) <= typical + 1e-9
+    assert np.linalg.norm(clipped["w"] - honest_mean) < 0.3 * np.linalg.norm(plain["w"] - honest_mean)
+    assert np.dot(clipped["w"], g) > 0.5 * np.dot(honest_mean, g) > 0  # still the honest direction
+    np.testing.assert_array_equal(clipped["bn.running_mean"],
+                                  np.median(np.stack([u["bn.running_mean"] for u in everyone]), axis=0))
+    # four updates at one distance from their median (pairs mirrored around it): the mean
+    mirrored = [{"w": g * s, "bn.running_mean": np.zeros(4), "bn.running_var": np.ones(4)} for s in (1, -1, 1, -1)]
+    np.testing.assert_allclose(close(CenteredClip(1.0), mirrored)["w"], close(Mean(), mirrored)["w"], atol=1e-12)
