@@ -19,11 +19,11 @@ from edgepfl.aggregation import (
     AggregationRejected,
     AggregationSpec,
     Aggregator,
+    CenteredClip,
     GaussianMean,
     Mean,
     MultiKrum,
     SecureMean,
-    TrimmedMean,
     grid_contribution,
     ring_vector,
     round_rule,
@@ -243,7 +243,7 @@ def test_a_round_in_the_clear_without_privacy_gets_the_configured_rule(name):
 
 def test_the_default_rule_is_robust_for_an_enrolled_fleets_small_rounds_and_the_mean_otherwise():
     """``aggregation.rule: auto``: one enrolled device is one vote, so an enrolled fleet's
-    rounds of 3 to 64 updates get the trimmed mean (the median at 3 and 4); an unsigned
+    rounds of 3 to 64 updates get the centered clip; an unsigned
     fleet (anyone may send as any device), a round of one or two, a large round, secure
     aggregation and differential privacy get the mean (or their own rule); a named rule is kept."""
     auto = AggregationSpec()
@@ -253,8 +253,8 @@ def test_the_default_rule_is_robust_for_an_enrolled_fleets_small_rounds_and_the_
         return type(round_rule(spec, privacy or PrivacySpec(), secure=secure, sampled=kw.pop("sampled", 4), clip=1.0, noise_seed=0,
                                **kw))
 
-    assert chosen(enrolled=True) is TrimmedMean and chosen(enrolled=True, sampled=64) is TrimmedMean
-    assert chosen(enrolled=True, sampled=200, updates=10) is TrimmedMean  # a buffered state of 10 updates
+    assert chosen(enrolled=True) is CenteredClip and chosen(enrolled=True, sampled=64) is CenteredClip
+    assert chosen(enrolled=True, sampled=200, updates=10) is CenteredClip  # a buffered state of 10 updates
     assert chosen() is Mean and chosen(enrolled=True, sampled=2) is Mean and chosen(enrolled=True, sampled=65) is Mean
     assert chosen(enrolled=True, secure=True) is SecureMean
     assert chosen(privacy=PrivacySpec(mechanism="central", clip_norm=0.5), enrolled=True) is GaussianMean
