@@ -32,6 +32,7 @@ last round (the final evaluation), against the same rule's clean run (no attacke
 
     OMP_NUM_THREADS=1 python research/poisoning.py --datasets digits fmnist
     python research/poisoning.py --table          # the table from the JSONs
+    python research/poisoning.py --summary grid-fedavg-s0 grid-fedavg-s1 …   # the seeds' costs, one table
 
 Writes ``research/results/poisoning/<tag>/<dataset>__<rule>__<strategy>.json`` and the
 table ``research/results/poisoning/<tag>.{json,md}`` (``--tag``, default ``defaults``).
@@ -251,8 +252,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--aggregation", action="append", default=[], metavar="KEY=VALUE",
                    help="an aggregation setting on top of the defaults (repeatable), e.g. max_weight_ratio=1")
     p.add_argument("--tag", default="defaults", help="results go to research/results/poisoning/<tag>/")
+    p.add_argument("--summary", nargs="+", metavar="TAG",
+                   help="only write research/results/poisoning/summary.{json,md}: per method, dataset and rule, "
+                        "each attack's cost over the seeds of these tags (one tag per method and seed)")
     args = p.parse_args(argv)
     import yaml
+
+    if args.summary:
+        from results_io import write_results
+
+        runs = [json.loads(f.read_text()) for tag in args.summary for f in sorted((OUT_DIR / tag).glob("*.json"))]
+        write_results({"tags": args.summary, "runs": runs}, OUT_DIR / "summary", summary_markdown)
+        return 0
 
     aggregation = {k: yaml.safe_load(v) for k, _, v in (item.partition("=") for item in args.aggregation)}
     if not args.table:
@@ -280,6 +291,52 @@ def main(argv: list[str] | None = None) -> int:
                    "runs": [json.loads(p.read_text()) for p in sorted((OUT_DIR / args.tag).glob("*.json"))]},
                   OUT_DIR / args.tag, markdown)
     return 0
+
+
+#: the attacks the summary reports, beside the two references (clean: no attacker; excluded)
+SUMMARY_ATTACKS = ["noise_2^24", "label_flip_2^24", "sign_flip", "backdoor_2^24"]
+
+
+def summary_markdown(result: dict) -> str:
+    """Per method, dataset and rule: the clean accuracy over the seeds, and each attack's
+    cost against the better of clean and attacker-excluded (same rule, same seed), as the
+    worst over the seeds and their mean; backdoor: its success, the largest over the seeds."""
+    by = {}
+    for r in result["runs"]:
+        if "honest_accuracy" in r and r["honest_accuracy"] is not None:
+            by[(r.get("method", "fedavg"), r["dataset"], r["rule"], r["strategy"], r["seed"])] = r
+    combos = sorted({(m, d, rule) for m, d, rule, _, _ in by}, key=lambda c: (c[0], c[1], RULES.index(c[2])))
+    lines = ["Points lost to one attacker of four against the better of the clean run and the run without it "
+             "(same rule, same seed): worst over the seeds (mean); clean: the honest devices' accuracy without "
+             "an attacker, mean over the seeds (min-max); backdoor: its success, the largest over the seeds.", "",
+             "| method | dataset | rule | seeds | clean | " + " | ".join(a.replace("_2^24", " @2^24")
+                                                                          for a in SUMMARY_ATTACKS) + " |",
+             "|---|---|---|---|---|" + "---|" * len(SUMMARY_ATTACKS)]
+    for method, dataset, rule in combos:
+        seeds = sorted({s for m, d, ru, _, s in by if (m, d, ru) == (method, dataset, rule)})
+        clean = [by[(method, dataset, rule, "none", s)]["honest_accuracy"] for s in seeds
+                 if (method, dataset, rule, "none", s) in by]
+        cells = []
+        for attack in SUMMARY_ATTACKS:
+            costs, success = [], []
+            for s in seeds:
+                refs = [by[k]["honest_accuracy"] for k in ((method, dataset, rule, "none", s),
+                                                           (method, dataset, rule, "excluded", s)) if k in by]
+                run = by.get((method, dataset, rule, attack, s))
+                if run is None or not refs:
+                    continue
+                costs.append(100 * (max(refs) - run["honest_accuracy"]))
+                if "attack_success" in run:
+                    success.append(100 * run["attack_success"])
+            if not costs:
+                cells.append("—")
+            elif attack.startswith("backdoor"):
+                cells.append(f"{max(costs):.1f} ({np.mean(costs):.1f}); success {max(success):.0f} %")
+            else:
+                cells.append(f"{max(costs):.1f} ({np.mean(costs):.1f})")
+        span = f"{100 * np.mean(clean):.1f} ({100 * min(clean):.1f}-{100 * max(clean):.1f})" if clean else "—"
+        lines.append(f"| {method} | {dataset} | {rule} | {len(seeds)} | {span} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown(result: dict) -> str:

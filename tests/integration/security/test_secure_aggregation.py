@@ -32,7 +32,10 @@ pytest.importorskip("torch")
 
 AGENTS = 6
 KILLED = (1, 4)
-NO_BOUNDS = {"max_update_ratio": None, "max_update_vs_median": None, "max_first_update_ratio": None,
+#: the clear run is compared with the secure one's sum: both aggregate with the mean, with no
+#: per-update bound (the coordinator's in the clear; none can apply to a masked update). An
+#: enrolled fleet in the clear would default to centered_clip (aggregation.rule: auto)
+NO_BOUNDS = {"rule": "mean", "max_update_ratio": None, "max_update_vs_median": None, "max_first_update_ratio": None,
              "max_mean_shift": None, "max_variance_growth": None}
 #: the attacker's own X25519 public key (any 32 bytes serve the forgery)
 FAKE_KEY = b64(bytes(range(32)))

@@ -94,3 +94,28 @@ def test_an_adaptive_clip_follows_the_changes_round_by_round_within_the_same_eps
     noisy = RunConfig.model_validate({**adaptive(3, noise=1.0).model_dump()})
     assert [p.epsilon for p in (r.privacy for r in run(noisy, tmp_path / "noisy") if not r.final)] == pytest.approx(
         [PrivacyAccountant(noisy.privacy, [(AGENTS, 2)] * k).epsilon() for k in (1, 2, 3)])
+
+
+@pytest.mark.parametrize(("security", "mode", "sampled", "chosen"), [
+    ({}, "sync", 4, "Mean"),                                 # unsigned: anyone may send as any device
+    ({"enrolled_dir": "enrolled"}, "sync", 4, "CenteredClip"),  # enrolled: one device, one vote
+    ({"enrolled_dir": "enrolled"}, "sync", 2, "Mean"),       # nothing to vote with two
+    ({"enrolled_dir": "enrolled"}, "sync", 100, "Mean"),     # past AUTO_ROBUST_MAX_UPDATES
+    ({"enrolled_dir": "enrolled"}, "buffered", 100, "CenteredClip"),  # a buffered state holds buffer_size updates
+])
+def test_the_ledger_opens_each_round_with_the_rule_auto_chooses_for_the_fleet_and_logs_it(
+        tmp_path, caplog, security, mode, sampled, chosen):
+    """``aggregation.rule: auto`` in the round loop: what decides is the coordinator's own
+    config (``security.enrolled_dir``) and how many updates a round aggregates (a buffered
+    state: ``asynchrony.buffer_size``); the choice is logged once, when it changes."""
+    from edgepfl.coordinator.privacy import PrivacyLedger
+
+    cfg = RunConfig(federation="auto", security={k: str(tmp_path / v) for k, v in security.items()},
+                    asynchrony={"mode": mode, "buffer_size": 10})
+    ledger = PrivacyLedger(cfg, tmp_path)
+    sampled_ids = [f"d{i}" for i in range(sampled)]
+    with caplog.at_level("INFO", logger="edgepfl"):
+        rules = [ledger.open(r, sampled_ids, sampled)[0] for r in range(3)]
+    assert {type(rule).__name__ for rule in rules} == {chosen}
+    said = [m for m in caplog.messages if "aggregation.rule auto" in m]
+    assert len(said) == 1 and chosen in said[0] and ("an enrolled" in said[0]) == bool(security)
