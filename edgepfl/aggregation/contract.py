@@ -289,10 +289,8 @@ class UpdateBound:
             return None if mine is None else (mine, "max_update_vs_median")
         fleet_name = "max_first_update_ratio" if self.first_limit_ else "max_update_vs_median"
         if mine is not None and mine > self.fleet_limit_:
-            limit, name = mine, "max_update_vs_median"
-        else:
-            limit, name = self.fleet_limit_, fleet_name
-        return limit, name
+            return mine, "max_update_vs_median"
+        return self.fleet_limit_, fleet_name
 
     def apply(self, params: Mapping[str, np.ndarray], own: OwnRecord | None = None,
               discount: float = 1.0) -> Bounded:
