@@ -61,7 +61,11 @@ def spawn_skewed(config, out, url, agent_id: str, index: int, security, offset: 
 
 def test_a_clock_20_minutes_ahead_is_told_why_and_one_20_minutes_behind_after_a_restart_works(mosquitto, tmp_path):
     coordinator_security, agent_security = signed_fleet(tmp_path / "keys", AGENTS)
-    config = run_config(rounds=8, round_timeout_s=30, security=coordinator_security,
+    # quorum one of the three: agent-01 refuses every task, so when agent-02 is stopped mid-round
+    # agent-00's update alone is the quorum and the round closes on agent-02's offline status, not
+    # at twice its timeout (60 s of nothing); each round still waits for every sampled agent online,
+    # and the next one for agent-02's new process (one round timeout at most per round)
+    config = run_config(rounds=8, round_timeout_s=30, quorum=0.3, security=coordinator_security,
                         model={"arch": "mlp", "feature_dim": 16}, data={"dataset": "digits"})
     config = prepare(config, len(AGENTS))  # min_agents = 3
     out, url = tmp_path / "run", mosquitto.url
