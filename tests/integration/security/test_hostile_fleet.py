@@ -211,9 +211,10 @@ def test_an_unsigned_retained_release_does_not_crash_loop_a_head_agent_without_o
 
 
 def run_beside_the_attacker(config, out, url: str, attacker: Attacker, announce, coordinator_security,
-                            agent_security) -> None:
+                            agent_security, running: list | None = None) -> None:
     """Start the honest trainers, let the attacker ``announce`` agent-02, run the coordinator
-    to its end and take the attacker's retained status away again, whatever happened."""
+    to its end and take the attacker's retained status away again, whatever happened.
+    ``running`` is given the coordinator before it runs."""
     fed = config.federation
     procs = [spawn_agent(config, out, url, agent, i, security=agent_security[agent]) for i, agent in enumerate(TRAINERS)]
     fleet = None
@@ -222,6 +223,8 @@ def run_beside_the_attacker(config, out, url: str, attacker: Attacker, announce,
         wait_until(lambda: all(attacker.frames(f"agents/{a}/status") for a in TRAINERS), 180, what="agents' births")
         fleet = MqttFleet(fed, config.broker, url=url, security=coordinator_security)
         coordinator = Coordinator(config, fleet, out, progress=False, **data_shape(config))
+        if running is not None:
+            running.append(coordinator)
         thread, box = run_in_thread(coordinator.run)
         thread.join(timeout=900)
         assert not thread.is_alive() and "error" not in box, box.get("error")
@@ -276,17 +279,12 @@ def test_an_enrolled_device_that_announces_itself_and_never_answers_costs_a_dead
     assert all(set(row.participants) & set(TRAINERS) for row in training), [row.participants for row in training]
 
 
-#: how long the late refuser holds its refusal back once the honest updates are in: past the
-#: round's patience (a quarter of the 60 s deadline), well before the deadline
-HOLD_BACK_S = 20.0
-
-
 def test_an_enrolled_device_that_refuses_each_task_once_the_others_answered_costs_a_wait_ever_more_rarely(
         mosquitto, tmp_path):
     """The red team's bypass of the bench: with one enrolled device's key, a client answers
-    every task with a signed refusal, sent late — 20 s after the honest devices' updates are
-    in, past the round's patience of a quarter of its 60 s deadline — so the round waits for
-    it and gets nothing. A refusal used to reset the count: 8 of 9
+    every task with a signed refusal, sent late — once the round, the honest devices' updates
+    in, has waited for it alone past its patience of a quarter of its 60 s deadline — so the
+    round waits for it and gets nothing. A refusal used to reset the count: 8 of 9
     rounds waited for it, the final evaluation too. Now the round waiting for it alone is a
     miss like a timeout: it is asked in rounds 0, 2, 5 (2^(k-1) rounds out after its k-th),
     and the final evaluation, after three misses in a row, leaves it out."""
@@ -302,6 +300,14 @@ def test_an_enrolled_device_that_refuses_each_task_once_the_others_answered_cost
     attacker = Attacker(url, fed)
     key = load_signer(agent_security["agent-02"].signing_key)
     refused_at: list[int] = []
+    running: list[Coordinator] = []
+
+    def waited_past_patience(r: int) -> bool:  # the round's own reckoning (RoundTasks.held_up_by's)
+        if not running:
+            return False
+        tasks, now = running[0].inbox._tasks, running[0].clock.now()
+        return (tasks.round == r and tasks.waiting == {"agent-02"} and tasks._alone_since is not None
+                and now - tasks._alone_since >= tasks.patience_s)
 
     def refuse_late(task_frame: bytes) -> None:
         task = decode(task_frame)
@@ -315,7 +321,10 @@ def test_an_enrolled_device_that_refuses_each_task_once_the_others_answered_cost
             wait_until(lambda: attacker.drain() is not None and others_answered(), 50, what=f"round {r}'s updates")
         except TimeoutError:
             pass  # refused anyway: the assertions below say what it cost
-        time.sleep(HOLD_BACK_S)  # the round waits for it alone, past its patience
+        try:  # the round waits for it alone, past its patience (a quarter of the deadline, 15 s)
+            wait_until(lambda: waited_past_patience(r), 50, interval=0.1, what=f"round {r} waiting past its patience")
+        except TimeoutError:
+            pass  # refused anyway: the assertions below say what it cost
         refusal = encode(MessageType.REFUSAL, federation=fed, sender="agent-02", round=r, signer=key,
                          meta=RefusalMeta(task_id=task.meta.task_id, reason="busy", detail="not now"))
         attacker.publish("agents/agent-02/update", refusal)
@@ -333,7 +342,7 @@ def test_an_enrolled_device_that_refuses_each_task_once_the_others_answered_cost
         attacker.publish("agents/agent-02/status", encode(MessageType.STATUS, federation=fed, sender="agent-02",
                                                           round=-1, meta=meta, signer=key), retain=True)
 
-    run_beside_the_attacker(config, out, url, attacker, announce, coordinator_security, agent_security)
+    run_beside_the_attacker(config, out, url, attacker, announce, coordinator_security, agent_security, running)
     rows = read_rows(out)
     training, final = [row for row in rows if not row.final], rows[-1]
     assert len(training) == config.rounds and final.final
