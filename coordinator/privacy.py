@@ -15,7 +15,7 @@ import logging
 import math
 from pathlib import Path
 
-from edgepfl.aggregation import Aggregator, round_rule
+from edgepfl.aggregation import AUTO, Aggregator, round_rule
 from edgepfl.config import RunConfig
 from edgepfl.errors import require_installed
 from edgepfl.metrics import MetricsError, PrivacyRecord, RoundMetrics, read_metrics
@@ -68,7 +68,7 @@ class PrivacyLedger:
         rule = round_rule(c.aggregation, spec, secure=secure, sampled=len(sampled), clip=self.clip,
                           noise_seed=[seed_for(c.seed, round, "dp-noise")], on_next_clip=self._next_clip,
                           enrolled=enrolled, updates=updates)
-        if c.aggregation.rule == "auto" and type(rule) is not self._auto_chose:
+        if c.aggregation.rule == AUTO and type(rule) is not self._auto_chose:
             self._auto_chose = type(rule)
             log.info("round %d: aggregation.rule auto aggregates with %s (%s fleet, %d updates a round)", round,
                      type(rule).__name__, "an enrolled" if enrolled else "an unsigned", updates)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .agent_config import AgentConfig, load_agent_config
-from .aggregation import PER_UPDATE_BOUNDS, AggregationSpec
+from .aggregation import AUTO, PER_UPDATE_BOUNDS, AggregationSpec
 from .codec_stages import DELTA_CODECS, is_sparse
 from .config_loading import (
     ConfigError,
@@ -330,7 +330,7 @@ class RunConfig(_Strict):
         if self.asynchrony.mode != "sync":
             raise ValueError(f"{mechanism} accounts rounds of sampled devices: asynchrony.mode must be "
                              "sync (a buffered state mixes updates of many rounds)")
-        if self.aggregation.rule not in ("mean", "auto"):
+        if self.aggregation.rule not in ("mean", AUTO):
             raise ValueError(f"{mechanism} aggregates with its own clipped, noised mean: "
                              f"aggregation.rule must be mean, not {self.aggregation.rule}")
         if not get_method(self.method.name).streaming:
@@ -341,7 +341,7 @@ class RunConfig(_Strict):
         """What needs the coordinator to see single updates, refused under secure aggregation
         (docs/SECURITY.md, "Secure aggregation": what per-update defences become)."""
         why = "under secure_aggregation the coordinator sees only the sum of a round's updates"
-        if self.aggregation.rule not in ("mean", "auto"):
+        if self.aggregation.rule not in ("mean", AUTO):
             raise ValueError(f"{why}: aggregation.rule {self.aggregation.rule} needs every update; use mean")
         if not get_method(self.method.name).streaming:
             raise ValueError(f"{why}: {self.method.name}'s server step needs every update (it is not a mean)")

@@ -24,9 +24,10 @@ from .rules import AUTO, RULES, RuleChoice
 #: and one bounded update is a small share of a large round's mean)
 AUTO_ROBUST_MAX_UPDATES = 64
 #: ``aggregation.rule: auto``'s robust rule: the mean of the updates each clipped to one median
-#: distance from their coordinate-wise median. Of the five robust rules measured with one
-#: attacker of four (research/RESULTS.md), the one that costs an honest fleet nothing against
-#: the mean and bounds a reversed update best; the trimmed mean drops two honest updates of four
+#: distance from their coordinate-wise median. Of the rules measured with one attacker of
+#: four (research/RESULTS.md), the one that costs an honest fleet nothing against the mean and
+#: bounds both flipped labels and a reversed update best; the trimmed mean drops two honest
+#: updates of four
 AUTO_ROBUST_RULE = "centered_clip"
 
 #: the AggregationSpec fields that bound one update at a time (the coordinator must see it)
