@@ -86,6 +86,21 @@ def require_nspawn() -> str:
     return _require(nspawn, "needs root and systemd-nspawn (apt-get install systemd-container)")
 
 
+#: the most workers ``-n auto`` (pyproject's addopts) starts: each runs its own broker, warm
+#: trainer-agent server and up to a handful of agent processes (~300 MB of torch each), and the
+#: federations' rounds wait on each other's CPU; past four, more workers buy little time for
+#: their memory. PYTEST_XDIST_AUTO_NUM_WORKERS still overrides.
+MAX_AUTO_WORKERS = 4
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_auto_num_workers(config):
+    """pytest-xdist's ``-n auto``: one worker per core the process may use, at most MAX_AUTO_WORKERS."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_AUTO_WORKERS))
+
+
 @pytest.fixture(scope="session")
 def mosquitto():
     """A running :class:`MosquittoBroker` on a free loopback port, shared by the session.
