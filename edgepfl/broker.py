@@ -44,6 +44,11 @@ class BrokerError(RuntimeError):
     """A broker could not be started, or a broker URL is invalid."""
 
 
+class BrokerURLError(BrokerError):
+    """A broker URL that cannot name a broker (scheme, host, port, credentials in it): a
+    configuration error, which no retry mends (exit code 2, where an unreachable broker is 4)."""
+
+
 # --------------------------------------------------------------------------- URLs
 
 
@@ -55,28 +60,28 @@ def parse_broker_url(url: str) -> tuple[str, int, bool]:
     are paths, queries and any other scheme.
     """
     if not isinstance(url, str) or not url.strip():
-        raise BrokerError("broker URL is empty; expected mqtt://HOST[:PORT] or mqtts://HOST[:PORT]")
+        raise BrokerURLError("broker URL is empty; expected mqtt://HOST[:PORT] or mqtts://HOST[:PORT]")
     parts = urlsplit(url.strip())
     scheme = parts.scheme.lower()
     if scheme not in DEFAULT_PORTS:
-        raise BrokerError(
+        raise BrokerURLError(
             f"unsupported broker URL {url!r}: scheme must be mqtt:// or mqtts:// (got {parts.scheme or 'none'!r})"
         )
     if parts.username is not None or parts.password is not None:
-        raise BrokerError(f"broker URL {url!r} carries credentials; set username/password in the config instead")
+        raise BrokerURLError(f"broker URL {url!r} carries credentials; set username/password in the config instead")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise BrokerError(f"broker URL {url!r} must not have a path, query or fragment")
+        raise BrokerURLError(f"broker URL {url!r} must not have a path, query or fragment")
     host = parts.hostname
     if not host:
-        raise BrokerError(f"broker URL {url!r} has no host")
+        raise BrokerURLError(f"broker URL {url!r} has no host")
     try:
         port = parts.port
     except ValueError:
-        raise BrokerError(f"broker URL {url!r} has an invalid port") from None
+        raise BrokerURLError(f"broker URL {url!r} has an invalid port") from None
     if port is None:
         port = DEFAULT_PORTS[scheme]
     if not 0 < port < 65536:
-        raise BrokerError(f"broker URL {url!r} has an invalid port {port}")
+        raise BrokerURLError(f"broker URL {url!r} has an invalid port {port}")
     return host, port, scheme == "mqtts"
 
 

@@ -186,7 +186,7 @@ def classify(exc: BaseException) -> tuple[ExitCode, str]:
     if out_of_memory(exc):
         return ExitCode.MEMORY, f"out of memory ({_cause_line(exc)})"
     # imported here: the core's error types live in modules that import much more
-    from .broker import BrokerError
+    from .broker import BrokerError, BrokerURLError
     from .config_loading import ConfigError
     from .data import DataError, PartitionError
     from .metrics import MetricsError
@@ -201,7 +201,8 @@ def classify(exc: BaseException) -> tuple[ExitCode, str]:
                                    f"pip install 'edgepfl[{EXTRA_OF_MODULE[top]}]'"
     if type(exc).__name__ == "RolloutHalted":  # the coordinator app's; the core does not import apps
         return ExitCode.HALTED, str(exc)
-    if isinstance(exc, (ConfigError, UsageError, KeyFileError, ModelSpecError)):  # a key file: configuration too
+    # a key file and a broker URL are configuration too
+    if isinstance(exc, (ConfigError, UsageError, KeyFileError, ModelSpecError, BrokerURLError)):
         return ExitCode.USAGE, str(exc)
     if isinstance(exc, ValidationError):
         return ExitCode.USAGE, _validation(exc)

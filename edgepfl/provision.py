@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from . import pki
 from .atomic import make_dirs
+from .errors import ExitCode
 from .mosquitto import (
     COORDINATOR_USER,
     IDLE_ADDRESSES,
@@ -367,8 +368,22 @@ def main_provision(argv: list[str]) -> int:
         provision(record, out)
         print(_summary(record, out))
         return 0
-    except (ValueError, OSError) as exc:  # ProvisionError, bad names (TopicError), unreadable files
-        # a ValidationError's message: the first problem's, without pydantic's framing
-        message = exc.errors()[0]["msg"].removeprefix("Value error, ") if isinstance(exc, ValidationError) else exc
-        print(f"edgepfl provision: {message}", file=sys.stderr)
-        return 2
+    except ValidationError as exc:  # the first problem, named by the option it came from
+        problem = exc.errors()[0]
+        field = str(problem["loc"][0]) if problem.get("loc") else ""
+        option = _OPTION_OF_FIELD.get(field, "--" + field.replace("_", "-")) if field else ""
+        message = problem["msg"].removeprefix("Value error, ")
+        print(f"edgepfl provision: {option + ': ' if option else ''}{message}", file=sys.stderr)
+        return int(ExitCode.USAGE)
+    except ValueError as exc:  # ProvisionError, bad names (TopicError)
+        print(f"edgepfl provision: {exc}", file=sys.stderr)
+        return int(ExitCode.USAGE)
+    except OSError as exc:  # a file or folder it cannot read or write
+        name = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+        print(f"edgepfl provision: cannot use{name}: {exc.strerror or exc}", file=sys.stderr)
+        return int(ExitCode.DATA)
+
+
+#: ProvisionRecord fields whose command-line option is not ``--`` + the field's name
+_OPTION_OF_FIELD = {"broker_hosts": "--broker-host", "update_bytes": "--update-mb", "agents": "--agents or --count",
+                    "broker_dir": "--broker-dir"}

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from edgepfl.errors import EXTRA_OF_MODULE, InputError, MissingExtra, OneLineParser, require_installed
+from edgepfl.errors import EXTRA_OF_MODULE, InputError, MissingExtra, OneLineParser, UsageError, require_installed
 from edgepfl.errors import report as report_error
 from edgepfl.heads import HeadRelease, fitting_modules
 from edgepfl.heads.labels import FEDERATION, LOCAL, LabelSpace
@@ -149,14 +149,19 @@ def fit_head(encoder: OnnxEncoder, data: Dataset, kind: str, *, export_dir: str 
     if encoder.manifest is None:
         raise ValueError("fitting a head needs the encoder's manifest.json (the method it was trained with)")
     release = HeadRelease.from_manifest(encoder.manifest, export_dir or ".")
-    head = create_method(release.method, release.method_options).make_head(kind, release, **(params or {}))
+    head = _head_with(create_method(release.method, release.method_options), kind, release, params or {})
     if head.federation_classes_only and not data.federation_classes:
         raise ValueError(f"a {kind} head predicts the federation's classes {encoder.class_names}; "
                          f"the data's classes {data.class_names} are not among them")
     f_train = encoder.features(data.x_train)
     f_val = encoder.features(data.x_val)
     start = time.perf_counter()
-    head.fit(f_train, data.y_train)
+    try:
+        head.fit(f_train, data.y_train)
+    except ValueError as exc:  # scikit-learn checks its parameters' values when it fits
+        if params and type(exc).__name__ == "InvalidParameterError":
+            raise UsageError(f"--set: {_one_line(exc)}") from None
+        raise
     seconds = time.perf_counter() - start
     report = {
         "head": kind,
@@ -167,6 +172,21 @@ def fit_head(encoder: OnnxEncoder, data: Dataset, kind: str, *, export_dir: str 
         "fit_seconds": seconds,
     }
     return head, report
+
+
+def _head_with(method, kind: str, release: HeadRelease, params: dict[str, Any]):
+    """The method's new ``kind`` head with ``params`` set; a parameter it does not have is a
+    UsageError naming the ones it has (not a TypeError from its constructor)."""
+    head = method.make_head(kind, release)
+    unknown = sorted(set(params) - set(head.get_params(deep=False)))
+    if unknown:
+        raise UsageError(f"--set {unknown[0]}: the {kind} head has no parameter {unknown[0]!r}; it has "
+                         f"{', '.join(sorted(head.get_params(deep=False)))}")
+    return method.make_head(kind, release, **params) if params else head
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 def main_fit_head(args: list[str]) -> int:
@@ -203,6 +223,8 @@ def main_fit_head(args: list[str]) -> int:
     except ImportError as exc:  # a module the check above does not know of, named with its extra
         top = (exc.name or "torch").split(".")[0]
         return report_error(MissingExtra(f"a {ns.head} head", top, EXTRA_OF_MODULE.get(top, "all")), "fit-head")
+    except UsageError as exc:  # a head parameter that does not exist or takes no such value
+        return report_error(exc, "fit-head")
     except (ValueError, OSError, KeyError) as exc:
         return report_error(InputError(str(exc)), "fit-head")
     if ns.json:
@@ -218,7 +240,7 @@ def main_fit_head(args: list[str]) -> int:
 def _parse_param(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key:
-        raise ValueError(f"--set expects KEY=VALUE, got {text!r}")
+        raise UsageError(f"--set expects KEY=VALUE, got {text!r}")
     try:
         return key, ast.literal_eval(value)
     except (ValueError, SyntaxError):

@@ -1,5 +1,5 @@
-"""One enrolled device of four poisons the federation: six strategies against the
-five aggregation rules, each with the defaults a user gets, on digits and Fashion-MNIST.
+"""One enrolled device of four poisons the federation: the attacks below against the
+aggregation rules, each with the defaults a user gets, on digits and Fashion-MNIST.
 
 The attacker is ``agent-00`` of an in-process FedAvg fleet: a real trainer runtime whose
 data, announced sample count or upload is corrupted, so every poisoned frame goes through
@@ -16,6 +16,13 @@ the library's with their default options; only ``aggregation.rule`` changes. Str
   and the label 0, announcing 2^24 samples; also measured: the attack success rate, the
   share of honest devices' held-out images of another class that the trigger turns into 0;
 * ``sign_flip``: its honest change, reversed;
+* ``alie`` (a little is enough, Baruch et al. 2019): it trains four times on bootstrap
+  resamples of its own data (one device's estimate of the honest updates' spread), and
+  sends their coordinate-wise mean minus ``ALIE_Z`` standard deviations: a change that
+  sits inside the honest spread in every coordinate, all of it pulling one way; its true count;
+* ``buffered_<attack>``: the attack in buffered rounds (``asynchrony.mode: buffered``,
+  ``BUFFERED_SIZE`` updates a state, each device at most one of them), against
+  ``buffered_none`` and ``buffered_excluded`` as its references;
 * ``scale_10``: its honest change x 10;
 * ``scale_1e6``: its honest change x 10^6;
 * ``noise``, ``label_flip``: the first two with the attacker's true count, to tell what
@@ -56,8 +63,18 @@ AGENTS = 4
 INFLATED = 2**24
 TARGET = 0  # the backdoor's label
 RULES = ["mean", "clipped_mean", "median", "trimmed_mean", "multi_krum", "centered_clip"]
-STRATEGIES = ["none", "excluded", "noise_2^24", "label_flip_2^24", "backdoor_2^24", "sign_flip", "scale_10", "scale_1e6",
-              "noise", "label_flip"]
+STRATEGIES = ["none", "excluded", "noise_2^24", "label_flip_2^24", "backdoor_2^24", "sign_flip", "alie",
+              "buffered_none", "buffered_excluded", "buffered_label_flip_2^24", "buffered_sign_flip",
+              "scale_10", "scale_1e6", "noise", "label_flip"]
+#: a little is enough: how many standard deviations its change sits from its estimate of the
+#: honest mean. Baruch et al.'s z for n = 4, one attacker, is 0 (no shift); 1 is the value
+#: their own experiments show moving the mean and Krum without being singled out.
+ALIE_Z = 1.0
+#: bootstrap trainings the ALIE attacker estimates the honest spread from
+ALIE_RESAMPLES = 4
+#: buffered rows: updates folded into a state (3 of 4 devices: the smallest buffer the
+#: default rule treats robustly, so one attacker is at most one vote of three)
+BUFFERED_SIZE = 3
 
 
 #: per dataset: the model and training its clean FedAvg run learns steadily with (FMNIST: the
@@ -71,10 +88,17 @@ PROTOCOLS = {
 }
 
 
+def base_strategy(strategy: str) -> str:
+    """The attack itself: ``buffered_label_flip_2^24`` -> ``label_flip_2^24``."""
+    return strategy.removeprefix("buffered_")
+
+
 def run_config(dataset: str, rule: str, rounds: int, seed: int, aggregation: dict | None = None,
-               method: str = "fedavg") -> dict:
+               method: str = "fedavg", buffered: bool = False) -> dict:
     protocol = PROTOCOLS[dataset]
-    return {
+    # buffered: as many states as a synchronous run has rounds, each of BUFFERED_SIZE updates
+    asynchrony = {"asynchrony": {"mode": "buffered", "buffer_size": BUFFERED_SIZE}} if buffered else {}
+    return {**asynchrony,
         "federation": "poisoning", "method": {"name": method},
         "model": protocol["model"], "train": protocol["train"],
         "data": {"dataset": dataset, "num_clients": AGENTS, "seed": seed, **protocol["data"]},
@@ -123,17 +147,47 @@ def poisoned_data(strategy: str, data, seed: int):
 
 def poisoned_runtime(strategy: str, bound_ratio: float):
     """A TrainerRuntime whose training uploads are corrupted after honest training."""
+    from dataclasses import replace
+
     from edgepfl.edge_agent.trainer import TrainerRuntime
 
     class Poisoned(TrainerRuntime):
+        def _resampled_uploads(self, task) -> list[dict[str, np.ndarray]]:
+            """ALIE_RESAMPLES uploads trained on bootstrap resamples of this device's data,
+            from the task's state; the device's saved files are as they were afterwards."""
+            files = {p: p.read_bytes() for p in self.state_dir.iterdir() if p.is_file()}
+            full, rng = self.data, np.random.default_rng([task.meta.seed, 1])
+            uploads = []
+            try:
+                for _ in range(ALIE_RESAMPLES):
+                    pick = rng.integers(0, full.num_train, full.num_train)
+                    self.data = replace(full, x_train=full.x_train[pick], y_train=full.y_train[pick])
+                    uploads.append(super().handle(task)[1])
+            finally:
+                self.data = full
+                for p in self.state_dir.iterdir():
+                    if p.is_file() and p not in files:
+                        p.unlink()
+                for p, raw in files.items():
+                    p.write_bytes(raw)
+            return uploads
+
         def handle(self, task):
+            training = task.meta.kind == "train"
+            resampled = self._resampled_uploads(task) if training and strategy == "alie" else []
             meta, upload = super().handle(task)
-            if meta.kind != "train" or strategy not in ("noise_2^24", "noise", "sign_flip", "scale_10", "scale_1e6"):
+            if meta.kind != "train" or strategy not in ("noise_2^24", "noise", "sign_flip", "scale_10", "scale_1e6",
+                                                        "alie"):
                 return meta, upload
             sent = task.tensors
             learned = [k for k, v in upload.items() if k in sent and v.dtype.kind == "f"
                        and not k.endswith(("running_mean", "running_var"))]
             out = dict(upload)
+            if strategy == "alie":
+                for k in learned:
+                    stack = np.stack([u[k].astype(np.float64) for u in resampled])
+                    out[k] = (stack.mean(0) - ALIE_Z * stack.std(0)).astype(upload[k].dtype)
+                return meta, out
             if strategy.startswith("noise"):
                 rng = np.random.default_rng(task.meta.seed)
                 noise = {k: rng.normal(0.0, 1.0, upload[k].shape) for k in learned}
@@ -166,7 +220,8 @@ def run_one(dataset: str, rule: str, strategy: str, rounds: int, seed: int, runs
     from edgepfl.simulation import FleetTiming
 
     torch.set_num_threads(1)
-    cfg = run_config(dataset, rule, rounds, seed, aggregation, method)
+    buffered, attack = strategy.startswith("buffered_"), base_strategy(strategy)
+    cfg = run_config(dataset, rule, rounds, seed, aggregation, method, buffered)
     try:
         config = parse_config(RunConfig, cfg, f"poisoning {dataset}/{rule}")
     except Exception as exc:  # a rule that refuses this fleet: a row of its own
@@ -176,15 +231,15 @@ def run_one(dataset: str, rule: str, strategy: str, rounds: int, seed: int, runs
     ids = agent_ids(AGENTS)
     tiers = {}
     for i, agent in enumerate(ids):
-        if strategy == "excluded" and i == 0:
+        if attack == "excluded" and i == 0:
             continue  # the honest devices alone, their data as in every other run
         data, state_dir = load_client_data(config.data, i), out / "agents" / agent
-        attacker = i == 0 and strategy != "none"
+        attacker = i == 0 and attack != "none"
         if attacker:
-            data = poisoned_data(strategy, data, seed)
+            data = poisoned_data(attack, data, seed)
         tier = TrainerTier(agent, data, str(state_dir), "cpu")
         if attacker:
-            tier.runtime = poisoned_runtime(strategy, config.aggregation.max_update_ratio or 10.0)(
+            tier.runtime = poisoned_runtime(attack, config.aggregation.max_update_ratio or 10.0)(
                 agent, data, state_dir, "cpu")
         tiers[agent] = tier
     fleet = LocalFleet(tiers, config.federation, FleetTiming(config.simulation, list(tiers), config.seed),
@@ -209,7 +264,7 @@ def run_one(dataset: str, rule: str, strategy: str, rounds: int, seed: int, runs
         "clipped": sum(len(r.clipped) for r in rows), "aborted_rounds": sum(r.aborted for r in rows),
         "wall_seconds": round(time.monotonic() - t0, 1),
     }
-    if strategy.startswith("backdoor"):
+    if attack.startswith("backdoor"):
         record["attack_success"] = backdoor_success(tiers, honest)
     return record
 
@@ -294,21 +349,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 #: the attacks the summary reports, beside the two references (clean: no attacker; excluded)
-SUMMARY_ATTACKS = ["noise_2^24", "label_flip_2^24", "sign_flip", "backdoor_2^24"]
+SUMMARY_ATTACKS = ["noise_2^24", "label_flip_2^24", "sign_flip", "alie", "backdoor_2^24", "buffered_label_flip_2^24",
+                   "buffered_sign_flip"]
 
 
 def summary_markdown(result: dict) -> str:
     """Per method, dataset and rule: the clean accuracy over the seeds, and each attack's
-    cost against the better of clean and attacker-excluded (same rule, same seed), as the
-    worst over the seeds and their mean; backdoor: its success, the largest over the seeds."""
+    cost against the better of clean and attacker-excluded (same rule, same seed; a buffered
+    attack: the buffered clean and excluded runs), as the worst over the seeds and their
+    mean; backdoor: its success, the largest over the seeds."""
     by = {}
     for r in result["runs"]:
         if "honest_accuracy" in r and r["honest_accuracy"] is not None:
             by[(r.get("method", "fedavg"), r["dataset"], r["rule"], r["strategy"], r["seed"])] = r
     combos = sorted({(m, d, rule) for m, d, rule, _, _ in by}, key=lambda c: (c[0], c[1], RULES.index(c[2])))
     lines = ["Points lost to one attacker of four against the better of the clean run and the run without it "
-             "(same rule, same seed): worst over the seeds (mean); clean: the honest devices' accuracy without "
-             "an attacker, mean over the seeds (min-max); backdoor: its success, the largest over the seeds.", "",
+             "(same rule, same seed; buffered: the buffered runs): worst over the seeds (mean); "
+             "clean: the honest devices' accuracy without an attacker, mean over the seeds (min-max); "
+             "backdoor: its success, the largest over the seeds.", "",
              "| method | dataset | rule | seeds | clean | " + " | ".join(a.replace("_2^24", " @2^24")
                                                                           for a in SUMMARY_ATTACKS) + " |",
              "|---|---|---|---|---|" + "---|" * len(SUMMARY_ATTACKS)]
@@ -319,9 +377,10 @@ def summary_markdown(result: dict) -> str:
         cells = []
         for attack in SUMMARY_ATTACKS:
             costs, success = [], []
+            mode = "buffered_" if attack.startswith("buffered_") else ""
             for s in seeds:
-                refs = [by[k]["honest_accuracy"] for k in ((method, dataset, rule, "none", s),
-                                                           (method, dataset, rule, "excluded", s)) if k in by]
+                refs = [by[k]["honest_accuracy"] for k in ((method, dataset, rule, mode + "none", s),
+                                                           (method, dataset, rule, mode + "excluded", s)) if k in by]
                 run = by.get((method, dataset, rule, attack, s))
                 if run is None or not refs:
                     continue

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from edgepfl.broker import BrokerError
 from edgepfl.config import ConfigError, load_yaml, parse_config, resolve_paths
+from edgepfl.errors import ExitCode
 from edgepfl.protocol import FederationChannel, federation_topic
 from edgepfl.protocol.connection import BrokerLogin
 from edgepfl.protocol.topics import TopicError
@@ -193,7 +194,8 @@ def read_access(path: str | Path) -> tuple[str | None, BrokerConfig]:
 
 
 def main_status(argv: list[str]) -> int:
-    """``edgepfl status``: print the fleet view; 1 when there is none, 2 on bad arguments."""
+    """``edgepfl status``: print the fleet view; exit 1 when none came within ``--timeout``, 2 on
+    bad arguments, 4 when the broker cannot be reached or refuses the login."""
     parser = argparse.ArgumentParser(prog="edgepfl status", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=None,
                         help="a YAML file with federation: and broker: (e.g. operator/operator.yaml from "
@@ -221,7 +223,7 @@ def main_status(argv: list[str]) -> int:
         login = BrokerLogin.from_config(broker)
     except (ConfigError, BrokerError, TopicError, ConnectionError) as exc:  # a bad file, URL, name or password file
         print(f"edgepfl status: {exc}", file=sys.stderr)
-        return 2
+        return int(ExitCode.USAGE)
     def show(view: FleetView) -> None:
         if ns.json:
             print(json.dumps(view.model_dump(mode="json"), indent=None if ns.watch else 2), flush=True)
@@ -255,10 +257,13 @@ def main_status(argv: list[str]) -> int:
                 signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
     except (BrokerError, TopicError) as exc:  # a bad URL or federation name
         print(f"edgepfl status: {exc}", file=sys.stderr)
-        return 2
-    except (TimeoutError, ConnectionError, ValueError) as exc:  # no view, no broker, not a view
+        return int(ExitCode.USAGE)
+    except ConnectionError as exc:  # no broker there, or it refused us: as every command says it
         print(f"edgepfl status: {exc}", file=sys.stderr)
-        return 1
+        return int(ExitCode.BROKER)
+    except (TimeoutError, ValueError) as exc:  # the broker answered, but no coordinator published a view
+        print(f"edgepfl status: {exc}", file=sys.stderr)
+        return int(ExitCode.OTHER)
     return 0
 
 

@@ -7,6 +7,7 @@ tests/integration/operator/test_cli_error_matrix.py runs the whole matrix, each 
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,8 +164,18 @@ def cases(d: Path) -> list[Case]:
         # a URL in a config file is checked when the file loads: a config error, which no restart can fix
         Case("broker url scheme", ["agent", "--config", str(d / "agent_bad_url.yaml"), "--log-level", "warning"],
              USAGE, "ftp"),
+        # ... and on the command line too: a URL no broker can have is a usage error, everywhere
         Case("simulate broker url", ["simulate", "--config", str(d / "good.yaml"), "--agents", "2", "--broker",
-                                     "ftp://x:1"], BROKER, "ftp"),
+                                     "ftp://x:1"], USAGE, "ftp", fast=True),
+        Case("coordinator broker url", ["coordinator", "--config", str(d / "good.yaml"), "--broker",
+                                        "tcp://127.0.0.1:1883"], USAGE, "tcp", fast=True),
+        Case("status broker url", ["status", "--broker", "tcp://127.0.0.1:1883", "--federation", "f"], USAGE, "tcp",
+             fast=True),
+        # a broker nobody runs: 4, as for every command that connects (port 1 on loopback: nothing listens)
+        Case("status no broker", ["status", "--broker", "mqtt://127.0.0.1:1", "--federation", "f", "--timeout", "5"],
+             BROKER, "refused", fast=True),
+        Case("provision port", ["provision", "--out", str(d / "prov"), "--federation", "f", "--broker-host", "h",
+                                "--count", "1", "--port", "70000"], USAGE, "--port", fast=True),
     ]
 
 
@@ -172,7 +183,8 @@ def _check(case: Case, code: int, stderr: str) -> None:
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert "Traceback" not in stderr, f"{case.name}: traceback\n{stderr[-2000:]}"
     assert code == case.code, f"{case.name}: exit {code}, expected {case.code}\n{stderr[-1000:]}"
-    assert len(lines) == 1 and lines[0].startswith("edgepfl: "), f"{case.name}: not one line\n{stderr[-1000:]}"
+    # "edgepfl: …", or a command that names itself: "edgepfl status: …"
+    assert len(lines) == 1 and re.match(r"edgepfl( [a-z-]+)?: ", lines[0]), f"{case.name}: not one line\n{stderr[-1000:]}"
     assert case.says in lines[0], f"{case.name}: {case.says!r} not in {lines[0]!r}"
 
 

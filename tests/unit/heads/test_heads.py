@@ -222,6 +222,20 @@ def test_head_kind_outside_the_release_is_refused(releases, new_client, tmp_path
     assert rc == ExitCode.DATA and "does not fit a fedavg encoder" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("setting, says", [
+    ("Cc=1", "--set Cc: the lr head has no parameter 'Cc'; it has C, "),  # not "internal error"
+    ("C=-1", "--set: The 'C' parameter of LogisticRegression must be"),  # scikit-learn's own words, as a usage error
+    ("C", "--set expects KEY=VALUE"),
+])
+def test_a_head_parameter_it_does_not_have_or_cannot_take_is_a_usage_error(releases, new_client, tmp_path, capsys,
+                                                                          setting, says):
+    rc = main_fit_head(["--encoder", str(releases["fedavg"] / "encoder.onnx"), "--data", str(new_client["npz"]),
+                        "--head", "lr", "--set", setting, "--out", str(tmp_path / "h.onnx")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == ExitCode.USAGE and len(err) == 1 and says in err[0], err
+    assert not (tmp_path / "h.onnx").exists()
+
+
 def _scaled_blobs(scale: float, n: int = 120, d: int = 20, seed: int = 0):
     rng = np.random.default_rng(seed)
     y = np.arange(n) % 3
