@@ -1,32 +1,46 @@
 #!/usr/bin/env bash
 # Set up edgepfl on a fresh machine: system packages (when root), a virtual
-# environment in .venv, and the package with all extras. Idempotent: re-running
+# environment in .venv, and the package with its extras. Idempotent: re-running
 # only installs what is missing.
 #
+#   bash scripts/setup.sh           what edgepfl and its examples run: mosquitto and Fashion-MNIST
+#                                   (apt), the agent, train and sensors extras
+#   bash scripts/setup.sh --tests   also what only the test suite uses: RabbitMQ, nftables, faketime,
+#                                   systemd-container, chromium (apt) and the dev extra (pytest, ruff, mypy)
+#
 #   EDGEPFL_VENV=path   where the virtual environment goes (default: .venv)
-#   EDGEPFL_EXTRAS=...  which extras to install (default: all)
+#   EDGEPFL_EXTRAS=...  which extras to install (default: agent,train,sensors; with --tests: all)
 #
 # Exits 3 when the disk has too little room for torch (see the check below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+TESTS=0
+for arg in "$@"; do
+  case "$arg" in
+    --tests) TESTS=1 ;;
+    *) echo "setup: unknown argument $arg (the one option is --tests)" >&2; exit 2 ;;
+  esac
+done
 VENV="${EDGEPFL_VENV:-.venv}"
-EXTRAS="${EDGEPFL_EXTRAS:-all}"
+if [ "$TESTS" = 1 ]; then EXTRAS="${EDGEPFL_EXTRAS:-all}"; else EXTRAS="${EDGEPFL_EXTRAS:-agent,train,sensors}"; fi
 PY="${PYTHON:-python3}"
 
 need_apt=()
 command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need_apt+=(mosquitto)
-# RabbitMQ: the broker-cluster tests (tests/integration/broker/test_topologies_live.py) run a real cluster.
-[ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || command -v rabbitmq-server >/dev/null 2>&1 || need_apt+=(rabbitmq-server)
-# nftables: the idle-socket test (tests/integration/security/test_idle_sockets.py) loads provision's firewall.nft.
-command -v nft >/dev/null 2>&1 || [ -x /usr/sbin/nft ] || need_apt+=(nftables)
-command -v faketime >/dev/null 2>&1 || need_apt+=(faketime)  # tests/integration/security/test_clock_skew.py
-# systemd-nspawn: tests/integration/operator/test_systemd_unit.py boots this OS under a real systemd
-command -v systemd-nspawn >/dev/null 2>&1 || need_apt+=(systemd-container)
 [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || need_apt+=(dataset-fashion-mnist)
-# chromium: tests/integration/operator/test_dashboard.py reads the dashboard in a real headless browser
-command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
-command -v chromedriver >/dev/null 2>&1 || need_apt+=(chromium-driver)
+if [ "$TESTS" = 1 ]; then
+  # RabbitMQ: the broker-cluster tests (tests/integration/broker/test_topologies_live.py) run a real cluster.
+  [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || command -v rabbitmq-server >/dev/null 2>&1 || need_apt+=(rabbitmq-server)
+  # nftables: the idle-socket test (tests/integration/security/test_idle_sockets.py) loads provision's firewall.nft.
+  command -v nft >/dev/null 2>&1 || [ -x /usr/sbin/nft ] || need_apt+=(nftables)
+  command -v faketime >/dev/null 2>&1 || need_apt+=(faketime)  # tests/integration/security/test_clock_skew.py
+  # systemd-nspawn: tests/integration/operator/test_systemd_unit.py boots this OS under a real systemd
+  command -v systemd-nspawn >/dev/null 2>&1 || need_apt+=(systemd-container)
+  # chromium: tests/integration/operator/test_dashboard.py reads the dashboard in a real headless browser
+  command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
+  command -v chromedriver >/dev/null 2>&1 || need_apt+=(chromium-driver)
+fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
     echo "setup: installing ${need_apt[*]} (apt)" >&2

@@ -73,7 +73,7 @@ def publish_view(url: str, federation: str, payload: bytes, broker: dict | None 
 def browser(tmp_path_factory):
     chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
     if not (chromium and driver_path):
-        pytest.skip("chromium and chromium-driver (apt) are needed: scripts/setup.sh installs them as root")
+        pytest.skip("chromium and chromium-driver (apt) are needed: scripts/setup.sh --tests installs them as root")
     from selenium import webdriver
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
