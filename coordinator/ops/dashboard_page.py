@@ -129,7 +129,9 @@ function draw() {
     `rollout of <b>${esc(r.release)}</b>: ${r.state === "promoted" ? "promoted to the whole fleet" :
       `stage ${r.stage} of ${r.stages.length} (${(100 * r.stages[Math.max(0, r.stage - 1)]).toFixed(0)} %), ` +
       `${r.reported} of ${r.admitted} reported` + (r.state === "staging" ? "" :
-        ` — <span class="warn">${r.state === "halted" ? "halted" : "halted and rolled back to " + esc(r.to_release)}: ` +
+        // held: passed its stages so far, waiting for the operator; only a halt is drawn as one
+        r.state === "held" ? ` — held (edgepfl release promote or halt)` :
+        ` — <span class="warn">${r.to_release ? "halted and rolled back to " + esc(r.to_release) : "halted"}: ` +
         `${r.reasons.map(esc).join("; ")}</span>`)}`;
   const reasons = [...Object.entries(v.rejected || {}).map(([k, n]) => ["rejected", k, n]),
                    ...Object.entries(v.refused || {}).map(([k, n]) => ["refused", k, n])].sort((a, b) => b[2] - a[2]);

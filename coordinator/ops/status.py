@@ -111,6 +111,8 @@ def _rollout(view: FleetView) -> str:
         return f"{r.release} promoted to the whole fleet"
     if r.state == "staging":
         return f"{r.release} at {where}"
+    if r.state == "held":  # passed its stages so far; waits for release promote (or halt)
+        return f"{r.release} held after {where} (edgepfl release promote or halt)"
     back = f"; rolled back to {r.to_release}" if r.to_release else ""
     return f"{r.release} halted at {where}: {'; '.join(r.reasons)}{back}"
 

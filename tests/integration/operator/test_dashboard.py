@@ -159,6 +159,14 @@ def test_the_dashboard_shows_a_ten_thousand_agent_fleet_live_in_chromium(mosquit
         assert text(browser, "accuracy") == "77.12 %" and text(browser, "round") == "8 of 0..49"
         points = browser.execute_script("return document.querySelector('#curve polyline').getAttribute('points')")
         assert len(points.split()) == 2
+        # a held release (passed its stages so far, waiting for the operator) is not drawn as a halt
+        held = second.model_copy(update={"updated": time.time(), "rollout": second.rollout.model_copy(
+            update={"state": "held"})})
+        publish_view(mosquitto.url, federation, encode_view(held, 1_000_000))
+        wait_until(lambda: rendered(browser, held.updated), 30, interval=0.1, what="the page drawing the held view")
+        rollout = text(browser, "rollout")
+        assert "held" in rollout and "halted" not in rollout and "rolled back" not in rollout, rollout
+        assert not browser.find_elements("css selector", '[data-testid="rollout"] .warn')
         folder = artifacts(tmp_path)
         browser.save_screenshot(str(folder / "dashboard-10000-agents.png"))
         (folder / "dashboard-10000-agents.txt").write_text(

@@ -200,3 +200,21 @@ def test_a_view_left_by_a_stopped_coordinator_does_not_call_its_agents_online():
         assert why in table and "agent states are as of" in table
         row = next(line for line in table.splitlines() if line.startswith("jetson-01"))
         assert "was online" in row
+
+
+def test_the_rollout_line_tells_a_held_release_from_a_halted_one():
+    """A held release (it passed its stages so far and waits for ``release promote``) was
+    printed as halted, like every state but staging and promoted."""
+    from edgepfl.protocol.view import RolloutView
+
+    def line(**rollout) -> str:
+        view = FleetView(federation="demo", method="fedavg", updated=100.0, started=10.0, phase="training", round=2,
+                         rounds=4, rounds_completed=2, rollout=RolloutView(release="fedavg-r9-aaaa", stage=1, stages=[0.2, 0.5, 1.0], admitted=5,
+                                             reported=5, **rollout))
+        return next(row for row in format_view(view, now=100.0).splitlines() if "fedavg-r9-aaaa" in row)
+
+    held = line(state="held")
+    assert "held after stage 1 of 3" in held and "halted" not in held and "rolled back" not in held
+    halted = line(state="rolled_back", reasons=["accuracy -63.9 points"], to_release="fedavg-r4-bbbb")
+    assert "halted at stage 1 of 3" in halted and "rolled back to fedavg-r4-bbbb" in halted
+    assert line(state="promoted").endswith("fedavg-r9-aaaa promoted to the whole fleet")
