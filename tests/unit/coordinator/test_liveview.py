@@ -209,7 +209,8 @@ def test_the_rollout_line_tells_a_held_release_from_a_halted_one():
 
     def line(**rollout) -> str:
         view = FleetView(federation="demo", method="fedavg", updated=100.0, started=10.0, phase="training", round=2,
-                         rounds=4, rounds_completed=2, rollout=RolloutView(release="fedavg-r9-aaaa", stage=1, stages=[0.2, 0.5, 1.0], admitted=5,
+                         rounds=4, rounds_completed=2,
+                         rollout=RolloutView(release="fedavg-r9-aaaa", stage=1, stages=[0.2, 0.5, 1.0], admitted=5,
                                              reported=5, **rollout))
         return next(row for row in format_view(view, now=100.0).splitlines() if "fedavg-r9-aaaa" in row)
 
