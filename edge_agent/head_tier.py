@@ -78,6 +78,16 @@ STRAY_PATTERNS = ("encoder-*.onnx", "head-*.onnx", "global-heads-*.safetensors",
 #: how far the device clock may lag before a release is wrongly taken as unexpired, or lead before
 #: a fresh one is wrongly taken as expired
 MAX_CLOCK_SKEW_S = 300.0
+#: manifest fields that name or describe a release, not what a device computes with it
+RELEASE_IDENTITY_FIELDS = frozenset({"release_id", "round", "created", "edgepfl_version", "parity_max_abs"})
+
+
+def computes_alike(a: ReleaseManifest, b: ReleaseManifest) -> bool:
+    """Whether a device computes the same with ``a`` as with ``b``: equal in every field but
+    those that name the release (:data:`RELEASE_IDENTITY_FIELDS`): preprocessing, label order,
+    channels, method and options, the encoder and its variants. A release that changes only
+    its manifest's preprocessing carries the same encoder and yet changes every prediction."""
+    return a.model_dump(exclude=set(RELEASE_IDENTITY_FIELDS)) == b.model_dump(exclude=set(RELEASE_IDENTITY_FIELDS))
 
 
 class ReleaseRefused(ValueError):
@@ -137,10 +147,12 @@ class InstalledRelease(BaseModel):
         own = {n for n in (self.encoder_file, self.head_file, self.proof_file, self.global_heads_file) if n}
         return own | (self.previous.files() if self.previous is not None else set())
 
-    def held(self, sha256: str, global_heads_sha256: str | None) -> bool:
-        """Whether this record is of the encoder ``sha256`` with these global heads (or installed
-        without global heads: what was fitted then did not need them)."""
-        return self.encoder_sha256 == sha256 and self.global_heads_sha256 in (None, global_heads_sha256)
+    def held(self, manifest: ReleaseManifest, global_heads_sha256: str | None) -> bool:
+        """Whether this record is of ``manifest``'s encoder with these global heads (or installed
+        without global heads: what was fitted then did not need them), and computes as
+        ``manifest`` says (:func:`computes_alike`): what a head kept as fitted may be reused for."""
+        return self.encoder_sha256 == manifest.encoder.sha256 and \
+            self.global_heads_sha256 in (None, global_heads_sha256) and computes_alike(self.manifest, manifest)
 
 
 class HeadRuntime:
@@ -256,8 +268,12 @@ class HeadRuntime:
                          f"{heads_entry.sha256[:16]}…")
         if self.coordinator_key is not None and proof is None:
             raise refuse("unsigned")
+        # the installed encoder and global heads in a newer release: the head as fitted holds, unless
+        # the manifest changes what the device computes (preprocessing, labels): then fitted again and
+        # measured, as any release whose predictions differ must be at a rollout's gate
         if self.record and self.record.encoder_sha256 == digest and self.ready and \
-                self.record.global_heads_sha256 == (_sha(global_heads) if global_heads is not None else None):
+                self.record.global_heads_sha256 == (_sha(global_heads) if global_heads is not None else None) and \
+                computes_alike(self.record.manifest, manifest):
             if (release_id, sequence) == (self.record.release_id, self.record.sequence):
                 log.info("release %s already installed", release_id)
                 return self.record.metrics
@@ -387,8 +403,8 @@ class HeadRuntime:
         return name
 
     def _adopt(self, manifest: ReleaseManifest, sequence: int | None, proof: bytes | None) -> HeadFit:
-        """The installed encoder and global heads again, in a newer release (a coordinator that
-        released an unchanged state): recorded under the new release, the head kept as fitted,
+        """The installed encoder and global heads again, in a newer release that computes alike (a
+        coordinator that released an unchanged state): recorded under the new release, the head kept as fitted,
         so that the agent names the release it has as the coordinator does (PROTOCOL.md §12)."""
         old = self.record
         assert old is not None  # only called with a release installed
@@ -425,11 +441,12 @@ class HeadRuntime:
         if self.coordinator_key is not None and proof is None:
             raise refuse("unsigned")
         current = self.record
-        if current is not None and self.ready and current.held(sha256, heads):
+        if current is not None and self.ready and current.held(manifest, heads):
             return self._adopt(manifest, sequence, proof)
         previous = current.previous if current is not None else None
-        if previous is None or not previous.held(sha256, heads):
-            raise refuse("not held: neither the installed release nor the one before it")
+        if previous is None or not previous.held(manifest, heads):
+            raise refuse("not held: neither the installed release nor the one before it (its encoder with this "
+                         "manifest's preprocessing, labels and method)")
         try:
             enc_bytes = (self.state_dir / previous.encoder_file).read_bytes()
             if _sha((self.state_dir / previous.head_file).read_bytes()) != previous.head_sha256:

@@ -138,22 +138,34 @@ def test_broker_inbox_max_held_acks_bounds_a_stalled_coordinator_s_held_acknowle
         fleet.close()
 
 
-def test_the_send_window_counts_bytes_until_the_broker_acknowledges_them(mosquitto):
+def test_the_send_window_counts_bytes_until_the_broker_acknowledges_them():
+    """20 messages against a window of 5, published while the broker is stopped (SIGSTOP: no
+    PUBACK can come back, so the window is full by construction, not by a race with a fast
+    broker); once it runs again every PUBACK matches its message and the window is open."""
+    import os
+    import signal
+
+    from edgepfl.testing import MosquittoBroker
+
     federation = f"bp{uuid.uuid4().hex[:8]}"
-    sender = _receiver(mosquitto.url, federation, keepalive_s=30, inbox_max_bytes=5 * MESSAGE_BYTES)
-    try:
-        assert sender.send_ready() and sender.unacked_bytes == 0
-        topic = agent_topic(federation, "a1", AgentChannel.TASK)
-        for _ in range(20):
-            sender.publish(topic, bytes(MESSAGE_BYTES))
-        # 20 messages against a window of 5: the window is full until the PUBACKs come back
-        assert not sender.send_ready()
-        deadline = time.monotonic() + 30
-        while sender.unacked_bytes and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert sender.unacked_bytes == 0 and sender.send_ready()  # every PUBACK matched its message
-    finally:
-        sender.stop()
+    with MosquittoBroker() as broker:
+        sender = _receiver(broker.url, federation, keepalive_s=30, inbox_max_bytes=5 * MESSAGE_BYTES)
+        try:
+            assert sender.send_ready() and sender.unacked_bytes == 0
+            topic = agent_topic(federation, "a1", AgentChannel.TASK)
+            os.kill(broker.pid, signal.SIGSTOP)
+            try:
+                for _ in range(20):
+                    sender.publish(topic, bytes(MESSAGE_BYTES))
+                assert not sender.send_ready() and sender.unacked_bytes >= 5 * MESSAGE_BYTES
+            finally:
+                os.kill(broker.pid, signal.SIGCONT)
+            deadline = time.monotonic() + 30
+            while sender.unacked_bytes and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert sender.unacked_bytes == 0 and sender.send_ready()  # every PUBACK matched its message
+        finally:
+            sender.stop()
 
 
 def test_messages_held_when_the_broker_restarts_are_kept_and_the_new_connection_flows():

@@ -234,7 +234,7 @@ def test_edgepfls_own_contract_suites_collect_and_pass_beside_a_plugin_that_cann
     """They check the built-in methods; looking up the head vocabulary skips the plugin that cannot load."""
     suites = ["tests/contract/test_method_contract.py", "tests/contract/test_head_contract.py",
               "tests/contract/test_models_doc.py"]
-    done = env.run("-m", "pytest", "-q", "-p", "no:cacheprovider", *suites,
+    done = env.run("-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *suites,
                    "-k", "registry_holds or head_vocabulary_is_the_methods or sees_every_table", cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:]
     assert re.search(r"\b3 passed, \d+ deselected in", done.stdout), done.stdout[-3000:]

@@ -17,6 +17,10 @@ tool between runs.
    downloading it: each head agent restores it from the files it kept.
 5. The good release once more, held at the canary and halted by the operator (``edgepfl
    release halt``): the canary goes back, no other device installs it.
+6. The first release's encoder again under a manifest whose normalization is in pixel
+   units (mean and std x 255, the scale applied twice): the same encoder file, every input
+   changed. The canary fits it and measures it, and it is halted there (it used to be
+   adopted with the old head, re-sending the old report: passed unmeasured).
 """
 
 from __future__ import annotations
@@ -76,6 +80,19 @@ def zeroed_copy(good: Path, bad: Path) -> str:
     manifest["encoder"] = {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     manifest["release_id"] = "fedavg-zeroed-encoder"
     manifest["variants"] = {}
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    return manifest["release_id"]
+
+
+def pixel_units_copy(good: Path, bad: Path) -> str:
+    """``good``'s export, the same encoder file, its manifest's normalization given in pixel
+    units (mean and std x 255) under its own release id."""
+    shutil.copytree(good, bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    norm = manifest["run"]["data"]["normalization"]
+    manifest["run"]["data"]["normalization"] = {"mean": [255 * m for m in norm["mean"]],
+                                                "std": [255 * v for v in norm["std"]]}
+    manifest["release_id"] = "fedavg-pixel-units"
     (bad / "manifest.json").write_text(json.dumps(manifest))
     return manifest["release_id"]
 
@@ -192,6 +209,22 @@ def test_a_bad_release_is_halted_at_the_canary_and_rolled_back_and_a_good_one_re
         since = agent_log(out, agent)[marks[agent]:]
         assert (f"release {good_id} installed" in since) == (agent in canary), (agent, since[-2000:])
     assert release_command("halt", *common).returncode == int(ExitCode.DATA)  # nothing held any more
+
+    # 6. the installed encoder under another preprocessing: fitted and measured at the canary, halted there
+    rescaled = pixel_units_copy(first_export, tmp_path / "pixel-units")
+    marks = {a: len(agent_log(out, a)) for a in agents}
+    halted = release_command("publish", *common, "--export", str(tmp_path / "pixel-units"), "--stages", STAGES,
+                             "--heads", str(HEADS), log=tmp_path / "pixel-units.log")
+    assert halted.returncode == int(ExitCode.HALTED), halted.stdout + halted.stderr
+    events = [json.loads(line) for line in (out / "releases" / "rollout.jsonl").read_text().splitlines()]
+    stage, halt, back = events[-3:]
+    assert (stage["event"], stage["release_id"], set(stage["agents"])) == ("stage", rescaled, canary), stage
+    assert not stage["verdict"]["passed"] and stage["verdict"]["mean_change"] < -0.2, stage
+    assert (halt["event"], back["event"], back["to_release"]) == ("halted", "rolled_back", first_id)
+    for agent in canary:
+        since = agent_log(out, agent)[marks[agent]:]
+        assert f"installing release {rescaled}" in since and "carries the installed encoder" not in since, since[-2000:]
+    assert all(installed(out, a)["release_id"] == first_id for a in agents)
 
     stop_agents(procs)
     for agent in agents:

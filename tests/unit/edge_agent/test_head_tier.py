@@ -234,6 +234,30 @@ def test_installed_files_work_with_the_predict_cli(releases, data, tmp_path, cap
     np.testing.assert_array_equal([r["predictions"][0]["index"] for r in rows], rt.predict(data.x_test[:6]))
 
 
+def test_the_installed_encoder_under_another_preprocessing_is_fitted_and_measured_again(releases, data, tmp_path):
+    """A release whose manifest alone changed (the same encoder, its pixels scaled otherwise)
+    changes every prediction: it was adopted with the head kept and the old report re-sent,
+    so it passed a rollout's canary unmeasured. Now it is installed and fitted like any
+    other release, and what the device reports is what it will run; a manifest that differs
+    only in what names the release is still adopted without a fit."""
+    manifest, artifact = read_release(releases[0])
+    rt = HeadRuntime(tmp_path / "state", "lr", data)
+    first = rt.install_release(manifest, artifact, manifest.encoder.sha256)
+    head_file = rt.record.head_file
+
+    renamed = manifest.model_copy(update={"release_id": "fedavg-r7-renamed", "round": 7, "created": "2030-01-01"})
+    same = rt.install_release(renamed, artifact, manifest.encoder.sha256)
+    assert rt.record.head_file == head_file and same.accuracy == first.accuracy  # adopted: nothing to measure
+
+    data_shape = manifest.run.data.model_copy(update={"pixel_scale": manifest.run.data.pixel_scale * 16})
+    rescaled = manifest.model_copy(update={"release_id": "fedavg-r8-rescaled",
+                                           "run": manifest.run.model_copy(update={"data": data_shape})})
+    again = rt.install_release(rescaled, artifact, manifest.encoder.sha256)
+    assert rt.record.release_id == "fedavg-r8-rescaled" and rt.record.manifest.run.data.pixel_scale == data_shape.pixel_scale
+    assert again.accuracy != first.accuracy  # measured on what the device now computes, not the old report
+    assert rt.record.manifest == rescaled
+
+
 def test_the_installed_encoder_in_a_newer_release_is_recorded_under_it_and_reverified_on_restart(
         releases, data, tmp_path):
     """A coordinator that releases an unchanged state publishes the same encoder under a new
