@@ -326,7 +326,9 @@ class HeadRuntime:
             if heads_path is not None and heads_path.name != keep:
                 heads_path.unlink(missing_ok=True)
             raise
-        head_path = self.state_dir / f"head-{digest[:16]}.onnx"
+        # named by its own content, not the encoder's: a release that keeps the encoder and changes
+        # the preprocessing fits another head, which must not overwrite the one kept for a rollback
+        head_path = self.state_dir / f"head-{_sha(head_bytes)[:16]}.onnx"
         write_bytes(head_path, head_bytes)
         head = OnnxHead(head_path, self.threads).fit()
         fit_seconds = time.perf_counter() - start

@@ -155,6 +155,7 @@ def poisoned_runtime(strategy: str, bound_ratio: float):
         def _resampled_uploads(self, task) -> list[dict[str, np.ndarray]]:
             """ALIE_RESAMPLES uploads trained on bootstrap resamples of this device's data,
             from the task's state; the device's saved files are as they were afterwards."""
+            self.state_dir.mkdir(parents=True, exist_ok=True)  # the first task may come before any file
             files = {p: p.read_bytes() for p in self.state_dir.iterdir() if p.is_file()}
             full, rng = self.data, np.random.default_rng([task.meta.seed, 1])
             uploads = []

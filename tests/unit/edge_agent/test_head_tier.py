@@ -59,9 +59,12 @@ def test_install_fit_evaluate_persist_and_restore(releases, data, tmp_path):
     # the two encoders were timed beside each other on this device (the rollout's latency gate)
     assert m2.latency_ratio is not None and 0 < m2.latency_ratio < float("inf")
     assert m2.values()["latency_ratio"] == m2.latency_ratio
-    digests = [sha256_bytes(read_release(r)[1])[:16] for r in releases]
-    onnx_files = sorted(p.name for p in (tmp_path / "state").glob("*.onnx"))
-    assert len(onnx_files) == 4 and all(any(d in n for d in digests) for n in onnx_files)
+    # the two encoders and their two heads, each file named by its content
+    state = tmp_path / "state"
+    onnx_files = sorted(p.name for p in state.glob("*.onnx"))
+    assert len(onnx_files) == 4 and all(sha256_bytes((state / n).read_bytes())[:16] in n for n in onnx_files)
+    assert set(onnx_files) == {rt.record.encoder_file, rt.record.head_file, rt.record.previous.encoder_file,
+                               rt.record.previous.head_file}
 
 
 def test_nothing_installed_yet(tmp_path, data):
@@ -256,6 +259,10 @@ def test_the_installed_encoder_under_another_preprocessing_is_fitted_and_measure
     assert rt.record.release_id == "fedavg-r8-rescaled" and rt.record.manifest.run.data.pixel_scale == data_shape.pixel_scale
     assert again.accuracy != first.accuracy  # measured on what the device now computes, not the old report
     assert rt.record.manifest == rescaled
+    # and the head kept for a rollback is the one fitted before it (heads are named by content, not
+    # by their encoder, which both share): the rollout's halt restores it from the kept files
+    back = rt.restore_release(renamed, manifest.encoder.sha256, sequence=None)
+    assert back.accuracy == first.accuracy and rt.record.head_file == head_file
 
 
 def test_the_installed_encoder_in_a_newer_release_is_recorded_under_it_and_reverified_on_restart(
