@@ -133,6 +133,12 @@ class Coordinator:
         if self.state is None:
             self.init_or_resume()
         resumed_from = self.start_round - 1 if self.start_round else None
+        c = self.config
+        if (c.release_every or c.release_at_end) and not c.rollout.in_runs and self.fleet.releases.stages:
+            # the gate exists, and these releases would pass it by: say so once, not per release
+            log.warning("this run's releases (release_every / release_at_end) go to every head agent at once, "
+                        "measured by no canary: set rollout.in_runs: true for stages %s and their gate",
+                        c.rollout.stages)
         self.run_dir.open(resumed_from, virtual_clock=self.clock.virtual)
         self.observer.start(resumed_from)
         self.observer.enter("waiting", self.start_round)

@@ -179,6 +179,9 @@ class HeadRuntime:
         self.head: OnnxHead | None = None
         self.record: InstalledRelease | None = None
         self._adapt: _LocalToRun | None = None
+        #: the refusals logged so far, (release, sequence, reason): one offered again (a retained
+        #: copy, each reconnect's presence) is logged once, not at ERROR each time
+        self._refusals_logged: set[tuple[str, int | None, str]] = set()
 
     # ---------------------------------------------------------------- state
     @property
@@ -247,8 +250,13 @@ class HeadRuntime:
         current = self.release_id
 
         def refuse(reason: str) -> ReleaseRefused:
-            log.error("release %s refused: %s; keeping %s", release_id, reason,
-                      f"release {current}" if current else "no release (none installed yet)")
+            # an older release than the installed one is refused as it must be (a canary on a held
+            # release sees the fleet's current one offered again): a warning, not an error
+            level = logging.WARNING if reason.startswith("rollback") else logging.ERROR
+            key = (release_id, sequence, reason)
+            log.log(logging.DEBUG if key in self._refusals_logged else level, "release %s refused: %s; keeping %s",
+                    release_id, reason, f"release {current}" if current else "no release (none installed yet)")
+            self._refusals_logged.add(key)
             return ReleaseRefused(f"release {release_id} refused: {reason}")
 
         digest = _sha(artifact)

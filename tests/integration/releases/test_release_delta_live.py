@@ -47,7 +47,8 @@ def installed_record(out: Path, agent: str) -> dict:
     return json.loads((out / "agents" / agent / "release.json").read_text())
 
 
-def test_the_next_release_travels_as_a_delta_to_a_head_agent_that_has_the_previous_one(mosquitto, tmp_path, request):
+def test_the_next_release_travels_as_a_delta_to_a_head_agent_that_has_the_previous_one(mosquitto, tmp_path, request,
+                                                                                       caplog):
     keys = tmp_path / "keys"
     keys.mkdir()
     generate_keypair(keys / "coordinator.key", keys / "coordinator.pub")
@@ -99,11 +100,15 @@ def test_the_next_release_travels_as_a_delta_to_a_head_agent_that_has_the_previo
         fleet = MqttFleet(config.federation, config.broker, url=url, security=config.security)
         try:
             coordinator = ReleasesOneAtATime(config, fleet, out, progress=False, **data_shape(config))
-            coordinator.run()
+            with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+                coordinator.run()
         finally:
             fleet.close()
             stop_agents(trainers)
         first, second = list(coordinator.releases)
+        # two releases past the rollout's gate (rollout.in_runs unset): said once, at the start
+        unstaged = [r for r in caplog.records if "measured by no canary" in r.getMessage()]
+        assert len(unstaged) == 1 and "rollout.in_runs: true" in unstaged[0].getMessage()
         assert coordinator.releases[first] == 0 and coordinator.releases[second] == 1  # a round of training apart
 
         # the first release: whole to both

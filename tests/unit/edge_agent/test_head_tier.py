@@ -383,3 +383,24 @@ def test_the_latency_ratio_is_timed_in_alternation_so_load_that_comes_and_goes_f
     monkeypatch.setattr(head_tier.time, "perf_counter", lambda: clock["now"])
     assert interleaved_ratio(run(3.0), run(1.0), repeats=5) == pytest.approx(3.0)
     assert clock["calls"] == 2 + 2 * 5  # a warm-up each, then five of each
+
+
+def test_an_older_release_offered_again_is_refused_each_time_and_logged_once_as_a_warning(releases, data, tmp_path,
+                                                                                          caplog):
+    """A held canary is offered the fleet's current (older) release at each reconnect: it
+    refused it correctly and logged an ERROR each time (three in one rollout)."""
+    import logging
+
+    manifest, artifact = read_release(releases[0])
+    rt = HeadRuntime(tmp_path / "state", "lr", data)
+    rt.install_release(manifest, artifact, manifest.encoder.sha256, sequence=10)
+    newer = manifest.model_copy(update={"release_id": "fedavg-r9-newer"})
+    rt.install_release(newer, artifact, manifest.encoder.sha256, sequence=11)
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="edgepfl"):
+        for _ in range(3):
+            with pytest.raises(ReleaseRefused, match="rollback"):
+                rt.install_release(manifest, artifact, manifest.encoder.sha256, sequence=10)
+    said = [r for r in caplog.records if "refused: rollback" in r.getMessage()]
+    assert len(said) == 3 and [r.levelno for r in said] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
+    assert rt.record.release_id == "fedavg-r9-newer"
