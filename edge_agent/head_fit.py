@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -40,6 +41,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 CHILD_MODULE = "edgepfl.edge_agent.head_fit"
 REQUEST, FEATURES, LABELS, HEAD, REFUSED = "request.json", "features.npy", "labels.npy", "head.onnx", "refused.txt"
+#: the child's own measure of its fit, in seconds: the agent reports it, not the child's start-up
+FIT_SECONDS = "fit_seconds.txt"
 #: the child's stderr, kept in the exchange directory (a pipe could fill while the agent waits)
 STDERR = "stderr.txt"
 #: how often the agent looks at the child while it waits (well inside any WatchdogSec=)
@@ -80,9 +83,10 @@ def new_head(release: HeadRelease, head_kind: str, head_params: dict[str, Any]) 
     return create_method(release.method, release.method_options).make_head(head_kind, release, **head_params)
 
 
-def fit_head(request: FitRequest, features: np.ndarray, labels: np.ndarray) -> bytes:
+def fit_head(request: FitRequest, features: np.ndarray, labels: np.ndarray) -> tuple[bytes, float]:
     """Fit the head ``request`` names on feature rows and labels; its ONNX bytes (the
-    encoder's sha256 and the labels' names in its metadata). Raises :class:`FitRefused`."""
+    encoder's sha256 and the labels' names in its metadata) and the seconds ``fit`` took
+    (as ``edgepfl fit-head`` reports them). Raises :class:`FitRefused`."""
     from edgepfl.export.heads import META_ENCODER_SHA, head_to_onnx
 
     release = request.release()
@@ -97,16 +101,19 @@ def fit_head(request: FitRequest, features: np.ndarray, labels: np.ndarray) -> b
         raise FitRefused(f"no {kind} head for this {release.method} release: {exc}") from None
     space = LabelSpace(tuple(request.label_names), request.label_kind)
     try:
+        start = time.perf_counter()
         head.fit(features, labels)
+        seconds = time.perf_counter() - start
         return head_to_onnx(head, features.shape[1], labels=space,
-                            metadata={META_ENCODER_SHA: request.encoder_sha256})
+                            metadata={META_ENCODER_SHA: request.encoder_sha256}), seconds
     except (ValueError, ImportError) as exc:  # ImportError: a method's own head needs torch
         if out_of_memory(exc):
             raise
         raise FitRefused(f"cannot fit a {kind} head on local data: {exc}") from None
 
 
-def fit_in_child(request: FitRequest, features: np.ndarray, labels: np.ndarray, scratch: str | Path) -> bytes:
+def fit_in_child(request: FitRequest, features: np.ndarray, labels: np.ndarray,
+                 scratch: str | Path) -> tuple[bytes, float]:
     """:func:`fit_head` in a child process (the module's protocol), its exchange directory
     created in ``scratch`` and removed again. Raises :class:`FitRefused`,
     :class:`~edgepfl.errors.OutOfMemory`, or ``RuntimeError`` for anything else the child
@@ -127,7 +134,7 @@ def fit_in_child(request: FitRequest, features: np.ndarray, labels: np.ndarray, 
                 proc.wait()
                 raise
         if proc.returncode == 0:
-            return (work / HEAD).read_bytes()
+            return (work / HEAD).read_bytes(), float((work / FIT_SECONDS).read_text())
         stderr = (work / STDERR).read_text(errors="replace").strip()
         last = stderr.splitlines()[-1] if stderr else f"exit status {proc.returncode}"
         if proc.returncode == ExitCode.DATA and (work / REFUSED).is_file():
@@ -173,7 +180,9 @@ def main(argv: list[str]) -> int:
         request = FitRequest.model_validate_json((work / REQUEST).read_text())
         features = np.load(work / FEATURES, allow_pickle=False)
         labels = np.load(work / LABELS, allow_pickle=False)
-        (work / HEAD).write_bytes(fit_head(request, features, labels))
+        head, seconds = fit_head(request, features, labels)
+        (work / HEAD).write_bytes(head)
+        (work / FIT_SECONDS).write_text(repr(seconds))
     except FitRefused as exc:
         (work / REFUSED).write_text(str(exc))
         return int(ExitCode.DATA)

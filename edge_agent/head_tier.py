@@ -327,9 +327,9 @@ class HeadRuntime:
         if global_heads is not None:
             heads_path = self.state_dir / f"global-heads-{_sha(global_heads)[:16]}.safetensors"
             write_bytes(heads_path, global_heads)
-        start = time.perf_counter()
         try:
-            head_bytes, head_name = self._head_for(manifest, digest, f_train, y_train, labels, refuse, heads_path)
+            head_bytes, head_name, fit_seconds = self._head_for(manifest, digest, f_train, y_train, labels, refuse,
+                                                                heads_path)
         except (ReleaseRefused, MemoryError):  # MemoryError: OutOfMemory, the release is tried again
             if heads_path is not None and heads_path.name != keep:
                 heads_path.unlink(missing_ok=True)
@@ -339,7 +339,6 @@ class HeadRuntime:
         head_path = self.state_dir / f"head-{_sha(head_bytes)[:16]}.onnx"
         write_bytes(head_path, head_bytes)
         head = OnnxHead(head_path, self.threads).fit()
-        fit_seconds = time.perf_counter() - start
         notifier().watchdog()  # the head is fitted and saved: progress
 
         pred_train = head.predict(f_train)
@@ -488,10 +487,11 @@ class HeadRuntime:
 
     def _head_for(self, manifest: ReleaseManifest, encoder_sha: str, f_train: np.ndarray, y_train: np.ndarray,
                   labels: LabelSpace, refuse: Callable[[str], ReleaseRefused],
-                  global_heads: Path | None = None) -> tuple[bytes, str]:
-        """(ONNX bytes, kind) of the head for this encoder: the offline one if it matches, else
-        fitted on ``y_train`` (labels in ``labels``, which the head records) around the release's
-        ``global_heads`` file where the head needs it."""
+                  global_heads: Path | None = None) -> tuple[bytes, str, float]:
+        """(ONNX bytes, kind, seconds its fit took) of the head for this encoder: the offline one
+        if it matches (0 s: fitted elsewhere), else fitted on ``y_train`` (labels in ``labels``,
+        which the head records) around the release's ``global_heads`` file where the head needs
+        it, timed by the child that fits it (its start-up and imports are not the fit)."""
         offline = self.state_dir / OFFLINE_HEAD
         if offline.is_file():
             try:
@@ -507,7 +507,7 @@ class HeadRuntime:
                                 cand.class_names_, list(labels.names))
                 else:
                     log.info("using the offline %s head %s", cand.head_kind_, offline)
-                    return offline.read_bytes(), cand.head_kind_
+                    return offline.read_bytes(), cand.head_kind_, 0.0
         if self.head_kind == OFFLINE_HEAD_KIND:
             raise refuse(f"head kind {OFFLINE_HEAD_KIND!r} needs {offline} fitted for encoder {encoder_sha[:12]} "
                          "(edgepfl fit-head --encoder … --out head.onnx)")
@@ -517,10 +517,10 @@ class HeadRuntime:
             head_params=self.head_params, label_names=list(labels.names), label_kind=labels.kind,
             encoder_sha256=encoder_sha, global_heads=str(global_heads) if global_heads is not None else None)
         try:  # in a child process: the fitting libraries never stay in this one (the module's docstring)
-            data = head_fit.fit_in_child(request, f_train, y_train, self.state_dir)
+            data, seconds = head_fit.fit_in_child(request, f_train, y_train, self.state_dir)
         except head_fit.FitRefused as exc:
             raise refuse(str(exc)) from None
-        return data, self.head_kind
+        return data, self.head_kind, seconds
 
     def remove_strays(self) -> list[str]:
         """Delete the release files no installed release uses: those of an install that a

@@ -404,3 +404,20 @@ def test_an_older_release_offered_again_is_refused_each_time_and_logged_once_as_
     said = [r for r in caplog.records if "refused: rollback" in r.getMessage()]
     assert len(said) == 3 and [r.levelno for r in said] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
     assert rt.record.release_id == "fedavg-r9-newer"
+
+
+def test_the_reported_fit_time_is_the_childs_fit_not_its_start_up(releases, data, tmp_path, monkeypatch):
+    """The agent reported the whole child process (interpreter, imports: 2.7-4.2 s) as the fit
+    (0.99 s in fit-head for the same fit): now the child times ``fit`` and the agent reports that."""
+    from edgepfl.edge_agent import head_fit
+
+    returned: list[tuple[bytes, float]] = []
+    real = head_fit.fit_in_child
+
+    def recording(*args, **kwargs):
+        returned.append(real(*args, **kwargs))
+        return returned[-1]
+
+    monkeypatch.setattr(head_fit, "fit_in_child", recording)
+    metrics = _install(HeadRuntime(tmp_path / "state", "lr", data), releases[0])
+    assert len(returned) == 1 and metrics.fit_seconds == returned[0][1] > 0
