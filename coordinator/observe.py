@@ -15,13 +15,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, get_args
 
 from edgepfl.config import ObserveSpec, RunConfig
 from edgepfl.logs import set_log_context
 from edgepfl.metrics import RoundMetrics
 from edgepfl.protocol.backpressure import BoundedInbox
-from edgepfl.protocol.view import AgentView, FleetView, Phase, RolloutView, encode_view
+from edgepfl.protocol.view import AgentView, FleetView, Phase, RolloutState, RolloutView, encode_view
 
 from .fleet import Fleet
 from .registry import Registry
@@ -200,6 +200,21 @@ class PrometheusMetrics:
                           states=["waiting", "training", "aggregating", "evaluating", "releasing", "done"], **labels)
         Gauge("edgepfl_federation_info", "The federation this coordinator runs", ["federation"],
               **labels).labels(federation).set(1)
+        # releases and their staged rollout (docs/ROLLOUT.md), from the fleet view
+        self.release = Gauge("edgepfl_release_info", "The fleet's current encoder release (1; none: no series)",
+                             ["release"], **labels)
+        self.on_release = Gauge("edgepfl_head_agents_on_release", "Head agents online, by the release they run "
+                                "(none: not installed yet)", ["release"], **labels)
+        self.rollout = Gauge("edgepfl_rollout_info", "The last staged rollout's release (1)", ["release"], **labels)
+        # a gauge per state, not an Enum: an Enum reads its first state (staging) before any rollout
+        self.rollout_state = Gauge("edgepfl_rollout_state", "The last staged rollout's state (1 for it, 0 for the "
+                                   f"others: {', '.join(get_args(RolloutState))}); no series before a rollout",
+                                   ["state"], **labels)
+        self.rollout_stage = Gauge("edgepfl_rollout_stage", "The last staged rollout's stage, 1-based (0: none yet)",
+                                   **labels)
+        self.rollout_devices = Gauge("edgepfl_rollout_head_agents", "The last staged rollout's head agents: admitted "
+                                     "to the release so far, and of them those that reported on it", ["kind"],
+                                     **labels)
         if inbox is not None:  # read at scrape time: a coordinator falling behind its fleet shows here
             Gauge("edgepfl_inbox_queued_bytes", "Bytes received and not yet handled by the round loop",
                   **labels).set_function(lambda: inbox.queued_bytes)
@@ -229,6 +244,20 @@ class PrometheusMetrics:
         self.phase.state(view.phase)
         for tier in TIERS:
             self.online.labels(tier).set(view.online.get(tier, 0))
+        self.release.clear()
+        if view.release is not None:
+            self.release.labels(view.release).set(1)
+        self.on_release.clear()
+        for release, count in (view.releases or {}).items():
+            self.on_release.labels(release).set(count)
+        if view.rollout is not None:
+            self.rollout.clear()
+            self.rollout.labels(view.rollout.release).set(1)
+            for state in get_args(RolloutState):
+                self.rollout_state.labels(state).set(float(state == view.rollout.state))
+            self.rollout_stage.set(view.rollout.stage)
+            self.rollout_devices.labels("admitted").set(view.rollout.admitted)
+            self.rollout_devices.labels("reported").set(view.rollout.reported)
         for reason, count in view.rejected.items():
             before = self._rejected_seen.get(reason, 0)
             if count > before:

@@ -219,3 +219,41 @@ def test_the_rollout_line_tells_a_held_release_from_a_halted_one():
     halted = line(state="rolled_back", reasons=["accuracy -63.9 points"], to_release="fedavg-r4-bbbb")
     assert "halted at stage 1 of 3" in halted and "rolled back to fedavg-r4-bbbb" in halted
     assert line(state="promoted").endswith("fedavg-r9-aaaa promoted to the whole fleet")
+
+
+def test_prometheus_shows_the_current_release_the_head_agents_on_each_and_the_rollout():
+    """Scraped over HTTP as Prometheus would: the release series, which it had none of."""
+    import urllib.request
+
+    from edgepfl.coordinator.observe import PrometheusMetrics
+    from edgepfl.protocol.view import RolloutView
+
+    metrics = PrometheusMetrics("127.0.0.1", 0, "demo")
+    try:
+        def scrape() -> str:
+            return urllib.request.urlopen(f"http://127.0.0.1:{metrics.port}/metrics", timeout=10).read().decode()
+
+        assert "edgepfl_rollout_state{" not in scrape()  # no rollout yet: no state, not "staging"
+
+        def view(release: str, releases: dict, rollout: RolloutView) -> FleetView:
+            return FleetView(federation="demo", method="fedavg", updated=100.0, started=10.0, phase="done", round=3,
+                             rounds=4, rounds_completed=4, release=release, releases=releases, rollout=rollout)
+
+        metrics.observe_view(view("r1", {"r1": 16, "r2": 4}, RolloutView(
+            release="r2", stage=1, stages=[0.2, 0.5, 1.0], state="held", admitted=4, reported=4)))
+        text = scrape()
+        assert 'edgepfl_release_info{release="r1"} 1.0' in text
+        assert 'edgepfl_head_agents_on_release{release="r1"} 16.0' in text
+        assert 'edgepfl_head_agents_on_release{release="r2"} 4.0' in text
+        assert 'edgepfl_rollout_info{release="r2"} 1.0' in text and "edgepfl_rollout_stage 1.0" in text
+        assert 'edgepfl_rollout_state{state="held"} 1.0' in text
+        assert 'edgepfl_rollout_head_agents{kind="reported"} 4.0' in text
+        # promoted: the old release's series go, not left at their last value
+        metrics.observe_view(view("r2", {"r2": 20}, RolloutView(
+            release="r2", stage=3, stages=[0.2, 0.5, 1.0], state="promoted", admitted=20, reported=20)))
+        text = scrape()
+        assert 'edgepfl_release_info{release="r2"} 1.0' in text and 'release="r1"' not in text
+        assert 'edgepfl_rollout_state{state="promoted"} 1.0' in text
+        assert 'edgepfl_rollout_state{state="held"} 0.0' in text
+    finally:
+        metrics.close()
