@@ -46,6 +46,10 @@ SEQUENCE_FILE = "sequence.json"
 CURRENT_FILE = "current.frame"
 #: the frame of the release before it (what a rollback goes back to)
 PREVIOUS_FILE = "previous.frame"
+#: the frame of the release before that one: what ``previous`` becomes again when a rollback
+#: goes back to it (a release halted at a stage and rolled back leaves the fleet where it was,
+#: and the operator's rollback still has somewhere to go)
+EARLIER_FILE = "earlier.frame"
 #: how many retained part topics the last published release occupies (0: retained whole)
 PUBLISHED_FILE = "published.json"
 #: the random stream of a release delta's stochastic rounding (with the run's seed and the round)
@@ -224,8 +228,11 @@ def publish_release(fleet: Fleet, release: BuiltRelease | RollbackRelease, round
     publishing): the next release, of this session or of a restarted coordinator of the
     run, clears the parts it does not overwrite and is made a delta against it, and a
     resumed coordinator names the release again (:func:`resume_release`). The release it
-    replaces is kept as the previous one (what ``edgepfl release rollback`` goes back to);
-    a rollback leaves none (the agents keep nothing older).
+    replaces is kept as the previous one (what ``edgepfl release rollback`` goes back to),
+    and the one before that as well: a rollback to the previous release makes that one the
+    previous again (after a release halted at its canary, the fleet is where it was before
+    it, with the same release to go back to). Head agents that do not hold what a rollback
+    goes back to are sent it whole.
     """
     releases_dir = Path(releases_dir)
     path = releases_dir / PUBLISHED_FILE
@@ -234,15 +241,30 @@ def publish_release(fleet: Fleet, release: BuiltRelease | RollbackRelease, round
     if isinstance(release, RollbackRelease):
         parts = fleet.releases.publish(release.frame, round, earlier_parts=earlier, ref=ref,
                                       restore=RestoreRelease(release.restore, release.holders), have=have)
-        (releases_dir / PREVIOUS_FILE).unlink(missing_ok=True)
+        previous, earlier_frame = published_frame(releases_dir, previous=True), _frame(releases_dir / EARLIER_FILE)
+        if previous is not None and _release_id(previous) == ref.release_id and earlier_frame is not None:
+            write_bytes(releases_dir / PREVIOUS_FILE, earlier_frame)
+        else:
+            (releases_dir / PREVIOUS_FILE).unlink(missing_ok=True)
+        (releases_dir / EARLIER_FILE).unlink(missing_ok=True)
     else:
         parts = fleet.releases.publish(release.frame, round, earlier_parts=earlier, ref=ref, delta=release.delta,
                                       have=have)
         if (current := published_frame(releases_dir)) is not None:
+            if (previous := published_frame(releases_dir, previous=True)) is not None:
+                write_bytes(releases_dir / EARLIER_FILE, previous)
             write_bytes(releases_dir / PREVIOUS_FILE, current)
     write_bytes(releases_dir / CURRENT_FILE, release.frame)
     write_json(path, {"parts": parts, "round": round})
     return parts
+
+
+def _frame(path: Path) -> bytes | None:
+    return path.read_bytes() if path.is_file() else None
+
+
+def _release_id(frame: bytes) -> str:
+    return decode(frame).meta_as(ReleaseMeta).release_id
 
 
 def fleet_current(releases_dir: Path) -> ReleaseRef | None:

@@ -145,3 +145,49 @@ def test_a_halted_release_is_sent_to_no_one_and_the_rollback_restores_where_the_
     assert sent.to("old")[-1] == b"first again"  # 1.7 keeps no release before the installed one
     heads.reported("pi", FIRST.release_id, refused=True)  # its kept files are gone, say
     assert sent.to("pi") == [b"first", b"restore first", b"first again"]
+
+
+def test_after_a_release_halted_and_rolled_back_the_operators_rollback_still_has_the_one_before(tmp_path):
+    """r0, r1 published; r2 halted at its canary and rolled back to r1. ``edgepfl release
+    rollback`` said "nothing to roll back to" though the fleet held r0: the halt's rollback
+    dropped what was before r1. Now r1's previous is r0 again; a rollback to r0 leaves none."""
+    from types import SimpleNamespace
+
+    from edgepfl.config import RunConfig
+    from edgepfl.coordinator.releases.channel import ReleaseChannel
+    from edgepfl.coordinator.releases.release import fleet_current, publish_release, published_frame, rollback_release
+    from edgepfl.protocol import MessageType, ReleaseMeta, decode, encode
+
+    from tests.export_fixtures import export_dir
+    from tests.fleet_helpers import release_frame
+
+    class Built:  # what publish_release reads of a BuiltRelease
+        def __init__(self, frame: bytes):
+            self.frame, self.delta = frame, None
+
+    base = release_frame("f", export_dir(tmp_path, "fedavg", rounds=1), 0)
+    meta = decode(base).meta_as(ReleaseMeta)
+
+    def named(release_id: str) -> bytes:
+        message = decode(base)
+        return encode(MessageType.RELEASE, federation="f", sender="coordinator", round=0,
+                      meta=meta.model_copy(update={"release_id": release_id}), tensors=dict(message.tensors))
+
+    # publish_release reaches the fleet through its release channel only: the base one publishes nowhere
+    releases, fleet, config = tmp_path / "releases", SimpleNamespace(releases=ReleaseChannel()), RunConfig(federation="f")
+    releases.mkdir()
+    for rid in ("r0", "r1", "r2"):
+        publish_release(fleet, Built(named(rid)), 0, releases)
+    assert fleet_current(releases).release_id == "r2"
+
+    def previous_id() -> str | None:
+        frame = published_frame(releases, previous=True)
+        return decode(frame).meta_as(ReleaseMeta).release_id if frame is not None else None
+
+    assert previous_id() == "r1"
+    back = rollback_release(published_frame(releases, previous=True), releases, config, rolled_back=["r2"])
+    publish_release(fleet, back, back.round, releases)  # the halt at r2's canary
+    assert fleet_current(releases).release_id == "r1" and previous_id() == "r0"
+    again = rollback_release(published_frame(releases, previous=True), releases, config, rolled_back=["r1"])
+    publish_release(fleet, again, again.round, releases)  # the operator's rollback
+    assert fleet_current(releases).release_id == "r0" and previous_id() is None
