@@ -321,8 +321,14 @@ class Registry:
     def release_report(self, agent_id: str, release_id: str | None, refused: str | None) -> None:
         """A head agent reported on ``release_id``: installed (``refused`` None), or not and why.
         One entry per known agent, so a flood of reports cannot grow it."""
-        if agent_id not in self.agents:
+        info = self.agents.get(agent_id)
+        if info is None:
             return
+        if refused is None and release_id and info.release != release_id:
+            # installed: what its status re-published after the install will say, which may come
+            # after the run's last view (whose counts then named the release it had before)
+            info.release = release_id
+            self.revision += 1
         if refused is not None:
             entry = f"{release_id}: {refused}"
             if self._release_refused.get(agent_id) != entry:

@@ -257,3 +257,19 @@ def test_prometheus_shows_the_current_release_the_head_agents_on_each_and_the_ro
         assert 'edgepfl_rollout_state{state="held"} 0.0' in text
     finally:
         metrics.close()
+
+
+def test_the_views_release_counts_follow_the_head_agents_reports_not_only_their_statuses():
+    """The last view of a run showed {r3: 2, none: 2} with 4 of 4 installed: two head agents'
+    statuses re-published after the install came after it. Their reports (installed) count."""
+    from edgepfl.protocol import ReleaseRef
+
+    obs, registry, _, _ = _observer()
+    for i in range(4):
+        registry.update(f"pi-{i}", StatusMeta(state="online", tier="head"))
+    registry.update("pi-0", StatusMeta(state="online", tier="head", release=ReleaseRef(release_id="r3")))
+    assert obs.view().releases == {"none": 3, "r3": 1}
+    for i in range(1, 4):
+        registry.release_report(f"pi-{i}", "r3", None)  # what the inbox does with an installed report
+    registry.release_report("pi-3", "r4", "sha256 mismatch")  # a refusal changes what it runs: nothing
+    assert obs.view().releases == {"r3": 4}
