@@ -47,7 +47,7 @@ from edgepfl.protocol.connection import BrokerLogin
 from edgepfl.protocol.view import FleetView
 
 from .dashboard_page import PAGE
-from .status import follow_views, read_access
+from .status import STALE_HEARTBEATS, follow_views, read_access
 
 log = logging.getLogger("edgepfl.dashboard")
 
@@ -175,7 +175,7 @@ class LatestView:
 
 
 def _handler(latest: LatestView, guard: RequestGuard) -> type[BaseHTTPRequestHandler]:
-    page = PAGE.encode()
+    page = PAGE.replace("__STALE_HEARTBEATS__", str(STALE_HEARTBEATS)).encode()
     told: set[str] = set()  # refused Host names logged (a few, once each)
 
     class Handler(BaseHTTPRequestHandler):

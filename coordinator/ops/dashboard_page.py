@@ -70,6 +70,7 @@ PAGE = r"""<!doctype html>
 <script>
 "use strict";
 const PAGE_SIZE = 200;
+const STALE_HEARTBEATS = __STALE_HEARTBEATS__;  // status.py's, filled in by the server
 let latest = null, page = 0;
 const $ = (id) => document.getElementById(id);
 const byTest = (name) => document.querySelector(`[data-testid="${name}"]`);
@@ -99,10 +100,16 @@ function draw() {
   const v = latest.view;
   $("federation").textContent = v.federation;
   $("method").textContent = v.method;
+  // a finished run's view, or one not republished for STALE_HEARTBEATS of its heartbeats (the
+  // coordinator killed, its host down), says what the agents were, not what they are
+  const silent = v.heartbeat_s && Date.now() / 1000 - v.updated > STALE_HEARTBEATS * v.heartbeat_s;
+  const past = v.phase === "done" || silent;
   $("updated").textContent = "view of " + new Date(v.updated * 1000).toLocaleTimeString() +
-    (v.heartbeat_s && Date.now() / 1000 - v.updated > 3 * v.heartbeat_s ? " — stale: the coordinator may have stopped" : "");
+    (silent ? " — stale: the coordinator may have stopped" : "") +
+    (past ? "; agent states are as of then, not now" : "");
   const online = Object.values(v.online || {}).reduce((a, b) => a + b, 0);
-  byTest("agents-online").textContent = online + Object.entries(v.online || {}).map(([t, n]) => ` · ${n} ${t}`).join("");
+  byTest("agents-online").textContent = (past ? "was " : "") + online +
+    Object.entries(v.online || {}).map(([t, n]) => ` · ${n} ${t}`).join("");
   byTest("agents-total").textContent = v.agents.length + v.agents_left_out;
   byTest("phase").textContent = v.phase;
   byTest("round").textContent = v.round < 0 ? "–" : `${v.round} of 0..${v.rounds - 1}`;
@@ -146,7 +153,8 @@ function draw() {
     (v.agents_left_out ? ` (${v.agents_left_out} more not in the view)` : "");
   rows(byTest("agents"), [{t: "agent"}, {t: "tier"}, {t: "state"}, {t: "last seen"}, {t: "release"}, {t: "samples", num: 1}, {t: "note"}],
     shown.slice(page * PAGE_SIZE, (page + 1) * PAGE_SIZE).map((a) => [
-      esc(a.id), a.tier, a.online ? '<span class="on">online</span>' : '<span class="off">offline</span>', ago(a.last_seen),
+      esc(a.id), a.tier, a.online ? (past ? '<span class="off">was online</span>' : '<span class="on">online</span>') :
+        '<span class="off">offline</span>', ago(a.last_seen),
       esc(a.release || ""), a.num_train,
       '<span class="warn">' + esc(a.excluded || a.release_refused || (a.benched_until != null ? "benched until round " + a.benched_until : "")) + "</span>"]));
   document.body.dataset.renderMs = (performance.now() - t0).toFixed(1);
@@ -160,7 +168,9 @@ async function poll() {
     if (!response.ok) { $("problem").textContent = body.error || response.statusText; }
     else {
       $("problem").textContent = "";
-      if (!latest || body.view.updated !== latest.view.updated || body.received !== latest.received) { latest = body; draw(); }
+      const changed = !latest || body.view.updated !== latest.view.updated || body.received !== latest.received;
+      latest = changed ? body : latest;
+      draw();  // also unchanged: a view ages (stale after STALE_HEARTBEATS heartbeats) while nothing comes
     }
   } catch (e) { $("problem").textContent = "the dashboard server does not answer: " + e; }
   setTimeout(poll, latest ? 2000 : 500);  // until the first view, ask more often

@@ -126,8 +126,10 @@ def _ago(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h ago"
 
 
-#: a view not republished for this many of its heartbeats is a stopped coordinator's
-STALE_HEARTBEATS = 3
+#: a view not republished for this many of its heartbeats is a stopped coordinator's (a running
+#: one republishes every heartbeat; two leave room for one late publish): status and the
+#: dashboard then show its agents as they were
+STALE_HEARTBEATS = 2
 #: phases that come after training: the final evaluation and done (a release may come mid-run)
 FINAL_PHASES = ("evaluating", "done")
 

@@ -167,6 +167,19 @@ def test_the_dashboard_shows_a_ten_thousand_agent_fleet_live_in_chromium(mosquit
         rollout = text(browser, "rollout")
         assert "held" in rollout and "halted" not in rollout and "rolled back" not in rollout, rollout
         assert not browser.find_elements("css selector", '[data-testid="rollout"] .warn')
+        # a view its coordinator stopped republishing (two heartbeats and more ago): the agents
+        # it called online are shown as they were, not green and "online" (70 s after every agent
+        # stopped, 7 were still shown online)
+        silent = held.model_copy(update={"updated": time.time() - 61, "heartbeat_s": 30.0})
+        publish_view(mosquitto.url, federation, encode_view(silent, 1_000_000))
+        wait_until(lambda: rendered(browser, silent.updated), 30, interval=0.1, what="the page drawing the old view")
+        assert text(browser, "agents-online").startswith("was ") and "stale" in browser.find_element("id", "updated").text
+        assert not browser.find_elements("css selector", '[data-testid="agents"] .on')
+        # a finished run's view: the same, at once
+        done = held.model_copy(update={"updated": time.time(), "phase": "done"})
+        publish_view(mosquitto.url, federation, encode_view(done, 1_000_000))
+        wait_until(lambda: rendered(browser, done.updated), 30, interval=0.1, what="the page drawing the done view")
+        assert text(browser, "agents-online").startswith("was ") and "was online" in text(browser, "agents")
         folder = artifacts(tmp_path)
         browser.save_screenshot(str(folder / "dashboard-10000-agents.png"))
         (folder / "dashboard-10000-agents.txt").write_text(
