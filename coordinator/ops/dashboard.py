@@ -147,14 +147,20 @@ class LatestView:
         self._view: FleetView | None = None
         self._received = 0.0
         self._history: dict[int, tuple[float, bool]] = {}
+        #: (federation, started) of the last run whose views fed the curve
+        self._run: tuple[str, float] | None = None
         self._body: bytes | None = None
         self.problem: str | None = None  # the last thing that went wrong reading views, for the page
 
     def update(self, view: FleetView) -> None:
         with self._lock:
-            if self._view is not None and (view.federation, view.started) != (self._view.federation,
-                                                                                self._view.started):
-                self._history.clear()  # another run: its own curve
+            # another run: its own curve. An `edgepfl release` command between runs publishes a view
+            # of its own (phase releasing, no rounds): the run's curve stays until another run starts
+            run = (view.federation, view.started)
+            if view.phase != "releasing" and self._run is not None and run != self._run:
+                self._history.clear()
+            if view.phase != "releasing":
+                self._run = run
             self._view, self._received, self.problem = view, time.time(), None
             if view.last_accuracy is not None and view.last_accuracy_round is not None:
                 self._history[view.last_accuracy_round] = (view.last_accuracy, view.last_accuracy_final)

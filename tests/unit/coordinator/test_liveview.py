@@ -273,3 +273,21 @@ def test_the_views_release_counts_follow_the_head_agents_reports_not_only_their_
         registry.release_report(f"pi-{i}", "r3", None)  # what the inbox does with an installed report
     registry.release_report("pi-3", "r4", "sha256 mismatch")  # a refusal changes what it runs: nothing
     assert obs.view().releases == {"r3": 4}
+
+
+def test_the_dashboards_curve_survives_a_release_command_and_starts_again_with_a_new_run():
+    """Any `edgepfl release` command (a view of its own, phase releasing) emptied the curve."""
+    from edgepfl.coordinator.ops.dashboard import LatestView
+
+    def view(started: float, phase: str, round: int, accuracy: float | None) -> FleetView:
+        return FleetView(federation="demo", method="fedavg", updated=started + round + 1, started=started,
+                         phase=phase, round=round, rounds=10, rounds_completed=max(0, round),
+                         last_accuracy=accuracy, last_accuracy_round=None if accuracy is None else round)
+
+    latest = LatestView()
+    for r in range(3):
+        latest.update(view(100.0, "training", r, 0.5 + r / 10))
+    latest.update(view(500.0, "releasing", -1, None))  # edgepfl release publish, between runs
+    assert [point[0] for point in json.loads(latest.body())["history"]] == [0, 1, 2]
+    latest.update(view(900.0, "training", 0, 0.3))  # another run
+    assert json.loads(latest.body())["history"] == [[0, 0.3, False]]
