@@ -29,20 +29,39 @@ def agent_requirements() -> list[str]:
     return [*project["dependencies"], *project["optional-dependencies"]["agent"]]
 
 
+def documented_platforms() -> list[str]:
+    """The ``--platform`` tags of docs/OPERATING.md's offline ``pip download``: what the test
+    resolves is what a device owner runs."""
+    import re
+
+    text = (REPO / "docs" / "OPERATING.md").read_text()
+    command = next(line for line in text.splitlines() if line.strip().startswith("pip download") and "aarch64" in line)
+    return re.findall(r"--platform (\S+)", command)
+
+
 @pytest.mark.parametrize("python", ["3.10", "3.11"])
 def test_the_agent_extra_resolves_to_aarch64_wheels_only_without_torch(python, tmp_path):
+    from packaging.version import Version
+
+    platforms = documented_platforms()
+    assert "manylinux_2_28_aarch64" in platforms  # bookworm's glibc: a 2014-only list took onnxruntime 1.16
     report = tmp_path / "report.json"
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
          "--report", str(report), "--target", str(tmp_path / "target"),
-         "--platform", "manylinux2014_aarch64", "--python-version", python, "--implementation", "cp",
-         "--only-binary", ":all:", *agent_requirements()],
+         *(arg for tag in platforms for arg in ("--platform", tag)), "--python-version", python,
+         "--implementation", "cp", "--only-binary", ":all:", *agent_requirements()],
         capture_output=True, text=True, timeout=600)
     errors = [line for line in proc.stderr.splitlines() if "ERROR" in line]
     assert proc.returncode == 0, "\n".join(errors) or proc.stderr[-2000:]
-    installed = {item["metadata"]["name"].lower().replace("_", "-") for item in json.loads(report.read_text())["install"]}
-    assert {"onnxruntime", "scikit-learn", "numpy", "paho-mqtt", "cryptography"} <= installed
-    assert not {"torch", "torchvision"} & installed, "the head tier must not pull torch"
+    versions = {item["metadata"]["name"].lower().replace("_", "-"): Version(item["metadata"]["version"])
+                for item in json.loads(report.read_text())["install"]}
+    assert {"onnxruntime", "scikit-learn", "numpy", "paho-mqtt", "cryptography"} <= versions.keys()
+    assert not {"torch", "torchvision"} & versions.keys(), "the head tier must not pull torch"
+    # the closure must import together: numpy 2 needs an onnxruntime built for it (1.19 and later);
+    # 1.16.3 beside numpy 2.2.6 installed fine and failed at import ("_ARRAY_API not found")
+    if versions["numpy"] >= Version("2"):
+        assert versions["onnxruntime"] >= Version("1.19"), versions
 
 
 #: what JetPack 6 ships: NVIDIA's torch and the torchvision built against it (pre-release local versions)
