@@ -76,7 +76,7 @@ echo "photos:      $(ls "$WORK/photos" | tr '\n' ' ')($(find "$WORK/photos" -nam
 echo "to classify: $(ls "$WORK/to-classify" | wc -l) images, named after their true class"
 
 # --------------------------------------------------------------------------------------
-# 1. On the Pi: `pip install 'edgepfl[agent]' pillow` (onnxruntime + scikit-learn, no
+# 1. On the Pi: `pip install './edgepfl-0.1.0-py3-none-any.whl[agent]' pillow` (the wheel, no
 #    torch), then one config. tier: head = receive releases, fit a head on local data.
 #    dataset: imagefolder = one folder per class; the whole folder is this device's data,
 #    a quarter of it held out to measure the accuracy the agent reports.
