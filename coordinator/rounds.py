@@ -133,12 +133,6 @@ class Coordinator:
         if self.state is None:
             self.init_or_resume()
         resumed_from = self.start_round - 1 if self.start_round else None
-        c = self.config
-        if (c.release_every or c.release_at_end) and not c.rollout.in_runs and self.fleet.releases.stages:
-            # the gate exists, and these releases would pass it by: say so once, not per release
-            log.warning("this run's releases (release_every / release_at_end) go to every head agent at once, "
-                        "measured by no canary: set rollout.in_runs: true for stages %s and their gate",
-                        c.rollout.stages)
         self.run_dir.open(resumed_from, virtual_clock=self.clock.virtual)
         self.observer.start(resumed_from)
         self.observer.enter("waiting", self.start_round)
@@ -349,7 +343,11 @@ class Coordinator:
             return None  # halted at a stage and rolled back (docs/ROLLOUT.md): the fleet keeps its release
         self.releases[built.release_id] = round
         self.observer.released(built.release_id)
-        self.progress.note(f"released encoder {built.release_id} ({built.sizes()}) to head-tier agents")
+        # what went out, not what could have: a delta offered to no agent that holds its base is sent as nothing
+        sent = self.fleet.releases.sent_bytes(take=True)  # since the last release: what this one sent so far
+        said = ", ".join(f"{n / 1e6:.2f} MB {form}" for form, n in sent.items() if n) or "retained only, none sent yet"
+        self.progress.note(f"released encoder {built.release_id} ({len(built.frame) / 1e6:.2f} MB) to head-tier "
+                           f"agents: {said}")
         return built.release_id
 
     def _collect_head_reports(self, timeout: float) -> None:

@@ -11,6 +11,7 @@ updates against it) and the run's expected fleet size; the release service no me
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from edgepfl.config import RunConfig
@@ -26,6 +27,7 @@ from .presence import PresenceWatch
 from .registry import Registry
 from .result import RunCounters
 
+log = logging.getLogger("edgepfl.coordinator")
 
 @dataclass(frozen=True)
 class CoordinatorSide:
@@ -57,4 +59,10 @@ def wire(config: RunConfig, fleet: Fleet, method: Method | None, *, watch_presen
                   clock=fleet.clock, presence=presence,
                   nacks=Nacker(config.federation, fleet, registry, credentials.signer))
     fleet.expect_chunks(inbox.chunk_allowance)  # chunks reserve memory only for answers the inbox expects
+    if method is not None and (config.release_every or config.release_at_end) and not config.rollout.in_runs \
+            and fleet.releases.stages:
+        # a run's own releases: the gate exists and they would pass it by; said once, not per release
+        log.warning("this run's releases (release_every / release_at_end) go to every head agent at once, "
+                    "measured by no canary: set rollout.in_runs: true for stages %s and their gate",
+                    config.rollout.stages)
     return CoordinatorSide(credentials, registry, counters, observer, inbox)

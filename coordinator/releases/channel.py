@@ -28,6 +28,11 @@ class ReleaseChannel:
     #: whether a release can go to some head agents only (a staged rollout's stages)
     stages: ClassVar[bool] = False
 
+    def sent_bytes(self, take: bool = False) -> dict[str, int]:
+        """Bytes of release frames sent to head agents on their task topics since the last
+        ``take``, by form (whole, delta, restore); the broker's retained copy is not counted."""
+        return {}
+
     def publish(self, frame: bytes, round: int, earlier_parts: int = 0, ref: ReleaseRef | None = None,
                 delta: DeltaRelease | None = None, restore: RestoreRelease | None = None,
                 have: Iterable[str] = ()) -> int:
@@ -87,6 +92,14 @@ class BrokerReleaseChannel(ReleaseChannel):
         self.name_release = name_release
         #: who is sent the current release on their task topic
         self.head_releases = HeadReleases(deliver)
+        self._taken: dict[str, int] = {}  # head_releases.sent_bytes at the last sent_bytes(take=True)
+
+    def sent_bytes(self, take: bool = False) -> dict[str, int]:
+        total = self.head_releases.sent_bytes
+        since = {form: n - self._taken.get(form, 0) for form, n in total.items()}
+        if take:
+            self._taken = dict(total)
+        return since
 
     def publish(self, frame: bytes, round: int, earlier_parts: int = 0, ref: ReleaseRef | None = None,
                 delta: DeltaRelease | None = None, restore: RestoreRelease | None = None,

@@ -92,6 +92,13 @@ class HeadReleases:
         # agent id -> (release, session, connection, copies) of what was last sent to it
         self._sent: dict[str, tuple[ReleaseRef, str | None, int | None, int]] = {}
         self._taking_retained: set[str] = set()
+        #: bytes of release frames sent to head agents on their task topics since this process
+        #: started, by form: whole, delta, restore (the retained copy is the broker's to send)
+        self.sent_bytes: dict[str, int] = {"whole": 0, "delta": 0, "restore": 0}
+
+    def _send(self, agent_id: str, frame: bytes, round: int, form: str) -> None:
+        if self.deliver(agent_id, frame, round) is not None:
+            self.sent_bytes[form] += len(frame)
 
     @property
     def current(self) -> tuple[bytes, int, ReleaseRef] | None:
@@ -172,7 +179,7 @@ class HeadReleases:
                 self._taking_retained.discard(agent_id)
             self._offer(agent_id, status)
         elif came_online and self._current is not None:
-            self.deliver(agent_id, self._current.frame, self._current.round)
+            self._send(agent_id, self._current.frame, self._current.round, "whole")
 
     def _release_for(self, agent_id: str) -> _Release | None:
         if self._candidate is not None and agent_id in self.admitted:
@@ -202,7 +209,9 @@ class HeadReleases:
                  status.release.release_id if status.release else "none", form)
         if smaller is not None:
             self._sent_smaller.add(agent_id)
-        self.deliver(agent_id, smaller if smaller is not None else release.frame, release.round)
+            self._send(agent_id, smaller, release.round, "restore" if "restore" in form else "delta")
+        else:
+            self._send(agent_id, release.frame, release.round, "whole")
 
     def reported(self, agent_id: str, release_id: str | None, refused: bool) -> None:
         """A head agent's report on ``release_id``: it has that release installed, or, when
@@ -219,7 +228,7 @@ class HeadReleases:
         self._sent_smaller.discard(agent_id)
         self._whole_only.add(agent_id)
         log.info("head agent %s refused release %s in a smaller form: sending it whole", agent_id, release_id)
-        self.deliver(agent_id, release.frame, release.round)
+        self._send(agent_id, release.frame, release.round, "whole")
 
     def _smaller_for(self, agent_id: str, status: StatusMeta, release: _Release) -> tuple[bytes | None, str]:
         """The frame of ``release`` in a smaller form this agent can take, and a note for the log."""

@@ -191,3 +191,17 @@ def test_after_a_release_halted_and_rolled_back_the_operators_rollback_still_has
     again = rollback_release(published_frame(releases, previous=True), releases, config, rolled_back=["r1"])
     publish_release(fleet, again, again.round, releases)  # the operator's rollback
     assert fleet_current(releases).release_id == "r0" and previous_id() is None
+
+
+def test_the_bytes_sent_are_counted_by_the_form_they_went_in():
+    """The console said "0.07 MB as a delta" of releases that went whole: what it says now is
+    what was sent, counted here, by form."""
+    sent = Sent()
+    heads = releases_with_a_delta(sent)
+    heads.status("keeps", status(FIRST, codecs=["q4"]), True)
+    heads.status("lost-it", status(FIRST, codecs=["q4"]), True)
+    heads.status("old", status(FIRST, version="1.6", codecs=["q4"]), True)
+    publish_second(heads)
+    heads.reported("lost-it", SECOND.release_id, refused=True)  # then whole
+    assert heads.sent_bytes == {"whole": 2 * len(WHOLE), "delta": 2 * len(DELTA), "restore": 0}
+    assert sum(len(frame) for _, frame in sent.frames) == sum(heads.sent_bytes.values())
