@@ -101,8 +101,10 @@ def test_a_jetson_keeps_nvidias_torch_when_its_torchvision_is_there_too(tmp_path
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
          "--report", str(report), "--target", str(tmp_path / "target"), "--find-links", str(wheels),
-         "--platform", "manylinux2014_aarch64", "--python-version", "3.10", "--implementation", "cp",
-         "--only-binary", ":all:", *project["dependencies"], *project["optional-dependencies"]["train"],
+         # JetPack 6 is Ubuntu 22.04 (glibc 2.35): the tags the documented offline install names
+         *(arg for tag in documented_platforms() for arg in ("--platform", tag)), "--python-version", "3.10",
+         "--implementation", "cp", "--only-binary", ":all:", *project["dependencies"],
+         *project["optional-dependencies"]["train"],
          f"torch=={NVIDIA_TORCH}", f"torchvision=={NVIDIA_TORCHVISION}"],
         capture_output=True, text=True, timeout=600)
     errors = [line for line in proc.stderr.splitlines() if "ERROR" in line]
