@@ -121,9 +121,12 @@ def cmd_demo(args) -> int:
 
     config = demo_config(args.rounds)
     out = Path(args.out)
+    from .data import resolve_kind
+
+    # the data set the demo runs on ("auto" is a setting, not an answer: Fashion-MNIST when installed)
     print(f"edgepfl demo: {args.agents} agents, {config.rounds} rounds of {config.method.name} on "
-          f"{config.data.dataset} over {'an embedded' if not args.broker else 'the'} MQTT broker; run directory {out}",
-          file=sys.stderr)
+          f"{resolve_kind(config.data)} ({config.model.arch}) over {'an embedded' if not args.broker else 'the'} "
+          f"MQTT broker; run directory {out}", file=sys.stderr)
     simulate(config, args.agents, out, broker=args.broker or EMBEDDED_BROKER)
     print((out / "results.txt").read_text())
     print(f"plot: {out / 'accuracy.png'}")

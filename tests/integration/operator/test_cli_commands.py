@@ -3,6 +3,7 @@ none: tests/unit/core/test_cli.py)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -19,6 +20,7 @@ def test_demo_runs_on_the_embedded_broker_and_writes_table_and_plot(tmp_path):
     assert (out / "accuracy.png").stat().st_size > 10_000
     assert sum(1 for _ in (out / "metrics.jsonl").open()) == 3
     assert "round   1 [####################] 2/2" in proc.stderr  # progress per round, numbered from 0
+    assert " on auto " not in proc.stderr and re.search(r"rounds of \w+ on (fmnist|digits) \(", proc.stderr)
 
 
 def test_methods_lists_every_registered_method():
