@@ -209,7 +209,9 @@ class HeadReleases:
                  status.release.release_id if status.release else "none", form)
         if smaller is not None:
             self._sent_smaller.add(agent_id)
-            self._send(agent_id, smaller, release.round, "restore" if "restore" in form else "delta")
+            restore = release.restore
+            self._send(agent_id, smaller, release.round,
+                       "restore" if restore is not None and smaller is restore.frame else "delta")
         else:
             self._send(agent_id, release.frame, release.round, "whole")
 

@@ -200,8 +200,7 @@ def rollback_release(frame: bytes, releases_dir: Path, config: RunConfig, signer
 def published_frame(releases_dir: Path, previous: bool = False) -> bytes | None:
     """The whole frame of the last release published from ``releases_dir`` (or, with
     ``previous``, of the one before it); None when there is none."""
-    path = Path(releases_dir) / (PREVIOUS_FILE if previous else CURRENT_FILE)
-    return path.read_bytes() if path.is_file() else None
+    return _frame(Path(releases_dir) / (PREVIOUS_FILE if previous else CURRENT_FILE))
 
 
 def published_release(releases_dir: Path) -> tuple[ReleaseMeta, bytes] | None:
