@@ -6,7 +6,7 @@ random init, on 3x64x64) this script
 1. builds the encoder with :func:`edgepfl.models.build_encoder`, in eval mode;
 2. exports it with :func:`edgepfl.export.onnx_export.encoder_to_onnx` (the exporter ``edgepfl
    export`` uses), fits an ``lr`` head (:class:`edgepfl.heads.LRHead`) on its features
-   of real images, exports the head (skl2onnx) and fuses both with :func:`edgepfl.export.heads.fuse`;
+   of real images, exports the head (export/sklearn_graphs.py) and fuses both with :func:`edgepfl.export.heads.fuse`;
 3. builds the *same* computation in torch: encoder -> L2 normalize -> Linear with the
    head's ``coef_`` / ``intercept_`` -> softmax, and checks both agree (max abs diff of
    the probabilities is recorded);

@@ -4,7 +4,7 @@ Creates, under a temporary directory outside the repository (``--work``, default
 ``/tmp/edgepfl-install-size``), fresh ``python3 -m venv`` environments and installs into each:
 
 * ``core``  — ``pip install -e REPO`` (the dependencies every tier needs);
-* ``agent`` — ``pip install -e 'REPO[agent]'`` (head tier: onnxruntime, scikit-learn, skl2onnx, onnx);
+* ``agent`` — ``pip install -e 'REPO[agent]'`` (head tier: onnxruntime, scikit-learn, onnx);
 * ``train`` — ``pip install -e 'REPO[train]' torch==2.14.1 torchvision==0.29.1`` (the local
   pin; this box's 2.14.1 wheel is a CUDA build that pulls the nvidia-* and triton wheels);
 * ``torch-cpu`` — only the CPU build of torch on this disk (``torch==2.13.0+cpu``,

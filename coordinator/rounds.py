@@ -356,7 +356,8 @@ class Coordinator:
         c = self.config
         if self.releases and self.inbox.collect_reports(next(reversed(self.releases)), timeout, c.min_head_agents,
                                                         c.wait_for_agents_s):
-            self.run_dir.write_head_reports(self.inbox.reports_by_release, self.releases)
+            self.run_dir.write_head_reports(self.inbox.reports_by_release, self.releases,
+                                            self.fleet.releases.release_bytes())
 
 
 def require_capable(registry: Registry, config: RunConfig, run_spec: RunSpec) -> None:

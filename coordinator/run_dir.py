@@ -45,6 +45,9 @@ class RunDirectory:
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
+        #: each release's sent bytes as the run's earlier sessions recorded them (read at this
+        #: session's first write): this session's counts are added to them, once
+        self._bytes_before: dict[str, dict[str, int]] | None = None
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -116,18 +119,27 @@ class RunDirectory:
 
     # ---------------------------------------------------------------- head reports
     def write_head_reports(self, reports_by_release: Mapping[str, Mapping[str, HeadReport]],
-                           release_rounds: Mapping[str, int]) -> None:
+                           release_rounds: Mapping[str, int],
+                           sent_bytes: Mapping[str, Mapping[str, int]] | None = None) -> None:
         """Every release's head-tier reports, by release id; those of the run's earlier
         sessions are kept. ``release_rounds``: the training round each release of this
-        session was exported after."""
+        session was exported after; ``sent_bytes``: what this session sent of each release to
+        head agents, by form (added to what earlier sessions recorded)."""
         try:
             head = read_head_metrics(self.root)
         except ValueError as exc:  # an older run's file: replaced
             log.warning("%s", exc)
             head = {}
-        for release_id, reports in reports_by_release.items():
-            earlier = head[release_id].round if release_id in head else None
-            head[release_id] = ReleaseReports(round=release_rounds.get(release_id, earlier), reports=dict(reports))
+        if self._bytes_before is None:
+            self._bytes_before = {rid: dict(entry.sent_bytes) for rid, entry in head.items()}
+        for release_id in {*reports_by_release, *(sent_bytes or {})}:
+            entry = head.get(release_id)
+            reports = reports_by_release.get(release_id, entry.reports if entry else {})
+            total = dict(self._bytes_before.get(release_id, {}))
+            for form, n in (sent_bytes or {}).get(release_id, {}).items():
+                total[form] = total.get(form, 0) + n
+            head[release_id] = ReleaseReports(round=release_rounds.get(release_id, entry.round if entry else None),
+                                              reports=dict(reports), sent_bytes=total)
         write_json(self.root / HEAD_METRICS_FILE, {k: v.model_dump(mode="json") for k, v in head.items()})
 
 

@@ -103,6 +103,9 @@ REASSERT_EVERY_S = 2.0
 NEGOTIATED = (1, 2)
 #: the protocol version that added the connection number to statuses (a lost task sent again)
 CONNECTION_NUMBERS = (1, 3)
+#: a head agent's copy of its loaded samples in its state directory, read through memory maps
+#: (:meth:`~edgepfl.data.client.ClientData.paged`): a cache, written anew at each start
+SAMPLES_DIR = "samples"
 
 
 class Agent:
@@ -145,6 +148,8 @@ class Agent:
 
         c = self.config
         self.data = load_client_data(c.data, c.client_index)
+        if c.tier == "head":  # it reads its samples only to install a release: from a file's pages
+            self.data = self.data.paged(Path(c.state_dir) / SAMPLES_DIR)
         self.tier = create_tier(c, self.data, self.signer, self.coordinator_key)
         self.tier.restore()
         topics = self.tier.release_topics(c.federation)

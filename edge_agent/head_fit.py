@@ -1,14 +1,19 @@
 """A head agent fits its personal head in a short child process: ``python -m edgepfl.edge_agent.head_fit DIR``.
 
-Fitting needs scikit-learn, scipy and skl2onnx (torch for a method's own head): 80 MB and
-most of a second of imports on a Pi before the first row is fitted, and a long-running
-process never gives memory it has touched back. So the agent computes the features itself
-(onnxruntime, which it holds anyway), hands them to a child that imports the fitting
-libraries, fits the release's method's head, exports it to ONNX and exits; the agent
-evaluates and serves the exported head with onnxruntime alone (docs/BENCHMARKS.md, "A head
-tier that fits"). The child runs exactly the code an in-process fit ran (:func:`fit_head`: the
-method's ``make_head``, ``fit``, :func:`edgepfl.export.heads.head_to_onnx`) on the same
-float32 features, so the head chosen and its predictions do not change.
+Fitting needs scikit-learn and scipy (torch for a method's own head): 64 MiB and most of a
+second of imports on a Pi before the first row is fitted, and a long-running process never
+gives memory it has touched back. So the agent computes the features itself (onnxruntime,
+which it holds anyway), hands them to a child that imports the fitting libraries, fits the
+release's method's head, exports it to ONNX and exits; the agent evaluates and serves the
+exported head with onnxruntime alone (docs/BENCHMARKS.md, "A head tier that fits"). The
+child runs exactly the code an in-process fit ran (:func:`fit_head`: the method's
+``make_head``, ``fit``, :func:`edgepfl.export.heads.head_to_onnx`) on the same float32
+features, so the head chosen and its predictions do not change.
+
+The child runs beside the agent, so both are kept small for the device's cap (BENCHMARKS, "A
+whole head device in 150 MB"): the child imports neither skl2onnx (the generic heads' graphs
+are written with ``onnx.helper``) nor the agent loop, and the agent closes its sessions and
+hands freed heap back (:func:`return_freed_memory`) before it starts the child.
 
 The exchange is a private directory the agent creates and removes: it writes
 ``request.json`` (:class:`FitRequest`), ``features.npy`` and ``labels.npy``; the child
@@ -21,6 +26,9 @@ agent raises :class:`~edgepfl.errors.OutOfMemory`, never a refusal of a good rel
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import signal
 import subprocess
 import sys
@@ -143,6 +151,18 @@ def fit_in_child(request: FitRequest, features: np.ndarray, labels: np.ndarray,
             why = "killed (SIGKILL, the kernel's OOM killer)" if proc.returncode == -signal.SIGKILL else last
             raise OutOfMemory(f"fitting a {request.head_kind} head", why)
         raise RuntimeError(f"the head-fitting process failed: {last}")
+
+
+def return_freed_memory() -> None:
+    """Collect garbage and hand the C heap's free pages back to the system (glibc's
+    ``malloc_trim``; elsewhere only the collection): what a closed onnxruntime session and
+    an install's temporaries freed then no longer counts beside the fitting child."""
+    gc.collect()
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        pass
 
 
 def _wait_feeding_watchdog(proc: subprocess.Popen) -> None:

@@ -20,7 +20,7 @@ other data is a new task in its own. Either way the head file records the name o
 class (:mod:`edgepfl.heads.labels`), so ``edgepfl predict`` prints the right names.
 
 Only numpy and onnxruntime are imported here: the head is fitted and exported in a short
-child process (:mod:`.head_fit`), so the agent never holds scikit-learn, scipy or skl2onnx
+child process (:mod:`.head_fit`), so the agent never holds scikit-learn or scipy
 (tests assert it, and that torch never is loaded for the generic heads). Out of memory —
 while restoring, opening the encoder, computing features or fitting — raises
 :class:`~edgepfl.errors.OutOfMemory`, never a refusal: the release is good and is tried
@@ -34,12 +34,13 @@ torch fits it elsewhere (``edgepfl fit-head``) and installs it as an offline hea
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -327,12 +328,24 @@ class HeadRuntime:
         if global_heads is not None:
             heads_path = self.state_dir / f"global-heads-{_sha(global_heads)[:16]}.safetensors"
             write_bytes(heads_path, global_heads)
+        # the fit child runs beside this process: while it does, this one holds no encoder session
+        # (the new one is opened again from its bytes after, the installed ones from disk if the fit
+        # fails), so the device's peak is this agent's floor plus the child (docs/BENCHMARKS.md,
+        # "A whole head device in 150 MB")
+        del encoder
         try:
-            head_bytes, head_name, fit_seconds = self._head_for(manifest, digest, f_train, y_train, labels, refuse,
-                                                                heads_path)
+            with self._sessions_closed():
+                head_bytes, head_name, fit_seconds = self._head_for(manifest, digest, f_train, y_train, labels,
+                                                                    refuse, heads_path)
         except (ReleaseRefused, MemoryError):  # MemoryError: OutOfMemory, the release is tried again
             if heads_path is not None and heads_path.name != keep:
                 heads_path.unlink(missing_ok=True)
+            raise
+        try:
+            encoder = OnnxEncoder(artifact, manifest, threads=self.threads, expected_sha256=digest)
+        except Exception as exc:  # it opened a moment ago: memory may be short now, nothing else differs
+            if out_of_memory(exc):
+                raise OutOfMemory(f"opening the encoder of release {release_id} again", exc) from exc
             raise
         # named by its own content, not the encoder's: a release that keeps the encoder and changes
         # the preprocessing fits another head, which must not overwrite the one kept for a rollback
@@ -401,6 +414,28 @@ class HeadRuntime:
             if loaded is not None:
                 self.encoder, self.head, self._adapt = loaded
             self._remove_old(old, record)
+
+    @contextlib.contextmanager
+    def _sessions_closed(self) -> Iterator[None]:
+        """Close the installed release's sessions and give freed memory back to the system for
+        the body (a head fit in a child process); reopen them from disk if it raises (the
+        installed release stays in use), leave them closed if it returns (the caller
+        switches to the new release's)."""
+        held = self.encoder is not None or self.head is not None
+        self.encoder = self.head = None
+        head_fit.return_freed_memory()
+        try:
+            yield
+        except BaseException:
+            if held:
+                try:
+                    installed = open_installed(self.state_dir, threads=self.threads,
+                                               coordinator_key=self.coordinator_key)
+                    self.encoder, self.head = installed.encoder, installed.head
+                except (OSError, ValueError, MemoryError) as exc:  # the agent restarts into load()
+                    log.error("cannot reopen the installed release %s after a failed install: %s",
+                              self.release_id, exc)
+            raise
 
     def _keep_proof(self, proof: bytes | None) -> str | None:
         """Write a release's proof (named by its content, so a crash before the record switch

@@ -114,7 +114,7 @@ def _cause_line(cause: BaseException | str) -> str:
 #: third-party import name -> the extra that installs it
 EXTRA_OF_MODULE = {
     "torch": "train", "torchvision": "train", "onnxscript": "train", "scipy": "train", "matplotlib": "train",
-    "amqtt": "train", "onnxruntime": "agent", "sklearn": "agent", "skl2onnx": "agent", "onnx": "agent",
+    "amqtt": "train", "onnxruntime": "agent", "sklearn": "agent", "onnx": "agent",
     "PIL": "agent", "dp_accounting": "train",
 }
 

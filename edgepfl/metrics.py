@@ -232,6 +232,10 @@ class ReleaseReports(BaseModel):
 
     round: int | None = Field(None, description="the last training round the released encoder includes")
     reports: dict[str, HeadReport] = Field(default_factory=dict, description="agent id -> its report")
+    sent_bytes: dict[str, int] = Field(
+        default_factory=dict, description="bytes of this release's frames the coordinator sent, by form: on head "
+                                          "agents' task topics whole, delta, restore; retained: its retained copy "
+                                          "published (the broker sends it on to each agent that takes it)")
 
     def accuracy(self) -> float | None:
         """Sample-weighted held-out accuracy over the agents that reported, each agent's count

@@ -14,14 +14,14 @@ one ONNX contract, so a device runs them all the same way:
   when known, ``edgepfl.encoder_sha256`` (the encoder the head was fitted on). The class
   names live here and nowhere else: whoever runs the head reads them from its file.
 
-* :func:`head_to_onnx` — generic heads through skl2onnx (the SVM with a softmax over its
-  decision scores appended), a method's own head as the method's
+* :func:`head_to_onnx` — generic heads as plain ONNX graphs (:mod:`.sklearn_graphs`: the
+  SVM with a softmax over its decision scores), a method's own head as the method's
   :meth:`~edgepfl.methods.Method.device_head` through ``torch.onnx``;
 * :class:`OnnxHead` — any head ``.onnx`` run with onnxruntime only: what a device runs, and
   what ``edgepfl predict`` runs;
 * :func:`fuse` — encoder and head as one graph; :func:`make_session` — an onnxruntime session.
 
-Importing this module imports numpy only: scikit-learn, scipy, onnx, skl2onnx and torch are
+Importing this module imports numpy only: scikit-learn, scipy, onnx and torch are
 imported by the functions that export a head, onnxruntime by :func:`make_session`. So
 inference (:class:`OnnxHead`, ``edgepfl predict``, a head agent that is not fitting) never
 loads scikit-learn or scipy, 80 MB and most of a second of imports on a Pi (docs/BENCHMARKS.md;
@@ -45,14 +45,13 @@ from edgepfl.heads.labels import LabelSpace
 from edgepfl.protocol import bounded_json
 
 if TYPE_CHECKING:
-    from edgepfl.heads.estimators import HeadEstimator, SklearnHead, SVMHead
+    from edgepfl.heads.estimators import HeadEstimator
 
 HEAD_INPUT = "features"
 OUT_LABEL = "label"
 OUT_PROBA = "probabilities"
 #: the ONNX opset every exported graph targets, so encoder and head graphs can be fused
 OPSET = 17
-ML_OPSET = 3
 META_KIND = "edgepfl.head"
 META_CLASSES = "edgepfl.classes"
 META_FEATURE_DIM = "edgepfl.feature_dim"
@@ -84,7 +83,7 @@ def head_model(head: HeadEstimator | OnnxHead, feature_dim: int, *, labels: Labe
     # the estimators (and with them scikit-learn) only where a head is exported
     from sklearn.utils.validation import check_is_fitted
 
-    from edgepfl.heads.estimators import SklearnHead, SVMHead
+    from edgepfl.heads.estimators import SklearnHead
     from edgepfl.methods.device_head import TorchDeviceHead
 
     check_is_fitted(head)
@@ -92,11 +91,10 @@ def head_model(head: HeadEstimator | OnnxHead, feature_dim: int, *, labels: Labe
         props.update(label_metadata(labels, head.classes_))
     if feature_dim != head.n_features_in_:
         raise ValueError(f"head was fitted on {head.n_features_in_} features, not {feature_dim}")
-    if isinstance(head, SVMHead):
-        model = _svm_graph(head, feature_dim)
-    elif isinstance(head, SklearnHead):
-        # zipmap=False: probabilities as a plain (N, K) tensor rather than a list of dicts
-        model = _sklearn_graph(head, feature_dim, {id(head.pipeline_[-1]): {"zipmap": False}})
+    if isinstance(head, SklearnHead):
+        from .sklearn_graphs import sklearn_head_graph
+
+        model = sklearn_head_graph(head, feature_dim, HEAD_INPUT, OUT_LABEL, OUT_PROBA, OPSET)
     elif isinstance(head, TorchDeviceHead):
         model = _torch_graph(head.device_module(), feature_dim)
     else:
@@ -121,46 +119,6 @@ def head_to_onnx(head: HeadEstimator | OnnxHead, feature_dim: int, path: str | P
 
         write_bytes(path, data)
     return data
-
-
-def _sklearn_graph(head: SklearnHead, feature_dim: int, options: dict):
-    from skl2onnx import to_onnx
-    from skl2onnx.common.data_types import FloatTensorType
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return to_onnx(
-            head.pipeline_,
-            initial_types=[(HEAD_INPUT, FloatTensorType([None, feature_dim]))],
-            options=options,
-            target_opset={"": OPSET, "ai.onnx.ml": ML_OPSET},
-        )
-
-
-def _svm_graph(head: SVMHead, feature_dim: int):
-    """skl2onnx's LinearSVC graph with a softmax over its scores, as :meth:`SVMHead.predict_proba`."""
-    from onnx import TensorProto, helper
-
-    model = _sklearn_graph(head, feature_dim, {id(head.pipeline_[-1]): {"nocl": False}})
-    graph = model.graph
-    # skl2onnx names the raw scores "probabilities"; rename, then append the softmax
-    raw = "svm_scores"
-    for node in graph.node:
-        node.output[:] = [raw if o == OUT_PROBA else o for o in node.output]
-    outputs = [o for o in graph.output if o.name != OUT_PROBA]
-    del graph.output[:]
-    graph.output.extend(outputs)
-    k = len(head.classes_)
-    if k == 2:
-        graph.node.extend([
-            helper.make_node("Neg", [raw], ["svm_neg"]),
-            helper.make_node("Concat", ["svm_neg", raw], ["svm_scores2"], axis=1),
-            helper.make_node("Softmax", ["svm_scores2"], [OUT_PROBA], axis=1),
-        ])
-    else:
-        graph.node.append(helper.make_node("Softmax", [raw], [OUT_PROBA], axis=1))
-    graph.output.append(helper.make_tensor_value_info(OUT_PROBA, TensorProto.FLOAT, [None, k]))
-    return model
 
 
 def _torch_graph(module, feature_dim: int):
@@ -335,7 +293,7 @@ def _set_metadata(model, props: dict[str, str]) -> None:
 
 
 def _dedupe_opsets(model) -> None:
-    """skl2onnx may list a domain twice; keep the highest version of each."""
+    """A graph may list a domain twice (older exporters did); keep the highest version of each."""
     best: dict[str, int] = {}
     for op in model.opset_import:
         best[op.domain] = max(best.get(op.domain, 0), op.version)

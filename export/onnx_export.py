@@ -245,7 +245,7 @@ def encoder_to_onnx(encoder, input_shape: tuple[int, ...]) -> bytes:
     # (the reason is spelled out there); tests/unit/export/test_export.py exercises this call.
     target = cast(Any, buf)
     # The TorchScript exporter: deterministic, fast, and emits exactly the opset asked for,
-    # which the heads (skl2onnx) target too so encoder and head graphs can be fused.
+    # which the heads (export/sklearn_graphs.py) target too so encoder and head graphs can be fused.
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

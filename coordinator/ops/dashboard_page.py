@@ -32,6 +32,8 @@ PAGE = r"""<!doctype html>
   th, td { text-align: left; padding: 3px 8px 3px 0; border-bottom: 1px solid var(--line); white-space: nowrap; }
   th { color: var(--muted); font-weight: 500; }
   td.num, th.num { text-align: right; }
+  /* a release id is long and its panel a quarter of a screen: it wraps rather than runs out of view */
+  table.wraps th, table.wraps td:first-child { white-space: normal; overflow-wrap: anywhere; }
   .on { color: var(--ok); } .off { color: var(--muted); } .warn { color: var(--bad); }
   svg { width: 100%; height: 180px; }
   input { padding: 4px 6px; border: 1px solid var(--line); border-radius: 4px; }
@@ -57,7 +59,7 @@ PAGE = r"""<!doctype html>
     </div>
   </section>
   <section><h2>Accuracy by round</h2><svg id="curve" viewBox="0 0 400 180" preserveAspectRatio="none"></svg></section>
-  <section><h2>Releases on head agents</h2><table data-testid="releases"></table>
+  <section><h2>Releases on head agents</h2><table data-testid="releases" class="wraps"></table>
     <p data-testid="rollout" class="muted"></p></section>
   <section><h2>Rejected and refused, by reason</h2><table data-testid="rejected"></table></section>
   <section class="wide">

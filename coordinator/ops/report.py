@@ -83,6 +83,10 @@ def summarize(rows: list[RoundMetrics], targets: Sequence[float] = (), times: Ru
         release_id, entry = latest
         out["head_tier"] = {"release": release_id, "round": entry.round, "accuracy": entry.accuracy(),
                             "agents": {a: r.model_dump(mode="json") for a, r in entry.reports.items()}}
+        # every release's frames sent to head agents, by form: the head tier's share of the run's bytes
+        forms = {form: sum(each.sent_bytes.get(form, 0) for each in (head or {}).values())
+                 for form in ("whole", "delta", "restore", "retained")}
+        out["release_bytes"] = {"total": sum(forms.values()), **forms}
     if not targets and best is not None and best.accuracy:
         out["targets_from"] = "best accuracy"
         out["to_accuracy"] = [{**bytes_to_accuracy(rows, round(best.accuracy * share, 4)), "share_of_best": share}
@@ -152,6 +156,11 @@ def format_table(rows: list[RoundMetrics], summary: dict, method: str = "") -> s
                          if r.get("accuracy") is not None))
         lines.extend(f"  {a} did not install release {r.get('release_id')}: {r['refused']}"
                      for a, r in sorted(head["agents"].items()) if r.get("refused"))
+    sent = summary.get("release_bytes")
+    if sent and sent["total"]:
+        lines.append(f"releases sent to head agents: {sent['total'] / 1e6:.2f} MB ("
+                     + ", ".join(f"{n / 1e6:.2f} MB {form}" for form, n in sent.items() if form != "total" and n)
+                     + "; a retained copy the broker sends on to each agent that takes it)")
     if summary.get("rejected"):
         lines.append(f"rejected messages: {summary['rejected']}")
     if summary.get("refused"):

@@ -33,6 +33,12 @@ class ReleaseChannel:
         ``take``, by form (whole, delta, restore); the broker's retained copy is not counted."""
         return {}
 
+    def release_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes of each release's frames this process sent since it started, by release id and
+        form: on head agents' task topics ``whole``, ``delta``, ``restore``; ``retained``, its
+        retained copy published (the broker sends that copy on to each agent that takes it)."""
+        return {}
+
     def publish(self, frame: bytes, round: int, earlier_parts: int = 0, ref: ReleaseRef | None = None,
                 delta: DeltaRelease | None = None, restore: RestoreRelease | None = None,
                 have: Iterable[str] = ()) -> int:
@@ -93,6 +99,9 @@ class BrokerReleaseChannel(ReleaseChannel):
         #: who is sent the current release on their task topic
         self.head_releases = HeadReleases(deliver)
         self._taken: dict[str, int] = {}  # head_releases.sent_bytes at the last sent_bytes(take=True)
+        #: release id -> bytes of its retained copies published (once per publish; the broker
+        #: then sends that copy to every head agent that takes it, which no one here counts)
+        self._retained: dict[str, int] = {}
 
     def sent_bytes(self, take: bool = False) -> dict[str, int]:
         total = self.head_releases.sent_bytes
@@ -100,6 +109,12 @@ class BrokerReleaseChannel(ReleaseChannel):
         if take:
             self._taken = dict(total)
         return since
+
+    def release_bytes(self) -> dict[str, dict[str, int]]:
+        out = {rid: dict(forms) for rid, forms in self.head_releases.sent_by_release.items()}
+        for rid, n in self._retained.items():
+            out.setdefault(rid, {})["retained"] = n
+        return out
 
     def publish(self, frame: bytes, round: int, earlier_parts: int = 0, ref: ReleaseRef | None = None,
                 delta: DeltaRelease | None = None, restore: RestoreRelease | None = None,
@@ -118,6 +133,8 @@ class BrokerReleaseChannel(ReleaseChannel):
                                                     round=round)
             self.transport.clear_retained([topic])
             log.info("release of %d bytes exceeds max_message_bytes: retained in %d parts", len(frame), parts)
+        if ref is not None:
+            self._retained[ref.release_id] = self._retained.get(ref.release_id, 0) + len(frame)
         stale = range(parts, earlier_parts)
         if stale:
             self.transport.clear_retained(release_part_topic(self.federation, i) for i in stale)

@@ -95,10 +95,14 @@ class HeadReleases:
         #: bytes of release frames sent to head agents on their task topics since this process
         #: started, by form: whole, delta, restore (the retained copy is the broker's to send)
         self.sent_bytes: dict[str, int] = {"whole": 0, "delta": 0, "restore": 0}
+        #: the same by release id: what each release cost the fleet's links (head_metrics.json)
+        self.sent_by_release: dict[str, dict[str, int]] = {}
 
-    def _send(self, agent_id: str, frame: bytes, round: int, form: str) -> None:
-        if self.deliver(agent_id, frame, round) is not None:
+    def _send(self, agent_id: str, release: _Release, frame: bytes, form: str) -> None:
+        if self.deliver(agent_id, frame, release.round) is not None:
             self.sent_bytes[form] += len(frame)
+            by_form = self.sent_by_release.setdefault(release.ref.release_id, {"whole": 0, "delta": 0, "restore": 0})
+            by_form[form] += len(frame)
 
     @property
     def current(self) -> tuple[bytes, int, ReleaseRef] | None:
@@ -179,7 +183,7 @@ class HeadReleases:
                 self._taking_retained.discard(agent_id)
             self._offer(agent_id, status)
         elif came_online and self._current is not None:
-            self._send(agent_id, self._current.frame, self._current.round, "whole")
+            self._send(agent_id, self._current, self._current.frame, "whole")
 
     def _release_for(self, agent_id: str) -> _Release | None:
         if self._candidate is not None and agent_id in self.admitted:
@@ -210,10 +214,10 @@ class HeadReleases:
         if smaller is not None:
             self._sent_smaller.add(agent_id)
             restore = release.restore
-            self._send(agent_id, smaller, release.round,
+            self._send(agent_id, release, smaller,
                        "restore" if restore is not None and smaller is restore.frame else "delta")
         else:
-            self._send(agent_id, release.frame, release.round, "whole")
+            self._send(agent_id, release, release.frame, "whole")
 
     def reported(self, agent_id: str, release_id: str | None, refused: bool) -> None:
         """A head agent's report on ``release_id``: it has that release installed, or, when
@@ -230,7 +234,7 @@ class HeadReleases:
         self._sent_smaller.discard(agent_id)
         self._whole_only.add(agent_id)
         log.info("head agent %s refused release %s in a smaller form: sending it whole", agent_id, release_id)
-        self._send(agent_id, release.frame, release.round, "whole")
+        self._send(agent_id, release, release.frame, "whole")
 
     def _smaller_for(self, agent_id: str, status: StatusMeta, release: _Release) -> tuple[bytes | None, str]:
         """The frame of ``release`` in a smaller form this agent can take, and a note for the log."""

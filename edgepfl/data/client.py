@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,24 @@ class ClientData:
         names = None if self.channel_names is None else [self.channel_names[i] for i in order]
         return replace(self, x_train=np.ascontiguousarray(self.x_train[:, order]),
                        x_test=np.ascontiguousarray(self.x_test[:, order]), normalization=stats, channel_names=names)
+
+    def paged(self, directory: str | Path) -> ClientData:
+        """The same data with its inputs in ``directory`` (``x_train.npy``, ``x_test.npy``) read
+        through memory maps: pages of a file, which the kernel reads in as they are used and
+        may drop again, instead of the process's own memory. A head agent reads its samples
+        only while it installs a release, and its fit child runs beside it on a device capped
+        at 150 MB (docs/BENCHMARKS.md, "A whole head device in 150 MB"). The files are a
+        cache of what was loaded, written anew each time (an old file is unlinked first, so a
+        map of it stays valid)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        maps = {}
+        for name in ("x_train", "x_test"):
+            path = directory / f"{name}.npy"
+            path.unlink(missing_ok=True)
+            np.save(path, np.ascontiguousarray(getattr(self, name)), allow_pickle=False)
+            maps[name] = np.load(path, mmap_mode="r", allow_pickle=False)
+        return replace(self, **maps)
 
     @property
     def input_shape(self) -> tuple[int, ...]:

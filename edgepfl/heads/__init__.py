@@ -44,11 +44,11 @@ OFFLINE_HEAD_KIND = "onnx"
 
 def fitting_modules(kind: str) -> tuple[str, ...]:
     """The third-party modules fitting and exporting a ``kind`` head needs: scikit-learn and
-    skl2onnx for the generic heads, torch for a method's own (DualFed's, FedPick's), none
+    onnx for the generic heads, torch for a method's own (DualFed's, FedPick's), none
     for an offline head (run as it is)."""
     if kind == OFFLINE_HEAD_KIND:
         return ()
-    return ("sklearn", "skl2onnx", "onnx") if kind in GENERIC_HEAD_KINDS else ("torch", "onnx")
+    return ("sklearn", "onnx") if kind in GENERIC_HEAD_KINDS else ("torch", "onnx")
 
 # The one set of defaults of the generic heads; RepPer's options (``head_C``,
 # ``head_hidden``, ...) default to these too. A C chosen by cross-validation replaced the

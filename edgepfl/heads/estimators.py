@@ -11,7 +11,7 @@ place that fits a head — RepPer's stage 2, a head-tier device, ``edgepfl fit-h
 calls the same ``fit``, so the same features give the same choice everywhere. ONNX export is
 :func:`edgepfl.export.heads.head_to_onnx`'s business, not this module's.
 
-Imports scikit-learn, never torch or skl2onnx.
+Imports scikit-learn, never torch or onnx.
 """
 
 from __future__ import annotations

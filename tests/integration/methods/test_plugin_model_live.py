@@ -43,7 +43,7 @@ from tests.unit.export.test_series_release import NO_TORCH, model_classes
 from tests.unit.methods.test_methods_federate import AGENTS, check_rows, tiny_config
 
 pytest.importorskip("onnxruntime")
-pytest.importorskip("skl2onnx")
+pytest.importorskip("sklearn")
 
 PLUGIN_SOURCE = Path(__file__).resolve().parents[2] / "plugins" / "sensor_cnn.py"
 ARCH = "wrist_cnn:build"  # a module name no test folder holds: only the user's folder provides it

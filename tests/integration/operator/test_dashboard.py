@@ -148,6 +148,10 @@ def test_the_dashboard_shows_a_ten_thousand_agent_fleet_live_in_chromium(mosquit
         releases = text(browser, "releases")
         for release, count in shown.releases.items():  # every head agent online, the left-out ones too
             assert f"{release}{' (current)' if release == RELEASES[1] else ''} {count}" in releases, releases
+        # the table fits its panel, long release ids included: nothing cut off or hidden behind a scroll bar
+        widths = browser.execute_script("const t = document.querySelector('[data-testid=\"releases\"]');"
+                                        "return [t.scrollWidth, t.parentElement.clientWidth]")
+        assert widths[0] <= widths[1], f"the releases table is {widths[0]} px wide in a {widths[1]} px panel"
         assert len(browser.find_elements("css selector", '[data-testid="agents"] tr')) == 201  # a page of 200
         assert f"rollout of {RELEASES[1]}: stage 2 of 3 (25 %), 1000 of 1125 reported" in text(browser, "rollout")
         render_ms = float(browser.execute_script("return document.body.dataset.renderMs"))

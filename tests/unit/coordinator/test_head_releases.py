@@ -205,3 +205,6 @@ def test_the_bytes_sent_are_counted_by_the_form_they_went_in():
     heads.reported("lost-it", SECOND.release_id, refused=True)  # then whole
     assert heads.sent_bytes == {"whole": 2 * len(WHOLE), "delta": 2 * len(DELTA), "restore": 0}
     assert sum(len(frame) for _, frame in sent.frames) == sum(heads.sent_bytes.values())
+    # and by release: the first went to nobody (each agent had it), the second in both forms
+    assert heads.sent_by_release == {SECOND.release_id: {"whole": 2 * len(WHOLE), "delta": 2 * len(DELTA),
+                                                         "restore": 0}}

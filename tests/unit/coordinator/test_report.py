@@ -49,6 +49,30 @@ def test_head_tier_accuracy_is_the_latest_releases_and_labelled_with_it():
     assert "head-tier agents, release fedavg-r3-bbbb (encoder after round 3): 80.00% overall" in table
 
 
+def test_release_bytes_are_summed_over_releases_by_form_and_said(tmp_path):
+    """Issue 53: release bytes were in no metrics row or summary. Each release's bytes, as the
+    run directory records them (a resumed session adds its own once, however often it writes)."""
+    from edgepfl.coordinator.run_dir import RunDirectory
+    from edgepfl.metrics import HeadReport, read_head_metrics
+
+    run = RunDirectory(tmp_path)
+    report = {"pi-1": HeadReport.model_validate(_reports(80)["pi-1"])}
+    run.write_head_reports({"r1": report}, {"r1": 1}, {"r1": {"whole": 700_000, "delta": 0, "restore": 0}})
+    run.write_head_reports({"r1": report}, {"r1": 1}, {"r1": {"whole": 1_400_000, "delta": 0, "restore": 0}})
+    assert read_head_metrics(tmp_path)["r1"].sent_bytes == {"whole": 1_400_000, "delta": 0, "restore": 0}
+    resumed = RunDirectory(tmp_path)  # a coordinator restarted: its counts start again from 0
+    resumed.write_head_reports({"r3": report}, {"r3": 3}, {"r1": {"whole": 700_000},
+                                                          "r3": {"delta": 70_000, "retained": 300_000}})
+    head = read_head_metrics(tmp_path)
+    assert head["r1"].sent_bytes == {"whole": 2_100_000, "delta": 0, "restore": 0}
+    assert head["r1"].reports == report and head["r3"].sent_bytes == {"delta": 70_000, "retained": 300_000}
+    summary = summarize(_rows(3, 4), head=head)
+    assert summary["release_bytes"] == {"total": 2_470_000, "whole": 2_100_000, "delta": 70_000, "restore": 0,
+                                        "retained": 300_000}
+    table = format_table(_rows(3, 4), summary, "fedavg")
+    assert "releases sent to head agents: 2.47 MB (2.10 MB whole, 0.07 MB delta, 0.30 MB retained;" in table
+
+
 def test_rejections_and_refusals_are_summed_by_reason_and_shown():
     rows = _rows(2, 3)
     rows[0] = rows[0].model_copy(update={"rejected": {"wrong_shape": 1}, "refused": {"bad_options": 1, "busy": 1}})

@@ -221,15 +221,15 @@ EXTRA = int(ExitCode.EXTRA)
     ["fit-head", "--encoder", "none.onnx", "--data", "none", "--head", "svm", "--out", "head.onnx"],
 ], ids=["simulate --head-agents", "head agent", "fit-head"])
 def test_a_missing_fitting_library_is_named_with_its_extra_before_any_work(args, files, capsys, monkeypatch):
-    """skl2onnx absent (a None entry in sys.modules is how Python spells "cannot
+    """scikit-learn absent (a None entry in sys.modules is how Python spells "cannot
     be imported"). Each command that would fit a generic head on a device says so in one
     line, naming the extra that installs it, before it loads data, starts a broker or
     opens a file: no run directory, no connection attempt (the broker URL is closed)."""
-    monkeypatch.setitem(sys.modules, "skl2onnx", None)
+    monkeypatch.setitem(sys.modules, "sklearn", None)
     monkeypatch.chdir(files)
     (files / "head.yaml").write_text(yaml.safe_dump({"agent_id": "pi", "tier": "head", "head": "svm"}))
     code = main(args)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == EXTRA and len(err) == 1, err
-    assert "skl2onnx, which is not installed; pip install 'edgepfl[agent]'" in err[0] and "svm" in err[0]
+    assert "sklearn, which is not installed; pip install 'edgepfl[agent]'" in err[0] and "svm" in err[0]
     assert not (files / "run").exists()

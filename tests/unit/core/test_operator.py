@@ -276,14 +276,14 @@ def test_torch_specifier_accepts_nvidia_jetpack_builds():
 def test_both_device_extras_install_what_fitting_a_generic_head_needs():
     """docs/OPERATING.md, "Installing": ``[agent]`` runs the head tier, and ``[train]`` runs everything a
     coordinator's machine does, head agents of ``simulate --head-agents``, ``fit-head`` and the
-    kit's head profile included (skl2onnx was once only in ``[agent]``, so a ``[train]``
+    kit's head profile included (a head's exporter was once only in ``[agent]``, so a ``[train]``
     install exited 0 with no head-tier result)."""
     tomllib = pytest.importorskip("tomllib")
     from packaging.requirements import Requirement
 
     from edgepfl.heads import GENERIC_HEAD_KINDS, fitting_modules
 
-    distribution = {"sklearn": "scikit-learn", "skl2onnx": "skl2onnx", "onnx": "onnx"}
+    distribution = {"sklearn": "scikit-learn", "onnx": "onnx"}
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     for extra in ("agent", "train"):
         names = {Requirement(r).name for r in extras[extra]}

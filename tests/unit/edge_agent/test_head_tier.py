@@ -157,6 +157,45 @@ def test_a_head_kind_the_releases_method_does_not_offer_is_refused(releases, dat
     assert rt.release_id is None and not (tmp_path / "state" / "release.json").exists()
 
 
+def test_no_session_is_open_while_the_fit_child_runs_and_a_failed_fit_reopens_the_installed_release(
+        releases, data, tmp_path, caplog, monkeypatch):
+    """The fit child runs beside the agent on a device capped at 150 MB: the agent holds no
+    encoder session then (the installed release's nor the new one's). A fit that fails leaves
+    the installed release serving, reopened from disk; one that succeeds serves the new."""
+    from edgepfl.edge_agent import head_fit
+
+    rt = HeadRuntime(tmp_path / "state", "lr", data.paged(tmp_path / "samples"))
+    first = _install(rt, releases[0])
+    before = rt.predict_proba(data.x_test)
+    seen = []
+    real = head_fit.fit_in_child
+
+    def watched(*args, **kwargs):
+        seen.append((rt.encoder, rt.head))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(head_fit, "fit_in_child", watched)
+    rt.head_kind = "dualfed"  # a DualFed release without its global heads: refused by the fit itself
+    _refused(rt, caplog, *_release_args(releases[1]), "no dualfed head")
+    assert seen == [(None, None)]
+    assert rt.ready and rt.release_id == first.release_id
+    np.testing.assert_array_equal(rt.predict_proba(data.x_test), before)
+    rt.head_kind = "lr"
+    second = _install(rt, releases[1])
+    assert seen[1] == (None, None) and rt.release_id == second.release_id
+    assert (rt.predict(data.x_test) == data.y_test).mean() == pytest.approx(second.accuracy)
+
+
+def test_paged_samples_are_the_same_samples_read_from_a_file(data, tmp_path):
+    paged = data.paged(tmp_path / "samples")
+    for name in ("x_train", "x_test"):
+        assert isinstance(getattr(paged, name), np.memmap)
+        np.testing.assert_array_equal(getattr(paged, name), getattr(data, name))
+    assert paged.num_train == data.num_train and paged.class_names == data.class_names
+    again = data.paged(tmp_path / "samples")  # a restart writes them anew; the earlier map still reads
+    np.testing.assert_array_equal(paged.x_test, again.x_test)
+
+
 def test_a_release_carrying_its_global_heads_gets_the_methods_own_head(releases, data, tmp_path, caplog):
     """The release's ``global_heads`` bytes (PROTOCOL.md §12) are all a device needs beside the
     encoder for a DualFed head: verified against the manifest, kept with the installed release."""

@@ -14,7 +14,7 @@ from edgepfl.specs import CsvSpec, DataSpec
 from tests.unit.data.test_channel_names import CHANNELS, CLASSES, WINDOW, csv_data, write_log
 
 pytest.importorskip("onnxruntime")
-pytest.importorskip("skl2onnx")
+pytest.importorskip("sklearn")
 
 SWAPPED = ["az", "ax", "ay"]
 

@@ -21,7 +21,7 @@ from edgepfl.specs import CsvSpec, DataSpec
 from tests.export_fixtures import REPO_ROOT_HINT
 
 pytest.importorskip("onnxruntime")
-pytest.importorskip("skl2onnx")
+pytest.importorskip("sklearn")
 
 CHANNELS, WINDOW, CLASSES = 6, 100, ("idle", "walk", "run", "fall")
 
