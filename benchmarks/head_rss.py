@@ -143,7 +143,7 @@ BREAKDOWN = textwrap.dedent(r"""
     head.fit(f_train, data.y_train)
     step(f"fit {head_kind} head (sklearn)")
     onnx_bytes = head_to_onnx(head, f_train.shape[1])
-    step("export head with skl2onnx")
+    step("export head (plain ONNX graph)")
     import tempfile, pathlib
     path = pathlib.Path(tempfile.mkdtemp()) / "head.onnx"
     path.write_bytes(onnx_bytes)

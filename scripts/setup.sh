@@ -6,7 +6,8 @@
 #   bash scripts/setup.sh           what edgepfl and its examples run: mosquitto and Fashion-MNIST
 #                                   (apt), the agent, train and sensors extras
 #   bash scripts/setup.sh --tests   also what only the test suite uses: RabbitMQ, nftables, faketime,
-#                                   systemd-container, chromium (apt) and the dev extra (pytest, ruff, mypy)
+#                                   systemd-container, chromium, debootstrap, qemu-user-static (apt) and
+#                                   the dev extra (pytest, ruff, mypy)
 #
 #   EDGEPFL_VENV=path   where the virtual environment goes (default: .venv)
 #   EDGEPFL_EXTRAS=...  which extras to install (default: agent,train,sensors; with --tests: all)
@@ -40,6 +41,11 @@ if [ "$TESTS" = 1 ]; then
   # chromium: tests/integration/operator/test_dashboard.py reads the dashboard in a real headless browser
   command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
   command -v chromedriver >/dev/null 2>&1 || need_apt+=(chromium-driver)
+  # debootstrap + qemu-user: tests/integration/agent/test_offline_install_arm64.py installs the
+  # documented offline wheelhouse into a Debian arm64 root and runs predict there
+  command -v debootstrap >/dev/null 2>&1 || [ -x /usr/sbin/debootstrap ] || need_apt+=(debootstrap)
+  command -v qemu-aarch64-static >/dev/null 2>&1 || need_apt+=(qemu-user-static)
+  command -v update-binfmts >/dev/null 2>&1 || [ -x /usr/sbin/update-binfmts ] || need_apt+=(binfmt-support)
 fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
