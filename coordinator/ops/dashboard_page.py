@@ -85,6 +85,16 @@ function rows(table, head, body) {
     body.map((r) => "<tr>" + r.map((c, i) => `<td${head[i].num ? ' class="num"' : ""}>${c}</td>`).join("") + "</tr>").join("");
 }
 
+// what the rollout's last judged stage measured (status.py's _measured says the same)
+function measured(r) {
+  if (!r || r.paired == null) return "";
+  const pts = (x) => (x >= 0 ? "+" : "") + (100 * x).toFixed(1);
+  let said = r.mean_change == null ? "no accuracy compared (no device had a report on the release before it)" :
+    `held-out accuracy ${pts(r.mean_change)} points on average over ${r.paired} devices, worst ${pts(r.worst_change || 0)}`;
+  if (r.latency_ratio != null) said += `; encoder time ${r.latency_ratio.toFixed(2)}x the release before`;
+  return `<br>stage ${r.stage} measured: ${said}`;
+}
+
 function curve(history) {
   const svg = $("curve");
   if (!history.length) { svg.innerHTML = '<text x="10" y="90" fill="#667085">no evaluated round yet</text>'; return; }
@@ -141,7 +151,7 @@ function draw() {
         // held: passed its stages so far, waiting for the operator; only a halt is drawn as one
         r.state === "held" ? ` — held (edgepfl release promote or halt)` :
         ` — <span class="warn">${r.to_release ? "halted and rolled back to " + esc(r.to_release) : "halted"}: ` +
-        `${r.reasons.map(esc).join("; ")}</span>`)}`;
+        `${r.reasons.map(esc).join("; ")}</span>`)}` + measured(r);
   const reasons = [...Object.entries(v.rejected || {}).map(([k, n]) => ["rejected", k, n]),
                    ...Object.entries(v.refused || {}).map(([k, n]) => ["refused", k, n])].sort((a, b) => b[2] - a[2]);
   rows(byTest("rejected"), [{t: ""}, {t: "reason"}, {t: "count", num: 1}],

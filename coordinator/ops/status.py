@@ -117,6 +117,21 @@ def _rollout(view: FleetView) -> str:
     return f"{r.release} halted at {where}: {'; '.join(r.reasons)}{back}"
 
 
+def _measured(view: FleetView) -> str | None:
+    """What the rollout's last judged stage measured, in one line (None before a verdict)."""
+    r = view.rollout
+    if r is None or r.paired is None:
+        return None
+    if r.mean_change is None:
+        said = "no accuracy compared (no device had a report on the release before it)"
+    else:
+        said = (f"held-out accuracy {100 * r.mean_change:+.1f} points on average over {r.paired} devices, "
+                f"worst {100 * (r.worst_change or 0.0):+.1f}")
+    if r.latency_ratio is not None:
+        said += f"; encoder time {r.latency_ratio:.2f}x the release before"
+    return f"stage {r.stage} measured: {said}"
+
+
 def _ago(seconds: float) -> str:
     seconds = max(0.0, seconds)
     if seconds < 120:
@@ -160,6 +175,7 @@ def format_view(view: FleetView, *, now: float | None = None, max_agents: int = 
         + (" (head agents on it: " + ", ".join(f"{r} {n}" for r, n in view.releases.items()) + ")"
            if view.releases else ""),
         *([f"rollout    {_rollout(view)}"] if view.rollout is not None else []),
+        *([f"           {line}"] if (line := _measured(view)) is not None else []),
         "online     " + ", ".join(f"{n} {tier}" for tier, n in view.online.items()),
         "rejected   " + (", ".join(f"{reason} {n}" for reason, n in view.rejected.items()) or "none"),
         "refused    " + (", ".join(f"{reason} {n}" for reason, n in view.refused.items()) or "none"),

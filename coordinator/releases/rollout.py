@@ -168,11 +168,17 @@ class StagedRollout:
             self.note(message)
 
     def _show(self, release: str, stage: int, state: RolloutState, admitted: int = 0, reported: int = 0,
-              reasons: list[str] | None = None, to_release: str | None = None) -> None:
+              reasons: list[str] | None = None, to_release: str | None = None,
+              measured: StageVerdict | None = None) -> None:
+        """The rollout in the fleet view; ``measured``: the verdict of the last stage judged,
+        whose measurements the operator sees beside the state."""
         set_log_context(release=release, stage=stage)
+        numbers = {} if measured is None else {
+            "paired": measured.paired, "mean_change": measured.mean_change, "worst_change": measured.worst_change,
+            "latency_ratio": measured.latency_ratio}
         self.observer.rolling_out(RolloutView(release=release, stage=stage, stages=list(self.spec.stages),
                                               state=state, admitted=admitted, reported=reported,
-                                              reasons=reasons or [], to_release=to_release))
+                                              reasons=reasons or [], to_release=to_release, **numbers))
 
     def all_reported(self, agents: list[str], release_id: str) -> Callable[[], bool]:
         """A condition for :meth:`Inbox.pump_until`: each of ``agents`` still online has reported
@@ -253,6 +259,7 @@ class StagedRollout:
         meta, round = message.meta_as(ReleaseMeta), message.header.round
         ref, rid = meta.ref(), meta.release_id
         stages = self.spec.stages
+        verdict: StageVerdict | None = None
         for k, share in enumerate(stages, 1):
             if k < first:
                 continue
@@ -266,27 +273,27 @@ class StagedRollout:
             verdict = judge_stage(admitted, self._reports(rid), baseline, self.spec)
             self._record(RolloutEvent(release_id=rid, event="stage", stage=k, share=share, verdict=verdict,
                                       agents=sorted(admitted), seconds=time.monotonic() - began, at=time.time()))
-            self._show(rid, k, "staging", verdict.admitted, verdict.reported, verdict.reasons)
+            self._show(rid, k, "staging", verdict.admitted, verdict.reported, verdict.reasons, measured=verdict)
             if not verdict.passed:
-                self._show(rid, k, "halted", verdict.admitted, verdict.reported, verdict.reasons)
+                self._show(rid, k, "halted", verdict.admitted, verdict.reported, verdict.reasons, measured=verdict)
                 self._halt(rid, k, verdict, stable_frame=published_frame(self.releases_dir))
                 if (current := fleet_current(self.releases_dir)) is not None:
                     self._show(rid, k, "rolled_back", verdict.admitted, verdict.reported, verdict.reasons,
-                               to_release=current.release_id)
+                               to_release=current.release_id, measured=verdict)
                 return "halted"
             self._say(logging.INFO, f"release {rid} passed stage {k} in {time.monotonic() - began:.1f} s: "
                                     f"{verdict.reported} reports, mean change {_points(verdict.mean_change)}")
             if hold and k < len(stages):
                 hold_release(self.releases_dir, release.frame, HeldRollout(
                     release_id=rid, stage=k, reports=dict(self._reports(rid)), baseline=baseline))
-                self._show(rid, k, "held", verdict.admitted, verdict.reported)
+                self._show(rid, k, "held", verdict.admitted, verdict.reported, measured=verdict)
                 self._record(RolloutEvent(release_id=rid, event="held", stage=k, share=share, at=time.time()))
                 self._say(logging.INFO, f"release {rid} held after stage {k}")
                 return "held"
         installed = [a for a, r in self._reports(rid).items() if not r.refused]
         publish_release(self.fleet, release, round, self.releases_dir, have=installed)
         self.observer.released(rid)
-        self._show(rid, len(stages), "promoted", len(installed), len(self._reports(rid)))
+        self._show(rid, len(stages), "promoted", len(installed), len(self._reports(rid)), measured=verdict)
         self._record(RolloutEvent(release_id=rid, event="promoted", stage=len(stages), share=1.0, at=time.time()))
         self._say(logging.INFO, f"release {rid} promoted: retained and current for the whole fleet")
         return "promoted"

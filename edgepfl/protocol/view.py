@@ -69,6 +69,14 @@ class RolloutView(_View):
     reported: int = Field(0, ge=0, description="of them, those that reported on it (installed or refused)")
     reasons: list[str] = Field(default_factory=list, description="halted: each gate that failed")
     to_release: str | None = Field(None, description="rolled_back: the release the fleet went back to")
+    # what the last judged stage measured (docs/ROLLOUT.md, "The gate"): absent before a verdict
+    paired: int | None = Field(None, ge=0, description="the last judged stage's devices with a report on this "
+                                                       "release and one on the release before it")
+    mean_change: float | None = Field(None, description="their mean change of held-out accuracy (0-1); null: no "
+                                                        "pair, so no accuracy was compared")
+    worst_change: float | None = Field(None, description="the largest drop among them (0-1)")
+    latency_ratio: float | None = Field(None, description="median encoder time per sample over the release "
+                                                          "before it's, on the same devices")
 
 
 class FleetView(_View):

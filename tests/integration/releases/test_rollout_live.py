@@ -155,6 +155,10 @@ def test_a_bad_release_is_halted_at_the_canary_and_rolled_back_and_a_good_one_re
     assert shown.rollout is not None and (shown.rollout.release, shown.rollout.state, shown.rollout.stage,
                                           shown.rollout.to_release) == (bad, "rolled_back", 1, first_id)
     assert shown.release == first_id and shown.phase == "done" and shown.rollout.reasons
+    # and what the canary measured, as the operator reads it beside the state
+    assert (shown.rollout.paired, shown.rollout.mean_change) == (stage["verdict"]["paired"],
+                                                                 stage["verdict"]["mean_change"])
+    assert shown.rollout.paired == len(canary) and shown.rollout.mean_change < -0.2
     for agent in agents:
         log = agent_log(out, agent)
         if agent in canary:  # installed it, then went back from its own files
@@ -180,6 +184,7 @@ def test_a_bad_release_is_halted_at_the_canary_and_rolled_back_and_a_good_one_re
     assert all(installed(out, a)["release_id"] == good_id for a in agents)
     shown = fetch_view(mosquitto.url, config.federation)
     assert (shown.rollout.state, shown.rollout.stage, shown.release) == ("promoted", 3, good_id)
+    assert shown.rollout.paired == stages[-1]["verdict"]["paired"] and shown.rollout.mean_change is not None
     assert shown.releases == {good_id: HEADS}
     shown = release_command("status", "--run", str(out))
     assert shown.returncode == 0 and "promoted" in shown.stdout and "halted" in shown.stdout

@@ -221,6 +221,25 @@ def test_the_rollout_line_tells_a_held_release_from_a_halted_one():
     assert line(state="promoted").endswith("fedavg-r9-aaaa promoted to the whole fleet")
 
 
+def test_the_operator_reads_what_the_last_stage_measured():
+    """Issue 53: the view said where a rollout stood, not what its stages measured."""
+    from edgepfl.protocol.view import RolloutView
+
+    def shown(**measured) -> str:
+        view = FleetView(federation="demo", method="fedavg", updated=100.0, started=10.0, phase="releasing",
+                         round=-1, rounds=4, rounds_completed=4,
+                         rollout=RolloutView(release="fedavg-r9-aaaa", stage=1, stages=[0.2, 1.0], state="halted",
+                                             admitted=4, reported=4, reasons=["mean held-out accuracy"],
+                                             **measured))
+        return format_view(view, now=100.0)
+
+    text = shown(paired=4, mean_change=-0.358, worst_change=-0.41, latency_ratio=1.03)
+    assert "stage 1 measured: held-out accuracy -35.8 points on average over 4 devices, worst -41.0; " \
+           "encoder time 1.03x the release before" in text
+    assert "no accuracy compared (no device had a report on the release before it)" in shown(paired=0)
+    assert "measured" not in shown()  # before a verdict there is nothing to say
+
+
 def test_prometheus_shows_the_current_release_the_head_agents_on_each_and_the_rollout():
     """Scraped over HTTP as Prometheus would: the release series, which it had none of."""
     import urllib.request
