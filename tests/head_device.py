@@ -103,7 +103,8 @@ def run_head_device(venv_bin: Path, group: MemoryCgroup, broker_url: str, work: 
         sampler.start()
         pi = subprocess.Popen(group.command([edgepfl, "--log-level", "info", "agent", "--config", str(path)]),
                               stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, cwd="/", env=env)
-        serve = serve_error = predict_error = ""
+        serve: dict | None = None
+        serve_error = predict_error = ""
         predict_lines = 0
         try:
             fleet_ = MqttFleet(cfg.federation, cfg.broker, url=broker_url)
@@ -120,8 +121,8 @@ def run_head_device(venv_bin: Path, group: MemoryCgroup, broker_url: str, work: 
                                         input=json.dumps({"id": "a", "inputs": [str(sample)]}) + "\n",
                                         capture_output=True, text=True, cwd="/", env=env, timeout=300)
                 lines = [line for line in server.stdout.splitlines() if line.strip()]
-                serve = json.loads(lines[0]) if server.returncode == 0 and len(lines) == 1 else ""
-                serve_error = server.stderr[-2000:] if not serve else ""
+                serve = json.loads(lines[0]) if server.returncode == 0 and len(lines) == 1 else None
+                serve_error = server.stderr[-2000:] if serve is None else ""
                 predicted = subprocess.run(group.command([
                     edgepfl, "predict", "--json", "--encoder", str(state / record["encoder_file"]),
                     "--head", str(state / record["head_file"]), str(sample)]),
@@ -134,7 +135,7 @@ def run_head_device(venv_bin: Path, group: MemoryCgroup, broker_url: str, work: 
             pi.wait(timeout=60)
             stop.set()
             sampler.join(timeout=5)
-    return DeviceRun(report=report, install_seconds=install_seconds, serve=serve or None, serve_error=serve_error,
+    return DeviceRun(report=report, install_seconds=install_seconds, serve=serve, serve_error=serve_error,
                      predict_lines=predict_lines, predict_error=predict_error,
                      agent_survived=alive and pi.returncode == 0, peak_bytes=group.peak_bytes,
                      anon_peak_bytes=anon[0], oom_kills=group.oom_kills, log=log_path.read_text(errors="replace"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,12 @@ class ClientData:
         for name in ("x_train", "x_test"):
             path = directory / f"{name}.npy"
             path.unlink(missing_ok=True)
-            np.save(path, np.ascontiguousarray(getattr(self, name)), allow_pickle=False)
+            with open(path, "wb") as fh:
+                np.save(fh, np.ascontiguousarray(getattr(self, name)), allow_pickle=False)
+                fh.flush()
+                # on disk now: clean pages, which the kernel may drop under a memory cap; dirty
+                # ones it must write first, and under a busy disk a cap met them as an OOM kill
+                os.fsync(fh.fileno())
             maps[name] = np.load(path, mmap_mode="r", allow_pickle=False)
         return replace(self, **maps)
 
