@@ -110,6 +110,35 @@ class ScriptedFleet(Fleet):
         """Nothing to release."""
 
 
+class OwnFleet(ScriptedFleet):
+    """A fleet whose frames are provably its agents' own (as in-process agents' are), on a
+    virtual clock: an answer of an agent in ``late_s`` comes that many seconds after the one
+    before it, and a poll with nothing to deliver lets its whole timeout pass."""
+
+    own_frames = True
+
+    def __init__(self, agents: dict[str, Responder], late_s: dict[str, float] | None = None):
+        super().__init__(agents)
+        self.clock = VirtualClock()
+        self.late_s = late_s or {}
+
+    def poll(self, timeout: float) -> AgentFrame | Rejection | None:
+        if not self.events:
+            self.clock.advance_to(self.clock.now() + timeout)
+            return None
+        event = self.events.popleft()
+        if isinstance(event, AgentFrame) and event.channel == AgentChannel.UPDATE:
+            self.clock.advance_to(self.clock.now() + self.late_s.get(event.agent_id, 0.0))
+        return event
+
+
+class BrokerFleetOnAVirtualClock(OwnFleet):
+    """As a broker's fleet (frames not provably their agents' own: a first miss may be a
+    reconnect's lost task), on :class:`OwnFleet`'s virtual clock."""
+
+    own_frames = False
+
+
 def config(**overrides) -> RunConfig:
     base = dict(federation=FED, method={"name": "fedavg"}, model={"arch": "mlp", "feature_dim": 8, "norm": "none"},
                 rounds=1, round_timeout_s=30, wait_for_agents_s=5, input_shape=[1, 4, 4],
@@ -150,21 +179,19 @@ def test_a_round_with_a_quorum_closes_as_soon_as_the_missing_agents_are_offline(
 
 
 def test_a_round_with_a_quorum_closes_at_the_timeout(tmp_path):
-    fleet = ScriptedFleet({"a": honest("a"), "b": honest("b"), "c": silent})
-    started = time.monotonic()
+    fleet = BrokerFleetOnAVirtualClock({"a": honest("a"), "b": honest("b"), "c": silent})
     rows = coordinator(fleet, tmp_path, quorum=0.5, round_timeout_s=1.0).run()
-    assert time.monotonic() - started >= 1.0
+    assert rows[0].seconds >= 1.0
     assert rows[0].participants == ["a", "b"] and rows[0].dropped == ["c"] and not rows[0].aborted
 
 
 def test_a_round_without_a_quorum_waits_twice_the_timeout_and_is_aborted(tmp_path):
-    fleet = ScriptedFleet({"a": honest("a"), "b": silent, "c": silent})
+    fleet = BrokerFleetOnAVirtualClock({"a": honest("a"), "b": silent, "c": silent})
     coord = coordinator(fleet, tmp_path, quorum=1.0, round_timeout_s=0.5)
     coord.init_or_resume()
     before = {k: v.copy() for k, v in coord.state.global_tensors.items()}
-    started = time.monotonic()
     rows = coord.run()
-    assert time.monotonic() - started >= 1.0
+    assert rows[0].seconds >= 1.0
     assert rows[0].aborted and rows[0].participants == ["a"] and rows[0].dropped == ["b", "c"]
     assert all((coord.state.global_tensors[k] == v).all() for k, v in before.items())
 
@@ -965,44 +992,25 @@ def test_a_present_agent_that_never_answers_costs_a_deadline_ever_more_rarely(tm
     round and never answers. Its first miss is excused (a reconnect loses a task); then it
     sits out 1, 2, 4, ... rounds, so 12 rounds wait for it 5 times, not 12; and it is never
     shut out for good (an honest device that recovers is asked again)."""
-    fleet = ScriptedFleet({"a": honest("a"), "b": honest("b"), "m": lambda task: []})
+    # on a virtual clock: a deadline is an event, not a race with how busy this machine is (on
+    # the wall clock an honest answer could miss a 0.5 s deadline on a loaded CI machine)
+    fleet = BrokerFleetOnAVirtualClock({"a": honest("a"), "b": honest("b"), "m": lambda task: []})
     sampled: dict[int, list[str]] = {}
 
     def on_send(agent_id: str, task: Message) -> None:
         sampled.setdefault(task.header.round, []).append(agent_id)
-        if agent_id == "a":
-            fleet.events.append(status("m"))  # "still here"
+        if agent_id == "a":  # a second into the round, "still here"
+            fleet.clock.advance_to(fleet.clock.now() + 1.0)
+            fleet.events.append(status("m"))
 
     fleet.on_send = on_send
-    rows = coordinator(fleet, tmp_path, rounds=12, round_timeout_s=0.5, quorum=0.5).run()
+    rows = coordinator(fleet, tmp_path, rounds=12, round_timeout_s=30, quorum=0.5).run()
     training = [row for row in rows if not row.final]
     assert [row.round for row in training if "m" in row.dropped] == [0, 1, 3, 6, 11]
     assert all(row.participants == ["a", "b"] for row in training)
     assert [r for r in range(12) if "m" in sampled[r]] == [0, 1, 3, 6, 11]
     # the final evaluation asks it all the same: silent or slow, its accuracy is the fleet's too
     assert "m" in sampled[12] and rows[-1].final and rows[-1].dropped == ["m"]
-
-
-class OwnFleet(ScriptedFleet):
-    """A fleet whose frames are provably its agents' own (as in-process agents' are), on a
-    virtual clock: an answer of an agent in ``late_s`` comes that many seconds after the one
-    before it, and a poll with nothing to deliver lets its whole timeout pass."""
-
-    own_frames = True
-
-    def __init__(self, agents: dict[str, Responder], late_s: dict[str, float] | None = None):
-        super().__init__(agents)
-        self.clock = VirtualClock()
-        self.late_s = late_s or {}
-
-    def poll(self, timeout: float) -> AgentFrame | Rejection | None:
-        if not self.events:
-            self.clock.advance_to(self.clock.now() + timeout)
-            return None
-        event = self.events.popleft()
-        if isinstance(event, AgentFrame) and event.channel == AgentChannel.UPDATE:
-            self.clock.advance_to(self.clock.now() + self.late_s.get(event.agent_id, 0.0))
-        return event
 
 
 @pytest.mark.parametrize("answer", ["refusal", "update_the_rule_refuses"])
