@@ -39,6 +39,7 @@ from edgepfl.failpoints import failpoint
 from edgepfl.methods import Method, ServerState, create_method
 from edgepfl.metrics import HeadReport, RoundMetrics
 from edgepfl.protocol import (
+    GRADIENT_CLIP,
     INPUT_KINDS,
     CoordinatorMeta,
     RunSpec,
@@ -361,11 +362,14 @@ class Coordinator:
 
 
 def require_capable(registry: Registry, config: RunConfig, run_spec: RunSpec) -> None:
-    """Trainers are eligible for this run's tasks only if they run its method and model, and
-    (a run of series or vectors) read its input shape: protocol 1.10."""
+    """Trainers are eligible for this run's tasks only if they run its method and model,
+    (a run of series or vectors) read its input shape: protocol 1.10, and (a run that clips
+    local gradients) clip them: protocol 1.11."""
     registry.require(config.method.name, config.model.arch)
     if run_spec.data.input_kind != "image":
         registry.require_protocol(INPUT_KINDS, f"{run_spec.data.input_kind} inputs")
+    if run_spec.train.max_grad_norm is not None:
+        registry.require_protocol(GRADIENT_CLIP, "train.max_grad_norm")
 
 
 def run_spec_of(config: RunConfig, input_shape, num_classes, class_names, normalization, channel_names=None) -> RunSpec:

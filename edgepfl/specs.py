@@ -85,6 +85,16 @@ class TrainConfig(_Strict):
     momentum: float = Field(0.5, ge=0, description="SGD momentum")
     weight_decay: float = Field(5e-4, ge=0, description="L2 weight decay")
     optimizer: Literal["sgd", "adam"] = Field("sgd", description="local optimizer")
+    # added in protocol 1.11, and left out of frames, manifests and checkpoints while null so
+    # that a run without it is byte for byte what it was (older readers and signed files see no
+    # change); the mark is protocol.evolution.since's, written out here because the protocol
+    # package imports this module
+    max_grad_norm: float | None = Field(
+        None, gt=0, json_schema_extra={"x-since": "1.11"}, exclude_if=lambda norm: norm is None,
+        description="clip each local step's gradient to this L2 norm over the parameters the phase trains (null: "
+                    "no clip; trainers of protocol 1.11 only). A stabiliser for local training at the edge of "
+                    "stability, such as a personal head that sharpens over many tasks (docs/SECURITY.md, 'Honest "
+                    "devices the bound still clips')")
 
 
 class PartitionSpec(_Strict):

@@ -86,10 +86,14 @@ def fit(
     Parameters not in ``params`` are not stepped (their gradients are still computed
     unless the caller detaches them), so phase-wise schedules pass the part they train.
     ``optimizer``: the phase's own (default: one from the run's train section);
-    ``batch_size``: None is the run's ``train.batch_size``.
+    ``batch_size``: None is the run's ``train.batch_size``. With ``train.max_grad_norm``
+    each step's gradient over ``params`` is clipped to that norm first.
     """
+    import torch
+
     params = list(params)
     opt = optimizer or make_optimizer(params, ctx)
+    max_norm = ctx.train.max_grad_norm
     model.train()
     total, count = 0.0, 0
     for _ in range(epochs):
@@ -100,6 +104,8 @@ def fit(
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(model, x, y)
             loss.backward()
+            if max_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, max_norm)
             opt.step()
             total += float(loss.detach()) * len(y)
             count += len(y)

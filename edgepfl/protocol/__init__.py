@@ -29,6 +29,7 @@ from .manifest import (
 )
 from .messages import (
     CODECS,
+    GRADIENT_CLIP,
     INPUT_KINDS,
     PROTOCOL_VERSION,
     REFUSAL_REASONS,
@@ -74,7 +75,7 @@ __all__ = [
     "CoordinatorMeta", "DataShape", "FederationChannel", "FileEntry", "GlobalHeadsEntry", "ManifestError", "Message",
     "MessageType", "MethodChoice", "MetricsMeta", "Normalization", "ProtocolError", "Reassembler", "ReleaseManifest",
     "ReleaseDelta", "ReleaseMeta", "RELEASE_DELTAS", "RELEASE_REFS", "RELEASE_RESTORE", "RELEASE_REFUSALS", "ReleaseRef",
-    "RollCall", "SECURE_AGGREGATION", "INPUT_KINDS", "InputKind", "kind_of_shape",
+    "RollCall", "SECURE_AGGREGATION", "INPUT_KINDS", "GRADIENT_CLIP", "InputKind", "kind_of_shape",
     "RunSpec", "StatusMeta", "TASK_DELTAS", "TaskDelta", "TaskMeta", "TopicError",
     "UpdateMeta", "agent_topic", "agent_wildcard",
     "decode", "encode", "federation_topic", "new_message_id", "parse_manifest", "parse_topic", "read_manifest",

@@ -97,6 +97,9 @@ SECURE_AGGREGATION = (1, 9)
 #: the protocol version of series and vector inputs (``run.data.input_kind``, an ``input_shape`` of 2 or 1
 #: entries): a run of them goes only to agents that announced it
 INPUT_KINDS = (1, 10)
+#: the protocol version of ``run.train.max_grad_norm``: a run that sets it goes only to agents
+#: that announced it (an older one would ignore the field and train unclipped)
+GRADIENT_CLIP = (1, 11)
 
 
 class ReleaseRef(_Meta):
