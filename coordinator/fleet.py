@@ -19,6 +19,7 @@ from typing import ClassVar, Protocol
 from edgepfl.broker import exposure_warning
 from edgepfl.config import BrokerConfig, SecuritySpec
 from edgepfl.protocol import (
+    CAPABILITIES,
     AgentChannel,
     CoordinatorMeta,
     FederationChannel,
@@ -48,8 +49,6 @@ from .releases.channel import BrokerReleaseChannel, ReleaseChannel
 
 log = logging.getLogger("edgepfl.coordinator")
 SENDER = "coordinator"
-#: the protocol version whose agents declare capabilities once they have read the presence
-CAPABILITIES = (1, 2)
 #: an agent whose status still declares no capabilities this long after its birth did not read
 #: the retained presence: it is published again (at most this often)
 MISSED_PRESENCE_S = 3.0

@@ -4,7 +4,10 @@ Besides presence it keeps who may be sent a task of this run (:meth:`Registry.el
 a trainer that is ``online`` (not ``busy``), whose declared capabilities include the
 run's method and architecture (:meth:`Registry.require`), and that has not refused a
 task of this run for a reason that will not change until it restarts
-(:meth:`Registry.exclude`, docs/PROTOCOL.md §10)."""
+(:meth:`Registry.exclude`, docs/PROTOCOL.md §10). A trainer of protocol 1.2 or later whose
+status has not declared capabilities yet (its first birth, before it read the presence) is
+not sent a task for :data:`CAPABILITIES_WAIT_S`: the task would go out without what they
+decide (an uplink codec, a frame limit), and its next status normally declares them."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from edgepfl.protocol import Capabilities, StatusMeta, supports
+from edgepfl.protocol import CAPABILITIES, Capabilities, StatusMeta, supports
 from edgepfl.protocol.clock import wall_time
 from edgepfl.specs import is_import_path
 
@@ -51,6 +54,12 @@ MAX_CLOCK_SKEW_S = 300.0
 SESSIONS_KEPT = 64
 #: a device clock this far off this host's is worth a warning (and shows in the fleet view)
 CLOCK_WARNING_S = 60.0
+#: how long a trainer of protocol 1.2 or later whose status declares no capabilities waits for
+#: one that does before it is sent tasks anyway, as declaring none: its first birth comes before
+#: it read the coordinator's presence, the presence goes out again live after 3 s for one that
+#: missed the retained copy (``fleet.MISSED_PRESENCE_S``), and an agent that still declares
+#: nothing then is taken at its word (capabilities are optional in PROTOCOL.md §10)
+CAPABILITIES_WAIT_S = 6.0
 #: the most rounds in a row a device that keeps missing its tasks sits out (then it is asked again)
 MAX_ROUNDS_BENCHED = 16
 
@@ -92,6 +101,9 @@ class Registry:
         self._task_bytes: int | None = None
         #: the protocol feature (major, minor) this run needs of a trainer, and what needs it (None: none)
         self._feature: tuple[tuple[int, int], str] | None = None
+        # trainer id -> (session, when) of a 1.2+ status without capabilities not yet followed by one
+        # with them: no task until then, or until CAPABILITIES_WAIT_S have passed
+        self._undeclared: dict[str, tuple[str | None, float]] = {}
         # trainers that may be sent a task now (online, capable, not excluded): kept up to date per status
         self._eligible: set[str] = set()
         # agent id -> (session, reason) of a refusal that keeps it out of this run until another session
@@ -159,6 +171,9 @@ class Registry:
         info = self.agents.get(agent_id)
         why = None
         if info is not None and info.tier == "trainer" and info.state == "online":
+            if self._declaring(agent_id):
+                self._eligible.discard(agent_id)
+                return
             why = self.incapable(info.capabilities) or self._too_old(info.version) or self.excluded(agent_id)
             if why is None:
                 self._eligible.add(agent_id)
@@ -167,6 +182,36 @@ class Registry:
         if why is not None and agent_id not in self._told_incapable and self.excluded(agent_id) is None:
             self._told_incapable.add(agent_id)  # once per agent: it re-announces on every connect
             log.warning("agent %s gets no task of this %s run: %s", agent_id, self._method or "", why)
+
+    def _declaring(self, agent_id: str) -> bool:
+        """Whether the trainer is still given time to declare its capabilities."""
+        entry = self._undeclared.get(agent_id)
+        return entry is not None and self.clock.now() < entry[1] + CAPABILITIES_WAIT_S
+
+    def _note_declaration(self, agent_id: str, status: StatusMeta) -> None:
+        if status.capabilities is not None or status.tier != "trainer" or not supports(status.version, CAPABILITIES):
+            self._undeclared.pop(agent_id, None)
+        elif status.state == "online" and (agent_id not in self._undeclared
+                                           or self._undeclared[agent_id][0] != status.session):
+            # a new process's first birth; kept in the order of arrival (re-inserted at the end), so
+            # that the overdue ones are found from the front
+            self._undeclared.pop(agent_id, None)
+            self._undeclared[agent_id] = (status.session, self.clock.now())
+
+    def _declarations_overdue(self) -> None:
+        """Trainers that declared nothing within CAPABILITIES_WAIT_S: taken as declaring none
+        (amortised O(1): the entries are in the order they came, the overdue ones in front)."""
+        now = self.clock.now()
+        overdue = []
+        for agent_id, (_, since) in self._undeclared.items():
+            if since + CAPABILITIES_WAIT_S > now:
+                break
+            overdue.append(agent_id)
+        for agent_id in overdue:
+            del self._undeclared[agent_id]
+            log.info("agent %s declared no capabilities within %.0fs of its birth: sent tasks as declaring none",
+                     agent_id, CAPABILITIES_WAIT_S)
+            self._refresh(agent_id)
 
     def stale_presence(self, agent_id: str, status: StatusMeta, created: float, signed: bool = True) -> str | None:
         """Why a status with a ``session`` must not change the agent's presence, or None.
@@ -261,6 +306,7 @@ class Registry:
             state=status.state, session=status.session, capabilities=status.capabilities,
             connection=status.connection, release=status.release.release_id if status.release else None,
         )
+        self._note_declaration(agent_id, status)
         excluded = self._excluded.get(agent_id)
         if excluded is not None and status.state != "offline" and status.session != excluded[0]:
             del self._excluded[agent_id]  # a restarted agent: its refusal may not hold any more
@@ -283,10 +329,13 @@ class Registry:
 
     def eligible(self) -> list[str]:
         """Trainers that may be sent a task of this run, sorted: online and not ``busy``, capable
-        of the run's method and architecture, not excluded by a refusal (O(N log N): not per message)."""
+        of the run's method and architecture, not excluded by a refusal, its capabilities declared
+        (O(N log N): not per message)."""
+        self._declarations_overdue()
         return sorted(self._eligible)
 
     def count_eligible(self) -> int:
+        self._declarations_overdue()
         return len(self._eligible)
 
     def responsive(self, round: int, final: bool = False) -> list[str]:
@@ -313,6 +362,7 @@ class Registry:
         if info.online:
             self._online_by_tier[info.tier] -= 1
         self._eligible.discard(agent_id)
+        self._undeclared.pop(agent_id, None)
         self._presence.pop(agent_id, None)
         self._connections.pop(agent_id, None)
         self.revision += 1

@@ -59,6 +59,7 @@ from edgepfl.agent_config import AgentConfig
 from edgepfl.broker import exposure_warning
 from edgepfl.logs import LogLimiter, set_log_context
 from edgepfl.protocol import (
+    CAPABILITIES,
     CODECS,
     RELEASE_DELTAS,
     RELEASE_REFS,
@@ -99,8 +100,6 @@ COORDINATOR = "coordinator"
 LOG_EVERY_S = 60.0
 # An agent re-asserts its presence at most this often when its retained status is overwritten.
 REASSERT_EVERY_S = 2.0
-#: the protocol version that added refusals, nacks and capabilities
-NEGOTIATED = (1, 2)
 #: the protocol version that added the connection number to statuses (a lost task sent again)
 CONNECTION_NUMBERS = (1, 3)
 #: a head agent's copy of its loaded samples in its state directory, read through memory maps
@@ -298,7 +297,7 @@ class Agent:
 
     def speaks_1_2(self) -> bool:
         """Whether the coordinator's presence announced protocol 1.2 or later (of this major)."""
-        return self._speaks(NEGOTIATED)
+        return self._speaks(CAPABILITIES)
 
     def _speaks(self, feature: tuple[int, int]) -> bool:
         return self.coordinator is not None and supports(self.coordinator.version, feature)

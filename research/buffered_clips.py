@@ -9,8 +9,16 @@ A phase *climbs* here when a step's loss is over 20 times its first step's (and 
 0.01): what session 37 found behind the clipped FedRep updates (the encoder phase after a
 personal head that sharpened over about a hundred tasks).
 
+``--descent redo`` tries a stabiliser not in the product: a phase that ends with its own
+training objective (the phase's loss over the device's whole training set, no gradient)
+higher than it started is undone and trained again at half the learning rate, at most
+three times (the fourth attempt is kept whatever it did). It costs two passes over the
+data per phase besides the redone phases.
+
     python research/buffered_clips.py --methods fedrep fedavg --clips none 2 --states 220 \\
         --out research/results/buffered_clips
+    python research/buffered_clips.py --methods fedrep fedavg --clips none --descent redo \\
+        --out research/results/buffered_clips_descent
 
 About 2.5 minutes per run on one core of a 2-core box.
 """
@@ -18,6 +26,7 @@ About 2.5 minutes per run on one core of a 2-core box.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import json
 import math
@@ -36,10 +45,47 @@ from edgepfl.methods import training
 FLEET = Path(__file__).resolve().parents[1] / "configs" / "sleepy_fleet.yaml"
 
 
-def instrument(method: str, phases: list[dict]):
+def objective(model, data, loss_fn, batch_size: int = 256) -> float:
+    """The phase's loss over the device's whole training set, without gradient; the model
+    (its BatchNorm statistics too) is left as it was."""
+    kept = copy.deepcopy(model.state_dict())
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, data.num_train, batch_size):
+            x, y = data.x_train[start:start + batch_size], data.y_train[start:start + batch_size]
+            if len(y) >= 2:
+                total += float(loss_fn(model, x, y)) * len(y)
+                count += len(y)
+    model.load_state_dict(kept)
+    return total / count if count else math.nan
+
+
+def descending(fit, redone: list[int]):
+    """``fit`` that undoes a phase whose objective rose and trains it again at half the
+    learning rate (at most three times); counts the redone phases in ``redone[0]``."""
+    def guarded(model, data, ctx, loss_fn, params, epochs, *, optimizer=None, **kw):
+        params = list(params)
+        opt = optimizer or training.make_optimizer(params, ctx)
+        before = objective(model, data, loss_fn)
+        model_kept, opt_kept = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+        for attempt in range(4):
+            mean = fit(model, data, ctx, loss_fn, params, epochs, optimizer=opt, **kw)
+            if attempt == 3 or not objective(model, data, loss_fn) > before + 1e-3:
+                return mean
+            redone[0] += attempt == 0
+            model.load_state_dict(model_kept)
+            opt.load_state_dict(opt_kept)
+            for group in opt.param_groups:
+                group["lr"] *= 0.5 ** (attempt + 1)
+        return mean
+    return guarded
+
+
+def instrument(method: str, phases: list[dict], redone: list[int] | None = None):
     """Wrap ``fit`` where the method's phases call it (its own module, and the base class's
     default local update); each call appends its steps' losses and gradient norms to
-    ``phases``. Returns a function that undoes it."""
+    ``phases`` (with ``redone``, inside the descent check: every attempt is a phase).
+    Returns a function that undoes it."""
     modules = [importlib.import_module(name) for name in (f"edgepfl.methods.{method}", "edgepfl.methods.base")]
     originals = [(module, module.fit) for module in modules if getattr(module, "fit", None) is training.fit]
 
@@ -58,8 +104,9 @@ def instrument(method: str, phases: list[dict]):
         phases.append({"params": len(params), **steps})
         return mean
 
+    wrapped = recorded if redone is None else descending(recorded, redone)
     for module, _ in originals:
-        module.fit = recorded  # type: ignore[attr-defined]
+        module.fit = wrapped  # type: ignore[attr-defined]
 
     def undo() -> None:
         for module, original in originals:
@@ -72,15 +119,16 @@ def climbs(phase: dict) -> bool:
     return bool(losses) and max(losses) > max(0.01, 20 * losses[0])
 
 
-def run(method: str, clip: float | None, states: int, out: Path) -> dict:
+def run(method: str, clip: float | None, states: int, out: Path, descent: bool = False) -> dict:
     sets = ["asynchrony.mode=buffered", f"method.name={method}"]
     if clip is not None:
         sets.append(f"train.max_grad_norm={clip}")
     config = load_run_config(FLEET, sets)
     phases: list[dict] = []
-    undo = instrument(method, phases)
+    redone = [0] if descent else None
+    undo = instrument(method, phases, redone)
     try:
-        rows, _ = simulate(config, config.data.num_clients, out / f"{method}-clip{clip}", in_process=local_trainers,
+        rows, _ = simulate(config, config.data.num_clients, out / f"{method}-clip{clip}-{descent}", in_process=local_trainers,
                            rounds=states, progress=False, threads=1)
     finally:
         undo()
@@ -88,7 +136,8 @@ def run(method: str, clip: float | None, states: int, out: Path) -> dict:
     final = [row for row in rows if row.final][-1]
     norms = np.concatenate([p["grad_norm"] for p in phases]) if phases else np.zeros(1)
     return {
-        "method": method, "max_grad_norm": clip, "states": len(training_rows),
+        "method": method, "max_grad_norm": clip, "descent": "redo" if descent else "off",
+        "phases_redone": redone[0] if redone else 0, "states": len(training_rows),
         "updates": sum(len(row.participants) + len(row.late) for row in training_rows),
         "clipped": sum(len(row.clipped) for row in training_rows),
         "final_accuracy": final.accuracy,
@@ -101,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", nargs="+", default=["fedrep", "fedavg"])
     parser.add_argument("--clips", nargs="+", default=["none", "2"], help="train.max_grad_norm values; none: unset")
+    parser.add_argument("--descent", nargs="+", default=["off"], choices=["off", "redo"],
+                        help="redo: the descent check described above")
     parser.add_argument("--states", type=int, default=220)
     parser.add_argument("--out", type=Path, default=Path("research/results/buffered_clips"))
     args = parser.parse_args(argv)
@@ -109,17 +160,19 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as runs:  # the runs' own folders are large: only the table is kept
         for method in args.methods:
             for clip in args.clips:
-                value = None if clip == "none" else float(clip)
-                results.append(run(method, value, args.states, Path(runs)))
-                print(json.dumps(results[-1]), flush=True)
+                for descent in args.descent:
+                    value = None if clip == "none" else float(clip)
+                    results.append(run(method, value, args.states, Path(runs), descent == "redo"))
+                    print(json.dumps(results[-1]), flush=True)
     (args.out / "summary.json").write_text(json.dumps(results, indent=1))
-    lines = ["| method | max_grad_norm | states | updates | clipped | final accuracy | phases whose loss climbs 20x | "
-             "grad norm p50 / p99 / max (before any clip) |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | max_grad_norm | descent check | states | updates | clipped | final accuracy | "
+             "phases whose loss climbs 20x | phases redone | grad norm p50 / p99 / max (before any clip) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         p50, p99, top = r["grad_norm_p50_p99_max"]
-        lines.append(f"| {r['method']} | {r['max_grad_norm'] or 'unset'} | {r['states']} | {r['updates']} | "
-                     f"{r['clipped']} | {100 * r['final_accuracy']:.2f} % | {r['climbing_phases']} of {r['phases']} | "
-                     f"{p50:.2f} / {p99:.2f} / {top:.1f} |")
+        lines.append(f"| {r['method']} | {r['max_grad_norm'] or 'unset'} | {r['descent']} | {r['states']} | "
+                     f"{r['updates']} | {r['clipped']} | {100 * r['final_accuracy']:.2f} % | "
+                     f"{r['climbing_phases']} of {r['phases']} | {r['phases_redone']} | {p50:.2f} / {p99:.2f} / {top:.1f} |")
     command = "python research/buffered_clips.py " + " ".join(sys.argv[1:] if argv is None else argv)
     (args.out / "summary.md").write_text(f"# Honest clips in buffered rounds\n\n`{command}`\n\n" + "\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -152,7 +152,8 @@ CHECKS: dict[str, Check] = _catalog(
           "and it reports its metrics on it unasked, downloading nothing"),
     Check("release.parts", "§12", "MUST", "1.2",
           "a release retained in chunks of <= M on `release/<i>` before the agent started, named by the `done` "
-          "presence of a coordinator that exited, is reassembled and installed"),
+          "presence of a coordinator that exited, is reassembled and installed (its report, or a release "
+          "sequenced below it refused once a coordinator is back: a report under `done` may be dropped, §10)"),
     # the head agent's own life cycle (scenario "head"): what presence, reconnect and signatures
     # check of a trainer, so that a head-only device is certified on all of it (--profile head)
     Check("head.birth", "§10", "MUST", "1.0",

@@ -778,9 +778,24 @@ class _Kit:
         s.wire.publish(release_topic, b"", retain=True)
         mark = s.wire.mark()
         s.restart()
+        how = f"retained in {len(parts)} parts of <= {SMALL_M} bytes"
         got = s.wait_metrics(parted_id, mark, self.options.answer_timeout_s)
-        r.record("release.parts", s.metrics_ok(got, manifest.round),
-                 s.metrics_evidence(got, f"retained in {len(parts)} parts of <= {SMALL_M} bytes", parted_id))
+        if got is not None:
+            r.record("release.parts", s.metrics_ok(got, manifest.round), s.metrics_evidence(got, how, parted_id))
+        else:
+            # §10: a report made while the presence shows `done` may be dropped (no coordinator reads
+            # it). Then what it installed shows when a coordinator comes back: a release sequenced
+            # between the one it had and the parted one is a rollback only for an agent that installed
+            # the parted one (§12), which installs nothing of it
+            s.presence(session=uuid.uuid4().hex, m=LARGE_M)
+            between, between_id = release("between", seq=sequence + 90)
+            mark = s.wire.mark()
+            s.send(between)
+            took = s.wait_metrics(between_id, mark, self.options.answer_timeout_s)
+            r.record("release.parts", took is None,
+                     f"no report under `done` (§10 allows it); a release sequenced below the one {how} was then "
+                     + ("not installed: the parted one was" if took is None else
+                        f"installed: the parted one was not; agent log: {s.agent.log_tail(3)}"))
         s.kill("head.will")
         s.account_frames()
 

@@ -28,6 +28,7 @@ from .manifest import (
     read_manifest,
 )
 from .messages import (
+    CAPABILITIES,
     CODECS,
     GRADIENT_CLIP,
     INPUT_KINDS,
@@ -69,7 +70,7 @@ from .topics import (
 )
 
 __all__ = [
-    "seed_for", "CODECS", "UplinkSpec",
+    "seed_for", "CAPABILITIES", "CODECS", "UplinkSpec",
     "Body", "encode_body",
     "MANIFEST_FORMAT", "PIXEL_SCALE", "PROTOCOL_VERSION", "AgentChannel", "BatchNormOrigin", "ChunkMeta",
     "CoordinatorMeta", "DataShape", "FederationChannel", "FileEntry", "GlobalHeadsEntry", "ManifestError", "Message",

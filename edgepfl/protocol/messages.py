@@ -79,6 +79,10 @@ class Capabilities(_Meta):
     release_codecs: list[DeltaCodecName] | None = Field(None, max_length=16, json_schema_extra=since("1.7"))
 
 
+#: the protocol version of capabilities (``status.capabilities``), refusals and nacks: an agent of it
+#: announces itself once without capabilities, before it read the coordinator's presence, and
+#: again with them once it has (PROTOCOL.md §10)
+CAPABILITIES = (1, 2)
 #: the protocol version that names releases in presences and statuses (a head agent that
 #: has the current release downloads nothing) and lets an agent announce its largest frame
 RELEASE_REFS = (1, 4)

@@ -21,10 +21,17 @@ from typing import Any
 import numpy as np
 
 MUTANTS: dict[str, Callable[[], None]] = {}
+#: changes the protocol allows: the kit must still find these agents conformant
+VARIANTS: dict[str, Callable[[], None]] = {}
 
 
 def mutant(function: Callable[[], None]) -> Callable[[], None]:
     MUTANTS[function.__name__] = function
+    return function
+
+
+def variant(function: Callable[[], None]) -> Callable[[], None]:
+    VARIANTS[function.__name__] = function
     return function
 
 
@@ -214,6 +221,33 @@ def installs_unsequenced_releases() -> None:
 
 
 @mutant
+def ignores_retained_parts() -> None:
+    """Takes a retained release only when it is whole: never the parts of `release/<i>`."""
+    from edgepfl.edge_agent import tiers
+    from edgepfl.protocol import FederationChannel, federation_topic
+
+    tiers.HeadTier.release_topics = lambda self, federation: [  # type: ignore[method-assign]
+        federation_topic(federation, FederationChannel.RELEASE)]
+
+
+@variant
+def silent_under_done() -> None:
+    """Drops every report it makes while the coordinator's presence shows `done` (PROTOCOL §10
+    allows it: no coordinator reads it), as an agent of 1.2 written from the text did."""
+    from edgepfl.edge_agent import agent
+    from edgepfl.protocol import AgentChannel
+
+    send = agent.Agent._send
+
+    def quiet(self, reply) -> None:
+        if reply.channel == AgentChannel.METRICS and self.coordinator is not None and self.coordinator.state == "done":
+            return
+        send(self, reply)
+
+    agent.Agent._send = quiet  # type: ignore[method-assign]
+
+
+@mutant
 def unsigned_head_metrics() -> None:
     """Signs its status but not the metrics it reports on a release."""
     from edgepfl.edge_agent import tiers
@@ -226,7 +260,7 @@ def unsigned_head_metrics() -> None:
 
 if __name__ == "__main__":
     name, config = sys.argv[1], sys.argv[2]
-    MUTANTS[name]()
+    {**MUTANTS, **VARIANTS}[name]()
     from edgepfl.config import load_agent_config
     from edgepfl.edge_agent import agent as agent_module
 

@@ -85,13 +85,12 @@ def test_codec_agents_compress_a_plain_12_agent_does_not_and_malformed_compresse
     def sent(agent_id: str, kind: str) -> list[Message]:
         return [decode(p) for t, p in captured if t == agent_topic(fed, agent_id, kind)]
 
-    # tasks ask for the codec only where it was announced: never the 1.2 agent; the trainer
-    # once its status declared its codecs (its first birth, made before it read the
-    # coordinator's presence, declares nothing: a task sent then goes uncompressed)
+    # tasks ask for the codec only where it was announced: never the 1.2 agent; every one of the
+    # trainer's, round 0's too (its first birth, made before it read the coordinator's presence,
+    # declares nothing: the coordinator waits for the birth that declares its codecs)
     assert all(t.meta.uplink is None for t in sent("plain-12", "task"))
     asked = {t.meta.task_id: t.meta.uplink for t in sent(TRAINER, "task") if t.meta.kind == "train"}
-    assert all(u is None or u.codec == "q8" for u in asked.values())
-    assert sum(u is not None for u in asked.values()) >= 2, asked
+    assert [u.codec if u is not None else None for u in asked.values()] == ["q8"] * 3, asked
     # the real trainer compressed each update whose task asked: a quarter of the task's bytes and less
     train_updates = [p for p in (p for t, p in captured if t == agent_topic(fed, TRAINER, "update"))
                      if decode(p).meta.kind == "train"]

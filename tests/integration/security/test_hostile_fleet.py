@@ -244,7 +244,7 @@ def test_an_enrolled_device_that_announces_itself_and_never_answers_costs_a_dead
     Every round waited its full deadline (8 rounds: 305 s instead of 13 s). Now its k-th
     miss in a row benches it for 2^(k-1) rounds: it is asked again (not shut out), ever
     more rarely, and the honest agents' rounds go on."""
-    from edgepfl.protocol import StatusMeta
+    from edgepfl.protocol import Capabilities, StatusMeta
 
     devices = (*TRAINERS, "agent-02")  # agent-02's key is the attacker's
     coordinator_security, agent_security = signed_fleet(tmp_path / "keys", devices)
@@ -256,7 +256,10 @@ def test_an_enrolled_device_that_announces_itself_and_never_answers_costs_a_dead
     session = uuid.uuid4().hex
 
     def announce() -> None:
-        meta = StatusMeta(state="online", tier="trainer", num_train=100, num_test=20, session=session)
+        # with capabilities, as a device that read the presence declares them (one that never does
+        # is first asked CAPABILITIES_WAIT_S after its birth)
+        meta = StatusMeta(state="online", tier="trainer", num_train=100, num_test=20, session=session,
+                          capabilities=Capabilities())
         attacker.publish("agents/agent-02/status",
                          encode(MessageType.STATUS, federation=fed, sender="agent-02", round=-1, meta=meta, signer=key),
                          retain=True)
@@ -288,7 +291,7 @@ def test_an_enrolled_device_that_refuses_each_task_once_the_others_answered_cost
     rounds waited for it, the final evaluation too. Now the round waiting for it alone is a
     miss like a timeout: it is asked in rounds 0, 2, 5 (2^(k-1) rounds out after its k-th),
     and the final evaluation, after three misses in a row, leaves it out."""
-    from edgepfl.protocol import RefusalMeta, StatusMeta
+    from edgepfl.protocol import Capabilities, RefusalMeta, StatusMeta
 
     devices = (*TRAINERS, "agent-02")  # agent-02's key is the attacker's
     coordinator_security, agent_security = signed_fleet(tmp_path / "keys", devices)
@@ -338,7 +341,8 @@ def test_an_enrolled_device_that_refuses_each_task_once_the_others_answered_cost
     attacker.client.on_message = on_message
 
     def announce() -> None:
-        meta = StatusMeta(state="online", tier="trainer", num_train=100, num_test=20, session=uuid.uuid4().hex)
+        meta = StatusMeta(state="online", tier="trainer", num_train=100, num_test=20, session=uuid.uuid4().hex,
+                          capabilities=Capabilities())
         attacker.publish("agents/agent-02/status", encode(MessageType.STATUS, federation=fed, sender="agent-02",
                                                           round=-1, meta=meta, signer=key), retain=True)
 

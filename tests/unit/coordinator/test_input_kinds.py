@@ -8,12 +8,12 @@ from edgepfl.config import RunConfig
 from edgepfl.coordinator.fleet import LocalFleet
 from edgepfl.coordinator.registry import Registry
 from edgepfl.coordinator.rounds import Coordinator
-from edgepfl.protocol import INPUT_KINDS, SECURE_AGGREGATION, StatusMeta
+from edgepfl.protocol import INPUT_KINDS, SECURE_AGGREGATION, Capabilities, StatusMeta
 
 
 def _online(registry: Registry, **versions: str) -> None:
     for agent_id, version in versions.items():
-        registry.update(agent_id, StatusMeta(state="online", num_train=10, version=version))
+        registry.update(agent_id, StatusMeta(state="online", num_train=10, version=version, capabilities=Capabilities()))
 
 
 def test_a_series_run_leaves_out_trainers_before_1_10(tmp_path):

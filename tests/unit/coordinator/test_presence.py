@@ -11,13 +11,13 @@ import logging
 
 from edgepfl.coordinator.presence import BURST_QUIET_S, PresenceWatch, looks_capped
 from edgepfl.coordinator.registry import Registry
-from edgepfl.protocol import StatusMeta
+from edgepfl.protocol import Capabilities, StatusMeta
 
 
 def _registry(n: int) -> Registry:
     registry = Registry()
     for i in range(n):
-        registry.update(f"a{i}", StatusMeta(state="online", num_train=10))
+        registry.update(f"a{i}", StatusMeta(state="online", num_train=10, capabilities=Capabilities()))
     return registry
 
 
@@ -49,8 +49,8 @@ def test_a_round_that_starts_short_warns_once_per_shortfall(caplog):
         watch.round_starts(1)  # same shortfall: said already
         registry.update("a0", StatusMeta(state="offline"))
         watch.round_starts(2)
-        registry.update("a0", StatusMeta(state="online", num_train=10))
-        registry.update("a9", StatusMeta(state="online", num_train=10))
+        registry.update("a0", StatusMeta(state="online", num_train=10, capabilities=Capabilities()))
+        registry.update("a9", StatusMeta(state="online", num_train=10, capabilities=Capabilities()))
         watch.round_starts(3)  # everyone there
     assert [r.getMessage().split(" trainers")[0] for r in caplog.records] == [
         "round 0 starts with 5 of expected_agents=6", "round 2 starts with 4 of expected_agents=6"]

@@ -65,6 +65,9 @@ def silent(task: Message) -> list[bytes]:
 
 
 def status(agent_id: str, state: str = "online", tier: str = "trainer", num_train: int = 10, **meta) -> AgentFrame:
+    """An agent's status as a current agent sends it once it has read the presence: with its
+    capabilities (none limiting), unless ``capabilities`` says otherwise."""
+    meta.setdefault("capabilities", Capabilities())
     frame = encode(MessageType.STATUS, federation=FED, sender=agent_id, round=-1,
                    meta=StatusMeta(state=state, tier=tier, num_train=num_train, num_test=5, **meta))
     return AgentFrame(agent_id, AgentChannel.STATUS, frame, len(frame))

@@ -19,7 +19,7 @@ from edgepfl.coordinator.fleet import LocalFleet
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import agent_ids, data_shape, prepare
 from edgepfl.edge_agent.tiers import TrainerTier, local_trainers
-from edgepfl.protocol import Message, MessageType, TaskMeta, decode, encode
+from edgepfl.protocol import Capabilities, Message, MessageType, TaskMeta, decode, encode
 from edgepfl.protocol.secagg import MASKED_TENSOR, SecAggMeta
 
 pytest.importorskip("torch")
@@ -241,11 +241,11 @@ def test_a_secure_run_gives_no_task_to_an_agent_before_protocol_1_9(caplog):
     from edgepfl.protocol import SECURE_AGGREGATION, StatusMeta
 
     registry = Registry()
-    registry.update("old", StatusMeta(state="online", num_train=10, version="1.8"))
-    registry.update("new", StatusMeta(state="online", num_train=10, version="1.9"))
+    registry.update("old", StatusMeta(state="online", num_train=10, version="1.8", capabilities=Capabilities()))
+    registry.update("new", StatusMeta(state="online", num_train=10, version="1.9", capabilities=Capabilities()))
     assert sorted(registry.eligible()) == ["new", "old"]
     with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
         registry.require_protocol(SECURE_AGGREGATION, "secure aggregation")
-        registry.update("old", StatusMeta(state="online", num_train=10, version="1.8"))
+        registry.update("old", StatusMeta(state="online", num_train=10, version="1.8", capabilities=Capabilities()))
     assert registry.eligible() == ["new"]
     assert caplog.text.count("it speaks protocol 1.8; secure aggregation needs 1.9") == 1
