@@ -119,6 +119,9 @@ CHECKS: dict[str, Check] = _catalog(
     # signatures (scenario "signatures")
     Check("signing.status", "§3a", "MUST", "1.1", "with a signing key the agent signs its status (verifies with its key)"),
     Check("signing.update", "§3a", "MUST", "1.1", "a signed task for this agent is answered with a signed update"),
+    Check("signing.will", "§3a", "MUST", "1.1",
+          "with a signing key the agent's last will (the `offline` status the broker publishes on kill -9) is "
+          "signed too: retained, of the same session, verifying with its key"),
     Check("signing.unsigned_task", "§7", "MUST", "1.1", "with a pinned coordinator key an unsigned task is ignored"),
     Check("signing.foreign_key", "§7", "MUST", "1.1", "a task signed by another key than the pinned one is ignored"),
     Check("signing.wrong_recipient", "§4", "MUST", "1.1", "a signed task whose `recipient` is another agent is ignored"),
@@ -167,7 +170,7 @@ CHECKS: dict[str, Check] = _catalog(
           "a clean stop (SIGTERM) of the head agent leaves a retained `offline` status of the same session"),
     Check("head.will", "§11", "MUST", "1.0",
           "on kill -9 of the head agent the broker publishes its last will: a retained `offline` status of the "
-          "same session"),
+          "same session, signed with its key (the scenario runs with keys)"),
 )
 
 #: scenario name -> the checks it records (the CLI's --skip takes these names)

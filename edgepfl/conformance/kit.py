@@ -688,7 +688,7 @@ class _Kit:
                 continue
             r.record(check_id, answer is None, "ignored" if answer is None else
                      f"answered with a {answer.message.type.value if answer.message else 'broken'} frame")
-        s.clean_stop(record=False)
+        s.kill("signing.will", signed=True)
         s.account_frames()
 
     def scenario_head(self) -> None:
@@ -796,7 +796,7 @@ class _Kit:
                      f"no report under `done` (§10 allows it); a release sequenced below the one {how} was then "
                      + ("not installed: the parted one was" if took is None else
                         f"installed: the parted one was not; agent log: {s.agent.log_tail(3)}"))
-        s.kill("head.will")
+        s.kill("head.will", signed=True)
         s.account_frames()
 
     def head_by_reference(self, s: _Scenario, installed: ReleaseRef, round: int) -> None:
@@ -1058,13 +1058,19 @@ class _Scenario:
         ok, evidence = self.offline_evidence(offline, retained, "clean stop")
         self.report.record(check_id, ok, evidence)
 
-    def kill(self, check_id: str) -> None:
-        """kill -9 the agent; record whether the broker published its will (retained, same session)."""
+    def kill(self, check_id: str, signed: bool = False) -> None:
+        """kill -9 the agent; record whether the broker published its will (retained, same
+        session; ``signed``: verifying with the agent's key, as everything it publishes must
+        once it has one, §3a — an unsigned will lets anyone's forged `online` outlive a crash)."""
         mark = self.wire.mark()
         self.agent.signal(signal.SIGKILL)
         will = self.wire.wait(lambda f: self.is_status(f, "offline"), 30.0, mark)
         retained = read_retained(self.kit.broker.url, self.status_topic)
         ok, evidence = self.offline_evidence(will, retained, "will")
+        if signed and will is not None:
+            why = verify(will.message, self.agent_key) if will.message is not None else "not a frame"
+            ok, evidence = ok and why is None, f"{evidence}; " + ("signed with the agent's key" if why is None
+                                                                  else f"the will does not verify: {why}")
         self.report.record(check_id, ok, evidence)
 
     def offline_evidence(self, frame: Frame | None, retained: bytes | None, what: str) -> tuple[bool, str]:

@@ -248,6 +248,26 @@ def silent_under_done() -> None:
 
 
 @mutant
+def unsigned_will() -> None:
+    """Signs its births but leaves its last will unsigned (made once per connection, it is easy
+    to build before the signer is wired): with an enrolled dir a crashed device stays "online"."""
+    from edgepfl.edge_agent import agent
+
+    status_frame = agent.Agent._status_frame
+
+    def frame(self, state: str) -> bytes:
+        if state != "offline":
+            return status_frame(self, state)
+        signer, self.signer = self.signer, None
+        try:
+            return status_frame(self, state)
+        finally:
+            self.signer = signer
+
+    agent.Agent._status_frame = frame  # type: ignore[method-assign]
+
+
+@mutant
 def unsigned_head_metrics() -> None:
     """Signs its status but not the metrics it reports on a release."""
     from edgepfl.edge_agent import tiers

@@ -51,6 +51,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "installs_unsequenced_releases": ("head", {"release.unsequenced"}),
     "unsigned_head_metrics": ("head", {"head.signing"}),
     "ignores_retained_parts": ("head", {"release.parts"}),
+    "unsigned_will": ("signatures", {"signing.will"}),
 }
 SCENARIOS = ("session", "reconnect", "signatures", "head")
 #: variant -> (its scenario, check -> what its evidence must say): changes the protocol allows
