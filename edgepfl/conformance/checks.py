@@ -62,6 +62,9 @@ CHECKS: dict[str, Check] = _catalog(
           "with an update that decodes onto the task's tensors (docs/COMPRESSION.md): the asked codec and block, "
           "the task's tensor names and shapes, finite values (or an uncompressed update, which is also accepted)"),
     Check("task.evaluate", "§5", "MUST", "1.0", "an `evaluate` task is answered with kind `evaluate` and no tensors"),
+    Check("task.own_topic", "§2", "MUST", "1.0",
+          "a task published on another agent's task topic is not acted on: no answer to it (an agent that "
+          "subscribes to `agents/+/task` trains every device's tasks)"),
     Check("task.preprocessing", "§5", "MUST", "1.0",
           "inputs are preprocessed as the task's `run.data` says: an evaluate task of a model the kit trained under "
           "a normalization of its own (not the data file's) scores >= 90 % held out (the model scores 100 % on "

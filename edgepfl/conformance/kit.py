@@ -406,11 +406,21 @@ class _Kit:
                  "answered" if update else "no answer to a task carrying header, meta, run and run.data keys "
                                            "of a newer minor version")
 
+        # a task on another agent's topic (unsigned: only the topic says whose it is), sent before
+        # the next one: an agent that took it would answer it before that one's answer
+        foreign, foreign_meta = s.task(2)
+        foreign_mark = s.wire.mark()
+        s.wire.publish(agent_topic(s.federation, f"{s.agent_id}-neighbour", AgentChannel.TASK), foreign)
+
         # the chunked task asks for a compressed update where the agent declared a codec (1.6)
         codec = next((c for c in CODECS if c != "none" and caps and c in (caps.codecs or ())), None)
         uplink = UplinkSpec(codec=codec, block=64, keep=0.25 if is_sparse(codec) else None) if codec else None
         task, meta = s.task(3, uplink=uplink)
         update = s.ask(task, meta, chunk_to=SMALL_M)
+        taken = s.answer_to(foreign_meta.task_id, foreign_mark)
+        r.record("task.own_topic", taken is None, "a task on another agent's topic was not answered" if taken is None
+                 else f"answered ({taken.message.type.value if taken.message else 'a broken frame'}) a task sent "
+                      "on another agent's topic")
         r.record("chunking.receive", update is not None,
                  f"a {len(task)}-byte task in {math.ceil(len(task) / (SMALL_M - 2048))} chunks of <= {SMALL_M} bytes: "
                  + ("answered" if update else "no answer"))

@@ -140,6 +140,20 @@ def _task_guard_without(reason: str) -> None:
 
 
 @mutant
+def takes_every_task_topic() -> None:
+    """Subscribes to `agents/+/task`: every device's tasks reach it, and it trains them all."""
+    from edgepfl.edge_agent import tiers
+    from edgepfl.protocol import AgentChannel, agent_wildcard
+
+    subscriptions = tiers.TrainerTier.subscriptions
+
+    def wider(self, federation: str, agent_id: str) -> list[str]:
+        return [*subscriptions(self, federation, agent_id), agent_wildcard(federation, AgentChannel.TASK)]
+
+    tiers.TrainerTier.subscriptions = wider  # type: ignore[method-assign]
+
+
+@mutant
 def runs_expired_tasks() -> None:
     """Runs a signed task however long past its deadline."""
     _task_guard_without("expired")
