@@ -156,6 +156,10 @@ CHECKS: dict[str, Check] = _catalog(
     Check("release.by_reference", "§12", "SHOULD", "1.4",
           "restarted with its release installed under a presence naming it, the agent's status names the release "
           "and it reports its metrics on it unasked, downloading nothing"),
+    Check("release.reverified", "§12", "MUST", "1.4",
+          "restarted with another coordinator key pinned than the one its installed release was signed with, under "
+          "a presence naming that release, the agent does not take it as installed (it re-verifies what it stored): "
+          "its status does not name it and it reports nothing on it"),
     Check("release.parts", "§12", "MUST", "1.2",
           "a release retained in chunks of <= M on `release/<i>` before the agent started, named by the `done` "
           "presence of a coordinator that exited, is reassembled and installed (its report, or a release "

@@ -777,6 +777,7 @@ class _Kit:
         self.head_reconnect(s, sentinel, sentinel_id, manifest.round)
         s.clean_stop(check_id="head.clean_stop")
         self.head_by_reference(s, ReleaseRef(release_id=sentinel_id, sequence=sequence + 60), manifest.round)
+        self.head_reverified(s, ReleaseRef(release_id=sentinel_id, sequence=sequence + 60))
         # a late joiner again, after the coordinator exited: its `done` presence names a release
         # retained in parts of at most the announced M
         parted, parted_id = release("parts", seq=sequence + 100)  # above every release sent before
@@ -826,6 +827,35 @@ class _Kit:
                            f"{'metrics came' if got is not None else 'no metrics'} within "
                            f"{self.options.answer_timeout_s:.0f} s")
         s.clean_stop(record=False)
+
+    def head_reverified(self, s: _Scenario, installed: ReleaseRef) -> None:
+        """``release.reverified`` (1.4): restarted with its release installed but another pinned
+        coordinator key, one that did not sign that release, under a presence (signed with the
+        new key) that names it: the agent re-verifies what it stored (§12) and so has no release
+        installed — its status does not name it and it reports nothing on it. An agent that
+        trusts its disk would. Leaves the agent stopped, with the scenario's key pinned again."""
+        keys = self.workdir / "head" / "keys"
+        pinned, kept, signer = keys / "coordinator.pub", (keys / "coordinator.pub").read_bytes(), s.coordinator
+        pinned.write_bytes((keys / "foreign.pub").read_bytes())  # the rotated key: the kit's foreign one
+        s.coordinator = s.foreign
+        try:
+            mark = s.wire.mark()
+            s.presence(session=uuid.uuid4().hex, m=LARGE_M, release=installed)
+            s.restart()
+            got = s.wait_metrics(installed.release_id, mark, self.options.quiet_s)
+            named = s.wire.wait(lambda f: s.is_status(f, "online") and f.message is not None
+                                and f.message.meta_as(StatusMeta).release == installed, 0.0, mark)
+            self.report.record(
+                "release.reverified", got is None and named is None,
+                f"with another coordinator key pinned, {installed.release_id} (signed with the old one) was not taken "
+                "as installed: no status names it, no report on it" if got is None and named is None else
+                f"with another coordinator key pinned, the release signed with the old one was still taken as "
+                f"installed: {'its status names it' if named is not None else 'no status names it'}, "
+                f"{'it reported on it' if got is not None else 'no report'}; agent log: {s.agent.log_tail(3)}")
+            s.clean_stop(record=False)
+        finally:
+            pinned.write_bytes(kept)
+            s.coordinator = signer
 
     def head_reconnect(self, s: _Scenario, installed: bytes, installed_id: str, round: int) -> None:
         """``head.reconnect``: the broker restarts (its retained messages gone, the kit's presence

@@ -235,6 +235,14 @@ def installs_unsequenced_releases() -> None:
 
 
 @mutant
+def trusts_its_stored_release() -> None:
+    """Restores its installed release on restart without checking it against the pinned key."""
+    from edgepfl.edge_agent import head_tier
+
+    head_tier._check_proof = lambda *args, **kwargs: None
+
+
+@mutant
 def ignores_retained_parts() -> None:
     """Takes a retained release only when it is whole: never the parts of `release/<i>`."""
     from edgepfl.edge_agent import tiers

@@ -52,6 +52,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "installs_unsequenced_releases": ("head", {"release.unsequenced"}),
     "unsigned_head_metrics": ("head", {"head.signing"}),
     "ignores_retained_parts": ("head", {"release.parts"}),
+    "trusts_its_stored_release": ("head", {"release.reverified"}),
     "unsigned_will": ("signatures", {"signing.will"}),
 }
 SCENARIOS = ("session", "reconnect", "signatures", "head")
