@@ -144,6 +144,9 @@ CHECKS: dict[str, Check] = _catalog(
           "with a pinned coordinator key, an unsigned release and a release signed by another key are refused"),
     Check("release.unsequenced", "§7", "MUST", "1.1",
           "with a pinned coordinator key, a signed release without `sequence` and `expires` is refused"),
+    Check("release.body_hash", "§7", "MUST", "1.0",
+          "a release whose body is not the one its header's `body_sha256` hashes (one encoder byte changed, its "
+          "meta and manifest describing the changed encoder, the signature valid) is not installed"),
     Check("release.rollback", "§12", "MUST", "1.1",
           "with a pinned coordinator key, a release whose `sequence` is below the installed one's is refused"),
     Check("release.expired", "§12", "MUST", "1.1",

@@ -14,7 +14,7 @@ chooses it, ``--broker`` names a broker the kit does not start):
 * ``signatures`` — a pinned coordinator key and an agent key: signed status and update,
   unsigned / foreign-key / wrongly addressed / expired / stale tasks ignored;
 * ``head`` — a head agent (its own command, ``--head-agent-cmd``) joining late: releases
-  retained whole and in parts, a release sent again on its task topic, six it must refuse
+  retained whole and in parts, a release sent again on its task topic, seven it must refuse
   (corrupt, rolled back, expired, unsigned, foreign-signed, unsequenced), and the head
   agent's own birth, signatures, reconnect, clean stop and will (``--profile head``
   certifies a head-only device on these alone). The release is a real export (``edgepfl
@@ -79,7 +79,7 @@ from edgepfl.protocol import (
     seed_for,
     split_frame,
 )
-from edgepfl.protocol.envelope import MAGIC
+from edgepfl.protocol.envelope import MAGIC, Body, encode_body
 from edgepfl.protocol.evolution import MAJOR
 from edgepfl.protocol.manifest import ReleaseManifest, release_tensors
 from edgepfl.protocol.signing import Signer, generate_keypair, load_public_key, load_signer, verify
@@ -708,17 +708,25 @@ class _Kit:
         sequence, now = int(time.time() * 1000), time.time()
 
         def release(name: str, *, seq: int | None, expires: float | None = now + 3600, body: bytes = artifact,
-                    signer: Signer | None | object = _COORDINATOR_KEY) -> tuple[bytes, str]:
+                    signer: Signer | None | object = _COORDINATOR_KEY, claims: bytes = artifact,
+                    hashed_as: bytes | None = None) -> tuple[bytes, str]:
             """A release of the export under its own release id, signed with the coordinator's key
-            unless ``signer`` says otherwise; ``body`` the artifact it carries."""
+            unless ``signer`` says otherwise; ``body`` the artifact it carries, ``claims`` the one its
+            meta and manifest describe (sha256, size), ``hashed_as`` the artifact whose body's sha256
+            its header carries (None: the body's own)."""
             release_id = f"conformance-{name}-{manifest.encoder.sha256[:12]}"
-            meta = ReleaseMeta(release_id=release_id, manifest=manifest.model_copy(update={"release_id": release_id}),
-                               sha256=hashlib.sha256(artifact).hexdigest(), size_bytes=len(artifact), sequence=seq,
-                               expires=expires)
+            digest = hashlib.sha256(claims).hexdigest()
+            described = manifest.model_copy(update={
+                "release_id": release_id, "encoder": manifest.encoder.model_copy(update={"sha256": digest})})
+            meta = ReleaseMeta(release_id=release_id, manifest=described, sha256=digest, size_bytes=len(claims),
+                               sequence=seq, expires=expires)
             key = s.coordinator if signer is _COORDINATOR_KEY else signer
+            carried = encode_body(release_tensors(body, global_heads))
+            if hashed_as is not None:
+                carried = Body(carried.data, encode_body(release_tensors(hashed_as, global_heads)).sha256,
+                               carried.tensors)
             return encode(MessageType.RELEASE, federation=s.federation, sender="coordinator", round=manifest.round,
-                          meta=meta, tensors=release_tensors(body, global_heads),
-                          signer=key), release_id  # type: ignore[arg-type]
+                          meta=meta, body=carried, signer=key), release_id  # type: ignore[arg-type]
 
         release_topic = federation_topic(s.federation, FederationChannel.RELEASE)
         s.presence(session=uuid.uuid4().hex, m=LARGE_M)
@@ -735,7 +743,7 @@ class _Kit:
         r.record("head.signing", not unsigned, "; ".join(unsigned) or "its birth status and its metrics verify with "
                                                                        "the agent's key")
 
-        # the installed release again on the task topic, then six it must refuse and a good one
+        # the installed release again on the task topic, then seven it must refuse and a good one
         # after them: each refusal is its own check, and a release wrongly installed cannot fail
         # another check
         mark = s.wire.mark()
@@ -747,7 +755,13 @@ class _Kit:
             raise ScenarioAborted("the head agent did not answer its installed release sent again")
         corrupt = bytearray(artifact)
         corrupt[len(corrupt) // 2] ^= 0xFF
+        # one encoder byte changed, the meta and manifest describing the changed encoder, the
+        # header's body_sha256 the honest body's: only the body hash check (§7) stops it
+        altered = bytearray(artifact)
+        altered[3 * len(altered) // 4] ^= 0x01  # the low bit of a byte deep in the weights: still a valid model
         bad = {"release.sha256": [release("corrupt", seq=sequence + 10, body=bytes(corrupt))],
+               "release.body_hash": [release("rehashed", seq=sequence + 50, body=bytes(altered), claims=bytes(altered),
+                                             hashed_as=artifact)],
                "release.rollback": [release("rollback", seq=sequence - 1)],
                "release.expired": [release("expired", seq=sequence + 20, expires=now - 3600)],
                "release.signature": [release("unsigned", seq=sequence + 30, signer=None),
@@ -760,7 +774,7 @@ class _Kit:
                 s.send(frame)
         s.send(sentinel)
         if s.wait_metrics(sentinel_id, mark, self.options.answer_timeout_s) is None:
-            raise ScenarioAborted(f"the head agent did not install a good release sent after six bad ones; agent "
+            raise ScenarioAborted(f"the head agent did not install a good release sent after seven bad ones; agent "
                                   f"log: {s.agent.log_tail(3)}")
         time.sleep(self.options.quiet_s)
         for check_id, frames in bad.items():
@@ -768,7 +782,9 @@ class _Kit:
             r.record(check_id, not installed, "refused: no metrics of it installed" if not installed else
                      f"installed: metrics for {', '.join(installed)}")
         # a forged release (release.signature) is not the coordinator's: dropped, never answered
-        unreported = [release_id for check_id, frames in bad.items() if check_id != "release.signature"
+        # nor is a frame whose body is not the one its header hashes (dropped unread, like any such frame)
+        unreported = [release_id for check_id, frames in bad.items()
+                      if check_id not in ("release.signature", "release.body_hash")
                       for _, release_id in frames if s.wait_metrics(release_id, mark, 0.0, refused=True) is None]
         r.record("release.refusal_reported", not unreported,
                  "each refused release was reported with `refused`" if not unreported else

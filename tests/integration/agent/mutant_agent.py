@@ -83,6 +83,36 @@ def no_body_hash_check() -> None:
 
 
 @mutant
+def no_body_hash_check_on_releases() -> None:
+    """The same forgotten body hash check, certified as a head agent, where frames are signed: the
+    header is left as it came (its signature verifies), and every digest the frame decoder
+    compares it with compares equal, so a signed release whose body is not the one its header
+    hashes (the meta describing the changed encoder) is installed."""
+    import hashlib as real
+    from types import SimpleNamespace
+
+    from edgepfl.protocol import envelope
+
+    class AnyDigest(str):
+        __hash__ = str.__hash__
+
+        def __eq__(self, other: object) -> bool:
+            return True
+
+        def __ne__(self, other: object) -> bool:
+            return False
+
+    class Sha256:
+        def __init__(self, data: bytes = b"") -> None:
+            self._hash = real.sha256(data)
+
+        def hexdigest(self) -> str:
+            return AnyDigest(self._hash.hexdigest())
+
+    envelope.hashlib = SimpleNamespace(sha256=Sha256)  # type: ignore[assignment]
+
+
+@mutant
 def ignores_announced_m() -> None:
     """Sends whole updates whatever M the coordinator announced."""
     from edgepfl.edge_agent import agent

@@ -53,6 +53,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "unsigned_head_metrics": ("head", {"head.signing"}),
     "ignores_retained_parts": ("head", {"release.parts"}),
     "trusts_its_stored_release": ("head", {"release.reverified"}),
+    "no_body_hash_check_on_releases": ("head", {"release.body_hash"}),
     "unsigned_will": ("signatures", {"signing.will"}),
 }
 SCENARIOS = ("session", "reconnect", "signatures", "head")
