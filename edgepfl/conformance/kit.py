@@ -321,7 +321,7 @@ class _Kit:
         agent = AgentProcess(command or self.options.agent_cmd, values, directory)
         self.agents.append(agent)
         return _Scenario(self, wire, agent, federation, agent_id, coordinator,
-                         load_public_key(keys / "agent.pub"), load_signer(keys / "foreign.key"))
+                         load_public_key(keys / "agent.pub"), load_signer(keys / "foreign.key"), keys)
 
     def restart_broker(self, down_s: float) -> None:
         """Stop Mosquitto, wait ``down_s`` seconds, start it again on the same port."""
@@ -850,7 +850,7 @@ class _Kit:
         new key) that names it: the agent re-verifies what it stored (§12) and so has no release
         installed — its status does not name it and it reports nothing on it. An agent that
         trusts its disk would. Leaves the agent stopped, with the scenario's key pinned again."""
-        keys = self.workdir / "head" / "keys"
+        keys = s.keys
         pinned, kept, signer = keys / "coordinator.pub", (keys / "coordinator.pub").read_bytes(), s.coordinator
         pinned.write_bytes((keys / "foreign.pub").read_bytes())  # the rotated key: the kit's foreign one
         s.coordinator = s.foreign
@@ -898,9 +898,11 @@ class _Scenario:
     """One agent process under test, in its own federation, and the kit's side of its wire."""
 
     def __init__(self, kit: _Kit, wire: Wire, agent: AgentProcess, federation: str, agent_id: str,
-                 coordinator: Signer | None, agent_key, foreign: Signer):
+                 coordinator: Signer | None, agent_key, foreign: Signer, keys: Path):
         self.kit, self.wire, self.agent = kit, wire, agent
         self.federation, self.agent_id = federation, agent_id
+        #: the scenario's key files: the agent reads ``coordinator.pub`` as its pinned key on every start
+        self.keys = keys
         self.coordinator, self.agent_key, self.foreign = coordinator, agent_key, foreign
         self.report = kit.report
         self.session = ""
