@@ -155,6 +155,7 @@ class MqttFleet(Fleet):
     """
 
     loses_tasks = True
+    releases: BrokerReleaseChannel
 
     def __init__(self, federation: str, broker: BrokerConfig, url: str | None = None,
                  security: SecuritySpec | None = None, credentials: Credentials | None = None):
@@ -189,7 +190,8 @@ class MqttFleet(Fleet):
             on_reject=self._transport_dropped,
         )
         #: releases: retained, named in the presence, sent to each head agent that lacks one (PROTOCOL.md §12)
-        self.releases = BrokerReleaseChannel(federation, self.transport, self._deliver, self._name_release)
+        self.releases = BrokerReleaseChannel(federation, self.transport, self._deliver, self._name_release,
+                                             self.signer.private.public_key() if self.signer else None)
         self.transport.start(timeout=60)
 
     @property
@@ -276,6 +278,8 @@ class MqttFleet(Fleet):
                 parsed = parse_topic(topic)
             except TopicError:
                 return 0
+            if parsed.channel is FederationChannel.RELEASE:  # the retained release, only while adopting it
+                return self.transport.reassembler.max_bytes if self.releases.adopting else 0
             if not isinstance(parsed.channel, AgentChannel) or parsed.agent is None:
                 return 0
             return allowance(parsed.agent, parsed.channel)
@@ -312,7 +316,9 @@ class MqttFleet(Fleet):
             self._publish_presence()
         if not self._dropped:
             inbound = self.transport.receive(timeout)
-            if inbound is not None:
+            if inbound is not None and inbound.topic.channel is FederationChannel.RELEASE:
+                self.releases.heard(inbound.frame)  # subscribed only to adopt the retained release
+            elif inbound is not None:
                 return self._incoming(inbound)
         return self._dropped.popleft() if self._dropped else None
 

@@ -108,12 +108,13 @@ class Coordinator:
             self.rollback.restore(meta)
             self.epoch = meta.epoch if meta.epoch is not None else self.epoch
             log.info("resuming from checkpoint after round %d", meta.round)
-            resume_release(self.fleet, self.run_dir.releases_dir)  # named in the presence again, sent to who lacks it
             self.run_dir.drop_rows_from(self.start_round)
-            return
-        # rows a session wrote before its first checkpoint: that session left nothing to resume
-        self.run_dir.drop_rows_from(0)
-        self.state, self.start_round = initial_state(self.config, self.method, self.run_spec), 0
+        else:
+            # rows a session wrote before its first checkpoint: that session left nothing to resume
+            self.run_dir.drop_rows_from(0)
+            self.state, self.start_round = initial_state(self.config, self.method, self.run_spec), 0
+        # the fleet's release, this run's (named in the presence again) or an earlier run's the broker retains
+        resume_release(self.fleet, self.run_dir.releases_dir, on_current=lambda ref: self.observer.released(ref.release_id))
 
     def server_state(self) -> ServerState:
         """The global state, which :meth:`init_or_resume` sets (:meth:`run` calls it first)."""

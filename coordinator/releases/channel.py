@@ -12,12 +12,30 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-from edgepfl.protocol import FederationChannel, ReleaseRef, StatusMeta, federation_topic, release_part_topic
+from edgepfl.protocol import (
+    FederationChannel,
+    MessageType,
+    ProtocolError,
+    ReleaseMeta,
+    ReleaseRef,
+    StatusMeta,
+    decode,
+    federation_topic,
+    parse_topic,
+    release_part_topic,
+)
+from edgepfl.protocol.signing import verify
 from edgepfl.protocol.transport import MqttTransport
 
 from .head_releases import DeltaRelease, HeadReleases, RestoreRelease
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+#: ``adopt(frame, parts)``: the release a broker retains, and the part topics it occupies (0: whole)
+Adopt = Callable[[bytes, int], None]
 
 log = logging.getLogger("edgepfl.coordinator")
 
@@ -54,9 +72,19 @@ class ReleaseChannel:
         """
         return 0
 
-    def resume(self, frame: bytes, round: int, ref: ReleaseRef) -> None:
+    def resume(self, frame: bytes, round: int, ref: ReleaseRef, announce: bool = False) -> None:
         """A resumed coordinator's current release, published before it restarted (and still
-        retained): named in its presence from now on and sent to head agents that lack it."""
+        retained): named in its presence from now on (with ``announce``, said so at once) and
+        sent to head agents that lack it."""
+
+    def adopt_retained(self, adopt: Adopt) -> None:
+        """Hand the release retained for the federation, if any, to ``adopt`` once, unless this
+        coordinator publishes or resumes one first (a fleet without a broker retains none)."""
+
+    @property
+    def adopting(self) -> bool:
+        """Whether a retained release may still come to :meth:`adopt_retained`."""
+        return False
 
     def stage(self, frame: bytes, round: int, ref: ReleaseRef, admitted: Iterable[str],
               delta: DeltaRelease | None = None) -> None:
@@ -90,10 +118,14 @@ class BrokerReleaseChannel(ReleaseChannel):
     stages = True
 
     def __init__(self, federation: str, transport: MqttTransport, deliver: Callable[[str, bytes, int], int | None],
-                 name_release: Callable[[ReleaseRef, bool], None]):
+                 name_release: Callable[[ReleaseRef, bool], None], coordinator_key: Ed25519PublicKey | None = None):
         """``deliver`` sends a frame on one agent's task topic; ``name_release(ref, announce)``
-        puts a release in the coordinator's presence (and, with ``announce``, publishes it)."""
+        puts a release in the coordinator's presence (and, with ``announce``, publishes it);
+        ``coordinator_key``: the key this coordinator signs with, the only one whose retained
+        release it adopts (None: an unsigned fleet's coordinator adopts any well-formed one)."""
         self.federation = federation
+        self.coordinator_key = coordinator_key
+        self._adopt: Adopt | None = None  # set while reading the retained release (adopt_retained)
         self.transport = transport
         self.name_release = name_release
         #: who is sent the current release on their task topic
@@ -124,6 +156,7 @@ class BrokerReleaseChannel(ReleaseChannel):
         gets it; clears what an earlier release left retained and this one does not
         overwrite. Then the presence names it (``ref``), and each head agent of 1.4 or later
         online that lacks it is sent it on its task topic; without ``ref`` it is only retained."""
+        self._stop_adopting()  # its own release is current now, and would only come back to it
         topic = federation_topic(self.federation, FederationChannel.RELEASE)
         if len(frame) <= self.transport.max_message_bytes:
             self.transport.publish(topic, frame, retain=True, round=round, wait=True)
@@ -143,9 +176,55 @@ class BrokerReleaseChannel(ReleaseChannel):
             self.head_releases.published(frame, round, ref, delta, restore, have)
         return parts
 
-    def resume(self, frame: bytes, round: int, ref: ReleaseRef) -> None:
-        self.name_release(ref, False)
+    def resume(self, frame: bytes, round: int, ref: ReleaseRef, announce: bool = False) -> None:
+        self._stop_adopting()
+        self.name_release(ref, announce)
         self.head_releases.resumed(frame, round, ref)
+
+    def adopt_retained(self, adopt: Adopt) -> None:
+        """Subscribe to the release topic and part 0 on this connection (the transport follows
+        the other parts): the broker sends what it retains at once, and the fleet hands each
+        frame of that channel to :meth:`heard`. Nothing waits here: a broker that retains no
+        release sends nothing, and the subscription ends with this coordinator's first release."""
+        self._adopt = adopt
+        self.transport.subscribe([federation_topic(self.federation, FederationChannel.RELEASE),
+                                  release_part_topic(self.federation, 0)])
+
+    @property
+    def adopting(self) -> bool:
+        return self._adopt is not None
+
+    def heard(self, frame: bytes) -> None:
+        """A whole frame of the release channel (its parts reassembled): while :meth:`adopt_retained`
+        waits, the retained release, adopted if it is a release of this federation signed by
+        this coordinator's key (an unsigned fleet: any); every other frame is ignored."""
+        adopt = self._adopt
+        followed = self._stop_adopting()
+        if adopt is None:
+            return
+        try:
+            message = decode(frame, max_bytes=len(frame))
+            if message.header.type is not MessageType.RELEASE or message.header.federation != self.federation:
+                raise ProtocolError("malformed", f"a {message.header.type.value} frame of federation "
+                                                 f"{message.header.federation} on the release topic")
+            meta = message.meta_as(ReleaseMeta)
+            if self.coordinator_key is not None and (why := verify(message, self.coordinator_key)) is not None:
+                raise ProtocolError(why, "not signed by this coordinator's key")
+        except ProtocolError as exc:
+            log.warning("the release the broker retains is not adopted (%s: %s): this run names none until it "
+                        "publishes one", exc.reason, exc.detail)
+            return
+        parts = [p for t in followed if (p := parse_topic(t).part)]
+        adopt(frame, max(parts) + 1 if parts else 0)
+        log.info("adopted release %s, retained at the broker from an earlier run: current until this run publishes "
+                 "one", meta.release_id)
+
+    def _stop_adopting(self) -> list[str]:
+        """No retained release to adopt any more: the release subscriptions end. Returns them."""
+        if self._adopt is None:
+            return []
+        self._adopt = None
+        return self.transport.drop_connection_subscriptions()
 
     def stage(self, frame: bytes, round: int, ref: ReleaseRef, admitted: Iterable[str],
               delta: DeltaRelease | None = None) -> None:

@@ -23,12 +23,17 @@ import json
 import logging
 import queue
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edgepfl.config import ConfigError, RunConfig
 from edgepfl.errors import InputError
 from edgepfl.protocol import CoordinatorMeta, FederationChannel, ProtocolError, decode, federation_topic
 from edgepfl.protocol.connection import BrokerLogin
 from edgepfl.rollout import RolloutEvent
+
+if TYPE_CHECKING:
+    from edgepfl.methods import ServerState
+    from edgepfl.state import CheckpointMeta
 
 log = logging.getLogger("edgepfl.coordinator.releases.rollout")
 
@@ -84,25 +89,33 @@ def publish(config: RunConfig, run: Path, url: str, export: Path | None, heads: 
     with ``hold``, held after a stage that passed)."""
     from .release import build_release, release_of_export
 
+    source = export if export is not None else _checkpoint(run)
     service = _service(config, run, url)
     try:
-        if export is not None:
-            release = release_of_export(export, service.releases_dir, config, service.signer)
-        else:
-            from edgepfl.state import load_checkpoint
-
-            found = load_checkpoint(run / "checkpoint")
-            if found is None:
-                raise InputError(f"{run / 'checkpoint'} holds no checkpoint: train first, or give --export DIR")
-            state, meta = found
-            release = build_release(state, meta, service.releases_dir, config, signer=service.signer)
+        # first: the fleet's current release is known (adopted from the broker in a new run folder),
+        # so that the new one is a delta against it, paired with its reports and rolled back to
         online = service.settle(heads, wait_s)
+        if isinstance(source, Path):
+            release = release_of_export(source, service.releases_dir, config, service.signer)
+        else:
+            state, meta = source
+            release = build_release(state, meta, service.releases_dir, config, signer=service.signer)
         print(f"release {release.release_id} ({release.sizes()}): {len(online)} head agents online; stages "
               f"{', '.join(f'{100 * s:g} %' for s in config.rollout.stages)}", flush=True)
         outcome = service.roll_out(release, hold)
     finally:
         service.close()
     return _finish(run, release.release_id, outcome)
+
+
+def _checkpoint(run: Path) -> tuple[ServerState, CheckpointMeta]:
+    """The run's last checkpoint (state, meta); InputError (exit 3) when it has none."""
+    from edgepfl.state import load_checkpoint
+
+    found = load_checkpoint(run / "checkpoint")
+    if found is None:
+        raise InputError(f"{run / 'checkpoint'} holds no checkpoint: train first, or give --export DIR")
+    return found
 
 
 def promote(config: RunConfig, run: Path, url: str, heads: int, wait_s: float, hold: bool = False) -> int:

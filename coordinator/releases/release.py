@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -272,15 +272,39 @@ def fleet_current(releases_dir: Path) -> ReleaseRef | None:
     return decode(frame).meta_as(ReleaseMeta).ref() if frame is not None else None
 
 
-def resume_release(fleet: Fleet, releases_dir: Path) -> ReleaseRef | None:
-    """Give a resumed coordinator's ``fleet`` the run's current release, as published
-    before the restart (still retained at the broker): its presence names it again, and it
-    goes to the head agents that lack it. None when the run has published none."""
+def resume_release(fleet: Fleet, releases_dir: Path,
+                   on_current: Callable[[ReleaseRef], None] | None = None) -> ReleaseRef | None:
+    """Give a coordinator's ``fleet`` the fleet's current release: as this run published it
+    before a restart (still retained at the broker), or, for a run that has published none,
+    the one the broker retains from an earlier run (which the head agents run; it is adopted
+    as it arrives, :meth:`~.channel.ReleaseChannel.adopt_retained`). Either way the presence
+    names it, head agents that lack it are sent it, the next release is a delta against it,
+    a staged rollout's gate pairs the devices' reports on it and a halt rolls back to it.
+    ``on_current`` is told the release once it is known. Returns the run's own release, or
+    None (none yet, or one still to be adopted)."""
     path, frame_path = Path(releases_dir) / PUBLISHED_FILE, Path(releases_dir) / CURRENT_FILE
     if not (path.is_file() and frame_path.is_file()):
+        fleet.releases.adopt_retained(lambda frame, parts: _adopt(fleet, Path(releases_dir), frame, parts,
+                                                                  on_current))
         return None
     frame = frame_path.read_bytes()
     ref = decode(frame).meta_as(ReleaseMeta).ref()
     fleet.releases.resume(frame, int(bounded_json.loads(path.read_text()).get("round", -1)), ref)
     log.info("the run's current release is %s (published before the restart)", ref.release_id)
+    if on_current is not None:
+        on_current(ref)
     return ref
+
+
+def _adopt(fleet: Fleet, releases_dir: Path, frame: bytes, parts: int,
+           on_current: Callable[[ReleaseRef], None] | None) -> None:
+    """Record an earlier run's retained release as this run's current one (the frame, then
+    the record: the commit), as if this run had published it: its ``parts`` retained topics
+    are the ones the next release clears what it does not overwrite of."""
+    message = decode(frame)
+    ref = message.meta_as(ReleaseMeta).ref()
+    write_bytes(releases_dir / CURRENT_FILE, frame)
+    write_json(releases_dir / PUBLISHED_FILE, {"parts": parts, "round": message.header.round})
+    fleet.releases.resume(frame, message.header.round, ref, announce=True)
+    if on_current is not None:
+        on_current(ref)

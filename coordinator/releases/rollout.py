@@ -55,6 +55,9 @@ log = logging.getLogger("edgepfl.coordinator.releases.rollout")
 ROLLOUT_LOG = "rollout.jsonl"
 #: how often a stage checks whether all its devices reported
 CHECK_EVERY_S = 0.2
+#: how long a release command waits for the release the broker retains (it comes at once when
+#: there is one; the wait is spent in full only by a federation's very first release)
+RETAINED_WAIT_S = 3.0
 
 
 #: a held rollout: its whole frame, then its record (written last: the commit)
@@ -112,11 +115,9 @@ class ReleaseService:
         self.signer, self.registry, self.inbox = side.credentials.signer, side.registry, side.inbox
         #: the fleet view (PROTOCOL.md §18) with the rollout's progress: the dashboard and edgepfl status show it
         self.observer = side.observer
-        resume_release(fleet, self.releases_dir)  # the presence names the fleet's current release
-        current = fleet_current(self.releases_dir)
-        fleet.announce(CoordinatorMeta(state="online", method=config.method.name, round=-1, release=current))
-        if current is not None:
-            self.observer.released(current.release_id)
+        # the presence names the fleet's current release: this folder's, or the one the broker retains
+        resume_release(fleet, self.releases_dir, on_current=lambda ref: self.observer.released(ref.release_id))
+        fleet.announce(CoordinatorMeta(state="online", method=config.method.name, round=-1))
         self.observer.start(None)
         self.observer.enter("releasing", -1)
         self.rollout = StagedRollout(config, fleet, self.inbox, self.observer, self.releases_dir, self.signer)
@@ -139,7 +140,10 @@ class ReleaseService:
         """Route traffic until ``heads`` head agents are online and have said what they run
         (at most ``wait_s``; then a quiet moment for the reports on their installed release);
         returns those online."""
-        online = self.fleet.releases.online
+        releases = self.fleet.releases
+        # the broker sends a retained release at once: a run with no release of its own adopts it first
+        self.inbox.pump_until(lambda: not releases.adopting, self.fleet.clock.now() + RETAINED_WAIT_S)
+        online = releases.online
         self.inbox.pump_until(lambda: len(online()) >= heads, self.fleet.clock.now() + wait_s)
         current = fleet_current(self.releases_dir)
         if current is not None:  # each head agent on it reports unasked: the paired gate's baseline

@@ -231,6 +231,22 @@ def test_a_bad_release_is_halted_at_the_canary_and_rolled_back_and_a_good_one_re
         assert f"installing release {rescaled}" in since and "carries the installed encoder" not in since, since[-2000:]
     assert all(installed(out, a)["release_id"] == first_id for a in agents)
 
+    # 7. the bad release from a new run folder: the fleet's release is adopted from the broker, so the
+    #    canary is paired with its reports on it (not "n/a") and halted, and rolled back to it
+    new_run = tmp_path / "new-run"
+    halted = release_command("publish", "--config", str(config_file), "--run", str(new_run), "--broker", mosquitto.url,
+                             "--export", str(tmp_path / "bad"), "--stages", STAGES, "--heads", str(HEADS),
+                             log=tmp_path / "new-run.log")
+    assert halted.returncode == int(ExitCode.HALTED), halted.stdout + halted.stderr
+    assert f"adopted release {first_id}" in halted.stderr, halted.stderr[-3000:]
+    events = [json.loads(line) for line in (new_run / "releases" / "rollout.jsonl").read_text().splitlines()]
+    stage, halt, back = events[-3:]
+    assert (stage["event"], set(stage["agents"])) == ("stage", canary), stage
+    assert stage["verdict"]["paired"] == len(canary) and stage["verdict"]["mean_change"] < -0.2, stage
+    assert (halt["event"], back["event"], back["to_release"]) == ("halted", "rolled_back", first_id)
+    assert all(installed(out, a)["release_id"] == first_id for a in agents)
+    assert fetch_view(mosquitto.url, config.federation).release == first_id
+
     stop_agents(procs)
     for agent in agents:
         assert "Traceback" not in agent_log(out, agent)
