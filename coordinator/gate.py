@@ -105,6 +105,8 @@ class Refused:
     #: naming the agent's task (it is on the task topic): it costs the agent that task, as
     #: a forged update would, but never the rest of the run (docs/SECURITY.md)
     may_exclude: bool = True
+    #: ``bad_shares`` (since 1.12): the neighbours whose sealed shares did not open for it
+    peers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -302,7 +304,8 @@ class UpdateGate:
             return reject("duplicate", f"task {task.task_id} already answered")
         if isinstance(answer, RefusalMeta):
             reason = answer.reason if answer.reason in REFUSAL_REASONS else "error"
-            return Refused(agent_id, reason, answer.detail, h.message_id, may_exclude=self.keyring is not None)
+            return Refused(agent_id, reason, answer.detail, h.message_id, may_exclude=self.keyring is not None,
+                           peers=tuple(answer.peers or ()))
         meta = answer
         if meta.kind != task.kind:
             return reject("malformed", f"answered a {task.kind} task with {meta.kind}")

@@ -117,6 +117,8 @@ class Inbox:
         #: takes the open secure round's ``secagg`` steps, with their wire bytes (None: no secure round open;
         #: they are ignored)
         self.steps: Callable[[StepAnswer, int], None] | None = None
+        #: told every refusal of the open round's tasks (None: nobody is)
+        self.refusals: Callable[[Refused], None] | None = None
         #: sends a task of the open round again, same id (returns the bytes sent); None where
         #: the fleet cannot lose a task (:attr:`~.fleet.Fleet.loses_tasks`)
         self.resend: Callable[[Task, int], int] | None = None
@@ -305,6 +307,8 @@ class Inbox:
                  refused.detail)
         if refused.reason in EXCLUDING_REFUSALS and (refused.may_exclude or self.fleet.own_frames):
             self.registry.exclude(refused.agent_id, refused.reason)
+        if self.refusals is not None:
+            self.refusals(refused)
 
     def _on_metrics(self, incoming: AgentFrame) -> None:
         m = admit_metrics(incoming.agent_id, incoming.frame, self.keyring, self.registry)

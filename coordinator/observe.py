@@ -141,6 +141,7 @@ class Observer:
                                     online=info.online, last_seen=round(seen, 3), device=info.device,
                                     num_train=info.num_train, benched_until=self.registry.benched_until(info.agent_id),
                                     excluded=self.registry.excluded(info.agent_id),
+                                    suspended=self.registry.suspended(info.agent_id, self.round),
                                     clock_ahead_s=_rounded(self.registry.clock_ahead(info.agent_id)),
                                     release=info.release, release_refused=self.registry.release_refused(info.agent_id)))
         agents.sort(key=lambda a: (not a.online, a.id))

@@ -62,6 +62,9 @@ CLOCK_WARNING_S = 60.0
 CAPABILITIES_WAIT_S = 6.0
 #: the most rounds in a row a device that keeps missing its tasks sits out (then it is asked again)
 MAX_ROUNDS_BENCHED = 16
+#: the rounds a device named by its neighbours' refusals (shares that do not open) first sits out;
+#: each time it is named again after coming back, twice as many
+ROUNDS_SUSPENDED = 16
 
 
 class Registry:
@@ -111,6 +114,9 @@ class Registry:
         self._told_incapable: set[str] = set()
         # head agent id -> the last release it refused, and why (one line; one per agent)
         self._release_refused: dict[str, str] = {}
+        # agent id -> (times left out, the last round it sits out, why): named by its neighbours'
+        # refusals in secure rounds (:meth:`suspend`); kept across its restarts (its keys are its enrolment)
+        self._suspended: dict[str, tuple[int, int, str]] = {}
 
     def require(self, method: str, arch: str, task_bytes: int | None = None) -> None:
         """The run's method and architecture, and how large its task frames are (None: not yet
@@ -346,8 +352,25 @@ class Registry:
         refusal or a rejected answer (it would keep this one waiting for nothing as well)."""
         def sits_out(agent_id: str) -> bool:
             until = self._benched.get(agent_id, (0, -1))[1]
-            return round <= until and (not final or self._held_up.get(agent_id, 0) >= 2)
+            suspended = self._suspended.get(agent_id, (0, -1, ""))[1]
+            return (round <= until and (not final or self._held_up.get(agent_id, 0) >= 2)) or \
+                (round <= suspended and not final)
         return [a for a in self.eligible() if not sits_out(a)]
+
+    def suspend(self, agent_id: str, round: int, why: str) -> None:
+        """Leave the agent out of the rounds after ``round``: :data:`ROUNDS_SUSPENDED` of them,
+        twice as many each time again (the final evaluation still asks it). ``why`` is shown
+        in the fleet view with the round it is asked again."""
+        times = self._suspended.get(agent_id, (0, -1, ""))[0] + 1
+        until = round + ROUNDS_SUSPENDED * 2 ** (times - 1)
+        self._suspended[agent_id] = (times, until, f"{why}; no task before round {until + 1}")
+        self.revision += 1
+        log.warning("agent %s is left out of the rounds until round %d: %s", agent_id, until + 1, why)
+
+    def suspended(self, agent_id: str, round: int) -> str | None:
+        """Why the agent is left out of ``round`` (:meth:`suspend`), or None."""
+        entry = self._suspended.get(agent_id)
+        return entry[2] if entry is not None and round <= entry[1] else None
 
     def benched_until(self, agent_id: str) -> int | None:
         """The last round the agent sits out for the tasks it missed in a row (None: none missed)."""

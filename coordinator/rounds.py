@@ -50,7 +50,7 @@ from edgepfl.state import CheckpointMeta
 
 from .drivers import SyncRounds, driver_for
 from .fleet import Fleet
-from .gate import StepAnswer, admit_state
+from .gate import Refused, StepAnswer, admit_state
 from .privacy import PrivacyLedger
 from .progress import Progress
 from .registry import Registry
@@ -285,9 +285,11 @@ class Coordinator:
         """Distributed DP: :meth:`.PrivacyLedger.device_noise`."""
         return self.privacy.device_noise(sampled)
 
-    def route_steps(self, handler: Callable[[StepAnswer, int], None]) -> None:
-        """Every secure-round step the gate admits goes to ``handler`` (one driver registers it)."""
-        self.inbox.steps = handler
+    def route_steps(self, handler: Callable[[StepAnswer, int], None],
+                    refusals: Callable[[Refused], None] | None = None) -> None:
+        """Every secure-round step the gate admits goes to ``handler``, and every refusal of a
+        round's task to ``refusals`` (one driver registers them)."""
+        self.inbox.steps, self.inbox.refusals = handler, refusals
 
     def resend_lost_tasks(self) -> None:
         """Over a fleet that can lose a task with a connection, send it again, same id, when

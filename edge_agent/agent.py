@@ -352,9 +352,12 @@ class Agent:
                      reply.task_id, self.coordinator.version if self.coordinator else "unknown")
             return
         if reply.since is not None and not self._speaks(reply.since):
-            log.info("the %s is not sent: the coordinator (protocol %s) does not read it", key,
-                     self.coordinator.version if self.coordinator else "unknown")
-            return
+            if reply.older is not None:
+                reply = reply.older  # the same answer, as an older coordinator reads it
+            else:
+                log.info("the %s is not sent: the coordinator (protocol %s) does not read it", key,
+                         self.coordinator.version if self.coordinator else "unknown")
+                return
         held = self._answers.hold(key, reply)
         if transport.connected.is_set():
             self._publish(held)

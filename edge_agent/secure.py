@@ -49,6 +49,16 @@ log = logging.getLogger("edgepfl.agent")
 
 #: sessions kept at once: a round's, and the one before it while its unmask step is late
 SESSIONS_KEPT = 4
+
+
+class SharesNotOpened(SecAggError):
+    """Shares sealed to this agent that do not open, by the neighbours in ``peers``: the
+    agent refuses the task as ``bad_shares`` naming them (PROTOCOL.md §19)."""
+
+    def __init__(self, peers: list[str]):
+        super().__init__(f"the shares from {', '.join(peers[:5])}{' …' if len(peers) > 5 else ''} do not open")
+        self.peers = peers
+
 @dataclass
 class _Session:
     round: int
@@ -98,22 +108,37 @@ class SecureSessions:
         return encode(MessageType.SECAGG, federation=h.federation, sender=self.agent_id, round=h.round,
                       meta=answer, signer=self.signer)
 
-    def mask(self, federation: str, round: int, task: SecAggTask, vector: np.ndarray) -> np.ndarray:
-        """``vector`` (the update's contribution in the ring) masked for the session of
-        ``task``, with the neighbours whose shares it carries. SecAggError when it cannot
-        be (no roster, too few or unreadable shares): the update is then not sent."""
+    def open_shares(self, round: int, task: SecAggTask) -> None:
+        """Open the shares ``task`` carries, before the agent trains for it: SecAggError when
+        it cannot take part (no roster, shares from strangers, too few), :class:`SharesNotOpened`
+        naming every neighbour whose share does not open (garbage, or sealed for another round,
+        key or recipient) — none of them is used then, and no update is sent."""
         s = self._sessions.get(task.session)
         if s is None or s.roster is None or s.masker is None or s.round != round:
             raise SecAggError(f"no roster for session {task.session} of round {round}")
-        received = {}
+        received, unopened = {}, []
         for sealed in task.shares:
-            if sealed.peer not in s.roster or sealed.peer in received:
+            if sealed.peer not in s.roster or sealed.peer in received or sealed.peer in unopened:
                 raise SecAggError(f"a share from {sealed.peer}, not one of its neighbours (or twice)")
             share = EncryptedShare(sealed.peer, self.agent_id, unb64(sealed.ciphertext))
-            received[sealed.peer] = s.masker.open_share(share, s.roster[sealed.peer][1])
+            try:
+                received[sealed.peer] = s.masker.open_share(share, s.roster[sealed.peer][1])
+            except SecAggError:
+                unopened.append(sealed.peer)
+        if unopened:
+            raise SharesNotOpened(sorted(unopened))
         if len(received) < s.threshold:
             raise SecAggError(f"{len(received)} neighbours sealed shares, {s.threshold} needed")
         s.received = received
+
+    def mask(self, federation: str, round: int, task: SecAggTask, vector: np.ndarray) -> np.ndarray:
+        """``vector`` (the update's contribution in the ring) masked for the session of
+        ``task``, with the neighbours whose shares it carries (:meth:`open_shares`, which it
+        calls). SecAggError when it cannot be: the update is then not sent."""
+        self.open_shares(round, task)
+        s = self._sessions[task.session]
+        assert s.roster is not None and s.masker is not None  # open_shares checked them
+        received = s.received
         # masks with exactly the neighbours the coordinator will count as having shares
         masker = Masker(self.agent_id, s.keys, {a: s.roster[a][0] for a in received},
                         {a: s.roster[a][1] for a in received}, s.threshold, RING_BITS, s.context,

@@ -21,7 +21,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
@@ -30,6 +30,7 @@ from edgepfl.codec_stages import CODECS, DELTA_CODECS
 from edgepfl.errors import OutOfMemory, out_of_memory
 from edgepfl.failpoints import failpoint
 from edgepfl.protocol import (
+    BAD_SHARES,
     RELEASE_REFUSALS,
     AgentChannel,
     Capabilities,
@@ -84,6 +85,8 @@ class Reply:
     refusal: bool = False
     release_id: str | None = None
     since: tuple[int, int] | None = None
+    #: sent instead to a coordinator older than ``since`` (None: nothing is sent to one)
+    older: Reply | None = None
 
     @property
     def held_as(self) -> str | None:
@@ -254,7 +257,7 @@ class TrainerTier:
                 self._keep_pace(message, meta, received, len(reply.frame))
             log.info("round %d: %s task answered", round, meta.kind)
         except TaskRefused as exc:  # logged where it was raised
-            reply = self._refusal(message, exc.reason, exc.detail)
+            reply = self._refusal(message, exc.reason, exc.detail, exc.peers)
         except Exception as exc:
             log.exception("task %s (round %d) failed", task_id, round)
             reply = self._refusal(message, "error", f"{type(exc).__name__}: {exc}")
@@ -271,9 +274,17 @@ class TrainerTier:
         due = received + self.pace.answer_s(task_bytes, samples, answer_bytes)
         time.sleep(max(0.0, due - time.monotonic()))
 
-    def _refusal(self, task: Message, reason: str, detail: str) -> Reply:
-        frame = encode_refusal(task, sender=self.agent_id, reason=reason, detail=detail, signer=self.runtime.signer)
-        return Reply(AgentChannel.UPDATE, frame, task.header.round, task.meta_as(TaskMeta).task_id, refusal=True)
+    def _refusal(self, task: Message, reason: str, detail: str, peers: list[str] | None = None) -> Reply:
+        signer, task_id = self.runtime.signer, task.meta_as(TaskMeta).task_id
+        frame = encode_refusal(task, sender=self.agent_id, reason=reason, detail=detail, signer=signer)
+        reply = Reply(AgentChannel.UPDATE, frame, task.header.round, task_id, refusal=True)
+        if peers:  # what a coordinator before 1.12 reads: the same refusal as an error, its peers in the detail
+            frame = encode_refusal(task, sender=self.agent_id, reason=reason, detail=detail, signer=signer,
+                                   peers=peers)
+            reply = Reply(AgentChannel.UPDATE, frame, task.header.round, task_id, refusal=True, since=BAD_SHARES,
+                          older=replace(reply, frame=encode_refusal(task, sender=self.agent_id, reason="error",
+                                                                    detail=detail, signer=signer)))
+        return reply
 
     def _remember(self, task_id: str, reply: Reply | None) -> None:
         self._answered[task_id] = reply

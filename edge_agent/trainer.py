@@ -45,7 +45,7 @@ from edgepfl.protocol.signing import Signer
 from edgepfl.secagg import SecAggError
 from edgepfl.specs import ModelSpec
 
-from .secure import SecureSessions
+from .secure import SecureSessions, SharesNotOpened
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +81,14 @@ class TaskRefused(ValueError):
     :data:`edgepfl.protocol.REFUSAL_REASONS`: the agent answers a 1.2 coordinator with a
     ``refusal`` carrying it (docs/PROTOCOL.md §10)."""
 
-    def __init__(self, reason: str, detail: str):
+    def __init__(self, reason: str, detail: str, peers: list[str] | None = None):
         if reason not in REFUSAL_REASONS:
             raise ValueError(f"unknown refusal reason {reason!r}")
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
+        #: ``bad_shares``: the neighbours whose shares did not open
+        self.peers = peers
 
 
 def buildable_archs() -> list[str]:
@@ -239,6 +241,15 @@ class TrainerRuntime:
         detail = f"{self.agent_id}: task {meta.task_id} (round {round}) refused ({reason}): {why}"
         log.error(detail)
         return TaskRefused(reason, detail)
+
+    def _secagg_refusal(self, meta: TaskMeta, round: int, exc: SecAggError) -> TaskRefused:
+        """The refusal of a secure task this agent cannot mask for (logged): ``bad_shares``
+        naming the neighbours whose shares did not open, else ``error``."""
+        if isinstance(exc, SharesNotOpened):
+            refused = self._refuse(meta, round, "bad_shares", f"secure aggregation: {exc}")
+            refused.peers = exc.peers
+            return refused
+        return self._refuse(meta, round, "error", f"secure aggregation: {exc}")
 
     def _ensure_model(self, meta: TaskMeta, round: int) -> tuple[Method, nn.Module]:
         """The method and model for the task's run: the current ones if its signature is
@@ -406,7 +417,7 @@ class TrainerRuntime:
         try:
             masked = self.secure.mask(task.header.federation, task.header.round, secagg, vector)
         except SecAggError as exc:
-            raise TaskRefused("error", f"secure aggregation: {exc}") from None
+            raise self._secagg_refusal(meta, task.header.round, exc) from None
         return {MASKED_TENSOR: masked.view("<i8")}  # the ring's bits as int64, a dtype every frame carries
 
     def _save_personal(self, method: Method, model: nn.Module, round: int) -> None:
@@ -440,6 +451,11 @@ class TrainerRuntime:
             generator=generator,
             log=log,
         )
+        if meta.kind == "train" and meta.secagg is not None:
+            try:  # before training: a round this agent cannot mask for is not trained for
+                self.secure.open_shares(task.header.round, meta.secagg)
+            except SecAggError as exc:
+                raise self._secagg_refusal(meta, task.header.round, exc) from None
         payload = self._payload(task, meta)
         method.receive(model, payload, ctx)
         started = stopwatch()

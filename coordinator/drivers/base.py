@@ -20,7 +20,7 @@ from edgepfl.protocol.signing import Signer
 
 from ..clock import Clock
 from ..fleet import Fleet
-from ..gate import StepAnswer
+from ..gate import Refused, StepAnswer
 from ..observe import Observer
 from ..registry import Registry
 from ..result import RoundResult
@@ -75,8 +75,10 @@ class RoundContext(Protocol):
         """Distributed DP: the clip and noise each of ``sampled`` devices applies."""
         ...
 
-    def route_steps(self, handler: Callable[[StepAnswer, int], None]) -> None:
-        """Hand every admitted secure-round step (and its wire bytes) to ``handler``."""
+    def route_steps(self, handler: Callable[[StepAnswer, int], None],
+                    refusals: Callable[[Refused], None] | None = None) -> None:
+        """Hand every admitted secure-round step (and its wire bytes) to ``handler``, and
+        every refusal of a round's task to ``refusals``."""
         ...
 
     def resend_lost_tasks(self) -> None:

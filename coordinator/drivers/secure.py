@@ -47,7 +47,7 @@ from edgepfl.secagg import (
 )
 
 from ..fleet import SENDER, Fleet
-from ..gate import StepAnswer
+from ..gate import Refused, StepAnswer
 from ..result import RoundResult
 from .base import RoundContext
 
@@ -66,6 +66,8 @@ class SecureSetup:
     sealed: dict[str, dict[str, str]] = field(default_factory=lambda: defaultdict(dict))
     #: agents that sealed a share to every neighbour: the round's members
     members: set[str] = field(default_factory=set)
+    #: agent -> the neighbours whose ``bad_shares`` refusals name it this round
+    accused: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     #: the steps' bytes, each way
     bytes_down: int = 0
     bytes_up: int = 0
@@ -103,10 +105,12 @@ class SecureRounds:
         require_authenticated(context.fleet, context.signer is not None, context.enrols)
         # an agent before 1.9 would never answer a step: it gets no task of this run (the registry logs it once)
         context.registry.require_protocol(SECURE_AGGREGATION, "secure aggregation")
-        context.route_steps(self._on_step)
+        context.route_steps(self._on_step, self._on_refused)
         context.resend_lost_tasks()
         self.co = context
         self.spec = context.config.secure_aggregation
+        #: agent -> every neighbour that named it in a ``bad_shares`` refusal since it was last suspended
+        self.accusers: dict[str, set[str]] = defaultdict(set)
         self._setup: SecureSetup | None = None
         self._result: RoundResult | None = None
         #: the step awaited, from whom, and the answers so far
@@ -139,6 +143,7 @@ class SecureRounds:
                 result.dropped.extend(left_out)
             for agent_id in result.dropped:
                 co.registry.missed(agent_id, r, silent_since=started)
+            self._suspend_accused(setup, r)
             result.secure = setup.record()
             self._unmask(setup, result, quorum=c.quorum_of(len(sampled)))
         finally:
@@ -232,6 +237,35 @@ class SecureRounds:
         result.secure = setup.record(len(survivors), len(lost_keys), True, time.process_time() - began)
         log.info("round %d: secure sum of %d updates unmasked (%d dropped agents' masks removed)", setup.round,
                  len(survivors), len(lost_keys))
+
+    def _on_refused(self, refused: Refused) -> None:
+        """A refusal of this round's task: ``bad_shares`` names the neighbours whose sealed shares
+        did not open for the refuser. Counted only when provably its own (signed by its enrolled
+        key, or in process) and only against its neighbours of this round, who sealed it shares."""
+        setup = self._setup
+        if setup is None or refused.reason != "bad_shares" or not (refused.may_exclude or self.co.fleet.own_frames):
+            return
+        for peer in refused.peers:
+            if peer in setup.graph.get(refused.agent_id, ()):
+                setup.accused[peer].add(refused.agent_id)
+
+    def _suspend_accused(self, setup: SecureSetup, r: int) -> None:
+        """Suspend every agent that as many distinct neighbours as a round's threshold (at least
+        two) have named since it was last suspended: its shares do not open for them, so each
+        round it is in costs its neighbours' updates. One device cannot suspend another (it is
+        one accuser); colluders can, when they are that many of their victim's neighbours over
+        the run (docs/SECURITY.md)."""
+        needed = max(2, setup.threshold)
+        for agent_id, accusers in sorted(setup.accused.items()):
+            known = self.accusers[agent_id]
+            known |= accusers
+            if len(known) < needed:
+                log.warning("round %d: %d neighbours of %s say its shares do not open (%s); %d suspend it", r,
+                            len(known), agent_id, ", ".join(sorted(known)[:5]), needed)
+                continue
+            self.co.registry.suspend(agent_id, r, f"its shares did not open for {len(known)} of its neighbours "
+                                                  f"(round {r})")
+            del self.accusers[agent_id]
 
     # ---------------------------------------------------------------- messaging
     def _send(self, agent_id: str, meta: SecAggMeta, result: RoundResult) -> None:

@@ -168,7 +168,7 @@ function draw() {
       esc(a.id), a.tier, a.online ? (past ? '<span class="off">was online</span>' : '<span class="on">online</span>') :
         '<span class="off">offline</span>', ago(a.last_seen),
       esc(a.release || ""), a.num_train,
-      '<span class="warn">' + esc(a.excluded || a.release_refused || (a.benched_until != null ? "benched until round " + a.benched_until : "")) + "</span>"]));
+      '<span class="warn">' + esc(a.excluded || a.suspended || a.release_refused || (a.benched_until != null ? "benched until round " + a.benched_until : "")) + "</span>"]));
   document.body.dataset.renderMs = (performance.now() - t0).toFixed(1);
   document.body.dataset.updated = String(v.updated);
 }

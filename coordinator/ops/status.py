@@ -185,6 +185,7 @@ def format_view(view: FleetView, *, now: float | None = None, max_agents: int = 
     for a in view.agents[:max_agents]:
         clock = f"  (clock {a.clock_ahead_s:.0f} s ahead)" if a.clock_ahead_s is not None else ""
         why = clock + (f"  (refused: {a.excluded}, until it restarts)" if a.excluded else
+               f"  (suspended: {a.suspended})" if a.suspended else
                f"  (missed its tasks: no task before round {a.benched_until + 1})" if a.benched_until is not None
                else "") + (f"  (did not install release {a.release_refused})" if a.release_refused else "")
         state = ("was online" if past else "online") if a.online else "offline"

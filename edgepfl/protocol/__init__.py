@@ -28,6 +28,7 @@ from .manifest import (
     read_manifest,
 )
 from .messages import (
+    BAD_SHARES,
     CAPABILITIES,
     CODECS,
     GRADIENT_CLIP,
@@ -76,7 +77,7 @@ __all__ = [
     "CoordinatorMeta", "DataShape", "FederationChannel", "FileEntry", "GlobalHeadsEntry", "ManifestError", "Message",
     "MessageType", "MethodChoice", "MetricsMeta", "Normalization", "ProtocolError", "Reassembler", "ReleaseManifest",
     "ReleaseDelta", "ReleaseMeta", "RELEASE_DELTAS", "RELEASE_REFS", "RELEASE_RESTORE", "RELEASE_REFUSALS", "ReleaseRef",
-    "RollCall", "SECURE_AGGREGATION", "INPUT_KINDS", "GRADIENT_CLIP", "InputKind", "kind_of_shape",
+    "RollCall", "SECURE_AGGREGATION", "INPUT_KINDS", "GRADIENT_CLIP", "BAD_SHARES", "InputKind", "kind_of_shape",
     "RunSpec", "StatusMeta", "TASK_DELTAS", "TaskDelta", "TaskMeta", "TopicError",
     "UpdateMeta", "agent_topic", "agent_wildcard",
     "decode", "encode", "federation_topic", "new_message_id", "parse_manifest", "parse_topic", "read_manifest",

@@ -200,22 +200,24 @@ def encode(
     return prefix_and_head + body.data + signer.sign(prefix_and_head)
 
 
-def encode_refusal(task: Message, *, sender: str, reason: str, detail: str, signer: Signer | None = None) -> bytes:
+def encode_refusal(task: Message, *, sender: str, reason: str, detail: str, signer: Signer | None = None,
+                   peers: list[str] | None = None) -> bytes:
     """The ``refusal`` frame answering ``task`` (docs/PROTOCOL.md §5): the agent will not
-    run it, for ``reason`` (one of :data:`~edgepfl.protocol.messages.REFUSAL_REASONS`)."""
+    run it, for ``reason`` (one of :data:`~edgepfl.protocol.messages.REFUSAL_REASONS`);
+    ``peers``: the neighbours a ``bad_shares`` refusal names."""
     from .messages import TaskMeta
 
     return refusal_frame(task.header.federation, task.header.round, task.meta_as(TaskMeta).task_id, sender=sender,
-                         reason=reason, detail=detail, signer=signer)
+                         reason=reason, detail=detail, signer=signer, peers=peers)
 
 
 def refusal_frame(federation: str, round: int, task_id: str, *, sender: str, reason: str, detail: str,
-                  signer: Signer | None = None) -> bytes:
+                  signer: Signer | None = None, peers: list[str] | None = None) -> bytes:
     """The ``refusal`` frame of task ``task_id`` of ``round``, where only the task's header
     could be read (a task too large to decode); raises ValueError for a malformed task id."""
     from .messages import RefusalMeta
 
-    meta = RefusalMeta(task_id=task_id, reason=reason, detail=detail[:300])
+    meta = RefusalMeta(task_id=task_id, reason=reason, detail=detail[:300], peers=peers)
     return encode(MessageType.REFUSAL, federation=federation, sender=sender, round=round, meta=meta, signer=signer)
 
 

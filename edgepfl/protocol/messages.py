@@ -15,7 +15,8 @@ from .codec import CodecHeader, CodecName, DeltaCodecName, UplinkSpec
 from .evolution import PROTOCOL_VERSION, VERSION_PATTERN, since
 from .manifest import ReleaseManifest
 from .run import RunSpec
-from .secagg import SecAggMeta, SecAggTask
+from .secagg import MAX_NEIGHBOURS, SecAggMeta, SecAggTask
+from .topics import NAME_PATTERN
 
 _ID = r"^[0-9a-f]{32}$"
 #: a reason tag: the §7 rejection reasons, the refusal reasons; new ones may come with a minor version
@@ -35,6 +36,8 @@ REFUSAL_REASONS: dict[str, str] = {
     "expired": "the task is past its deadline by the agent's clock (since 1.3; the detail says by how much)",
     "too_large": "the task frame is larger than the agent's max_payload_bytes (since 1.4)",
     "no_base": "the task's tensors are a delta against a task the agent does not hold (since 1.7)",
+    "bad_shares": "a secure round's task carries shares that do not open, sealed by the neighbours the refusal's "
+                  "peers name; the agent sends no masked update (since 1.12)",
 }
 
 
@@ -104,6 +107,9 @@ INPUT_KINDS = (1, 10)
 #: the protocol version of ``run.train.max_grad_norm``: a run that sets it goes only to agents
 #: that announced it (an older one would ignore the field and train unclipped)
 GRADIENT_CLIP = (1, 11)
+#: the protocol version of the ``bad_shares`` refusal and its ``peers``: an agent names the
+#: neighbours whose sealed shares did not open, so the coordinator can leave them out
+BAD_SHARES = (1, 12)
 
 
 class ReleaseRef(_Meta):
@@ -323,6 +329,9 @@ class RefusalMeta(_Meta):
     #: one of :data:`REFUSAL_REASONS`
     reason: str = Field(pattern=_REASON)
     detail: str = Field("", max_length=300)
+    #: ``bad_shares`` (since 1.12): the neighbours whose shares did not open; absent otherwise
+    peers: list[Annotated[str, Field(pattern=NAME_PATTERN)]] | None = Field(
+        None, min_length=1, max_length=MAX_NEIGHBOURS, json_schema_extra=since("1.12"))
 
 
 META_TYPES: dict[MessageType, type[BaseModel]] = {

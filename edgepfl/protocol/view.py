@@ -47,6 +47,9 @@ class AgentView(_View):
     benched_until: int | None = Field(
         None, description="the last round it sits out for tasks it let time out (it is asked again after it)")
     excluded: str | None = Field(None, description="the refusal that keeps it out of this run until it restarts")
+    suspended: str | None = Field(
+        None, description="why the rounds leave it out, and until when (secure rounds: its shares did not open for "
+                          "its neighbours)")
     clock_ahead_s: float | None = Field(
         None, description="how far ahead of the coordinator's clock its last status was made, when over 60 s")
     release: str | None = Field(None, description="head tier: the release installed, as its last status named it")

@@ -19,8 +19,8 @@ from edgepfl.coordinator.fleet import LocalFleet
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import agent_ids, data_shape, prepare
 from edgepfl.edge_agent.tiers import TrainerTier, local_trainers
-from edgepfl.protocol import Capabilities, Message, MessageType, TaskMeta, decode, encode
-from edgepfl.protocol.secagg import MASKED_TENSOR, SecAggMeta
+from edgepfl.protocol import AgentChannel, Capabilities, Message, MessageType, TaskMeta, decode, encode
+from edgepfl.protocol.secagg import MASKED_TENSOR, SecAggMeta, b64, unb64
 
 pytest.importorskip("torch")
 
@@ -249,3 +249,77 @@ def test_a_secure_run_gives_no_task_to_an_agent_before_protocol_1_9(caplog):
         registry.update("old", StatusMeta(state="online", num_train=10, version="1.8", capabilities=Capabilities()))
     assert registry.eligible() == ["new"]
     assert caplog.text.count("it speaks protocol 1.8; secure aggregation needs 1.9") == 1
+
+
+class GarbageSealer(Device):
+    """An enrolled device that seals garbage to its neighbours: every shares step it sends
+    carries ciphertexts of the right size that open for no one."""
+
+    def handle(self, message):
+        reply = self.tier.handle(message)
+        if reply is None or message.type != MessageType.SECAGG or message.meta_as(SecAggMeta).step != "roster":
+            if reply is not None:
+                self.sent.append(decode(reply.frame))
+            return reply
+        answer = decode(reply.frame).meta_as(SecAggMeta)
+        garbage = [s.model_copy(update={"ciphertext": b64(bytes(len(unb64(s.ciphertext))))}) for s in answer.shares]
+        frame = encode(MessageType.SECAGG, federation=message.header.federation, sender=self.tier.agent_id,
+                       round=message.header.round, meta=answer.model_copy(update={"shares": garbage}))
+        self.sent.append(decode(frame))
+        return type(reply)(reply.channel, frame, reply.round)
+
+
+def test_a_device_whose_shares_do_not_open_costs_one_round_then_is_suspended_with_its_reason_in_the_view(tmp_path):
+    """Its neighbours refuse their tasks as ``bad_shares`` naming it, before training: that
+    round has too few updates. From the next round on it is in no roster (no step, no task),
+    the rounds go on without it, and the fleet view says why and until when."""
+    ids = agent_ids(AGENTS)
+    cfg = config(True, rounds=4)
+    devices = {a: (GarbageSealer if a == ids[2] else Device)(tier)
+               for a, tier in local_trainers(cfg, ids, tmp_path / "secure").items()}
+    coordinator = Coordinator(cfg, LocalFleet(devices, cfg.federation), tmp_path / "secure", progress=False,
+                              **data_shape(cfg))
+    coordinator.init_or_resume()
+    rows = [r for r in coordinator.run() if not r.final]
+    honest = [a for a in ids if a != ids[2]]
+    assert rows[0].refused == {"bad_shares": len(honest)}  # each of its neighbours said so, and trained for nothing
+    for agent_id in honest:
+        refusals = [m for m in devices[agent_id].sent if m.type == MessageType.REFUSAL]
+        assert [(m.meta.reason, m.meta.peers) for m in refusals] == [("bad_shares", [ids[2]])]
+        assert not any(m.type == MessageType.UPDATE and m.header.round == 0 for m in devices[agent_id].sent)
+    for row in rows[1:]:
+        assert not row.aborted and sorted(row.participants) == honest and not row.refused
+    # in no roster and sent no task of a training round; the final evaluation asks it, like every device
+    assert [(m.type.value, m.header.round) for m in devices[ids[2]].sent if m.header.round > 0] == [("update", 4)]
+    why = coordinator.registry.suspended(ids[2], 3)
+    assert why is not None and f"did not open for {len(honest)} of its neighbours (round 0)" in why
+    shown = next(a for a in coordinator.observer.view().agents if a.id == ids[2])
+    assert shown.suspended == why
+
+
+def test_one_device_naming_an_honest_neighbour_suspends_no_one(tmp_path):
+    """A refusal is a device's word: one liar of six naming the same neighbour every round
+    never reaches the two accusers a suspension needs (a round's threshold here: three)."""
+    ids = agent_ids(AGENTS)
+    cfg = config(True, rounds=3)
+
+    class Liar(Device):
+        def handle(self, message):
+            if message.type == MessageType.TASK and message.meta_as(TaskMeta).kind == "train" \
+                    and message.meta_as(TaskMeta).secagg is not None:
+                from edgepfl.protocol import encode_refusal
+
+                frame = encode_refusal(message, sender=self.tier.agent_id, reason="bad_shares", detail="lies",
+                                       peers=[ids[0]])
+                return type(self.tier.handle(message))(AgentChannel.UPDATE, frame, message.header.round,
+                                                       message.meta_as(TaskMeta).task_id, refusal=True)
+            return super().handle(message)
+
+    devices = {a: (Liar if a == ids[5] else Device)(tier)
+               for a, tier in local_trainers(cfg, ids, tmp_path / "secure").items()}
+    coordinator = Coordinator(cfg, LocalFleet(devices, cfg.federation), tmp_path / "secure", progress=False,
+                              **data_shape(cfg))
+    coordinator.init_or_resume()
+    rows = [r for r in coordinator.run() if not r.final]
+    assert all(ids[0] in r.participants for r in rows) and all(r.refused == {"bad_shares": 1} for r in rows)
+    assert coordinator.registry.suspended(ids[0], 1) is None

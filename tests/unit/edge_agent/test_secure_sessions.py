@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgepfl.edge_agent.secure import SecureSessions
+from edgepfl.edge_agent.secure import SecureSessions, SharesNotOpened
 from edgepfl.protocol import MessageType, decode, encode
 from edgepfl.protocol.secagg import PeerKeys, SealedShare, SecAggMeta, SecAggTask
 from edgepfl.secagg import SecAggError
@@ -92,10 +92,11 @@ def test_masking_needs_a_roster_enough_shares_and_shares_sealed_to_this_agent():
     me, _ = agents["a0"]
     with pytest.raises(SecAggError, match="needed"):
         me.mask(FED, 3, task_for("a0", shares, ["a1", "a2"]), np.zeros(4, "<u8"))
-    with pytest.raises(SecAggError, match="does not open"):  # a share a1 sealed to a2, passed to a0
+    with pytest.raises(SharesNotOpened, match="do not open") as unopened:  # a share a1 sealed to a2, passed to a0
         forged = SealedShare(peer="a1", ciphertext=next(s.ciphertext for s in shares["a1"].shares if s.peer == "a2"))
         me.mask(FED, 3, SecAggTask(session=SESSION, shares=[forged, *task_for("a0", shares, ["a2", "a3"]).shares]),
                 np.zeros(4, "<u8"))
+    assert unopened.value.peers == ["a1"]  # the one whose share did not open, not the others
     with pytest.raises(SecAggError, match="no roster"):
         me.mask(FED, 4, task_for("a0", shares, agents), np.zeros(4, "<u8"))  # another round
 
