@@ -417,3 +417,24 @@ def test_sigterm_during_a_training_task_ends_it_at_once_unanswered(tmp_path):
         timer.cancel()
         signal.signal(signal.SIGTERM, previous)
     assert agent._stop.is_set() and meta.task_id not in tier._answered
+
+
+@pytest.mark.parametrize("coordinator", ["1.12", "1.11"])
+def test_a_bad_shares_refusal_names_its_peers_to_a_1_12_coordinator_and_is_an_error_to_an_older_one(trainer,
+                                                                                                  coordinator):
+    """A coordinator before 1.12 would refuse a refusal with ``peers`` as malformed: it is sent
+    the same refusal as ``error``, the peers in its detail only (PROTOCOL.md §5)."""
+    from edgepfl.protocol import CoordinatorMeta
+
+    tier, _ = trainer
+    refused = task(round=3)
+    reply = tier._refusal(refused, "bad_shares", "the shares from a1 do not open", ["a1"])
+    agent = Agent(AgentConfig(agent_id="t-1", federation=FED))
+    agent.tier, agent.transport = FakeTier(), FakeTransport()
+    agent.coordinator = CoordinatorMeta(state="online", version=coordinator)
+    agent._send(reply)
+    [(topic, frame, round)] = agent.transport.published
+    sent = decode(frame).meta_as(RefusalMeta)
+    assert (topic, round, sent.task_id) == (f"edgepfl/v1/{FED}/agents/t-1/update", 3, refused.meta.task_id)
+    expected = ("bad_shares", ["a1"]) if coordinator == "1.12" else ("error", None)
+    assert (sent.reason, sent.peers) == expected and "a1 do not open" in sent.detail
