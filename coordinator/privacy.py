@@ -42,7 +42,7 @@ class PrivacyLedger:
             except MetricsError as exc:  # nothing to resume from then: the coordinator will say so
                 log.warning("privacy: the run's earlier rounds are unreadable (%s); counting from zero", exc)
                 rows = []
-        events = [(r.privacy.population, r.privacy.sampled) for r in rows if r.privacy is not None]
+        events = [r.privacy.event() for r in rows if r.privacy is not None]
         self.accountant = PrivacyAccountant(self.spec, events)
         #: the clip of the next round: clip_norm, or with adaptive clipping the last round's choice (its row's)
         self.clip = self.spec.clip_norm
@@ -65,7 +65,11 @@ class PrivacyLedger:
         c = self.config
         updates = len(sampled) if c.asynchrony.mode == "sync" else min(len(sampled), c.asynchrony.buffer_size)
         enrolled = c.security.enrolled_dir is not None
+        rate = spec.poisson_rate(c.fraction)
+        # the noised mean divides by a count fixed before anyone answers: a Poisson round's expected size
+        denominator = len(sampled) if rate is None else max(1.0, rate * population)
         rule = round_rule(c.aggregation, spec, secure=secure, sampled=len(sampled), clip=self.clip,
+                          denominator=denominator,
                           noise_seed=[seed_for(c.seed, round, "dp-noise")], on_next_clip=self._next_clip,
                           enrolled=enrolled, updates=updates)
         if c.aggregation.rule == AUTO and type(rule) is not self._auto_chose:
@@ -74,13 +78,20 @@ class PrivacyLedger:
                      type(rule).__name__, "an enrolled" if enrolled else "an unsigned", updates)
         if spec.mechanism == "none":
             return rule, None
-        epsilon = _finite(self.accountant.spend(population, len(sampled)))
         # an adaptive clip the round's rule moves (_next_clip) goes into this record
-        self._record = PrivacyRecord(
-            mechanism="distributed" if secure else "central", epsilon=epsilon, delta=spec.delta,
-            population=max(population, len(sampled)), sampled=len(sampled), noise_multiplier=spec.noise_multiplier,
-            clip_norm=spec.clip_norm if secure else self.clip)
+        self._record = self.spend(population, len(sampled))
         return rule, self._record
+
+    def spend(self, population: int, sampled: int) -> PrivacyRecord:
+        """Count a training round of ``sampled`` out of ``population`` (also a Poisson round that
+        drew nobody: its draw is part of what the accountant counts); its record."""
+        spec, secure = self.spec, self.config.secure_aggregation.enabled
+        rate = spec.poisson_rate(self.config.fraction)
+        epsilon = _finite(self.accountant.spend(population, sampled, rate))
+        return PrivacyRecord(
+            mechanism="distributed" if secure else "central", epsilon=epsilon, delta=spec.delta,
+            population=max(population, sampled, 1), sampled=sampled, noise_multiplier=spec.noise_multiplier,
+            clip_norm=spec.clip_norm if secure else self.clip, sampling_rate=rate)
 
     def _next_clip(self, clip: float) -> None:
         """Adaptive clipping: the clip the round's noised count set, for the next round and the row."""
@@ -103,7 +114,7 @@ class PrivacyLedger:
         if self.spec.mechanism == "none" or population == 0:
             return True
         sampled = sample_size(self.config.fraction, population)
-        if self.accountant.allows(population, sampled):
+        if self.accountant.allows(population, sampled, self.spec.poisson_rate(self.config.fraction)):
             return True
         log.warning("privacy: the next round would take ε past the budget %g (now %.3f at δ = %g); training stops",
                     self.spec.epsilon_budget, self.accountant.epsilon(), self.spec.delta)

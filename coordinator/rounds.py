@@ -217,9 +217,11 @@ class Coordinator:
         self._sampled_from = len(online)  # the population a private round's sample was drawn from
         return choose_participants(online, self.config, r, final)
 
-    def open_round(self, r: int, sampled: list[str], late: bool) -> tuple[RoundTasks, RoundResult, ServerState]:
+    def open_round(self, r: int, sampled: list[str], late: bool,
+                   final: bool = False) -> tuple[RoundTasks, RoundResult, ServerState]:
         """Open round ``r`` for answers (its aggregate when ``sampled`` train; with ``late``,
-        closed rounds' late updates too), its tasks built from the current state."""
+        closed rounds' late updates too), its tasks built from the current state; ``final``:
+        the run's final evaluation (no training round, nothing spent)."""
         c, state = self.config, self.server_state()
         tasks = RoundTasks(r, weight_cap([self.registry.announced_num_train(a) for a in sampled],
                                          c.aggregation.max_weight_ratio), sampled,
@@ -228,6 +230,8 @@ class Coordinator:
         if sampled:
             rule, result.privacy = self.privacy.open(r, sampled, self._sampled_from)
             result.aggregate = self.method.open_round(state, rule, c.aggregation.server_lr)
+        elif not final and c.privacy.poisson_rate(c.fraction) is not None:
+            result.privacy = self.privacy.spend(self._sampled_from, 0)  # a Poisson draw of nobody counts too
         windows = self._closed_rounds.windows(r, c.stragglers.staleness_exponent, self.method) if late else None
         self.inbox.open_round(tasks, result, state, windows)
         self.observer.collecting(result)

@@ -14,6 +14,8 @@ from edgepfl.config import RunConfig
 
 # Keeps the evaluators' sample independent of the trainers' drawn from the same seed and round.
 EVALUATION_STREAM = 1
+# Keeps each device's Poisson draw apart from the other streams of the seed and round.
+POISSON_STREAM = 2
 
 
 def sample_agents(online: list[str], fraction: float, seed: int, round: int) -> list[str]:
@@ -21,6 +23,14 @@ def sample_agents(online: list[str], fraction: float, seed: int, round: int) -> 
     if not online:
         return []
     return draw(online, sample_size(fraction, len(online)), [seed, round])
+
+
+def poisson_sample(online: list[str], rate: float, seed: int, round: int) -> list[str]:
+    """Each of ``online`` independently with probability ``rate`` (``privacy.sampling:
+    poisson``), sorted: its own draw from the seed, the round and its id, so one device's
+    inclusion depends on no other device being online. Deterministic per (seed, round)."""
+    return sorted(a for a in online
+                  if np.random.default_rng([seed, round, POISSON_STREAM, *a.encode()]).random() < rate)
 
 
 def sample_size(fraction: float, online: int) -> int:
@@ -49,7 +59,9 @@ def choose_participants(online: list[str], config: RunConfig, r: int, final: boo
     (``final_eval_fraction`` in the final round) are evaluated. The trainers count: each
     evaluates the global model before it trains."""
     c = config
-    sampled = [] if final else sample_agents(online, c.fraction, c.seed, r)
+    rate = c.privacy.poisson_rate(c.fraction)
+    sampled = [] if final else sample_agents(online, c.fraction, c.seed, r) if rate is None else \
+        poisson_sample(online, rate, c.seed, r)
     if not (final or r % c.eval_every == 0):
         return sampled, []
     training = set(sampled)
@@ -59,4 +71,4 @@ def choose_participants(online: list[str], config: RunConfig, r: int, final: boo
     return sampled, draw(idle, wanted, [c.seed, r, EVALUATION_STREAM])
 
 
-__all__ = ["choose_participants", "draw", "round_half_up", "sample_agents", "sample_size"]
+__all__ = ["choose_participants", "draw", "poisson_sample", "round_half_up", "sample_agents", "sample_size"]

@@ -363,16 +363,25 @@ def cmd_privacy(args) -> int:
     from .privacy import PrivacyAccountant, PrivacySpec, noise_multiplier_for
 
     sampled = sample_size(args.fraction, args.devices)
+    poisson = args.sampling == "poisson"
     try:
-        multiplier = noise_multiplier_for(args.epsilon, args.rounds, args.devices, sampled, args.delta)
+        multiplier = noise_multiplier_for(args.epsilon, args.rounds, args.devices, sampled, args.delta,
+                                          sampling=args.sampling)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    spec = PrivacySpec(mechanism="central", noise_multiplier=multiplier, delta=args.delta)
-    spent = PrivacyAccountant(spec, [(args.devices, sampled)] * args.rounds).epsilon()
-    print(f"noise_multiplier: {multiplier:.4g}   # {args.rounds} rounds of {sampled} of {args.devices} devices: "
-          f"epsilon {spent:.3f} at delta {args.delta:g}")
-    print(f"# noise on the round's mean: {multiplier:.4g} x clip_norm / {sampled} per coordinate (distributed: "
-          f"each device adds {multiplier:.4g} x clip_norm / sqrt(the round's quorum))")
+    spec = PrivacySpec(mechanism="central", noise_multiplier=multiplier, delta=args.delta, sampling=args.sampling)
+    event = (args.devices, sampled, sampled / args.devices) if poisson else (args.devices, sampled)
+    spent = PrivacyAccountant(spec, [event] * args.rounds).epsilon()
+    drawn = f"each of {args.devices} devices with probability {sampled / args.devices:.4g}" if poisson else \
+        f"{sampled} of {args.devices} devices"
+    print(f"noise_multiplier: {multiplier:.4g}   # {args.rounds} rounds of {drawn}: "
+          f"epsilon {spent:.3f} at delta {args.delta:g}" + ("   (privacy.sampling: poisson)" if poisson else ""))
+    if poisson:
+        print(f"# noise on the round's mean: {multiplier:.4g} x clip_norm / {sampled} (the expected count) per "
+              "coordinate; central only")
+    else:
+        print(f"# noise on the round's mean: {multiplier:.4g} x clip_norm / {sampled} per coordinate (distributed: "
+              f"each device adds {multiplier:.4g} x clip_norm / sqrt(the round's quorum))")
     return 0
 
 
@@ -511,6 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
     pv.add_argument("--devices", type=int, required=True, help="trainer devices a round samples from")
     pv.add_argument("--fraction", type=float, default=1.0, help="the run's fraction: share of them sampled per round")
     pv.add_argument("--delta", type=float, default=1e-5, help="delta (below 1 / devices)")
+    pv.add_argument("--sampling", choices=("fixed", "poisson"), default="fixed",
+                    help="privacy.sampling: fixed-size rounds (replace-one) or Poisson ones (add-or-remove, central)")
     pv.set_defaults(func=cmd_privacy)
 
     g = command("config", "config reference (docs/CONFIG.md), a commented template, or the JSON Schema")

@@ -296,7 +296,7 @@ class RunConfig(_Strict):
         if pair not in ROUND_DRIVERS:
             raise ValueError(NO_ROUND_DRIVER.get(pair, f"no round driver runs asynchrony.mode {pair[0]} with "
                                                        f"secure_aggregation.enabled {str(pair[1]).lower()}"))
-        if self.privacy.mechanism != "none":
+        if self.privacy.mechanism != "none" or self.privacy.sampling != "fixed":
             self._check_privacy()
         if self.secure_aggregation.enabled:
             self._check_secure_aggregation()
@@ -319,6 +319,13 @@ class RunConfig(_Strict):
 
     def _check_privacy(self) -> None:
         """What client-level DP cannot be combined with, refused here rather than weakened quietly."""
+        if self.privacy.sampling == "poisson" and self.privacy.mechanism != "central":
+            raise ValueError("privacy.sampling poisson draws each round's devices for the central mechanism's "
+                             "accounting: it needs privacy.mechanism central (distributed noise is shared among a "
+                             "quorum fixed before the round, which a Poisson round's size is not)")
+        if self.privacy.sampling == "poisson" and self.privacy.adaptive_clipping is not None:
+            raise ValueError("privacy.adaptive_clipping splits a fixed-size round's budget between the sum and a "
+                             "count; with privacy.sampling poisson that split is not built: use a fixed clip_norm")
         if self.privacy.mechanism == "distributed" and self.privacy.adaptive_clipping is not None:
             raise ValueError("privacy.adaptive_clipping counts the changes the coordinator's clip left whole: with "
                              "privacy.mechanism distributed the devices clip, and that count is not built; use central "

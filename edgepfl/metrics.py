@@ -49,11 +49,22 @@ class PrivacyRecord(BaseModel):
                                                     "DP); null: no finite ε (noise_multiplier 0)")
     delta: float = Field(gt=0, lt=1)
     population: int = Field(ge=1, description="devices the round's sample was drawn from")
-    sampled: int = Field(ge=1, description="devices sampled: the round's noised mean divides by this")
+    sampled: int = Field(ge=0, description="devices sampled: the round's noised mean divides by this (Poisson: by "
+                                           "the expected count, sampling_rate x population)")
     noise_multiplier: float = Field(ge=0)
     clip_norm: float = Field(gt=0, description="the clip this round's changes were clipped to")
     next_clip_norm: float | None = Field(
         None, description="adaptive clipping: the clip the next round uses, set from this round's noised count")
+    sampling_rate: float | None = Field(
+        None, gt=0, le=1, description="privacy.sampling poisson: each device's inclusion probability, what the "
+                                      "accountant counts (add-or-remove adjacency); null: a fixed-size round "
+                                      "(replace-one)")
+
+    def event(self) -> tuple[int, int] | tuple[int, int, float]:
+        """The round as :class:`edgepfl.privacy.PrivacyAccountant` counts it."""
+        if self.sampling_rate is None:
+            return (self.population, self.sampled)
+        return (self.population, self.sampled, self.sampling_rate)
 
 
 class SecureRecord(BaseModel):

@@ -31,6 +31,7 @@ goes to the count.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from collections.abc import Iterable
@@ -38,7 +39,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["AdaptiveClipSpec", "PrivacyAccountant", "PrivacySpec", "noise_multiplier_for"]
+__all__ = ["AdaptiveClipSpec", "PrivacyAccountant", "PrivacyEvent", "PrivacySpec", "noise_multiplier_for"]
 
 
 class AdaptiveClipSpec(BaseModel):
@@ -85,17 +86,36 @@ class PrivacySpec(BaseModel):
     epsilon_budget: float | None = Field(
         None, gt=0, description="training stops before a round that would spend more than this ε (the final "
                                 "evaluation still runs); null: no limit, ε is only reported")
+    sampling: Literal["fixed", "poisson"] = Field(
+        "fixed", description="how a round's devices are drawn, and so what ε counts — fixed: fraction of the "
+                             "eligible devices, exactly, accounted under replace-one adjacency (a device's data "
+                             "swapped for another's); poisson (central only): each eligible device independently "
+                             "with probability fraction, the noised sum divided by the expected count, accounted "
+                             "under add-or-remove adjacency (a device in the fleet or not): far less noise for the "
+                             "same ε, a round's size varies")
+
+    def poisson_rate(self, fraction: float) -> float | None:
+        """A round's inclusion probability under Poisson sampling (None: fixed-size rounds)."""
+        return min(1.0, fraction) if self.sampling == "poisson" else None
+
+
+#: one trained round as the accountant counts it: (population, sampled) of a fixed-size
+#: round, or (population, sampled, rate) of a Poisson one (``rate``: each device's inclusion
+#: probability; then only it counts)
+PrivacyEvent = tuple[int, int] | tuple[int, int, float]
 
 
 class PrivacyAccountant:
-    """The ε a run has spent at ``spec.delta``: one event per trained round, as
-    (population, sampled)."""
+    """The ε a run has spent at ``spec.delta``: one event per trained round
+    (:data:`PrivacyEvent`). Fixed-size rounds are sampled without replacement under
+    replace-one adjacency (the sum's sensitivity is twice the clip: the event's multiplier is
+    half the run's); Poisson rounds under add-or-remove adjacency (sensitivity one clip)."""
 
-    def __init__(self, spec: PrivacySpec, events: Iterable[tuple[int, int]] = ()):
+    def __init__(self, spec: PrivacySpec, events: Iterable[PrivacyEvent] = ()):
         self.spec = spec
-        self.events: list[tuple[int, int]] = list(events)
+        self.events: list[PrivacyEvent] = list(events)
 
-    def epsilon(self, extra: tuple[int, int] | None = None) -> float:
+    def epsilon(self, extra: PrivacyEvent | None = None) -> float:
         """ε after the recorded rounds (and ``extra``, a round not yet run)."""
         import dp_accounting
         from dp_accounting import rdp
@@ -105,44 +125,71 @@ class PrivacyAccountant:
             return 0.0
         if self.spec.noise_multiplier == 0:
             return float("inf")
+        poisson = [e for e in events if len(e) == 3]
+        if poisson and len(poisson) < len(events):
+            raise ValueError("a run's rounds are all fixed-size or all Poisson-sampled (privacy.sampling): "
+                             "one accountant cannot count both adjacencies")
+        z = self.spec.noise_multiplier
+        if poisson:
+            accountant = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+            for (_, _, rate), count in Counter((0, 0, e[2]) for e in poisson).items():
+                accountant.compose(dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(z)), count)
+            return float(accountant.get_epsilon(self.spec.delta))
         accountant = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
-        gaussian = dp_accounting.GaussianDpEvent(self.spec.noise_multiplier / 2)  # replace-one: sensitivity 2 C
+        gaussian = dp_accounting.GaussianDpEvent(z / 2)  # replace-one: sensitivity 2 C
         # rounds of one size are one event composed many times: the accountant computes each kind once
-        for (population, sampled), count in Counter(events).items():
+        for (population, sampled), count in Counter((e[0], e[1]) for e in events).items():
             if sampled >= population:
                 accountant.compose(gaussian, count)
             else:
                 accountant.compose(dp_accounting.SampledWithoutReplacementDpEvent(population, sampled, gaussian), count)
         return float(accountant.get_epsilon(self.spec.delta))
 
-    def spend(self, population: int, sampled: int) -> float:
-        """Record a trained round of ``sampled`` devices out of ``population``; the ε after it."""
-        self.events.append((max(population, sampled), sampled))
+    def spend(self, population: int, sampled: int, rate: float | None = None) -> float:
+        """Record a trained round of ``sampled`` devices out of ``population`` (Poisson: each
+        included with probability ``rate``); the ε after it."""
+        self.events.append(_event(population, sampled, rate))
         return self.epsilon()
 
-    def allows(self, population: int, sampled: int) -> bool:
-        """Whether a round of ``sampled`` out of ``population`` stays within the budget."""
+    def allows(self, population: int, sampled: int, rate: float | None = None) -> bool:
+        """Whether a round of ``sampled`` out of ``population`` (Poisson: at ``rate``) stays within the budget."""
         budget = self.spec.epsilon_budget
-        return budget is None or self.epsilon((max(population, sampled), sampled)) <= budget
+        return budget is None or self.epsilon(_event(population, sampled, rate)) <= budget
 
 
-def noise_multiplier_for(epsilon: float, rounds: int, population: int, sampled: int, delta: float = 1e-5) -> float:
+def _event(population: int, sampled: int, rate: float | None) -> PrivacyEvent:
+    population = max(population, sampled, 1)
+    return (population, sampled) if rate is None else (population, sampled, rate)
+
+
+def noise_multiplier_for(epsilon: float, rounds: int, population: int, sampled: int, delta: float = 1e-5,
+                         sampling: Literal["fixed", "poisson"] = "fixed") -> float:
     """The smallest ``noise_multiplier`` (to 0.1 %) with which ``rounds`` rounds of ``sampled``
-    out of ``population`` devices spend at most ``epsilon`` at ``delta``: what to put in
+    out of ``population`` devices (``poisson``: each included with probability
+    sampled / population) spend at most ``epsilon`` at ``delta``: what to put in
     ``privacy.noise_multiplier`` for a run of that size (``edgepfl privacy``)."""
     if epsilon <= 0 or rounds < 1 or not 1 <= sampled <= population or not 0 < delta < 1:
         raise ValueError("need epsilon > 0, rounds >= 1, 1 <= sampled <= population and 0 < delta < 1")
+    rate = sampled / population if sampling == "poisson" else None
 
     def spent(multiplier: float) -> float:
-        spec = PrivacySpec(mechanism="central", noise_multiplier=multiplier, delta=delta)
-        return PrivacyAccountant(spec, [(population, sampled)] * rounds).epsilon()
+        spec = PrivacySpec(mechanism="central", noise_multiplier=multiplier, delta=delta, sampling=sampling)
+        return PrivacyAccountant(spec, [_event(population, sampled, rate)] * rounds).epsilon()
 
-    low, high = 0.0, 1.0
-    while spent(high) > epsilon:  # ε falls as the noise grows: find a multiplier that is enough
-        low, high = high, high * 2
-        if high > 1e6:
-            raise ValueError(f"no noise multiplier up to 1e6 keeps {rounds} rounds within epsilon {epsilon}")
-    while high - low > 1e-3 * high:
-        middle = (low + high) / 2
-        low, high = (middle, high) if spent(middle) > epsilon else (low, middle)
-    return high
+    # small multipliers met on the way make dp-accounting warn (through absl) about orders it
+    # leaves out of that trial's ε; those trials are discarded anyway
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        low, high = 0.0, 1.0
+        while spent(high) > epsilon:  # ε falls as the noise grows: find a multiplier that is enough
+            low, high = high, high * 2
+            if high > 1e6:
+                raise ValueError(f"no noise multiplier up to 1e6 keeps {rounds} rounds within epsilon {epsilon}")
+        while high - low > 1e-3 * high:
+            middle = (low + high) / 2
+            low, high = (middle, high) if spent(middle) > epsilon else (low, middle)
+        return high
+    finally:
+        absl.setLevel(level)

@@ -44,9 +44,11 @@ class RoundContext(Protocol):
         """Who trains round ``r`` and who only evaluates."""
         ...
 
-    def open_round(self, r: int, sampled: list[str], late: bool) -> tuple[RoundTasks, RoundResult, ServerState]:
+    def open_round(self, r: int, sampled: list[str], late: bool,
+                   final: bool = False) -> tuple[RoundTasks, RoundResult, ServerState]:
         """Open round ``r`` for answers (its aggregate when ``sampled`` train; with ``late``,
-        closed rounds' late updates too), its tasks built from the current state."""
+        closed rounds' late updates too), its tasks built from the current state; ``final``:
+        the run's final evaluation (no training round, nothing spent)."""
         ...
 
     def send_task(self, tasks: RoundTasks, result: RoundResult, agent_id: str, kind: str,

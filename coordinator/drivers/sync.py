@@ -23,7 +23,7 @@ class SyncRounds:
         co = self.context
         started = co.clock.now()
         sampled, evaluators = co.sample(r, final)
-        tasks, result, _ = co.open_round(r, sampled, late=bool(sampled))
+        tasks, result, _ = co.open_round(r, sampled, late=bool(sampled), final=final)
         for agent_id, kind in [(a, "train") for a in sampled] + [(a, "evaluate") for a in evaluators]:
             co.send_task(tasks, result, agent_id, kind)
         co.observer.enter("evaluating" if final else "training", r)

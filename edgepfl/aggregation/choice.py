@@ -39,7 +39,8 @@ from .spec import AggregationSpec
 
 def round_rule(aggregation: AggregationSpec, privacy: PrivacySpec, *, secure: bool, sampled: int, clip: float,
                noise_seed: int | list[int], on_next_clip: Callable[[float], None] | None = None,
-               enrolled: bool = False, updates: int | None = None) -> Aggregator:
+               enrolled: bool = False, updates: int | None = None,
+               denominator: float | None = None) -> Aggregator:
     """A fresh rule for a training round of ``sampled`` agents.
 
     ``secure``: the run's ``secure_aggregation.enabled``; ``enrolled``: whether only
@@ -48,7 +49,8 @@ def round_rule(aggregation: AggregationSpec, privacy: PrivacySpec, *, secure: bo
     which decide what ``aggregation.rule: auto`` is. Under central DP, ``clip`` is the
     round's clip norm (``privacy.clip_norm``, or the adaptive clip the last round chose),
     ``noise_seed`` seeds the round's noise and ``on_next_clip`` is told the clip an adaptive
-    clip moves to; otherwise they are not used."""
+    clip moves to, and ``denominator`` is what the noised sum is divided by (default
+    ``sampled``; a Poisson round's expected count); otherwise they are not used."""
     if secure:  # masked updates: no bound can see one (config validation)
         return SecureMean(denominator=None if privacy.mechanism == "none" else sampled)
     if privacy.mechanism == "none":
@@ -58,7 +60,8 @@ def round_rule(aggregation: AggregationSpec, privacy: PrivacySpec, *, secure: bo
         a = privacy.adaptive_clipping
         noise, count_noise = a.noise(privacy.noise_multiplier)
         adaptive = AdaptiveClip(a.target_quantile, a.learning_rate, count_noise)
-    rule = GaussianMean(clip, noise, sampled, noise_seed, adaptive, on_next_clip=on_next_clip)
+    rule = GaussianMean(clip, noise, sampled if denominator is None else denominator, noise_seed, adaptive,
+                        on_next_clip=on_next_clip)
     if aggregation.max_mean_shift is not None or aggregation.max_variance_growth is not None:
         # the BatchNorm clamps are relative to the reference (public); the bounds that
         # refuse an update or measure the fleet's changes are left out: the clip is the bound

@@ -20,8 +20,8 @@ class GaussianMean(Aggregator):
     is clipped to ``clip_norm`` (L2); the clipped changes are summed unweighted, exactly and
     in any arrival order; Gaussian noise of standard deviation ``noise_multiplier *
     clip_norm`` is added to each coordinate of the sum; and the sum is divided by
-    ``denominator``, the number of agents sampled for the round, fixed before any answer so
-    that it says nothing of who answered. Integer tensors keep the reference's value (a mean
+    ``denominator``, the number of agents sampled for the round (a Poisson round's expected
+    number), fixed before any answer so that it says nothing of who answered. Integer tensors keep the reference's value (a mean
     of counts would be an unprotected statistic). The noise is drawn once, at :meth:`result`,
     from ``noise_seed``: the result is the same in any arrival order, and a rerun draws the
     same noise.
@@ -41,7 +41,7 @@ class GaussianMean(Aggregator):
     #: one device, one unit: a sample count would scale its influence past the clip
     weighted: ClassVar[bool] = False
 
-    def __init__(self, clip_norm: float, noise_multiplier: float, denominator: int, noise_seed: int | list[int],
+    def __init__(self, clip_norm: float, noise_multiplier: float, denominator: float, noise_seed: int | list[int],
                  adaptive: AdaptiveClip | None = None, on_next_clip: Callable[[float], None] | None = None):
         super().__init__()
         self.clip_norm = clip_norm

@@ -131,7 +131,7 @@ class _ExactSum:
 
 
 
-def _unit_mean(sum_: _ExactSum, reference: Mapping[str, np.ndarray], denominator: int,
+def _unit_mean(sum_: _ExactSum, reference: Mapping[str, np.ndarray], denominator: float,
                noise: Callable[[tuple[int, ...]], np.ndarray] | None = None) -> TensorDict:
     """Client-level DP's mean of clipped changes that each counted once: per float tensor the
     reference plus (the exact sum, plus ``noise`` of its shape drawn in the reference's key

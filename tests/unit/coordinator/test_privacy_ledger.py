@@ -119,3 +119,40 @@ def test_the_ledger_opens_each_round_with_the_rule_auto_chooses_for_the_fleet_an
     assert {type(rule).__name__ for rule in rules} == {chosen}
     said = [m for m in caplog.messages if "aggregation.rule auto" in m]
     assert len(said) == 1 and chosen in said[0] and ("an enrolled" in said[0]) == bool(security)
+
+
+def test_a_poisson_sampled_runs_rounds_carry_the_accountants_epsilon_and_divide_by_the_expected_count(tmp_path):
+    """privacy.sampling poisson: the rounds' sizes vary, each row's ε is the add-or-remove
+    accountant's for that many Poisson rounds at the run's rate, and a round's noised mean
+    divides by rate x population (a count fixed before the draw), never by who was drawn."""
+    import dp_accounting
+    from dp_accounting import rdp
+
+    n, rate = 12, 0.5
+    cfg = prepare(RunConfig(federation="poisson", method={"name": "fedavg"}, model={"arch": "mlp", "feature_dim": 16},
+                            train={"epochs": 1, "batch_size": 32}, data={"dataset": "digits", "samples_per_client": 60},
+                            rounds=6, min_agents=n, fraction=rate, device="cpu",
+                            privacy={"mechanism": "central", "clip_norm": 1.0, "noise_multiplier": 1.0,
+                                     "sampling": "poisson"}), n)
+    out = tmp_path / "run"
+    coordinator = Coordinator(cfg, LocalFleet(local_trainers(cfg, agent_ids(n), out), cfg.federation), out,
+                              progress=False, **data_shape(cfg))
+    coordinator.init_or_resume()
+    denominators: list[float] = []
+    opened = coordinator.privacy.open
+
+    def watch(round, sampled, population):
+        rule, record = opened(round, sampled, population)
+        denominators.append(rule.denominator)
+        return rule, record
+
+    coordinator.privacy.open = watch
+    trained = [r for r in coordinator.run() if not r.final]
+    sizes = [len(r.sampled) for r in trained]
+    assert len(set(sizes)) > 1  # each device drawn on its own: the rounds' sizes vary
+    assert denominators == [rate * n] * len([s for s in sizes if s])
+    for k, row in enumerate(trained, 1):
+        direct = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+        direct.compose(dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(1.0)), k)
+        assert row.privacy is not None and row.privacy.sampling_rate == rate and row.privacy.sampled == sizes[k - 1]
+        assert row.privacy.epsilon == pytest.approx(direct.get_epsilon(1e-5))

@@ -183,3 +183,49 @@ def test_adaptive_clipping_is_refused_with_distributed_privacy():
     with pytest.raises(ConfigError, match="adaptive_clipping counts"):
         parse_config(RunConfig, {"privacy": {"mechanism": "distributed", "adaptive_clipping": {}},
                                  "secure_aggregation": {"enabled": True}, "min_agents": 4}, "x.yaml")
+
+
+def test_poisson_rounds_are_counted_under_add_or_remove_and_need_far_less_noise_than_fixed_size_ones():
+    """PoissonSampledDpEvent under add-or-remove (the sum's sensitivity is one clip), against
+    fixed-size rounds under replace-one (two clips): the issue's claim, that the first needs a
+    fraction of the second's noise multiplier for the same ε, measured here."""
+    import dp_accounting
+    from dp_accounting import rdp
+
+    from edgepfl.privacy import noise_multiplier_for
+
+    spec = PrivacySpec(mechanism="central", noise_multiplier=1.1, delta=1e-5, sampling="poisson")
+    accountant = PrivacyAccountant(spec)
+    spent = [accountant.spend(500, n, 0.02) for n in (9, 12, 10)]  # the realized sizes do not count, the rate does
+    direct = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    direct.compose(dp_accounting.PoissonSampledDpEvent(0.02, dp_accounting.GaussianDpEvent(1.1)), 3)
+    assert spent == sorted(spent) and spent[-1] == pytest.approx(direct.get_epsilon(1e-5))
+    with pytest.raises(ValueError, match="all fixed-size or all Poisson"):
+        PrivacyAccountant(spec, [(500, 10), (500, 10, 0.02)]).epsilon()
+    poisson = noise_multiplier_for(3.0, rounds=100, population=500, sampled=10, sampling="poisson")
+    fixed = noise_multiplier_for(3.0, rounds=100, population=500, sampled=10)
+    assert poisson < 0.6 * fixed
+
+
+@pytest.mark.parametrize("bad, says", [
+    ({"privacy": {"mechanism": "none", "sampling": "poisson"}}, "needs privacy.mechanism central"),
+    ({"privacy": {"mechanism": "distributed", "sampling": "poisson"}, "secure_aggregation": {"enabled": True},
+      "min_agents": 4}, "needs privacy.mechanism central"),
+    ({"privacy": {"mechanism": "central", "sampling": "poisson", "adaptive_clipping": {}}}, "use a fixed clip_norm"),
+])
+def test_poisson_sampling_is_refused_where_its_accounting_would_not_hold(bad, says):
+    with pytest.raises(ConfigError, match=says):
+        parse_config(RunConfig, bad, "x.yaml")
+
+
+def test_a_poisson_sample_draws_each_device_on_its_own():
+    from edgepfl.coordinator.sampling import poisson_sample
+
+    fleet = [f"d{i:04d}" for i in range(4000)]
+    sample = poisson_sample(fleet, 0.05, seed=3, round=7)
+    assert sample == poisson_sample(fleet, 0.05, seed=3, round=7) == sorted(sample)  # deterministic per round
+    assert 140 < len(sample) < 260  # binomial(4000, 0.05): mean 200, sd 14
+    assert sample != poisson_sample(fleet, 0.05, seed=3, round=8)
+    # one device's draw does not depend on who else is online
+    half = fleet[::2]
+    assert poisson_sample(half, 0.05, seed=3, round=7) == [a for a in sample if a in set(half)]
