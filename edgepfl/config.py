@@ -323,9 +323,6 @@ class RunConfig(_Strict):
             raise ValueError("privacy.sampling poisson draws each round's devices for the central mechanism's "
                              "accounting: it needs privacy.mechanism central (distributed noise is shared among a "
                              "quorum fixed before the round, which a Poisson round's size is not)")
-        if self.privacy.sampling == "poisson" and self.privacy.adaptive_clipping is not None:
-            raise ValueError("privacy.adaptive_clipping splits a fixed-size round's budget between the sum and a "
-                             "count; with privacy.sampling poisson that split is not built: use a fixed clip_norm")
         if self.privacy.mechanism == "distributed" and self.privacy.adaptive_clipping is not None:
             raise ValueError("privacy.adaptive_clipping counts the changes the coordinator's clip left whole: with "
                              "privacy.mechanism distributed the devices clip, and that count is not built; use central "

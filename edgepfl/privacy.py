@@ -26,7 +26,8 @@ changes the clip left whole, from which the next clip is set. Two Gaussian mecha
 the same sample compose into one: with normalized multipliers ``z_sum / 2`` (the sum,
 sensitivity twice the clip) and ``σ_count`` (the count, sensitivity 1), ``(z_sum/2)^-2 +
 σ_count^-2 = (z/2)^-2``, so the accountant's event is unchanged; ``budget_share`` of it
-goes to the count.
+goes to the count. Under add-or-remove adjacency (``sampling: poisson``) the sum's
+sensitivity is one clip: ``z_sum^-2 + σ_count^-2 = z^-2``.
 """
 
 from __future__ import annotations
@@ -57,12 +58,16 @@ class AdaptiveClipSpec(BaseModel):
                                                              "whole; the rest noises the sum, a little more than "
                                                              "without adaptive clipping")
 
-    def noise(self, noise_multiplier: float) -> tuple[float, float]:
+    def noise(self, noise_multiplier: float, add_or_remove: bool = False) -> tuple[float, float]:
         """(the sum's noise multiplier, the count's noise standard deviation) that together
-        spend what one Gaussian event of ``noise_multiplier`` does (module docstring)."""
+        spend what one Gaussian event of ``noise_multiplier`` does (module docstring). The
+        count's sensitivity is 1 either way; the sum's is two clips under replace-one
+        adjacency (fixed-size rounds), one under ``add_or_remove`` (Poisson rounds), so the
+        count may take twice the noise there for the same share."""
         if noise_multiplier == 0:
             return 0.0, 0.0
-        return noise_multiplier / math.sqrt(1 - self.budget_share), noise_multiplier / 2 / math.sqrt(self.budget_share)
+        count = noise_multiplier / math.sqrt(self.budget_share)
+        return noise_multiplier / math.sqrt(1 - self.budget_share), count if add_or_remove else count / 2
 
 
 class PrivacySpec(BaseModel):

@@ -58,7 +58,7 @@ def round_rule(aggregation: AggregationSpec, privacy: PrivacySpec, *, secure: bo
     noise, adaptive = privacy.noise_multiplier, None
     if privacy.adaptive_clipping is not None:
         a = privacy.adaptive_clipping
-        noise, count_noise = a.noise(privacy.noise_multiplier)
+        noise, count_noise = a.noise(privacy.noise_multiplier, add_or_remove=privacy.sampling == "poisson")
         adaptive = AdaptiveClip(a.target_quantile, a.learning_rate, count_noise)
     rule = GaussianMean(clip, noise, sampled if denominator is None else denominator, noise_seed, adaptive,
                         on_next_clip=on_next_clip)
