@@ -127,6 +127,18 @@ SETTINGS: dict[str, dict] = {
 }
 
 
+# cross-device: many small devices, a tenth of them a round, for client-level DP (issue: the
+# ε table); a small model, evaluated every tenth round (400 devices a round would dominate)
+SETTINGS["cross_device"] = {
+    "title": "cross-device: 400 clients x 150 samples, Dir(0.3), an MLP, a tenth of them a round",
+    "clients": 400,
+    "data": {"dataset": "fmnist", "samples_per_client": 150, "test_fraction": 0.25,
+             "partition": {"kind": "dirichlet", "alpha": 0.3}},
+    "model": {"arch": "mlp", "feature_dim": 64, "norm": "none"},
+    "run": {"eval_every": 10},
+    "paper_source": "no paper: the privacy study's fleet",
+}
+
 # FedPAC's Table 1 as its code runs it: the code's partition and the code's CNN (16 / 32
 # channels, LeakyReLU, no BatchNorm), for the paper-protocol rows
 SETTINGS["fedpac_table1"] = {
@@ -170,6 +182,7 @@ ORDER: dict[str, list[str]] = {
                      "lgfedavg", "fedprox", "fedbn", "dualfed", "fedpick"],
     "fedrir_pathological_full": ["fedavg", "fedrep", "fedrir", "fedrod", "local"],
     "fedrir_dir01_full": ["fedavg", "fedrep", "fedrir", "fedrod"],
+    "cross_device": ["fedavg", "fedrep", "repper", "fedpick"],
     "dominant_s10": ["fedavg", "fedrep", "fedpac", "repper", "fedrir", "dualfed", "fedpick"],
     "dir03": ["fedavg", "fedrep", "fedpac", "repper", "fedrir", "dualfed", "fedpick"],
     "domain": ["fedavg", "fedrep", "fedbn", "dualfed", "fedpick", "fedrod", "fedper", "local", "fedavg_ft",
@@ -235,9 +248,11 @@ def federation_name(setting: str, method: str) -> str:
 
 
 def run_config_dict(setting: str, method: str, rounds: int, epochs: int, seed: int, device: str,
-                    data_root: str | None = None, fraction: float = 1.0, epsilon: float | None = None) -> dict:
+                    data_root: str | None = None, fraction: float = 1.0, epsilon: float | None = None,
+                    sampling: str = "fixed") -> dict:
     s = SETTINGS[setting]
-    return {**({"privacy": dp_block(epsilon, rounds, s["clients"], fraction)} if epsilon else {}),
+    return {**({"privacy": dp_block(epsilon, rounds, s["clients"], fraction, sampling)} if epsilon else {}),
+        **s.get("run", {}),
         "federation": federation_name(setting, method),
         "method": method_block(method, epochs),
         "model": s.get("model", MODEL),
@@ -256,16 +271,18 @@ def run_config_dict(setting: str, method: str, rounds: int, epochs: int, seed: i
 DP_DELTA = 1e-5
 
 
-def dp_block(epsilon: float, rounds: int, clients: int, fraction: float) -> dict:
+def dp_block(epsilon: float, rounds: int, clients: int, fraction: float, sampling: str = "fixed") -> dict:
     """The ``privacy`` section of a run that spends ``epsilon`` at :data:`DP_DELTA` over its
-    rounds (central DP, client level, the sample its ``fraction`` draws each round): the
-    smallest noise multiplier that does (``edgepfl privacy``), with adaptive clipping from a
-    clip of 1 towards the median change, inside the same ε (docs/SECURITY.md)."""
+    rounds (central DP, client level, the sample its ``fraction`` draws each round, fixed-size
+    or ``poisson``): the smallest noise multiplier that does (``edgepfl privacy``), with
+    adaptive clipping from a clip of 1 towards the median change, inside the same ε
+    (docs/SECURITY.md)."""
     from edgepfl.coordinator.sampling import sample_size
     from edgepfl.privacy import noise_multiplier_for
 
-    z = noise_multiplier_for(epsilon, rounds, clients, sample_size(fraction, clients), DP_DELTA)
-    return {"mechanism": "central", "clip_norm": 1.0, "noise_multiplier": z, "delta": DP_DELTA,
+    z = noise_multiplier_for(epsilon, rounds, clients, sample_size(fraction, clients), DP_DELTA,
+                             sampling=sampling)  # type: ignore[arg-type]
+    return {"mechanism": "central", "clip_norm": 1.0, "noise_multiplier": z, "delta": DP_DELTA, "sampling": sampling,
             "adaptive_clipping": {"target_quantile": 0.5, "learning_rate": 0.2}}
 
 
@@ -393,7 +410,7 @@ def participation(records: list[dict]) -> str:
 def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, device: str, tag: str,
             runs_root: Path, data_root: str | None = None, resume: bool = False,
             extend: str | None = None, over_mqtt: bool = False, fraction: float = 1.0,
-            epsilon: float | None = None) -> dict:
+            epsilon: float | None = None, sampling: str = "fixed") -> dict:
     """One federation (in process, or its agents over MQTT); returns (and the caller stores) its result record.
 
     With ``resume``, a checkpoint of the same configuration in the run's directory is
@@ -410,7 +427,7 @@ def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, devi
     from edgepfl.metrics import read_metrics
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    cfg = run_config_dict(setting, method, rounds, epochs, seed, device, data_root, fraction, epsilon)
+    cfg = run_config_dict(setting, method, rounds, epochs, seed, device, data_root, fraction, epsilon, sampling)
     config = parse_config(RunConfig, cfg, f"benchmark {setting}/{method}")
     out = run_dir(runs_root, tag, setting, method, seed)
     fresh = not (resume and resumable(out, cfg))
@@ -457,16 +474,18 @@ def run_one(setting: str, method: str, rounds: int, epochs: int, seed: int, devi
         "majority_floor": majority_floor(setting, seed, data_root),
         "paper_accuracy": PAPER.get(setting, {}).get(base_method(method)),
         "command": command_line(tag, rounds, epochs, seed, device, [setting], [method], data_root, extend, over_mqtt,
-                                fraction, epsilon),
+                                fraction, epsilon, sampling),
         "epsilon": epsilon,
+        "sampling": sampling if epsilon else None,
     }
 
 
 def command_line(tag, rounds, epochs, seed, device, settings, methods, data_root=None, extend=None,
-                 over_mqtt=False, fraction=1.0, epsilon=None) -> str:
+                 over_mqtt=False, fraction=1.0, epsilon=None, sampling="fixed") -> str:
     root = f" --data-root {data_root}" if data_root else ""
     root += f" --fraction {fraction:g}" if fraction != 1.0 else ""
     root += f" --epsilon {epsilon:g}" if epsilon else ""
+    root += f" --sampling {sampling}" if epsilon and sampling != "fixed" else ""
     longer = f" --extend {extend}" if extend else ""
     longer += " --over-mqtt" if over_mqtt else ""
     return (f"OMP_NUM_THREADS=1 python research/run_methods.py --tag {tag} --rounds {rounds} --epochs {epochs} "
@@ -672,6 +691,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="client-level differential privacy: each run spends this ε at δ = 1e-5 over its rounds "
                         "(central, adaptive clipping; the noise multiplier is the smallest that does); use one tag "
                         "per ε")
+    p.add_argument("--sampling", choices=("fixed", "poisson"), default="fixed",
+                   help="with --epsilon: privacy.sampling (poisson: each client drawn on its own, add-or-remove "
+                        "accounting)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # worker: setting:method
     args = p.parse_args(argv)
 
@@ -681,7 +703,8 @@ def main(argv: list[str] | None = None) -> int:
         setting, method = args.one.split(":")
         record = run_one(setting, method, args.rounds, args.epochs, args.seed, args.device, args.tag,
                          Path(args.runs_root), args.data_root, resume=args.resume, extend=args.extend,
-                         over_mqtt=args.over_mqtt, fraction=args.fraction, epsilon=args.epsilon)
+                         over_mqtt=args.over_mqtt, fraction=args.fraction, epsilon=args.epsilon,
+                         sampling=args.sampling)
         path = result_path(args.tag, setting, method, args.seed)
         path.parent.mkdir(parents=True, exist_ok=True)
         # atomic: a run killed mid-write must not leave a JSON that --skip-done takes as finished
@@ -723,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.fraction != 1.0:
                 cmd += ["--fraction", str(args.fraction)]
             if args.epsilon:
-                cmd += ["--epsilon", str(args.epsilon)]
+                cmd += ["--epsilon", str(args.epsilon), "--sampling", args.sampling]
             log_path = log_dir / f"{setting}__{method}__s{seed}.log"
             with open(log_path, "w") as log:
                 rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
