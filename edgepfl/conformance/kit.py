@@ -52,6 +52,7 @@ from edgepfl.codec_stages import CODECS, is_sparse
 from edgepfl.protocol import (
     PROTOCOL_VERSION,
     AgentChannel,
+    Capabilities,
     CoordinatorMeta,
     DataShape,
     FederationChannel,
@@ -104,6 +105,9 @@ log = logging.getLogger("edgepfl.conformance")
 
 #: the M the kit announces first, and the small one that forces the agent to chunk
 LARGE_M, SMALL_M = 1_000_000, 16_384
+#: methods whose model has a personal head (docs/METHODS.md): a train task of one is the probe
+#: that personal parameters never leave the device, in the first of them the agent declares
+PERSONALIZED_METHODS = ("fedrep", "fedper", "lgfedavg")
 #: how long the agent should train on the task whose answer is held over a broker outage
 HOLD_TRAIN_S = 4.0
 #: epochs of the task that times the agent's training
@@ -490,6 +494,8 @@ class _Kit:
                  f"the task sent under a {MAJOR + 1}.0 presence was answered with a "
                  f"{answer.message.type.value if answer.message else 'broken'} frame")
 
+        self.check_personal_parts_stay(s, caps, round=9)
+
         # the announced M goes down: the next update must come in chunks of at most M
         announced_at = time.monotonic()
         s.presence(session=s.session, m=SMALL_M, round=10)
@@ -507,6 +513,26 @@ class _Kit:
         self.run_done(s)
         s.clean_stop()
         s.account_frames()
+
+    def check_personal_parts_stay(self, s: _Scenario, caps: Capabilities | None, round: int) -> None:
+        """A train task of a personalized method the agent declares (its head is personal, §6):
+        the update carries exactly the task's shared keys — the head never leaves the device."""
+        r = self.report
+        method = next((m for m in PERSONALIZED_METHODS if caps and m in (caps.methods or ())), None)
+        if method is None:
+            r.skip("personal.stays", f"the agent declares none of {', '.join(PERSONALIZED_METHODS)}")
+            return
+        run = self.run.model_copy(update={"method": MethodChoice(name=method)})
+        task, meta = s.task(round, run=run)
+        update = s.ask(task, meta)
+        if update is None or update.message is None or update.message.type != MessageType.UPDATE:
+            r.record("personal.stays", False, f"no update to a {method} train task")
+            return
+        shared, sent = set(self.payload(run)), set(update.message.tensors)
+        r.record("personal.stays", sent == shared,
+                 f"a {method} update of the task's {len(shared)} shared tensors, nothing personal" if sent == shared
+                 else f"a {method} update with {sorted(sent - shared)[:4]} beside the shared keys"
+                      f"{f', without {sorted(shared - sent)[:4]}' if shared - sent else ''}")
 
     def decodes(self, message: Message, task: TaskMeta, uplink: UplinkSpec) -> tuple[bool, str]:
         """Whether an answer to a task asking for ``uplink`` decodes as docs/COMPRESSION.md says."""

@@ -63,6 +63,22 @@ def local_label_numbers() -> None:
     trainer.run_label_index = lambda local, run: None
 
 
+@mutant
+def uploads_personal_parts() -> None:
+    """FedRep's update carries the whole model, its personal head beside the shared encoder."""
+    from edgepfl.methods import fedrep
+
+    honest = fedrep.FedRep.local_update
+
+    def leaky(self, model, data, ctx):
+        result = honest(self, model, data, ctx)
+        whole = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+        result.upload = {**whole, **result.upload}
+        return result
+
+    fedrep.FedRep.local_update = leaky  # type: ignore[method-assign]
+
+
 # ----------------------------------------------------------------------- frames
 @mutant
 def no_body_hash_check() -> None:

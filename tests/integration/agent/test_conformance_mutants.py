@@ -41,6 +41,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "any_major_version": ("session", {"version.other_major"}),
     "no_roll_call": ("session", {"presence.roll_call"}),
     "takes_every_task_topic": ("session", {"task.own_topic"}),
+    "uploads_personal_parts": ("session", {"personal.stays"}),
     "runs_expired_tasks": ("signatures", {"signing.expired_task"}),
     "runs_stale_tasks": ("signatures", {"signing.stale"}),
     "runs_tasks_for_others": ("signatures", {"signing.wrong_recipient"}),
