@@ -35,7 +35,8 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -137,9 +138,11 @@ class PrivacyAccountant:
         z = self.spec.noise_multiplier
         if poisson:
             accountant = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
-            for (_, _, rate), count in Counter((0, 0, e[2]) for e in poisson).items():
-                accountant.compose(dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(z)), count)
-            return float(accountant.get_epsilon(self.spec.delta))
+            with _quiet_absl():  # orders it cannot evaluate are left out: ε stays an upper bound
+                for (_, _, rate), count in Counter((0, 0, e[2]) for e in poisson).items():
+                    accountant.compose(dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(z)),
+                                       count)
+                return float(accountant.get_epsilon(self.spec.delta))
         accountant = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
         gaussian = dp_accounting.GaussianDpEvent(z / 2)  # replace-one: sensitivity 2 C
         # rounds of one size are one event composed many times: the accountant computes each kind once
@@ -181,20 +184,26 @@ def noise_multiplier_for(epsilon: float, rounds: int, population: int, sampled: 
         spec = PrivacySpec(mechanism="central", noise_multiplier=multiplier, delta=delta, sampling=sampling)
         return PrivacyAccountant(spec, [_event(population, sampled, rate)] * rounds).epsilon()
 
-    # small multipliers met on the way make dp-accounting warn (through absl) about orders it
-    # leaves out of that trial's ε; those trials are discarded anyway
+    low, high = 0.0, 1.0
+    while spent(high) > epsilon:  # ε falls as the noise grows: find a multiplier that is enough
+        low, high = high, high * 2
+        if high > 1e6:
+            raise ValueError(f"no noise multiplier up to 1e6 keeps {rounds} rounds within epsilon {epsilon}")
+    while high - low > 1e-3 * high:
+        middle = (low + high) / 2
+        low, high = (middle, high) if spent(middle) > epsilon else (low, middle)
+    return high
+
+
+@contextmanager
+def _quiet_absl() -> Iterator[None]:
+    """dp-accounting warns (through absl) for each Rényi order of a Poisson event it cannot
+    evaluate and leaves out; the ε of the orders left is still an upper bound, so those
+    warnings say nothing a user can act on."""
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(logging.ERROR)
     try:
-        low, high = 0.0, 1.0
-        while spent(high) > epsilon:  # ε falls as the noise grows: find a multiplier that is enough
-            low, high = high, high * 2
-            if high > 1e6:
-                raise ValueError(f"no noise multiplier up to 1e6 keeps {rounds} rounds within epsilon {epsilon}")
-        while high - low > 1e-3 * high:
-            middle = (low + high) / 2
-            low, high = (middle, high) if spent(middle) > epsilon else (low, middle)
-        return high
+        yield
     finally:
         absl.setLevel(level)
