@@ -291,8 +291,7 @@ class Coordinator:
 
     def route_steps(self, handler: Callable[[StepAnswer, int], None],
                     refusals: Callable[[Refused], None] | None = None) -> None:
-        """Every secure-round step the gate admits goes to ``handler``, and every refusal of a
-        round's task to ``refusals`` (one driver registers them)."""
+        """Secure-round steps the gate admits to ``handler``, refusals of tasks to ``refusals`` (one driver's)."""
         self.inbox.steps, self.inbox.refusals = handler, refusals
 
     def resend_lost_tasks(self) -> None:

@@ -57,9 +57,10 @@ CHECKS: dict[str, Check] = _catalog(
           "eval_loss is a finite number >= 0 when num_test > 0; a train answer reports train_loss"),
     Check("update.tensors", "§6", "MUST", "1.0",
           "a train update carries exactly the task's shared keys, same shapes and dtypes, all finite"),
-    Check("personal.stays", "§6", "MUST", "1.0",
+    Check("personal.stays", "§6", "MUST", "1.2",
           "a train update of a personalized method the agent declares (fedrep, fedper or lgfedavg, the first of "
-          "them) carries exactly the task's shared keys: its personal head never leaves the device"),
+          "them) carries exactly the task's shared keys: its personal head never leaves the device (a MUST since "
+          "1.0; checked from 1.2 on, whose capabilities say which methods an agent runs)"),
     Check("update.compressed", "§5", "MUST", "1.6",
           "an agent that declares `capabilities.codecs` answers a train task whose `uplink` asks for one of them "
           "with an update that decodes onto the task's tensors (docs/COMPRESSION.md): the asked codec and block, "
