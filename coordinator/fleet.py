@@ -191,7 +191,8 @@ class MqttFleet(Fleet):
         )
         #: releases: retained, named in the presence, sent to each head agent that lacks one (PROTOCOL.md §12)
         self.releases = BrokerReleaseChannel(federation, self.transport, self._deliver, self._name_release,
-                                             self.signer.private.public_key() if self.signer else None)
+                                             self.signer.private.public_key() if self.signer else None,
+                                             on_reject=self._transport_dropped)
         self.transport.start(timeout=60)
 
     @property

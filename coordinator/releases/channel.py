@@ -118,13 +118,17 @@ class BrokerReleaseChannel(ReleaseChannel):
     stages = True
 
     def __init__(self, federation: str, transport: MqttTransport, deliver: Callable[[str, bytes, int], int | None],
-                 name_release: Callable[[ReleaseRef, bool], None], coordinator_key: Ed25519PublicKey | None = None):
+                 name_release: Callable[[ReleaseRef, bool], None], coordinator_key: Ed25519PublicKey | None = None,
+                 on_reject: Callable[[str, str, str], None] | None = None):
         """``deliver`` sends a frame on one agent's task topic; ``name_release(ref, announce)``
         puts a release in the coordinator's presence (and, with ``announce``, publishes it);
         ``coordinator_key``: the key this coordinator signs with, the only one whose retained
-        release it adopts (None: an unsigned fleet's coordinator adopts any well-formed one)."""
+        release it adopts (None: an unsigned fleet's coordinator adopts any well-formed one);
+        ``on_reject(topic, reason, detail)`` is told of a retained release it refuses, as the
+        transport tells of the frames it drops."""
         self.federation = federation
         self.coordinator_key = coordinator_key
+        self.on_reject = on_reject
         self._adopt: Adopt | None = None  # set while reading the retained release (adopt_retained)
         self.transport = transport
         self.name_release = name_release
@@ -213,6 +217,8 @@ class BrokerReleaseChannel(ReleaseChannel):
         except ProtocolError as exc:
             log.warning("the release the broker retains is not adopted (%s: %s): this run names none until it "
                         "publishes one", exc.reason, exc.detail)
+            if self.on_reject is not None:  # one rejection, like any frame refused
+                self.on_reject(federation_topic(self.federation, FederationChannel.RELEASE), exc.reason, exc.detail)
             return
         parts = [p for t in followed if (p := parse_topic(t).part)]
         adopt(frame, max(parts) + 1 if parts else 0)
