@@ -38,6 +38,7 @@ from edgepfl.protocol import (
     supports,
 )
 from edgepfl.protocol.backpressure import BoundedInbox
+from edgepfl.protocol.envelope import peek_header
 from edgepfl.protocol.signing import Signer
 from edgepfl.protocol.transport import Inbound, MqttTransport
 from edgepfl.simulation import FleetTiming, SimulationSpec, task_samples
@@ -405,9 +406,10 @@ class LocalFleet(Fleet):
         message = decode(frame)
         reply = self.agents[agent_id].handle(message)
         if reply is not None:
-            # Only the counts, to time the answer; whether the frame is admissible (finite, of a
-            # size the run allows) is the gate's to say, with a rejection, as for any agent's frame.
-            answer = decode(reply.frame, max_bytes=len(reply.frame), check_finite=False).header.meta
+            # Only the counts, to time the answer, read from the raw header: whether the frame is
+            # admissible (its meta valid and finite, of a size the run allows) is the gate's to
+            # say, with a rejection, as for any agent's frame — never a crash of the run.
+            answer = (peek_header(reply.frame) or {}).get("meta") or {}
             samples = task_samples(str(message.header.meta.get("kind", "train")), int(answer.get("num_train", 0)),
                                    int(answer.get("num_test", 0)), self.epochs)
             at = self.timing[agent_id].answer_time(self.clock.now(), len(frame), samples, len(reply.frame))

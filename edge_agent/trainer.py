@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -471,7 +472,10 @@ class TrainerRuntime:
             else:
                 upload, codec = self._compressed(meta, payload, result.upload)
             train_loss = None if np.isnan(result.train_loss) else float(result.train_loss)
-            extra = {k: float(v) for k, v in result.metrics.items()}
+            extra = {k: float(v) for k, v in result.metrics.items() if math.isfinite(float(v))}
+            if len(extra) < len(result.metrics):  # a frame carries finite numbers only (§7): the rest is not sent
+                log.warning("%s: round %d's metrics %s are not finite; not sent", self.agent_id, task.header.round,
+                            sorted(set(result.metrics) - set(extra)))
             self._save_personal(method, model, task.header.round)
         update = UpdateMeta(
             task_id=meta.task_id,
