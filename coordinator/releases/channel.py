@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from edgepfl.protocol import (
     FederationChannel,
+    Message,
     MessageType,
     ProtocolError,
     ReleaseMeta,
@@ -34,8 +35,8 @@ from .head_releases import DeltaRelease, HeadReleases, RestoreRelease
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-#: ``adopt(frame, parts)``: the release a broker retains, and the part topics it occupies (0: whole)
-Adopt = Callable[[bytes, int], None]
+#: ``adopt(frame, message, parts)``: the release a broker retains, decoded, and the part topics it occupies (0: whole)
+Adopt = Callable[[bytes, Message, int], None]
 
 log = logging.getLogger("edgepfl.coordinator")
 
@@ -221,7 +222,7 @@ class BrokerReleaseChannel(ReleaseChannel):
                 self.on_reject(federation_topic(self.federation, FederationChannel.RELEASE), exc.reason, exc.detail)
             return
         parts = [p for t in followed if (p := parse_topic(t).part)]
-        adopt(frame, max(parts) + 1 if parts else 0)
+        adopt(frame, message, max(parts) + 1 if parts else 0)
         log.info("adopted release %s, retained at the broker from an earlier run: current until this run publishes "
                  "one", meta.release_id)
 

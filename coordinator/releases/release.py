@@ -22,6 +22,7 @@ from edgepfl.codecs import CodecSpec
 from edgepfl.config import RunConfig
 from edgepfl.methods import ServerState
 from edgepfl.protocol import (
+    Message,
     MessageType,
     ProtocolError,
     ReleaseDelta,
@@ -284,8 +285,8 @@ def resume_release(fleet: Fleet, releases_dir: Path,
     None (none yet, or one still to be adopted)."""
     path, frame_path = Path(releases_dir) / PUBLISHED_FILE, Path(releases_dir) / CURRENT_FILE
     if not (path.is_file() and frame_path.is_file()):
-        fleet.releases.adopt_retained(lambda frame, parts: _adopt(fleet, Path(releases_dir), frame, parts,
-                                                                  on_current))
+        fleet.releases.adopt_retained(lambda frame, message, parts: _adopt(fleet, Path(releases_dir), frame, message,
+                                                                           parts, on_current))
         return None
     frame = frame_path.read_bytes()
     ref = decode(frame).meta_as(ReleaseMeta).ref()
@@ -296,12 +297,11 @@ def resume_release(fleet: Fleet, releases_dir: Path,
     return ref
 
 
-def _adopt(fleet: Fleet, releases_dir: Path, frame: bytes, parts: int,
+def _adopt(fleet: Fleet, releases_dir: Path, frame: bytes, message: Message, parts: int,
            on_current: Callable[[ReleaseRef], None] | None) -> None:
     """Record an earlier run's retained release as this run's current one (the frame, then
     the record: the commit), as if this run had published it: its ``parts`` retained topics
     are the ones the next release clears what it does not overwrite of."""
-    message = decode(frame)
     ref = message.meta_as(ReleaseMeta).ref()
     write_bytes(releases_dir / CURRENT_FILE, frame)
     write_json(releases_dir / PUBLISHED_FILE, {"parts": parts, "round": message.header.round})
