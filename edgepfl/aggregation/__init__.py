@@ -23,6 +23,8 @@ The modules:
 ``weights``        how much one device weighs: :func:`weight_cap`, :func:`capped_accuracy`,
                    :func:`staleness_weight`, :func:`rebase`
 ``exact``          the exact, order-free sums the streaming rules add into
+``partial``        :class:`PartialSum`: such a sum over some updates, which adds to another
+                   (a site aggregator's share of a round)
 ``means``          :class:`Mean`, :class:`NormClippedMean`
 ``robust``         :class:`CoordinateMedian`, :class:`TrimmedMean`, :class:`MultiKrum`
 ``dp``             :class:`GaussianMean`, :class:`AdaptiveClip`, :func:`clip_factor`
@@ -57,7 +59,8 @@ from .contract import (
     lower_median,
 )
 from .dp import AdaptiveClip, GaussianMean, clip_factor
-from .means import Mean, NormClippedMean
+from .means import Mean, NormClippedMean, SummingRule
+from .partial import PartialSum
 from .robust import CenteredClip, CoordinateMedian, MultiKrum, TrimmedMean
 from .rules import AUTO, RULES, Rule, RuleName
 from .secure import MAX_SECURE_WEIGHT, SecureMean, from_ring, grid_contribution, ring_keys, ring_size, ring_vector
@@ -69,8 +72,8 @@ __all__ = [
     "change_range", "CHANGE_RANGE", "clip_factor", "CoordinateMedian", "DEFAULT_MAX_FIRST_UPDATE_RATIO",
     "DEFAULT_MAX_MEAN_SHIFT", "DEFAULT_MAX_UPDATE_VS_MEDIAN", "DEFAULT_MAX_VARIANCE_GROWTH",
     "DEFAULT_MAX_WEIGHT_RATIO", "from_ring", "GaussianMean", "grid_contribution", "lower_median",
-    "MAX_SECURE_WEIGHT", "MAX_UPDATE_WEIGHT", "Mean", "MultiKrum", "NormClippedMean", "OwnRecord",
+    "MAX_SECURE_WEIGHT", "MAX_UPDATE_WEIGHT", "Mean", "MultiKrum", "NormClippedMean", "OwnRecord", "PartialSum",
     "PER_UPDATE_BOUNDS", "rebase", "ring_keys", "ring_size", "ring_vector",
-    "round_rule", "Rule", "RuleName", "RULES", "SecureMean", "staleness_weight", "STATISTIC_LEAVES", "TensorDict",
+    "round_rule", "Rule", "RuleName", "RULES", "SecureMean", "staleness_weight", "STATISTIC_LEAVES", "SummingRule", "TensorDict",
     "TrimmedMean", "UPDATE_HISTORY", "UPDATE_NORM_MEDIAN", "UpdateBound", "weight_cap",
 ]

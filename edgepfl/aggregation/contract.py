@@ -116,6 +116,22 @@ class OwnRecord(NamedTuple):
         return [self.change, {layer: list(pair) for layer, pair in sorted(self.statistics.items())}]
 
     @classmethod
+    def from_json(cls, entry: object) -> OwnRecord:
+        """The record :meth:`to_json` wrote; ``AggregationRejected`` (``malformed``) for anything
+        else, since one may come from a site aggregator over the network."""
+        try:
+            items = list(entry)  # type: ignore[call-overload]
+            if len(items) != 2:
+                raise ValueError(f"{len(items)} items, not [change, statistics]")
+            pairs: dict = dict(items[1])
+            record = cls(float(items[0]), {str(layer): (float(move), float(var)) for layer, (move, var) in pairs.items()})
+        except (TypeError, ValueError) as exc:
+            raise AggregationRejected("malformed", f"not a device record: {exc}") from None
+        if not all(math.isfinite(x) and x >= 0 for x in (record.change, *(v for p in record.statistics.values() for v in p))):
+            raise AggregationRejected("malformed", "a device record's measures must be finite and not negative")
+        return record
+
+    @classmethod
     def typical(cls, entries: Iterable) -> OwnRecord | None:
         """Each measure's lower median over ``entries`` (a device's kept records, as
         :meth:`to_json` writes them); None for none."""

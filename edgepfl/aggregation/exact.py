@@ -22,9 +22,9 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from .contract import MAX_UPDATE_WEIGHT, AggregationRejected, TensorDict, _statistic_layers, change_range
-
-_INT64_HEADROOM = 62  # bits one contribution may use in int64; one spare for the sign of the sum
-_CARRY_BITS = 40  # the low word keeps this many bits; the rest is carried to the high word
+from .partial import CONTRIBUTION_BITS as _INT64_HEADROOM  # bits one contribution may use in int64
+from .partial import LOW_BITS as _CARRY_BITS  # the low word keeps this many bits; the rest is carried to the high word
+from .partial import PartialSum
 
 
 class _ExactSum:
@@ -90,6 +90,19 @@ class _ExactSum:
         for key in self.reference:
             self._fold(key, contributions[key])
         self.total_weight += weight
+
+    def words(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Copies of the sum's two words per key (low, high): what a :class:`PartialSum` carries."""
+        return ({k: v.copy() for k, v in self.low.items()}, {k: v.copy() for k, v in self.high.items()})
+
+    def add_partial(self, partial: PartialSum) -> None:
+        """Fold in another sum's two words over the same reference (checked by the caller,
+        :meth:`PartialSum.check`): the integers add exactly, so the result does not depend on
+        how the updates were grouped into sums."""
+        for key in self.reference:
+            self._fold(key, partial.low[key])
+            self.high[key] += partial.high[key]
+        self.total_weight += partial.total_weight
 
     def _grid(self, key: str, x: np.ndarray, weight: int, factor: float = 1.0,
               noise: np.ndarray | None = None) -> np.ndarray:

@@ -9,14 +9,45 @@ import numpy as np
 
 from .contract import Aggregator, TensorDict, _norm
 from .exact import _ExactSum
+from .partial import PartialSum
 
 
-class Mean(Aggregator):
-    """Sample-weighted mean of the updates (FedAvg), folded in as they arrive."""
+class SummingRule(Aggregator):
+    """A rule whose state over some updates is an exact sum (:attr:`sum_`) and counts that add
+    to another instance's (:meth:`partial`, :meth:`add_partial`): it *composes*. A site
+    aggregator sums its devices' updates, the central coordinator the sites' sums, and the
+    result is the flat fleet's bit for bit (:mod:`.partial`). A rule that needs every single
+    update (the robust ones) is not one."""
 
     def begin(self, reference: Mapping[str, np.ndarray], typical_change: float | None = None) -> None:
         super().begin(reference, typical_change)
         self.sum_ = _ExactSum(self.reference_)
+        #: updates the rule's own clip shortened (a rule with one)
+        self.clipped_ = 0
+
+    def partial(self) -> PartialSum:
+        """This round's sum so far, to be folded into the same rule begun with the same reference elsewhere."""
+        low, high = self.sum_.words()
+        return PartialSum(low, high, total_weight=self.sum_.total_weight, count=self.count_,
+                          clipped=self.bound_clipped_, rule_clipped=self.clipped_,
+                          change_norms=tuple(self.change_norms_))
+
+    def add_partial(self, partial: PartialSum) -> None:
+        """Fold in another instance's :meth:`partial` over the same reference, as if its updates
+        had been added here; :class:`AggregationRejected` for one that cannot be, checked before
+        any of it counts (it may have come over the network)."""
+        if not self.reference_:
+            raise RuntimeError("begin() first")
+        partial.check(self.reference_)
+        self.sum_.add_partial(partial)
+        self.count_ += partial.count
+        self.bound_clipped_ += partial.clipped
+        self.clipped_ += partial.rule_clipped
+        self.change_norms_.extend(partial.change_norms)
+
+
+class Mean(SummingRule):
+    """Sample-weighted mean of the updates (FedAvg), folded in as they arrive."""
 
     def _add(self, params: Mapping[str, np.ndarray], weight: int) -> None:
         self.sum_.check(params, weight)
@@ -27,7 +58,7 @@ class Mean(Aggregator):
         return self.sum_.mean()
 
 
-class NormClippedMean(Aggregator):
+class NormClippedMean(SummingRule):
     """Weighted mean of the updates' changes, each clipped to ``clip_ratio`` times the
     reference's norm (over all floating-point tensors together), added to the reference.
 
@@ -41,8 +72,6 @@ class NormClippedMean(Aggregator):
 
     def begin(self, reference: Mapping[str, np.ndarray], typical_change: float | None = None) -> None:
         super().begin(reference, typical_change)
-        self.sum_ = _ExactSum(self.reference_)
-        self.clipped_ = 0
         self.bound_ = self.clip_ratio * _norm(self.reference_.values())
 
     def _add(self, params: Mapping[str, np.ndarray], weight: int) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from .base import (
     ClientUpdate,
+    DevicePart,
     EvalResult,
     LocalContext,
     LocalResult,
@@ -26,6 +27,7 @@ from .base import (
     MethodConfig,
     RoundAggregate,
     ServerState,
+    SitePart,
     TensorDict,
     UpdateRejected,
 )
@@ -145,7 +147,7 @@ def create_method(name: str, options: Mapping[str, Any] | None = None) -> Method
 
 
 __all__ = [
-    "ClientUpdate", "EvalResult", "LocalContext", "LocalResult", "Method", "MethodConfig", "RoundAggregate",
-    "ServerState", "TensorDict", "UpdateRejected", "ENTRY_POINT_GROUP", "METHODS", "available_head_kinds",
+    "ClientUpdate", "DevicePart", "EvalResult", "LocalContext", "LocalResult", "Method", "MethodConfig", "RoundAggregate",
+    "ServerState", "SitePart", "TensorDict", "UpdateRejected", "ENTRY_POINT_GROUP", "METHODS", "available_head_kinds",
     "available_methods", "create_method", "get_method", "plugin_methods", "register",
 ]

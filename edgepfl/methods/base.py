@@ -39,8 +39,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..aggregation import UPDATE_HISTORY, UPDATE_NORM_MEDIAN, Aggregator, Mean, OwnRecord, rebase
+from ..aggregation import UPDATE_HISTORY, UPDATE_NORM_MEDIAN, AggregationRejected, Aggregator, Mean, OwnRecord, rebase
 from ..aggregation.contract import OWN_HISTORY
+from ..aggregation.means import SummingRule
+from ..aggregation.partial import PartialSum
 from ..heads import GENERIC_HEAD_KINDS
 from ..state import ServerState, TensorDict
 from .training import EvalResult, LocalContext, evaluate_logits, fit, make_optimizer, recalibrate_batchnorm
@@ -138,6 +140,34 @@ class ClientUpdate:
         return {k: v for k, v in self.tensors.items() if "/" not in k}
 
 
+@dataclass(frozen=True)
+class DevicePart:
+    """One device's update inside a site's partial sum: what the central round records of it
+    as if the update had come to it (:meth:`RoundAggregate.add_site`)."""
+
+    agent_id: str
+    #: the update's weight (:meth:`Method.update_weight`)
+    weight: int
+    #: its staleness discount (1: trained on the round's state)
+    discount: float = 1.0
+    #: what the update bound measured of it as adopted (:meth:`OwnRecord.to_json`), before the
+    #: round's close caps a first round's records; None: the rule has no bound
+    record: list | None = None
+    #: the bounds that clipped or clamped it (empty: none)
+    fired: tuple[str, ...] = ()
+    #: whether it had no record and a bound clipped it (its record is then held to the round's median)
+    clipped_newcomer: bool = False
+
+
+@dataclass(frozen=True)
+class SitePart:
+    """A site's share of one round: the exact partial sum of its devices' accepted updates
+    and each device's part (:meth:`RoundAggregate.site_part`)."""
+
+    sum: PartialSum
+    devices: tuple[DevicePart, ...]
+
+
 class RoundAggregate:
     """One round's aggregation for one method: :meth:`Method.open_round` opens it,
     :meth:`add` folds in each accepted update as it arrives, :meth:`close` makes the next
@@ -152,7 +182,8 @@ class RoundAggregate:
     :meth:`Method.finish_round`.
     """
 
-    def __init__(self, method: Method, state: ServerState, rule: Aggregator, server_lr: float = 1.0):
+    def __init__(self, method: Method, state: ServerState, rule: Aggregator, server_lr: float = 1.0,
+                 newcomer: OwnRecord | None = None):
         self.method = method
         self.state = state
         self.rule = rule
@@ -173,6 +204,10 @@ class RoundAggregate:
         self.records: dict[str, OwnRecord] = {}
         #: devices without a record whose update a bound clipped this round
         self._clipped_newcomers: set[str] = set()
+        #: per device that sent an update: its weight, discount and what the bounds did (site_part)
+        self._parts: dict[str, DevicePart] = {}
+        #: the record a device without one is judged against, when not the fleet's in ``state`` (a site's)
+        self._newcomer = newcomer
         typical = state.extra.get(UPDATE_NORM_MEDIAN)
         #: the median change of the updates ``state`` was made from (None: not recorded)
         self.typical_change = float(typical) if isinstance(typical, (int, float)) else None
@@ -221,13 +256,61 @@ class RoundAggregate:
                     self._clipped_newcomers.add(update.agent_id)
             if record is not None:
                 self.records[update.agent_id] = record
-        weight = float(self.method.update_weight(update))
-        self.weights[update.agent_id] = weight * discount
-        self._weight_total += weight
-        self.participants.append(update.agent_id)
+        weight = self.method.update_weight(update)
+        self._count(DevicePart(update.agent_id, int(weight), discount, fired=fired,
+                               clipped_newcomer=update.agent_id in self._clipped_newcomers,
+                               record=self.records[update.agent_id].to_json() if update.agent_id in self.records
+                               else None))
         if not self.method.streaming:
             self.updates.append(update)
         return fired
+
+    def _count(self, part: DevicePart) -> None:
+        """Count one device's update as added: its weight, share and place among the participants."""
+        self.weights[part.agent_id] = float(part.weight) * part.discount
+        self._weight_total += float(part.weight)
+        self.participants.append(part.agent_id)
+        self._parts[part.agent_id] = part
+
+    # ------------------------------------------------------------------ sites
+    def for_site(self, agents: Iterable[str]) -> tuple[dict[str, list], OwnRecord | None]:
+        """What a site aggregator judges ``agents`` by, so that its bounds decide as this round
+        would: their kept records (as :data:`UPDATE_HISTORY` holds them) and the record a device
+        without one is given (the fleet's largest, :meth:`own_record`)."""
+        records = {a: list(self.history[a]) for a in sorted(set(agents)) if a in self.history}
+        if self._newcomer is not None:
+            return records, self._newcomer
+        return records, OwnRecord.largest(r for r in map(OwnRecord.typical, self.history.values()) if r is not None)
+
+    def site_part(self) -> SitePart:
+        """The round so far as one site's share (:meth:`add_site` folds it in elsewhere): a
+        streaming method's under a rule that composes (``TypeError`` otherwise)."""
+        rule = self._summing_rule()
+        return SitePart(rule.partial(), tuple(self._parts[a] for a in self.participants))
+
+    def add_site(self, part: SitePart) -> None:
+        """Fold in a site's :meth:`site_part` of this round, as if each of its devices' updates had
+        been added here. Raises :class:`AggregationRejected` for a part that cannot be the sum of
+        its devices' updates (its counts disagree, a device twice), before anything of it counts."""
+        rule = self._summing_rule()
+        agents = [d.agent_id for d in part.devices]
+        if len(agents) != part.sum.count or len(set(agents)) != len(agents):
+            raise AggregationRejected("malformed", "a site's devices and its sum's count disagree")
+        if any(a in self._parts for a in agents):
+            raise AggregationRejected("duplicate", "a device of the site already has an update in the round")
+        weights = [d.weight for d in part.devices]
+        if any(w < 1 for w in weights) or any(not 0.0 < d.discount <= 1.0 for d in part.devices):
+            raise AggregationRejected("malformed", "a site's device weighs nothing, or more than its whole update")
+        if self.rule.weighted and sum(weights) != part.sum.total_weight:
+            raise AggregationRejected("malformed", "a site's devices' weights do not add up to its sum's")
+        records = {d.agent_id: OwnRecord.from_json(d.record) for d in part.devices if d.record is not None}
+        rule.add_partial(part.sum)  # checks the sum against the reference before it counts
+        for d in part.devices:
+            self._count(d)
+            if d.agent_id in records:
+                self.records[d.agent_id] = records[d.agent_id]
+            if d.clipped_newcomer:
+                self._clipped_newcomers.add(d.agent_id)
 
     def shares(self) -> dict[str, float]:
         """Each device's share of the round's change of the shared parameters under a weighted
@@ -237,6 +320,14 @@ class RoundAggregate:
         total = self._weight_total
         return {a: w / total for a, w in sorted(self.weights.items())} if total > 0 else {}
 
+    def _summing_rule(self) -> SummingRule:
+        """The round's rule, when a site's sum of updates adds to another's (``TypeError``: it does not)."""
+        if not self.method.streaming:
+            raise TypeError(f"{self.method.name} needs every update of a round together: no site sums")
+        if not isinstance(self.rule, SummingRule):
+            raise TypeError(f"{type(self.rule).__name__} needs every single update: no site sums")
+        return self.rule
+
     def own_record(self, agent_id: str) -> OwnRecord | None:
         """What ``agent_id`` is judged against besides the fleet: each measure's lower median
         over its kept records; a device without one (first sampled now) the fleet's largest,
@@ -245,6 +336,8 @@ class RoundAggregate:
         own = OwnRecord.typical(self.history.get(agent_id, ()))
         if own is not None:
             return own
+        if self._newcomer is not None:
+            return self._newcomer
         return OwnRecord.largest(r for r in map(OwnRecord.typical, self.history.values()) if r is not None)
 
     def close(self, round: int) -> ServerState:
