@@ -16,6 +16,7 @@ from .evolution import PROTOCOL_VERSION, VERSION_PATTERN, since
 from .manifest import ReleaseManifest
 from .run import RunSpec
 from .secagg import MAX_NEIGHBOURS, SecAggMeta, SecAggTask
+from .site import SiteAnswer, SiteOrders, SiteStatus
 from .topics import NAME_PATTERN
 
 _ID = r"^[0-9a-f]{32}$"
@@ -125,7 +126,8 @@ class StatusMeta(_Meta):
     """Agent presence (retained). The broker publishes the ``offline`` form as last will."""
 
     state: Literal["online", "offline", "busy"]
-    tier: Literal["trainer", "head"] = "trainer"
+    #: ``site``: a site aggregator (since 1.13), which trains nothing itself; ``site`` lists its devices
+    tier: Literal["trainer", "head", "site"] = "trainer"
     device: str = "cpu"
     num_train: int = Field(0, ge=0)
     num_test: int = Field(0, ge=0)
@@ -144,6 +146,8 @@ class StatusMeta(_Meta):
     #: a head agent's installed release: a coordinator that has the same current release
     #: does not send it again (PROTOCOL.md §12, releases by reference)
     release: ReleaseRef | None = Field(None, json_schema_extra=since("1.4"))
+    #: a site aggregator's online devices (since 1.13; tier ``site`` only; PROTOCOL.md §20)
+    site: SiteStatus | None = Field(None, json_schema_extra=since("1.13"))
 
 
 class TaskDelta(_Meta):
@@ -185,6 +189,8 @@ class TaskMeta(_Meta):
     downlink: TaskDelta | None = Field(None, json_schema_extra=since("1.7"))
     #: mask this training update for secure aggregation (since 1.9; PROTOCOL.md §19); None: send it as it is
     secagg: SecAggTask | None = Field(None, json_schema_extra=since("1.9"))
+    #: a site aggregator's task: the round for its devices (since 1.13; PROTOCOL.md §20)
+    site: SiteOrders | None = Field(None, json_schema_extra=since("1.13"))
 
 
 class UpdateMeta(_Meta):
@@ -202,6 +208,9 @@ class UpdateMeta(_Meta):
     #: the body is the update encoded so (since 1.6): its change from the task's tensors,
     #: with the codec the task's ``uplink`` asked for; None: the tensors as they are
     codec: CodecHeader | None = Field(None, json_schema_extra=since("1.6"))
+    #: a site aggregator's answer: its devices' answers and its partial sum's counts (since 1.13;
+    #: PROTOCOL.md §20); the body is then the partial sum
+    site: SiteAnswer | None = Field(None, json_schema_extra=since("1.13"))
 
 
 class MetricsMeta(_Meta):

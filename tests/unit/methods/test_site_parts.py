@@ -191,3 +191,63 @@ def test_a_rule_that_needs_single_updates_makes_no_partial_sums():
     fedpac, fedpac_state = _state("fedpac", 1)
     with pytest.raises(TypeError):  # a server step over every update of the round
         fedpac.open_round(fedpac_state, AggregationSpec(rule="mean").build()).site_part()
+
+
+# ---------------------------------------------------------------- over the wire (protocol 1.13, §20)
+def _over_the_wire(method, state, updates, sites):
+    """The same round with the orders and the answers as they travel: the orders as JSON, each
+    site's answer as a real update frame, decoded and read back by the central coordinator."""
+    from coordinator.sites import answer_of, orders_for, part_of, site_aggregate
+    from edgepfl.protocol import MessageType, UpdateMeta, decode, encode
+    from edgepfl.protocol.site import SiteOrders
+
+    central = method.open_round(state, AggregationSpec().build())
+    for site in sites:
+        train = [updates[i].agent_id for i in site]
+        orders = SiteOrders.model_validate_json(orders_for(central, train, weight_cap=10_000).model_dump_json())
+        local = site_aggregate(method, state, AggregationSpec().build(), orders)
+        metas = {}
+        for i in site:
+            local.add(updates[i])
+            metas[updates[i].agent_id] = UpdateMeta(task_id="0" * 32, kind="train", num_train=updates[i].num_samples,
+                                                    num_test=10, eval_correct=7)
+        answer, tensors = answer_of(local.site_part(), metas)
+        frame = encode(MessageType.UPDATE, federation="f", sender="site-a", round=1, tensors=tensors,
+                       meta=UpdateMeta(task_id="1" * 32, kind="train", num_train=answer.total_weight, num_test=0,
+                                       eval_correct=0, site=answer))
+        message = decode(frame)
+        got = message.meta_as(UpdateMeta).site
+        assert got is not None and [d.eval_correct for d in got.devices] == [7] * len(site)
+        part = part_of(got, message.tensors, state.shared_params(), train)
+        central.add_site(part)
+    return central.close(1)
+
+
+@pytest.mark.parametrize("method_name", ["fedavg", "fedrep"])
+def test_a_round_across_sites_over_real_frames_is_the_flat_round_bit_for_bit(method_name):
+    method, state = _state(method_name, 11)
+    state = _with_record(method, state, 11)
+    updates = _updates(state, 12, [1.0, 2.0, 40.0, 0.5, 1.0, 1.0, 40.0, 2.0, 1.0])
+    flat, fired = _flat(method, state, updates, range(9))
+    assert any(fired.values())
+    _same(flat, _over_the_wire(method, state, updates, [[0, 1, 2, 3], [4, 5, 6, 7, 8]]))
+
+
+def test_a_site_answer_naming_an_unsampled_device_or_foreign_tensors_is_refused():
+    from coordinator.sites import answer_of, part_of
+    from edgepfl.protocol import UpdateMeta
+
+    method, state, _, part = _site_part()
+    metas = {d.agent_id: UpdateMeta(task_id="0" * 32, kind="train", num_train=d.weight, num_test=1, eval_correct=1)
+             for d in part.devices}
+    answer, tensors = answer_of(part, metas)
+    reference = state.shared_params()
+    train = [d.agent_id for d in part.devices]
+    assert part_of(answer, tensors, reference, train) is not None
+    with pytest.raises(AggregationRejected, match="not sampled"):
+        part_of(answer, tensors, reference, train[:2])
+    with pytest.raises(AggregationRejected, match="partial sum's words"):
+        part_of(answer, {**tensors, "encoder.extra": np.zeros(1, np.int64)}, reference, train)
+    with pytest.raises(AggregationRejected, match="eval_correct"):
+        part_of(answer.model_copy(update={"devices": [answer.devices[0].model_copy(update={"eval_correct": 5})]
+                                          + answer.devices[1:]}), tensors, reference, train)

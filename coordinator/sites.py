@@ -1,0 +1,106 @@
+"""A round across sites, as both ends of a site's uplink handle it (docs/PROTOCOL.md §20).
+
+The central coordinator opens its round's aggregate as for a flat fleet and hands each site
+:func:`orders_for` its sampled devices; the site aggregator opens :func:`site_aggregate`
+from the task's state and those orders, so that its bounds judge each device exactly as the
+central round would; it answers with :func:`answer_of` its round's :meth:`~RoundAggregate.site_part`
+and the devices' evaluations; the central coordinator reads the answer back with
+:func:`part_of`, checking everything it can, and folds it in with :meth:`~RoundAggregate.add_site`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from edgepfl.aggregation import UPDATE_HISTORY, UPDATE_NORM_MEDIAN, AggregationRejected, Aggregator, PartialSum
+from edgepfl.methods import DevicePart, Method, RoundAggregate, ServerState, SitePart
+from edgepfl.protocol import UpdateMeta
+from edgepfl.protocol.site import SUM_HIGH, SUM_LOW, DeviceAnswer, SiteAnswer, SiteOrders
+
+
+def orders_for(aggregate: RoundAggregate, train: Iterable[str], evaluate: Iterable[str] = (),
+               weight_cap: int | None = None) -> SiteOrders:
+    """The central round's orders to one site: who of its devices trains and who evaluates,
+    the round's weight cap, and what the round's bounds judge those devices by."""
+    train = list(train)
+    records, newcomer = aggregate.for_site(train)
+    return SiteOrders(train=train, evaluate=list(evaluate), weight_cap=weight_cap,
+                      typical_change=aggregate.typical_change,
+                      records={a: [tuple(r) for r in rows] for a, rows in records.items()},
+                      newcomer=None if newcomer is None else tuple(newcomer.to_json()))
+
+
+def site_aggregate(method: Method, state: ServerState, rule: Aggregator, orders: SiteOrders) -> RoundAggregate:
+    """The site's aggregate of a round whose task carried ``state``: judged by the records the
+    central round handed it (``orders``), summing into ``rule`` (one that composes)."""
+    from edgepfl.aggregation import OwnRecord
+
+    extra = {UPDATE_NORM_MEDIAN: orders.typical_change,
+             UPDATE_HISTORY: {a: [[change, dict(stats)] for change, stats in rows] for a, rows in orders.records.items()}}
+    site_state = ServerState(global_tensors=state.shared_params(), extra=extra)
+    newcomer = None if orders.newcomer is None else OwnRecord.from_json(orders.newcomer)
+    return RoundAggregate(method, site_state, rule, newcomer=newcomer)
+
+
+def answer_of(part: SitePart | None, answers: Mapping[str, UpdateMeta], *, rejected: Mapping[str, int] | None = None,
+              refused: Mapping[str, int] | None = None,
+              dropped: Iterable[str] = ()) -> tuple[SiteAnswer, dict[str, np.ndarray]]:
+    """A site's answer to one round: every device answer it admitted (``answers``; the training
+    ones are ``part``'s devices, in its order) and the partial sum as the body's tensors."""
+    parts = {d.agent_id: d for d in part.devices} if part is not None else {}
+    devices = []
+    for agent, meta in answers.items():
+        d = parts.get(agent)
+        devices.append(DeviceAnswer(
+            agent=agent, kind=meta.kind, num_train=meta.num_train, num_test=meta.num_test,
+            eval_correct=meta.eval_correct, eval_loss=meta.eval_loss, train_loss=meta.train_loss,
+            train_seconds=meta.train_seconds, weight=d.weight if d else None, discount=d.discount if d else 1.0,
+            record=tuple(d.record) if d and d.record is not None else None,
+            fired=list(d.fired) if d else [], clipped_newcomer=d.clipped_newcomer if d else False))
+    tensors: dict[str, np.ndarray] = {}
+    counts = {}
+    if part is not None:
+        s = part.sum
+        tensors = {**{SUM_LOW + k: v for k, v in s.low.items()}, **{SUM_HIGH + k: v for k, v in s.high.items()}}
+        counts = dict(total_weight=s.total_weight, clipped=s.clipped, rule_clipped=s.rule_clipped,
+                      change_norms=list(s.change_norms))
+    return SiteAnswer(devices=devices, rejected=dict(rejected or {}), refused=dict(refused or {}),
+                      dropped=list(dropped), **counts), tensors
+
+
+def part_of(answer: SiteAnswer, tensors: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray],
+            train: Iterable[str]) -> SitePart | None:
+    """The site part a site's answer stands for (None: no training answer in it), for a round
+    whose reference is ``reference`` and which sampled ``train`` of the site's devices.
+    ``AggregationRejected`` for an answer that cannot be: tensors other than the sum's words,
+    a device answering twice or training unsampled; :meth:`RoundAggregate.add_site` checks the rest."""
+    agents = [d.agent for d in answer.devices]
+    if len(set(agents)) != len(agents):
+        raise AggregationRejected("malformed", "a device answers twice in a site's answer")
+    trained = [d for d in answer.devices if d.kind == "train"]
+    if any(d.eval_correct > d.num_test for d in answer.devices):
+        raise AggregationRejected("malformed", "a device's eval_correct exceeds its num_test")
+    outside = {d.agent for d in trained} - set(train)
+    if outside:
+        raise AggregationRejected("unexpected", f"{sorted(outside)[0]} was not sampled to train at this site")
+    if not trained:
+        if tensors:
+            raise AggregationRejected("malformed", "a site's answer without training updates carries tensors")
+        return None
+    expected = {SUM_LOW + k for k in reference} | {SUM_HIGH + k for k in reference}
+    if set(tensors) != expected:
+        raise AggregationRejected("wrong_tensors", "a site's tensors are not its partial sum's words of the reference")
+    if any(d.weight is None for d in trained):
+        raise AggregationRejected("malformed", "a site's training answer without its weight")
+    total = PartialSum(low={k: tensors[SUM_LOW + k] for k in reference}, high={k: tensors[SUM_HIGH + k] for k in reference},
+                       total_weight=answer.total_weight, count=len(trained), clipped=answer.clipped,
+                       rule_clipped=answer.rule_clipped, change_norms=tuple(answer.change_norms))
+    devices = tuple(DevicePart(d.agent, int(d.weight or 0), d.discount,
+                               record=None if d.record is None else [d.record[0], dict(d.record[1])],
+                               fired=tuple(d.fired), clipped_newcomer=d.clipped_newcomer) for d in trained)
+    return SitePart(total, devices)
+
+
+__all__ = ["answer_of", "orders_for", "part_of", "site_aggregate"]

@@ -1,0 +1,140 @@
+"""The site fields of the wire (since protocol 1.13; docs/PROTOCOL.md §20): what a site
+aggregator and the central coordinator say to each other.
+
+A site aggregator is a coordinator to its site's devices (on the site's broker, in the
+protocol every agent speaks, unchanged) and one participant of the central coordinator's
+federation (on the central broker, with its own enrolled key):
+
+============  ===========================  ==================================================
+field         direction                    what it carries
+============  ===========================  ==================================================
+status.site   aggregator -> central        the site's online devices (:class:`SiteStatus`)
+task.site     central -> aggregator        a round for some of them (:class:`SiteOrders`)
+update.site   aggregator -> central        the site's share of it (:class:`SiteAnswer`) and,
+                                           as the body's tensors, the exact partial sum
+============  ===========================  ==================================================
+
+The central coordinator samples the whole fleet's devices as if they were its own, hands
+each site the records its bounds judge its devices by, and folds each site's partial sum
+into the round as if every device's update had come to it: with a rule that composes the
+round is the flat fleet's bit for bit (:mod:`edgepfl.aggregation.partial`). Every list is
+bounded by :data:`MAX_SITE_DEVICES`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from .topics import NAME_PATTERN
+
+#: the most devices one site aggregator may announce or answer for
+MAX_SITE_DEVICES = 10_000
+#: the body of a site's answer: per shared tensor ``<key>``, the partial sum's low word as
+#: ``SUM_LOW + key`` and its high word as ``SUM_HIGH + key``, int64 of the tensor's shape
+SUM_LOW = "site/low/"
+SUM_HIGH = "site/high/"
+#: the most records kept per device that a site is handed (the coordinator keeps 3)
+MAX_RECORDS = 16
+_REASON = r"^[a-z][a-z0-9_]{0,31}$"
+
+AgentName = Annotated[str, Field(pattern=NAME_PATTERN)]
+
+
+def _finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError("must be finite")
+    return value
+
+
+#: a measure of a device's update: finite and not negative
+Measure = Annotated[float, Field(ge=0), AfterValidator(_finite)]
+#: what one device's update measured (``OwnRecord.to_json``): its change norm and, per BatchNorm
+#: layer, the largest move of a running mean and the largest running variance
+DeviceRecord = tuple[Measure, dict[Annotated[str, Field(max_length=256)], tuple[Measure, Measure]]]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(defer_build=True, extra="forbid", frozen=True)
+
+
+class SiteDevice(_Wire):
+    """One online device of a site, as its aggregator announces it."""
+
+    agent: AgentName
+    #: the training samples its own status announced (what the round's weight cap is made of)
+    num_train: int = Field(0, ge=0)
+    num_test: int = Field(0, ge=0)
+
+
+class SiteStatus(_Wire):
+    """``status.site`` (since 1.13): the sender is a site aggregator, and these are its site's
+    online trainers, each able to run the federation's method and model."""
+
+    devices: list[SiteDevice] = Field(max_length=MAX_SITE_DEVICES)
+
+
+class SiteOrders(_Wire):
+    """``task.site`` (since 1.13): a round for some of the site's devices. The task's tensors
+    are what each device's own task carries; a train task's ``site`` names who trains."""
+
+    #: the site's devices sampled to train, and those only to evaluate
+    train: list[AgentName] = Field(default_factory=list, max_length=MAX_SITE_DEVICES)
+    evaluate: list[AgentName] = Field(default_factory=list, max_length=MAX_SITE_DEVICES)
+    #: the most weight one update of the round may carry (None: no cap): the fleet's, not the site's
+    weight_cap: int | None = Field(None, ge=1)
+    #: the median change of the updates the round's state was made from (None: not recorded)
+    typical_change: Measure | None = None
+    #: the kept records of the devices sampled to train that have one, newest last
+    records: dict[AgentName, list[DeviceRecord]] = Field(default_factory=dict, max_length=MAX_SITE_DEVICES)
+    #: the record a device without one is judged against (the fleet's largest; None: none yet)
+    newcomer: DeviceRecord | None = None
+
+
+class DeviceAnswer(_Wire):
+    """One device's answer, as its site's aggregator admitted it."""
+
+    agent: AgentName
+    kind: Literal["train", "evaluate"]
+    num_train: int = Field(ge=0)
+    num_test: int = Field(ge=0)
+    eval_correct: int = Field(ge=0)
+    eval_loss: float | None = None
+    train_loss: float | None = None
+    train_seconds: float = Field(0.0, ge=0)
+    #: a training update's weight in the sum (its count, cut to the round's cap)
+    weight: int | None = Field(None, ge=1, le=2**24)
+    #: its staleness discount (1: trained on the round's state)
+    discount: float = Field(1.0, gt=0, le=1)
+    #: what the update bound measured of it as adopted (None: no bound)
+    record: DeviceRecord | None = None
+    #: the bounds that clipped or clamped it
+    fired: list[Annotated[str, Field(pattern=_REASON)]] = Field(default_factory=list, max_length=8)
+    #: it had no record and a bound clipped it
+    clipped_newcomer: bool = False
+
+
+class SiteAnswer(_Wire):
+    """``update.site`` (since 1.13): the site's share of one round. With training answers the
+    body holds the exact partial sum of their updates (:data:`SUM_LOW`, :data:`SUM_HIGH`) and
+    these its counts; an evaluation round's answer has no body."""
+
+    devices: list[DeviceAnswer] = Field(max_length=MAX_SITE_DEVICES)
+    #: the partial sum: its updates' summed weight, how many the bound clipped, how many the
+    #: rule's own clip shortened, and each one's change norm as adopted
+    total_weight: int = Field(0, ge=0)
+    clipped: int = Field(0, ge=0)
+    rule_clipped: int = Field(0, ge=0)
+    change_norms: list[Measure] = Field(default_factory=list, max_length=MAX_SITE_DEVICES)
+    #: what the site refused of its devices' frames and tasks, by reason, and who did not answer
+    rejected: dict[Annotated[str, Field(pattern=_REASON)], Annotated[int, Field(ge=0)]] = Field(
+        default_factory=dict, max_length=64)
+    refused: dict[Annotated[str, Field(pattern=_REASON)], Annotated[int, Field(ge=0)]] = Field(
+        default_factory=dict, max_length=64)
+    dropped: list[AgentName] = Field(default_factory=list, max_length=MAX_SITE_DEVICES)
+
+
+__all__ = ["DeviceAnswer", "DeviceRecord", "MAX_SITE_DEVICES", "SUM_HIGH", "SUM_LOW", "SiteAnswer",
+           "SiteDevice", "SiteOrders", "SiteStatus"]
