@@ -25,8 +25,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from edgepfl import codecs
-from edgepfl.aggregation import STATISTIC_LEAVES
-from edgepfl.methods import ClientUpdate, Method, ServerState, UpdateRejected
+from edgepfl.aggregation import STATISTIC_LEAVES, AggregationRejected
+from edgepfl.methods import ClientUpdate, Method, ServerState, SitePart, UpdateRejected
 from edgepfl.protocol import (
     REFUSAL_REASONS,
     Message,
@@ -46,6 +46,7 @@ from edgepfl.protocol.signing import Keyring, verify_signed_part
 
 from .registry import Registry
 from .round_tasks import LateWindow, RoundTasks, Task
+from .sites import part_of
 
 # Sample counts become aggregation weights (the streaming rules refuse more than 2**24
 # for one update: edgepfl.aggregation). Above 2**53 a count is no longer exact as a
@@ -184,6 +185,9 @@ class Accepted:
     message_id: str = ""
     #: a late update: the closed round whose task it answers, trained from that round's state
     late: LateWindow | None = None
+    #: a site aggregator's answer (``meta.site``): the partial sum of its devices' training updates
+    #: (None: it has none, an evaluation round's answer)
+    site: SitePart | None = None
 
 
 @dataclass(frozen=True)
@@ -247,6 +251,9 @@ class UpdateGate:
             verdict.late.tasks.mark_answered(agent_id)
         elif not isinstance(verdict, Rejection) or self.ends_wait(verdict, tasks):
             tasks.mark_answered(agent_id)
+            orders = task.site if (task := tasks.get(agent_id)) is not None else None
+            for device in (orders.train + orders.evaluate) if orders is not None else ():
+                tasks.mark_answered(device)  # a site's answer (or refusal) answers for its devices
         return verdict
 
     @staticmethod
@@ -309,6 +316,11 @@ class UpdateGate:
         meta = answer
         if meta.kind != task.kind:
             return reject("malformed", f"answered a {task.kind} task with {meta.kind}")
+        if (meta.site is None) != (task.site is None):
+            return reject("malformed", "a site's answer to a device's task" if meta.site is not None
+                          else "a site's task answered without the site's answer")
+        if task.site is not None:
+            return self._site_answer(agent_id, message, task, state, reject)
         if meta.eval_correct > meta.num_test:
             return reject("malformed", "eval_correct exceeds num_test")
         if task.kind == "evaluate":
@@ -368,6 +380,26 @@ class UpdateGate:
             return reject(exc.reason, str(exc))
         return Accepted(agent_id, meta, update, message.header.message_id)
 
+
+    def _site_answer(self, agent_id: str, message: Message, task: Task, state: ServerState | None,
+                     reject: Callable[[str, str], Rejection]) -> Accepted | Rejection:
+        """A site aggregator's answer (docs/PROTOCOL.md §20): every device it names was ordered
+        to answer that kind, and its partial sum can be the sum of its training updates
+        (:func:`.sites.part_of`; the round's aggregate checks the rest before any of it counts)."""
+        meta: UpdateMeta = message.meta  # type: ignore[assignment]
+        orders, answer = task.site, meta.site
+        assert orders is not None and answer is not None  # the caller's condition
+        ordered = {**{a: "evaluate" for a in orders.evaluate}, **{a: "train" for a in orders.train}}
+        wrong = [d for d in answer.devices if ordered.get(d.agent) != d.kind]
+        if wrong:
+            return reject("unexpected", f"{wrong[0].agent} was not ordered to {wrong[0].kind} at this site")
+        if state is None:  # not reached: a site's task was sent, so a round is open
+            return reject("unexpected", "no round is open")
+        try:
+            part = part_of(answer, message.tensors, state.shared_params(), orders.train)
+        except AggregationRejected as exc:
+            return reject(exc.reason, str(exc))
+        return Accepted(agent_id, meta, None, message.header.message_id, site=part)
 
     def _decompressed(self, agent_id: str, message: Message, task: Task,
                       state: ServerState) -> dict[str, np.ndarray] | tuple[str, str]:

@@ -21,7 +21,7 @@ from edgepfl.aggregation import AggregationRejected
 from edgepfl.logs import LogLimiter
 from edgepfl.methods import ServerState
 from edgepfl.metrics import HeadReport
-from edgepfl.protocol import AgentChannel
+from edgepfl.protocol import AgentChannel, StatusMeta
 from edgepfl.protocol.signing import SIGNATURE_REASONS, Keyring
 from edgepfl.service import notifier
 
@@ -57,6 +57,17 @@ REPORTS_KEPT_PER_AGENT = 4
 CHUNK_ALLOWANCE_TASKS = 2
 #: bytes above that for an update's header (its meta, values, signature)
 CHUNK_HEADROOM = 2**20
+
+
+#: how many agents' allowances a site aggregator's chunked answer may reserve: its partial sum is
+#: two int64 words per parameter, four float32 tasks' worth (docs/PROTOCOL.md §20)
+SITE_ANSWER_TASKS = 3
+
+
+class SiteStatuses(Protocol):
+    """Told every site aggregator's accepted status (:class:`.site_relay.SiteRelay`)."""
+
+    def status(self, site_id: str, status: StatusMeta, created: float | None) -> None: ...
 
 
 class RoundSink(Protocol):
@@ -124,6 +135,8 @@ class Inbox:
         self.resend: Callable[[Task, int], int] | None = None
         # what one agent's chunked answer may reserve (expect_updates); None: no chunked frame is expected
         self._chunk_bytes: int | None = None
+        #: the run's sites, told every site aggregator's status (None: the run takes none, and refuses them)
+        self.sites: SiteStatuses | None = None
 
     def open_round(self, tasks: RoundTasks, sink: RoundSink, state: ServerState,
                    late: Mapping[int, LateWindow] | None = None) -> None:
@@ -144,6 +157,9 @@ class Inbox:
         so chunks on strangers' topics cannot fill the budget that honest answers need."""
         if self._chunk_bytes is None or channel != AgentChannel.UPDATE:
             return 0
+        task = self._tasks.get(agent_id)
+        if task is not None and task.site is not None and self._tasks.expects(agent_id):
+            return SITE_ANSWER_TASKS * self._chunk_bytes
         if self._tasks.expects(agent_id) or any(agent_id in w.tasks.waiting for w in (self._late or {}).values()):
             return self._chunk_bytes
         return 0
@@ -200,6 +216,31 @@ class Inbox:
                 self.tick()
         return True
 
+    def collect(self, tasks: RoundTasks, sampled: int, participants: list[str], started: float, timeout: float,
+                quorum: int) -> list[str]:
+        """Admit answers until every task of ``tasks`` is answered or, once ``quorum`` of the
+        ``sampled`` agents' updates are in (``participants``, live), ``timeout`` passes or every
+        agent still owing an answer is offline; never past twice the timeout. Returns who did
+        not answer (sorted), whom the round then drops."""
+        waiting = tasks.waiting  # live: the gate removes agents as they answer
+        tasks.start_collecting()
+
+        def closable() -> bool:
+            if not waiting:
+                return True
+            if len(participants) < quorum:
+                return False
+            # is_online is a dict lookup, and any() stops at the first agent still online:
+            # no per-message work that grows with the fleet.
+            return self.clock.now() - started > timeout or not any(self.registry.is_online(a) for a in waiting)
+
+        self.pump_until(closable, started + 2 * timeout)
+        if waiting:
+            log.info("round %d: closed with %d/%d updates after %.0fs; no answer from %s", tasks.round,
+                     len(participants), sampled, self.clock.now() - started, ", ".join(sorted(waiting)))
+        # a site aggregator that did not answer is no device of the round: its devices are the dropped ones
+        return sorted(a for a in waiting if (task := tasks.get(a)) is None or task.site is None)
+
     # ---------------------------------------------------------------- routing
     def _route(self, event: AgentFrame | Rejection | Refused | None) -> None:
         if event is None:
@@ -223,7 +264,12 @@ class Inbox:
         if isinstance(status, Rejection):
             return self._reject(status)
         assert isinstance(status, Presence)
+        if status.meta.tier == "site" and self.sites is None:
+            return self._reject(Rejection(incoming.agent_id, "unexpected", "a site aggregator's status; this run takes "
+                                          "no sites (sites.enabled)", None))
         was_online = self.registry.update(incoming.agent_id, status.meta, status.created)
+        if status.meta.tier == "site" and self.sites is not None:
+            self.sites.status(incoming.agent_id, status.meta, status.created)
         capabilities = status.meta.capabilities
         self.fleet.agent_limits(incoming.agent_id, capabilities.max_message_bytes if capabilities else None,
                                 capabilities.max_payload_bytes if capabilities else None)
@@ -282,6 +328,8 @@ class Inbox:
                 verdict.message_id, "update", self._tasks.round, update.task_id, verified=self.keyring is not None)))
             return
         self.registry.answered(agent_id)
+        for device in verdict.meta.site.devices if verdict.meta.site is not None else ():
+            self.registry.answered(device.agent)
 
     def _held_up(self, agent_id: str, provably_its_own: bool) -> bool:
         """Whether the agent's frame, which was no update or evaluation the round could use (a

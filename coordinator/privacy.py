@@ -71,7 +71,7 @@ class PrivacyLedger:
         rule = round_rule(c.aggregation, spec, secure=secure, sampled=len(sampled), clip=self.clip,
                           denominator=denominator,
                           noise_seed=[seed_for(c.seed, round, "dp-noise")], on_next_clip=self._next_clip,
-                          enrolled=enrolled, updates=updates)
+                          enrolled=enrolled, updates=updates, sites=c.sites.enabled)
         if c.aggregation.rule == AUTO and type(rule) is not self._auto_chose:
             self._auto_chose = type(rule)
             log.info("round %d: aggregation.rule auto aggregates with %s (%s fleet, %d updates a round)", round,

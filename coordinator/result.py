@@ -109,6 +109,8 @@ class RoundResult:
     def record(self, accepted: Accepted, wire_bytes: int) -> None:
         """Count an answer the gate accepted; a training update is added to the round's
         aggregate first, and one the rule refuses (``AggregationRejected``) counts for nothing."""
+        if accepted.meta.site is not None:
+            return self._record_site(accepted, wire_bytes)
         late = accepted.late
         if accepted.update is not None:
             # a train task, hence a training round with its aggregate (a late one: last round's task)
@@ -130,6 +132,29 @@ class RoundResult:
         self.bytes_up += wire_bytes
         # a late answer's held-out counts are of the state it was sent: the row says how stale (staleness)
         self.evaluations[accepted.agent_id] = Evaluation.of(accepted.meta)
+
+    def _record_site(self, accepted: Accepted, wire_bytes: int) -> None:
+        """A site aggregator's answer: its partial sum folded into the round's aggregate (which
+        checks it first), then each device counted as if its answer had come here."""
+        site = accepted.meta.site
+        assert site is not None  # the caller's condition
+        if accepted.site is not None:
+            assert self.aggregate is not None  # a site's training answer: a training round
+            self.aggregate.add_site(accepted.site)
+            for d in accepted.site.devices:
+                if d.fired:
+                    log.warning("round %d: the update from %s (site %s) went past aggregation.%s; clipped onto it",
+                                self.round, d.agent_id, accepted.agent_id, ", ".join(d.fired))
+                    self.clipped.append(d.agent_id)
+                    self.clipped_by[d.agent_id] = list(d.fired)
+                self.participants.append(d.agent_id)
+                self.staleness[0] += 1
+            self.update_bytes["site"] += wire_bytes
+        for e in site.devices:
+            self.evaluations[e.agent] = Evaluation(correct=e.eval_correct, total=e.num_test, loss=e.eval_loss,
+                                                   train_loss=e.train_loss, kind=e.kind, train_seconds=e.train_seconds)
+        self.dropped.extend(site.dropped)
+        self.bytes_up += wire_bytes
 
     def to_metrics(self, *, seconds: float, final: bool, abort: str | None, rolled_back: int | None,
                    shared_bytes: int, max_weight_ratio: float | None) -> RoundMetrics:

@@ -12,6 +12,7 @@ from edgepfl.aggregation import staleness_weight
 from edgepfl.methods import Method, ServerState
 from edgepfl.protocol import UplinkSpec
 from edgepfl.protocol.secagg import SecAggTask
+from edgepfl.protocol.site import SiteOrders
 
 #: the most copies of one task a round sends (a lost task goes again on each reconnect up to
 #: this): statuses forged with ever higher connection numbers on an unsigned deployment
@@ -47,6 +48,10 @@ class Task:
     #: a secure round's task (protocol 1.9): sent again with it; its answer is a masked vector,
     #: which only the round's sum can check
     secagg: SecAggTask | None = None
+    #: a site aggregator's task: the orders for its devices (protocol 1.13)
+    site: SiteOrders | None = None
+    #: the site aggregator a device's task went through (None: sent to the device itself)
+    via: str | None = None
 
     def lost_with_connection(self, session: str | None, connection: int | None) -> bool:
         """Whether a birth of ``session`` on connection ``connection`` came after a connection

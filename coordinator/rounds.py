@@ -76,7 +76,7 @@ class Coordinator:
         self.run_spec: RunSpec = run_spec_of(config, input_shape, num_classes, class_names, normalization, channel_names)
         side = wire(config, fleet, self.method)
         self.registry, self.counters, self.observer, self.inbox = side.registry, side.counters, side.observer, side.inbox
-        self.signer, self.enrols = side.credentials.signer, side.credentials.keyring is not None
+        self.signer, self.enrols, self.sites = side.credentials.signer, side.credentials.keyring is not None, side.sites
         require_capable(self.registry, config, self.run_spec)
         self.progress, self.run_dir = Progress(config.rounds, enabled=progress), RunDirectory(out_dir)
         self.rollback = RollbackPolicy(config.aggregation.rollback_after, self.run_dir)
@@ -240,7 +240,10 @@ class Coordinator:
 
     def send_task(self, tasks: RoundTasks, result: RoundResult, agent_id: str, kind: str,
                   secagg: SecAggTask | None = None) -> None:
-        """Send ``agent_id`` a ``kind`` task of the open round (``secagg``: a secure round's)."""
+        """Send ``agent_id`` a ``kind`` task of the open round (``secagg``: a secure round's); a
+        device behind a site gets it with its site's one task, when the round collects."""
+        if self.sites is not None and (site := self.sites.behind(agent_id)) is not None:
+            return self.sites.hold(site, agent_id, kind)
         info = self.registry.agents.get(agent_id)
         uplink = self.task_writer.uplink_for(info.capabilities if info else None) if kind == "train" else None
         task_id, frame = self.task_writer.frame(agent_id, kind, uplink=uplink, agent=info, secagg=secagg)
@@ -255,27 +258,16 @@ class Coordinator:
 
     def collect(self, tasks: RoundTasks, result: RoundResult, started: float) -> None:
         """Admit answers until every task is answered or, once a quorum of updates is in,
-        the round timeout passes or every agent still owing an answer is offline; never
-        past twice the timeout. Whoever has not answered then is dropped from the round."""
-        timeout = self.config.round_timeout_s
-        quorum = self.config.quorum_of(len(result.sampled))
-        waiting = tasks.waiting  # live: the gate removes agents as they answer
-        tasks.start_collecting()
+        the round timeout passes or every agent still owing an answer is offline
+        (:meth:`.Inbox.collect`); whoever has not answered then is dropped from the round."""
+        if self.sites is not None:  # the tasks held for devices behind sites go out, one per site
+            self.sites.flush(tasks, result, lambda site, kind, orders: self._site_task(tasks.round, site, kind, orders))
+        result.dropped.extend(self.inbox.collect(tasks, len(result.sampled), result.participants, started,
+                                                 self.config.round_timeout_s, self.config.quorum_of(len(result.sampled))))
 
-        def closable() -> bool:
-            if not waiting:
-                return True
-            if len(result.participants) < quorum:
-                return False
-            # is_online is a dict lookup, and any() stops at the first agent still online:
-            # no per-message work that grows with the fleet.
-            return self.clock.now() - started > timeout or not any(self.registry.is_online(a) for a in waiting)
-
-        self.inbox.pump_until(closable, started + 2 * timeout)
-        if waiting:
-            log.info("round %d: closed with %d/%d updates after %.0fs; no answer from %s", result.round,
-                     len(result.participants), len(result.sampled), self.clock.now() - started, ", ".join(sorted(waiting)))
-            result.dropped.extend(sorted(waiting))
+    def _site_task(self, r: int, site_id: str, kind: str, orders) -> tuple[str, int]:
+        task_id, frame = self.task_writer.frame(site_id, kind, site=orders)
+        return task_id, self.fleet.send(site_id, frame, r)
 
     def pump_until(self, done: Callable[[], bool], deadline: float) -> bool:
         """Route the fleet's traffic until ``done()`` or ``deadline`` (:meth:`.Inbox.pump_until`)."""

@@ -11,22 +11,48 @@ and the devices' evaluations; the central coordinator reads the answer back with
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 import numpy as np
 
-from edgepfl.aggregation import UPDATE_HISTORY, UPDATE_NORM_MEDIAN, AggregationRejected, Aggregator, PartialSum
+from edgepfl.aggregation import (
+    UPDATE_HISTORY,
+    UPDATE_NORM_MEDIAN,
+    AggregationRejected,
+    AggregationSpec,
+    Aggregator,
+    PartialSum,
+)
+from edgepfl.aggregation.partial import LOW_BITS
 from edgepfl.methods import DevicePart, Method, RoundAggregate, ServerState, SitePart
-from edgepfl.protocol import UpdateMeta
-from edgepfl.protocol.site import SUM_HIGH, SUM_LOW, DeviceAnswer, SiteAnswer, SiteOrders
+from edgepfl.protocol.site import SUM, SUM_HIGH, SUM_LOW, DeviceAnswer, SiteAnswer, SiteOrders
 
 
-def orders_for(aggregate: RoundAggregate, train: Iterable[str], evaluate: Iterable[str] = (),
-               weight_cap: int | None = None) -> SiteOrders:
+class DeviceEvaluation(Protocol):
+    """One device's answer as a round records it (:class:`.result.Evaluation` is one)."""
+
+    @property
+    def correct(self) -> int: ...
+    @property
+    def total(self) -> int: ...
+    @property
+    def loss(self) -> float | None: ...
+    @property
+    def train_loss(self) -> float | None: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def train_seconds(self) -> float: ...
+
+
+def orders_for(aggregate: RoundAggregate, aggregation: AggregationSpec, train: Iterable[str],
+               evaluate: Iterable[str] = (), weight_cap: int | None = None) -> SiteOrders:
     """The central round's orders to one site: who of its devices trains and who evaluates,
-    the round's weight cap, and what the round's bounds judge those devices by."""
+    the round's weight cap, its ``aggregation`` settings and what its bounds judge those devices by."""
     train = list(train)
     records, newcomer = aggregate.for_site(train)
     return SiteOrders(train=train, evaluate=list(evaluate), weight_cap=weight_cap,
+                      aggregation=aggregation.model_dump(mode="json"),
                       typical_change=aggregate.typical_change,
                       records={a: [tuple(r) for r in rows] for a, rows in records.items()},
                       newcomer=None if newcomer is None else tuple(newcomer.to_json()))
@@ -44,26 +70,26 @@ def site_aggregate(method: Method, state: ServerState, rule: Aggregator, orders:
     return RoundAggregate(method, site_state, rule, newcomer=newcomer)
 
 
-def answer_of(part: SitePart | None, answers: Mapping[str, UpdateMeta], *, rejected: Mapping[str, int] | None = None,
+def answer_of(part: SitePart | None, answers: Mapping[str, DeviceEvaluation], *, rejected: Mapping[str, int] | None = None,
               refused: Mapping[str, int] | None = None,
               dropped: Iterable[str] = ()) -> tuple[SiteAnswer, dict[str, np.ndarray]]:
-    """A site's answer to one round: every device answer it admitted (``answers``; the training
-    ones are ``part``'s devices, in its order) and the partial sum as the body's tensors."""
+    """A site's answer to one round: every device answer it admitted (``answers``, as the round
+    recorded them; the training ones are ``part``'s devices) and the partial sum as the body's tensors."""
     parts = {d.agent_id: d for d in part.devices} if part is not None else {}
     devices = []
-    for agent, meta in answers.items():
+    for agent, e in answers.items():
         d = parts.get(agent)
         devices.append(DeviceAnswer(
-            agent=agent, kind=meta.kind, num_train=meta.num_train, num_test=meta.num_test,
-            eval_correct=meta.eval_correct, eval_loss=meta.eval_loss, train_loss=meta.train_loss,
-            train_seconds=meta.train_seconds, weight=d.weight if d else None, discount=d.discount if d else 1.0,
+            agent=agent, kind=e.kind, num_train=d.weight if d else 0, num_test=e.total,
+            eval_correct=e.correct, eval_loss=e.loss, train_loss=e.train_loss,
+            train_seconds=e.train_seconds, weight=d.weight if d else None, discount=d.discount if d else 1.0,
             record=tuple(d.record) if d and d.record is not None else None,
             fired=list(d.fired) if d else [], clipped_newcomer=d.clipped_newcomer if d else False))
     tensors: dict[str, np.ndarray] = {}
     counts = {}
     if part is not None:
         s = part.sum
-        tensors = {**{SUM_LOW + k: v for k, v in s.low.items()}, **{SUM_HIGH + k: v for k, v in s.high.items()}}
+        tensors = sum_tensors(s)
         counts = dict(total_weight=s.total_weight, clipped=s.clipped, rule_clipped=s.rule_clipped,
                       change_norms=list(s.change_norms))
     return SiteAnswer(devices=devices, rejected=dict(rejected or {}), refused=dict(refused or {}),
@@ -89,12 +115,10 @@ def part_of(answer: SiteAnswer, tensors: Mapping[str, np.ndarray], reference: Ma
         if tensors:
             raise AggregationRejected("malformed", "a site's answer without training updates carries tensors")
         return None
-    expected = {SUM_LOW + k for k in reference} | {SUM_HIGH + k for k in reference}
-    if set(tensors) != expected:
-        raise AggregationRejected("wrong_tensors", "a site's tensors are not its partial sum's words of the reference")
+    low, high = sum_words(tensors, reference)
     if any(d.weight is None for d in trained):
         raise AggregationRejected("malformed", "a site's training answer without its weight")
-    total = PartialSum(low={k: tensors[SUM_LOW + k] for k in reference}, high={k: tensors[SUM_HIGH + k] for k in reference},
+    total = PartialSum(low=low, high=high,
                        total_weight=answer.total_weight, count=len(trained), clipped=answer.clipped,
                        rule_clipped=answer.rule_clipped, change_norms=tuple(answer.change_norms))
     devices = tuple(DevicePart(d.agent, int(d.weight or 0), d.discount,
@@ -103,4 +127,42 @@ def part_of(answer: SiteAnswer, tensors: Mapping[str, np.ndarray], reference: Ma
     return SitePart(total, devices)
 
 
-__all__ = ["answer_of", "orders_for", "part_of", "site_aggregate"]
+#: a high word in [-FITS, FITS) makes an integer ``high * 2**LOW_BITS + low`` that fits in int64
+_FITS = 2 ** (63 - LOW_BITS)
+
+
+def sum_tensors(total: PartialSum) -> dict[str, np.ndarray]:
+    """A partial sum as the body of a site's answer: per tensor its integers in one int64
+    (``SUM``) where they all fit, as they do unless a round's changes are near the grid's
+    range; else its two words (``SUM_LOW``, ``SUM_HIGH``). Twice the bytes of a float32 model,
+    where two words would be four times."""
+    out: dict[str, np.ndarray] = {}
+    for key, high in total.high.items():
+        low = total.low[key]
+        if high.size == 0 or (int(high.min()) >= -_FITS and int(high.max()) < _FITS):
+            out[SUM + key] = (high << LOW_BITS) + low
+        else:
+            out[SUM_LOW + key], out[SUM_HIGH + key] = low, high
+    return out
+
+
+def sum_words(tensors: Mapping[str, np.ndarray],
+              reference: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The two words per tensor of a site's body (:func:`sum_tensors`); ``AggregationRejected``
+    unless it holds exactly one form of every tensor of ``reference`` and nothing else."""
+    low: dict[str, np.ndarray] = {}
+    high: dict[str, np.ndarray] = {}
+    for key in reference:
+        whole, low_word, high_word = (tensors.get(prefix + key) for prefix in (SUM, SUM_LOW, SUM_HIGH))
+        if whole is not None and low_word is None and high_word is None and whole.dtype == np.int64:
+            low[key], high[key] = whole & (2**LOW_BITS - 1), whole >> LOW_BITS
+        elif whole is None and low_word is not None and high_word is not None:
+            low[key], high[key] = low_word, high_word
+        else:
+            raise AggregationRejected("wrong_tensors", f"{key}: a site's body holds its sum in neither form, or in both")
+    if len(tensors) != sum(1 + (SUM + k not in tensors) for k in reference):
+        raise AggregationRejected("wrong_tensors", "a site's body holds tensors besides its partial sum")
+    return low, high
+
+
+__all__ = ["answer_of", "sum_tensors", "sum_words", "orders_for", "part_of", "site_aggregate"]

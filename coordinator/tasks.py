@@ -23,6 +23,7 @@ from edgepfl.protocol import (
 )
 from edgepfl.protocol.secagg import SecAggTask
 from edgepfl.protocol.signing import Signer
+from edgepfl.protocol.site import SiteOrders
 
 from .downlink import DownlinkChain, delta_body
 from .fleet import SENDER
@@ -75,12 +76,13 @@ class TaskWriter:
 
     def frame(self, agent_id: str, kind: str, task_id: str | None = None,
               uplink: UplinkSpec | None = None, agent: AgentInfo | None = None,
-              secagg: SecAggTask | None = None) -> tuple[str, bytes]:
+              secagg: SecAggTask | None = None, site: SiteOrders | None = None) -> tuple[str, bytes]:
         """A new task for ``agent_id`` (``train`` or ``evaluate``): its id and its frame; with
         ``task_id``, that task of the open round again (the same id, seed and payload, whole).
         ``uplink``: the codec its update's change is to be compressed with (protocol 1.6);
         ``secagg``: its secure round's part, the update to be masked (protocol 1.9);
-        ``agent``: what the registry knows of it, for a task delta (protocol 1.7)."""
+        ``agent``: what the registry knows of it, for a task delta (protocol 1.7); ``site``: a
+        site aggregator's orders for its devices (protocol 1.13)."""
         if self._state is None:
             raise RuntimeError("open() a round first")
         c = self.config
@@ -95,7 +97,7 @@ class TaskWriter:
         self.last_downlink = downlink.codec.codec if downlink is not None else "whole"
         meta = TaskMeta(task_id=task_id, kind=kind, run=self.run_spec, seed=seed_for(c.seed, self._round, agent_id),
                         deadline_s=c.round_timeout_s, epoch=self._epoch, uplink=uplink, downlink=downlink,
-                        secagg=secagg)
+                        secagg=secagg, site=site)
         # signed per agent over its own header only: the shared body is hashed once per round
         frame = encode(MessageType.TASK, federation=c.federation, sender=SENDER, round=self._round, meta=meta,
                        body=body, signer=self.signer,

@@ -26,6 +26,7 @@ from .observe import Observer
 from .presence import PresenceWatch
 from .registry import Registry
 from .result import RunCounters
+from .site_relay import SiteRelay
 
 log = logging.getLogger("edgepfl.coordinator")
 
@@ -38,6 +39,8 @@ class CoordinatorSide:
     counters: RunCounters
     observer: Observer
     inbox: Inbox
+    #: the run's site aggregators and the devices behind them (None: the run takes no sites)
+    sites: SiteRelay | None = None
 
 
 def wire(config: RunConfig, fleet: Fleet, method: Method | None, *, watch_presence: bool = True) -> CoordinatorSide:
@@ -58,6 +61,8 @@ def wire(config: RunConfig, fleet: Fleet, method: Method | None, *, watch_presen
     inbox = Inbox(fleet, registry, gate, counters, tick=observer.tick, keyring=credentials.keyring,
                   clock=fleet.clock, presence=presence,
                   nacks=Nacker(config.federation, fleet, registry, credentials.signer))
+    sites = SiteRelay(registry, config.aggregation) if config.sites.enabled and method is not None else None
+    inbox.sites = sites
     fleet.expect_chunks(inbox.chunk_allowance)  # chunks reserve memory only for answers the inbox expects
     if method is not None and (config.release_every or config.release_at_end) and not config.rollout.in_runs \
             and fleet.releases.stages:
@@ -65,4 +70,4 @@ def wire(config: RunConfig, fleet: Fleet, method: Method | None, *, watch_presen
         log.warning("this run's releases (release_every / release_at_end) go to every head agent at once, "
                     "measured by no canary: set rollout.in_runs: true for stages %s and their gate",
                     config.rollout.stages)
-    return CoordinatorSide(credentials, registry, counters, observer, inbox)
+    return CoordinatorSide(credentials, registry, counters, observer, inbox, sites)

@@ -72,6 +72,8 @@ DELEGATES = (
     ("status", "edgepfl.coordinator.ops.status:main_status", "live view of a running federation"),
     ("dashboard", "edgepfl.coordinator.ops.dashboard:main_dashboard", "the live fleet view as a web page"),
     ("provision", "edgepfl.provision:main_provision", "CA, broker config and ACL, per-agent bundles and keys"),
+    ("aggregator", "edgepfl.coordinator.site_aggregator:main_aggregator",
+     "a site aggregator between a site's devices and the central coordinator"),
     ("conformance", "edgepfl.conformance.cli:main_conformance",
      "check an agent implementation against docs/PROTOCOL.md over a real broker"),
 )

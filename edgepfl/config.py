@@ -179,6 +179,18 @@ class AsynchronySpec(_Strict):
                                "share of the model falls toward a slow one's; 0: at once (FedBuff)")
 
 
+class SitesSpec(_Strict):
+    """Site aggregators between the devices of a site and this coordinator (docs/PROTOCOL.md §20)."""
+
+    enabled: bool = Field(
+        False, description="take site aggregators: a status of tier site (signed by its enrolled key on an enrolled "
+                           "fleet) makes its site's devices this run's trainers, each round sends every site one task "
+                           "for its sampled devices and folds its exact partial sum in, bit for bit the flat "
+                           "fleet's. Needs a rule whose state is a sum (mean, clipped_mean; auto is then mean), a "
+                           "method that averages each update (not fedpac), synchronous rounds, and neither secure "
+                           "aggregation nor differential privacy")
+
+
 class CompressionSpec(_Strict):
     """Fewer bytes on the air: each trainer's update change compressed, and each release sent
     to a head agent that has the previous one as the change of its weights (docs/COMPRESSION.md)."""
@@ -283,6 +295,8 @@ class RunConfig(_Strict):
     simulation: SimulationSpec = Field(
         default_factory=SimulationSpec, description="simulate --in-process: how the devices differ (compute, links, "
                                                     "availability); time there is virtual")
+    sites: SitesSpec = Field(default_factory=SitesSpec,
+                             description="site aggregators between a site's devices and this coordinator")
     rollout: RolloutSpec = Field(default_factory=RolloutSpec,
                                  description="how edgepfl release publish rolls a release out: stages and their gate")
     release_ttl_s: float = Field(
@@ -300,6 +314,8 @@ class RunConfig(_Strict):
             self._check_privacy()
         if self.secure_aggregation.enabled:
             self._check_secure_aggregation()
+        if self.sites.enabled:
+            self._check_sites()
         if self.compression.downlink != "none" and self.asynchrony.mode == "buffered":
             raise ValueError("compression.downlink needs synchronous rounds: a buffered state's tasks go to agents "
                              "that last held states of many rounds (asynchrony.mode: synchronous, or downlink: none)")
@@ -340,6 +356,19 @@ class RunConfig(_Strict):
         if not get_method(self.method.name).streaming:
             raise ValueError(f"{mechanism} protects the shared parameters only; {self.method.name} "
                              "shares statistics of every update beside them (its server step needs them all)")
+
+    def _check_sites(self) -> None:
+        """What a site's partial sum cannot serve, refused when the run takes sites (docs/PROTOCOL.md §20)."""
+        why = "sites.enabled: a site sends the exact sum of its devices' updates, not the updates"
+        if self.aggregation.rule not in ("mean", "clipped_mean", AUTO):
+            raise ValueError(f"{why}; aggregation.rule {self.aggregation.rule} needs every single update: use mean, "
+                             "clipped_mean or auto")
+        if not get_method(self.method.name).streaming:
+            raise ValueError(f"{why}; {self.method.name}'s server step needs every update (it is not a mean)")
+        if self.asynchrony.mode != "sync":
+            raise ValueError(f"{why}; buffered rounds across sites are not built yet: use asynchrony.mode sync")
+        if self.secure_aggregation.enabled or self.privacy.mechanism != "none":
+            raise ValueError(f"{why}; neither secure aggregation nor differential privacy composes with it yet")
 
     def _check_secure_aggregation(self) -> None:
         """What needs the coordinator to see single updates, refused under secure aggregation

@@ -40,13 +40,14 @@ from .spec import AggregationSpec
 def round_rule(aggregation: AggregationSpec, privacy: PrivacySpec, *, secure: bool, sampled: int, clip: float,
                noise_seed: int | list[int], on_next_clip: Callable[[float], None] | None = None,
                enrolled: bool = False, updates: int | None = None,
-               denominator: float | None = None) -> Aggregator:
+               denominator: float | None = None, sites: bool = False) -> Aggregator:
     """A fresh rule for a training round of ``sampled`` agents.
 
     ``secure``: the run's ``secure_aggregation.enabled``; ``enrolled``: whether only
     enrolled, signing devices are accepted (``security.enrolled_dir``), and ``updates`` how
     many updates the round aggregates (default ``sampled``; a buffered state's: its buffer),
-    which decide what ``aggregation.rule: auto`` is. Under central DP, ``clip`` is the
+    and ``sites`` (the run takes site aggregators' partial sums), which decide what
+    ``aggregation.rule: auto`` is. Under central DP, ``clip`` is the
     round's clip norm (``privacy.clip_norm``, or the adaptive clip the last round chose),
     ``noise_seed`` seeds the round's noise and ``on_next_clip`` is told the clip an adaptive
     clip moves to, and ``denominator`` is what the noised sum is divided by (default
@@ -54,7 +55,7 @@ def round_rule(aggregation: AggregationSpec, privacy: PrivacySpec, *, secure: bo
     if secure:  # masked updates: no bound can see one (config validation)
         return SecureMean(denominator=None if privacy.mechanism == "none" else sampled)
     if privacy.mechanism == "none":
-        return aggregation.build(enrolled=enrolled, updates=sampled if updates is None else updates)
+        return aggregation.build(enrolled=enrolled, updates=sampled if updates is None else updates, sites=sites)
     noise, adaptive = privacy.noise_multiplier, None
     if privacy.adaptive_clipping is not None:
         a = privacy.adaptive_clipping

@@ -109,21 +109,25 @@ class AggregationSpec(BaseModel):
         3, ge=1, description="after this many aborted rounds in a row (any reason, below quorum included), go "
                              "back to the last good state: the last one a round was adopted from; null: never")
 
-    def resolved(self, *, enrolled: bool = False, updates: int = 0) -> str:
+    def resolved(self, *, enrolled: bool = False, updates: int = 0, sites: bool = False) -> str:
         """The rule a round uses: :attr:`rule`, or for ``auto`` the rule for a round of
         ``updates`` updates of a fleet that is ``enrolled`` (signed by enrolled keys):
         :data:`AUTO_ROBUST_RULE` from 3 to :data:`AUTO_ROBUST_MAX_UPDATES` updates, ``mean``
-        otherwise. Without enrolment anyone on the broker may send as any device, so a
+        otherwise, and ``mean`` for a run that takes ``sites`` (a robust rule needs every
+        single update, which a site's partial sum does not show: the bounds on each update
+        still apply, at its site). Without enrolment anyone on the broker may send as any device, so a
         robust rule's "one device is one vote" holds for no one, while its cost to honest
         skewed devices stays; with one or two updates there is nothing to vote."""
         if self.rule != AUTO:
             return self.rule
+        if sites:
+            return "mean"
         return AUTO_ROBUST_RULE if enrolled and 3 <= updates <= AUTO_ROBUST_MAX_UPDATES else "mean"
 
-    def build(self, *, enrolled: bool = False, updates: int = 0) -> Aggregator:
-        """A new aggregator for this spec, with its update bound; ``enrolled`` and
-        ``updates`` decide what ``auto`` is (:meth:`resolved`; by default: the mean)."""
-        row = RULES[self.resolved(enrolled=enrolled, updates=updates)]
+    def build(self, *, enrolled: bool = False, updates: int = 0, sites: bool = False) -> Aggregator:
+        """A new aggregator for this spec, with its update bound; ``enrolled``, ``updates`` and
+        ``sites`` decide what ``auto`` is (:meth:`resolved`; by default: the mean)."""
+        row = RULES[self.resolved(enrolled=enrolled, updates=updates, sites=sites)]
         rule = row.build(**{keyword: getattr(self, name) for name, keyword in row.options.items()})
         bounds = (self.max_update_ratio, self.max_update_vs_median, self.max_mean_shift, self.max_variance_growth)
         if bounds != (None, None, None, None):

@@ -32,8 +32,10 @@ from .topics import NAME_PATTERN
 
 #: the most devices one site aggregator may announce or answer for
 MAX_SITE_DEVICES = 10_000
-#: the body of a site's answer: per shared tensor ``<key>``, the partial sum's low word as
-#: ``SUM_LOW + key`` and its high word as ``SUM_HIGH + key``, int64 of the tensor's shape
+#: the body of a site's answer: per shared tensor ``<key>``, the partial sum's integers as
+#: ``SUM + key`` (int64 of the tensor's shape) when every one fits in int64, else its low word as
+#: ``SUM_LOW + key`` and its high word as ``SUM_HIGH + key``
+SUM = "site/sum/"
 SUM_LOW = "site/low/"
 SUM_HIGH = "site/high/"
 #: the most records kept per device that a site is handed (the coordinator keeps 3)
@@ -91,6 +93,10 @@ class SiteOrders(_Wire):
     records: dict[AgentName, list[DeviceRecord]] = Field(default_factory=dict, max_length=MAX_SITE_DEVICES)
     #: the record a device without one is judged against (the fleet's largest; None: none yet)
     newcomer: DeviceRecord | None = None
+    #: the central run's ``aggregation`` settings (rule, options, update bounds) the site sums by,
+    #: as its config states them: the site applies exactly the central round's bounds
+    aggregation: dict[Annotated[str, Field(max_length=64)], str | int | float | bool | None] = Field(
+        default_factory=dict, max_length=64)
 
 
 class DeviceAnswer(_Wire):
@@ -136,5 +142,5 @@ class SiteAnswer(_Wire):
     dropped: list[AgentName] = Field(default_factory=list, max_length=MAX_SITE_DEVICES)
 
 
-__all__ = ["DeviceAnswer", "DeviceRecord", "MAX_SITE_DEVICES", "SUM_HIGH", "SUM_LOW", "SiteAnswer",
+__all__ = ["DeviceAnswer", "DeviceRecord", "MAX_SITE_DEVICES", "SUM", "SUM_HIGH", "SUM_LOW", "SiteAnswer",
            "SiteDevice", "SiteOrders", "SiteStatus"]

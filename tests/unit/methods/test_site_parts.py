@@ -197,20 +197,21 @@ def test_a_rule_that_needs_single_updates_makes_no_partial_sums():
 def _over_the_wire(method, state, updates, sites):
     """The same round with the orders and the answers as they travel: the orders as JSON, each
     site's answer as a real update frame, decoded and read back by the central coordinator."""
-    from coordinator.sites import answer_of, orders_for, part_of, site_aggregate
+    from edgepfl.coordinator.result import Evaluation
+    from edgepfl.coordinator.sites import answer_of, orders_for, part_of, site_aggregate
     from edgepfl.protocol import MessageType, UpdateMeta, decode, encode
     from edgepfl.protocol.site import SiteOrders
 
     central = method.open_round(state, AggregationSpec().build())
     for site in sites:
         train = [updates[i].agent_id for i in site]
-        orders = SiteOrders.model_validate_json(orders_for(central, train, weight_cap=10_000).model_dump_json())
-        local = site_aggregate(method, state, AggregationSpec().build(), orders)
+        orders = SiteOrders.model_validate_json(orders_for(central, AggregationSpec(), train,
+                                                           weight_cap=10_000).model_dump_json())
+        local = site_aggregate(method, state, AggregationSpec.model_validate(orders.aggregation).build(), orders)
         metas = {}
         for i in site:
             local.add(updates[i])
-            metas[updates[i].agent_id] = UpdateMeta(task_id="0" * 32, kind="train", num_train=updates[i].num_samples,
-                                                    num_test=10, eval_correct=7)
+            metas[updates[i].agent_id] = Evaluation(7, 10, None, 0.5, "train", 1.0)
         answer, tensors = answer_of(local.site_part(), metas)
         frame = encode(MessageType.UPDATE, federation="f", sender="site-a", round=1, tensors=tensors,
                        meta=UpdateMeta(task_id="1" * 32, kind="train", num_train=answer.total_weight, num_test=0,
@@ -234,20 +235,37 @@ def test_a_round_across_sites_over_real_frames_is_the_flat_round_bit_for_bit(met
 
 
 def test_a_site_answer_naming_an_unsampled_device_or_foreign_tensors_is_refused():
-    from coordinator.sites import answer_of, part_of
-    from edgepfl.protocol import UpdateMeta
+    from edgepfl.coordinator.result import Evaluation
+    from edgepfl.coordinator.sites import answer_of, part_of
 
     method, state, _, part = _site_part()
-    metas = {d.agent_id: UpdateMeta(task_id="0" * 32, kind="train", num_train=d.weight, num_test=1, eval_correct=1)
-             for d in part.devices}
+    metas = {d.agent_id: Evaluation(1, 1, None, None, "train", 0.0) for d in part.devices}
     answer, tensors = answer_of(part, metas)
     reference = state.shared_params()
     train = [d.agent_id for d in part.devices]
     assert part_of(answer, tensors, reference, train) is not None
     with pytest.raises(AggregationRejected, match="not sampled"):
         part_of(answer, tensors, reference, train[:2])
-    with pytest.raises(AggregationRejected, match="partial sum's words"):
+    with pytest.raises(AggregationRejected, match="besides its partial sum"):
         part_of(answer, {**tensors, "encoder.extra": np.zeros(1, np.int64)}, reference, train)
     with pytest.raises(AggregationRejected, match="eval_correct"):
         part_of(answer.model_copy(update={"devices": [answer.devices[0].model_copy(update={"eval_correct": 5})]
                                           + answer.devices[1:]}), tensors, reference, train)
+
+
+@settings(max_examples=60, deadline=None)
+@given(high=st.lists(st.integers(-(2**33), 2**33 - 1), min_size=1, max_size=6),
+       low=st.lists(st.integers(0, 2**40 - 1), min_size=6, max_size=6))
+def test_a_sums_body_gives_back_its_exact_words_in_one_word_where_it_fits_and_two_where_not(high, low):
+    from edgepfl.coordinator.sites import sum_tensors, sum_words
+    from edgepfl.protocol.site import SUM, SUM_HIGH
+
+    n = len(high)
+    words = PartialSum(low={"w": np.array(low[:n], np.int64)}, high={"w": np.array(high, np.int64)},
+                       total_weight=1, count=1)
+    body = sum_tensors(words)
+    fits = all(-(2**23) <= h < 2**23 for h in high)
+    assert (SUM + "w" in body) == fits and (SUM_HIGH + "w" in body) != fits
+    assert sum(a.nbytes for a in body.values()) == (1 if fits else 2) * 8 * n
+    back_low, back_high = sum_words(body, {"w": np.zeros(n, np.float32)})
+    assert back_low["w"].tolist() == low[:n] and back_high["w"].tolist() == high

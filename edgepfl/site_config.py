@@ -1,0 +1,46 @@
+"""The config of ``edgepfl aggregator``, a site aggregator (docs/PROTOCOL.md §20): who it is
+at the central coordinator, how it reaches it, and the coordinator it is to its site."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from .config import RunConfig
+from .config_loading import load_config
+from .protocol.topics import NAME_PATTERN
+from .specs import BrokerConfig, SecuritySpec, _Strict
+
+
+class CentralLink(_Strict):
+    """The aggregator's side of the central federation: one participant of it."""
+
+    federation: str = Field("demo", description="the central coordinator's federation")
+    broker: BrokerConfig = Field(default_factory=BrokerConfig, description="the central broker")
+    security: SecuritySpec = Field(
+        default_factory=SecuritySpec,
+        description="signing_key: the aggregator's own key, enrolled at the central coordinator under site_id; "
+                    "coordinator_key: the central coordinator's public key, whose tasks alone it acts on")
+
+
+class AggregatorConfig(_Strict):
+    """``edgepfl aggregator --config site.yaml``."""
+
+    site_id: str = Field(pattern=NAME_PATTERN, description="the aggregator's agent id at the central coordinator")
+    central: CentralLink = Field(default_factory=CentralLink)
+    site: RunConfig = Field(
+        default_factory=RunConfig,
+        description="the coordinator it is to its site's devices: their federation, broker and keys (security: its "
+                    "own signing key, which the devices pin, and their enrolled dir), round_timeout_s and quorum of "
+                    "its rounds, and the method and model its devices must run (the central run's)")
+
+
+def load_aggregator_config(path: str | Path, sets: Iterable[str] = (), **overrides: Any) -> AggregatorConfig:
+    """An :class:`AggregatorConfig` from a YAML file (paths resolved against its folder, ``--set`` applied)."""
+    return load_config(AggregatorConfig, path, sets, overrides)
+
+
+__all__ = ["AggregatorConfig", "CentralLink", "load_aggregator_config"]
