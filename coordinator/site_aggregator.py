@@ -25,6 +25,7 @@ from pathlib import Path
 
 from edgepfl.aggregation import AggregationSpec, SummingRule
 from edgepfl.config import ConfigError
+from edgepfl.failpoints import failpoint
 from edgepfl.methods import ServerState, create_method
 from edgepfl.protocol import (
     AgentChannel,
@@ -193,6 +194,7 @@ class SiteAggregator:
                            else None, session=info.session if info else None,
                            connection=info.connection if info else None))
             result.sent(self.fleet.send(agent_id, frame, r))
+        failpoint("site.tasks_sent")
         result.dropped = self.inbox.collect(tasks, len(orders.train), result.participants, started,
                                             site.round_timeout_s, site.quorum_of(len(orders.train)))
         tasks.close()

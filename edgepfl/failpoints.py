@@ -24,6 +24,8 @@ POINTS = {
     "round.row_appended": "a round's metrics row is appended; its good state and checkpoint are not yet written",
     "round.good_state_kept": "a round's good state is written; the checkpoint that names it is not yet",
     "round.checkpointed": "a round's checkpoint is written; older good states are not yet removed",
+    "site.tasks_sent": "a site aggregator sent its devices a round's tasks and has not answered the central "
+                       "coordinator (a site that dies mid-round)",
     "agent.train_task": "a trainer agent took a training task and has not begun training it (a device that dies "
                         "mid-round)",
 }

@@ -5,9 +5,12 @@ carries one answer per site and round instead of one per device."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -17,15 +20,17 @@ from edgepfl.atomic import write_bytes
 from edgepfl.coordinator.fleet import MqttFleet
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import data_shape, prepare, simulate, spawn_agent, stop_agents
+from edgepfl.failpoints import ENV
 from edgepfl.protocol.envelope import peek_header
 from edgepfl.testing.brokers import MosquittoBroker, TrafficCapture
 
-from tests.fleet_helpers import checkpoint_tensors, read_rows, run_config
+from tests.fleet_helpers import checkpoint_tensors, read_rows, run_config, run_in_thread, wait_until
 
 SITES = {"site-a": ["agent-00", "agent-01", "agent-02"], "site-b": ["agent-03", "agent-04", "agent-05"]}
 
 
-def _aggregator(config, site_id: str, site_url: str, central_url: str, out: Path) -> subprocess.Popen:
+def _aggregator(config, site_id: str, site_url: str, central_url: str, out: Path,
+                env: dict | None = None) -> subprocess.Popen:
     """An ``edgepfl aggregator`` process for ``site_id``: its site's federation on its own broker."""
     site = config.model_copy(update={"federation": f"{config.federation}-{site_id}"})
     doc = {"site_id": site_id,
@@ -35,39 +40,53 @@ def _aggregator(config, site_id: str, site_url: str, central_url: str, out: Path
     write_bytes(path, yaml.safe_dump(doc, sort_keys=False).encode())
     log = open(out / f"{site_id}.log", "ab")  # noqa: SIM115 (the process writes it until it stops)
     return subprocess.Popen([sys.executable, "-m", "edgepfl.cli", "--log-level", "info", "aggregator", "--config",
-                             str(path)], stdout=log, stderr=subprocess.STDOUT)
+                             str(path)], stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+
+@contextmanager
+def _sites(config, central_url: str, out: Path, env: dict[str, dict] | None = None) -> Iterator[dict]:
+    """Two site brokers, their aggregators (``env``: per site, extra environment) and three agent
+    processes each; yields the aggregator processes by site, stops everything on exit."""
+    out.mkdir(parents=True)
+    brokers = {site: MosquittoBroker() for site in SITES}
+    aggregators: dict[str, subprocess.Popen] = {}
+    agents: list[subprocess.Popen] = []
+    try:
+        index = 0
+        for site, devices in SITES.items():
+            brokers[site].start()
+            site_config = config.model_copy(update={"federation": f"{config.federation}-{site}"})
+            aggregators[site] = _aggregator(config, site, brokers[site].url, central_url, out, (env or {}).get(site))
+            for agent in devices:
+                agents.append(spawn_agent(site_config, out, brokers[site].url, agent, index))
+                index += 1
+        yield {"aggregators": aggregators, "brokers": brokers}
+    finally:
+        stop_agents(agents + list(aggregators.values()))
+        for broker in brokers.values():
+            broker.stop()
+
+
+def _central(config, central_url: str, out: Path) -> list:
+    """The central coordinator of ``config`` with sites, run to its end; its rows."""
+    central = config.model_copy(update={"sites": config.sites.model_copy(update={"enabled": True})})
+    fleet = MqttFleet(central.federation, central.broker, url=central_url, security=central.security)
+    try:
+        return Coordinator(central, fleet, out, progress=False, **data_shape(config)).run()
+    finally:
+        fleet.close()
 
 
 def _hierarchical(config, central_url: str, out: Path) -> tuple[list, list[tuple[str, bytes]]]:
     """The same run through two sites; the rows, and what crossed the central broker."""
-    out.mkdir(parents=True)
-    brokers = {site: MosquittoBroker() for site in SITES}
-    procs: list[subprocess.Popen] = []
     capture = TrafficCapture(central_url)
-    fleet = None
+    capture.start()
+    capture.clear()
     try:
-        for broker in brokers.values():
-            broker.start()
-        capture.start()
-        capture.clear()
-        index = 0
-        for site, agents in SITES.items():
-            site_config = config.model_copy(update={"federation": f"{config.federation}-{site}"})
-            procs.append(_aggregator(config, site, brokers[site].url, central_url, out))
-            for agent in agents:
-                procs.append(spawn_agent(site_config, out, brokers[site].url, agent, index))
-                index += 1
-        central = config.model_copy(update={"sites": config.sites.model_copy(update={"enabled": True})})
-        fleet = MqttFleet(central.federation, central.broker, url=central_url, security=central.security)
-        rows = Coordinator(central, fleet, out / "run", progress=False, **data_shape(config)).run()
-        return rows, capture.snapshot()
+        with _sites(config, central_url, out):
+            return _central(config, central_url, out / "run"), capture.snapshot()
     finally:
-        if fleet is not None:
-            fleet.close()
-        stop_agents(procs)
         capture.stop()
-        for broker in brokers.values():
-            broker.stop()
 
 
 @pytest.mark.parametrize("method", ["fedavg", "fedrep"])
@@ -101,3 +120,27 @@ def test_two_sites_give_the_flat_fleets_state_bit_for_bit_with_one_answer_per_si
         assert tree.update_bytes == {"site": tree.bytes_up}
         assert tree.bytes_up < flat.bytes_up * 3 / 4, (tree.bytes_up, flat.bytes_up)
     assert read_rows(tmp_path / "tree" / "run")[-1].final
+
+
+def test_a_site_killed_mid_round_costs_its_devices_that_round_and_rejoins_when_restarted(mosquitto, tmp_path):
+    """site-b's aggregator dies (SIGKILL) after sending its devices round 1's tasks: the round
+    closes with site-a's three updates (quorum), site-b's devices dropped; restarted, it lists
+    its devices again (from their retained statuses on its broker) and they train round 2."""
+    config = prepare(run_config(rounds=3, seed=3, round_timeout_s=30), 6)
+    out = tmp_path / "tree"
+    with _sites(config, mosquitto.url, out, env={"site-b": {ENV: "site.tasks_sent:2"}}) as sites:
+        thread, box = run_in_thread(lambda: _central(config, mosquitto.url, out / "run"))
+        killed = sites["aggregators"]["site-b"]
+        wait_until(lambda: killed.poll() is not None, timeout=300, what="site-b's aggregator killed in round 1")
+        assert killed.returncode == -9
+        sites["aggregators"]["site-b"] = _aggregator(config, "site-b", sites["brokers"]["site-b"].url, mosquitto.url,
+                                                     out)
+        thread.join(timeout=600)
+        assert not thread.is_alive() and "error" not in box, box.get("error")
+    rows = box["result"]
+    site_a, site_b = SITES["site-a"], SITES["site-b"]
+    assert rows[0].participants == sorted(site_a + site_b)
+    assert rows[1].participants == site_a and not rows[1].aborted
+    assert set(site_b) <= set(rows[1].dropped)
+    assert rows[2].participants == sorted(site_a + site_b)  # rejoined
+    assert rows[3].final and set(rows[3].per_client) == set(site_a + site_b)
