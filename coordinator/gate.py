@@ -320,7 +320,7 @@ class UpdateGate:
             return reject("malformed", "a site's answer to a device's task" if meta.site is not None
                           else "a site's task answered without the site's answer")
         if task.site is not None:
-            return self._site_answer(agent_id, message, task, state, reject)
+            return self._site_answer(agent_id, message, task, tasks, state, reject)
         if meta.eval_correct > meta.num_test:
             return reject("malformed", "eval_correct exceeds num_test")
         if task.kind == "evaluate":
@@ -381,7 +381,7 @@ class UpdateGate:
         return Accepted(agent_id, meta, update, message.header.message_id)
 
 
-    def _site_answer(self, agent_id: str, message: Message, task: Task, state: ServerState | None,
+    def _site_answer(self, agent_id: str, message: Message, task: Task, tasks: RoundTasks, state: ServerState | None,
                      reject: Callable[[str, str], Rejection]) -> Accepted | Rejection:
         """A site aggregator's answer (docs/PROTOCOL.md §20): every device it names was ordered
         to answer that kind, and its partial sum can be the sum of its training updates
@@ -395,6 +395,15 @@ class UpdateGate:
             return reject("unexpected", f"{wrong[0].agent} was not ordered to {wrong[0].kind} at this site")
         if state is None:  # not reached: a site's task was sent, so a round is open
             return reject("unexpected", "no round is open")
+        for d in answer.devices:
+            # a device's weight as the flat round would give it: its count, at most what its status
+            # announced (through its site's) and the round's cap
+            device = tasks.get(d.agent)
+            most = min(device.announced if device is not None and device.announced is not None else 0,
+                       orders.weight_cap or MAX_SAMPLES)
+            if d.kind == "train" and (d.weight is None or d.weight > most):
+                return reject("malformed", f"{d.agent}'s weight {d.weight} is above its announced count or the "
+                                           f"round's cap ({most})")
         try:
             part = part_of(answer, message.tensors, state.shared_params(), orders.train)
         except AggregationRejected as exc:

@@ -67,6 +67,9 @@ SITE_ANSWER_TASKS = 3
 class SiteStatuses(Protocol):
     """Told every site aggregator's accepted status (:class:`.site_relay.SiteRelay`)."""
 
+    #: the agent ids that may be sites
+    ids: frozenset[str]
+
     def status(self, site_id: str, status: StatusMeta, created: float | None) -> None: ...
 
 
@@ -264,9 +267,10 @@ class Inbox:
         if isinstance(status, Rejection):
             return self._reject(status)
         assert isinstance(status, Presence)
-        if status.meta.tier == "site" and self.sites is None:
-            return self._reject(Rejection(incoming.agent_id, "unexpected", "a site aggregator's status; this run takes "
-                                          "no sites (sites.enabled)", None))
+        if status.meta.tier == "site" and (self.sites is None or incoming.agent_id not in self.sites.ids):
+            return self._reject(Rejection(incoming.agent_id, "not_a_site", "a site aggregator's status from an agent "
+                                          "that is none of sites.ids" if self.sites is not None else
+                                          "a site aggregator's status; this run takes no sites (sites.enabled)", None))
         was_online = self.registry.update(incoming.agent_id, status.meta, status.created)
         if status.meta.tier == "site" and self.sites is not None:
             self.sites.status(incoming.agent_id, status.meta, status.created)

@@ -4,8 +4,9 @@ A site aggregator's status lists its site's online trainers; :class:`SiteRelay` 
 each as a trainer of the run (the registry's entry for it says ``via`` nothing else: the
 device is sampled, capped and benched as any trainer), remembers which site it is behind,
 and takes it off when the site's list drops it or the site goes offline. A device is in one
-site at a time: a claim on a device that another site or a direct agent already holds is
-ignored (logged once), so a compromised site cannot take over another's devices.
+site at a time: a device that two sites list is behind neither until one of them drops it,
+and one online on its own is behind none (each logged once), so a compromised site can deny
+a device it names but never take it over, whatever order the statuses arrive in.
 
 In a round, the tasks the driver sends to devices behind a site are held (:meth:`hold`) and
 go out at the start of the collection as one task per site (:meth:`flush`), whose orders name
@@ -16,10 +17,11 @@ them and carry what the round's bounds judge them by. The site's answer is read 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from edgepfl.aggregation import AggregationSpec
 from edgepfl.protocol import Capabilities, StatusMeta
+from edgepfl.protocol.site import SiteDevice
 
 from .registry import Registry
 from .result import RoundResult
@@ -32,8 +34,10 @@ log = logging.getLogger("edgepfl.coordinator")
 class SiteRelay:
     """Which devices are behind which site, and a round's one task per site."""
 
-    def __init__(self, registry: Registry, aggregation: AggregationSpec):
+    def __init__(self, registry: Registry, aggregation: AggregationSpec, ids: Iterable[str]):
         self.registry = registry
+        #: the agent ids that may be sites (``sites.ids``)
+        self.ids = frozenset(ids)
         #: the run's aggregation settings, ``auto`` resolved for a run of sites (what each site sums by)
         self.aggregation = aggregation.model_copy(update={"rule": aggregation.resolved(sites=True)})
         #: site id -> its devices, as its last status listed them (online ones)
@@ -42,35 +46,60 @@ class SiteRelay:
         self.site_of: dict[str, str] = {}
         #: site id -> the round's held tasks: (device, kind)
         self._held: dict[str, list[tuple[str, str]]] = {}
+        #: device id -> the sites whose last status lists it
+        self._claims: dict[str, set[str]] = {}
+        #: site id -> its last status's devices, and that status with when it was made
+        self._listed: dict[str, dict[str, SiteDevice]] = {}
+        self._status: dict[str, tuple[StatusMeta, float | None]] = {}
         self._told: set[tuple[str, str]] = set()
 
     def status(self, site_id: str, status: StatusMeta, created: float | None) -> None:
-        """A site aggregator's status: its listed devices become (or stay) online trainers behind
-        it, the ones it no longer lists (all of them, when it goes offline) go offline."""
+        """A site aggregator's status: the devices it lists are claimed by it; a device claimed by
+        this site alone becomes (or stays) an online trainer behind it, one it no longer lists or
+        that another site claims too goes offline (contested: behind no site until one claim is
+        left, so a compromised site can deny a device it names, never take it over)."""
         listed = {d.agent: d for d in (status.site.devices if status.site is not None and status.state == "online"
                                        else [])}
-        previous = set(self.devices.get(site_id, ()))
-        kept = []
-        for agent, device in sorted(listed.items()):
-            holder = self.site_of.get(agent)
-            direct = self.registry.agents.get(agent)
-            if (holder is not None and holder != site_id) or (holder is None and direct is not None and direct.online):
-                if (site_id, agent) not in self._told:
-                    self._told.add((site_id, agent))
-                    log.warning("site %s lists %s, which %s: ignored (a device is in one site at a time)", site_id,
-                                agent, f"is behind site {holder}" if holder else "is online on its own")
-                continue
-            self.site_of[agent] = site_id
-            kept.append(agent)
-            self.registry.update(agent, StatusMeta(
-                state="online", tier="trainer", device=f"site {site_id}", num_train=device.num_train,
-                num_test=device.num_test, version=status.version, session=status.session,
-                capabilities=Capabilities(), connection=status.connection), created)
-        for agent in previous - set(kept):
-            self.site_of.pop(agent, None)
-            self.registry.update(agent, StatusMeta(state="offline", tier="trainer", device=f"site {site_id}",
-                                                   version=status.version, session=status.session), created)
-        self.devices[site_id] = kept
+        before = set(self._listed.get(site_id, {}))
+        self._listed[site_id], self._status[site_id] = listed, (status, created)
+        for agent in before - set(listed):
+            self._claims[agent].discard(site_id)
+        for agent in listed:
+            self._claims.setdefault(agent, set()).add(site_id)
+        for agent in sorted(before | set(listed)):
+            self._assign(agent)
+        self.devices[site_id] = sorted(a for a, s in self.site_of.items() if s == site_id)
+
+    def _assign(self, agent: str) -> None:
+        """Put ``agent`` behind the one site that claims it, or behind none (offline)."""
+        claimants = self._claims.get(agent, set())
+        owner = next(iter(claimants)) if len(claimants) == 1 else None
+        direct = self.registry.agents.get(agent)
+        if owner is not None and agent not in self.site_of and direct is not None and direct.online:
+            owner = None  # online on its own: no site may speak for it
+            self._warn(agent, "is online on its own")
+        if len(claimants) > 1:
+            self._warn(agent, f"is listed by sites {', '.join(sorted(claimants))}")
+        was = self.site_of.get(agent)
+        if owner is None:
+            if was is not None:
+                del self.site_of[agent]
+                status, created = self._status[was]
+                self.registry.update(agent, StatusMeta(state="offline", tier="trainer", device=f"site {was}",
+                                                       version=status.version, session=status.session), created)
+            return
+        self.site_of[agent] = owner
+        status, created = self._status[owner]
+        device = self._listed[owner][agent]
+        self.registry.update(agent, StatusMeta(
+            state="online", tier="trainer", device=f"site {owner}", num_train=device.num_train,
+            num_test=device.num_test, version=status.version, session=status.session,
+            capabilities=Capabilities(), connection=status.connection), created)
+
+    def _warn(self, agent: str, why: str) -> None:
+        if (agent, why) not in self._told:
+            self._told.add((agent, why))
+            log.warning("device %s %s: it is behind no site until one lists it alone", agent, why)
 
     def behind(self, agent_id: str) -> str | None:
         """The site ``agent_id`` is behind (None: it is a direct agent)."""

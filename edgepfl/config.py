@@ -189,6 +189,19 @@ class SitesSpec(_Strict):
                            "fleet's. Needs a rule whose state is a sum (mean, clipped_mean; auto is then mean), a "
                            "method that averages each update (not fedpac), synchronous rounds, and neither secure "
                            "aggregation nor differential privacy")
+    ids: list[str] = Field(
+        default_factory=list, max_length=10_000,
+        description="the agent ids that are site aggregators (each enrolled with its own key on an enrolled fleet): "
+                    "a status of tier site from any other is refused, so that one device's credentials cannot make "
+                    "it a site that speaks for devices it invented")
+
+    @model_validator(mode="after")
+    def _named(self) -> SitesSpec:
+        if self.enabled and not self.ids:
+            raise ValueError("sites.enabled needs sites.ids: the agent ids of the site aggregators")
+        for site in self.ids:
+            check_segment(site, "site id")
+        return self
 
 
 class CompressionSpec(_Strict):

@@ -6,6 +6,7 @@ carries one answer per site and round instead of one per device."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -17,11 +18,13 @@ import pytest
 import yaml
 
 from edgepfl.atomic import write_bytes
+from edgepfl.config import SecuritySpec, SitesSpec
 from edgepfl.coordinator.fleet import MqttFleet
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import data_shape, prepare, simulate, spawn_agent, stop_agents
 from edgepfl.failpoints import ENV
 from edgepfl.protocol.envelope import peek_header
+from edgepfl.protocol.signing import generate_keypair
 from edgepfl.testing.brokers import MosquittoBroker, TrafficCapture
 
 from tests.fleet_helpers import checkpoint_tensors, read_rows, run_config, run_in_thread, wait_until
@@ -29,12 +32,26 @@ from tests.fleet_helpers import checkpoint_tensors, read_rows, run_config, run_i
 SITES = {"site-a": ["agent-00", "agent-01", "agent-02"], "site-b": ["agent-03", "agent-04", "agent-05"]}
 
 
+def keys_for(folder: Path, signers: list[str]) -> Path:
+    """A key pair per signer (``<name>.key``, ``<name>.pub``) and the central coordinator's
+    enrolled dir of every signer but itself (``enrolled/``)."""
+    for name in ["central", *signers]:
+        generate_keypair(folder / f"{name}.key", folder / f"{name}.pub")
+        if name != "central":
+            (folder / "enrolled").mkdir(exist_ok=True)
+            shutil.copy(folder / f"{name}.pub", folder / "enrolled" / f"{name}.pub")
+    return folder
+
+
 def _aggregator(config, site_id: str, site_url: str, central_url: str, out: Path,
-                env: dict | None = None) -> subprocess.Popen:
-    """An ``edgepfl aggregator`` process for ``site_id``: its site's federation on its own broker."""
+                env: dict | None = None, keys: Path | None = None) -> subprocess.Popen:
+    """An ``edgepfl aggregator`` process for ``site_id``: its site's federation on its own broker;
+    with ``keys`` (:func:`keys_for`) it signs with its own key and pins the central coordinator's."""
     site = config.model_copy(update={"federation": f"{config.federation}-{site_id}"})
+    security = {"signing_key": str(keys / f"{site_id}.key"), "coordinator_key": str(keys / "central.pub")} \
+        if keys is not None else {}
     doc = {"site_id": site_id,
-           "central": {"federation": config.federation, "broker": {"url": central_url}},
+           "central": {"federation": config.federation, "broker": {"url": central_url}, "security": security},
            "site": {**site.model_dump(mode="json", exclude={"broker"}), "broker": {"url": site_url}}}
     path = out / f"{site_id}.yaml"
     write_bytes(path, yaml.safe_dump(doc, sort_keys=False).encode())
@@ -44,7 +61,8 @@ def _aggregator(config, site_id: str, site_url: str, central_url: str, out: Path
 
 
 @contextmanager
-def _sites(config, central_url: str, out: Path, env: dict[str, dict] | None = None) -> Iterator[dict]:
+def sites_running(config, central_url: str, out: Path, env: dict[str, dict] | None = None,
+                  keys: Path | None = None) -> Iterator[dict]:
     """Two site brokers, their aggregators (``env``: per site, extra environment) and three agent
     processes each; yields the aggregator processes by site, stops everything on exit."""
     out.mkdir(parents=True)
@@ -56,7 +74,8 @@ def _sites(config, central_url: str, out: Path, env: dict[str, dict] | None = No
         for site, devices in SITES.items():
             brokers[site].start()
             site_config = config.model_copy(update={"federation": f"{config.federation}-{site}"})
-            aggregators[site] = _aggregator(config, site, brokers[site].url, central_url, out, (env or {}).get(site))
+            aggregators[site] = _aggregator(config, site, brokers[site].url, central_url, out, (env or {}).get(site),
+                                            keys)
             for agent in devices:
                 agents.append(spawn_agent(site_config, out, brokers[site].url, agent, index))
                 index += 1
@@ -67,9 +86,13 @@ def _sites(config, central_url: str, out: Path, env: dict[str, dict] | None = No
             broker.stop()
 
 
-def _central(config, central_url: str, out: Path) -> list:
-    """The central coordinator of ``config`` with sites, run to its end; its rows."""
-    central = config.model_copy(update={"sites": config.sites.model_copy(update={"enabled": True})})
+def central_run(config, central_url: str, out: Path, keys: Path | None = None, ids: list[str] | None = None) -> list:
+    """The central coordinator of ``config`` with sites (``ids``, default :data:`SITES`), run to its
+    end; its rows. With ``keys`` it signs with ``central.key`` and takes only enrolled senders."""
+    central = config.model_copy(update={"sites": SitesSpec(enabled=True, ids=ids or list(SITES))})
+    if keys is not None:
+        central = central.model_copy(update={"security": SecuritySpec(signing_key=str(keys / "central.key"),
+                                                                      enrolled_dir=str(keys / "enrolled"))})
     fleet = MqttFleet(central.federation, central.broker, url=central_url, security=central.security)
     try:
         return Coordinator(central, fleet, out, progress=False, **data_shape(config)).run()
@@ -83,8 +106,8 @@ def _hierarchical(config, central_url: str, out: Path) -> tuple[list, list[tuple
     capture.start()
     capture.clear()
     try:
-        with _sites(config, central_url, out):
-            return _central(config, central_url, out / "run"), capture.snapshot()
+        with sites_running(config, central_url, out):
+            return central_run(config, central_url, out / "run"), capture.snapshot()
     finally:
         capture.stop()
 
@@ -127,14 +150,14 @@ def test_a_site_killed_mid_round_costs_its_devices_that_round_and_rejoins_when_r
     closes with site-a's three updates (quorum), site-b's devices dropped; restarted, it lists
     its devices again (from their retained statuses on its broker) and they train round 2."""
     config = prepare(run_config(rounds=3, seed=3, round_timeout_s=30), 6)
-    out = tmp_path / "tree"
-    with _sites(config, mosquitto.url, out, env={"site-b": {ENV: "site.tasks_sent:2"}}) as sites:
-        thread, box = run_in_thread(lambda: _central(config, mosquitto.url, out / "run"))
+    out, keys = tmp_path / "tree", keys_for(tmp_path, list(SITES))  # signed: sites and central pin each other
+    with sites_running(config, mosquitto.url, out, env={"site-b": {ENV: "site.tasks_sent:2"}}, keys=keys) as sites:
+        thread, box = run_in_thread(lambda: central_run(config, mosquitto.url, out / "run", keys))
         killed = sites["aggregators"]["site-b"]
         wait_until(lambda: killed.poll() is not None, timeout=300, what="site-b's aggregator killed in round 1")
         assert killed.returncode == -9
         sites["aggregators"]["site-b"] = _aggregator(config, "site-b", sites["brokers"]["site-b"].url, mosquitto.url,
-                                                     out)
+                                                     out, keys=keys)
         thread.join(timeout=600)
         assert not thread.is_alive() and "error" not in box, box.get("error")
     rows = box["result"]

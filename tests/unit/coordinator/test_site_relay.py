@@ -1,0 +1,48 @@
+"""The central coordinator's map of which device is behind which site (:class:`SiteRelay`):
+whatever order the sites' statuses arrive in, a device listed by one site alone is behind it,
+one listed by two is behind neither until one drops it, and one online on its own is behind
+none; a site going offline takes its devices offline."""
+
+from __future__ import annotations
+
+import itertools
+
+from edgepfl.aggregation import AggregationSpec
+from edgepfl.coordinator.registry import Registry
+from edgepfl.coordinator.site_relay import SiteRelay
+from edgepfl.protocol import StatusMeta
+from edgepfl.protocol.site import SiteDevice, SiteStatus
+
+
+def _site(devices: list[str], state: str = "online") -> StatusMeta:
+    return StatusMeta(state=state, tier="site", site=SiteStatus(devices=[SiteDevice(agent=d, num_train=10)
+                                                                          for d in devices]))
+
+
+def _relay() -> tuple[Registry, SiteRelay]:
+    registry = Registry()
+    registry.update("direct", StatusMeta(state="online", num_train=10))
+    return registry, SiteRelay(registry, AggregationSpec(), ["a", "b"])
+
+
+def test_whatever_the_order_a_device_two_sites_list_is_behind_neither_and_one_online_alone_behind_none():
+    statuses = [("a", _site(["d1", "d2", "direct"])), ("b", _site(["d2", "d3"]))]
+    for order in itertools.permutations(statuses):
+        registry, relay = _relay()
+        for site, status in order:
+            relay.status(site, status, None)
+        assert relay.site_of == {"d1": "a", "d3": "b"}
+        online = set(registry.online("trainer"))
+        assert {"d1", "d3", "direct"} <= online and "d2" not in online
+        assert registry.agents["direct"].device == "cpu"  # not taken over by site a
+
+
+def test_a_claim_dropped_gives_the_device_back_and_a_site_going_offline_takes_its_devices_offline():
+    registry, relay = _relay()
+    relay.status("a", _site(["d1", "d2"]), None)
+    relay.status("b", _site(["d2"]), None)
+    assert relay.behind("d2") is None
+    relay.status("b", _site([]), None)
+    assert relay.behind("d2") == "a" and registry.is_online("d2")
+    relay.status("a", _site(["d1", "d2"], state="offline"), None)
+    assert relay.site_of == {} and not registry.is_online("d1") and not registry.is_online("d2")
