@@ -72,6 +72,8 @@ class SiteStatuses(Protocol):
 
     def status(self, site_id: str, status: StatusMeta, created: float | None) -> None: ...
 
+    def summed(self, site_id: str, round: int) -> None: ...
+
 
 class RoundSink(Protocol):
     """Where an open round's accepted updates and rejections go (the round loop's ``RoundResult``)."""
@@ -332,8 +334,11 @@ class Inbox:
                 verdict.message_id, "update", self._tasks.round, update.task_id, verified=self.keyring is not None)))
             return
         self.registry.answered(agent_id)
-        for device in verdict.meta.site.devices if verdict.meta.site is not None else ():
-            self.registry.answered(device.agent)
+        if verdict.meta.site is not None and self.sites is not None:
+            for device in verdict.meta.site.devices:
+                self.registry.answered(device.agent)
+            if verdict.site is not None:
+                self.sites.summed(agent_id, tasks.round)
 
     def _held_up(self, agent_id: str, provably_its_own: bool) -> bool:
         """Whether the agent's frame, which was no update or evaluation the round could use (a

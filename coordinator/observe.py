@@ -26,10 +26,11 @@ from edgepfl.protocol.view import AgentView, FleetView, Phase, RolloutState, Rol
 from .fleet import Fleet
 from .registry import Registry
 from .result import RoundResult, RunCounters
+from .site_relay import SiteRelay
 
 log = logging.getLogger("edgepfl.coordinator")
 
-TIERS = ("trainer", "head")
+TIERS = ("trainer", "head", "site")
 #: round durations a histogram bucket boundary each, in seconds (a round is a timeout of 1 s ... hours)
 ROUND_SECONDS_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600)
 
@@ -41,6 +42,8 @@ class Observer:
         self.spec: ObserveSpec = config.observe
         self.fleet = fleet
         self.registry = registry
+        #: the run's sites (docs/PROTOCOL.md §20; set by wire()), which the view names; None: none
+        self.sites: SiteRelay | None = None
         # the run's counters, every round's (a resumed run's from its checkpoint): the inbox counts into them
         self.counters = counters
         self.federation, self.method, self.rounds = config.federation, config.method.name, config.rounds
@@ -143,7 +146,8 @@ class Observer:
                                     excluded=self.registry.excluded(info.agent_id),
                                     suspended=self.registry.suspended(info.agent_id, self.round),
                                     clock_ahead_s=_rounded(self.registry.clock_ahead(info.agent_id)),
-                                    release=info.release, release_refused=self.registry.release_refused(info.agent_id)))
+                                    release=info.release, release_refused=self.registry.release_refused(info.agent_id),
+                                    **self._site_fields(info.agent_id, info.tier)))
         agents.sort(key=lambda a: (not a.online, a.id))
         releases = Counter(a.release or "none" for a in agents if a.tier == "head" and a.online)
         return FleetView(
@@ -155,12 +159,22 @@ class Observer:
             last_accuracy_round=self.last_accuracy_round, last_accuracy_final=self.last_accuracy_final,
             heartbeat_s=self.spec.view_heartbeat_s,
             release=self.release,
-            online={tier: self.registry.count_online(tier) for tier in TIERS},
+            # sites only where there are any: a fleet without sites has the view it always had
+            online={tier: n for tier in TIERS if (n := self.registry.count_online(tier)) or tier != "site"},
             releases=dict(releases.most_common()),
             rollout=self.rollout,
             rejected=dict(sorted(self.counters.rejected.items())), refused=dict(sorted(self.counters.refused.items())),
             agents=agents,
         )
+
+    def _site_fields(self, agent_id: str, tier: str) -> dict:
+        """What the view says of a site aggregator (its devices, its last sum) or of a device behind one."""
+        sites = self.sites
+        if sites is None:
+            return {}
+        if tier == "site":
+            return {"devices": len(sites.devices.get(agent_id, ())), "last_sum": sites.last_sum.get(agent_id)}
+        return {"site": sites.behind(agent_id)}
 
     def publish(self) -> None:
         self._published_at, self._dirty = time.monotonic(), False

@@ -44,6 +44,8 @@ class SiteRelay:
         self.devices: dict[str, list[str]] = {}
         #: device id -> the site it is behind
         self.site_of: dict[str, str] = {}
+        #: site id -> the last round whose partial sum was folded in (the fleet view shows it)
+        self.last_sum: dict[str, int] = {}
         #: site id -> the round's held tasks: (device, kind)
         self._held: dict[str, list[tuple[str, str]]] = {}
         #: device id -> the sites whose last status lists it
@@ -100,6 +102,10 @@ class SiteRelay:
         if (agent, why) not in self._told:
             self._told.add((agent, why))
             log.warning("device %s %s: it is behind no site until one lists it alone", agent, why)
+
+    def summed(self, site_id: str, round: int) -> None:
+        """The site's partial sum of ``round`` was folded in."""
+        self.last_sum[site_id] = round
 
     def behind(self, agent_id: str) -> str | None:
         """The site ``agent_id`` is behind (None: it is a direct agent)."""

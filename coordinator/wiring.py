@@ -63,7 +63,7 @@ def wire(config: RunConfig, fleet: Fleet, method: Method | None, *, watch_presen
                   nacks=Nacker(config.federation, fleet, registry, credentials.signer))
     sites = SiteRelay(registry, config.aggregation, config.sites.ids) if config.sites.enabled and method is not None \
         else None
-    inbox.sites = sites
+    inbox.sites = observer.sites = sites
     fleet.expect_chunks(inbox.chunk_allowance)  # chunks reserve memory only for answers the inbox expects
     if method is not None and (config.release_every or config.release_at_end) and not config.rollout.in_runs \
             and fleet.releases.stages:

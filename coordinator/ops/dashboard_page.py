@@ -158,7 +158,7 @@ function draw() {
     reasons.length ? reasons.map(([w, k, n]) => [w, esc(k), n]) : [["none", "", ""]]);
 
   const needle = $("filter").value.trim().toLowerCase();
-  const shown = needle ? v.agents.filter((a) => (a.id + " " + a.tier + " " + (a.release || "")).toLowerCase().includes(needle)) : v.agents;
+  const shown = needle ? v.agents.filter((a) => (a.id + " " + a.tier + " " + (a.release || "") + " " + (a.site || "")).toLowerCase().includes(needle)) : v.agents;
   const pages = Math.max(1, Math.ceil(shown.length / PAGE_SIZE));
   page = Math.min(page, pages - 1);
   $("page").textContent = `${shown.length ? page * PAGE_SIZE + 1 : 0}–${Math.min(shown.length, (page + 1) * PAGE_SIZE)} of ${shown.length}` +
@@ -168,7 +168,8 @@ function draw() {
       esc(a.id), a.tier, a.online ? (past ? '<span class="off">was online</span>' : '<span class="on">online</span>') :
         '<span class="off">offline</span>', ago(a.last_seen),
       esc(a.release || ""), a.num_train,
-      '<span class="warn">' + esc(a.excluded || a.suspended || a.release_refused || (a.benched_until != null ? "benched until round " + a.benched_until : "")) + "</span>"]));
+      '<span class="warn">' + esc(a.excluded || a.suspended || a.release_refused || (a.benched_until != null ? "benched until round " + a.benched_until : "")) + "</span>" +
+        esc(a.tier === "site" ? `${a.devices} devices, last sum round ${a.last_sum ?? "none"}` : a.site ? "via " + a.site : "")]));
   document.body.dataset.renderMs = (performance.now() - t0).toFixed(1);
   document.body.dataset.updated = String(v.updated);
 }

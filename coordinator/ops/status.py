@@ -187,7 +187,8 @@ def format_view(view: FleetView, *, now: float | None = None, max_agents: int = 
         why = clock + (f"  (refused: {a.excluded}, until it restarts)" if a.excluded else
                f"  (suspended: {a.suspended})" if a.suspended else
                f"  (missed its tasks: no task before round {a.benched_until + 1})" if a.benched_until is not None
-               else "") + (f"  (did not install release {a.release_refused})" if a.release_refused else "")
+               else "") + (f"  (did not install release {a.release_refused})" if a.release_refused else "") + \
+            (f"  ({a.devices} devices, last sum round {a.last_sum})" if a.tier == "site" else "")
         state = ("was online" if past else "online") if a.online else "offline"
         lines.append(f"{a.id:<24} {a.tier:<8} {state:<10} "
                      f"{_ago(now - a.last_seen):>12} {a.num_train:>8}  {a.device}{why}")

@@ -39,7 +39,7 @@ class AgentView(_View):
     """One agent as the coordinator last saw it."""
 
     id: str
-    tier: Literal["trainer", "head"]
+    tier: Literal["trainer", "head", "site"]
     online: bool
     last_seen: float = Field(description="Unix time of the agent's last frame of any kind")
     device: str = ""
@@ -55,6 +55,9 @@ class AgentView(_View):
     release: str | None = Field(None, description="head tier: the release installed, as its last status named it")
     release_refused: str | None = Field(
         None, description="head tier: the last release it did not install, and why (until it reports one installed)")
+    site: str | None = Field(None, description="a trainer behind a site aggregator: that site (docs/PROTOCOL.md §20)")
+    devices: int | None = Field(None, ge=0, description="a site aggregator: how many devices are behind it now")
+    last_sum: int | None = Field(None, description="a site aggregator: the last round its partial sum was folded in")
 
 
 #: where a staged rollout stands (docs/ROLLOUT.md)

@@ -20,6 +20,7 @@ import yaml
 from edgepfl.atomic import write_bytes
 from edgepfl.config import SecuritySpec, SitesSpec
 from edgepfl.coordinator.fleet import MqttFleet
+from edgepfl.coordinator.ops.status import fetch_view
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import data_shape, prepare, simulate, spawn_agent, stop_agents
 from edgepfl.failpoints import ENV
@@ -143,6 +144,13 @@ def test_two_sites_give_the_flat_fleets_state_bit_for_bit_with_one_answer_per_si
         assert tree.update_bytes == {"site": tree.bytes_up}
         assert tree.bytes_up < flat.bytes_up * 3 / 4, (tree.bytes_up, flat.bytes_up)
     assert read_rows(tmp_path / "tree" / "run")[-1].final
+
+    # the fleet view names the sites: their devices and the last round summed; each device its site
+    view = fetch_view(mosquitto.url, config.federation)
+    by_id = {a.id: a for a in view.agents}
+    for site, devices in SITES.items():
+        assert by_id[site].tier == "site" and by_id[site].last_sum == 1
+        assert all(by_id[d].tier == "trainer" and by_id[d].site == site for d in devices)
 
 
 def test_a_site_killed_mid_round_costs_its_devices_that_round_and_rejoins_when_restarted(mosquitto, tmp_path):
