@@ -141,3 +141,15 @@ def test_a_broker_url_that_cannot_work_is_a_config_error_when_loaded(tmp_path, u
     data["broker"] = {"url": "mqtts://broker.example:8883"}
     path.write_text(yaml.safe_dump(data))
     assert not load_run_config(path).broker.embedded
+
+
+def test_the_sites_example_configs_validate_as_a_central_run_and_a_site_aggregator():
+    """examples/sites/: what docs/OPERATING.md ("Sites") starts a fleet of sites from."""
+    from edgepfl.config import load_run_config
+    from edgepfl.site_config import load_aggregator_config
+
+    central = load_run_config(REPO / "examples" / "sites" / "central.yaml")
+    site = load_aggregator_config(REPO / "examples" / "sites" / "site-a.yaml")
+    assert central.sites.enabled and site.site_id in central.sites.ids
+    assert site.central.federation == central.federation != site.site.federation
+    assert (site.site.method.name, site.site.model.arch) == (central.method.name, central.model.arch)
