@@ -12,16 +12,16 @@ judged by the central round's bounds, then summed exactly (:func:`.sites.site_ag
 aggregator answers with the site's partial sum, so that one model-sized frame crosses the site's
 uplink per round whatever the number of devices, and the central round is the flat fleet's bit for bit.
 
-The aggregator keeps no model of its own: the state is the one each central task carries, and a
-round in flight is lost with the process, like a central round's aggregate (the central round
-closes with the other sites; the next task starts afresh).
+The aggregator keeps no state of its own: the model is the one each central task carries, its
+devices are what their retained statuses on the site's broker say, and a round in flight is
+lost with the process, like a central round's aggregate (the central round closes with the
+other sites; the next task starts afresh). So a restart resumes by construction.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from pathlib import Path
 
 from edgepfl.aggregation import AggregationSpec, SummingRule
 from edgepfl.config import ConfigError
@@ -33,6 +33,7 @@ from edgepfl.protocol import (
     FederationChannel,
     Message,
     MessageType,
+    ProtocolError,
     StatusMeta,
     TaskMeta,
     UpdateMeta,
@@ -74,6 +75,8 @@ class CentralLink:
         self._status_topic = agent_topic(self.federation, self.site_id, AgentChannel.STATUS)
         #: the central coordinator's last presence (None: none heard yet)
         self.central: CoordinatorMeta | None = None
+        #: (epoch, round) of the last task taken: a task not newer is not run again
+        self._last: tuple[int, int] | None = None
         self.transport = MqttTransport.from_config(
             link.broker, url=url, client_id=f"edgepfl-{self.federation}-{self.site_id}", federation=self.federation,
             sender=self.site_id,
@@ -104,7 +107,7 @@ class CentralLink:
             return None
         try:
             message = decode(inbound.frame)
-        except Exception as exc:  # ProtocolError, and anything the decoder did not expect: never fatal
+        except ProtocolError as exc:
             log.warning("dropped a frame from the central broker: %s", exc)
             return None
         if self.central_key is not None and verify(message, self.central_key) is not None:
@@ -113,8 +116,19 @@ class CentralLink:
         if message.type == MessageType.COORDINATOR:
             self.central = message.meta_as(CoordinatorMeta)
             return None
-        if message.type != MessageType.TASK or message.header.recipient not in (None, self.site_id):
+        if message.type != MessageType.TASK:
             return None
+        signed = self.central_key is not None
+        if message.header.recipient != self.site_id and (signed or message.header.recipient is not None):
+            log.warning("dropped a task addressed to %s", message.header.recipient)
+            return None
+        order = (message.meta_as(TaskMeta).epoch, message.header.round)
+        if self._last is not None and order <= self._last:
+            # a copy of a task it ran, or an older one replayed: a round is run once (PROTOCOL.md §10)
+            log.warning("dropped a task of round %d: not newer than the last one run (round %d)", order[1],
+                        self._last[1])
+            return None
+        self._last = order
         return message
 
     def send(self, frame: bytes, round: int) -> int:
@@ -129,8 +143,7 @@ class CentralLink:
 class SiteAggregator:
     """A site's aggregator: the site's coordinator side over its broker, and its link to the central one."""
 
-    def __init__(self, config: AggregatorConfig, out_dir: str | Path, *, site_url: str | None = None,
-                 central_url: str | None = None):
+    def __init__(self, config: AggregatorConfig, *, site_url: str | None = None, central_url: str | None = None):
         self.config = site = config.site
         self.site_id = config.site_id
         self.method = create_method(site.method.name, site.method.options())
@@ -139,7 +152,6 @@ class SiteAggregator:
         self.registry, self.inbox, self.counters = side.registry, side.inbox, side.counters
         self.signer = side.credentials.signer
         self.registry.require(site.method.name, site.model.arch)
-        self.out_dir = Path(out_dir)
         self.central = CentralLink(config, central_url)
         #: rounds run (the number of central tasks answered)
         self.rounds = 0
@@ -248,14 +260,13 @@ def main_aggregator(argv: list[str] | None = None) -> int:
                                                description="a site aggregator between a site's devices and the "
                                                            "central coordinator (docs/PROTOCOL.md section 20)")
     p.add_argument("--config", required=True, help="the aggregator's YAML (edgepfl.site_config.AggregatorConfig)")
-    p.add_argument("--out", default=None, help="its folder (default: runs/<site_id>)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     args = p.parse_args(argv)
     config = load_aggregator_config(args.config, args.set)
     if config.site.broker.url == config.central.broker.url and config.site.federation == config.central.federation:
         raise ConfigError("site.federation must differ from central.federation on one broker: the site's devices "
                           "would hear the central coordinator")
-    aggregator = SiteAggregator(config, args.out or f"runs/{config.site_id}")
+    aggregator = SiteAggregator(config)
     notifier().ready(f"site aggregator {config.site_id} of {config.central.federation}")
     try:
         aggregator.run()

@@ -278,9 +278,15 @@ class RoundAggregate:
         would: their kept records (as :data:`UPDATE_HISTORY` holds them) and the record a device
         without one is given (the fleet's largest, :meth:`own_record`)."""
         records = {a: list(self.history[a]) for a in sorted(set(agents)) if a in self.history}
-        if self._newcomer is not None:
-            return records, self._newcomer
-        return records, OwnRecord.largest(r for r in map(OwnRecord.typical, self.history.values()) if r is not None)
+        return records, self._newcomer_record()
+
+    def _newcomer_record(self) -> OwnRecord | None:
+        """What a device without a record is judged against: the one handed in (a site's), or the
+        fleet's largest, measured once a round (the records change only when the round closes)."""
+        if self._newcomer is None and self.history:
+            self._newcomer = OwnRecord.largest(r for r in map(OwnRecord.typical, self.history.values())
+                                               if r is not None)
+        return self._newcomer
 
     def site_part(self) -> SitePart:
         """The round so far as one site's share (:meth:`add_site` folds it in elsewhere): a
@@ -336,9 +342,7 @@ class RoundAggregate:
         own = OwnRecord.typical(self.history.get(agent_id, ()))
         if own is not None:
             return own
-        if self._newcomer is not None:
-            return self._newcomer
-        return OwnRecord.largest(r for r in map(OwnRecord.typical, self.history.values()) if r is not None)
+        return self._newcomer_record()
 
     def close(self, round: int) -> ServerState:
         """The next server state from every update added (at least one)."""
