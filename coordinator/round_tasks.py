@@ -50,8 +50,6 @@ class Task:
     secagg: SecAggTask | None = None
     #: a site aggregator's task: the orders for its devices (protocol 1.13)
     site: SiteOrders | None = None
-    #: the site aggregator a device's task went through (None: sent to the device itself)
-    via: str | None = None
 
     def lost_with_connection(self, session: str | None, connection: int | None) -> bool:
         """Whether a birth of ``session`` on connection ``connection`` came after a connection

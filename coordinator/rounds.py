@@ -46,6 +46,7 @@ from edgepfl.protocol import (
     seed_for,
 )
 from edgepfl.protocol.secagg import SecAggTask
+from edgepfl.protocol.site import SiteOrders
 from edgepfl.state import CheckpointMeta
 
 from .drivers import SyncRounds, driver_for
@@ -265,7 +266,7 @@ class Coordinator:
         result.dropped.extend(self.inbox.collect(tasks, len(result.sampled), result.participants, started,
                                                  self.config.round_timeout_s, self.config.quorum_of(len(result.sampled))))
 
-    def _site_task(self, r: int, site_id: str, kind: str, orders) -> tuple[str, int]:
+    def _site_task(self, r: int, site_id: str, kind: str, orders: SiteOrders) -> tuple[str, int]:
         task_id, frame = self.task_writer.frame(site_id, kind, site=orders)
         return task_id, self.fleet.send(site_id, frame, r)
 

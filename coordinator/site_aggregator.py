@@ -149,12 +149,10 @@ class SiteAggregator:
         self.method = create_method(site.method.name, site.method.options())
         self.fleet = MqttFleet(site.federation, site.broker, url=site_url, security=site.security)
         side = wire(site, self.fleet, self.method)
-        self.registry, self.inbox, self.counters = side.registry, side.inbox, side.counters
+        self.registry, self.inbox = side.registry, side.inbox
         self.signer = side.credentials.signer
         self.registry.require(site.method.name, site.model.arch)
         self.central = CentralLink(config, central_url)
-        #: rounds run (the number of central tasks answered)
-        self.rounds = 0
 
     def run(self, stop: threading.Event | None = None) -> None:
         """Serve the central coordinator's tasks until its presence says ``done`` (or ``stop``)."""
@@ -222,7 +220,6 @@ class SiteAggregator:
                            eval_correct=sum(e.correct for e in evaluations), site=answer)
         sent = self.central.send(encode(MessageType.UPDATE, federation=self.central.federation, sender=self.site_id,
                                         round=r, meta=reply, tensors=tensors, signer=self.central.signer), r)
-        self.rounds += 1
         log.info("round %d: %d of %d devices' updates summed, %d evaluated; %d bytes to the central coordinator "
                  "(the site's devices sent %d)", r, aggregate.count if aggregate is not None else 0,
                  len(orders.train), len(result.evaluations), sent, result.bytes_up)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 
 from edgepfl.aggregation import AggregationSpec
 from edgepfl.protocol import Capabilities, StatusMeta
-from edgepfl.protocol.site import SiteDevice
+from edgepfl.protocol.site import SiteDevice, SiteOrders
 
 from .registry import Registry
 from .result import RoundResult
@@ -116,7 +116,7 @@ class SiteRelay:
         self._held.setdefault(site_id, []).append((agent_id, kind))
 
     def flush(self, tasks: RoundTasks, result: RoundResult,
-              send: Callable[[str, str, object], tuple[str, int]]) -> None:
+              send: Callable[[str, str, SiteOrders], tuple[str, int]]) -> None:
         """Send each site with held tasks its one task of the round (``send(site, kind, orders)``
         returns the task id and the bytes sent); every held device then owes an answer under that id."""
         held, self._held = self._held, {}
@@ -124,19 +124,15 @@ class SiteRelay:
         for site_id, items in sorted(held.items()):
             train = [a for a, kind in items if kind == "train"]
             evaluate = [a for a, kind in items if kind != "train"]
-            if aggregate is not None:
-                orders = orders_for(aggregate, self.aggregation, train, evaluate, tasks.weight_cap)
-            else:
-                from edgepfl.protocol.site import SiteOrders
-
-                orders = SiteOrders(evaluate=evaluate)
+            orders = orders_for(aggregate, self.aggregation, train, evaluate, tasks.weight_cap) \
+                if aggregate is not None else SiteOrders(evaluate=evaluate)
             kind = "train" if train else "evaluate"
             task_id, sent = send(site_id, kind, orders)
             result.sent(sent)
             tasks.add(Task(site_id, task_id, kind, site=orders))
             for agent_id, device_kind in items:
                 tasks.add(Task(agent_id, task_id, device_kind, self.registry.announced_num_train(agent_id)
-                               if device_kind == "train" else None, via=site_id))
+                               if device_kind == "train" else None))
 
 
 __all__ = ["SiteRelay"]
