@@ -145,7 +145,6 @@ def test_a_broker_url_that_cannot_work_is_a_config_error_when_loaded(tmp_path, u
 
 def test_the_sites_example_configs_validate_as_a_central_run_and_a_site_aggregator():
     """examples/sites/: what docs/OPERATING.md ("Sites") starts a fleet of sites from."""
-    from edgepfl.config import load_run_config
     from edgepfl.site_config import load_aggregator_config
 
     central = load_run_config(REPO / "examples" / "sites" / "central.yaml")
