@@ -142,6 +142,29 @@ def run_config(n: int, args: argparse.Namespace, federation: str) -> dict:
     }
 
 
+def run_metered(coordinator: Sequence[str], config_path: Path, broker: MosquittoBroker, run_dir: Path, rounds: int,
+                timeout_s: float, what: str) -> Meter:
+    """Run the coordinator command on ``config_path`` against ``broker`` until it exits (killed
+    after ``timeout_s``), its output in ``run_dir/out`` and its log beside; its :class:`Meter`.
+    RuntimeError naming ``what`` (the fleet) when it does not exit 0."""
+    assert broker._proc is not None
+    with open(run_dir / "coordinator.log", "w") as log:
+        proc = subprocess.Popen(
+            [*coordinator, "--log-level", "warning", "coordinator", "--config",
+             str(config_path), "--broker", broker.url, "--out", str(run_dir / "out")],
+            stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        meter = Meter(proc.pid, broker._proc.pid, run_dir / "out" / "metrics.jsonl", rounds + 1).start()
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        meter.stop()
+    if code != 0:
+        raise RuntimeError(f"coordinator exited {code} at {what}; see {run_dir / 'coordinator.log'}")
+    return meter
+
+
 def measure(n: int, args: argparse.Namespace, work: Path,
             coordinator: Sequence[str] = (sys.executable, "-m", "edgepfl.cli")) -> dict:
     """One fleet of ``n`` virtual agents and the coordinator command ``coordinator`` (the
@@ -158,21 +181,8 @@ def measure(n: int, args: argparse.Namespace, work: Path,
         with LoadGenerator(broker.url, federation, n, processes=args.processes, local_work_s=args.local_work_s,
                            log_dir=run_dir) as gen:
             connect_s = time.monotonic() - started
-            log = open(run_dir / "coordinator.log", "w")  # noqa: SIM115
-            proc = subprocess.Popen(
-                [*coordinator, "--log-level", "warning", "coordinator", "--config",
-                 str(config_path), "--broker", broker.url, "--out", str(run_dir / "out")],
-                stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
-            meter = Meter(proc.pid, broker._proc.pid, run_dir / "out" / "metrics.jsonl", args.rounds + 1).start()
-            try:
-                code = proc.wait(timeout=args.timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = proc.wait()
-            meter.stop()
+            meter = run_metered(coordinator, config_path, broker, run_dir, args.rounds, args.timeout_s, f"N={n}")
             stats = gen.stop()
-        if code != 0:
-            raise RuntimeError(f"coordinator exited {code} at N={n}; see {run_dir / 'coordinator.log'}")
     rows = read_metrics(run_dir / "out" / "metrics.jsonl")
     training = [r for r in rows if not r.final and r.round >= 1]
     cpu = meter.cpu_at_row

@@ -36,7 +36,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from capacity import Meter  # noqa: E402
+from capacity import run_metered  # noqa: E402
 from loadgen import raise_fd_limit  # noqa: E402
 
 from edgepfl.metrics import read_metrics  # noqa: E402
@@ -136,23 +136,11 @@ def measure(devices: int, args: argparse.Namespace, work: Path) -> dict:
                 if sites.poll() is not None:
                     raise RuntimeError(f"virtual sites exited {sites.returncode}; see {run_dir / 'sites.log'}")
                 time.sleep(0.1)
-            log = open(run_dir / "coordinator.log", "w")  # noqa: SIM115
-            proc = subprocess.Popen([sys.executable, "-m", "edgepfl.cli", "--log-level", "warning", "coordinator",
-                                     "--config", str(run_dir / "run.yaml"), "--broker", broker.url, "--out",
-                                     str(run_dir / "out")], stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
-            meter = Meter(proc.pid, broker._proc.pid, run_dir / "out" / "metrics.jsonl", args.rounds + 1).start()
-            try:
-                code = proc.wait(timeout=args.timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = proc.wait()
-            meter.stop()
+            meter = run_metered((sys.executable, "-m", "edgepfl.cli"), run_dir / "run.yaml", broker, run_dir,
+                                args.rounds, args.timeout_s, f"N={devices}")
         finally:
             sites.kill()
             sites.wait()
-    if code != 0:
-        raise RuntimeError(f"coordinator exited {code} at N={devices}; see {run_dir / 'coordinator.log'}")
     rows = read_metrics(run_dir / "out" / "metrics.jsonl")
     per_round = []
     for i, row in enumerate(rows):
