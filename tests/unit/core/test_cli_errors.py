@@ -54,6 +54,9 @@ def files(tmp_path_factory) -> Path:
     yml("fmnist.yaml", {"data": {"dataset": "fmnist"}})
     yml("few.yaml", {"data": {"dataset": "digits", "num_clients": 2000, "samples_per_client": 50}})
     yml("agent.yaml", {"agent_id": "pi-1", "data": {"dataset": "digits"}})
+    yml("aggregator_same_federation.yaml", {"site_id": "site-a", "central": {"federation": "f"},
+                                            "site": {"federation": "f"}})
+    yml("aggregator_bad_id.yaml", {"site_id": "site/a", "central": {"federation": "f"}})
     yml("agent_bad_id.yaml", {"agent_id": "pi/1#", "broker": {"url": "mqtt://127.0.0.1:1"}})
     yml("agent_bad_url.yaml", {"agent_id": "pi-1", "tier": "head", "broker": {"url": "ftp://broker:21"},
                                "data": {"dataset": "digits", "num_clients": 2}})
@@ -125,6 +128,12 @@ def cases(d: Path) -> list[Case]:
         Case("coordinator embedded", ["coordinator", "--config", str(d / "good.yaml")], USAGE, "broker URL"),
         Case("agent embedded", ["agent", "--config", str(d / "agent.yaml")], USAGE, "broker URL", fast=True),
         Case("agent bad id", ["agent", "--config", str(d / "agent_bad_id.yaml")], USAGE, "agent_id", fast=True),
+        Case("aggregator on its devices' federation", ["aggregator", "--config",
+                                                        str(d / "aggregator_same_federation.yaml")], USAGE,
+             "site.federation", fast=True),
+        Case("aggregator bad id", ["aggregator", "--config", str(d / "aggregator_bad_id.yaml")], USAGE, "site_id",
+             fast=True),
+        Case("aggregator no config", ["aggregator"], USAGE, "--config", fast=True),
         Case("agent head knn", ["agent", "--config", str(d / "agent.yaml"), "--set", "head=knn"], USAGE, "knn",
              fast=True),
         # data and input files
