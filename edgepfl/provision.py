@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import secrets
 import shutil
 import sys
@@ -74,6 +75,11 @@ class ProvisionRecord(BaseModel):
     connections_per_address: int = 4
     #: source addresses at that limit whose idle sockets max_connections leaves room for
     idle_addresses: int = Field(IDLE_ADDRESSES, ge=0)
+    #: site aggregator id -> its site's devices (docs/OPERATING.md, "Sites"): each site aggregator is an
+    #: agent of this federation, and its site a federation of its own under ``sites/<id>/``
+    sites: dict[str, list[str]] = Field(default_factory=dict)
+    #: site aggregator id -> the host name its site's devices reach the site's broker at
+    site_hosts: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("connections_per_address")
     @classmethod
@@ -168,8 +174,10 @@ def _coordinator_bundle(record: ProvisionRecord, out: Path, ca: pki.CA) -> str |
         "federation": record.federation, "broker": broker,
         "security": {"signing_key": _ref(record, folder, "signing.key"),
                      "enrolled_dir": _ref(record, folder, "enrolled")},
-        "min_agents": min(2, max(1, len(record.agents))),
+        "min_agents": min(2, max(1, len(record.agents) + sum(map(len, record.sites.values())) - len(record.sites))),
     }
+    if record.sites:
+        body["sites"] = {"enabled": True, "ids": sorted(record.sites)}
     _write_yaml(folder / "coordinator.yaml", (
         f"# edgepfl coordinator of federation {record.federation}, written by edgepfl provision.\n"
         "# Paths are relative to this file's folder. Add method:, model:, data:, rounds: and run\n"
@@ -217,6 +225,51 @@ def _broker_files(record: ProvisionRecord, out: Path, ca: pki.CA, passwords: dic
     pki.write_public(folder / "firewall.nft", rules.encode())
 
 
+#: the keys of a bundle's ``broker:`` and ``security:`` sections that name a file of the bundle
+_FILE_KEYS = ("ca_file", "cert_file", "key_file", "password_file", "signing_key", "coordinator_key", "enrolled_dir")
+
+
+def _rebased(section: dict, bundle: Path, folder: Path, absolute: bool) -> dict:
+    """A bundle's ``broker:`` or ``security:`` section, its file paths (relative to ``bundle``)
+    made relative to ``folder`` (or absolute)."""
+    out = dict(section)
+    for key in _FILE_KEYS:
+        if isinstance(out.get(key), str):
+            path = (bundle / out[key]).resolve()
+            out[key] = str(path) if absolute else os.path.relpath(path, folder.resolve())
+    return out
+
+
+def _site(record: ProvisionRecord, out: Path, site_id: str) -> None:
+    """A site of the federation: its own federation under ``sites/<site_id>/`` (CA, broker, the
+    coordinator side its aggregator runs, one bundle per device) and the aggregator's config,
+    which joins that coordinator side to the site's bundle as an agent of the central federation."""
+    folder = out / "sites" / site_id
+    host = record.site_hosts.get(site_id, site_id)
+    site = ProvisionRecord(
+        federation=f"{record.federation}-{site_id}", broker_hosts=[host], port=record.port, auth=record.auth,
+        agents=record.sites[site_id], max_message_bytes=record.max_message_bytes, update_bytes=record.update_bytes,
+        broker_dir=str(folder / "broker"), absolute_paths=record.absolute_paths, bind=record.bind,
+        connections_per_address=record.connections_per_address, idle_addresses=record.idle_addresses)
+    provision(site, folder)
+    central = yaml.safe_load((out / "agents" / site_id / "agent.yaml").read_text())
+    coordinator = yaml.safe_load((folder / "coordinator" / "coordinator.yaml").read_text())
+    absolute = record.absolute_paths
+    body = {
+        "site_id": site_id,
+        "central": {"federation": record.federation,
+                    "broker": _rebased(central["broker"], out / "agents" / site_id, folder, absolute),
+                    "security": _rebased(central["security"], out / "agents" / site_id, folder, absolute)},
+        "site": {"federation": site.federation,
+                 "broker": _rebased(coordinator["broker"], folder / "coordinator", folder, absolute),
+                 "security": _rebased(coordinator["security"], folder / "coordinator", folder, absolute)},
+    }
+    _write_yaml(folder / "aggregator.yaml", (
+        f"# edgepfl site aggregator {site_id} of federation {record.federation}, written by edgepfl provision.\n"
+        "# Paths are relative to this file's folder. Add site: method: and model: (the central run's) and run\n"
+        "#   edgepfl aggregator --config aggregator.yaml\n"), body)
+
+
 # --------------------------------------------------------------------------- commands
 
 
@@ -239,6 +292,8 @@ def provision(record: ProvisionRecord, out: Path) -> None:
             passwords[user] = password
     _broker_files(record, out, ca, passwords, new_server_cert=True)
     pki.write_public(out / "provision.json", record.model_dump_json(indent=2).encode())
+    for site_id in sorted(record.sites):
+        _site(record, out, site_id)
 
 
 def add_agents(out: Path, new_agents: list[str], bind: str | None = None) -> ProvisionRecord:
@@ -292,6 +347,10 @@ def _summary(record: ProvisionRecord, out: Path, added: list[str] | None = None)
         f"  cd {out}/coordinator && edgepfl coordinator --config coordinator.yaml   (after adding method, data, rounds)",
         f"  copy {out}/agents/{first}/ to the device, then there: edgepfl agent --config agent.yaml   (after adding data)",
         f"  edgepfl status --config {out}/operator/operator.yaml   (while it runs)",
+        *([f"  sites ({', '.join(sorted(record.sites))}): each {out}/sites/<site>/ is a federation of its own "
+           "(broker/, coordinator/, agents/); on the site's gateway: its broker, then",
+           f"  cd {out}/sites/<site> && edgepfl aggregator --config aggregator.yaml   (after adding site: method: "
+           "and model:)"] if record.sites else []),
     ])
 
 
@@ -330,12 +389,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--absolute-paths", action="store_true",
                    help="write absolute paths into the YAML files (default: relative to each file's folder)")
     p.add_argument("--force", action="store_true", help="replace an existing provisioned --out")
+    p.add_argument("--site", action="append", default=[], metavar="SITE:DEVICE,DEVICE",
+                   help="a site aggregator and its site's devices (repeat per site): the aggregator is an agent of "
+                        "this federation, its site a federation of its own under OUT/sites/SITE/ with its broker, "
+                        "and OUT/sites/SITE/aggregator.yaml joins the two (docs/OPERATING.md, Sites)")
+    p.add_argument("--site-host", action="append", default=[], metavar="SITE=HOST",
+                   help="the host name a site's devices reach its broker at (default: the site's id)")
     return p
 
 
 def _names(values: str | list[str] | None) -> list[str]:
     items = values if isinstance(values, list) else [values or ""]
     return [n.strip() for v in items for n in v.split(",") if n.strip()]
+
+
+def _sites(values: list[str]) -> dict[str, list[str]]:
+    """``--site SITE:DEVICE,DEVICE`` values as site id -> devices; ProvisionError for a malformed one."""
+    sites: dict[str, list[str]] = {}
+    for value in values:
+        site, colon, devices = value.partition(":")
+        names = _names(devices)
+        if not colon or not site.strip() or not names:
+            raise ProvisionError(f"--site {value!r}: write SITE:DEVICE,DEVICE (the site aggregator's id, then its "
+                                 "devices)")
+        check_agent_ids([site.strip(), *names])
+        sites[site.strip()] = names
+    named = [site for site in sites] + [d for devices in sites.values() for d in devices]
+    twice = sorted({n for n in named if named.count(n) > 1})
+    if twice:
+        raise ProvisionError(f"--site: {twice[0]} is named twice (a device is in one site, and no device is a site)")
+    return sites
 
 
 def main_provision(argv: list[str]) -> int:
@@ -349,9 +432,11 @@ def main_provision(argv: list[str]) -> int:
             return 0
         if not args.federation or not args.broker_host:
             raise ProvisionError("--federation and --broker-host are required (or --add to extend an existing --out)")
+        sites = _sites(args.site)
         agents = [f"agent-{i:02d}" for i in range(args.count)] if args.count else _names(args.agents)
+        agents += [site for site in sites if site not in agents]
         if not agents:
-            raise ProvisionError("name the agents: --agents a1,a2 or --count N")
+            raise ProvisionError("name the agents: --agents a1,a2 or --count N (or the sites: --site SITE:DEVICE,...)")
         if out.exists() and any(out.iterdir()):
             if not args.force:
                 raise ProvisionError(f"{out} exists and is not empty: pass --force to replace it, or --add to extend it")
@@ -364,7 +449,8 @@ def main_provision(argv: list[str]) -> int:
             agents=agents, max_message_bytes=args.max_message_bytes, update_bytes=int(args.update_mb * 2**20),
             broker_dir=args.broker_dir or str(out / "broker"), absolute_paths=args.absolute_paths,
             bind="127.0.0.1" if args.bind is None else args.bind, connections_per_address=args.connections_per_address,
-            idle_addresses=args.idle_addresses)
+            idle_addresses=args.idle_addresses, sites=sites,
+            site_hosts=dict(item.split("=", 1) for item in _names(args.site_host) if "=" in item))
         provision(record, out)
         print(_summary(record, out))
         return 0

@@ -220,3 +220,34 @@ def test_add_extends_the_federation_with_the_same_ca(tmp_path):
     assert (out / "coordinator" / "enrolled" / "pi-03.pub").is_file()
     assert (out / "agents" / "pi-03" / "ca.crt").read_bytes() == ca
     assert main_provision(["--out", str(out), "--add", "pi-03"]) == 2
+
+
+def test_sites_are_agents_of_the_federation_each_a_federation_of_its_own_joined_by_its_aggregator_yaml(tmp_path,
+                                                                                                       capsys):
+    from edgepfl.site_config import load_aggregator_config
+
+    out = provision(tmp_path / "p", "--site", "gw-a:cam-1,cam-2", "--site", "gw-b:cam-3", "--site-host",
+                    "gw-a=gate-a.lan", agents="pi-01")
+    central = parse_config(RunConfig, yaml.safe_load((out / "coordinator" / "coordinator.yaml").read_text()), "c")
+    assert central.sites.enabled and central.sites.ids == ["gw-a", "gw-b"]
+    assert sorted(p.name for p in (out / "coordinator" / "enrolled").iterdir()) == ["gw-a.pub", "gw-b.pub", "pi-01.pub"]
+    for site, devices, host in (("gw-a", ["cam-1", "cam-2"], "gate-a.lan"), ("gw-b", ["cam-3"], "gw-b")):
+        folder = out / "sites" / site
+        aggregator = load_aggregator_config(folder / "aggregator.yaml")
+        assert aggregator.site_id == site and aggregator.central.federation == "demo"
+        assert aggregator.site.federation == f"demo-{site}" and aggregator.site.broker.url == f"mqtts://{host}:8883"
+        # the aggregator signs as the site's agent of the federation, and as its site's coordinator
+        assert Path(aggregator.central.security.signing_key).read_bytes() == \
+            (out / "agents" / site / "signing.key").read_bytes()
+        assert Path(aggregator.site.security.signing_key).read_bytes() == \
+            (folder / "coordinator" / "signing.key").read_bytes()
+        assert sorted(p.stem for p in Path(aggregator.site.security.enrolled_dir).iterdir()) == devices
+        for device in devices:  # each device pins the site's coordinator key: the aggregator's
+            assert (folder / "agents" / device / "coordinator.pub").read_bytes() == \
+                (folder / "coordinator" / "signing.pub").read_bytes()
+    capsys.readouterr()
+    for bad in ("gw-a", "gw-a:", "gw-a:cam-1,cam-1", "gw/a:cam-1"):
+        assert main_provision(["--federation", "demo", "--site", bad, "--broker-host", "h",
+                               "--out", str(tmp_path / "q")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("edgepfl provision:") and len(err.splitlines()) == 1, err
