@@ -1,9 +1,9 @@
 """The central coordinator's side of its sites (``sites.enabled``; docs/PROTOCOL.md §20).
 
 A site aggregator's status lists its site's online trainers; :class:`SiteRelay` registers
-each as a trainer of the run (the registry's entry for it says ``via`` nothing else: the
-device is sampled, capped and benched as any trainer), remembers which site it is behind,
-and takes it off when the site's list drops it or the site goes offline. A device is in one
+each as a trainer of the run (its registry entry's device reads ``site <id>``; otherwise it
+is sampled, capped and benched as any trainer), remembers which site it is behind, and
+takes it off when the site's list drops it or the site goes offline. A device is in one
 site at a time: a device that two sites list is behind neither until one of them drops it,
 and one online on its own is behind none (each logged once), so a compromised site can deny
 a device it names but never take it over, whatever order the statuses arrive in.
@@ -40,7 +40,7 @@ class SiteRelay:
         self.ids = frozenset(ids)
         #: the run's aggregation settings, ``auto`` resolved for a run of sites (what each site sums by)
         self.aggregation = aggregation.model_copy(update={"rule": aggregation.resolved(sites=True)})
-        #: site id -> its devices, as its last status listed them (online ones)
+        #: site id -> the devices behind it now (those its last status listed that no other site claims)
         self.devices: dict[str, list[str]] = {}
         #: device id -> the site it is behind
         self.site_of: dict[str, str] = {}
