@@ -177,7 +177,7 @@ class SiteAggregator:
         the central coordinator with the site's share of the round (a refusal when it cannot)."""
         meta, r = message.meta_as(TaskMeta), message.header.round
         orders = meta.site
-        refusal = self._refusal(meta)
+        refusal, rule = self._checked(meta)
         if refusal is not None or orders is None:
             reason, detail = refusal or ("error", "a task without site orders")
             log.warning("round %d: refused the central task: %s (%s)", r, reason, detail)
@@ -186,11 +186,10 @@ class SiteAggregator:
             return
         site, clock = self.config, self.fleet.clock
         state = ServerState(global_tensors=dict(message.tensors))
-        rule = AggregationSpec.model_validate(orders.aggregation).build()
         tasks = RoundTasks(r, orders.weight_cap, orders.train, patience_s=PATIENCE_SHARE * site.round_timeout_s,
                            now=clock.now)
         result = RoundResult(round=r, sampled=list(orders.train))
-        if orders.train:
+        if rule is not None:  # devices train: their updates are summed by the central round's rule
             result.aggregate = site_aggregate(self.method, state, rule, orders)
         self.inbox.open_round(tasks, result, state, None)
         writer = TaskWriter(site.model_copy(update={"seed": meta.run.seed}), meta.run, self.method, self.signer)
@@ -224,21 +223,23 @@ class SiteAggregator:
                  "(the site's devices sent %d)", r, aggregate.count if aggregate is not None else 0,
                  len(orders.train), len(result.evaluations), sent, result.bytes_up)
 
-    def _refusal(self, meta: TaskMeta) -> tuple[str, str] | None:
-        """Why the site cannot run this task (None: it can)."""
+    def _checked(self, meta: TaskMeta) -> tuple[tuple[str, str] | None, SummingRule | None]:
+        """Why the site cannot run this task (None: it can), and the rule its devices' updates are
+        summed by (None: nobody trains, or it cannot run it)."""
         site = self.config
         if meta.run.method.name != site.method.name:
-            return "unsupported_method", f"the site's devices run {site.method.name}, not {meta.run.method.name}"
+            return ("unsupported_method", f"the site's devices run {site.method.name}, not {meta.run.method.name}"), None
         if meta.run.model.arch != site.model.arch:
-            return "unsupported_arch", f"the site's devices run {site.model.arch}, not {meta.run.model.arch}"
-        if meta.site is not None and meta.site.train:
-            try:
-                rule = AggregationSpec.model_validate(meta.site.aggregation).build()
-            except ValueError as exc:
-                return "bad_options", f"the task's aggregation settings: {exc}"
-            if not isinstance(rule, SummingRule) or not self.method.streaming:
-                return "bad_options", f"{type(rule).__name__} with {self.method.name} makes no partial sums"
-        return None
+            return ("unsupported_arch", f"the site's devices run {site.model.arch}, not {meta.run.model.arch}"), None
+        if meta.site is None or not meta.site.train:
+            return None, None
+        try:
+            rule = AggregationSpec.model_validate(meta.site.aggregation).build()
+        except ValueError as exc:
+            return ("bad_options", f"the task's aggregation settings: {exc}"), None
+        if not isinstance(rule, SummingRule) or not self.method.streaming:
+            return ("bad_options", f"{type(rule).__name__} with {self.method.name} makes no partial sums"), None
+        return None, rule
 
     def close(self) -> None:
         self.central.close()
