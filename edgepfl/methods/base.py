@@ -257,10 +257,9 @@ class RoundAggregate:
             if record is not None:
                 self.records[update.agent_id] = record
         weight = self.method.update_weight(update)
+        # its record is written into the part only if a site's part is asked for (site_part)
         self._count(DevicePart(update.agent_id, int(weight), discount, fired=fired,
-                               clipped_newcomer=update.agent_id in self._clipped_newcomers,
-                               record=self.records[update.agent_id].to_json() if update.agent_id in self.records
-                               else None))
+                               clipped_newcomer=update.agent_id in self._clipped_newcomers))
         if not self.method.streaming:
             self.updates.append(update)
         return fired
@@ -292,7 +291,9 @@ class RoundAggregate:
         """The round so far as one site's share (:meth:`add_site` folds it in elsewhere): a
         streaming method's under a rule that composes (``TypeError`` otherwise)."""
         rule = self._summing_rule()
-        return SitePart(rule.partial(), tuple(self._parts[a] for a in self.participants))
+        records = self.records
+        return SitePart(rule.partial(), tuple(
+            replace(self._parts[a], record=records[a].to_json() if a in records else None) for a in self.participants))
 
     def add_site(self, part: SitePart) -> None:
         """Fold in a site's :meth:`site_part` of this round, as if each of its devices' updates had
