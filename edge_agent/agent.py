@@ -344,6 +344,11 @@ class Agent:
         assert transport is not None  # only called from _dispatch
         key = reply.held_as
         if key is None:
+            if reply.since is not None and not self._speaks(reply.since):
+                log.info("a %s frame of round %d is not sent: the coordinator (protocol %s) does not speak %d.%d",
+                         reply.channel.value, reply.round, self.coordinator.version if self.coordinator else "unknown",
+                         *reply.since)
+                return
             transport.publish(self._topic(reply.channel), reply.frame, round=reply.round)
             return
         if reply.refusal and not self.speaks_1_2():

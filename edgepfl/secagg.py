@@ -53,7 +53,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "EncryptedShare", "Masker", "RoundKeys", "SecAggError", "SecureAggregationSpec", "default_degree", "neighbour_graph",
-    "RING_BITS", "prg", "reconstruct_many", "reconstruct_mask_key", "reconstruct_seed", "session_context", "unmask",
+    "RING_BITS", "prg", "reconstruct_many", "reconstruct_mask_key", "reconstruct_seed", "session_context", "share_key",
+    "unmask",
 ]
 
 #: the ring a secure round of the protocol sums in (:func:`edgepfl.aggregation.ring_vector`)
@@ -208,6 +209,23 @@ def pairwise_seed(my_mask_private: bytes, their_mask_public: bytes, context: byt
     return _hkdf(_agree(my_mask_private, their_mask_public), b"edgepfl secagg v1 pair" + context)
 
 
+def share_key(agreement: bytes, context: bytes, sender: str, recipient: str) -> bytes:
+    """The ChaCha20-Poly1305 key of the shares ``sender`` seals to ``recipient`` (protocol 1.14).
+
+    The X25519 agreement is the same at both ends of an edge, so a key derived from it alone
+    would seal the shares of both directions under one key and the zero nonce: the XOR of
+    the two ciphertexts is the XOR of the two plaintexts, and whoever relays them (the
+    coordinator) learns, from one side's reveal, the other side's share — a share of a
+    survivor's mask key once its neighbour drops out (protocol 1.9-1.13 did that). Binding
+    the key to the direction makes each key seal one message."""
+    return _hkdf(agreement, b"edgepfl secagg v2 share" + _share_aad(context, sender, recipient))
+
+
+def _share_aad(context: bytes, sender: str, recipient: str) -> bytes:
+    """What a sealed share is bound to: the round's context and both ids, in the order of sending."""
+    return context + b"\0" + sender.encode() + b"\0" + recipient.encode()
+
+
 def _sign(me: str, other: str) -> int:
     return 1 if me < other else -1
 
@@ -270,9 +288,8 @@ class Masker:
         for position, other in enumerate(neighbours):
             index = split[0][position][0]
             plain = struct.pack(">H", index) + b"".join(parts[position][1] for parts in split)
-            key = _hkdf(_agree(self.keys.share_private, self.share_publics[other]), b"edgepfl secagg v1 share"
-                        + self.context)
-            aad = self.context + b"\0" + self.me.encode() + b"\0" + other.encode()
+            key = share_key(_agree(self.keys.share_private, self.share_publics[other]), self.context, self.me, other)
+            aad = _share_aad(self.context, self.me, other)
             out.append(EncryptedShare(self.me, other, ChaCha20Poly1305(key).encrypt(bytes(12), plain, aad)))
         return out
 
@@ -284,8 +301,8 @@ class Masker:
 
         if share.recipient != self.me:
             raise SecAggError(f"a share for {share.recipient}, not {self.me}")
-        key = _hkdf(_agree(self.keys.share_private, sender_share_public), b"edgepfl secagg v1 share" + self.context)
-        aad = self.context + b"\0" + share.sender.encode() + b"\0" + self.me.encode()
+        key = share_key(_agree(self.keys.share_private, sender_share_public), self.context, share.sender, self.me)
+        aad = _share_aad(self.context, share.sender, self.me)
         try:
             plain = ChaCha20Poly1305(key).decrypt(bytes(12), share.ciphertext, aad)
         except InvalidTag:

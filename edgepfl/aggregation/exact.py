@@ -27,6 +27,14 @@ from .partial import LOW_BITS as _CARRY_BITS  # the low word keeps this many bit
 from .partial import PartialSum
 
 
+def ceil_log2(x: float) -> int:
+    """The smallest integer ``e`` with ``2**e >= x`` (``x > 0``), exactly: ``math.log2`` may round
+    a number just above a power of two down onto it. The grid's exponent (PROTOCOL.md §19 defines
+    it so, for a second implementation to reproduce the grid bit for bit)."""
+    mantissa, exponent = math.frexp(x)  # x = mantissa * 2**exponent, 0.5 <= mantissa < 1
+    return exponent - 1 if mantissa == 0.5 else exponent
+
+
 class _ExactSum:
     """Sum of ``w * (x - reference)`` per coordinate, independent of the order of ``add``.
 
@@ -47,8 +55,7 @@ class _ExactSum:
         for key, ref in reference.items():
             if ref.dtype.kind == "f":
                 span = change_range(ref)  # the largest |x - reference| accepted
-                exponent = math.ceil(math.log2(span * MAX_UPDATE_WEIGHT))
-                self.scale[key] = 2.0 ** (_INT64_HEADROOM - exponent)
+                self.scale[key] = 2.0 ** (_INT64_HEADROOM - ceil_log2(span * MAX_UPDATE_WEIGHT))
                 self.limit[key] = span
             self.low[key] = np.zeros(ref.shape, dtype=np.int64)
             self.high[key] = np.zeros(ref.shape, dtype=np.int64)

@@ -111,6 +111,11 @@ GRADIENT_CLIP = (1, 11)
 #: the protocol version of the ``bad_shares`` refusal and its ``peers``: an agent names the
 #: neighbours whose sealed shares did not open, so the coordinator can leave them out
 BAD_SHARES = (1, 12)
+#: the protocol version whose secure rounds seal each direction of an edge under its own key
+#: (PROTOCOL.md §19): a coordinator runs secure rounds only with trainers of it, and a trainer of it
+#: takes secure steps only from a coordinator of it (1.9-1.13 sealed both directions under one key
+#: and the zero nonce)
+DIRECTED_SHARE_KEYS = (1, 14)
 
 
 class ReleaseRef(_Meta):

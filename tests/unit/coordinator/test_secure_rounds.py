@@ -19,7 +19,7 @@ from edgepfl.coordinator.fleet import LocalFleet
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import agent_ids, data_shape, prepare
 from edgepfl.edge_agent.tiers import TrainerTier, local_trainers
-from edgepfl.protocol import AgentChannel, Capabilities, Message, MessageType, TaskMeta, decode, encode
+from edgepfl.protocol import AgentChannel, Message, MessageType, TaskMeta, decode, encode
 from edgepfl.protocol.secagg import MASKED_TENSOR, SecAggMeta, b64, unb64
 
 pytest.importorskip("torch")
@@ -234,21 +234,28 @@ def test_a_device_announcing_another_devices_public_keys_is_left_out_of_the_roun
     assert row.secure is not None and (row.secure.key_holders, row.secure.members) == (4, 4)
 
 
-def test_a_secure_run_gives_no_task_to_an_agent_before_protocol_1_9(caplog):
-    """An agent of 1.8 would never answer a step: the registry keeps it out of the run's
-    tasks (said once), so it is neither sampled nor benched as silent; a 1.9 agent is in."""
-    from edgepfl.coordinator.registry import Registry
-    from edgepfl.protocol import SECURE_AGGREGATION, StatusMeta
+class OldSealer(Device):
+    """A trainer that announces protocol 1.13: it would seal both directions of an edge under one key."""
 
-    registry = Registry()
-    registry.update("old", StatusMeta(state="online", num_train=10, version="1.8", capabilities=Capabilities()))
-    registry.update("new", StatusMeta(state="online", num_train=10, version="1.9", capabilities=Capabilities()))
-    assert sorted(registry.eligible()) == ["new", "old"]
+    def status(self):
+        return self.tier.status().model_copy(update={"version": "1.13"})
+
+
+def test_a_secure_run_gives_no_task_to_an_agent_before_protocol_1_14(tmp_path, caplog):
+    """Before 1.14 an agent sealed its shares to a neighbour under the key of the neighbour's
+    shares to it, with the same zero nonce (PROTOCOL.md §19): the secure round driver keeps such
+    an agent out of the run's tasks (said once) — not sampled, not benched as silent — and the
+    round goes on with the others."""
+    ids = agent_ids(AGENTS + 1)
+    cfg = prepare(config(True, rounds=1), AGENTS + 1).model_copy(update={"min_agents": AGENTS})
+    devices = {a: (OldSealer if a == ids[0] else Device)(tier) for a, tier in local_trainers(cfg, ids, tmp_path).items()}
+    coordinator = Coordinator(cfg, LocalFleet(devices, cfg.federation), tmp_path, progress=False, **data_shape(cfg))
+    coordinator.init_or_resume()
     with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
-        registry.require_protocol(SECURE_AGGREGATION, "secure aggregation")
-        registry.update("old", StatusMeta(state="online", num_train=10, version="1.8", capabilities=Capabilities()))
-    assert registry.eligible() == ["new"]
-    assert caplog.text.count("it speaks protocol 1.8; secure aggregation needs 1.9") == 1
+        row = next(r for r in coordinator.run() if not r.final)
+    assert not row.aborted and sorted(row.participants) == ids[1:]
+    assert not devices[ids[0]].sent  # no step, no task: nothing to answer
+    assert caplog.text.count("it speaks protocol 1.13; secure aggregation needs 1.14") == 1
 
 
 class GarbageSealer(Device):

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgepfl.secagg import (
+    EncryptedShare,
     Masker,
     RoundKeys,
     SecAggError,
@@ -113,6 +114,31 @@ def test_fewer_shares_than_the_threshold_reconstruct_nothing_and_shares_open_onl
     other_round = Masker(shares[0].recipient, keys[shares[0].recipient], {}, {}, 1, 64, b"another round")
     with pytest.raises(SecAggError, match="does not open"):
         other_round.open_share(shares[0], keys[owner].share_public)
+
+
+def test_the_two_directions_of_an_edge_are_sealed_under_two_keys_so_their_ciphertexts_xor_to_noise():
+    """Both ends of an edge derive the same X25519 agreement and seal with the zero nonce: under
+    one key per edge (protocol 1.9-1.13) the coordinator, which relays both ciphertexts, read
+    the XOR of the two plaintexts, and with one side's revealed share the other side's share —
+    of a survivor's mask key once its neighbour dropped out. Each direction's key is its own."""
+    ids, graph, keys, inputs, maskers = round_of(3, 64, degree=2)
+    a, b = ids[0], ids[1]
+    a_to_b = next(s for s in maskers[a].shares_for() if s.recipient == b)
+    b_to_a = next(s for s in maskers[b].shares_for() if s.recipient == a)
+    plain_ab = _plain(maskers[b].open_share(a_to_b, keys[a].share_public))
+    plain_ba = _plain(maskers[a].open_share(b_to_a, keys[b].share_public))
+    xor = lambda x, y: bytes(i ^ j for i, j in zip(x, y))  # noqa: E731
+    assert len(a_to_b.ciphertext) == len(b_to_a.ciphertext) == len(plain_ab) + 16  # the Poly1305 tag
+    assert xor(a_to_b.ciphertext[:50], b_to_a.ciphertext[:50]) != xor(plain_ab, plain_ba)
+    # and a share's key opens nothing sealed the other way, even with the other way's associated data
+    with pytest.raises(SecAggError, match="does not open"):
+        maskers[a].open_share(EncryptedShare(b, a, a_to_b.ciphertext), keys[b].share_public)
+
+
+def _plain(opened: tuple[int, bytes, bytes]) -> bytes:
+    """The plaintext of an opened share: 2-byte index, seed share, mask key share (PROTOCOL.md §19)."""
+    index, seed, key = opened
+    return index.to_bytes(2, "big") + seed + key
 
 
 def test_an_agent_that_dropped_beside_survivors_must_be_recovered_before_unmasking():
