@@ -125,8 +125,8 @@ def default_degree(agents: int, dropout: float = 1 / 3, failure: float = 1e-3) -
     agent dropping out independently with probability ``dropout``, the chance that any agent
     of the round keeps fewer surviving neighbours than the threshold is at most ``failure``
     (a union bound over the binomial tail): the smallest such even degree, at most everyone.
-    At a third dropping out: everyone up to about 140 agents, 160 at 100 agents' rounds of
-    more, 198 at 1,000, 236 at 10,000 — it grows like log N."""
+    At a third dropping out: everyone up to 171 agents, 172 at 200, 198 at 1,000, 236 at
+    10,000 — it grows like log N."""
     if agents <= 1:
         return 0
     keep = 1 - dropout
