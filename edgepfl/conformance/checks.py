@@ -76,6 +76,15 @@ CHECKS: dict[str, Check] = _catalog(
     Check("task.class_order", "§5", "MUST", "1.0",
           "local labels are mapped onto the run's class order: the same model with the run's class names and the "
           "head's rows permuted alike scores >= 90 % held out (local numbers taken for the run's score near 0)"),
+    Check("train.preprocessing", "§5", "MUST", "1.0",
+          "training preprocesses as the task's `run.data` says, not only evaluation: a train task (2 epochs) of the "
+          "preprocessing probe's model comes back with its first BatchNorm layer's running variance at 0.7-1.43 "
+          "times the model's (statistics of the inputs the task describes; docs/MODELS.md's momentum); training "
+          "on x / 255 alone or on the file's normalization leaves about 0.35"),
+    Check("train.class_order", "§5", "MUST", "1.0",
+          "training maps local labels onto the run's class order, not only evaluation: a train task of the class-"
+          "order probe's model comes back still scoring >= 90 % held out under the run's order (trained on local "
+          "numbers, it scores near 0)"),
     Check("idempotency.redelivery", "§9", "MUST", "1.0",
           "a task delivered again is answered with the cached update frame (same message_id)"),
     Check("frames.body_hash", "§7", "MUST", "1.0",

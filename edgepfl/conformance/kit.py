@@ -43,6 +43,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -100,6 +101,9 @@ from .wire import (
     read_retained,
     write_dataset,
 )
+
+if TYPE_CHECKING:
+    from .probes import Probe
 
 log = logging.getLogger("edgepfl.conformance")
 
@@ -581,6 +585,56 @@ class _Kit:
             self.report.record(check_id, u.num_test > 0 and scored >= MIN_ACCURACY,
                                f"{u.eval_correct}/{u.num_test} held-out correct ({scored:.0%}; at least "
                                f"{MIN_ACCURACY:.0%} required, the kit's model scores 100 % on every sample) with {how}")
+        self.train_probes(s, plain, order)
+
+    def train_probes(self, s: _Scenario, plain: Probe, order: Probe) -> None:
+        """``train.preprocessing`` and ``train.class_order``: the probes' models sent as train tasks.
+        An agent that preprocesses or maps labels right in ``evaluate`` only passes the evaluate
+        probes and trains on other inputs or labels; what it sends back shows it: BatchNorm
+        statistics of other inputs, or a model that learnt local numbers. Each runs only when
+        its evaluate probe passed, so one break is blamed on one check."""
+        from .probes import (
+            MIN_ACCURACY,
+            VARIANCE_RATIO,
+            Probe,
+            accuracy,
+            read_data,
+            training_probe,
+            variance_ratio,
+        )
+
+        pixels, labels, names = read_data(self.workdir / "data.npz")
+        low, high = VARIANCE_RATIO
+        for check_id, probe, needs in (("train.preprocessing", plain, "task.preprocessing"),
+                                       ("train.class_order", order, "task.class_order")):
+            first = self.report.results.get(needs)
+            if first is None or first.verdict != "pass":
+                self.report.skip(check_id, f"measured on the model of {needs}, which did not pass")
+                continue
+            probe = training_probe(probe)
+            task, meta = s.task(1, run=probe.run, tensors=probe.payload)
+            answer = s.ask(task, meta)
+            if answer is None or answer.message is None or answer.message.type != MessageType.UPDATE:
+                self.report.record(check_id, False, f"no update answered the train task of the {needs} model")
+                continue
+            trained = {k: np.asarray(v) for k, v in answer.message.tensors.items()}
+            if check_id == "train.preprocessing":
+                ratio = variance_ratio(probe.payload, trained)
+                self.report.record(check_id, ratio is not None and low <= ratio <= high,
+                                   "the update carries no running variance of the model's first BatchNorm layer"
+                                   if ratio is None else
+                                   f"first BatchNorm running variance {ratio:.2f} times the model's after "
+                                   f"{probe.run.train.epochs} epochs ({low}-{high} required; trained on x / 255 "
+                                   f"alone or the file's normalization: about 0.35)")
+                continue
+            if set(trained) != set(probe.payload):
+                self.report.record(check_id, False, f"the update carries {sorted(trained)[:4]}, not the task's "
+                                                    f"tensors")
+                continue
+            scored = accuracy(Probe(probe.run, trained), pixels, labels, names)
+            self.report.record(check_id, scored >= MIN_ACCURACY,
+                               f"the trained model scores {scored:.0%} held out under the run's class order "
+                               f"{probe.run.data.class_names} (at least {MIN_ACCURACY:.0%} required)")
 
     def outage(self, s: _Scenario, round: int, epochs: int, per_epoch: float, *,
                back_in_round: int) -> tuple[TaskMeta, int, Frame | None]:

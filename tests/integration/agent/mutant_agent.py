@@ -63,6 +63,50 @@ def local_label_numbers() -> None:
     trainer.run_label_index = lambda local, run: None
 
 
+def _train_tasks_only(change: Callable[[Any, Any, Any], Any]) -> None:
+    """Make the agent compute its inputs for train tasks through ``change`` (of the runtime, the
+    task's meta and the honest ``to_run_labels``), for every other task as the project does."""
+    from edgepfl.edge_agent import trainer
+
+    honest = trainer.TrainerRuntime._inputs_for
+
+    def inputs_for(self, meta, round, to_run_labels=None):
+        self._inputs = {}  # the runtime caches one preprocessing per run: never across task kinds here
+        if meta.kind != "train":
+            return honest(self, meta, round, to_run_labels)
+        return change(self, meta, lambda labels: honest(self, meta, round, labels))(to_run_labels)
+
+    trainer.TrainerRuntime._inputs_for = inputs_for  # type: ignore[method-assign]
+
+
+@mutant
+def normalizes_only_in_evaluate() -> None:
+    """Preprocesses as the task says when it evaluates, trains on p / 255 (the break an evaluate
+    probe cannot see: issue #54's trainer that normalizes only in evaluate)."""
+    from edgepfl.data.preprocess import ChannelAffine
+    from edgepfl.edge_agent import trainer
+
+    honest = trainer.conversion
+
+    def on_raw_pixels(runtime, meta, inputs):
+        def run(labels):
+            trainer.conversion = lambda local, target: ChannelAffine(np.asarray(local["std"], np.float32),
+                                                                     np.asarray(local["mean"], np.float32))
+            try:
+                return inputs(labels)
+            finally:
+                trainer.conversion = honest
+        return run
+
+    _train_tasks_only(on_raw_pixels)
+
+
+@mutant
+def maps_labels_only_in_evaluate() -> None:
+    """Maps its local labels onto the run's order when it evaluates, trains on its local numbers."""
+    _train_tasks_only(lambda runtime, meta, inputs: lambda labels: inputs(None))
+
+
 @mutant
 def uploads_personal_parts() -> None:
     """FedRep's update carries the whole model, its personal head beside the shared encoder."""

@@ -35,6 +35,8 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "pixels_over_255_only": ("session", {"task.preprocessing"}),
     "its_own_normalization": ("session", {"task.preprocessing"}),
     "local_label_numbers": ("session", {"task.class_order"}),
+    "normalizes_only_in_evaluate": ("session", {"train.preprocessing"}),
+    "maps_labels_only_in_evaluate": ("session", {"train.class_order"}),
     "no_body_hash_check": ("session", {"frames.body_hash"}),
     "ignores_announced_m": ("session", {"chunking.send", "limits.announced_m"}),
     "retrains_a_redelivered_task": ("session", {"idempotency.redelivery"}),
