@@ -85,6 +85,11 @@ CHECKS: dict[str, Check] = _catalog(
           "training maps local labels onto the run's class order, not only evaluation: a train task of the class-"
           "order probe's model comes back still scoring >= 90 % held out under the run's order (trained on local "
           "numbers, it scores near 0)"),
+    Check("head.preprocessing", "§12", "MUST", "1.0",
+          "a head agent feeds its encoder inputs preprocessed as the release manifest's `run.data` says: a probe "
+          "release whose encoder passes on only what that preprocessing makes bright (inputs above 2 under mean "
+          "0.5, std 0.02) is fitted and reported at >= 90 % held out; x / 255 alone or the file's normalization "
+          "makes every feature 0 (one class's share, 25 %)"),
     Check("idempotency.redelivery", "§9", "MUST", "1.0",
           "a task delivered again is answered with the cached update frame (same message_id)"),
     Check("frames.body_hash", "§7", "MUST", "1.0",

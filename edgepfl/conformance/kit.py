@@ -226,7 +226,8 @@ class _Kit:
         #: (agent id, federation) of every agent started: frames.valid looks at each one's frames
         self.frame_problems: list[str] = []
         self.frames_checked = 0
-        self._export: subprocess.Popen | None = None
+        #: the releases' ``edgepfl export`` runs, by run folder: the scenario's, the head probe's
+        self._exports: dict[str, subprocess.Popen] = {}
 
     @staticmethod
     def run_spec(normalization: dict[str, list[float]]) -> RunSpec:
@@ -242,9 +243,10 @@ class _Kit:
 
     # ------------------------------------------------------------------ set-up
     def close(self) -> None:
-        if self._export is not None and self._export.poll() is None:
-            self._export.kill()
-            self._export.wait()
+        for export in self._exports.values():
+            if export.poll() is None:
+                export.kill()
+                export.wait()
         for agent in self.agents:
             agent.stop(grace=5)
         for wire in self.wires:
@@ -261,28 +263,38 @@ class _Kit:
 
     # ------------------------------------------------------------------ the head scenario's release
     def start_export(self) -> None:
-        """Checkpoint the task model's initial state and start ``edgepfl export`` on it."""
+        """Checkpoint the task model's initial state, and the head probe's threshold encoder
+        (:func:`.probes.threshold_encoder`), and start ``edgepfl export`` on each."""
+        from .probes import head_probe_run, threshold_encoder
+
+        _, state = _initial_state(self.run)
+        self._start_export("release-run", self.run, state)
+        probe_run = head_probe_run(self.run)
+        _, probe = _initial_state(probe_run)
+        threshold_encoder(probe.global_tensors)
+        self._start_export("probe-run", probe_run, probe)
+
+    def _start_export(self, name: str, run: RunSpec, state) -> None:
         from edgepfl.config import DataSpec
         from edgepfl.state import CheckpointMeta, save_checkpoint
 
-        _, state = _initial_state(self.run)
-        run_dir = self.workdir / "release-run"
+        run_dir = self.workdir / name
         data = DataSpec(dataset="npz", root=str(self.workdir / "data.npz"), num_clients=1, test_fraction=TEST_FRACTION)
-        save_checkpoint(run_dir / "checkpoint", state, CheckpointMeta(round=0, run=self.run, data_spec=data))
+        save_checkpoint(run_dir / "checkpoint", state, CheckpointMeta(round=0, run=run, data_spec=data))
         with open(run_dir / "export.log", "wb") as out:
-            self._export = subprocess.Popen(
+            self._exports[name] = subprocess.Popen(
                 [sys.executable, "-m", "edgepfl", "export", "--run", str(run_dir), "--out", str(run_dir / "export")],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
 
-    def exported(self) -> tuple[ReleaseManifest, bytes, bytes | None]:
-        """The export's manifest, encoder bytes and global heads bytes (waits for the export)."""
-        run_dir = self.workdir / "release-run"
-        if self._export is None:
+    def exported(self, name: str = "release-run") -> tuple[ReleaseManifest, bytes, bytes | None]:
+        """An export's manifest, encoder bytes and global heads bytes (waits for the export):
+        ``release-run`` the head scenario's release, ``probe-run`` the head preprocessing probe's."""
+        run_dir = self.workdir / name
+        if name not in self._exports:
             self.start_export()
-        assert self._export is not None
         try:
-            code = self._export.wait(timeout=300)
+            code = self._exports[name].wait(timeout=300)
         except subprocess.TimeoutExpired:
             raise ScenarioAborted("the kit's `edgepfl export` took over 300 s") from None
         if code != 0:
@@ -787,24 +799,28 @@ class _Kit:
         r = self.report
         sequence, now = int(time.time() * 1000), time.time()
 
-        def release(name: str, *, seq: int | None, expires: float | None = now + 3600, body: bytes = artifact,
-                    signer: Signer | None | object = _COORDINATOR_KEY, claims: bytes = artifact,
-                    hashed_as: bytes | None = None) -> tuple[bytes, str]:
-            """A release of the export under its own release id, signed with the coordinator's key
-            unless ``signer`` says otherwise; ``body`` the artifact it carries, ``claims`` the one its
-            meta and manifest describe (sha256, size), ``hashed_as`` the artifact whose body's sha256
-            its header carries (None: the body's own)."""
-            release_id = f"conformance-{name}-{manifest.encoder.sha256[:12]}"
+        def release(name: str, *, seq: int | None, expires: float | None = now + 3600, body: bytes | None = None,
+                    signer: Signer | None | object = _COORDINATOR_KEY, claims: bytes | None = None,
+                    hashed_as: bytes | None = None,
+                    of: tuple[ReleaseManifest, bytes, bytes | None] | None = None) -> tuple[bytes, str]:
+            """A release of the export (``of``: another one) under its own release id, signed with the
+            coordinator's key unless ``signer`` says otherwise; ``body`` the artifact it carries,
+            ``claims`` the one its meta and manifest describe (sha256, size; both default to the
+            export's), ``hashed_as`` the artifact whose body's sha256 its header carries (None: the
+            body's own)."""
+            exported, encoder, heads = of if of is not None else (manifest, artifact, global_heads)
+            body = encoder if body is None else body
+            claims = encoder if claims is None else claims
+            release_id = f"conformance-{name}-{exported.encoder.sha256[:12]}"
             digest = hashlib.sha256(claims).hexdigest()
-            described = manifest.model_copy(update={
-                "release_id": release_id, "encoder": manifest.encoder.model_copy(update={"sha256": digest})})
+            described = exported.model_copy(update={
+                "release_id": release_id, "encoder": exported.encoder.model_copy(update={"sha256": digest})})
             meta = ReleaseMeta(release_id=release_id, manifest=described, sha256=digest, size_bytes=len(claims),
                                sequence=seq, expires=expires)
             key = s.coordinator if signer is _COORDINATOR_KEY else signer
-            carried = encode_body(release_tensors(body, global_heads))
+            carried = encode_body(release_tensors(body, heads))
             if hashed_as is not None:
-                carried = Body(carried.data, encode_body(release_tensors(hashed_as, global_heads)).sha256,
-                               carried.tensors)
+                carried = Body(carried.data, encode_body(release_tensors(hashed_as, heads)).sha256, carried.tensors)
             return encode(MessageType.RELEASE, federation=s.federation, sender="coordinator", round=manifest.round,
                           meta=meta, body=carried, signer=key), release_id  # type: ignore[arg-type]
 
@@ -903,8 +919,36 @@ class _Kit:
                      f"no report under `done` (§10 allows it); a release sequenced below the one {how} was then "
                      + ("not installed: the parted one was" if took is None else
                         f"installed: the parted one was not; agent log: {s.agent.log_tail(3)}"))
+        self.head_preprocessing(s, release("probe", seq=sequence + 110, of=self.exported("probe-run")),
+                                manifest.round)
         s.kill("head.will", signed=True)
         s.account_frames()
+
+    def head_preprocessing(self, s: _Scenario, probe: tuple[bytes, str], round: int) -> None:
+        """``head.preprocessing``: a release whose encoder passes a pixel on only where the
+        manifest's preprocessing makes it bright (:func:`.probes.threshold_encoder`). A head
+        agent that feeds it what the manifest says fits a head that tells the kit's four shapes
+        apart; one that feeds x / 255 or its file's normalization gets features that are all
+        zero, and a head that scores one class's share. A fresh presence first: a report under
+        `done` may be dropped (§10)."""
+        from .probes import HEAD_THRESHOLD, MIN_ACCURACY, PROBE_NORMALIZATION
+
+        frame, release_id = probe
+        s.presence(session=uuid.uuid4().hex, m=LARGE_M)
+        mark = s.wire.mark()
+        s.send(frame)
+        got = s.wait_metrics(release_id, mark, self.options.answer_timeout_s)
+        how = (f"normalization mean {PROBE_NORMALIZATION.mean}, std {PROBE_NORMALIZATION.std} (the data file's is "
+               f"{probe_norm(self.run)}; the encoder passes on inputs above {HEAD_THRESHOLD})")
+        if got is None or got.message is None or not s.metrics_ok(got, round):
+            self.report.record("head.preprocessing", False, s.metrics_evidence(got, f"of the probe encoder, {how}",
+                                                                                release_id))
+            return
+        m = got.message.meta_as(MetricsMeta)
+        scored = m.eval_correct / m.num_test if m.num_test else 0.0
+        self.report.record("head.preprocessing", m.num_test > 0 and scored >= MIN_ACCURACY,
+                           f"{m.eval_correct}/{m.num_test} held-out correct ({scored:.0%}; at least {MIN_ACCURACY:.0%} "
+                           f"required; all-zero features score 25 %) with the probe release: {how}")
 
     def head_by_reference(self, s: _Scenario, installed: ReleaseRef, round: int) -> None:
         """``release.by_reference`` (1.4): restarted with its release installed, under a presence

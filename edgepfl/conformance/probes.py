@@ -108,6 +108,42 @@ def permuted(probe: Probe, names: list[str]) -> Probe:
     return Probe(run, payload)
 
 
+#: the head probe's encoder passes a pixel on only where the preprocessed input exceeds this: under
+#: PROBE_NORMALIZATION a pixel brighter than 0.54 of full scale does; x / 255 alone (at most 1) and the
+#: data file's normalization (at most about 1.6) never do, so every feature is 0 and a fitted head
+#: scores the share of one class
+HEAD_THRESHOLD = 2.0
+
+
+def head_probe_run(run: RunSpec) -> RunSpec:
+    """The head probe release's run: ``run`` under :data:`PROBE_NORMALIZATION`."""
+    return run.model_copy(update={"data": run.data.model_copy(update={"normalization": PROBE_NORMALIZATION})})
+
+
+def threshold_encoder(tensors: dict[str, np.ndarray]) -> None:
+    """Make the ``mlp`` encoder in ``tensors`` (BatchNorm, docs/MODELS.md) a threshold: hidden unit i
+    is ``ReLU(x_i − HEAD_THRESHOLD)`` for input i, and feature j the sum of hidden units 2j and
+    2j + 1. What a head can learn from its features then depends on the inputs it fed: right
+    preprocessing gives the bright pixels of each image (a fitted head separates the kit's four
+    shapes), x / 255 or another normalization gives zeros. Needs 2·F ≥ the input size."""
+    weight = tensors["encoder.net.1.weight"]
+    hidden, inputs = weight.shape
+    features = tensors["encoder.net.4.weight"].shape[0]
+    if inputs > hidden or inputs > 2 * features:
+        raise ValueError(f"a threshold encoder needs at most {min(hidden, 2 * features)} inputs, not {inputs}")
+    tensors["encoder.net.1.weight"] = np.eye(hidden, inputs, dtype=weight.dtype)
+    tensors["encoder.net.1.bias"] = np.zeros(hidden, weight.dtype)
+    tensors["encoder.net.2.weight"] = np.ones(hidden, weight.dtype)
+    tensors["encoder.net.2.bias"] = np.zeros(hidden, weight.dtype)
+    tensors["encoder.net.2.running_mean"] = np.full(hidden, HEAD_THRESHOLD, weight.dtype)
+    tensors["encoder.net.2.running_var"] = np.full(hidden, 1.0 - 1e-5, weight.dtype)  # + eps: a unit scale
+    pairs = np.zeros((features, hidden), weight.dtype)
+    for i in range(inputs):
+        pairs[i // 2, i] = 1.0
+    tensors["encoder.net.4.weight"] = pairs
+    tensors["encoder.net.4.bias"] = np.zeros(features, weight.dtype)
+
+
 def training_probe(probe: Probe) -> Probe:
     """``probe`` as a train task: the same model and data, :data:`TRAIN_EPOCHS` epochs."""
     train = probe.run.train.model_copy(update={"epochs": TRAIN_EPOCHS})

@@ -286,6 +286,25 @@ def no_release_signature_check() -> None:
 
 
 @mutant
+def head_pixels_over_255_only() -> None:
+    """A head agent that feeds its encoder p / 255: no normalization at all (the manifest's ignored)."""
+    from edgepfl.data.preprocess import ChannelAffine
+    from edgepfl.edge_agent import head_tier
+
+    # the local data is (p/255 - m_l) / s_l: times s_l plus m_l is p/255
+    head_tier._renormalization = lambda local, manifest: ChannelAffine(np.asarray(local["std"], np.float32),
+                                                                       np.asarray(local["mean"], np.float32))
+
+
+@mutant
+def head_its_own_normalization() -> None:
+    """A head agent that keeps its data file's normalization instead of the manifest's."""
+    from edgepfl.edge_agent import head_tier
+
+    head_tier._renormalization = lambda local, manifest: None
+
+
+@mutant
 def no_release_hash_check() -> None:
     """Installs a release without comparing its artifact with the sha256 it carries."""
     from edgepfl.edge_agent import head_tier

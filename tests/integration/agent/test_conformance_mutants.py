@@ -49,6 +49,8 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "runs_tasks_for_others": ("signatures", {"signing.wrong_recipient"}),
     "runs_unsigned_tasks": ("signatures", {"signing.unsigned_task"}),
     "no_release_signature_check": ("head", {"release.signature"}),
+    "head_pixels_over_255_only": ("head", {"head.preprocessing"}),
+    "head_its_own_normalization": ("head", {"head.preprocessing"}),
     "no_release_hash_check": ("head", {"release.sha256"}),
     "installs_rollbacks": ("head", {"release.rollback"}),
     "installs_expired_releases": ("head", {"release.expired"}),
