@@ -265,11 +265,11 @@ class _Kit:
     def start_export(self) -> None:
         """Checkpoint the task model's initial state, and the head probe's threshold encoder
         (:func:`.probes.threshold_encoder`), and start ``edgepfl export`` on each."""
-        from .probes import head_probe_run, threshold_encoder
+        from .probes import threshold_encoder, under_probe_normalization
 
         _, state = _initial_state(self.run)
         self._start_export("release-run", self.run, state)
-        probe_run = head_probe_run(self.run)
+        probe_run = under_probe_normalization(self.run)
         _, probe = _initial_state(probe_run)
         threshold_encoder(probe.global_tensors)
         self._start_export("probe-run", probe_run, probe)

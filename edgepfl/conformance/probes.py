@@ -14,6 +14,11 @@ file's), and sends it in an ``evaluate`` task:
   the head's rows permuted to match: an agent that maps its local labels onto the run's
   order (PROTOCOL §5, Labels) scores the same, one that takes its local numbers for the
   run's scores near 0 (the permutation moves every class).
+
+The same two models go out again as train tasks (``train.preprocessing``,
+``train.class_order``: :func:`training_probe`, :func:`variance_ratio`), for an agent that
+computes right only where it evaluates; and a head agent gets a release whose encoder keeps
+nothing of wrongly preprocessed inputs (``head.preprocessing``: :func:`threshold_encoder`).
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ def build_probes(run: RunSpec, data_path: Path) -> tuple[Probe, Probe]:
     from edgepfl.methods.base import load_tensors
 
     pixels, labels, names = read_data(data_path)
-    probe_run = run.model_copy(update={"data": run.data.model_copy(update={"normalization": PROBE_NORMALIZATION})})
+    probe_run = under_probe_normalization(run)
     torch.manual_seed(1)
     method = create_method(run.method.name, run.method.options)
     model = method.build_model(run.model, run.data.input_shape, run.data.num_classes)
@@ -115,8 +120,8 @@ def permuted(probe: Probe, names: list[str]) -> Probe:
 HEAD_THRESHOLD = 2.0
 
 
-def head_probe_run(run: RunSpec) -> RunSpec:
-    """The head probe release's run: ``run`` under :data:`PROBE_NORMALIZATION`."""
+def under_probe_normalization(run: RunSpec) -> RunSpec:
+    """``run`` with its inputs normalized by :data:`PROBE_NORMALIZATION`: every probe's run."""
     return run.model_copy(update={"data": run.data.model_copy(update={"normalization": PROBE_NORMALIZATION})})
 
 
