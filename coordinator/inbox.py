@@ -334,8 +334,16 @@ class Inbox:
                 verdict.message_id, "update", self._tasks.round, update.task_id, verified=self.keyring is not None)))
             return
         self.registry.answered(agent_id)
-        if verdict.meta.site is not None and self.sites is not None:
-            for device in verdict.meta.site.devices:
+        site = verdict.meta.site
+        if site is not None:
+            # what the site refused of its devices' frames, and what its devices refused, count in the
+            # round's row and the run's totals as if this coordinator had met them itself
+            for counts, sink, run in ((site.rejected, self._sink.rejected, self.counters.rejected),
+                                      (site.refused, self._sink.refused, self.counters.refused)):
+                sink.update(counts)
+                run.update(counts)
+        if site is not None and self.sites is not None:
+            for device in site.devices:
                 self.registry.answered(device.agent)
             if verdict.site is not None:
                 self.sites.summed(agent_id, tasks.round)

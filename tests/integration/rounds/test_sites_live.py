@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,11 +25,32 @@ from edgepfl.coordinator.ops.status import fetch_view
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import data_shape, prepare, simulate, spawn_agent, stop_agents
 from edgepfl.failpoints import ENV
+from edgepfl.protocol import ProtocolError, decode
 from edgepfl.protocol.envelope import peek_header
 from edgepfl.protocol.signing import generate_keypair
+from edgepfl.state import load_checkpoint
 from edgepfl.testing.brokers import MosquittoBroker, TrafficCapture
 
+from tests.attack_kit import Attacker
 from tests.fleet_helpers import checkpoint_tensors, read_rows, run_config, run_in_thread, wait_until
+
+#: bytes that are no frame, published on a site device's topic
+GARBAGE = b"not a frame of any protocol version"
+
+
+def _rejection_reason(payload: bytes) -> str:
+    """The reason a receiver rejects ``payload`` with (§7)."""
+    try:
+        decode(payload)
+    except ProtocolError as exc:
+        return exc.reason
+    raise AssertionError("the garbage decoded")
+
+
+def _flood(attacker: Attacker, stop: threading.Event) -> None:
+    while not stop.wait(0.25):
+        attacker.publish("agents/agent-00/update", GARBAGE)
+
 
 SITES = {"site-a": ["agent-00", "agent-01", "agent-02"], "site-b": ["agent-03", "agent-04", "agent-05"]}
 
@@ -161,14 +183,25 @@ def test_a_site_killed_mid_round_costs_its_devices_that_round_and_rejoins_when_r
     out, keys = tmp_path / "tree", keys_for(tmp_path, list(SITES))  # signed: sites and central pin each other
     with sites_running(config, mosquitto.url, out, env={"site-b": {ENV: "site.tasks_sent:2"}}, keys=keys) as sites:
         thread, box = run_in_thread(lambda: central_run(config, mosquitto.url, out / "run", keys))
+        # all along, garbage on a site-a device's update topic, which only site-a's aggregator reads
+        garbage = Attacker(sites["brokers"]["site-a"].url, f"{config.federation}-site-a")
+        stop = threading.Event()
+        threading.Thread(target=_flood, args=(garbage, stop), daemon=True).start()
         killed = sites["aggregators"]["site-b"]
         wait_until(lambda: killed.poll() is not None, timeout=300, what="site-b's aggregator killed in round 1")
         assert killed.returncode == -9
         sites["aggregators"]["site-b"] = _aggregator(config, "site-b", sites["brokers"]["site-b"].url, mosquitto.url,
                                                      out, keys=keys)
         thread.join(timeout=600)
+        stop.set()
+        garbage.close()
         assert not thread.is_alive() and "error" not in box, box.get("error")
     rows = box["result"]
+    # what site-a rejected reached the central rows and the run's totals (the central broker saw none of it)
+    reason = _rejection_reason(GARBAGE)
+    assert sum(r.rejected.get(reason, 0) for r in rows) >= 1
+    loaded = load_checkpoint(out / "run" / "checkpoint")
+    assert loaded is not None and loaded[1].rejected_total.get(reason, 0) >= 1
     site_a, site_b = SITES["site-a"], SITES["site-b"]
     assert rows[0].participants == sorted(site_a + site_b)
     assert rows[1].participants == site_a and not rows[1].aborted
