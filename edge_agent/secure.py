@@ -13,7 +13,12 @@ from a coordinator that lies about who is in the round:
 * it answers one unmask step per session, and only about neighbours that sealed it
   shares: for each either the share of its self-mask seed (it sent a masked update) or
   of its mask key (it did not), never both — with both, the coordinator could strip
-  every mask off that neighbour's update.
+  every mask off that neighbour's update;
+* with the federation's CA (``security.peer_ca``, protocol 1.14) it takes a roster only
+  when every neighbour's keys are signed by a message-signing key the CA certified as that
+  neighbour's: a coordinator that puts its own keys in a neighbour's place, or enrols a
+  device of its own, is refused. With its own certificate (``security.certificate``) it
+  signs its keys so that its neighbours can check them.
 
 It takes no step at all without a pinned coordinator key (``security.coordinator_key``):
 on a broker anyone could send it a roster of their own keys, and its shares with them.
@@ -28,12 +33,14 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edgepfl.protocol import MessageType, encode
 from edgepfl.protocol.envelope import Header
 from edgepfl.protocol.secagg import (
+    MAX_NEIGHBOURS,
     PeerKeys,
     RevealedShare,
     SealedShare,
@@ -43,7 +50,19 @@ from edgepfl.protocol.secagg import (
     unb64,
 )
 from edgepfl.protocol.signing import Signer
-from edgepfl.secagg import RING_BITS, EncryptedShare, Masker, RoundKeys, SecAggError, session_context
+from edgepfl.secagg import (
+    RING_BITS,
+    EncryptedShare,
+    Masker,
+    RoundKeys,
+    SecAggError,
+    keys_statement,
+    session_context,
+)
+
+if TYPE_CHECKING:
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 log = logging.getLogger("edgepfl.agent")
 
@@ -76,12 +95,19 @@ class _Session:
 class SecureSessions:
     """The secure rounds an agent takes part in, by session id."""
 
-    def __init__(self, agent_id: str, signer: Signer | None = None, authenticated: bool = False):
+    def __init__(self, agent_id: str, signer: Signer | None = None, authenticated: bool = False,
+                 certificate: bytes | None = None, peer_ca: x509.Certificate | None = None):
         self.agent_id = agent_id
         self.signer = signer
         #: the coordinator's steps reach this agent only signed by its pinned key (or from within its process):
         #: without that, a forged roster or unmask could take its secrets, so it takes no step at all
         self.authenticated = authenticated
+        #: this agent's signing key certified by the federation's CA (DER): sent with its keys, which it signs
+        self.certificate = certificate if signer is not None else None
+        #: the federation's CA: every neighbour's keys must be signed by a key it certified (None: not checked)
+        self.peer_ca = peer_ca
+        #: certificates already checked: (agent, DER) -> the signing key it certifies
+        self._certified: dict[tuple[str, bytes], Ed25519PublicKey] = {}
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
 
     def step(self, message_header: Header, meta: SecAggMeta) -> bytes | None:
@@ -155,8 +181,14 @@ class SecureSessions:
                                                 meta.threshold)
         while len(self._sessions) > SESSIONS_KEPT:
             self._sessions.popitem(last=False)
+        certificate = signature = None
+        if self.certificate is not None and self.signer is not None:
+            certificate = b64(self.certificate)
+            signature = b64(self.signer.sign_statement(keys_statement(self._sessions[meta.session].context, self.agent_id,
+                                                            keys.mask_public, keys.share_public)))
         return SecAggMeta(session=meta.session, step="keys", keys=PeerKeys(
-            agent=self.agent_id, mask_public=b64(keys.mask_public), share_public=b64(keys.share_public)))
+            agent=self.agent_id, mask_public=b64(keys.mask_public), share_public=b64(keys.share_public),
+            certificate=certificate, signature=signature))
 
     def _roster(self, h: Header, meta: SecAggMeta) -> SecAggMeta:
         s = self._session(meta.session, h.round)
@@ -168,6 +200,9 @@ class SecureSessions:
         threshold = meta.threshold or 0
         if not len(ids) // 2 + 1 <= threshold <= len(ids):
             raise SecAggError(f"threshold {threshold} of {len(ids)} neighbours is not a majority of them")
+        if self.peer_ca is not None:
+            for peer in meta.neighbours:
+                self._check_certified(peer, s.context)
         s.threshold = threshold
         s.roster = {p.agent: (unb64(p.mask_public), unb64(p.share_public)) for p in meta.neighbours}
         s.masker = Masker(self.agent_id, s.keys, {a: k[0] for a, k in s.roster.items()},
@@ -188,6 +223,34 @@ class SecureSessions:
         seeds = [RevealedShare(agent=a, index=s.received[a][0], share=b64(s.received[a][1])) for a in meta.survivors]
         keys = [RevealedShare(agent=a, index=s.received[a][0], share=b64(s.received[a][2])) for a in meta.dropped]
         return SecAggMeta(session=meta.session, step="reveal", seeds=seeds, mask_keys=keys)
+
+    def _check_certified(self, peer: PeerKeys, context: bytes) -> None:
+        """SecAggError unless ``peer``'s keys are signed, for this session, by the signing key the
+        federation's CA certified as ``peer.agent``'s (its certificate checked once per agent)."""
+        from cryptography.exceptions import InvalidSignature
+
+        from edgepfl.pki import certified_signing_key
+
+        assert self.peer_ca is not None  # the caller's condition
+        if peer.certificate is None or peer.signature is None:
+            raise SecAggError(f"the roster's keys of {peer.agent} carry no certificate: not certified by the "
+                              "federation's CA")
+        der = unb64(peer.certificate)
+        key = self._certified.get((peer.agent, der))
+        if key is None:
+            try:
+                key = certified_signing_key(self.peer_ca, der, peer.agent)
+            except ValueError as exc:
+                raise SecAggError(f"the certificate of {peer.agent}'s keys: {exc}") from None
+            if len(self._certified) >= 4 * MAX_NEIGHBOURS:
+                self._certified.clear()
+            self._certified[(peer.agent, der)] = key
+        try:
+            key.verify(unb64(peer.signature), keys_statement(context, peer.agent, unb64(peer.mask_public),
+                                                             unb64(peer.share_public)))
+        except InvalidSignature:
+            raise SecAggError(f"the roster's keys of {peer.agent} are not the ones its certified key signed for "
+                              "this session") from None
 
     def _session(self, session: str, round: int) -> _Session:
         s = self._sessions.get(session)

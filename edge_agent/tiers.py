@@ -54,6 +54,7 @@ from edgepfl.service import notifier
 from edgepfl.simulation import DevicePace, task_samples
 
 if TYPE_CHECKING:
+    from cryptography import x509
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
     from edgepfl.config import RunConfig
@@ -162,12 +163,14 @@ class TrainerTier:
 
     def __init__(self, agent_id: str, data: ClientData, state_dir: str, device: str = "auto",
                  threads: int | None = None, *, signer: Signer | None = None, pinned: bool = False,
-                 in_process: bool = False, max_model_params: int | None = DEFAULT_MAX_MODEL_PARAMS):
+                 in_process: bool = False, max_model_params: int | None = DEFAULT_MAX_MODEL_PARAMS,
+                 certificate: bytes | None = None, peer_ca: x509.Certificate | None = None):
         from .task_guard import TaskGuard
         from .trainer import TrainerRuntime  # torch only on this path
 
         self.runtime = TrainerRuntime(agent_id, data, state_dir, device, threads=threads, signer=signer,
-                                      authenticated=pinned or in_process, max_model_params=max_model_params)
+                                      authenticated=pinned or in_process, max_model_params=max_model_params,
+                                      certificate=certificate, peer_ca=peer_ca)
         #: with a pinned coordinator key: only tasks for this agent, newest first, before their deadline
         self.guard = TaskGuard(agent_id, state_dir, strict=pinned)
         self.agent_id = agent_id
@@ -180,8 +183,17 @@ class TrainerTier:
     @classmethod
     def from_config(cls, config: AgentConfig, data: ClientData, signer: Signer | None = None,
                     pinned: bool = False) -> TrainerTier:
+        from cryptography.hazmat.primitives.serialization import Encoding
+
+        from edgepfl.pki import load_certificate
+
+        security = config.security
+        # the device's certified signing key and the CA of its neighbours' (protocol 1.14, secure rounds)
+        certificate = load_certificate(security.certificate) if security.certificate else None
         tier = cls(config.agent_id, data, config.state_dir, config.device, threads=config.threads, signer=signer,
-                   pinned=pinned, max_model_params=config.max_model_params)
+                   pinned=pinned, max_model_params=config.max_model_params,
+                   certificate=certificate.public_bytes(Encoding.DER) if certificate is not None else None,
+                   peer_ca=load_certificate(security.peer_ca) if security.peer_ca else None)
         tier.pace = config.pace
         return tier
 

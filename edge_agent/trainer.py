@@ -13,6 +13,7 @@ import logging
 import math
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from pydantic import ValidationError
@@ -47,6 +48,9 @@ from edgepfl.secagg import SecAggError
 from edgepfl.specs import ModelSpec
 
 from .secure import SecureSessions, SharesNotOpened
+
+if TYPE_CHECKING:
+    from cryptography import x509
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +141,8 @@ class TrainerRuntime:
 
     def __init__(self, agent_id: str, data: ClientData, state_dir: str | Path, device: str = "auto",
                  threads: int | None = None, signer: Signer | None = None, authenticated: bool = False,
-                 max_model_params: int | None = DEFAULT_MAX_MODEL_PARAMS):
+                 max_model_params: int | None = DEFAULT_MAX_MODEL_PARAMS, certificate: bytes | None = None,
+                 peer_ca: x509.Certificate | None = None):
         if threads:
             torch.set_num_threads(threads)  # process-wide: one agent per process
         self.agent_id = agent_id
@@ -158,7 +163,7 @@ class TrainerRuntime:
         # (epoch, round) and tensors of the last task this process decoded: a task delta's base
         self._held: tuple[tuple[int, int], dict[str, np.ndarray]] | None = None
         #: the secure rounds it takes part in (protocol 1.9)
-        self.secure = SecureSessions(agent_id, signer, authenticated)
+        self.secure = SecureSessions(agent_id, signer, authenticated, certificate, peer_ca)
 
     def warm_up(self) -> None:
         """Pay torch's one-time costs before the agent announces itself, not inside its first

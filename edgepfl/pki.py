@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import TypeAlias
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from .atomic import write_bytes
@@ -111,6 +112,61 @@ def issue(ca_key: TlsKey, ca_cert: x509.Certificate, common_name: str, *, server
     return key, builder.sign(ca_key, hashes.SHA256())
 
 
+def issue_signing_certificate(ca_key: TlsKey, ca_cert: x509.Certificate, agent_id: str,
+                              public_key: ed25519.Ed25519PublicKey, days: int = 3650) -> x509.Certificate:
+    """The CA's word that ``public_key`` is ``agent_id``'s message-signing key: a leaf certificate
+    (common name the agent id, the Ed25519 key itself, for signatures only). A neighbour that
+    trusts the CA checks, with it, the keys a device hands out through the coordinator in a
+    secure round (PROTOCOL.md §19): the coordinator cannot make one without the CA key."""
+    organization = ca_cert.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)[0].value
+    return (
+        x509.CertificateBuilder()
+        .subject_name(_name(agent_id, str(organization)))
+        .issuer_name(ca_cert.subject)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(_now())
+        .not_valid_after(_now() + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
+                                     data_encipherment=False, key_agreement=False, key_cert_sign=False, crl_sign=False,
+                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+
+
+def certified_signing_key(ca_cert: x509.Certificate, der: bytes, agent_id: str,
+                          now: dt.datetime | None = None) -> ed25519.Ed25519PublicKey:
+    """The Ed25519 key a certificate (DER) certifies as ``agent_id``'s: ValueError, with the
+    reason, unless the CA signed it, it is valid now, names ``agent_id`` and holds an Ed25519
+    key for signatures (not another CA)."""
+    try:
+        cert = x509.load_der_x509_certificate(der)
+    except ValueError:
+        raise ValueError("not a DER certificate") from None
+    try:
+        cert.verify_directly_issued_by(ca_cert)
+    except (ValueError, TypeError, InvalidSignature):
+        raise ValueError("not issued by the federation's CA") from None
+    now = now or dt.datetime.now(dt.timezone.utc)
+    if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+        raise ValueError(f"not valid now (valid {cert.not_valid_before_utc:%Y-%m-%d} to "
+                         f"{cert.not_valid_after_utc:%Y-%m-%d})")
+    names = [str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    if names != [agent_id]:
+        raise ValueError(f"issued to {names}, not {agent_id}")
+    try:
+        if cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca:
+            raise ValueError("a CA certificate, not a device's")
+    except x509.ExtensionNotFound:
+        raise ValueError("no basic constraints: not a device certificate") from None
+    key = cert.public_key()
+    if not isinstance(key, ed25519.Ed25519PublicKey):
+        raise ValueError(f"certifies a {type(key).__name__}, not an Ed25519 signing key")
+    return key
+
+
 # --------------------------------------------------------------------------- files
 
 
@@ -135,6 +191,14 @@ def write_public(path: Path, data: bytes) -> None:
 def write_secret(path: Path, data: bytes) -> None:
     """Any secret file (passwords, the broker's password file), mode 0600."""
     write_bytes(path, data, private=True)
+
+
+def load_certificate(path: str | Path) -> x509.Certificate:
+    """A PEM certificate file (ValueError when it holds none)."""
+    try:
+        return x509.load_pem_x509_certificate(Path(path).read_bytes())
+    except ValueError as exc:
+        raise ValueError(f"{path}: not a PEM certificate ({exc})") from None
 
 
 def load_ca(key_path: Path, cert_path: Path) -> CA:

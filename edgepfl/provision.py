@@ -11,7 +11,8 @@ Writes (private keys and secrets 0600, everything else 0644, folders 0755)::
     DIR/coordinator/            coordinator.yaml, ca.crt, client cert/key or password,
                                 signing.key/.pub, enrolled/<agent>.pub
     DIR/agents/<id>/            agent.yaml, ca.crt, client cert/key or password,
-                                signing.key/.pub, coordinator.pub — copy onto the device
+                                signing.key/.pub, signing.crt (the CA's certificate of
+                                signing.pub: secure rounds), coordinator.pub — copy onto the device
     DIR/operator/               operator.yaml, ca.crt, client cert/key or password: read-only
                                 access to the fleet view (edgepfl status --config)
 
@@ -51,7 +52,7 @@ from .mosquitto import (
     password_line,
     read_password_users,
 )
-from .protocol.signing import generate_keypair
+from .protocol.signing import generate_keypair, load_public_key
 from .protocol.topics import check_segment
 
 
@@ -152,10 +153,15 @@ def _agent_bundle(record: ProvisionRecord, out: Path, agent_id: str, ca: pki.CA)
     _signing_keys(folder)
     pki.write_public(out / "coordinator" / "enrolled" / f"{agent_id}.pub", (folder / "signing.pub").read_bytes())
     pki.write_public(folder / "coordinator.pub", (out / "coordinator" / "signing.pub").read_bytes())
+    # the CA's word that signing.pub is this agent's: its neighbours in a secure round check its keys with it
+    pki.write_certificate(folder / "signing.crt", pki.issue_signing_certificate(
+        ca[0], ca[1], agent_id, load_public_key(folder / "signing.pub")))
     body = {
         "agent_id": agent_id, "federation": record.federation, "broker": broker,
         "security": {"signing_key": _ref(record, folder, "signing.key"),
-                     "coordinator_key": _ref(record, folder, "coordinator.pub")},
+                     "coordinator_key": _ref(record, folder, "coordinator.pub"),
+                     "certificate": _ref(record, folder, "signing.crt"),
+                     "peer_ca": _ref(record, folder, "ca.crt")},
         "state_dir": _ref(record, folder, "state"),
     }
     _write_yaml(folder / "agent.yaml", (
@@ -173,7 +179,8 @@ def _coordinator_bundle(record: ProvisionRecord, out: Path, ca: pki.CA) -> str |
     body = {
         "federation": record.federation, "broker": broker,
         "security": {"signing_key": _ref(record, folder, "signing.key"),
-                     "enrolled_dir": _ref(record, folder, "enrolled")},
+                     "enrolled_dir": _ref(record, folder, "enrolled"),
+                     "peer_ca": _ref(record, folder, "ca.crt")},
         "min_agents": min(2, max(1, len(record.agents) + sum(map(len, record.sites.values())) - len(record.sites))),
     }
     if record.sites:
@@ -226,7 +233,8 @@ def _broker_files(record: ProvisionRecord, out: Path, ca: pki.CA, passwords: dic
 
 
 #: the keys of a bundle's ``broker:`` and ``security:`` sections that name a file of the bundle
-_FILE_KEYS = ("ca_file", "cert_file", "key_file", "password_file", "signing_key", "coordinator_key", "enrolled_dir")
+_FILE_KEYS = ("ca_file", "cert_file", "key_file", "password_file", "signing_key", "coordinator_key", "enrolled_dir",
+              "certificate", "peer_ca")
 
 
 def _rebased(section: dict, bundle: Path, folder: Path, absolute: bool) -> dict:

@@ -53,8 +53,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "EncryptedShare", "Masker", "RoundKeys", "SecAggError", "SecureAggregationSpec", "default_degree", "neighbour_graph",
-    "RING_BITS", "prg", "reconstruct_many", "reconstruct_mask_key", "reconstruct_seed", "session_context", "share_key",
-    "unmask",
+    "RING_BITS", "keys_statement", "prg", "reconstruct_many", "reconstruct_mask_key", "reconstruct_seed",
+    "session_context", "share_key", "unmask",
 ]
 
 #: the ring a secure round of the protocol sums in (:func:`edgepfl.aggregation.ring_vector`)
@@ -224,6 +224,13 @@ def share_key(agreement: bytes, context: bytes, sender: str, recipient: str) -> 
 def _share_aad(context: bytes, sender: str, recipient: str) -> bytes:
     """What a sealed share is bound to: the round's context and both ids, in the order of sending."""
     return context + b"\0" + sender.encode() + b"\0" + recipient.encode()
+
+
+def keys_statement(context: bytes, agent: str, mask_public: bytes, share_public: bytes) -> bytes:
+    """What an agent signs with its certified message-signing key to vouch for its two public keys
+    of one session (protocol 1.14): a neighbour that checks it knows the keys the coordinator
+    relays are the agent's own, for this federation, round and session."""
+    return b"edgepfl secagg v2 keys\0" + context + b"\0" + agent.encode() + b"\0" + mask_public + share_public
 
 
 def _sign(me: str, other: str) -> int:

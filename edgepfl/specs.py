@@ -299,3 +299,10 @@ class SecuritySpec(_Strict):
     coordinator_key: ConfigPath | None = Field(None, description="agents: the coordinator's public key (PEM) they pin")
     enrolled_dir: ConfigPath | None = Field(
         None, description="coordinator: directory of <agent_id>.pub public keys; only these agents are accepted")
+    certificate: ConfigPath | None = Field(
+        None, description="agents: this device's signing key certified by the federation's CA (PEM X.509, "
+                          "edgepfl provision's signing.crt); sent with its keys of each secure round (protocol 1.14)")
+    peer_ca: ConfigPath | None = Field(
+        None, description="the federation CA's certificate (PEM): with it an agent masks only with neighbours "
+                          "whose secure-round keys a device key this CA certified signed, and a coordinator leaves "
+                          "out devices whose keys are not so signed")

@@ -30,15 +30,18 @@ import logging
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from edgepfl.aggregation import AggregationRejected, SecureMean
 from edgepfl.config import ConfigError
 from edgepfl.metrics import RoundMetrics, SecureRecord
+from edgepfl.pki import certified_signing_key, load_certificate
 from edgepfl.protocol import DIRECTED_SHARE_KEYS, MessageType, encode, new_message_id
 from edgepfl.protocol.secagg import PeerKeys, SealedShare, SecAggMeta, SecAggTask, unb64
 from edgepfl.secagg import (
     RING_BITS,
     SecAggError,
+    keys_statement,
     neighbour_graph,
     reconstruct_mask_key,
     reconstruct_seed,
@@ -50,6 +53,9 @@ from ..fleet import SENDER, Fleet
 from ..gate import Refused, StepAnswer
 from ..result import RoundResult
 from .base import RoundContext
+
+if TYPE_CHECKING:
+    from cryptography import x509
 
 log = logging.getLogger("edgepfl.coordinator")
 
@@ -85,6 +91,26 @@ class SecureSetup:
         return {a: [b for b in self.graph[a] if b in self.members] for a in sorted(self.members)}
 
 
+def uncertified(ca: x509.Certificate, keys: PeerKeys, context: bytes) -> str | None:
+    """Why ``keys`` are not vouched for by a signing key ``ca`` certified as their agent's, for the
+    round of ``context`` (None: they are): what every neighbour of that agent checks before it
+    seals anything to them (edge_agent/secure.py), checked here first so that one device with
+    uncertified keys costs its neighbours nothing."""
+    from cryptography.exceptions import InvalidSignature
+
+    if keys.certificate is None or keys.signature is None:
+        return "no certificate"
+    try:
+        key = certified_signing_key(ca, unb64(keys.certificate), keys.agent)
+        key.verify(unb64(keys.signature), keys_statement(context, keys.agent, unb64(keys.mask_public),
+                                                          unb64(keys.share_public)))
+    except ValueError as exc:
+        return str(exc)
+    except InvalidSignature:
+        return "the signature is not of these keys for this round"
+    return None
+
+
 def require_authenticated(fleet: Fleet, signs: bool, enrols: bool) -> None:
     """Refuse secure rounds over a fleet where anyone could write in the round's name
     (ConfigError): on a broker, a roster or an unmask the coordinator did not sign, or keys
@@ -110,6 +136,10 @@ class SecureRounds:
         context.resend_lost_tasks()
         self.co = context
         self.spec = context.config.secure_aggregation
+        #: the federation's CA (security.peer_ca): a device whose keys a key it certified did not sign
+        #: takes no part in a round (its neighbours would refuse the roster; protocol 1.14)
+        peer_ca = context.config.security.peer_ca
+        self.peer_ca = load_certificate(peer_ca) if peer_ca else None
         #: agent -> every neighbour that named it in a ``bad_shares`` refusal since it was last suspended
         self.accusers: dict[str, set[str]] = defaultdict(set)
         self._setup: SecureSetup | None = None
@@ -170,6 +200,12 @@ class SecureRounds:
                 log.warning("round %d: %s announced a public key another agent announced too, or one key for "
                             "both uses; left out", r, agent_id)
                 continue
+            if self.peer_ca is not None:
+                why = uncertified(self.peer_ca, keys, session_context(self.co.config.federation, r, setup.session))
+                if why is not None:
+                    log.warning("round %d: %s's keys are not certified by the federation's CA (%s); left out", r,
+                                agent_id, why)
+                    continue
             setup.keys[agent_id] = keys
         holders = sorted(setup.keys)
         degree = self.spec.degree_for(len(holders))

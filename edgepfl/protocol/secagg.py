@@ -30,6 +30,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .evolution import since
 from .topics import NAME_PATTERN
 
 __all__ = [
@@ -73,6 +74,12 @@ class PeerKeys(_Wire):
     mask_public: str = Field(pattern=_KEY_B64)
     #: its agreements with a neighbour's encrypt the shares between them
     share_public: str = Field(pattern=_KEY_B64)
+    #: since 1.14: the agent's message-signing key certified by the federation's CA (base64 DER X.509)
+    #: and its Ed25519 signature of :func:`edgepfl.secagg.keys_statement`, so that a neighbour that
+    #: trusts the CA can check the keys the coordinator relays (absent: not certified)
+    certificate: str | None = Field(None, min_length=4, max_length=4096, pattern=r"^[A-Za-z0-9+/]+={0,2}$",
+                                    json_schema_extra=since("1.14"))
+    signature: str | None = Field(None, pattern=r"^[A-Za-z0-9+/]{86}==$", json_schema_extra=since("1.14"))
 
 
 class SealedShare(_Wire):

@@ -65,6 +65,14 @@ class Signer:
         """Signature over ``SIGNATURE_CONTEXT + signed_part`` (a frame's prefix and header)."""
         return self.private.sign(SIGNATURE_CONTEXT + signed_part)
 
+    def sign_statement(self, statement: bytes) -> bytes:
+        """Signature over ``statement`` alone, which names its own purpose in its first bytes
+        (:func:`edgepfl.secagg.keys_statement`): it cannot pass for a frame signature, whose
+        signed bytes start with ``SIGNATURE_CONTEXT``, nor a frame signature for it."""
+        if statement.startswith(SIGNATURE_CONTEXT):
+            raise ValueError("a statement may not begin as a frame's signed part")
+        return self.private.sign(statement)
+
     @property
     def public(self) -> Ed25519PublicKey:
         return self.private.public_key()

@@ -330,3 +330,37 @@ def test_one_device_naming_an_honest_neighbour_suspends_no_one(tmp_path):
     rows = [r for r in coordinator.run() if not r.final]
     assert all(ids[0] in r.participants for r in rows) and all(r.refused == {"bad_shares": 1} for r in rows)
     assert coordinator.registry.suspended(ids[0], 1) is None
+
+
+def test_with_the_federations_ca_a_device_whose_keys_are_not_certified_is_left_out_before_the_roster(tmp_path, caplog):
+    """Every neighbour of a device whose keys no certified key signed would refuse the roster
+    (edge_agent/secure.py): the coordinator, holding the same CA (``security.peer_ca``), leaves
+    such a device out first, so one bad certificate costs the round that device, not the round."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    from edgepfl import pki
+    from edgepfl.data import load_client_data
+    from edgepfl.protocol.signing import Signer
+
+    ids = agent_ids(AGENTS)
+    ca, outsider_ca = pki.new_ca("edgepfl sec"), pki.new_ca("edgepfl sec")
+    pki.write_certificate(tmp_path / "ca.crt", ca[1])
+    cfg = config(True, rounds=1)
+    cfg = cfg.model_copy(update={"security": cfg.security.model_copy(update={"peer_ca": str(tmp_path / "ca.crt")})})
+    devices = {}
+    for i, agent in enumerate(ids):
+        signer = Signer.from_private(Ed25519PrivateKey.generate())
+        cert = pki.issue_signing_certificate(*(outsider_ca if agent == ids[2] else ca), agent, signer.public)
+        devices[agent] = Device(TrainerTier(agent, load_client_data(cfg.data, i), str(tmp_path / "agents" / agent),
+                                            cfg.device, signer=signer, in_process=True, max_model_params=None,
+                                            certificate=cert.public_bytes(Encoding.DER), peer_ca=ca[1]))
+    coordinator = Coordinator(cfg, LocalFleet(devices, cfg.federation), tmp_path / "run", progress=False,
+                              **data_shape(cfg))
+    coordinator.init_or_resume()
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        row = next(r for r in coordinator.run() if not r.final)
+    assert sorted(row.sampled) == ids
+    assert not row.aborted and sorted(row.participants) == [a for a in ids if a != ids[2]]
+    assert f"{ids[2]}'s keys are not certified by the federation's CA (not issued by the federation's CA)" in caplog.text
+    assert row.secure is not None and row.secure.key_holders == AGENTS - 1

@@ -122,6 +122,18 @@ def test_bundles_are_valid_configs_with_relative_paths_to_their_own_files(tmp_pa
     coord_dir = out / "coordinator"
     coord = parse_config(RunConfig, yaml.safe_load((coord_dir / "coordinator.yaml").read_text()), "coordinator.yaml")
     assert coord.broker.username == "coordinator" and (coord_dir / str(coord.security.enrolled_dir)).is_dir()
+    # secure rounds (protocol 1.14): the CA certifies the agent's signing key, and both ends hold the CA
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    from edgepfl.pki import certified_signing_key, load_certificate
+    from edgepfl.protocol.signing import load_public_key
+
+    assert agent.security.certificate and agent.security.peer_ca and coord.security.peer_ca
+    ca = load_certificate(agent_dir / agent.security.peer_ca)
+    assert load_certificate(coord_dir / coord.security.peer_ca) == ca == load_certificate(out / "ca" / "ca.crt")
+    certified = certified_signing_key(ca, load_certificate(agent_dir / agent.security.certificate).public_bytes(
+        Encoding.DER), "pi-01")
+    assert certified.public_bytes_raw() == load_public_key(agent_dir / "signing.pub").public_bytes_raw()
     # the password file holds each client's password, hashed as Mosquitto does
     lines = dict(line.split(":", 1) for line in (out / "broker" / "passwd").read_text().splitlines())
     assert set(lines) == {"coordinator", "operator", "pi-01", "pi-02"}

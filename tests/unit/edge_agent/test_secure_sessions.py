@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edgepfl.edge_agent.secure import SecureSessions, SharesNotOpened
 from edgepfl.protocol import MessageType, decode, encode
@@ -124,3 +125,65 @@ def test_a_step_addressed_to_another_agent_or_advertised_twice_is_not_answered()
 def test_a_step_carries_the_fields_of_its_step_only(fields, says):
     with pytest.raises(ValueError, match=says):
         SecAggMeta(session=SESSION, **fields)
+
+
+# ------------------------------------------------------------------ keys a device can check (protocol 1.14)
+def certified_fleet(n: int = 5, *, ca=None, uncertified: tuple[str, ...] = ()):
+    """Agents whose signing keys the federation's CA certified (but ``uncertified``), each checking
+    its neighbours' keys against that CA."""
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    from edgepfl import pki
+    from edgepfl.protocol.signing import Signer
+
+    ca = ca or pki.new_ca("edgepfl fed")
+    out = {}
+    for i in range(n):
+        agent = f"a{i}"
+        signer = Signer.from_private(Ed25519PrivateKey.generate())
+        cert = None if agent in uncertified else pki.issue_signing_certificate(*ca, agent, signer.public)
+        sessions = SecureSessions(agent, signer, authenticated=True,
+                                  certificate=cert.public_bytes(Encoding.DER) if cert is not None else None,
+                                  peer_ca=ca[1])
+        keys = step(sessions, SecAggMeta(session=SESSION, step="advertise", threshold=3))
+        assert keys is not None and keys.keys is not None
+        out[agent] = (sessions, keys.keys)
+    return out
+
+
+def test_with_the_federations_ca_a_roster_of_certified_keys_is_answered_and_a_substituted_key_is_not():
+    """A coordinator that puts keys of its own in a neighbour's place (to open the shares sealed
+    to it) cannot sign them with the neighbour's certified key: the roster is refused, so no
+    share is sealed to the substitute. The certificate and signature of the neighbour's real
+    keys, relayed beside the substitute, do not help it."""
+    from edgepfl.protocol.secagg import b64
+    from edgepfl.secagg import RoundKeys
+
+    agents = certified_fleet()
+    assert all(k.certificate and k.signature for _, k in agents.values())
+    assert all(s is not None and len(s.shares) == 4 for s in rosters(agents).values())
+
+    agents = certified_fleet()
+    mine = RoundKeys.generate()
+    me, _ = agents["a0"]
+    honest = [k for b, (_, k) in agents.items() if b != "a0"]
+    swapped = honest[0].model_copy(update={"mask_public": b64(mine.mask_public), "share_public": b64(mine.share_public)})
+    assert step(me, SecAggMeta(session=SESSION, step="roster", threshold=3, neighbours=[swapped, *honest[1:]])) is None
+    # the same keys of the session's real ones, but signed for another session (a replay), are refused too
+    other, _ = agents["a1"]
+    replayed = step(other, SecAggMeta(session="6f" * 16, step="advertise", threshold=3))
+    assert replayed is not None and replayed.keys is not None
+    assert step(me, SecAggMeta(session=SESSION, step="roster", threshold=3,
+                               neighbours=[replayed.keys, *honest[1:]])) is None
+
+
+def test_with_the_federations_ca_keys_without_a_certificate_or_from_another_ca_are_refused():
+    from edgepfl import pki
+
+    for agents in (certified_fleet(uncertified=("a1",)), certified_fleet()):
+        if "a1" in agents and agents["a1"][1].certificate is not None:  # the second: a1 certified by another CA
+            outsider = certified_fleet(ca=pki.new_ca("edgepfl fed"))["a1"][1]
+            agents["a1"] = (agents["a1"][0], outsider)
+        me, _ = agents["a0"]
+        assert step(me, SecAggMeta(session=SESSION, step="roster", threshold=3,
+                                   neighbours=[k for b, (_, k) in agents.items() if b != "a0"])) is None
