@@ -32,6 +32,8 @@ PUBLIC_MODE = 0o644
 TlsKey: TypeAlias = ec.EllipticCurvePrivateKey
 #: A certificate authority: its key and its self-signed certificate.
 CA: TypeAlias = tuple[TlsKey, x509.Certificate]
+#: what a leaf certificate certifies: a TLS key, or an agent's Ed25519 message-signing key
+CertifiedKey: TypeAlias = ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey
 
 
 def _name(common_name: str, organization: str) -> x509.Name:
@@ -81,6 +83,27 @@ def _subject_alt_names(names: Sequence[str]) -> list[x509.GeneralName]:
     return out
 
 
+def _leaf(ca_key: TlsKey, ca_cert: x509.Certificate, common_name: str, public_key: CertifiedKey, days: int, *,
+          key_agreement: bool) -> x509.CertificateBuilder:
+    """A leaf certificate of the CA for ``public_key``, named ``common_name``, not yet signed:
+    signatures (and ``key_agreement`` for TLS), never a CA."""
+    organization = ca_cert.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)[0].value
+    return (
+        x509.CertificateBuilder()
+        .subject_name(_name(common_name, str(organization)))
+        .issuer_name(ca_cert.subject)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(_now())
+        .not_valid_after(_now() + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
+                                     data_encipherment=False, key_agreement=key_agreement, key_cert_sign=False,
+                                     crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+    )
+
+
 def issue(ca_key: TlsKey, ca_cert: x509.Certificate, common_name: str, *, server_names: Sequence[str] = (),
           days: int = 825) -> tuple[TlsKey, x509.Certificate]:
     """A leaf certificate signed by the CA: a server certificate when ``server_names`` are given, else a client's.
@@ -90,23 +113,9 @@ def issue(ca_key: TlsKey, ca_cert: x509.Certificate, common_name: str, *, server
     its identity (Mosquitto's ``use_identity_as_username``).
     """
     key = new_tls_key()
-    organization = ca_cert.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)[0].value
     usage = ExtendedKeyUsageOID.SERVER_AUTH if server_names else ExtendedKeyUsageOID.CLIENT_AUTH
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(_name(common_name, str(organization)))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(_now())
-        .not_valid_after(_now() + dt.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
-                                     data_encipherment=False, key_agreement=True, key_cert_sign=False, crl_sign=False,
-                                     encipher_only=False, decipher_only=False), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-    )
+    builder = _leaf(ca_key, ca_cert, common_name, key.public_key(), days, key_agreement=True)
+    builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
     if server_names:
         builder = builder.add_extension(x509.SubjectAlternativeName(_subject_alt_names(server_names)), critical=False)
     return key, builder.sign(ca_key, hashes.SHA256())
@@ -118,22 +127,7 @@ def issue_signing_certificate(ca_key: TlsKey, ca_cert: x509.Certificate, agent_i
     (common name the agent id, the Ed25519 key itself, for signatures only). A neighbour that
     trusts the CA checks, with it, the keys a device hands out through the coordinator in a
     secure round (PROTOCOL.md §19): the coordinator cannot make one without the CA key."""
-    organization = ca_cert.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)[0].value
-    return (
-        x509.CertificateBuilder()
-        .subject_name(_name(agent_id, str(organization)))
-        .issuer_name(ca_cert.subject)
-        .public_key(public_key)
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(_now())
-        .not_valid_after(_now() + dt.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
-                                     data_encipherment=False, key_agreement=False, key_cert_sign=False, crl_sign=False,
-                                     encipher_only=False, decipher_only=False), critical=True)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
+    return _leaf(ca_key, ca_cert, agent_id, public_key, days, key_agreement=False).sign(ca_key, hashes.SHA256())
 
 
 def certified_signing_key(ca_cert: x509.Certificate, der: bytes, agent_id: str,
