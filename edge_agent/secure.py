@@ -40,7 +40,6 @@ import numpy as np
 from edgepfl.protocol import MessageType, encode
 from edgepfl.protocol.envelope import Header
 from edgepfl.protocol.secagg import (
-    MAX_NEIGHBOURS,
     PeerKeys,
     RevealedShare,
     SealedShare,
@@ -62,7 +61,6 @@ from edgepfl.secagg import (
 
 if TYPE_CHECKING:
     from cryptography import x509
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 log = logging.getLogger("edgepfl.agent")
 
@@ -106,8 +104,6 @@ class SecureSessions:
         self.certificate = certificate if signer is not None else None
         #: the federation's CA: every neighbour's keys must be signed by a key it certified (None: not checked)
         self.peer_ca = peer_ca
-        #: certificates already checked: (agent, DER) -> the signing key it certifies
-        self._certified: dict[tuple[str, bytes], Ed25519PublicKey] = {}
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
 
     def step(self, message_header: Header, meta: SecAggMeta) -> bytes | None:
@@ -201,8 +197,13 @@ class SecureSessions:
         if not len(ids) // 2 + 1 <= threshold <= len(ids):
             raise SecAggError(f"threshold {threshold} of {len(ids)} neighbours is not a majority of them")
         if self.peer_ca is not None:
+            from edgepfl.pki import uncertified_keys
+
             for peer in meta.neighbours:
-                self._check_certified(peer, s.context)
+                why = uncertified_keys(self.peer_ca, peer, s.context)
+                if why is not None:
+                    raise SecAggError(f"the roster's keys of {peer.agent} are not certified by the federation's CA: "
+                                      f"{why}")
         s.threshold = threshold
         s.roster = {p.agent: (unb64(p.mask_public), unb64(p.share_public)) for p in meta.neighbours}
         s.masker = Masker(self.agent_id, s.keys, {a: k[0] for a, k in s.roster.items()},
@@ -223,34 +224,6 @@ class SecureSessions:
         seeds = [RevealedShare(agent=a, index=s.received[a][0], share=b64(s.received[a][1])) for a in meta.survivors]
         keys = [RevealedShare(agent=a, index=s.received[a][0], share=b64(s.received[a][2])) for a in meta.dropped]
         return SecAggMeta(session=meta.session, step="reveal", seeds=seeds, mask_keys=keys)
-
-    def _check_certified(self, peer: PeerKeys, context: bytes) -> None:
-        """SecAggError unless ``peer``'s keys are signed, for this session, by the signing key the
-        federation's CA certified as ``peer.agent``'s (its certificate checked once per agent)."""
-        from cryptography.exceptions import InvalidSignature
-
-        from edgepfl.pki import certified_signing_key
-
-        assert self.peer_ca is not None  # the caller's condition
-        if peer.certificate is None or peer.signature is None:
-            raise SecAggError(f"the roster's keys of {peer.agent} carry no certificate: not certified by the "
-                              "federation's CA")
-        der = unb64(peer.certificate)
-        key = self._certified.get((peer.agent, der))
-        if key is None:
-            try:
-                key = certified_signing_key(self.peer_ca, der, peer.agent)
-            except ValueError as exc:
-                raise SecAggError(f"the certificate of {peer.agent}'s keys: {exc}") from None
-            if len(self._certified) >= 4 * MAX_NEIGHBOURS:
-                self._certified.clear()
-            self._certified[(peer.agent, der)] = key
-        try:
-            key.verify(unb64(peer.signature), keys_statement(context, peer.agent, unb64(peer.mask_public),
-                                                             unb64(peer.share_public)))
-        except InvalidSignature:
-            raise SecAggError(f"the roster's keys of {peer.agent} are not the ones its certified key signed for "
-                              "this session") from None
 
     def _session(self, session: str, round: int) -> _Session:
         s = self._sessions.get(session)

@@ -16,7 +16,7 @@ import ipaddress
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -25,6 +25,9 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from .atomic import write_bytes
+
+if TYPE_CHECKING:
+    from .protocol.secagg import PeerKeys
 
 PRIVATE_MODE = 0o600
 PUBLIC_MODE = 0o644
@@ -159,6 +162,28 @@ def certified_signing_key(ca_cert: x509.Certificate, der: bytes, agent_id: str,
     if not isinstance(key, ed25519.Ed25519PublicKey):
         raise ValueError(f"certifies a {type(key).__name__}, not an Ed25519 signing key")
     return key
+
+
+
+def uncertified_keys(ca_cert: x509.Certificate, keys: PeerKeys, context: bytes) -> str | None:
+    """Why an agent's secure-round ``keys`` are not vouched for by a signing key ``ca_cert``
+    certified as that agent's, for the round of ``context`` (None: they are; protocol 1.14):
+    what every neighbour checks before it seals anything to them (edge_agent/secure.py), and
+    the coordinator first, so that one device with uncertified keys costs its round nothing."""
+    from .protocol.secagg import unb64
+    from .secagg import keys_statement
+
+    if keys.certificate is None or keys.signature is None:
+        return "no certificate"
+    try:
+        key = certified_signing_key(ca_cert, unb64(keys.certificate), keys.agent)
+        key.verify(unb64(keys.signature), keys_statement(context, keys.agent, unb64(keys.mask_public),
+                                                          unb64(keys.share_public)))
+    except ValueError as exc:
+        return str(exc)
+    except InvalidSignature:
+        return "the keys are not the ones its certified key signed for this session"
+    return None
 
 
 # --------------------------------------------------------------------------- files

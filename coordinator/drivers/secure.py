@@ -30,18 +30,16 @@ import logging
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from edgepfl.aggregation import AggregationRejected, SecureMean
 from edgepfl.config import ConfigError
 from edgepfl.metrics import RoundMetrics, SecureRecord
-from edgepfl.pki import certified_signing_key, load_certificate
+from edgepfl.pki import load_certificate, uncertified_keys
 from edgepfl.protocol import DIRECTED_SHARE_KEYS, MessageType, encode, new_message_id
 from edgepfl.protocol.secagg import PeerKeys, SealedShare, SecAggMeta, SecAggTask, unb64
 from edgepfl.secagg import (
     RING_BITS,
     SecAggError,
-    keys_statement,
     neighbour_graph,
     reconstruct_mask_key,
     reconstruct_seed,
@@ -53,9 +51,6 @@ from ..fleet import SENDER, Fleet
 from ..gate import Refused, StepAnswer
 from ..result import RoundResult
 from .base import RoundContext
-
-if TYPE_CHECKING:
-    from cryptography import x509
 
 log = logging.getLogger("edgepfl.coordinator")
 
@@ -89,26 +84,6 @@ class SecureSetup:
     def member_graph(self) -> dict[str, list[str]]:
         """The neighbour graph among the members: who masked with whom."""
         return {a: [b for b in self.graph[a] if b in self.members] for a in sorted(self.members)}
-
-
-def uncertified(ca: x509.Certificate, keys: PeerKeys, context: bytes) -> str | None:
-    """Why ``keys`` are not vouched for by a signing key ``ca`` certified as their agent's, for the
-    round of ``context`` (None: they are): what every neighbour of that agent checks before it
-    seals anything to them (edge_agent/secure.py), checked here first so that one device with
-    uncertified keys costs its neighbours nothing."""
-    from cryptography.exceptions import InvalidSignature
-
-    if keys.certificate is None or keys.signature is None:
-        return "no certificate"
-    try:
-        key = certified_signing_key(ca, unb64(keys.certificate), keys.agent)
-        key.verify(unb64(keys.signature), keys_statement(context, keys.agent, unb64(keys.mask_public),
-                                                          unb64(keys.share_public)))
-    except ValueError as exc:
-        return str(exc)
-    except InvalidSignature:
-        return "the signature is not of these keys for this round"
-    return None
 
 
 def require_authenticated(fleet: Fleet, signs: bool, enrols: bool) -> None:
@@ -201,7 +176,7 @@ class SecureRounds:
                             "both uses; left out", r, agent_id)
                 continue
             if self.peer_ca is not None:
-                why = uncertified(self.peer_ca, keys, session_context(self.co.config.federation, r, setup.session))
+                why = uncertified_keys(self.peer_ca, keys, session_context(self.co.config.federation, r, setup.session))
                 if why is not None:
                     log.warning("round %d: %s's keys are not certified by the federation's CA (%s); left out", r,
                                 agent_id, why)

@@ -125,7 +125,8 @@ def test_a_coordinator_substituting_a_devices_keys_is_refused_by_devices_that_ho
         if agent == VICTIM:
             continue
         log = (tmp_path / "certified" / "agents" / f"{agent}.log").read_text()
-        assert f"the roster's keys of {VICTIM} are not the ones its certified key signed" in log, log[-2000:]
+        assert (f"the roster's keys of {VICTIM} are not certified by the federation's CA: the keys are not the ones "
+                "its certified key signed") in log, log[-2000:]
 
 
 def plain_keys_of(captured, federation: str, agent: str, session: str) -> str:
