@@ -219,7 +219,7 @@ class Agent:
                     if exc.reason == "oversized" and inbound.topic.channel == AgentChannel.TASK:
                         self._refuse_oversized(inbound.frame)
                     continue
-                self._dispatch(message)
+                self._dispatch(message, retained=inbound.topic.channel == FederationChannel.RELEASE)
         except Stopped:
             log.info("agent %s stopped during %s; that work is dropped", c.agent_id, self._step or "a long step")
         finally:
@@ -262,7 +262,8 @@ class Agent:
                         "%d: a larger update would be refused as oversized", payload, transport.max_payload_bytes)
         return effective
 
-    def _dispatch(self, message: Message) -> None:
+    def _dispatch(self, message: Message, retained: bool = False) -> None:
+        """Act on one decoded message; ``retained``: it came from the retained release topics."""
         tier, transport = self.tier, self.transport
         if tier is None or transport is None:
             raise RuntimeError("messages are dispatched only while the agent runs")
@@ -282,6 +283,8 @@ class Agent:
             self._log.warning("unexpected", "ignored unexpected %s message from %s", message.type.value,
                               message.header.sender)
         else:
+            if retained and message.type == MessageType.RELEASE and self._retained is not None:
+                self._retained.took_release(transport)  # before the install it is about to start
             self._step = f"the {message.type.value} of round {message.header.round}"
             set_log_context(round=message.header.round)
             had = tier.installed_release()

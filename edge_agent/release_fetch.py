@@ -20,7 +20,11 @@ each connection by the coordinator's presence, which names the current release:
 
 Once subscribed on a connection the agent stays subscribed until it reconnects, or until
 an ``online`` presence of 1.4 or later names a release (that coordinator then sends what
-the agent lacks).
+the agent lacks). Subscribed under an ``online`` presence that names none, it takes one
+release: the first whole release frame from the retained topics ends the subscription
+before the agent installs it. That coordinator sends every later release itself, and the
+presence that names this one is read only after the install: an agent whose installs are
+slower than the rounds downloaded every release published meanwhile a second time.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ class RetainedReleases:
         self._heard = False  # a presence arrived on this connection
         self._subscribed = False
         self._said = False
+        self._one_release = False  # subscribed under an online presence that named none
 
     def on_presence(self, transport: MqttTransport, presence: CoordinatorMeta) -> None:
         self._track(transport)
@@ -85,13 +90,25 @@ class RetainedReleases:
     def _track(self, transport: MqttTransport) -> None:
         if transport.connect_count != self._connection:
             self._connection, self._since = transport.connect_count, time.monotonic()
-            self._heard = self._subscribed = self._said = False
+            self._heard = self._subscribed = self._said = self._one_release = False
+
+    def took_release(self, transport: MqttTransport) -> None:
+        """A release from the retained topics (a whole frame, the coordinator's signature checked
+        where a key is pinned, not yet installed): under an online coordinator that named none,
+        the only one this connection takes from there (module docstring)."""
+        self._track(transport)
+        if self._subscribed and self._one_release:
+            self._subscribed = self._one_release = False
+            transport.drop_connection_subscriptions()
+            log.info("took the coordinator's first release from the retained copies: it sends the next ones itself")
 
     def _decide(self, transport: MqttTransport, presence: CoordinatorMeta | None) -> None:
         installed = self.installed()
         if wants_retained(presence, installed, self.known):
             if not self._subscribed:
                 self._subscribed = True
+                self._one_release = presence is not None and presence.state == "online" and \
+                    supports(presence.version, RELEASE_REFS)
                 log.info("taking the retained release (installed: %s)", _name(installed))
                 transport.subscribe(self.topics)
             return

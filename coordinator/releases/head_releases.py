@@ -14,7 +14,20 @@ of 1.4 is online, so the coordinator sends the release itself:
 * each new release to every such agent online, except those that said they have none
   while this coordinator named none: they took the retained copies, where the first
   release reaches them;
-* to an agent before 1.4 whenever it comes online (one that has it just reports again).
+* never to an agent before 1.4: it subscribes to the retained copies on every connect, so a
+  copy sent on its task topic too was a second download of the same release on every
+  reconnect (1.49 MB instead of 745 kB for the default CNN). Such an agent takes the
+  retained copy (on a RabbitMQ cluster only on the node that holds it: head agents there
+  must speak 1.4).
+
+**One release in flight per head agent** (of 1.5 or later, which reports refusals too). A
+release sent to a head agent (or taken by it from the retained copies) is *in flight* until
+the agent reports on it, installed or refused, or names it in a status, or reconnects. A newer release published meanwhile is
+not sent at once: the agent could not install it before the one it is fitting, and every
+release published while it fits would cost it a whole download (the delta's base is the
+release before, which it does not have yet). When the agent reports, it is sent the
+release current then, once. So a head agent whose installs are slower than the rounds
+downloads at most one release per install, and skips those it could never have run.
 
 A head agent of 1.7 or later that has the release the current one was made a delta against
 — its status named it, or its last report was on it (an agent publishes a status only when
@@ -38,7 +51,15 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from edgepfl.protocol import RELEASE_DELTAS, RELEASE_REFS, RELEASE_RESTORE, ReleaseRef, StatusMeta, supports
+from edgepfl.protocol import (
+    RELEASE_DELTAS,
+    RELEASE_REFS,
+    RELEASE_REFUSALS,
+    RELEASE_RESTORE,
+    ReleaseRef,
+    StatusMeta,
+    supports,
+)
 
 log = logging.getLogger("edgepfl.coordinator")
 
@@ -92,6 +113,9 @@ class HeadReleases:
         # agent id -> (release, session, connection, copies) of what was last sent to it
         self._sent: dict[str, tuple[ReleaseRef, str | None, int | None, int]] = {}
         self._taking_retained: set[str] = set()
+        # agent id -> (release id, session, connection) of the release on its way to it or being
+        # installed: nothing newer is sent to it on that connection until it reports on it
+        self._in_flight: dict[str, tuple[str, str | None, int | None]] = {}
         #: bytes of release frames sent to head agents on their task topics since this process
         #: started, by form: whole, delta, restore (the retained copy is the broker's to send)
         self.sent_bytes: dict[str, int] = {"whole": 0, "delta": 0, "restore": 0}
@@ -137,7 +161,10 @@ class HeadReleases:
         for agent_id, status in list(self._heads.items()):
             if agent_id in have and (session := status.session) is not None:
                 self._sent[agent_id] = (ref, session, status.connection, 1)  # not sent again
-            elif agent_id not in self._taking_retained:
+                self._in_flight.pop(agent_id, None)
+            elif agent_id in self._taking_retained:  # the retained copies bring it this one
+                self._fly(agent_id, ref.release_id, status)
+            else:
                 self._offer(agent_id, status)
         self._taking_retained.clear()  # the presence names a release now: they drop those subscriptions
 
@@ -170,9 +197,14 @@ class HeadReleases:
             self._heads.pop(agent_id, None)
             self._sent.pop(agent_id, None)
             self._installed.pop(agent_id, None)
+            self._in_flight.pop(agent_id, None)
             self._taking_retained.discard(agent_id)
         elif supports(status.version, RELEASE_REFS):
             self._heads[agent_id] = status
+            flight = self._in_flight.get(agent_id)
+            if flight is not None and (flight[1:] != (status.session, status.connection) or (
+                    status.release is not None and status.release.release_id == flight[0])):
+                del self._in_flight[agent_id]  # reconnected (it decides afresh), or it has it now
             if status.release is not None:
                 self._installed[agent_id] = status.release.release_id
             else:
@@ -183,7 +215,8 @@ class HeadReleases:
                 self._taking_retained.discard(agent_id)
             self._offer(agent_id, status)
         elif came_online and self._current is not None:
-            self._send(agent_id, self._current, self._current.frame, "whole")
+            log.info("head agent %s speaks protocol %s: it takes the retained release on each connect, so it is "
+                     "sent no copy of its own", agent_id, status.version)
 
     def _release_for(self, agent_id: str) -> _Release | None:
         if self._candidate is not None and agent_id in self.admitted:
@@ -199,6 +232,10 @@ class HeadReleases:
             return
         earlier = self._sent.get(agent_id)
         same = earlier is not None and earlier[:2] == (ref, status.session)  # a rollback's sequence is new
+        flight = self._in_flight.get(agent_id)
+        if flight is not None and flight[0] != ref.release_id:
+            log.debug("release %s waits until head agent %s has reported on %s", ref.release_id, agent_id, flight[0])
+            return
         if earlier is not None and same:
             if earlier[2] == status.connection:
                 return  # it has it on the way, or is installing it
@@ -208,9 +245,10 @@ class HeadReleases:
                 return
         self._sent[agent_id] = (ref, status.session, status.connection,
                                 earlier[3] + 1 if earlier is not None and same else 1)
+        self._fly(agent_id, ref.release_id, status)
         smaller, form = self._smaller_for(agent_id, status, release)
         log.info("sending release %s to head agent %s (it has %s)%s", ref.release_id, agent_id,
-                 status.release.release_id if status.release else "none", form)
+                 self._installed.get(agent_id, "none"), form)
         if smaller is not None:
             self._sent_smaller.add(agent_id)
             restore = release.restore
@@ -219,22 +257,36 @@ class HeadReleases:
         else:
             self._send(agent_id, release, release.frame, "whole")
 
+    def _fly(self, agent_id: str, release_id: str, status: StatusMeta) -> None:
+        """``release_id`` is on its way to the agent, or being installed, on its connection: nothing
+        newer goes to it there until it reports. Only an agent of 1.5 or later, which reports a
+        release it does not install too (a 1.4 one never reports a refusal, and could wait forever)."""
+        if supports(status.version, RELEASE_REFUSALS):
+            self._in_flight[agent_id] = (release_id, status.session, status.connection)
+
     def reported(self, agent_id: str, release_id: str | None, refused: bool) -> None:
         """A head agent's report on ``release_id``: it has that release installed, or, when
         ``refused``, it did not install it. A refusal of a release sent in a smaller form (a
         delta or a restore) gets the agent the whole release now, and from then on (it did not
         hold what the smaller form needs, or the result did not hash right)."""
+        flight = self._in_flight.get(agent_id)
+        settled = flight is not None and release_id == flight[0]
+        if settled:
+            del self._in_flight[agent_id]
+        release = self._release_for(agent_id)
         if not refused:
             if release_id is not None and agent_id in self._heads:
                 self._installed[agent_id] = release_id
+        elif release is not None and release_id == release.ref.release_id and agent_id in self._sent_smaller:
+            self._sent_smaller.discard(agent_id)
+            self._whole_only.add(agent_id)
+            log.info("head agent %s refused release %s in a smaller form: sending it whole", agent_id, release_id)
+            if (status := self._heads.get(agent_id)) is not None:
+                self._fly(agent_id, release_id, status)
+            self._send(agent_id, release, release.frame, "whole")
             return
-        release = self._release_for(agent_id)
-        if release is None or release_id != release.ref.release_id or agent_id not in self._sent_smaller:
-            return
-        self._sent_smaller.discard(agent_id)
-        self._whole_only.add(agent_id)
-        log.info("head agent %s refused release %s in a smaller form: sending it whole", agent_id, release_id)
-        self._send(agent_id, release, release.frame, "whole")
+        if settled and release is not None and release_id != release.ref.release_id and agent_id in self._heads:
+            self._offer(agent_id, self._heads[agent_id])  # what was published while it installed
 
     def _smaller_for(self, agent_id: str, status: StatusMeta, release: _Release) -> tuple[bytes | None, str]:
         """The frame of ``release`` in a smaller form this agent can take, and a note for the log."""
@@ -245,8 +297,10 @@ class HeadReleases:
         if restore is not None and installed in restore.holders and supports(status.version, RELEASE_RESTORE):
             return restore.frame, " to restore from its own files"
         delta = release.delta
-        if delta is None or installed != delta.base.release_id:
+        if delta is None:
             return None, ""
+        if installed != delta.base.release_id:  # said, so that a fleet that outpaces its installs shows why
+            return None, f" whole: its delta is against {delta.base.release_id}"
         codecs = status.capabilities.release_codecs if status.capabilities is not None else None
         if not supports(status.version, RELEASE_DELTAS) or codecs is None or delta.codec not in codecs:
             return None, ""

@@ -64,6 +64,7 @@ def test_whole_to_an_agent_without_the_base_the_codec_or_the_version():
     heads.status("q8-only", status(FIRST, codecs=["q8"]), True)
     heads.status("no-codecs", status(FIRST), True)
     heads.status("v1.6", status(FIRST, version="1.6", codecs=["q4"]), True)
+    heads.reported("other-base", FIRST.release_id, refused=True)  # sent the first, it kept its own
     publish_second(heads)
     for agent in ("other-base", "q8-only", "no-codecs", "v1.6"):
         assert sent.to(agent)[-1] == WHOLE, agent
@@ -88,6 +89,7 @@ def test_a_refusal_of_a_whole_release_sends_nothing_more():
     sent = Sent()
     heads = releases_with_a_delta(sent)
     heads.status("pi", status(None, codecs=["q4"]), True)
+    heads.reported("pi", FIRST.release_id, refused=True)
     publish_second(heads)
     assert sent.to("pi") == [b"first", WHOLE]
     heads.reported("pi", SECOND.release_id, refused=True)
@@ -115,6 +117,7 @@ def test_a_staged_release_goes_only_to_the_admitted_agents_then_to_everyone_when
     assert sent.to("canary") == [DELTA] and sent.to("pi") == [] and sent.to("late") == [DELTA]
     heads.status("newcomer", status(None, version="1.8"), True)  # not admitted: gets the current release
     assert sent.to("newcomer") == [b"first"]
+    heads.reported("newcomer", FIRST.release_id, refused=False)
     heads.reported("canary", SECOND.release_id, refused=False)
     heads.published(WHOLE, 1, SECOND, DeltaRelease(base=FIRST, frame=DELTA, codec="q4"), have=["canary"])
     assert sent.to("canary") == [DELTA]  # installed in its stage: not sent again
@@ -208,3 +211,72 @@ def test_the_bytes_sent_are_counted_by_the_form_they_went_in():
     # and by release: the first went to nobody (each agent had it), the second in both forms
     assert heads.sent_by_release == {SECOND.release_id: {"whole": 2 * len(WHOLE), "delta": 2 * len(DELTA),
                                                          "restore": 0}}
+
+
+THIRD = ReleaseRef(release_id="fedavg-r2-eeee", sequence=3)
+THIRD_WHOLE, THIRD_DELTA = b"whole third release", b"third release as a delta against the second"
+
+
+def publish_third(heads: HeadReleases) -> None:
+    heads.published(THIRD_WHOLE, 2, THIRD, DeltaRelease(base=SECOND, frame=THIRD_DELTA, codec="q4"))
+
+
+def test_releases_published_while_an_agent_installs_wait_for_its_report_and_then_only_the_current_one_goes():
+    """Installs slower than rounds: an agent fitting the first release is sent nothing more
+    until it reports on it, then the release current at that moment, once (whole: the delta is
+    against the second, which it never had). Before, each release went at once, whole."""
+    sent = Sent()
+    heads = releases_with_a_delta(sent)
+    heads.status("pi", status(None, codecs=["q4"]), True)
+    assert sent.to("pi") == [b"first"]
+    publish_second(heads)
+    publish_third(heads)
+    assert sent.to("pi") == [b"first"]
+    heads.reported("pi", FIRST.release_id, refused=False)
+    assert sent.to("pi") == [b"first", THIRD_WHOLE]
+    heads.reported("pi", FIRST.release_id, refused=False)  # an unasked report again: nothing more
+    heads.status("pi", status(FIRST, codecs=["q4"]), False)  # its status after the install, same connection
+    assert sent.to("pi") == [b"first", THIRD_WHOLE]
+    heads.reported("pi", THIRD.release_id, refused=False)
+    assert sent.to("pi") == [b"first", THIRD_WHOLE]
+
+
+def test_the_status_an_agent_publishes_after_its_install_settles_the_release_in_flight_as_a_report_does():
+    sent = Sent()
+    heads = releases_with_a_delta(sent)
+    heads.status("pi", status(None, codecs=["q4"]), True)
+    publish_second(heads)
+    heads.status("pi", status(FIRST, codecs=["q4"]), False)
+    assert sent.to("pi") == [b"first", DELTA]  # it has the second's base now: the delta
+    heads.reported("pi", FIRST.release_id, refused=False)  # the report after the status: nothing more
+    assert sent.to("pi") == [b"first", DELTA]
+
+
+def test_a_reconnect_ends_what_was_in_flight_and_the_agent_is_sent_the_current_release():
+    sent = Sent()
+    heads = releases_with_a_delta(sent)
+    heads.status("pi", status(None, codecs=["q4"]), True)
+    publish_second(heads)
+    heads.status("pi", status(None, codecs=["q4"], connection=2), True)  # lost the first with its connection
+    assert sent.to("pi") == [b"first", WHOLE]
+
+
+def test_an_agent_that_takes_the_retained_copies_has_the_first_release_in_flight_and_then_gets_a_delta():
+    sent = Sent()
+    heads = HeadReleases(sent)
+    heads.status("pi", status(None, codecs=["q4"]), True)  # said it has none while nothing was named
+    heads.published(b"first", 0, FIRST)
+    publish_second(heads)
+    assert sent.to("pi") == []  # the first from the retained copies; the second waits for its report
+    heads.reported("pi", FIRST.release_id, refused=False)
+    assert sent.to("pi") == [DELTA]
+
+
+def test_an_agent_before_1_4_is_sent_no_copy_of_its_own():
+    """It subscribes to the retained copies on every connect: a copy on its task topic as well
+    was a second download of the release on every reconnect."""
+    sent = Sent()
+    heads = releases_with_a_delta(sent)
+    heads.status("old", status(None, version="1.3"), came_online=True)
+    heads.status("old", status(None, version="1.3", connection=2), came_online=True)
+    assert sent.to("old") == []
