@@ -21,7 +21,7 @@ from edgepfl.aggregation import AggregationRejected
 from edgepfl.logs import LogLimiter
 from edgepfl.methods import ServerState
 from edgepfl.metrics import HeadReport
-from edgepfl.protocol import AgentChannel, StatusMeta
+from edgepfl.protocol import AgentChannel, StatusMeta, unbounded_values
 from edgepfl.protocol.signing import SIGNATURE_REASONS, Keyring
 from edgepfl.service import notifier
 
@@ -380,10 +380,16 @@ class Inbox:
         self._shows_life(incoming.agent_id, m)
         if isinstance(m, Rejection):
             return self._reject(m)
-        # the accuracy is the coordinator's, from the counts; the agent's values are only its own figures
+        # the accuracy is the coordinator's, from the counts; the agent's values are only its own figures,
+        # and none of a report that carries more than a report's few (PROTOCOL.md §5: never a fitted head)
         refused = m.refused if m.tier == "head" else None
+        values = m.values
+        if (why := unbounded_values(values)) is not None:
+            self._log.warning("values_dropped", "the metrics of %s carry %s: its counts are kept, its values are not",
+                              incoming.agent_id, why)
+            values = {}
         report = HeadReport(tier=m.tier, release_id=m.release_id, head=m.head, correct=0 if refused else m.eval_correct,
-                            total=0 if refused else m.num_test, values=m.values, refused=refused)
+                            total=0 if refused else m.num_test, values=values, refused=refused)
         self._keep_report(incoming.agent_id, m.release_id or "", report)
         if m.release_id == self._awaited_release:
             self._awaited_reports.discard(incoming.agent_id)  # a refusal is its answer too: nothing to wait for

@@ -196,6 +196,10 @@ CHECKS: dict[str, Check] = _catalog(
           "sent again on its task topic, with metrics (still installed, subscriptions restored)"),
     Check("head.clean_stop", "§10", "MUST", "1.0",
           "a clean stop (SIGTERM) of the head agent leaves a retained `offline` status of the same session"),
+    Check("head.values", "§5", "MUST", "1.15",
+          "every `metrics` report's `values` has at most 32 entries, each named in at most 64 characters: what "
+          "the agent measured, never its fitted head (a head agent that reports its head's weights there sends "
+          "a personal part off the device)"),
     Check("head.will", "§11", "MUST", "1.0",
           "on kill -9 of the head agent the broker publishes its last will: a retained `offline` status of the "
           "same session, signed with its key (the scenario runs with keys)"),

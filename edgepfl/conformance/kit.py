@@ -923,6 +923,22 @@ class _Kit:
                                 manifest.round)
         s.kill("head.will", signed=True)
         s.account_frames()
+        self.head_values(s)
+
+    def head_values(self, s: _Scenario) -> None:
+        """``head.values``: every metrics report the head agent sent in the scenario keeps its
+        ``values`` to the 1.15 bounds (:func:`edgepfl.protocol.unbounded_values`)."""
+        from edgepfl.protocol import unbounded_values
+
+        reports = [f.message for f in s.wire.since(0) if f.agent == s.agent_id and f.channel == "metrics"
+                   and f.message is not None and f.message.type == MessageType.METRICS]
+        problems = [f"{m.meta_as(MetricsMeta).release_id}: {why}" for m in reports
+                    if (why := unbounded_values(m.meta_as(MetricsMeta).values)) is not None]
+        self.report.record("head.values", bool(reports) and not problems,
+                           f"{len(reports)} metrics reports, their values within 32 entries and 64-character names"
+                           if reports and not problems else
+                           "no metrics report to check" if not reports else
+                           f"{len(problems)} of {len(reports)} reports past the bounds, e.g. {problems[0]}")
 
     def head_preprocessing(self, s: _Scenario, probe: tuple[bytes, str], round: int) -> None:
         """``head.preprocessing``: a release whose encoder passes a pixel on only where the

@@ -29,11 +29,13 @@ from .manifest import (
 )
 from .messages import (
     BAD_SHARES,
+    BOUNDED_VALUES,
     CAPABILITIES,
     CODECS,
     DIRECTED_SHARE_KEYS,
     GRADIENT_CLIP,
     INPUT_KINDS,
+    MAX_METRIC_VALUES,
     PROTOCOL_VERSION,
     REFUSAL_REASONS,
     RELEASE_DELTAS,
@@ -56,6 +58,7 @@ from .messages import (
     TaskDelta,
     TaskMeta,
     UpdateMeta,
+    unbounded_values,
 )
 from .presence import RollCall
 from .reassembly import Reassembler
@@ -79,6 +82,7 @@ __all__ = [
     "MessageType", "MethodChoice", "MetricsMeta", "Normalization", "ProtocolError", "Reassembler", "ReleaseManifest",
     "ReleaseDelta", "ReleaseMeta", "RELEASE_DELTAS", "RELEASE_REFS", "RELEASE_RESTORE", "RELEASE_REFUSALS", "ReleaseRef",
     "RollCall", "SECURE_AGGREGATION", "INPUT_KINDS", "GRADIENT_CLIP", "BAD_SHARES", "DIRECTED_SHARE_KEYS",
+    "BOUNDED_VALUES", "MAX_METRIC_VALUES", "unbounded_values",
     "InputKind", "kind_of_shape",
     "RunSpec", "StatusMeta", "TASK_DELTAS", "TaskDelta", "TaskMeta", "TopicError",
     "UpdateMeta", "agent_topic", "agent_wildcard",

@@ -116,6 +116,15 @@ BAD_SHARES = (1, 12)
 #: takes secure steps only from a coordinator of it (1.9-1.13 sealed both directions under one key
 #: and the zero nonce)
 DIRECTED_SHARE_KEYS = (1, 14)
+#: the protocol version from which a ``metrics`` report's ``values`` are at most
+#: :data:`MAX_METRIC_VALUES` figures named in at most :data:`MAX_METRIC_NAME` characters: what a
+#: device measured, never what it fitted (PROTOCOL.md §5)
+BOUNDED_VALUES = (1, 15)
+#: the most entries a ``metrics`` report's ``values`` may have (since 1.15; a coordinator keeps
+#: none of a report with more, from any agent)
+MAX_METRIC_VALUES = 32
+#: the longest name of a ``values`` entry
+MAX_METRIC_NAME = 64
 
 
 class ReleaseRef(_Meta):
@@ -231,8 +240,22 @@ class MetricsMeta(_Meta):
     num_train: int = Field(0, ge=0)
     num_test: int = Field(0, ge=0)
     eval_correct: int = Field(0, ge=0)
-    values: dict[str, float] = Field(default_factory=dict)
+    #: what the agent measured besides the counts (fit seconds, train accuracy, ...); since 1.15
+    #: at most MAX_METRIC_VALUES entries, never the device's fitted parameters or data (not a
+    #: schema limit: an older agent's report with more is kept, its values are not)
+    values: dict[str, float] = Field(default_factory=dict, description=(
+        "what the agent measured besides the counts; since 1.15 at most 32 entries named in at most 64 characters, "
+        "never the device's fitted parameters, features or samples"))
     refused: str | None = Field(None, min_length=1, max_length=300, json_schema_extra=since("1.5"))
+
+
+def unbounded_values(values: dict[str, float]) -> str | None:
+    """Why a ``metrics`` report's ``values`` break the 1.15 rule (PROTOCOL.md §5), or None: more
+    than :data:`MAX_METRIC_VALUES` entries, or a name longer than :data:`MAX_METRIC_NAME` characters."""
+    if len(values) > MAX_METRIC_VALUES:
+        return f"{len(values)} values, more than {MAX_METRIC_VALUES}"
+    long = next((name for name in values if len(name) > MAX_METRIC_NAME), None)
+    return None if long is None else f"a value named in {len(long)} characters, more than {MAX_METRIC_NAME}"
 
 
 class CoordinatorMeta(_Meta):

@@ -399,6 +399,21 @@ def unsigned_will() -> None:
 
 
 @mutant
+def head_leaks_its_head_in_values() -> None:
+    """Reports its fitted head with each release: 330 numbers in `values` (a 32-feature,
+    10-class linear head's weights and biases)."""
+    from edgepfl.edge_agent import head_tier
+
+    values = head_tier.HeadFit.values
+
+    def leaking(self) -> dict[str, float]:
+        rng = np.random.default_rng(0)
+        return {**values(self), **{f"head.w{i}": float(w) for i, w in enumerate(rng.normal(size=330))}}
+
+    head_tier.HeadFit.values = leaking
+
+
+@mutant
 def unsigned_head_metrics() -> None:
     """Signs its status but not the metrics it reports on a release."""
     from edgepfl.edge_agent import tiers

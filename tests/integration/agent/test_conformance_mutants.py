@@ -56,6 +56,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "installs_expired_releases": ("head", {"release.expired"}),
     "installs_unsequenced_releases": ("head", {"release.unsequenced"}),
     "unsigned_head_metrics": ("head", {"head.signing"}),
+    "head_leaks_its_head_in_values": ("head", {"head.values"}),
     "ignores_retained_parts": ("head", {"release.parts"}),
     "trusts_its_stored_release": ("head", {"release.reverified"}),
     "no_body_hash_check_on_releases": ("head", {"release.body_hash"}),

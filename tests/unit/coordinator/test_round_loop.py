@@ -43,6 +43,7 @@ from edgepfl.protocol import (
     UpdateMeta,
     decode,
     encode,
+    unbounded_values,
 )
 
 FED = "loop"
@@ -327,11 +328,13 @@ class HeadFleet(ScriptedFleet):
     """Two head agents that report as soon as a release is published; ``refusing`` ones
     report that they did not install it (protocol 1.5)."""
 
-    def __init__(self, agents: dict[str, Responder], refusing: tuple[str, ...] = ()):
+    def __init__(self, agents: dict[str, Responder], refusing: tuple[str, ...] = (),
+                 values: dict[str, dict[str, float]] | None = None):
         super().__init__(agents)
         self.events += [status("pi-1", tier="head"), status("pi-2", tier="head")]
         self.published: list[int] = []
         self.refusing = refusing
+        self.values = values or {}
         self.releases = HeadsReport(self)
 
 
@@ -346,7 +349,8 @@ class HeadsReport(ReleaseChannel):
         self.fleet.published.append(round)
         release_id = decode(frame).meta.release_id
         for agent_id, correct in (("pi-1", 7), ("pi-2", 9)):
-            meta = MetricsMeta(tier="head", release_id=release_id, head="lr", num_test=10, eval_correct=correct)
+            meta = MetricsMeta(tier="head", release_id=release_id, head="lr", num_test=10, eval_correct=correct,
+                               values=self.fleet.values.get(agent_id, {}))
             if agent_id in self.fleet.refusing:
                 meta = MetricsMeta(tier="head", release_id=release_id, head="lr",
                                    refused=f"release {release_id} refused: input shape mismatch")
@@ -387,6 +391,25 @@ def test_a_release_a_head_agent_refused_shows_in_the_report_the_view_and_the_log
     assert view["pi-1"].release_refused is None
     table, summary = write_report(tmp_path / "run", "fedavg")  # what simulate and `edgepfl report` print
     assert summary["head_tier"]["agents"]["pi-2"]["refused"] and f"pi-2 did not install release {release_id}" in table
+
+
+def test_a_report_whose_values_could_carry_a_fitted_head_keeps_its_counts_and_loses_its_values(tmp_path, caplog):
+    """PROTOCOL.md §5 (1.15): `values` are at most 32 figures named in at most 64 characters. A
+    report past that (here 330 numbers: a small linear head's weights) counts in the release's
+    accuracy, but none of its values are kept in head_metrics.json; it is logged."""
+    leaked = {f"head.w{i}": 0.01 * i for i in range(330)}
+    fleet = HeadFleet({"a": honest("a"), "b": honest("b")},
+                      values={"pi-1": {"fit_seconds": 0.5, "train_accuracy": 0.9}, "pi-2": leaked})
+    coord = coordinator(fleet, tmp_path, round_timeout_s=20, release_at_end=True)
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        coord.run()
+    (_, entry), = read_head_metrics(tmp_path / "run").items()
+    assert entry.reports["pi-1"].values == {"fit_seconds": 0.5, "train_accuracy": 0.9}
+    assert entry.reports["pi-2"].values == {} and entry.reports["pi-2"].accuracy == pytest.approx(0.9)
+    assert entry.accuracy() == pytest.approx(0.8)
+    assert "the metrics of pi-2 carry 330 values, more than 32: its counts are kept, its values are not" in caplog.text
+    long_name = {"x" * 65: 1.0}
+    assert unbounded_values(long_name) and unbounded_values({f"v{i}": 0.0 for i in range(32)}) is None
 
 
 def test_a_round_of_1000_agents_costs_time_proportional_to_its_messages(tmp_path, monkeypatch):
