@@ -3,13 +3,14 @@ arrival into an exact sum (memory O(model) whatever the number of agents)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
 from .contract import Aggregator, TensorDict, _norm
 from .exact import _ExactSum
-from .partial import PartialSum
+from .partial import LOW_BITS, PartialSum
 
 
 class SummingRule(Aggregator):
@@ -31,6 +32,19 @@ class SummingRule(Aggregator):
         return PartialSum(low, high, total_weight=self.sum_.total_weight, count=self.count_,
                           clipped=self.bound_clipped_, rule_clipped=self.clipped_,
                           change_norms=tuple(self.change_norms_))
+
+    def partial_change(self, partial: PartialSum, keys: Iterable[str]) -> tuple[float, float]:
+        """The norm over ``keys`` of what ``partial`` sums (the weighted changes ``w * (x - reference)``
+        of its updates), and how much the grid's rounding can account for (half a step a
+        coordinate per update). ``partial`` must have passed :meth:`PartialSum.check`."""
+        total = slack = 0.0
+        for key in keys:
+            scale = self.sum_.scale[key]
+            value = (partial.high[key].astype(np.float64) * float(2**LOW_BITS)
+                     + partial.low[key].astype(np.float64)) / scale
+            total += float(np.sum(value * value))
+            slack += value.size * (0.5 * partial.count / scale) ** 2
+        return math.sqrt(total), math.sqrt(slack)
 
     def add_partial(self, partial: PartialSum) -> None:
         """Fold in another instance's :meth:`partial` over the same reference, as if its updates

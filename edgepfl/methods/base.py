@@ -168,6 +168,10 @@ class SitePart:
     devices: tuple[DevicePart, ...]
 
 
+#: the bounds that clip an update's change of the learned parameters (``DevicePart.fired``)
+_CHANGE_BOUNDS = frozenset({"max_update_ratio", "max_update_vs_median", "max_first_update_ratio"})
+
+
 class RoundAggregate:
     """One round's aggregation for one method: :meth:`Method.open_round` opens it,
     :meth:`add` folds in each accepted update as it arrives, :meth:`close` makes the next
@@ -311,6 +315,8 @@ class RoundAggregate:
         if self.rule.weighted and sum(weights) != part.sum.total_weight:
             raise AggregationRejected("malformed", "a site's devices' weights do not add up to its sum's")
         records = {d.agent_id: OwnRecord.from_json(d.record) for d in part.devices if d.record is not None}
+        part.sum.check(self.reference)
+        self._check_site_claims(part, records)
         rule.add_partial(part.sum)  # checks the sum against the reference before it counts
         for d in part.devices:
             self._count(d)
@@ -318,6 +324,36 @@ class RoundAggregate:
                 self.records[d.agent_id] = records[d.agent_id]
             if d.clipped_newcomer:
                 self._clipped_newcomers.add(d.agent_id)
+
+    def _check_site_claims(self, part: SitePart, records: dict[str, OwnRecord]) -> None:
+        """What a site says its devices' updates measured, held to what the round's bound lets a
+        device do: each device's change at most its bound here (the fleet's median, its own
+        record, the model's norm: the numbers the site was handed), and the site's sum no
+        further from the reference than those changes, weighted, can add up to. A site that
+        passed an update past its bound, or claims smaller changes than it summed (to keep its
+        devices' records low, or to widen them next round with a sum that does not show it),
+        is refused whole (``out_of_range``, ``malformed``)."""
+        bound = self.rule.bound
+        if bound is None or not bound.parameters_:
+            return
+        applied = 0.0
+        for d in part.devices:
+            record = records.get(d.agent_id)
+            if record is None:
+                raise AggregationRejected("malformed", f"a site's part has no record of {d.agent_id}'s update")
+            limits = [] if bound.limit_ is None else [bound.limit_ / d.discount]
+            if (relative := bound.relative_limit(self.own_record(d.agent_id))) is not None:
+                limits.append(relative[0])
+            if limits and record.change > min(limits) * (1 + 1e-6):
+                raise AggregationRejected("out_of_range", f"a site says {d.agent_id}'s update changed the parameters "
+                                                          f"by {record.change:.4g}, past its bound {min(limits):.4g}")
+            # a clipped update moved the parameters by its bound, and is recorded lower (OwnRecord.at_most)
+            moved = min(limits) if limits and _CHANGE_BOUNDS.intersection(d.fired) else record.change
+            applied += d.weight * d.discount * moved
+        summed, slack = self._summing_rule().partial_change(part.sum, bound.parameters_)
+        if summed > applied * (1 + 1e-6) + slack:
+            raise AggregationRejected("out_of_range", f"a site's sum moves the parameters by {summed:.4g}, more than "
+                                                      f"the changes it reports of its devices add up to ({applied:.4g})")
 
     def shares(self) -> dict[str, float]:
         """Each device's share of the round's change of the shared parameters under a weighted

@@ -181,6 +181,50 @@ def test_a_part_that_cannot_be_its_devices_sum_is_refused_before_anything_counts
     assert central.count == 3
 
 
+def _bounded_site(method, state, updates, spec: AggregationSpec) -> tuple[object, SitePart]:
+    """The central round of ``state`` and one site's part of ``updates`` under ``spec`` (the
+    site's own rule: a compromised site may bound nothing)."""
+    central = method.open_round(state, AggregationSpec().build())
+    records, newcomer = central.for_site(u.agent_id for u in updates)
+    site_state = ServerState(global_tensors=state.shared_params(),
+                             extra={UPDATE_NORM_MEDIAN: state.extra.get(UPDATE_NORM_MEDIAN), UPDATE_HISTORY: records})
+    local = type(central)(method, site_state, spec.build(), newcomer=newcomer)
+    for update in updates:
+        local.add(update)
+    return central, local.site_part()
+
+
+def test_a_site_that_lets_an_update_past_its_bound_or_understates_its_devices_changes_is_refused():
+    """The central round judges a site's claims by the records it handed the site: a device's
+    change past its bound here (a site that clips nothing, reporting what it measured), or records
+    smaller than the site's sum can be made of (to keep a device's bound from noticing, or to
+    raise one later from a record the sum does not show), refuse the part before it counts. The
+    same updates from an honest site go in (the property above: bit for bit the flat round)."""
+    method, state = _state("fedavg", 3)
+    state = _with_record(method, state, 3)
+    updates = _updates(state, 4, [1.0, 1.0, 40.0])
+    central, honest = _bounded_site(method, state, updates, AggregationSpec())
+    assert any(d.fired for d in honest.devices)  # the 40x device was clipped at the honest site
+    # a site whose bound is a million medians: it clips nothing, and its records say so
+    central, unclipped = _bounded_site(method, state, updates, AggregationSpec(max_update_vs_median=1e6))
+    assert not any(d.fired for d in unclipped.devices)
+    with pytest.raises(AggregationRejected, match="past its bound"):
+        central.add_site(unclipped)
+    # the honest part with its devices' records understated tenfold and no bound named as fired
+    understated = SitePart(honest.sum, tuple(
+        DevicePart(d.agent_id, d.weight, d.discount, record=[0.1 * d.record[0], d.record[1]])
+        for d in honest.devices))
+    with pytest.raises(AggregationRejected, match="more than the changes it reports"):
+        central.add_site(understated)
+    missing = SitePart(honest.sum, (DevicePart(honest.devices[0].agent_id, honest.devices[0].weight),
+                                    *honest.devices[1:]))
+    with pytest.raises(AggregationRejected, match="no record"):
+        central.add_site(missing)
+    assert central.count == 0
+    central.add_site(honest)
+    assert central.count == 3
+
+
 def test_a_rule_that_needs_single_updates_makes_no_partial_sums():
     method, state = _state("fedavg", 1)
     for rule in ("median", "trimmed_mean", "multi_krum", "centered_clip"):
