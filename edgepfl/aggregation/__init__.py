@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from .choice import round_rule
 from .contract import (
+    CHANGE_BOUNDS,
     CHANGE_RANGE,
     DEFAULT_MAX_FIRST_UPDATE_RATIO,
     DEFAULT_MAX_MEAN_SHIFT,
@@ -68,6 +69,7 @@ from .spec import PER_UPDATE_BOUNDS, AggregationSpec
 from .weights import capped_accuracy, rebase, staleness_weight, weight_cap
 
 __all__ = [
+    "CHANGE_BOUNDS",
     "AdaptiveClip", "AggregationRejected", "AUTO", "CenteredClip", "AggregationSpec", "Aggregator", "Bounded", "capped_accuracy",
     "change_range", "CHANGE_RANGE", "clip_factor", "CoordinateMedian", "DEFAULT_MAX_FIRST_UPDATE_RATIO",
     "DEFAULT_MAX_MEAN_SHIFT", "DEFAULT_MAX_UPDATE_VS_MEDIAN", "DEFAULT_MAX_VARIANCE_GROWTH",

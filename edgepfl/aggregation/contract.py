@@ -55,6 +55,9 @@ DEFAULT_MAX_MEAN_SHIFT = 200.0
 #: a running variance may grow to this times its reference (``max_variance_growth``);
 #: honest skewed devices measured up to 1,800 (a channel the others' data barely lights)
 DEFAULT_MAX_VARIANCE_GROWTH = 10_000.0
+#: the bounds that clip an update's change of the learned parameters (what :meth:`UpdateBound.apply`
+#: names in ``fired`` when it shortened the change; the statistics' clamps are the others)
+CHANGE_BOUNDS = frozenset({"max_update_ratio", "max_update_vs_median", "max_first_update_ratio"})
 #: how far (in units of the reference's largest magnitude, at least 1) a coordinate may move
 CHANGE_RANGE = 2**6
 _INSIDE = 1 - 2**-16  # a clamp this far inside change_range stays inside after rounding to float32

@@ -39,7 +39,16 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..aggregation import UPDATE_HISTORY, UPDATE_NORM_MEDIAN, AggregationRejected, Aggregator, Mean, OwnRecord, rebase
+from ..aggregation import (
+    CHANGE_BOUNDS,
+    UPDATE_HISTORY,
+    UPDATE_NORM_MEDIAN,
+    AggregationRejected,
+    Aggregator,
+    Mean,
+    OwnRecord,
+    rebase,
+)
 from ..aggregation.contract import OWN_HISTORY
 from ..aggregation.means import SummingRule
 from ..aggregation.partial import PartialSum
@@ -166,10 +175,6 @@ class SitePart:
 
     sum: PartialSum
     devices: tuple[DevicePart, ...]
-
-
-#: the bounds that clip an update's change of the learned parameters (``DevicePart.fired``)
-_CHANGE_BOUNDS = frozenset({"max_update_ratio", "max_update_vs_median", "max_first_update_ratio"})
 
 
 class RoundAggregate:
@@ -315,9 +320,9 @@ class RoundAggregate:
         if self.rule.weighted and sum(weights) != part.sum.total_weight:
             raise AggregationRejected("malformed", "a site's devices' weights do not add up to its sum's")
         records = {d.agent_id: OwnRecord.from_json(d.record) for d in part.devices if d.record is not None}
-        part.sum.check(self.reference)
+        part.sum.check(self.reference)  # what a sum can be, before what its devices' claims allow
         self._check_site_claims(part, records)
-        rule.add_partial(part.sum)  # checks the sum against the reference before it counts
+        rule.add_partial(part.sum)
         for d in part.devices:
             self._count(d)
             if d.agent_id in records:
@@ -348,7 +353,7 @@ class RoundAggregate:
                 raise AggregationRejected("out_of_range", f"a site says {d.agent_id}'s update changed the parameters "
                                                           f"by {record.change:.4g}, past its bound {min(limits):.4g}")
             # a clipped update moved the parameters by its bound, and is recorded lower (OwnRecord.at_most)
-            moved = min(limits) if limits and _CHANGE_BOUNDS.intersection(d.fired) else record.change
+            moved = min(limits) if limits and CHANGE_BOUNDS.intersection(d.fired) else record.change
             applied += d.weight * d.discount * moved
         summed, slack = self._summing_rule().partial_change(part.sum, bound.parameters_)
         if summed > applied * (1 + 1e-6) + slack:
