@@ -53,7 +53,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "EncryptedShare", "Masker", "RoundKeys", "SecAggError", "SecureAggregationSpec", "default_degree", "neighbour_graph",
-    "RING_BITS", "keys_statement", "prg", "reconstruct_many", "reconstruct_mask_key", "reconstruct_seed",
+    "RING_BITS", "disagreeing_share", "keys_statement", "prg", "reconstruct_many", "reconstruct_mask_key",
+    "reconstruct_seed",
     "session_context", "share_key", "unmask",
 ]
 
@@ -456,6 +457,52 @@ def reconstruct_many(groups: Iterable[Iterable[tuple[int, bytes]]], threshold: i
             secret += _gf_reduce(z).to_bytes(SEED_BYTES, "big")
         out.append(secret)
     return out
+
+
+def _at(x: int, points: list[tuple[int, int]]) -> int:
+    """The value at ``x`` of the polynomial through ``points`` (index, 16-byte block as an int),
+    by Lagrange: sum_j y_j prod_{m != j} (x + x_m) / (x_j + x_m) (in GF(2^128) a difference is
+    a sum). Plain arithmetic: a check of a few shares, not the unmasking's hot loop."""
+    value = 0
+    for j, (xj, yj) in enumerate(points):
+        numerator = denominator = 1
+        for m, (xm, _) in enumerate(points):
+            if m != j:
+                numerator = _gf_mul(numerator, x ^ xm)
+                denominator = _gf_mul(denominator, xj ^ xm)
+        value ^= _gf_mul(yj, _gf_mul(numerator, _gf_inverse(denominator)))
+    return value
+
+
+def _on_one_polynomial(shares: list[tuple[int, bytes]], threshold: int, length: int) -> bool:
+    """Whether every share lies on the polynomial through the first ``threshold`` (per block)."""
+    for start in range(0, length, SEED_BYTES):
+        points = [(i, int.from_bytes(s[start:start + SEED_BYTES], "big")) for i, s in shares]
+        base = points[:threshold]
+        if any(_at(x, base) != y for x, y in points[threshold:]):
+            return False
+    return True
+
+
+def disagreeing_share(shares: Iterable[tuple[int, bytes]], threshold: int, length: int = SEED_BYTES) -> int | None:
+    """The index of the one share that is not on the polynomial the others agree on, or None when
+    all agree (or there are only ``threshold`` of them: nothing to check them against). Raises
+    SecAggError when they disagree and no single share explains it: ``threshold + 1`` shares
+    show that one is wrong but not which, and more than one wrong share is not told apart here.
+
+    A share revealed at unmasking is either its revealer's lie or its dealer's: the dealer sealed
+    it and nobody but the two can tell which (docs/SECURITY.md); what is certain is that it is
+    not the secret's, so the secret is taken from the others."""
+    got = sorted({i: s for i, s in shares}.items())
+    if any(len(s) != length for _, s in got):
+        raise SecAggError(f"a share of {sorted({len(s) for _, s in got})} bytes, not {length}")
+    if len(got) <= threshold or _on_one_polynomial(got, threshold, length):
+        return None
+    if len(got) > threshold + 1:
+        for k, (index, _) in enumerate(got):
+            if _on_one_polynomial(got[:k] + got[k + 1:], threshold, length):
+                return index
+    raise SecAggError(f"{len(got)} shares of one secret disagree, and no single one of them explains it")
 
 
 def reconstruct_seed(shares: Iterable[tuple[int, bytes]], threshold: int) -> bytes:

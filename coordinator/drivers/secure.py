@@ -39,7 +39,9 @@ from edgepfl.protocol import DIRECTED_SHARE_KEYS, MessageType, encode, new_messa
 from edgepfl.protocol.secagg import PeerKeys, SealedShare, SecAggMeta, SecAggTask, unb64
 from edgepfl.secagg import (
     RING_BITS,
+    SEED_BYTES,
     SecAggError,
+    disagreeing_share,
     neighbour_graph,
     reconstruct_mask_key,
     reconstruct_seed,
@@ -117,6 +119,9 @@ class SecureRounds:
         self.peer_ca = load_certificate(peer_ca) if peer_ca else None
         #: agent -> every neighbour that named it in a ``bad_shares`` refusal since it was last suspended
         self.accusers: dict[str, set[str]] = defaultdict(set)
+        #: agent -> every neighbour with whom a share it revealed, or dealt, was the one off the
+        #: polynomial the others agreed on, since it was last suspended (:meth:`_reconstruct`)
+        self.disagreed: dict[str, set[str]] = defaultdict(set)
         self._setup: SecureSetup | None = None
         self._result: RoundResult | None = None
         #: the step awaited, from whom, and the answers so far
@@ -152,6 +157,7 @@ class SecureRounds:
             self._suspend_accused(setup, r)
             result.secure = setup.record()
             self._unmask(setup, result, quorum=c.quorum_of(len(sampled)))
+            self._suspend_disagreeing(setup, r)
         finally:
             self._setup = self._result = None
         return co.close_round(tasks, result, started, final=False, quorum=c.quorum_of(len(sampled)))
@@ -225,15 +231,21 @@ class SecureRounds:
                 dropped=[b for b in neighbours if b in dropped]), result)
         seeds: dict[str, dict[int, bytes]] = defaultdict(dict)
         keys: dict[str, dict[int, bytes]] = defaultdict(dict)
+        revealer: dict[tuple[str, int], str] = {}  # (the secret's owner, a share's index) -> who revealed it
         for agent_id, answer in self._await("reveal", survivors).items():
             for share in answer.seeds:  # only what it was asked about, each from a neighbour of it
                 if share.agent in survivors and share.agent in graph[agent_id]:
                     seeds[share.agent][share.index] = unb64(share.share)
+                    revealer[share.agent, share.index] = agent_id
             for share in answer.mask_keys:
                 if share.agent in dropped and share.agent in graph[agent_id]:
                     keys[share.agent][share.index] = unb64(share.share)
+                    revealer[share.agent, share.index] = agent_id
         began = time.process_time()
         try:
+            for owner, shares in (*seeds.items(), *keys.items()):
+                self._set_aside_disagreeing(owner, shares, revealer, setup.threshold,
+                                            SEED_BYTES if owner in survivors else 2 * SEED_BYTES)
             self_seeds = {a: reconstruct_seed(seeds[a].items(), setup.threshold) for a in sorted(survivors)}
             lost_keys = {a: reconstruct_mask_key(keys[a].items(), setup.threshold) for a in sorted(dropped)
                          if any(b in survivors for b in graph[a])}
@@ -249,6 +261,39 @@ class SecureRounds:
         result.secure = setup.record(len(survivors), len(lost_keys), True, time.process_time() - began)
         log.info("round %d: secure sum of %d updates unmasked (%d dropped agents' masks removed)", setup.round,
                  len(survivors), len(lost_keys))
+
+    def _set_aside_disagreeing(self, owner: str, shares: dict[int, bytes], revealer: dict[tuple[str, int], str],
+                               threshold: int, length: int) -> None:
+        """Take out of ``shares`` (of ``owner``'s secret) the one share off the polynomial the others
+        agree on, so that the secret is the owner's and the round is unmasked, and record the
+        disagreement against both its revealer and its dealer (the owner): which of the two lied
+        only they know (the share was sealed between them). Each is suspended once as many
+        distinct neighbours as a round's threshold (at least two) have disagreed with it since
+        its last suspension (:meth:`_suspend_disagreeing`): one device cannot suspend an honest
+        one. A disagreement no single share explains is left to the unmasking, which fails."""
+        try:
+            bad = disagreeing_share(shares.items(), threshold, length)
+        except SecAggError as exc:
+            log.warning("the revealed shares of %s's secret: %s", owner, exc)
+            return
+        if bad is None:
+            return
+        who = revealer[owner, bad]
+        del shares[bad]
+        log.warning("the share of %s's secret that %s revealed is not on the polynomial of the others': set aside",
+                    owner, who)
+        self.disagreed[who].add(owner)
+        self.disagreed[owner].add(who)
+
+    def _suspend_disagreeing(self, setup: SecureSetup, r: int) -> None:
+        """Suspend every agent that as many distinct neighbours as the round's threshold (at least two)
+        have disagreed with at unmasking since its last suspension (:meth:`_set_aside_disagreeing`)."""
+        needed = max(2, setup.threshold)
+        for agent_id, others in sorted(self.disagreed.items()):
+            if len(others) >= needed:
+                self.co.registry.suspend(agent_id, r, f"its revealed or dealt shares disagreed with those of "
+                                                      f"{len(others)} of its neighbours (round {r})")
+                del self.disagreed[agent_id]
 
     def _on_refused(self, refused: Refused) -> None:
         """A refusal of this round's task: ``bad_shares`` names the neighbours whose sealed shares

@@ -332,6 +332,58 @@ def test_one_device_naming_an_honest_neighbour_suspends_no_one(tmp_path):
     assert coordinator.registry.suspended(ids[0], 1) is None
 
 
+class LyingRevealer(Device):
+    """An enrolled device that reveals, at unmasking, random bytes for every share it holds:
+    the seeds it was asked to reveal would unmask the round to garbage."""
+
+    def handle(self, message):
+        reply = self.tier.handle(message)
+        if reply is None or message.type != MessageType.SECAGG or message.meta_as(SecAggMeta).step != "unmask":
+            if reply is not None:
+                self.sent.append(decode(reply.frame))
+            return reply
+        answer = decode(reply.frame).meta_as(SecAggMeta)
+        rng = np.random.default_rng(0)
+        lies = [s.model_copy(update={"share": b64(rng.bytes(len(unb64(s.share))))}) for s in answer.seeds]
+        frame = encode(MessageType.SECAGG, federation=message.header.federation, sender=self.tier.agent_id,
+                       round=message.header.round, meta=answer.model_copy(update={"seeds": lies}))
+        self.sent.append(decode(frame))
+        return type(reply)(reply.channel, frame, reply.round)
+
+
+def test_a_device_revealing_false_shares_is_outvoted_at_unmasking_and_then_suspended(tmp_path, caplog):
+    """Six agents, each secret shared among its five neighbours with a threshold of three: a
+    revealed share that is not on the polynomial the other four agree on is set aside and the
+    secret taken from those, so the round is unmasked to the very sum of the clear run; the
+    device whose revealed shares disagreed with as many neighbours as the threshold is
+    suspended, with the reason in the view, and the next round goes on without it. (Before, its
+    false shares went into the reconstruction and the round's masks could not be removed.)"""
+    ids = agent_ids(AGENTS)
+    liar = ids[0]  # its answer comes first: its shares would be among the three a secret is rebuilt from
+    cfg = config(True, rounds=2)
+    devices = {a: (LyingRevealer if a == liar else Device)(tier)
+               for a, tier in local_trainers(cfg, ids, tmp_path / "secure").items()}
+    coordinator = Coordinator(cfg, LocalFleet(devices, cfg.federation), tmp_path / "secure", progress=False,
+                              **data_shape(cfg))
+    coordinator.init_or_resume()
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        rows = [r for r in coordinator.run() if not r.final]
+    assert not rows[0].aborted and sorted(rows[0].participants) == ids and rows[0].secure.unmasked
+    assert caplog.text.count(f"that {liar} revealed is not on the polynomial of the others'") == len(ids) - 1
+    why = coordinator.registry.suspended(liar, 1)
+    assert why is not None and "disagreed with those of" in why
+    assert not rows[1].aborted and sorted(rows[1].participants) == [a for a in ids if a != liar]
+    # round 0's sum is the clear run's: the same state after it, bit for bit
+    clear, _, _ = run(config(False, rounds=1), tmp_path / "clear")
+    first = Coordinator(cfg.model_copy(update={"rounds": 1}), LocalFleet(
+        {a: (LyingRevealer if a == liar else Device)(tier)
+         for a, tier in local_trainers(cfg, ids, tmp_path / "again").items()}, cfg.federation),
+        tmp_path / "again", progress=False, **data_shape(cfg))
+    first.init_or_resume()
+    first.run()
+    assert same_state(first, clear)
+
+
 def test_with_the_federations_ca_a_device_whose_keys_are_not_certified_is_left_out_before_the_roster(tmp_path, caplog):
     """Every neighbour of a device whose keys no certified key signed would refuse the roster
     (edge_agent/secure.py): the coordinator, holding the same CA (``security.peer_ca``), leaves

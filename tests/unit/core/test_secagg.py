@@ -236,3 +236,37 @@ def test_reconstruction_refuses_too_few_shares_bad_lengths_and_bad_indices():
     reconstruct_seed(shares[:3], 3)
     reconstruct_seed(shares[2::-1], 3)  # the same indices in another order: the same coefficients
     assert _lagrange_at_zero.cache_info().misses == 1
+
+
+def test_the_one_revealed_share_off_the_polynomial_is_found_and_two_or_too_few_are_not_guessed():
+    """A secret's shares lie on one polynomial of degree threshold - 1: with two or more shares
+    beyond the threshold a single wrong one is the one whose removal leaves the rest on one
+    polynomial; with one beyond, a wrong share shows but not which; two wrong ones are not told
+    apart. The rest rebuild the secret."""
+    from Crypto.Protocol.SecretSharing import Shamir
+
+    from edgepfl.secagg import SecAggError, disagreeing_share, reconstruct_mask_key, reconstruct_seed
+
+    secret = os.urandom(16)
+    shares = Shamir.split(3, 6, secret)
+    assert disagreeing_share(shares, 3) is None
+    for k in range(6):
+        lied = list(shares)
+        lied[k] = (lied[k][0], os.urandom(16))
+        assert disagreeing_share(lied, 3) == lied[k][0]
+        assert reconstruct_seed([s for s in lied if s[0] != lied[k][0]], 3) == secret
+        assert disagreeing_share(lied[:3], 3) is None  # nothing to check three against
+    lied = list(shares)
+    lied[1] = (lied[1][0], os.urandom(16))
+    with pytest.raises(SecAggError, match="no single one"):
+        disagreeing_share(lied[:4], 3)
+    lied[4] = (lied[4][0], os.urandom(16))
+    with pytest.raises(SecAggError, match="no single one"):
+        disagreeing_share(lied, 3)
+    # a mask key: two 16-byte halves, either of which may be the lie
+    key = os.urandom(32)
+    halves = [Shamir.split(3, 6, key[:16]), Shamir.split(3, 6, key[16:])]
+    joined = [(i, a + b) for (i, a), (_, b) in zip(*halves)]
+    joined[2] = (joined[2][0], joined[2][1][:16] + os.urandom(16))
+    assert disagreeing_share(joined, 3, 32) == joined[2][0]
+    assert reconstruct_mask_key([s for s in joined if s[0] != joined[2][0]], 3) == key
