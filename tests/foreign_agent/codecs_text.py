@@ -447,7 +447,7 @@ def check_header(header) -> tuple[str, int | None, bool, int, list, list]:
         if topk:
             n = math.prod(shape)
             kept = t.get("kept")
-            if not _is_int(kept) or not min(1, n) <= kept <= n:
+            if not _is_int(kept) or not 0 <= kept <= n:
                 raise CodecError("malformed", f"{t['name']}: kept {kept!r} out of range")
             if t.get("index") not in ("bitmap", "gaps"):
                 raise CodecError("malformed", f"{t['name']}: index {t.get('index')!r}")
@@ -593,9 +593,9 @@ def decode(header: dict, arrays: dict, reference: dict) -> dict:
 # --------------------------------------------------------------------------------------
 
 class ErrorFeedback:
-    """EF-SGD (GAP 25, GAP 26): encode ``target = change + residual``, keep
-    ``residual = target - (decode(frame, reference) - reference)``, all float32.
-    Reset (to zeros) when the compressed tensors' names or shapes change."""
+    """EF-SGD (GAP 25, GAP 26; the text now): encode ``target = change + residual`` (the float64
+    change plus the float32 residual), keep ``residual = float32(target - (decode(frame,
+    reference) - reference))``. Reset (to zeros) when the compressed tensors' names or shapes change."""
 
     def __init__(self):
         self.residual: dict[str, np.ndarray] = {}
@@ -606,12 +606,12 @@ class ErrorFeedback:
         shapes = {k: v.shape for k, v in changes.items()}
         if shapes != {k: v.shape for k, v in self.residual.items()}:
             self.residual = {k: np.zeros(s, dtype=np.float32) for k, s in shapes.items()}
-        target = {k: (v + self.residual[k]).astype(np.float32) for k, v in changes.items()}
+        target = {k: v + self.residual[k] for k, v in changes.items()}  # float64
         enc = encode_changes(target, exact, codec, block, keep, rng)
         decoded = decode(enc.header, enc.arrays, reference)
         self.residual = {
-            k: (target[k] - (decoded[k] - np.asarray(reference[k], dtype=np.float32))).astype(np.float32)
-            for k in target}
+            k: (target[k] - (decoded[k].astype(np.float64) - np.asarray(reference[k]).astype(np.float64)))
+            .astype(np.float32) for k in target}
         return enc
 
 

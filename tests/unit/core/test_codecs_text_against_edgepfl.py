@@ -103,3 +103,17 @@ def test_the_edge_cases_the_text_now_settles_decide_alike():
     for name in expected:
         assert decoded[name].tobytes() == expected[name].tobytes(), name
     assert (expected["w"] == reference["w"]).all()  # the -0.0 block moved nothing
+
+
+@pytest.mark.parametrize("codec, keep", [("q4", None), ("topk+q8", 0.1)])
+def test_error_feedback_as_the_text_says_it_writes_edgepfls_frames_round_after_round(codec, keep):
+    reference, update = _case(3)
+    mine, theirs = ours.ErrorFeedback(), text.ErrorFeedback()
+    spec = ours.CodecSpec.from_name(codec, block=32, keep=keep or 0.1)
+    for r in range(4):
+        frame = mine.encode(update, reference, spec, np.random.default_rng([r, 0xC0DEC]))
+        written = theirs.encode(update, reference, codec, 32, keep, np.random.default_rng([r, 0xC0DEC]))
+        assert written.header == frame.header_fields()
+        for name, value in frame.arrays().items():
+            assert np.asarray(written.arrays[name]).tobytes() == np.asarray(value).tobytes(), (r, name)
+        reference = ours.decode(frame, reference)  # the next round's state: what was sent, adopted
