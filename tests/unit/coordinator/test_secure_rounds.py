@@ -258,22 +258,37 @@ def test_a_secure_run_gives_no_task_to_an_agent_before_protocol_1_14(tmp_path, c
     assert caplog.text.count("it speaks protocol 1.13; secure aggregation needs 1.14") == 1
 
 
-class GarbageSealer(Device):
-    """An enrolled device that seals garbage to its neighbours: every shares step it sends
-    carries ciphertexts of the right size that open for no one."""
+class StepRewriter(Device):
+    """An enrolled device whose answer to one secure step (``step``: the step it answers) is its
+    honest answer with :meth:`rewrite`'s changes, signed as its own would be."""
+
+    step = ""
+
+    def rewrite(self, answer: SecAggMeta) -> dict:
+        raise NotImplementedError
 
     def handle(self, message):
         reply = self.tier.handle(message)
-        if reply is None or message.type != MessageType.SECAGG or message.meta_as(SecAggMeta).step != "roster":
+        if reply is None or message.type != MessageType.SECAGG or message.meta_as(SecAggMeta).step != self.step:
             if reply is not None:
                 self.sent.append(decode(reply.frame))
             return reply
         answer = decode(reply.frame).meta_as(SecAggMeta)
-        garbage = [s.model_copy(update={"ciphertext": b64(bytes(len(unb64(s.ciphertext))))}) for s in answer.shares]
         frame = encode(MessageType.SECAGG, federation=message.header.federation, sender=self.tier.agent_id,
-                       round=message.header.round, meta=answer.model_copy(update={"shares": garbage}))
+                       round=message.header.round, meta=answer.model_copy(update=self.rewrite(answer)))
         self.sent.append(decode(frame))
         return type(reply)(reply.channel, frame, reply.round)
+
+
+class GarbageSealer(StepRewriter):
+    """An enrolled device that seals garbage to its neighbours: every shares step it sends
+    carries ciphertexts of the right size that open for no one."""
+
+    step = "roster"
+
+    def rewrite(self, answer: SecAggMeta) -> dict:
+        return {"shares": [s.model_copy(update={"ciphertext": b64(bytes(len(unb64(s.ciphertext))))})
+                           for s in answer.shares]}
 
 
 def test_a_device_whose_shares_do_not_open_costs_one_round_then_is_suspended_with_its_reason_in_the_view(tmp_path):
@@ -332,23 +347,15 @@ def test_one_device_naming_an_honest_neighbour_suspends_no_one(tmp_path):
     assert coordinator.registry.suspended(ids[0], 1) is None
 
 
-class LyingRevealer(Device):
+class LyingRevealer(StepRewriter):
     """An enrolled device that reveals, at unmasking, random bytes for every share it holds:
     the seeds it was asked to reveal would unmask the round to garbage."""
 
-    def handle(self, message):
-        reply = self.tier.handle(message)
-        if reply is None or message.type != MessageType.SECAGG or message.meta_as(SecAggMeta).step != "unmask":
-            if reply is not None:
-                self.sent.append(decode(reply.frame))
-            return reply
-        answer = decode(reply.frame).meta_as(SecAggMeta)
+    step = "unmask"
+
+    def rewrite(self, answer: SecAggMeta) -> dict:
         rng = np.random.default_rng(0)
-        lies = [s.model_copy(update={"share": b64(rng.bytes(len(unb64(s.share))))}) for s in answer.seeds]
-        frame = encode(MessageType.SECAGG, federation=message.header.federation, sender=self.tier.agent_id,
-                       round=message.header.round, meta=answer.model_copy(update={"seeds": lies}))
-        self.sent.append(decode(frame))
-        return type(reply)(reply.channel, frame, reply.round)
+        return {"seeds": [s.model_copy(update={"share": b64(rng.bytes(len(unb64(s.share))))}) for s in answer.seeds]}
 
 
 def test_a_device_revealing_false_shares_is_outvoted_at_unmasking_and_then_suspended(tmp_path, caplog):
