@@ -82,6 +82,10 @@ class SecureRecord(BaseModel):
     bytes_down: int = Field(ge=0, description="coordinator -> agent bytes of the steps (in the row's bytes_down too)")
     bytes_up: int = Field(ge=0, description="agent -> coordinator bytes of the steps (in the row's bytes_up too)")
     unmask_seconds: float = Field(ge=0, description="the coordinator's time to rebuild the secrets and remove the masks")
+    groups: int = Field(1, ge=1, description="secure sums the round's agents were split into "
+                                             "(secure_aggregation.group_size), each unmasked and bounded on its own")
+    set_aside: int = Field(0, ge=0, description="groups whose unmasked sum was past the bound every update is held to "
+                                                "in the clear: left out of the round")
 
 
 class RoundMetrics(BaseModel):

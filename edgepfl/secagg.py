@@ -45,7 +45,7 @@ import hashlib
 import math
 import os
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -79,6 +79,27 @@ class SecureAggregationSpec(BaseModel):
                                                                  "that survives dropout with probability 1 - 1e-3")
     step_timeout_s: float = Field(30.0, gt=0, description="how long each step of a secure round (keys, shares, "
                                                           "reveals) waits for the agents that owe an answer")
+    group_size: int | None = Field(
+        None, ge=3, le=4096,
+        description="split each round's agents into groups of at least this many, each its own secure sum: the "
+                    "coordinator learns each group's sum (not one device's), holds it to the bound every update is "
+                    "held to in the clear, sets a group past it aside and, over the next rounds, regroups its members "
+                    "apart until the one device behind it stands alone, then suspends it; null: one group, the round's "
+                    "sum alone (a sum past the bound is then not adopted, and no one is named)")
+
+    def groups(self, agents: list[str], seed: bytes, suspects: Sequence[set[str]] = ()) -> list[list[str]]:
+        """The round's groups (each sorted): one group of every agent without ``group_size`` or
+        with fewer than two groups' worth; else ``len(agents) // group_size`` groups dealt round
+        robin, first every agent of each set in ``suspects`` (so that the agents of one set land in
+        different groups), then the others in a ``seed``-keyed order."""
+        if self.group_size is None or len(agents) < 2 * self.group_size:
+            return [sorted(agents)]
+        count = len(agents) // self.group_size
+        present = set(agents)
+        spread = list(dict.fromkeys(a for found in suspects for a in sorted(found) if a in present))
+        rest = sorted(present - set(spread), key=lambda a: hashlib.sha256(seed + a.encode()).digest())
+        order = spread + rest
+        return [sorted(order[i::count]) for i in range(count)]
 
     def degree_for(self, agents: int) -> int:
         """Neighbours per agent in a round of ``agents``: ``degree`` or :func:`default_degree`,

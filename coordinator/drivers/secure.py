@@ -71,6 +71,10 @@ class SecureSetup:
     members: set[str] = field(default_factory=set)
     #: agent -> the neighbours whose ``bad_shares`` refusals name it this round
     accused: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+    #: the round's groups of key holders (``secure_aggregation.group_size``), each its own secure sum
+    groups: list[list[str]] = field(default_factory=list)
+    #: groups whose unmasked sum was set aside (:meth:`SecureRounds._unmask`)
+    set_aside: int = 0
     #: the steps' bytes, each way
     bytes_down: int = 0
     bytes_up: int = 0
@@ -81,7 +85,8 @@ class SecureSetup:
         return SecureRecord(key_holders=len(self.keys), members=len(self.members), survivors=survivors,
                             recovered=recovered, neighbours=len(next(iter(self.graph.values()), [])),
                             threshold=self.threshold, unmasked=unmasked, bytes_down=self.bytes_down,
-                            bytes_up=self.bytes_up, unmask_seconds=round(seconds, 4))
+                            bytes_up=self.bytes_up, unmask_seconds=round(seconds, 4),
+                            groups=max(1, len(self.groups)), set_aside=self.set_aside)
 
     def member_graph(self) -> dict[str, list[str]]:
         """The neighbour graph among the members: who masked with whom."""
@@ -122,6 +127,9 @@ class SecureRounds:
         #: agent -> every neighbour with whom a share it revealed, or dealt, was the one off the
         #: polynomial the others agreed on, since it was last suspended (:meth:`_reconstruct`)
         self.disagreed: dict[str, set[str]] = defaultdict(set)
+        #: the agents each set-aside group could have been set aside for, narrowed to those of every
+        #: later set-aside group it meets (:meth:`_narrow`): one device's scaled vector is in them all
+        self.suspects: list[set[str]] = []
         self._setup: SecureSetup | None = None
         self._result: RoundResult | None = None
         #: the step awaited, from whom, and the answers so far
@@ -138,6 +146,8 @@ class SecureRounds:
         self._result = result
         try:
             setup = self._prepare(r, sampled, result)
+            if result.aggregate is not None and isinstance(result.aggregate.rule, SecureMean):
+                result.aggregate.rule.assign({a: i for i, group in enumerate(setup.groups) for a in group})
             clip_norm, noise_std = co.device_noise(len(sampled))
             for agent_id in sorted(setup.members):
                 shares = [SealedShare(peer=s, ciphertext=t) for s, t in sorted(setup.sealed[agent_id].items())]
@@ -156,7 +166,7 @@ class SecureRounds:
                 co.registry.missed(agent_id, r, silent_since=started)
             self._suspend_accused(setup, r)
             result.secure = setup.record()
-            self._unmask(setup, result, quorum=c.quorum_of(len(sampled)))
+            self._unmask(setup, result, quorum=c.quorum_of(len(sampled)), noise_std=noise_std or 0.0)
             self._suspend_disagreeing(setup, r)
         finally:
             self._setup = self._result = None
@@ -189,12 +199,16 @@ class SecureRounds:
                     continue
             setup.keys[agent_id] = keys
         holders = sorted(setup.keys)
-        degree = self.spec.degree_for(len(holders))
+        setup.groups = self.spec.groups(holders, bytes.fromhex(setup.session), self.suspects)
+        degree = self.spec.degree_for(min(len(group) for group in setup.groups))
         setup.threshold = degree // 2 + 1
         if len(holders) < 3:
             log.warning("round %d: %d agents sent keys; a secure round needs at least 3", r, len(holders))
             return setup
-        setup.graph = neighbour_graph(holders, degree, bytes.fromhex(setup.session))
+        for group in setup.groups:
+            # an odd degree is everyone of the smallest group; one less in a larger group has the same threshold
+            setup.graph.update(neighbour_graph(group, degree if degree >= len(group) - 1 else degree - degree % 2,
+                                               bytes.fromhex(setup.session)))
         for agent_id in holders:
             roster = [setup.keys[b] for b in setup.graph[agent_id]]
             self._send(agent_id, SecAggMeta(session=setup.session, step="roster", threshold=setup.threshold,
@@ -208,14 +222,17 @@ class SecureRounds:
             setup.members.add(agent_id)
             for share in answer.shares:
                 setup.sealed[share.peer][agent_id] = share.ciphertext
-        log.info("round %d: secure round of %d agents (%d with keys, %d neighbours each, threshold %d)", r,
-                 len(setup.members), len(holders), degree, setup.threshold)
+        log.info("round %d: secure round of %d agents (%d with keys, %d neighbours each, threshold %d, %d group%s)",
+                 r, len(setup.members), len(holders), degree, setup.threshold, len(setup.groups),
+                 "" if len(setup.groups) == 1 else "s")
         return setup
 
-    def _unmask(self, setup: SecureSetup, result: RoundResult, quorum: int) -> None:
-        """Ask the survivors for their shares and take the unmasked sum into the round's rule.
-        Below ``quorum`` nothing is unmasked: the round is aborted anyway, and a sum of fewer
-        devices would carry less of their noise than distributed DP counts on."""
+    def _unmask(self, setup: SecureSetup, result: RoundResult, quorum: int, noise_std: float = 0.0) -> None:
+        """Ask the survivors for their shares and take each group's unmasked sum into the round's
+        rule, or set it aside when it is past the bounds (:meth:`SecureMean.take_group`; its
+        members are then suspects, :meth:`_narrow`). Below ``quorum`` nothing is unmasked: the
+        round is aborted anyway, and a sum of fewer devices would carry less of their noise than
+        distributed DP counts on."""
         aggregate = result.aggregate
         if aggregate is None or not aggregate.participants or len(aggregate.participants) < quorum:
             return
@@ -242,25 +259,67 @@ class SecureRounds:
                     keys[share.agent][share.index] = unb64(share.share)
                     revealer[share.agent, share.index] = agent_id
         began = time.process_time()
-        try:
-            for owner, shares in (*seeds.items(), *keys.items()):
-                self._set_aside_disagreeing(owner, shares, revealer, setup.threshold,
-                                            SEED_BYTES if owner in survivors else 2 * SEED_BYTES)
-            self_seeds = {a: reconstruct_seed(seeds[a].items(), setup.threshold) for a in sorted(survivors)}
-            lost_keys = {a: reconstruct_mask_key(keys[a].items(), setup.threshold) for a in sorted(dropped)
-                         if any(b in survivors for b in graph[a])}
-            publics = {a: unb64(setup.keys[a].mask_public) for a in setup.members}
-            context = session_context(self.co.config.federation, setup.round, setup.session)
-            total = unmask(rule.masked_sum_, survivors, graph, publics, self_seeds, lost_keys, RING_BITS, context)
-            rule.unmask(total)
-        except (SecAggError, AggregationRejected) as exc:
-            rule.failure_ = f"the masks could not be removed: {exc}"
-            log.warning("round %d: secure sum of %d updates not unmasked: %s", setup.round, len(survivors), exc)
-            result.secure = setup.record(len(survivors), 0, False, time.process_time() - began)
+        for owner, shares in (*seeds.items(), *keys.items()):
+            self._set_aside_disagreeing(owner, shares, revealer, setup.threshold,
+                                        SEED_BYTES if owner in survivors else 2 * SEED_BYTES)
+        publics = {a: unb64(setup.keys[a].mask_public) for a in setup.members}
+        context = session_context(self.co.config.federation, setup.round, setup.session)
+        recovered, failures = 0, []
+        for index, group in enumerate(setup.groups):
+            alive = survivors.intersection(group)
+            if not alive:
+                continue
+            sub = {a: graph[a] for a in group if a in graph}
+            try:
+                self_seeds = {a: reconstruct_seed(seeds[a].items(), setup.threshold) for a in sorted(alive)}
+                lost_keys = {a: reconstruct_mask_key(keys[a].items(), setup.threshold) for a in sorted(dropped)
+                             if a in sub and any(b in alive for b in sub[a])}
+                total = unmask(rule.group_sums_[index], alive, sub, publics, self_seeds, lost_keys, RING_BITS,
+                               context)
+            except SecAggError as exc:
+                failures.append(f"the masks could not be removed: {exc}")
+                log.warning("round %d: secure sum of %d updates not unmasked: %s", setup.round, len(alive), exc)
+                continue
+            try:
+                why = rule.take_group(index, total, noise_std)
+            except AggregationRejected as exc:
+                failures.append(str(exc))
+                continue
+            if why is None:
+                recovered += len(lost_keys)
+                continue
+            setup.set_aside += 1
+            failures.append(f"the sum of {len(alive)} updates set aside: {why}")
+            log.warning("round %d: the secure sum of %s set aside (%s): one of them sent a vector past the "
+                        "bounds", setup.round, ", ".join(sorted(alive)), why)
+            self._narrow(set(alive), setup.round)
+        seconds = time.process_time() - began
+        if rule.sum_ is None:
+            rule.failure_ = "; ".join(failures) or "no group's sum was unmasked"
+            result.secure = setup.record(len(survivors), 0, False, seconds)
             return
-        result.secure = setup.record(len(survivors), len(lost_keys), True, time.process_time() - began)
-        log.info("round %d: secure sum of %d updates unmasked (%d dropped agents' masks removed)", setup.round,
-                 len(survivors), len(lost_keys))
+        result.secure = setup.record(len(survivors), recovered, True, seconds)
+        log.info("round %d: secure sum of %d updates unmasked (%d dropped agents' masks removed%s)", setup.round,
+                 len(survivors), recovered, f"; {setup.set_aside} of {len(setup.groups)} groups set aside"
+                 if setup.set_aside else "")
+
+    def _narrow(self, group: set[str], r: int) -> None:
+        """A group's sum was past the bounds: one of ``group`` sent a vector past them. Each set of
+        suspects it meets is narrowed to the agents in both (one device that keeps doing it is in
+        every such group, and the next rounds deal the suspects of a set to different groups,
+        :meth:`~edgepfl.secagg.SecureAggregationSpec.groups`); a group that meets none is a set of
+        its own. A set narrowed to one agent names it: it is suspended with the reason in the view."""
+        met = [found for found in self.suspects if found & group]
+        if not met:
+            self.suspects.append(set(group))
+        for found in met:
+            found &= group
+        for found in [f for f in self.suspects if len(f) == 1]:
+            (agent_id,) = found
+            self.co.registry.suspend(agent_id, r, f"the secure sum of each group it was in was past the bounds "
+                                                  f"every update is held to, until it was the only one in common "
+                                                  f"(round {r})")
+            self.suspects.remove(found)
 
     def _set_aside_disagreeing(self, owner: str, shares: dict[int, bytes], revealer: dict[tuple[str, int], str],
                                threshold: int, length: int) -> None:

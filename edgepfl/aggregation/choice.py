@@ -52,8 +52,9 @@ def round_rule(aggregation: AggregationSpec, privacy: PrivacySpec, *, secure: bo
     ``noise_seed`` seeds the round's noise and ``on_next_clip`` is told the clip an adaptive
     clip moves to, and ``denominator`` is what the noised sum is divided by (default
     ``sampled``; a Poisson round's expected count); otherwise they are not used."""
-    if secure:  # masked updates: no bound can see one (config validation)
-        return SecureMean(denominator=None if privacy.mechanism == "none" else sampled)
+    if secure:  # masked updates: no bound can see one, only a sum of them (config validation)
+        return SecureMean(denominator=None if privacy.mechanism == "none" else sampled,
+                          max_update_ratio=aggregation.max_update_ratio)
     if privacy.mechanism == "none":
         return aggregation.build(enrolled=enrolled, updates=sampled if updates is None else updates, sites=sites)
     noise, adaptive = privacy.noise_multiplier, None

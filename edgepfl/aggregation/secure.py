@@ -4,12 +4,22 @@ which sums masked vectors modulo 2**64 and reads the unmasked sum on the clear r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import ClassVar
 
 import numpy as np
 
-from .contract import _INSIDE, MAX_UPDATE_WEIGHT, AggregationRejected, Aggregator, OwnRecord, TensorDict
+from .contract import (
+    _INSIDE,
+    MAX_UPDATE_WEIGHT,
+    STATISTIC_LEAVES,
+    AggregationRejected,
+    Aggregator,
+    OwnRecord,
+    TensorDict,
+    _norm,
+)
 from .dp import clip_factor
 from .exact import _ExactSum, _unit_mean
 
@@ -88,14 +98,25 @@ class SecureMean(Aggregator):
 
     With ``denominator`` (distributed differential privacy) each device's clipped, noised
     change counts once and the sum is divided by ``denominator``, the devices sampled,
-    as :class:`GaussianMean` does; integer tensors keep the reference's value."""
+    as :class:`GaussianMean` does; integer tensors keep the reference's value.
+
+    **Groups.** The round's agents may be split into groups, each its own secure sum
+    (:meth:`assign`; ``secure_aggregation.group_size``): each group's sum is unmasked and
+    taken on its own (:meth:`take_group`) if its mean change is within what every one
+    update is held to in the clear: each coordinate within the grid's range (an honest
+    agent clamps its contribution into it) and the learned parameters' change within
+    ``max_update_ratio`` times their norm (plus what the devices' noise can add). Both
+    bounds are convex, so a mean past them proves that one of the group's updates was past
+    them: a group of honest devices is never set aside, and one masked vector scaled or
+    garbled sets aside its group, not the round."""
 
     #: what is added is a masked vector, not the shared tensors
     masked: ClassVar[bool] = True
 
-    def __init__(self, denominator: int | None = None):
+    def __init__(self, denominator: int | None = None, max_update_ratio: float | None = None):
         super().__init__()
         self.denominator = denominator
+        self.max_update_ratio = max_update_ratio
 
     def begin(self, reference: Mapping[str, np.ndarray], typical_change: float | None = None) -> None:
         if self.bound is not None:
@@ -107,9 +128,35 @@ class SecureMean(Aggregator):
         self.sum_: _ExactSum | None = None
         #: why the masks could not be removed (None: not tried, or removed)
         self.failure_: str | None = None
+        #: agent -> its group (:meth:`assign`; an agent not named is in group 0)
+        self.groups_: dict[str, int] = {}
+        #: per group: its masked sum, its weight and how many vectors it holds
+        self.group_sums_: dict[int, np.ndarray] = {}
+        self.group_weights_: dict[int, int] = {}
+        self.group_counts_: dict[int, int] = {}
+        #: group -> why its unmasked sum was set aside (:meth:`take_group`)
+        self.set_aside_: dict[int, str] = {}
 
     def median_change(self) -> float | None:
         return None  # no update's change is seen
+
+    def assign(self, groups: Mapping[str, int]) -> None:
+        """Which group each agent's masked vector is summed in (before any is added)."""
+        self.groups_ = dict(groups)
+
+    def add_masked(self, agent_id: str, params: Mapping[str, np.ndarray], weight: int = 1) -> tuple[str, ...]:
+        """:meth:`add` ``agent_id``'s masked vector into its group's sum as well as the round's."""
+        from edgepfl.protocol.secagg import MASKED_TENSOR
+
+        self.add(params, weight)
+        group = self.groups_.get(agent_id, 0)
+        vector = np.asarray(params[MASKED_TENSOR]).view("<u8")
+        if group not in self.group_sums_:
+            self.group_sums_[group] = np.zeros(self.size_, dtype="<u8")
+        self.group_sums_[group] += vector
+        self.group_weights_[group] = self.group_weights_.get(group, 0) + int(weight)
+        self.group_counts_[group] = self.group_counts_.get(group, 0) + 1
+        return ()
 
     def add(self, params: Mapping[str, np.ndarray], weight: int = 1,
             own: OwnRecord | None = None, discount: float = 1.0) -> tuple[str, ...]:
@@ -131,18 +178,75 @@ class SecureMean(Aggregator):
     def _add(self, params: Mapping[str, np.ndarray], weight: int) -> None:  # add is whole here
         raise NotImplementedError
 
-    def unmask(self, total: np.ndarray) -> None:
-        """Take the unmasked sum (:func:`edgepfl.secagg.unmask` of :attr:`masked_sum_`)."""
+    def unmask(self, total: np.ndarray, noise_std: float = 0.0) -> None:
+        """Take the unmasked sum of the whole round (:func:`edgepfl.secagg.unmask` of
+        :attr:`masked_sum_`); raise :class:`AggregationRejected` if it is past the bounds
+        (:meth:`out_of_bounds`)."""
         if self.weight_ >= MAX_SECURE_WEIGHT:
             raise AggregationRejected("out_of_range", f"a secure round's total weight {self.weight_} is not below "
                                                       f"{MAX_SECURE_WEIGHT}: its sum would wrap")
+        integers = from_ring(total, self.reference_)
+        why = self.out_of_bounds(integers, self.weight_, self.count_, noise_std)
+        if why is not None:
+            raise AggregationRejected("out_of_range", f"the unmasked sum of {self.count_} updates: {why}")
         self.sum_ = _ExactSum(self.reference_)
-        self.sum_.add_total(from_ring(total, self.reference_), self.weight_)
+        self.sum_.add_total(integers, self.weight_)
+
+    def take_group(self, group: int, total: np.ndarray, noise_std: float = 0.0) -> str | None:
+        """Take one group's unmasked sum into the round's, or set it aside: None, or why."""
+        weight, count = self.group_weights_[group], self.group_counts_[group]
+        if weight >= MAX_SECURE_WEIGHT:
+            raise AggregationRejected("out_of_range", f"a secure group's total weight {weight} is not below "
+                                                      f"{MAX_SECURE_WEIGHT}: its sum would wrap")
+        integers = from_ring(total, self.reference_)
+        why = self.out_of_bounds(integers, weight, count, noise_std)
+        if why is not None:
+            self.set_aside_[group] = why
+            return why
+        if self.sum_ is None:
+            self.sum_ = _ExactSum(self.reference_)
+        self.sum_.add_total(integers, weight)
+        return None
+
+    def out_of_bounds(self, integers: Mapping[str, np.ndarray], weight: int, count: int,
+                      noise_std: float = 0.0) -> str | None:
+        """Why an unmasked sum of ``count`` updates of total ``weight`` cannot be a sum of
+        updates each within the bounds (None: it can be): a coordinate of its mean change past
+        the grid's range, or its learned parameters' mean change past ``max_update_ratio``
+        times their norm, plus ``noise_std``'s Gaussian noise's largest norm over ``count``
+        (at 8 standard deviations: about 1e-15 to pass it by chance)."""
+        exact = _ExactSum(self.reference_)
+        units = weight if self.denominator is None else count  # under distributed DP each counts once
+        if units <= 0:
+            return None
+        squared, size = 0.0, 0
+        statistics = {k for k in self.reference_ if k.endswith(STATISTIC_LEAVES)}
+        for key, ref in self.reference_.items():
+            if ref.dtype.kind != "f":
+                continue
+            mean = np.asarray(integers[key], np.float64) / (exact.scale[key] * units)
+            largest = float(np.max(np.abs(mean))) if mean.size else 0.0
+            noise = 8.0 * noise_std / math.sqrt(max(count, 1))
+            if largest > exact.limit[key] + noise + 1.0 / exact.scale[key]:
+                return f"{key}'s mean change {largest:.3g} is past the range every update is clamped into " \
+                       f"({exact.limit[key]:.3g})"
+            if key not in statistics:
+                squared += float(np.sum(mean * mean))
+                size += mean.size
+        if self.max_update_ratio is None:
+            return None
+        scale = max(1.0, _norm(v for k, v in self.reference_.items() if v.dtype.kind == "f" and k not in statistics))
+        limit = self.max_update_ratio * scale + noise_std * (math.sqrt(size) + 8.0) / math.sqrt(max(count, 1))
+        change = math.sqrt(squared)
+        if change > limit:
+            return f"its mean change {change:.4g} is past max_update_ratio's {limit:.4g}"
+        return None
 
     def result(self) -> TensorDict:
         self._require_updates()
         if self.sum_ is None:  # nothing can be learnt from the masked sum: the round is aborted
-            raise AggregationRejected("secagg_failed", self.failure_ or "the masked sum was not unmasked")
+            reason = "out_of_range" if self.set_aside_ else "secagg_failed"  # unmasked, and past the bounds
+            raise AggregationRejected(reason, self.failure_ or "the masked sum was not unmasked")
         if self.denominator is None:
             return self.sum_.mean()
         return _unit_mean(self.sum_, self.reference_, self.denominator)

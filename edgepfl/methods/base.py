@@ -47,6 +47,7 @@ from ..aggregation import (
     Aggregator,
     Mean,
     OwnRecord,
+    SecureMean,
     rebase,
 )
 from ..aggregation.contract import OWN_HISTORY
@@ -245,8 +246,8 @@ class RoundAggregate:
         fired: tuple[str, ...] = ()
         if base is not None and not self.method.streaming:
             raise ValueError(f"{self.method.name} aggregates a round's updates together: no late update")
-        if self.reference and self.rule.masked:  # a secure round: the update is one masked vector
-            fired = self.rule.add(update.tensors, self.method.update_weight(update))
+        if self.reference and isinstance(self.rule, SecureMean):  # a secure round: the update is one masked vector
+            fired = self.rule.add_masked(update.agent_id, update.tensors, self.method.update_weight(update))
         elif self.reference:
             shared = {k: v for k, v in update.tensors.items() if k in self.reference}
             applied = 1.0  # the share of its trained change the update carries (a late one: discounted)

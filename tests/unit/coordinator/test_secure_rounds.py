@@ -8,6 +8,7 @@ its state kept."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,11 +32,12 @@ NO_BOUNDS = {"max_update_ratio": None, "max_update_vs_median": None, "max_first_
              "max_mean_shift": None, "max_variance_growth": None}
 
 
-def config(secure: bool, rounds: int = 2, privacy: dict | None = None) -> RunConfig:
+def config(secure: bool, rounds: int = 2, privacy: dict | None = None, group_size: int | None = None) -> RunConfig:
     return prepare(RunConfig(federation="sec", method={"name": "fedavg"}, model={"arch": "mlp", "feature_dim": 16},
                              train={"epochs": 1, "batch_size": 32}, data={"dataset": "digits"}, rounds=rounds,
                              min_agents=AGENTS, fraction=1.0, device="cpu", aggregation=NO_BOUNDS,
-                             secure_aggregation={"enabled": secure}, privacy=privacy or {}), AGENTS)
+                             secure_aggregation={"enabled": secure, "group_size": group_size},
+                             privacy=privacy or {}), AGENTS)
 
 
 @dataclass
@@ -158,6 +160,52 @@ def test_a_secure_rounds_rule_takes_only_a_masked_vector_of_the_rounds_size():
     with pytest.raises(AggregationRejected, match="secagg_failed|not unmasked"):
         rule.add({MASKED_TENSOR: np.zeros(7, np.int64)}, 1)
         rule.result()
+
+
+def test_a_groups_sum_is_set_aside_only_when_one_of_its_updates_was_past_the_bound_of_the_clear_rounds():
+    """Unmasked sums (no masks here: the ring's sum of grid contributions) held to what one
+    update is held to in the clear. Every honest contribution, even each at its bound, makes a
+    sum that is taken (the bounds are convex); one input scaled past ``max_update_ratio`` sets its
+    group aside, and the other group still makes the round."""
+    from edgepfl.aggregation import grid_contribution, ring_vector
+
+    rng = np.random.default_rng(0)
+    reference = {"w": rng.normal(size=(8, 8)).astype(np.float32), "n": np.zeros((), np.int64)}
+    norm = float(np.linalg.norm(reference["w"]))
+    rule = SecureMean(max_update_ratio=2.0)
+    rule.begin(reference)
+    rule.assign({"a": 0, "b": 0, "c": 0, "d": 1, "e": 1, "f": 1})
+
+    def update(scale: float) -> dict:
+        direction = rng.normal(size=(8, 8))
+        change = direction / np.linalg.norm(direction) * scale * norm  # a change of scale x the norm
+        return {"w": (reference["w"] + change).astype(np.float32), "n": np.zeros((), np.int64)}
+
+    sent = {"a": update(2.0 * 0.999), "b": update(1.0), "c": update(2.0 * 0.999),  # honest, two at the bound
+            "d": update(0.5), "e": update(20.0), "f": update(0.5)}  # e: ten times the bound
+    for agent, params in sent.items():
+        vector = ring_vector(grid_contribution(params, reference, 3), reference)
+        rule.add_masked(agent, {MASKED_TENSOR: vector.view("<i8")}, 3)
+    assert rule.take_group(0, rule.group_sums_[0]) is None
+    why = rule.take_group(1, rule.group_sums_[1])
+    assert why is not None and "max_update_ratio" in why
+    kept = rule.result()["w"] - reference["w"]  # the first group's mean alone
+    expected = np.mean([sent[a]["w"].astype(np.float64) - reference["w"] for a in "abc"], axis=0)
+    assert np.allclose(kept, expected, atol=1e-5)
+
+
+def test_suspects_of_one_set_are_dealt_to_different_groups():
+    from edgepfl.secagg import SecureAggregationSpec
+
+    spec = SecureAggregationSpec(enabled=True, group_size=3)
+    agents = [f"agent-{i:02d}" for i in range(12)]
+    assert spec.groups(agents[:5], b"s") == [agents[:5]]  # fewer than two groups' worth: one group
+    groups = spec.groups(agents, b"s", [{"agent-01", "agent-05", "agent-07"}, {"agent-09", "agent-11"}])
+    assert len(groups) == 4 and sorted(a for g in groups for a in g) == agents
+    assert all(len(g) == 3 for g in groups)
+    for found in ({"agent-01", "agent-05", "agent-07"}, {"agent-09", "agent-11"}):
+        assert all(len(found.intersection(g)) <= 1 for g in groups)
+    assert SecureAggregationSpec(enabled=True).groups(agents, b"s") == [agents]
 
 
 def test_distributed_dp_without_noise_is_central_dp_without_noise_bit_for_bit(tmp_path):
@@ -423,3 +471,72 @@ def test_with_the_federations_ca_a_device_whose_keys_are_not_certified_is_left_o
     assert not row.aborted and sorted(row.participants) == [a for a in ids if a != ids[2]]
     assert f"{ids[2]}'s keys are not certified by the federation's CA (not issued by the federation's CA)" in caplog.text
     assert row.secure is not None and row.secure.key_holders == AGENTS - 1
+
+
+class ScaledMasker(Device):
+    """An enrolled device that sends its masked vector times 1,000 (modulo 2**64, as the ring
+    adds): its masks no longer cancel, so whatever sum it is in is noise the size of the ring."""
+
+    def handle(self, message):
+        reply = self.tier.handle(message)
+        if reply is None or message.type != MessageType.TASK or message.meta_as(TaskMeta).kind != "train":
+            return reply
+        update = decode(reply.frame)
+        vector = update.tensors[MASKED_TENSOR].view("<u8") * np.uint64(1000)
+        frame = encode(MessageType.UPDATE, federation=message.header.federation, sender=self.tier.agent_id,
+                       round=message.header.round, meta=update.meta, tensors={MASKED_TENSOR: vector.view("<i8")})
+        self.sent.append(decode(frame))
+        return type(reply)(reply.channel, frame, reply.round)
+
+
+def scaled_run(tmp_path, group_size: int | None, rounds: int, attacker: str | None):
+    ids = agent_ids(AGENTS)
+    cfg = config(True, rounds=rounds, group_size=group_size)
+    devices = {a: (ScaledMasker if a == attacker else Device)(tier)
+               for a, tier in local_trainers(cfg, ids, tmp_path).items()}
+    coordinator = Coordinator(cfg, LocalFleet(devices, cfg.federation), tmp_path, progress=False, **data_shape(cfg))
+    coordinator.init_or_resume()
+    return coordinator, coordinator.run()
+
+
+def test_a_device_scaling_its_masked_vector_costs_its_group_and_is_suspended_within_three_rounds(tmp_path, caplog):
+    """``group_size: 3`` over six agents: two secure sums a round. The group with the device whose
+    masked vector is scaled x1000 has a sum past the grid's range (an honest contribution is
+    clamped into it, so an honest group's mean never is): that group is set aside and the other
+    one makes the round. Its three members are suspects, dealt to different groups next round; a
+    set narrowed to one agent is suspended: within k = 1 + ceil(log2 3) = 3 rounds here. From
+    then on the rounds are whole again, and the run ends where the honest fleet's does.
+    Without groups every round's one sum is past the bounds: each is aborted and no one is named."""
+    ids = agent_ids(AGENTS)
+    attacker = ids[3]
+    ROUNDS = 10  # noqa: N806 (a constant of this test)
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        coordinator, rows = scaled_run(tmp_path / "grouped", 3, ROUNDS, attacker)
+    training = [r for r in rows if not r.final]
+    why = coordinator.registry.suspended(attacker, len(training))
+    assert why is not None and "the only one in common" in why
+    suspended_in = int(re.search(r"in common \(round (\d+)\)", why).group(1))
+    assert suspended_in <= 2  # k = 3 rounds: 0, 1, 2
+    for row in training[:suspended_in + 1]:  # its group set aside, the other group's sum taken
+        assert not row.aborted and row.secure.unmasked and (row.secure.groups, row.secure.set_aside) == (2, 1)
+    for row in training[suspended_in + 1:]:  # in no roster: five agents, one group, nothing set aside
+        assert not row.aborted and attacker not in row.sampled + row.participants
+        assert row.secure.set_aside == 0 and sorted(row.participants) == [a for a in ids if a != attacker]
+    assert caplog.text.count("set aside (") == suspended_in + 1
+    assert not any(coordinator.registry.suspended(a, ROUNDS) for a in ids if a != attacker)
+    # the same fleet all honest, same rounds: the honest devices end within a few points of it
+    _, honest_rows = scaled_run(tmp_path / "honest", 3, ROUNDS, None)
+    assert all(r.secure.set_aside == 0 for r in honest_rows if not r.final)
+
+    def honest_accuracy(row):
+        return np.mean([row.per_client[a] for a in ids if a != attacker])
+
+    assert rows[-1].final and honest_accuracy(rows[-1]) >= honest_accuracy(honest_rows[-1]) - 0.03
+    # one group: the round's sum is past the bounds every round, so nothing is adopted and no one named
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        ungrouped, plain_rows = scaled_run(tmp_path / "ungrouped", None, 2, attacker)
+    for row in (r for r in plain_rows if not r.final):
+        assert row.aborted and row.abort_reason == "out_of_range" and row.secure.set_aside == 1
+    assert caplog.text.count("past the range every update is clamped into") == 2 * 2  # the driver's line, the round's
+    assert not any(ungrouped.registry.suspended(a, 2) for a in ids)
