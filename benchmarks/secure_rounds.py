@@ -68,14 +68,14 @@ NO_BOUNDS = {"max_update_ratio": None, "max_update_vs_median": None, "max_first_
 DROPOUT = 1 / 3
 
 
-def config(agents: int, secure: bool) -> RunConfig:
+def config(agents: int, secure: bool, group_size: int | None = None) -> RunConfig:
     data = ({"dataset": "fmnist", "samples_per_client": 40} if fmnist_available()
             else {"dataset": "digits"})
     model = {"arch": "cnn", "feature_dim": 64} if fmnist_available() else {"arch": "mlp", "feature_dim": 16}
     return prepare(RunConfig(federation="bench", method={"name": "fedavg"}, model=model, data=data,
                              train={"epochs": 1, "batch_size": 32}, rounds=1, min_agents=agents, fraction=1.0,
                              device="cpu", aggregation=NO_BOUNDS, release_at_end=False,
-                             secure_aggregation={"enabled": secure}), agents)
+                             secure_aggregation={"enabled": secure, "group_size": group_size}), agents)
 
 
 # --------------------------------------------------------------------------- frames
@@ -152,8 +152,8 @@ class Dying:
         return self.tier.handle(message)
 
 
-def real_round(agents: int, secure: bool, out: Path) -> tuple[dict, dict]:
-    cfg = config(agents, secure)
+def real_round(agents: int, secure: bool, out: Path, group_size: int | None = None) -> tuple[dict, dict]:
+    cfg = config(agents, secure, group_size)
     ids = agent_ids(agents)
     dying = set(ids[1::3])  # a third
     devices = {a: Dying(t, a in dying) for a, t in local_trainers(cfg, ids, out).items()}
@@ -164,7 +164,8 @@ def real_round(agents: int, secure: bool, out: Path) -> tuple[dict, dict]:
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     row = next(r for r in rows if not r.final)
     s = row.secure
-    return ({"secure": secure, "agents": agents, "participants": len(row.participants), "aborted": row.aborted,
+    return ({"secure": secure, "agents": agents, "group_size": group_size, "groups": s.groups if s else None,
+             "participants": s.survivors if s else len(row.participants), "aborted": row.aborted,
              "bytes_per_agent": (row.bytes_up + row.bytes_down) / agents, "bytes_up_per_agent": row.bytes_up / agents,
              "cpu_s": round(cpu, 2), "wall_s": round(wall, 2),
              "unmask_cpu_s": s.unmask_seconds if s else None, "recovered": s.recovered if s else None},
@@ -189,7 +190,9 @@ def markdown(result: dict) -> str:
                   "| agents | round | updates in the sum | masks removed | bytes / agent | up / agent | CPU-s | wall s | "
                   "unmask CPU-s | same state |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in result["rounds"]:
-            lines.append(f"| {r['agents']} | {'secure' if r['secure'] else 'clear'} | {r['participants']} | "
+            kind = ("clear" if not r["secure"] else "secure" if not r.get("group_size")
+                    else f"secure, {r['groups']} groups of ≥ {r['group_size']}")
+            lines.append(f"| {r['agents']} | {kind} | {r['participants']} | "
                          f"{r['recovered'] if r['recovered'] is not None else '–'} | {r['bytes_per_agent']:,.0f} | "
                          f"{r['bytes_up_per_agent']:,.0f} | {r['cpu_s']} | {r['wall_s']} | "
                          f"{r['unmask_cpu_s'] if r['unmask_cpu_s'] is not None else '–'} | {r['same_state']} |")
@@ -201,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agents", type=int, nargs="+", default=[10, 100, 1000])
     parser.add_argument("--run-up-to", type=int, default=100, help="run real rounds for fleet sizes up to this")
     parser.add_argument("--out", default="benchmarks/results/secure_rounds")
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="also run each real round secure in groups of at least this many (group_size)")
     ns = parser.parse_args(argv)
     frames = [frame_bytes(n) for n in ns.agents]
     rounds = []
@@ -210,10 +215,14 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             clear, clear_state = real_round(n, False, Path(tmp) / "clear")  # interleaved: clear, then secure, per size
             secure, secure_state = real_round(n, True, Path(tmp) / "secure")
-        same = set(clear_state) == set(secure_state) and all(
-            np.array_equal(clear_state[k], secure_state[k]) for k in clear_state)
-        rounds += [{**clear, "same_state": same}, {**secure, "same_state": same}]
-        print(f"{n} agents: clear {clear['wall_s']} s, secure {secure['wall_s']} s, same state {same}", flush=True)
+            grouped = (real_round(n, True, Path(tmp) / "grouped", ns.group_size)
+                       if ns.group_size is not None and n >= 2 * ns.group_size else None)
+        rounds.append({**clear, "same_state": True})
+        for run, state in (secure, secure_state), *([grouped] if grouped else []):
+            same = set(clear_state) == set(state) and all(np.array_equal(clear_state[k], state[k]) for k in clear_state)
+            rounds.append({**run, "same_state": same})
+            print(f"{n} agents: clear {clear['wall_s']} s, secure (groups {run['groups']}) {run['wall_s']} s, "
+                  f"same state {same}", flush=True)
     result = {"command": "python benchmarks/secure_rounds.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
               "frames": frames, "rounds": rounds}

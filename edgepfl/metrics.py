@@ -74,7 +74,8 @@ class SecureRecord(BaseModel):
 
     key_holders: int = Field(ge=0, description="sampled agents that sent their keys in time")
     members: int = Field(ge=0, description="key holders that sealed shares to every neighbour: sent a task")
-    survivors: int = Field(ge=0, description="members whose masked update is in the sum")
+    survivors: int = Field(ge=0, description="members whose masked update is in the sum (a group set aside or not "
+                                             "unmasked: not)")
     recovered: int = Field(ge=0, description="members that sent no update whose masks were removed from the sum")
     neighbours: int = Field(ge=0, description="neighbours per agent")
     threshold: int = Field(ge=0, description="shares that rebuild a secret")
@@ -86,6 +87,8 @@ class SecureRecord(BaseModel):
                                              "(secure_aggregation.group_size), each unmasked and bounded on its own")
     set_aside: int = Field(0, ge=0, description="groups whose unmasked sum was past the bound every update is held to "
                                                 "in the clear: left out of the round")
+    not_unmasked: int = Field(0, ge=0, description="groups whose masks could not be removed (too few of their "
+                                                   "members survived to reveal): left out of the round")
 
 
 class RoundMetrics(BaseModel):

@@ -73,8 +73,9 @@ class SecureSetup:
     accused: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     #: the round's groups of key holders (``secure_aggregation.group_size``), each its own secure sum
     groups: list[list[str]] = field(default_factory=list)
-    #: groups whose unmasked sum was set aside (:meth:`SecureRounds._unmask`)
+    #: groups whose unmasked sum was set aside, and groups whose masks could not be removed
     set_aside: int = 0
+    not_unmasked: int = 0
     #: the steps' bytes, each way
     bytes_down: int = 0
     bytes_up: int = 0
@@ -86,7 +87,8 @@ class SecureSetup:
                             recovered=recovered, neighbours=len(next(iter(self.graph.values()), [])),
                             threshold=self.threshold, unmasked=unmasked, bytes_down=self.bytes_down,
                             bytes_up=self.bytes_up, unmask_seconds=round(seconds, 4),
-                            groups=max(1, len(self.groups)), set_aside=self.set_aside)
+                            groups=max(1, len(self.groups)), set_aside=self.set_aside,
+                            not_unmasked=self.not_unmasked)
 
     def member_graph(self) -> dict[str, list[str]]:
         """The neighbour graph among the members: who masked with whom."""
@@ -264,7 +266,7 @@ class SecureRounds:
                                         SEED_BYTES if owner in survivors else 2 * SEED_BYTES)
         publics = {a: unb64(setup.keys[a].mask_public) for a in setup.members}
         context = session_context(self.co.config.federation, setup.round, setup.session)
-        recovered, failures = 0, []
+        recovered, summed, failures = 0, 0, []
         for index, group in enumerate(setup.groups):
             alive = survivors.intersection(group)
             if not alive:
@@ -278,6 +280,7 @@ class SecureRounds:
                                context)
             except SecAggError as exc:
                 failures.append(f"the masks could not be removed: {exc}")
+                setup.not_unmasked += 1
                 log.warning("round %d: secure sum of %d updates not unmasked: %s", setup.round, len(alive), exc)
                 continue
             try:
@@ -287,6 +290,7 @@ class SecureRounds:
                 continue
             if why is None:
                 recovered += len(lost_keys)
+                summed += len(alive)
                 continue
             setup.set_aside += 1
             failures.append(f"the sum of {len(alive)} updates set aside: {why}")
@@ -298,7 +302,7 @@ class SecureRounds:
             rule.failure_ = "; ".join(failures) or "no group's sum was unmasked"
             result.secure = setup.record(len(survivors), 0, False, seconds)
             return
-        result.secure = setup.record(len(survivors), recovered, True, seconds)
+        result.secure = setup.record(summed, recovered, True, seconds)  # a group lost or set aside: not in the sum
         log.info("round %d: secure sum of %d updates unmasked (%d dropped agents' masks removed%s)", setup.round,
                  len(survivors), recovered, f"; {setup.set_aside} of {len(setup.groups)} groups set aside"
                  if setup.set_aside else "")
