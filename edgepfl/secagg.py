@@ -84,8 +84,10 @@ class SecureAggregationSpec(BaseModel):
         description="split each round's agents into groups of at least this many, each its own secure sum: the "
                     "coordinator learns each group's sum (not one device's), holds it to the bound every update is "
                     "held to in the clear, sets a group past it aside and, over the next rounds, regroups its members "
-                    "apart until the one device behind it stands alone, then suspends it; null: one group, the round's "
-                    "sum alone (a sum past the bound is then not adopted, and no one is named)")
+                    "apart until the one device behind it stands alone, then suspends it. A group whose members drop "
+                    "out mid-round beyond its threshold's slack (3: any one of them; 10: more than four) is lost, not "
+                    "the round; null: one group, the round's sum alone (a sum past the bound is then not adopted, and no "
+                    "one is named)")
 
     def groups(self, agents: list[str], seed: bytes, suspects: Sequence[set[str]] = ()) -> list[list[str]]:
         """The round's groups (each sorted): one group of every agent without ``group_size`` or

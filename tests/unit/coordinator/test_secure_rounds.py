@@ -194,6 +194,20 @@ def test_a_groups_sum_is_set_aside_only_when_one_of_its_updates_was_past_the_bou
     assert np.allclose(kept, expected, atol=1e-5)
 
 
+def test_a_group_that_cannot_be_unmasked_costs_its_updates_not_the_round(tmp_path):
+    """Groups of three (two neighbours each, threshold two): one member dying after its shares
+    leaves its two group mates with one surviving neighbour each, fewer than the threshold, so
+    they reveal nothing and that group's masks stay on. The other group's sum makes the round,
+    and the row counts only the updates in the sum."""
+    ids = agent_ids(AGENTS)
+    cfg = config(True, rounds=1, group_size=3)
+    coordinator, rows, _ = run(cfg, tmp_path / "secure", dying={ids[1]: 0})
+    row = next(r for r in rows if not r.final)
+    assert not row.aborted and row.secure.unmasked
+    assert (row.secure.groups, row.secure.not_unmasked, row.secure.set_aside) == (2, 1, 0)
+    assert row.secure.survivors == 3 and len(row.participants) == AGENTS - 1
+
+
 def test_suspects_of_one_set_are_dealt_to_different_groups():
     from edgepfl.secagg import SecureAggregationSpec
 
