@@ -81,22 +81,30 @@ class SecureAggregationSpec(BaseModel):
                                                           "reveals) waits for the agents that owe an answer")
     group_size: int | None = Field(
         None, ge=3, le=4096,
-        description="split each round's agents into groups of at least this many, each its own secure sum: the "
+        description="split every round's agents into groups of at least this many, each its own secure sum: the "
                     "coordinator learns each group's sum (not one device's), holds it to the bound every update is "
                     "held to in the clear, sets a group past it aside and, over the next rounds, regroups its members "
                     "apart until the one device behind it stands alone, then suspends it. A group whose members drop "
                     "out mid-round beyond its threshold's slack (3: any one of them; 10: more than four) is lost, not "
-                    "the round; null: one group, the round's sum alone (a sum past the bound is then not adopted, and no "
-                    "one is named)")
+                    "the round; null: one group, the round's sum alone, except while tracing (suspect_group_size)")
+    suspect_group_size: int | None = Field(
+        5, ge=3, le=4096,
+        description="with group_size null: once a round's sum was past the bounds, the next rounds are split into "
+                    "groups of at least this many (when the round has two groups' worth) until the device behind it "
+                    "is named, or for 16 rounds without another such sum; then one group again. Privacy is given up "
+                    "only under attack; null: never split (a device that garbles its vector then stops every round "
+                    "and is not named)")
 
     def groups(self, agents: list[str], seed: bytes, suspects: Sequence[set[str]] = ()) -> list[list[str]]:
-        """The round's groups (each sorted): one group of every agent without ``group_size`` or
-        with fewer than two groups' worth; else ``len(agents) // group_size`` groups dealt round
-        robin, first every agent of each set in ``suspects`` (so that the agents of one set land in
-        different groups), then the others in a ``seed``-keyed order."""
-        if self.group_size is None or len(agents) < 2 * self.group_size:
+        """The round's groups (each sorted): ``len(agents) // size`` groups dealt round robin, first
+        every agent of each set in ``suspects`` (so that the agents of one set land in different
+        groups), then the others in a ``seed``-keyed order; ``size`` is ``group_size``, or
+        ``suspect_group_size`` while there are suspects. One group of every agent without a size or
+        with fewer than two groups' worth."""
+        size = self.group_size if self.group_size is not None or not suspects else self.suspect_group_size
+        if size is None or len(agents) < 2 * size:
             return [sorted(agents)]
-        count = len(agents) // self.group_size
+        count = len(agents) // size
         present = set(agents)
         spread = list(dict.fromkeys(a for found in suspects for a in sorted(found) if a in present))
         rest = sorted(present - set(spread), key=lambda a: hashlib.sha256(seed + a.encode()).digest())

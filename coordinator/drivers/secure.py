@@ -56,6 +56,9 @@ from .base import RoundContext
 
 log = logging.getLogger("edgepfl.coordinator")
 
+#: rounds after which a set of suspects that no sum past the bounds narrowed is forgotten
+SUSPECT_ROUNDS = 16
+
 @dataclass
 class SecureSetup:
     """One secure round's steps before its tasks: who holds keys, who sealed shares."""
@@ -130,8 +133,10 @@ class SecureRounds:
         #: polynomial the others agreed on, since it was last suspended (:meth:`_reconstruct`)
         self.disagreed: dict[str, set[str]] = defaultdict(set)
         #: the agents each set-aside group could have been set aside for, narrowed to those of every
-        #: later set-aside group it meets (:meth:`_narrow`): one device's scaled vector is in them all
+        #: later set-aside group it meets (:meth:`_narrow`): one device's scaled vector is in them all;
+        #: beside each, the last round it was narrowed in (a set is forgotten SUSPECT_ROUNDS after)
         self.suspects: list[set[str]] = []
+        self._suspected_in: list[int] = []
         self._setup: SecureSetup | None = None
         self._result: RoundResult | None = None
         #: the step awaited, from whom, and the answers so far
@@ -201,6 +206,7 @@ class SecureRounds:
                     continue
             setup.keys[agent_id] = keys
         holders = sorted(setup.keys)
+        self._forget_suspects(r)
         setup.groups = self.spec.groups(holders, bytes.fromhex(setup.session), self.suspects)
         degree = self.spec.degree_for(min(len(group) for group in setup.groups))
         setup.threshold = degree // 2 + 1
@@ -313,17 +319,29 @@ class SecureRounds:
         every such group, and the next rounds deal the suspects of a set to different groups,
         :meth:`~edgepfl.secagg.SecureAggregationSpec.groups`); a group that meets none is a set of
         its own. A set narrowed to one agent names it: it is suspended with the reason in the view."""
-        met = [found for found in self.suspects if found & group]
+        met = [k for k, found in enumerate(self.suspects) if found & group]
         if not met:
             self.suspects.append(set(group))
-        for found in met:
-            found &= group
-        for found in [f for f in self.suspects if len(f) == 1]:
-            (agent_id,) = found
-            self.co.registry.suspend(agent_id, r, f"the secure sum of each group it was in was past the bounds "
-                                                  f"every update is held to, until it was the only one in common "
-                                                  f"(round {r})")
-            self.suspects.remove(found)
+            self._suspected_in.append(r)
+        for k in met:
+            self.suspects[k] &= group
+            self._suspected_in[k] = r
+        for k in reversed(range(len(self.suspects))):
+            if len(self.suspects[k]) == 1:
+                (agent_id,) = self.suspects[k]
+                self.co.registry.suspend(agent_id, r, f"the secure sum of each group it was in was past the "
+                                                      f"bounds every update is held to, until it was the only "
+                                                      f"one in common (round {r})")
+                del self.suspects[k], self._suspected_in[k]
+
+    def _forget_suspects(self, r: int) -> None:
+        """Drop the sets of suspects not narrowed for :data:`SUSPECT_ROUNDS` rounds: whoever was
+        behind them stopped, and the rounds need not stay split for them."""
+        for k in reversed(range(len(self.suspects))):
+            if r - self._suspected_in[k] > SUSPECT_ROUNDS:
+                log.info("round %d: %d suspects of a sum past the bounds in round %d forgotten: no such sum since",
+                         r, len(self.suspects[k]), self._suspected_in[k])
+                del self.suspects[k], self._suspected_in[k]
 
     def _set_aside_disagreeing(self, owner: str, shares: dict[int, bytes], revealer: dict[tuple[str, int], str],
                                threshold: int, length: int) -> None:

@@ -32,12 +32,13 @@ NO_BOUNDS = {"max_update_ratio": None, "max_update_vs_median": None, "max_first_
              "max_mean_shift": None, "max_variance_growth": None}
 
 
-def config(secure: bool, rounds: int = 2, privacy: dict | None = None, group_size: int | None = None) -> RunConfig:
+def config(secure: bool, rounds: int = 2, privacy: dict | None = None, group_size: int | None = None,
+           agents: int = AGENTS) -> RunConfig:
     return prepare(RunConfig(federation="sec", method={"name": "fedavg"}, model={"arch": "mlp", "feature_dim": 16},
                              train={"epochs": 1, "batch_size": 32}, data={"dataset": "digits"}, rounds=rounds,
-                             min_agents=AGENTS, fraction=1.0, device="cpu", aggregation=NO_BOUNDS,
+                             min_agents=agents, fraction=1.0, device="cpu", aggregation=NO_BOUNDS,
                              secure_aggregation={"enabled": secure, "group_size": group_size},
-                             privacy=privacy or {}), AGENTS)
+                             privacy=privacy or {}), agents)
 
 
 @dataclass
@@ -489,11 +490,15 @@ def test_with_the_federations_ca_a_device_whose_keys_are_not_certified_is_left_o
 
 class ScaledMasker(Device):
     """An enrolled device that sends its masked vector times 1,000 (modulo 2**64, as the ring
-    adds): its masks no longer cancel, so whatever sum it is in is noise the size of the ring."""
+    adds): its masks no longer cancel, so whatever sum it is in is noise the size of the ring.
+    ``rounds``: the rounds it does it in (None: every round)."""
+
+    rounds: set[int] | None = None
 
     def handle(self, message):
         reply = self.tier.handle(message)
-        if reply is None or message.type != MessageType.TASK or message.meta_as(TaskMeta).kind != "train":
+        if reply is None or message.type != MessageType.TASK or message.meta_as(TaskMeta).kind != "train" \
+                or (self.rounds is not None and message.header.round not in self.rounds):
             return reply
         update = decode(reply.frame)
         vector = update.tensors[MASKED_TENSOR].view("<u8") * np.uint64(1000)
@@ -503,11 +508,14 @@ class ScaledMasker(Device):
         return type(reply)(reply.channel, frame, reply.round)
 
 
-def scaled_run(tmp_path, group_size: int | None, rounds: int, attacker: str | None):
-    ids = agent_ids(AGENTS)
-    cfg = config(True, rounds=rounds, group_size=group_size)
+def scaled_run(tmp_path, group_size: int | None, rounds: int, attacker: str | None, agents: int = AGENTS,
+               attacks: set[int] | None = None):
+    ids = agent_ids(agents)
+    cfg = config(True, rounds=rounds, group_size=group_size, agents=agents)
     devices = {a: (ScaledMasker if a == attacker else Device)(tier)
                for a, tier in local_trainers(cfg, ids, tmp_path).items()}
+    if attacker is not None:
+        devices[attacker].rounds = attacks
     coordinator = Coordinator(cfg, LocalFleet(devices, cfg.federation), tmp_path, progress=False, **data_shape(cfg))
     coordinator.init_or_resume()
     return coordinator, coordinator.run()
@@ -554,3 +562,43 @@ def test_a_device_scaling_its_masked_vector_costs_its_group_and_is_suspended_wit
         assert row.aborted and row.abort_reason == "out_of_range" and row.secure.set_aside == 1
     assert caplog.text.count("past the range every update is clamped into") == 2 * 2  # the driver's line, the round's
     assert not any(ungrouped.registry.suspended(a, 2) for a in ids)
+
+
+def test_by_default_a_sum_past_the_bounds_splits_the_next_rounds_until_its_sender_is_named(tmp_path):
+    """``group_size`` unset (one secure sum a round) and twelve agents: the device scaling its
+    masked vector costs round 0 whole (aborted ``out_of_range``); from round 1 on the rounds are
+    split into groups of at least ``suspect_group_size`` (5: two groups of six), its group set
+    aside each round, until it is the one device common to them: k = 1 + ceil(log2 12) = 5 rounds
+    at most. Then the rounds are one group again, of the eleven."""
+    ids = agent_ids(12)
+    attacker = ids[7]
+    coordinator, rows = scaled_run(tmp_path, None, 8, attacker, agents=12)
+    training = [r for r in rows if not r.final]
+    why = coordinator.registry.suspended(attacker, len(training))
+    assert why is not None and "the only one in common" in why
+    named_in = int(re.search(r"in common \(round (\d+)\)", why).group(1))
+    assert 1 <= named_in <= 4
+    assert training[0].aborted and training[0].abort_reason == "out_of_range" and training[0].secure.groups == 1
+    for row in training[1:named_in + 1]:
+        assert not row.aborted and (row.secure.groups, row.secure.set_aside) == (2, 1), row.secure
+    for row in training[named_in + 1:]:
+        assert not row.aborted and row.secure.groups == 1 and row.secure.set_aside == 0
+        assert sorted(row.participants) == [a for a in ids if a != attacker]
+    assert not any(coordinator.registry.suspended(a, len(training)) for a in ids if a != attacker)
+
+
+def test_suspects_no_sum_narrowed_for_sixteen_rounds_are_forgotten_and_the_rounds_whole_again(tmp_path, caplog):
+    """The device garbles round 0's sum only: the rounds after it are split (two groups of six),
+    nothing is set aside, no one is named; sixteen rounds on the suspects are forgotten and
+    round 17 is one secure sum again. Privacy is given up while tracing, not for good."""
+    from edgepfl.coordinator.drivers.secure import SUSPECT_ROUNDS
+
+    ids = agent_ids(12)
+    with caplog.at_level("INFO", logger="edgepfl.coordinator"):
+        coordinator, rows = scaled_run(tmp_path, None, SUSPECT_ROUNDS + 2, ids[7], agents=12, attacks={0})
+    training = [r for r in rows if not r.final]
+    assert training[0].abort_reason == "out_of_range"
+    assert [r.secure.groups for r in training[1:]] == [2] * SUSPECT_ROUNDS + [1]
+    assert all(not r.aborted and r.secure.set_aside == 0 for r in training[1:])
+    assert not any(coordinator.registry.suspended(a, len(training)) for a in ids)
+    assert f"round {SUSPECT_ROUNDS + 1}: 12 suspects of a sum past the bounds in round 0 forgotten" in caplog.text
