@@ -19,6 +19,13 @@ A round runs :mod:`edgepfl.secagg`'s steps around the ordinary task and update:
    removes what does not cancel, and the sum is that of the surviving updates, the same
    integers a round in the clear would have summed. If too few shares come back the
    round is aborted (``secagg_failed``) and the state kept: nothing is learnt of anyone.
+5. **bound** — the unmasked sum is held to what one update is held to in the clear
+   (:meth:`~edgepfl.aggregation.SecureMean.out_of_bounds`): past it, one of its updates was
+   past it, and the sum is set aside. A round may be split into groups with no edge between
+   them (``secure_aggregation.group_size``, or ``suspect_group_size`` after a sum past the
+   bounds), each unmasked and bounded alone: a set-aside group costs its updates, not the
+   round, and its members are dealt apart in the next rounds until the one device common to
+   the set-aside groups is named and suspended (:meth:`SecureRounds._narrow`).
 
 The coordinator keeps only what the steps need: public keys, sealed shares it cannot
 open, the masked sum, and the revealed shares of the one unmasking.
@@ -310,7 +317,7 @@ class SecureRounds:
             return
         result.secure = setup.record(summed, recovered, True, seconds)  # a group lost or set aside: not in the sum
         log.info("round %d: secure sum of %d updates unmasked (%d dropped agents' masks removed%s)", setup.round,
-                 len(survivors), recovered, f"; {setup.set_aside} of {len(setup.groups)} groups set aside"
+                 summed, recovered, f"; {setup.set_aside} of {len(setup.groups)} groups set aside"
                  if setup.set_aside else "")
 
     def _narrow(self, group: set[str], r: int) -> None:
