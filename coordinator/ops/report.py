@@ -77,7 +77,10 @@ def summarize(rows: list[RoundMetrics], targets: Sequence[float] = (), times: Ru
     if secure:
         out["secure_aggregation"] = {"rounds": len(secure), "unmasked": sum(s.unmasked for s in secure),
                                      "masks_removed": sum(s.recovered for s in secure),
-                                     "step_bytes": sum(s.bytes_up + s.bytes_down for s in secure)}
+                                     "step_bytes": sum(s.bytes_up + s.bytes_down for s in secure),
+                                     "split": sum(s.groups > 1 for s in secure),
+                                     "set_aside": sum(s.set_aside for s in secure),
+                                     "not_unmasked": sum(s.not_unmasked for s in secure)}
     latest = latest_release(head or {})
     if latest is not None:
         release_id, entry = latest
@@ -177,6 +180,11 @@ def format_table(rows: list[RoundMetrics], summary: dict, method: str = "") -> s
         lines.append(f"secure aggregation: {secure['rounds']} rounds, the coordinator saw only their sums "
                      f"({secure['unmasked']} unmasked; {secure['masks_removed']} dropped devices' masks removed; "
                      f"{secure['step_bytes'] / 1e6:.1f} MB of steps)")
+        if secure.get("split") or secure.get("set_aside") or secure.get("not_unmasked"):
+            # older summaries have none of these: a run before groups
+            lines.append(f"secure groups: {secure.get('split', 0)} rounds split into groups; "
+                         f"{secure.get('set_aside', 0)} group sums past the bounds set aside; "
+                         f"{secure.get('not_unmasked', 0)} groups lost to dropouts")
     for reach in summary.get("to_accuracy") or []:
         share = reach.get("share_of_best")
         to = f"{share:.0%} of the best ({reach['target']:.2%})" if share else f"{reach['target']:.2%}"

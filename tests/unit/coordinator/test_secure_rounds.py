@@ -585,6 +585,12 @@ def test_by_default_a_sum_past_the_bounds_splits_the_next_rounds_until_its_sende
         assert not row.aborted and row.secure.groups == 1 and row.secure.set_aside == 0
         assert sorted(row.participants) == [a for a in ids if a != attacker]
     assert not any(coordinator.registry.suspended(a, len(training)) for a in ids if a != attacker)
+    from edgepfl.coordinator.ops.report import write_report
+
+    table, summary = write_report(tmp_path, "fedavg")  # what the operator reads after the run
+    assert summary["secure_aggregation"]["set_aside"] == named_in + 1  # round 0's one sum too
+    assert (f"secure groups: {named_in} rounds split into groups; {named_in + 1} group sums past the bounds set "
+            "aside; 0 groups lost to dropouts") in table
 
 
 def test_suspects_no_sum_narrowed_for_sixteen_rounds_are_forgotten_and_the_rounds_whole_again(tmp_path, caplog):
