@@ -396,11 +396,12 @@ class RunConfig(_Strict):
                              "distributed (each device clips and noises its own)")
         if self.compression.uplink != "none":
             raise ValueError(f"{why}: a masked update cannot be compressed (compression.uplink: none)")
-        bounds = [name for name in PER_UPDATE_BOUNDS
-                  if name in self.aggregation.model_fields_set and getattr(self.aggregation, name) is not None]
+        # max_update_ratio judges each unmasked sum's mean change instead (SecureMean.out_of_bounds)
+        bounds = [name for name in PER_UPDATE_BOUNDS if name != "max_update_ratio"
+                  and name in self.aggregation.model_fields_set and getattr(self.aggregation, name) is not None]
         if bounds:
             raise ValueError(f"{why}: per-update bounds cannot apply ({', '.join(bounds)}); set them to null "
-                             "(max_change_ratio still bounds the round's aggregate)")
+                             "(max_update_ratio judges each unmasked sum, max_change_ratio the round's aggregate)")
         if self.min_agents < 3:
             raise ValueError(f"{why}: min_agents must be at least 3 (the sum of two updates is each one's to the "
                              "other)")

@@ -69,7 +69,8 @@ class AggregationSpec(BaseModel):
                                "parameters by more than this times their norm (at least 1); null: no bound")
     max_update_ratio: float | None = Field(
         10.0, gt=0, description="any rule: one update may change the learned parameters by a norm of at most this "
-                               "times the reference's (at least 1); null: no bound")
+                               "times the reference's (at least 1); under secure aggregation each unmasked sum's "
+                               "mean change is held to it (and a sum past it set aside); null: no bound")
     max_update_vs_median: float | None = Field(
         DEFAULT_MAX_UPDATE_VS_MEDIAN, ge=1,
         description="any rule: one update's change of the learned parameters is clipped (never refused) to at most "

@@ -127,7 +127,14 @@ def test_secure_aggregation_refuses_what_needs_the_coordinator_to_see_one_update
 
 def test_secure_aggregation_takes_the_defaults_and_bounds_set_to_null():
     """The per-update bounds' defaults do not stop a secure run (they cannot apply: the round's
-    rule has none); set to null they are accepted, and no late update joins another round."""
+    rule has none); set to null they are accepted, and no late update joins another round.
+    ``max_update_ratio`` may be set: it judges each unmasked sum, and reaches the round's rule."""
+    from edgepfl.aggregation import round_rule
+
+    config = parse_config(RunConfig, {"secure_aggregation": {"enabled": True}, "min_agents": 4,
+                                      "aggregation": {"max_update_ratio": 3.0, "max_change_ratio": 5.0}}, "x.yaml")
+    rule = round_rule(config.aggregation, config.privacy, secure=True, sampled=4, clip=1.0, noise_seed=0)
+    assert rule.max_update_ratio == 3.0
     config = parse_config(RunConfig, {"secure_aggregation": {"enabled": True}, "min_agents": 4,
                                       "aggregation": {"max_update_ratio": None, "max_change_ratio": 5.0}}, "x.yaml")
     assert config.staleness_limit == 0
