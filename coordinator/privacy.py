@@ -108,6 +108,21 @@ class PrivacyLedger:
         quorum = max(1, self.config.quorum_of(sampled))
         return self.spec.clip_norm, self.spec.noise_multiplier * self.spec.clip_norm / math.sqrt(quorum)
 
+    def noise_on_mean(self, sampled: int, coordinates: int) -> float | None:
+        """About the norm of the noise DP adds to a round's mean of ``sampled`` devices' changes
+        over ``coordinates`` shared values, all of them answering (None without DP): the sum's
+        noise per value (central: ``noise_multiplier`` × the clip; distributed: each device's
+        share, :meth:`device_noise`, over the ``sampled``) / ``sampled`` × √coordinates. What to
+        compare a round's move with when it looks diverged."""
+        if self.spec.mechanism == "none" or sampled <= 0:
+            return None
+        if self.spec.mechanism == "distributed":
+            per_device = self.device_noise(sampled)[1] or 0.0
+            per_value = per_device * math.sqrt(sampled)
+        else:
+            per_value = self.spec.noise_multiplier * self.clip
+        return per_value / sampled * math.sqrt(coordinates)
+
     def allows_round(self, population: int) -> bool:
         """Whether a training round drawn from ``population`` stays within ``epsilon_budget``
         (the sample size is the sampler's: ``fraction`` of them, at least one)."""

@@ -156,3 +156,22 @@ def test_a_poisson_sampled_runs_rounds_carry_the_accountants_epsilon_and_divide_
         direct.compose(dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(1.0)), k)
         assert row.privacy is not None and row.privacy.sampling_rate == rate and row.privacy.sampled == sizes[k - 1]
         assert row.privacy.epsilon == pytest.approx(direct.get_epsilon(1e-5))
+
+
+def test_a_round_its_noise_alone_moves_past_the_guard_says_so_with_the_noise_it_added(tmp_path, caplog):
+    """A fleet too small for its noise: the round guard (``max_change_ratio``) refuses every
+    aggregate, and the warning says how far the noise alone moves the mean, which is the move
+    measured (within a tenth: the changes themselves are clipped to 1), so that the operator
+    reads "too few devices for this budget" rather than a model that diverged."""
+    import re
+
+    cfg = config(rounds=1, fraction=1.0)
+    cfg = cfg.model_copy(update={"privacy": cfg.privacy.model_copy(update={"noise_multiplier": 400.0})})
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        rows = run(cfg, tmp_path / "run")
+    assert rows[0].aborted and rows[0].abort_reason == "diverged"
+    said = re.search(r"moves the shared parameters by ([\d.e+]+),.*noise alone moves the mean by about ([\d.e+]+) "
+                     r"\(4 devices, ([\d,]+) values\): too few devices a round for this budget", caplog.text)
+    assert said is not None, caplog.text
+    measured, estimated = float(said.group(1)), float(said.group(2))
+    assert estimated == pytest.approx(measured, rel=0.1)
