@@ -21,6 +21,7 @@ from edgepfl.errors import require_installed
 from edgepfl.metrics import MetricsError, PrivacyRecord, RoundMetrics, read_metrics
 from edgepfl.privacy import PrivacyAccountant
 from edgepfl.protocol import seed_for
+from edgepfl.state import ServerState
 
 from .sampling import sample_size
 
@@ -122,6 +123,16 @@ class PrivacyLedger:
         else:
             per_value = self.spec.noise_multiplier * self.clip
         return per_value / sampled * math.sqrt(coordinates)
+
+    def noise_note(self, state: ServerState, sampled: int) -> str:
+        """What a diverged round's warning adds under DP: how far the devices' noise alone moves
+        the mean of ``state``'s shared values (a fleet too small for its ε); "" without DP."""
+        coordinates = sum(v.size for v in state.shared_params().values() if v.dtype.kind == "f")
+        noise = self.noise_on_mean(sampled, coordinates)
+        if noise is None:
+            return ""
+        return (f"; differential privacy's noise alone moves the mean by about {noise:.4g} ({sampled} devices, "
+                f"{coordinates:,} values): too few devices a round for this budget (edgepfl privacy)")
 
     def allows_round(self, population: int) -> bool:
         """Whether a training round drawn from ``population`` stays within ``epsilon_budget``

@@ -312,24 +312,14 @@ class Coordinator:
             return exc.reason
         refused = admit_state(aggregate.state, candidate, self.config.aggregation.max_change_ratio)
         if refused is not None:
+            noise = self.privacy.noise_note(aggregate.state, len(result.sampled)) if refused.reason == "diverged" else ""
             log.warning("round %d: aggregate not adopted: %s (%s)%s; global state unchanged", result.round,
-                        refused.reason, refused.detail, self._noise_says(refused.reason, aggregate.state,
-                                                                         len(result.sampled)))
+                        refused.reason, refused.detail, noise)
             return refused.reason
         self.state = self.task_writer.downlink.step(candidate, aggregate.state, tasks, result)
         self.rollback.adopted()
         result.update_share = aggregate.shares()
         return None
-
-    def _noise_says(self, reason: str, state: ServerState, sampled: int) -> str:
-        """What a diverged round of a DP run should add: how far the devices' noise alone moves
-        the mean, when that is most of the move (a fleet too small for its ε), else nothing."""
-        coordinates = sum(v.size for v in state.shared_params().values() if v.dtype.kind == "f")
-        noise = self.privacy.noise_on_mean(sampled, coordinates) if reason == "diverged" else None
-        if noise is None:
-            return ""
-        return (f"; differential privacy's noise alone moves the mean by about {noise:.4g} ({sampled} devices, "
-                f"{coordinates:,} values): too few devices a round for this budget (edgepfl privacy)")
 
     def _roll_back(self, r: int, reason: str) -> int | None:
         """Count an aborted round; returns the round whose state the run went back to (None: none)."""
