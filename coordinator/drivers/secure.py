@@ -279,7 +279,7 @@ class SecureRounds:
                                         SEED_BYTES if owner in survivors else 2 * SEED_BYTES)
         publics = {a: unb64(setup.keys[a].mask_public) for a in setup.members}
         context = session_context(self.co.config.federation, setup.round, setup.session)
-        recovered, summed, failures = 0, 0, []
+        recovered, failures, in_sum = 0, [], set[str]()
         for index, group in enumerate(setup.groups):
             alive = survivors.intersection(group)
             if not alive:
@@ -303,7 +303,7 @@ class SecureRounds:
                 continue
             if why is None:
                 recovered += len(lost_keys)
-                summed += len(alive)
+                in_sum |= alive
                 continue
             setup.set_aside += 1
             failures.append(f"the sum of {len(alive)} updates set aside: {why}")
@@ -311,13 +311,18 @@ class SecureRounds:
                         "bounds", setup.round, ", ".join(sorted(alive)), why)
             self._narrow(set(alive), setup.round)
         seconds = time.process_time() - began
+        if rule.sum_ is not None and survivors - in_sum:
+            # a group set aside or not unmasked: its updates are not in the sum, nor its members participants, and
+            # the quorum counts without them (under distributed DP a smaller sum would hold too little noise)
+            aggregate.leave_out(survivors - in_sum)
+            result.participants[:] = [a for a in result.participants if a in in_sum]
         if rule.sum_ is None:
             rule.failure_ = "; ".join(failures) or "no group's sum was unmasked"
             result.secure = setup.record(len(survivors), 0, False, seconds)
             return
-        result.secure = setup.record(summed, recovered, True, seconds)  # a group lost or set aside: not in the sum
+        result.secure = setup.record(len(in_sum), recovered, True, seconds)
         log.info("round %d: secure sum of %d updates unmasked (%d dropped agents' masks removed%s)", setup.round,
-                 summed, recovered, f"; {setup.set_aside} of {len(setup.groups)} groups set aside"
+                 len(in_sum), recovered, f"; {setup.set_aside} of {len(setup.groups)} groups set aside"
                  if setup.set_aside else "")
 
     def _narrow(self, group: set[str], r: int) -> None:

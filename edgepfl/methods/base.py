@@ -274,6 +274,16 @@ class RoundAggregate:
             self.updates.append(update)
         return fired
 
+    def leave_out(self, agents: Iterable[str]) -> None:
+        """Take back ``agents``' updates, counted as added, that did not make the sum after all (a
+        secure round's group set aside or not unmasked): they are not participants, and do not
+        count towards the round's quorum."""
+        for agent in set(agents).intersection(self.participants):
+            self.participants.remove(agent)
+            part = self._parts.pop(agent)
+            self.weights.pop(agent, None)
+            self._weight_total -= float(part.weight)
+
     def _count(self, part: DevicePart) -> None:
         """Count one device's update as added: its weight, share and place among the participants."""
         self.weights[part.agent_id] = float(part.weight) * part.discount

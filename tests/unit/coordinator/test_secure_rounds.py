@@ -199,14 +199,16 @@ def test_a_group_that_cannot_be_unmasked_costs_its_updates_not_the_round(tmp_pat
     """Groups of three (two neighbours each, threshold two): one member dying after its shares
     leaves its two group mates with one surviving neighbour each, fewer than the threshold, so
     they reveal nothing and that group's masks stay on. The other group's sum makes the round,
-    and the row counts only the updates in the sum."""
+    and the row counts only the updates in the sum: the lost group's two survivors are not
+    participants (they would otherwise count towards the quorum a distributed-DP sum needs)."""
     ids = agent_ids(AGENTS)
     cfg = config(True, rounds=1, group_size=3)
     coordinator, rows, _ = run(cfg, tmp_path / "secure", dying={ids[1]: 0})
     row = next(r for r in rows if not r.final)
     assert not row.aborted and row.secure.unmasked
     assert (row.secure.groups, row.secure.not_unmasked, row.secure.set_aside) == (2, 1, 0)
-    assert row.secure.survivors == 3 and len(row.participants) == AGENTS - 1
+    assert row.secure.survivors == 3 and len(row.participants) == 3
+    assert ids[1] not in row.participants
 
 
 def test_suspects_of_one_set_are_dealt_to_different_groups():
@@ -541,6 +543,7 @@ def test_a_device_scaling_its_masked_vector_costs_its_group_and_is_suspended_wit
     assert suspended_in <= 2  # k = 3 rounds: 0, 1, 2
     for row in training[:suspended_in + 1]:  # its group set aside, the other group's sum taken
         assert not row.aborted and row.secure.unmasked and (row.secure.groups, row.secure.set_aside) == (2, 1)
+        assert attacker not in row.participants and len(row.participants) == row.secure.survivors == 3
     for row in training[suspended_in + 1:]:  # in no roster: five agents, one group, nothing set aside
         assert not row.aborted and attacker not in row.sampled + row.participants
         assert row.secure.set_aside == 0 and sorted(row.participants) == [a for a in ids if a != attacker]
@@ -608,3 +611,23 @@ def test_suspects_no_sum_narrowed_for_sixteen_rounds_are_forgotten_and_the_round
     assert all(not r.aborted and r.secure.set_aside == 0 for r in training[1:])
     assert not any(coordinator.registry.suspended(a, len(training)) for a in ids)
     assert f"round {SUSPECT_ROUNDS + 1}: 12 suspects of a sum past the bounds in round 0 forgotten" in caplog.text
+
+
+def test_a_groups_set_aside_updates_do_not_count_towards_the_quorum(tmp_path):
+    """``quorum: 1.0``: every sampled device's update must be in the sum. The scaled vector's group
+    is set aside, so the other group's three updates are below the quorum and the round is
+    aborted ``below_quorum`` (state kept): under distributed DP each device adds its share of the
+    noise a quorum's sum needs, and a smaller sum would hold too little of it."""
+    ids = agent_ids(AGENTS)
+    cfg = config(True, rounds=1, group_size=3)
+    cfg = cfg.model_copy(update={"quorum": 1.0})
+    devices = {a: (ScaledMasker if a == ids[0] else Device)(tier)
+               for a, tier in local_trainers(cfg, ids, tmp_path).items()}
+    coordinator = Coordinator(cfg, LocalFleet(devices, cfg.federation), tmp_path, progress=False, **data_shape(cfg))
+    coordinator.init_or_resume()
+    before = {k: v.copy() for k, v in coordinator.server_state().global_tensors.items()}
+    row = next(r for r in coordinator.run() if not r.final)
+    assert row.aborted and row.abort_reason == "below_quorum" and row.secure.set_aside == 1
+    assert len(row.participants) == 3 and ids[0] not in row.participants
+    after = coordinator.server_state().global_tensors
+    assert all(np.array_equal(before[k], after[k]) for k in before)
