@@ -126,6 +126,8 @@ class SecureMean(Aggregator):
         self.masked_sum_ = np.zeros(self.size_, dtype="<u8")
         self.weight_ = 0
         self.sum_: _ExactSum | None = None
+        #: the grid's scale and range per tensor (what :meth:`out_of_bounds` measures a sum on)
+        self.grid_ = _ExactSum(self.reference_)
         #: why the masks could not be removed (None: not tried, or removed)
         self.failure_: str | None = None
         #: agent -> its group (:meth:`assign`; an agent not named is in group 0)
@@ -182,26 +184,26 @@ class SecureMean(Aggregator):
         """Take the unmasked sum of the whole round (:func:`edgepfl.secagg.unmask` of
         :attr:`masked_sum_`); raise :class:`AggregationRejected` if it is past the bounds
         (:meth:`out_of_bounds`)."""
-        if self.weight_ >= MAX_SECURE_WEIGHT:
-            raise AggregationRejected("out_of_range", f"a secure round's total weight {self.weight_} is not below "
-                                                      f"{MAX_SECURE_WEIGHT}: its sum would wrap")
-        integers = from_ring(total, self.reference_)
-        why = self.out_of_bounds(integers, self.weight_, self.count_, noise_std)
+        why = self._take(total, self.weight_, self.count_, noise_std)
         if why is not None:
             raise AggregationRejected("out_of_range", f"the unmasked sum of {self.count_} updates: {why}")
-        self.sum_ = _ExactSum(self.reference_)
-        self.sum_.add_total(integers, self.weight_)
 
     def take_group(self, group: int, total: np.ndarray, noise_std: float = 0.0) -> str | None:
         """Take one group's unmasked sum into the round's, or set it aside: None, or why."""
-        weight, count = self.group_weights_[group], self.group_counts_[group]
+        why = self._take(total, self.group_weights_[group], self.group_counts_[group], noise_std)
+        if why is not None:
+            self.set_aside_[group] = why
+        return why
+
+    def _take(self, total: np.ndarray, weight: int, count: int, noise_std: float) -> str | None:
+        """Fold an unmasked sum of ``count`` updates of ``weight`` into the round's, unless it is past
+        the bounds (then: why)."""
         if weight >= MAX_SECURE_WEIGHT:
-            raise AggregationRejected("out_of_range", f"a secure group's total weight {weight} is not below "
-                                                      f"{MAX_SECURE_WEIGHT}: its sum would wrap")
+            raise AggregationRejected("out_of_range", f"a secure sum's total weight {weight} is not below "
+                                                      f"{MAX_SECURE_WEIGHT}: it would wrap")
         integers = from_ring(total, self.reference_)
         why = self.out_of_bounds(integers, weight, count, noise_std)
         if why is not None:
-            self.set_aside_[group] = why
             return why
         if self.sum_ is None:
             self.sum_ = _ExactSum(self.reference_)
@@ -215,7 +217,7 @@ class SecureMean(Aggregator):
         the grid's range, or its learned parameters' mean change past ``max_update_ratio``
         times their norm, plus ``noise_std``'s Gaussian noise's largest norm over ``count``
         (at 8 standard deviations: about 1e-15 to pass it by chance)."""
-        exact = _ExactSum(self.reference_)
+        exact = self.grid_
         units = weight if self.denominator is None else count  # under distributed DP each counts once
         if units <= 0:
             return None
