@@ -51,18 +51,43 @@ def site_ids(sites: int) -> list[str]:
     return [f"site-{i:03d}" for i in range(sites)]
 
 
-def virtual_sites(url: str, federation: str, devices: int, sites: int, ready: Path) -> None:
-    """Run ``sites`` virtual site aggregators of ``devices`` devices in all, until killed."""
+def virtual_sites(url: str, federation: str, devices: int, sites: int, ready: Path, mode: str = "exact") -> None:
+    """Run ``sites`` virtual site aggregators of ``devices`` devices in all, until killed; in
+    ``mode`` summary each announces its count and answers with totals (PROTOCOL.md §20 item 5)."""
     import paho.mqtt.client as mqtt
 
     from edgepfl.broker import parse_broker_url
+    from edgepfl.coordinator.sampling import round_half_up, sample_size
     from edgepfl.protocol import MessageType, StatusMeta, TaskMeta, UpdateMeta, decode, encode
     from edgepfl.protocol.reassembly import Reassembler
-    from edgepfl.protocol.site import SUM, DeviceAnswer, SiteAnswer, SiteDevice, SiteStatus
+    from edgepfl.protocol.site import SUM, DeviceAnswer, SiteAnswer, SiteDevice, SiteStatus, SiteTotals
 
     host, port, _ = parse_broker_url(url)
     clients = []
     per_site = [list(range(devices))[i::sites] for i in range(sites)]
+    names = {site: [f"dev-{d:06d}" for d in members] for site, members in zip(site_ids(sites), per_site)}
+
+    def summary(client, message, meta, site, base):
+        """A summary site's answer: one partial sum and totals that name no device. Only the
+        draw's sizes are computed (what the centre sees); drawing 50,000 names at each of ten
+        sites in this one process would make the centre wait, which real sites do in parallel."""
+        sample = meta.site.sample
+        online = len(names[site])
+        trained = sample_size(sample.train_fraction, online) if sample.train_fraction > 0 else 0
+        answered = max(trained, round_half_up(sample.evaluate_share * online) if sample.evaluate_share > 0 else 0)
+        tensors = {SUM + k: np.full(v.shape, trained, np.int64) for k, v in message.tensors.items()
+                   if "/" not in k} if trained else {}
+        totals = SiteTotals(sampled=trained, trained=trained, evaluated=answered, eval_total=50 * answered,
+                            eval_correct=40 * answered, train_loss=0.5 if trained else None,
+                            largest_change=0.01 if trained else None)
+        answer = SiteAnswer(devices=[], total_weight=200 * trained, change_norms=[0.01] * min(trained, 16),
+                            totals=totals)
+        reply = UpdateMeta(task_id=meta.task_id, kind=meta.kind, num_train=max(1, answer.total_weight)
+                           if meta.kind == "train" else 0, num_test=50 * answered, eval_correct=40 * answered,
+                           site=answer)
+        client.publish(f"{base}/update", encode(MessageType.UPDATE, federation=federation, sender=site,
+                                                round=message.header.round, meta=reply, tensors=tensors), qos=1)
+
     for site, members in zip(site_ids(sites), per_site):
         base = f"edgepfl/v1/{federation}/agents/{site}"
         reassembler = Reassembler()
@@ -80,6 +105,8 @@ def virtual_sites(url: str, federation: str, devices: int, sites: int, ready: Pa
             orders = meta.site
             if orders is None:
                 return
+            if orders.sample is not None:
+                return summary(client, message, meta, site, base)
             cap = orders.weight_cap or 200
             answers = [DeviceAnswer(agent=a, kind="train", num_train=min(200, cap), num_test=50, eval_correct=40,
                                     train_loss=0.5, weight=min(200, cap), record=(0.01, {})) for a in orders.train]
@@ -96,9 +123,10 @@ def virtual_sites(url: str, federation: str, devices: int, sites: int, ready: Pa
             client.publish(f"{base}/update", encode(MessageType.UPDATE, federation=federation, sender=site,
                                                     round=message.header.round, meta=reply, tensors=tensors), qos=1)
 
+        site_status = SiteStatus(count=len(members)) if mode == "summary" else \
+            SiteStatus(devices=[SiteDevice(agent=f"dev-{d:06d}", num_train=200, num_test=50) for d in members])
         status = StatusMeta(state="online", tier="site", num_train=200 * len(members), num_test=50 * len(members),
-                            site=SiteStatus(devices=[SiteDevice(agent=f"dev-{d:06d}", num_train=200, num_test=50)
-                                                     for d in members]))
+                            site=site_status)
         client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"virtual-{site}", protocol=mqtt.MQTTv311)
         client.on_message = on_message
         client.max_inflight_messages_set(100)
@@ -119,10 +147,12 @@ def measure(devices: int, args: argparse.Namespace, work: Path) -> dict:
     config = {
         "federation": federation, "method": {"name": "fedavg"},
         "model": {"arch": args.arch, "feature_dim": args.feature_dim}, "input_shape": [1, 28, 28], "num_classes": 10,
-        "device": "cpu", "rounds": args.rounds, "min_agents": devices, "quorum": 0.5,
+        "device": "cpu", "rounds": args.rounds, "min_agents": devices, "quorum": 0.5, "fraction": args.fraction,
         "round_timeout_s": args.round_timeout_s, "wait_for_agents_s": 600,
-        "sites": {"enabled": True, "ids": site_ids(args.sites)},
+        "sites": {"enabled": True, "ids": site_ids(args.sites), "mode": args.mode},
     }
+    if args.mode == "summary":  # the sites are the trainers
+        config["min_agents"] = args.sites
     (run_dir / "run.yaml").write_text(yaml.safe_dump(config))
     raise_fd_limit()
     with MosquittoBroker(max_queued_messages=0) as broker:
@@ -130,7 +160,7 @@ def measure(devices: int, args: argparse.Namespace, work: Path) -> dict:
         ready = run_dir / "sites.ready"
         sites_log = open(run_dir / "sites.log", "w")  # noqa: SIM115
         sites = subprocess.Popen([sys.executable, __file__, "--virtual-sites", broker.url, federation, str(devices),
-                                  str(args.sites), str(ready)], stdout=sites_log, stderr=subprocess.STDOUT, cwd=REPO)
+                                  str(args.sites), str(ready), args.mode], stdout=sites_log, stderr=subprocess.STDOUT, cwd=REPO)
         try:
             while not ready.exists():
                 if sites.poll() is not None:
@@ -165,8 +195,8 @@ def measure(devices: int, args: argparse.Namespace, work: Path) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"Sites: FedAvg, {result['model']}, {result['rounds']} rounds (rounds 1..R-1), {result['sites']} virtual "
-             f"sites; {result['machine']}", "",
+    lines = [f"Sites ({result.get('mode', 'exact')}): FedAvg, {result['model']}, {result['rounds']} rounds (rounds "
+             f"1..R-1), {result['sites']} virtual sites; {result['machine']}", "",
              "| devices | sites | participants / round | round s (wall) | central CPU s / round | central peak RSS MB "
              "| WAN MB down / round | WAN MB up / round | flat fleet's MB / round (N x model each way) |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -182,12 +212,15 @@ def markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--virtual-sites":
-        url, federation, devices, sites, ready = argv[1:6]
-        virtual_sites(url, federation, int(devices), int(sites), Path(ready))
+        url, federation, devices, sites, ready, mode = argv[1:7]
+        virtual_sites(url, federation, int(devices), int(sites), Path(ready), mode)
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--devices", type=int, nargs="+", required=True)
     ap.add_argument("--sites", type=int, default=10)
+    ap.add_argument("--mode", choices=("exact", "summary"), default="exact",
+                    help="sites.mode: exact (every device through the centre) or summary (counts and totals)")
+    ap.add_argument("--fraction", type=float, default=1.0, help="the run's fraction of devices trained a round")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--arch", default="cnn")
     ap.add_argument("--feature-dim", type=int, default=32)
@@ -203,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{n} devices behind {args.sites} sites: {runs[-1]['coordinator_cpu_s_per_round']} CPU-s a round "
                   f"({time.monotonic() - started:.0f} s)", flush=True)
     result = {"command": "python benchmarks/site_scale.py " + " ".join(argv), "model": f"{args.arch} {args.feature_dim}",
-              "rounds": args.rounds, "sites": args.sites, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "rounds": args.rounds, "sites": args.sites, "mode": args.mode, "fraction": args.fraction,
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "runs": runs}
     if args.out:
         write_results(result, args.out, markdown)

@@ -46,7 +46,7 @@ from edgepfl.protocol.signing import Keyring, verify_signed_part
 
 from .registry import Registry
 from .round_tasks import LateWindow, RoundTasks, Task
-from .sites import part_of
+from .sites import part_of, summary_part_of
 
 # Sample counts become aggregation weights (the streaming rules refuse more than 2**24
 # for one update: edgepfl.aggregation). Above 2**53 a count is no longer exact as a
@@ -389,6 +389,8 @@ class UpdateGate:
         meta: UpdateMeta = message.meta  # type: ignore[assignment]
         orders, answer = task.site, meta.site
         assert orders is not None and answer is not None  # the caller's condition
+        if orders.sample is not None or answer.totals is not None:
+            return self._summary_answer(agent_id, message, task, state, reject)
         ordered = {**{a: "evaluate" for a in orders.evaluate}, **{a: "train" for a in orders.train}}
         wrong = [d for d in answer.devices if ordered.get(d.agent) != d.kind]
         if wrong:
@@ -406,6 +408,35 @@ class UpdateGate:
                                            f"round's cap ({most})")
         try:
             part = part_of(answer, message.tensors, state.shared_params(), orders.train)
+        except AggregationRejected as exc:
+            return reject(exc.reason, str(exc))
+        return Accepted(agent_id, meta, None, message.header.message_id, site=part)
+
+    def _summary_answer(self, agent_id: str, message: Message, task: Task, state: ServerState | None,
+                        reject: Callable[[str, str], Rejection]) -> Accepted | Rejection:
+        """A summary site's answer (``sites.mode: summary``): totals to a summary task, weighing
+        no more than its site announced, and a sum that can be one (:func:`.sites.summary_part_of`)."""
+        meta: UpdateMeta = message.meta  # type: ignore[assignment]
+        orders, answer = task.site, meta.site
+        assert orders is not None and answer is not None  # the caller's condition
+        totals = answer.totals
+        if orders.sample is None or totals is None:
+            return reject("malformed", "a summary answer to a task of named devices" if orders.sample is None
+                          else "a site's answer to a summary task without its totals")
+        # what its latest status announced: a site draws from the devices online when the task
+        # came, and says so before it answers (a device that came online since the round began counts)
+        info = self.registry.agents.get(agent_id)
+        announced = info.num_train if info is not None else 0
+        if answer.total_weight > announced or (totals.trained and task.kind != "train"):
+            return reject("malformed", f"site {agent_id}'s sum weighs {answer.total_weight} of {totals.trained} "
+                                       f"updates; it announced {announced} training samples")
+        if info is not None and totals.eval_total > info.num_test:
+            return reject("malformed", f"site {agent_id} evaluated {totals.eval_total} samples; it announced "
+                                       f"{info.num_test}")
+        if state is None:  # not reached: a site's task was sent, so a round is open
+            return reject("unexpected", "no round is open")
+        try:
+            part = summary_part_of(agent_id, answer, message.tensors, state.shared_params())
         except AggregationRejected as exc:
             return reject(exc.reason, str(exc))
         return Accepted(agent_id, meta, None, message.header.message_id, site=part)

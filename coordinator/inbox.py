@@ -244,7 +244,9 @@ class Inbox:
             log.info("round %d: closed with %d/%d updates after %.0fs; no answer from %s", tasks.round,
                      len(participants), sampled, self.clock.now() - started, ", ".join(sorted(waiting)))
         # a site aggregator that did not answer is no device of the round: its devices are the dropped ones
-        return sorted(a for a in waiting if (task := tasks.get(a)) is None or task.site is None)
+        # (a summary site is the round's participant itself)
+        return sorted(a for a in waiting if (task := tasks.get(a)) is None or task.site is None
+                      or task.site.sample is not None)
 
     # ---------------------------------------------------------------- routing
     def _route(self, event: AgentFrame | Rejection | Refused | None) -> None:

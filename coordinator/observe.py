@@ -173,7 +173,7 @@ class Observer:
         if sites is None:
             return {}
         if tier == "site":
-            return {"devices": len(sites.devices.get(agent_id, ())), "last_sum": sites.last_sum.get(agent_id)}
+            return {"devices": sites.device_count(agent_id), "last_sum": sites.last_sum.get(agent_id)}
         return {"site": sites.behind(agent_id)}
 
     def publish(self) -> None:

@@ -78,6 +78,9 @@ class Registry:
     def __init__(self, clock: Clock | None = None) -> None:
         #: the time of an agent's last sign of life (the round loop's clock)
         self.clock = clock or WallClock()
+        #: the tiers whose agents are sent training tasks: trainers, and site aggregators of a
+        #: run that takes its sites in summary (each one participant: ``sites.mode: summary``)
+        self.training_tiers: frozenset[str] = frozenset({"trainer"})
         self.agents: dict[str, AgentInfo] = {}
         self._online_by_tier: Counter[str] = Counter()
         #: agent id -> (tasks missed in a row, the last round it sits out)
@@ -176,7 +179,9 @@ class Registry:
         """Recompute whether the agent may be sent a task (O(1))."""
         info = self.agents.get(agent_id)
         why = None
-        if info is not None and info.tier == "trainer" and info.state == "online":
+        # a site (a summary run's trainer) with no device behind it has nothing to train
+        if info is not None and info.tier in self.training_tiers and info.state == "online" \
+                and (info.tier != "site" or info.num_train > 0):
             if self._declaring(agent_id):
                 self._eligible.discard(agent_id)
                 return

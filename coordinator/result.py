@@ -18,7 +18,7 @@ import numpy as np
 
 from edgepfl.aggregation import capped_accuracy
 from edgepfl.methods import RoundAggregate
-from edgepfl.metrics import PrivacyRecord, RoundMetrics, SecureRecord
+from edgepfl.metrics import PrivacyRecord, RoundMetrics, SecureRecord, SiteRoundRecord
 from edgepfl.protocol import UpdateMeta
 from edgepfl.state import CheckpointMeta
 
@@ -100,6 +100,8 @@ class RoundResult:
     privacy: PrivacyRecord | None = None
     #: a secure round's steps
     secure: SecureRecord | None = None
+    #: summary sites' shares of the round (``sites.mode: summary``), by site
+    sites: dict[str, SiteRoundRecord] = field(default_factory=dict)
 
     def sent(self, wire_bytes: int, downlink: str = "whole") -> None:
         """Count a task put on the wire: whole, or as a task delta of codec ``downlink``."""
@@ -138,6 +140,8 @@ class RoundResult:
         checks it first), then each device counted as if its answer had come here."""
         site = accepted.meta.site
         assert site is not None  # the caller's condition
+        if site.totals is not None:
+            return self._record_summary(accepted, wire_bytes)
         if accepted.site is not None:
             assert self.aggregate is not None  # a site's training answer: a training round
             self.aggregate.add_site(accepted.site)
@@ -156,6 +160,30 @@ class RoundResult:
         self.dropped.extend(site.dropped)
         self.bytes_up += wire_bytes
 
+    def _record_summary(self, accepted: Accepted, wire_bytes: int) -> None:
+        """A summary site's answer: its sum folded in (checked first) as one participant, its
+        evaluation as one pooled entry (each of its devices' counts already cut at the site)."""
+        site, agent_id = accepted.meta.site, accepted.agent_id
+        assert site is not None and site.totals is not None  # the caller's condition
+        totals = site.totals
+        if accepted.site is not None:
+            assert self.aggregate is not None  # a site's training answer: a training round
+            self.aggregate.add_site(accepted.site)
+            if totals.clipped_by:
+                log.warning("round %d: site %s clipped %d of its %d updates (aggregation.%s)", self.round, agent_id,
+                            site.clipped, totals.trained, ", ".join(sorted(totals.clipped_by)))
+                self.clipped.append(agent_id)
+                self.clipped_by[agent_id] = sorted(totals.clipped_by)
+            self.participants.append(agent_id)
+            self.staleness[0] += totals.trained
+            self.update_bytes["site"] += wire_bytes
+        self.sites[agent_id] = SiteRoundRecord(sampled=totals.sampled, trained=totals.trained,
+                                               evaluated=totals.evaluated, dropped=totals.dropped, clipped=site.clipped)
+        if totals.evaluated:
+            self.evaluations[agent_id] = Evaluation(correct=totals.eval_correct, total=totals.eval_total, loss=None,
+                                                    train_loss=totals.train_loss, kind="site", train_seconds=0.0)
+        self.bytes_up += wire_bytes
+
     def to_metrics(self, *, seconds: float, final: bool, abort: str | None, rolled_back: int | None,
                    shared_bytes: int, max_weight_ratio: float | None) -> RoundMetrics:
         """The ``metrics.jsonl`` row of this round; accuracy weighs each agent's held-out count
@@ -165,7 +193,9 @@ class RoundResult:
         return RoundMetrics(
             round=self.round,
             final=final,
-            accuracy=capped_accuracy(((e.correct, e.total) for e in evals.values()), max_weight_ratio),
+            accuracy=capped_accuracy(((e.correct, e.total) for e in evals.values() if e.kind != "site"),
+                                     max_weight_ratio, pooled=[(e.correct, e.total) for e in evals.values()
+                                                               if e.kind == "site"]),
             per_client={a: e.accuracy for a, e in sorted(evals.items())},
             participants=sorted(self.participants),
             late=sorted(self.late),
@@ -188,6 +218,7 @@ class RoundResult:
             task_bytes=dict(sorted(self.task_bytes.items())),
             privacy=self.privacy,
             secure=self.secure,
+            sites=dict(sorted(self.sites.items())),
             bytes_down=self.bytes_down,
             shared_bytes=shared_bytes,
             seconds=round(seconds, 4),

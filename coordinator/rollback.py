@@ -30,14 +30,17 @@ class RollbackPolicy:
         self.aborted_streak = 0
         #: the last good state is the one after this round (``checkpoint/good-<round>/``); None: none kept
         self.good_round: int | None = None
+        #: the round whose aggregate made the current state (None: none since the run started or
+        #: resumed, or the state was rolled back): what a summary site keeps its records of
+        self.last_adopted: int | None = None
 
     def restore(self, meta: CheckpointMeta) -> None:
         """Continue the count of a checkpointed run."""
         self.aborted_streak, self.good_round = meta.aborted_streak, meta.good_round
 
-    def adopted(self) -> None:
-        """A round's aggregate was adopted: the streak ends."""
-        self.aborted_streak = 0
+    def adopted(self, round: int | None = None) -> None:
+        """``round``'s aggregate was adopted: the streak ends."""
+        self.aborted_streak, self.last_adopted = 0, round
 
     def keep_good_state(self, state: ServerState, meta: CheckpointMeta) -> None:
         """A round trained from ``state`` (the state after ``meta.round``) was adopted: it is
@@ -66,7 +69,7 @@ class RollbackPolicy:
                       "going on with the current state", round, streak, reason)
             return None
         # Now at the good state: nothing older is kept, so a further run of aborts only says so.
-        self.good_round = None
+        self.good_round = self.last_adopted = None
         log.error("round %d: %d rounds in a row aborted (last: %s); rolled back to the last good state, "
                   "the global state after round %d", round, streak, reason, good)
         return good, state

@@ -216,6 +216,8 @@ class Coordinator:
         self.inbox.presence.round_starts(r)
         online = self.registry.responsive(r, final) or self.registry.eligible()
         self._sampled_from = len(online)  # the population a private round's sample was drawn from
+        if self.sites is not None and self.sites.summary:  # every site, each drawing its own devices
+            return ([], online) if final else (online, [])
         return choose_participants(online, self.config, r, final)
 
     def open_round(self, r: int, sampled: list[str], late: bool,
@@ -243,7 +245,7 @@ class Coordinator:
                   secagg: SecAggTask | None = None) -> None:
         """Send ``agent_id`` a ``kind`` task of the open round (``secagg``: a secure round's); a
         device behind a site gets it with its site's one task, when the round collects."""
-        if self.sites is not None and (site := self.sites.behind(agent_id)) is not None:
+        if self.sites is not None and (site := self.sites.answering_for(agent_id)) is not None:
             return self.sites.hold(site, agent_id, kind)
         info = self.registry.agents.get(agent_id)
         uplink = self.task_writer.uplink_for(info.capabilities if info else None) if kind == "train" else None
@@ -262,7 +264,8 @@ class Coordinator:
         the round timeout passes or every agent still owing an answer is offline
         (:meth:`.Inbox.collect`); whoever has not answered then is dropped from the round."""
         if self.sites is not None:  # the tasks held for devices behind sites go out, one per site
-            self.sites.flush(tasks, result, lambda site, kind, orders: self._site_task(tasks.round, site, kind, orders))
+            self.sites.flush(tasks, result, lambda site, kind, orders: self._site_task(tasks.round, site, kind, orders),
+                             self.rollback.last_adopted)
         result.dropped.extend(self.inbox.collect(tasks, len(result.sampled), result.participants, started,
                                                  self.config.round_timeout_s, self.config.quorum_of(len(result.sampled))))
 
@@ -317,7 +320,7 @@ class Coordinator:
                         refused.reason, refused.detail, noise)
             return refused.reason
         self.state = self.task_writer.downlink.step(candidate, aggregate.state, tasks, result)
-        self.rollback.adopted()
+        self.rollback.adopted(result.round)
         result.update_share = aggregate.shares()
         return None
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 
-from edgepfl.aggregation import AggregationSpec, SummingRule
+from edgepfl.aggregation import AggregationSpec, SummingRule, weight_cap
 from edgepfl.config import ConfigError
 from edgepfl.failpoints import failpoint
 from edgepfl.methods import ServerState, create_method
@@ -44,7 +45,7 @@ from edgepfl.protocol import (
     federation_topic,
 )
 from edgepfl.protocol.signing import verify
-from edgepfl.protocol.site import SiteDevice, SiteStatus
+from edgepfl.protocol.site import SiteDevice, SiteOrders, SiteStatus
 from edgepfl.protocol.transport import MqttTransport
 from edgepfl.site_config import AggregatorConfig
 
@@ -52,7 +53,8 @@ from .credentials import Credentials
 from .fleet import MqttFleet
 from .result import RoundResult
 from .round_tasks import PATIENCE_SHARE, RoundTasks, Task
-from .sites import answer_of, site_aggregate
+from .site_records import SiteRecords
+from .sites import answer_of, draw_site, site_aggregate, summary_answer_of
 from .tasks import TaskWriter
 from .wiring import wire
 
@@ -69,6 +71,8 @@ class CentralLink:
     def __init__(self, config: AggregatorConfig, url: str | None = None):
         link = config.central
         self.site_id, self.federation = config.site_id, link.federation
+        #: a summary site: its status says how many devices it has, not which
+        self.summary = config.mode == "summary"
         keys = Credentials.load(link.security)
         self.signer, self.central_key = keys.signer, keys.upstream
         self.devices: list[SiteDevice] = []
@@ -89,7 +93,7 @@ class CentralLink:
     def _status(self, state: str) -> bytes:
         meta = StatusMeta(state=state, tier="site", num_train=sum(d.num_train for d in self.devices),
                           num_test=sum(d.num_test for d in self.devices), software="edgepfl aggregator",
-                          site=SiteStatus(devices=self.devices))
+                          site=SiteStatus(count=len(self.devices)) if self.summary else SiteStatus(devices=self.devices))
         return encode(MessageType.STATUS, federation=self.federation, sender=self.site_id, round=-1, meta=meta,
                       signer=self.signer)
 
@@ -152,6 +156,11 @@ class SiteAggregator:
         self.registry, self.inbox = side.registry, side.inbox
         self.signer = side.credentials.signer
         self.registry.require(site.method.name, site.model.arch)
+        #: what a summary site keeps of its devices' updates (``state_dir``; in memory without one)
+        self.records = SiteRecords(None if config.state_dir is None else Path(config.state_dir))
+        if config.mode == "summary" and config.state_dir is None:
+            log.warning("site %s keeps its devices' records in memory (no state_dir): a restart forgets them",
+                        config.site_id)
         self.central = CentralLink(config, central_url)
 
     def run(self, stop: threading.Event | None = None) -> None:
@@ -176,8 +185,8 @@ class SiteAggregator:
         """Run one central task at the site: send its devices their tasks, collect, and answer
         the central coordinator with the site's share of the round (a refusal when it cannot)."""
         meta, r = message.meta_as(TaskMeta), message.header.round
-        orders = meta.site
-        refusal, rule = self._checked(meta)
+        orders = self._drawn(meta.site, r) if meta.site is not None and meta.site.sample is not None else meta.site
+        refusal, rule = self._checked(meta, orders)
         if refusal is not None or orders is None:
             reason, detail = refusal or ("error", "a task without site orders")
             log.warning("round %d: refused the central task: %s (%s)", r, reason, detail)
@@ -211,8 +220,17 @@ class SiteAggregator:
             self.registry.missed(agent_id, r, silent_since=started)
         aggregate = result.aggregate
         part = aggregate.site_part() if aggregate is not None and aggregate.count else None
-        answer, tensors = answer_of(part, result.evaluations, rejected=result.rejected, refused=result.refused,
-                                    dropped=result.dropped)
+        if meta.site is not None and meta.site.sample is not None:  # a summary round: totals, no device named
+            bound = rule.bound if rule is not None else None
+            if part is not None:
+                self.records.hold(r, part, bound.vs_median if bound is not None and bound.first_limit_ else None)
+            answer, tensors = summary_answer_of(
+                part, result.evaluations, sampled=len(orders.train), dropped=len(result.dropped),
+                max_weight_ratio=self._aggregation(meta.site).max_weight_ratio, rejected=result.rejected,
+                refused=result.refused)
+        else:
+            answer, tensors = answer_of(part, result.evaluations, rejected=result.rejected, refused=result.refused,
+                                        dropped=result.dropped)
         evaluations = result.evaluations.values()
         reply = UpdateMeta(task_id=meta.task_id, kind=meta.kind, num_train=max(1, answer.total_weight)
                            if meta.kind == "train" else 0, num_test=sum(e.total for e in evaluations),
@@ -223,7 +241,35 @@ class SiteAggregator:
                  "(the site's devices sent %d)", r, aggregate.count if aggregate is not None else 0,
                  len(orders.train), len(result.evaluations), sent, result.bytes_up)
 
-    def _checked(self, meta: TaskMeta) -> tuple[tuple[str, str] | None, SummingRule | None]:
+    def _drawn(self, orders: SiteOrders, r: int) -> SiteOrders:
+        """A summary task's orders as the site runs them: its own draw of its online devices
+        (:func:`.sites.draw_site`), their records from its book (kept first from the round the
+        task says was adopted), and the weight cap over the devices drawn."""
+        sample = orders.sample
+        assert sample is not None  # the caller's condition
+        self.records.settle(sample.adopted, orders.typical_change)
+        # the status first: the central round holds the answer to what the site announced, and
+        # its devices may have come or gone since it last said
+        self.central.announce(self._devices())
+        train, evaluate = draw_site(self.site_id, sorted(self.registry.eligible()), sample, r)
+        records, newcomer = self.records.for_round(train)
+        try:
+            ratio = self._aggregation(orders).max_weight_ratio
+        except ValueError:
+            ratio = None  # _checked refuses the task
+        cap = weight_cap([self.registry.announced_num_train(a) for a in train], ratio)
+        return orders.model_copy(update={
+            "train": train, "evaluate": evaluate, "weight_cap": cap,
+            "records": {a: [tuple(row) for row in rows] for a, rows in records.items()},
+            "newcomer": None if newcomer is None else tuple(newcomer.to_json())})
+
+    @staticmethod
+    def _aggregation(orders: SiteOrders) -> AggregationSpec:
+        """The central run's aggregation settings a task carries (``ValueError``: not valid ones)."""
+        return AggregationSpec.model_validate(orders.aggregation)
+
+    def _checked(self, meta: TaskMeta, orders: SiteOrders | None) -> tuple[tuple[str, str] | None,
+                                                                          SummingRule | None]:
         """Why the site cannot run this task (None: it can), and the rule its devices' updates are
         summed by (None: nobody trains, or it cannot run it)."""
         site = self.config
@@ -231,10 +277,10 @@ class SiteAggregator:
             return ("unsupported_method", f"the site's devices run {site.method.name}, not {meta.run.method.name}"), None
         if meta.run.model.arch != site.model.arch:
             return ("unsupported_arch", f"the site's devices run {site.model.arch}, not {meta.run.model.arch}"), None
-        if meta.site is None or not meta.site.train:
+        if orders is None or not orders.train:
             return None, None
         try:
-            rule = AggregationSpec.model_validate(meta.site.aggregation).build()
+            rule = self._aggregation(orders).build()
         except ValueError as exc:
             return ("bad_options", f"the task's aggregation settings: {exc}"), None
         if not isinstance(rule, SummingRule) or not self.method.streaming:

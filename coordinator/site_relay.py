@@ -12,6 +12,11 @@ In a round, the tasks the driver sends to devices behind a site are held (:meth:
 go out at the start of the collection as one task per site (:meth:`flush`), whose orders name
 them and carry what the round's bounds judge them by. The site's answer is read by the gate
 (:meth:`.UpdateGate._site_answer`) and folded into the round by :meth:`.RoundResult.record`.
+
+In summary (``sites.mode: summary``) no device is registered here: each site is one trainer
+of the run, weighing what its devices announced, sent a task every round whose orders tell it
+what share of its devices to draw (:class:`~edgepfl.protocol.site.SiteSample`); what this
+side keeps and handles per round is per site, whatever the devices behind them.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ import logging
 from collections.abc import Callable, Iterable
 
 from edgepfl.aggregation import AggregationSpec
+from edgepfl.config import RunConfig
 from edgepfl.protocol import Capabilities, StatusMeta
-from edgepfl.protocol.site import SiteDevice, SiteOrders
+from edgepfl.protocol.site import SiteDevice, SiteOrders, SiteSample
 
 from .registry import Registry
 from .result import RoundResult
@@ -34,8 +40,15 @@ log = logging.getLogger("edgepfl.coordinator")
 class SiteRelay:
     """Which devices are behind which site, and a round's one task per site."""
 
-    def __init__(self, registry: Registry, aggregation: AggregationSpec, ids: Iterable[str]):
+    def __init__(self, registry: Registry, aggregation: AggregationSpec, ids: Iterable[str],
+                 summary: RunConfig | None = None):
         self.registry = registry
+        #: a run that takes its sites in summary: its sampling settings (None: exact, every device here)
+        self.summary = summary
+        if summary is not None:
+            registry.training_tiers = frozenset({"trainer", "site"})
+        #: site id -> how many online trainers its last status announced (summary)
+        self.counts: dict[str, int] = {}
         #: the agent ids that may be sites (``sites.ids``)
         self.ids = frozenset(ids)
         #: the run's aggregation settings, ``auto`` resolved for a run of sites (what each site sums by)
@@ -60,6 +73,10 @@ class SiteRelay:
         this site alone becomes (or stays) an online trainer behind it, one it no longer lists or
         that another site claims too goes offline (contested: behind no site until one claim is
         left, so a compromised site can deny a device it names, never take it over)."""
+        if self.summary is not None:  # the site is the trainer; its devices are its own
+            site = status.site if status.state == "online" else None
+            self.counts[site_id] = 0 if site is None else site.count if site.count is not None else len(site.devices)
+            return
         listed = {d.agent: d for d in (status.site.devices if status.site is not None and status.state == "online"
                                        else [])}
         before = set(self._listed.get(site_id, {}))
@@ -111,16 +128,48 @@ class SiteRelay:
         """The site ``agent_id`` is behind (None: it is a direct agent)."""
         return self.site_of.get(agent_id)
 
+    def answering_for(self, agent_id: str) -> str | None:
+        """The site whose task carries ``agent_id``'s: the one it is behind, or in summary a site itself."""
+        if self.summary is not None and agent_id in self.counts:
+            return agent_id
+        return self.site_of.get(agent_id)
+
+    def device_count(self, site_id: str) -> int:
+        """How many devices are behind ``site_id`` now (the fleet view's figure)."""
+        return self.counts.get(site_id, 0) if self.summary is not None else len(self.devices.get(site_id, ()))
+
+    def sample(self, r: int, final: bool, adopted: int | None) -> SiteSample:
+        """A summary round's orders to every site: the run's sampling settings, for the site to
+        draw its own devices with (``adopted``: the round whose aggregate made the task's state)."""
+        c = self.summary
+        assert c is not None  # summary rounds only
+        share = c.final_eval_fraction if final and c.final_eval_fraction is not None else c.eval_fraction
+        return SiteSample(train_fraction=0.0 if final else c.fraction,
+                          evaluate_share=share if final or r % c.eval_every == 0 else 0.0, seed=c.seed,
+                          adopted=adopted)
+
     def hold(self, site_id: str, agent_id: str, kind: str) -> None:
         """Keep a task of the open round for ``agent_id`` behind ``site_id``: it goes with the site's task."""
         self._held.setdefault(site_id, []).append((agent_id, kind))
 
-    def flush(self, tasks: RoundTasks, result: RoundResult,
-              send: Callable[[str, str, SiteOrders], tuple[str, int]]) -> None:
+    def flush(self, tasks: RoundTasks, result: RoundResult, send: Callable[[str, str, SiteOrders], tuple[str, int]],
+              adopted: int | None = None) -> None:
         """Send each site with held tasks its one task of the round (``send(site, kind, orders)``
-        returns the task id and the bytes sent); every held device then owes an answer under that id."""
+        returns the task id and the bytes sent); every held device then owes an answer under that
+        id. In summary the site owes it, and its orders are :meth:`sample` (``adopted``: there)."""
         held, self._held = self._held, {}
         aggregate = result.aggregate
+        if self.summary is not None:
+            for site_id, items in sorted(held.items()):
+                kind = items[0][1]
+                orders = SiteOrders(aggregation=self.aggregation.model_dump(mode="json"),
+                                    typical_change=aggregate.typical_change if aggregate is not None else None,
+                                    sample=self.sample(tasks.round, aggregate is None, adopted))
+                task_id, sent = send(site_id, kind, orders)
+                result.sent(sent)
+                tasks.add(Task(site_id, task_id, kind, self.registry.announced_num_train(site_id)
+                               if kind == "train" else None, site=orders))
+            return
         for site_id, items in sorted(held.items()):
             train = [a for a, kind in items if kind == "train"]
             evaluate = [a for a, kind in items if kind != "train"]

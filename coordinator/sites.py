@@ -6,10 +6,15 @@ from the task's state and those orders, so that its bounds judge each device exa
 central round would; it answers with :func:`answer_of` its round's :meth:`~RoundAggregate.site_part`
 and the devices' evaluations; the central coordinator reads the answer back with
 :func:`part_of`, checking everything it can, and folds it in with :meth:`~RoundAggregate.add_site`.
+
+A summary round (``sites.mode: summary``) names no device on the uplink: the site draws its
+own devices (:func:`draw_site`), answers with :func:`summary_answer_of` (its sum and totals),
+and the central coordinator reads it with :func:`summary_part_of`.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
@@ -22,10 +27,26 @@ from edgepfl.aggregation import (
     AggregationSpec,
     Aggregator,
     PartialSum,
+    weight_cap,
 )
 from edgepfl.aggregation.partial import LOW_BITS
 from edgepfl.methods import DevicePart, Method, RoundAggregate, ServerState, SitePart
-from edgepfl.protocol.site import SUM, SUM_HIGH, SUM_LOW, DeviceAnswer, SiteAnswer, SiteOrders
+from edgepfl.protocol.site import (
+    MAX_SUMMARY_NORMS,
+    SUM,
+    SUM_HIGH,
+    SUM_LOW,
+    DeviceAnswer,
+    SiteAnswer,
+    SiteOrders,
+    SiteSample,
+    SiteTotals,
+)
+
+from .sampling import EVALUATION_STREAM, draw, round_half_up, sample_size
+
+#: keeps a summary site's draw apart from the central coordinator's streams of the seed and round
+SITE_STREAM = 3
 
 
 class DeviceEvaluation(Protocol):
@@ -127,6 +148,76 @@ def part_of(answer: SiteAnswer, tensors: Mapping[str, np.ndarray], reference: Ma
     return SitePart(total, devices)
 
 
+def draw_site(site_id: str, online: list[str], sample: SiteSample, r: int) -> tuple[list[str], list[str]]:
+    """A summary site's round ``r``: who of its ``online`` devices trains and who only
+    evaluates, drawn as the central coordinator draws its own (:func:`.sampling.choose_participants`)
+    from the run's seed, the round and the site's id, so that a restarted site draws the same."""
+    site = [*site_id.encode()]
+    trainers = draw(online, sample_size(sample.train_fraction, len(online)), [sample.seed, r, SITE_STREAM, *site]) \
+        if sample.train_fraction > 0 and online else []
+    if sample.evaluate_share <= 0 or not online:
+        return trainers, []
+    training = set(trainers)
+    wanted = max(1, round_half_up(sample.evaluate_share * len(online))) - len(trainers)
+    return trainers, draw([a for a in online if a not in training], wanted,
+                          [sample.seed, r, SITE_STREAM, EVALUATION_STREAM, *site])
+
+
+def summary_answer_of(part: SitePart | None, answers: Mapping[str, DeviceEvaluation], *, sampled: int,
+                      max_weight_ratio: float | None, rejected: Mapping[str, int] | None = None,
+                      refused: Mapping[str, int] | None = None,
+                      dropped: int = 0) -> tuple[SiteAnswer, dict[str, np.ndarray]]:
+    """A summary site's answer to one round: its partial sum as the body and its totals, naming
+    no device. Each device's held-out count is cut to ``max_weight_ratio`` times the site's
+    median, as the central round cuts its own devices' (:func:`~edgepfl.aggregation.capped_accuracy`)."""
+    pairs = [(e.correct, e.total) for e in answers.values() if e.total > 0]
+    cap = weight_cap((t for _, t in pairs), max_weight_ratio)
+    weights = [t if cap is None else min(t, cap) for _, t in pairs]
+    losses = [e.train_loss for e in answers.values() if e.kind == "train" and e.train_loss is not None]
+    totals = dict(sampled=sampled, dropped=dropped, evaluated=len(pairs), eval_total=sum(weights),
+                  eval_correct=round(sum(w * c / t for w, (c, t) in zip(weights, pairs))),
+                  train_loss=float(np.mean(losses)) if losses and all(np.isfinite(losses)) else None)
+    if part is None:
+        return SiteAnswer(devices=[], rejected=dict(rejected or {}), refused=dict(refused or {}),
+                          totals=SiteTotals(**totals)), {}
+    s = part.sum
+    norms = sorted(s.change_norms)
+    fired = Counter(reason for d in part.devices for reason in d.fired)
+    reported = norms if len(norms) <= MAX_SUMMARY_NORMS else \
+        [float(q) for q in np.quantile(norms, np.linspace(0.0, 1.0, MAX_SUMMARY_NORMS))]
+    answer = SiteAnswer(devices=[], total_weight=s.total_weight, clipped=s.clipped, rule_clipped=s.rule_clipped,
+                        change_norms=reported, rejected=dict(rejected or {}), refused=dict(refused or {}),
+                        totals=SiteTotals(**totals, trained=s.count, largest_change=norms[-1] if norms else None,
+                                          clipped_by=dict(fired)))
+    return answer, sum_tensors(s)
+
+
+def summary_part_of(site_id: str, answer: SiteAnswer, tensors: Mapping[str, np.ndarray],
+                    reference: Mapping[str, np.ndarray]) -> SitePart | None:
+    """The site part a summary site's answer stands for (None: nothing trained), for a round
+    whose reference is ``reference``; ``AggregationRejected`` for an answer that cannot be
+    (devices named, counts that disagree, tensors other than the sum's words);
+    :meth:`RoundAggregate.add_site` checks its sum against its largest change."""
+    totals = answer.totals
+    if totals is None or answer.devices or answer.dropped:
+        raise AggregationRejected("malformed", "a summary site's answer names devices, or has no totals")
+    if totals.trained > totals.sampled:
+        raise AggregationRejected("malformed", "a summary site summed more updates than it sampled devices")
+    if not totals.trained:
+        if tensors or answer.total_weight:
+            raise AggregationRejected("malformed", "a summary site's answer without updates carries a sum")
+        return None
+    if len(answer.change_norms) > min(totals.trained, MAX_SUMMARY_NORMS):
+        raise AggregationRejected("malformed", "a summary site reports more change norms than it may")
+    if any(n > totals.trained for n in totals.clipped_by.values()) or answer.clipped > totals.trained:
+        raise AggregationRejected("malformed", "a summary site says more updates were clipped than it summed")
+    low, high = sum_words(tensors, reference)
+    total = PartialSum(low=low, high=high, total_weight=answer.total_weight, count=totals.trained,
+                       clipped=answer.clipped, rule_clipped=answer.rule_clipped,
+                       change_norms=tuple(answer.change_norms))
+    return SitePart(total, (), site=site_id, largest_change=totals.largest_change)
+
+
 #: a high word in [-FITS, FITS) makes an integer ``high * 2**LOW_BITS + low`` that fits in int64
 _FITS = 2 ** (63 - LOW_BITS)
 
@@ -165,4 +256,5 @@ def sum_words(tensors: Mapping[str, np.ndarray],
     return low, high
 
 
-__all__ = ["answer_of", "sum_tensors", "sum_words", "orders_for", "part_of", "site_aggregate"]
+__all__ = ["answer_of", "draw_site", "orders_for", "part_of", "site_aggregate", "sum_tensors", "sum_words",
+           "summary_answer_of", "summary_part_of"]

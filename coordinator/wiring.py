@@ -61,8 +61,9 @@ def wire(config: RunConfig, fleet: Fleet, method: Method | None, *, watch_presen
     inbox = Inbox(fleet, registry, gate, counters, tick=observer.tick, keyring=credentials.keyring,
                   clock=fleet.clock, presence=presence,
                   nacks=Nacker(config.federation, fleet, registry, credentials.signer))
-    sites = SiteRelay(registry, config.aggregation, config.sites.ids) if config.sites.enabled and method is not None \
-        else None
+    sites = SiteRelay(registry, config.aggregation, config.sites.ids,
+                      summary=config if config.sites.mode == "summary" else None) \
+        if config.sites.enabled and method is not None else None
     inbox.sites = observer.sites = sites
     fleet.expect_chunks(inbox.chunk_allowance)  # chunks reserve memory only for answers the inbox expects
     if method is not None and (config.release_every or config.release_at_end) and not config.rollout.in_runs \

@@ -189,6 +189,14 @@ class SitesSpec(_Strict):
                            "fleet's. Needs a rule whose state is a sum (mean, clipped_mean; auto is then mean), a "
                            "method that averages each update (not fedpac), synchronous rounds, and neither secure "
                            "aggregation nor differential privacy")
+    mode: Literal["exact", "summary"] = Field(
+        "exact", description="exact: each site lists its devices, this coordinator samples them as its own, keeps "
+                             "their records and reads back every device's answer, so a round is the flat fleet's bit "
+                             "for bit, at a cost per round that grows with the devices; summary: each site announces how "
+                             "many devices it has, samples fraction of them itself, keeps their records and answers "
+                             "with its partial sum and totals, so this coordinator's work per round grows with the "
+                             "sites, not the devices (every online site is sent a task each round; min_agents and "
+                             "quorum count sites; a site's devices' records are the site's word: docs/SECURITY.md)")
     ids: list[str] = Field(
         default_factory=list, max_length=10_000,
         description="the agent ids that are site aggregators (each enrolled with its own key on an enrolled fleet): "

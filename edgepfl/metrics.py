@@ -17,9 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_fie
 from .aggregation import DEFAULT_MAX_WEIGHT_RATIO, capped_accuracy
 from .protocol import bounded_json
 
-__all__ = ["HEAD_METRICS_FILE", "METRICS_FILE", "RUN_TIMES_FILE", "HeadReport", "MetricsError", "ReleaseReports", "RoundMetrics",
-           "RunSession", "RunTimes", "latest_release", "read_head_metrics", "read_metrics", "read_run_times", "record_run_end",
-           "record_run_start"]
+__all__ = ["HEAD_METRICS_FILE", "METRICS_FILE", "RUN_TIMES_FILE", "HeadReport", "MetricsError", "ReleaseReports",
+           "RoundMetrics", "RunSession", "RunTimes", "SiteRoundRecord", "latest_release", "read_head_metrics",
+           "read_metrics", "read_run_times", "record_run_end", "record_run_start"]
 
 log = logging.getLogger("edgepfl.metrics")
 
@@ -36,7 +36,7 @@ class MetricsError(ValueError):
 
 #: fields rows gained after their first format; written only when they hold something
 _LATER_FIELDS = ("late", "staleness", "trained_on", "update_bytes", "task_bytes", "privacy", "secure", "clipped_by",
-                 "update_share")
+                 "update_share", "sites")
 
 
 class PrivacyRecord(BaseModel):
@@ -65,6 +65,18 @@ class PrivacyRecord(BaseModel):
         if self.sampling_rate is None:
             return (self.population, self.sampled)
         return (self.population, self.sampled, self.sampling_rate)
+
+
+class SiteRoundRecord(BaseModel):
+    """A summary site's share of a round (``sites.mode: summary``): counts, naming no device."""
+
+    model_config = ConfigDict(defer_build=True, extra="forbid")
+
+    sampled: int = Field(ge=0, description="its devices it drew to train")
+    trained: int = Field(ge=0, description="their updates in its sum")
+    evaluated: int = Field(ge=0, description="its devices whose held-out counts are in the round's accuracy")
+    dropped: int = Field(ge=0, description="its devices that answered nothing in time")
+    clipped: int = Field(ge=0, description="updates in its sum that a bound clipped")
 
 
 class SecureRecord(BaseModel):
@@ -136,6 +148,9 @@ class RoundMetrics(BaseModel):
     privacy: PrivacyRecord | None = Field(
         None, description="a round trained under differential privacy: its sample and the run's ε after it")
     secure: SecureRecord | None = Field(None, description="a secure round: its steps, counts and bytes")
+    sites: dict[str, SiteRoundRecord] = Field(
+        default_factory=dict, description="a run of summary sites (sites.mode: summary): each site that answered, "
+                                          "what its devices did; participants, per_client and dropped then name sites")
     task_bytes: dict[str, int] = Field(
         default_factory=dict, description="bytes_down by how the tasks' tensors travelled: 'whole', or the codec of "
                                           "a task delta (q8, q4; docs/COMPRESSION.md, \"Task deltas\")")

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
 from .config import RunConfig
 from .config_loading import load_config
 from .protocol.topics import NAME_PATTERN
-from .specs import BrokerConfig, SecuritySpec, _Strict
+from .specs import BrokerConfig, ConfigPath, SecuritySpec, _Strict
 
 
 class CentralLink(_Strict):
@@ -30,6 +30,13 @@ class AggregatorConfig(_Strict):
     """``edgepfl aggregator --config site.yaml``."""
 
     site_id: str = Field(pattern=NAME_PATTERN, description="the aggregator's agent id at the central coordinator")
+    mode: Literal["exact", "summary"] = Field(
+        "exact", description="what its status tells the central coordinator (whose sites.mode must be the same): "
+                             "exact, every online device; summary, how many there are (it then draws its own devices "
+                             "each round and keeps their records). It runs either kind of task it is sent")
+    state_dir: ConfigPath | None = Field(
+        None, description="where a summary site keeps its devices' records (records.json, written atomically), so "
+                          "that a restart judges them as before; None: in memory, forgotten on restart")
     central: CentralLink = Field(default_factory=CentralLink)
     site: RunConfig = Field(
         default_factory=RunConfig,

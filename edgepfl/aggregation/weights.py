@@ -28,15 +28,20 @@ def weight_cap(counts: Iterable[int], ratio: float | None) -> int | None:
     return max(1, math.floor(ratio * middle))
 
 
-def capped_accuracy(results: Iterable[tuple[int, int]], ratio: float | None) -> float | None:
+def capped_accuracy(results: Iterable[tuple[int, int]], ratio: float | None,
+                    pooled: Iterable[tuple[int, int]] = ()) -> float | None:
     """Held-out accuracy over ``(correct, total)`` pairs, each device weighted by its
-    ``total`` cut to :func:`weight_cap` of the totals (None: no device evaluated anything)."""
+    ``total`` cut to :func:`weight_cap` of the totals, together with ``pooled`` pairs taken
+    as they are (a summary site's, whose devices' counts were cut at the site); None: nothing
+    was evaluated."""
     pairs = [(c, t) for c, t in results if t > 0]
     cap = weight_cap((t for _, t in pairs), ratio)
     weights = [t if cap is None else min(t, cap) for _, t in pairs]
-    if not weights:
+    whole = [(c, t) for c, t in pooled if t > 0]
+    if not weights and not whole:
         return None
-    return sum(w * c / t for w, (c, t) in zip(weights, pairs)) / sum(weights)
+    return (sum(w * c / t for w, (c, t) in zip(weights, pairs)) + sum(c for c, _ in whole)) \
+        / (sum(weights) + sum(t for _, t in whole))
 
 
 def staleness_weight(staleness: int, exponent: float = 0.5) -> float:

@@ -176,6 +176,10 @@ class SitePart:
 
     sum: PartialSum
     devices: tuple[DevicePart, ...]
+    #: a summary site's part (``sites.mode: summary``): the site, which names no device, and the
+    #: largest change of an update in its sum, as adopted (None: no bound measured one)
+    site: str | None = None
+    largest_change: float | None = None
 
 
 class RoundAggregate:
@@ -320,6 +324,8 @@ class RoundAggregate:
         been added here. Raises :class:`AggregationRejected` for a part that cannot be the sum of
         its devices' updates (its counts disagree, a device twice), before anything of it counts."""
         rule = self._summing_rule()
+        if part.site is not None:
+            return self._add_summary(rule, part)
         agents = [d.agent_id for d in part.devices]
         if len(agents) != part.sum.count or len(set(agents)) != len(agents):
             raise AggregationRejected("malformed", "a site's devices and its sum's count disagree")
@@ -340,6 +346,36 @@ class RoundAggregate:
                 self.records[d.agent_id] = records[d.agent_id]
             if d.clipped_newcomer:
                 self._clipped_newcomers.add(d.agent_id)
+
+    def _add_summary(self, rule: SummingRule, part: SitePart) -> None:
+        """Fold in a summary site's part as one participant weighing its sum's weight. Its
+        devices' records are the site's; what is checked here is what its sum shows: the
+        largest change it claims within every bound that does not need a device's record (the
+        model's, ``max_update_ratio``; the first round's), each change it reports no larger,
+        and the sum no further from the reference than its weight times that change."""
+        site = part.site
+        assert site is not None  # the caller's condition
+        if site in self._parts:
+            raise AggregationRejected("duplicate", f"site {site} already has a sum in the round")
+        part.sum.check(self.reference)
+        bound = self.rule.bound
+        if bound is not None and bound.parameters_:
+            largest = part.largest_change
+            if largest is None:
+                raise AggregationRejected("malformed", "a summary site's sum without its largest change")
+            limits = [limit for limit in (bound.limit_, bound.fleet_limit_ if bound.first_limit_ else None)
+                      if limit is not None]
+            if limits and largest > min(limits) * (1 + 1e-6):
+                raise AggregationRejected("out_of_range", f"site {site} says an update changed the parameters by "
+                                                          f"{largest:.4g}, past the bound {min(limits):.4g}")
+            if any(n > largest * (1 + 1e-6) for n in part.sum.change_norms):
+                raise AggregationRejected("malformed", f"site {site} reports a change above its largest")
+            summed, slack = rule.partial_change(part.sum, bound.parameters_)
+            if summed > part.sum.total_weight * largest * (1 + 1e-6) + slack:
+                raise AggregationRejected("out_of_range", f"site {site}'s sum moves the parameters by {summed:.4g}, "
+                                                          f"more than its weight times its largest change allows")
+        rule.add_partial(part.sum)
+        self._count(DevicePart(site, part.sum.total_weight))
 
     def _check_site_claims(self, part: SitePart, records: dict[str, OwnRecord]) -> None:
         """What a site says its devices' updates measured, held to what the round's bound lets a

@@ -19,6 +19,13 @@ each site the records its bounds judge its devices by, and folds each site's par
 into the round as if every device's update had come to it: with a rule that composes the
 round is the flat fleet's bit for bit (:mod:`edgepfl.aggregation.partial`). Every list is
 bounded by :data:`MAX_SITE_DEVICES`.
+
+Since 1.16 a run may take its sites in **summary** (``sites.mode: summary``): a site
+announces how many devices it has (:attr:`SiteStatus.count`), not which; the central
+coordinator orders it to sample a share of them itself (:class:`SiteSample`), and it keeps
+its devices' records and answers with its partial sum and totals (:class:`SiteTotals`),
+naming no device, so that what the central coordinator handles per round does not grow
+with the devices behind its sites.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from .evolution import since
 from .topics import NAME_PATTERN
 
 #: the most devices one site aggregator may announce or answer for
@@ -40,6 +48,9 @@ SUM_LOW = "site/low/"
 SUM_HIGH = "site/high/"
 #: the most records kept per device that a site is handed (the coordinator keeps 3)
 MAX_RECORDS = 16
+#: the most change norms a summary site reports: all of its updates' up to this many, else
+#: this many evenly spaced quantiles of them (the central round's median is measured on them)
+MAX_SUMMARY_NORMS = 16
 _REASON = r"^[a-z][a-z0-9_]{0,31}$"
 
 AgentName = Annotated[str, Field(pattern=NAME_PATTERN)]
@@ -75,7 +86,26 @@ class SiteStatus(_Wire):
     """``status.site`` (since 1.13): the sender is a site aggregator, and these are its site's
     online trainers, each able to run the federation's method and model."""
 
-    devices: list[SiteDevice] = Field(max_length=MAX_SITE_DEVICES)
+    devices: list[SiteDevice] = Field(default_factory=list, max_length=MAX_SITE_DEVICES)
+    #: a summary site (since 1.16): how many online trainers it has, ``devices`` then empty
+    count: int | None = Field(None, ge=0, le=2**24, json_schema_extra=since("1.16"))
+
+
+class SiteSample(_Wire):
+    """``task.site.sample`` (since 1.16): a round of a summary site. It draws its trainers and
+    evaluators from its own online devices with the round's seed, judges them by the records
+    it keeps, and answers with :class:`SiteTotals`."""
+
+    #: the share of its online devices that train (at least one when it is above 0; 0: none, the final evaluation)
+    train_fraction: float = Field(ge=0, le=1)
+    #: the share of its online devices whose evaluation the round wants, the trainers included (0: none)
+    evaluate_share: float = Field(0.0, ge=0, le=1)
+    #: the run's seed: the draw is the site's own, from (seed, round, site id)
+    seed: int = Field(ge=0, lt=2**63)
+    #: the last training round whose aggregate made the task's state (None: none since the run
+    #: started or resumed): the site keeps its devices' records of that round and forgets any
+    #: of a round not adopted
+    adopted: int | None = Field(None, ge=0)
 
 
 class SiteOrders(_Wire):
@@ -97,6 +127,31 @@ class SiteOrders(_Wire):
     #: as its config states them: the site applies exactly the central round's bounds
     aggregation: dict[Annotated[str, Field(max_length=64)], str | int | float | bool | None] = Field(
         default_factory=dict, max_length=64)
+    #: a summary round (since 1.16; ``train``, ``evaluate``, ``records`` and ``newcomer`` then empty)
+    sample: SiteSample | None = Field(None, json_schema_extra=since("1.16"))
+
+
+class SiteTotals(_Wire):
+    """``update.site.totals`` (since 1.16): a summary site's answer, naming no device."""
+
+    #: how many of its devices it drew to train, how many updates it summed, and how many
+    #: answered nothing in time
+    sampled: int = Field(0, ge=0, le=2**24)
+    trained: int = Field(0, ge=0, le=2**24)
+    dropped: int = Field(0, ge=0, le=2**24)
+    #: the devices whose held-out counts are in ``eval_total``
+    evaluated: int = Field(0, ge=0, le=2**24)
+    #: their held-out samples, each device's cut to ``max_weight_ratio`` times the site's median,
+    #: and the correct answers so weighted (rounded): the site's share of the round's accuracy
+    eval_total: int = Field(0, ge=0, le=2**40)
+    eval_correct: int = Field(0, ge=0, le=2**40)
+    #: the mean training loss of the updates summed (None: none reported one)
+    train_loss: Measure | None = None
+    #: the largest change norm of an update in the sum, as adopted (None: no bound measured one)
+    largest_change: Measure | None = None
+    #: how many updates each bound clipped
+    clipped_by: dict[Annotated[str, Field(pattern=_REASON)], Annotated[int, Field(ge=0)]] = Field(
+        default_factory=dict, max_length=16)
 
 
 class DeviceAnswer(_Wire):
@@ -140,7 +195,10 @@ class SiteAnswer(_Wire):
     refused: dict[Annotated[str, Field(pattern=_REASON)], Annotated[int, Field(ge=0)]] = Field(
         default_factory=dict, max_length=64)
     dropped: list[AgentName] = Field(default_factory=list, max_length=MAX_SITE_DEVICES)
+    #: a summary round's answer (since 1.16; ``devices`` and ``dropped`` then empty, and
+    #: ``change_norms`` at most :data:`MAX_SUMMARY_NORMS` quantiles of its updates' changes)
+    totals: SiteTotals | None = Field(None, json_schema_extra=since("1.16"))
 
 
-__all__ = ["DeviceAnswer", "DeviceRecord", "MAX_SITE_DEVICES", "SUM", "SUM_HIGH", "SUM_LOW", "SiteAnswer",
-           "SiteDevice", "SiteOrders", "SiteStatus"]
+__all__ = ["DeviceAnswer", "DeviceRecord", "MAX_SITE_DEVICES", "MAX_SUMMARY_NORMS", "SUM", "SUM_HIGH", "SUM_LOW",
+           "SiteAnswer", "SiteDevice", "SiteOrders", "SiteSample", "SiteStatus", "SiteTotals"]

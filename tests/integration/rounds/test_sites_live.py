@@ -5,6 +5,7 @@ carries one answer per site and round instead of one per device."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -25,7 +26,7 @@ from edgepfl.coordinator.ops.status import fetch_view
 from edgepfl.coordinator.rounds import Coordinator
 from edgepfl.coordinator.simulate import data_shape, prepare, simulate, spawn_agent, stop_agents
 from edgepfl.failpoints import ENV
-from edgepfl.protocol import ProtocolError, decode
+from edgepfl.protocol import ProtocolError, StatusMeta, decode
 from edgepfl.protocol.envelope import peek_header
 from edgepfl.protocol.signing import generate_keypair
 from edgepfl.state import load_checkpoint
@@ -67,13 +68,15 @@ def keys_for(folder: Path, signers: list[str]) -> Path:
 
 
 def _aggregator(config, site_id: str, site_url: str, central_url: str, out: Path,
-                env: dict | None = None, keys: Path | None = None) -> subprocess.Popen:
+                env: dict | None = None, keys: Path | None = None, mode: str = "exact") -> subprocess.Popen:
     """An ``edgepfl aggregator`` process for ``site_id``: its site's federation on its own broker;
-    with ``keys`` (:func:`keys_for`) it signs with its own key and pins the central coordinator's."""
+    with ``keys`` (:func:`keys_for`) it signs with its own key and pins the central coordinator's;
+    in ``mode`` summary it keeps its devices' records in ``<out>/<site_id>-state``."""
     site = config.model_copy(update={"federation": f"{config.federation}-{site_id}"})
     security = {"signing_key": str(keys / f"{site_id}.key"), "coordinator_key": str(keys / "central.pub")} \
         if keys is not None else {}
-    doc = {"site_id": site_id,
+    summary = {"mode": "summary", "state_dir": f"{site_id}-state"} if mode == "summary" else {}
+    doc = {"site_id": site_id, **summary,
            "central": {"federation": config.federation, "broker": {"url": central_url}, "security": security},
            "site": {**site.model_dump(mode="json", exclude={"broker"}), "broker": {"url": site_url}}}
     path = out / f"{site_id}.yaml"
@@ -85,7 +88,7 @@ def _aggregator(config, site_id: str, site_url: str, central_url: str, out: Path
 
 @contextmanager
 def sites_running(config, central_url: str, out: Path, env: dict[str, dict] | None = None,
-                  keys: Path | None = None) -> Iterator[dict]:
+                  keys: Path | None = None, mode: str = "exact") -> Iterator[dict]:
     """Two site brokers, their aggregators (``env``: per site, extra environment) and three agent
     processes each; yields the aggregator processes by site, stops everything on exit."""
     out.mkdir(parents=True)
@@ -98,7 +101,7 @@ def sites_running(config, central_url: str, out: Path, env: dict[str, dict] | No
             brokers[site].start()
             site_config = config.model_copy(update={"federation": f"{config.federation}-{site}"})
             aggregators[site] = _aggregator(config, site, brokers[site].url, central_url, out, (env or {}).get(site),
-                                            keys)
+                                            keys, mode)
             for agent in devices:
                 agents.append(spawn_agent(site_config, out, brokers[site].url, agent, index))
                 index += 1
@@ -109,10 +112,14 @@ def sites_running(config, central_url: str, out: Path, env: dict[str, dict] | No
             broker.stop()
 
 
-def central_run(config, central_url: str, out: Path, keys: Path | None = None, ids: list[str] | None = None) -> list:
-    """The central coordinator of ``config`` with sites (``ids``, default :data:`SITES`), run to its
-    end; its rows. With ``keys`` it signs with ``central.key`` and takes only enrolled senders."""
-    central = config.model_copy(update={"sites": SitesSpec(enabled=True, ids=ids or list(SITES))})
+def central_run(config, central_url: str, out: Path, keys: Path | None = None, ids: list[str] | None = None,
+                mode: str = "exact") -> list:
+    """The central coordinator of ``config`` with sites (``ids``, default :data:`SITES`; ``mode``
+    theirs), run to its end; its rows. With ``keys`` it signs with ``central.key`` and takes
+    only enrolled senders."""
+    central = config.model_copy(update={"sites": SitesSpec(enabled=True, ids=ids or list(SITES), mode=mode)})
+    if mode == "summary":  # the sites are the trainers
+        central = central.model_copy(update={"min_agents": len(ids or SITES)})
     if keys is not None:
         central = central.model_copy(update={"security": SecuritySpec(signing_key=str(keys / "central.key"),
                                                                       enrolled_dir=str(keys / "enrolled"))})
@@ -123,16 +130,29 @@ def central_run(config, central_url: str, out: Path, keys: Path | None = None, i
         fleet.close()
 
 
-def _hierarchical(config, central_url: str, out: Path) -> tuple[list, list[tuple[str, bytes]]]:
+def _hierarchical(config, central_url: str, out: Path, mode: str = "exact") -> tuple[list, list[tuple[str, bytes]]]:
     """The same run through two sites; the rows, and what crossed the central broker."""
     capture = TrafficCapture(central_url)
     capture.start()
     capture.clear()
     try:
-        with sites_running(config, central_url, out):
-            return central_run(config, central_url, out / "run"), capture.snapshot()
+        with sites_running(config, central_url, out, mode=mode):
+            if mode == "summary":  # every device online at its site before round 0, as the flat run waits for
+                wait_until(lambda: _site_counts(capture.snapshot()) == {s: len(d) for s, d in SITES.items()},
+                           timeout=180, what="each site announcing its three devices")
+            return central_run(config, central_url, out / "run", mode=mode), capture.snapshot()
     finally:
         capture.stop()
+
+
+def _site_counts(traffic: list[tuple[str, bytes]]) -> dict[str, int]:
+    """The device count of each summary site's last status in ``traffic``."""
+    counts = {}
+    for topic, payload in traffic:
+        if topic.endswith("/status") and topic.split("/")[-2] in SITES:
+            status = decode(payload).meta_as(StatusMeta)
+            counts[topic.split("/")[-2]] = status.site.count if status.site is not None else None
+    return counts
 
 
 @pytest.mark.parametrize("method", ["fedavg", "fedrep"])
@@ -208,3 +228,39 @@ def test_a_site_killed_mid_round_costs_its_devices_that_round_and_rejoins_when_r
     assert set(site_b) <= set(rows[1].dropped)
     assert rows[2].participants == sorted(site_a + site_b)  # rejoined
     assert rows[3].final and set(rows[3].per_client) == set(site_a + site_b)
+
+
+def test_summary_sites_draw_their_own_devices_and_name_none_on_the_uplink_with_the_flat_fleets_state(
+        mosquitto, tmp_path):
+    """``sites.mode: summary``: each site announces how many devices it has, draws them itself
+    (fraction 1: all three), keeps their records in its state_dir and answers with its sum and
+    totals. No device id crosses the central broker, the central round's participants are the
+    sites, and with every device drawn the state is still the flat fleet's bit for bit: the
+    sites' records give the bounds the central records would have."""
+    config = prepare(run_config(rounds=3, seed=7), 6)
+    flat_rows, _ = simulate(config, 6, tmp_path / "flat", broker=mosquitto.url, progress=False, threads=1)
+    out = tmp_path / "tree"
+    # a federation of its own: the flat run's agents left their retained statuses in the first one
+    tree = config.model_copy(update={"federation": f"{config.federation}-summary"})
+    rows, traffic = _hierarchical(tree, mosquitto.url, out, mode="summary")
+
+    assert [r.round for r in rows] == [0, 1, 2, 3] and not any(r.aborted for r in rows)
+    for row in rows[:-1]:
+        assert row.participants == sorted(SITES)
+        assert {s: (r.sampled, r.trained, r.dropped) for s, r in row.sites.items()} == {s: (3, 3, 0) for s in SITES}
+    assert rows[-1].final and set(rows[-1].per_client) == set(SITES) and rows[-1].sites["site-a"].evaluated == 3
+    flat_state = checkpoint_tensors(tmp_path / "flat" / "checkpoint")
+    tree_state = checkpoint_tensors(out / "run" / "checkpoint")
+    for key in flat_state:
+        assert flat_state[key].tobytes() == tree_state[key].tobytes(), key
+    # the central broker carried no device's name: not in a status, a task or an answer
+    devices = [d.encode() for d in sum(SITES.values(), [])]
+    assert traffic and not [topic for topic, payload in traffic if any(d in payload for d in devices)]
+    # each site kept its devices' records of the adopted rounds (3 at most each), on disk
+    for site, members in SITES.items():
+        book = json.loads((out / f"{site}-state" / "records.json").read_text())
+        assert sorted(book["history"]) == members and all(len(r) == 3 for r in book["history"].values())
+    view = fetch_view(mosquitto.url, tree.federation)
+    by_id = {a.id: a for a in view.agents}
+    assert {s: (by_id[s].tier, by_id[s].devices) for s in SITES} == {s: ("site", 3) for s in SITES}
+    assert not set(by_id) & set(sum(SITES.values(), []))
