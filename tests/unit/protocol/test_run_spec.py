@@ -99,7 +99,8 @@ def test_metrics_rows_of_a_real_federation_read_back_typed(federation):
     # the file keeps its keys: one JSON object per line, the model's fields (those added later only when not empty)
     first = json.loads((federation["out"] / "metrics.jsonl").read_text().splitlines()[0])
     # nothing late in round 0 (no late or trained_on), no privacy, not a secure round
-    assert list(first) == [k for k in RoundMetrics.model_fields if k not in ("late", "trained_on", "privacy", "secure", "clipped_by", "sites")]
+    empty = ("late", "trained_on", "privacy", "secure", "clipped_by", "sites")
+    assert list(first) == [k for k in RoundMetrics.model_fields if k not in empty]
 
 
 def test_a_metrics_line_written_before_the_typed_row_reads_and_writes_back_identically(tmp_path):
