@@ -31,6 +31,7 @@ import secrets
 import shutil
 import sys
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -81,6 +82,9 @@ class ProvisionRecord(BaseModel):
     sites: dict[str, list[str]] = Field(default_factory=dict)
     #: site aggregator id -> the host name its site's devices reach the site's broker at
     site_hosts: dict[str, str] = Field(default_factory=dict)
+    #: how the sites speak to the centre (``sites.mode``): exact, or summary (each aggregator
+    #: then keeps its devices' records in ``state/`` beside its aggregator.yaml)
+    site_mode: Literal["exact", "summary"] = "exact"
 
     @field_validator("connections_per_address")
     @classmethod
@@ -181,10 +185,12 @@ def _coordinator_bundle(record: ProvisionRecord, out: Path, ca: pki.CA) -> str |
         "security": {"signing_key": _ref(record, folder, "signing.key"),
                      "enrolled_dir": _ref(record, folder, "enrolled"),
                      "peer_ca": _ref(record, folder, "ca.crt")},
-        "min_agents": min(2, max(1, len(record.agents) + sum(map(len, record.sites.values())) - len(record.sites))),
+        # the trainers: the direct agents and every site's devices, or in summary the sites themselves
+        "min_agents": min(2, max(1, len(record.agents) if record.site_mode == "summary" else
+                                 len(record.agents) + sum(map(len, record.sites.values())) - len(record.sites))),
     }
     if record.sites:
-        body["sites"] = {"enabled": True, "ids": sorted(record.sites)}
+        body["sites"] = {"enabled": True, "ids": sorted(record.sites), "mode": record.site_mode}
     _write_yaml(folder / "coordinator.yaml", (
         f"# edgepfl coordinator of federation {record.federation}, written by edgepfl provision.\n"
         "# Paths are relative to this file's folder. Add method:, model:, data:, rounds: and run\n"
@@ -265,6 +271,7 @@ def _site(record: ProvisionRecord, out: Path, site_id: str) -> None:
     absolute = record.absolute_paths
     body = {
         "site_id": site_id,
+        **({"mode": "summary", "state_dir": "state"} if record.site_mode == "summary" else {}),
         "central": {"federation": record.federation,
                     "broker": _rebased(central["broker"], out / "agents" / site_id, folder, absolute),
                     "security": _rebased(central["security"], out / "agents" / site_id, folder, absolute)},
@@ -401,6 +408,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a site aggregator and its site's devices (repeat per site): the aggregator is an agent of "
                         "this federation, its site a federation of its own under OUT/sites/SITE/ with its broker, "
                         "and OUT/sites/SITE/aggregator.yaml joins the two (docs/OPERATING.md, Sites)")
+    p.add_argument("--site-mode", choices=("exact", "summary"), default="exact",
+                   help="how the sites speak to the coordinator (sites.mode): exact (every device through it, the flat "
+                        "fleet's state bit for bit) or summary (counts and totals: its work per round does not grow "
+                        "with the devices; docs/OPERATING.md, Sites)")
     p.add_argument("--site-host", action="append", default=[], metavar="SITE=HOST",
                    help="the host name a site's devices reach its broker at (default: the site's id)")
     return p
@@ -457,7 +468,7 @@ def main_provision(argv: list[str]) -> int:
             agents=agents, max_message_bytes=args.max_message_bytes, update_bytes=int(args.update_mb * 2**20),
             broker_dir=args.broker_dir or str(out / "broker"), absolute_paths=args.absolute_paths,
             bind="127.0.0.1" if args.bind is None else args.bind, connections_per_address=args.connections_per_address,
-            idle_addresses=args.idle_addresses, sites=sites,
+            idle_addresses=args.idle_addresses, sites=sites, site_mode=args.site_mode,
             site_hosts=dict(item.split("=", 1) for item in _names(args.site_host) if "=" in item))
         provision(record, out)
         print(_summary(record, out))

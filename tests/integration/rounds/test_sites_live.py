@@ -264,3 +264,36 @@ def test_summary_sites_draw_their_own_devices_and_name_none_on_the_uplink_with_t
     by_id = {a.id: a for a in view.agents}
     assert {s: (by_id[s].tier, by_id[s].devices) for s in SITES} == {s: ("site", 3) for s in SITES}
     assert not set(by_id) & set(sum(SITES.values(), []))
+
+
+def test_a_summary_site_killed_mid_round_costs_that_round_and_judges_its_devices_by_its_records_when_restarted(
+        mosquitto, tmp_path):
+    """A summary site keeps its devices' records in its state_dir: site-b's aggregator dies
+    (SIGKILL) after sending its devices round 1's tasks, which it did after keeping round 0's
+    records; the round closes with site-a alone, and restarted, site-b's book still holds round
+    0's records, to which round 2's are added (two each; a book lost with the process would
+    hold one)."""
+    config = prepare(run_config(rounds=3, seed=3, round_timeout_s=30), 6)
+    out = tmp_path / "tree"
+    config = config.model_copy(update={"federation": f"{config.federation}-summary"})
+    capture = TrafficCapture(mosquitto.url).start()
+    with sites_running(config, mosquitto.url, out, env={"site-b": {ENV: "site.tasks_sent:2"}}, mode="summary") as sites:
+        wait_until(lambda: _site_counts(capture.snapshot()) == {s: len(d) for s, d in SITES.items()}, timeout=180,
+                   what="each site announcing its three devices")
+        capture.stop()
+        thread, box = run_in_thread(lambda: central_run(config, mosquitto.url, out / "run", mode="summary"))
+        killed = sites["aggregators"]["site-b"]
+        wait_until(lambda: killed.poll() is not None, timeout=300, what="site-b's aggregator killed in round 1")
+        assert killed.returncode == -9
+        sites["aggregators"]["site-b"] = _aggregator(config, "site-b", sites["brokers"]["site-b"].url, mosquitto.url,
+                                                     out, mode="summary")
+        thread.join(timeout=600)
+        assert not thread.is_alive() and "error" not in box, box.get("error")
+    rows = box["result"]
+    assert rows[0].participants == ["site-a", "site-b"]
+    assert rows[1].participants == ["site-a"] and rows[1].dropped == ["site-b"] and not rows[1].aborted
+    assert rows[2].participants == ["site-a", "site-b"]  # rejoined
+    assert rows[3].final and set(rows[3].per_client) == set(SITES)
+    books = {site: json.loads((out / f"{site}-state" / "records.json").read_text())["history"] for site in SITES}
+    assert {a: len(r) for a, r in books["site-a"].items()} == {a: 3 for a in SITES["site-a"]}
+    assert {a: len(r) for a, r in books["site-b"].items()} == {a: 2 for a in SITES["site-b"]}

@@ -263,3 +263,20 @@ def test_sites_are_agents_of_the_federation_each_a_federation_of_its_own_joined_
                                "--out", str(tmp_path / "q")]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("edgepfl provision:") and len(err.splitlines()) == 1, err
+
+
+def test_summary_sites_are_provisioned_with_the_mode_on_both_ends_and_a_state_dir_beside_each_aggregator(tmp_path):
+    from edgepfl.site_config import load_aggregator_config
+
+    out = provision(tmp_path / "p", "--site", "gw-a:cam-1,cam-2,cam-3", "--site", "gw-b:cam-4", "--site-mode",
+                    "summary", agents="gw-a")
+    central = parse_config(RunConfig, yaml.safe_load((out / "coordinator" / "coordinator.yaml").read_text()), "c")
+    # the sites are the trainers: two of them, not four devices
+    assert central.sites.mode == "summary" and central.min_agents == 2
+    for site in ("gw-a", "gw-b"):
+        aggregator = load_aggregator_config(out / "sites" / site / "aggregator.yaml")
+        assert aggregator.mode == "summary" and aggregator.state_dir == str(out / "sites" / site / "state")
+    exact = provision(tmp_path / "q", "--site", "gw-a:cam-1", agents="gw-a")
+    assert parse_config(RunConfig, yaml.safe_load((exact / "coordinator" / "coordinator.yaml").read_text()),
+                        "c").sites.mode == "exact"
+    assert load_aggregator_config(exact / "sites" / "gw-a" / "aggregator.yaml").state_dir is None
