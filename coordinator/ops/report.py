@@ -135,7 +135,9 @@ def format_table(rows: list[RoundMetrics], summary: dict, method: str = "") -> s
     for r in rows:
         acc = "-" if r.accuracy is None else f"{r.accuracy:.2%}"
         label = "final" if r.final else str(r.round)
-        lines.append(f"{label:>6} {acc:>9} {len(r.participants) + len(r.late):>8} {r.evaluated:>9} "
+        # a summary site is one participant of many updates: the column counts updates
+        trained = sum(s.trained for s in r.sites.values()) if r.sites else len(r.participants) + len(r.late)
+        lines.append(f"{label:>6} {acc:>9} {trained:>8} {r.evaluated:>9} "
                      f"{r.bytes_up / 1e6:>8.2f} {r.bytes_down / 1e6:>8.2f} {r.seconds:>8.2f}")
     lines.append("")
     fa, ba = summary.get("final_accuracy"), summary.get("best_accuracy")
@@ -185,6 +187,14 @@ def format_table(rows: list[RoundMetrics], summary: dict, method: str = "") -> s
             lines.append(f"secure groups: {secure.get('split', 0)} rounds split into groups; "
                          f"{secure.get('set_aside', 0)} group sums past the bounds set aside; "
                          f"{secure.get('not_unmasked', 0)} groups lost to dropouts")
+    summaries = [r.sites for r in rows if r.sites and not r.final]
+    if summaries:
+        names = sorted({site for row in summaries for site in row})
+        totals = {k: sum(getattr(s, k) for row in summaries for s in row.values())
+                  for k in ("sampled", "trained", "dropped", "clipped")}
+        lines.append(f"summary sites ({', '.join(names)}): over {len(summaries)} rounds they drew {totals['sampled']} "
+                     f"devices to train, summed {totals['trained']} updates ({totals['clipped']} clipped), "
+                     f"{totals['dropped']} devices did not answer; the evaluated column counts sites")
     for reach in summary.get("to_accuracy") or []:
         share = reach.get("share_of_best")
         to = f"{share:.0%} of the best ({reach['target']:.2%})" if share else f"{reach['target']:.2%}"

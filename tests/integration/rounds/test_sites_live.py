@@ -230,14 +230,15 @@ def test_a_site_killed_mid_round_costs_its_devices_that_round_and_rejoins_when_r
     assert rows[3].final and set(rows[3].per_client) == set(site_a + site_b)
 
 
+@pytest.mark.parametrize("method", ["fedavg", "fedrep"])
 def test_summary_sites_draw_their_own_devices_and_name_none_on_the_uplink_with_the_flat_fleets_state(
-        mosquitto, tmp_path):
+        method, mosquitto, tmp_path):
     """``sites.mode: summary``: each site announces how many devices it has, draws them itself
     (fraction 1: all three), keeps their records in its state_dir and answers with its sum and
     totals. No device id crosses the central broker, the central round's participants are the
     sites, and with every device drawn the state is still the flat fleet's bit for bit: the
     sites' records give the bounds the central records would have."""
-    config = prepare(run_config(rounds=3, seed=7), 6)
+    config = prepare(run_config(method={"name": method}, rounds=3, seed=7), 6)
     flat_rows, _ = simulate(config, 6, tmp_path / "flat", broker=mosquitto.url, progress=False, threads=1)
     out = tmp_path / "tree"
     # a federation of its own: the flat run's agents left their retained statuses in the first one

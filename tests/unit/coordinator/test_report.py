@@ -169,3 +169,17 @@ def test_bytes_to_accuracy_are_the_bytes_of_the_rows_before_the_first_that_reach
     assert [t["target"] for t in default["to_accuracy"]] == [round(0.7 * s, 4) for s in DEFAULT_TARGET_SHARES]
     assert default["targets_from"] == "best accuracy"
     assert "to accuracy 90% of the best (63.00%): reached at row 2" in format_table(rows, default)
+
+
+def test_a_summary_sites_round_counts_its_updates_not_its_sites_and_the_report_says_what_the_sites_did():
+    from edgepfl.metrics import SiteRoundRecord
+
+    rows = _rows(2, 2)
+    sites = {"site-a": SiteRoundRecord(sampled=40, trained=38, evaluated=40, dropped=2, clipped=1),
+             "site-b": SiteRoundRecord(sampled=10, trained=10, evaluated=10, dropped=0, clipped=0)}
+    rows = [r.model_copy(update={"participants": ["site-a", "site-b"], "sites": sites}) if not r.final else r
+            for r in rows]
+    table = format_table(rows, summarize(rows))
+    assert [line.split()[2] for line in table.splitlines()[3:5]] == ["48", "48"]  # rounds 0 and 1: updates summed
+    assert ("summary sites (site-a, site-b): over 2 rounds they drew 100 devices to train, summed 96 updates "
+            "(2 clipped), 4 devices did not answer") in table
