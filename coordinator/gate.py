@@ -345,7 +345,14 @@ class UpdateGate:
                                    "updates are folded in late")
         if answer.eval_correct > answer.num_test:
             return reject("malformed", "eval_correct exceeds num_test")
-        verdict = self._training_update(agent_id, message, task, late.tasks, late.state, reject)
+        if task.site is not None and answer.site is not None and answer.site.totals is not None:
+            # a summary site's sum of an earlier state (a buffered run): over that state's parameters
+            verdict = self._summary_answer(agent_id, message, task, late.state, reject)
+        elif task.site is not None or answer.site is not None:
+            return reject("stale", f"a site's answer for closed round {late.tasks.round}: only a summary site's "
+                                   "sum is folded in late")
+        else:
+            verdict = self._training_update(agent_id, message, task, late.tasks, late.state, reject)
         return replace(verdict, late=late) if isinstance(verdict, Accepted) else verdict
 
     def _training_update(self, agent_id: str, message: Message, task: Task, tasks: RoundTasks, state: ServerState,

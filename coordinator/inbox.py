@@ -72,7 +72,7 @@ class SiteStatuses(Protocol):
 
     def status(self, site_id: str, status: StatusMeta, created: float | None) -> None: ...
 
-    def summed(self, site_id: str, round: int) -> None: ...
+    def summed(self, site_id: str, round: int, trained_on: int | None = None) -> None: ...
 
 
 class RoundSink(Protocol):
@@ -348,7 +348,7 @@ class Inbox:
             for device in site.devices:
                 self.registry.answered(device.agent)
             if verdict.site is not None:
-                self.sites.summed(agent_id, tasks.round)
+                self.sites.summed(agent_id, tasks.round, verdict.late.tasks.round if verdict.late is not None else None)
 
     def _held_up(self, agent_id: str, provably_its_own: bool) -> bool:
         """Whether the agent's frame, which was no update or evaluation the round could use (a

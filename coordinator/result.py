@@ -166,16 +166,22 @@ class RoundResult:
         site, agent_id = accepted.meta.site, accepted.agent_id
         assert site is not None and site.totals is not None  # the caller's condition
         totals = site.totals
+        late = accepted.late
         if accepted.site is not None:
             assert self.aggregate is not None  # a site's training answer: a training round
-            self.aggregate.add_site(accepted.site)
+            if late is not None:  # a buffered run's earlier state: over its parameters, discounted
+                self.aggregate.add_site(accepted.site, late.state.shared_params(), late.discount)
+            else:
+                self.aggregate.add_site(accepted.site)
             if totals.clipped_by:
                 log.warning("round %d: site %s clipped %d of its %d updates (aggregation.%s)", self.round, agent_id,
                             site.clipped, totals.trained, ", ".join(sorted(totals.clipped_by)))
                 self.clipped.append(agent_id)
                 self.clipped_by[agent_id] = sorted(totals.clipped_by)
-            self.participants.append(agent_id)
-            self.staleness[0] += totals.trained
+            (self.late if late is not None else self.participants).append(agent_id)
+            self.staleness[self.round - late.tasks.round if late is not None else 0] += totals.trained
+            if late is not None:
+                self.trained_on[agent_id] = late.tasks.round
             self.update_bytes["site"] += wire_bytes
         self.sites[agent_id] = SiteRoundRecord(sampled=totals.sampled, trained=totals.trained,
                                                evaluated=totals.evaluated, dropped=totals.dropped, clipped=site.clipped)

@@ -246,7 +246,8 @@ class Coordinator:
         """Send ``agent_id`` a ``kind`` task of the open round (``secagg``: a secure round's); a
         device behind a site gets it with its site's one task, when the round collects."""
         if self.sites is not None and (site := self.sites.answering_for(agent_id)) is not None:
-            return self.sites.hold(site, agent_id, kind)
+            self.sites.hold(site, agent_id, kind)
+            return self._flush_sites(tasks, result) if self.sites.summary else None  # a site's task, at once
         info = self.registry.agents.get(agent_id)
         uplink = self.task_writer.uplink_for(info.capabilities if info else None) if kind == "train" else None
         task_id, frame = self.task_writer.frame(agent_id, kind, uplink=uplink, agent=info, secagg=secagg)
@@ -263,15 +264,17 @@ class Coordinator:
         """Admit answers until every task is answered or, once a quorum of updates is in,
         the round timeout passes or every agent still owing an answer is offline
         (:meth:`.Inbox.collect`); whoever has not answered then is dropped from the round."""
-        if self.sites is not None:  # the tasks held for devices behind sites go out, one per site
-            self.sites.flush(tasks, result, lambda site, kind, orders: self._site_task(tasks.round, site, kind, orders),
-                             self.rollback.last_adopted)
+        self._flush_sites(tasks, result)
         result.dropped.extend(self.inbox.collect(tasks, len(result.sampled), result.participants, started,
                                                  self.config.round_timeout_s, self.config.quorum_of(len(result.sampled))))
 
-    def _site_task(self, r: int, site_id: str, kind: str, orders: SiteOrders) -> tuple[str, int]:
-        task_id, frame = self.task_writer.frame(site_id, kind, site=orders)
-        return task_id, self.fleet.send(site_id, frame, r)
+    def _flush_sites(self, tasks: RoundTasks, result: RoundResult) -> None:
+        """The tasks held for devices behind sites go out, one per site."""
+        def send(site_id: str, kind: str, orders: SiteOrders) -> tuple[str, int]:
+            task_id, frame = self.task_writer.frame(site_id, kind, site=orders)
+            return task_id, self.fleet.send(site_id, frame, tasks.round)
+        if self.sites is not None:
+            self.sites.flush(tasks, result, send, self.rollback.last_adopted)
 
     def pump_until(self, done: Callable[[], bool], deadline: float) -> bool:
         """Route the fleet's traffic until ``done()`` or ``deadline`` (:meth:`.Inbox.pump_until`)."""

@@ -243,11 +243,11 @@ class SiteAggregator:
 
     def _drawn(self, orders: SiteOrders, r: int) -> SiteOrders:
         """A summary task's orders as the site runs them: its own draw of its online devices
-        (:func:`.sites.draw_site`), their records from its book (kept first from the round the
-        task says was adopted), and the weight cap over the devices drawn."""
+        (:func:`.sites.draw_site`), their records from its book (first keeping those of the round
+        whose sum the task says was adopted), and the weight cap over the devices drawn."""
         sample = orders.sample
         assert sample is not None  # the caller's condition
-        self.records.settle(sample.adopted, orders.typical_change)
+        self.records.settle(sample.kept, orders.typical_change)
         # the status first: the central round holds the answer to what the site announced, and
         # its devices may have come or gone since it last said
         self.central.announce(self._devices())

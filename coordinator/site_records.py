@@ -4,9 +4,9 @@ In an exact run the central coordinator keeps every device's records (what its a
 updates measured, :data:`~edgepfl.aggregation.UPDATE_HISTORY`) in its state and hands a site
 those of the devices it samples. A summary site keeps them itself, as the central round's
 close would have kept them: the records of a round are *pending* until a later task says
-that round's aggregate was adopted (:attr:`~edgepfl.protocol.site.SiteSample.adopted`), and
-then kept with the first round's cap measured on the median that task carries (the median
-of the adopted round's changes); a round not adopted leaves nothing. The book is one JSON
+the site's sum of that round went into an adopted state (:attr:`~edgepfl.protocol.site.SiteSample.kept`),
+and then kept with the first round's cap measured on the median that task carries (the
+median of the adopted state's changes); a sum never adopted leaves nothing. The book is one JSON
 file written atomically after each change, so a restarted aggregator judges its devices
 as before; an unreadable one is set aside and the site starts afresh (a device without a
 record is held to the fleet's median, never let further).
@@ -67,13 +67,14 @@ class SiteRecords:
         newcomer = OwnRecord.largest(r for r in map(OwnRecord.typical, self.history.values()) if r is not None)
         return records, newcomer
 
-    def settle(self, adopted: int | None, typical: float | None) -> None:
-        """A task came: keep the pending round's records if ``adopted`` is that round (its first
-        round's cap measured on ``typical``, the adopted round's median change), else forget them."""
+    def settle(self, kept: int | None, typical: float | None) -> None:
+        """A task came: keep the pending round's records if ``kept`` is that round (its sum is in
+        an adopted state; a first round's cap measured on ``typical``, that state's median
+        change), else forget them."""
         pending, self.pending = self.pending, None
         if pending is None:
             return
-        if pending["round"] == adopted:
+        if pending["round"] == kept:
             vs_median = pending["vs_median"]
             first_cap = vs_median * typical if vs_median is not None and typical is not None else None
             for agent, record in sorted(pending["records"].items()):
@@ -84,7 +85,7 @@ class SiteRecords:
         self._save()
 
     def hold(self, round: int, part: SitePart, first_vs_median: float | None) -> None:
-        """The records of ``round``'s summed updates, pending until it is adopted;
+        """The records of ``round``'s summed updates, pending until their sum is adopted;
         ``first_vs_median``: the bound's ``vs_median`` when the round was judged without the
         fleet's median (its records are then capped as the central close caps a first round's)."""
         self.pending = {"round": round,

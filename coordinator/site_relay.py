@@ -49,6 +49,10 @@ class SiteRelay:
             registry.training_tiers = frozenset({"trainer", "site"})
         #: site id -> how many online trainers its last status announced (summary)
         self.counts: dict[str, int] = {}
+        #: summary site id -> (the round its last sum went into, the round of the task it answered)
+        self._folded: dict[str, tuple[int, int]] = {}
+        #: summary site id -> the round of its last task whose sum is in an adopted state (SiteSample.kept)
+        self.kept: dict[str, int] = {}
         #: the agent ids that may be sites (``sites.ids``)
         self.ids = frozenset(ids)
         #: the run's aggregation settings, ``auto`` resolved for a run of sites (what each site sums by)
@@ -120,9 +124,11 @@ class SiteRelay:
             self._told.add((agent, why))
             log.warning("device %s %s: it is behind no site until one lists it alone", agent, why)
 
-    def summed(self, site_id: str, round: int) -> None:
-        """The site's partial sum of ``round`` was folded in."""
+    def summed(self, site_id: str, round: int, trained_on: int | None = None) -> None:
+        """The site's partial sum was folded into ``round`` (from its task of ``trained_on``,
+        a buffered run's earlier state; None: ``round``'s own)."""
         self.last_sum[site_id] = round
+        self._folded[site_id] = (round, round if trained_on is None else trained_on)
 
     def behind(self, agent_id: str) -> str | None:
         """The site ``agent_id`` is behind (None: it is a direct agent)."""
@@ -138,15 +144,21 @@ class SiteRelay:
         """How many devices are behind ``site_id`` now (the fleet view's figure)."""
         return self.counts.get(site_id, 0) if self.summary is not None else len(self.devices.get(site_id, ()))
 
-    def sample(self, r: int, final: bool, adopted: int | None) -> SiteSample:
-        """A summary round's orders to every site: the run's sampling settings, for the site to
-        draw its own devices with (``adopted``: the round whose aggregate made the task's state)."""
+    def sample(self, site_id: str, r: int, final: bool, adopted: int | None) -> SiteSample:
+        """A summary round's orders to ``site_id``: the run's sampling settings, for the site to
+        draw its own devices with, and the round of its last task whose sum went into an adopted
+        state (``adopted``: the round whose aggregate made the current one)."""
         c = self.summary
         assert c is not None  # summary rounds only
+        folded = self._folded.pop(site_id, None)
+        if adopted is None:
+            self.kept.pop(site_id, None)  # rolled back, or resumed: whatever it kept is older than the state
+        elif folded is not None and folded[0] == adopted:
+            self.kept[site_id] = folded[1]
         share = c.final_eval_fraction if final and c.final_eval_fraction is not None else c.eval_fraction
         return SiteSample(train_fraction=0.0 if final else c.fraction,
                           evaluate_share=share if final or r % c.eval_every == 0 else 0.0, seed=c.seed,
-                          adopted=adopted)
+                          kept=self.kept.get(site_id))
 
     def hold(self, site_id: str, agent_id: str, kind: str) -> None:
         """Keep a task of the open round for ``agent_id`` behind ``site_id``: it goes with the site's task."""
@@ -156,7 +168,8 @@ class SiteRelay:
               adopted: int | None = None) -> None:
         """Send each site with held tasks its one task of the round (``send(site, kind, orders)``
         returns the task id and the bytes sent); every held device then owes an answer under that
-        id. In summary the site owes it, and its orders are :meth:`sample` (``adopted``: there)."""
+        id. In summary the site owes it, and its orders are :meth:`sample` (``adopted``: there).
+        A buffered run sends a summary site's task at once (there is no collection to wait for)."""
         held, self._held = self._held, {}
         aggregate = result.aggregate
         if self.summary is not None:
@@ -164,7 +177,7 @@ class SiteRelay:
                 kind = items[0][1]
                 orders = SiteOrders(aggregation=self.aggregation.model_dump(mode="json"),
                                     typical_change=aggregate.typical_change if aggregate is not None else None,
-                                    sample=self.sample(tasks.round, aggregate is None, adopted))
+                                    sample=self.sample(site_id, tasks.round, aggregate is None, adopted))
                 task_id, sent = send(site_id, kind, orders)
                 result.sent(sent)
                 tasks.add(Task(site_id, task_id, kind, self.registry.announced_num_train(site_id)

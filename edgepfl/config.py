@@ -187,16 +187,18 @@ class SitesSpec(_Strict):
                            "fleet) makes its site's devices this run's trainers, each round sends every site one task "
                            "for its sampled devices and folds its exact partial sum in, bit for bit the flat "
                            "fleet's. Needs a rule whose state is a sum (mean, clipped_mean; auto is then mean), a "
-                           "method that averages each update (not fedpac), synchronous rounds, and neither secure "
-                           "aggregation nor differential privacy")
+                           "method that averages each update (not fedpac), synchronous rounds (buffered ones with "
+                           "mode summary), and neither secure aggregation nor differential privacy")
     mode: Literal["exact", "summary"] = Field(
         "exact", description="exact: each site lists its devices, this coordinator samples them as its own, keeps "
                              "their records and reads back every device's answer, so a round is the flat fleet's bit "
                              "for bit, at a cost per round that grows with the devices; summary: each site announces how "
                              "many devices it has, samples fraction of them itself, keeps their records and answers "
                              "with its partial sum and totals, so this coordinator's work per round grows with the "
-                             "sites, not the devices (every online site is sent a task each round; min_agents and "
-                             "quorum count sites; a site's devices' records are the site's word: docs/SECURITY.md)")
+                             "sites, not the devices (every online site is sent a task each round; min_agents, "
+                             "quorum and a buffered run's buffer_size count sites, and a site's sum of an earlier "
+                             "buffered state is folded in late; a site's devices' records are the site's word: "
+                             "docs/SECURITY.md)")
     ids: list[str] = Field(
         default_factory=list, max_length=10_000,
         description="the agent ids that are site aggregators (each enrolled with its own key on an enrolled fleet): "
@@ -386,8 +388,9 @@ class RunConfig(_Strict):
                              "clipped_mean or auto")
         if not get_method(self.method.name).streaming:
             raise ValueError(f"{why}; {self.method.name}'s server step needs every update (it is not a mean)")
-        if self.asynchrony.mode != "sync":
-            raise ValueError(f"{why}; buffered rounds across sites are not built yet: use asynchrony.mode sync")
+        if self.asynchrony.mode != "sync" and self.sites.mode != "summary":
+            raise ValueError(f"{why}; buffered rounds take sites in summary (sites.mode: summary), where a site's "
+                             "sum of an earlier state is folded in late, or use asynchrony.mode sync")
         if self.secure_aggregation.enabled or self.privacy.mechanism != "none":
             raise ValueError(f"{why}; neither secure aggregation nor differential privacy composes with it yet")
 

@@ -19,6 +19,11 @@ task no sooner than that long after its last: on a metered link each device cost
 a task and an update per interval, and the fast devices stop outvoting the slow ones by
 their number of updates (docs/BENCHMARKS.md, "Buffered rounds on a budget").
 
+Summary sites (``sites.mode: summary``) are held like devices: each online site holds one
+task, and its sum of an earlier state is folded in late as its devices' updates would have
+been (:meth:`~edgepfl.methods.RoundAggregate.add_site` with that state's parameters), so a
+state's buffer counts sites' sums.
+
 On the wire nothing is new: a task's ``round`` is the number of the state it was built
 from, and a device answers it as any task. The gate checks an update against the round
 its task was sent in (:class:`~.gate.LateWindow`), so signatures, bounds, weight caps and

@@ -8,9 +8,10 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from .contract import Aggregator, TensorDict, _norm
+from .contract import MAX_UPDATE_WEIGHT, Aggregator, TensorDict, _norm
 from .exact import _ExactSum
 from .partial import LOW_BITS, PartialSum
+from .weights import rebase
 
 
 class SummingRule(Aggregator):
@@ -33,13 +34,16 @@ class SummingRule(Aggregator):
                           clipped=self.bound_clipped_, rule_clipped=self.clipped_,
                           change_norms=tuple(self.change_norms_))
 
-    def partial_change(self, partial: PartialSum, keys: Iterable[str]) -> tuple[float, float]:
+    def partial_change(self, partial: PartialSum, keys: Iterable[str],
+                       base: Mapping[str, np.ndarray] | None = None) -> tuple[float, float]:
         """The norm over ``keys`` of what ``partial`` sums (the weighted changes ``w * (x - reference)``
         of its updates), and how much the grid's rounding can account for (half a step a
-        coordinate per update). ``partial`` must have passed :meth:`PartialSum.check`."""
+        coordinate per update). ``partial`` must have passed :meth:`PartialSum.check`; ``base``:
+        the reference it was summed over, when not this round's (:meth:`add_stale_partial`)."""
+        grid = self.sum_ if base is None else _ExactSum(base)
         total = slack = 0.0
         for key in keys:
-            scale = self.sum_.scale[key]
+            scale = grid.scale[key]
             value = (partial.high[key].astype(np.float64) * float(2**LOW_BITS)
                      + partial.low[key].astype(np.float64)) / scale
             total += float(np.sum(value * value))
@@ -54,6 +58,29 @@ class SummingRule(Aggregator):
             raise RuntimeError("begin() first")
         partial.check(self.reference_)
         self.sum_.add_partial(partial)
+        self.count_ += partial.count
+        self.bound_clipped_ += partial.clipped
+        self.clipped_ += partial.rule_clipped
+        self.change_norms_.extend(partial.change_norms)
+
+
+    def add_stale_partial(self, partial: PartialSum, base: Mapping[str, np.ndarray], discount: float) -> None:
+        """Fold in a partial sum made over an older reference ``base`` (a summary site answering
+        a buffered run's earlier state): the mean of its updates, moved onto this round's
+        reference as each late update would be (:func:`.weights.rebase`, ``discount``), weighing
+        their total weight. Not bit-exact, as a late update is not: the old sum is read once as
+        floats. :class:`AggregationRejected` for one that cannot be, before any of it counts."""
+        if not self.reference_:
+            raise RuntimeError("begin() first")
+        partial.check(base)
+        old = _ExactSum(base)
+        old.add_partial(partial)
+        moved = rebase(old.mean(), base, self.reference_, discount)
+        self.sum_.check(moved, min(partial.total_weight, MAX_UPDATE_WEIGHT))
+        left = partial.total_weight
+        while left > 0:  # one grid contribution holds at most MAX_UPDATE_WEIGHT of weight
+            self.sum_.add(moved, min(left, MAX_UPDATE_WEIGHT))
+            left -= MAX_UPDATE_WEIGHT
         self.count_ += partial.count
         self.bound_clipped_ += partial.clipped
         self.clipped_ += partial.rule_clipped

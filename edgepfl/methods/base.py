@@ -319,13 +319,17 @@ class RoundAggregate:
         return SitePart(rule.partial(), tuple(
             replace(self._parts[a], record=records[a].to_json() if a in records else None) for a in self.participants))
 
-    def add_site(self, part: SitePart) -> None:
+    def add_site(self, part: SitePart, base: Mapping[str, np.ndarray] | None = None, discount: float = 1.0) -> None:
         """Fold in a site's :meth:`site_part` of this round, as if each of its devices' updates had
         been added here. Raises :class:`AggregationRejected` for a part that cannot be the sum of
-        its devices' updates (its counts disagree, a device twice), before anything of it counts."""
+        its devices' updates (its counts disagree, a device twice), before anything of it counts.
+        ``base``, ``discount``: a summary site's part of an earlier state of a buffered run, whose
+        sum is over that state's shared parameters (:meth:`SummingRule.add_stale_partial`)."""
         rule = self._summing_rule()
         if part.site is not None:
-            return self._add_summary(rule, part)
+            return self._add_summary(rule, part, base, discount)
+        if base is not None:
+            raise ValueError("a site's part naming its devices is this round's: no earlier state")
         agents = [d.agent_id for d in part.devices]
         if len(agents) != part.sum.count or len(set(agents)) != len(agents):
             raise AggregationRejected("malformed", "a site's devices and its sum's count disagree")
@@ -347,7 +351,8 @@ class RoundAggregate:
             if d.clipped_newcomer:
                 self._clipped_newcomers.add(d.agent_id)
 
-    def _add_summary(self, rule: SummingRule, part: SitePart) -> None:
+    def _add_summary(self, rule: SummingRule, part: SitePart, base: Mapping[str, np.ndarray] | None,
+                     discount: float) -> None:
         """Fold in a summary site's part as one participant weighing its sum's weight. Its
         devices' records are the site's; what is checked here is what its sum shows: the
         largest change it claims within every bound that does not need a device's record (the
@@ -357,7 +362,7 @@ class RoundAggregate:
         assert site is not None  # the caller's condition
         if site in self._parts:
             raise AggregationRejected("duplicate", f"site {site} already has a sum in the round")
-        part.sum.check(self.reference)
+        part.sum.check(self.reference if base is None else base)
         bound = self.rule.bound
         if bound is not None and bound.parameters_:
             largest = part.largest_change
@@ -370,12 +375,15 @@ class RoundAggregate:
                                                           f"{largest:.4g}, past the bound {min(limits):.4g}")
             if any(n > largest * (1 + 1e-6) for n in part.sum.change_norms):
                 raise AggregationRejected("malformed", f"site {site} reports a change above its largest")
-            summed, slack = rule.partial_change(part.sum, bound.parameters_)
+            summed, slack = rule.partial_change(part.sum, bound.parameters_, base)
             if summed > part.sum.total_weight * largest * (1 + 1e-6) + slack:
                 raise AggregationRejected("out_of_range", f"site {site}'s sum moves the parameters by {summed:.4g}, "
                                                           f"more than its weight times its largest change allows")
-        rule.add_partial(part.sum)
-        self._count(DevicePart(site, part.sum.total_weight))
+        if base is None:
+            rule.add_partial(part.sum)
+        else:
+            rule.add_stale_partial(part.sum, base, discount)
+        self._count(DevicePart(site, part.sum.total_weight, discount))
 
     def _check_site_claims(self, part: SitePart, records: dict[str, OwnRecord]) -> None:
         """What a site says its devices' updates measured, held to what the round's bound lets a

@@ -102,10 +102,10 @@ class SiteSample(_Wire):
     evaluate_share: float = Field(0.0, ge=0, le=1)
     #: the run's seed: the draw is the site's own, from (seed, round, site id)
     seed: int = Field(ge=0, lt=2**63)
-    #: the last training round whose aggregate made the task's state (None: none since the run
-    #: started or resumed): the site keeps its devices' records of that round and forgets any
-    #: of a round not adopted
-    adopted: int | None = Field(None, ge=0)
+    #: the round of this site's last task whose sum went into a state the run adopted (None: none
+    #: since the run started or resumed, or that state was rolled back): the site keeps its
+    #: devices' records of that task's round and forgets those of any other
+    kept: int | None = Field(None, ge=0)
 
 
 class SiteOrders(_Wire):

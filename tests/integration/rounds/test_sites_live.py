@@ -298,3 +298,26 @@ def test_a_summary_site_killed_mid_round_costs_that_round_and_judges_its_devices
     books = {site: json.loads((out / f"{site}-state" / "records.json").read_text())["history"] for site in SITES}
     assert {a: len(r) for a, r in books["site-a"].items()} == {a: 3 for a in SITES["site-a"]}
     assert {a: len(r) for a, r in books["site-b"].items()} == {a: 2 for a in SITES["site-b"]}
+
+
+def test_buffered_states_across_summary_sites_fold_a_sum_of_an_earlier_state_late_and_count_every_site(
+        mosquitto, tmp_path):
+    """Buffered rounds across summary sites: a state is adopted on the first site's sum (buffer
+    of one), so the other site's sum of that state arrives after it and is folded into the next
+    one, discounted (``late``, ``trained_on``); every site's devices count, and each site keeps
+    the records of its sums that went into adopted states."""
+    config = prepare(run_config(rounds=4, seed=9, asynchrony={"mode": "buffered", "buffer_size": 1}), 6)
+    tree = config.model_copy(update={"federation": f"{config.federation}-buffered"})
+    out = tmp_path / "tree"
+    rows, _ = _hierarchical(tree, mosquitto.url, out, mode="summary")
+
+    training = [r for r in rows if not r.final]
+    assert len(training) == 4 and not any(r.aborted for r in training)
+    late = [(r.round, site, r.trained_on[site]) for r in training for site in r.late]
+    assert late and all(on < r for r, _, on in late), late  # a sum of an earlier state, folded in later
+    assert all(sum(int(k) * n for k, n in r.staleness.items()) > 0 for r in training if r.late)
+    assert {s for r in training for s in r.participants + r.late} == set(SITES)
+    assert rows[-1].final and set(rows[-1].per_client) == set(SITES)
+    for site, members in SITES.items():
+        book = json.loads((out / f"{site}-state" / "records.json").read_text())
+        assert sorted(book["history"]) == members

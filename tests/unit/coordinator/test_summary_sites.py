@@ -150,15 +150,15 @@ def test_a_sites_records_are_kept_only_for_rounds_adopted_capped_as_the_central_
     # round 0 was judged without the fleet's median (vs_median 4): its records are capped at 4x the
     # adopted round's median, a clipped newcomer's at the median itself
     book.hold(0, _part({"a": 10.0, "b": 1.0, "c": 3.0}, newcomers=["c"]), first_vs_median=4.0)
-    book.settle(adopted=0, typical=2.0)
+    book.settle(kept=0, typical=2.0)
     assert book.history == {"a": [[8.0, {}]], "b": [[1.0, {}]], "c": [[2.0, {}]]}
     book.hold(1, _part({"a": 5.0}), first_vs_median=None)
-    book.settle(adopted=0, typical=2.0)  # round 1 not adopted: nothing of it kept
+    book.settle(kept=0, typical=2.0)  # round 1 not adopted: nothing of it kept
     assert book.history["a"] == [[8.0, {}]] and book.pending is None
     for r in (2, 3, 4):
         book.hold(r, _part({"a": float(r)}), first_vs_median=None)
     restarted = SiteRecords(tmp_path)  # round 4 pending on disk
-    restarted.settle(adopted=4, typical=2.0)
+    restarted.settle(kept=4, typical=2.0)
     assert restarted.history["a"] == [[8.0, {}], [4.0, {}]]  # 2 and 3 were never adopted
     records, newcomer = restarted.for_round(["a", "z"])
     assert list(records) == ["a"] and newcomer == OwnRecord(4.0, {})  # the largest of the site's typical records
@@ -180,3 +180,36 @@ def test_a_sites_evaluation_cuts_each_devices_count_as_the_central_round_does():
     # c's 1,000 samples weigh 2 x the median (10): 20 samples, half of them correct
     assert (answer.totals.eval_total, answer.totals.eval_correct, answer.totals.evaluated) == (40, 20, 3)
     assert np.isclose(answer.totals.eval_correct / answer.totals.eval_total, 0.5)
+
+
+def test_a_summary_sum_of_an_earlier_state_moves_the_model_as_its_updates_would_have_late():
+    """A buffered run: a site's sum over state v-1's parameters, folded into state v with its
+    discount, does what its devices' updates would have done as late updates (to the grid's
+    rounding), and its claims are checked over the parameters it was summed on."""
+    method, old = _state("fedavg", 31)
+    old = _with_record(method, old, 31)
+    newer = _with_record(method, old, 32)  # the state moved on meanwhile
+    updates = _updates(old, 33, [1.0, 2.0, 0.5])
+    site = method.open_round(old, AggregationSpec().build())
+    for update in updates:
+        site.add(update)
+    answer, tensors = summary_answer_of(site.site_part(), {}, sampled=3, max_weight_ratio=None)
+    base = old.shared_params()
+    part = summary_part_of(SITE, answer, tensors, base)
+    assert part is not None
+    by_device = method.open_round(newer, AggregationSpec(max_update_vs_median=None).build())
+    by_site = method.open_round(newer, AggregationSpec(max_update_vs_median=None).build())
+    for update in updates:
+        by_device.add(update, base, 0.5)
+    by_site.add_site(part, base, 0.5)
+    assert by_site.participants == [SITE] and by_site.weights == {SITE: 0.5 * answer.total_weight}
+    a, b = by_device.close(2).global_tensors, by_site.close(2).global_tensors
+    for key in a:
+        np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    # over the state it was summed on, a claim its sum does not bear out is refused as on time
+    understated = answer.model_copy(update={
+        "totals": answer.totals.model_copy(update={"largest_change": answer.totals.largest_change / 10}),
+        "change_norms": [n / 10 for n in answer.change_norms]})
+    with pytest.raises(AggregationRejected, match="more than its weight times its largest change"):
+        method.open_round(newer, AggregationSpec().build()).add_site(
+            summary_part_of(SITE, understated, tensors, base), base, 0.5)

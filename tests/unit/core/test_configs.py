@@ -152,3 +152,24 @@ def test_the_sites_example_configs_validate_as_a_central_run_and_a_site_aggregat
     assert central.sites.enabled and site.site_id in central.sites.ids
     assert site.central.federation == central.federation != site.site.federation
     assert (site.site.method.name, site.site.model.arch) == (central.method.name, central.model.arch)
+
+
+@pytest.mark.parametrize(("settings", "refused"), [
+    ({"aggregation": {"rule": "median"}}, "needs every single update"),
+    ({"method": {"name": "fedpac"}}, "needs every update"),
+    ({"asynchrony": {"mode": "buffered"}}, "buffered rounds take sites in summary"),
+    ({"secure_aggregation": {"enabled": True}, "min_agents": 3}, "neither secure aggregation nor differential privacy"),
+    ({"asynchrony": {"mode": "buffered"}, "sites": {"mode": "summary"}}, None),
+    ({"aggregation": {"rule": "clipped_mean"}}, None),
+])
+def test_sites_take_only_what_a_partial_sum_can_serve(settings, refused):
+    """A site sends the sum of its devices' updates: a run of sites refuses, at validation and by
+    name, what needs the single updates; buffered states take summary sites, whose late sums fold in."""
+    base = {"method": {"name": "fedavg"}, "sites": {"enabled": True, "ids": ["site-a"]}}
+    for key, value in settings.items():
+        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
+    if refused is None:
+        RunConfig.model_validate(base)
+    else:
+        with pytest.raises(ValueError, match=refused):
+            RunConfig.model_validate(base)
