@@ -153,6 +153,8 @@ def measure(devices: int, args: argparse.Namespace, work: Path) -> dict:
     }
     if args.mode == "summary":  # the sites are the trainers
         config["min_agents"] = args.sites
+    if args.buffer_size:  # buffered states of that many sites' sums
+        config["asynchrony"] = {"mode": "buffered", "buffer_size": args.buffer_size}
     (run_dir / "run.yaml").write_text(yaml.safe_dump(config))
     raise_fd_limit()
     with MosquittoBroker(max_queued_messages=0) as broker:
@@ -178,7 +180,7 @@ def measure(devices: int, args: argparse.Namespace, work: Path) -> dict:
             continue
         per_round.append({"round": row.round, "seconds": row.seconds,
                           "cpu_s": round(meter.cpu_at_row[i] - meter.cpu_at_row[i - 1], 3),
-                          "participants": len(row.participants), "bytes_down": row.bytes_down,
+                          "participants": len(row.participants) + len(row.late), "bytes_down": row.bytes_down,
                           "bytes_up": row.bytes_up})
     n = len(per_round)
     return {
@@ -195,7 +197,8 @@ def measure(devices: int, args: argparse.Namespace, work: Path) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"Sites ({result.get('mode', 'exact')}): FedAvg, {result['model']}, {result['rounds']} rounds (rounds "
+    buffered = f", buffered states of {result['buffer_size']} sums" if result.get("buffer_size") else ""
+    lines = [f"Sites ({result.get('mode', 'exact')}{buffered}): FedAvg, {result['model']}, {result['rounds']} rounds (rounds "
              f"1..R-1), {result['sites']} virtual sites; {result['machine']}", "",
              "| devices | sites | participants / round | round s (wall) | central CPU s / round | central peak RSS MB "
              "| WAN MB down / round | WAN MB up / round | flat fleet's MB / round (N x model each way) |",
@@ -221,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=("exact", "summary"), default="exact",
                     help="sites.mode: exact (every device through the centre) or summary (counts and totals)")
     ap.add_argument("--fraction", type=float, default=1.0, help="the run's fraction of devices trained a round")
+    ap.add_argument("--buffer-size", type=int, default=None,
+                    help="buffered states (summary sites only): a state per that many sites' sums")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--arch", default="cnn")
     ap.add_argument("--feature-dim", type=int, default=32)
@@ -237,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"({time.monotonic() - started:.0f} s)", flush=True)
     result = {"command": "python benchmarks/site_scale.py " + " ".join(argv), "model": f"{args.arch} {args.feature_dim}",
               "rounds": args.rounds, "sites": args.sites, "mode": args.mode, "fraction": args.fraction,
+              "buffer_size": args.buffer_size,
               "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "runs": runs}
     if args.out:
