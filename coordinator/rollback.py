@@ -38,7 +38,7 @@ class RollbackPolicy:
         """Continue the count of a checkpointed run."""
         self.aborted_streak, self.good_round = meta.aborted_streak, meta.good_round
 
-    def adopted(self, round: int | None = None) -> None:
+    def adopted(self, round: int) -> None:
         """``round``'s aggregate was adopted: the streak ends."""
         self.aborted_streak, self.last_adopted = 0, round
 

@@ -12,10 +12,12 @@ judged by the central round's bounds, then summed exactly (:func:`.sites.site_ag
 aggregator answers with the site's partial sum, so that one model-sized frame crosses the site's
 uplink per round whatever the number of devices, and the central round is the flat fleet's bit for bit.
 
-The aggregator keeps no state of its own: the model is the one each central task carries, its
+An exact site keeps no state of its own: the model is the one each central task carries, its
 devices are what their retained statuses on the site's broker say, and a round in flight is
 lost with the process, like a central round's aggregate (the central round closes with the
-other sites; the next task starts afresh). So a restart resumes by construction.
+other sites; the next task starts afresh). So a restart resumes by construction. A summary
+site (``mode: summary``) draws its own devices and keeps their records
+(:class:`.site_records.SiteRecords`, in ``state_dir``), which a restart reads back.
 """
 
 from __future__ import annotations
