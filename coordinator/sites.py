@@ -212,9 +212,11 @@ def summary_part_of(site_id: str, answer: SiteAnswer, tensors: Mapping[str, np.n
     if any(n > totals.trained for n in totals.clipped_by.values()) or answer.clipped > totals.trained:
         raise AggregationRejected("malformed", "a summary site says more updates were clipped than it summed")
     low, high = sum_words(tensors, reference)
+    # a site of more updates than norms reported sent quantiles: each stands for its share of them
+    norms = tuple(answer.change_norms)
     total = PartialSum(low=low, high=high, total_weight=answer.total_weight, count=totals.trained,
-                       clipped=answer.clipped, rule_clipped=answer.rule_clipped,
-                       change_norms=tuple(answer.change_norms))
+                       clipped=answer.clipped, rule_clipped=answer.rule_clipped, change_norms=norms,
+                       norm_weight=totals.trained / len(norms) if norms else 1.0)
     return SitePart(total, (), site=site_id, largest_change=totals.largest_change)
 
 

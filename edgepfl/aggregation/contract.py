@@ -407,6 +407,8 @@ class Aggregator(ABC):
         self.bound_clipped_ = 0
         #: the change norm of each update added this round, as adopted (with a bound only)
         self.change_norms_: list[float] = []
+        #: change norms that stand for several updates each, with that weight (summary sites' quantiles)
+        self.weighted_norms_: list[tuple[float, float]] = []
         #: what the last update added measured, as adopted (None: no bound, or none yet)
         self.last_record_: OwnRecord | None = None
 
@@ -417,6 +419,7 @@ class Aggregator(ABC):
         self.count_ = 0
         self.bound_clipped_ = 0
         self.change_norms_ = []
+        self.weighted_norms_ = []
         self.last_record_ = None
         if self.bound is not None:
             self.bound.begin(self.reference_, typical_change)
@@ -424,8 +427,17 @@ class Aggregator(ABC):
     def median_change(self) -> float | None:
         """The median change norm of this round's updates as adopted (the lower middle one
         of an even number, a value some update had): the next round's ``typical_change``.
-        None without a bound (nothing measured) or updates."""
-        return lower_median(self.change_norms_)
+        None without a bound (nothing measured) or updates. Norms that stand for several
+        updates (a summary site's quantiles) weigh that many: the lower weighted median."""
+        if not self.weighted_norms_:
+            return lower_median(self.change_norms_)
+        pairs = sorted([(n, 1.0) for n in self.change_norms_] + self.weighted_norms_)
+        half, seen = sum(w for _, w in pairs) / 2, 0.0
+        for norm, weight in pairs:
+            seen += weight
+            if seen >= half:
+                return norm
+        return pairs[-1][0]  # not reached: the weights add up to twice half
 
     def add(self, params: Mapping[str, np.ndarray], weight: int = 1,
             own: OwnRecord | None = None, discount: float = 1.0) -> tuple[str, ...]:

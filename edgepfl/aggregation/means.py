@@ -61,7 +61,7 @@ class SummingRule(Aggregator):
         self.count_ += partial.count
         self.bound_clipped_ += partial.clipped
         self.clipped_ += partial.rule_clipped
-        self.change_norms_.extend(partial.change_norms)
+        self._add_norms(partial)
 
 
     def add_stale_partial(self, partial: PartialSum, base: Mapping[str, np.ndarray], discount: float) -> None:
@@ -84,7 +84,14 @@ class SummingRule(Aggregator):
         self.count_ += partial.count
         self.bound_clipped_ += partial.clipped
         self.clipped_ += partial.rule_clipped
-        self.change_norms_.extend(partial.change_norms)
+        self._add_norms(partial)
+
+
+    def _add_norms(self, partial: PartialSum) -> None:
+        if partial.norm_weight == 1.0:
+            self.change_norms_.extend(partial.change_norms)
+        else:
+            self.weighted_norms_.extend((n, partial.norm_weight) for n in partial.change_norms)
 
 
 class Mean(SummingRule):

@@ -51,6 +51,9 @@ class PartialSum:
     rule_clipped: int = 0
     #: each update's change norm as adopted (the rule's bound measures it; empty without one)
     change_norms: tuple[float, ...] = ()
+    #: how many updates each of ``change_norms`` stands for: 1, or a summary site's quantiles' share
+    #: of its updates (its count over the number of quantiles it reported)
+    norm_weight: float = 1.0
 
     def check(self, reference: Mapping[str, np.ndarray]) -> None:
         """Raise :class:`AggregationRejected` unless this sum can be folded into a round whose

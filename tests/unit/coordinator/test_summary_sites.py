@@ -213,3 +213,27 @@ def test_a_summary_sum_of_an_earlier_state_moves_the_model_as_its_updates_would_
     with pytest.raises(AggregationRejected, match="more than its weight times its largest change"):
         method.open_round(newer, AggregationSpec().build()).add_site(
             summary_part_of(SITE, understated, tensors, base), base, 0.5)
+
+
+def test_the_rounds_median_change_weighs_a_large_sites_quantiles_by_the_updates_they_stand_for():
+    """A site of 160 updates reports 16 quantiles and one of 8 reports its 8 norms: the round's
+    median change (the next round's typical_change) is the median of the 168 updates, not of
+    the 24 numbers, which would give each of the small site's updates ten times its say."""
+    from edgepfl.aggregation import Mean, PartialSum
+
+    reference = {"w": np.zeros(4, np.float32)}
+    zero = {"w": np.zeros(4, np.int64)}
+    quantiles = tuple(float(q) for q in np.linspace(1.0, 2.0, 16))
+    large = PartialSum(low=zero, high=zero, total_weight=160, count=160, change_norms=quantiles, norm_weight=10.0)
+    small = PartialSum(low=zero, high=zero, total_weight=8, count=8, change_norms=(10.0,) * 8)
+    rule = Mean()
+    rule.begin(reference)
+    rule.add_partial(large)
+    rule.add_partial(small)
+    assert rule.median_change() == quantiles[8]  # 9 quantiles x 10 updates: past half of 168
+    assert sorted(quantiles + small.change_norms)[(24 - 1) // 2] == quantiles[11]  # the 24 numbers alone
+    # a site whose norms are all its updates' weighs each once: the plain lower median
+    plain = Mean()
+    plain.begin(reference)
+    plain.add_partial(PartialSum(low=zero, high=zero, total_weight=3, count=3, change_norms=(5.0, 6.0, 7.0)))
+    assert plain.median_change() == 6.0
