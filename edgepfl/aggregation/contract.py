@@ -283,6 +283,23 @@ class UpdateBound:
             scale = var + max(float(np.median(var)), 1e-12) if var.size else var
             self.statistic_limits_[layer] = (mean, scale, *self._statistic_bounds(mean, var, scale, None))
 
+    def _layer_limits(self, layer: str, own: OwnRecord | None) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """``layer``'s largest mean move and largest variance per channel for a device whose
+        record is ``own`` (None: no record; the fleet's limits)."""
+        mean_ref, scale, max_move, max_var = self.statistic_limits_[layer]
+        if own is not None and layer in own.statistics:
+            var_ref = self.reference_[layer + "running_var"].astype(np.float64)
+            return self._statistic_bounds(mean_ref, var_ref, scale, own.statistics[layer])
+        return max_move, max_var
+
+    def statistic_limit(self, layer: str, own: OwnRecord | None) -> tuple[float | None, float | None]:
+        """The largest move of a running mean, and the largest running variance, this round
+        lets a device whose record is ``own`` keep in ``layer``, over all its channels (None:
+        no bound): what a clipped update's statistics can be at most."""
+        move, var = self._layer_limits(layer, own)
+        return (None if move is None else float(np.max(move, initial=0.0)),
+                None if var is None else float(np.max(var, initial=0.0)))
+
     def _statistic_bounds(self, mean: np.ndarray, var: np.ndarray, scale: np.ndarray,
                           own: tuple[float, float] | None) -> tuple[np.ndarray | None, np.ndarray | None]:
         """A layer's largest mean move and largest variance per channel; ``own``: the device's
@@ -349,10 +366,8 @@ class UpdateBound:
                 clipped[key] = (ref64 + factor * (np.asarray(params[key], np.float64) - ref64)).astype(ref.dtype)
         statistics: dict[str, tuple[float, float]] = {}
         for layer in self.layers_:
-            mean_ref, scale, max_move, max_var = self.statistic_limits_[layer]
-            if own is not None and layer in own.statistics:
-                var_ref = self.reference_[layer + "running_var"].astype(np.float64)
-                max_move, max_var = self._statistic_bounds(mean_ref, var_ref, scale, own.statistics[layer])
+            mean_ref, scale, _, _ = self.statistic_limits_[layer]
+            max_move, max_var = self._layer_limits(layer, own)
             mean_key, var_key = layer + "running_mean", layer + "running_var"
             mean = np.asarray(params[mean_key], np.float64)
             var = np.asarray(params[var_key], np.float64)

@@ -64,6 +64,13 @@ class SummingRule(Aggregator):
         self._add_norms(partial)
 
 
+    def partial_totals(self, partial: PartialSum, key: str) -> tuple[np.ndarray, float]:
+        """What ``partial`` sums of ``key`` (``w * (x - reference)`` over its updates), as
+        floats, and how much the grid's rounding can account for in one coordinate."""
+        scale = self.sum_.scale[key]
+        value = (partial.high[key].astype(np.float64) * float(2**LOW_BITS) + partial.low[key].astype(np.float64)) / scale
+        return value, 0.5 * partial.count / scale
+
     def add_stale_partial(self, partial: PartialSum, base: Mapping[str, np.ndarray], discount: float) -> None:
         """Fold in a partial sum made over an older reference ``base`` (a summary site answering
         a buffered run's earlier state): the mean of its updates, moved onto this round's

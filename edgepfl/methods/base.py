@@ -414,6 +414,42 @@ class RoundAggregate:
         if summed > applied * (1 + 1e-6) + slack:
             raise AggregationRejected("out_of_range", f"a site's sum moves the parameters by {summed:.4g}, more than "
                                                       f"the changes it reports of its devices add up to ({applied:.4g})")
+        self._check_site_statistics(part, records)
+
+    def _check_site_statistics(self, part: SitePart, records: dict[str, OwnRecord]) -> None:
+        """What a site says of its devices' BatchNorm statistics, held to its sum: in each
+        channel the summed move of a running mean at most the devices' reported largest moves,
+        weighted, and the summed running variance at most their reported largest variances,
+        weighted (a device a bound clipped counts at its bound: its record is kept lower). A
+        site that keeps its devices' statistics records low while summing more refuses whole."""
+        bound, rule = self.rule.bound, self._summing_rule()
+        assert bound is not None  # the caller's condition
+        for layer in bound.layers_:
+            moves: float | None = 0.0
+            variances: float | None = 0.0
+            for d in part.devices:
+                weight = d.weight if self.rule.weighted else 1
+                if d.fired:
+                    move, var = bound.statistic_limit(layer, self.own_record(d.agent_id))
+                elif layer in records[d.agent_id].statistics:
+                    move, var = records[d.agent_id].statistics[layer]
+                elif bound.statistic_limits_[layer][1].size:  # a layer with channels is always measured
+                    raise AggregationRejected("malformed", f"a site's record of {d.agent_id} leaves out {layer}")
+                else:
+                    continue
+                moves = None if moves is None or move is None else moves + weight * move
+                variances = None if variances is None or var is None else variances + weight * var
+            mean_sum, slack = rule.partial_totals(part.sum, layer + "running_mean")
+            if moves is not None and mean_sum.size and float(np.max(np.abs(mean_sum))) > moves * (1 + 1e-6) + slack:
+                raise AggregationRejected("out_of_range", f"a site's sum moves {layer}running_mean by more than the "
+                                                          "largest moves it reports of its devices add up to")
+            var_sum, slack = rule.partial_totals(part.sum, layer + "running_var")
+            reference = self.reference[layer + "running_var"].astype(np.float64)
+            total = sum(d.weight if self.rule.weighted else 1 for d in part.devices)
+            if variances is not None and var_sum.size and \
+                    float(np.max(var_sum + total * reference)) > variances * (1 + 1e-6) + slack:
+                raise AggregationRejected("out_of_range", f"a site's sum holds larger {layer}running_var than the "
+                                                          "largest variances it reports of its devices add up to")
 
     def shares(self) -> dict[str, float]:
         """Each device's share of the round's change of the shared parameters under a weighted

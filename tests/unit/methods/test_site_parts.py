@@ -313,3 +313,31 @@ def test_a_sums_body_gives_back_its_exact_words_in_one_word_where_it_fits_and_tw
     assert sum(a.nbytes for a in body.values()) == (1 if fits else 2) * 8 * n
     back_low, back_high = sum_words(body, {"w": np.zeros(n, np.float32)})
     assert back_low["w"].tolist() == low[:n] and back_high["w"].tolist() == high
+
+
+@pytest.mark.parametrize("understated", ["moves", "variances", "a layer left out"])
+def test_a_site_that_reports_its_devices_batchnorm_statistics_lower_than_it_summed_is_refused(understated):
+    """A device's record keeps its BatchNorm statistics too (the largest move of a running mean,
+    the largest running variance): they widen its bound next round. A site whose records say
+    less than its sum holds of them (a channel's summed move past the reported moves, weighted,
+    or a variance past the reported variances) is refused whole; the honest part goes in."""
+    method, state = _state("fedavg", 7)
+    state = _with_record(method, state, 7)
+    updates = _updates(state, 8, [1.0, 3.0, 1.0, 2.0])
+    central, honest = _bounded_site(method, state, updates, AggregationSpec())
+    assert all(d.record[1] for d in honest.devices)  # the mlp's BatchNorm layers are measured
+
+    def lowered(stats: dict) -> dict:
+        if understated == "a layer left out":
+            return dict(list(stats.items())[1:])
+        i = 0 if understated == "moves" else 1
+        return {layer: tuple(v * (0.05 if j == i else 1.0) for j, v in enumerate(pair)) for layer, pair in stats.items()}
+
+    forged = SitePart(honest.sum, tuple(
+        DevicePart(d.agent_id, d.weight, d.discount, record=[d.record[0], lowered(d.record[1])], fired=d.fired)
+        for d in honest.devices))
+    with pytest.raises(AggregationRejected, match="running_mean|running_var|leaves out"):
+        central.add_site(forged)
+    assert central.count == 0
+    central.add_site(honest)
+    assert central.count == 4
