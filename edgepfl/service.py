@@ -137,23 +137,38 @@ class Stopped(BaseException):
     install or task into a logged refusal must not swallow it."""
 
 
-# Depths of the sections the main thread is in, and a stop that waits for the end of an
-# uninterruptible one. Main thread only: signal handlers run there.
+# Depths of the sections the main thread is in, a stop that waits for the end of an
+# uninterruptible one, and whether a stop was raised in the current interruptible section.
+# Main thread only: signal handlers run there.
 _interruptible = 0
 _uninterruptible = 0
 _pending = False
+_raised = False
 
 
 @contextmanager
 def interruptible() -> Iterator[None]:
-    """A long step that :func:`request_stop` ends at once, raising :class:`Stopped` inside it."""
-    global _interruptible, _pending
+    """A long step that :func:`request_stop` ends at once, raising :class:`Stopped` inside it.
+
+    The stop may surface as another exception: a handler runs wherever the step is, and C
+    code that calls back into Python (pydantic's validators calling ``re``) reports an
+    exception raised inside as its own error, a ValidationError of a frame that was fine.
+    Any exception leaving a section in which a stop was raised is therefore the stop."""
+    global _interruptible, _pending, _raised
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    if _interruptible == 0:
+        _raised = False
     _interruptible += 1
     try:
         yield
+    except Stopped:
+        raise
+    except BaseException as exc:
+        if _raised:
+            raise Stopped() from exc
+        raise
     finally:
         _interruptible -= 1
         if _interruptible == 0:
@@ -164,7 +179,7 @@ def interruptible() -> Iterator[None]:
 def uninterruptible() -> Iterator[None]:
     """Writes that must all happen or none (in the main thread): a stop request that
     arrives meanwhile raises :class:`Stopped` once they are done."""
-    global _uninterruptible, _pending
+    global _uninterruptible, _pending, _raised
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -174,7 +189,7 @@ def uninterruptible() -> Iterator[None]:
     finally:
         _uninterruptible -= 1
     if _uninterruptible == 0 and _pending and _interruptible:
-        _pending = False
+        _pending, _raised = False, True
         raise Stopped()
 
 
@@ -182,10 +197,11 @@ def request_stop() -> None:
     """Call from a signal handler, after setting the loop's stop flag: inside
     :func:`interruptible`, raises :class:`Stopped` now (or at the end of an
     :func:`uninterruptible` section); elsewhere returns, and the loop sees its flag."""
-    global _pending
+    global _pending, _raised
     if not _interruptible or threading.current_thread() is not threading.main_thread():
         return
     if _uninterruptible:
         _pending = True
         return
+    _raised = True
     raise Stopped()

@@ -102,3 +102,25 @@ def test_a_long_computation_feeds_the_watchdog_while_it_computes_and_not_while_i
         with notifier.fed_while_computing():
             time.sleep(1.0)  # blocked for ten ping intervals: no CPU spent, so no ping
         assert pings() == 0
+
+
+def test_a_stop_that_surfaces_as_another_error_is_still_the_stop(sigterm):
+    """C code that calls back into Python (pydantic validating a pattern with ``re``) reports an
+    exception raised inside the callback as its own error: a SIGTERM landing there came out of
+    an agent's secure step as "invalid SealedShare" and exit 2 (CI, session 44). An error that
+    leaves a section in which the stop was raised is the stop; one without a stop is itself."""
+    def callback_that_swallows() -> None:
+        try:
+            _term()
+            time.sleep(1)  # the handler runs here and raises Stopped
+        except Stopped:
+            pass  # what such C code does with it (PyErr_WriteUnraisable), before raising its own error
+        raise ValueError("invalid SealedShare: peer: String should match pattern '<unprintable str object>'")
+
+    with pytest.raises(Stopped) as stopped, interruptible():
+        callback_that_swallows()
+    assert isinstance(stopped.value.__cause__, ValueError)
+    assert sigterm.is_set()
+    # a new section starts clean: its own error is its own
+    with pytest.raises(ValueError, match="its own"), interruptible():
+        raise ValueError("its own")
