@@ -27,7 +27,7 @@ from edgepfl.aggregation import (
     AggregationSpec,
     Aggregator,
     PartialSum,
-    weight_cap,
+    capped_counts,
 )
 from edgepfl.aggregation.partial import LOW_BITS
 from edgepfl.methods import DevicePart, Method, RoundAggregate, ServerState, SitePart
@@ -171,8 +171,7 @@ def summary_answer_of(part: SitePart | None, answers: Mapping[str, DeviceEvaluat
     no device. Each device's held-out count is cut to ``max_weight_ratio`` times the site's
     median, as the central round cuts its own devices' (:func:`~edgepfl.aggregation.capped_accuracy`)."""
     pairs = [(e.correct, e.total) for e in answers.values() if e.total > 0]
-    cap = weight_cap((t for _, t in pairs), max_weight_ratio)
-    weights = [t if cap is None else min(t, cap) for _, t in pairs]
+    weights = capped_counts([t for _, t in pairs], max_weight_ratio)
     losses = [e.train_loss for e in answers.values() if e.kind == "train" and e.train_loss is not None]
     totals = dict(sampled=sampled, dropped=dropped, evaluated=len(pairs), eval_total=sum(weights),
                   eval_correct=round(sum(w * c / t for w, (c, t) in zip(weights, pairs))),

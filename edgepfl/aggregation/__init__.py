@@ -66,11 +66,12 @@ from .robust import CenteredClip, CoordinateMedian, MultiKrum, TrimmedMean
 from .rules import AUTO, RULES, Rule, RuleName
 from .secure import MAX_SECURE_WEIGHT, SecureMean, from_ring, grid_contribution, ring_keys, ring_size, ring_vector
 from .spec import PER_UPDATE_BOUNDS, AggregationSpec
-from .weights import capped_accuracy, rebase, staleness_weight, weight_cap
+from .weights import capped_accuracy, capped_counts, rebase, staleness_weight, weight_cap
 
 __all__ = [
     "CHANGE_BOUNDS",
     "AdaptiveClip", "AggregationRejected", "AUTO", "CenteredClip", "AggregationSpec", "Aggregator", "Bounded", "capped_accuracy",
+    "capped_counts",
     "change_range", "CHANGE_RANGE", "clip_factor", "CoordinateMedian", "DEFAULT_MAX_FIRST_UPDATE_RATIO",
     "DEFAULT_MAX_MEAN_SHIFT", "DEFAULT_MAX_UPDATE_VS_MEDIAN", "DEFAULT_MAX_VARIANCE_GROWTH",
     "DEFAULT_MAX_WEIGHT_RATIO", "from_ring", "GaussianMean", "grid_contribution", "lower_median",

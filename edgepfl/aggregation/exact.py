@@ -24,7 +24,7 @@ import numpy as np
 from .contract import MAX_UPDATE_WEIGHT, AggregationRejected, TensorDict, _statistic_layers, change_range
 from .partial import CONTRIBUTION_BITS as _INT64_HEADROOM  # bits one contribution may use in int64
 from .partial import LOW_BITS as _CARRY_BITS  # the low word keeps this many bits; the rest is carried to the high word
-from .partial import PartialSum
+from .partial import PartialSum, words_total
 
 
 def ceil_log2(x: float) -> int:
@@ -132,8 +132,8 @@ class _ExactSum:
         low -= carry << _CARRY_BITS
 
     def _total(self, key: str) -> np.ndarray:
-        """The exact integer sum of ``key``, rounded once to float64 (both words are exact floats)."""
-        return self.high[key].astype(np.float64) * float(2**_CARRY_BITS) + self.low[key].astype(np.float64)
+        """The exact integer sum of ``key``, rounded once to float64."""
+        return words_total(self.low[key], self.high[key])
 
     def mean(self) -> TensorDict:
         out: TensorDict = {}

@@ -10,7 +10,7 @@ import numpy as np
 
 from .contract import MAX_UPDATE_WEIGHT, Aggregator, TensorDict, _norm
 from .exact import _ExactSum
-from .partial import LOW_BITS, PartialSum
+from .partial import PartialSum, words_total
 from .weights import rebase
 
 
@@ -43,12 +43,17 @@ class SummingRule(Aggregator):
         grid = self.sum_ if base is None else _ExactSum(base)
         total = slack = 0.0
         for key in keys:
-            scale = grid.scale[key]
-            value = (partial.high[key].astype(np.float64) * float(2**LOW_BITS)
-                     + partial.low[key].astype(np.float64)) / scale
+            value, step = self.partial_totals(partial, key, grid)
             total += float(np.sum(value * value))
-            slack += value.size * (0.5 * partial.count / scale) ** 2
+            slack += value.size * step**2
         return math.sqrt(total), math.sqrt(slack)
+
+    def partial_totals(self, partial: PartialSum, key: str, grid: _ExactSum | None = None) -> tuple[np.ndarray, float]:
+        """What ``partial`` sums of ``key`` (``w * (x - reference)`` over its updates), as
+        floats, and how much the grid's rounding can account for in one coordinate (``grid``:
+        the one it was summed on, when not this round's)."""
+        scale = (grid or self.sum_).scale[key]
+        return words_total(partial.low[key], partial.high[key]) / scale, 0.5 * partial.count / scale
 
     def add_partial(self, partial: PartialSum) -> None:
         """Fold in another instance's :meth:`partial` over the same reference, as if its updates
@@ -63,13 +68,6 @@ class SummingRule(Aggregator):
         self.clipped_ += partial.rule_clipped
         self._add_norms(partial)
 
-
-    def partial_totals(self, partial: PartialSum, key: str) -> tuple[np.ndarray, float]:
-        """What ``partial`` sums of ``key`` (``w * (x - reference)`` over its updates), as
-        floats, and how much the grid's rounding can account for in one coordinate."""
-        scale = self.sum_.scale[key]
-        value = (partial.high[key].astype(np.float64) * float(2**LOW_BITS) + partial.low[key].astype(np.float64)) / scale
-        return value, 0.5 * partial.count / scale
 
     def add_stale_partial(self, partial: PartialSum, base: Mapping[str, np.ndarray], discount: float) -> None:
         """Fold in a partial sum made over an older reference ``base`` (a summary site answering

@@ -29,6 +29,12 @@ LOW_BITS = 40
 CONTRIBUTION_BITS = 62
 
 
+def words_total(low: np.ndarray, high: np.ndarray) -> np.ndarray:
+    """The exact integer ``high * 2**LOW_BITS + low`` of a sum's two words, rounded once to
+    float64 (both words are exact floats)."""
+    return high.astype(np.float64) * float(2**LOW_BITS) + low.astype(np.float64)
+
+
 @dataclass(frozen=True)
 class PartialSum:
     """A rule's running sum over some updates of one round, exactly: per tensor the integer

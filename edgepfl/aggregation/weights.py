@@ -28,6 +28,12 @@ def weight_cap(counts: Iterable[int], ratio: float | None) -> int | None:
     return max(1, math.floor(ratio * middle))
 
 
+def capped_counts(counts: list[int], ratio: float | None) -> list[int]:
+    """Each of ``counts`` cut to :func:`weight_cap` of them: what each device's count weighs."""
+    cap = weight_cap(counts, ratio)
+    return [t if cap is None else min(t, cap) for t in counts]
+
+
 def capped_accuracy(results: Iterable[tuple[int, int]], ratio: float | None,
                     pooled: Iterable[tuple[int, int]] = ()) -> float | None:
     """Held-out accuracy over ``(correct, total)`` pairs, each device weighted by its
@@ -35,8 +41,7 @@ def capped_accuracy(results: Iterable[tuple[int, int]], ratio: float | None,
     as they are (a summary site's, whose devices' counts were cut at the site); None: nothing
     was evaluated."""
     pairs = [(c, t) for c, t in results if t > 0]
-    cap = weight_cap((t for _, t in pairs), ratio)
-    weights = [t if cap is None else min(t, cap) for _, t in pairs]
+    weights = capped_counts([t for _, t in pairs], ratio)
     whole = [(c, t) for c, t in pooled if t > 0]
     if not weights and not whole:
         return None

@@ -424,11 +424,12 @@ class RoundAggregate:
         site that keeps its devices' statistics records low while summing more refuses whole."""
         bound, rule = self.rule.bound, self._summing_rule()
         assert bound is not None  # the caller's condition
+        weights = {d.agent_id: d.weight if self.rule.weighted else 1 for d in part.devices}
         for layer in bound.layers_:
             moves: float | None = 0.0
             variances: float | None = 0.0
             for d in part.devices:
-                weight = d.weight if self.rule.weighted else 1
+                weight = weights[d.agent_id]
                 if d.fired:
                     move, var = bound.statistic_limit(layer, self.own_record(d.agent_id))
                 elif layer in records[d.agent_id].statistics:
@@ -445,9 +446,8 @@ class RoundAggregate:
                                                           "largest moves it reports of its devices add up to")
             var_sum, slack = rule.partial_totals(part.sum, layer + "running_var")
             reference = self.reference[layer + "running_var"].astype(np.float64)
-            total = sum(d.weight if self.rule.weighted else 1 for d in part.devices)
             if variances is not None and var_sum.size and \
-                    float(np.max(var_sum + total * reference)) > variances * (1 + 1e-6) + slack:
+                    float(np.max(var_sum + sum(weights.values()) * reference)) > variances * (1 + 1e-6) + slack:
                 raise AggregationRejected("out_of_range", f"a site's sum holds larger {layer}running_var than the "
                                                           "largest variances it reports of its devices add up to")
 
