@@ -56,7 +56,7 @@ from .fleet import MqttFleet
 from .result import RoundResult
 from .round_tasks import PATIENCE_SHARE, RoundTasks, Task
 from .site_records import SiteRecords
-from .sites import answer_of, draw_site, site_aggregate, summary_answer_of
+from .sites import answer_of, central_too_old, draw_site, site_aggregate, summary_answer_of
 from .tasks import TaskWriter
 from .wiring import wire
 
@@ -275,6 +275,10 @@ class SiteAggregator:
         """Why the site cannot run this task (None: it can), and the rule its devices' updates are
         summed by (None: nobody trains, or it cannot run it)."""
         site = self.config
+        central = self.central.central
+        too_old = central_too_old(None if central is None else central.version)
+        if too_old is not None:
+            return ("error", too_old), None
         if meta.run.method.name != site.method.name:
             return ("unsupported_method", f"the site's devices run {site.method.name}, not {meta.run.method.name}"), None
         if meta.run.model.arch != site.model.arch:

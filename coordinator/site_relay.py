@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 
 from edgepfl.aggregation import AggregationSpec
 from edgepfl.config import RunConfig
-from edgepfl.protocol import Capabilities, StatusMeta
+from edgepfl.protocol import VARIANCE_GRID, Capabilities, StatusMeta
 from edgepfl.protocol.site import SiteDevice, SiteOrders, SiteSample
 
 from .registry import Registry
@@ -43,6 +43,9 @@ class SiteRelay:
     def __init__(self, registry: Registry, aggregation: AggregationSpec, ids: Iterable[str],
                  summary: RunConfig | None = None):
         self.registry = registry
+        # a site before 1.17 sums a BatchNorm variance on another grid than this side decodes
+        # (PROTOCOL.md §19.3): it gets no task; in a run of sites direct trainers are held to it too
+        registry.require_protocol(VARIANCE_GRID, "a run of sites")
         #: a run that takes its sites in summary: its sampling settings (None: exact, every device here)
         self.summary = summary
         if summary is not None:

@@ -31,6 +31,7 @@ from edgepfl.aggregation import (
 )
 from edgepfl.aggregation.partial import LOW_BITS
 from edgepfl.methods import DevicePart, Method, RoundAggregate, ServerState, SitePart
+from edgepfl.protocol import VARIANCE_GRID, supports
 from edgepfl.protocol.site import (
     MAX_SUMMARY_NORMS,
     SUM,
@@ -148,6 +149,16 @@ def part_of(answer: SiteAnswer, tensors: Mapping[str, np.ndarray], reference: Ma
     return SitePart(total, devices)
 
 
+def central_too_old(version: str | None) -> str | None:
+    """Why a site cannot sum for a central coordinator that announced ``version`` (None: no
+    presence heard yet, taken as 1.0), or None when it can: before 1.17 the central side decodes a
+    BatchNorm running variance on a grid 512 times finer than the site's sums (PROTOCOL.md §19.3)."""
+    if supports(version, VARIANCE_GRID):
+        return None
+    return (f"the central coordinator speaks protocol {version or 'unknown'}; a site's sums need "
+            f"{VARIANCE_GRID[0]}.{VARIANCE_GRID[1]}")
+
+
 def draw_site(site_id: str, online: list[str], sample: SiteSample, r: int) -> tuple[list[str], list[str]]:
     """A summary site's round ``r``: who of its ``online`` devices trains and who only
     evaluates, drawn as the central coordinator draws its own (:func:`.sampling.choose_participants`)
@@ -257,5 +268,5 @@ def sum_words(tensors: Mapping[str, np.ndarray],
     return low, high
 
 
-__all__ = ["answer_of", "draw_site", "orders_for", "part_of", "site_aggregate", "sum_tensors", "sum_words",
+__all__ = ["answer_of", "central_too_old", "draw_site", "orders_for", "part_of", "site_aggregate", "sum_tensors", "sum_words",
            "summary_answer_of", "summary_part_of"]

@@ -31,8 +31,8 @@ from edgepfl.errors import OutOfMemory, out_of_memory
 from edgepfl.failpoints import failpoint
 from edgepfl.protocol import (
     BAD_SHARES,
-    DIRECTED_SHARE_KEYS,
     RELEASE_REFUSALS,
+    VARIANCE_GRID,
     AgentChannel,
     Capabilities,
     FederationChannel,
@@ -244,9 +244,10 @@ class TrainerTier:
         if message.type == MessageType.SECAGG:
             frame = self.runtime.secure.step(message.header, message.meta_as(SecAggMeta))
             # to a coordinator before 1.14 nothing: its rounds mix agents that seal both directions of an edge
-            # under one key and the zero nonce (PROTOCOL.md §19), which would hand it this agent's shares
+            # under one key and the zero nonce (PROTOCOL.md §19), which would hand it this agent's shares;
+            # nor before 1.17, whose grid puts a BatchNorm variance elsewhere than this agent's contribution
             return None if frame is None else Reply(AgentChannel.UPDATE, frame, message.header.round,
-                                                    since=DIRECTED_SHARE_KEYS)
+                                                    since=VARIANCE_GRID)
         meta = message.meta_as(TaskMeta)  # the agent hands a tier only messages of its ``accepts`` types
         task_id, round = meta.task_id, message.header.round
         refused = self.guard.refusal(message)

@@ -42,7 +42,7 @@ from edgepfl.aggregation import AggregationRejected, SecureMean
 from edgepfl.config import ConfigError
 from edgepfl.metrics import RoundMetrics, SecureRecord
 from edgepfl.pki import load_certificate, uncertified_keys
-from edgepfl.protocol import DIRECTED_SHARE_KEYS, MessageType, encode, new_message_id
+from edgepfl.protocol import VARIANCE_GRID, MessageType, encode, new_message_id
 from edgepfl.protocol.secagg import PeerKeys, SealedShare, SecAggMeta, SecAggTask, unb64
 from edgepfl.secagg import (
     RING_BITS,
@@ -124,8 +124,9 @@ class SecureRounds:
     def __init__(self, context: RoundContext):
         require_authenticated(context.fleet, context.signer is not None, context.enrols)
         # an agent before 1.9 would never answer a step, one before 1.14 seals both directions of an edge
-        # under one key (§19): neither gets a task of this run (the registry logs it once)
-        context.registry.require_protocol(DIRECTED_SHARE_KEYS, "secure aggregation")
+        # under one key, one before 1.17 puts a BatchNorm variance on another grid (§19): none gets a
+        # task of this run (the registry logs it once)
+        context.registry.require_protocol(VARIANCE_GRID, "secure aggregation")
         context.route_steps(self._on_step, self._on_refused)
         context.resend_lost_tasks()
         self.co = context

@@ -50,6 +50,7 @@ from .contract import (
     STATISTIC_LEAVES,
     UPDATE_HISTORY,
     UPDATE_NORM_MEDIAN,
+    VARIANCE_RANGE,
     AggregationRejected,
     Aggregator,
     Bounded,
@@ -58,6 +59,7 @@ from .contract import (
     UpdateBound,
     change_range,
     lower_median,
+    variance_keys,
 )
 from .dp import AdaptiveClip, GaussianMean, clip_factor
 from .means import Mean, NormClippedMean, SummingRule
@@ -78,5 +80,6 @@ __all__ = [
     "MAX_SECURE_WEIGHT", "MAX_UPDATE_WEIGHT", "Mean", "MultiKrum", "NormClippedMean", "OwnRecord", "PartialSum",
     "PER_UPDATE_BOUNDS", "rebase", "ring_keys", "ring_size", "ring_vector",
     "round_rule", "Rule", "RuleName", "RULES", "SecureMean", "staleness_weight", "STATISTIC_LEAVES", "SummingRule", "TensorDict",
-    "TrimmedMean", "UPDATE_HISTORY", "UPDATE_NORM_MEDIAN", "UpdateBound", "weight_cap",
+    "TrimmedMean", "UPDATE_HISTORY", "UPDATE_NORM_MEDIAN", "UpdateBound", "VARIANCE_RANGE", "variance_keys",
+    "weight_cap",
 ]

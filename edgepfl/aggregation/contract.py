@@ -60,6 +60,11 @@ DEFAULT_MAX_VARIANCE_GROWTH = 10_000.0
 CHANGE_BOUNDS = frozenset({"max_update_ratio", "max_update_vs_median", "max_first_update_ratio"})
 #: how far (in units of the reference's largest magnitude, at least 1) a coordinate may move
 CHANGE_RANGE = 2**6
+#: how far a BatchNorm running variance may move, in the same units (protocol 1.17): room for
+#: every variance the default ``max_variance_growth`` keeps, 10,000 x (a channel's variance + the
+#: layer's median) <= 20,000 x the layer's largest. At 64 the range, not the bound, clamped an
+#: honest skewed device (a channel at 65 x the layer's largest) and refused it with the bounds off
+VARIANCE_RANGE = 2**15
 _INSIDE = 1 - 2**-16  # a clamp this far inside change_range stays inside after rounding to float32
 
 
@@ -71,11 +76,12 @@ class AggregationRejected(ValueError):
         self.reason = reason
 
 
-def change_range(reference: np.ndarray) -> float:
+def change_range(reference: np.ndarray, variance: bool = False) -> float:
     """How far any coordinate of a floating-point tensor may move from ``reference`` in one
-    update for the streaming rules' exact sums: :data:`CHANGE_RANGE` times the tensor's
-    largest magnitude, at least 1."""
-    return CHANGE_RANGE * max(1.0, float(np.max(np.abs(reference))) if reference.size else 0.0)
+    update for the streaming rules' exact sums: :data:`CHANGE_RANGE` (a BatchNorm running
+    variance, ``variance``: :data:`VARIANCE_RANGE`) times the tensor's largest magnitude, at least 1."""
+    units = VARIANCE_RANGE if variance else CHANGE_RANGE
+    return units * max(1.0, float(np.max(np.abs(reference))) if reference.size else 0.0)
 
 
 #: ``state_dict`` leaves that are BatchNorm running statistics: bounded in their own geometry
@@ -94,6 +100,12 @@ def _statistic_layers(reference: Mapping[str, np.ndarray]) -> list[str]:
             if var is not None and value.dtype.kind == "f" and var.dtype.kind == "f" and var.shape == value.shape:
                 layers.append(layer)
     return layers
+
+
+def variance_keys(reference: Mapping[str, np.ndarray]) -> frozenset[str]:
+    """The BatchNorm running variances of ``reference`` (of :func:`_statistic_layers`): the
+    tensors whose exact-sum range is :data:`VARIANCE_RANGE` (PROTOCOL.md §19.3)."""
+    return frozenset(layer + "running_var" for layer in _statistic_layers(reference))
 
 
 def lower_median(values: Iterable[float]) -> float | None:
@@ -236,7 +248,9 @@ class UpdateBound:
     norm) instead, or the device's own bound if larger (honest first changes measured up
     to 0.69 of it).
 
-    Neither statistic moves past :func:`change_range` (what the streaming rules can sum exactly).
+    Neither statistic moves past :func:`change_range` (what the streaming rules can sum exactly;
+    a variance's range holds every variance the default growth bound keeps, so that bound, not the
+    range, is what clamps and what ``fired`` names).
     ``benchmarks/results/honest_update_geometry.md`` measures honest fleets against these
     bounds. A ``None`` bound is not checked. Integer tensors are neither measured nor
     scaled (a rule averages them as integers).
@@ -313,7 +327,7 @@ class UpdateBound:
         # just inside the range the streaming rules' exact sums take (change_range, less
         # float32's rounding): a statistic clamped here is never refused there
         return (None if move is None else np.minimum(move, _INSIDE * change_range(mean)),
-                None if largest is None else np.minimum(largest, var + _INSIDE * change_range(var)))
+                None if largest is None else np.minimum(largest, var + _INSIDE * change_range(var, variance=True)))
 
     def relative_limit(self, own: OwnRecord | None = None) -> tuple[float, str] | None:
         """The clip relative to the fleet for a device whose own record is ``own`` (None:

@@ -7,11 +7,11 @@ its own, to a fixed-point grid chosen at :meth:`~edgepfl.aggregation.Aggregator.
 the reference alone, and the integers are summed exactly (in int64 with a carry word, so a
 round's total weight is not bounded by the accumulator). The grid leaves room for one
 update of up to :data:`MAX_UPDATE_WEIGHT` and changes of up to :data:`CHANGE_RANGE` times the
-reference's largest magnitude; an update outside that range is refused by
+reference's largest magnitude (a BatchNorm running variance: :data:`VARIANCE_RANGE` times); an update outside that range is refused by
 :meth:`~edgepfl.aggregation.Aggregator.add` (:class:`AggregationRejected`), a decision that
 depends on the update alone, never on what arrived before it. The rounding error of the
-mean is at most 2**-39 of that range: about 1e-10 for parameters of order one, under
-float32's own precision.
+mean is at most 2**-39 of that range: about 1e-10 for parameters of order one, and half a
+float32 step of a layer's largest running variance, under float32's own precision.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from .contract import MAX_UPDATE_WEIGHT, AggregationRejected, TensorDict, _statistic_layers, change_range
+from .contract import MAX_UPDATE_WEIGHT, AggregationRejected, TensorDict, change_range, variance_keys
 from .partial import CONTRIBUTION_BITS as _INT64_HEADROOM  # bits one contribution may use in int64
 from .partial import LOW_BITS as _CARRY_BITS  # the low word keeps this many bits; the rest is carried to the high word
 from .partial import PartialSum, words_total
@@ -52,9 +52,10 @@ class _ExactSum:
         self.limit: dict[str, float] = {}
         self.low: dict[str, np.ndarray] = {}
         self.high: dict[str, np.ndarray] = {}
+        self.variances = variance_keys(reference)
         for key, ref in reference.items():
             if ref.dtype.kind == "f":
-                span = change_range(ref)  # the largest |x - reference| accepted
+                span = change_range(ref, key in self.variances)  # the largest |x - reference| accepted
                 self.scale[key] = 2.0 ** (_INT64_HEADROOM - ceil_log2(span * MAX_UPDATE_WEIGHT))
                 self.limit[key] = span
             self.low[key] = np.zeros(ref.shape, dtype=np.int64)
@@ -137,12 +138,11 @@ class _ExactSum:
 
     def mean(self) -> TensorDict:
         out: TensorDict = {}
-        variances = {layer + "running_var" for layer in _statistic_layers(self.reference)}
         for key, ref in self.reference.items():
             if ref.dtype.kind == "f":
                 change = self._total(key) / (self.scale[key] * self.total_weight)
                 mean = ref.astype(np.float64) + change
-                if key in variances:  # a mean of variances is one; the grid's rounding may not make it negative
+                if key in self.variances:  # a mean of variances is one; the grid's rounding may not make it negative
                     mean = np.maximum(mean, 0.0)
                 out[key] = mean.astype(ref.dtype)
             else:
@@ -157,7 +157,7 @@ def _unit_mean(sum_: _ExactSum, reference: Mapping[str, np.ndarray], denominator
     reference plus (the exact sum, plus ``noise`` of its shape drawn in the reference's key
     order) over ``denominator``; integer tensors keep the reference's value (a mean of counts
     would be an unprotected statistic); a variance the noise made negative is 0."""
-    variances = {layer + "running_var" for layer in _statistic_layers(reference)}
+    variances = variance_keys(reference)
     out: TensorDict = {}
     for key, ref in reference.items():
         if ref.dtype.kind != "f":

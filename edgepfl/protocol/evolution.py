@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 #: the protocol version this implementation speaks (``major.minor``)
-MAJOR, MINOR = 1, 16
+MAJOR, MINOR = 1, 17
 PROTOCOL_VERSION = f"{MAJOR}.{MINOR}"
 VERSION_PATTERN = r"^[0-9]{1,4}\.[0-9]{1,4}$"
 _VERSION = re.compile(VERSION_PATTERN)

@@ -120,6 +120,11 @@ DIRECTED_SHARE_KEYS = (1, 14)
 #: :data:`MAX_METRIC_VALUES` figures named in at most :data:`MAX_METRIC_NAME` characters: what a
 #: device measured, never what it fitted (PROTOCOL.md §5)
 BOUNDED_VALUES = (1, 15)
+#: the protocol version whose exact grid gives a BatchNorm running variance 2**15 times its
+#: tensor's largest magnitude of range instead of 64 (PROTOCOL.md §19.3): the parties that compute
+#: the grid — a secure round's trainers and the sites — must agree on it with the coordinator, so
+#: each side takes part in such rounds only with a peer of it
+VARIANCE_GRID = (1, 17)
 #: the most entries a ``metrics`` report's ``values`` may have (since 1.15; a coordinator keeps
 #: none of a report with more, from any agent)
 MAX_METRIC_VALUES = 32

@@ -430,11 +430,23 @@ def _weight(num_train: int, weight_cap: int | None, counts_once: bool = False) -
     return int(num_train) if weight_cap is None else min(int(num_train), int(weight_cap))
 
 
-def _grid_scale(x0: np.ndarray) -> tuple[float, float]:
-    """§19.3: L = 64 · max(1, max |x₀|) and s = 2^(62 − e), e smallest with 2^e ≥ L · 2^24."""
+def _is_running_variance(name: str, x0: dict[str, np.ndarray]) -> bool:
+    """§19.3 (since 1.17): a float tensor named ``<p>running_var`` with a float ``<p>running_mean``
+    of the same shape among the task's tensors."""
+    if not name.endswith("running_var"):
+        return False
+    mean = x0.get(name[: -len("running_var")] + "running_mean")
+    var = np.asarray(x0[name])
+    return mean is not None and np.asarray(mean).dtype.kind == "f" and var.dtype.kind == "f" \
+        and np.shape(mean) == var.shape
+
+
+def _grid_scale(x0: np.ndarray, variance: bool = False) -> tuple[float, float]:
+    """§19.3: L = 64 · max(1, max |x₀|) (a running variance: 2^15 · max(1, max |x₀|)) and
+    s = 2^(62 − e), e smallest with 2^e ≥ L · 2^24."""
     a = np.asarray(x0, dtype=np.float64)
     biggest = float(np.max(np.abs(a))) if a.size else 0.0
-    L = 64.0 * max(1.0, biggest)
+    L = (32768.0 if variance else 64.0) * max(1.0, biggest)
     target = L * 2.0 ** 24
     mantissa, exponent = math.frexp(target)  # target = mantissa · 2^exponent, 0.5 ≤ mantissa < 1
     e = exponent - 1 if mantissa == 0.5 else exponent
@@ -463,7 +475,7 @@ def contribution(x: dict[str, np.ndarray], x0: dict[str, np.ndarray], weight: in
             n64 = new.astype(np.float64).reshape(-1)
             if not (np.all(np.isfinite(b64)) and np.all(np.isfinite(n64))):
                 raise ValueError(f"tensor {name!r} is not finite")
-            L, s = _grid_scale(b64)
+            L, s = _grid_scale(b64, _is_running_variance(name, x0))
             bound = L * (1.0 - 2.0 ** -16)
             clamped = np.minimum(np.maximum(n64, b64 - bound), b64 + bound)
             grid = np.rint(((clamped - b64) * float(w)) * s)

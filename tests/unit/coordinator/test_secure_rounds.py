@@ -299,28 +299,34 @@ def test_a_device_announcing_another_devices_public_keys_is_left_out_of_the_roun
     assert row.secure is not None and (row.secure.key_holders, row.secure.members) == (4, 4)
 
 
-class OldSealer(Device):
-    """A trainer that announces protocol 1.13: it would seal both directions of an edge under one key."""
+class OldAgent(Device):
+    """A trainer that announces an older protocol (``version``): 1.13 would seal both directions
+    of an edge under one key; 1.16 would put a BatchNorm variance on the old grid."""
+
+    version = "1.13"
 
     def status(self):
-        return self.tier.status().model_copy(update={"version": "1.13"})
+        return self.tier.status().model_copy(update={"version": self.version})
 
 
-def test_a_secure_run_gives_no_task_to_an_agent_before_protocol_1_14(tmp_path, caplog):
+@pytest.mark.parametrize("version", ["1.13", "1.16"])
+def test_a_secure_run_gives_no_task_to_an_agent_before_protocol_1_17(tmp_path, caplog, version):
     """Before 1.14 an agent sealed its shares to a neighbour under the key of the neighbour's
-    shares to it, with the same zero nonce (PROTOCOL.md §19): the secure round driver keeps such
-    an agent out of the run's tasks (said once) — not sampled, not benched as silent — and the
-    round goes on with the others."""
+    shares to it, with the same zero nonce; before 1.17 it put a BatchNorm running variance on a
+    grid of 64 x its largest (PROTOCOL.md §19.3), where the coordinator decodes 2**15 x: the secure
+    round driver keeps such an agent out of the run's tasks (said once) — not sampled, not benched
+    as silent — and the round goes on with the others."""
     ids = agent_ids(AGENTS + 1)
     cfg = prepare(config(True, rounds=1), AGENTS + 1).model_copy(update={"min_agents": AGENTS})
-    devices = {a: (OldSealer if a == ids[0] else Device)(tier) for a, tier in local_trainers(cfg, ids, tmp_path).items()}
+    old = type("Old", (OldAgent,), {"version": version})
+    devices = {a: (old if a == ids[0] else Device)(tier) for a, tier in local_trainers(cfg, ids, tmp_path).items()}
     coordinator = Coordinator(cfg, LocalFleet(devices, cfg.federation), tmp_path, progress=False, **data_shape(cfg))
     coordinator.init_or_resume()
     with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
         row = next(r for r in coordinator.run() if not r.final)
     assert not row.aborted and sorted(row.participants) == ids[1:]
     assert not devices[ids[0]].sent  # no step, no task: nothing to answer
-    assert caplog.text.count("it speaks protocol 1.13; secure aggregation needs 1.14") == 1
+    assert caplog.text.count(f"it speaks protocol {version}; secure aggregation needs 1.17") == 1
 
 
 class StepRewriter(Device):

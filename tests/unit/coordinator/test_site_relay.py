@@ -10,7 +10,8 @@ import itertools
 from edgepfl.aggregation import AggregationSpec
 from edgepfl.coordinator.registry import Registry
 from edgepfl.coordinator.site_relay import SiteRelay
-from edgepfl.protocol import StatusMeta
+from edgepfl.coordinator.sites import central_too_old
+from edgepfl.protocol import Capabilities, StatusMeta
 from edgepfl.protocol.site import SiteDevice, SiteStatus
 
 
@@ -46,3 +47,29 @@ def test_a_claim_dropped_gives_the_device_back_and_a_site_going_offline_takes_it
     assert relay.behind("d2") == "a" and registry.is_online("d2")
     relay.status("a", _site(["d1", "d2"], state="offline"), None)
     assert relay.site_of == {} and not registry.is_online("d1") and not registry.is_online("d2")
+
+
+def test_a_site_before_protocol_1_17_gets_no_task_for_its_devices_and_a_direct_trainer_of_1_16_none_either(caplog):
+    """A site of 1.16 sums a BatchNorm running variance on a grid of 64 x its largest; from 1.17
+    the central side decodes 2**15 x (PROTOCOL.md §19.3), so a sum of such a site would move the
+    variances by a 512th of what its devices sent. Its devices are registered (the view shows them)
+    but not eligible, said once; a 1.17 site's are."""
+    registry, relay = _relay()
+    for direct, version in (("direct-new", "1.17"), ("direct-old", "1.16")):
+        registry.update(direct, StatusMeta(state="online", num_train=10, version=version, capabilities=Capabilities()))
+    relay.status("a", _site(["d1"]).model_copy(update={"version": "1.16"}), None)
+    relay.status("b", _site(["d2"]), None)
+    with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
+        eligible = set(registry.eligible())
+    assert relay.site_of == {"d1": "a", "d2": "b"} and registry.is_online("d1")
+    assert eligible == {"d2", "direct-new"}
+    assert "it speaks protocol 1.16; a run of sites needs 1.17" in caplog.text
+
+
+def test_a_site_sums_only_for_a_central_coordinator_of_protocol_1_17():
+    """The site's side of the same rule (:meth:`SiteAggregator._checked` refuses the task with
+    this reason): a central coordinator before 1.17, or one whose presence it has not heard."""
+    assert central_too_old("1.17") is None and central_too_old("1.18") is None
+    for version in ("1.16", "1.13", None, "2.0"):
+        why = central_too_old(version)
+        assert why is not None and "a site's sums need 1.17" in why

@@ -395,3 +395,31 @@ def test_roster_refusals():
     with pytest.raises(ValueError):
         p.sealed_shares(other, 2)  # 2 of 4 is not a strict majority
     assert len(p.sealed_shares(other, 3)) == 4
+
+
+def test_a_batchnorm_variance_lies_on_the_same_grid_in_both_implementations():
+    """§19.3 since 1.17: a running variance (a ``<p>running_var`` beside a float ``<p>running_mean``
+    of its shape) has 2^15 · max(1, max |x₀|) of range, every other float tensor 64 · max(1, max |x₀|).
+    The worked example has no BatchNorm layer, so the text's contribution is compared with the
+    project's directly: a variance 300 times its layer's largest (inside its range, past the old
+    one) and a mean moved past its own range (clamped the same way by both)."""
+    from edgepfl.aggregation import grid_contribution, ring_vector
+
+    rng = np.random.default_rng(3)
+    x0 = {"bn.running_mean": rng.normal(0, 1, 4).astype(np.float32),
+          "bn.running_var": rng.uniform(0.5, 2.0, 4).astype(np.float32),
+          "bn.num_batches_tracked": np.array(5, np.int64),
+          "fc.weight": rng.normal(0, 1, (3, 4)).astype(np.float32),
+          # not a BatchNorm variance: no running_mean beside it, so the ordinary range
+          "other.running_var": rng.uniform(0.5, 2.0, 3).astype(np.float32)}
+    x = {k: (v + 1).astype(v.dtype) if v.dtype.kind == "f" else v + 3 for k, v in x0.items()}
+    x["bn.running_var"][1] = 300 * x0["bn.running_var"].max()
+    x["other.running_var"][0] = 300 * x0["other.running_var"].max()  # past 64 x: clamped into it
+    x["bn.running_mean"][2] = 1e4  # past its range: clamped
+    text = secagg.contribution(x, x0, 17)
+    ours = ring_vector(grid_contribution(x, x0, 17), x0).view("<u8")
+    assert np.array_equal(text, ours)
+    offset = 1 + 4  # sorted order: bn.num_batches_tracked (0-d, one element), bn.running_mean (4), bn.running_var
+    _, scale = secagg._grid_scale(x0["bn.running_var"].astype(np.float64), variance=True)
+    kept = text.view("<i8")[offset + 1] / (17 * scale) + float(x0["bn.running_var"][1])
+    assert kept == pytest.approx(300 * float(x0["bn.running_var"].max()), rel=1e-6)  # not clamped
