@@ -10,8 +10,9 @@ update of up to :data:`MAX_UPDATE_WEIGHT` and changes of up to :data:`CHANGE_RAN
 reference's largest magnitude (a BatchNorm running variance: :data:`VARIANCE_RANGE` times); an update outside that range is refused by
 :meth:`~edgepfl.aggregation.Aggregator.add` (:class:`AggregationRejected`), a decision that
 depends on the update alone, never on what arrived before it. The rounding error of the
-mean is at most 2**-39 of that range: about 1e-10 for parameters of order one, and half a
-float32 step of a layer's largest running variance, under float32's own precision.
+mean is at most 2**-39 of that range: about 1e-10 for parameters of order one, under
+float32's own precision; for a running variance 2**-23 of the layer's largest (at least 1),
+about one float32 step of it.
 """
 
 from __future__ import annotations

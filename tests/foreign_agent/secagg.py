@@ -432,8 +432,8 @@ def _weight(num_train: int, weight_cap: int | None, counts_once: bool = False) -
 
 def _is_running_variance(name: str, x0: dict[str, np.ndarray]) -> bool:
     """§19.3 (since 1.17): a float tensor named ``<p>running_var`` with a float ``<p>running_mean``
-    of the same shape among the task's tensors."""
-    if not name.endswith("running_var"):
+    of the same shape among the task's tensors, ``<p>`` empty or ending in "."."""
+    if not (name == "running_var" or name.endswith(".running_var")):
         return False
     mean = x0.get(name[: -len("running_var")] + "running_mean")
     var = np.asarray(x0[name])

@@ -411,10 +411,14 @@ def test_a_batchnorm_variance_lies_on_the_same_grid_in_both_implementations():
           "bn.num_batches_tracked": np.array(5, np.int64),
           "fc.weight": rng.normal(0, 1, (3, 4)).astype(np.float32),
           # not a BatchNorm variance: no running_mean beside it, so the ordinary range
-          "other.running_var": rng.uniform(0.5, 2.0, 3).astype(np.float32)}
+          "other.running_var": rng.uniform(0.5, 2.0, 3).astype(np.float32),
+          # nor this: its prefix does not end in "." ("x" + "running_mean" is no BatchNorm layer's)
+          "xrunning_mean": rng.normal(0, 1, 2).astype(np.float32),
+          "xrunning_var": rng.uniform(0.5, 2.0, 2).astype(np.float32)}
     x = {k: (v + 1).astype(v.dtype) if v.dtype.kind == "f" else v + 3 for k, v in x0.items()}
     x["bn.running_var"][1] = 300 * x0["bn.running_var"].max()
     x["other.running_var"][0] = 300 * x0["other.running_var"].max()  # past 64 x: clamped into it
+    x["xrunning_var"][0] = 300 * x0["xrunning_var"].max()
     x["bn.running_mean"][2] = 1e4  # past its range: clamped
     text = secagg.contribution(x, x0, 17)
     ours = ring_vector(grid_contribution(x, x0, 17), x0).view("<u8")
