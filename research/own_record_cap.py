@@ -4,7 +4,9 @@ the change it was clipped to (not at most the record before it, ``OwnRecord.at_m
 device's own record widens its bound to at most ``CAP`` times the fleet's limit. The poisoning
 study's fleet (FedAvg, digits, four devices, 15 rounds), clean / attacker excluded / noise at
 the largest change announcing 2^24 / reversal / label flip, under ``centered_clip`` and the
-mean, seeds 0-2; prints each run's honest accuracy and clipped updates.
+mean, seeds 0-2; prints each run's honest accuracy and clipped updates. ``C 0``: a device's
+record of its change is the largest of its last three adopted changes instead of their lower
+median (session 45).
 
     OMP_NUM_THREADS=1 python research/own_record_cap.py A 0
     OMP_NUM_THREADS=1 python research/own_record_cap.py B 4      # and B 16
@@ -31,6 +33,16 @@ if variant == "B":
             return out
         return (min(out[0], cap * self.fleet_limit_), out[1])
     contract.UpdateBound.relative_limit = rel
+elif variant == "C":  # the record's change: the largest of the last three adopted, not their lower median
+    plain_typical = contract.OwnRecord.typical.__func__
+
+    def typical(cls, entries):
+        entries = list(entries)
+        record = plain_typical(cls, entries)
+        if record is None:
+            return None
+        return cls(max(float(change) for change, _ in entries), record.statistics)
+    contract.OwnRecord.typical = classmethod(typical)
 import poisoning  # noqa: E402
 
 rows = []

@@ -46,8 +46,9 @@ UPDATE_NORM_MEDIAN = "update_norm_median"
 #: ``ServerState.extra`` key: per device, its last :data:`OWN_HISTORY` adopted updates
 #: measured (:class:`OwnRecord`, newest last): what the device is judged against besides the fleet
 UPDATE_HISTORY = "update_history"
-#: how many of a device's own updates its record keeps; it is judged against their lower
-#: median, so one large update (honest or not) does not widen its bound on its own
+#: how many of a device's own adopted updates its record keeps: its change is judged against
+#: the largest of them (an honest device whose change alternates small and large round after
+#: round keeps its large one in view), its statistics against their lower median
 OWN_HISTORY = 3
 #: a running mean may move this many reference standard deviations (``max_mean_shift``);
 #: honest skewed devices measured up to 32 (benchmarks/results/honest_fleets.md)
@@ -148,8 +149,18 @@ class OwnRecord(NamedTuple):
 
     @classmethod
     def typical(cls, entries: Iterable) -> OwnRecord | None:
-        """Each measure's lower median over ``entries`` (a device's kept records, as
-        :meth:`to_json` writes them); None for none."""
+        """What a device is judged against, from ``entries`` (its kept records, as :meth:`to_json`
+        writes them): the largest change, and each statistic's lower median; None for none.
+
+        The largest change, not the lower median: an honest non-IID device's change can
+        alternate round after round between about 0.8 and 6.7-11.2 while the fleet's median falls
+        to 0.45 (FedAvg, digits, four devices, Dirichlet 0.5; research/RESULTS.md, "Honest clips in
+        synchronous rounds"), and the lower median of three held it to its small changes, so
+        every large one was clipped. What it costs: a device that stays just inside its bound
+        widens it by ``vs_median`` every round instead of every two rounds, up to
+        ``max_update_ratio``; a bound on size was never a defence against that (the rule is).
+        A clipped update still records no more than the record before it (:meth:`at_most`), so
+        noise sent at the largest change allowed gains nothing."""
         rows = [cls(float(change), {layer: (float(move), float(var)) for layer, (move, var) in dict(stats).items()})
                 for change, stats in entries]
         if not rows:
@@ -158,7 +169,7 @@ class OwnRecord(NamedTuple):
         statistics = {layer: (lower_median(r.statistics[layer][0] for r in rows if layer in r.statistics) or 0.0,
                               lower_median(r.statistics[layer][1] for r in rows if layer in r.statistics) or 0.0)
                       for layer in layers}
-        return cls(lower_median(r.change for r in rows) or 0.0, statistics)
+        return cls(max(r.change for r in rows), statistics)
 
     def at_most(self, before: OwnRecord | None, fleet_change: float | None = None) -> OwnRecord:
         """This record, no measure above ``before``'s (the device's record before the update;
@@ -221,8 +232,9 @@ class UpdateBound:
     ``typical_change``, the median change norm of the updates the reference was made from
     (:attr:`Aggregator.change_norms_`, kept in the state's record as
     :data:`UPDATE_NORM_MEDIAN`), and ``own``, the device's own record (:class:`OwnRecord`:
-    each measure's lower median over its last :data:`OWN_HISTORY` adopted updates, kept as
-    :data:`UPDATE_HISTORY`; a device not yet recorded is given the fleet's largest), a
+    the largest change and each statistic's lower median over its last :data:`OWN_HISTORY`
+    adopted updates, kept as :data:`UPDATE_HISTORY`; a device not yet recorded is given the
+    fleet's largest), a
     change over ``vs_median * max(typical_change, own.change)`` is clipped onto it, never
     refused, and a layer's statistics' clamps widen to ``vs_median`` times the device's own
     largest mean move and largest variance in that layer (in their own units) where those
@@ -241,7 +253,7 @@ class UpdateBound:
     round and cost it 24 points of accuracy). Judged against its own record, a device is clipped only when
     it jumps past both what the fleet and what it itself did before, by ``vs_median``.
     What this cannot do, and no bound on size can: tell an attacker that grows its record
-    patiently (by ``vs_median`` every two rounds) or that is large from its first round
+    patiently (by ``vs_median`` every round) or that is large from its first round
     from an honest device that is large; ``max_update_ratio`` stays the ceiling, and a
     rule (docs/SECURITY.md) is what limits one device's say. A reference without a fleet
     record (a run's first round) has changes clipped to ``first_ratio`` times max(1, its

@@ -161,7 +161,7 @@ def test_a_sites_records_are_kept_only_for_rounds_adopted_capped_as_the_central_
     restarted.settle(kept=4, typical=2.0)
     assert restarted.history["a"] == [[8.0, {}], [4.0, {}]]  # 2 and 3 were never adopted
     records, newcomer = restarted.for_round(["a", "z"])
-    assert list(records) == ["a"] and newcomer == OwnRecord(4.0, {})  # the largest of the site's typical records
+    assert list(records) == ["a"] and newcomer == OwnRecord(8.0, {})  # a's typical record: the larger of 8 and 4
     assert json.loads((tmp_path / RECORDS_FILE).read_text())["history"]["a"] == [[8.0, {}], [4.0, {}]]
 
 

@@ -614,12 +614,15 @@ def test_a_device_is_judged_against_its_own_record_too_parameters_and_statistics
                                rtol=1e-6)
 
 
-def test_a_record_is_kept_as_json_and_its_typical_value_is_each_measures_lower_median():
+def test_a_record_is_kept_as_json_and_its_typical_value_is_the_largest_change_and_each_statistics_lower_median():
     records = [OwnRecord(3.0, {"bn.": (1.0, 9.0)}), OwnRecord(1.0, {"bn.": (5.0, 2.0)}),
                OwnRecord(2.0, {"bn.": (3.0, 4.0), "bn2.": (1.0, 1.0)})]
     kept = json.loads(json.dumps([r.to_json() for r in records]))
-    assert OwnRecord.typical(kept) == OwnRecord(2.0, {"bn.": (3.0, 4.0), "bn2.": (1.0, 1.0)})
-    assert OwnRecord.typical(kept[:2]) == OwnRecord(1.0, {"bn.": (1.0, 2.0)})  # the lower of two: one cannot raise it
+    assert OwnRecord.typical(kept) == OwnRecord(3.0, {"bn.": (3.0, 4.0), "bn2.": (1.0, 1.0)})
+    # statistics: the lower of two, which one cannot raise; the change: the larger, so that a device
+    # alternating small and large changes is judged by its large one
+    assert OwnRecord.typical(kept[:2]) == OwnRecord(3.0, {"bn.": (1.0, 2.0)})
+    assert OwnRecord.typical(kept[1:]) == OwnRecord(2.0, {"bn.": (3.0, 2.0), "bn2.": (1.0, 1.0)})
     assert OwnRecord.largest(records) == OwnRecord(3.0, {"bn.": (5.0, 9.0), "bn2.": (1.0, 1.0)})
     assert OwnRecord.typical([]) is None and OwnRecord.largest([]) is None
 
