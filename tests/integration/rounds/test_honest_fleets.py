@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.honest_fleets import MODES, PARTITIONS, TRAINING
 from edgepfl.aggregation import AggregationSpec
 from edgepfl.config import load_run_config
 from edgepfl.coordinator.simulate import simulate
@@ -92,30 +93,18 @@ def test_an_honest_non_iid_fleet_loses_no_update_to_the_default_bound(fleet, tmp
         assert clipped == {}, clipped
 
 
-#: the issue's grid (#52): the skewed fleet's training over five label splits, synchronous and
-#: buffered (a state every 2 updates), three seeds; benchmarks/honest_fleets.py runs the same 30
-GRID_TRAINING = [s for s in SKEWED if not s.startswith(("data.partition.", "seed=", "data.seed="))]
-GRID_SPLITS = {
-    "dirichlet0.1": ["data.partition.kind=dirichlet", "data.partition.alpha=0.1"],
-    "dirichlet0.3": ["data.partition.kind=dirichlet", "data.partition.alpha=0.3"],
-    "dirichlet0.5": ["data.partition.kind=dirichlet", "data.partition.alpha=0.5"],
-    "pathological2": ["data.partition.kind=pathological", "data.partition.classes_per_client=2"],
-    "domain": ["data.partition.kind=domain"],
-}
-GRID_MODES = {"sync": [], "buffered2": ["asynchrony.mode=buffered", "asynchrony.buffer_size=2"]}
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("mode", list(GRID_MODES))
-@pytest.mark.parametrize("split", list(GRID_SPLITS))
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("split", list(PARTITIONS))
 def test_no_honest_update_of_the_skewed_grid_is_clipped_clamped_or_refused(split, mode, seed, tmp_path):
     """#52's "Done when": the skewed fleet (digits, MLP with BatchNorm, 3 devices, 15 local
     epochs, FedAvg, 6 rounds) under each label split, mode and seed loses nothing to a bound: no
     update clipped, clamped or refused, so the run is its bounds-off run bit for bit and every
     device ends where it would with the bounds off. Before protocol 1.17, Dirichlet 0.5 buffered
     seed 0 had one variance clamped by the exact sums' range (and refused three times with the
-    bounds off)."""
-    sets = [*GRID_TRAINING, *GRID_SPLITS[split], *GRID_MODES[mode], f"seed={seed}", f"data.seed={seed}"]
+    bounds off). The grid is benchmarks/honest_fleets.py's, which also compares accuracy with the
+    bounds off where anything fires."""
+    sets = [*TRAINING, *PARTITIONS[split], *MODES[mode], f"seed={seed}", f"data.seed={seed}"]
     config = load_run_config(CONFIG, sets)
     assert config.aggregation == AggregationSpec()
     rows, _ = simulate(config, 3, tmp_path / "run", in_process=local_trainers, rounds=6, progress=False)
