@@ -21,7 +21,7 @@ import pytest
 
 from benchmarks.honest_fleets import MODES, PARTITIONS, TRAINING
 from edgepfl.aggregation import AggregationSpec
-from edgepfl.config import load_run_config
+from edgepfl.config import RunConfig, load_run_config, parse_config
 from edgepfl.coordinator.simulate import simulate
 from edgepfl.data import FMNIST_PACKAGE, fmnist_available
 from edgepfl.edge_agent.tiers import local_trainers
@@ -144,8 +144,6 @@ def test_an_honest_device_whose_change_alternates_small_and_large_is_not_clipped
     the fleet's median falls to 0.45 (up to 25 medians). Judged against the lower median of its
     last three changes, its large ones were clipped in 4 of 15 rounds; judged against the
     largest of them (protocol 1.17), none is."""
-    from edgepfl.config import RunConfig, parse_config
-
     config = parse_config(RunConfig, {
         "federation": "alternating", "method": {"name": "fedavg"}, "model": {"arch": "mlp", "feature_dim": 64},
         "train": {"lr": 0.05, "epochs": 2, "batch_size": 32}, "data": {"dataset": "digits", "num_clients": 4, "seed": 0},

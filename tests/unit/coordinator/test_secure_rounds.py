@@ -318,8 +318,8 @@ def test_a_secure_run_gives_no_task_to_an_agent_before_protocol_1_17(tmp_path, c
     as silent — and the round goes on with the others."""
     ids = agent_ids(AGENTS + 1)
     cfg = prepare(config(True, rounds=1), AGENTS + 1).model_copy(update={"min_agents": AGENTS})
-    old = type("Old", (OldAgent,), {"version": version})
-    devices = {a: (old if a == ids[0] else Device)(tier) for a, tier in local_trainers(cfg, ids, tmp_path).items()}
+    devices = {a: (OldAgent if a == ids[0] else Device)(tier) for a, tier in local_trainers(cfg, ids, tmp_path).items()}
+    devices[ids[0]].version = version
     coordinator = Coordinator(cfg, LocalFleet(devices, cfg.federation), tmp_path, progress=False, **data_shape(cfg))
     coordinator.init_or_resume()
     with caplog.at_level("WARNING", logger="edgepfl.coordinator"):
