@@ -18,12 +18,17 @@ and its own on/off periods (online 120 s, offline 10 s on average). Per method a
 Every mode gets the same time: the synchronous run trains ``--rounds`` rounds, the buffered
 ones as many states as fit in the time that took (``time_budget_s``). The accuracy is the
 same estimator for all: after each metrics row, the mean over devices of each device's
-latest held-out accuracy (measured on the state it was last sent), counted only once every
-device the synchronous run's final evaluation heard has reported at least once (buffered
-rounds hear from the fast devices first: a mean over them alone is not the fleet's). Time
-to target is the first (virtual) time from which it stays at or above ``--target`` to the
-run's end, bytes to target the bytes by then; ``naive`` is the first touch by whoever had
-reported, the estimator of earlier tables. Per run also: each device class's mean share of
+latest held-out accuracy (measured on the state it was last sent: what the device holds),
+counted only once every device class of the fleet (fast, slow, sleepy) has reported at
+least once (buffered rounds hear from the fast devices first: a mean over them alone is not
+the fleet's). The target is ``--target-fraction`` of where the synchronous run's curve ends
+(the same estimator at the end of the shared time), not of its final evaluation: that
+evaluation sends the last state to every device, sleepers included, while along the curve a
+sleepy device holds the state of its last round, so a target taken from it may lie above
+everything the synchronous run's curve reaches. Time to target is the first (virtual) time
+from which the curve stays at or above the target to the run's end, bytes to target the
+bytes by then; ``naive`` is the first touch by whoever had reported, the estimator of
+earlier tables. Per run also: each device class's mean share of
 a state's change (the rows' ``update_share``) and the updates clipped. The final accuracy
 is the run's final evaluation (every device, the last state).
 
@@ -53,7 +58,7 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Collection
+from collections.abc import Mapping
 from pathlib import Path
 
 from edgepfl.config import RunConfig, load_run_config
@@ -70,21 +75,29 @@ except ImportError:  # run as a module
 FLEET_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "unequal_fleet.yaml"
 
 
-def curve(rows: list[RoundMetrics], fleet: Collection[str] = ()) -> list[tuple[float, int, float | None]]:
+def curve(rows: list[RoundMetrics], classes: Mapping[str, str] | None = None
+          ) -> list[tuple[float, int, float | None]]:
     """(cumulative seconds, cumulative bytes, mean of each device's latest accuracy) per row;
-    the accuracy is None until every device of ``fleet`` has reported once (a mean over the
-    fast devices alone is not the fleet's: buffered rounds hear from them first)."""
+    with ``classes`` (device -> its class), the accuracy is None until a device of every
+    class has reported once (a mean over the fast devices alone is not the fleet's: buffered
+    rounds hear from them first)."""
     latest: dict[str, float] = {}
     t, sent, points = 0.0, 0, []
+    everyone = set((classes or {}).values())
     for row in rows:
         if row.final:
             continue
         t += row.seconds
         sent += row.bytes_up + row.bytes_down
         latest.update({a: acc for a, acc in row.per_client.items() if acc is not None})
-        whole = set(fleet) <= set(latest)
+        whole = classes is None or {classes[a] for a in latest if a in classes} == everyone
         points.append((t, sent, sum(latest.values()) / len(latest) if latest and whole else None))
     return points
+
+
+def curve_end(points: list[tuple[float, int, float | None]]) -> float | None:
+    """Where a curve ends: its last defined accuracy."""
+    return next((acc for _, _, acc in reversed(points) if acc is not None), None)
 
 
 def to_target(points: list[tuple[float, int, float | None]], target: float) -> tuple[float | None, int | None]:
@@ -139,9 +152,8 @@ def fleet_config(args: argparse.Namespace, method: str, mode: str, seed: int,
 
 
 def run_one(args: argparse.Namespace, method: str, mode: str, seed: int, budget: float | None = None,
-            fleet: Collection[str] = (), interval: float | None = None) -> dict:
-    """One run; ``fleet``: the devices whose reports the accuracy waits for (the synchronous
-    run's final evaluation); ``interval``: buffered, each device's min_task_interval_s."""
+            interval: float | None = None) -> dict:
+    """One run; ``interval``: buffered, each device's min_task_interval_s."""
     config = fleet_config(args, method, mode, seed, interval)
     rounds = args.rounds
     if budget is not None:  # as many states as fit in the time the synchronous run took
@@ -157,14 +169,15 @@ def run_one(args: argparse.Namespace, method: str, mode: str, seed: int, budget:
             rows, _ = simulate(config, args.devices, out, in_process=local_trainers, rounds=rounds, progress=False,
                                threads=1)
     final = next(r for r in rows if r.final)
-    points = curve(rows, fleet or final.per_client)
     agents = agent_ids(args.devices)  # the names simulate gives its devices, as FleetTiming profiles them
     classes = {a: d.profile.name for a, d in FleetTiming(config.simulation, agents, config.seed).devices.items()}
+    points = curve(rows, classes)
     stale = [int(k) for row in rows for k, n in row.staleness.items() for _ in range(n)]
     sync_rounds = sorted(r.seconds for r in rows if not r.final)
     return {"method": method, "mode": mode, "seed": seed, "rows": len(points), "curve": points,
             "curve_any": curve(rows),
-            "final_accuracy": final.accuracy, "evaluated": sorted(final.per_client), "updates": len(stale),
+            "final_accuracy": final.accuracy, "evaluated": sorted(final.per_client),
+            "curve_end": curve_end(points), "updates": len(stale),
             "mean_staleness": sum(stale) / len(stale) if stale else 0.0, "interval_s": interval,
             "median_row_s": sync_rounds[len(sync_rounds) // 2] if sync_rounds else None,
             "class_share": class_shares(rows, classes),
@@ -188,21 +201,28 @@ def markdown(result: dict) -> str:
              + (f", {result['seconds_per_sample']} s per sample on a fast device" if result["seconds_per_sample"]
                 else "") + f"; a buffered state per {result['buffer']} updates. Target: "
              + (f"{result['target']:.0%}" if result["target"] is not None
-                else f"{result['target_fraction']:.0%} of the synchronous run's final accuracy")
-             + " of the whole fleet's mean latest per-device accuracy, counted only once every device the "
-               "synchronous run's final evaluation heard has reported, and held from then on to the run's end "
+                else f"{result['target_fraction']:.0%} of " + (
+                    "where the synchronous run's curve ends" if result.get("target_basis") == "curve"
+                    else "the synchronous run's final accuracy"))
+             + ". Accuracy: the whole fleet's mean latest per-device accuracy, counted only once "
+             + ("every device class has" if result.get("target_basis") == "curve"
+                else "every device the synchronous run's final evaluation heard has")
+             + " reported. Time to target: the first point from which it stays at or above the target to "
+               "the run's end "
                "(`naive`: the first touch by whoever had reported, the estimator of earlier tables). "
                "`class share`: each device class's mean share of a state's change (update_share).", "",
              f"| method | seed | mode | rows | updates | mean staleness | {unit} to target | MB to target | "
-             f"naive {unit} | final accuracy | class share | clipped | host CPU s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"naive {unit} | curve's end | final accuracy | class share | clipped | host CPU s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for run in result["runs"]:
         t, b, n = run["time_to_target"], run["bytes_to_target"], run.get("naive_time_to_target")
+        end = run.get("curve_end")
         share = ", ".join(f"{k} {v:.1%}" for k, v in run.get("class_share", {}).items())
         mode = run["mode"] + (f" ({run['interval_s']:.1f} s)" if run.get("interval_s") else "")
         lines.append(f"| {run['method']} | {run['seed']} | {mode} | {run['rows']} | {run['updates']} | "
                      f"{run['mean_staleness']:.2f} | {'—' if t is None else f'{t:.1f}'} | "
                      f"{'—' if b is None else f'{b / 1e6:.1f}'} | {'—' if n is None else f'{n:.1f}'} | "
+                     f"{'—' if end is None else f'{end:.2%}'} | "
                      f"{run['final_accuracy']:.2%} | {share} | {run.get('clipped', 0)} | {run['host_cpu_s']} |")
     lines += ["", "| method | seed | buffered runs | target | speed-up to target (sync / buffered) | "
               "bytes to target (buffered / sync) | final accuracy difference (points) |",
@@ -232,7 +252,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--buffer", type=int, default=25, help="updates per buffered state (at most the fleet's size)")
     p.add_argument("--target", type=float, default=None, help="an accuracy to reach (default: --target-fraction)")
     p.add_argument("--target-fraction", type=float, default=0.95,
-                   help="the target as a share of the synchronous run's final accuracy (methods end far apart)")
+                   help="the target as a share of where the synchronous run's whole-fleet curve ends (methods end "
+                        "far apart)")
     p.add_argument("--always-online", action="store_true", help="drop the availability periods (both paths)")
     p.add_argument("--seconds-per-sample", type=float, default=None,
                    help="a fast device's pace (the slow class keeps its ratio); for paced processes, slower than "
@@ -259,20 +280,19 @@ def main(argv: list[str] | None = None) -> dict:
               "fleet": str(args.fleet.resolve().relative_to(FLEET_CONFIG.parents[1])) if args.fleet.resolve()
               .is_relative_to(FLEET_CONFIG.parents[1]) else str(args.fleet),
               "devices": args.devices, "buffer": args.buffer, "target": args.target,
-              "target_fraction": args.target_fraction, "always_online": args.always_online,
+              "target_fraction": args.target_fraction, "target_basis": "curve", "always_online": args.always_online,
               "seconds_per_sample": args.seconds_per_sample, "set": args.set, "buffered_set": args.buffered_set,
               "runs": runs, "pairs": pairs}
     for method in args.methods:
         for seed in args.seeds:
             sync = run_one(args, method, "sync", seed)
-            fleet = sync["evaluated"]
-            target = args.target if args.target is not None else args.target_fraction * sync["final_accuracy"]
+            target = args.target if args.target is not None else args.target_fraction * sync["curve_end"]
             others = []
             for mode in args.modes:
                 interval = None
                 if mode == "budget":
                     interval = args.task_interval if args.task_interval is not None else sync["median_row_s"]
-                others.append(run_one(args, method, mode, seed, budget=sync["curve"][-1][0], fleet=fleet,
+                others.append(run_one(args, method, mode, seed, budget=sync["curve"][-1][0],
                                       interval=interval))
             for run in (sync, *others):
                 run["target"] = target

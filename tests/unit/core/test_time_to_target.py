@@ -4,7 +4,15 @@ slow device had reported (8.5-19.6x "speed-ups" against 1.3-4.7x sustained, #52)
 
 from __future__ import annotations
 
-from benchmarks.async_time_to_accuracy import class_shares, curve, naive_to_target, to_target
+import pytest
+
+from benchmarks.async_time_to_accuracy import (
+    class_shares,
+    curve,
+    curve_end,
+    naive_to_target,
+    to_target,
+)
 from edgepfl.metrics import RoundMetrics
 
 
@@ -16,10 +24,10 @@ def row(r: int, per_client: dict[str, float], seconds: float = 1.0, share: dict[
                         update_share=share or {})
 
 
-FLEET = ["fast-1", "fast-2", "slow"]
+CLASSES = {"fast-1": "fast", "fast-2": "fast", "slow": "slow"}
 
 
-def test_the_fleets_accuracy_waits_for_every_device_and_the_target_must_hold():
+def test_the_fleets_accuracy_waits_for_every_device_class_and_the_target_must_hold():
     rows = [
         row(0, {"fast-1": 0.9, "fast-2": 0.9}),  # only the fast devices so far: not the fleet's accuracy
         row(1, {"fast-1": 0.95}),
@@ -30,7 +38,7 @@ def test_the_fleets_accuracy_waits_for_every_device_and_the_target_must_hold():
         row(6, {"slow": 0.9}),
         row(7, {}, final=True),
     ]
-    points = curve(rows, FLEET)
+    points = curve(rows, CLASSES)
     assert [acc is None for _, _, acc in points] == [True, True, False, False, False, False, False]
     assert to_target(points, 0.9) == (6.0, 1200)  # from row 5 on: 6 s, 6 rows of 200 bytes
     # the old estimator: the first touch, by whoever had reported (the fast devices, at once)
@@ -43,3 +51,24 @@ def test_a_device_classs_share_is_its_devices_mean_share_of_a_states_change():
             row(2, {}, final=True)]
     classes = {"fast-1": "fast", "fast-2": "fast", "slow": "slow"}
     assert class_shares(rows, classes) == {"fast": 0.7, "slow": 0.2}
+
+
+def test_a_sleeper_heard_late_does_not_hold_the_curve_back_and_the_target_lies_on_the_same_curve():
+    """The curve waits for a device of every class, not for every device: the sleepiest
+    device's first report came 300 s into both modes' runs on the sleepy fleet, the fleet's
+    wake-up times, not what a mode does (#52). And the final evaluation sends the last state
+    to every sleeper, so 95 % of it may lie above everything the curve reaches, where each
+    sleeper holds the state of its last round."""
+    classes = {"fast-1": "fast", "slow": "slow", "sleepy-1": "sleepy", "sleepy-2": "sleepy"}
+    rows = [
+        row(0, {"fast-1": 0.5, "slow": 0.4}),
+        row(1, {"fast-1": 0.9, "sleepy-1": 0.3}),  # every class has reported; sleepy-2 has not
+        row(2, {"fast-1": 0.92, "slow": None}),  # sent a state, no report: the slow device's 0.4 stands
+        row(3, {"fast-1": 0.95, "slow": 0.9, "sleepy-1": 0.9, "sleepy-2": 0.9}, final=True),
+    ]
+    points = curve(rows, classes)
+    assert [acc for _, _, acc in points] == [None, pytest.approx((0.9 + 0.4 + 0.3) / 3), pytest.approx(0.54)]
+    assert curve_end(points) == pytest.approx(0.54)
+    assert to_target(points, 0.95 * 0.9) == (None, None)  # 95 % of the final evaluation: never held
+    assert to_target(points, 0.95 * curve_end(points)) == (2.0, 400)
+    assert curve_end([(1.0, 1, None)]) is None
