@@ -19,6 +19,12 @@ data per phase besides the redone phases.
         --out research/results/buffered_clips
     python research/buffered_clips.py --methods fedrep fedavg --clips none --descent redo \\
         --out research/results/buffered_clips_descent
+    python research/buffered_clips.py --methods fedrep --clips none --relative 10 5 \\
+        --out research/results/buffered_clips_relative
+
+``--relative K`` clips each local step's gradient to K times the median of every earlier
+step's norm the same device took in the same kind of phase, across its tasks (a clip
+without a model-dependent constant; session 46).
 
 About 2.5 minutes per run on one core of a 2-core box.
 """
@@ -81,23 +87,43 @@ def descending(fit, redone: list[int]):
     return guarded
 
 
-def instrument(method: str, phases: list[dict], redone: list[int] | None = None):
+def device_key(data, params: list) -> tuple:
+    """Which device and which kind of phase a call of ``fit`` is (in-process, the trainers
+    share one process): the device's training labels and the phase's parameter count."""
+    return int(data.num_train), hash(data.y_train.numpy().tobytes()), len(params)
+
+
+def instrument(method: str, phases: list[dict], redone: list[int] | None = None, relative: float | None = None):
     """Wrap ``fit`` where the method's phases call it (its own module, and the base class's
     default local update); each call appends its steps' losses and gradient norms to
-    ``phases`` (with ``redone``, inside the descent check: every attempt is a phase).
+    ``phases`` (with ``redone``, inside the descent check: every attempt is a phase; with
+    ``relative``, each step's gradient is scaled down to ``relative`` times the median of
+    every earlier step's norm the device took in that kind of phase, across its tasks).
     Returns a function that undoes it."""
     modules = [importlib.import_module(name) for name in (f"edgepfl.methods.{method}", "edgepfl.methods.base")]
+    history: dict[tuple, list[float]] = {}
+    clipped = steps_clipped
     originals = [(module, module.fit) for module in modules if getattr(module, "fit", None) is training.fit]
 
     def recorded(model, data, ctx, loss_fn, params, epochs, **kw):
         params = list(params)
         steps: dict[str, list[float]] = {"loss": [], "grad_norm": []}
+        seen = history.setdefault(device_key(data, params), [])
 
         def loss_and_grad_norm(m, x, y):
             loss = loss_fn(m, x, y)
             grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-            steps["grad_norm"].append(math.sqrt(sum(float((g**2).sum()) for g in grads if g is not None)))
+            norm = math.sqrt(sum(float((g**2).sum()) for g in grads if g is not None))
+            steps["grad_norm"].append(norm)
             steps["loss"].append(float(loss.detach()))
+            if relative is not None and seen:
+                limit = relative * float(np.median(seen[-2000:]))
+                seen.append(norm)
+                if norm > limit:  # scaling the loss scales every gradient of the phase: a norm clip
+                    clipped[0] += 1
+                    return loss * (limit / norm)
+            else:
+                seen.append(norm)
             return loss
 
         mean = training.fit(model, data, ctx, loss_and_grad_norm, params, epochs, **kw)
@@ -114,21 +140,28 @@ def instrument(method: str, phases: list[dict], redone: list[int] | None = None)
     return undo
 
 
+#: steps the relative clip scaled down, over a run
+steps_clipped = [0]
+
+
 def climbs(phase: dict) -> bool:
     losses = phase["loss"]
     return bool(losses) and max(losses) > max(0.01, 20 * losses[0])
 
 
-def run(method: str, clip: float | None, states: int, out: Path, descent: bool = False) -> dict:
+def run(method: str, clip: float | None, states: int, out: Path, descent: bool = False,
+        relative: float | None = None) -> dict:
     sets = ["asynchrony.mode=buffered", f"method.name={method}"]
     if clip is not None:
         sets.append(f"train.max_grad_norm={clip}")
     config = load_run_config(FLEET, sets)
     phases: list[dict] = []
     redone = [0] if descent else None
-    undo = instrument(method, phases, redone)
+    steps_clipped[0] = 0
+    undo = instrument(method, phases, redone, relative)
     try:
-        rows, _ = simulate(config, config.data.num_clients, out / f"{method}-clip{clip}-{descent}", in_process=local_trainers,
+        rows, _ = simulate(config, config.data.num_clients, out / f"{method}-clip{clip}-{descent}-{relative}",
+                           in_process=local_trainers,
                            rounds=states, progress=False, threads=1)
     finally:
         undo()
@@ -137,7 +170,8 @@ def run(method: str, clip: float | None, states: int, out: Path, descent: bool =
     norms = np.concatenate([p["grad_norm"] for p in phases]) if phases else np.zeros(1)
     return {
         "method": method, "max_grad_norm": clip, "descent": "redo" if descent else "off",
-        "phases_redone": redone[0] if redone else 0, "states": len(training_rows),
+        "phases_redone": redone[0] if redone else 0, "relative_clip": relative, "steps_clipped": steps_clipped[0],
+        "states": len(training_rows),
         "updates": sum(len(row.participants) + len(row.late) for row in training_rows),
         "clipped": sum(len(row.clipped) for row in training_rows),
         "final_accuracy": final.accuracy,
@@ -152,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clips", nargs="+", default=["none", "2"], help="train.max_grad_norm values; none: unset")
     parser.add_argument("--descent", nargs="+", default=["off"], choices=["off", "redo"],
                         help="redo: the descent check described above")
+    parser.add_argument("--relative", nargs="+", default=["none"],
+                        help="K: clip each local step's gradient to K times the median of the device's earlier steps' "
+                             "norms in that kind of phase (none: off)")
     parser.add_argument("--states", type=int, default=220)
     parser.add_argument("--out", type=Path, default=Path("research/results/buffered_clips"))
     args = parser.parse_args(argv)
@@ -161,16 +198,20 @@ def main(argv: list[str] | None = None) -> int:
         for method in args.methods:
             for clip in args.clips:
                 for descent in args.descent:
-                    value = None if clip == "none" else float(clip)
-                    results.append(run(method, value, args.states, Path(runs), descent == "redo"))
-                    print(json.dumps(results[-1]), flush=True)
+                    for relative in args.relative:
+                        value = None if clip == "none" else float(clip)
+                        k = None if relative == "none" else float(relative)
+                        results.append(run(method, value, args.states, Path(runs), descent == "redo", k))
+                        print(json.dumps(results[-1]), flush=True)
     (args.out / "summary.json").write_text(json.dumps(results, indent=1))
-    lines = ["| method | max_grad_norm | descent check | states | updates | clipped | final accuracy | "
-             "phases whose loss climbs 20x | phases redone | grad norm p50 / p99 / max (before any clip) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | max_grad_norm | descent check | relative clip (steps clipped) | states | updates | clipped | "
+             "final accuracy | phases whose loss climbs 20x | phases redone | grad norm p50 / p99 / max (before any "
+             "clip) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         p50, p99, top = r["grad_norm_p50_p99_max"]
-        lines.append(f"| {r['method']} | {r['max_grad_norm'] or 'unset'} | {r['descent']} | {r['states']} | "
+        relative = f"{r['relative_clip']:g} x median ({r['steps_clipped']})" if r.get("relative_clip") else "off"
+        lines.append(f"| {r['method']} | {r['max_grad_norm'] or 'unset'} | {r['descent']} | {relative} | {r['states']} | "
                      f"{r['updates']} | {r['clipped']} | {100 * r['final_accuracy']:.2f} % | "
                      f"{r['climbing_phases']} of {r['phases']} | {r['phases_redone']} | {p50:.2f} / {p99:.2f} / {top:.1f} |")
     command = "python research/buffered_clips.py " + " ".join(sys.argv[1:] if argv is None else argv)
