@@ -28,9 +28,9 @@ sleepy device holds the state of its last round, so a target taken from it may l
 everything the synchronous run's curve reaches. Time to target is the first (virtual) time
 from which the curve stays at or above the target to the run's end, bytes to target the
 bytes by then; ``naive`` is the first touch by whoever had reported, the estimator of
-earlier tables. Per run also: each device class's mean share of
-a state's change (the rows' ``update_share``) and the updates clipped. The final accuracy
-is the run's final evaluation (every device, the last state).
+earlier tables. Per run also: each device class's mean share of a state's change (the rows'
+``update_share``) and the updates clipped. The final accuracy is the run's final evaluation
+(every device, the last state).
 
 Two paths, one profile:
 

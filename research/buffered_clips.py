@@ -93,16 +93,17 @@ def device_key(data, params: list) -> tuple:
     return int(data.num_train), hash(data.y_train.numpy().tobytes()), len(params)
 
 
-def instrument(method: str, phases: list[dict], redone: list[int] | None = None, relative: float | None = None):
+def instrument(method: str, phases: list[dict], redone: list[int] | None = None, relative: float | None = None,
+               clipped: list[int] | None = None):
     """Wrap ``fit`` where the method's phases call it (its own module, and the base class's
     default local update); each call appends its steps' losses and gradient norms to
     ``phases`` (with ``redone``, inside the descent check: every attempt is a phase; with
     ``relative``, each step's gradient is scaled down to ``relative`` times the median of
-    every earlier step's norm the device took in that kind of phase, across its tasks).
-    Returns a function that undoes it."""
+    every earlier step's norm the device took in that kind of phase, across its tasks, and
+    counted in ``clipped[0]``). Returns a function that undoes it."""
     modules = [importlib.import_module(name) for name in (f"edgepfl.methods.{method}", "edgepfl.methods.base")]
     history: dict[tuple, list[float]] = {}
-    clipped = steps_clipped
+    clipped = clipped if clipped is not None else [0]
     originals = [(module, module.fit) for module in modules if getattr(module, "fit", None) is training.fit]
 
     def recorded(model, data, ctx, loss_fn, params, epochs, **kw):
@@ -116,14 +117,11 @@ def instrument(method: str, phases: list[dict], redone: list[int] | None = None,
             norm = math.sqrt(sum(float((g**2).sum()) for g in grads if g is not None))
             steps["grad_norm"].append(norm)
             steps["loss"].append(float(loss.detach()))
-            if relative is not None and seen:
-                limit = relative * float(np.median(seen[-2000:]))
-                seen.append(norm)
-                if norm > limit:  # scaling the loss scales every gradient of the phase: a norm clip
-                    clipped[0] += 1
-                    return loss * (limit / norm)
-            else:
-                seen.append(norm)
+            limit = relative * float(np.median(seen[-2000:])) if relative is not None and seen else math.inf
+            seen.append(norm)
+            if norm > limit:  # scaling the loss scales every gradient of the phase: a norm clip
+                clipped[0] += 1
+                return loss * (limit / norm)
             return loss
 
         mean = training.fit(model, data, ctx, loss_and_grad_norm, params, epochs, **kw)
@@ -140,10 +138,6 @@ def instrument(method: str, phases: list[dict], redone: list[int] | None = None,
     return undo
 
 
-#: steps the relative clip scaled down, over a run
-steps_clipped = [0]
-
-
 def climbs(phase: dict) -> bool:
     losses = phase["loss"]
     return bool(losses) and max(losses) > max(0.01, 20 * losses[0])
@@ -157,8 +151,8 @@ def run(method: str, clip: float | None, states: int, out: Path, descent: bool =
     config = load_run_config(FLEET, sets)
     phases: list[dict] = []
     redone = [0] if descent else None
-    steps_clipped[0] = 0
-    undo = instrument(method, phases, redone, relative)
+    steps_clipped = [0]
+    undo = instrument(method, phases, redone, relative, steps_clipped)
     try:
         rows, _ = simulate(config, config.data.num_clients, out / f"{method}-clip{clip}-{descent}-{relative}",
                            in_process=local_trainers,

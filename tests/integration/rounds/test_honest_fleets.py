@@ -29,6 +29,14 @@ from edgepfl.edge_agent.tiers import local_trainers
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "fedavg.yaml"
 
 
+def require_fmnist() -> None:
+    """Skip where Fashion-MNIST is not installed; under CI, where setup installs it, fail."""
+    if not fmnist_available():
+        if os.environ.get("CI"):
+            pytest.fail(f"Fashion-MNIST missing under CI: apt-get install {FMNIST_PACKAGE}")
+        pytest.skip(f"Fashion-MNIST not installed (apt-get install {FMNIST_PACKAGE})")
+
+
 #: the fleet whose most different device a bound relative to the fleet alone clipped in every
 #: round: digits MLP (BatchNorm, feature 32), Dirichlet 0.5, 15 local epochs, SGD lr 0.05
 #: momentum 0.5 wd 5e-4 batch 32, FedAvg, 6 rounds, seed 0. agent-01's change is 12-30 times
@@ -65,10 +73,8 @@ FLEETS = {
 @pytest.mark.parametrize("fleet", list(FLEETS))
 def test_an_honest_non_iid_fleet_loses_no_update_to_the_default_bound(fleet, tmp_path):
     agents, rounds, sets = FLEETS[fleet]
-    if "data.dataset=fmnist" in sets and not fmnist_available():
-        if os.environ.get("CI"):
-            pytest.fail(f"Fashion-MNIST missing under CI: apt-get install {FMNIST_PACKAGE}")
-        pytest.skip(f"Fashion-MNIST not installed (apt-get install {FMNIST_PACKAGE})")
+    if "data.dataset=fmnist" in sets:
+        require_fmnist()
     config = load_run_config(CONFIG, sets)
     assert config.aggregation == AggregationSpec()  # the defaults, nothing loosened
     rows, _ = simulate(config, agents, tmp_path / fleet, in_process=local_trainers, rounds=rounds, progress=False)
@@ -122,10 +128,7 @@ def test_an_unequal_buffered_fleet_has_no_honest_update_clamped(tmp_path):
     the state's variance stays the fleet's and no honest update is clamped or refused. (Added
     as changes from their base, they drove it to 0 by the third state, and every update was
     clamped from then on.)"""
-    if not fmnist_available():
-        if os.environ.get("CI"):
-            pytest.fail(f"Fashion-MNIST missing under CI: apt-get install {FMNIST_PACKAGE}")
-        pytest.skip(f"Fashion-MNIST not installed (apt-get install {FMNIST_PACKAGE})")
+    require_fmnist()
     config = load_run_config(CONFIG.with_name("unequal_fleet.yaml"), ["asynchrony.mode=buffered",
                                                                       "asynchrony.buffer_size=5"])
     assert config.aggregation == AggregationSpec()
@@ -165,10 +168,7 @@ def test_the_sleepy_fleets_budgeted_buffered_rounds_clip_no_honest_update(tmp_pa
     phase now and then climbs: 6 of 1,670 honest updates were clipped on this seed
     (benchmarks/results/async_budget_sleepy_fedrep_interval8_curve.md); with
     ``train.max_grad_norm`` 1 (or 2) none is (this test without it: clipped from state 111 on)."""
-    if not fmnist_available():
-        if os.environ.get("CI"):
-            pytest.fail(f"Fashion-MNIST missing under CI: apt-get install {FMNIST_PACKAGE}")
-        pytest.skip(f"Fashion-MNIST not installed (apt-get install {FMNIST_PACKAGE})")
+    require_fmnist()
     config = load_run_config(CONFIG.with_name("sleepy_fleet.yaml"), [
         "asynchrony.mode=buffered", "asynchrony.min_task_interval_s=8", "seed=2", "data.seed=2",
         "train.max_grad_norm=1"])
