@@ -44,7 +44,6 @@ REPORTS = 6  # the k-th report, k = 1 .. REPORTS
 def class_reports(rows: list, classes: dict[str, str]) -> dict[str, list[dict]]:
     """Per class, for k = 1 .. REPORTS: the median time of its devices' k-th report (only
     devices that reported k times), how many did, and the class's mean latest accuracy then."""
-    counts: dict[str, int] = {}
     latest: dict[str, float] = {}
     when: dict[str, list[float]] = {}
     at_time: list[tuple[float, dict[str, float]]] = []
@@ -56,7 +55,6 @@ def class_reports(rows: list, classes: dict[str, str]) -> dict[str, list[dict]]:
         for agent, accuracy in row.per_client.items():
             if accuracy is None:
                 continue
-            counts[agent] = counts.get(agent, 0) + 1
             latest[agent] = accuracy
             when.setdefault(agent, []).append(t)
         at_time.append((t, dict(latest)))
