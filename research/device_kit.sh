@@ -21,8 +21,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# the simulation's imports the image lacks (the rest of the list is pydantic's own needs)
-PACKAGES=(pydantic pydantic_core annotated_types typing_inspection typing_extensions)
+# the simulation's imports the image lacks (the rest of the list is pydantic's own needs;
+# cryptography for the signed protocol's keys, and the cffi backend its Rust bindings load)
+PACKAGES=(pydantic pydantic_core annotated_types typing_inspection typing_extensions cryptography cffi)
 PY_VERSION=3.12
 
 prepare() {

@@ -201,6 +201,7 @@ PAPER: dict[str, dict[str, float]] = {
     "domain": {},
     "dominant_s10": {},
     "dir03": {},
+    "cross_device": {},  # the privacy study's own fleet: no paper reports it
 }
 
 # FedPAC's code settings and the full-data settings are the same paper tables as their twins
