@@ -120,6 +120,13 @@ def naive_to_target(points: list[tuple[float, int, float | None]], target: float
     return None, None
 
 
+def device_classes(config: RunConfig) -> dict[str, str]:
+    """Each device of a simulated run (the names ``simulate`` gives them) -> its class's name,
+    as the fleet's profile assigns them."""
+    agents = agent_ids(config.data.num_clients)
+    return {a: d.profile.name for a, d in FleetTiming(config.simulation, agents, config.seed).devices.items()}
+
+
 def class_shares(rows: list[RoundMetrics], classes: dict[str, str]) -> dict[str, float]:
     """Per device class, its devices' mean share of a state's change (the rows' update_share)."""
     trained = [row for row in rows if not row.final and row.update_share]
@@ -169,8 +176,7 @@ def run_one(args: argparse.Namespace, method: str, mode: str, seed: int, budget:
             rows, _ = simulate(config, args.devices, out, in_process=local_trainers, rounds=rounds, progress=False,
                                threads=1)
     final = next(r for r in rows if r.final)
-    agents = agent_ids(args.devices)  # the names simulate gives its devices, as FleetTiming profiles them
-    classes = {a: d.profile.name for a, d in FleetTiming(config.simulation, agents, config.seed).devices.items()}
+    classes = device_classes(config)
     points = curve(rows, classes)
     stale = [int(k) for row in rows for k, n in row.staleness.items() for _ in range(n)]
     sync_rounds = sorted(r.seconds for r in rows if not r.final)

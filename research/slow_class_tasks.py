@@ -34,8 +34,6 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import async_time_to_accuracy as bench  # noqa: E402
 
-from edgepfl.simulation import FleetTiming  # noqa: E402
-
 from results_io import write_results  # noqa: E402
 
 REPORTS = 6  # the k-th report, k = 1 .. REPORTS
@@ -97,12 +95,9 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory() as scratch:
                 result = bench.main([*theirs, "--seeds", str(seed), "--out", str(Path(scratch) / "bench")])
             for run, (config, rows) in zip(result["runs"], captured, strict=True):
-                agents = bench.agent_ids(config.data.num_clients)
-                classes = {a: d.profile.name for a, d in FleetTiming(config.simulation, agents, config.seed)
-                           .devices.items()}
                 runs.append({key: run[key] for key in ("method", "mode", "seed", "interval_s", "target",
                                                        "time_to_target", "bytes_to_target")}
-                            | {"classes": class_reports(rows, classes)})
+                            | {"classes": class_reports(rows, bench.device_classes(config))})
                 print(runs[-1]["mode"], seed, runs[-1]["time_to_target"], flush=True)
             captured.clear()
     finally:

@@ -71,6 +71,14 @@ def require_mosquitto() -> str:
     return _require(find_mosquitto(), "mosquitto is not installed: apt-get install mosquitto (or set EDGEPFL_MOSQUITTO)")
 
 
+def require_fmnist() -> None:
+    """Fashion-MNIST's files (``dataset-fashion-mnist``); under CI, where setup installs them, their
+    absence fails the test, elsewhere it skips."""
+    from edgepfl.data import FMNIST_PACKAGE, fmnist_available
+
+    _require("yes" if fmnist_available() else None, f"Fashion-MNIST is not installed: apt-get install {FMNIST_PACKAGE}")
+
+
 def require_rabbitmq() -> str:
     """Directory of rabbitmq-server; under CI its absence fails the test, elsewhere it skips."""
     return _require(find_rabbitmq(), "RabbitMQ is not installed: apt-get install rabbitmq-server "

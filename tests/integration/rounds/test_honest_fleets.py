@@ -14,7 +14,6 @@ fleet stays today.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -23,19 +22,11 @@ from benchmarks.honest_fleets import MODES, PARTITIONS, TRAINING
 from edgepfl.aggregation import AggregationSpec
 from edgepfl.config import RunConfig, load_run_config, parse_config
 from edgepfl.coordinator.simulate import simulate
-from edgepfl.data import FMNIST_PACKAGE, fmnist_available
 from edgepfl.edge_agent.tiers import local_trainers
 
+from tests.conftest import require_fmnist
+
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "fedavg.yaml"
-
-
-def require_fmnist() -> None:
-    """Skip where Fashion-MNIST is not installed; under CI, where setup installs it, fail."""
-    if not fmnist_available():
-        if os.environ.get("CI"):
-            pytest.fail(f"Fashion-MNIST missing under CI: apt-get install {FMNIST_PACKAGE}")
-        pytest.skip(f"Fashion-MNIST not installed (apt-get install {FMNIST_PACKAGE})")
-
 
 #: the fleet whose most different device a bound relative to the fleet alone clipped in every
 #: round: digits MLP (BatchNorm, feature 32), Dirichlet 0.5, 15 local epochs, SGD lr 0.05

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gzip
-import os
 
 import numpy as np
 import pytest
@@ -15,7 +14,6 @@ from edgepfl.data import (
     DataError,
     apply_domain,
     describe_partition,
-    fmnist_available,
     load_client_data,
     load_pool,
     partition,
@@ -23,13 +21,12 @@ from edgepfl.data import (
     resolve_kind,
 )
 
+from tests.conftest import require_fmnist
+
 
 @pytest.fixture(scope="module")
 def fmnist():
-    if not fmnist_available():
-        if os.environ.get("CI"):
-            pytest.fail(f"Fashion-MNIST missing under CI: apt-get install {FMNIST_PACKAGE}")
-        pytest.skip(f"Fashion-MNIST not installed (apt-get install {FMNIST_PACKAGE})")
+    require_fmnist()
     return load_pool(DataSpec(dataset="fmnist"))
 
 

@@ -11,7 +11,6 @@ every agent a process: tests/integration/methods/test_methods_federate_mqtt.py.
 from __future__ import annotations
 
 import math
-import os
 import uuid
 from pathlib import Path
 
@@ -20,10 +19,11 @@ import yaml
 
 from edgepfl.config import RunConfig, parse_config
 from edgepfl.coordinator.simulate import simulate
-from edgepfl.data import FMNIST_PACKAGE, fmnist_available
 from edgepfl.edge_agent.tiers import local_trainers
 from edgepfl.methods import METHODS
 from edgepfl.metrics import RoundMetrics
+
+from tests.conftest import require_fmnist
 
 REPO = Path(__file__).resolve().parents[3]
 AGENTS = 3
@@ -32,10 +32,7 @@ ROUNDS = 2
 
 @pytest.fixture(scope="module", autouse=True)
 def _fmnist():
-    if not fmnist_available():
-        if os.environ.get("CI"):
-            pytest.fail(f"Fashion-MNIST missing under CI: apt-get install {FMNIST_PACKAGE}")
-        pytest.skip(f"Fashion-MNIST not installed (apt-get install {FMNIST_PACKAGE})")
+    require_fmnist()
 
 
 def tiny_config(method: str) -> RunConfig:
